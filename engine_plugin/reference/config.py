@@ -1,0 +1,106 @@
+"""Configuration of the reference model and engine.
+
+``ModelConfig`` fixes the architecture (and therefore the KV layout the store
+persists); ``EngineConfig`` fixes the runtime (pool size, chunking, batching).
+Both are frozen: a running engine never changes shape. Named presets live in
+``MODEL_PRESETS`` (a registry: add a row, do not add an ``if``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvstore.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A hybrid stack in the shape of DeepSeek V4.1 (see ``model.py``).
+
+    Invariants (checked in ``__post_init__``):
+      1. ``window >= 1``: a sliding window sees at least the current token.
+      2. ``d_rope`` is even: RoPE rotates pairs of channels.
+      3. ``n_swa_layers >= 1`` and ``n_cross_layers >= 1``: the global KV is
+         produced by the first stack and consumed by the second.
+    """
+
+    vocab_size: int = 128
+    d_model: int = 64
+    n_heads: int = 4
+    head_dim: int = 16
+    n_swa_layers: int = 2  # L1: sliding-window layers that produce the global KV
+    n_cross_layers: int = 2  # L2: window self-attention + full attention over global KV
+    window: int = 8  # W: a position attends to itself and the W-1 before it
+    d_latent: int = 24  # global KV part used as key and value (MLA-style latent)
+    d_rope: int = 8  # global KV part that carries RoPE (key only)
+    d_ff: int = 128
+    rope_theta: float = 10000.0
+    init_std: float = 0.08
+    seed: int = 0
+    dtype: str = "float32"
+    name: str = "kvstack-ref"
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise InvalidRequest(f"window must be >= 1, got {self.window}")
+        if self.d_rope % 2 or self.head_dim % 2:
+            raise InvalidRequest("d_rope and head_dim must be even (RoPE rotates channel pairs)")
+        if self.n_swa_layers < 1 or self.n_cross_layers < 1:
+            raise InvalidRequest("the reference model needs n_swa_layers >= 1 and n_cross_layers >= 1")
+
+    @property
+    def d_global(self) -> int:
+        """Width of the per-token global KV vector the store persists (``d_g``)."""
+        return self.d_latent + self.d_rope
+
+    @property
+    def n_layers(self) -> int:
+        return self.n_swa_layers + self.n_cross_layers
+
+    @property
+    def model_id(self) -> str:
+        """Identity used in the key namespace: architecture and weights seed."""
+        return (f"{self.name}-v{self.vocab_size}-d{self.d_model}-h{self.n_heads}x{self.head_dim}"
+                f"-L{self.n_swa_layers}+{self.n_cross_layers}-W{self.window}-g{self.d_global}"
+                f"-s{self.seed}")
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # Unit tests: fast, window small enough that replay spans cross blocks of 16.
+    "tiny": ModelConfig(),
+    # Benchmarks: V4.1-like window of 128; wide enough that prefill is compute-bound.
+    "bench": ModelConfig(vocab_size=1024, d_model=256, n_heads=4, head_dim=64, n_swa_layers=2,
+                         n_cross_layers=2, window=128, d_latent=112, d_rope=16, d_ff=512,
+                         init_std=0.05),
+}
+
+
+def model_preset(name: str, **overrides) -> ModelConfig:
+    try:
+        base = MODEL_PRESETS[name]
+    except KeyError:
+        raise InvalidRequest(f"unknown model preset {name!r}; known: {sorted(MODEL_PRESETS)}") from None
+    return replace(base, **overrides)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Runtime knobs of the reference engine.
+
+    ``block_size`` must equal the store's block size (the hasher's), because a
+    paged block is exactly one store block entry.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 256  # device pool size (blocks of global KV)
+    chunk_size: int = 64  # max prefill tokens of one request per step
+    max_batched_tokens: int = 256  # token budget of one step across requests
+    max_running: int = 8  # requests running at once
+    device: str = "cpu"  # a key of engine_plugin.transfer.BACKENDS
+    tenant_salt: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_blocks < 1 or self.chunk_size < 1:
+            raise InvalidRequest("block_size, num_blocks and chunk_size must be positive")
+        if self.max_batched_tokens < 1 or self.max_running < 1:
+            raise InvalidRequest("max_batched_tokens and max_running must be positive")

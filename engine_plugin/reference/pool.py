@@ -1,0 +1,136 @@
+"""The paged global-KV pool with a prefix cache: the device tier (HBM) of the plugin.
+
+Who calls it: the engine (allocate / free / match / register) and, through
+``on_evict``, the connector (write-back of evicted blocks to the host tier).
+
+Layout: ``kv`` is ``[num_blocks, block_size, d_global]`` on the engine device;
+a request's block table maps its block index i to a pool block id.
+
+Invariants (with reasons):
+  1. A block is in exactly one of: free list, evictable LRU (refcount 0, has a
+     hash), in use (refcount > 0). Eviction takes only from the LRU, so a block
+     a running request reads is never overwritten.
+  2. ``by_hash[h] == b`` iff block b holds the verified global KV of the block
+     whose prefix hash is h. A block gets a hash only after its content is
+     complete and correct (computed, or loaded and verified): a hit never reads
+     a partial or unverified block.
+  3. ``on_evict(hash, block_id)`` runs before an evicted block is reused, while
+     its content is still intact, so the callback may copy it out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from kvstore.errors import InternalError, InvalidRequest
+
+EvictCallback = Callable[[bytes, int], None]
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, d_global: int, *, dtype: torch.dtype,
+                 device: torch.device | str):
+        if num_blocks < 1:
+            raise InvalidRequest("a pool needs at least one block")
+        self.block_size = block_size
+        self.kv = torch.zeros(num_blocks, block_size, d_global, dtype=dtype, device=device)
+        self.refcount = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+        self.on_evict: list[EvictCallback] = []
+        self.evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.shape[0]
+
+    def num_available(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    def match_prefix(self, hashes: list[bytes]) -> list[int]:
+        """Block ids of the longest cached prefix of ``hashes``. No side effects."""
+        out = []
+        for h in hashes:
+            b = self.by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def acquire(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks (a prefix hit)."""
+        for b in block_ids:
+            if self.refcount[b] == 0:
+                self.evictable.pop(b, None)
+            self.refcount[b] += 1
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh blocks, evicting LRU cached blocks if needed; ``None`` if they do not fit."""
+        if n > self.num_available():
+            return None
+        out = []
+        for _ in range(n):
+            if self.free:
+                b = self.free.pop()
+            else:
+                b, _ = self.evictable.popitem(last=False)
+                h = self.block_hash[b]
+                if h is None:
+                    raise InternalError(f"bug: evictable block {b} has no hash")
+                for cb in self.on_evict:
+                    cb(h, b)
+                del self.by_hash[h]
+                self.block_hash[b] = None
+                self.evictions += 1
+            self.refcount[b] = 1
+            out.append(b)
+        return out
+
+    def register(self, block_id: int, h: bytes) -> int:
+        """Publish ``block_id`` as holding hash ``h``; returns the block that holds it now.
+
+        If another block already holds ``h`` (two requests computed the same
+        block), the existing one stays canonical and ``block_id`` stays private.
+        """
+        if self.refcount[block_id] <= 0:
+            raise InternalError(f"bug: registering block {block_id} that is not in use")
+        cur = self.by_hash.get(h)
+        if cur is not None:
+            return cur
+        if self.block_hash[block_id] is not None:
+            return block_id
+        self.block_hash[block_id] = h
+        self.by_hash[h] = block_id
+        return block_id
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference per block; hashed blocks become evictable, others free."""
+        for b in reversed(block_ids):  # tail first: the LRU evicts a prefix's tail before its head
+            if self.refcount[b] <= 0:
+                raise InternalError(f"bug: releasing block {b} with refcount {self.refcount[b]}")
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                if self.block_hash[b] is not None:
+                    self.evictable[b] = None
+                else:
+                    self.free.append(b)
+
+    def drop_cached(self) -> int:
+        """Evict every unused cached block (through ``on_evict``); returns how many."""
+        n = 0
+        while self.evictable:
+            b, _ = self.evictable.popitem(last=False)
+            h = self.block_hash[b]
+            for cb in self.on_evict:
+                cb(h, b)
+            del self.by_hash[h]
+            self.block_hash[b] = None
+            self.free.append(b)
+            n += 1
+        self.evictions += n
+        return n

@@ -1,0 +1,217 @@
+"""The one store API: typed records and the ``KVStore`` protocol.
+
+Every implementation (the embedded store in ``kvstore.store``, the gRPC client
+of the daemon, the sharded client) satisfies ``KVStore``; the entrypoint, the
+engine plugin, ``kvtool`` and the tests are written against this protocol,
+never against one implementation.
+
+Semantics every implementation guarantees
+-----------------------------------------
+* Identity of an entry is ``(kind, key)``: a block entry and an SWA entry may
+  share the same 16-byte block hash (the SWA snapshot *at* that block's end).
+* ``put`` of a live ``(kind, key)`` stores no second copy; it refreshes the
+  entry's access time and returns ``False``. A new entry returns ``True``
+  once all fragments are durable and the index committed: an acknowledged put
+  survives a crash.
+* ``get`` never returns bytes that failed a checksum. It raises ``NotFound``
+  for an absent entry and ``Unrecoverable`` when fewer than k fragments are
+  good (the entry is then marked lost and ``lookup`` stops matching it).
+* ``get_many`` is the batched read: a missing or unrecoverable entry is a
+  shortfall, returned as ``None`` in its slot (it is logged and counted).
+* ``lookup`` has one side effect: none. It does not refresh access times (a
+  lookup is not a use; the load that follows is).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from kvstore.errors import InvalidRequest
+
+
+class EntryKind(enum.Enum):
+    """Kinds of entries. The value is the public name; ``code`` is the on-disk byte."""
+
+    BLOCK = "block"  # one block's global KV
+    SWA = "swa"  # a sliding-window snapshot at a block boundary
+
+    @property
+    def code(self) -> int:
+        return _KIND_CODES[self]
+
+    @classmethod
+    def parse(cls, kind: "str | EntryKind") -> "EntryKind":
+        if isinstance(kind, EntryKind):
+            return kind
+        try:
+            return cls(kind)
+        except ValueError:
+            raise InvalidRequest(
+                f"unknown entry kind {kind!r}; use one of {[k.value for k in cls]}"
+            ) from None
+
+    @classmethod
+    def from_code(cls, code: int) -> "EntryKind":
+        try:
+            return _KINDS_BY_CODE[code]
+        except KeyError:
+            raise InvalidRequest(f"unknown entry kind code {code}") from None
+
+
+_KIND_CODES = {EntryKind.BLOCK: 1, EntryKind.SWA: 2}
+_KINDS_BY_CODE = {v: k for k, v in _KIND_CODES.items()}
+
+# dtype name -> itemsize. A registry, not a chain of ifs: add a row to support a dtype.
+# Names follow torch/numpy spelling; fp8/fp4 payloads travel as their storage bytes.
+DTYPES: dict[str, int] = {
+    "uint8": 1,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float16": 2,
+    "bfloat16": 2,
+    "int16": 2,
+    "float32": 4,
+    "int32": 4,
+    "int64": 8,
+    "float64": 8,
+}
+_DTYPE_CODES = {name: i + 1 for i, name in enumerate(DTYPES)}
+_DTYPES_BY_CODE = {v: k for k, v in _DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What the payload bytes are: a dtype name from ``DTYPES`` and a shape.
+
+    Invariant: ``nbytes == prod(shape) * itemsize``; ``validate`` checks it
+    against the payload so that an entry never claims a layout it does not have.
+    """
+
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+
+    @property
+    def dtype_code(self) -> int:
+        try:
+            return _DTYPE_CODES[self.dtype]
+        except KeyError:
+            raise InvalidRequest(
+                f"unknown layout dtype {self.dtype!r}; known dtypes: {sorted(DTYPES)}"
+            ) from None
+
+    @classmethod
+    def from_code(cls, code: int, shape: tuple[int, ...]) -> "Layout":
+        try:
+            return cls(_DTYPES_BY_CODE[code], tuple(shape))
+        except KeyError:
+            raise InvalidRequest(f"unknown layout dtype code {code}") from None
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+    def validate(self, payload_len: int) -> None:
+        self.dtype_code  # raises on an unknown dtype
+        if any(d < 0 for d in self.shape) or len(self.shape) > 8:
+            raise InvalidRequest(f"bad layout shape {self.shape}: at most 8 non-negative dims")
+        if self.nbytes != payload_len:
+            raise InvalidRequest(
+                f"layout {self.dtype}{list(self.shape)} describes {self.nbytes} bytes "
+                f"but the value has {payload_len}"
+            )
+
+    @classmethod
+    def for_bytes(cls, n: int) -> "Layout":
+        return cls("uint8", (n,))
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A decoded entry: verified plain bytes plus the header that describes them."""
+
+    key: bytes
+    kind: EntryKind
+    layout: Layout
+    tokens: int
+    data: bytes
+
+    def array(self) -> np.ndarray:
+        """The payload as a numpy array (bfloat16/fp8 come back as raw same-width ints)."""
+        np_dtype = {
+            "bfloat16": np.uint16,
+            "float8_e4m3fn": np.uint8,
+            "float8_e5m2": np.uint8,
+        }.get(self.layout.dtype, self.layout.dtype)
+        return np.frombuffer(self.data, dtype=np_dtype).reshape(self.layout.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class PutItem:
+    """One entry of a batched put."""
+
+    key: bytes
+    value: Any  # bytes-like or numpy array
+    kind: str | EntryKind = "block"
+    ttl_s: float | None = None
+    layout: Layout | None = None
+    tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """Longest cached prefix of a chain of block keys.
+
+    ``hit_blocks``: how many leading keys of the chain have a live block entry
+    (0 means a miss). ``swa_at``: the largest ``n <= hit_blocks`` such that an
+    SWA snapshot exists at the end of block ``n - 1``, or ``None``. The snapshot
+    is *at the hit boundary* exactly when ``swa_at == hit_blocks``.
+    """
+
+    hit_blocks: int
+    swa_at: int | None = None
+
+    @property
+    def swa_at_boundary(self) -> bool:
+        return self.swa_at is not None and self.swa_at == self.hit_blocks
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """The store protocol. See the module docstring for the guarantees."""
+
+    def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
+            layout: Layout | None = None, tokens: int = 0) -> bool: ...
+
+    def get(self, key: bytes, *, kind: str = "block") -> bytes: ...
+
+    def get_entry(self, key: bytes, *, kind: str = "block") -> Entry: ...
+
+    def delete(self, key: bytes, *, kind: str = "block") -> bool: ...
+
+    def put_many(self, items: Sequence[PutItem]) -> list[bool]: ...
+
+    def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]: ...
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult: ...
+
+    def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]: ...
+
+    def pin(self, key: bytes, *, kind: str = "block") -> bool: ...
+
+    def unpin(self, key: bytes, *, kind: str = "block") -> bool: ...
+
+    def stats(self) -> dict: ...
+
+    def gc(self, *, dry_run: bool = False) -> dict: ...
+
+    def check(self, fix: bool = False) -> list: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,313 @@
+"""Entry and fragment codecs: the bytes that go to disk, and the checks on the way back.
+
+Called by ``kvstore.store`` only. ``encode_entry`` -> ``ErasureCode.encode`` ->
+``frame_fragment`` on the write path; ``parse_fragment`` -> ``decode`` ->
+``decode_entry`` on the read path. Every parser here takes untrusted bytes and
+either returns verified data or raises ``CorruptData`` / ``IncompatibleFormat``;
+none of them allocates more than the limits it is given.
+
+Entry (the plain record, before erasure coding), little-endian::
+
+    0      4     6     7      8        16        24      28           44     60     61    62
+    +------+-----+-----+------+--------+---------+-------+------------+------+------+-----+----------+---------+
+    | KVE1 | ver | kind| codec| plain  | stored  |tokens | xxh3-128   | key  |dtype |ndim | dims     | payload |
+    |      | u16 | u8  | u8   | len u64| len u64 | u32   | of plain   | 16 B | u8   | u8  | ndim*u64 | stored  |
+    +------+-----+-----+------+--------+---------+-------+------------+------+------+-----+----------+---------+
+
+    codec 0 = raw, 1 = zstd. The checksum covers the *plain* payload, so a
+    decompression bug is caught as well as a flipped bit.
+
+Fragment file (one per target; ``body`` is a pyeclib fragment)::
+
+    0      4     6     7   8   9    10    12    28    36        44       52
+    +------+-----+-----+---+---+----+-----+-----+-----+---------+--------+------+
+    | KVF1 | ver | idx | k | m |kind| pad | key | gen | entry   | body   | xxh3 | body ...
+    |      | u16 | u8  |u8 |u8 | u8 | u16 | 16B | 8 B | len u64 | len u64| u64  |
+    +------+-----+-----+---+---+----+-----+-----+-----+---------+--------+------+
+
+    The xxh3-64 covers the header (with the checksum field zeroed) and the body,
+    so a swapped, truncated or bit-flipped fragment is rejected *before* pyeclib
+    sees it (pyeclib aborts the process on some malformed fragments).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import xxhash
+import zstandard
+
+from kvstore.api import EntryKind, Layout
+from kvstore.errors import CorruptData, IncompatibleFormat, InvalidRequest
+
+ENTRY_MAGIC = b"KVE1"
+FRAG_MAGIC = b"KVF1"
+FORMAT_VERSION = 1
+
+_ENTRY_HEAD = struct.Struct("<4sHBBQQI16s16sBB")  # 62 bytes, then ndim * u64 dims
+_FRAG_HEAD = struct.Struct("<4sHBBBBH16s8sQQQ")  # 60 bytes
+ENTRY_HEADER_MIN = _ENTRY_HEAD.size
+FRAG_HEADER_LEN = _FRAG_HEAD.size
+
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+
+_tls = threading.local()  # zstd contexts are not thread-safe; one per thread
+
+
+def _zc(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_tls, "zc", None)
+    if cache is None:
+        cache = _tls.zc = {}
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level)
+    return c
+
+
+def _zd() -> zstandard.ZstdDecompressor:
+    d = getattr(_tls, "zd", None)
+    if d is None:
+        d = _tls.zd = zstandard.ZstdDecompressor()
+    return d
+
+
+@dataclass(frozen=True, slots=True)
+class EntryHeader:
+    version: int
+    kind: EntryKind
+    codec: int
+    plain_len: int
+    stored_len: int
+    tokens: int
+    checksum: bytes
+    key: bytes
+    layout: Layout
+    header_len: int
+
+
+def encode_entry(
+    key: bytes,
+    kind: EntryKind,
+    payload: bytes | memoryview,
+    layout: Layout,
+    tokens: int,
+    *,
+    compression: str,
+    zstd_level: int,
+    min_ratio: float,
+) -> bytes:
+    """Self-describing entry bytes; zstd only when it shrinks by ``min_ratio`` or more."""
+    plain = memoryview(payload).cast("B")
+    stored: bytes | memoryview = plain
+    codec = CODEC_RAW
+    if compression == "zstd" and len(plain) > 64:
+        comp = _zc(zstd_level).compress(plain)
+        if len(comp) * min_ratio <= len(plain):
+            stored, codec = comp, CODEC_ZSTD
+    if not 0 <= tokens < 2**32:
+        raise InvalidRequest(f"tokens must be in [0, 2**32), got {tokens}")
+    head = _ENTRY_HEAD.pack(
+        ENTRY_MAGIC, FORMAT_VERSION, kind.code, codec, len(plain), len(stored), tokens,
+        xxhash.xxh3_128_digest(plain), key, layout.dtype_code, len(layout.shape),
+    )
+    dims = struct.pack(f"<{len(layout.shape)}Q", *layout.shape)
+    return b"".join((head, dims, stored))
+
+
+def decode_entry_header(buf: bytes | memoryview, *, max_plain: int) -> EntryHeader:
+    if len(buf) < ENTRY_HEADER_MIN:
+        raise CorruptData(f"entry of {len(buf)} bytes is shorter than its header")
+    magic, ver, kind_code, codec, plain_len, stored_len, tokens, csum, key, dt, ndim = (
+        _ENTRY_HEAD.unpack_from(buf, 0)
+    )
+    if magic != ENTRY_MAGIC:
+        raise CorruptData("entry magic mismatch")
+    if ver != FORMAT_VERSION:
+        raise IncompatibleFormat(
+            f"entry format version {ver}; this kvstore reads version {FORMAT_VERSION}"
+        )
+    if codec not in (CODEC_RAW, CODEC_ZSTD) or ndim > 8:
+        raise CorruptData(f"entry header has codec={codec} ndim={ndim}")
+    if plain_len > max_plain or stored_len > max_plain + 1024:
+        raise CorruptData(f"entry claims {plain_len} plain bytes, over the limit {max_plain}")
+    hlen = ENTRY_HEADER_MIN + 8 * ndim
+    if len(buf) < hlen:
+        raise CorruptData("entry truncated inside its dims")
+    dims = struct.unpack_from(f"<{ndim}Q", buf, ENTRY_HEADER_MIN)
+    try:
+        kind = EntryKind.from_code(kind_code)
+        layout = Layout.from_code(dt, dims)
+    except InvalidRequest as exc:
+        raise CorruptData(f"entry header: {exc}") from exc
+    return EntryHeader(ver, kind, codec, plain_len, stored_len, tokens, csum, key, layout, hlen)
+
+
+def decode_entry(buf: bytes | memoryview, *, max_plain: int) -> tuple[EntryHeader, bytes]:
+    """Parse and verify an entry; returns its header and the plain payload."""
+    h = decode_entry_header(buf, max_plain=max_plain)
+    stored = memoryview(buf)[h.header_len : h.header_len + h.stored_len]
+    if len(stored) != h.stored_len:
+        raise CorruptData(f"entry payload truncated: {len(stored)} of {h.stored_len} bytes")
+    if h.codec == CODEC_ZSTD:
+        try:
+            plain = _zd().decompress(stored, max_output_size=h.plain_len)
+        except zstandard.ZstdError as exc:
+            raise CorruptData(f"zstd payload does not decode: {exc}") from exc
+    else:
+        plain = bytes(stored)
+    if len(plain) != h.plain_len or xxhash.xxh3_128_digest(plain) != h.checksum:
+        raise CorruptData("entry checksum mismatch")
+    return h, plain
+
+
+# ----------------------------------------------------------------------------- fragments
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentHeader:
+    index: int
+    k: int
+    m: int
+    kind_code: int
+    key: bytes
+    gen: bytes
+    entry_len: int
+    body_len: int
+
+
+def frame_fragment(h: FragmentHeader, body: bytes) -> bytes:
+    head = _FRAG_HEAD.pack(FRAG_MAGIC, FORMAT_VERSION, h.index, h.k, h.m, h.kind_code, 0,
+                           h.key, h.gen, h.entry_len, len(body), 0)
+    x = xxhash.xxh3_64()
+    x.update(head)
+    x.update(body)
+    return b"".join((head[:-8], struct.pack("<Q", x.intdigest()), body))
+
+
+def parse_fragment(buf: bytes, *, max_body: int) -> tuple[FragmentHeader, bytes]:
+    """Verify a fragment file's bytes; return its header and body (a fresh ``bytes``)."""
+    if len(buf) < FRAG_HEADER_LEN:
+        raise CorruptData(f"fragment of {len(buf)} bytes is shorter than its header")
+    magic, ver, idx, k, m, kind, _pad, key, gen, entry_len, body_len, csum = _FRAG_HEAD.unpack_from(buf, 0)
+    if magic != FRAG_MAGIC:
+        raise CorruptData("fragment magic mismatch")
+    if ver != FORMAT_VERSION:
+        raise IncompatibleFormat(f"fragment format version {ver}; expected {FORMAT_VERSION}")
+    if body_len > max_body or len(buf) - FRAG_HEADER_LEN != body_len:
+        raise CorruptData(f"fragment body is {len(buf) - FRAG_HEADER_LEN} bytes, header says {body_len}")
+    x = xxhash.xxh3_64()
+    x.update(buf[: FRAG_HEADER_LEN - 8])
+    x.update(b"\0" * 8)
+    body = buf[FRAG_HEADER_LEN:]
+    x.update(body)
+    if x.intdigest() != csum:
+        raise CorruptData("fragment checksum mismatch")
+    return FragmentHeader(idx, k, m, kind, key, gen, entry_len, body_len), body
+
+
+# ----------------------------------------------------------------------------- erasure codes
+
+
+class ErasureCode:
+    """k data + m parity fragments; any k of them give the entry back.
+
+    ``encode`` returns k+m bodies; ``decode`` takes ``{index: body}`` with at
+    least k *verified* bodies; ``reconstruct`` rebuilds the listed indexes.
+    """
+
+    def __init__(self, k: int, m: int, ec_type: str):
+        self.k, self.m, self.ec_type = k, m, ec_type
+
+    def encode(self, data: bytes) -> list[bytes]:
+        raise NotImplementedError
+
+    def decode(self, frags: dict[int, bytes]) -> bytes:
+        raise NotImplementedError
+
+    def reconstruct(self, frags: dict[int, bytes], missing: list[int]) -> dict[int, bytes]:
+        raise NotImplementedError
+
+
+class PyECLibCode(ErasureCode):
+    """Reed-Solomon through pyeclib/liberasurecode (ISA-L by default)."""
+
+    def __init__(self, k: int, m: int, ec_type: str):
+        super().__init__(k, m, ec_type)
+        from pyeclib.ec_iface import ECDriver, ECDriverError
+
+        self._err = ECDriverError
+        try:
+            self._driver = ECDriver(k=k, m=m, ec_type=ec_type)
+        except ECDriverError as exc:
+            raise InvalidRequest(
+                f"erasure code {ec_type} {k}+{m} is not available here ({exc}); "
+                "try ec_type='isa_l_rs_vand' or 'liberasurecode_rs_vand'"
+            ) from exc
+
+    def encode(self, data: bytes) -> list[bytes]:
+        return self._driver.encode(bytes(data))
+
+    def decode(self, frags: dict[int, bytes]) -> bytes:
+        if len(frags) < self.k:
+            raise CorruptData(f"{len(frags)} good fragments, need {self.k}")
+        # Sorted, so data fragments come first: with all k of them decoding is a concatenation.
+        try:
+            return self._driver.decode([frags[i] for i in sorted(frags)])
+        except self._err as exc:
+            raise CorruptData(f"erasure decode failed: {exc}") from exc
+
+    def reconstruct(self, frags: dict[int, bytes], missing: list[int]) -> dict[int, bytes]:
+        try:
+            out = self._driver.reconstruct([frags[i] for i in sorted(frags)], list(missing))
+        except self._err as exc:
+            raise CorruptData(f"erasure reconstruct failed: {exc}") from exc
+        return dict(zip(missing, out))
+
+
+class NoCode(ErasureCode):
+    """k=1, m=0: one plain copy (for tests and single-disk laptops)."""
+
+    def encode(self, data: bytes) -> list[bytes]:
+        return [bytes(data)]
+
+    def decode(self, frags: dict[int, bytes]) -> bytes:
+        if 0 not in frags:
+            raise CorruptData("the only fragment is gone")
+        return frags[0]
+
+    def reconstruct(self, frags: dict[int, bytes], missing: list[int]) -> dict[int, bytes]:
+        raise CorruptData("no parity to reconstruct from")
+
+
+# ec_type -> factory. Add a row to support another backend.
+ERASURE_CODES: dict[str, Callable[[int, int, str], ErasureCode]] = {
+    "isa_l_rs_vand": PyECLibCode,
+    "isa_l_rs_cauchy": PyECLibCode,
+    "liberasurecode_rs_vand": PyECLibCode,
+    "none": NoCode,
+}
+
+_codes: dict[tuple[int, int, str], ErasureCode] = {}
+_codes_lock = threading.Lock()
+
+
+def erasure_code(k: int, m: int, ec_type: str) -> ErasureCode:
+    """A cached codec for (k, m, type); entries record k and m, so old ones stay readable."""
+    if m == 0:
+        ec_type = "none"
+    key = (k, m, ec_type)
+    with _codes_lock:
+        code = _codes.get(key)
+        if code is None:
+            try:
+                factory = ERASURE_CODES[ec_type]
+            except KeyError:
+                raise InvalidRequest(
+                    f"unknown ec_type {ec_type!r}; known: {sorted(ERASURE_CODES)}"
+                ) from None
+            code = _codes[key] = factory(k, m, ec_type)
+    return code

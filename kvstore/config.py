@@ -1,0 +1,179 @@
+"""Store configuration: one frozen dataclass, filled from (highest first) explicit
+overrides / CLI flags, ``KVSTORE_*`` environment variables, a TOML file, and the
+embedded defaults.
+
+Every default works on a laptop with no external service: one local data
+directory holding ``ec_k + ec_m`` target subdirectories in a single failure
+domain, so the code path is the same as with real disks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvstore.errors import InvalidRequest
+
+ENV_PREFIX = "KVSTORE_"
+DEFAULT_DATA_DIR = "./kvstack-data"
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    """A storage target: an fsspec URL plus a failure-domain label.
+
+    ``name`` is the stable id the index records for every fragment placed here;
+    it defaults to the URL, so renaming a mount point means giving the old name.
+    """
+
+    url: str
+    domain: str = "default"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise InvalidRequest("a target needs a non-empty URL")
+        if not self.name:
+            object.__setattr__(self, "name", self.url)
+
+    @classmethod
+    def parse(cls, text: str) -> "TargetSpec":
+        """``URL[#DOMAIN[#NAME]]``, e.g. ``file:///mnt/nvme0/kv#rack1``."""
+        parts = text.split("#")
+        if len(parts) > 3:
+            raise InvalidRequest(f"bad target {text!r}: expected URL[#DOMAIN[#NAME]]")
+        return cls(parts[0], parts[1] if len(parts) > 1 and parts[1] else "default",
+                   parts[2] if len(parts) > 2 else "")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Knobs of the embedded store. Sizes in bytes, times in seconds."""
+
+    data_dir: str = DEFAULT_DATA_DIR
+    ec_k: int = 4
+    ec_m: int = 2
+    ec_type: str = "isa_l_rs_vand"  # pyeclib backend (ISA-L Reed-Solomon)
+    targets: tuple[TargetSpec, ...] = ()  # empty: k+m subdirectories of data_dir
+    capacity_bytes: int = 0  # 0: unbounded (no capacity eviction)
+    high_watermark: float = 0.95  # evict when stored bytes exceed this share of capacity
+    low_watermark: float = 0.85  # ... down to this share
+    default_ttl_s: float | None = None  # None: entries do not expire
+    compression: str = "zstd"  # "zstd" or "none"
+    zstd_level: int = 3
+    min_compress_ratio: float = 1.1  # store raw unless zstd shrinks by at least this factor
+    max_value_bytes: int = 64 * 1024 * 1024
+    fsync: bool = True  # fragments and index durable before a put returns
+    read_workers: int = 8  # threads reading fragments in parallel
+    orphan_grace_s: float = 300.0  # unindexed fragments younger than this are an in-flight put
+    delete_grace_s: float = 30.0  # deleted entries' fragments outlive the delete by this much
+    access_flush_s: float = 1.0  # LRU access times are batched into one index write per interval
+    lmdb_map_size: int = 8 * 1024**3
+    max_readers: int = 256
+
+    def __post_init__(self) -> None:
+        if self.ec_k < 1 or self.ec_m < 0 or self.ec_k + self.ec_m > 32:
+            raise InvalidRequest(
+                f"erasure code {self.ec_k}+{self.ec_m} is out of range: need k >= 1, m >= 0, k+m <= 32"
+            )
+        if self.ec_m == 0 and self.ec_k > 1:
+            raise InvalidRequest("ec_m = 0 only makes sense with ec_k = 1 (one plain copy)")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise InvalidRequest("watermarks need 0 < low_watermark <= high_watermark <= 1")
+        if self.compression not in ("zstd", "none"):
+            raise InvalidRequest(f"compression must be 'zstd' or 'none', got {self.compression!r}")
+        if self.capacity_bytes < 0 or self.max_value_bytes <= 0:
+            raise InvalidRequest("capacity_bytes must be >= 0 and max_value_bytes > 0")
+        if self.default_ttl_s is not None and self.default_ttl_s <= 0:
+            raise InvalidRequest("default_ttl_s must be positive (or unset for no expiry)")
+        if self.targets and len(self.targets) < self.ec_k + self.ec_m:
+            raise InvalidRequest(
+                f"{len(self.targets)} targets cannot hold {self.ec_k}+{self.ec_m} fragments on "
+                f"distinct targets; give at least {self.ec_k + self.ec_m}"
+            )
+        names = [t.name for t in self.targets]
+        if len(set(names)) != len(names):
+            raise InvalidRequest(f"target names must be unique, got {names}")
+
+    def resolved_targets(self) -> tuple[TargetSpec, ...]:
+        """The configured targets, or the embedded default: k+m subdirectories of data_dir."""
+        if self.targets:
+            return self.targets
+        root = Path(self.data_dir).resolve() / "targets"
+        return tuple(
+            TargetSpec(url=f"file://{root / f't{i}'}", domain="local", name=f"t{i}")
+            for i in range(self.ec_k + self.ec_m)
+        )
+
+
+def _coerce(name: str, typ: Any, value: Any) -> Any:
+    """Turn a TOML/env/flag value into the field's type, with a clear error."""
+    origin = typing.get_origin(typ)
+    try:
+        if name == "targets":
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v]
+            return tuple(
+                v if isinstance(v, TargetSpec)
+                else TargetSpec(**v) if isinstance(v, Mapping) else TargetSpec.parse(str(v))
+                for v in value
+            )
+        if typ is bool or typ == "bool":
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if origin is typing.Union or "None" in str(typ):
+            if value in (None, "", "none", "None"):
+                return None
+            return float(value)
+        if typ in (int, "int"):
+            return int(value)
+        if typ in (float, "float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"config field {name!r}: cannot use {value!r} ({exc})") from exc
+
+
+def load_config(
+    toml_path: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> StoreConfig:
+    """Build a ``StoreConfig``: overrides > ``KVSTORE_*`` env > TOML file > defaults.
+
+    Overrides equal to ``None`` are ignored so that unset CLI flags fall through.
+    """
+    fields = {f.name: f for f in dataclasses.fields(StoreConfig)}
+    values: dict[str, Any] = {}
+    if toml_path is not None:
+        try:
+            with open(toml_path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise InvalidRequest(f"cannot read config file {toml_path}: {exc}") from exc
+        doc = doc.get("store", doc)
+        for k, v in doc.items():
+            if k not in fields:
+                raise InvalidRequest(f"unknown config field {k!r} in {toml_path}; known: {sorted(fields)}")
+            values[k] = _coerce(k, fields[k].type, v)
+    env = os.environ if env is None else env
+    for k in fields:
+        ev = env.get(ENV_PREFIX + k.upper())
+        if ev is not None:
+            values[k] = _coerce(k, fields[k].type, ev)
+    for k, v in overrides.items():
+        if k not in fields:
+            raise InvalidRequest(f"unknown store option {k!r}; known: {sorted(fields)}")
+        if v is not None:
+            values[k] = _coerce(k, fields[k].type, v)
+    return StoreConfig(**values)

@@ -1,0 +1,107 @@
+"""Typed errors of the kvstore, shared by every store implementation.
+
+Three kinds of failure are kept apart across the project (see STYLE.md):
+
+1. An expected shortfall is a *return value*: a lookup that hits nothing
+   returns ``LookupResult(hit_blocks=0, swa_at=None)``; it never raises.
+2. Caller misuse raises a ``KVStoreError`` subclass below, with a message that
+   says what to do. Errors caused by another exception are chained with
+   ``from``.
+3. Broken internal state raises ``InternalError`` whose message says it is a
+   bug.
+
+Every class carries a stable ``code`` string so that the gRPC layer can carry
+the type across the wire and re-raise the same class on the client side.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every error the store raises on purpose."""
+
+    code = "KVSTORE_ERROR"
+
+
+class InvalidRequest(KVStoreError, ValueError):
+    """The caller passed something the store cannot accept (bad key, size, kind, layout)."""
+
+    code = "INVALID_REQUEST"
+
+
+class NotFound(KVStoreError, KeyError):
+    """No live entry under this key and kind."""
+
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "not found"
+
+
+class Unrecoverable(KVStoreError):
+    """Fewer than k good fragments remain: the entry cannot be rebuilt.
+
+    ``key`` is the entry key and ``failed_targets`` names the targets whose
+    fragment was missing or corrupt. The store marks the entry lost; lookups
+    stop matching it until ``repair`` brings it back.
+    """
+
+    code = "UNRECOVERABLE"
+
+    def __init__(self, message: str, *, key: bytes = b"", failed_targets: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.key = key
+        self.failed_targets = tuple(failed_targets)
+
+
+class CorruptData(KVStoreError):
+    """Bytes failed a checksum or a structural check (used inside the read path)."""
+
+    code = "CORRUPT_DATA"
+
+
+class IncompatibleFormat(KVStoreError):
+    """The data directory or an entry was written by an incompatible format version."""
+
+    code = "INCOMPATIBLE_FORMAT"
+
+
+class CapacityExceeded(KVStoreError):
+    """The store cannot make room: everything left is pinned or in use."""
+
+    code = "CAPACITY_EXCEEDED"
+
+
+class StoreUnavailable(KVStoreError):
+    """The store (a daemon, a target) cannot be reached right now; retrying may work."""
+
+    code = "UNAVAILABLE"
+
+
+class StoreClosed(KVStoreError):
+    """The store was closed; open a new one with ``kvstore.connect``."""
+
+    code = "CLOSED"
+
+
+class InternalError(KVStoreError):
+    """Broken internal state. This is a bug in kvstore; please report it with the message."""
+
+    code = "INTERNAL"
+
+
+ERRORS_BY_CODE: dict[str, type[KVStoreError]] = {
+    cls.code: cls
+    for cls in (
+        KVStoreError,
+        InvalidRequest,
+        NotFound,
+        Unrecoverable,
+        CorruptData,
+        IncompatibleFormat,
+        CapacityExceeded,
+        StoreUnavailable,
+        StoreClosed,
+        InternalError,
+    )
+}

@@ -1,0 +1,280 @@
+"""The LMDB index: entry metadata plus the orderings GC needs.
+
+Only ``kvstore.store`` and ``kvstore.maintenance`` call this module. LMDB gives
+one writer at a time across threads *and processes*, MVCC readers that never
+block, and durable commits (``sync=True``), which is what lets several
+processes share one data directory.
+
+Sub-databases (``ek`` is the 17-byte entry key ``kind code || block hash``)::
+
+    entries  ek                     -> Meta       live entries only (lookup's hot path)
+    lost     ek                     -> Meta       unrecoverable entries, until repair/delete
+    lru      access_ns(u64 BE)||ek  -> ''         unpinned live entries, oldest first
+    ttl      expires_ns(u64 BE)||ek -> ''         live entries with a TTL, soonest first
+    grave    deleted_ns(u64 BE)||ek||gen -> Meta  deleted entries whose fragments await removal
+    tids     u16 id                 -> target name (fragment locations are stored as ids)
+    info     name                   -> u64 counters (used_bytes, degraded_reads, ...)
+
+Invariants (each write transaction keeps them):
+  1. An ``entries`` record exists only after all of its fragments were durably
+     written (the store writes fragments first, then commits the index).
+  2. Every unpinned ``entries`` record has exactly one ``lru`` record, keyed by
+     its ``access_ns``; pinned ones have none, so eviction never even sees them.
+  3. Every record with ``expires_ns > 0`` has exactly one ``ttl`` record.
+  4. ``info.used_bytes`` equals the fragment bytes of ``entries`` plus ``lost``.
+  5. A record leaves ``entries`` (delete, eviction, expiry) by moving to
+     ``grave`` in the same transaction; its fragments are removed only after
+     ``delete_grace_s`` so a reader that already holds the metadata can finish.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
+
+import lmdb
+
+from kvstore.errors import IncompatibleFormat, InternalError
+
+INDEX_FORMAT = 1
+
+# version, flags, k, m, n_frag, tokens, plain_len, entry_len, frag_len, created_ns, access_ns, expires_ns, gen
+_META = struct.Struct("<BBBBBIQQQQQQ8s")
+_EXPIRES_OFF = 1 + 1 + 1 + 1 + 1 + 4 + 8 + 8 + 8 + 8 + 8  # byte offset of expires_ns inside a Meta record
+FLAG_PINNED = 1
+_U64 = struct.Struct(">Q")
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """Index record of one entry. Times are nanoseconds since the epoch (0 = none)."""
+
+    k: int
+    m: int
+    tokens: int
+    plain_len: int  # payload bytes before compression
+    entry_len: int  # encoded entry bytes (header + stored payload) before erasure coding
+    frag_len: int  # bytes of each fragment file (all equal)
+    created_ns: int
+    access_ns: int
+    expires_ns: int
+    gen: bytes  # 8 random bytes, unique per put: names this generation's fragment files
+    targets: tuple[str, ...]  # fragment i lives on targets[i]
+    pinned: bool = False
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.frag_len * len(self.targets)
+
+
+def ekey(kind_code: int, key: bytes) -> bytes:
+    return bytes((kind_code,)) + key
+
+
+class Index:
+    """LMDB-backed metadata. Methods named ``*_txn`` take an open transaction."""
+
+    DBS = (b"entries", b"lost", b"lru", b"ttl", b"grave", b"tids", b"info")
+
+    def __init__(self, path: str, *, map_size: int, sync: bool, max_readers: int = 256):
+        os.makedirs(path, exist_ok=True)
+        self.env = lmdb.open(
+            path, map_size=map_size, max_dbs=len(self.DBS) + 1, sync=sync, metasync=sync,
+            max_readers=max_readers, readahead=False,
+        )
+        self.db = {name.decode(): self.env.open_db(name) for name in self.DBS}
+        self._tid: dict[str, int] = {}
+        self._tname: dict[int, str] = {}
+        with self.env.begin(write=True) as txn:
+            fmt = txn.get(b"format", db=self.db["info"])
+            if fmt is None:
+                txn.put(b"format", _U64.pack(INDEX_FORMAT), db=self.db["info"])
+            elif _U64.unpack(fmt)[0] != INDEX_FORMAT:
+                raise IncompatibleFormat(
+                    f"index at {path} has format {_U64.unpack(fmt)[0]}; this kvstore reads {INDEX_FORMAT}"
+                )
+        self._load_tids()
+
+    def close(self) -> None:
+        self.env.close()
+
+    # ------------------------------------------------------------------ target ids
+    def _load_tids(self) -> None:
+        with self.env.begin() as txn:
+            for k, v in txn.cursor(db=self.db["tids"]):
+                i = struct.unpack(">H", k)[0]
+                self._tid[v.decode()] = i
+                self._tname[i] = v.decode()
+
+    def _target_id(self, txn: lmdb.Transaction, name: str) -> int:
+        i = self._tid.get(name)
+        if i is not None:
+            return i
+        # Another process may have assigned it since we loaded: re-read inside the write txn.
+        for k, v in txn.cursor(db=self.db["tids"]):
+            if v.decode() == name:
+                i = struct.unpack(">H", k)[0]
+                break
+        else:
+            i = max([struct.unpack(">H", k)[0] for k, _ in txn.cursor(db=self.db["tids"])] + [-1]) + 1
+            txn.put(struct.pack(">H", i), name.encode(), db=self.db["tids"])
+        self._tid[name], self._tname[i] = i, name
+        return i
+
+    def _target_name(self, txn: lmdb.Transaction, i: int) -> str:
+        name = self._tname.get(i)
+        if name is None:
+            raw = txn.get(struct.pack(">H", i), db=self.db["tids"])
+            if raw is None:
+                raise InternalError(f"index names target id {i} that has no name: this is a bug")
+            name = self._tname[i] = raw.decode()
+            self._tid[name] = i
+        return name
+
+    # ------------------------------------------------------------------ records
+    def pack(self, txn: lmdb.Transaction, m: Meta) -> bytes:
+        ids = [self._target_id(txn, t) for t in m.targets]
+        head = _META.pack(1, FLAG_PINNED if m.pinned else 0, m.k, m.m, len(ids), m.tokens, m.plain_len,
+                          m.entry_len, m.frag_len, m.created_ns, m.access_ns, m.expires_ns, m.gen)
+        return head + struct.pack(f">{len(ids)}H", *ids)
+
+    def unpack(self, txn: lmdb.Transaction, raw: bytes) -> Meta:
+        (ver, flags, k, m, n, tokens, plain_len, entry_len, frag_len, created, access, expires,
+         gen) = _META.unpack_from(raw, 0)
+        if ver != 1:
+            raise InternalError(f"index record version {ver}: this is a bug or a foreign index")
+        ids = struct.unpack_from(f">{n}H", raw, _META.size)
+        return Meta(k, m, tokens, plain_len, entry_len, frag_len, created, access, expires, gen,
+                    tuple(self._target_name(txn, i) for i in ids), bool(flags & FLAG_PINNED))
+
+    @staticmethod
+    def expires_of(raw: bytes) -> int:
+        return struct.unpack_from("<Q", raw, _EXPIRES_OFF)[0]
+
+    # ------------------------------------------------------------------ counters
+    def add_counter(self, txn: lmdb.Transaction, name: str, delta: int) -> None:
+        k = name.encode()
+        cur = txn.get(k, db=self.db["info"])
+        val = (_U64.unpack(cur)[0] if cur else 0) + delta
+        if val < 0:
+            raise InternalError(f"counter {name} went negative ({val}): this is a bug")
+        txn.put(k, _U64.pack(val), db=self.db["info"])
+
+    def counter(self, txn: lmdb.Transaction, name: str) -> int:
+        cur = txn.get(name.encode(), db=self.db["info"])
+        return _U64.unpack(cur)[0] if cur else 0
+
+    # ------------------------------------------------------------------ live entries
+    def get_meta(self, txn: lmdb.Transaction, ek: bytes) -> Meta | None:
+        raw = txn.get(ek, db=self.db["entries"])
+        return None if raw is None else self.unpack(txn, raw)
+
+    def insert_txn(self, txn: lmdb.Transaction, ek: bytes, m: Meta) -> None:
+        """Add a live entry (the caller checked that ``ek`` is free)."""
+        txn.put(ek, self.pack(txn, m), db=self.db["entries"])
+        if not m.pinned:
+            txn.put(_U64.pack(m.access_ns) + ek, b"", db=self.db["lru"])
+        if m.expires_ns:
+            txn.put(_U64.pack(m.expires_ns) + ek, b"", db=self.db["ttl"])
+        self.add_counter(txn, "used_bytes", m.stored_bytes)
+
+    def _unlink_orderings(self, txn: lmdb.Transaction, ek: bytes, m: Meta) -> None:
+        if not m.pinned:
+            txn.delete(_U64.pack(m.access_ns) + ek, db=self.db["lru"])
+        if m.expires_ns:
+            txn.delete(_U64.pack(m.expires_ns) + ek, db=self.db["ttl"])
+
+    def remove_txn(self, txn: lmdb.Transaction, ek: bytes, m: Meta, now_ns: int) -> None:
+        """Take a live entry out of the index; its fragments go to the graveyard."""
+        txn.delete(ek, db=self.db["entries"])
+        self._unlink_orderings(txn, ek, m)
+        txn.put(_U64.pack(now_ns) + ek + m.gen, self.pack(txn, m), db=self.db["grave"])
+        self.add_counter(txn, "used_bytes", -m.stored_bytes)
+
+    def update_txn(self, txn: lmdb.Transaction, ek: bytes, old: Meta, new: Meta) -> None:
+        """Replace a live record, keeping the orderings in step (same fragments or not)."""
+        self._unlink_orderings(txn, ek, old)
+        txn.put(ek, self.pack(txn, new), db=self.db["entries"])
+        if not new.pinned:
+            txn.put(_U64.pack(new.access_ns) + ek, b"", db=self.db["lru"])
+        if new.expires_ns:
+            txn.put(_U64.pack(new.expires_ns) + ek, b"", db=self.db["ttl"])
+        self.add_counter(txn, "used_bytes", new.stored_bytes - old.stored_bytes)
+
+    def touch_txn(self, txn: lmdb.Transaction, ek: bytes, access_ns: int) -> None:
+        m = self.get_meta(txn, ek)
+        if m is None or access_ns <= m.access_ns:
+            return
+        self.update_txn(txn, ek, m, replace(m, access_ns=access_ns))
+
+    # ------------------------------------------------------------------ lost entries
+    def mark_lost_txn(self, txn: lmdb.Transaction, ek: bytes, m: Meta) -> None:
+        txn.delete(ek, db=self.db["entries"])
+        self._unlink_orderings(txn, ek, m)
+        txn.put(ek, self.pack(txn, m), db=self.db["lost"])
+        self.add_counter(txn, "lost_total", 1)
+
+    def get_lost(self, txn: lmdb.Transaction, ek: bytes) -> Meta | None:
+        raw = txn.get(ek, db=self.db["lost"])
+        return None if raw is None else self.unpack(txn, raw)
+
+    def drop_lost_txn(self, txn: lmdb.Transaction, ek: bytes, m: Meta, now_ns: int, *, to_grave: bool) -> None:
+        txn.delete(ek, db=self.db["lost"])
+        if to_grave:
+            txn.put(_U64.pack(now_ns) + ek + m.gen, self.pack(txn, m), db=self.db["grave"])
+            self.add_counter(txn, "used_bytes", -m.stored_bytes)
+        else:  # restored: back to live, keeping its bytes counted
+            txn.put(ek, self.pack(txn, m), db=self.db["entries"])
+            if not m.pinned:
+                txn.put(_U64.pack(m.access_ns) + ek, b"", db=self.db["lru"])
+            if m.expires_ns:
+                txn.put(_U64.pack(m.expires_ns) + ek, b"", db=self.db["ttl"])
+
+    # ------------------------------------------------------------------ scans for GC and tools
+    def iter_db(self, txn: lmdb.Transaction, name: str) -> Iterator[tuple[bytes, bytes]]:
+        yield from txn.cursor(db=self.db[name])
+
+    def oldest(self, txn: lmdb.Transaction, name: str, before_ns: int | None = None,
+               limit: int | None = None) -> Iterator[tuple[int, bytes]]:
+        """(time, rest of key) from the ``lru``/``ttl``/``grave`` ordering, oldest first."""
+        n = 0
+        for k, _ in txn.cursor(db=self.db[name]):
+            t = _U64.unpack_from(k, 0)[0]
+            if before_ns is not None and t >= before_ns:
+                return
+            yield t, k[8:]
+            n += 1
+            if limit is not None and n >= limit:
+                return
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, ek_blocks: Sequence[bytes], ek_swa: Sequence[bytes], now_ns: int) -> tuple[int, int | None]:
+        """Longest live prefix of ``ek_blocks`` and the last SWA boundary within it.
+
+        O(len(chain)) point reads in one read transaction; nothing is written.
+        """
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self.db["entries"])
+            found = dict(cur.getmulti(ek_blocks)) if ek_blocks else {}
+            hit = 0
+            for ek in ek_blocks:
+                raw = found.get(ek)
+                if raw is None:
+                    break
+                exp = self.expires_of(raw)
+                if exp and exp <= now_ns:
+                    break
+                hit += 1
+            swa_at = None
+            if hit:
+                got = dict(cur.getmulti(ek_swa[:hit]))
+                for n in range(hit, 0, -1):
+                    raw = got.get(ek_swa[n - 1])
+                    if raw is not None:
+                        exp = self.expires_of(raw)
+                        if not exp or exp > now_ns:
+                            swa_at = n
+                            break
+            return hit, swa_at

@@ -1,0 +1,351 @@
+"""Maintenance of an embedded store: GC, consistency check, repair, stats.
+
+Called through ``EmbeddedStore.gc / check / repair / stats`` and by ``kvtool``.
+Every pass here works from the index orderings (``ttl``, ``lru``, ``grave``)
+and never scans the whole index, except ``check``/``repair``/``stats``, whose
+job is to look at everything (they report progress through a callback).
+
+GC steps, in order, with the reason for the order:
+  1. Flush batched access times, so LRU decisions see recent reads.
+  2. Expire entries whose TTL passed (``ttl`` ordering, oldest first).
+  3. Evict LRU entries above the capacity high watermark, down to the low one.
+  4. Purge the graveyard: fragments of entries removed more than
+     ``delete_grace_s`` ago (a reader that fetched the metadata before the
+     removal has had that long to finish).
+  5. Sweep orphans: fragment files no index record names (a put that crashed
+     before its index commit), older than ``orphan_grace_s`` so that an
+     in-flight put's fragments are never taken.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable
+
+from kvstore import codec
+from kvstore.api import EntryKind
+from kvstore.errors import CorruptData
+from kvstore.index import Meta
+from kvstore.targets import TargetUnavailable, fragment_path, parse_fragment_path
+
+if TYPE_CHECKING:
+    from kvstore.store import EmbeddedStore
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+class ProblemKind(enum.Enum):
+    MISSING_FRAGMENT = "missing_fragment"
+    CORRUPT_FRAGMENT = "corrupt_fragment"
+    LOST_ENTRY = "lost_entry"  # fewer than k good fragments
+    ORPHAN_FRAGMENT = "orphan_fragment"  # a file no index record names
+    TARGET_DOWN = "target_down"
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    kind: ProblemKind
+    key: str = ""  # entry key hex ("" for target-level problems)
+    entry_kind: str = ""
+    target: str = ""
+    detail: str = ""
+    fixed: bool = False
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind.value, "key": self.key, "entry_kind": self.entry_kind,
+                "target": self.target, "detail": self.detail, "fixed": self.fixed}
+
+
+def _noop(phase: str, done: int, total: int) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------- GC
+def _remove_expired(store: "EmbeddedStore", now: int, dry_run: bool) -> tuple[int, int]:
+    n = nbytes = 0
+    while True:
+        with store.index.env.begin(write=not dry_run) as txn:
+            batch = list(store.index.oldest(txn, "ttl", before_ns=now + 1, limit=512))
+            for _t, ek in batch:
+                m = store.index.get_meta(txn, ek)
+                if m is None:
+                    continue
+                if not dry_run:
+                    store.index.remove_txn(txn, ek, m, now)
+                n += 1
+                nbytes += m.stored_bytes
+        if dry_run or len(batch) < 512:
+            return n, nbytes
+
+
+def _purge_grave(store: "EmbeddedStore", now: int, dry_run: bool) -> tuple[int, int]:
+    cutoff = now - int(store.config.delete_grace_s * 1e9)
+    with store.index.env.begin() as txn:
+        due = [(t, rest, store.index.unpack(txn, txn.get(_grave_key(t, rest), db=store.index.db["grave"])))
+               for t, rest in store.index.oldest(txn, "grave", before_ns=cutoff + 1)]
+    if dry_run:
+        return len(due), sum(m.stored_bytes for _, _, m in due)
+    nbytes = 0
+    for t, rest, m in due:
+        ek = rest[:17]
+        for i, name in enumerate(m.targets):
+            tgt = store.targets.get(name)
+            if tgt is None:
+                continue
+            try:
+                tgt.delete(fragment_path(ek[0], ek[1:], m.gen, i))
+            except OSError as exc:  # a down target keeps the file; the orphan sweep gets it later
+                log.warning("cannot delete fragment on %s: %s", name, exc)
+        nbytes += m.stored_bytes
+        with store.index.env.begin(write=True) as txn:
+            txn.delete(_grave_key(t, rest), db=store.index.db["grave"])
+    return len(due), nbytes
+
+
+def _grave_key(t: int, rest: bytes) -> bytes:
+    return t.to_bytes(8, "big") + rest
+
+
+def _known_generations(store: "EmbeddedStore") -> set[tuple[bytes, bytes]]:
+    """(entry key, gen) of every live, lost and graveyard record: the files that are not orphans."""
+    known: set[tuple[bytes, bytes]] = set()
+    with store.index.env.begin() as txn:
+        for db in ("entries", "lost"):
+            for ek, raw in store.index.iter_db(txn, db):
+                known.add((bytes(ek), store.index.unpack(txn, raw).gen))
+        for k, raw in store.index.iter_db(txn, "grave"):
+            known.add((bytes(k[8:25]), bytes(k[25:33])))
+    return known
+
+
+def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: float,
+                   progress: Progress) -> tuple[int, int, list[Problem]]:
+    known = _known_generations(store)
+    n = nbytes = 0
+    problems: list[Problem] = []
+    names = list(store.targets)
+    for ti, name in enumerate(names):
+        tgt = store.targets[name]
+        progress("orphans", ti, len(names))
+        try:
+            files = list(tgt.walk())
+        except OSError as exc:
+            problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail=str(exc)))
+            continue
+        for rel, size, mtime in files:
+            base = rel.rsplit("/", 1)[-1]
+            parsed = parse_fragment_path(rel)
+            if parsed is not None:
+                kind_code, key, gen, _i = parsed
+                if (bytes((kind_code,)) + key, gen) in known:
+                    continue
+            elif not base.startswith(".tmp."):
+                continue  # not ours: leave foreign files alone
+            if now_s - mtime < grace_s:
+                continue  # may belong to a put still in flight
+            problems.append(Problem(ProblemKind.ORPHAN_FRAGMENT, key=parsed[1].hex() if parsed else "",
+                                    target=name, detail=rel, fixed=not dry_run))
+            n += 1
+            nbytes += size
+            if not dry_run:
+                tgt.delete(rel)
+    progress("orphans", len(names), len(names))
+    return n, nbytes, problems
+
+
+def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool = True,
+           progress: Progress | None = None) -> dict:
+    progress = progress or _noop
+    now = store.now_ns()
+    if not dry_run:
+        store.flush_touches()
+    expired, expired_bytes = _remove_expired(store, now, dry_run)
+    evicted = 0
+    used = store.used_bytes()
+    cap = store.config.capacity_bytes
+    if cap and used - (0 if not dry_run else expired_bytes) > cap * store.config.high_watermark:
+        evicted = store.evict_to(int(cap * store.config.low_watermark), dry_run=dry_run)
+    purged, purged_bytes = _purge_grave(store, now, dry_run)
+    orphans = orphan_bytes = 0
+    if sweep_orphans:
+        orphans, orphan_bytes, _ = _sweep_orphans(store, store.clock(), dry_run,
+                                                  store.config.orphan_grace_s, progress)
+    out = {
+        "dry_run": dry_run, "expired": expired, "evicted": evicted, "purged": purged,
+        "orphans": orphans, "reclaimed_bytes": purged_bytes + orphan_bytes,
+        "used_bytes": store.used_bytes(),
+    }
+    log.info("gc: %s", out)
+    return out
+
+
+# --------------------------------------------------------------------------- check / verify / repair
+def _scan_entry(store: "EmbeddedStore", ek: bytes, m: Meta) -> tuple[dict[int, bytes], dict[int, Problem]]:
+    good: dict[int, bytes] = {}
+    bad: dict[int, Problem] = {}
+    kind = EntryKind.from_code(ek[0]).value
+    for i, name in enumerate(m.targets):
+        try:
+            good[i] = store._read_fragment(m, ek, i)
+        except FileNotFoundError as exc:
+            bad[i] = Problem(ProblemKind.MISSING_FRAGMENT, ek[1:].hex(), kind, name, f"fragment {i}: {exc}")
+        except (OSError, TargetUnavailable) as exc:
+            bad[i] = Problem(ProblemKind.MISSING_FRAGMENT, ek[1:].hex(), kind, name, f"fragment {i}: {exc}")
+        except CorruptData as exc:
+            bad[i] = Problem(ProblemKind.CORRUPT_FRAGMENT, ek[1:].hex(), kind, name, f"fragment {i}: {exc}")
+    return good, bad
+
+
+def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
+             bad: dict[int, Problem]) -> Meta | None:
+    """Rewrite the bad fragments (same target if it is up, else a healthy spare); new Meta or None."""
+    code = codec.erasure_code(m.k, m.m, store.config.ec_type)
+    try:
+        rebuilt = code.reconstruct(good, sorted(bad))
+        # Verify before writing anything: the whole entry must decode and check out.
+        full = dict(good)
+        full.update(rebuilt)
+        store._decode(m, ek, {i: full[i] for i in sorted(full)[: m.k + m.m]}, [])
+    except Exception as exc:  # noqa: BLE001 - any failure here means "cannot rebuild now"
+        log.error("cannot rebuild %s: %s", ek[1:].hex(), exc)
+        return None
+    targets = list(m.targets)
+    from kvstore.placement import place
+
+    for i, body in rebuilt.items():
+        frame = codec.frame_fragment(codec.FragmentHeader(i, m.k, m.m, ek[0], ek[1:], m.gen, m.entry_len, len(body)), body)
+        candidates = [targets[i]] + [n for n in place(ek[1:], store.target_specs, len(store.target_specs))
+                                     if n not in targets]
+        for name in candidates:
+            try:
+                store.targets[name].write(fragment_path(ek[0], ek[1:], m.gen, i), frame, fsync=store.config.fsync)
+                targets[i] = name
+                break
+            except OSError as exc:
+                log.warning("repair of %s fragment %d: target %s failed: %s", ek[1:].hex(), i, name, exc)
+        else:
+            return None
+    store._count("fragment_rewrites", len(rebuilt))
+    return replace(m, targets=tuple(targets))
+
+
+def _iter_records(store: "EmbeddedStore", db: str) -> list[tuple[bytes, Meta]]:
+    with store.index.env.begin() as txn:
+        return [(bytes(ek), store.index.unpack(txn, raw)) for ek, raw in store.index.iter_db(txn, db)]
+
+
+def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None = None) -> list[Problem]:
+    """Compare the index with the fragments on every target (python-diskcache's ``check``).
+
+    Reads and verifies every fragment of every live and lost entry, then lists
+    orphan files. With ``fix=True``: rebuilds missing and corrupt fragments,
+    restores lost entries that became readable again, and removes orphans
+    older than ``orphan_grace_s``. Returns the problems found (``fixed`` says
+    which were mended).
+    """
+    progress = progress or _noop
+    problems: list[Problem] = []
+    for name, t in store.targets.items():
+        if not t.is_up():
+            problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail="target root missing"))
+    records = [(ek, m, "entries") for ek, m in _iter_records(store, "entries")]
+    records += [(ek, m, "lost") for ek, m in _iter_records(store, "lost")]
+    total = len(records)
+    for n, (ek, m, where) in enumerate(records):
+        if n % 64 == 0:
+            progress("verify", n, total)
+        good, bad = _scan_entry(store, ek, m)
+        kind = EntryKind.from_code(ek[0]).value
+        if len(good) < m.k:
+            if where == "entries" and not fix:
+                store._mark_lost(ek, m)
+            problems.append(Problem(ProblemKind.LOST_ENTRY, ek[1:].hex(), kind, ",".join(
+                p.target for p in bad.values()), f"{len(good)} of {m.k} needed fragments are good"))
+            continue
+        if not bad and where == "entries":
+            continue
+        fixed_meta = _rebuild(store, ek, m, good, bad) if (fix and bad) else (m if fix else None)
+        if fix and fixed_meta is not None:
+            with store.index.env.begin(write=True) as txn:
+                if where == "entries":
+                    cur = store.index.get_meta(txn, ek)
+                    if cur is not None and cur.gen == m.gen:
+                        store.index.update_txn(txn, ek, cur, replace(fixed_meta, access_ns=cur.access_ns,
+                                                                        pinned=cur.pinned))
+                else:
+                    cur = store.index.get_lost(txn, ek)
+                    if cur is not None and cur.gen == m.gen and store.index.get_meta(txn, ek) is None:
+                        store.index.drop_lost_txn(txn, ek, fixed_meta, store.now_ns(), to_grave=False)
+        for p in bad.values():
+            problems.append(replace(p, fixed=fix and fixed_meta is not None))
+        if where == "lost" and not bad:
+            # All fragments read fine again (targets came back): the entry is only marked lost.
+            problems.append(Problem(ProblemKind.LOST_ENTRY, ek[1:].hex(), kind, "",
+                                    "marked lost but readable again", fixed=fix and fixed_meta is not None))
+    progress("verify", total, total)
+    _, _, orphans = _sweep_orphans(store, store.clock(), not fix, store.config.orphan_grace_s, progress)
+    problems.extend(orphans)
+    return problems
+
+
+def repair(store: "EmbeddedStore", progress: Progress | None = None) -> dict:
+    """``check(fix=True)`` summarised: what was rebuilt, restored, and what stays lost."""
+    problems = check(store, fix=True, progress=progress)
+    out = {"rebuilt_fragments": 0, "restored_entries": 0, "still_lost": 0, "orphans_removed": 0, "unfixed": 0}
+    for p in problems:
+        if p.kind in (ProblemKind.MISSING_FRAGMENT, ProblemKind.CORRUPT_FRAGMENT):
+            out["rebuilt_fragments" if p.fixed else "unfixed"] += 1
+        elif p.kind is ProblemKind.LOST_ENTRY:
+            out["restored_entries" if p.fixed else "still_lost"] += 1
+        elif p.kind is ProblemKind.ORPHAN_FRAGMENT and p.fixed:
+            out["orphans_removed"] += 1
+    return out
+
+
+# --------------------------------------------------------------------------- stats
+def stats(store: "EmbeddedStore") -> dict:
+    """Summary for ``kvtool stats`` and the daemon's metrics (counts entries: O(index))."""
+    from kvstore.placement import domains_used
+
+    by_kind: dict[str, dict[str, int]] = {}
+    oldest = newest = None
+    with store.index.env.begin() as txn:
+        used = store.index.counter(txn, "used_bytes")
+        lost = txn.stat(store.index.db["lost"])["entries"]
+        grave = txn.stat(store.index.db["grave"])["entries"]
+        for ek, raw in store.index.iter_db(txn, "entries"):
+            m = store.index.unpack(txn, raw)
+            d = by_kind.setdefault(EntryKind.from_code(ek[0]).value,
+                                   {"entries": 0, "plain_bytes": 0, "stored_bytes": 0, "pinned": 0})
+            d["entries"] += 1
+            d["plain_bytes"] += m.plain_len
+            d["stored_bytes"] += m.stored_bytes
+            d["pinned"] += m.pinned
+            oldest = m.created_ns if oldest is None else min(oldest, m.created_ns)
+            newest = m.created_ns if newest is None else max(newest, m.created_ns)
+    specs = store.target_specs
+    n_domains = len({t.domain for t in specs})
+    return {
+        "data_dir": str(store.data_dir),
+        "entries": sum(d["entries"] for d in by_kind.values()),
+        "by_kind": by_kind,
+        "used_bytes": used,
+        "capacity_bytes": store.config.capacity_bytes,
+        "lost_entries": lost,
+        "graveyard_entries": grave,
+        "oldest_created_s": oldest / 1e9 if oldest else None,
+        "newest_created_s": newest / 1e9 if newest else None,
+        "erasure_code": f"{store.config.ec_type} {store.config.ec_k}+{store.config.ec_m}",
+        "targets": [{"name": t.name, "url": t.url, "domain": t.domain, "up": store.targets[t.name].is_up()}
+                    for t in specs],
+        "failure_domains": n_domains,
+        "failure_domain_note": (
+            "all fragments share one failure domain: losing it loses everything"
+            if n_domains == 1 else
+            f"{n_domains} failure domains for {store.config.ec_k + store.config.ec_m} fragments per entry"
+        ),
+        "counters": dict(store.counters),
+    }

@@ -1,0 +1,54 @@
+"""Placement: which k+m targets hold an entry's fragments.
+
+Rendezvous (highest-random-weight) hashing on the entry key: every target gets
+a score ``xxh3_64(key || target name)``; fragments go to the best-scoring
+targets. Adding or removing a target moves only the entries that scored it
+among their best, and every node computes the same answer with no shared state.
+
+Failure domains: fragments are spread round-robin over domains first (the best
+target of each domain, domains ordered by their best score), so with at least
+k+m domains no two fragments share one; with fewer, each domain holds as few
+fragments as possible. The result is a list of distinct target names, fragment
+``i`` going to element ``i``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+import xxhash
+
+from kvstore.config import TargetSpec
+from kvstore.errors import InvalidRequest
+
+
+def _score(key: bytes, name: str) -> int:
+    return xxhash.xxh3_64_intdigest(key + name.encode("utf-8"))
+
+
+def place(key: bytes, targets: Sequence[TargetSpec], n: int,
+          exclude: Iterable[str] = ()) -> list[str]:
+    """Names of ``n`` distinct targets for ``key``, spread over failure domains."""
+    excluded = set(exclude)
+    live = [t for t in targets if t.name not in excluded]
+    if len(live) < n:
+        raise InvalidRequest(
+            f"need {n} distinct targets, only {len(live)} available ({len(excluded)} excluded)"
+        )
+    by_domain: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for t in live:
+        by_domain[t.domain].append((_score(key, t.name), t.name))
+    queues = [sorted(v, reverse=True) for v in by_domain.values()]
+    queues.sort(key=lambda q: q[0], reverse=True)
+    out: list[str] = []
+    while len(out) < n:
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0)[1])
+    return out
+
+
+def domains_used(names: Sequence[str], targets: Sequence[TargetSpec]) -> int:
+    dom = {t.name: t.domain for t in targets}
+    return len({dom.get(n, "?") for n in names})

@@ -1,0 +1,233 @@
+"""Storage targets: where fragment files live, reached through fsspec URLs.
+
+A target is one directory-like root (a local disk, an S3 bucket prefix, a
+mounted distributed file system). The store calls exactly four operations:
+
+* ``write(rel, data)``: atomic publish. Local roots write ``.tmp.*`` beside
+  the final name, fsync the file, rename it into place, then fsync the
+  directory (rename is atomic on POSIX; the directory fsync makes the new name
+  durable). Object stores (s3, gcs, memory) publish a whole object in one
+  call, which is already atomic.
+* ``read(rel) -> bytes``, ``delete(rel)``, ``walk() -> (rel, size, mtime)``.
+
+Implementations are chosen by URL scheme through ``TARGET_TYPES`` (a registry,
+as fsspec's own). A missing root is *never* recreated by a write: a vanished
+disk must look vanished (``TargetUnavailable``), not silently become an empty
+directory. Only ``create_root`` (called when a data directory is first made)
+creates it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+
+from typing import Iterator
+
+import fsspec
+
+from kvstore.config import TargetSpec
+from kvstore.errors import InvalidRequest
+
+
+class TargetUnavailable(OSError):
+    """The target's root is gone or refuses I/O (internal to the store; never returned to callers)."""
+
+
+def fragment_path(kind_code: int, key: bytes, gen: bytes, index: int) -> str:
+    """``<kind>/<key[0]>/<key hex>.<gen hex>.<index>``: unique per (entry, generation, fragment)."""
+    hx = key.hex()
+    return f"{kind_code}/{hx[:2]}/{hx}.{gen.hex()}.{index}"
+
+
+def parse_fragment_path(rel: str) -> tuple[int, bytes, bytes, int] | None:
+    """Inverse of ``fragment_path``; ``None`` for anything that is not a fragment name."""
+    parts = rel.replace("\\", "/").split("/")
+    if len(parts) != 3:
+        return None
+    name = parts[2].split(".")
+    if len(name) != 3 or name[0] == "" or parts[2].startswith("."):
+        return None
+    try:
+        return int(parts[0]), bytes.fromhex(name[0]), bytes.fromhex(name[1]), int(name[2])
+    except ValueError:
+        return None
+
+
+def _safe_rel(rel: str) -> str:
+    if rel.startswith("/") or ".." in rel.split("/"):
+        raise InvalidRequest(f"refusing a path outside the target root: {rel!r}")
+    return rel
+
+
+class Target:
+    """Base: one fsspec root. Subclasses override the four operations when they can do better."""
+
+    atomic_put = False
+
+    def __init__(self, spec: TargetSpec):
+        self.spec = spec
+        self.name = spec.name
+        self.domain = spec.domain
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(spec.url)
+        except (ImportError, ValueError) as exc:
+            raise InvalidRequest(
+                f"cannot open target {spec.url!r}: {exc} (an s3:// target needs `pip install kvstack[s3]`)"
+            ) from exc
+        self.root = self.root.rstrip("/")
+
+    def _p(self, rel: str) -> str:
+        return f"{self.root}/{_safe_rel(rel)}"
+
+    def create_root(self) -> None:
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def is_up(self) -> bool:
+        try:
+            return bool(self.fs.isdir(self.root)) or self.fs.exists(self.root)
+        except OSError:
+            return False
+
+    def write(self, rel: str, data: bytes, *, fsync: bool) -> None:
+        path = self._p(rel)
+        if not self.is_up():
+            raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
+        if self.atomic_put:
+            self.fs.pipe_file(path, data)
+            return
+        tmp = f"{path.rsplit('/', 1)[0]}/.tmp.{secrets.token_hex(6)}.{path.rsplit('/', 1)[1]}"
+        self.fs.pipe_file(tmp, data)
+        self.fs.mv(tmp, path)
+
+    def read(self, rel: str) -> bytes:
+        return self.fs.cat_file(self._p(rel))
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.rm_file(self._p(rel))
+        except FileNotFoundError:
+            pass
+
+    def walk(self) -> Iterator[tuple[str, int, float]]:
+        """Every file under the root as (relative path, size, mtime); temporaries included."""
+        if not self.is_up():
+            raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
+        for path, info in self.fs.find(self.root, detail=True).items():
+            rel = path[len(self.root):].lstrip("/")
+            mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0.0
+            if hasattr(mtime, "timestamp"):
+                mtime = mtime.timestamp()
+            yield rel, int(info.get("size") or 0), float(mtime)
+
+
+class ObjectTarget(Target):
+    """S3, GCS, memory: a put replaces a whole object atomically."""
+
+    atomic_put = True
+
+    def is_up(self) -> bool:
+        try:
+            self.fs.ls(self.root.split("/", 1)[0] if self.spec.url.startswith(("s3", "gs")) else self.root)
+            return True
+        except FileNotFoundError:
+            return self.spec.url.startswith("memory")
+        except OSError:
+            return False
+
+    def create_root(self) -> None:
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+        except OSError:
+            pass
+
+
+class LocalTarget(Target):
+    """A local or mounted directory: os calls for real fsync and atomic rename."""
+
+    def __init__(self, spec: TargetSpec):
+        super().__init__(spec)
+        self.root = os.path.abspath(self.root)
+
+    def _p(self, rel: str) -> str:
+        return os.path.join(self.root, _safe_rel(rel))
+
+    def create_root(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+
+    def is_up(self) -> bool:
+        return os.path.isdir(self.root)
+
+    def write(self, rel: str, data: bytes, *, fsync: bool) -> None:
+        path = self._p(rel)
+        d = os.path.dirname(path)
+        if not os.path.isdir(self.root):
+            raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f".tmp.{secrets.token_hex(6)}.{os.path.basename(path)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if fsync:
+                os.fsync(fd)  # data durable before the name points at it
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        os.close(fd)
+        os.rename(tmp, path)  # atomic publish: readers see the old state or the whole fragment
+        if fsync:
+            dfd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(dfd)  # the rename itself durable before the index commits
+            finally:
+                os.close(dfd)
+
+    def read(self, rel: str) -> bytes:
+        with open(self._p(rel), "rb", buffering=0) as fh:
+            return fh.read()
+
+    def delete(self, rel: str) -> None:
+        try:
+            os.unlink(self._p(rel))
+        except FileNotFoundError:
+            pass
+
+    def walk(self) -> Iterator[tuple[str, int, float]]:
+        if not os.path.isdir(self.root):
+            raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
+        for dirpath, _dirs, files in os.walk(self.root):
+            for f in files:
+                p = os.path.join(dirpath, f)
+                try:
+                    st = os.stat(p)
+                except FileNotFoundError:
+                    continue
+                yield os.path.relpath(p, self.root), st.st_size, st.st_mtime
+
+
+# URL scheme -> Target class. Anything else goes through the generic fsspec Target.
+TARGET_TYPES: dict[str, type[Target]] = {
+    "": LocalTarget,
+    "file": LocalTarget,
+    "local": LocalTarget,
+    "s3": ObjectTarget,
+    "s3a": ObjectTarget,
+    "gs": ObjectTarget,
+    "gcs": ObjectTarget,
+    "memory": ObjectTarget,
+}
+
+
+def open_target(spec: TargetSpec) -> Target:
+    scheme = spec.url.split("://", 1)[0] if "://" in spec.url else ""
+    return TARGET_TYPES.get(scheme, Target)(spec)
+
+

@@ -1,0 +1,326 @@
+"""Snapshot records and errors shared by every load balancer in ``lb/``.
+
+Role
+    The entrypoint (or the trace simulator, ``lb.sim``) builds these records
+    from its view of the fleet and hands them to a policy; the policy returns
+    a :class:`Decision`. Nothing here does I/O and nothing is mutated: every
+    record is a frozen, slotted dataclass, so a policy may keep references
+    to a snapshot without it changing under it.
+
+Who fills what
+    * :class:`PrefillInstance` / :class:`DecodeInstance` / :class:`VEInstance`
+      describe one engine each (load, memory, health, link bandwidths).
+    * :class:`RouteRequest` describes one request, including what each
+      prefill instance already holds of its prefix (``hits``: per instance
+      id, a :class:`PrefixHits`). Cache state is per request *and* per
+      instance, so it lives on the request, keyed by instance id.
+
+Invariants (checked in ``__post_init__``; misuse raises :class:`LBInputError`)
+    1. Counts and sizes are non-negative; a capacity is positive.
+    2. ``PrefixHits.total <= RouteRequest.num_blocks``: a prefix hit can not
+       be longer than the prompt.
+    3. Instance ids are unique within one snapshot (checked by the policies,
+       see :func:`check_unique_ids`), because decisions name instances by id.
+
+Failure kinds (STYLE.md habit 3)
+    * an expected shortfall (no instance can meet the SLO) is a *value*:
+      ``Decision(chosen=None, reason=...)``;
+    * caller misuse raises :class:`LBInputError` (a ``ValueError``) with a
+      message that says what to fix;
+    * broken internal state raises :class:`LBInternalError` and says it is
+      a bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "LBError",
+    "LBInputError",
+    "LBInternalError",
+    "UnknownPolicyError",
+    "TierBandwidth",
+    "PrefixHits",
+    "QueuedPrefill",
+    "PrefillInstance",
+    "DecodeInstance",
+    "VEInstance",
+    "RouteRequest",
+    "DecodeRequest",
+    "VERequest",
+    "Decision",
+    "check_unique_ids",
+]
+
+#: Tokens per prefix block in the Mooncake trace format (and the default here).
+BLOCK_TOKENS = 512
+
+
+class LBError(Exception):
+    """Base class of every error raised by ``lb/``."""
+
+
+class LBInputError(LBError, ValueError):
+    """Caller misuse: a snapshot or argument is invalid. The message says what to fix."""
+
+
+class UnknownPolicyError(LBInputError, KeyError):
+    """A policy name that is not in the registry; the message lists the known names."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message otherwise
+        return str(self.args[0]) if self.args else ""
+
+
+class LBInternalError(LBError, RuntimeError):
+    """Broken internal state inside ``lb/``: this is a bug, please report it."""
+
+
+def _nonneg(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise LBInputError(f"{owner}.{name} must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TierBandwidth:
+    """Link from each cache tier into an instance's device memory.
+
+    ``host_*``: pinned host DRAM -> device; ``store_*``: the shared KV store
+    (SSD / distributed FS) -> device. Bandwidth in bytes per second, latency
+    in seconds per transfer (one per tier per request, not per block).
+    """
+
+    host_bytes_per_s: float = 10.0e9
+    store_bytes_per_s: float = 1.18 * 2**30
+    host_latency_s: float = 50e-6
+    store_latency_s: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.host_bytes_per_s <= 0 or self.store_bytes_per_s <= 0:
+            raise LBInputError("TierBandwidth bandwidths must be > 0 bytes/s")
+        _nonneg("TierBandwidth", host_latency_s=self.host_latency_s,
+                store_latency_s=self.store_latency_s)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHits:
+    """What one instance can reuse of one request's prefix, by best tier.
+
+    The *usable* prefix is the longest run of blocks from block 0 that is
+    present in at least one tier; each block of it is counted once, in the
+    fastest tier that holds it (device < host < store). So
+    ``device + host + store`` is the usable prefix length in blocks.
+    """
+
+    device: int = 0
+    host: int = 0
+    store: int = 0
+
+    def __post_init__(self) -> None:
+        _nonneg("PrefixHits", device=self.device, host=self.host, store=self.store)
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.store
+
+    @classmethod
+    def from_tiers(
+        cls,
+        block_hashes: Iterable[Hashable],
+        device: Callable[[Hashable], bool],
+        host: Callable[[Hashable], bool] = lambda _h: False,
+        store: Callable[[Hashable], bool] = lambda _h: False,
+    ) -> "PrefixHits":
+        """Walk the prefix; stop at the first block held by no tier.
+
+        ``device``/``host``/``store`` are membership tests (e.g. ``set.__contains__``);
+        they must be side-effect free (no LRU touch): this is a lookup only.
+        """
+        d = h = s = 0
+        for bh in block_hashes:
+            if device(bh):
+                d += 1
+            elif host(bh):
+                h += 1
+            elif store(bh):
+                s += 1
+            else:
+                break
+        return cls(d, h, s)
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedPrefill:
+    """One request waiting in (or running on) a prefill instance.
+
+    ``suffix_tokens`` will be computed on top of ``cached_tokens`` of context;
+    ``fetch_s`` is its estimated load time of cached KV from host/store.
+    ``remaining_fraction`` < 1 marks the running request (part already done).
+    """
+
+    suffix_tokens: int
+    cached_tokens: int = 0
+    fetch_s: float = 0.0
+    remaining_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        _nonneg("QueuedPrefill", suffix_tokens=self.suffix_tokens,
+                cached_tokens=self.cached_tokens, fetch_s=self.fetch_s)
+        if not 0.0 <= self.remaining_fraction <= 1.0:
+            raise LBInputError("QueuedPrefill.remaining_fraction must be in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInstance:
+    """Snapshot of one prefill engine.
+
+    ``queue`` holds the running request first (if any) then the waiting
+    ones, FIFO. ``inflight_blocks`` are block hashes that queued/running
+    requests will have written to this instance's device cache by the time
+    a newly queued request starts: a policy that knows it can count them as
+    device hits (the cache "warms" behind the queue).
+    """
+
+    id: Hashable
+    queue: tuple[QueuedPrefill, ...] = ()
+    bandwidth: TierBandwidth = field(default_factory=TierBandwidth)
+    healthy: bool = True
+    inflight_blocks: frozenset = frozenset()
+    device_blocks_used: int = 0
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens still to compute on this instance (queued + rest of running)."""
+        return int(sum(q.suffix_tokens * q.remaining_fraction for q in self.queue))
+
+    @property
+    def queued_requests(self) -> int:
+        return len(self.queue)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeInstance:
+    """Snapshot of one decode engine: KV memory and batch pressure."""
+
+    id: Hashable
+    kv_used_bytes: int
+    kv_capacity_bytes: int
+    batch_tokens: int = 0
+    running_requests: int = 0
+    healthy: bool = True
+
+    def __post_init__(self) -> None:
+        _nonneg("DecodeInstance", kv_used_bytes=self.kv_used_bytes,
+                batch_tokens=self.batch_tokens, running_requests=self.running_requests)
+        if self.kv_capacity_bytes <= 0:
+            raise LBInputError(f"DecodeInstance {self.id!r}: kv_capacity_bytes must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class VEInstance:
+    """Snapshot of one vision-encoder engine.
+
+    ``queue_images`` images are waiting to be encoded; ``cached_images`` are
+    image hashes whose encoder output this instance still caches.
+    """
+
+    id: Hashable
+    queue_images: int = 0
+    cached_images: frozenset = frozenset()
+    healthy: bool = True
+
+    def __post_init__(self) -> None:
+        _nonneg("VEInstance", queue_images=self.queue_images)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One request to route to a prefill instance.
+
+    ``hits[instance_id]`` is what that instance can reuse (missing key = no
+    hit). ``block_hashes`` (optional) lets policies compare the prefix with
+    ``PrefillInstance.inflight_blocks``. SLOs are in milliseconds; ``None``
+    means no SLO (admission control then never rejects).
+    """
+
+    prompt_tokens: int
+    num_blocks: int
+    hits: Mapping[Hashable, PrefixHits] = field(default_factory=dict)
+    block_hashes: tuple = ()
+    image_hashes: tuple = ()
+    ttft_slo_ms: float | None = None
+    tbt_slo_ms: float | None = None
+    block_tokens: int = BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        _nonneg("RouteRequest", prompt_tokens=self.prompt_tokens, num_blocks=self.num_blocks)
+        if self.block_tokens <= 0:
+            raise LBInputError("RouteRequest.block_tokens must be > 0")
+        for iid, h in self.hits.items():
+            if h.total > self.num_blocks:
+                raise LBInputError(
+                    f"RouteRequest.hits[{iid!r}] covers {h.total} blocks but the request "
+                    f"has only {self.num_blocks}; recompute the hits for this prompt"
+                )
+
+    def hit_of(self, instance_id: Hashable) -> PrefixHits:
+        return self.hits.get(instance_id, _NO_HIT)
+
+    def cached_tokens(self, blocks: int) -> int:
+        """Tokens covered by ``blocks`` full prefix blocks (never more than the prompt)."""
+        return min(self.prompt_tokens, blocks * self.block_tokens)
+
+
+_NO_HIT = PrefixHits()
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRequest:
+    """One request to place on a decode instance (after its prefill)."""
+
+    context_tokens: int
+    max_new_tokens: int
+    tbt_slo_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        _nonneg("DecodeRequest", context_tokens=self.context_tokens,
+                max_new_tokens=self.max_new_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class VERequest:
+    """Images of one request to encode (hashes of the image bytes)."""
+
+    image_hashes: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer of a policy.
+
+    ``chosen`` is an instance id, or ``None`` when the request is rejected
+    (admission control); ``reason`` is always a human-readable sentence.
+    ``estimates`` maps instance id -> the policy's score for it (seconds of
+    estimated TTFT/TBT for cost-based policies, a policy-specific score for
+    the others; lower is better).
+    """
+
+    chosen: Hashable | None
+    reason: str
+    estimates: Mapping[Hashable, float] = field(default_factory=dict)
+
+    @property
+    def rejected(self) -> bool:
+        return self.chosen is None
+
+
+def check_unique_ids(instances: Sequence) -> None:
+    """Raise :class:`LBInputError` if two instances share an id."""
+    seen = set()
+    for inst in instances:
+        if inst.id in seen:
+            raise LBInputError(f"duplicate instance id {inst.id!r} in the snapshot; ids must be unique")
+        seen.add(inst.id)
