@@ -1,1 +1,23 @@
-"""engine_plugin package."""
+"""engine_plugin: what an engine team imports to use the KV cache service.
+
+Modules, in the order a request meets them:
+
+* ``connector``: the contract (vLLM-v1-shaped hooks, each with when / how
+  often / what it guarantees) and the records that cross it.
+* ``store_connector``: ``KVStoreConnector``, the implementation over the tiers
+  (device pool prefix cache -> ``tiers.HostCache`` -> any ``kvstore`` store),
+  with SWA bounded replay and snapshot policy.
+* ``transfer``: device backends (cpu / cuda / npu, a registry) and pinned
+  staging buffers; ``saver``: the bounded background save queue;
+  ``tiers``: host LRU cache, the guarded store gateway, metrics.
+* ``reference``: a small real torch model and engine (paged global KV,
+  chunked prefill, batched decode) used by tests, benchmarks and the
+  walkthrough.
+
+Typical wiring::
+
+    store = kvstore.connect("./kvstack-data")
+    model = ReferenceModel(model_preset("tiny"))
+    conn = KVStoreConnector(model.cfg, ConnectorConfig(block_size=16), store)
+    engine = Engine(model, EngineConfig(block_size=16), connector=conn)
+"""

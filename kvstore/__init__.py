@@ -34,6 +34,8 @@ from kvstore.errors import (
 CONNECTORS: dict[str, str] = {
     "": "kvstore.store:open_embedded",
     "file": "kvstore.store:open_embedded",
+    "grpc": "kvstore.remote:open_grpc",  # the daemon (kvstore.server); a comma list of URLs: sharded
+    "grpcs": "kvstore.remote:open_grpc",
 }
 
 

@@ -110,7 +110,11 @@ class EmbeddedStore:
         self.index = Index(str(self.data_dir / "index"), map_size=config.lmdb_map_size,
                            sync=config.fsync, max_readers=config.max_readers)
         self.code = codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
+        # Two pools, so that no task ever waits on a task queued behind it in its own pool:
+        # ``_pool`` runs single fragment reads/writes (leaf work); ``_batch_pool`` runs one
+        # entry of a batch each, and those submit their fragment I/O to ``_pool``.
         self._pool = ThreadPoolExecutor(max_workers=config.read_workers, thread_name_prefix="kvstore-io")
+        self._batch_pool = ThreadPoolExecutor(max_workers=config.read_workers, thread_name_prefix="kvstore-batch")
         self._touch_lock = threading.Lock()
         self._touches: dict[bytes, int] = {}
         self._last_flush = self.clock()
@@ -275,7 +279,7 @@ class EmbeddedStore:
                                 items[i].layout, items[i].tokens) for i in todo}
         # 3-4: fragments durable first (in parallel across items).
         placed: dict[int, tuple[str, ...]] = {}
-        futs = {i: self._pool.submit(self._write_fragments, e) for i, e in encs.items()} if len(encs) > 1 else {}
+        futs = {i: self._batch_pool.submit(self._write_fragments, e) for i, e in encs.items()} if len(encs) > 1 else {}
         try:
             for i, e in encs.items():
                 placed[i] = futs[i].result() if futs else self._write_fragments(e)
@@ -455,7 +459,7 @@ class EmbeddedStore:
 
         if len(eks) == 1:
             return [one(0)]
-        return list(self._pool.map(one, range(len(eks))))
+        return list(self._batch_pool.map(one, range(len(eks))))
 
     # ------------------------------------------------------------------ access times (approximate LRU)
     def _touch(self, ek: bytes, now: int) -> None:
@@ -606,6 +610,7 @@ class EmbeddedStore:
             self.flush_touches()
         finally:
             self._closed = True
+            self._batch_pool.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self.index.close()
 

@@ -11,7 +11,7 @@ Role
     calls ``fit`` on measured samples and writes ``lb/data/cost_model.json``;
     :func:`load_default` reads that file. All are pure and numpy-only.
 
-Prefill features (least squares, coefficients clipped to >= 0)::
+Prefill features (least squares on relative error, coefficients >= 0)::
 
     t = c_const + c_tok * suffix + c_attn * (suffix * cached + suffix**2 / 2)
 
@@ -56,10 +56,13 @@ log = logging.getLogger(__name__)
 DEFAULT_PATH = Path(__file__).with_name("data") / "cost_model.json"
 
 
-def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tuple[np.ndarray, float]:
     """Least squares with coefficients forced >= 0 (active-set: drop negatives, refit).
 
-    Returns (coefficients, r2). Small problems only (a handful of features).
+    ``relative`` minimises the squared *relative* error (rows weighted by
+    ``1 / y``): timings span orders of magnitude and a short prefill
+    mispredicted by 2x matters as much as a long one. Returns (coefficients,
+    r2 of the unweighted fit). Small problems only (a handful of features).
     """
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
@@ -67,10 +70,12 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
         raise LBInputError(f"fit expects X [n, k] and y [n]; got {x.shape} and {y.shape}")
     if x.shape[0] < x.shape[1]:
         raise LBInputError(f"fit needs at least {x.shape[1]} samples, got {x.shape[0]}")
+    wt = 1.0 / np.maximum(y, 1e-12) if relative else np.ones_like(y)
+    xw, yw = x * wt[:, None], y * wt
     active = np.ones(x.shape[1], dtype=bool)
     coef = np.zeros(x.shape[1])
     for _ in range(x.shape[1]):
-        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        sol, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
         coef[:] = 0.0
         coef[active] = sol
         if (sol >= 0).all():

@@ -17,7 +17,8 @@ Method
     Prefill: a grid of (prompt_tokens, cached_tokens) with suffix <= 4096;
     the cached part's K/V are precomputed tensors, only the suffix is run,
     as an engine does after loading cached KV. Each point: one warm-up, then
-    the median of ``--repeats`` timings. Decode: one step of B requests with
+    the minimum of ``--repeats`` (or more) timings: the machine is shared and
+    contention only adds time. Decode: one step of B requests with
     C tokens of context each. Both fitted with ``lb.cost_model`` (non-negative
     least squares). The JSON records the model shape, the samples, R^2, the
     torch version and thread count: it is a measurement of *this* machine.
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -93,13 +93,18 @@ class ToyStack:
 
 
 def _time(fn, repeats: int) -> float:
+    """Minimum of at least ``repeats`` timings (more, up to 3x, for points under 0.2 s).
+
+    The minimum, not the median: the machine is shared, and contention only
+    ever adds time, so the fastest run is the best estimate of the work.
+    """
     fn()  # warm-up
-    ts = []
-    for _ in range(repeats):
+    ts: list[float] = []
+    while len(ts) < repeats or (len(ts) < 3 * repeats and sum(ts) < 0.2 * len(ts) * 2):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return min(ts)
 
 
 def prefill_grid() -> list[tuple[int, int]]:

@@ -35,7 +35,7 @@ class ModelConfig:
     d_rope: int = 8  # global KV part that carries RoPE (key only)
     d_ff: int = 128
     rope_theta: float = 10000.0
-    init_std: float = 0.08
+    init_std: float = 0.15
     seed: int = 0
     dtype: str = "float32"
     name: str = "kvstack-ref"
@@ -71,7 +71,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     # Benchmarks: V4.1-like window of 128; wide enough that prefill is compute-bound.
     "bench": ModelConfig(vocab_size=1024, d_model=256, n_heads=4, head_dim=64, n_swa_layers=2,
                          n_cross_layers=2, window=128, d_latent=112, d_rope=16, d_ff=512,
-                         init_std=0.05),
+                         init_std=0.08),
 }
 
 
@@ -98,6 +98,7 @@ class EngineConfig:
     max_running: int = 8  # requests running at once
     device: str = "cpu"  # a key of engine_plugin.transfer.BACKENDS
     tenant_salt: bytes = b""
+    sync_timing: bool = False  # synchronize the device around replays so replay_s is exact
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1 or self.chunk_size < 1:

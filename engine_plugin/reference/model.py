@@ -149,7 +149,8 @@ class SWAAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.n_heads * cfg.head_dim, bias=False)
         self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, win: WindowState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, win: WindowState,
+                mask: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         T, H, D, W = x.shape[0], c.n_heads, c.head_dim, c.window
         q, k, v = self.qkv(self.norm(x)).view(T, 3, H, D).unbind(1)
@@ -158,9 +159,6 @@ class SWAAttention(nn.Module):
         ck = win.buf[self.layer, 0, w1 - valid:]
         cv = win.buf[self.layer, 1, w1 - valid:]
         K, V = torch.cat([ck, k]), torch.cat([cv, v])  # [valid + T, H, D]
-        start = int(pos[0])
-        kpos = torch.arange(start - valid, start + T, device=x.device)
-        mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - W)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], K.transpose(0, 1)[None], V.transpose(0, 1)[None], attn_mask=mask
         )[0].transpose(0, 1).reshape(T, H * D)
@@ -181,16 +179,19 @@ class GlobalAttention(nn.Module):
         self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.d_global, bias=False)
         self.o = nn.Linear(cfg.n_heads * cfg.d_latent, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, g: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         T, H, S = x.shape[0], c.n_heads, g.shape[0]
         q = self.q(self.norm(x)).view(T, H, c.d_global)
         q = torch.cat([q[..., : c.d_latent], rope(q[..., c.d_latent:], pos, c.rope_theta)], dim=-1)
-        k = g[None, None].expand(1, H, S, c.d_global)
-        v = g[None, None, :, : c.d_latent].expand(1, H, S, c.d_latent)
-        mask = torch.arange(S, device=x.device)[None, :] <= pos[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask)
-        return self.o(out[0].transpose(0, 1).reshape(T, H * c.d_latent))
+        # every head reads the same K (= g) and V (= g[:, :d_latent]): fold the heads into the
+        # query rows and run one single-head attention (no H-fold copy of the global KV)
+        out = F.scaled_dot_product_attention(
+            q.reshape(1, 1, T * H, c.d_global), g[None, None], g[None, None], attn_mask=mask)
+        # V = the latent part: attending with V = all of g and dropping the RoPE channels after
+        # keeps q/k/v head dims equal, which the fused CPU kernel needs
+        return self.o(out[0, 0, :, : c.d_latent].reshape(T, H * c.d_latent))
 
 
 class SWABlock(nn.Module):
@@ -198,8 +199,8 @@ class SWABlock(nn.Module):
         super().__init__()
         self.attn, self.mlp = SWAAttention(cfg, layer), MLP(cfg)
 
-    def forward(self, x, pos, win):
-        x = x + self.attn(x, pos, win)
+    def forward(self, x, pos, win, swa_mask):
+        x = x + self.attn(x, pos, win, swa_mask)
         return x + self.mlp(x)
 
 
@@ -208,10 +209,21 @@ class CrossBlock(nn.Module):
         super().__init__()
         self.attn, self.ga, self.mlp = SWAAttention(cfg, layer), GlobalAttention(cfg), MLP(cfg)
 
-    def forward(self, x, pos, win, g):
-        x = x + self.attn(x, pos, win)
-        x = x + self.ga(x, pos, g)
+    def forward(self, x, pos, win, g, swa_mask, ga_mask):
+        x = x + self.attn(x, pos, win, swa_mask)
+        x = x + self.ga(x, pos, g, ga_mask)
         return x + self.mlp(x)
+
+
+def _additive_mask(kpos: torch.Tensor, qpos: torch.Tensor, window: int | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """``[len(qpos), len(kpos)]``: 0 where q may attend k (causal, within ``window`` if given),
+    -inf elsewhere. Built once per chunk and shared by every layer of its kind."""
+    ok = kpos[None, :] <= qpos[:, None]
+    if window is not None:
+        ok &= kpos[None, :] > qpos[:, None] - window
+    mask = torch.zeros(ok.shape, dtype=dtype, device=kpos.device)
+    return mask.masked_fill_(~ok, float("-inf"))
 
 
 LayerHook = Callable[[str], None]
@@ -273,10 +285,12 @@ class ReferenceModel(nn.Module):
             raise InvalidRequest("empty chunk")
         pos = torch.arange(start, start + T, device=self.device)
         x = self.embed(tokens.to(self.device))
+        swa_mask = _additive_mask(torch.arange(start - win.valid, start + T, device=self.device), pos,
+                                  self.cfg.window, x.dtype)
         for i, blk in enumerate(self.swa):
             if hook:
                 hook(f"swa.{i}")
-            x = blk(x, pos, win)
+            x = blk(x, pos, win, swa_mask)
         if not replay:
             c = self.cfg
             g = self.g_proj(self.g_norm(x))
@@ -285,10 +299,12 @@ class ReferenceModel(nn.Module):
         if hook:
             hook("global")
         g_all = kv.read(start + T)
+        ga_mask = _additive_mask(torch.arange(start + T, device=self.device),
+                                 pos.repeat_interleave(self.cfg.n_heads), None, x.dtype)
         for j, blk in enumerate(self.cross):
             if hook:
                 hook(f"swa.{self.cfg.n_swa_layers + j}")
-            x = blk(x, pos, win, g_all)
+            x = blk(x, pos, win, g_all, swa_mask, ga_mask)
         win.end, win.valid = start + T, min(self.cfg.window - 1, start + T)
         if replay:
             return None

@@ -1,0 +1,255 @@
+"""The connector contract between an engine and the KV cache (shaped like vLLM's v1 KV connector).
+
+An engine that knows vLLM's ``KVConnectorBase_V1`` knows this one. The
+connector has two halves that may live in different processes; in the
+reference engine both run in one process, but they only talk through
+``ConnectorMetadata`` built by the scheduler half and bound on the worker half.
+
+Scheduler side (called by the scheduler, on the engine's main thread)
+---------------------------------------------------------------------
+``get_num_new_matched_tokens(request, num_computed_tokens) -> (int, bool)``
+    When: before a waiting request is admitted, after the engine matched its
+    own device prefix cache (``num_computed_tokens`` tokens, block-aligned).
+    How often: possibly several times for the same request (it may not fit and
+    be retried next step). Guarantees: no externally visible side effect (it
+    may cache its answer per request); returns how many tokens *beyond*
+    ``num_computed_tokens`` the connector can supply (block-aligned, never the
+    whole prompt: at least one prompt token is left to compute) and whether the
+    load is asynchronous (always ``False`` here: loads are layer-wise inside
+    the step that first computes the request). A store that is down, slow or
+    lost gives 0 (a shortfall, logged and counted), never an exception.
+``update_state_after_alloc(request, block_ids, num_external_tokens)``
+    When: once, right after the engine allocated the request's blocks.
+    Guarantees: records which pool blocks the external tokens go into; with
+    ``num_external_tokens == 0`` any cached plan for the request is dropped.
+``restore_plan(request) -> RestorePlan`` (hybrid-model extension)
+    When: after ``update_state_after_alloc``. Says how the sliding windows at
+    the hit boundary are rebuilt: from a snapshot, or by replaying a bounded
+    span. Side-effect free.
+``snapshot_boundaries(request) -> set[int]`` (hybrid-model extension)
+    Token positions (multiples of the block size) where the engine must hand
+    a window snapshot to ``save_kv_layer("swa", ...)``; the scheduler ends
+    prefill chunks there. Side-effect free.
+``build_connector_meta(scheduler_output) -> ConnectorMetadata``
+    When: once per engine step, after scheduling. Guarantees: the metadata
+    names every load (request, pool blocks, tier) and every save (completed
+    blocks not already cached) of this step; it resets the per-step state.
+``request_finished(request, block_ids) -> (bool, dict | None)``
+    When: once per request, when it finishes, before its blocks are freed.
+    Returns whether the connector needs the blocks kept (``True``: free only
+    after ``get_finished`` reports the request) and transfer params for a
+    decode engine (P/D handoff). Saves the end-of-output window snapshot.
+
+Worker side (called by the model runner during a step)
+------------------------------------------------------
+``bind_connector_metadata(meta)`` / ``clear_connector_metadata()``
+    Around each step's forward passes.
+``start_load_kv(forward_context)``
+    When: once per step, before the first forward pass. Guarantees: returns
+    at once; reads (tiers, store) and host-to-device copies run on a side
+    thread and a side stream.
+``wait_for_layer_load(layer_name)``
+    When: before each layer group is used (``"swa.<i>"`` before layer i,
+    ``"global"`` before the first layer that reads global KV). Guarantees: on
+    return, every load of that group in this step has finished and is ordered
+    before the compute stream's next kernel. It is bounded in time: every
+    store call under it has a timeout. It never raises for a failed load; a
+    failed load is reported by ``get_load_errors``.
+``get_load_errors() -> dict[str, LoadError]`` (vLLM: ``get_block_ids_with_load_errors``)
+    When: after the step's forward passes, before any output is committed.
+    Requests listed here computed with incomplete KV; the engine discards
+    that step's results and recomputes from ``valid_tokens`` (a bounded
+    replay then rebuilds the windows). Bad KV is never committed or saved.
+``save_kv_layer(layer_name, kv_layer, attn_metadata)``
+    When: after the forward passes of a step, once per group (``"global"``
+    with the paged pool, ``"swa"`` with the step's window snapshots).
+    Guarantees: starts device-to-host copies on a side stream and enqueues
+    store puts on a bounded background queue; never waits on the store (a
+    full queue drops the save, counted, rather than stalling the forward).
+``wait_for_save()``
+    When: at the end of each step. Guarantees: on return the step's
+    device-to-host copies are complete, so the pool blocks may be reused.
+``get_finished(finished_req_ids) -> (sending_done, receiving_done)``
+    When: once per step. Request ids whose asynchronous saves (sending) or
+    loads (receiving) have completed since the last call.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+
+class Tier(enum.Enum):
+    """Where a cached block or snapshot comes from, fastest first."""
+
+    DEVICE = "device"
+    HOST = "host"
+    STORE = "store"
+
+
+class ConnectorRequest(Protocol):
+    """What a connector reads from an engine request (the reference ``Request`` has it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: list[bytes]  # prefix hashes of every full block known so far (kvstore.keys)
+    block_ids: list[int]  # pool block table
+    kv_transfer_params: dict | None
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """How a request's state at the hit boundary ``hit_tokens`` is rebuilt.
+
+    ``replay_start is None`` means the windows come from a snapshot loaded
+    with the global KV (or ``hit_tokens == 0``: nothing to rebuild). Otherwise
+    tokens ``[replay_start, hit_tokens)`` are replayed (windows only).
+    """
+
+    hit_tokens: int
+    replay_start: int | None
+    snapshot_tier: Tier | None = None
+
+    @property
+    def needs_replay(self) -> bool:
+        return self.replay_start is not None and self.replay_start < self.hit_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """One request's work in a step: tokens ``[start, start + num_tokens)``."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    new_request_ids: tuple[str, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLoad:
+    block_index: int  # position of the block in the request (tokens [i*B, (i+1)*B))
+    block_id: int  # destination pool block
+    key: bytes
+    tier: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    request_id: str
+    blocks: tuple[BlockLoad, ...]
+    first_block: int  # index of blocks[0]; blocks are consecutive
+    snapshot_key: bytes | None = None  # SWA snapshot at the hit boundary, if loaded
+    snapshot_tier: Tier | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSave:
+    request_id: str
+    block_index: int
+    block_id: int
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorMetadata:
+    loads: tuple[LoadSpec, ...] = ()
+    saves: tuple[BlockSave, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadError:
+    """A load that did not deliver: positions ``[0, valid_tokens)`` are good.
+
+    ``window_ok`` is False when the windows at the boundary are not usable
+    (the snapshot failed, or the boundary moved), so a replay must rebuild them.
+    """
+
+    valid_tokens: int
+    window_ok: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSnapshot:
+    """A window state handed to ``save_kv_layer("swa", ...)``."""
+
+    request_id: str
+    boundary: int  # token position (a multiple of the block size)
+    key: bytes  # block hash of block boundary/B - 1
+    window: torch.Tensor  # [n_layers, 2, W-1, n_heads, head_dim]
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """What ``start_load_kv`` may touch: the pool and the requests' window buffers."""
+
+    kv_pool: torch.Tensor  # [num_blocks, block_size, d_global]
+    windows: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> window buffer
+
+
+class KVConnectorBase(abc.ABC):
+    """The contract; see the module docstring for when each hook runs and what it guarantees."""
+
+    # ---- scheduler side
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: ConnectorRequest,
+                                   num_computed_tokens: int) -> tuple[int, bool]: ...
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None: ...
+
+    @abc.abstractmethod
+    def restore_plan(self, request: ConnectorRequest) -> RestorePlan: ...
+
+    @abc.abstractmethod
+    def snapshot_boundaries(self, request: ConnectorRequest) -> set[int]: ...
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata: ...
+
+    @abc.abstractmethod
+    def request_finished(self, request: ConnectorRequest,
+                         block_ids: Sequence[int]) -> tuple[bool, dict | None]: ...
+
+    # ---- worker side
+    def bind_connector_metadata(self, meta: ConnectorMetadata) -> None:
+        self._meta = meta
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = ConnectorMetadata()
+
+    @abc.abstractmethod
+    def start_load_kv(self, forward_context: ForwardContext) -> None: ...
+
+    @abc.abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    @abc.abstractmethod
+    def get_load_errors(self) -> dict[str, LoadError]: ...
+
+    @abc.abstractmethod
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None: ...
+
+    @abc.abstractmethod
+    def wait_for_save(self) -> None: ...
+
+    @abc.abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]: ...
+
+    def on_device_evict(self, key: bytes, block: torch.Tensor) -> None:
+        """The engine's pool evicts a cached block (content still intact). Default: drop it."""
+
+    def close(self) -> None:
+        """Drain background work and release buffers."""

@@ -1,0 +1,115 @@
+"""The background save path: a bounded queue of store puts and one saver thread.
+
+Who calls it: ``KVStoreConnector`` (``submit`` from the engine thread after
+the device-to-host copies completed; ``flush``/``close`` at shutdown).
+
+Guarantees:
+  1. ``submit`` never blocks longer than ``enqueue_timeout_s``: a full queue
+     (a slow store) drops the job, counted as ``saves_dropped``, instead of
+     stalling the forward pass. That is the backpressure.
+  2. Items carry their own ``bytes`` (copied out of the staging buffers
+     before ``submit``), so a put that outlives a gateway timeout can never
+     read a buffer that was reused meanwhile.
+  3. Per request, in-flight jobs are counted; a finished request whose jobs
+     are all done is reported once by ``take_sent`` (``get_finished``).
+  4. The saver thread never dies on an error: it logs, counts, goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from engine_plugin.tiers import Metrics, StoreGateway
+from kvstore.api import PutItem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveJob:
+    items: tuple[PutItem, ...]
+    request_ids: tuple[str, ...]
+
+
+class SaveQueue:
+    def __init__(self, gateway: StoreGateway, metrics: Metrics, *, depth: int, enqueue_timeout_s: float):
+        self.gateway, self.metrics = gateway, metrics
+        self.enqueue_timeout_s = enqueue_timeout_s
+        self._q: queue.Queue[SaveJob | None] = queue.Queue(maxsize=depth)
+        self._lock = threading.Lock()
+        self._inflight: dict[str, int] = {}
+        self._finished: set[str] = set()
+        self._sent: set[str] = set()
+        self._thread = threading.Thread(target=self._loop, name="kv-save", daemon=True)
+        self._thread.start()
+
+    def submit(self, items: list[PutItem], request_ids: list[str]) -> bool:
+        if not items:
+            return True
+        with self._lock:
+            for rid in request_ids:
+                self._inflight[rid] = self._inflight.get(rid, 0) + 1
+        t0 = time.perf_counter()
+        try:
+            self._q.put(SaveJob(tuple(items), tuple(request_ids)), timeout=self.enqueue_timeout_s)
+        except queue.Full:
+            self.metrics.inc("saves_dropped", len(items))
+            log.warning("save queue full: dropping %d entries (the store is too slow)", len(items))
+            self._done(request_ids)
+            return False
+        finally:
+            self.metrics.observe_max("save_enqueue_wait_max_s", time.perf_counter() - t0)
+        self.metrics.inc("saves_enqueued", len(items))
+        return True
+
+    def mark_finished(self, request_id: str) -> None:
+        with self._lock:
+            self._finished.add(request_id)
+            if not self._inflight.get(request_id):
+                self._sent.add(request_id)
+
+    def take_sent(self) -> set[str]:
+        with self._lock:
+            sent, self._sent = self._sent, set()
+            self._finished -= sent
+        return sent
+
+    def flush(self) -> None:
+        """Wait until every queued job was attempted (tests, P/D handoff, shutdown)."""
+        self._q.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+    def _done(self, request_ids) -> None:
+        with self._lock:
+            for rid in request_ids:
+                self._inflight[rid] -= 1
+                if self._inflight[rid] == 0:
+                    del self._inflight[rid]
+                    if rid in self._finished:
+                        self._sent.add(rid)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            try:
+                if job is None:
+                    return
+                if self.gateway.put_many(job.items):
+                    self.metrics.inc("saves_done", len(job.items))
+                    self.metrics.inc("bytes_saved", sum(len(it.value) for it in job.items))
+                else:
+                    self.metrics.inc("saves_failed", len(job.items))
+                self._done(job.request_ids)
+            except Exception:  # the saver must survive anything: log, count, go on
+                log.exception("save job failed")
+                self.metrics.inc("saves_failed", len(job.items) if job else 0)
+            finally:
+                self._q.task_done()

@@ -1,0 +1,477 @@
+"""``KVStoreConnector``: the plugin's connector over host DRAM and a ``kvstore`` store.
+
+Who calls it: an engine through the hooks of ``engine_plugin.connector`` (the
+contract, with when/how often/guarantees for every hook). This module adds
+the policy of *what* is loaded and saved; ``transfer`` moves bytes and
+``tiers`` guards the host cache and the store.
+
+Tiers, fastest first: the engine's device pool (its prefix cache; the engine
+matches it and passes ``num_computed_tokens``), then ``HostCache``, then the
+store. A lookup walks them in that order and the hit is the longest prefix of
+blocks each available in some tier. Store hits are promoted to the host tier;
+device evictions are written back to the host tier; host evictions go to the
+store when the save policy says so (``SAVE_POLICIES``).
+
+Choosing the hit boundary H (``get_num_new_matched_tokens``), with reasons:
+  1. H never covers the whole prompt: one token must run to give logits.
+  2. With an SWA snapshot at H (host or store): no replay.
+  3. Else, with a snapshot at S < H and ``H - S <= span``: stop at S; the
+     prefill of ``[S, H)`` costs no more than the replay it avoids.
+  4. Else replay ``[H - span, H)``; ``span = REPLAY_SPANS[replay_policy]``.
+     As in the public V4.1 serving code, an external hit with ``H <= span``
+     is not adopted (the replay would cost as much as the recompute).
+Block entries hold only the global KV (``[block_size, d_global]``); SWA
+entries are snapshots at chosen boundaries: end of the prompt, every
+``snapshot_interval_blocks`` blocks, and the end of the output.
+
+Failure handling: anything missing, lost, corrupt or wrong-sized at load time
+turns into a ``LoadError`` (engine recomputes from the last good block); a
+store that is down or slow is skipped for ``store_backoff_s`` after a failure
+(``StoreGateway``); saves never block the step (bounded queue, drop + count).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from engine_plugin.connector import (BlockLoad, BlockSave, ConnectorMetadata, ForwardContext,
+                                     KVConnectorBase, LoadError, LoadSpec, RestorePlan,
+                                     SchedulerOutput, Tier, WindowSnapshot)
+from engine_plugin.reference.config import ModelConfig
+from engine_plugin.reference.model import REPLAY_SPANS, TORCH_DTYPES, snapshot_shape
+from engine_plugin.saver import SaveQueue
+from engine_plugin.tiers import HostCache, Metrics, StoreGateway
+from engine_plugin.transfer import BufferPool, get_backend
+from kvstore.api import KVStore, Layout, PutItem
+from kvstore.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SavePolicy:
+    save_on_compute: bool  # put every completed block to the store right away
+    store_on_host_evict: bool  # put a block to the store when the host tier evicts it
+
+
+SAVE_POLICIES: dict[str, SavePolicy] = {
+    "write_through": SavePolicy(save_on_compute=True, store_on_host_evict=False),
+    "write_back": SavePolicy(save_on_compute=False, store_on_host_evict=True),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    block_size: int = 16
+    device: str = "cpu"  # a key of transfer.BACKENDS, optionally with ":index"
+    host_capacity_bytes: int = 256 * 1024 * 1024
+    save_policy: str = "write_through"
+    replay_policy: str = "exact"  # a key of model.REPLAY_SPANS
+    load_snapshots: bool = True
+    snapshot_end_of_input: bool = True
+    snapshot_end_of_output: bool = True
+    snapshot_interval_blocks: int = 0  # 0: no interval snapshots
+    adopt_short_hits: bool = False  # V4.1 rule: an external hit no longer than the span is not adopted
+    promote_to_host: bool = True
+    store_timeout_s: float = 2.0
+    store_backoff_s: float = 5.0
+    save_queue_depth: int = 32
+    save_enqueue_timeout_s: float = 0.05
+    staging_buffers: int = 256  # per size class
+    load_batch_blocks: int = 64  # blocks per store read / staging batch
+    ttl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.save_policy not in SAVE_POLICIES:
+            raise InvalidRequest(f"unknown save_policy {self.save_policy!r}; known: {sorted(SAVE_POLICIES)}")
+        if self.replay_policy not in REPLAY_SPANS:
+            raise InvalidRequest(f"unknown replay_policy {self.replay_policy!r}; known: {sorted(REPLAY_SPANS)}")
+        if self.staging_buffers < self.load_batch_blocks or self.load_batch_blocks < 1:
+            raise InvalidRequest("staging_buffers must be >= load_batch_blocks >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    num_dev_tokens: int
+    hit_tokens: int
+    tiers: tuple[Tier, ...]  # one per external block, from num_dev_tokens // B on
+    snapshot_tier: Tier | None
+
+
+@dataclass(slots=True)
+class _Job:
+    spec: LoadSpec
+    swa: cf.Future | None
+    glob: cf.Future | None
+
+
+class KVStoreConnector(KVConnectorBase):
+    """See the module docstring; hooks are documented in ``engine_plugin.connector``."""
+
+    def __init__(self, model_cfg: ModelConfig, config: ConnectorConfig = ConnectorConfig(),
+                 store: KVStore | None = None):
+        self.mcfg, self.cfg = model_cfg, config
+        self.policy = SAVE_POLICIES[config.save_policy]
+        self.span = REPLAY_SPANS[config.replay_policy](model_cfg)
+        self.B = config.block_size
+        self.dtype = TORCH_DTYPES[model_cfg.dtype]
+        self.block_shape = (self.B, model_cfg.d_global)
+        self.snap_shape = snapshot_shape(model_cfg)
+        isz = torch.empty((), dtype=self.dtype).element_size()
+        self.block_nbytes = self.B * model_cfg.d_global * isz
+        self.snap_nbytes = isz * int(torch.Size(self.snap_shape).numel())
+        self.metrics = Metrics()
+        self.backend = get_backend(config.device)
+        self.host = HostCache(config.host_capacity_bytes, on_evict=self._host_evicted)
+        self.gateway = StoreGateway(store, self.metrics, timeout_s=config.store_timeout_s,
+                                    backoff_s=config.store_backoff_s)
+        self.buffers = BufferPool(self.backend, config.staging_buffers)
+        self.load_stream, self.save_stream = self.backend.new_stream(), self.backend.new_stream()
+        self._loader = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
+        self._plans: dict[str, _Plan] = {}
+        self._reqs: dict[str, Any] = {}  # running requests (read-only: block table and hashes)
+        self._pending: dict[str, LoadSpec] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._errors: dict[str, LoadError] = {}
+        self._step_events: list[Any] = []
+        self._host_inserts: list[tuple[str, bytes, torch.Tensor]] = []
+        self._meta = ConnectorMetadata()
+        self.saves = SaveQueue(self.gateway, self.metrics, depth=config.save_queue_depth,
+                               enqueue_timeout_s=config.save_enqueue_timeout_s)
+
+    # ================================================================ scheduler side
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        B, keys = self.B, request.block_hashes
+        max_blocks = min(len(keys), (len(request.prompt_token_ids) - 1) // B)
+        n_dev = num_computed_tokens // B
+        n, tiers = n_dev, []
+        while n < max_blocks and ("block", keys[n]) in self.host:
+            tiers.append(Tier.HOST)
+            n += 1
+        store_swa = None
+        if n < max_blocks and self.gateway.available:
+            lr = self.gateway.lookup(keys[n:max_blocks])
+            if lr is not None:
+                tiers += [Tier.STORE] * lr.hit_blocks
+                store_swa = n + lr.swa_at if lr.swa_at else None
+                n += lr.hit_blocks
+        H, snap = n, None
+        if self.cfg.load_snapshots:
+            for b in range(n, max(n_dev, 1) - 1, -1):  # largest boundary with a snapshot
+                if ("swa", keys[b - 1]) in self.host:
+                    snap = (b, Tier.HOST)
+                elif b == store_swa:
+                    snap = (b, Tier.STORE)
+                if snap:
+                    break
+        if snap and (snap[0] == n or (n - snap[0]) * B <= self.span):
+            H, snap_tier = snap[0], snap[1]
+        else:
+            snap_tier = None
+            if H > n_dev and H * B <= self.span and not self.cfg.adopt_short_hits:
+                self.metrics.inc("hits_not_adopted")
+                H = n_dev
+        plan = _Plan(n_dev * B, H * B, tuple(tiers[: H - n_dev]), snap_tier)
+        self._plans[request.request_id] = plan
+        self._reqs[request.request_id] = request
+        return plan.hit_tokens - plan.num_dev_tokens, False
+
+    def update_state_after_alloc(self, request, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        rid = request.request_id
+        plan = self._plans.get(rid)
+        if plan is None:
+            raise InvalidRequest(f"update_state_after_alloc({rid}) before get_num_new_matched_tokens")
+        if num_external_tokens == 0 and plan.hit_tokens > plan.num_dev_tokens:
+            plan = _Plan(plan.num_dev_tokens, plan.num_dev_tokens, (), None)
+            self._plans[rid] = plan
+        first = plan.num_dev_tokens // self.B
+        loads = tuple(BlockLoad(first + i, block_ids[first + i], request.block_hashes[first + i], t)
+                      for i, t in enumerate(plan.tiers))
+        snap_key = request.block_hashes[plan.hit_tokens // self.B - 1] if plan.snapshot_tier else None
+        for t in plan.tiers:
+            self.metrics.inc(f"hit_tokens_{t.value}", self.B)
+        self.metrics.inc("hit_tokens_device", plan.num_dev_tokens)
+        if loads or snap_key:
+            self._pending[rid] = LoadSpec(rid, loads, first, snap_key, plan.snapshot_tier)
+
+    def restore_plan(self, request) -> RestorePlan:
+        plan = self._plans[request.request_id]
+        H = plan.hit_tokens
+        if H == 0 or plan.snapshot_tier is not None:
+            if plan.snapshot_tier is not None:
+                self.metrics.inc("snapshot_hits")
+            return RestorePlan(H, None, plan.snapshot_tier)
+        self.metrics.inc("replays")
+        self.metrics.inc("replay_tokens", min(H, self.span))
+        return RestorePlan(H, max(0, H - self.span))
+
+    def snapshot_boundaries(self, request) -> set[int]:
+        B, P = self.B, len(request.prompt_token_ids)
+        H = self._plans[request.request_id].hit_tokens if request.request_id in self._plans else 0
+        out = set()
+        if self.cfg.snapshot_end_of_input and P // B:
+            out.add(P // B * B)
+        if self.cfg.snapshot_interval_blocks:
+            step = self.cfg.snapshot_interval_blocks * B
+            out.update(range(step, P + 1, step))
+        return {b for b in out if b > H}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
+        loads = tuple(self._pending.pop(rid) for rid in scheduler_output.new_request_ids
+                      if rid in self._pending)
+        saves = []
+        if self.policy.save_on_compute:
+            for ch in scheduler_output.chunks:
+                req, plan = self._reqs.get(ch.request_id), self._plans.get(ch.request_id)
+                if req is None or plan is None:
+                    continue
+                lo = max(ch.start // self.B, plan.hit_tokens // self.B)  # hits are stored already
+                for i in range(lo, min((ch.start + ch.num_tokens) // self.B, len(req.block_hashes))):
+                    saves.append(BlockSave(ch.request_id, i, req.block_ids[i], req.block_hashes[i]))
+        return ConnectorMetadata(loads, tuple(saves))
+
+    def request_finished(self, request, block_ids: Sequence[int]) -> tuple[bool, dict | None]:
+        rid = request.request_id
+        lw = getattr(request, "last_window", None)
+        if self.cfg.snapshot_end_of_output and lw is not None and lw[0] // self.B <= len(request.block_hashes):
+            b, win = lw
+            key = request.block_hashes[b // self.B - 1]
+            self.save_kv_layer("swa", [WindowSnapshot(rid, b, key, win)], None)
+            self.wait_for_save()
+        self._plans.pop(rid, None)
+        self._reqs.pop(rid, None)
+        self.saves.mark_finished(rid)
+        params = {"kvstack": {"block_size": self.B, "computed_tokens": request.num_computed,
+                              "saved_blocks": len(request.block_hashes)}}
+        return False, params
+
+    # ================================================================ worker side
+    def start_load_kv(self, forward_context: ForwardContext) -> None:
+        self._errors = {}
+        for spec in self._meta.loads:
+            win = forward_context.windows.get(spec.request_id)
+            swa = (self._loader.submit(self._load_snapshot, spec, win)
+                   if spec.snapshot_key is not None and win is not None else None)
+            glob = self._loader.submit(self._load_blocks, spec, forward_context.kv_pool) if spec.blocks else None
+            self._jobs[spec.request_id] = _Job(spec, swa, glob)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Each future is bounded: the loader's store calls all have timeouts.
+        attr = "glob" if layer_name == "global" else "swa"
+        for job in self._jobs.values():
+            fut = getattr(job, attr)
+            if fut is not None:
+                self.backend.wait_event(fut.result()[1].get(layer_name))
+
+    def get_load_errors(self) -> dict[str, LoadError]:
+        for rid, job in list(self._jobs.items()):
+            spec, H = job.spec, (job.spec.first_block + len(job.spec.blocks)) * self.B
+            window_ok, good, reason = True, len(spec.blocks), ""
+            if job.swa is not None:
+                ok, events = job.swa.result()
+                for ev in events.values():
+                    self.backend.wait_event(ev)
+                if not ok:
+                    window_ok, reason = False, "SWA snapshot missing or corrupt"
+            elif spec.snapshot_key is not None:
+                window_ok, reason = False, "no window buffer for the snapshot"
+            if job.glob is not None:
+                good, events = job.glob.result()
+                self.backend.wait_event(events.get("global"))
+                if good < len(spec.blocks):
+                    reason = f"block {spec.first_block + good} missing, lost or corrupt"
+            if good < len(spec.blocks) or not window_ok:
+                self.metrics.inc("load_errors")
+                self._errors[rid] = LoadError((spec.first_block + good) * self.B,
+                                              window_ok and good == len(spec.blocks), reason)
+            self.metrics.inc("loaded_tokens", good * self.B)
+        self._jobs.clear()
+        return dict(self._errors)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+        if layer_name == "global":
+            self._save_blocks([sv for sv in self._meta.saves if sv.request_id not in self._errors],
+                              kv_layer)
+        elif layer_name == "swa":
+            self._save_snapshots([s for s in kv_layer if s.request_id not in self._errors])
+        else:
+            raise InvalidRequest(f"unknown layer group {layer_name!r}; use 'global' or 'swa'")
+
+    def wait_for_save(self) -> None:
+        for ev in self._step_events:
+            self.backend.sync_event(ev)
+        self._step_events.clear()
+        for kind, key, t in self._host_inserts:  # only now: the D2H copies are complete
+            self.host.put(kind, key, t)
+        self._host_inserts.clear()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return self.saves.take_sent(), set()
+
+    def on_device_evict(self, key: bytes, block: torch.Tensor) -> None:
+        t = self._host_tensor(self.block_nbytes, self.block_shape)
+        self.backend.sync_event(self.backend.copy_async(t, block, self.save_stream))
+        self.host.put("block", key, t)
+        self.metrics.inc("device_evictions_to_host")
+
+    def persist_host_tier(self) -> int:
+        """Write every host-tier entry to the store (write-back policy: before a shutdown or
+        a planned handoff, so that nothing only cached in DRAM is lost). Returns entries queued."""
+        n = 0
+        for (kind, key), t in self.host.items():
+            shape = self.block_shape if kind == "block" else self.snap_shape
+            item = PutItem(key, t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), kind=kind,
+                           ttl_s=self.cfg.ttl_s, layout=Layout(self.mcfg.dtype, shape),
+                           tokens=self.B if kind == "block" else 0)
+            n += self.saves.submit([item], []) if self.gateway.store is not None else 0
+        return n
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued save reached the store (tests, P/D handoff, shutdown)."""
+        self.saves.flush()
+
+    def close(self) -> None:
+        self.saves.close()
+        self._loader.shutdown(wait=True)
+        self.gateway.close()
+
+    # ================================================================ internals: loads
+    def _host_tensor(self, nbytes: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.backend.empty_host(nbytes).view(self.dtype).view(shape)
+
+    def _fill(self, data: bytes, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store bytes -> a staging buffer from the pool; returns (raw buffer, typed view)."""
+        buf = self.buffers.acquire(len(data), timeout=self.cfg.store_timeout_s)
+        if buf is None:
+            raise _StagingExhausted()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only bytes: torch warns, we only read
+            buf.copy_(torch.frombuffer(data, dtype=torch.uint8))
+        return buf, buf.view(self.dtype).view(shape)
+
+    def _promote(self, kind: str, key: bytes, src: torch.Tensor, nbytes: int, shape) -> None:
+        if self.cfg.promote_to_host:
+            t = self._host_tensor(nbytes, shape)
+            t.copy_(src)
+            self.host.put(kind, key, t)
+
+    def _load_snapshot(self, spec: LoadSpec, win: torch.Tensor) -> tuple[bool, dict]:
+        key = spec.snapshot_key
+        src = self.host.get("swa", key) if spec.snapshot_tier is Tier.HOST else None
+        buf = None
+        if src is None:
+            data = self.gateway.get_many([key], kind="swa", nbytes=self.snap_nbytes)[0]
+            if data is None:
+                self.metrics.inc("snapshot_load_failed")
+                return False, {}
+            try:
+                buf, src = self._fill(data, self.snap_shape)
+            except _StagingExhausted:
+                return False, {}
+            self._promote("swa", key, src, self.snap_nbytes, self.snap_shape)
+        events = {f"swa.{l}": self.backend.copy_async(win[l], src[l], self.load_stream)
+                  for l in range(self.snap_shape[0])}  # layer by layer: layer 0 can start first
+        if buf is not None:
+            self.backend.sync_event(events[f"swa.{self.snap_shape[0] - 1}"])
+            self.buffers.release(buf)
+        self.metrics.inc("bytes_loaded", self.snap_nbytes)
+        return True, events
+
+    def _load_blocks(self, spec: LoadSpec, pool: torch.Tensor) -> tuple[int, dict]:
+        """Copy the spec's blocks into the pool; returns (leading good blocks, events)."""
+        good, ev = 0, None
+        nb = self.cfg.load_batch_blocks
+        for s in range(0, len(spec.blocks), nb):
+            batch = spec.blocks[s:s + nb]
+            srcs: list[torch.Tensor | None] = [
+                self.host.get("block", b.key) if b.tier is Tier.HOST else None for b in batch]
+            need = [i for i, t in enumerate(srcs) if t is None]
+            datas = self.gateway.get_many([batch[i].key for i in need], kind="block",
+                                          nbytes=self.block_nbytes) if need else []
+            staged = []
+            for i, data in zip(need, datas):
+                if data is None:
+                    break
+                try:
+                    buf, srcs[i] = self._fill(data, self.block_shape)
+                except _StagingExhausted:
+                    self.metrics.inc("staging_exhausted")
+                    break
+                staged.append(buf)
+                self._promote("block", batch[i].key, srcs[i], self.block_nbytes, self.block_shape)
+            stop = False
+            for b, src in zip(batch, srcs):
+                if src is None:
+                    stop = True
+                    break
+                ev = self.backend.copy_async(pool[b.block_id], src, self.load_stream)
+                good += 1
+            self.metrics.inc("bytes_loaded", len(staged) * self.block_nbytes)
+            if staged:
+                self.backend.sync_event(ev)  # the staging buffers are free once the copies ran
+                for buf in staged:
+                    self.buffers.release(buf)
+            if stop:
+                break
+        return good, {"global": ev}
+
+    # ================================================================ internals: saves
+    def _save_blocks(self, saves: Sequence[BlockSave], pool: torch.Tensor) -> None:
+        bufs, rids = [], []
+        for sv in saves:
+            buf = self.buffers.acquire(self.block_nbytes, timeout=self.cfg.save_enqueue_timeout_s)
+            if buf is None:
+                self.metrics.inc("saves_dropped")
+                continue
+            ev = self.backend.copy_async(buf.view(self.dtype).view(self.block_shape), pool[sv.block_id],
+                                         self.save_stream)
+            self._step_events.append(ev)
+            bufs.append((sv.key, buf))
+            rids.append(sv.request_id)
+        self._enqueue(bufs, rids, "block", self.block_shape, self.B)
+
+    def _save_snapshots(self, snaps: list[WindowSnapshot]) -> None:
+        if not snaps:
+            return
+        bufs, rids = [], []
+        for s in snaps:
+            t = self._host_tensor(self.snap_nbytes, self.snap_shape)
+            self._step_events.append(self.backend.copy_async(t, s.window, self.save_stream))
+            self._host_inserts.append(("swa", s.key, t))
+            bufs.append((s.key, t.view(-1).view(torch.uint8)))
+            rids.append(s.request_id)
+        self.metrics.inc("snapshots_saved", len(snaps))
+        self._enqueue(bufs, rids, "swa", self.snap_shape, 0, pooled=False)
+
+    def _enqueue(self, bufs, rids, kind, shape, tokens, pooled: bool = True) -> None:
+        """Hand D2H'd buffers to the save queue; never blocks the step past the enqueue timeout."""
+        if not bufs:
+            return
+        for ev in self._step_events:  # bytes are taken below: the copies must be complete
+            self.backend.sync_event(ev)
+        layout = Layout(self.mcfg.dtype, tuple(shape))
+        items = [PutItem(key, buf.numpy().tobytes(), kind=kind, ttl_s=self.cfg.ttl_s, layout=layout,
+                         tokens=tokens) for key, buf in bufs]
+        if pooled:  # bytes copied out: the staging buffers can be reused at once
+            for _, buf in bufs:
+                self.buffers.release(buf)
+        if self.gateway.store is not None:
+            self.saves.submit(items, rids)
+
+    def _host_evicted(self, kind: str, key: bytes, t: torch.Tensor) -> None:
+        self.metrics.inc(f"host_evictions_{kind}")
+        if kind == "block" and self.policy.store_on_host_evict and self.gateway.store is not None:
+            item = PutItem(key, t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), kind="block",
+                           ttl_s=self.cfg.ttl_s, layout=Layout(self.mcfg.dtype, self.block_shape),
+                           tokens=self.B)
+            self.saves.submit([item], [])
+
+
+class _StagingExhausted(Exception):
+    """No staging buffer within the timeout (a shortfall, handled as a failed load)."""

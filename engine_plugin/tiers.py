@@ -1,0 +1,202 @@
+"""The two lower tiers as the plugin sees them: a host (DRAM) LRU cache and a guarded store.
+
+Who calls it: ``engine_plugin.store_connector`` only.
+
+``HostCache`` holds host tensors (pinned on accelerators) of block and SWA
+entries under ``(kind, key)`` with a byte capacity and LRU eviction; an
+evicted entry goes to ``on_evict`` (write-back to the store, per policy).
+
+``StoreGateway`` wraps any ``kvstore.KVStore`` so that the engine never
+hangs on it and never uses bad bytes:
+
+1. every call runs on a small executor and is abandoned after
+   ``timeout_s`` (a timeout is counted and treated like an outage);
+2. after an outage the gateway is *open* for ``backoff_s``: calls return a
+   shortfall at once (counted as ``store_skipped``) instead of paying the
+   timeout again on every request;
+3. a read returns ``None`` for an entry that is missing, lost, corrupt or of
+   the wrong size (the store checks checksums; the gateway checks lengths),
+   so the caller recomputes that part.
+
+``Metrics`` is a thread-safe counter set; ``snapshot()`` returns a dict.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import torch
+
+from kvstore.api import KVStore, LookupResult, PutItem
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger(__name__)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._c: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def inc(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self._c[name] = self._c.get(name, 0) + n
+
+    def observe_max(self, name: str, v: float) -> None:
+        with self._lock:
+            self._c[name] = max(self._c.get(name, v), v)
+
+    def get(self, name: str) -> float:
+        with self._lock:
+            return self._c.get(name, 0)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._c)
+
+
+HostKey = tuple[str, bytes]  # (kind, key)
+
+
+class HostCache:
+    """Byte-bounded LRU of host tensors. Invariant: ``used_bytes`` = sum of held nbytes <= capacity."""
+
+    def __init__(self, capacity_bytes: int, on_evict: Callable[[str, bytes, torch.Tensor], None] | None = None):
+        self.capacity = capacity_bytes
+        self.on_evict = on_evict
+        self._d: OrderedDict[HostKey, torch.Tensor] = OrderedDict()
+        self.used_bytes = 0
+        self._lock = threading.RLock()
+        self.evictions = 0
+
+    @staticmethod
+    def _nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def __contains__(self, hk: HostKey) -> bool:
+        with self._lock:
+            return hk in self._d
+
+    def get(self, kind: str, key: bytes) -> torch.Tensor | None:
+        """The entry, refreshed as most recently used; ``None`` if absent."""
+        with self._lock:
+            t = self._d.get((kind, key))
+            if t is not None:
+                self._d.move_to_end((kind, key))
+            return t
+
+    def put(self, kind: str, key: bytes, t: torch.Tensor) -> bool:
+        """Insert (or refresh) an entry; evicts LRU entries to fit. False if it can never fit."""
+        n = self._nbytes(t)
+        if n > self.capacity:
+            return False
+        evicted = []
+        with self._lock:
+            old = self._d.pop((kind, key), None)
+            if old is not None:
+                self.used_bytes -= self._nbytes(old)
+            while self.used_bytes + n > self.capacity and self._d:
+                hk, v = self._d.popitem(last=False)
+                self.used_bytes -= self._nbytes(v)
+                self.evictions += 1
+                evicted.append((hk, v))
+            self._d[(kind, key)] = t
+            self.used_bytes += n
+        for (k, kk), v in evicted:  # outside the lock: the callback may enqueue store work
+            if self.on_evict is not None:
+                self.on_evict(k, kk, v)
+        return True
+
+    def items(self) -> list[tuple[HostKey, torch.Tensor]]:
+        """A snapshot of the entries, least recently used first (no access-time side effect)."""
+        with self._lock:
+            return list(self._d.items())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+            self.used_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class StoreGateway:
+    """Timeouts, a circuit breaker and length checks around a ``KVStore`` (see module doc)."""
+
+    def __init__(self, store: KVStore | None, metrics: Metrics, *, timeout_s: float = 2.0,
+                 backoff_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        self.store, self.metrics = store, metrics
+        self.timeout_s, self.backoff_s, self.clock = timeout_s, backoff_s, clock
+        self._open_until = 0.0
+        self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-store")
+        self.last_error = ""
+
+    @property
+    def available(self) -> bool:
+        return self.store is not None and self.clock() >= self._open_until
+
+    def _call(self, what: str, fn, *args, **kw):
+        """``(ok, result)``; never raises for store trouble, never waits past the timeout."""
+        if self.store is None:
+            return False, None
+        if not self.available:
+            self.metrics.inc("store_skipped")
+            return False, None
+        fut = self._pool.submit(fn, *args, **kw)
+        try:
+            return True, fut.result(timeout=self.timeout_s)
+        except cf.TimeoutError:
+            self._trip(what, f"timed out after {self.timeout_s}s", "store_timeouts")
+        except KVStoreError as exc:
+            self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
+        except OSError as exc:
+            self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
+        return False, None
+
+    def _trip(self, what: str, reason: str, counter: str) -> None:
+        self.metrics.inc(counter)
+        self._open_until = self.clock() + self.backoff_s
+        self.last_error = f"{what}: {reason}"
+        log.warning("kv store %s failed (%s); running without the store for %.1fs",
+                    what, reason, self.backoff_s)
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult | None:
+        if not keys:
+            return LookupResult(0, None)
+        if self.store is None:
+            return None
+        ok, res = self._call("lookup", self.store.lookup, list(keys))
+        return res if ok else None
+
+    def get_many(self, keys: Sequence[bytes], *, kind: str, nbytes: int) -> list[bytes | None]:
+        """Payloads, ``None`` where missing/lost/corrupt/wrong-sized or the store failed."""
+        if self.store is None:
+            return [None] * len(keys)
+        ok, res = self._call(f"get_many({kind})", self.store.get_many, list(keys), kind=kind)
+        if not ok:
+            return [None] * len(keys)
+        out: list[bytes | None] = []
+        for v in res:
+            if v is None:
+                self.metrics.inc("load_missing")
+            elif len(v) != nbytes:
+                self.metrics.inc("load_bad_size")
+                log.warning("store entry of %d bytes where %d were expected; not used", len(v), nbytes)
+                v = None
+            out.append(v)
+        return out
+
+    def put_many(self, items: Sequence[PutItem]) -> bool:
+        if self.store is None:
+            return False
+        ok, _ = self._call("put_many", self.store.put_many, list(items))
+        return ok
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,186 @@
+"""Device backends and pinned staging buffers: the GDR-style transfer path.
+
+Who calls it: ``engine_plugin.store_connector`` (loads and saves), the
+benchmark and ``tools/gpu_check.sh``.
+
+Path of a load (store -> device)::
+
+    store.get_many --bytes--> pinned staging buffer (BufferPool, reused)
+        --copy_async(non_blocking) on the side stream--> pool block on device
+        --event--> compute stream waits on the event before the layer group
+
+and of a save (device -> store): ``copy_async`` on the save stream into a
+pinned buffer, an event, then a background thread waits on the event and
+puts. One interface, three backends chosen at run time from ``BACKENDS``
+(a registry with lazy imports, as fsspec does; add a row for a new device):
+
+* ``cpu``: the same calls; copies are synchronous and events are no-ops.
+* ``cuda``: pinned host memory, ``non_blocking`` copies, side streams, events.
+* ``npu``: the same through ``torch_npu``; asking for it without
+  ``torch_npu`` installed raises ``InvalidRequest`` with an install hint.
+
+Invariant of ``BufferPool``: a buffer is either free (in its size class
+list) or owned by exactly one in-flight transfer; ``acquire`` blocks at most
+``timeout`` seconds and returns ``None`` (a shortfall the caller counts) when
+the pool is exhausted, which is the transfer path's backpressure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import Any, Callable
+
+import torch
+
+from kvstore.errors import InvalidRequest
+
+
+class DeviceBackend:
+    """CPU backend; the base of the accelerator backends (same call sequence everywhere)."""
+
+    name = "cpu"
+
+    def __init__(self, index: int = 0):
+        self.index = index
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def empty_host(self, nbytes: int) -> torch.Tensor:
+        """A host staging buffer (pinned on accelerators)."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def new_stream(self) -> Any:
+        return None
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> Any:
+        """Copy ``src`` into ``dst`` on ``stream``; returns an event marking completion."""
+        dst.copy_(src)
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        """Order the current (compute) stream after ``event``; no host wait."""
+
+    def sync_event(self, event: Any) -> None:
+        """Block the calling host thread until ``event`` completed."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaBackend(DeviceBackend):
+    name = "cuda"
+
+    def __init__(self, index: int = 0):
+        super().__init__(index)
+        if not torch.cuda.is_available():
+            raise InvalidRequest("device 'cuda' asked for but torch.cuda.is_available() is False")
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.index)
+
+    def _mod(self):
+        return torch.cuda
+
+    def empty_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def new_stream(self) -> Any:
+        return self._mod().Stream(device=self.device)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> Any:
+        mod = self._mod()
+        # the side stream must not start before producers on the compute stream finished
+        stream.wait_stream(mod.current_stream(self.device))
+        with mod.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            ev = mod.Event()
+            ev.record(stream)
+        # keep both tensors alive until the copy ran on the side stream
+        dst.record_stream(stream) if dst.device.type != "cpu" else src.record_stream(stream)
+        return ev
+
+    def wait_event(self, event: Any) -> None:
+        if event is not None:
+            self._mod().current_stream(self.device).wait_event(event)
+
+    def sync_event(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def synchronize(self) -> None:
+        self._mod().synchronize(self.device)
+
+
+class NpuBackend(CudaBackend):
+    """Ascend NPU through ``torch_npu``: the CUDA call sequence on ``torch.npu``."""
+
+    name = "npu"
+
+    def __init__(self, index: int = 0):
+        DeviceBackend.__init__(self, index)
+        try:
+            importlib.import_module("torch_npu")
+        except ImportError as exc:
+            raise InvalidRequest(
+                "device 'npu' needs torch_npu (pip install torch-npu matching your torch and CANN)"
+            ) from exc
+        if not torch.npu.is_available():  # type: ignore[attr-defined]
+            raise InvalidRequest("device 'npu' asked for but torch.npu.is_available() is False")
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("npu", self.index)
+
+    def _mod(self):
+        return torch.npu  # type: ignore[attr-defined]
+
+
+BACKENDS: dict[str, Callable[[int], DeviceBackend]] = {
+    "cpu": DeviceBackend,
+    "cuda": CudaBackend,
+    "npu": NpuBackend,
+}
+
+
+def get_backend(spec: str) -> DeviceBackend:
+    """``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"npu:0"`` -> a backend instance."""
+    name, _, idx = spec.partition(":")
+    try:
+        factory = BACKENDS[name]
+    except KeyError:
+        raise InvalidRequest(f"unknown device backend {spec!r}; known: {sorted(BACKENDS)}") from None
+    return factory(int(idx) if idx else 0)
+
+
+class BufferPool:
+    """Reusable host staging buffers by size class (see the module docstring)."""
+
+    def __init__(self, backend: DeviceBackend, max_buffers_per_size: int = 64):
+        self.backend = backend
+        self.max_per_size = max_buffers_per_size
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._count: dict[int, int] = {}
+        self._cv = threading.Condition()
+        self.allocations = 0
+        self.reuses = 0
+
+    def acquire(self, nbytes: int, timeout: float | None = None) -> torch.Tensor | None:
+        with self._cv:
+            free = self._free.setdefault(nbytes, [])
+            if not free and self._count.get(nbytes, 0) < self.max_per_size:
+                self._count[nbytes] = self._count.get(nbytes, 0) + 1
+                self.allocations += 1
+                return self.backend.empty_host(nbytes)
+            if not self._cv.wait_for(lambda: bool(free), timeout=timeout):
+                return None
+            self.reuses += 1
+            return free.pop()
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cv:
+            self._free.setdefault(buf.numel(), []).append(buf)
+            self._cv.notify_all()

@@ -1,0 +1,294 @@
+"""The ``kvtool`` subcommands: one registry, one ``Command`` record each.
+
+``kvstore.cli.kvtool`` builds its argument parser from ``COMMANDS`` and calls
+``Command.run(store, args, progress)`` with an open store. Every run returns
+an ``Outcome``: the exit code, a JSON-able ``data`` dict (printed with
+``--json``) and the human ``text``. Runs use only the public store API
+(``stats``, ``gc``, ``check``, ``repair``, ``delete``, ``lookup``), except
+``inspect``, which reads an embedded store's index through
+``kvstore.cli.index_view`` and falls back to ``stats()`` for other stores.
+
+Exit codes (``ExitCode``): 0 healthy / done; 1 problems found (verify saw a
+missing, corrupt or lost fragment, a down target or an orphan; repair left
+something unfixed; ``inspect --key`` or ``delete`` found no such entry);
+2 usage error (raised by the caller: bad flags, not a store, a store error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import inspect as pyinspect
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvstore.api import EntryKind, KVStore
+from kvstore.cli import index_view
+from kvstore.errors import InvalidRequest, NotFound
+from kvstore.index import Index
+from kvstore.keys import KEY_LEN
+
+Progress = Callable[[str, int, int], None]
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    PROBLEMS = 1
+    USAGE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    code: ExitCode
+    data: dict
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[KVStore, argparse.Namespace, Progress], Outcome]
+
+
+# ----------------------------------------------------------------------------- helpers
+def parse_key(text: str) -> bytes:
+    """A block key as hex (argparse ``type``: a bad value is a usage error, exit 2)."""
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not hex; a key is {2 * KEY_LEN} hex digits") from None
+    if len(key) != KEY_LEN:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {len(key)} bytes; a key is {KEY_LEN} bytes ({2 * KEY_LEN} hex digits)")
+    return key
+
+
+def parse_chain(text: str) -> list[bytes]:
+    return [parse_key(part) for part in text.split(",") if part.strip()]
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _is_embedded(store: KVStore) -> bool:
+    return isinstance(getattr(store, "index", None), Index)
+
+
+def _call_with_progress(fn: Callable[..., Any], progress: Progress, **kwargs: Any) -> Any:
+    """Pass ``progress=`` only to implementations that take it (a remote store may not)."""
+    if "progress" in pyinspect.signature(fn).parameters:
+        kwargs["progress"] = progress
+    return fn(**kwargs)
+
+
+def _problem_dict(p: Any) -> dict:
+    return p.as_dict() if hasattr(p, "as_dict") else dict(p)
+
+
+def _kind_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kind", default=EntryKind.BLOCK.value, choices=[k.value for k in EntryKind],
+                   help="entry kind (default: block)")
+
+
+# ----------------------------------------------------------------------------- inspect
+def _configure_inspect(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--key", type=parse_key, metavar="HEX", help="show one entry (with --kind)")
+    g.add_argument("--chain", type=parse_chain, metavar="HEX,HEX,...",
+                   help="show which blocks and SWA snapshots of a prefix chain are present")
+    _kind_arg(p)
+    p.add_argument("--parquet", metavar="FILE", help="export the whole index to a Parquet file (pyarrow)")
+
+
+def _summary_text(d: dict) -> str:
+    lines = [f"store {d['data_dir']}  ec {d['erasure_code']}  used {fmt_bytes(d['used_bytes'])}"
+             + (f" of {fmt_bytes(d['capacity_bytes'])} ({d['capacity_used']:.0%})" if d["capacity_bytes"] else
+                " (no capacity limit)")]
+    head = f"{'kind':<6} {'entries':>8} {'lost':>5} {'degraded':>8} {'expired':>7} {'pinned':>6} " \
+           f"{'plain':>10} {'stored':>10}  created (oldest .. newest)"
+    lines.append(head)
+    for name, s in list(d["by_kind"].items()) + [("total", d["total"])]:
+        lines.append(f"{name:<6} {s['entries']:>8} {s['lost']:>5} {s['degraded']:>8} {s['expired']:>7} "
+                     f"{s['pinned']:>6} {fmt_bytes(s['plain_bytes']):>10} {fmt_bytes(s['stored_bytes']):>10}  "
+                     f"{s['oldest_created'] or '-'} .. {s['newest_created'] or '-'}")
+    down = [t["name"] for t in d["targets"] if not t["up"]]
+    lines.append(f"targets: {len(d['targets'])}, down: {', '.join(down) if down else 'none'}")
+    return "\n".join(lines)
+
+
+def _entry_text(d: dict) -> str:
+    if d["state"] == index_view.EntryState.ABSENT.value:
+        return f"{d['kind']} {d['key']}: absent"
+    lines = [f"{d['kind']} {d['key']}: {d['state']}{' (expired, awaiting gc)' if d.get('expired') else ''}"]
+    for name in ("tokens", "plain_bytes", "entry_bytes", "fragment_bytes", "stored_bytes", "ec", "created",
+                 "last_access", "expires", "pinned"):
+        lines.append(f"  {name:<15} {d.get(name)}")
+    if "targets" in d:
+        lines.append("  fragments       " + "  ".join(
+            f"{t['fragment']}@{t['target']}{'' if t['up'] else '(down)'}" for t in d["targets"]))
+    return "\n".join(lines)
+
+
+def _inspect_embedded(store: Any, args: argparse.Namespace) -> Outcome:
+    if args.parquet:
+        n = index_view.export_parquet(store, args.parquet)
+        return Outcome(ExitCode.OK, {"parquet": args.parquet, "rows": n}, f"wrote {n} index rows to {args.parquet}")
+    if args.key is not None:
+        d = index_view.entry_view(store, args.key, EntryKind.parse(args.kind))
+        code = ExitCode.PROBLEMS if d["state"] == index_view.EntryState.ABSENT.value else ExitCode.OK
+        return Outcome(code, d, _entry_text(d))
+    if args.chain is not None:
+        rows = index_view.chain_view(store, args.chain)
+        return _chain_outcome(store, args.chain, rows)
+    d = index_view.summarize(store)
+    return Outcome(ExitCode.OK, d, _summary_text(d))
+
+
+def _chain_outcome(store: KVStore, chain: list[bytes], rows: list[dict]) -> Outcome:
+    res = store.lookup(chain)
+    data = {"length": len(chain), "hit_blocks": res.hit_blocks, "swa_at": res.swa_at, "positions": rows}
+    lines = [f"chain of {len(chain)}: hit_blocks={res.hit_blocks} swa_at={res.swa_at}",
+             f"{'pos':>4}  {'key':<32}  {'block':<7} swa"]
+    lines += [f"{r['position']:>4}  {r['key']}  {r['block']:<7} {r['swa']}" for r in rows]
+    return Outcome(ExitCode.OK, data, "\n".join(lines))
+
+
+def _inspect_remote(store: KVStore, args: argparse.Namespace) -> Outcome:
+    if args.parquet:
+        raise InvalidRequest("--parquet needs an embedded store (a data directory), not a daemon URL")
+    if args.key is not None:
+        kind = EntryKind.parse(args.kind)
+        try:
+            e = store.get_entry(args.key, kind=kind.value)
+        except NotFound:
+            d = {"key": args.key.hex(), "kind": kind.value, "state": index_view.EntryState.ABSENT.value}
+            return Outcome(ExitCode.PROBLEMS, d, _entry_text(d))
+        d = {"key": args.key.hex(), "kind": kind.value, "state": "live", "tokens": e.tokens,
+             "plain_bytes": len(e.data), "layout": f"{e.layout.dtype}{list(e.layout.shape)}"}
+        return Outcome(ExitCode.OK, d, "\n".join(f"{k}: {v}" for k, v in d.items()))
+    if args.chain is not None:
+        singles = store.lookup_many([[k] for k in args.chain])
+        rows = [{"position": i, "key": k.hex(), "block": "live" if r.hit_blocks else "absent",
+                 "swa": "live" if r.swa_at else ("absent" if r.hit_blocks else "unknown")}
+                for i, (k, r) in enumerate(zip(args.chain, singles))]
+        return _chain_outcome(store, args.chain, rows)
+    d = store.stats()
+    return Outcome(ExitCode.OK, d, _stats_text(d))
+
+
+def run_inspect(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
+    return _inspect_embedded(store, args) if _is_embedded(store) else _inspect_remote(store, args)
+
+
+# ----------------------------------------------------------------------------- gc
+def _configure_gc(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true", help="report what would be removed; change nothing")
+
+
+def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
+    d = _call_with_progress(store.gc, progress, dry_run=args.dry_run)
+    verb = "would reclaim" if args.dry_run else "reclaimed"
+    text = (f"gc{' (dry run)' if args.dry_run else ''}: expired {d.get('expired', 0)}, evicted "
+            f"{d.get('evicted', 0)}, purged {d.get('purged', 0)} deleted, orphans {d.get('orphans', 0)}; "
+            f"{verb} {fmt_bytes(d.get('reclaimed_bytes', 0))} ({d.get('reclaimed_bytes', 0)} bytes); "
+            f"used {fmt_bytes(d.get('used_bytes'))}")
+    return Outcome(ExitCode.OK, d, text)
+
+
+# ----------------------------------------------------------------------------- verify / repair
+def _configure_none(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _entries_known(store: KVStore) -> int:
+    s = store.stats()
+    return int(s.get("entries", 0)) + int(s.get("lost_entries", 0))
+
+
+def run_verify(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
+    checked = _entries_known(store)
+    problems = [_problem_dict(p) for p in _call_with_progress(store.check, progress, fix=False)]
+    counts = Counter(p["kind"] for p in problems)
+    lost = sorted({(p["entry_kind"], p["key"]) for p in problems if p["kind"] == "lost_entry"})
+    data = {"ok": not problems, "checked_entries": checked, "problems": problems, "counts": dict(counts),
+            "lost": [{"kind": k, "key": key} for k, key in lost]}
+    lines = [f"{p['kind']:<17} {p['entry_kind'] or '-':<5} {p['key'] or '-':<32} {p['target'] or '-':<10} "
+             f"{p['detail']}" for p in problems]
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no problems"
+    lines.append(f"verify: {checked} entries checked: {summary}")
+    if lost:
+        lines.append(f"lost entries ({len(lost)}): bring their targets back, then run `kvtool repair`")
+    return Outcome(ExitCode.PROBLEMS if problems else ExitCode.OK, data, "\n".join(lines))
+
+
+def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
+    d = _call_with_progress(store.repair, progress)
+    bad = int(d.get("unfixed", 0)) + int(d.get("still_lost", 0))
+    text = (f"repair: rebuilt {d.get('rebuilt_fragments', 0)} fragments, restored {d.get('restored_entries', 0)} "
+            f"entries, removed {d.get('orphans_removed', 0)} orphans; unfixed {d.get('unfixed', 0)}, "
+            f"still lost {d.get('still_lost', 0)}")
+    if bad:
+        text += "\nsome damage remains: bring missing targets back (or add spare targets) and run repair again"
+    return Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, text)
+
+
+# ----------------------------------------------------------------------------- stats / delete
+def _flat(v: Any) -> str:
+    return "  ".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v)
+
+
+def _stats_text(d: dict) -> str:
+    lines = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            lines.append(f"{k}:")
+            lines += [f"  {kk}: {_flat(vv)}" for kk, vv in v.items()]
+        elif isinstance(v, list):
+            lines.append(f"{k}:")
+            lines += [f"  {_flat(item)}" for item in v]
+        else:
+            lines.append(f"{k}: {fmt_bytes(v) + f' ({v})' if k.endswith('_bytes') and v else v}")
+    return "\n".join(lines)
+
+
+def run_stats(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
+    d = store.stats()
+    return Outcome(ExitCode.OK, d, _stats_text(d))
+
+
+def _configure_delete(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--key", type=parse_key, metavar="HEX", required=True, help="the entry's key")
+    _kind_arg(p)
+
+
+def run_delete(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
+    kind = EntryKind.parse(args.kind).value
+    deleted = store.delete(args.key, kind=kind)
+    d = {"key": args.key.hex(), "kind": kind, "deleted": deleted}
+    text = (f"deleted {kind} entry {args.key.hex()} (its fragments go at the next `kvtool gc` after "
+            "delete_grace_s)" if deleted else f"no {kind} entry {args.key.hex()}")
+    return Outcome(ExitCode.OK if deleted else ExitCode.PROBLEMS, d, text)
+
+
+COMMANDS: dict[str, Command] = {c.name: c for c in (
+    Command("inspect", "summary of the index by kind; one entry (--key), a chain (--chain), or --parquet",
+            _configure_inspect, run_inspect),
+    Command("gc", "expire TTLs, evict above capacity, purge deleted entries and orphan fragments",
+            _configure_gc, run_gc),
+    Command("verify", "read and checksum every fragment; list missing, corrupt and lost (exit 1 if any)",
+            _configure_none, run_verify),
+    Command("repair", "rebuild missing or corrupt fragments, restore lost entries that are readable again",
+            _configure_none, run_repair),
+    Command("stats", "store statistics", _configure_none, run_stats),
+    Command("delete", "delete one entry (e.g. an SWA snapshot: --kind swa)", _configure_delete, run_delete),
+)}

@@ -1,0 +1,248 @@
+"""``RemoteStore``: the ``KVStore`` protocol over gRPC, talking to one ``kvstore serve`` daemon.
+
+``kvstore.connect("grpc://127.0.0.1:7070")`` returns one (``grpcs://`` for TLS);
+a comma-separated list of URLs returns a ``kvstore.sharded.ShardedStore``.
+
+Guarantees (same as the embedded store, see ``kvstore.api``):
+  * Every method has the embedded store's semantics and raises the same
+    ``kvstore.errors`` classes: the daemon sends the error's ``code`` in the
+    trailing metadata and ``kvstore.server.wire.error_from_rpc`` rebuilds it.
+  * Misuse that the embedded store rejects before touching data (a key that
+    is not 16 bytes, an unknown kind, a value that is not bytes-like) is
+    rejected here too, before anything is sent.
+  * A daemon that is down, restarting or too slow (``timeout_s``) raises
+    ``StoreUnavailable``; the channel reconnects by itself (backoff capped at
+    ``max_reconnect_backoff_ms``), so the next call after a restart succeeds.
+  * Oversized messages raise ``RequestTooLarge`` (an ``InvalidRequest``)
+    naming the limit, never a silent failure: both ends use
+    ``max_message_bytes``.
+
+Options (``connect`` overrides, else environment): ``token``
+(``KVSTORE_TOKEN``), ``ca_file`` (``KVSTORE_CA_FILE``), ``cert_file`` /
+``key_file`` for mutual TLS (``KVSTORE_CERT_FILE`` / ``KVSTORE_KEY_FILE``),
+``timeout_s``, ``max_message_bytes``, ``server_name`` (TLS name override).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import grpc
+
+from kvstore.api import Entry, EntryKind, Layout, LookupResult, PutItem
+from kvstore.errors import InvalidRequest, StoreClosed
+from kvstore.keys import check_key
+from kvstore.maintenance import Problem, ProblemKind
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.server.wire import error_from_rpc, layout_from_pb, layout_to_pb
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """How a client reaches a daemon (all optional)."""
+
+    token: str = ""
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    server_name: str = ""
+    timeout_s: float = 60.0
+    max_message_bytes: int = 96 * MiB
+
+    ENV = {"token": "KVSTORE_TOKEN", "ca_file": "KVSTORE_CA_FILE", "cert_file": "KVSTORE_CERT_FILE",
+           "key_file": "KVSTORE_KEY_FILE"}
+
+    @classmethod
+    def from_overrides(cls, overrides: dict[str, Any]) -> "ClientOptions":
+        fields = set(cls.__dataclass_fields__)
+        unknown = set(overrides) - fields
+        if unknown:
+            raise InvalidRequest(f"unknown grpc client option(s) {sorted(unknown)}; known: {sorted(fields)}")
+        vals = {k: os.environ[e] for k, e in cls.ENV.items() if e in os.environ}
+        vals.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**vals)
+
+
+def parse_address(url: str) -> tuple[str, bool]:
+    """``grpc://host:port`` -> ("host:port", tls=False); ``grpcs://`` -> tls=True."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("grpc", "grpcs") or ":" not in rest or not rest.rsplit(":", 1)[1].isdigit():
+        raise InvalidRequest(f"bad daemon URL {url!r}: expected grpc://HOST:PORT or grpcs://HOST:PORT")
+    return rest.rstrip("/"), scheme == "grpcs"
+
+
+def normalize_item(it: PutItem) -> pb.PutRequest:
+    """Validate one put client-side, as the embedded store does before writing, and build its message."""
+    from kvstore.store import _payload
+
+    key = check_key(it.key)
+    kind = EntryKind.parse(it.kind).value
+    mv, layout = _payload(it.value, it.layout)
+    if not isinstance(it.tokens, int) or it.tokens < 0:
+        raise InvalidRequest(f"tokens must be a non-negative int, got {it.tokens!r}")
+    if it.ttl_s is not None and it.ttl_s <= 0:
+        raise InvalidRequest(f"ttl_s must be positive (or None for the default), got {it.ttl_s}")
+    req = pb.PutRequest(key=key, value=bytes(mv), kind=kind, tokens=it.tokens)
+    if it.ttl_s is not None:
+        req.ttl_s = float(it.ttl_s)
+    layout_to_pb(layout, req.layout)
+    return req
+
+
+class RemoteStore:
+    """``kvstore.api.KVStore`` over gRPC. Thread-safe (one channel, shared)."""
+
+    def __init__(self, url: str, options: ClientOptions | None = None):
+        self.url = url
+        self.address, tls = parse_address(url)
+        self.options = o = options or ClientOptions()
+        opts = [("grpc.max_receive_message_length", o.max_message_bytes),
+                ("grpc.max_send_message_length", o.max_message_bytes),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)]
+        if o.server_name:
+            opts.append(("grpc.ssl_target_name_override", o.server_name))
+        if tls or o.ca_file:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=Path(o.ca_file).read_bytes() if o.ca_file else None,
+                private_key=Path(o.key_file).read_bytes() if o.key_file else None,
+                certificate_chain=Path(o.cert_file).read_bytes() if o.cert_file else None)
+            self._channel = grpc.secure_channel(self.address, creds, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(self.address, options=opts)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._md = (("authorization", f"Bearer {o.token}"),) if o.token else None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, method: str, req: Any, timeout_s: float | None = None) -> Any:
+        if self._closed:
+            raise StoreClosed("this store is closed; open a new one with kvstore.connect")
+        try:
+            return getattr(self._stub, method)(req, timeout=timeout_s or self.options.timeout_s, metadata=self._md)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, f"{method} on {self.url}") from err
+
+    # ------------------------------------------------------------------ writes
+    def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
+            layout: Layout | None = None, tokens: int = 0) -> bool:
+        return self._call("Put", normalize_item(PutItem(key, value, kind, ttl_s, layout, tokens))).created
+
+    def put_many(self, items: Sequence[PutItem]) -> list[bool]:
+        if not items:
+            return []
+        reqs = [normalize_item(it) for it in items]
+        return list(self._call("PutMany", pb.PutManyRequest(items=reqs)).created)
+
+    # ------------------------------------------------------------------ reads
+    def get_entry(self, key: bytes, *, kind: str = "block") -> Entry:
+        key = check_key(key)
+        k = EntryKind.parse(kind)
+        r = self._call("Get", pb.KeyRequest(key=key, kind=k.value))
+        return Entry(key, k, layout_from_pb(r.layout), int(r.tokens), r.value)
+
+    def get(self, key: bytes, *, kind: str = "block") -> bytes:
+        return self.get_entry(key, kind=kind).data
+
+    def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return []
+        r = self._call("GetMany", pb.GetManyRequest(keys=keys, kind=EntryKind.parse(kind).value))
+        return [v.value if v.found else None for v in r.values]
+
+    # ------------------------------------------------------------------ delete, pin
+    def _one(self, method: str, key: bytes, kind: str) -> bool:
+        return self._call(method, pb.KeyRequest(key=check_key(key), kind=EntryKind.parse(kind).value)).ok
+
+    def _many(self, method: str, keys: Sequence[bytes], kind: str) -> list[bool]:
+        k = EntryKind.parse(kind).value
+        reqs = [pb.KeyRequest(key=check_key(x), kind=k) for x in keys]
+        return list(self._call(method, pb.KeysRequest(keys=reqs)).ok) if reqs else []
+
+    def delete(self, key: bytes, *, kind: str = "block") -> bool:
+        return self._one("Delete", key, kind)
+
+    def pin(self, key: bytes, *, kind: str = "block") -> bool:
+        return self._one("Pin", key, kind)
+
+    def unpin(self, key: bytes, *, kind: str = "block") -> bool:
+        return self._one("Unpin", key, kind)
+
+    def delete_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
+        return self._many("DeleteMany", keys, kind)
+
+    def pin_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
+        return self._many("PinMany", keys, kind)
+
+    def unpin_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
+        return self._many("UnpinMany", keys, kind)
+
+    # ------------------------------------------------------------------ lookup
+    @staticmethod
+    def _result(r: pb.LookupReply) -> LookupResult:
+        return LookupResult(int(r.hit_blocks), int(r.swa_at) if r.HasField("swa_at") else None)
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return LookupResult(0, None)
+        return self._result(self._call("Lookup", pb.LookupRequest(keys=keys)))
+
+    def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
+        msgs = [pb.LookupRequest(keys=[check_key(k) for k in c]) for c in chains]
+        if not msgs:
+            return []
+        return [self._result(r) for r in self._call("LookupMany", pb.LookupManyRequest(chains=msgs)).results]
+
+    def probe(self, keys: Sequence[bytes]) -> tuple[bytes, bytes]:
+        """Per key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings."""
+        r = self._call("Probe", pb.LookupRequest(keys=[check_key(k) for k in keys]))
+        return r.block, r.swa
+
+    # ------------------------------------------------------------------ maintenance
+    def stats(self) -> dict:
+        return json.loads(self._call("Stats", pb.StatsRequest()).json)
+
+    def gc(self, *, dry_run: bool = False) -> dict:
+        return json.loads(self._call("Gc", pb.GcRequest(dry_run=dry_run), timeout_s=3600).json)
+
+    def check(self, fix: bool = False) -> list:
+        r = self._call("Check", pb.CheckRequest(fix=fix), timeout_s=3600)
+        return [Problem(ProblemKind(p.kind), p.key, p.entry_kind, p.target, p.detail, p.fixed) for p in r.problems]
+
+    def repair(self) -> dict:
+        return json.loads(self._call("Repair", pb.RepairRequest(), timeout_s=3600).json)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._channel.close()
+
+    def __enter__(self) -> "RemoteStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_grpc(url: str, **overrides: Any):
+    """``kvstore.connect`` opener for ``grpc://`` and ``grpcs://`` (a comma list: sharded)."""
+    opts = ClientOptions.from_overrides(overrides)
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if len(urls) > 1:
+        from kvstore.sharded import ShardedStore
+
+        return ShardedStore(urls, opts)
+    return RemoteStore(urls[0] if urls else url, opts)

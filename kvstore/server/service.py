@@ -1,0 +1,321 @@
+"""The daemon: the ``kvstore.v1.KVStore`` gRPC service over one embedded store.
+
+Who calls it: ``kvstore serve`` (``kvstore.server.cli``) and tests, as
+``Daemon(server_cfg, store_cfg).start()`` ... ``stop()``.
+
+Per call, in this order (each step for its reason):
+  1. Authenticate the bearer token (before parsing: an anonymous caller gets no
+     parser work done for it) and check admin-only methods.
+  2. Parse the raw request bytes ourselves (``request_deserializer=None``), so a
+     malformed message, bad UTF-8 included, is INVALID_ARGUMENT, not gRPC's
+     generic "exception deserializing request".
+  3. Admit the call through the ``Limiter`` (RESOURCE_EXHAUSTED when full).
+  4. Validate client keys (16 bytes) *before* mapping them to the tenant's
+     stored keys, then call the store. The store validates everything else
+     before writing anything, so a bad batch stores nothing.
+  5. A ``KVStoreError`` becomes a status + trailing metadata (``wire``); any
+     other exception is a bug: INTERNAL, logged with its traceback.
+
+Background GC runs in its own thread every ``gc_interval_s``; the store's GC
+works in bounded index transactions, so requests are not stalled behind it.
+``stop()`` drains: health goes NOT_SERVING, gRPC stops accepting calls and
+gives in-flight ones ``drain_s`` to finish, GC stops, then the store closes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore.api import LookupResult, PutItem
+from kvstore.config import StoreConfig
+from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound
+from kvstore.keys import check_key
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.server.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
+from kvstore.server.config import ServerConfig
+from kvstore.server.metrics import DaemonMetrics
+from kvstore.server.wire import kind_or_default, layout_from_pb, layout_to_pb, status_of
+
+log = logging.getLogger(__name__)
+
+SERVICE = "kvstore.v1.KVStore"
+MAX_TTL_S = 100 * 365 * 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Method:
+    request: type
+    handler: Callable[[Any, Tenant], Any]
+    admin: bool = False
+
+
+def _lookup_pb(r: LookupResult) -> pb.LookupReply:
+    out = pb.LookupReply(hit_blocks=r.hit_blocks)
+    if r.swa_at is not None:
+        out.swa_at = r.swa_at
+    return out
+
+
+class Daemon:
+    """One daemon: a gRPC server, its store, metrics and the GC thread. Thread-safe."""
+
+    def __init__(self, server_cfg: ServerConfig, store_cfg: StoreConfig, *, store: Any = None):
+        from kvstore.store import EmbeddedStore
+
+        self.cfg = server_cfg
+        self.store = store if store is not None else EmbeddedStore(store_cfg)
+        self.tokens = TokenTable()
+        if server_cfg.tokens_file:
+            secret_path = Path(server_cfg.tenant_secret_file or Path(store_cfg.data_dir) / "server" / "tenant.secret")
+            self.tokens = TokenTable.load(server_cfg.tokens_file, load_server_secret(secret_path))
+        self.limiter = Limiter(server_cfg.max_concurrent_requests, server_cfg.max_concurrent_per_tenant)
+        self.metrics = DaemonMetrics(self.store)
+        self.methods: dict[str, _Method] = {
+            "Put": _Method(pb.PutRequest, self._put),
+            "PutMany": _Method(pb.PutManyRequest, self._put_many),
+            "Get": _Method(pb.KeyRequest, self._get),
+            "GetMany": _Method(pb.GetManyRequest, self._get_many),
+            "Delete": _Method(pb.KeyRequest, self._one("delete")),
+            "DeleteMany": _Method(pb.KeysRequest, self._many("delete")),
+            "Pin": _Method(pb.KeyRequest, self._one("pin")),
+            "PinMany": _Method(pb.KeysRequest, self._many("pin")),
+            "Unpin": _Method(pb.KeyRequest, self._one("unpin")),
+            "UnpinMany": _Method(pb.KeysRequest, self._many("unpin")),
+            "Lookup": _Method(pb.LookupRequest, self._lookup),
+            "LookupMany": _Method(pb.LookupManyRequest, self._lookup_many),
+            "Probe": _Method(pb.LookupRequest, self._probe),
+            "Stats": _Method(pb.StatsRequest, self._stats, admin=True),
+            "Gc": _Method(pb.GcRequest, self._gc, admin=True),
+            "Check": _Method(pb.CheckRequest, self._check, admin=True),
+            "Repair": _Method(pb.RepairRequest, self._repair, admin=True),
+        }
+        opts = [("grpc.max_receive_message_length", server_cfg.max_message_bytes),
+                ("grpc.max_send_message_length", server_cfg.max_message_bytes),
+                ("grpc.so_reuseport", 0)]
+        self._pool = ThreadPoolExecutor(max_workers=server_cfg.workers, thread_name_prefix="kvstore-rpc")
+        self.server = grpc.server(self._pool, options=opts)
+        handlers = {name: grpc.unary_unary_rpc_method_handler(
+            self._behaviour(name, m), request_deserializer=None,
+            response_serializer=lambda msg: msg.SerializeToString()) for name, m in self.methods.items()}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        bind = f"{server_cfg.host}:{server_cfg.port}"
+        if server_cfg.tls:
+            creds = grpc.ssl_server_credentials(
+                [(Path(server_cfg.tls_key).read_bytes(), Path(server_cfg.tls_cert).read_bytes())],
+                root_certificates=Path(server_cfg.tls_client_ca).read_bytes() if server_cfg.tls_client_ca else None,
+                require_client_auth=bool(server_cfg.tls_client_ca))
+            self.port = self.server.add_secure_port(bind, creds)
+        else:
+            self.port = self.server.add_insecure_port(bind)
+        if not self.port:
+            self.store.close()
+            raise InvalidRequest(f"cannot listen on {bind} (in use, or not a local address)")
+        self._stop_gc = threading.Event()
+        self._gc_thread: threading.Thread | None = None
+        self._stopped = False
+        self._stop_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ life cycle
+    @property
+    def address(self) -> str:
+        scheme = "grpcs" if self.cfg.tls else "grpc"
+        return f"{scheme}://{self.cfg.host}:{self.port}"
+
+    def start(self) -> "Daemon":
+        self.server.start()
+        if self.cfg.metrics_port >= 0:
+            self.metrics.serve(self.cfg.host, self.cfg.metrics_port)
+        if self.cfg.gc_interval_s > 0:
+            self._gc_thread = threading.Thread(target=self._gc_loop, name="kvstore-gc", daemon=True)
+            self._gc_thread.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        log.info("kvstore daemon serving %s (tls=%s auth=%s)", self.address, self.cfg.tls, self.tokens.enabled)
+        return self
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain and close; idempotent. In-flight calls get ``grace_s`` (default ``drain_s``)."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        grace = self.cfg.drain_s if grace_s is None else grace_s
+        self.health.enter_graceful_shutdown()
+        done = self.server.stop(grace)
+        done.wait(grace + 5)
+        self._stop_gc.set()
+        if self._gc_thread is not None:
+            self._gc_thread.join()
+        self.metrics.close()
+        self._pool.shutdown(wait=True)
+        self.store.close()
+        log.info("kvstore daemon %s stopped", self.address)
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+    def _gc_loop(self) -> None:
+        while not self._stop_gc.wait(self.cfg.gc_interval_s):
+            try:
+                self.metrics.gc_done(self.store.gc())
+            except Exception:  # noqa: BLE001 - a failed pass is logged; the next one retries
+                log.exception("background gc failed")
+
+    # ------------------------------------------------------------------ dispatch
+    def _behaviour(self, name: str, m: _Method) -> Callable[[bytes, grpc.ServicerContext], Any]:
+        def behaviour(raw: bytes, context: grpc.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            code = "OK"
+            try:
+                tenant = self.tokens.authenticate(context.invocation_metadata())
+                if m.admin:
+                    require_admin(tenant, name)
+                try:
+                    req = m.request.FromString(raw)
+                except (DecodeError, ValueError) as exc:
+                    raise InvalidRequest(f"malformed {name} request ({len(raw)} bytes): {exc}") from exc
+                self.limiter.acquire(tenant.name)
+                self.metrics.inflight.inc()
+                try:
+                    return m.handler(req, tenant)
+                finally:
+                    self.metrics.inflight.dec()
+                    self.limiter.release(tenant.name)
+            except KVStoreError as exc:
+                status, md = status_of(exc)
+                code = status.name
+                context.set_trailing_metadata(md)
+                context.abort(status, str(exc))
+            except Exception as exc:  # noqa: BLE001 - anything untyped is a bug; say so
+                log.exception("%s failed", name)
+                code = "INTERNAL"
+                status, md = status_of(InternalError(str(exc)))
+                context.set_trailing_metadata(md)
+                context.abort(status, f"internal error in {name} (a kvstore bug; see the daemon log): {exc}")
+            finally:
+                self.metrics.observe(name, code, time.perf_counter() - t0)
+
+        return behaviour
+
+    # ------------------------------------------------------------------ helpers
+    def _batch(self, n: int, what: str) -> None:
+        if n > self.cfg.max_batch_items:
+            raise InvalidRequest(f"{what} of {n} items is over max_batch_items={self.cfg.max_batch_items}; split it")
+
+    @staticmethod
+    def _key(tenant: Tenant, key: bytes) -> bytes:
+        return tenant.store_key(check_key(key))  # validate the client's key before mapping it
+
+    def _item(self, r: pb.PutRequest, tenant: Tenant) -> PutItem:
+        ttl = r.ttl_s if r.HasField("ttl_s") else None
+        if ttl is not None and not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL_S):
+            raise InvalidRequest(f"ttl_s must be positive and at most {MAX_TTL_S:.0f} s, got {ttl}")
+        if not 0 <= r.tokens < 2**32:
+            raise InvalidRequest(f"tokens must be in [0, 2**32), got {r.tokens}")
+        layout = layout_from_pb(r.layout) if r.HasField("layout") else None
+        return PutItem(self._key(tenant, r.key), r.value, kind_or_default(r.kind), ttl, layout, int(r.tokens))
+
+    # ------------------------------------------------------------------ handlers
+    def _put(self, r: pb.PutRequest, tenant: Tenant) -> pb.PutReply:
+        created = self.store.put_many([self._item(r, tenant)])[0]
+        if created:
+            self.metrics.bytes_in.inc(len(r.value))
+        return pb.PutReply(created=created)
+
+    def _put_many(self, r: pb.PutManyRequest, tenant: Tenant) -> pb.PutManyReply:
+        self._batch(len(r.items), "put_many")
+        created = self.store.put_many([self._item(it, tenant) for it in r.items])
+        self.metrics.bytes_in.inc(sum(len(it.value) for it, c in zip(r.items, created) if c))
+        return pb.PutManyReply(created=created)
+
+    def _get(self, r: pb.KeyRequest, tenant: Tenant) -> pb.GetReply:
+        kind = kind_or_default(r.kind)
+        try:
+            e = self.store.get_entry(self._key(tenant, r.key), kind=kind)
+        except NotFound:
+            self.metrics.hit("get", kind, False)
+            raise
+        self.metrics.hit("get", kind, True)
+        self.metrics.bytes_out.inc(len(e.data))
+        out = pb.GetReply(value=e.data, tokens=e.tokens, kind=e.kind.value)
+        layout_to_pb(e.layout, out.layout)
+        return out
+
+    def _get_many(self, r: pb.GetManyRequest, tenant: Tenant) -> pb.GetManyReply:
+        self._batch(len(r.keys), "get_many")
+        kind = kind_or_default(r.kind)
+        vals = self.store.get_many([self._key(tenant, k) for k in r.keys], kind=kind)
+        hits = sum(v is not None for v in vals)
+        self.metrics.hit("get", kind, True, hits)
+        self.metrics.hit("get", kind, False, len(vals) - hits)
+        self.metrics.bytes_out.inc(sum(len(v) for v in vals if v is not None))
+        return pb.GetManyReply(values=[pb.MaybeValue(found=False) if v is None else pb.MaybeValue(found=True, value=v)
+                                       for v in vals])
+
+    def _one(self, op: str) -> Callable[[pb.KeyRequest, Tenant], pb.BoolReply]:
+        def handler(r: pb.KeyRequest, tenant: Tenant) -> pb.BoolReply:
+            return pb.BoolReply(ok=getattr(self.store, op)(self._key(tenant, r.key), kind=kind_or_default(r.kind)))
+        return handler
+
+    def _many(self, op: str) -> Callable[[pb.KeysRequest, Tenant], pb.BoolsReply]:
+        def handler(r: pb.KeysRequest, tenant: Tenant) -> pb.BoolsReply:
+            self._batch(len(r.keys), f"{op}_many")
+            args = [(self._key(tenant, k.key), kind_or_default(k.kind)) for k in r.keys]  # validate all first
+            fn = getattr(self.store, op)
+            return pb.BoolsReply(ok=[fn(key, kind=kind) for key, kind in args])
+        return handler
+
+    def _lookup_one(self, keys: Any, tenant: Tenant) -> LookupResult:
+        self._batch(len(keys), "lookup chain")
+        res = self.store.lookup([self._key(tenant, k) for k in keys])
+        self.metrics.hit("lookup", "block", res.hit_blocks > 0)
+        self.metrics.hit("lookup", "swa", res.swa_at is not None)
+        return res
+
+    def _lookup(self, r: pb.LookupRequest, tenant: Tenant) -> pb.LookupReply:
+        return _lookup_pb(self._lookup_one(r.keys, tenant))
+
+    def _lookup_many(self, r: pb.LookupManyRequest, tenant: Tenant) -> pb.LookupManyReply:
+        self._batch(len(r.chains), "lookup_many")
+        self._batch(sum(len(c.keys) for c in r.chains), "lookup_many (keys in all chains)")
+        return pb.LookupManyReply(results=[_lookup_pb(self._lookup_one(c.keys, tenant)) for c in r.chains])
+
+    def _probe(self, r: pb.LookupRequest, tenant: Tenant) -> pb.ProbeReply:
+        self._batch(len(r.keys), "probe")
+        # A one-key chain's lookup says whether the block is live and, if so, whether its SWA is.
+        res = self.store.lookup_many([[self._key(tenant, k)] for k in r.keys])
+        return pb.ProbeReply(block=bytes(x.hit_blocks for x in res),
+                             swa=bytes(1 if x.swa_at else 0 for x in res))
+
+    def _stats(self, r: pb.StatsRequest, tenant: Tenant) -> pb.JsonReply:
+        s = dict(self.store.stats())
+        s["daemon"] = {"address": self.address, "tls": self.cfg.tls, "auth": self.tokens.enabled,
+                       "in_flight": self.limiter.in_flight, "gc_interval_s": self.cfg.gc_interval_s}
+        return pb.JsonReply(json=json.dumps(s, default=str))
+
+    def _gc(self, r: pb.GcRequest, tenant: Tenant) -> pb.JsonReply:
+        out = self.store.gc(dry_run=r.dry_run)
+        if not r.dry_run:
+            self.metrics.gc_done(out)
+        return pb.JsonReply(json=json.dumps(out, default=str))
+
+    def _check(self, r: pb.CheckRequest, tenant: Tenant) -> pb.CheckReply:
+        problems = self.store.check(fix=r.fix)
+        return pb.CheckReply(problems=[pb.Problem(**p.as_dict()) for p in problems])
+
+    def _repair(self, r: pb.RepairRequest, tenant: Tenant) -> pb.JsonReply:
+        return pb.JsonReply(json=json.dumps(self.store.repair(), default=str))

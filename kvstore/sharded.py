@@ -1,0 +1,217 @@
+"""``ShardedStore``: one ``KVStore`` over several daemons, keys spread by rendezvous hashing.
+
+``kvstore.connect("grpc://h1:p1,grpc://h2:p2,grpc://h3:p3")`` returns one.
+
+Placement: a key's owner is the shard with the highest
+``xxh3_64(key || shard URL)`` (rendezvous hashing, as ``kvstore.placement``
+does for fragments). Every client computes the same owner with no shared
+state; adding a shard moves only the keys it now wins. A block entry and the
+SWA entry at the same key share an owner (the kind is not hashed), so one
+``Probe`` answers both for a key.
+
+Lookup across shards (why it stays exact): a chain's keys usually live on
+different shards, so no single daemon can compute the longest prefix. The
+client groups the chain's positions by owner, sends one ``Probe`` per shard
+in parallel ("is keys[i] a live block? a live SWA?"), then walks the answers
+in chain order and stops at the first missing block; ``swa_at`` is the last
+SWA at or before that point. One round trip (the slowest shard) per lookup;
+``lookup_many`` batches every chain's keys into that same one round.
+
+Failure semantics: a batch spanning shards is sent to each shard in
+parallel; every item is validated client-side first, so bad input stores
+nothing anywhere, but a shard that is *down* fails the call with
+``StoreUnavailable`` while the other shards may already have stored their
+part (a retry is safe: puts are idempotent). The sum of ``stats`` and
+``gc`` over shards is returned with the per-shard detail under ``shards``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+import xxhash
+
+from kvstore.api import Entry, Layout, LookupResult, PutItem
+from kvstore.errors import InvalidRequest
+from kvstore.keys import check_key
+from kvstore.remote import ClientOptions, RemoteStore, normalize_item
+
+
+def _sum_into(acc: dict, d: dict) -> None:
+    """Add numeric leaves of ``d`` into ``acc`` (recursively); other values are left out."""
+    for k, v in d.items():
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)):
+            acc[k] = acc.get(k, 0) + v
+        elif isinstance(v, dict):
+            _sum_into(acc.setdefault(k, {}), v)
+
+
+class ShardedStore:
+    """``kvstore.api.KVStore`` over N ``RemoteStore`` shards. Thread-safe."""
+
+    def __init__(self, urls: Sequence[str], options: ClientOptions | None = None):
+        if len(set(urls)) != len(urls) or not urls:
+            raise InvalidRequest(f"shard URLs must be distinct and non-empty, got {list(urls)}")
+        self.urls = list(urls)
+        self.shards = [RemoteStore(u, options) for u in self.urls]
+        self._names = [u.encode() for u in self.urls]
+        self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(urls)), thread_name_prefix="kvstore-shard")
+
+    # ------------------------------------------------------------------ placement
+    def owner(self, key: bytes) -> int:
+        """Index of the shard that owns ``key`` (rendezvous hashing)."""
+        best, best_i = -1, 0
+        for i, n in enumerate(self._names):
+            s = xxhash.xxh3_64_intdigest(key + n)
+            if s > best:
+                best, best_i = s, i
+        return best_i
+
+    def shard_for(self, key: bytes) -> RemoteStore:
+        return self.shards[self.owner(check_key(key))]
+
+    def _scatter(self, positions: dict[int, list[int]], fn: Callable[[RemoteStore, list[int]], list]) -> dict[int, Any]:
+        """Run ``fn(shard, positions)`` per shard in parallel; return {position: result}."""
+        futs = {s: self._pool.submit(fn, self.shards[s], pos) for s, pos in positions.items()}
+        out: dict[int, Any] = {}
+        first_exc: BaseException | None = None
+        for s, f in futs.items():
+            try:
+                out.update(zip(positions[s], f.result()))
+            except BaseException as exc:  # wait for every shard, then raise the first failure
+                first_exc = first_exc or exc
+        if first_exc is not None:
+            raise first_exc
+        return out
+
+    def _group(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, k in enumerate(keys):
+            groups[self.owner(k)].append(i)
+        return groups
+
+    # ------------------------------------------------------------------ single-key calls
+    def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
+            layout: Layout | None = None, tokens: int = 0) -> bool:
+        return self.shard_for(key).put(key, value, kind=kind, ttl_s=ttl_s, layout=layout, tokens=tokens)
+
+    def get(self, key: bytes, *, kind: str = "block") -> bytes:
+        return self.shard_for(key).get(key, kind=kind)
+
+    def get_entry(self, key: bytes, *, kind: str = "block") -> Entry:
+        return self.shard_for(key).get_entry(key, kind=kind)
+
+    def delete(self, key: bytes, *, kind: str = "block") -> bool:
+        return self.shard_for(key).delete(key, kind=kind)
+
+    def pin(self, key: bytes, *, kind: str = "block") -> bool:
+        return self.shard_for(key).pin(key, kind=kind)
+
+    def unpin(self, key: bytes, *, kind: str = "block") -> bool:
+        return self.shard_for(key).unpin(key, kind=kind)
+
+    # ------------------------------------------------------------------ batches
+    def put_many(self, items: Sequence[PutItem]) -> list[bool]:
+        for it in items:
+            normalize_item(it)  # validate everything before any shard stores anything
+        groups = self._group([it.key for it in items])
+        got = self._scatter(groups, lambda sh, pos: sh.put_many([items[i] for i in pos]))
+        return [got[i] for i in range(len(items))]
+
+    def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:
+        keys = [check_key(k) for k in keys]
+        got = self._scatter(self._group(keys), lambda sh, pos: sh.get_many([keys[i] for i in pos], kind=kind))
+        return [got[i] for i in range(len(keys))]
+
+    def _by_key(self, op: str, keys: Sequence[bytes], kind: str) -> list[bool]:
+        keys = [check_key(k) for k in keys]
+        got = self._scatter(self._group(keys),
+                            lambda sh, pos: getattr(sh, op)([keys[i] for i in pos], kind=kind))
+        return [got[i] for i in range(len(keys))]
+
+    def delete_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
+        return self._by_key("delete_many", keys, kind)
+
+    def pin_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
+        return self._by_key("pin_many", keys, kind)
+
+    def unpin_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
+        return self._by_key("unpin_many", keys, kind)
+
+    # ------------------------------------------------------------------ lookup
+    def _probe_all(self, keys: list[bytes]) -> tuple[list[int], list[int]]:
+        def probe(sh: RemoteStore, pos: list[int]) -> list[tuple[int, int]]:
+            block, swa = sh.probe([keys[i] for i in pos])
+            return list(zip(block, swa))
+
+        got = self._scatter(self._group(keys), probe) if keys else {}
+        return [got[i][0] for i in range(len(keys))], [got[i][1] for i in range(len(keys))]
+
+    @staticmethod
+    def _walk(block: Sequence[int], swa: Sequence[int]) -> LookupResult:
+        hit = 0
+        while hit < len(block) and block[hit]:
+            hit += 1
+        swa_at = next((n for n in range(hit, 0, -1) if swa[n - 1]), None)
+        return LookupResult(hit, swa_at)
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        return self.lookup_many([keys])[0]
+
+    def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
+        flat: list[bytes] = []
+        bounds: list[tuple[int, int]] = []
+        for c in chains:
+            start = len(flat)
+            flat.extend(check_key(k) for k in c)
+            bounds.append((start, len(flat)))
+        block, swa = self._probe_all(flat)
+        return [self._walk(block[a:b], swa[a:b]) for a, b in bounds]
+
+    # ------------------------------------------------------------------ maintenance
+    def _each(self, fn: Callable[[RemoteStore], Any]) -> list[Any]:
+        return list(self._pool.map(fn, self.shards))
+
+    def stats(self) -> dict:
+        per = self._each(lambda s: s.stats())
+        out: dict[str, Any] = {}
+        for st in per:
+            _sum_into(out, {k: st.get(k, 0) for k in ("entries", "used_bytes", "capacity_bytes", "lost_entries",
+                                                      "graveyard_entries", "by_kind", "counters")})
+        out["shards"] = dict(zip(self.urls, per))
+        return out
+
+    def gc(self, *, dry_run: bool = False) -> dict:
+        per = self._each(lambda s: s.gc(dry_run=dry_run))
+        out: dict[str, Any] = {}
+        for g in per:
+            _sum_into(out, g)
+        out["shards"] = dict(zip(self.urls, per))
+        return out
+
+    def check(self, fix: bool = False) -> list:
+        per = self._each(lambda s: s.check(fix=fix))
+        return [replace(p, target=f"{url}/{p.target}" if p.target else url) for url, ps in zip(self.urls, per)
+                for p in ps]
+
+    def repair(self) -> dict:
+        out: dict[str, Any] = {}
+        for r in self._each(lambda s: s.repair()):
+            _sum_into(out, r)
+        return out
+
+    def close(self) -> None:
+        for s in self.shards:
+            s.close()
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> "ShardedStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

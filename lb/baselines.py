@@ -1,0 +1,157 @@
+"""Baseline prefill routers, written from their public descriptions (see FACTS.md).
+
+Role
+    The peers that ``lb.prefill.KVStackPrefillPolicy`` is compared against in
+    ``tools/replay_trace.py`` and the tests. Each class has the same
+    interface as every prefill policy: ``choose(req, instances) -> Decision``,
+    registered by name in ``lb.registry``. They read only what their public
+    description says they read:
+
+    ============== ===========================================================
+    round_robin    next healthy instance in id order, ignoring everything else
+    least_loaded   fewest pending prefill tokens (queued + rest of running)
+    sglang         SGLang router: if loads are imbalanced ((max - min) > 64
+                   and max > 1.5 x min, load = queued requests) -> shortest
+                   queue; else if the best device-cache match ratio > 0.3 ->
+                   the best match; else the instance with the smallest cache
+                   (most free room), ties by load
+    dynamo         Dynamo KV router: cost = w x (uncached prefill blocks of
+                   this request, device cache only) + (active blocks already
+                   on the instance); lowest wins
+    mooncake       Mooncake Algorithm 1: TTFT = transfer of the missing
+                   prefix + queueing + prefill of the rest; lowest wins;
+                   reject when the TTFT SLO can not be met
+    ============== ===========================================================
+
+    Deviations, on purpose: "active blocks" for Dynamo are the KV blocks of
+    the requests queued on the prefill instance (our snapshot has no decode
+    side on a prefill instance); SGLang's "smallest tree" is
+    ``device_blocks_used``. Only ``mooncake`` does admission control; the
+    others reject only when no instance is healthy.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from lb.cost_model import CostModels, load_default
+from lb.prefill import estimate_ttft, healthy_or_reason
+from lb.types import Decision, LBInputError, PrefillInstance, RouteRequest
+
+__all__ = ["RoundRobin", "LeastLoaded", "SGLangCacheAware", "DynamoCost", "Mooncake"]
+
+
+class RoundRobin:
+    """Cycle over healthy instances in snapshot order (the only state is a counter)."""
+
+    name = "round_robin"
+
+    def __init__(self, models: CostModels | None = None) -> None:
+        self._next = 0
+
+    def choose(self, req: RouteRequest, instances: Sequence[PrefillInstance]) -> Decision:
+        live, why = healthy_or_reason(instances)
+        if why:
+            return Decision(None, why)
+        pick = live[self._next % len(live)]
+        self._next += 1
+        return Decision(pick.id, "round robin")
+
+
+class LeastLoaded:
+    """Fewest pending prefill tokens; ties by snapshot order."""
+
+    name = "least_loaded"
+
+    def __init__(self, models: CostModels | None = None) -> None:
+        pass
+
+    def choose(self, req: RouteRequest, instances: Sequence[PrefillInstance]) -> Decision:
+        live, why = healthy_or_reason(instances)
+        if why:
+            return Decision(None, why)
+        est = {i.id: float(i.pending_tokens) for i in live}
+        pick = min(live, key=lambda i: est[i.id])
+        return Decision(pick.id, f"least pending tokens ({est[pick.id]:.0f})", est)
+
+
+class SGLangCacheAware:
+    """SGLang router's cache-aware policy with its imbalance fallback."""
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        models: CostModels | None = None,
+        *,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+    ) -> None:
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise LBInputError("SGLangCacheAware.cache_threshold must be in [0, 1]")
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+
+    def choose(self, req: RouteRequest, instances: Sequence[PrefillInstance]) -> Decision:
+        live, why = healthy_or_reason(instances)
+        if why:
+            return Decision(None, why)
+        loads = {i.id: i.queued_requests for i in live}
+        lo, hi = min(loads.values()), max(loads.values())
+        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
+            pick = min(live, key=lambda i: loads[i.id])
+            return Decision(pick.id, f"imbalanced (max {hi}, min {lo}): shortest queue", dict(loads))
+        denom = max(1, req.prompt_tokens)
+        ratio = {i.id: req.cached_tokens(req.hit_of(i.id).device) / denom for i in live}
+        best = max(live, key=lambda i: (ratio[i.id], -loads[i.id]))
+        if ratio[best.id] > self.cache_threshold:
+            return Decision(best.id, f"cache match {ratio[best.id]:.2f} > {self.cache_threshold}",
+                            {k: -v for k, v in ratio.items()})
+        pick = min(live, key=lambda i: (i.device_blocks_used, loads[i.id]))
+        return Decision(pick.id, "no good match: smallest cache", {k: -v for k, v in ratio.items()})
+
+
+class DynamoCost:
+    """Dynamo KV router: ``w * uncached blocks + active blocks``, lowest wins."""
+
+    name = "dynamo"
+
+    def __init__(self, models: CostModels | None = None, *, overlap_weight: float = 1.0) -> None:
+        if overlap_weight < 0:
+            raise LBInputError("DynamoCost.overlap_weight must be >= 0")
+        self.w = overlap_weight
+
+    def choose(self, req: RouteRequest, instances: Sequence[PrefillInstance]) -> Decision:
+        live, why = healthy_or_reason(instances)
+        if why:
+            return Decision(None, why)
+        bt = req.block_tokens
+        cost = {}
+        for i in live:
+            uncached = req.num_blocks - req.hit_of(i.id).device
+            active = sum((q.suffix_tokens + q.cached_tokens + bt - 1) // bt for q in i.queue)
+            cost[i.id] = self.w * uncached + active
+        pick = min(live, key=lambda i: cost[i.id])
+        return Decision(pick.id, f"lowest Dynamo cost {cost[pick.id]:.1f}", cost)
+
+
+class Mooncake:
+    """Mooncake Algorithm 1: lowest TTFT = transfer + queue + prefill; reject if over the SLO."""
+
+    name = "mooncake"
+
+    def __init__(self, models: CostModels | None = None) -> None:
+        self.models = models or load_default()
+
+    def choose(self, req: RouteRequest, instances: Sequence[PrefillInstance]) -> Decision:
+        live, why = healthy_or_reason(instances)
+        if why:
+            return Decision(None, why)
+        ests = [estimate_ttft(req, i, self.models) for i in live]
+        best = min(ests, key=lambda e: e.ttft_s)
+        estimates = {e.instance_id: e.ttft_s for e in ests}
+        if req.ttft_slo_ms is not None and best.ttft_s * 1e3 > req.ttft_slo_ms:
+            return Decision(None, f"TTFT SLO {req.ttft_slo_ms:.0f} ms not met; best is {best.describe()}", estimates)
+        return Decision(best.instance_id, f"lowest TTFT; {best.describe()}", estimates)

@@ -1,0 +1,452 @@
+"""Discrete-event simulation of P/D instances with tiered prefix caches, driven by lb/ policies.
+
+Role
+    ``tools/replay_trace.py`` (and the tests) parse a Mooncake-format trace
+    with :func:`parse_trace`, build a :class:`SimConfig`, and call
+    :func:`simulate` once per policy. The same ``lb`` policy objects as in
+    production receive snapshots (``PrefillInstance``, ``RouteRequest``,
+    ``DecodeInstance``) built from the simulated state. Pure Python + the
+    cost model: no I/O (the caller reads files and draws the progress bar
+    through the ``progress`` callback).
+
+Model (one heap of timed events; ties: completions before arrivals)
+    1. *Arrival* at ``timestamp_ms / 1000 / speedup``: hits per instance are
+       looked up (device LRU, host LRU of that instance; the shared store
+       LRU), the prefill policy chooses; a rejection is final (counted as an
+       SLO miss). The request joins that instance's FIFO queue.
+    2. *Prefill start*: hits are looked up again (the cache may have warmed
+       meanwhile); the usable prefix is the longest run of blocks present in
+       some tier, each loaded from its fastest tier; service time =
+       ``TransferModel.fetch_s`` + ``PrefillCostModel.predict`` (times an
+       optional log-normal noise). Hit blocks are touched in their tiers.
+    3. *Prefill end*: all the request's blocks enter the device LRU (evicted
+       blocks spill to the host LRU) and the shared store LRU (saved after
+       prefill). TTFT = end - arrival. The decode policy places it (memory
+       only; a request that does not fit waits for a decode to finish).
+    4. *Decode*: a fluid model per decode instance; steps advance at rate
+       ``1 / DecodeCostModel.predict(batch tokens, batch requests)``, the
+       batch changes on joins/leaves; TBT = decode time / output tokens.
+
+Hit ratios (blocks, prefix semantics: a block counts only if every block
+before it in the request also hit) are reported with two references computed
+over the same requests in arrival order: *ideal* (infinite cache) and an
+*LRU oracle*: one independent LRU of the store's capacity, touched at
+arrival. See :func:`reference_hit_ratios`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from lb.cost_model import CostModels, load_default
+from lb.types import (
+    BLOCK_TOKENS, DecodeInstance, DecodeRequest, LBInputError, PrefillInstance, PrefixHits, QueuedPrefill,
+    RouteRequest, TierBandwidth,
+)
+
+__all__ = ["TraceRequest", "parse_trace", "LRU", "SimConfig", "SimResult", "simulate", "reference_hit_ratios",
+           "prefix_hits_lru"]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One Mooncake trace line: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``."""
+
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple
+
+
+def parse_trace(lines: Iterable[str], limit: int | None = None) -> list[TraceRequest]:
+    """Parse JSON lines; blank lines are skipped; a bad line raises LBInputError naming its number."""
+    out: list[TraceRequest] = []
+    for n, line in enumerate(lines, 1):
+        if limit is not None and len(out) >= limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            out.append(TraceRequest(float(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
+                                    tuple(d["hash_ids"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise LBInputError(f"trace line {n} is not Mooncake format "
+                               f"(timestamp, input_length, output_length, hash_ids): {exc}") from exc
+    return out
+
+
+class LRU:
+    """Block-hash LRU of ``capacity`` blocks (None = unbounded, 0 = holds nothing).
+
+    ``__contains__`` has no side effect; ``touch`` marks used; ``insert``
+    adds (or touches) and returns the evicted hashes, oldest first.
+    """
+
+    __slots__ = ("capacity", "_d")
+
+    def __init__(self, capacity: int | None) -> None:
+        if capacity is not None and capacity < 0:
+            raise LBInputError(f"LRU capacity must be >= 0 or None, got {capacity}")
+        self.capacity = capacity
+        self._d: OrderedDict = OrderedDict()
+
+    def __contains__(self, h) -> bool:
+        return h in self._d
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def touch(self, h) -> None:
+        if h in self._d:
+            self._d.move_to_end(h)
+
+    def insert(self, h) -> list:
+        if self.capacity == 0:
+            return [h]
+        if h in self._d:
+            self._d.move_to_end(h)
+            return []
+        self._d[h] = None
+        evicted = []
+        while self.capacity is not None and len(self._d) > self.capacity:
+            evicted.append(self._d.popitem(last=False)[0])
+        return evicted
+
+
+def prefix_hits_lru(reqs: Sequence[TraceRequest], capacity: int | None) -> int:
+    """Prefix-hit blocks of one LRU of ``capacity`` touched in arrival order (the oracle)."""
+    lru, hits = LRU(capacity), 0
+    for r in sorted(reqs, key=lambda r: r.timestamp_ms):
+        n = 0
+        for h in r.hash_ids:
+            if h not in lru:
+                break
+            n += 1
+        hits += n
+        for h in r.hash_ids:
+            lru.insert(h)
+    return hits
+
+
+def reference_hit_ratios(reqs: Sequence[TraceRequest], capacity: int | None) -> dict:
+    total = sum(len(r.hash_ids) for r in reqs) or 1
+    return {"ideal": prefix_hits_lru(reqs, None) / total, "lru_oracle": prefix_hits_lru(reqs, capacity) / total}
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Everything a run depends on (one per run; the policy is passed separately)."""
+
+    prefill_instances: int = 8
+    decode_instances: int = 4
+    device_capacity_blocks: int = 2000
+    host_capacity_blocks: int = 8000
+    store_capacity_blocks: int | None = 20000
+    bandwidth: TierBandwidth = field(default_factory=TierBandwidth)
+    decode_kv_capacity_bytes: int = 40 * 2**30
+    speedup: float = 1.0
+    ttft_slo_ms: float | None = 30_000.0
+    tbt_slo_ms: float | None = 100.0
+    admission: bool = True
+    service_noise: float = 0.0
+    seed: int = 0
+    block_tokens: int = BLOCK_TOKENS
+    max_wall_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_instances < 1 or self.decode_instances < 1:
+            raise LBInputError("need at least one prefill and one decode instance")
+        if self.speedup <= 0:
+            raise LBInputError("speedup must be > 0 (1 = trace time, 2 = twice the offered load)")
+        if self.service_noise < 0:
+            raise LBInputError("service_noise (sigma of log-normal noise) must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """Per-run metrics; ``to_dict`` is the JSON form written by the replay tool."""
+
+    policy: str
+    requests: int
+    served: int
+    rejected: int
+    hit_ratio: float
+    hit_tiers: dict
+    ttft_s: tuple
+    tbt_s: tuple
+    slo_attainment: float
+    ttft_attainment: float
+    busy_s: tuple
+    sim_end_s: float
+    wall_s: float
+    truncated: bool
+    reject_reasons: dict
+
+    def pct(self, what: str, q: float) -> float:
+        v = self.ttft_s if what == "ttft" else self.tbt_s
+        return float(np.percentile(v, q)) if v else math.nan
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean prefill busy time across instances (1.0 = perfectly even)."""
+        m = float(np.mean(self.busy_s)) if self.busy_s else 0.0
+        return max(self.busy_s) / m if m > 0 else 1.0
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy, "requests": self.requests, "served": self.served, "rejected": self.rejected,
+            "hit_ratio": self.hit_ratio, "hit_tiers": self.hit_tiers,
+            "ttft_p50_s": self.pct("ttft", 50), "ttft_p90_s": self.pct("ttft", 90), "ttft_p99_s": self.pct("ttft", 99),
+            "tbt_p50_ms": self.pct("tbt", 50) * 1e3, "tbt_p90_ms": self.pct("tbt", 90) * 1e3,
+            "tbt_p99_ms": self.pct("tbt", 99) * 1e3,
+            "slo_attainment": self.slo_attainment, "ttft_attainment": self.ttft_attainment,
+            "imbalance": self.imbalance, "busy_s": list(self.busy_s), "sim_end_s": self.sim_end_s,
+            "wall_s": self.wall_s, "truncated": self.truncated, "reject_reasons": self.reject_reasons,
+        }
+
+
+@dataclass(slots=True)
+class _Job:
+    idx: int
+    req: TraceRequest
+    arrival: float
+    est: QueuedPrefill  # the routing-time estimate shown to later snapshots
+    start: float = 0.0
+    end: float = 0.0
+    actual: QueuedPrefill | None = None
+
+
+class _Prefill:
+    """Simulated prefill instance: FIFO queue, device + host LRU, inflight block counter."""
+
+    def __init__(self, iid: int, cfg: SimConfig) -> None:
+        self.id = iid
+        self.device = LRU(cfg.device_capacity_blocks)
+        self.host = LRU(cfg.host_capacity_blocks)
+        self.queue: deque[_Job] = deque()
+        self.running: _Job | None = None
+        self.inflight: Counter = Counter()
+        self._inflight_frozen: frozenset | None = frozenset()
+        self.busy = 0.0
+
+    def inflight_set(self) -> frozenset:
+        if self._inflight_frozen is None:
+            self._inflight_frozen = frozenset(self.inflight)
+        return self._inflight_frozen
+
+    def add_inflight(self, blocks, sign: int) -> None:
+        for b in blocks:
+            self.inflight[b] += sign
+            if self.inflight[b] <= 0:
+                del self.inflight[b]
+        self._inflight_frozen = None
+
+
+class _Decode:
+    """Fluid decode instance: ``steps`` advance at ``1 / tbt(batch)``."""
+
+    def __init__(self, iid: int, cfg: SimConfig, models: CostModels) -> None:
+        self.id, self.cap, self.models = iid, cfg.decode_kv_capacity_bytes, models
+        self.active: dict[int, tuple[float, int, int, float]] = {}  # idx -> (target step, ctx, kv bytes, join t)
+        self.steps, self.t, self.version = 0.0, 0.0, 0
+        self.kv_used, self.batch_tokens = 0, 0
+
+    def tbt(self) -> float:
+        return max(self.models.decode.predict(self.batch_tokens, len(self.active)), 1e-6)
+
+    def advance(self, now: float) -> None:
+        if self.active:
+            self.steps += (now - self.t) / self.tbt()
+        self.t = now
+
+    def next_finish(self) -> float | None:
+        if not self.active:
+            return None
+        remaining = min(v[0] for v in self.active.values()) - self.steps
+        return self.t + max(0.0, remaining) * self.tbt()
+
+
+def simulate(
+    reqs: Sequence[TraceRequest],
+    policy,
+    cfg: SimConfig,
+    *,
+    name: str = "?",
+    models: CostModels | None = None,
+    decode_policy=None,
+    progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
+    """Replay ``reqs`` through ``policy`` (a prefill policy object) under ``cfg``; see the module docstring."""
+    from lb.decode import KVStackDecodePolicy
+
+    models = models or load_default()
+    decode_policy = decode_policy or KVStackDecodePolicy(models)
+    rng = random.Random(cfg.seed)
+    bt = cfg.block_tokens
+    pre = [_Prefill(i, cfg) for i in range(cfg.prefill_instances)]
+    dec = [_Decode(i, cfg, models) for i in range(cfg.decode_instances)]
+    store = LRU(cfg.store_capacity_blocks)
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].timestamp_ms)
+    t0 = reqs[order[0]].timestamp_ms if reqs else 0.0
+    heap: list = []
+    seq = 0
+
+    def push(t: float, kind: int, payload) -> None:
+        nonlocal seq
+        heapq.heappush(heap, (t, kind, seq, payload))
+        seq += 1
+
+    # kinds: 0 prefill end, 1 decode finish, 2 arrival (completions first on ties)
+    for i in order:
+        push((reqs[i].timestamp_ms - t0) / 1000.0 / cfg.speedup, 2, i)
+
+    ttft: dict[int, float] = {}
+    tbt: dict[int, float] = {}
+    reasons: Counter = Counter()
+    hit_blocks = Counter()
+    served_blocks = 0
+    decode_wait: deque = deque()
+    wall0 = time.monotonic()
+    truncated = False
+    done_arrivals = 0
+
+    def hits_on(p: _Prefill, r: TraceRequest) -> PrefixHits:
+        return PrefixHits.from_tiers(r.hash_ids, p.device.__contains__, p.host.__contains__, store.__contains__)
+
+    def snapshot(p: _Prefill, now: float) -> PrefillInstance:
+        q = []
+        if p.running is not None:
+            a = p.running.actual
+            dur = max(p.running.end - p.running.start, 1e-12)
+            q.append(QueuedPrefill(a.suffix_tokens, a.cached_tokens, 0.0, min(1.0, max(0.0, (p.running.end - now) / dur))))
+        q.extend(j.est for j in p.queue)
+        return PrefillInstance(p.id, tuple(q), cfg.bandwidth, True, p.inflight_set(), len(p.device))
+
+    def start_next(p: _Prefill, now: float) -> None:
+        nonlocal served_blocks
+        if p.running is not None or not p.queue:
+            return
+        job = p.queue.popleft()
+        r = job.req
+        h = hits_on(p, r)
+        for b in r.hash_ids[: h.total]:  # touch each hit block in the tier it is loaded from
+            (p.device if b in p.device else p.host if b in p.host else store).touch(b)
+        cached = min(r.input_length, h.total * bt)
+        fetch = models.transfer.fetch_s(h.host, h.store, cfg.bandwidth)
+        dur = fetch + models.prefill.predict(r.input_length, cached)
+        if cfg.service_noise > 0:
+            dur *= math.exp(rng.gauss(0.0, cfg.service_noise))
+        job.actual = QueuedPrefill(r.input_length - cached, cached, fetch)
+        job.start, job.end = now, now + dur
+        p.running = job
+        p.busy += dur
+        hit_blocks["device"] += h.device
+        hit_blocks["host"] += h.host
+        hit_blocks["store"] += h.store
+        served_blocks += len(r.hash_ids)
+        push(job.end, 0, p.id)
+
+    def place_decode(idx: int, now: float) -> bool:
+        r = reqs[idx]
+        snaps = [DecodeInstance(d.id, d.kv_used, d.cap, d.batch_tokens, len(d.active)) for d in dec]
+        dreq = DecodeRequest(r.input_length, max(1, r.output_length), None)
+        dd = decode_policy.choose(dreq, snaps)
+        if dd.chosen is None:
+            return False
+        d = dec[dd.chosen]
+        d.advance(now)
+        kv = int((r.input_length + r.output_length) * models.transfer.kv_bytes_per_token)
+        d.active[idx] = (d.steps + max(1, r.output_length), r.input_length, kv, now)
+        d.kv_used += kv
+        d.batch_tokens += r.input_length
+        d.version += 1
+        nf = d.next_finish()
+        push(nf, 1, (d.id, d.version))
+        return True
+
+    while heap:
+        if time.monotonic() - wall0 > cfg.max_wall_s:
+            truncated = True
+            break
+        now, kind, _, payload = heapq.heappop(heap)
+        if kind == 2:
+            idx = payload
+            r = reqs[idx]
+            done_arrivals += 1
+            if progress is not None and (done_arrivals % 50 == 0 or done_arrivals == len(reqs)):
+                progress(done_arrivals, len(reqs))
+            hits = {p.id: hits_on(p, r) for p in pre}
+            rr = RouteRequest(
+                r.input_length, len(r.hash_ids), hits, r.hash_ids, (),
+                cfg.ttft_slo_ms if cfg.admission else None, cfg.tbt_slo_ms if cfg.admission else None, bt,
+            )
+            dcs = policy.choose(rr, [snapshot(p, now) for p in pre])
+            if dcs.chosen is None:
+                reasons[dcs.reason.split(";")[0][:80]] += 1
+                continue
+            p = pre[dcs.chosen]
+            h = hits[p.id]
+            cached = min(r.input_length, h.total * bt)
+            est = QueuedPrefill(r.input_length - cached, cached, models.transfer.fetch_s(h.host, h.store, cfg.bandwidth))
+            p.queue.append(_Job(idx, r, now, est))
+            p.add_inflight(r.hash_ids, +1)
+            start_next(p, now)
+        elif kind == 0:
+            p = pre[payload]
+            job = p.running
+            if job is None:
+                raise RuntimeError("sim bug: prefill end event for an idle instance")
+            p.running = None
+            for b in job.req.hash_ids:
+                for ev in p.device.insert(b):
+                    p.host.insert(ev)
+                store.insert(b)
+            p.add_inflight(job.req.hash_ids, -1)
+            ttft[job.idx] = now - job.arrival
+            if not place_decode(job.idx, now):
+                decode_wait.append(job.idx)
+            start_next(p, now)
+        else:
+            did, version = payload
+            d = dec[did]
+            if version != d.version:
+                continue  # stale: the batch changed since this finish time was computed
+            d.advance(now)
+            for idx, (target, ctx, kv, joined) in list(d.active.items()):
+                if target <= d.steps + 1e-9:
+                    del d.active[idx]
+                    d.kv_used -= kv
+                    d.batch_tokens -= ctx
+                    tbt[idx] = (now - joined) / max(1, reqs[idx].output_length)
+            d.version += 1
+            nf = d.next_finish()
+            if nf is not None:
+                push(nf, 1, (d.id, d.version))
+            while decode_wait and place_decode(decode_wait[0], now):
+                decode_wait.popleft()
+
+    n = len(reqs)
+    ttft_slo = math.inf if cfg.ttft_slo_ms is None else cfg.ttft_slo_ms / 1e3
+    tbt_slo = math.inf if cfg.tbt_slo_ms is None else cfg.tbt_slo_ms / 1e3
+    ok_ttft = sum(1 for i, v in ttft.items() if v <= ttft_slo)
+    ok_both = sum(1 for i, v in ttft.items() if v <= ttft_slo and tbt.get(i, math.inf) <= tbt_slo)
+    hb = sum(hit_blocks.values())
+    return SimResult(
+        policy=name, requests=n, served=len(ttft), rejected=sum(reasons.values()),
+        hit_ratio=hb / served_blocks if served_blocks else 0.0,
+        hit_tiers={k: v / served_blocks if served_blocks else 0.0 for k, v in hit_blocks.items()},
+        ttft_s=tuple(ttft.values()), tbt_s=tuple(tbt.values()),
+        slo_attainment=ok_both / n if n else 1.0, ttft_attainment=ok_ttft / n if n else 1.0,
+        busy_s=tuple(p.busy for p in pre), sim_end_s=now if reqs else 0.0,
+        wall_s=time.monotonic() - wall0, truncated=truncated, reject_reasons=dict(reasons),
+    )

@@ -1,0 +1,190 @@
+"""Faults at load time never change the answer: corrupt, lost, wrong-sized, down, slow.
+
+Corruption is real (fragment files of a real embedded store are overwritten
+on disk); outages and delays come from ``FaultyStore``, a thin wrapper that
+delegates to a real store object and injects the fault.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import random
+import time
+
+import pytest
+
+from engine_plugin.connector import Tier
+from engine_plugin.reference import SamplingParams
+from kvstore.errors import StoreUnavailable
+
+GREEDY = SamplingParams(max_new_tokens=5)
+
+
+class FaultyStore:
+    """Delegates to a real store; ``drop``/``truncate`` keys, ``down``, ``delay_s``, ``put_delay_s``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.drop: set[bytes] = set()
+        self.truncate: set[bytes] = set()
+        self.down = False
+        self.delay_s = 0.0
+        self.put_delay_s = 0.0
+
+    def _gate(self, delay: float) -> None:
+        if self.down:
+            raise StoreUnavailable("injected outage")
+        if delay:
+            time.sleep(delay)
+
+    def lookup(self, keys):
+        self._gate(self.delay_s)
+        return self.inner.lookup(keys)
+
+    def get_many(self, keys, *, kind="block"):
+        self._gate(self.delay_s)
+        out = self.inner.get_many(keys, kind=kind)
+        return [None if k in self.drop else (v[:-4] if v is not None and k in self.truncate else v)
+                for k, v in zip(keys, out)]
+
+    def put_many(self, items):
+        self._gate(self.put_delay_s)
+        return self.inner.put_many(items)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+KIND_DIRS = {"block": "1", "swa": "2"}  # the embedded store's per-kind fragment directories
+
+
+def _corrupt(data_dir: pathlib.Path, key: bytes, kind: str | None = None) -> int:
+    """Overwrite every fragment of ``key`` (of ``kind``, or any) with garbage of the same size."""
+    n = 0
+    for f in data_dir.rglob(f"{key.hex()}*"):
+        if f.is_file() and (kind is None or f.parent.parent.name == KIND_DIRS[kind]):
+            f.write_bytes(bytes(255 - b for b in f.read_bytes()))
+            n += 1
+    assert n, f"no fragment files found for {key.hex()} under {data_dir}"
+    return n
+
+
+def _seed(rig, store, prompt, **kw):
+    eng = rig.engine(store, **kw)
+    eng.generate(prompt, GREEDY)
+    eng.connector.flush()
+    return eng
+
+
+def test_corrupt_block_on_disk_falls_back_and_is_not_matched_again(rig, store, tmp_path):
+    rng = random.Random(100)
+    prompt = rig.tokens(rng, 120)
+    a = _seed(rig, store, prompt, snapshot_end_of_input=False, snapshot_end_of_output=False)
+    _corrupt(tmp_path / "store", a.hasher.hash_blocks(prompt)[4])
+    b = rig.engine(store)
+    warm = b.generate(prompt, GREEDY)
+    rig.same(rig.cold(prompt, GREEDY), warm)
+    m = b.connector.metrics.snapshot()
+    assert b.rollbacks == 1 and m["load_errors"] == 1 and m["load_missing"] >= 1
+    assert warm.plan.hit_tokens == 64 and warm.plan.needs_replay  # re-planned at the last good block
+    c = rig.engine(store)  # the store marked the entry lost: lookups stop before it
+    again = c.generate(prompt, GREEDY)
+    assert again.hit_tokens == 64 and c.rollbacks == 0
+    rig.same(rig.cold(prompt, GREEDY), again)
+
+
+def test_corrupt_snapshot_falls_back_to_replay(rig, store, tmp_path):
+    rng = random.Random(101)
+    prompt = rig.tokens(rng, 96 + 7)
+    a = _seed(rig, store, prompt, snapshot_end_of_output=False)  # snapshot at 96
+    keys = a.hasher.hash_blocks(prompt)
+    _corrupt(tmp_path / "store", keys[5], "swa")  # the SWA entry at 96; the blocks stay good
+    b = rig.engine(store)
+    warm = b.generate(prompt, GREEDY)
+    rig.same(rig.cold(prompt, GREEDY), warm)
+    m = b.connector.metrics.snapshot()
+    assert m["load_errors"] == 1 and m["snapshot_load_failed"] == 1 and b.rollbacks == 1
+    assert warm.plan.hit_tokens == 96 and warm.plan.needs_replay  # same boundary, windows replayed
+
+
+def test_lost_or_wrong_sized_entries_at_load_time(rig, store):
+    rng = random.Random(102)
+    prompt = rig.tokens(rng, 150)
+    a = _seed(rig, store, prompt)
+    keys = a.hasher.hash_blocks(prompt)
+    faulty = FaultyStore(store)
+    faulty.drop = {keys[6]}  # lost between lookup and load
+    b = rig.engine(faulty)
+    rig.same(rig.cold(prompt, GREEDY), b.generate(prompt, GREEDY))
+    assert b.rollbacks == 1 and b.connector.metrics.get("load_missing") == 1
+    faulty.drop, faulty.truncate = set(), {keys[2]}
+    c = rig.engine(faulty)
+    warm = c.generate(prompt, GREEDY)
+    rig.same(rig.cold(prompt, GREEDY), warm)
+    assert c.connector.metrics.get("load_bad_size") == 1 and warm.plan.hit_tokens == 32
+    faulty.truncate = {keys[-1]}  # the snapshot key: the SWA entry is fine, the block is short
+    d = rig.engine(faulty)
+    rig.same(rig.cold(prompt, GREEDY), d.generate(prompt, GREEDY))
+    assert store.check() == []
+
+
+def test_store_down_runs_cold_with_a_reason_and_counters(rig, store, caplog):
+    rng = random.Random(103)
+    prompt = rig.tokens(rng, 100)
+    _seed(rig, store, prompt)
+    faulty = FaultyStore(store)
+    faulty.down = True
+    eng = rig.engine(faulty, store_backoff_s=60)
+    r1 = eng.generate(prompt, GREEDY)
+    r2 = eng.generate(prompt + [3], GREEDY)
+    eng.connector.flush()
+    for p, r in ((prompt, r1), (prompt + [3], r2)):
+        rig.same(rig.cold(p, GREEDY), r)
+    m = eng.connector.metrics.snapshot()
+    assert r1.hit_tokens == 0 and m["store_errors"] == 1 and m["store_skipped"] >= 1
+    assert m.get("saves_done", 0) == 0 and m["saves_failed"] >= 1
+    assert "StoreUnavailable" in caplog.text and "injected outage" in eng.connector.gateway.last_error
+
+
+def test_slow_store_times_out_instead_of_hanging(rig, store):
+    rng = random.Random(104)
+    prompt = rig.tokens(rng, 100)
+    _seed(rig, store, prompt)
+    faulty = FaultyStore(store)
+    faulty.delay_s = 1.5
+    eng = rig.engine(faulty, store_timeout_s=0.1, store_backoff_s=60)
+    t0 = time.monotonic()
+    r = eng.generate(prompt, GREEDY)
+    assert time.monotonic() - t0 < 1.4  # did not wait out the 1.5 s delay
+    rig.same(rig.cold(prompt, GREEDY), r)
+    assert r.hit_tokens == 0 and eng.connector.metrics.get("store_timeouts") == 1
+
+
+def test_slow_puts_drop_saves_instead_of_stalling(rig, store):
+    rng = random.Random(105)
+    faulty = FaultyStore(store)
+    faulty.put_delay_s = 0.3
+    eng = rig.engine(faulty, save_queue_depth=1, save_enqueue_timeout_s=0.01, store_timeout_s=5)
+    prompts = [rig.tokens(rng, 64) for _ in range(4)]
+    for p in prompts:
+        rig.same(rig.cold(p, GREEDY), eng.generate(p, GREEDY))
+    eng.connector.flush()
+    m = eng.connector.metrics.snapshot()
+    assert m["saves_dropped"] > 0 and m["saves_done"] > 0
+    # the engine never waited on the slow store longer than the enqueue timeout (+ scheduling slack)
+    assert m["save_enqueue_wait_max_s"] < 0.01 + 0.2
+
+
+def test_host_tier_hit_survives_a_dead_store(rig, store):
+    rng = random.Random(106)
+    prefix = rig.tokens(rng, 80)
+    faulty = FaultyStore(store)
+    eng = rig.engine(faulty)
+    eng.generate(prefix, GREEDY)
+    eng.connector.flush()
+    eng.pool.drop_cached()
+    faulty.down = True
+    prompt = prefix + [1, 2, 3]
+    warm = eng.generate(prompt, GREEDY)
+    assert warm.hit_tokens == 80 and warm.plan.snapshot_tier is Tier.HOST
+    rig.same(rig.cold(prompt, GREEDY), warm)

@@ -1,0 +1,94 @@
+"""The reference model alone: the replay span is the exact receptive field, and it is tight."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_plugin.reference import ReferenceModel, WindowState, model_preset
+from engine_plugin.reference.model import REPLAY_SPANS
+from kvstore.errors import InvalidRequest
+
+
+class _FlatKV:
+    def __init__(self, n: int, d: int):
+        self.g = torch.zeros(n, d, dtype=torch.float64)
+
+    def read(self, end):
+        return self.g[:end]
+
+    def write(self, start, g):
+        self.g[start:start + g.shape[0]] = g
+
+
+def _cold_window(model, toks, upto):
+    kv = _FlatKV(len(toks), model.cfg.d_global)
+    win = WindowState.empty(model.cfg, "cpu")
+    kv.g = kv.g.to(win.buf.dtype)
+    model.forward_chunk(torch.tensor(toks[:upto]), 0, win, kv)
+    return win, kv
+
+
+def _replayed_window(model, toks, kv, upto, span):
+    start = max(0, upto - span)
+    win = WindowState.empty(model.cfg, "cpu", end=start)
+    win.valid = 0
+    model.forward_chunk(torch.tensor(toks[start:upto]), start, win, kv, replay=True)
+    return win
+
+
+@pytest.mark.parametrize("overrides", [{}, {"window": 5, "n_swa_layers": 3, "n_cross_layers": 1},
+                                       {"window": 12, "n_swa_layers": 1, "n_cross_layers": 3}])
+def test_exact_span_rebuilds_windows_and_is_tight(overrides):
+    # float64 so that "exact" means ~1e-15, far from the error of a span one token short
+    model = ReferenceModel(model_preset("tiny", dtype="float64", **overrides))
+    c = model.cfg
+    R = model.replay_span()
+    assert R == (c.n_swa_layers + c.n_cross_layers) * (c.window - 1)
+    rng = random.Random(3)
+    toks = [rng.randrange(c.vocab_size) for _ in range(3 * R)]
+    H = 2 * R + 5
+    cold, kv = _cold_window(model, toks, H)
+    g_before = kv.g.clone()
+    exact = _replayed_window(model, toks, kv, H, R)
+    assert (exact.buf - cold.buf).abs().max() < 1e-11
+    assert torch.equal(kv.g, g_before), "replay overwrote loaded global KV"
+    short = _replayed_window(model, toks, kv, H, R - 1)  # one token less: the deepest row is wrong
+    assert (short.buf - cold.buf).abs().max() > 1e-6  # measured ~1e-3..1e-1
+
+
+def test_replay_policies_registry(model):
+    assert model.replay_span("window") == model.cfg.window
+    assert set(REPLAY_SPANS) >= {"exact", "window"}
+    with pytest.raises(InvalidRequest):
+        model.replay_span("nope")
+
+
+def test_forward_chunk_misuse(model):
+    kv = _FlatKV(8, model.cfg.d_global)
+    win = WindowState.empty(model.cfg, "cpu")
+    with pytest.raises(InvalidRequest):
+        model.forward_chunk(torch.tensor([1, 2]), 3, win, kv)
+    with pytest.raises(InvalidRequest):
+        model.forward_chunk(torch.tensor([], dtype=torch.long), 0, win, kv)
+
+
+def test_seeded_weights_and_safetensors_roundtrip(tmp_path, model):
+    again = ReferenceModel(model_preset("tiny"))
+    other = ReferenceModel(model_preset("tiny", seed=1))
+    sd, sd2 = model.state_dict(), again.state_dict()
+    assert all(torch.equal(sd[k], sd2[k]) for k in sd)
+    assert not torch.equal(sd["lm_head.weight"], other.state_dict()["lm_head.weight"])
+    path = str(tmp_path / "w.safetensors")
+    model.save_weights(path)
+    other.load_weights(path)
+    assert torch.equal(other.state_dict()["lm_head.weight"], sd["lm_head.weight"])
+
+
+def test_config_validation():
+    with pytest.raises(InvalidRequest):
+        model_preset("tiny", window=0)
+    with pytest.raises(InvalidRequest):
+        model_preset("nope")

@@ -1,0 +1,129 @@
+"""Lost targets and damaged fragments: detected, reconstructed, never returned wrong.
+Every test ends with the store's own ``check()`` clean (or listing exactly what is lost)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+
+import pytest
+
+import kvstore
+from kvstore import PutItem, Unrecoverable
+from kvstore.maintenance import ProblemKind
+
+from .conftest import assert_clean, fragment_files, value_for
+
+N = 40
+
+
+@pytest.fixture
+def full(store, keys):
+    store.put_many([PutItem(k, value_for(k, 6000)) for k in keys[:N]])
+    return store
+
+
+def _roots(store):
+    return {name: t.root for name, t in store.targets.items()}
+
+
+@pytest.mark.parametrize("down", list(itertools.combinations(range(6), 2))[::3])
+def test_any_m_targets_gone_everything_reads_back(full, keys, down):
+    roots = _roots(full)
+    for i in down:
+        os.rename(roots[f"t{i}"], roots[f"t{i}"] + ".away")
+    assert full.get_many(keys[:N]) == [value_for(k, 6000) for k in keys[:N]]
+    assert full.counters["degraded_reads"] > 0
+    assert full.lookup(keys[:N]).hit_blocks == N
+
+
+def test_m_plus_one_gone_only_the_overexposed_are_lost_then_repair(data_dir, keys, clock):
+    # 9 disks for 4+2 fragments, so that losing 3 disks loses some entries, not all.
+    targets = ",".join(f"file://{data_dir}/disks/d{i}#local#d{i}" for i in range(9))
+    full = kvstore.connect(str(data_dir), targets=targets, fsync=False, clock=clock, orphan_grace_s=0)
+    full.put_many([PutItem(k, value_for(k, 6000)) for k in keys[:N]])
+    roots = _roots(full)
+    gone = ["d0", "d1", "d2"]
+    for n in gone:
+        os.rename(roots[n], roots[n] + ".away")
+    expected_lost = {k for k in keys[:N]
+                     if sum(p.parents[2].name in gone for p in fragment_files(full, k)) > 2}
+    assert expected_lost and len(expected_lost) < N
+    for k in keys[:N]:
+        if k in expected_lost:
+            with pytest.raises(Unrecoverable) as ei:
+                full.get(k)
+            assert ei.value.key == k and set(ei.value.failed_targets) <= set(gone)
+        else:
+            assert full.get(k) == value_for(k, 6000)
+    # Lost entries are no longer matched by lookup.
+    first_lost = min(keys.index(k) for k in expected_lost)
+    assert full.lookup(keys[:N]).hit_blocks == first_lost
+    lost_reported = {p.key for p in full.check() if p.kind is ProblemKind.LOST_ENTRY}
+    assert lost_reported == {k.hex() for k in expected_lost}
+    for n in gone:
+        os.rename(roots[n] + ".away", roots[n])
+    summary = full.repair()
+    assert summary["restored_entries"] == len(expected_lost) and summary["still_lost"] == 0
+    assert full.get_many(keys[:N]) == [value_for(k, 6000) for k in keys[:N]]
+    assert full.lookup(keys[:N]).hit_blocks == N
+    assert_clean(full)
+    full.close()
+
+
+def test_repair_rebuilds_onto_a_healthy_target_when_one_never_returns(data_dir, keys, clock):
+    targets = ",".join(f"file://{data_dir}/disks/d{i}#rack{i % 3}" for i in range(8))
+    with kvstore.connect(str(data_dir), targets=targets, fsync=False, clock=clock, orphan_grace_s=0) as s:
+        s.put_many([PutItem(k, value_for(k)) for k in keys[:20]])
+        shutil.rmtree(data_dir / "disks" / "d3")
+        res = s.repair()
+        assert res["rebuilt_fragments"] > 0 and res["unfixed"] == 0
+        problems = [p for p in s.check() if p.kind is not ProblemKind.TARGET_DOWN]
+        assert problems == []
+        assert s.get_many(keys[:20]) == [value_for(k) for k in keys[:20]]
+
+
+def _flip(path, at=-10):
+    b = bytearray(path.read_bytes())
+    b[at] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "header"])
+def test_damaged_fragment_is_detected_and_reconstructed(full, keys, damage):
+    k = keys[5]
+    f = fragment_files(full, k)[1]
+    {"flip": lambda: _flip(f),
+     "truncate": lambda: f.write_bytes(f.read_bytes()[:-100]),
+     "empty": lambda: f.write_bytes(b""),
+     "header": lambda: _flip(f, 20)}[damage]()
+    assert full.get(k) == value_for(k, 6000)
+    assert full.counters["degraded_reads"] == 1
+    problems = full.check()
+    assert [(p.kind, p.key) for p in problems] == [(ProblemKind.CORRUPT_FRAGMENT, k.hex())]
+    full.check(fix=True)
+    assert_clean(full)
+
+
+def test_swapped_fragments_between_entries_are_caught(full, keys):
+    a, b = fragment_files(full, keys[1]), fragment_files(full, keys[2])
+    for i in (0, 3):
+        da, db = a[i].read_bytes(), b[i].read_bytes()
+        a[i].write_bytes(db)
+        b[i].write_bytes(da)
+    assert full.get(keys[1]) == value_for(keys[1], 6000)
+    assert full.get(keys[2]) == value_for(keys[2], 6000)
+    kinds = {(p.kind, p.key) for p in full.check()}
+    assert kinds == {(ProblemKind.CORRUPT_FRAGMENT, keys[1].hex()), (ProblemKind.CORRUPT_FRAGMENT, keys[2].hex())}
+    full.check(fix=True)
+    assert_clean(full)
+
+
+def test_every_fragment_damaged_beyond_m_is_unrecoverable_never_wrong(full, keys):
+    k = keys[7]
+    for f in fragment_files(full, k)[:3]:
+        _flip(f)
+    with pytest.raises(Unrecoverable):
+        full.get(k)
+    assert full.get_many([k, keys[8]]) == [None, value_for(keys[8], 6000)]

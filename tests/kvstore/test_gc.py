@@ -1,0 +1,148 @@
+"""GC: TTL expiry, capacity watermarks with LRU and pins, orphan sweep, grace periods.
+Time is controlled through the injected clock."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import kvstore
+from kvstore import CapacityExceeded, NotFound, PutItem
+from kvstore.index import ekey
+from kvstore.maintenance import ProblemKind
+
+from .conftest import assert_clean, fragment_files, value_for
+
+
+def test_ttl_expiry(store, keys, clock):
+    store.put(keys[0], b"short", ttl_s=10)
+    store.put(keys[1], b"long", ttl_s=1000)
+    store.put(keys[2], b"forever")
+    clock.advance(11)
+    with pytest.raises(NotFound):
+        store.get(keys[0])  # expired entries are invisible before GC runs
+    assert store.lookup(keys[:3]).hit_blocks == 0
+    dry = store.gc(dry_run=True)
+    assert dry["expired"] == 1 and store.stats()["entries"] == 3
+    out = store.gc()
+    assert out["expired"] == 1 and out["reclaimed_bytes"] > 0
+    assert store.stats()["entries"] == 2
+    assert store.get(keys[1]) == b"long"
+    assert_clean(store)
+
+
+def test_default_ttl_from_config(data_dir, keys, clock):
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, default_ttl_s=5, delete_grace_s=0) as s:
+        s.put(keys[0], b"x")
+        clock.advance(6)
+        assert s.gc()["expired"] == 1
+
+
+def test_put_over_an_expired_entry_replaces_it(store, keys, clock):
+    store.put(keys[0], b"old", ttl_s=1)
+    clock.advance(2)
+    assert store.put(keys[0], b"new") is True
+    assert store.get(keys[0]) == b"new"
+    store.gc()
+    assert_clean(store)
+
+
+def _capacity_store(data_dir, clock, cap):
+    return kvstore.connect(str(data_dir), fsync=False, clock=clock, capacity_bytes=cap, compression="none",
+                           high_watermark=0.9, low_watermark=0.5, access_flush_s=0, delete_grace_s=0,
+                           orphan_grace_s=0)
+
+
+def test_capacity_evicts_lru_and_never_pinned(data_dir, keys, clock):
+    one = None
+    with _capacity_store(data_dir, clock, 10**9) as s:
+        s.put(keys[0], value_for(keys[0], 10_000))
+        one = s.used_bytes()
+    cap = one * 10
+    import shutil
+
+    shutil.rmtree(data_dir)
+    with _capacity_store(data_dir, clock, cap) as s:
+        for i, k in enumerate(keys[:9]):
+            s.put(k, value_for(k, 10_000))
+            clock.advance(1)
+        s.pin(keys[0])
+        s.get(keys[1])  # keys[1] becomes recently used
+        clock.advance(1)
+        for k in keys[9:12]:
+            s.put(k, value_for(k, 10_000))
+            clock.advance(1)
+        assert s.used_bytes() <= cap * 0.9
+        present = {k for k in keys[:12] if s.lookup([k]).hit_blocks}
+        assert keys[0] in present  # pinned
+        assert keys[1] in present  # recently read
+        assert keys[2] not in present  # oldest unpinned went first
+        assert s.stats()["counters"]["evicted"] > 0
+        s.gc()
+        assert_clean(s)
+
+
+def test_everything_pinned_is_a_clear_error(data_dir, keys, clock):
+    with _capacity_store(data_dir, clock, 10**9) as s:
+        s.put(keys[0], value_for(keys[0], 10_000))
+        one = s.used_bytes()
+    import shutil
+
+    shutil.rmtree(data_dir)
+    with _capacity_store(data_dir, clock, one * 3) as s:
+        for k in keys[:2]:
+            s.put(k, value_for(k, 10_000))
+            s.pin(k)
+        with pytest.raises(CapacityExceeded, match="pinned"):
+            s.put(keys[2], value_for(keys[2], 10_000))
+            s.put(keys[3], value_for(keys[3], 10_000))
+
+
+def test_orphans_are_swept_after_their_grace(data_dir, keys, clock):
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, orphan_grace_s=60) as s:
+        s.put(keys[0], b"kept")
+        # Fake a crashed put: fragment-named files that no index record names, and a temp file.
+        t0 = s.targets["t0"]
+        t0.write(f"1/ab/{keys[1].hex()}.{'00' * 8}.0", b"junk", fsync=False)
+        tmp = os.path.join(t0.root, "1", "ab", ".tmp.abc.x")
+        open(tmp, "wb").write(b"partial")
+        foreign = os.path.join(t0.root, "README")
+        open(foreign, "w").write("not ours")
+        real_now = os.path.getmtime(tmp)
+        clock.t = real_now + 10
+        assert s.gc()["orphans"] == 0  # too young: may be a put in flight
+        clock.t = real_now + 61
+        assert s.gc(dry_run=True)["orphans"] == 2
+        out = s.gc()
+        assert out["orphans"] == 2 and out["reclaimed_bytes"] >= 11
+        assert os.path.exists(foreign)
+        assert s.get(keys[0]) == b"kept"
+        assert_clean(s)
+
+
+def test_deleted_fragments_outlive_the_delete_by_the_grace(data_dir, keys, clock):
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=30) as s:
+        s.put(keys[0], b"x" * 1000)
+        files = fragment_files(s, keys[0])
+        # A reader took the metadata before the delete ...
+        with s.index.env.begin() as txn:
+            meta = s.index.get_meta(txn, ekey(1, keys[0]))
+        s.delete(keys[0])
+        s.gc()
+        # ... and can still read every fragment during the grace period.
+        assert all(f.exists() for f in files)
+        assert s._read_fragment(meta, ekey(1, keys[0]), 0)
+        clock.advance(31)
+        assert s.gc()["purged"] == 1
+        assert not any(f.exists() for f in files)
+        assert_clean(s)
+
+
+def test_check_reports_orphans_and_fix_removes_them(store, keys):
+    store.put(keys[0], b"x")
+    store.targets["t2"].write(f"1/00/{keys[3].hex()}.{'11' * 8}.2", b"orphan", fsync=False)
+    probs = store.check()
+    assert [p.kind for p in probs] == [ProblemKind.ORPHAN_FRAGMENT]
+    store.check(fix=True)
+    assert_clean(store)

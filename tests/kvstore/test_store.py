@@ -1,0 +1,163 @@
+"""Embedded store: the public surface, its semantics and its misuse errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import InvalidRequest, Layout, NotFound, PutItem
+from kvstore.errors import IncompatibleFormat, StoreClosed
+
+from .conftest import assert_clean, fragment_files, value_for
+
+
+def test_put_get_round_trip_and_dedup(store, keys):
+    v = value_for(keys[0], 50_000)
+    assert store.put(keys[0], v) is True
+    assert store.get(keys[0]) == v
+    files_before = sorted(p for t in store.targets.values() for p in __import__("pathlib").Path(t.root).rglob("*"))
+    assert store.put(keys[0], v) is False  # no second copy
+    files_after = sorted(p for t in store.targets.values() for p in __import__("pathlib").Path(t.root).rglob("*"))
+    assert files_before == files_after
+    assert store.stats()["entries"] == 1
+    assert_clean(store)
+
+
+def test_fragments_go_to_k_plus_m_distinct_targets(store, keys):
+    store.put(keys[1], value_for(keys[1]))
+    files = fragment_files(store, keys[1])
+    assert len(files) == 6
+    assert len({p.parent.parent.parent for p in files}) == 6  # six distinct target roots
+
+
+def test_numpy_layout_is_kept(store, keys):
+    arr = np.arange(2 * 16 * 8, dtype=np.float16).reshape(2, 16, 8)
+    store.put(keys[2], arr, tokens=16)
+    e = store.get_entry(keys[2])
+    assert e.layout == Layout("float16", (2, 16, 8)) and e.tokens == 16
+    np.testing.assert_array_equal(e.array(), arr)
+
+
+def test_block_and_swa_entries_are_separate(store, keys):
+    store.put(keys[3], b"block-kv")
+    with pytest.raises(NotFound):
+        store.get(keys[3], kind="swa")
+    store.put(keys[3], b"window", kind="swa")
+    assert store.get(keys[3], kind="swa") == b"window"
+    assert store.get(keys[3]) == b"block-kv"
+
+
+def test_lookup_longest_prefix_and_swa_boundary(store, keys):
+    for k in keys[:10]:
+        store.put(k, b"kv")
+    store.put(keys[12], b"kv")  # after a gap: never part of the prefix
+    store.put(keys[4], b"w", kind="swa")
+    r = store.lookup(keys[:20])
+    assert (r.hit_blocks, r.swa_at, r.swa_at_boundary) == (10, 5, False)
+    store.put(keys[9], b"w", kind="swa")
+    assert store.lookup(keys[:20]).swa_at_boundary
+    assert store.lookup(keys[20:30]).hit_blocks == 0
+    assert store.lookup([]).hit_blocks == 0
+    assert [r.hit_blocks for r in store.lookup_many([keys[:3], keys[5:7], keys[10:]])] == [3, 2, 0]
+
+
+def test_lookup_has_no_side_effects(store, keys):
+    store.put(keys[0], b"x")
+    before = store.counters.copy()
+    store.lookup(keys[:5])
+    assert store.counters == before
+
+
+def test_batched_put_and_get(store, keys):
+    items = [PutItem(k, value_for(k, 3000)) for k in keys[:8]]
+    assert store.put_many(items) == [True] * 8
+    assert store.put_many(items[:2] + [PutItem(keys[8], b"new")]) == [False, False, True]
+    got = store.get_many(keys[:10])
+    assert got[:8] == [value_for(k, 3000) for k in keys[:8]]
+    assert got[8] == b"new" and got[9] is None
+
+
+def test_delete_and_pin(store, keys):
+    store.put(keys[0], b"x")
+    assert store.pin(keys[0]) and not store.pin(keys[1])
+    assert store.unpin(keys[0])
+    assert store.delete(keys[0]) is True
+    assert store.delete(keys[0]) is False
+    with pytest.raises(NotFound):
+        store.get(keys[0])
+    assert store.lookup(keys[:1]).hit_blocks == 0
+    store.gc()
+    assert_clean(store)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda s, k: s.put(b"short", b"x"), "16 bytes"),
+    (lambda s, k: s.put(k, "a string"), "bytes-like"),
+    (lambda s, k: s.put(k, b"x", kind="weird"), "unknown entry kind"),
+    (lambda s, k: s.put(k, b"x" * 10, layout=Layout("float13", (10,))), "unknown layout dtype"),
+    (lambda s, k: s.put(k, b"x" * 10, layout=Layout("float16", (10,))), "describes 20 bytes"),
+    (lambda s, k: s.put(k, b"x", ttl_s=-1), "ttl_s must be positive"),
+    (lambda s, k: s.put(k, b"x", tokens=-3), "tokens"),
+    (lambda s, k: s.get(b""), "16 bytes"),
+])
+def test_misuse_is_a_typed_error_and_writes_nothing(store, keys, call, match):
+    with pytest.raises(InvalidRequest, match=match):
+        call(store, keys[0])
+    assert store.stats()["entries"] == 0
+    assert not [p for t in store.targets.values() for p in __import__("pathlib").Path(t.root).rglob("*.*")]
+
+
+def test_payload_over_maximum(data_dir, keys):
+    with kvstore.connect(str(data_dir), max_value_bytes=1000, fsync=False) as s:
+        with pytest.raises(InvalidRequest, match="max_value_bytes"):
+            s.put(keys[0], b"x" * 1001)
+        assert s.stats()["entries"] == 0
+
+
+def test_incompatible_format_version(data_dir, keys):
+    kvstore.connect(str(data_dir), fsync=False).close()
+    (data_dir / "kvstore.json").write_text(json.dumps({"format_version": 99}))
+    with pytest.raises(IncompatibleFormat, match="format version 99"):
+        kvstore.connect(str(data_dir))
+
+
+def test_refuses_a_foreign_directory(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(InvalidRequest, match="refusing"):
+        kvstore.connect(str(tmp_path))
+
+
+def test_reopen_keeps_everything(data_dir, keys):
+    with kvstore.connect(f"file://{data_dir}", fsync=False) as s:
+        s.put_many([PutItem(k, value_for(k)) for k in keys[:5]])
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        assert s.get_many(keys[:5]) == [value_for(k) for k in keys[:5]]
+        assert s.lookup(keys).hit_blocks == 5
+
+
+def test_closed_store_says_so(data_dir, keys):
+    s = kvstore.connect(str(data_dir), fsync=False)
+    s.close()
+    with pytest.raises(StoreClosed):
+        s.get(keys[0])
+
+
+def test_config_precedence(tmp_path, monkeypatch):
+    toml = tmp_path / "c.toml"
+    toml.write_text("[store]\nec_k = 3\nec_m = 1\nzstd_level = 5\n")
+    monkeypatch.setenv("KVSTORE_EC_M", "2")
+    cfg = kvstore.load_config(toml, zstd_level=7)
+    assert (cfg.ec_k, cfg.ec_m, cfg.zstd_level) == (3, 2, 7)
+    with pytest.raises(InvalidRequest, match="unknown config field"):
+        (tmp_path / "bad.toml").write_text("eck = 3\n")
+        kvstore.load_config(tmp_path / "bad.toml")
+    with pytest.raises(InvalidRequest, match="out of range"):
+        kvstore.StoreConfig(ec_k=0)
+
+
+def test_unknown_scheme():
+    with pytest.raises(InvalidRequest, match="no store for URL scheme"):
+        kvstore.connect("ftp://x")

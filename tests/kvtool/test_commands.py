@@ -1,0 +1,144 @@
+"""kvtool subcommands in-process (``main(argv)``) and once through a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+import kvstore
+from tests.kvtool.conftest import populate, write_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_inspect_summary_json(store_dir, run_tool):
+    code, out, _ = run_tool("inspect", store_dir.path, "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert d["by_kind"]["block"]["entries"] == len(store_dir.blocks)
+    assert d["by_kind"]["swa"]["entries"] == len(store_dir.swa)
+    assert d["total"]["lost"] == 0 and d["total"]["degraded"] == 0
+    assert d["by_kind"]["block"]["plain_bytes"] == sum(len(v) for v in store_dir.blocks.values())
+    assert d["total"]["oldest_created"] <= d["total"]["newest_created"]
+    code, out, _ = run_tool("inspect", store_dir.path)
+    assert code == 0 and "block" in out and "swa" in out
+
+
+def test_inspect_key_and_chain(store_dir, run_tool):
+    key = next(iter(store_dir.swa))
+    code, out, _ = run_tool("inspect", store_dir.path, "--key", key.hex(), "--kind", "swa", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["state"] == "live" and d["kind"] == "swa" and len(d["targets"]) == 6
+    code, out, _ = run_tool("inspect", store_dir.path, "--key", "00" * 16, "--json")
+    assert code == 1 and json.loads(out)["state"] == "absent"
+    chain = store_dir.chain[:6] + [b"\x00" * 16]
+    code, out, _ = run_tool("inspect", store_dir.path, "--chain", ",".join(k.hex() for k in chain), "--json")
+    d = json.loads(out)
+    assert code == 0 and d["hit_blocks"] == 6 and d["swa_at"] == 4
+    assert [p["block"] for p in d["positions"]] == ["live"] * 6 + ["absent"]
+    assert [p["swa"] for p in d["positions"]][:6] == ["absent", "absent", "absent", "live", "absent", "absent"]
+
+
+def test_parquet_round_trip(store_dir, run_tool, tmp_path):
+    out_file = tmp_path / "index.parquet"
+    code, out, _ = run_tool("inspect", store_dir.path, "--parquet", out_file)
+    assert code == 0
+    t = pq.read_table(out_file).to_pylist()
+    assert len(t) == len(store_dir.blocks) + len(store_dir.swa)
+    assert {r["key"] for r in t if r["kind"] == "block"} == {k.hex() for k in store_dir.blocks}
+    assert {r["key"] for r in t if r["kind"] == "swa"} == {k.hex() for k in store_dir.swa}
+    for r in t:
+        assert r["state"] == "live" and r["expires"] is None and not r["pinned"]
+        assert len(r["targets"]) == 6 and r["stored_bytes"] == 6 * r["fragment_bytes"]
+        assert r["created"] <= r["last_access"]
+    assert {r["plain_bytes"] for r in t if r["kind"] == "block"} == {2 * 16 * 64 * 2}
+
+
+def test_stats_and_delete_swa(store_dir, run_tool):
+    code, out, _ = run_tool("stats", store_dir.path, "--json")
+    assert code == 0 and json.loads(out)["entries"] == len(store_dir.blocks) + len(store_dir.swa)
+    key = next(iter(store_dir.swa))
+    code, out, _ = run_tool("delete", store_dir.path, "--key", key.hex(), "--kind", "swa")
+    assert code == 0 and "deleted swa" in out
+    code, _, _ = run_tool("delete", store_dir.path, "--key", key.hex(), "--kind", "swa")
+    assert code == 1  # already gone
+    with kvstore.connect(str(store_dir.path)) as store:
+        assert store.get(key) == store_dir.blocks[key]  # the block under the same key stays
+        res = store.lookup(store_dir.chain[:4])
+        assert res.hit_blocks == 4 and res.swa_at is None
+
+
+def test_gc_ttl_and_orphans(tmp_path, run_tool):
+    cfg = write_config(tmp_path / "kv.toml", delete_grace_s=0.0, orphan_grace_s=0.0)
+    pop = populate(tmp_path / "data", 4, config_file=cfg)
+    with kvstore.connect(str(pop.path), config_file=cfg) as store:
+        store.put(b"\x07" * 16, b"x" * 5000, ttl_s=0.05)
+    orphan = pop.path / "targets" / "t0" / "1" / "ab" / f"{'ab' * 16}.{'00' * 8}.0"
+    orphan.parent.mkdir(parents=True, exist_ok=True)
+    orphan.write_bytes(b"junk" * 100)
+    time.sleep(0.1)
+    code, out, err = run_tool("gc", pop.path, "--config", cfg, "--dry-run", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["dry_run"] and d["expired"] == 1 and d["orphans"] == 1
+    assert orphan.exists()
+    code, out, err = run_tool("gc", pop.path, "--config", cfg, "--json")
+    d = json.loads(out)
+    assert code == 0 and d["expired"] == 1 and d["orphans"] == 1 and d["purged"] == 1
+    assert d["reclaimed_bytes"] > 400 and not orphan.exists()
+    assert "orphans" in err  # progress lines on stderr (not a TTY here)
+    code, out, _ = run_tool("gc", pop.path, "--config", cfg)
+    assert code == 0 and "reclaimed 0 B" in out
+    assert run_tool("verify", pop.path, "--config", cfg)[0] == 0
+
+
+def test_usage_errors_exit_2(store_dir, run_tool, tmp_path):
+    missing = tmp_path / "nope"
+    for cmd in ("inspect", "verify", "stats", "gc", "repair"):
+        code, out, err = run_tool(cmd, missing)
+        assert code == 2 and "does not exist" in err and "Traceback" not in err
+    assert not missing.exists()  # never creates a store
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = run_tool("verify", empty)
+    assert code == 2 and "not a kvstore data directory" in err and not any(empty.iterdir())
+    assert run_tool("inspect", store_dir.path, "--key", "xyz")[0] == 2
+    assert run_tool("delete", store_dir.path, "--key", "abcd", "--kind", "swa")[0] == 2
+    assert run_tool("delete", store_dir.path)[0] == 2  # --key is required
+    assert run_tool("frobnicate", store_dir.path)[0] == 2
+    assert run_tool("stats", store_dir.path, "--config", tmp_path / "no.toml")[0] == 2
+    assert run_tool("stats", "--data-dir", store_dir.path, tmp_path / "other")[0] == 2
+    code, _, err = run_tool("stats", "nosuch://x")
+    assert code == 2 and "scheme" in err
+
+
+def test_store_location_forms(store_dir, run_tool, monkeypatch, tmp_path):
+    for argv in (("stats", store_dir.path), (store_dir.path, "stats"), ("--data-dir", store_dir.path, "stats"),
+                 ("stats", "--data-dir", store_dir.path), ("stats", f"file://{store_dir.path}")):
+        code, out, _ = run_tool(*argv, "--json")
+        assert code == 0 and json.loads(out)["data_dir"] == str(store_dir.path), argv
+    monkeypatch.setenv("KVSTORE_DATA_DIR", str(store_dir.path))
+    code, out, _ = run_tool("stats", "--json")
+    assert code == 0 and json.loads(out)["data_dir"] == str(store_dir.path)
+    monkeypatch.delenv("KVSTORE_DATA_DIR")
+    cfg = write_config(tmp_path / "kv.toml", data_dir=str(store_dir.path))
+    code, out, _ = run_tool("--config", cfg, "stats", "--json")
+    assert code == 0 and json.loads(out)["data_dir"] == str(store_dir.path)
+
+
+def test_subprocess_module_and_console_script(store_dir):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli.kvtool", "verify", str(store_dir.path), "--json"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ok"] is True
+    script = Path(sys.executable).with_name("kvtool")
+    if script.exists():
+        r = subprocess.run([str(script), "verify", str(store_dir.path / "missing")],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1

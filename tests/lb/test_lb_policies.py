@@ -1,0 +1,217 @@
+"""Prefill / decode / VE policies: table-driven decision rules and hypothesis properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
+from lb.registry import BASELINES, DECODE_POLICIES, POLICIES, VE_POLICIES, get_policy
+from lb.types import (
+    DecodeInstance, DecodeRequest, LBInputError, PrefillInstance, PrefixHits, QueuedPrefill, RouteRequest,
+    UnknownPolicyError, VEInstance, VERequest,
+)
+
+MODELS = CostModels(
+    PrefillCostModel(const_s=0.0, per_token_s=1e-3, per_attn_pair_s=0.0),  # 1 ms per uncached token
+    DecodeCostModel(const_s=1e-3, per_token_s=1e-7, per_request_s=1e-4),
+    TransferModel(kv_bytes_per_token=1024.0),
+)
+
+
+def inst(i, queue=(), healthy=True, inflight=(), used=0):
+    return PrefillInstance(i, tuple(QueuedPrefill(t) for t in queue), healthy=healthy,
+                           inflight_blocks=frozenset(inflight), device_blocks_used=used)
+
+
+def req(blocks=8, hits=None, slo=None, hashes=()):
+    return RouteRequest(blocks * 512, blocks, hits or {}, tuple(hashes), ttft_slo_ms=slo)
+
+
+# ---------------------------------------------------------------- registry
+def test_registry_builds_every_policy():
+    for name in POLICIES:
+        assert hasattr(get_policy(name, MODELS), "choose")
+    for name in DECODE_POLICIES:
+        assert hasattr(get_policy(name, MODELS, kind="decode"), "choose")
+    for name in VE_POLICIES:
+        assert hasattr(get_policy(name, MODELS, kind="ve"), "choose")
+    assert set(BASELINES) < set(POLICIES)
+
+
+def test_unknown_policy_lists_names():
+    with pytest.raises(UnknownPolicyError, match="known: .*kvstack.*mooncake"):
+        get_policy("nope")
+    with pytest.raises(ValueError, match="kind"):
+        get_policy("kvstack", kind="nope")
+
+
+def test_input_validation():
+    with pytest.raises(LBInputError, match="covers 9 blocks"):
+        RouteRequest(512 * 8, 8, {0: PrefixHits(9)})
+    with pytest.raises(LBInputError, match="duplicate instance id"):
+        get_policy("least_loaded").choose(req(), [inst(0), inst(0)])
+    with pytest.raises(LBInputError):
+        DecodeInstance(0, 0, 0)
+
+
+# ---------------------------------------------------------------- table-driven decisions
+CASES = [
+    # (policy, request, instances, expected choice)
+    ("least_loaded", req(), [inst(0, [500]), inst(1, [100]), inst(2, [300])], 1),
+    ("least_loaded", req(), [inst(0, [500]), inst(1, [100], healthy=False), inst(2, [300])], 2),
+    # SGLang: good match wins despite load (balanced: max-min <= 64)
+    ("sglang", req(8, {2: PrefixHits(4)}), [inst(0), inst(1, [1]), inst(2, [1, 1, 1])], 2),
+    # SGLang: match ratio 1/8 <= 0.3 -> smallest cache
+    ("sglang", req(8, {2: PrefixHits(1)}), [inst(0, used=50), inst(1, used=10), inst(2, used=90)], 1),
+    # SGLang: imbalanced (100 vs 0 queued) -> shortest queue even with a perfect match elsewhere
+    ("sglang", req(8, {0: PrefixHits(8)}), [inst(0, [1] * 100), inst(1), inst(2, [1] * 3)], 1),
+    # Dynamo: 1 x uncached blocks + active blocks: inst0 8+0, inst1 2+1, inst2 8+0 -> 1
+    ("dynamo", req(8, {1: PrefixHits(6)}), [inst(0), inst(1, [512]), inst(2)], 1),
+    # Dynamo: a long queue outweighs the cache hit
+    ("dynamo", req(8, {1: PrefixHits(6)}), [inst(0), inst(1, [512 * 20])], 0),
+    # Mooncake: store hit (cheap fetch) beats recompute; both idle
+    ("mooncake", req(8, {1: PrefixHits(0, 0, 8)}), [inst(0), inst(1)], 1),
+    # Mooncake: queue of 10 s beats a 4 s saving
+    ("mooncake", req(8, {1: PrefixHits(8)}), [inst(0), inst(1, [10_000])], 0),
+    ("kvstack", req(8, {1: PrefixHits(0, 4)}), [inst(0), inst(1)], 1),
+    # kvstack: blocks in flight on inst 1 count as device hits (Mooncake sees none)
+    ("kvstack", req(8, {}, hashes=range(8)), [inst(0), inst(1, [100], inflight=range(8))], 1),
+    ("mooncake", req(8, {}, hashes=range(8)), [inst(0), inst(1, [100], inflight=range(8))], 0),
+]
+
+
+@pytest.mark.parametrize("name,r,insts,want", CASES)
+def test_decision_table(name, r, insts, want):
+    d = get_policy(name, MODELS).choose(r, insts)
+    assert d.chosen == want, d.reason
+    assert d.reason
+
+
+def test_round_robin_cycles_and_skips_unhealthy():
+    p = get_policy("round_robin")
+    insts = [inst(0), inst(1, healthy=False), inst(2)]
+    assert [p.choose(req(), insts).chosen for _ in range(4)] == [0, 2, 0, 2]
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_all_unhealthy_rejects_with_reason(name):
+    d = get_policy(name, MODELS).choose(req(), [inst(0, healthy=False), inst(1, healthy=False)])
+    assert d.rejected and "unhealthy" in d.reason
+    assert get_policy(name, MODELS).choose(req(), []).rejected
+
+
+@pytest.mark.parametrize("name", ["mooncake", "kvstack"])
+def test_admission_rejects_when_slo_unreachable_by_load(name):
+    # prefill needs 4 s; queues of 5 s and 6 s; SLO 4.5 s: reject, reason names the SLO and the best instance
+    d = get_policy(name, MODELS).choose(req(8, slo=4500), [inst(0, [5000]), inst(1, [6000])])
+    assert d.rejected
+    assert "SLO 4500 ms" in d.reason and "instance 0" in d.reason
+    assert set(d.estimates) == {0, 1}
+
+
+def test_kvstack_serves_unavoidable_miss_when_queues_are_short():
+    # 4 s of prefill, SLO 1 s: no instance can ever meet it; queues are empty -> serve (seeds the cache)
+    d = get_policy("kvstack", MODELS).choose(req(8, slo=1000), [inst(0), inst(1, [10])])
+    assert d.chosen == 0
+    d = get_policy("kvstack", MODELS, serve_unavoidable=False).choose(req(8, slo=1000), [inst(0)])
+    assert d.rejected
+    assert get_policy("mooncake", MODELS).choose(req(8, slo=1000), [inst(0)]).rejected
+
+
+# ---------------------------------------------------------------- properties
+queue_st = st.lists(st.integers(0, 20_000), max_size=4)
+hits_st = st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(0, 8))
+
+
+def _hits(t, blocks=8):
+    d, h, s = t
+    d = min(d, blocks)
+    h = min(h, blocks - d)
+    return PrefixHits(d, h, min(s, blocks - d - h))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(queue_st, hits_st), min_size=1, max_size=6), st.integers(0, 5), st.data())
+def test_strictly_better_instance_is_never_passed_over(others, k, data):
+    """B dominated by A (longer queue, no more hits of any tier) is never chosen."""
+    k = k % len(others)
+    queues = [q for q, _ in others]
+    hits = {i: _hits(h) for i, (_, h) in enumerate(others)}
+    # B = copy of instance k with one more queued item; its hits are A's minus something
+    b_id = len(others)
+    queues.append(queues[k] + [data.draw(st.integers(1, 20_000))])
+    a = hits[k]
+    hits[b_id] = PrefixHits(data.draw(st.integers(0, a.device)), 0, 0)
+    r = req(8, hits)
+    insts = [inst(i, q) for i, q in enumerate(queues)]
+    for name in ("mooncake", "kvstack", "least_loaded"):
+        d = get_policy(name, MODELS).choose(r, insts)
+        assert d.chosen != b_id, (name, d.reason)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(queue_st, hits_st), min_size=1, max_size=5), hits_st)
+def test_overloaded_instance_stops_receiving_work(others, hot_hits):
+    """An instance whose queue exceeds everyone else's total work gets nothing, even with a full hit."""
+    hits = {i: _hits(h) for i, (_, h) in enumerate(others)}
+    hot = len(others)
+    hits[hot] = PrefixHits(8)
+    insts = [inst(i, q) for i, (q, _) in enumerate(others)] + [inst(hot, [1] * 200 + [200_000])]
+    r = req(8, hits)
+    for name in ("mooncake", "kvstack", "least_loaded", "dynamo", "sglang"):
+        assert get_policy(name, MODELS).choose(r, insts).chosen != hot, name
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 20_000), min_size=1, max_size=4), min_size=1, max_size=5),
+       st.floats(1.0, 500.0))
+def test_admission_control_rejects_with_reason(queues, slo_ms):
+    """Every queue is longer than the SLO: both SLO-aware policies reject and say why."""
+    insts = [inst(i, [q + int(slo_ms) + 1 for q in qs]) for i, qs in enumerate(queues)]
+    for name in ("mooncake", "kvstack"):
+        d = get_policy(name, MODELS).choose(req(8, slo=slo_ms), insts)
+        assert d.rejected and "SLO" in d.reason and "queue" in d.reason
+
+
+# ---------------------------------------------------------------- decode LB
+def dinst(i, used_gib=0.0, batch_tokens=0, running=0, cap_gib=1.0, healthy=True):
+    return DecodeInstance(i, int(used_gib * 2**30), int(cap_gib * 2**30), batch_tokens, running, healthy)
+
+
+def test_decode_picks_lowest_tbt_with_memory_room():
+    p = get_policy("kvstack", MODELS, kind="decode")
+    r = DecodeRequest(1000, 100)
+    d = p.choose(r, [dinst(0, batch_tokens=900_000, running=10), dinst(1, batch_tokens=1000, running=2),
+                     dinst(2, used_gib=0.9999, running=0)])
+    assert d.chosen == 1
+
+
+def test_decode_rejects_when_nothing_fits():
+    p = get_policy("kvstack", MODELS, kind="decode")
+    d = p.choose(DecodeRequest(1_000_000, 10), [dinst(0), dinst(1)])
+    assert d.rejected and "lack" in d.reason
+    d = p.choose(DecodeRequest(1000, 10, tbt_slo_ms=1.0), [dinst(0, batch_tokens=10**6, running=50)])
+    assert d.rejected and "TBT SLO" in d.reason
+    for name in ("round_robin", "least_kv"):
+        assert get_policy(name, MODELS, kind="decode").choose(DecodeRequest(10**7, 10), [dinst(0)]).rejected
+
+
+def test_decode_least_kv_baseline():
+    d = get_policy("least_kv", MODELS, kind="decode").choose(DecodeRequest(10, 10), [dinst(0, 0.5), dinst(1, 0.1)])
+    assert d.chosen == 1
+
+
+# ---------------------------------------------------------------- VE LB
+def test_ve_affinity_vs_queue():
+    p = get_policy("kvstack", kind="ve", seconds_per_image=1.0)
+    r = VERequest(("a", "b", "c"))
+    warm = VEInstance(0, queue_images=2, cached_images=frozenset("abc"))
+    cold = VEInstance(1, queue_images=0)
+    assert p.choose(r, [warm, cold]).chosen == 0  # 2 queued < 3 encodes
+    busy = VEInstance(0, queue_images=5, cached_images=frozenset("abc"))
+    assert p.choose(r, [busy, cold]).chosen == 1  # 5 queued > 3 encodes
+    assert get_policy("least_queue", kind="ve").choose(r, [warm, cold]).chosen == 1
+    capped = get_policy("kvstack", kind="ve", max_queue_images=1)
+    d = capped.choose(r, [VEInstance(0, 3), VEInstance(1, 2)])
+    assert d.rejected and ">= 1 images queued" in d.reason

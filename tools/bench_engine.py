@@ -1,0 +1,271 @@
+"""Benchmark the engine plugin on the reference engine: TTFT cold vs hit per tier, replay share,
+load throughput, persisted bytes per token, and the window-only span's greedy agreement.
+
+Exact command (the committed figures were produced with it; writes JSON to --out)::
+
+    .venv/bin/python tools/bench_engine.py --sizes 4096,16384,32768 --out bench_engine.json
+    # quicker, on a shared 2-core box:
+    .venv/bin/python tools/bench_engine.py --sizes 1024,2048,4096 --reps 3 --out bench_engine.json
+    # add the daemon as a store tier:
+    .venv/bin/python tools/bench_engine.py --store-url grpc://127.0.0.1:7070 --out bench_engine.json
+
+What is compared, all in one run, on the same prompts:
+
+* TTFT of turn N+1 (= an N-token prefix + ``--suffix`` new tokens, 1 output token): cold (no
+  cache) vs a hit from each tier (device pool, host DRAM, embedded store, daemon store), each
+  with the SWA snapshot at the boundary ("snap") and with bounded replay instead ("replay");
+  p50/p90/p99 over ``--reps`` and the ratio cold/hit.
+* The replay's share of TTFT (replay wall time / TTFT, replay rows).
+* Plugin load throughput (store -> pinned staging -> pool, ``_load_blocks``) vs the store's
+  own ``get_many`` on the same entries (GB/s, ratio).
+* Persisted bytes per token: measured (global KV blocks + SWA snapshots, logical bytes) vs
+  persisting the SWA KV of every token with every block, and vs a window snapshot per block.
+* Window-only replay span (``replay_policy="window"``): how often greedy continuations agree
+  with cold (reported, not asserted); the exact span is reported alongside as a control.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import kvstore  # noqa: E402
+from engine_plugin.connector import BlockLoad, LoadSpec, Tier  # noqa: E402
+from engine_plugin.reference import (Engine, EngineConfig, ReferenceModel, SamplingParams,  # noqa: E402
+                                     model_preset)
+from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector  # noqa: E402
+
+B = 16
+ONE = SamplingParams(max_new_tokens=1)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def summary(xs: list[float]) -> dict:
+    return {"p50": pct(xs, 50), "p90": pct(xs, 90), "p99": pct(xs, 99), "n": len(xs)}
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.model = ReferenceModel(model_preset(args.preset), device=args.device)
+        self.vocab = self.model.cfg.vocab_size
+
+    def ecfg(self, n_tokens: int) -> EngineConfig:
+        return EngineConfig(block_size=B, num_blocks=2 * (n_tokens // B) + 64, chunk_size=self.args.chunk,
+                            max_batched_tokens=self.args.chunk, device=self.args.device, sync_timing=True)
+
+    def engine(self, store, n_tokens: int, **kw) -> Engine:
+        conn = None
+        if store is not False:
+            conn = KVStoreConnector(self.model.cfg, ConnectorConfig(
+                block_size=B, device=self.args.device, host_capacity_bytes=4 << 30, **kw), store)
+        return Engine(self.model, self.ecfg(n_tokens), connector=conn)
+
+    @staticmethod
+    def ttft(eng: Engine, rid: str, prompt: list[int]):
+        t0 = time.perf_counter()
+        eng.add_request(rid, prompt, ONE)
+        while rid not in eng.finished:
+            eng.step()
+        return time.perf_counter() - t0, eng.finished[rid]
+
+    def size(self, N: int, stores: dict) -> dict:
+        a, rng = self.args, random.Random(N)
+        prefix = [rng.randrange(self.vocab) for _ in range(N)]
+        turns = [prefix + [rng.randrange(self.vocab) for _ in range(a.suffix)] for _ in range(a.reps)]
+        out: dict = {"tokens": N, "suffix": a.suffix, "rows": {}}
+        cold = [self.ttft(self.engine(False, N + a.suffix), "c", turns[i % a.reps])[0]
+                for i in range(a.cold_reps)]
+        out["rows"]["cold"] = summary(cold)
+        for sname, store in stores.items():  # seed: the previous turn ran on some engine
+            seed = self.engine(store, N)
+            seed.generate(prefix, ONE)
+            seed.connector.flush()
+            m = seed.connector.metrics.snapshot()
+            out.setdefault("persisted_bytes_per_token", m.get("bytes_saved", 0) / (N + 1))
+            seed.connector.close()
+        for mode in ("snap", "replay"):
+            kw = {"load_snapshots": mode == "snap"}
+            tiers = [("device", "embedded"), ("host", "embedded")] + [("store", s) for s in stores]
+            for tier, sname in tiers:
+                times, shares, hits = [], [], []
+                for i in range(a.reps):
+                    eng = self.engine(stores[sname], N + a.suffix, **kw)
+                    if tier in ("device", "host"):
+                        eng.generate(prefix, ONE)  # warm the device pool (it loads from the store)
+                        eng.connector.flush()
+                        if tier == "host":
+                            eng.pool.drop_cached()
+                    t, req = self.ttft(eng, f"t{i}", turns[i])
+                    times.append(t)
+                    shares.append(req.replay_s / t)
+                    hits.append(req.hit_tokens)
+                    eng.connector.close()
+                name = f"{tier}:{sname}:{mode}" if tier == "store" else f"{tier}:{mode}"
+                out["rows"][name] = summary(times) | {"replay_share": statistics.median(shares),
+                                                      "hit_tokens": min(hits)}
+        out["load"] = {s: self.load_throughput(prefix, st) for s, st in stores.items()}
+        return out
+
+    def load_throughput(self, prefix: list[int], store) -> dict:
+        conn = KVStoreConnector(self.model.cfg, ConnectorConfig(
+            block_size=B, device=self.args.device, promote_to_host=False, load_batch_blocks=64,
+            staging_buffers=128), store)
+        eng = Engine(self.model, self.ecfg(len(prefix)), connector=conn)
+        keys = eng.hasher.hash_blocks(prefix)
+        spec = LoadSpec("bench", tuple(BlockLoad(i, i, k, Tier.STORE) for i, k in enumerate(keys)), 0)
+        raw, plug = [], []
+        nbytes = len(keys) * conn.block_nbytes
+        for _ in range(self.args.reps):
+            t0 = time.perf_counter()
+            got = store.get_many(keys, kind="block")
+            raw.append(time.perf_counter() - t0)
+            assert all(g is not None for g in got)
+            t0 = time.perf_counter()
+            good, ev = conn._load_blocks(spec, eng.pool.kv)
+            conn.backend.sync_event(ev["global"])
+            plug.append(time.perf_counter() - t0)
+            assert good == len(keys)
+        conn.close()
+        r, p = statistics.median(raw), statistics.median(plug)
+        return {"bytes": nbytes, "store_get_many_GBps": nbytes / r / 1e9, "plugin_load_GBps": nbytes / p / 1e9,
+                "plugin_over_store": r / p}
+
+    def agreement(self) -> dict:
+        a = self.args
+        model = ReferenceModel(model_preset(a.agree_preset), device=a.device)
+        R, W = model.replay_span("exact"), model.replay_span("window")
+        rng = random.Random(7)
+        res = {"preset": a.agree_preset, "exact_span": R, "window_span": W, "n": a.agree_n}
+        tmp = Path(tempfile.mkdtemp(prefix="bench-agree-"))
+        store = kvstore.connect(str(tmp / "store"))
+        sp = SamplingParams(max_new_tokens=a.agree_tokens)
+        stats = {"exact": [], "window": []}
+        try:
+            for i in range(a.agree_n):
+                n = rng.randint(2 * R, 4 * R) // B * B
+                prompt = [rng.randrange(model.cfg.vocab_size) for _ in range(n + rng.randint(1, 30))]
+                cold = Engine(model, EngineConfig(block_size=B, chunk_size=4096,
+                                                  num_blocks=len(prompt) // B + 16)).generate(prompt, sp)
+                seed = KVStoreConnector(model.cfg, ConnectorConfig(block_size=B), store)
+                Engine(model, EngineConfig(block_size=B, num_blocks=len(prompt) // B + 16),
+                       connector=seed).generate(prompt[:n], ONE)
+                seed.close()
+                for pol in stats:
+                    c = KVStoreConnector(model.cfg, ConnectorConfig(block_size=B, replay_policy=pol,
+                                                                    load_snapshots=False), store)
+                    warm = Engine(model, EngineConfig(block_size=B, num_blocks=len(prompt) // B + 16),
+                                  connector=c).generate(prompt, sp)
+                    c.close()
+                    k = next((j for j, (x, y) in enumerate(zip(cold.output, warm.output)) if x != y),
+                             len(cold.output))
+                    stats[pol].append(k)
+        finally:
+            store.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+        for pol, ks in stats.items():
+            res[pol] = {"full_agreement": sum(k == a.agree_tokens for k in ks) / len(ks),
+                        "first_token_agreement": sum(k > 0 for k in ks) / len(ks),
+                        "mean_agreeing_prefix": statistics.mean(ks)}
+        return res
+
+
+def persisted_model(cfg) -> dict:
+    isz = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    glob = cfg.d_global * isz
+    swa_tok = cfg.n_layers * 2 * cfg.n_heads * cfg.head_dim * isz
+    snap = cfg.n_layers * 2 * (cfg.window - 1) * cfg.n_heads * cfg.head_dim * isz
+    return {"global_only": glob, "swa_kv_with_every_block": glob + swa_tok,
+            "window_snapshot_every_block": glob + snap / B}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="4096,16384,32768")
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cold-reps", type=int, default=1)
+    ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--store-url", default=None, help="also measure a daemon store, e.g. grpc://host:port")
+    ap.add_argument("--data-dir", default=None, help="embedded store directory (default: a temp dir)")
+    ap.add_argument("--agree-preset", default="tiny")
+    ap.add_argument("--agree-n", type=int, default=40)
+    ap.add_argument("--agree-tokens", type=int, default=16)
+    ap.add_argument("--out", default="bench_engine.json")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(a.threads)
+    bench = Bench(a)
+    tmp = Path(a.data_dir or tempfile.mkdtemp(prefix="bench-engine-"))
+    stores = {"embedded": kvstore.connect(str(tmp / "store"))}
+    if a.store_url:
+        stores["daemon"] = kvstore.connect(a.store_url)
+    results = {"args": vars(a), "model": bench.model.cfg.model_id, "sizes": [],
+               "persisted_model_bytes_per_token": persisted_model(bench.model.cfg)}
+    try:
+        for N in [int(s) for s in a.sizes.split(",")]:
+            results["sizes"].append(bench.size(N, stores))
+            print_size(results["sizes"][-1])
+        results["window_span_agreement"] = bench.agreement()
+    finally:
+        for s in stores.values():
+            s.close()
+        if not a.data_dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print_tail(results)
+    Path(a.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {a.out}")
+    return 0
+
+
+def print_size(r: dict) -> None:
+    cold = r["rows"]["cold"]["p50"]
+    print(f"\n== {r['tokens']} cached tokens + {r['suffix']} new: TTFT (s) ==")
+    print(f"{'path':28} {'p50':>8} {'p90':>8} {'p99':>8} {'cold/hit':>9} {'replay%':>8} {'hit':>7}")
+    for name, row in r["rows"].items():
+        print(f"{name:28} {row['p50']:8.3f} {row['p90']:8.3f} {row['p99']:8.3f} {cold / row['p50']:9.1f}"
+              f" {100 * row.get('replay_share', 0):7.1f}% {row.get('hit_tokens', 0):7d}")
+    for s, ld in r["load"].items():
+        print(f"load {s}: plugin {ld['plugin_load_GBps']:.2f} GB/s vs store get_many "
+              f"{ld['store_get_many_GBps']:.2f} GB/s (ratio {ld['plugin_over_store']:.2f}) "
+              f"over {ld['bytes'] / 1e6:.1f} MB")
+
+
+def print_tail(res: dict) -> None:
+    pm = res["persisted_model_bytes_per_token"]
+    meas = [s["persisted_bytes_per_token"] for s in res["sizes"]]
+    print("\n== persisted bytes per token ==")
+    if meas:
+        print(f"measured (blocks + snapshots, bounded replay): {meas[-1]:.1f}")
+    for k, v in pm.items():
+        print(f"{k:30} {v:10.1f}  ({v / pm['global_only']:.1f}x global-only)")
+    ag = res.get("window_span_agreement")
+    if ag:
+        print(f"\n== greedy agreement with cold, {ag['n']} prompts ({ag['preset']}) ==")
+        for pol in ("exact", "window"):
+            span = ag[f"{pol}_span"]
+            print(f"span {pol:6} ({span:4d} tokens): full {ag[pol]['full_agreement']:.2f}, first token "
+                  f"{ag[pol]['first_token_agreement']:.2f}, mean agreeing prefix {ag[pol]['mean_agreeing_prefix']:.1f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,300 @@
+"""Replay a Mooncake-format trace through lb/ prefill policies on simulated P/D instances.
+
+Role
+    The benchmark of ``lb/``: every policy in ``--policies`` is run on the
+    same requests and the same simulated fleet (``lb.sim``), and the table
+    puts them side by side with ratios vs the best baseline. Works on any
+    Mooncake-format trace (JSON lines: ``timestamp`` ms, ``input_length``,
+    ``output_length``, ``hash_ids`` of 512-token prefix blocks).
+
+Exact commands
+    Comparison at one load, with a store-capacity sweep (hit ratio vs the
+    ideal and an LRU oracle of the same capacity), JSON + PNG plots::
+
+        .venv/bin/python tools/replay_trace.py \\
+            --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
+            --speedup 0.5 --store-capacity-blocks 20000,2000,5000,10000,40000 --out results/replay
+
+    Find the offered load (speedup) at which the best baseline just meets
+    the TTFT SLO at p90, then compare every policy at that load::
+
+        .venv/bin/python tools/replay_trace.py \\
+            --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
+            --find-load --ttft-slo-ms 20000 --out results/replay_findload
+
+Metrics (per policy): prefix hit ratio over served blocks (plus the ideal
+infinite-cache ratio and the LRU-oracle ratio at the same store capacity,
+both over all requests in arrival order), TTFT p50/p90/p99 over served
+requests, TBT p50/p90, SLO attainment (TTFT and TBT both met, rejections
+count as misses), TTFT attainment, rejected requests, and load imbalance
+(max / mean prefill busy time across instances). The first value of
+``--store-capacity-blocks`` is the one used for the main table; the others
+only feed the sweep. Everything is bounded: ``--limit`` requests,
+``--max-wall-s`` per simulation run, ``--find-load-iters`` bisection steps.
+Service times come from ``lb/data/cost_model.json`` (``--cost-model`` to
+override); ``--noise`` adds log-normal noise so policies' estimates are not
+exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lb.cost_model import CostModels, load_default  # noqa: E402
+from lb.registry import BASELINES, POLICIES, get_policy  # noqa: E402
+from lb.sim import SimConfig, SimResult, parse_trace, reference_hit_ratios, simulate  # noqa: E402
+from lb.types import LBInputError, TierBandwidth  # noqa: E402
+
+log = logging.getLogger("replay_trace")
+
+
+class Progress:
+    """A one-line progress bar on stderr (no dependency); silent when ``quiet``."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self.label = ""
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.quiet:
+            return
+        width = 30
+        fill = int(width * done / max(total, 1))
+        sys.stderr.write(f"\r{self.label:<40.40s} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _csv_ints(text: str) -> list[int | None]:
+    out: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        out.append(None if part in ("inf", "none", "") else int(part))
+    return out
+
+
+def run_policies(reqs, names, cfg, models, progress: Progress) -> dict[str, SimResult]:
+    res = {}
+    for name in names:
+        progress.label = f"{name} x{cfg.speedup:.3g} store={cfg.store_capacity_blocks}"
+        res[name] = simulate(reqs, get_policy(name, models), cfg, name=name, models=models, progress=progress)
+    return res
+
+
+def best_baseline(results: dict[str, SimResult]) -> str | None:
+    base = [n for n in results if n in BASELINES]
+    if not base:
+        return None
+    return max(base, key=lambda n: (results[n].ttft_attainment, -results[n].pct("ttft", 90)))
+
+
+def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int) -> tuple[float, list]:
+    """Largest speedup at which the best baseline's TTFT attainment is >= target (bisection, bounded)."""
+    history = []
+
+    def ok(s: float) -> bool:
+        res = run_policies(reqs, baselines, replace(cfg, speedup=s), models, progress)
+        best = max(r.ttft_attainment for r in res.values())
+        history.append({"speedup": s, "best_baseline_ttft_attainment": best,
+                        "by_policy": {n: r.ttft_attainment for n, r in res.items()}})
+        log.info("speedup %.4g: best baseline TTFT attainment %.3f", s, best)
+        return best >= target
+
+    lo, hi = None, None
+    s = cfg.speedup
+    for _ in range(iters):  # bracket
+        if ok(s):
+            lo = s
+            s *= 2
+        else:
+            hi = s
+            s /= 2
+        if lo is not None and hi is not None:
+            break
+    if lo is None:
+        raise LBInputError(f"no baseline meets the TTFT SLO at {target:.0%} even at speedup {s * 2:.3g}; "
+                           f"raise --ttft-slo-ms or add --prefill-instances")
+    if hi is None:
+        return lo, history
+    for _ in range(iters):
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+        if hi / lo < 1.02:
+            break
+    return lo, history
+
+
+def format_table(results: dict[str, SimResult], refs: dict) -> str:
+    best = best_baseline(results)
+    b = results.get(best) if best else None
+    cols = ["policy", "hit", "ideal", "lru_orc", "ttft50", "ttft90", "ttft99", "tbt50ms", "tbt90ms",
+            "slo_att", "ttft_att", "rej", "imbal", "p90/best", "att/best"]
+    lines = [" ".join(f"{c:>9s}" for c in cols)]
+    for name, r in results.items():
+        p90 = r.pct("ttft", 90)
+        row = [name[:9], f"{r.hit_ratio:.3f}", f"{refs['ideal']:.3f}", f"{refs['lru_oracle']:.3f}",
+               f"{r.pct('ttft', 50):.2f}", f"{p90:.2f}", f"{r.pct('ttft', 99):.2f}",
+               f"{r.pct('tbt', 50) * 1e3:.1f}", f"{r.pct('tbt', 90) * 1e3:.1f}",
+               f"{r.slo_attainment:.3f}", f"{r.ttft_attainment:.3f}", f"{r.rejected}", f"{r.imbalance:.2f}",
+               f"{p90 / b.pct('ttft', 90):.3f}" if b else "-",
+               f"{r.ttft_attainment / b.ttft_attainment:.3f}" if b and b.ttft_attainment else "-"]
+        lines.append(" ".join(f"{c:>9s}" for c in row))
+    lines.append(f"(TTFT in s over served requests; ratios vs best baseline = {best}; lower p90/best is better)")
+    return "\n".join(lines)
+
+
+def write_plots(out: Path, sweep: dict, main: dict[str, SimResult]) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no PNG plots (pip install 'kvstack[bench]'); JSON was written")
+        return []
+    import numpy as np
+
+    files = []
+    caps = sorted(sweep, key=lambda c: math.inf if c == "inf" else int(c))
+    if caps:
+        xs = [float("inf") if c == "inf" else int(c) for c in caps]
+        finite = [x for x in xs if math.isfinite(x)]
+        xplot = [x if math.isfinite(x) else (max(finite) * 2 if finite else 1) for x in xs]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        names = list(next(iter(sweep.values()))["results"])
+        for n in names:
+            ax.plot(xplot, [sweep[c]["results"][n]["hit_ratio"] for c in caps], marker="o", label=n)
+        ax.plot(xplot, [sweep[c]["refs"]["lru_oracle"] for c in caps], "k--", label="LRU oracle")
+        ax.plot(xplot, [sweep[c]["refs"]["ideal"] for c in caps], "k:", label="ideal (infinite)")
+        ax.set_xscale("log")
+        ax.set_xlabel("shared store capacity (blocks)")
+        ax.set_ylabel("prefix hit ratio (blocks)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "hit_ratio_vs_store_capacity.png", dpi=120)
+        plt.close(fig)
+        files.append("hit_ratio_vs_store_capacity.png")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for n, r in main.items():
+        v = np.sort(np.asarray(r.ttft_s))
+        if len(v):
+            ax.plot(v, np.arange(1, len(v) + 1) / r.requests, label=n)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of all requests (rejected never reach 1)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "ttft_cdf.png", dpi=120)
+    plt.close(fig)
+    files.append("ttft_cdf.png")
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
+    ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma list from: {', '.join(POLICIES)}")
+    ap.add_argument("--prefill-instances", type=int, default=16)
+    ap.add_argument("--decode-instances", type=int, default=4)
+    ap.add_argument("--device-capacity-blocks", type=int, default=2000)
+    ap.add_argument("--host-capacity-blocks", type=int, default=8000)
+    ap.add_argument("--store-capacity-blocks", type=_csv_ints, default=[20000],
+                    help="comma list (first = main run; all = sweep); 'inf' = unbounded")
+    ap.add_argument("--speedup", type=float, default=0.5, help="time scaling: 2 = twice the trace's offered load")
+    ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--ttft-slo-ms", type=float, default=20000.0)
+    ap.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    ap.add_argument("--no-admission", action="store_true", help="do not pass SLOs to policies (no rejections)")
+    ap.add_argument("--noise", type=float, default=0.0, help="log-normal sigma on service times")
+    ap.add_argument("--store-gbps", type=float, default=1.18 * 2**30 / 1e9, help="store -> device GB/s")
+    ap.add_argument("--host-gbps", type=float, default=10.0, help="host -> device GB/s")
+    ap.add_argument("--cost-model", type=Path, default=None, help="cost model JSON (default lb/data/cost_model.json)")
+    ap.add_argument("--find-load", action="store_true", help="search the load where the best baseline just meets the SLO")
+    ap.add_argument("--find-load-target", type=float, default=0.9, help="required TTFT attainment (0.9 = p90)")
+    ap.add_argument("--find-load-iters", type=int, default=8)
+    ap.add_argument("--max-wall-s", type=float, default=300.0, help="wall-clock bound per simulation run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None, help="directory for results.json and PNG plots")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        ap.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    models: CostModels = CostModels.load(args.cost_model) if args.cost_model else load_default()
+    with open(args.trace) as fh:
+        reqs = parse_trace(fh, args.limit)
+    if not reqs:
+        ap.error(f"{args.trace} holds no requests")
+    caps = args.store_capacity_blocks
+    cfg = SimConfig(
+        prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
+        device_capacity_blocks=args.device_capacity_blocks, host_capacity_blocks=args.host_capacity_blocks,
+        store_capacity_blocks=caps[0],
+        bandwidth=TierBandwidth(host_bytes_per_s=args.host_gbps * 1e9, store_bytes_per_s=args.store_gbps * 1e9),
+        speedup=args.speedup, ttft_slo_ms=args.ttft_slo_ms, tbt_slo_ms=args.tbt_slo_ms,
+        admission=not args.no_admission, service_noise=args.noise, seed=args.seed, max_wall_s=args.max_wall_s,
+    )
+    progress = Progress(args.quiet)
+    t0 = time.monotonic()
+    out: dict = {"trace": str(args.trace), "requests": len(reqs), "argv": sys.argv[1:] if argv is None else argv,
+                 "cost_model": models.meta.get("command", "defaults")}
+    if args.find_load:
+        baselines = [n for n in names if n in BASELINES] or list(BASELINES)
+        s, hist = find_load(reqs, baselines, cfg, models, progress, args.find_load_target, args.find_load_iters)
+        cfg = replace(cfg, speedup=s)
+        out["find_load"] = {"speedup": s, "target_ttft_attainment": args.find_load_target,
+                            "ttft_slo_ms": args.ttft_slo_ms, "history": hist}
+        print(f"load found: speedup {s:.4g} (best baseline TTFT attainment >= {args.find_load_target})")
+    sweep = {}
+    main_results: dict[str, SimResult] = {}
+    for i, cap in enumerate(caps):
+        c = replace(cfg, store_capacity_blocks=cap)
+        refs = reference_hit_ratios(reqs, cap)
+        res = run_policies(reqs, names, c, models, progress)
+        key = "inf" if cap is None else str(cap)
+        sweep[key] = {"refs": refs, "results": {n: r.to_dict() for n, r in res.items()}}
+        if i == 0:
+            main_results = res
+            print(f"\n== {len(reqs)} requests, speedup {c.speedup:.4g}, {c.prefill_instances} prefill / "
+                  f"{c.decode_instances} decode instances, store {key} blocks, TTFT SLO {c.ttft_slo_ms} ms ==")
+            print(format_table(res, refs))
+    if len(caps) > 1:
+        print("\n== hit ratio vs store capacity ==")
+        print(f"{'capacity':>9s} {'ideal':>7s} {'lru_orc':>7s} " + " ".join(f"{n[:9]:>9s}" for n in names))
+        for key, v in sweep.items():
+            print(f"{key:>9s} {v['refs']['ideal']:7.3f} {v['refs']['lru_oracle']:7.3f} "
+                  + " ".join(f"{v['results'][n]['hit_ratio']:9.3f}" for n in names))
+    out["config"] = {k: (v if not isinstance(v, TierBandwidth) else repr(v)) for k, v in
+                     ((f, getattr(cfg, f)) for f in cfg.__dataclass_fields__)}
+    out["sweep"] = sweep
+    out["main_store_capacity"] = "inf" if caps[0] is None else str(caps[0])
+    out["best_baseline"] = best_baseline(main_results)
+    out["wall_s"] = time.monotonic() - t0
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(out, indent=2, default=str))
+        plots = write_plots(args.out, sweep, main_results)
+        print(f"wrote {args.out / 'results.json'}" + (f" and {', '.join(plots)}" if plots else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
