@@ -102,6 +102,7 @@ class _Plan:
     hit_tokens: int
     tiers: tuple[Tier, ...]  # one per external block, from num_dev_tokens // B on
     snapshot_tier: Tier | None
+    rejected_short: bool = False  # an external hit <= span was not adopted (V4.1 rule)
 
 
 @dataclass(slots=True)
@@ -135,6 +136,7 @@ class KVStoreConnector(KVConnectorBase):
         self.load_stream, self.save_stream = self.backend.new_stream(), self.backend.new_stream()
         self._loader = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
         self._plans: dict[str, _Plan] = {}
+        self._snapped: dict[str, set[int]] = {}  # request id -> boundaries already snapshotted
         self._reqs: dict[str, Any] = {}  # running requests (read-only: block table and hashes)
         self._pending: dict[str, LoadSpec] = {}
         self._jobs: dict[str, _Job] = {}
@@ -155,7 +157,7 @@ class KVStoreConnector(KVConnectorBase):
             tiers.append(Tier.HOST)
             n += 1
         store_swa = None
-        if n < max_blocks and self.gateway.available:
+        if n < max_blocks:  # the gateway answers None at once while the store is marked down
             lr = self.gateway.lookup(keys[n:max_blocks])
             if lr is not None:
                 tiers += [Tier.STORE] * lr.hit_blocks
@@ -170,14 +172,14 @@ class KVStoreConnector(KVConnectorBase):
                     snap = (b, Tier.STORE)
                 if snap:
                     break
+        rejected = False
         if snap and (snap[0] == n or (n - snap[0]) * B <= self.span):
             H, snap_tier = snap[0], snap[1]
         else:
             snap_tier = None
             if H > n_dev and H * B <= self.span and not self.cfg.adopt_short_hits:
-                self.metrics.inc("hits_not_adopted")
-                H = n_dev
-        plan = _Plan(n_dev * B, H * B, tuple(tiers[: H - n_dev]), snap_tier)
+                H, rejected = n_dev, True
+        plan = _Plan(n_dev * B, H * B, tuple(tiers[: H - n_dev]), snap_tier, rejected)
         self._plans[request.request_id] = plan
         self._reqs[request.request_id] = request
         return plan.hit_tokens - plan.num_dev_tokens, False
@@ -190,6 +192,8 @@ class KVStoreConnector(KVConnectorBase):
         if num_external_tokens == 0 and plan.hit_tokens > plan.num_dev_tokens:
             plan = _Plan(plan.num_dev_tokens, plan.num_dev_tokens, (), None)
             self._plans[rid] = plan
+        if plan.rejected_short:  # counted here, not in the (repeatable) matching hook
+            self.metrics.inc("hits_not_adopted")
         first = plan.num_dev_tokens // self.B
         loads = tuple(BlockLoad(first + i, block_ids[first + i], request.block_hashes[first + i], t)
                       for i, t in enumerate(plan.tiers))
@@ -239,7 +243,9 @@ class KVStoreConnector(KVConnectorBase):
     def request_finished(self, request, block_ids: Sequence[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
         lw = getattr(request, "last_window", None)
-        if self.cfg.snapshot_end_of_output and lw is not None and lw[0] // self.B <= len(request.block_hashes):
+        snapped = self._snapped.pop(rid, set())
+        if (self.cfg.snapshot_end_of_output and lw is not None and lw[0] // self.B <= len(request.block_hashes)
+                and lw[0] not in snapped):  # not already saved at that boundary
             b, win = lw
             key = request.block_hashes[b // self.B - 1]
             self.save_kv_layer("swa", [WindowSnapshot(rid, b, key, win)], None)
@@ -447,6 +453,8 @@ class KVStoreConnector(KVConnectorBase):
             bufs.append((s.key, t.view(-1).view(torch.uint8)))
             rids.append(s.request_id)
         self.metrics.inc("snapshots_saved", len(snaps))
+        for s in snaps:
+            self._snapped.setdefault(s.request_id, set()).add(s.boundary)
         self._enqueue(bufs, rids, "swa", self.snap_shape, 0, pooled=False)
 
     def _enqueue(self, bufs, rids, kind, shape, tokens, pooled: bool = True) -> None:

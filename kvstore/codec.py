@@ -164,6 +164,28 @@ def decode_entry(buf: bytes | memoryview, *, max_plain: int) -> tuple[EntryHeade
     return h, plain
 
 
+def decode_entry_pieces(pieces: list[memoryview], *, max_plain: int) -> tuple[EntryHeader, bytes]:
+    """``decode_entry`` over the entry split in pieces (views of fragment bodies).
+
+    For a raw payload whose header fits in the first piece, the plain bytes are
+    assembled with a single copy (the hot read path); anything else is joined
+    first and handed to ``decode_entry``.
+    """
+    first = pieces[0]
+    if len(first) >= ENTRY_HEADER_MIN + 64:
+        h = decode_entry_header(first, max_plain=max_plain)
+        if h.codec == CODEC_RAW and len(first) >= h.header_len:
+            plain = b"".join([first[h.header_len:], *pieces[1:]])
+            if len(plain) < h.stored_len:
+                raise CorruptData(f"entry payload truncated: {len(plain)} of {h.stored_len} bytes")
+            if len(plain) > h.stored_len:
+                plain = plain[: h.stored_len]
+            if len(plain) != h.plain_len or xxhash.xxh3_128_digest(plain) != h.checksum:
+                raise CorruptData("entry checksum mismatch")
+            return h, plain
+    return decode_entry(b"".join(pieces), max_plain=max_plain)
+
+
 # ----------------------------------------------------------------------------- fragments
 
 
@@ -188,8 +210,8 @@ def frame_fragment(h: FragmentHeader, body: bytes) -> bytes:
     return b"".join((head[:-8], struct.pack("<Q", x.intdigest()), body))
 
 
-def parse_fragment(buf: bytes, *, max_body: int) -> tuple[FragmentHeader, bytes]:
-    """Verify a fragment file's bytes; return its header and body (a fresh ``bytes``)."""
+def parse_fragment(buf: bytes | memoryview, *, max_body: int) -> tuple[FragmentHeader, memoryview]:
+    """Verify a fragment file's bytes; return its header and a view of its body."""
     if len(buf) < FRAG_HEADER_LEN:
         raise CorruptData(f"fragment of {len(buf)} bytes is shorter than its header")
     magic, ver, idx, k, m, kind, _pad, key, gen, entry_len, body_len, csum = _FRAG_HEAD.unpack_from(buf, 0)
@@ -202,7 +224,7 @@ def parse_fragment(buf: bytes, *, max_body: int) -> tuple[FragmentHeader, bytes]
     x = xxhash.xxh3_64()
     x.update(buf[: FRAG_HEADER_LEN - 8])
     x.update(b"\0" * 8)
-    body = buf[FRAG_HEADER_LEN:]
+    body = memoryview(buf)[FRAG_HEADER_LEN:]
     x.update(body)
     if x.intdigest() != csum:
         raise CorruptData("fragment checksum mismatch")
@@ -228,6 +250,12 @@ class ErasureCode:
     def decode(self, frags: dict[int, bytes]) -> bytes:
         raise NotImplementedError
 
+    def data_pieces(self, frags: dict[int, memoryview]) -> list[memoryview] | None:
+        """Views whose concatenation is the encoded data, when all k data fragments are
+        at hand (a systematic code stores the data verbatim); ``None`` otherwise. The
+        caller verifies the result's checksum, so a wrong answer here is caught."""
+        return None
+
     def reconstruct(self, frags: dict[int, bytes], missing: list[int]) -> dict[int, bytes]:
         raise NotImplementedError
 
@@ -251,18 +279,42 @@ class PyECLibCode(ErasureCode):
     def encode(self, data: bytes) -> list[bytes]:
         return self._driver.encode(bytes(data))
 
+    # liberasurecode's fragment header (fragment_header_t, 80 bytes): idx u32 at 0,
+    # data size u32 at 4, backend metadata size u32 at 8, original data size u64 at 12.
+    _LIBEC_HEAD = 80
+    _LIBEC_FIELDS = struct.Struct("<IIIQ")
+
+    def data_pieces(self, frags: dict[int, memoryview]) -> list[memoryview] | None:
+        if not all(i in frags for i in range(self.k)):
+            return None
+        pieces = []
+        remaining = None
+        for i in range(self.k):
+            f = frags[i]
+            if len(f) < self._LIBEC_HEAD:
+                return None
+            idx, size, md, orig = self._LIBEC_FIELDS.unpack_from(f, 0)
+            if idx != i or md != 0 or self._LIBEC_HEAD + size > len(f):
+                return None
+            if remaining is None:
+                remaining = orig
+            take = min(size, remaining)
+            pieces.append(f[self._LIBEC_HEAD : self._LIBEC_HEAD + take])
+            remaining -= take
+        return pieces if remaining == 0 else None
+
     def decode(self, frags: dict[int, bytes]) -> bytes:
         if len(frags) < self.k:
             raise CorruptData(f"{len(frags)} good fragments, need {self.k}")
-        # Sorted, so data fragments come first: with all k of them decoding is a concatenation.
+        # pyeclib needs real ``bytes`` (it aborts the process on a memoryview).
         try:
-            return self._driver.decode([frags[i] for i in sorted(frags)])
+            return self._driver.decode([bytes(frags[i]) for i in sorted(frags)])
         except self._err as exc:
             raise CorruptData(f"erasure decode failed: {exc}") from exc
 
     def reconstruct(self, frags: dict[int, bytes], missing: list[int]) -> dict[int, bytes]:
         try:
-            out = self._driver.reconstruct([frags[i] for i in sorted(frags)], list(missing))
+            out = self._driver.reconstruct([bytes(frags[i]) for i in sorted(frags)], list(missing))
         except self._err as exc:
             raise CorruptData(f"erasure reconstruct failed: {exc}") from exc
         return dict(zip(missing, out))
@@ -277,7 +329,10 @@ class NoCode(ErasureCode):
     def decode(self, frags: dict[int, bytes]) -> bytes:
         if 0 not in frags:
             raise CorruptData("the only fragment is gone")
-        return frags[0]
+        return bytes(frags[0])
+
+    def data_pieces(self, frags: dict[int, memoryview]) -> list[memoryview] | None:
+        return [frags[0]] if 0 in frags else None
 
     def reconstruct(self, frags: dict[int, bytes], missing: list[int]) -> dict[int, bytes]:
         raise CorruptData("no parity to reconstruct from")

@@ -69,7 +69,8 @@ class StoreConfig:
     min_compress_ratio: float = 1.1  # store raw unless zstd shrinks by at least this factor
     max_value_bytes: int = 64 * 1024 * 1024
     fsync: bool = True  # fragments and index durable before a put returns
-    read_workers: int = 8  # threads reading fragments in parallel
+    read_workers: int = 8  # threads reading and writing fragments in parallel
+    parallel_reads: str = "auto"  # "auto": fan out for remote targets only; "always"; "never"
     orphan_grace_s: float = 300.0  # unindexed fragments younger than this are an in-flight put
     delete_grace_s: float = 30.0  # deleted entries' fragments outlive the delete by this much
     access_flush_s: float = 1.0  # LRU access times are batched into one index write per interval
@@ -87,6 +88,8 @@ class StoreConfig:
             raise InvalidRequest("watermarks need 0 < low_watermark <= high_watermark <= 1")
         if self.compression not in ("zstd", "none"):
             raise InvalidRequest(f"compression must be 'zstd' or 'none', got {self.compression!r}")
+        if self.parallel_reads not in ("auto", "always", "never"):
+            raise InvalidRequest(f"parallel_reads must be auto, always or never, got {self.parallel_reads!r}")
         if self.capacity_bytes < 0 or self.max_value_bytes <= 0:
             raise InvalidRequest("capacity_bytes must be >= 0 and max_value_bytes > 0")
         if self.default_ttl_s is not None and self.default_ttl_s <= 0:

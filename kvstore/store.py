@@ -24,7 +24,7 @@ Write path (``put``), in this order, each step for the reason given:
      first, our fragments are removed and the put returns ``False``.
   6. Above the capacity high watermark, evict LRU entries down to the low one.
 
-Read path (``get``): read the k data fragments in parallel, verify each one's
+Read path (``get``): read the k data fragments (in parallel for remote targets), verify each one's
 checksum and header against the index; on any failure read parity fragments
 until k are good; decode; verify the entry checksum; return. Fewer than k good
 fragments: mark the entry lost and raise ``Unrecoverable``.
@@ -66,6 +66,7 @@ from kvstore.targets import Target, TargetUnavailable, fragment_path, open_targe
 log = logging.getLogger(__name__)
 
 DATA_FORMAT_VERSION = 1
+_SCRATCH_MAX = 16 * 1024 * 1024  # larger reads get a fresh buffer instead of a cached one
 FORMAT_FILE = "kvstore.json"
 
 
@@ -115,6 +116,7 @@ class EmbeddedStore:
         # entry of a batch each, and those submit their fragment I/O to ``_pool``.
         self._pool = ThreadPoolExecutor(max_workers=config.read_workers, thread_name_prefix="kvstore-io")
         self._batch_pool = ThreadPoolExecutor(max_workers=config.read_workers, thread_name_prefix="kvstore-batch")
+        self._tls = threading.local()
         self._touch_lock = threading.Lock()
         self._touches: dict[bytes, int] = {}
         self._last_flush = self.clock()
@@ -320,55 +322,93 @@ class EmbeddedStore:
         return result
 
     # ------------------------------------------------------------------ read path
-    def _read_fragment(self, meta: Meta, ek: bytes, i: int) -> bytes:
-        """One verified fragment body; raises OSError or CorruptData."""
+    def _read_fragment(self, meta: Meta, ek: bytes, i: int, into: memoryview | None = None) -> memoryview:
+        """One verified fragment body (a view into ``into`` when given); raises OSError or CorruptData."""
         t = self.targets.get(meta.targets[i])
         if t is None:
             raise TargetUnavailable(2, f"target {meta.targets[i]} is not configured")
-        raw = t.read(fragment_path(ek[0], ek[1:], meta.gen, i))
+        rel = fragment_path(ek[0], ek[1:], meta.gen, i)
+        if into is None:
+            raw: bytes | memoryview = t.read(rel)
+        else:
+            # One byte more than expected, so that an over-long file is caught as corrupt.
+            raw = into[: t.read_into(rel, into)]
         fh, body = codec.parse_fragment(raw, max_body=meta.frag_len)
         if (fh.index != i or fh.key != ek[1:] or fh.gen != meta.gen or fh.kind_code != ek[0]
                 or fh.entry_len != meta.entry_len or fh.k != meta.k or fh.m != meta.m):
             raise CorruptData(f"fragment {i} on {meta.targets[i]} belongs to another entry or slot")
         return body
 
-    def _gather(self, meta: Meta, ek: bytes, parallel: bool) -> tuple[dict[int, bytes], list[str]]:
-        """At least k verified bodies if possible; the names of targets that failed."""
-        good: dict[int, bytes] = {}
+    def _scratch(self, nbytes: int) -> memoryview:
+        """A per-thread reusable read buffer: warm pages instead of fresh allocations per get."""
+        if nbytes > _SCRATCH_MAX:
+            return memoryview(bytearray(nbytes))
+        buf = getattr(self._tls, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._tls.buf = bytearray(max(nbytes, 1 << 20))
+        return memoryview(buf)
+
+    def _parallel(self, meta: Meta) -> bool:
+        mode = self.config.parallel_reads
+        if mode == "auto":
+            # Page-cache reads of local files are faster on one thread than fanned out
+            # (measured: tools/bench_store.py); remote targets gain from parallel requests.
+            return not all(self.targets[t].local for t in meta.targets[: meta.k] if t in self.targets)
+        return mode == "always"
+
+    def _gather(self, meta: Meta, ek: bytes, scratch: memoryview | None = None) -> tuple[dict[int, memoryview], list[str]]:
+        """At least k verified bodies if possible (data fragments first); failed target names.
+
+        Fragment ``i`` is read into slot ``i`` of ``scratch`` (``frag_len + 1`` bytes
+        each); the returned bodies are views into it, valid until the caller reuses it.
+        """
+        slot = meta.frag_len + 1
+        if scratch is None:
+            scratch = self._scratch(slot * len(meta.targets))
+        good: dict[int, memoryview] = {}
         failed: list[str] = []
         n = len(meta.targets)
+        parallel = self._parallel(meta)
         nxt = 0
         while len(good) < meta.k and nxt < n:
             want = list(range(nxt, min(n, nxt + meta.k - len(good))))
             nxt = want[-1] + 1
+            views = {i: scratch[i * slot : (i + 1) * slot] for i in want}
+            outs: list[tuple[int, memoryview | None, Exception | None]] = []
             if parallel and len(want) > 1:
-                futs = [(i, self._pool.submit(self._read_fragment, meta, ek, i)) for i in want]
-                outs = []
+                futs = [(i, self._pool.submit(self._read_fragment, meta, ek, i, views[i])) for i in want]
                 for i, f in futs:
                     try:
                         outs.append((i, f.result(), None))
                     except (OSError, CorruptData) as exc:
                         outs.append((i, None, exc))
             else:
-                outs = []
                 for i in want:
                     try:
-                        outs.append((i, self._read_fragment(meta, ek, i), None))
+                        outs.append((i, self._read_fragment(meta, ek, i, views[i]), None))
                     except (OSError, CorruptData) as exc:
                         outs.append((i, None, exc))
             for i, body, exc in outs:
-                if exc is None:
+                if body is not None:
                     good[i] = body
                 else:
                     log.warning("fragment %d of %s on %s unusable: %s", i, ek[1:].hex(), meta.targets[i], exc)
                     failed.append(meta.targets[i])
         return good, failed
 
-    def _decode(self, meta: Meta, ek: bytes, good: dict[int, bytes], failed: list[str]) -> tuple[codec.EntryHeader, bytes]:
+    def _decode(self, meta: Meta, ek: bytes, good: dict[int, memoryview], failed: list[str]) -> tuple[codec.EntryHeader, bytes]:
         code = codec.erasure_code(meta.k, meta.m, self.config.ec_type)
+        limit = max(self.config.max_value_bytes, meta.plain_len)
         try:
-            buf = code.decode(good)[: meta.entry_len]
-            h, plain = codec.decode_entry(buf, max_plain=max(self.config.max_value_bytes, meta.plain_len))
+            pieces = code.data_pieces(good)
+            try:
+                if pieces is None:
+                    raise CorruptData("not all data fragments at hand")
+                h, plain = codec.decode_entry_pieces(pieces, max_plain=limit)
+            except CorruptData:
+                # Slow path: the erasure decoder (degraded reads, or a fast path that disagreed).
+                buf = code.decode(good)[: meta.entry_len]
+                h, plain = codec.decode_entry(buf, max_plain=limit)
             if h.key != ek[1:] or h.kind.code != ek[0]:
                 raise CorruptData("decoded entry names another key")
             return h, plain
@@ -378,8 +418,8 @@ class EmbeddedStore:
                 key=ek[1:], failed_targets=tuple(failed),
             ) from exc
 
-    def _read_verified(self, ek: bytes, meta: Meta, *, parallel: bool) -> tuple[codec.EntryHeader, bytes]:
-        good, failed = self._gather(meta, ek, parallel)
+    def _read_verified(self, ek: bytes, meta: Meta) -> tuple[codec.EntryHeader, bytes]:
+        good, failed = self._gather(meta, ek)
         if len(good) < meta.k:
             self._mark_lost(ek, meta)
             raise Unrecoverable(
@@ -421,7 +461,7 @@ class EmbeddedStore:
         if meta is None:
             self._count("get_misses")
             raise NotFound(f"no {k.value} entry for key {ek[1:].hex()}")
-        h, plain = self._read_verified(ek, meta, parallel=meta.frag_len >= 256 * 1024)
+        h, plain = self._read_verified(ek, meta)
         self._count("bytes_out", len(plain))
         self._touch(ek, now)
         return Entry(ek[1:], k, h.layout, h.tokens, plain)
@@ -449,7 +489,7 @@ class EmbeddedStore:
                 self._count("get_misses")
                 return None
             try:
-                h, plain = self._read_verified(eks[i], m, parallel=False)
+                h, plain = self._read_verified(eks[i], m)
             except Unrecoverable as exc:
                 log.error("get_many: %s", exc)
                 return None

@@ -65,6 +65,7 @@ class Target:
     """Base: one fsspec root. Subclasses override the four operations when they can do better."""
 
     atomic_put = False
+    local = False  # reads are worth fanning out over threads unless the target is local
 
     def __init__(self, spec: TargetSpec):
         self.spec = spec
@@ -103,6 +104,13 @@ class Target:
 
     def read(self, rel: str) -> bytes:
         return self.fs.cat_file(self._p(rel))
+
+    def read_into(self, rel: str, buf: memoryview) -> int:
+        """Read up to ``len(buf)`` bytes of the file into ``buf``; returns the count."""
+        data = self.read(rel)
+        n = min(len(data), len(buf))
+        buf[:n] = data[:n]
+        return n
 
     def delete(self, rel: str) -> None:
         try:
@@ -145,6 +153,8 @@ class ObjectTarget(Target):
 
 class LocalTarget(Target):
     """A local or mounted directory: os calls for real fsync and atomic rename."""
+
+    local = True
 
     def __init__(self, spec: TargetSpec):
         super().__init__(spec)
@@ -193,6 +203,19 @@ class LocalTarget(Target):
     def read(self, rel: str) -> bytes:
         with open(self._p(rel), "rb", buffering=0) as fh:
             return fh.read()
+
+    def read_into(self, rel: str, buf: memoryview) -> int:
+        fd = os.open(self._p(rel), os.O_RDONLY)
+        try:
+            n = 0
+            while n < len(buf):
+                got = os.preadv(fd, [buf[n:]], n)
+                if not got:
+                    break
+                n += got
+            return n
+        finally:
+            os.close(fd)
 
     def delete(self, rel: str) -> None:
         try:

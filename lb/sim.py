@@ -422,8 +422,12 @@ def simulate(
             if version != d.version:
                 continue  # stale: the batch changed since this finish time was computed
             d.advance(now)
+            # this event was scheduled for the smallest target: finish it (and any within rounding)
+            # unconditionally, so float error in `steps` can never re-schedule it forever
+            due = max(d.steps, min(v[0] for v in d.active.values())) + 1e-6
+            d.steps = max(d.steps, due - 1e-6)
             for idx, (target, ctx, kv, joined) in list(d.active.items()):
-                if target <= d.steps + 1e-9:
+                if target <= due:
                     del d.active[idx]
                     d.kv_used -= kv
                     d.batch_tokens -= ctx

@@ -16,9 +16,9 @@ Exact command (what produced the committed file; ~1-2 min on 2 CPU cores)::
 Method
     Prefill: a grid of (prompt_tokens, cached_tokens) with suffix <= 4096;
     the cached part's K/V are precomputed tensors, only the suffix is run,
-    as an engine does after loading cached KV. Each point: one warm-up, then
-    the minimum of ``--repeats`` (or more) timings: the machine is shared and
-    contention only adds time. Decode: one step of B requests with
+    as an engine does after loading cached KV. Each point is timed once per
+    pass over the grid, ``--passes`` passes, keeping its minimum: the
+    machine is shared, contention comes in bursts and only adds time. Decode: one step of B requests with
     C tokens of context each. Both fitted with ``lb.cost_model`` (non-negative
     least squares). The JSON records the model shape, the samples, R^2, the
     torch version and thread count: it is a measurement of *this* machine.
@@ -92,19 +92,29 @@ class ToyStack:
             x = x + F.gelu(x @ w["up"]) @ w["down"]
 
 
-def _time(fn, repeats: int) -> float:
-    """Minimum of at least ``repeats`` timings (more, up to 3x, for points under 0.2 s).
+def _once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
-    The minimum, not the median: the machine is shared, and contention only
-    ever adds time, so the fastest run is the best estimate of the work.
+
+def timed_min(points: list, run, passes: int, deadline: float) -> list[float]:
+    """Time every point once per pass, ``passes`` passes, and keep each point's minimum.
+
+    Passes sweep the whole grid, so repeats of one point are spread over time:
+    on a shared machine contention comes in bursts and only ever adds time,
+    so the fastest of several well-separated runs is the estimate of the work.
     """
-    fn()  # warm-up
-    ts: list[float] = []
-    while len(ts) < repeats or (len(ts) < 3 * repeats and sum(ts) < 0.2 * len(ts) * 2):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
+    for p in points[:3]:
+        run(p)  # warm-up (allocator, thread pool)
+    best = [float("inf")] * len(points)
+    for k in range(passes):
+        if k and time.monotonic() > deadline:
+            log.warning("time budget spent after %d passes", k)
+            break
+        for i, p in enumerate(points):
+            best[i] = min(best[i], _once(lambda: run(p)))
+    return best
 
 
 def prefill_grid() -> list[tuple[int, int]]:
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--passes", type=int, default=5, help="timings per point, one per pass over the grid")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop sampling after this many seconds")
     args = ap.parse_args(argv)
@@ -135,25 +145,20 @@ def main(argv: list[str] | None = None) -> int:
     stack = ToyStack(args.layers, args.d_model, args.heads)
     t_start = time.monotonic()
 
-    pre = []
-    for prompt, cached in prefill_grid():
-        if time.monotonic() - t_start > args.budget_s * 0.7:
-            log.warning("prefill budget spent; %d samples", len(pre))
-            break
-        s = _time(lambda: stack.prefill(prompt - cached, cached), args.repeats)
-        pre.append((prompt, cached, s))
-        print(f"prefill prompt={prompt:6d} cached={cached:6d} {s * 1e3:9.2f} ms", file=sys.stderr)
+    grid = prefill_grid()
+    t_pre = timed_min(grid, lambda pc: stack.prefill(pc[0] - pc[1], pc[1]), args.passes,
+                      t_start + args.budget_s * 0.8)
+    pre = [(p, c, t) for (p, c), t in zip(grid, t_pre)]
+    for p, c, t in pre:
+        print(f"prefill prompt={p:6d} cached={c:6d} {t * 1e3:9.2f} ms", file=sys.stderr)
 
-    dec = []
-    max_tokens = 65536
     kv = torch.randn(32, args.heads, 8192, args.d_model // args.heads)
-    for batch in (1, 4, 8, 16, 32):
-        for context in (256, 1024, 2048, 4096, 8192):
-            if batch * context > max_tokens or time.monotonic() - t_start > args.budget_s:
-                continue
-            s = _time(lambda: stack.decode_step(batch, context, kv), args.repeats)
-            dec.append((batch * context, batch, s))
-            print(f"decode  batch={batch:3d} context={context:5d} {s * 1e3:9.3f} ms", file=sys.stderr)
+    dgrid = [(b, c) for b in (1, 4, 8, 16, 32) for c in (256, 1024, 2048, 4096, 8192) if b * c <= 65536]
+    t_dec = timed_min(dgrid, lambda bc: stack.decode_step(bc[0], bc[1], kv), max(args.passes, 5),
+                      t_start + args.budget_s)
+    dec = [(b * c, b, t) for (b, c), t in zip(dgrid, t_dec)]
+    for (b, c), t in zip(dgrid, t_dec):
+        print(f"decode  batch={b:3d} context={c:5d} {t * 1e3:9.3f} ms", file=sys.stderr)
 
     pm = PrefillCostModel.fit(pre)
     dm = DecodeCostModel.fit(dec)
@@ -167,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "dtype": "float32"},
             "torch": torch.__version__,
             "threads": args.threads,
+            "passes": args.passes,
             "prefill_samples": pre,
             "decode_samples": dec,
             "fitted_at_unix": int(time.time()),

@@ -125,6 +125,10 @@ class Engine:
                               dtype=model.embed.weight.dtype, device=model.device)
         self.namespace = namespace or default_namespace(model)
         self.hasher = BlockHasher(self.namespace, config.block_size, config.tenant_salt)
+        backend = getattr(connector, "backend", None)
+        if backend is not None and backend.device.type != model.device.type:
+            raise InvalidRequest(f"the connector moves KV to {backend.device} but the model runs on "
+                                 f"{model.device}; give ConnectorConfig(device=...) the engine's device")
         if connector is not None:
             self.pool.on_evict.append(lambda h, b: connector.on_device_evict(h, self.pool.kv[b]))
         self.waiting: deque[Request] = deque()
@@ -132,6 +136,7 @@ class Engine:
         self.finished: dict[str, Request] = {}
         self.steps = 0
         self.rollbacks = 0
+        self.kv_sent: set[str] = set()  # finished requests whose KV reached the store
 
     # ------------------------------------------------------------------ API
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams = SamplingParams(),
@@ -207,8 +212,15 @@ class Engine:
             conn.clear_connector_metadata()
         for ch in done:
             self._commit(reqs[ch.request_id], ch, results[ch.request_id])
-        if conn is not None:
-            conn.get_finished({r for r in self.finished})
+        self.collect_finished()
+
+    def collect_finished(self) -> set[str]:
+        """Ask the connector which finished requests' saves completed; adds them to ``kv_sent``."""
+        if self.connector is None:
+            return set()
+        sent, _ = self.connector.get_finished(set(self.finished))
+        self.kv_sent |= sent
+        return sent
 
     # ------------------------------------------------------------- internals
     def _admit(self) -> list[str]:
@@ -271,12 +283,11 @@ class Engine:
 
     def _rollback(self, req: Request, valid_tokens: int, window_ok: bool) -> None:
         """Discard this step's work of ``req`` and restart from its last good token."""
+        # The windows are always rebuilt by a replay: this step's forward already advanced them,
+        # and a failed load leaves no snapshot to start from. window_ok is informational here.
         self.rollbacks += 1
         valid = min(valid_tokens, req.plan.hit_tokens)
-        if window_ok and valid == req.plan.hit_tokens and not req.plan.needs_replay:
-            plan = RestorePlan(valid, None)
-        else:
-            plan = RestorePlan(valid, max(0, valid - self.model.replay_span("exact")) if valid else None)
+        plan = RestorePlan(valid, max(0, valid - self.model.replay_span("exact")) if valid else None)
         req.plan = plan
         self._apply_plan(req, plan)
 

@@ -19,7 +19,7 @@ whether its TTL already passed and GC has not removed it yet) and ``lost``
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Iterator, Sequence
 

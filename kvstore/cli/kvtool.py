@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -171,7 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         progress.close()
         store.close()
-    emit(outcome, args.json)
+    try:
+        emit(outcome, args.json)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `kvtool ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return int(outcome.code)
 
 

@@ -1,0 +1,171 @@
+"""TLS, mutual TLS, bearer tokens with tenant namespacing, size and concurrency limits."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import grpc
+import pytest
+
+import kvstore
+from kvstore import NotFound, PutItem
+from kvstore.errors import StoreUnavailable
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.server.wire import PermissionDenied, RequestTooLarge, ServerBusy, Unauthenticated
+from kvstore.store import EmbeddedStore
+
+TOK_A, TOK_A2, TOK_B, TOK_OPS = "token-aaaaaaaa", "token-a2a2a2a2", "token-bbbbbbbb", "token-opsopsops"
+
+
+def K(i) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+@pytest.fixture
+def tokens_file(tmp_path):
+    p = tmp_path / "tokens.toml"
+    p.write_text(f'admin_tenants = ["ops"]\n[tokens]\n"{TOK_A}" = "tenant-a"\n"{TOK_A2}" = "tenant-a"\n'
+                 f'"{TOK_B}" = "tenant-b"\n"{TOK_OPS}" = "ops"\n')
+    return str(p)
+
+
+def test_tls_round_trip_and_plaintext_refused(make_daemon, certs) -> None:
+    d = make_daemon(tls_cert=certs["server"], tls_key=certs["server_key"])
+    assert d.address.startswith("grpcs://")
+    with kvstore.connect(d.address, ca_file=certs["ca"]) as s:
+        assert s.put(K(1), b"secret") and s.get(K(1)) == b"secret"
+    with kvstore.connect(d.address.replace("grpcs://", "grpc://"), timeout_s=3) as s:
+        with pytest.raises(StoreUnavailable):
+            s.get(K(1))
+    with kvstore.connect(d.address, ca_file=certs["other_ca"], timeout_s=3) as s:  # untrusted server cert
+        with pytest.raises(StoreUnavailable):
+            s.get(K(1))
+
+
+def test_mutual_tls_requires_a_client_certificate(make_daemon, certs) -> None:
+    d = make_daemon(tls_cert=certs["server"], tls_key=certs["server_key"], tls_client_ca=certs["ca"])
+    with kvstore.connect(d.address, ca_file=certs["ca"], cert_file=certs["client"],
+                         key_file=certs["client_key"]) as s:
+        assert s.put(K(2), b"m") and s.get(K(2)) == b"m"
+    with kvstore.connect(d.address, ca_file=certs["ca"], timeout_s=3) as s:
+        with pytest.raises(StoreUnavailable):
+            s.get(K(2))
+
+
+def test_no_or_wrong_token_is_unauthenticated(make_daemon, tokens_file) -> None:
+    d = make_daemon(tokens_file=tokens_file)
+    for opts in ({}, {"token": "wrong-token-123"}):
+        with kvstore.connect(d.address, **opts) as s:
+            with pytest.raises(Unauthenticated):
+                s.put(K(1), b"x")
+            with pytest.raises(Unauthenticated):
+                s.lookup([K(1)])
+    # the raw status is UNAUTHENTICATED
+    with grpc.insecure_channel(d.address.split("://")[1]) as ch:
+        call = ch.unary_unary("/kvstore.v1.KVStore/Lookup")
+        with pytest.raises(grpc.RpcError) as ei:
+            call(pb.LookupRequest(keys=[K(1)]).SerializeToString(), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_tenants_are_isolated(make_daemon, tokens_file) -> None:
+    d = make_daemon(tokens_file=tokens_file)
+    a = kvstore.connect(d.address, token=TOK_A)
+    a2 = kvstore.connect(d.address, token=TOK_A2)
+    b = kvstore.connect(d.address, token=TOK_B)
+    prompt = [K(f"prompt{i}") for i in range(6)]
+    assert a.put_many([PutItem(k, b"A-kv-%d" % i) for i, k in enumerate(prompt)]) == [True] * 6
+    a.put(prompt[5], b"A-swa", kind="swa")
+    # the same tenant through another token sees everything
+    assert a2.lookup(prompt) == kvstore.LookupResult(6, 6)
+    # tenant B's lookup of A's exact prompt misses; reads, deletes and pins find nothing
+    assert b.lookup(prompt) == kvstore.LookupResult(0, None)
+    assert b.lookup_many([prompt]) == [kvstore.LookupResult(0, None)]
+    with pytest.raises(NotFound):
+        b.get(prompt[0])
+    assert b.get_many(prompt) == [None] * 6
+    assert b.delete(prompt[0]) is False and b.pin(prompt[0]) is False
+    # no presence signal: B's put of the same key is a *new* entry, and does not touch A's
+    assert b.put(prompt[0], b"B-kv") is True
+    assert a.get(prompt[0]) == b"A-kv-0" and b.get(prompt[0]) == b"B-kv"
+    assert a.lookup(prompt).hit_blocks == 6
+    # admin-only maintenance
+    with pytest.raises(PermissionDenied):
+        a.stats()
+    with pytest.raises(PermissionDenied):
+        b.gc()
+    with kvstore.connect(d.address, token=TOK_OPS) as ops:
+        assert ops.stats()["entries"] == 8
+        assert ops.check() == []
+    for s in (a, a2, b):
+        s.close()
+
+
+def test_tenant_keys_are_stable_across_restart(make_daemon, tokens_file, tmp_path) -> None:
+    d = make_daemon(tokens_file=tokens_file, data_dir=str(tmp_path / "stable"))
+    with kvstore.connect(d.address, token=TOK_A) as a:
+        a.put(K("s"), b"kept")
+    d.stop()
+    d2 = make_daemon(tokens_file=tokens_file, data_dir=str(tmp_path / "stable"))
+    with kvstore.connect(d2.address, token=TOK_A) as a:
+        assert a.get(K("s")) == b"kept"
+
+
+def test_oversized_message_is_resource_exhausted(make_daemon) -> None:
+    d = make_daemon(max_message_bytes=1024 * 1024)
+    with kvstore.connect(d.address) as s:
+        assert s.put(K(1), b"x" * 1000)
+        with pytest.raises(RequestTooLarge, match="max_message_bytes"):
+            s.put(K(2), b"x" * (2 * 1024 * 1024))
+        assert s.get_many([K(2)]) == [None]
+    with kvstore.connect(d.address, max_message_bytes=256 * 1024) as s:  # the client's own limit
+        with pytest.raises(RequestTooLarge):
+            s.put(K(3), b"y" * (512 * 1024))
+    with grpc.insecure_channel(d.address.split("://")[1]) as ch:
+        with pytest.raises(grpc.RpcError) as ei:
+            ch.unary_unary("/kvstore.v1.KVStore/Put")(
+                pb.PutRequest(key=K(4), value=b"z" * (2 * 1024 * 1024)).SerializeToString(), timeout=10)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class _SlowStore(EmbeddedStore):
+    """An embedded store whose ``get`` waits for a gate: a call that stays in flight."""
+
+    gate: threading.Event
+    entered: threading.Event
+
+    def get_entry(self, key, *, kind="block"):
+        self.entered.set()
+        self.gate.wait(10)
+        return super().get_entry(key, kind=kind)
+
+
+def slow_store(tmp_path) -> _SlowStore:
+    from kvstore.config import load_config
+
+    st = _SlowStore(load_config(None, env={}, data_dir=str(tmp_path / "slow"), fsync=False))
+    st.gate, st.entered = threading.Event(), threading.Event()
+    return st
+
+
+def test_concurrency_limit_is_resource_exhausted(make_daemon, tmp_path) -> None:
+    st = slow_store(tmp_path)
+    d = make_daemon(store=st, max_concurrent_requests=1)
+    s = kvstore.connect(d.address)
+    s.put(K(1), b"v")
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("v", s.get(K(1))))
+    t.start()
+    assert st.entered.wait(10)
+    with pytest.raises(ServerBusy, match="max_concurrent_requests"):
+        s.lookup([K(1)])
+    with grpc.insecure_channel(d.address.split("://")[1]) as ch:
+        with pytest.raises(grpc.RpcError) as ei:
+            ch.unary_unary("/kvstore.v1.KVStore/Lookup")(pb.LookupRequest(keys=[K(1)]).SerializeToString(), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    st.gate.set()
+    t.join(10)
+    assert result["v"] == b"v"
+    assert s.lookup([K(1)]).hit_blocks == 1  # admitted again once the slot is free
+    s.close()

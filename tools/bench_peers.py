@@ -1,0 +1,166 @@
+"""The peers of ``tools/bench_store.py``: the same put/get over bytes on other systems.
+
+Each class is one system behind the ``Peer`` interface (``put``, ``get``, ``put_many``,
+``get_many``, ``close``), opened on a fresh directory per repetition. Durability is matched
+to the store's (fsync before a put returns):
+
+* ``RawFilePeer``: write to a temporary name, fsync, rename, fsync the directory (the same
+  publish the store does per fragment; the limit for one copy); read is open + read.
+* ``LMDBPeer``: py-lmdb with ``sync=True``; one write transaction per put or per batch.
+* ``RedisPeer`` on a ``RedisServer``: a private ``redis-server`` on a loopback port with
+  ``appendonly yes``, ``appendfsync always``, RDB snapshots and AOF rewrites off; redis-py
+  (hiredis parser when installed); a batch is one non-transactional pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+
+def fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Peer:
+    """put/get over bytes; ``*_many`` default to loops (systems without a batch API)."""
+
+    batch_api = False
+
+    def put(self, key: bytes, val: bytes) -> None: ...
+    def get(self, key: bytes) -> bytes: ...
+
+    def put_many(self, kv: list[tuple[bytes, bytes]]) -> None:
+        for k, v in kv:
+            self.put(k, v)
+
+    def get_many(self, keys: list[bytes]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def close(self) -> None: ...
+
+
+class RawFilePeer(Peer):
+    def __init__(self, d: str):
+        self.d = d
+
+    def put(self, key, val):
+        path = os.path.join(self.d, key.hex())
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            mv = memoryview(val)
+            while mv:
+                mv = mv[os.write(fd, mv):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        fsync_dir(self.d)
+
+    def get(self, key):
+        with open(os.path.join(self.d, key.hex()), "rb", buffering=0) as fh:
+            return fh.read()
+
+
+class LMDBPeer(Peer):
+    batch_api = True
+
+    def __init__(self, d: str):
+        import lmdb
+
+        self.env = lmdb.open(d, map_size=8 * 2**30, sync=True, metasync=True, readahead=False)
+
+    def put(self, key, val):
+        with self.env.begin(write=True) as txn:
+            txn.put(key, val)
+
+    def get(self, key):
+        with self.env.begin() as txn:
+            return txn.get(key)
+
+    def put_many(self, kv):
+        with self.env.begin(write=True) as txn:
+            for k, v in kv:
+                txn.put(k, v)
+
+    def get_many(self, keys):
+        with self.env.begin() as txn:
+            return [txn.get(k) for k in keys]
+
+    def close(self):
+        self.env.close()
+
+
+class RedisServer:
+    """A private redis-server on a loopback port, AOF fsync on every write; stopped by ``close``."""
+
+    def __init__(self, work: str):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server not found (run: bash tools/install_peers.sh)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.dir = tempfile.mkdtemp(prefix="redis-", dir=work)
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
+             "--appendonly", "yes", "--appendfsync", "always", "--auto-aof-rewrite-percentage", "0",
+             "--protected-mode", "yes", "--logfile", os.path.join(self.dir, "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        self.client = redis.Redis(host="127.0.0.1", port=self.port)
+        for _ in range(100):
+            try:
+                self.client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        else:
+            self.close()
+            raise RuntimeError("redis-server did not answer PING within 5 s")
+        self.version = self.client.info("server")["redis_version"]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RedisPeer(Peer):
+    batch_api = True
+    server: RedisServer | None = None
+
+    def __init__(self, d: str):
+        self.r = self.server.client
+        self.r.flushall()
+
+    def put(self, key, val):
+        self.r.set(key, val)
+
+    def get(self, key):
+        return self.r.get(key)
+
+    def put_many(self, kv):
+        p = self.r.pipeline(transaction=False)
+        for k, v in kv:
+            p.set(k, v)
+        p.execute()
+
+    def get_many(self, keys):
+        p = self.r.pipeline(transaction=False)
+        for k in keys:
+            p.get(k)
+        return p.execute()
+
+    def close(self):
+        self.r.flushall()

@@ -1,0 +1,383 @@
+"""Store throughput and latency against its peers, on the same bytes in the same run.
+
+Exact command (the figures in the report were produced with it; ~6-9 min on 2 cores)::
+
+    bash tools/install_peers.sh          # redis-server (Debian) + redis-py/hiredis/lmdb, idempotent
+    .venv/bin/python tools/bench_store.py --out results/bench_store.json
+    .venv/bin/python tools/bench_store.py --quick     # < 1 min, smaller figures, same shape
+
+What is measured (figures, not a test; the machine is noisy, read the ratios):
+
+1. put / get of KV-like payloads (fp16 random-normal, 128 KiB, 1 MiB, 4 MiB), single ops and
+   batches (``put_many``/``get_many``), for: kvstore EC 4+2 with zstd off; kvstore with zstd on
+   (``min_compress_ratio=1.0`` so the compressed path is really taken; the payload's zstd-3
+   ratio is printed: fp16 noise compresses only a little); raw files (tmp write + fsync + rename
+   + dir fsync vs plain read: the limit for one copy at the same durability); LMDB (py-lmdb,
+   ``sync=True``, one transaction per put or per batch); Redis (``redis-server`` started here on
+   loopback with ``appendonly yes, appendfsync always``, RDB off, AOF rewrite off; redis-py +
+   hiredis; a batch is a pipeline). Every rep writes fresh keys into a fresh directory, then
+   reads them back (page cache warm for every system alike). Throughput: median over reps;
+   latency: p50/p90/p99 per op (a batch's time divided by its size).
+2. Ratios kvstore(zstd off) / peer, and the issue's goals: get >= 0.5x raw read, get >= 2x Redis
+   GET, put >= 0.5x raw write at the same durability.
+3. Longest-prefix ``lookup`` of a 1,000-block chain (all hit, with SWA snapshots), p50/p90/p99 in
+   process, at 10k / 100k / 1M index entries. The index is filled by inserting records with
+   fake fragment metadata straight through ``kvstore.index.Index`` (lookup reads only the index).
+4. Erasure coding alone: pyeclib ISA-L (``isa_l_rs_vand``) 4+2 and 8+4 encode, and decode with
+   0, 1 and 2 data fragments lost.
+
+The peers live in ``tools/bench_peers.py``. A missing peer (no redis-server even after
+``tools/install_peers.sh``) is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvstore  # noqa: E402
+from kvstore import codec  # noqa: E402
+from kvstore.index import Meta, ekey  # noqa: E402
+from tools.bench_peers import LMDBPeer, Peer, RawFilePeer, RedisPeer, RedisServer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 2**20
+GOALS = (  # (op, peer, minimum ratio kvstore/peer)
+    ("get", "raw_file", 0.5), ("get", "redis", 2.0), ("put", "raw_file", 0.5))
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    system: str
+    size: int
+    mode: str  # single | batch
+    op: str  # put | get
+    mib_s: float  # median over reps
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    ops: int  # ops per rep
+    reps: int
+
+
+def pct(samples: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples), q)) if samples else float("nan")
+
+
+# ----------------------------------------------------------------------------------- the store
+class KVStorePeer(Peer):
+    batch_api = True
+
+    def __init__(self, d: str, compression: str):
+        self.s = kvstore.connect(d, ec_k=4, ec_m=2, compression=compression, min_compress_ratio=1.0)
+
+    def put(self, key, val):
+        self.s.put(key, val)
+
+    def get(self, key):
+        return self.s.get(key)
+
+    def put_many(self, kv):
+        self.s.put_many([kvstore.PutItem(k, v) for k, v in kv])
+
+    def get_many(self, keys):
+        return self.s.get_many(keys)
+
+    def close(self):
+        self.s.close()
+
+
+# name -> factory(directory). The first is the store under test; the rest are its peers.
+SYSTEMS: dict[str, Callable[[str], Peer]] = {
+    "kvstore": lambda d: KVStorePeer(d, "none"),
+    "kvstore_zstd": lambda d: KVStorePeer(d, "zstd"),
+    "raw_file": RawFilePeer,
+    "lmdb": LMDBPeer,
+    "redis": RedisPeer,
+}
+
+
+# ----------------------------------------------------------------------------------- put / get
+def payloads(size: int, n: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(size // 2, dtype=np.float32).astype(np.float16).tobytes() for _ in range(n)]
+
+
+def one_rep(peer: Peer, mode: str, keys: list[bytes], vals: list[bytes], batch: int) -> dict[str, tuple]:
+    """Put all keys then get them all; (seconds, per-op latencies) per op."""
+    out = {}
+    for op in ("put", "get"):
+        lat: list[float] = []
+        t0 = time.perf_counter()
+        step = 1 if mode == "single" else batch
+        for i in range(0, len(keys), step):
+            ks, t = keys[i:i + step], time.perf_counter()
+            if op == "put":
+                peer.put(ks[0], vals[i % len(vals)]) if mode == "single" else peer.put_many(
+                    [(k, vals[(i + j) % len(vals)]) for j, k in enumerate(ks)])
+            else:
+                got = [peer.get(ks[0])] if mode == "single" else peer.get_many(ks)
+                if got[0] != vals[i % len(vals)]:
+                    raise RuntimeError(f"{type(peer).__name__} returned wrong bytes")
+            lat.extend([(time.perf_counter() - t) / len(ks)] * len(ks))
+        out[op] = (time.perf_counter() - t0, lat)
+    return out
+
+
+def bench_io(systems: list[str], sizes: list[int], reps: int, mib_per_rep: float, batch: int,
+             work: str, log: Callable[[str], None]) -> list[Row]:
+    rows = []
+    for size in sizes:
+        n = max(batch, int(mib_per_rep * MiB // size) // batch * batch)
+        vals = payloads(size, 8, seed=size)
+        for name in systems:
+            for mode in ("single", "batch"):
+                tput: dict[str, list[float]] = {"put": [], "get": []}
+                lats: dict[str, list[float]] = {"put": [], "get": []}
+                for rep in range(reps):
+                    d = tempfile.mkdtemp(prefix=f"{name}-", dir=work)
+                    keys = [os.urandom(16) for _ in range(n)]
+                    peer = SYSTEMS[name](d)
+                    try:
+                        res = one_rep(peer, mode, keys, vals, min(batch, n))
+                    finally:
+                        peer.close()
+                        shutil.rmtree(d, ignore_errors=True)
+                    for op, (secs, lat) in res.items():
+                        tput[op].append(n * size / MiB / secs)
+                        lats[op].extend(lat)
+                for op in ("put", "get"):
+                    r = Row(name, size, mode, op, statistics.median(tput[op]), pct(lats[op], 50) * 1e3,
+                            pct(lats[op], 90) * 1e3, pct(lats[op], 99) * 1e3, n, reps)
+                    rows.append(r)
+                    log(f"  {name:<13} {size // 1024:>5} KiB {mode:<6} {op}: {r.mib_s:8.1f} MiB/s  "
+                        f"p50 {r.p50_ms:.2f} ms")
+    return rows
+
+
+def ratios(rows: list[Row]) -> list[dict]:
+    by = {(r.system, r.size, r.mode, r.op): r for r in rows}
+    out = []
+    for (system, size, mode, op), r in by.items():
+        if system != "kvstore":
+            continue
+        for peer in SYSTEMS:
+            p = by.get((peer, size, mode, op))
+            if peer != "kvstore" and p is not None and p.mib_s > 0:
+                out.append({"size": size, "mode": mode, "op": op, "peer": peer, "ratio": r.mib_s / p.mib_s})
+    return out
+
+
+def goals(ratio_rows: list[dict]) -> list[dict]:
+    out = []
+    for op, peer, need in GOALS:
+        for x in ratio_rows:
+            if x["op"] == op and x["peer"] == peer:
+                out.append({**x, "goal": need, "met": x["ratio"] >= need})
+    return out
+
+
+# ----------------------------------------------------------------------------------- lookup
+def bench_lookup(sizes: list[int], work: str, iters: int, log: Callable[[str], None]) -> list[dict]:
+    from kvstore.index import Index
+
+    d = tempfile.mkdtemp(prefix="lookup-", dir=work)
+    kvstore.connect(d).close()  # create the data directory and index
+    targets = tuple(f"t{i}" for i in range(6))
+    chain = [os.urandom(16) for _ in range(1000)]
+    out, have = [], 0
+    try:
+        for target in sorted(sizes):
+            t0 = time.perf_counter()
+            idx = Index(os.path.join(d, "index"), map_size=16 * 2**30, sync=False)
+            now = time.time_ns()
+            meta = Meta(4, 2, 256, 229376, 229500, 57500, now, now, 0, b"\0" * 8, targets)
+            while have < target:
+                with idx.env.begin(write=True) as txn:
+                    for _ in range(min(50_000, target - have)):
+                        if have < len(chain):
+                            key, kind = chain[have], 1
+                        elif have < len(chain) + len(chain) // 8:
+                            key, kind = chain[(have - len(chain)) * 8 + 7], 2  # SWA every 8th block
+                        else:
+                            key, kind = os.urandom(16), 1
+                        idx.insert_txn(txn, ekey(kind, key), meta)
+                        have += 1
+            idx.env.sync(True)
+            idx.close()
+            fill_s = time.perf_counter() - t0
+            with kvstore.connect(d) as store:
+                assert store.lookup(chain).hit_blocks == 1000
+                lat = []
+                for _ in range(iters):
+                    t = time.perf_counter()
+                    res = store.lookup(chain)
+                    lat.append(time.perf_counter() - t)
+            row = {"entries": target, "chain": 1000, "hit_blocks": res.hit_blocks, "swa_at": res.swa_at,
+                   "p50_ms": pct(lat, 50) * 1e3, "p90_ms": pct(lat, 90) * 1e3, "p99_ms": pct(lat, 99) * 1e3,
+                   "iters": iters, "fill_s": fill_s}
+            out.append(row)
+            log(f"  lookup 1000-block chain at {target:>8} entries: p50 {row['p50_ms']:.2f} ms "
+                f"(filled in {fill_s:.1f} s)")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------- erasure coding
+def bench_ec(sizes: list[int], iters: int, log: Callable[[str], None]) -> list[dict]:
+    out = []
+    for k, m in ((4, 2), (8, 4)):
+        code = codec.erasure_code(k, m, "isa_l_rs_vand")
+        for size in sizes:
+            data = payloads(size, 1, seed=7)[0]
+            frags = code.encode(data)
+            cases: dict[str, Callable[[], object]] = {"encode": lambda: code.encode(data)}
+            for lost in (0, 1, 2):
+                have = {i: f for i, f in enumerate(frags) if i >= lost}  # lose data fragments first
+                have = dict(list(have.items())[:k])
+                cases[f"decode_{lost}_lost"] = lambda have=have: code.decode(have)
+            assert code.decode(dict(list(enumerate(frags))[2:2 + k]))[:size] == data
+            for name, fn in cases.items():
+                fn()
+                lat = []
+                for _ in range(iters):
+                    t = time.perf_counter()
+                    fn()
+                    lat.append(time.perf_counter() - t)
+                row = {"ec": f"{k}+{m}", "size": size, "op": name, "mib_s": size / MiB / statistics.median(lat),
+                       "p50_ms": pct(lat, 50) * 1e3}
+                out.append(row)
+                log(f"  EC {k}+{m} {size // 1024:>5} KiB {name:<14} {row['mib_s']:8.0f} MiB/s")
+    return out
+
+
+# ----------------------------------------------------------------------------------- report
+def table(rows: list[Row], ratio_rows: list[dict], goal_rows: list[dict], lookups: list[dict],
+          ec: list[dict]) -> str:
+    lines = [f"{'system':<13} {'size':>8} {'mode':<6} {'op':<3} {'MiB/s':>9} {'p50 ms':>8} {'p90 ms':>8} "
+             f"{'p99 ms':>8}"]
+    for r in rows:
+        lines.append(f"{r.system:<13} {r.size // 1024:>4} KiB {r.mode:<6} {r.op:<3} {r.mib_s:>9.1f} "
+                     f"{r.p50_ms:>8.2f} {r.p90_ms:>8.2f} {r.p99_ms:>8.2f}")
+    lines.append("\nratio kvstore / peer (throughput)")
+    peers = [p for p in SYSTEMS if p != "kvstore" and any(x["peer"] == p for x in ratio_rows)]
+    lines.append(f"{'size':>8} {'mode':<6} {'op':<3} " + " ".join(f"{p:>12}" for p in peers))
+    keyed = {(x["size"], x["mode"], x["op"], x["peer"]): x["ratio"] for x in ratio_rows}
+    for size, mode, op in sorted({(x["size"], x["mode"], x["op"]) for x in ratio_rows}):
+        cells = [f"{keyed[(size, mode, op, p)]:>11.2f}x" if (size, mode, op, p) in keyed else f"{'-':>12}"
+                 for p in peers]
+        lines.append(f"{size // 1024:>4} KiB {mode:<6} {op:<3} " + " ".join(cells))
+    lines.append("\ngoals (kvstore / peer)")
+    for g in goal_rows:
+        lines.append(f"  {g['op']} >= {g['goal']}x {g['peer']:<8} {g['size'] // 1024:>5} KiB {g['mode']:<6} "
+                     f"{g['ratio']:6.2f}x  {'MET' if g['met'] else 'MISSED'}")
+    if lookups:
+        lines.append("\nlookup of a 1,000-block chain (all hit), in process; index filled with fake metas")
+        for x in lookups:
+            lines.append(f"  {x['entries']:>9} entries: p50 {x['p50_ms']:.3f} ms  p90 {x['p90_ms']:.3f} ms  "
+                         f"p99 {x['p99_ms']:.3f} ms  (hit {x['hit_blocks']}, swa_at {x['swa_at']})")
+    if ec:
+        lines.append("\nerasure coding, pyeclib isa_l_rs_vand (MiB/s of payload)")
+        for x in ec:
+            lines.append(f"  {x['ec']:<5} {x['size'] // 1024:>5} KiB {x['op']:<14} {x['mib_s']:>9.0f}")
+    return "\n".join(lines)
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1024, "M": MiB, "k": 1000}
+    t = text.strip()
+    return int(float(t[:-1]) * units[t[-1]]) if t[-1] in units else int(t)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small run (< 1 min): fewer bytes, reps, sizes")
+    ap.add_argument("--sizes", default=None, help="payload sizes (default 128K,1M,4M)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
+    ap.add_argument("--mib-per-rep", type=float, default=None, help="MiB written per rep (default 16; quick 4)")
+    ap.add_argument("--batch", type=int, default=16, help="items per put_many/get_many")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    ap.add_argument("--lookup-sizes", default=None, help="index sizes (default 10k,100k,1000k; quick 10k,100k)")
+    ap.add_argument("--no-lookup", action="store_true")
+    ap.add_argument("--no-ec", action="store_true")
+    ap.add_argument("--work-dir", default=None, help="where the stores live (default: a temp dir)")
+    ap.add_argument("--no-install", action="store_true", help="do not run tools/install_peers.sh if redis is missing")
+    ap.add_argument("--out", default="results/bench_store.json")
+    a = ap.parse_args(argv)
+    q = a.quick
+    sizes = [parse_size(s) for s in (a.sizes or ("128K,1M,4M")).split(",")]
+    reps = a.reps or (1 if q else 3)
+    mib_per_rep = a.mib_per_rep or (4 if q else 16)
+    lookup_sizes = [parse_size(s) for s in (a.lookup_sizes or ("10k,100k" if q else "10k,100k,1000k")).split(",")]
+    systems = [s for s in a.systems.split(",") if s]
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    t_start = time.perf_counter()
+    work = tempfile.mkdtemp(prefix="bench_store-", dir=a.work_dir)
+    notes: list[str] = []
+    server = None
+    if "redis" in systems:
+        if shutil.which("redis-server") is None and not a.no_install:
+            log("redis-server missing: running tools/install_peers.sh")
+            subprocess.run(["bash", str(ROOT / "tools" / "install_peers.sh")], check=False)
+        try:
+            server = RedisPeer.server = RedisServer(work)
+        except (RuntimeError, ImportError) as exc:
+            notes.append(f"redis peer skipped: {exc}")
+            systems.remove("redis")
+            log(notes[-1])
+    sample = payloads(1 * MiB, 1, seed=1)[0]
+    import zstandard
+
+    zratio = len(sample) / len(zstandard.ZstdCompressor(level=3).compress(sample))
+    log(f"payload: fp16 random-normal, zstd-3 ratio {zratio:.3f}; systems {systems}; sizes {sizes}; "
+        f"reps {reps}; {mib_per_rep} MiB per rep")
+    try:
+        rows = bench_io(systems, sizes, reps, mib_per_rep, a.batch, work, log)
+        lookups = [] if a.no_lookup else bench_lookup(lookup_sizes, work, 50 if q else 200, log)
+        ec = [] if a.no_ec else bench_ec([MiB] if q else [MiB, 4 * MiB], 10 if q else 40, log)
+    finally:
+        if server is not None:
+            server.close()
+        shutil.rmtree(work, ignore_errors=True)
+    rr = ratios(rows)
+    gr = goals(rr)
+    print(table(rows, rr, gr, lookups, ec))
+    for n in notes:
+        print(f"note: {n}")
+    elapsed = time.perf_counter() - t_start
+    print(f"elapsed {elapsed:.0f} s")
+    meta = {
+        "command": " ".join([Path(sys.executable).name, "tools/bench_store.py", *(argv or sys.argv[1:])]),
+        "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+        "payload": "fp16 random-normal", "zstd3_ratio": zratio, "ec": "isa_l_rs_vand 4+2", "fsync": True,
+        "redis": getattr(server, "version", None), "redis_persistence": "appendonly yes, appendfsync always",
+        "lmdb": "sync=True, one txn per put or batch", "raw_file": "tmp write + fsync + rename + dir fsync",
+        "reps": reps, "mib_per_rep": mib_per_rep, "batch": a.batch, "elapsed_s": elapsed, "notes": notes,
+        "lookup_index": "filled with fake metas through kvstore.index.Index (lookup reads only the index)",
+    }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "io": [asdict(r) for r in rows], "ratios": rr, "goals": gr,
+                               "lookup": lookups, "ec": ec}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
