@@ -35,7 +35,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -294,8 +294,10 @@ class KVStoreConnector(KVConnectorBase):
                     reason = f"block {spec.first_block + good} missing, lost or corrupt"
             if good < len(spec.blocks) or not window_ok:
                 self.metrics.inc("load_errors")
-                self._errors[rid] = LoadError((spec.first_block + good) * self.B,
-                                              window_ok and good == len(spec.blocks), reason)
+                valid = (spec.first_block + good) * self.B
+                self._errors[rid] = LoadError(valid, window_ok and good == len(spec.blocks), reason)
+                if rid in self._plans:  # the engine recomputes [valid, ...): save those blocks again,
+                    self._plans[rid] = replace(self._plans[rid], hit_tokens=valid)  # healing the store
             self.metrics.inc("loaded_tokens", good * self.B)
         self._jobs.clear()
         return dict(self._errors)

@@ -47,7 +47,7 @@ from engine_plugin.reference import (Engine, EngineConfig, ReferenceModel, Sampl
                                      model_preset)
 from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector  # noqa: E402
 
-B = 16
+B = 16  # block size of the agreement runs (tiny model)
 ONE = SamplingParams(max_new_tokens=1)
 
 
@@ -67,6 +67,7 @@ class Bench:
         self.vocab = self.model.cfg.vocab_size
 
     def ecfg(self, n_tokens: int) -> EngineConfig:
+        B = self.args.block_size
         return EngineConfig(block_size=B, num_blocks=2 * (n_tokens // B) + 64, chunk_size=self.args.chunk,
                             max_batched_tokens=self.args.chunk, device=self.args.device, sync_timing=True)
 
@@ -74,7 +75,8 @@ class Bench:
         conn = None
         if store is not False:
             conn = KVStoreConnector(self.model.cfg, ConnectorConfig(
-                block_size=B, device=self.args.device, host_capacity_bytes=4 << 30, **kw), store)
+                block_size=self.args.block_size, device=self.args.device, host_capacity_bytes=4 << 30,
+                **kw), store)
         return Engine(self.model, self.ecfg(n_tokens), connector=conn)
 
     @staticmethod
@@ -127,8 +129,8 @@ class Bench:
 
     def load_throughput(self, prefix: list[int], store) -> dict:
         conn = KVStoreConnector(self.model.cfg, ConnectorConfig(
-            block_size=B, device=self.args.device, promote_to_host=False, load_batch_blocks=64,
-            staging_buffers=128), store)
+            block_size=self.args.block_size, device=self.args.device, promote_to_host=False,
+            load_batch_blocks=256, staging_buffers=512), store)
         eng = Engine(self.model, self.ecfg(len(prefix)), connector=conn)
         keys = eng.hasher.hash_blocks(prefix)
         spec = LoadSpec("bench", tuple(BlockLoad(i, i, k, Tier.STORE) for i, k in enumerate(keys)), 0)
@@ -189,7 +191,7 @@ class Bench:
         return res
 
 
-def persisted_model(cfg) -> dict:
+def persisted_model(cfg, B: int) -> dict:
     isz = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     glob = cfg.d_global * isz
     swa_tok = cfg.n_layers * 2 * cfg.n_heads * cfg.head_dim * isz
@@ -207,6 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cold-reps", type=int, default=1)
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per block (= store entry)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--store-url", default=None, help="also measure a daemon store, e.g. grpc://host:port")
     ap.add_argument("--data-dir", default=None, help="embedded store directory (default: a temp dir)")
@@ -223,7 +226,7 @@ def main(argv=None) -> int:
     if a.store_url:
         stores["daemon"] = kvstore.connect(a.store_url)
     results = {"args": vars(a), "model": bench.model.cfg.model_id, "sizes": [],
-               "persisted_model_bytes_per_token": persisted_model(bench.model.cfg)}
+               "persisted_model_bytes_per_token": persisted_model(bench.model.cfg, a.block_size)}
     try:
         for N in [int(s) for s in a.sizes.split(",")]:
             results["sizes"].append(bench.size(N, stores))

@@ -309,8 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small run (< 1 min): fewer bytes, reps, sizes")
     ap.add_argument("--sizes", default=None, help="payload sizes (default 128K,1M,4M)")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
-    ap.add_argument("--mib-per-rep", type=float, default=None, help="MiB written per rep (default 16; quick 4)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5; quick 1)")
+    ap.add_argument("--mib-per-rep", type=float, default=None, help="MiB written per rep (default 32; quick 4)")
     ap.add_argument("--batch", type=int, default=16, help="items per put_many/get_many")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     ap.add_argument("--lookup-sizes", default=None, help="index sizes (default 10k,100k,1000k; quick 10k,100k)")
@@ -322,8 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     q = a.quick
     sizes = [parse_size(s) for s in (a.sizes or ("128K,1M,4M")).split(",")]
-    reps = a.reps or (1 if q else 3)
-    mib_per_rep = a.mib_per_rep or (4 if q else 16)
+    reps = a.reps or (1 if q else 5)
+    mib_per_rep = a.mib_per_rep or (4 if q else 32)
     lookup_sizes = [parse_size(s) for s in (a.lookup_sizes or ("10k,100k" if q else "10k,100k,1000k")).split(",")]
     systems = [s for s in a.systems.split(",") if s]
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731

@@ -9,7 +9,7 @@ Role
     tokens over cached + new keys with a causal mask, output projection, a
     4x MLP). ``--target`` is the hook to point it at the engine later.
 
-Exact command (what produced the committed file; ~1-2 min on 2 CPU cores)::
+Exact command (what produced the committed file; ~2-3 min, one torch thread)::
 
     .venv/bin/python tools/fit_cost_model.py --out lb/data/cost_model.json
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--passes", type=int, default=5, help="timings per point, one per pass over the grid")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: least disturbed by a shared machine)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop sampling after this many seconds")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kv = torch.randn(32, args.heads, 8192, args.d_model // args.heads)
     dgrid = [(b, c) for b in (1, 4, 8, 16, 32) for c in (256, 1024, 2048, 4096, 8192) if b * c <= 65536]
-    t_dec = timed_min(dgrid, lambda bc: stack.decode_step(bc[0], bc[1], kv), max(args.passes, 5),
+    t_dec = timed_min(dgrid, lambda bc: stack.decode_step(bc[0], bc[1], kv), 4 * args.passes,
                       t_start + args.budget_s)
     dec = [(b * c, b, t) for (b, c), t in zip(dgrid, t_dec)]
     for (b, c), t in zip(dgrid, t_dec):

@@ -290,6 +290,8 @@ class Engine:
         plan = RestorePlan(valid, max(0, valid - self.model.replay_span("exact")) if valid else None)
         req.plan = plan
         self._apply_plan(req, plan)
+        if self.connector is not None:  # boundaries at or below the old hit are now computed here
+            req.snapshot_boundaries = self.connector.snapshot_boundaries(req)
 
     def _schedule(self) -> list[ScheduledChunk]:
         budget = self.cfg.max_batched_tokens

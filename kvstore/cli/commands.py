@@ -210,6 +210,11 @@ def _configure_none(p: argparse.ArgumentParser) -> None:
     pass
 
 
+def _configure_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--limit", type=int, default=50, metavar="N",
+                   help="list at most N problems in text output (default 50; --json lists all)")
+
+
 def _entries_known(store: KVStore) -> int:
     s = store.stats()
     return int(s.get("entries", 0)) + int(s.get("lost_entries", 0))
@@ -223,7 +228,9 @@ def run_verify(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
     data = {"ok": not problems, "checked_entries": checked, "problems": problems, "counts": dict(counts),
             "lost": [{"kind": k, "key": key} for k, key in lost]}
     lines = [f"{p['kind']:<17} {p['entry_kind'] or '-':<5} {p['key'] or '-':<32} {p['target'] or '-':<10} "
-             f"{p['detail']}" for p in problems]
+             f"{p['detail']}" for p in problems[:args.limit]]
+    if len(problems) > args.limit:
+        lines.append(f"... and {len(problems) - args.limit} more (--limit N, or --json for all)")
     summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no problems"
     lines.append(f"verify: {checked} entries checked: {summary}")
     if lost:
@@ -285,8 +292,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             _configure_inspect, run_inspect),
     Command("gc", "expire TTLs, evict above capacity, purge deleted entries and orphan fragments",
             _configure_gc, run_gc),
-    Command("verify", "read and checksum every fragment; list missing, corrupt and lost (exit 1 if any)",
-            _configure_none, run_verify),
+    Command("verify", "read and checksum every fragment; list missing, corrupt and lost (exit 1 if any); "
+            "an entry with fewer than k good fragments is marked lost until `repair`", _configure_verify, run_verify),
     Command("repair", "rebuild missing or corrupt fragments, restore lost entries that are readable again",
             _configure_none, run_repair),
     Command("stats", "store statistics", _configure_none, run_stats),

@@ -103,7 +103,7 @@ def test_health_and_drain_finishes_in_flight_calls(make_daemon, tmp_path) -> Non
 
 
 def test_background_gc_runs_without_stalling_requests(make_daemon) -> None:
-    d = make_daemon(gc_interval_s=0.1, delete_grace_s=0, orphan_grace_s=0)
+    d = make_daemon(gc_interval_s=0.1, delete_grace_s=0)
     s = kvstore.connect(d.address)
     for i in range(30):
         s.put(K(i), b"x" * 5000, ttl_s=0.2)

@@ -45,6 +45,8 @@ def test_two_targets_down_reads_three_down_lost_then_repair(store_dir, run_tool)
     assert code == 1
     expected = {("block", k.hex()) for k in pop.blocks} | {("swa", k.hex()) for k in pop.swa}
     assert {(x["kind"], x["key"]) for x in d["lost"]} == expected  # every entry spans all six targets
+    code, out, _ = run_tool("verify", pop.path, "--limit", "3")
+    assert code == 1 and out.count("lost_entry") == 3 and "more (--limit N" in out
     with kvstore.connect(str(pop.path)) as store:
         assert store.lookup(pop.chain).hit_blocks == 0  # lost entries stop matching
     code, out, _ = run_tool("repair", pop.path)

@@ -1,0 +1,55 @@
+"""``python -m entrypoint``: run the entrypoint service on loopback.
+
+The first line on stdout is ``READY <json>`` with the bound address; workers
+join with ``python -m entrypoint.worker --role ... --entrypoint ADDRESS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+import kvstore
+from entrypoint.server import EntrypointConfig, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m entrypoint", description="kvstack entrypoint")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--store", default="./kvstack-data", help="kvstore URL (a data directory or grpc://...)")
+    ap.add_argument("--model", default="tiny", help="reference model preset (fixes the key namespace)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--tenant", action="append", default=[], metavar="NAME=SALT",
+                    help="a tenant and its key salt (repeatable); default: one tenant 'default'")
+    ap.add_argument("--prefill-policy", default="kvstack")
+    ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from engine_plugin.reference.config import model_preset
+
+    tenants = {"default": b""}
+    for t in a.tenant:
+        name, _, salt = t.partition("=")
+        if not name:
+            ap.error(f"--tenant needs NAME=SALT, got {t!r}")
+        tenants[name] = salt.encode()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cfg = EntrypointConfig(namespace=model_preset(a.model).namespace(), block_size=a.block_size,
+                               tenants=tenants, prefill_policy=a.prefill_policy)
+        return serve(cfg, a.store, host=a.host, port=a.port, heartbeat_s=a.heartbeat_s, stop=stop,
+                     ready=lambda addr: print("READY " + json.dumps({"address": addr}), flush=True))
+    except kvstore.KVStoreError as exc:
+        print(f"entrypoint: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Start and stop a whole serving stack on loopback: the store, the entrypoint, workers.
+
+Used by the walkthrough, the end-to-end tests and the benchmarks. Every
+process runs in its own session so that ``stop`` (also called on error, at
+interpreter exit, and by the walkthrough's Ctrl-C handler) can take down the
+process and anything it started; nothing outlives the ``Cluster``.
+
+Each child prints ``READY <json>`` as its first stdout line once it listens;
+``start`` waits for that line (bounded by ``start_timeout_s``), so a child that
+fails to start is reported with the tail of its log instead of hanging.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.proto import serving_pb2_grpc as pbg
+from kvstore.errors import StoreUnavailable
+
+
+@dataclass(slots=True)
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    info: dict = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return self.info.get("address", "")
+
+
+class Cluster:
+    """A loopback stack. ``with Cluster(dir, decode=2) as c: c.client()...``."""
+
+    def __init__(self, work_dir: str | Path, *, ve: int = 1, prefill: int = 1, decode: int = 2,
+                 model: str = "tiny", block_size: int = 16, store: str = "daemon",
+                 worker_args: tuple[str, ...] = (), start_timeout_s: float = 120.0):
+        self.work_dir = Path(work_dir)
+        self.counts = {"ve": ve, "prefill": prefill, "decode": decode}
+        self.model, self.block_size, self.store_mode = model, block_size, store
+        self.worker_args = worker_args
+        self.start_timeout_s = start_timeout_s
+        self.procs: dict[str, Proc] = {}
+        self.store_url = ""
+        self.entrypoint_address = ""
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.work_dir / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        popen = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=open(log_path, "wb"),
+                                 text=True, start_new_session=True, env=env)
+        proc = Proc(name, popen, log_path)
+        with self._lock:
+            self.procs[name] = proc
+        deadline = time.monotonic() + self.start_timeout_s
+        line_box: list[str] = []
+        reader = threading.Thread(target=lambda: line_box.append(popen.stdout.readline()), daemon=True)
+        reader.start()
+        while reader.is_alive() and time.monotonic() < deadline and popen.poll() is None:
+            reader.join(0.05)
+        line = line_box[0] if line_box else ""
+        if not line.startswith("READY "):
+            tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+            self.stop()
+            raise StoreUnavailable(f"{name} did not start (exit {popen.poll()}): {line.strip()}\n{tail}")
+        proc.info = json.loads(line[len("READY "):])
+        # keep draining stdout so the child never blocks on a full pipe
+        threading.Thread(target=lambda: [None for _ in popen.stdout], daemon=True).start()
+        return proc
+
+    def start(self) -> "Cluster":
+        atexit.register(self.stop)
+        data_dir = self.work_dir / "store"
+        if self.store_mode == "daemon":
+            p = self._spawn("kvstore", ["-m", "kvstore.server.cli", "serve", "--data-dir", str(data_dir),
+                                        "--port", "0", "--ready-line"])
+            self.store_url = f"grpc://{p.address}"
+        else:
+            self.store_url = str(data_dir)
+        ep = self._spawn("entrypoint", ["-m", "entrypoint", "--store", self.store_url, "--model", self.model,
+                                        "--block-size", str(self.block_size), "--heartbeat-s", "0.2"])
+        self.entrypoint_address = ep.address
+        for role, n in self.counts.items():
+            for i in range(n):
+                self.start_worker(role, f"{role}-{i}")
+        self.wait_for_workers(sum(self.counts.values()))
+        return self
+
+    def start_worker(self, role: str, worker_id: str) -> Proc:
+        return self._spawn(worker_id, ["-m", "entrypoint.worker", "--role", role, "--id", worker_id,
+                                       "--store", self.store_url, "--model", self.model,
+                                       "--block-size", str(self.block_size),
+                                       "--entrypoint", self.entrypoint_address, *self.worker_args])
+
+    def wait_for_workers(self, n: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.entrypoint_address) as ch:
+            stub = pbg.EntrypointStub(ch)
+            while time.monotonic() < deadline:
+                if len(stub.ListWorkers(pb.Empty(), timeout=5).workers) >= n:
+                    return
+                time.sleep(0.1)
+        raise StoreUnavailable(f"only some of {n} workers registered within {timeout_s} s")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[name]
+        os.killpg(p.popen.pid, sig)
+        p.popen.wait(timeout=30)
+
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in self.procs.values()]
+
+    def stop(self) -> None:
+        with self._lock:
+            procs = list(self.procs.values())
+        for p in procs:  # workers and the entrypoint first, the store last
+            if p.popen.poll() is None:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        for p in procs:
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.popen.wait(timeout=10)
+
+    # ------------------------------------------------------------------ client
+    def client(self) -> "Client":
+        return Client(self.entrypoint_address)
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Client:
+    """A small synchronous client of ``Entrypoint.Generate``."""
+
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pbg.EntrypointStub(self.channel)
+
+    def generate(self, token_ids: list[int], *, max_new_tokens: int = 8, images: list[pb.ImageSegment] = (),
+                 tenant: str = "", temperature: float = 0.0, seed: int = 0, request_id: str = "",
+                 on_event=None, timeout: float = 300.0) -> tuple[list[int], list[dict], dict]:
+        """(tokens, hop events, summary). ``on_event(event)`` sees every event as it arrives."""
+        req = pb.GenerateRequest(request_id=request_id, token_ids=token_ids, images=list(images), tenant=tenant,
+                                 sampling=pb.Sampling(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                      seed=seed))
+        tokens, hops, summary = [], [], {}
+        for ev in self.stub.Generate(req, timeout=timeout):
+            if on_event is not None:
+                on_event(ev)
+            if ev.kind == "token":
+                tokens.append(ev.token_id)
+            elif ev.kind == "hop":
+                hops.append(dict(json.loads(ev.detail), t_ms=ev.t_ms))
+            elif ev.kind == "done":
+                summary = json.loads(ev.detail)
+        return tokens, hops, summary
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,143 @@
+"""The entrypoint's instance registry: who is up, what they hold, how loaded they are.
+
+Workers join (``Register`` RPC, or ``add`` by whoever started them) and leave
+(``Deregister``, or by missing heartbeats) at run time; the load balancers see
+the registry's current snapshot on every decision, so nothing restarts.
+
+Heartbeat: a thread calls every instance's ``Status`` each ``heartbeat_s``;
+``miss_limit`` misses in a row mark it down, and a success marks it up again.
+A dispatch failure (``mark_down``) takes effect at once.
+
+The prefix view per prefill/decode instance is approximate, as in SGLang's
+router: the block hashes the entrypoint routed there recently (an LRU bounded
+in blocks), standing for that engine's device prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import grpc
+
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.proto import serving_pb2_grpc as pbg
+from kvstore.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Instance:
+    worker_id: str
+    role: str
+    address: str
+    channel: grpc.Channel
+    stub: pbg.WorkerStub
+    healthy: bool = True
+    misses: int = 0
+    last_seen: float = 0.0
+    status: pb.WorkerStatus | None = None
+    prefix: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU order
+    inflight: dict = field(default_factory=dict)  # request id -> (suffix tokens, cached tokens)
+
+    def holds(self, h: bytes) -> bool:
+        return h in self.prefix
+
+
+class Registry:
+    """Thread-safe registry of workers by role. See the module docstring."""
+
+    def __init__(self, *, heartbeat_s: float = 0.5, miss_limit: int = 3, rpc_timeout_s: float = 1.0,
+                 prefix_capacity_blocks: int = 4096):
+        self.heartbeat_s, self.miss_limit, self.rpc_timeout_s = heartbeat_s, miss_limit, rpc_timeout_s
+        self.prefix_capacity = prefix_capacity_blocks
+        self._lock = threading.Lock()
+        self._by_id: dict[str, Instance] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ membership
+    def add(self, worker_id: str, role: str, address: str) -> Instance:
+        if not worker_id or not address or role not in ("ve", "prefill", "decode"):
+            raise InvalidRequest(f"a worker needs an id, an address and a role in ve/prefill/decode; got "
+                                 f"{worker_id!r} {role!r} {address!r}")
+        ch = grpc.insecure_channel(address)
+        inst = Instance(worker_id, role, address, ch, pbg.WorkerStub(ch), last_seen=time.monotonic())
+        with self._lock:
+            old = self._by_id.pop(worker_id, None)
+            self._by_id[worker_id] = inst
+        if old is not None:
+            old.channel.close()
+        log.info("worker %s (%s) joined at %s", worker_id, role, address)
+        return inst
+
+    def remove(self, worker_id: str) -> bool:
+        with self._lock:
+            inst = self._by_id.pop(worker_id, None)
+        if inst is not None:
+            inst.channel.close()
+            log.info("worker %s left", worker_id)
+        return inst is not None
+
+    def instances(self, role: str | None = None) -> list[Instance]:
+        with self._lock:
+            return [i for i in self._by_id.values() if role is None or i.role == role]
+
+    def mark_down(self, worker_id: str, reason: str) -> None:
+        with self._lock:
+            inst = self._by_id.get(worker_id)
+            if inst is not None and inst.healthy:
+                inst.healthy = False
+                inst.misses = self.miss_limit
+                log.warning("worker %s marked down: %s", worker_id, reason)
+
+    # ------------------------------------------------------------------ per-instance views
+    def routed(self, worker_id: str, hashes: list[bytes]) -> None:
+        """Record that these blocks now live (approximately) in that instance's device cache."""
+        with self._lock:
+            inst = self._by_id.get(worker_id)
+            if inst is None:
+                return
+            for h in hashes:
+                inst.prefix[h] = None
+                inst.prefix.move_to_end(h)
+            while len(inst.prefix) > self.prefix_capacity:
+                inst.prefix.popitem(last=False)
+
+    # ------------------------------------------------------------------ heartbeat
+    def poll_once(self) -> None:
+        for inst in self.instances():
+            try:
+                st = inst.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
+            except grpc.RpcError as exc:
+                with self._lock:
+                    inst.misses += 1
+                    if inst.healthy and inst.misses >= self.miss_limit:
+                        inst.healthy = False
+                        log.warning("worker %s missed %d heartbeats (%s): down", inst.worker_id,
+                                    inst.misses, exc.code())
+                continue
+            with self._lock:
+                inst.status, inst.misses, inst.last_seen = st, 0, time.monotonic()
+                if not inst.healthy:
+                    log.info("worker %s answers again: up", inst.worker_id)
+                inst.healthy = True
+
+    def start(self) -> None:
+        def run() -> None:
+            while not self._stop.wait(self.heartbeat_s):
+                self.poll_once()
+
+        self._thread = threading.Thread(target=run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for inst in self.instances():
+            inst.channel.close()

@@ -1,0 +1,313 @@
+"""The entrypoint: request intake, prefix matching, dispatch, streaming, failover.
+
+``Generate`` (see ``proto/serving.proto``) takes one request through the
+hops, emitting a "hop" event for each so a client can draw the timeline:
+
+  1. validate (non-empty prompt, image spans inside the prompt, known tenant);
+  2. ``ve``: each image goes to a vision-encoder worker picked by the VE LB
+     (image-hash affinity vs load); its tokens are spliced into the prompt;
+  3. ``lookup``: block hashes through ``kvstore.keys`` (tenant-salted), and the
+     store's longest cached prefix (and SWA boundary);
+  4. ``prefill``: the Prefill LB picks an instance (estimated TTFT per tier),
+     or admission control rejects the request (RESOURCE_EXHAUSTED with the
+     LB's reason); the worker prefills and saves KV to the store;
+  5. ``decode``: the Decode LB picks an instance, which loads the KV from the
+     store and streams tokens.
+
+Failover: a worker that fails a call (UNAVAILABLE, a broken stream, a missed
+deadline) is marked down and the hop is re-dispatched to another instance of
+its role, at most ``max_attempts`` times. A decode stream that breaks midway
+resumes on another worker from the tokens already sent; the new worker loads
+the KV persisted so far and recomputes only the tail, and since sampling
+depends only on (seed, output index), the client sees one uninterrupted,
+identical stream.
+
+Cancellation: a client that goes away cancels the in-flight worker call.
+Deadlines: worker calls get the client's remaining time. Backpressure: at most
+``max_inflight`` requests at once; more get RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import grpc
+
+import kvstore
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.proto import serving_pb2_grpc as pbg
+from entrypoint.registry import Instance, Registry
+from kvstore.keys import BlockHasher, ImageSpan, Namespace
+from lb.registry import get_policy
+from lb.types import DecodeInstance, DecodeRequest, PrefillInstance, PrefixHits, QueuedPrefill, RouteRequest, VEInstance, VERequest
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
+
+
+@dataclass(frozen=True, slots=True)
+class EntrypointConfig:
+    namespace: Namespace
+    block_size: int = 16
+    tenants: dict[str, bytes] = field(default_factory=lambda: {"default": b""})
+    prefill_policy: str = "kvstack"
+    decode_policy: str = "kvstack"
+    ve_policy: str = "kvstack"
+    max_attempts: int = 3
+    max_inflight: int = 64
+    worker_timeout_s: float = 120.0
+    default_max_new_tokens: int = 16
+
+
+class Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class EntrypointService(pbg.EntrypointServicer):
+    def __init__(self, cfg: EntrypointConfig, store: kvstore.KVStore, registry: Registry):
+        self.cfg, self.store, self.registry = cfg, store, registry
+        self.prefill_lb = get_policy(cfg.prefill_policy, kind="prefill")
+        self.decode_lb = get_policy(cfg.decode_policy, kind="decode")
+        self.ve_lb = get_policy(cfg.ve_policy, kind="ve")
+        self._slots = threading.BoundedSemaphore(cfg.max_inflight)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ membership RPCs
+    def Register(self, request, context):
+        try:
+            self.registry.add(request.worker_id, request.role, request.address)
+        except kvstore.InvalidRequest as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.RegisterReply(ok=True, message=f"{request.worker_id} registered")
+
+    def Deregister(self, request, context):
+        ok = self.registry.remove(request.worker_id)
+        return pb.RegisterReply(ok=ok, message="removed" if ok else "unknown worker")
+
+    def ListWorkers(self, request, context):
+        return pb.WorkerList(workers=[pb.WorkerInfo(worker_id=i.worker_id, role=i.role, address=i.address)
+                                      for i in self.registry.instances() if i.healthy])
+
+    # ------------------------------------------------------------------ Generate
+    def Generate(self, request, context):
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the entrypoint is serving {self.cfg.max_inflight} requests; retry later")
+        try:
+            yield from self._generate(request, context)
+        except Abort as exc:
+            context.abort(exc.code, exc.message)
+        finally:
+            self._slots.release()
+
+    def _timeout(self, context) -> float:
+        rem = context.time_remaining()
+        return self.cfg.worker_timeout_s if rem is None else max(0.001, min(rem, self.cfg.worker_timeout_s))
+
+    def _validate(self, request) -> tuple[bytes, list[ImageSpan]]:
+        toks = request.token_ids
+        if not toks:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: send at least one token id")
+        salt = self.cfg.tenants.get(request.tenant or "default")
+        if salt is None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown tenant {request.tenant!r}")
+        spans = []
+        for img in request.images:
+            if not img.image_hash or img.length == 0 or img.start + img.length > len(toks):
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"image span [{img.start}, {img.start + img.length}) is empty, has no hash, or "
+                            f"lies outside the {len(toks)}-token prompt")
+            spans.append(ImageSpan(img.image_hash, img.start, img.length))
+        return salt, spans
+
+    def _generate(self, request, context) -> Iterator[pb.GenerateEvent]:
+        t0 = time.perf_counter()
+        rid = request.request_id or uuid.uuid4().hex
+        ms = lambda: (time.perf_counter() - t0) * 1e3  # noqa: E731
+
+        def hop(name: str, **detail: Any) -> pb.GenerateEvent:
+            detail["hop"] = name
+            return pb.GenerateEvent(kind="hop", detail=json.dumps(detail), t_ms=ms())
+
+        salt, spans = self._validate(request)
+        max_new = request.sampling.max_new_tokens or self.cfg.default_max_new_tokens
+        sampling = pb.Sampling(max_new_tokens=max_new, temperature=request.sampling.temperature,
+                               seed=request.sampling.seed)
+        prompt = list(request.token_ids)
+        # 2. vision encoding
+        for img in request.images:
+            t = ms()
+            inst, reply = self._call("ve", lambda i: self._ve_pick(img, i), context,
+                                     lambda i: i.stub.Encode(pb.EncodeRequest(request_id=rid, image=img),
+                                                             timeout=self._timeout(context)))
+            prompt[img.start:img.start + img.length] = list(reply.token_ids)
+            yield hop("ve", worker=inst.worker_id, cache_hit=reply.cache_hit, tokens=img.length,
+                      encode_ms=reply.encode_ms, ms=ms() - t)
+        # 3. prefix lookup
+        hasher = BlockHasher(self.cfg.namespace, self.cfg.block_size, salt)
+        keys = hasher.hash_blocks(prompt, spans)
+        t = ms()
+        try:
+            hit = self.store.lookup(keys)
+        except kvstore.KVStoreError as exc:  # a store that is down means a cold prefill, not a failure
+            log.warning("store lookup failed (%s): routing as a miss", exc)
+            hit = kvstore.LookupResult(0, None)
+        yield hop("lookup", blocks=len(keys), hit_blocks=hit.hit_blocks, swa_at=hit.swa_at, ms=ms() - t)
+        # 4. prefill
+        t = ms()
+        images = [pb.ImageSegment(image_hash=i.image_hash, start=i.start, length=i.length) for i in request.images]
+        preq = pb.PrefillRequest(request_id=rid, token_ids=prompt, tenant_salt=salt, sampling=sampling,
+                                 images=images)
+        route = self._route_request(prompt, keys, hit.hit_blocks, request)
+        inst, prep = self._call("prefill", lambda live: self._prefill_pick(route, live), context,
+                                lambda i: self._tracked_prefill(i, rid, route, preq, context))
+        self.registry.routed(inst.worker_id, keys)
+        yield hop("prefill", worker=inst.worker_id, ms=ms() - t, **json.loads(prep.stats))
+        generated = [prep.first_token]
+        yield pb.GenerateEvent(kind="token", token_id=prep.first_token, index=0, t_ms=ms())
+        ttft = ms()
+        # 5. decode, with failover mid-stream
+        attempts = 0
+        failovers = []
+        dstats: dict = {}
+        while len(generated) < max_new:
+            dreq = DecodeRequest(context_tokens=len(prompt) + len(generated), max_new_tokens=max_new - len(generated),
+                                 tbt_slo_ms=request.tbt_slo_ms or None)
+            live = [i for i in self.registry.instances("decode") if i.healthy]
+            if not live:
+                raise Abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is up")
+            inst = self._pick(self.decode_lb.choose(dreq, [self._decode_snapshot(i) for i in live]), live, "decode")
+            t = ms()
+            call = inst.stub.Decode(pb.DecodeRequest(request_id=rid, token_ids=prompt, generated=generated,
+                                                     tenant_salt=salt, sampling=sampling, images=images),
+                                    timeout=self._timeout(context))
+            context.add_callback(call.cancel)
+            try:
+                for ev in call:
+                    if ev.stats:
+                        dstats = json.loads(ev.stats)
+                        continue
+                    if ev.index != len(generated):
+                        raise Abort(grpc.StatusCode.INTERNAL, f"decode worker sent index {ev.index}, "
+                                    f"expected {len(generated)}: this is a bug")
+                    generated.append(ev.token_id)
+                    yield pb.GenerateEvent(kind="token", token_id=ev.token_id, index=ev.index, t_ms=ms())
+                yield hop("decode", worker=inst.worker_id, tokens=len(generated), ms=ms() - t, **dstats)
+            except grpc.RpcError as exc:
+                if not context.is_active():
+                    return
+                attempts += 1
+                self.registry.mark_down(inst.worker_id, f"decode stream broke: {exc.code()}")
+                failovers.append({"worker": inst.worker_id, "at_token": len(generated), "ms": ms()})
+                yield hop("failover", worker=inst.worker_id, code=str(exc.code()), resumed_at=len(generated),
+                          ms=ms() - t)
+                if attempts >= self.cfg.max_attempts:
+                    raise Abort(grpc.StatusCode.UNAVAILABLE,
+                                f"decode failed on {attempts} workers; last error {exc.code()}") from exc
+        self.registry.routed(inst.worker_id, keys)
+        summary = {"request_id": rid, "tokens": generated, "ttft_ms": ttft, "total_ms": ms(),
+                   "prompt_tokens": len(prompt), "store_hit_blocks": hit.hit_blocks, "failovers": failovers}
+        yield pb.GenerateEvent(kind="done", detail=json.dumps(summary), t_ms=ms())
+
+    # ------------------------------------------------------------------ dispatch helpers
+    def _call(self, role: str, pick: Callable[[list[Instance]], Instance], context,
+              fn: Callable[[Instance], Any]) -> tuple[Instance, Any]:
+        """Pick an instance of ``role`` and call it; on a retryable failure mark it down and retry."""
+        last = None
+        for _ in range(self.cfg.max_attempts):
+            live = [i for i in self.registry.instances(role) if i.healthy]
+            if not live:
+                raise Abort(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up")
+            inst = pick(live)
+            try:
+                return inst, fn(inst)
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or not context.is_active():
+                    raise Abort(exc.code(), f"{role} worker {inst.worker_id}: {exc.details()}") from exc
+                self.registry.mark_down(inst.worker_id, f"{role} call failed: {exc.code()}")
+                last = exc
+        raise Abort(grpc.StatusCode.UNAVAILABLE, f"{role} failed on {self.cfg.max_attempts} workers: "
+                    f"{last.code() if last else '?'}")
+
+    @staticmethod
+    def _pick(decision, live: list[Instance], role: str) -> Instance:
+        if decision.chosen is None:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{role} admission control: {decision.reason}")
+        return next(i for i in live if i.worker_id == decision.chosen)
+
+    def _ve_pick(self, img, live: list[Instance]) -> Instance:
+        snaps = [VEInstance(i.worker_id, queue_images=(i.status.waiting + i.status.running) if i.status else 0,
+                            cached_images=frozenset(i.status.cached_images) if i.status else frozenset())
+                 for i in live]
+        return self._pick(self.ve_lb.choose(VERequest((img.image_hash,)), snaps), live, "ve")
+
+    def _route_request(self, prompt, keys, store_hit: int, request) -> RouteRequest:
+        hits = {}
+        for i in self.registry.instances("prefill"):
+            hits[i.worker_id] = PrefixHits.from_tiers(
+                keys, device=i.holds, store=lambda h, _s=set(keys[:store_hit]): h in _s)
+        return RouteRequest(prompt_tokens=len(prompt), num_blocks=len(keys), hits=hits, block_hashes=tuple(keys),
+                            ttft_slo_ms=request.ttft_slo_ms or None, block_tokens=self.cfg.block_size)
+
+    def _prefill_pick(self, route: RouteRequest, live: list[Instance]) -> Instance:
+        with self._lock:
+            snaps = [PrefillInstance(i.worker_id, queue=tuple(QueuedPrefill(s, c) for s, c in i.inflight.values()))
+                     for i in live]
+        return self._pick(self.prefill_lb.choose(route, snaps), live, "prefill")
+
+    def _tracked_prefill(self, inst: Instance, rid: str, route: RouteRequest, preq, context):
+        cached = route.hit_of(inst.worker_id).total * route.block_tokens
+        with self._lock:
+            inst.inflight[rid] = (max(0, route.prompt_tokens - cached), cached)
+        try:
+            return inst.stub.Prefill(preq, timeout=self._timeout(context))
+        finally:
+            with self._lock:
+                inst.inflight.pop(rid, None)
+
+    @staticmethod
+    def _decode_snapshot(i: Instance) -> DecodeInstance:
+        st = i.status
+        return DecodeInstance(i.worker_id, kv_used_bytes=st.kv_used_bytes if st else 0,
+                              kv_capacity_bytes=(st.kv_capacity_bytes or 1) if st else 1,
+                              batch_tokens=st.batch_tokens if st else 0,
+                              running_requests=st.running if st else 0)
+
+
+def serve(cfg: EntrypointConfig, store_url: str, *, host: str = "127.0.0.1", port: int = 0,
+          heartbeat_s: float = 0.5, ready: Callable[[str], None] | None = None,
+          stop: threading.Event | None = None) -> int:
+    """Run the entrypoint until ``stop`` is set (or forever). Calls ``ready(address)`` once listening."""
+    from concurrent import futures
+
+    store = kvstore.connect(store_url)
+    registry = Registry(heartbeat_s=heartbeat_s)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_inflight + 8),
+                         options=[("grpc.max_receive_message_length", 64 << 20),
+                                  ("grpc.max_send_message_length", 64 << 20)])
+    pbg.add_EntrypointServicer_to_server(EntrypointService(cfg, store, registry), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise kvstore.InvalidRequest(f"cannot bind {host}:{port}")
+    server.start()
+    registry.start()
+    if ready is not None:
+        ready(f"{host}:{bound}")
+    stop = stop or threading.Event()
+    try:
+        stop.wait()
+    finally:
+        server.stop(grace=5).wait()
+        registry.stop()
+        store.close()
+    return 0

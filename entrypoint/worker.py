@@ -1,0 +1,333 @@
+"""Engine worker process: the reference engine with the plugin, served over gRPC.
+
+One process serves one role (``ve``, ``prefill`` or ``decode``; see
+``entrypoint/proto/serving.proto``). The entrypoint dispatches to it and polls
+``Status`` as the heartbeat.
+
+Threads: gRPC handler threads only *submit* work and wait on per-request
+queues; one runner thread owns the engine and steps it, so requests submitted
+together are batched by the engine's scheduler and the engine is never
+touched from two threads.
+
+P/D handoff goes through the store: ``Prefill`` replies only after the
+connector has flushed the request's blocks and its end-of-input SWA snapshot
+to the store, so the decode worker that gets the request next finds them.
+``Decode`` takes the prompt plus the tokens already streamed, loads the cached
+prefix through the plugin, and continues at the next output index (seeded
+sampling depends only on the seed and the output index, so a re-dispatched
+stream continues exactly where the dead one stopped).
+
+Run: ``python -m entrypoint.worker --role decode --store ./kvstack-data``;
+the first line on stdout is ``READY <json>`` with the bound address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+import kvstore
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.proto import serving_pb2_grpc as pbg
+from entrypoint.vision import EncoderCache, VisionEncoder
+from kvstore.errors import InvalidRequest
+from kvstore.keys import ImageSpan
+
+log = logging.getLogger(__name__)
+
+ROLES = ("ve", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    role: str
+    worker_id: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    store_url: str = "./kvstack-data"
+    model_preset: str = "tiny"
+    block_size: int = 16
+    num_blocks: int = 1024
+    host_capacity_bytes: int = 64 * 1024 * 1024
+    entrypoint: str = ""  # address to register with ("" = the entrypoint is told by whoever started us)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise InvalidRequest(f"unknown worker role {self.role!r}; use one of {ROLES}")
+
+
+class _Handle:
+    __slots__ = ("events", "req", "metrics_before")
+
+    def __init__(self) -> None:
+        self.events: queue.Queue = queue.Queue()
+        self.req: Any = None
+        self.metrics_before: dict[str, float] = {}
+
+
+class EngineRunner:
+    """Owns one engine; a single thread steps it. See the module docstring."""
+
+    def __init__(self, engine: Any, connector: Any):
+        self.engine, self.connector = engine, connector
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: dict[str, _Handle] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine-runner", daemon=True)
+        self._thread.start()
+
+    def submit(self, rid: str, prompt: list[int], sampling: Any, *, tenant_salt: bytes,
+               images: list[ImageSpan], output_offset: int = 0) -> _Handle:
+        h = _Handle()
+        self._inbox.put((rid, prompt, sampling, tenant_salt, images, output_offset, h))
+        self._wake.set()
+        return h
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                rid, prompt, sampling, salt, images, offset, h = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                h.metrics_before = self.connector.metrics.snapshot()
+                h.req = self.engine.add_request(rid, prompt, sampling, tenant_salt=salt, images=images,
+                                                output_offset=offset)
+                self._live[rid] = h
+            except InvalidRequest as exc:
+                h.events.put(("error", str(exc)))
+
+    def _publish(self) -> None:
+        for rid, h in list(self._live.items()):
+            req = h.req
+            sent = getattr(h, "_sent", 0)
+            for i in range(sent, len(req.output)):
+                h.events.put(("token", req.output[i], i))
+            h._sent = len(req.output)  # type: ignore[attr-defined]
+            if req.status.value == "finished":
+                del self._live[rid]
+                h.events.put(("done", req))
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._admit()
+            if self.engine.has_work():
+                try:
+                    self.engine.step()
+                except Exception as exc:  # noqa: BLE001 - report to every waiting caller, keep serving
+                    log.exception("engine step failed")
+                    for h in self._live.values():
+                        h.events.put(("error", f"engine step failed: {exc}"))
+                    self._live.clear()
+                self._publish()
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def load(self) -> dict[str, int]:
+        eng = self.engine
+        pending = sum(len(r.prompt_token_ids) - min(r.num_computed, len(r.prompt_token_ids))
+                      for r in list(eng.waiting) + list(eng.running))
+        used = eng.pool.num_blocks - eng.pool.num_available()
+        block_bytes = eng.pool.kv[0].numel() * eng.pool.kv.element_size()
+        return {"running": len(eng.running), "waiting": len(eng.waiting) + self._inbox.qsize(),
+                "pending_tokens": pending, "kv_used_bytes": used * block_bytes,
+                "kv_capacity_bytes": eng.pool.num_blocks * block_bytes,
+                "batch_tokens": sum(r.num_computed for r in eng.running)}
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+
+def _stats(h: _Handle, connector: Any, block_nbytes: int, started: float) -> dict[str, Any]:
+    req = h.req
+    after = connector.metrics.snapshot()
+    d = {k: after.get(k, 0) - h.metrics_before.get(k, 0) for k in after}
+    B = block_nbytes
+    per_tier = {t: int(d.get(f"hit_tokens_{t}", 0)) for t in ("device", "host", "store")}
+    return {
+        "prompt_tokens": len(req.prompt_token_ids),
+        "hit_tokens": req.hit_tokens,
+        "loaded_tokens_by_tier": per_tier,
+        "bytes_by_tier": {t: n * B for t, n in per_tier.items()},
+        "replayed_tokens": req.replayed_tokens,
+        "prefilled_tokens": len(req.prompt_token_ids) - req.hit_tokens,
+        "snapshot_hit": bool(d.get("snapshot_hits", 0)),
+        "load_errors": int(d.get("load_errors", 0)),
+        "elapsed_ms": (time.perf_counter() - started) * 1e3,
+    }
+
+
+class WorkerService(pbg.WorkerServicer):
+    def __init__(self, cfg: WorkerConfig, runner: EngineRunner | None, encoder: VisionEncoder | None):
+        self.cfg, self.runner, self.encoder = cfg, runner, encoder
+        self.cache = EncoderCache()
+        self.block_token_bytes = 0
+        if runner is not None:
+            pool = runner.engine.pool
+            self.block_token_bytes = pool.kv[0][0].numel() * pool.kv.element_size()
+
+    def _need(self, role: str, ctx: grpc.ServicerContext) -> None:
+        if self.cfg.role != role:
+            ctx.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"worker {self.cfg.worker_id} has role {self.cfg.role}, not {role}")
+
+    def Encode(self, request, context):
+        self._need("ve", context)
+        img = request.image
+        t0 = time.perf_counter()
+        toks = self.cache.get(img.image_hash)
+        hit = toks is not None and len(toks) == img.length
+        if not hit:
+            try:
+                toks = self.encoder.encode(img.image_data, img.length)
+            except InvalidRequest as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.cache.put(img.image_hash, toks)
+        return pb.EncodeReply(token_ids=toks, cache_hit=hit, encode_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _submit(self, request, context, prompt, max_new, offset):
+        from engine_plugin.reference import SamplingParams
+
+        sp = request.sampling
+        sampling = SamplingParams(max_new_tokens=max_new, temperature=sp.temperature, seed=sp.seed)
+        images = [ImageSpan(i.image_hash, i.start, i.length) for i in request.images]
+        return self.runner.submit(f"{request.request_id}/{uuid.uuid4().hex[:6]}", prompt, sampling,
+                                  tenant_salt=request.tenant_salt, images=images, output_offset=offset)
+
+    def _events(self, h: _Handle, context):
+        while True:
+            try:
+                ev = h.events.get(timeout=0.5)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if ev[0] == "error":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, ev[1])
+            yield ev
+            if ev[0] == "done":
+                return
+
+    def Prefill(self, request, context):
+        self._need("prefill", context)
+        t0 = time.perf_counter()
+        h = self._submit(request, context, list(request.token_ids), 1, 0)
+        first = None
+        for ev in self._events(h, context):
+            if ev[0] == "token" and first is None:
+                first = ev[1]
+        # Hand-off through the store: blocks and the end-of-input snapshot durable before replying.
+        self.runner.connector.flush()
+        st = _stats(h, self.runner.connector, self.block_token_bytes, t0)
+        return pb.PrefillReply(first_token=first, stats=json.dumps(st))
+
+    def Decode(self, request, context):
+        self._need("decode", context)
+        t0 = time.perf_counter()
+        done = list(request.generated)
+        remaining = request.sampling.max_new_tokens - len(done)
+        if remaining <= 0:
+            return
+        h = self._submit(request, context, list(request.token_ids) + done, remaining, len(done))
+        for ev in self._events(h, context):
+            if ev[0] == "token":
+                yield pb.DecodeEvent(token_id=ev[1], index=len(done) + ev[2])
+            elif ev[0] == "done":
+                self.runner.connector.flush()
+                st = _stats(h, self.runner.connector, self.block_token_bytes, t0)
+                yield pb.DecodeEvent(token_id=0, index=0, stats=json.dumps(st))
+
+    def Status(self, request, context):
+        load = self.runner.load() if self.runner is not None else {"running": 0, "waiting": 0}
+        return pb.WorkerStatus(worker_id=self.cfg.worker_id, role=self.cfg.role,
+                               cached_images=self.cache.keys(), **load)
+
+
+def build(cfg: WorkerConfig) -> tuple[WorkerService, Any]:
+    """The servicer and what must be closed at shutdown (store, runner)."""
+    from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, model_preset
+    from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
+
+    mcfg = model_preset(cfg.model_preset)
+    if cfg.role == "ve":
+        return WorkerService(cfg, None, VisionEncoder(mcfg.vocab_size, seed=mcfg.seed)), None
+    store = kvstore.connect(cfg.store_url)
+    model = ReferenceModel(mcfg)
+    conn = KVStoreConnector(mcfg, ConnectorConfig(block_size=cfg.block_size,
+                                                  host_capacity_bytes=cfg.host_capacity_bytes), store)
+    engine = Engine(model, EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks), connector=conn)
+    runner = EngineRunner(engine, conn)
+    return WorkerService(cfg, runner, None), (runner, conn, store)
+
+
+def serve(cfg: WorkerConfig, *, ready_out=sys.stdout) -> int:
+    svc, closables = build(cfg)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+                         options=[("grpc.max_receive_message_length", 64 << 20),
+                                  ("grpc.max_send_message_length", 64 << 20)])
+    pbg.add_WorkerServicer_to_server(svc, server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if port == 0:
+        raise InvalidRequest(f"cannot bind {cfg.host}:{cfg.port}")
+    server.start()
+    address = f"{cfg.host}:{port}"
+    info = pb.WorkerInfo(worker_id=cfg.worker_id, role=cfg.role, address=address)
+    if cfg.entrypoint:
+        with grpc.insecure_channel(cfg.entrypoint) as ch:
+            pbg.EntrypointStub(ch).Register(info, timeout=10)
+    print("READY " + json.dumps({"worker_id": cfg.worker_id, "role": cfg.role, "address": address}),
+          file=ready_out, flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=5).wait()
+    if closables:
+        runner, conn, store = closables
+        runner.stop()
+        conn.close()
+        store.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m entrypoint.worker", description="kvstack engine worker")
+    ap.add_argument("--role", required=True, choices=ROLES)
+    ap.add_argument("--id", default="")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--store", default="./kvstack-data", help="kvstore URL (a data directory or grpc://...)")
+    ap.add_argument("--model", default="tiny", help="reference model preset")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--entrypoint", default="", help="entrypoint address to register with")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = WorkerConfig(role=a.role, worker_id=a.id or f"{a.role}-{uuid.uuid4().hex[:6]}", host=a.host,
+                           port=a.port, store_url=a.store, model_preset=a.model, block_size=a.block_size,
+                           num_blocks=a.num_blocks, entrypoint=a.entrypoint)
+        return serve(cfg)
+    except kvstore.KVStoreError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Benchmark lb/: EPLB (ours vs DeepSeek's greedy) and the trace replay at the SLO-limited load.
+
+Exact command (what produced the figures in the closing note; ~5 min on 2 shared cores)::
+
+    .venv/bin/python tools/bench_lb.py \\
+        --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --out results/bench_lb.json
+
+Parts (each compares peers in the same run and reports ratios)
+    1. EPLB: a seeded corpus of expert loads (uniform, Zipf-like Pareto,
+       log-normal, one hot expert) on DeepSeek-V3-like shapes: 58 layers x
+       256 experts on 64 GPUs / 8 nodes with 320 replicas (5 per GPU;
+       288 does not divide over 64 GPUs), hierarchical (8 groups) and
+       global (groups not divisible by nodes); 288 replicas on 32 GPUs /
+       4 nodes; and the 64-GPU case with one dead node. For each: mean
+       balancedness (mean/max GPU load) of both, the ratio, the share of
+       layers strictly improved, the worst per-layer difference (must be
+       >= 0) and the run time of both.
+    2. Replay (``tools/replay_trace.py``): ``--find-load`` with the TTFT SLO
+       (p90 = TTFT attainment >= 0.9) to find the offered load at which the
+       best baseline just meets it, every policy compared at that load, and
+       the store-capacity sweep (hit ratio vs the LRU oracle and the ideal).
+       Its JSON and PNGs go next to ``--out`` (``<out stem>_replay/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lb.eplb import balancedness, rebalance_experts  # noqa: E402
+from lb.eplb_greedy import rebalance_experts_greedy  # noqa: E402
+
+log = logging.getLogger("bench_lb")
+
+
+def load_corpus(layers: int, experts: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    one_hot = rng.uniform(1, 2, (layers, experts))
+    one_hot[np.arange(layers), rng.integers(0, experts, layers)] = 20 * experts / 8
+    return {
+        "uniform": rng.uniform(90, 110, (layers, experts)),
+        "zipf": rng.pareto(1.2, (layers, experts)) * 100 + 1,
+        "lognormal": rng.lognormal(0, 1.5, (layers, experts)),
+        "one_hot": one_hot,
+    }
+
+
+def eplb_case(name: str, w: np.ndarray, reps: int, groups: int, nodes: int, gpus: int, dead=None) -> dict:
+    t0 = time.perf_counter()
+    if dead:
+        # the greedy has no dead-GPU notion: give it the same live problem (live GPUs only, global)
+        live = gpus - len(dead)
+        g, _, _ = rebalance_experts_greedy(w, reps // gpus * live, 1, 1, live)
+        greedy_b = balancedness(w, g, live, per_layer=True)
+    else:
+        g, _, _ = rebalance_experts_greedy(w, reps, groups, nodes, gpus)
+        greedy_b = balancedness(w, g, gpus, per_layer=True)
+    t_greedy = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    p, _, _ = rebalance_experts(w, reps, groups, nodes, gpus, dead_gpus=dead)
+    t_ours = time.perf_counter() - t0
+    ours_b = balancedness(w, p, gpus, per_layer=True)
+    row = {
+        "case": name, "layers": w.shape[0], "experts": w.shape[1], "replicas": reps, "groups": groups,
+        "nodes": nodes, "gpus": gpus, "dead_gpus": sorted(dead) if dead else [],
+        "mode": "hierarchical" if groups % nodes == 0 else "global",
+        "greedy_balancedness": float(greedy_b.mean()), "ours_balancedness": float(ours_b.mean()),
+        "ratio": float(ours_b.mean() / greedy_b.mean()),
+        "layers_strictly_better": float((ours_b > greedy_b + 1e-12).mean()),
+        "worst_layer_delta": float((ours_b - greedy_b).min()),
+        "greedy_s": t_greedy, "ours_s": t_ours,
+    }
+    log.info("%-34s %-12s greedy %.4f ours %.4f x%.3f better %3.0f%% %.2fs vs %.2fs", name, row["mode"],
+             row["greedy_balancedness"], row["ours_balancedness"], row["ratio"],
+             100 * row["layers_strictly_better"], t_greedy, t_ours)
+    return row
+
+
+def run_eplb(seed: int) -> list[dict]:
+    rows = []
+    corpus = load_corpus(58, 256, seed)
+    for kind, w in corpus.items():
+        rows.append(eplb_case(f"{kind} 58x256 64gpu hier", w, 320, 8, 8, 64))
+        rows.append(eplb_case(f"{kind} 58x256 64gpu global", w, 320, 4, 8, 64))
+        rows.append(eplb_case(f"{kind} 58x256 32gpu hier r288", w, 288, 8, 4, 32))
+        rows.append(eplb_case(f"{kind} 58x256 64gpu 1 dead node", w, 320, 8, 8, 64, dead=set(range(56, 64))))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="results JSON path")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ttft-slo-ms", type=float, default=60000.0)
+    ap.add_argument("--prefill-instances", type=int, default=16)
+    ap.add_argument("--store-capacity-blocks", default="20000,2000,5000,10000,40000,inf")
+    ap.add_argument("--skip-eplb", action="store_true")
+    ap.add_argument("--skip-replay", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out: dict = {"command": "python tools/bench_lb.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    if not args.skip_eplb:
+        rows = run_eplb(args.seed)
+        out["eplb"] = rows
+        print("\n== EPLB: balancedness (mean/max GPU load), ours vs DeepSeek greedy ==")
+        print(f"{'case':36s} {'mode':12s} {'greedy':>7s} {'ours':>7s} {'ratio':>6s} {'better':>7s} "
+              f"{'min d':>8s} {'t_greedy':>8s} {'t_ours':>7s}")
+        for r in rows:
+            print(f"{r['case']:36s} {r['mode']:12s} {r['greedy_balancedness']:7.4f} {r['ours_balancedness']:7.4f} "
+                  f"{r['ratio']:6.3f} {100 * r['layers_strictly_better']:6.0f}% {r['worst_layer_delta']:8.1e} "
+                  f"{r['greedy_s']:7.2f}s {r['ours_s']:6.2f}s")
+    if not args.skip_replay:
+        import replay_trace
+
+        rdir = args.out.with_name(args.out.stem + "_replay")
+        replay_trace.main([
+            "--trace", str(args.trace), "--find-load", "--ttft-slo-ms", str(args.ttft_slo_ms),
+            "--prefill-instances", str(args.prefill_instances), "--speedup", "0.1",
+            "--store-capacity-blocks", args.store_capacity_blocks, "--out", str(rdir), "--quiet",
+        ])
+        out["replay_dir"] = str(rdir)
+        out["replay"] = json.loads((rdir / "results.json").read_text())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

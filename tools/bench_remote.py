@@ -1,0 +1,278 @@
+"""Remote (gRPC daemon) store throughput vs the embedded store, Redis and Mooncake Store, in one run.
+
+Command (from the repository root; ``bash tools/install_peers.sh`` first for redis-server)::
+
+    .venv/bin/python tools/bench_remote.py --out results/bench_remote.json
+    .venv/bin/python tools/bench_remote.py --fsync true --n 32     # durable puts (fsync) for kvstore
+
+``tools/bench_store.py --remote`` calls ``run_remote(args)`` (arguments from
+``add_arguments``). Measured, per entry size (128 KiB and 1 MiB): put and get
+throughput, single calls and batches of ``--batch``, for
+
+* ``embedded``: ``kvstore.connect(dir)`` in this process (4+2 erasure code, zstd off: random bytes),
+* ``remote``:   one ``kvstore serve`` daemon on 127.0.0.1, same store config, over gRPC,
+* ``redis``:    ``redis-server`` on 127.0.0.1 (no persistence), SET/GET, MSET/MGET pipelines,
+* ``mooncake``: Mooncake Store over TCP on loopback (master with its HTTP metadata server +
+  one storage process with a 2 GiB segment; the bench client mounts no memory), from the venv
+  given by ``--mooncake-python`` (``python -m venv /tmp/mcvenv &&
+  /tmp/mcvenv/bin/pip install mooncake-transfer-engine-non-cuda``; Debian ``libibverbs1``).
+
+and the p50/p90/p99 of ``lookup`` on a 1,000-block chain: embedded, over gRPC, and sharded
+over 3 daemons. Peers that cannot run are reported with the reason, never silently dropped.
+kvstore writes use ``fsync=false`` by default (page-cache durability, like Redis without AOF
+and Mooncake's memory pool); ``--fsync true`` measures durable puts. Prints a table with ratios
+(remote / peer); ``--out`` writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MiB = 2**20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _key(tag: str, i: int) -> bytes:
+    return hashlib.blake2b(f"{tag}:{i}".encode(), digest_size=16).digest()
+
+
+def _mibs(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / MiB, 1)
+
+
+def bench_kvstore(store: Any, size: int, n: int, batch: int, tag: str) -> dict:
+    from kvstore import PutItem
+
+    v = os.urandom(size)
+    keys = [_key(f"{tag}{size}s", i) for i in range(n)]
+    t = time.perf_counter()
+    for k in keys:
+        store.put(k, v)
+    r = {"put": _mibs(n * size, time.perf_counter() - t)}
+    t = time.perf_counter()
+    for k in keys:
+        assert store.get(k) == v
+    r["get"] = _mibs(n * size, time.perf_counter() - t)
+    keys = [_key(f"{tag}{size}b", i) for i in range(n)]
+    t = time.perf_counter()
+    for i in range(0, n, batch):
+        store.put_many([PutItem(k, v) for k in keys[i:i + batch]])
+    r["put_batch"] = _mibs(n * size, time.perf_counter() - t)
+    t = time.perf_counter()
+    for i in range(0, n, batch):
+        assert all(x == v for x in store.get_many(keys[i:i + batch]))
+    r["get_batch"] = _mibs(n * size, time.perf_counter() - t)
+    return r
+
+
+def bench_redis(size: int, n: int, batch: int, port: int) -> dict:
+    import redis
+
+    c = redis.Redis(host="127.0.0.1", port=port)
+    v = os.urandom(size)
+    keys = [_key(f"r{size}s", i) for i in range(n)]
+    t = time.perf_counter()
+    for k in keys:
+        c.set(k, v)
+    r = {"put": _mibs(n * size, time.perf_counter() - t)}
+    t = time.perf_counter()
+    for k in keys:
+        assert c.get(k) == v
+    r["get"] = _mibs(n * size, time.perf_counter() - t)
+    keys = [_key(f"r{size}b", i) for i in range(n)]
+    t = time.perf_counter()
+    for i in range(0, n, batch):
+        c.mset({k: v for k in keys[i:i + batch]})
+    r["put_batch"] = _mibs(n * size, time.perf_counter() - t)
+    t = time.perf_counter()
+    for i in range(0, n, batch):
+        assert all(x == v for x in c.mget(keys[i:i + batch]))
+    r["get_batch"] = _mibs(n * size, time.perf_counter() - t)
+    c.close()
+    return r
+
+
+def run_redis(sizes: list[int], n: int, batch: int) -> dict:
+    exe = shutil.which("redis-server")
+    if not exe:
+        return {"skipped": "redis-server not installed (bash tools/install_peers.sh)"}
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return {"skipped": "redis-py not installed (pip install -e '.[bench]')"}
+    port = _free_port()
+    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                          "--protected-mode", "yes"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import redis
+
+        end = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(host="127.0.0.1", port=port).ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > end:
+                    return {"skipped": "redis-server did not start"}
+                time.sleep(0.05)
+        return {str(s): bench_redis(s, n, batch, port) for s in sizes}
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def run_mooncake(sizes: list[int], n: int, batch: int, python: str) -> dict:
+    if not python or not Path(python).exists():
+        return {"skipped": f"no Mooncake venv at {python!r} (see the module docstring)"}
+    bindir = Path(python).parent
+    master = bindir / "mooncake_master"
+    if not master.exists():
+        return {"skipped": f"{master} missing"}
+    rpc, http = _free_port(), _free_port()
+    meta, addr = f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"
+    peer = str(Path(__file__).resolve().parent / "mooncake_peer.py")
+    procs = []
+    try:
+        procs.append(subprocess.Popen([str(master), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+                                       "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
+                                       "--http_metadata_server_host=127.0.0.1"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(1.5)
+        st = subprocess.Popen([python, peer, "storage", meta, addr, "600"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+        procs.append(st)
+        line = st.stdout.readline()
+        if '"setup": 0' not in line:
+            return {"skipped": f"Mooncake storage process failed to set up: {line.strip() or st.poll()}"}
+        out = subprocess.run([python, peer, "bench", meta, addr, ",".join(map(str, sizes)), str(n), str(batch)],
+                             capture_output=True, text=True, timeout=300)
+        last = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+        if out.returncode or not last:
+            return {"skipped": f"Mooncake bench failed (exit {out.returncode}): {out.stderr.strip()[-500:]}"}
+        res = json.loads(last[-1])
+        res.pop("setup", None)
+        return {k: {op: round(x, 1) for op, x in v.items()} for k, v in res.items()}
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def lookup_latency(store: Any, chain_len: int, reps: int, tag: str) -> dict:
+    from kvstore import PutItem
+
+    chain = [_key(f"{tag}chain", i) for i in range(chain_len)]
+    for i in range(0, chain_len, 250):
+        store.put_many([PutItem(k, b"%d" % j) for j, k in enumerate(chain[i:i + 250])])
+    assert store.lookup(chain).hit_blocks == chain_len
+    lat = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        store.lookup(chain)
+        lat.append(time.perf_counter() - t)
+    lat.sort()
+    return {f"p{q}": round(lat[min(len(lat) - 1, int(q / 100 * len(lat)))] * 1e3, 3) for q in (50, 90, 99)}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--sizes", default="131072,1048576", help="entry sizes in bytes, comma separated")
+    ap.add_argument("--n", type=int, default=64, help="entries per size and mode")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--fsync", default="false", help="kvstore puts durable (fsync) or page cache only")
+    ap.add_argument("--chain", type=int, default=1000)
+    ap.add_argument("--lookup-reps", type=int, default=200)
+    ap.add_argument("--mooncake-python", default="/tmp/mcvenv/bin/python")
+    ap.add_argument("--no-peers", action="store_true", help="skip Redis and Mooncake")
+    ap.add_argument("--out", default="")
+
+
+def run_remote(args: argparse.Namespace) -> dict:
+    """The whole comparison; returns the JSON-able report."""
+    import kvstore
+    from tools.daemon_util import start_daemon, stop_daemon
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    fs = str(args.fsync).lower() in ("1", "true", "yes")
+    rep: dict[str, Any] = {"sizes": sizes, "n": args.n, "batch": args.batch, "fsync": fs,
+                           "unit": "MiB/s", "systems": {}}
+    with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
+        opts = ["--fsync", str(fs).lower(), "--compression", "none"]
+        emb = kvstore.connect(str(Path(tmp) / "emb"), fsync=fs, compression="none")
+        rep["systems"]["embedded"] = {str(s): bench_kvstore(emb, s, args.n, args.batch, "e") for s in sizes}
+        lk = {"embedded": lookup_latency(emb, args.chain, args.lookup_reps, "e")}
+        emb.close()
+        daemons = [start_daemon(Path(tmp) / f"d{i}", opts) for i in range(4)]
+        try:
+            with kvstore.connect(daemons[0].url) as rs:
+                rep["systems"]["remote"] = {str(s): bench_kvstore(rs, s, args.n, args.batch, "r") for s in sizes}
+                lk["remote"] = lookup_latency(rs, args.chain, args.lookup_reps, "r")
+            with kvstore.connect(",".join(d.url for d in daemons[1:])) as sh:
+                lk["sharded3"] = lookup_latency(sh, args.chain, args.lookup_reps, "s")
+        finally:
+            for d in daemons:
+                stop_daemon(d)
+    if not args.no_peers:
+        rep["systems"]["redis"] = run_redis(sizes, args.n, args.batch)
+        rep["systems"]["mooncake"] = run_mooncake(sizes, args.n, args.batch, args.mooncake_python)
+    rep["lookup_1000_ms"] = lk
+    return rep
+
+
+def table(rep: dict) -> str:
+    systems = rep["systems"]
+    names = list(systems)
+    rows = [f"{'op':<10}{'size':>9} " + "".join(f"{n:>11}" for n in names)
+            + "".join(f"{'remote/' + n:>18}" for n in names if n != "remote")]
+    for s in rep["sizes"]:
+        for op in ("put", "get", "put_batch", "get_batch"):
+            vals = {n: systems[n].get(str(s), {}).get(op) if "skipped" not in systems[n] else None for n in names}
+            line = f"{op:<10}{s // 1024:>7}Ki " + "".join(f"{(v if v is not None else '-'):>11}" for v in vals.values())
+            r = vals.get("remote")
+            for n in names:
+                if n != "remote":
+                    line += f"{(f'{r / vals[n]:.2f}x' if r and vals[n] else '-'):>18}"
+            rows.append(line)
+    for n, v in systems.items():
+        if "skipped" in v:
+            rows.append(f"{n}: skipped: {v['skipped']}")
+    lk = rep["lookup_1000_ms"]
+    rows.append("lookup of a 1,000-block chain (ms): " + ", ".join(
+        f"{k} p50 {v['p50']} p99 {v['p99']}" for k, v in lk.items()))
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="remote kvstore vs embedded, Redis and Mooncake")
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    rep = run_remote(args)
+    print(table(rep))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rep, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

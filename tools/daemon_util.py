@@ -1,0 +1,45 @@
+"""Start and stop ``kvstore serve`` subprocesses on loopback, for tools/load_store.py and tools/bench_remote.py.
+
+Each daemon gets ``--port 0`` (a free port, read back from its first stdout
+line) and its own data directory; ``stop`` sends SIGTERM (a graceful drain)
+and kills after a bound.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonProc:
+    proc: subprocess.Popen
+    url: str
+
+
+def start_daemon(data_dir: Path, extra: Sequence[str] = ()) -> DaemonProc:
+    cmd = [sys.executable, "-m", "kvstore.server.cli", "serve", "--port", "0", "--data-dir", str(data_dir),
+           "--gc-interval-s", "0", "--log-level", "WARNING", *extra]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = p.stdout.readline()
+    m = re.search(r"(grpcs?://\S+)", line)
+    if not m:
+        p.kill()
+        raise RuntimeError(f"daemon did not start (exit {p.wait()}): {line!r}")
+    return DaemonProc(p, m.group(1))
+
+
+def stop_daemon(d: DaemonProc, timeout: float = 30.0) -> int:
+    if d.proc.poll() is None:
+        d.proc.send_signal(signal.SIGTERM)
+        try:
+            return d.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            return d.proc.wait(10)
+    return d.proc.returncode
