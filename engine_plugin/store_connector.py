@@ -79,7 +79,8 @@ class ConnectorConfig:
     snapshot_interval_blocks: int = 0  # 0: no interval snapshots
     adopt_short_hits: bool = False  # V4.1 rule: an external hit no longer than the span is not adopted
     promote_to_host: bool = True
-    store_timeout_s: float = 2.0
+    store_timeout_s: float = 2.0  # reads (lookup, get_many): on the critical path of a request
+    store_put_timeout_s: float = 30.0  # background puts
     store_backoff_s: float = 5.0
     save_queue_depth: int = 32
     save_enqueue_timeout_s: float = 0.05
@@ -131,6 +132,7 @@ class KVStoreConnector(KVConnectorBase):
         self.backend = get_backend(config.device)
         self.host = HostCache(config.host_capacity_bytes, on_evict=self._host_evicted)
         self.gateway = StoreGateway(store, self.metrics, timeout_s=config.store_timeout_s,
+                                    put_timeout_s=config.store_put_timeout_s,
                                     backoff_s=config.store_backoff_s)
         self.buffers = BufferPool(self.backend, config.staging_buffers)
         self.load_stream, self.save_stream = self.backend.new_stream(), self.backend.new_stream()

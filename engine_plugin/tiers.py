@@ -10,7 +10,8 @@ evicted entry goes to ``on_evict`` (write-back to the store, per policy).
 hangs on it and never uses bad bytes:
 
 1. every call runs on a small executor and is abandoned after
-   ``timeout_s`` (a timeout is counted and treated like an outage);
+   ``timeout_s`` (reads: on the engine's critical path) or ``put_timeout_s``
+   (background puts); a timeout is counted and treated like an outage;
 2. after an outage the gateway is *open* for ``backoff_s``: calls return a
    shortfall at once (counted as ``store_skipped``) instead of paying the
    timeout again on every request;
@@ -130,9 +131,11 @@ class StoreGateway:
     """Timeouts, a circuit breaker and length checks around a ``KVStore`` (see module doc)."""
 
     def __init__(self, store: KVStore | None, metrics: Metrics, *, timeout_s: float = 2.0,
-                 backoff_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 put_timeout_s: float = 30.0, backoff_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.store, self.metrics = store, metrics
-        self.timeout_s, self.backoff_s, self.clock = timeout_s, backoff_s, clock
+        self.timeout_s, self.put_timeout_s = timeout_s, put_timeout_s
+        self.backoff_s, self.clock = backoff_s, clock
         self._open_until = 0.0
         self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-store")
         self.last_error = ""
@@ -141,18 +144,19 @@ class StoreGateway:
     def available(self) -> bool:
         return self.store is not None and self.clock() >= self._open_until
 
-    def _call(self, what: str, fn, *args, **kw):
+    def _call(self, what: str, fn, *args, timeout: float | None = None, **kw):
         """``(ok, result)``; never raises for store trouble, never waits past the timeout."""
         if self.store is None:
             return False, None
         if not self.available:
             self.metrics.inc("store_skipped")
             return False, None
+        timeout = self.timeout_s if timeout is None else timeout
         fut = self._pool.submit(fn, *args, **kw)
         try:
-            return True, fut.result(timeout=self.timeout_s)
+            return True, fut.result(timeout=timeout)
         except cf.TimeoutError:
-            self._trip(what, f"timed out after {self.timeout_s}s", "store_timeouts")
+            self._trip(what, f"timed out after {timeout}s", "store_timeouts")
         except KVStoreError as exc:
             self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
         except OSError as exc:
@@ -195,7 +199,9 @@ class StoreGateway:
     def put_many(self, items: Sequence[PutItem]) -> bool:
         if self.store is None:
             return False
-        ok, _ = self._call("put_many", self.store.put_many, list(items))
+        # puts run on the background saver: a longer timeout stalls nobody, and a big batch
+        # of fsync'ed erasure-coded writes legitimately takes seconds on a busy disk
+        ok, _ = self._call("put_many", self.store.put_many, list(items), timeout=self.put_timeout_s)
         return ok
 
     def close(self) -> None:

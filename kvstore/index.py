@@ -250,30 +250,36 @@ class Index:
                 return
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, ek_blocks: Sequence[bytes], ek_swa: Sequence[bytes], now_ns: int) -> tuple[int, int | None]:
-        """Longest live prefix of ``ek_blocks`` and the last SWA boundary within it.
+    def lookup(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int) -> tuple[int, int | None]:
+        """Longest live block prefix of the chain ``keys`` and the last SWA boundary within it.
 
         O(len(chain)) point reads in one read transaction; nothing is written.
         """
+        if not keys:
+            return 0, None
+        bp, sp = bytes((block_code,)), bytes((swa_code,))
+        ek_blocks = [bp + k for k in keys]
+        expires_of = self.expires_of
         with self.env.begin() as txn:
             cur = txn.cursor(db=self.db["entries"])
-            found = dict(cur.getmulti(ek_blocks)) if ek_blocks else {}
+            found = dict(cur.getmulti(ek_blocks))
             hit = 0
             for ek in ek_blocks:
                 raw = found.get(ek)
                 if raw is None:
                     break
-                exp = self.expires_of(raw)
+                exp = expires_of(raw)
                 if exp and exp <= now_ns:
                     break
                 hit += 1
             swa_at = None
             if hit:
-                got = dict(cur.getmulti(ek_swa[:hit]))
+                ek_swa = [sp + k for k in keys[:hit]]
+                got = dict(cur.getmulti(ek_swa))
                 for n in range(hit, 0, -1):
                     raw = got.get(ek_swa[n - 1])
                     if raw is not None:
-                        exp = self.expires_of(raw)
+                        exp = expires_of(raw)
                         if not exp or exp > now_ns:
                             swa_at = n
                             break

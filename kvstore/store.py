@@ -59,7 +59,7 @@ from kvstore.errors import (
     Unrecoverable,
 )
 from kvstore.index import Index, Meta, ekey
-from kvstore.keys import check_key
+from kvstore.keys import KEY_LEN, check_key
 from kvstore.placement import place
 from kvstore.targets import Target, TargetUnavailable, fragment_path, open_target
 
@@ -558,12 +558,9 @@ class EmbeddedStore:
     # ------------------------------------------------------------------ lookup
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         self._check_open()
-        keys = [check_key(k) for k in keys]
-        hit, swa = self.index.lookup(
-            [ekey(EntryKind.BLOCK.code, k) for k in keys],
-            [ekey(EntryKind.SWA.code, k) for k in keys],
-            self.now_ns(),
-        )
+        if not all(type(k) is bytes and len(k) == KEY_LEN for k in keys):
+            keys = [check_key(k) for k in keys]
+        hit, swa = self.index.lookup(keys, EntryKind.BLOCK.code, EntryKind.SWA.code, self.now_ns())
         return LookupResult(hit, swa)
 
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:

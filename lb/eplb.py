@@ -77,7 +77,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lb.eplb_greedy import balanced_packing, build_log2phy, check_eplb_args, rebalance_hierarchical
-from lb.types import LBInputError
+from lb.types import LBInputError, LBInternalError
 
 __all__ = ["rebalance_experts", "balancedness", "gpu_loads", "phy_ranks", "EPLBStats"]
 
@@ -423,7 +423,7 @@ def rebalance_experts(
     rows = np.repeat(np.arange(layers), live_slots)
     np.add.at(logcnt, (rows, ours.reshape(-1)), 1)
     if (logcnt < 1).any():
-        raise RuntimeError("EPLB bug: a logical expert lost its last replica; please report this")
+        raise LBInternalError("EPLB bug: a logical expert lost its last replica; please report this")
     log2phy = build_log2phy(phy2log, phy_ranks(phy2log), logcnt)
     if not return_stats:
         return phy2log, log2phy, logcnt

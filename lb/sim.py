@@ -49,8 +49,8 @@ import numpy as np
 
 from lb.cost_model import CostModels, load_default
 from lb.types import (
-    BLOCK_TOKENS, DecodeInstance, DecodeRequest, LBInputError, PrefillInstance, PrefixHits, QueuedPrefill,
-    RouteRequest, TierBandwidth,
+    BLOCK_TOKENS, DecodeInstance, DecodeRequest, LBInputError, LBInternalError, PrefillInstance, PrefixHits,
+    QueuedPrefill, RouteRequest, TierBandwidth,
 )
 
 __all__ = ["TraceRequest", "parse_trace", "LRU", "SimConfig", "SimResult", "simulate", "reference_hit_ratios",
@@ -341,7 +341,7 @@ def simulate(
         h = hits_on(p, r)
         for b in r.hash_ids[: h.total]:  # touch each hit block in the tier it is loaded from
             (p.device if b in p.device else p.host if b in p.host else store).touch(b)
-        cached = min(r.input_length, h.total * bt)
+        cached = max(0, min(r.input_length - 1, h.total * bt))  # the last token is always computed
         fetch = models.transfer.fetch_s(h.host, h.store, cfg.bandwidth)
         dur = fetch + models.prefill.predict(r.input_length, cached)
         if cfg.service_noise > 0:
@@ -396,7 +396,7 @@ def simulate(
                 continue
             p = pre[dcs.chosen]
             h = hits[p.id]
-            cached = min(r.input_length, h.total * bt)
+            cached = max(0, min(r.input_length - 1, h.total * bt))  # the last token is always computed
             est = QueuedPrefill(r.input_length - cached, cached, models.transfer.fetch_s(h.host, h.store, cfg.bandwidth))
             p.queue.append(_Job(idx, r, now, est))
             p.add_inflight(r.hash_ids, +1)
@@ -405,7 +405,7 @@ def simulate(
             p = pre[payload]
             job = p.running
             if job is None:
-                raise RuntimeError("sim bug: prefill end event for an idle instance")
+                raise LBInternalError("sim bug: prefill end event for an idle instance; please report this")
             p.running = None
             for b in job.req.hash_ids:
                 for ev in p.device.insert(b):

@@ -270,8 +270,12 @@ class RouteRequest:
         return self.hits.get(instance_id, _NO_HIT)
 
     def cached_tokens(self, blocks: int) -> int:
-        """Tokens covered by ``blocks`` full prefix blocks (never more than the prompt)."""
-        return min(self.prompt_tokens, blocks * self.block_tokens)
+        """Prompt tokens that ``blocks`` cached prefix blocks let the engine skip.
+
+        At most ``prompt_tokens - 1``: the last prompt token is always computed
+        (its logits give the first output token), as in vLLM's scheduler.
+        """
+        return max(0, min(self.prompt_tokens - 1, blocks * self.block_tokens))
 
 
 _NO_HIT = PrefixHits()

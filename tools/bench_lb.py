@@ -5,6 +5,8 @@ Exact command (what produced the figures in the closing note; ~5 min on 2 shared
     .venv/bin/python tools/bench_lb.py \\
         --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --out results/bench_lb.json
 
+(``results/`` is git-ignored; the figures are quoted in the closing note.)
+
 Parts (each compares peers in the same run and reports ratios)
     1. EPLB: a seeded corpus of expert loads (uniform, Zipf-like Pareto,
        log-normal, one hot expert) on DeepSeek-V3-like shapes: 58 layers x
@@ -20,6 +22,9 @@ Parts (each compares peers in the same run and reports ratios)
        best baseline just meets it, every policy compared at that load, and
        the store-capacity sweep (hit ratio vs the LRU oracle and the ideal).
        Its JSON and PNGs go next to ``--out`` (``<out stem>_replay/``).
+       Then, at the same load: with log-normal service-time noise (sigma
+       0.3) the policies' cost model does not know about, and with
+       admission control off (routing alone).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ def eplb_case(name: str, w: np.ndarray, reps: int, groups: int, nodes: int, gpus
     row = {
         "case": name, "layers": w.shape[0], "experts": w.shape[1], "replicas": reps, "groups": groups,
         "nodes": nodes, "gpus": gpus, "dead_gpus": sorted(dead) if dead else [],
-        "mode": "hierarchical" if groups % nodes == 0 else "global",
+        "mode": "global-live" if dead else ("hierarchical" if groups % nodes == 0 else "global"),
         "greedy_balancedness": float(greedy_b.mean()), "ours_balancedness": float(ours_b.mean()),
         "ratio": float(ours_b.mean() / greedy_b.mean()),
         "layers_strictly_better": float((ours_b > greedy_b + 1e-12).mean()),
@@ -130,6 +135,19 @@ def main(argv: list[str] | None = None) -> int:
         ])
         out["replay_dir"] = str(rdir)
         out["replay"] = json.loads((rdir / "results.json").read_text())
+        speedup = out["replay"]["find_load"]["speedup"]
+        # robustness at the same load: service times with log-normal noise (sigma 0.3) that the
+        # policies' cost model does not know about; and routing alone, with admission control off
+        for tag, extra in (("noise0.3", ["--noise", "0.3"]), ("no_admission", ["--no-admission"])):
+            d = args.out.with_name(f"{args.out.stem}_replay_{tag}")
+            print(f"\n-- same load, {tag} --")
+            replay_trace.main([
+                "--trace", str(args.trace), "--ttft-slo-ms", str(args.ttft_slo_ms),
+                "--prefill-instances", str(args.prefill_instances), "--speedup", repr(speedup),
+                "--store-capacity-blocks", args.store_capacity_blocks.split(",")[0], "--out", str(d), "--quiet",
+                *extra,
+            ])
+            out[f"replay_{tag}"] = json.loads((d / "results.json").read_text())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2, default=str))
     print(f"wrote {args.out}")

@@ -1,6 +1,6 @@
 """Store throughput and latency against its peers, on the same bytes in the same run.
 
-Exact command (the figures in the report were produced with it; ~6-9 min on 2 cores)::
+Exact command (the figures in the report were produced with it; ~5 min on 2 idle-ish cores)::
 
     bash tools/install_peers.sh          # redis-server (Debian) + redis-py/hiredis/lmdb, idempotent
     .venv/bin/python tools/bench_store.py --out results/bench_store.json

@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lb.cost_model import CostModels, load_default  # noqa: E402
-from lb.registry import BASELINES, POLICIES, get_policy  # noqa: E402
+from lb.registry import BASELINES, DECODE_POLICIES, POLICIES, get_policy  # noqa: E402
 from lb.sim import SimConfig, SimResult, parse_trace, reference_hit_ratios, simulate  # noqa: E402
 from lb.types import LBInputError, TierBandwidth  # noqa: E402
 
@@ -83,11 +83,12 @@ def _csv_ints(text: str) -> list[int | None]:
     return out
 
 
-def run_policies(reqs, names, cfg, models, progress: Progress) -> dict[str, SimResult]:
+def run_policies(reqs, names, cfg, models, progress: Progress, decode: str = "kvstack") -> dict[str, SimResult]:
     res = {}
     for name in names:
         progress.label = f"{name} x{cfg.speedup:.3g} store={cfg.store_capacity_blocks}"
-        res[name] = simulate(reqs, get_policy(name, models), cfg, name=name, models=models, progress=progress)
+        res[name] = simulate(reqs, get_policy(name, models), cfg, name=name, models=models, progress=progress,
+                             decode_policy=get_policy(decode, models, kind="decode"))
     return res
 
 
@@ -98,12 +99,13 @@ def best_baseline(results: dict[str, SimResult]) -> str | None:
     return max(base, key=lambda n: (results[n].ttft_attainment, -results[n].pct("ttft", 90)))
 
 
-def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int) -> tuple[float, list]:
+def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
+              decode: str = "kvstack") -> tuple[float, list]:
     """Largest speedup at which the best baseline's TTFT attainment is >= target (bisection, bounded)."""
     history = []
 
     def ok(s: float) -> bool:
-        res = run_policies(reqs, baselines, replace(cfg, speedup=s), models, progress)
+        res = run_policies(reqs, baselines, replace(cfg, speedup=s), models, progress, decode)
         best = max(r.ttft_attainment for r in res.values())
         history.append({"speedup": s, "best_baseline_ttft_attainment": best,
                         "by_policy": {n: r.ttft_attainment for n, r in res.items()}})
@@ -180,7 +182,7 @@ def write_plots(out: Path, sweep: dict, main: dict[str, SimResult]) -> list[str]
         ax.plot(xplot, [sweep[c]["refs"]["lru_oracle"] for c in caps], "k--", label="LRU oracle")
         ax.plot(xplot, [sweep[c]["refs"]["ideal"] for c in caps], "k:", label="ideal (infinite)")
         ax.set_xscale("log")
-        ax.set_xlabel("shared store capacity (blocks)")
+        ax.set_xlabel("shared store capacity (blocks; rightmost point = unbounded)")
         ax.set_ylabel("prefix hit ratio (blocks)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
     ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma list from: {', '.join(POLICIES)}")
+    ap.add_argument("--decode-policy", default="kvstack", choices=sorted(DECODE_POLICIES),
+                    help="decode LB used for every run (the table compares prefill policies)")
     ap.add_argument("--prefill-instances", type=int, default=16)
     ap.add_argument("--decode-instances", type=int, default=4)
     ap.add_argument("--device-capacity-blocks", type=int, default=2000)
@@ -258,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                  "cost_model": models.meta.get("command", "defaults")}
     if args.find_load:
         baselines = [n for n in names if n in BASELINES] or list(BASELINES)
-        s, hist = find_load(reqs, baselines, cfg, models, progress, args.find_load_target, args.find_load_iters)
+        s, hist = find_load(reqs, baselines, cfg, models, progress, args.find_load_target, args.find_load_iters,
+                            args.decode_policy)
         cfg = replace(cfg, speedup=s)
         out["find_load"] = {"speedup": s, "target_ttft_attainment": args.find_load_target,
                             "ttft_slo_ms": args.ttft_slo_ms, "history": hist}
@@ -268,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, cap in enumerate(caps):
         c = replace(cfg, store_capacity_blocks=cap)
         refs = reference_hit_ratios(reqs, cap)
-        res = run_policies(reqs, names, c, models, progress)
+        res = run_policies(reqs, names, c, models, progress, args.decode_policy)
         key = "inf" if cap is None else str(cap)
         sweep[key] = {"refs": refs, "results": {n: r.to_dict() for n, r in res.items()}}
         if i == 0:

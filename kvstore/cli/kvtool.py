@@ -31,16 +31,17 @@ Contract:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import kvstore
 from kvstore.api import KVStore
-from kvstore.cli.commands import COMMANDS, ExitCode, Outcome
+from kvstore.cli.commands import COMMANDS, Command, ExitCode, Outcome
 from kvstore.cli.progress import ProgressBar
 from kvstore.config import load_config
 from kvstore.errors import InvalidRequest, KVStoreError
@@ -134,11 +135,25 @@ def open_store(url: str, config: str | None) -> KVStore:
     return kvstore.connect(url, **overrides)
 
 
-def _configure_logging(verbose: int) -> None:
-    # kvtool reports problems itself; the store's per-fragment warnings would drown them.
-    level = {0: logging.CRITICAL, 1: logging.WARNING}.get(verbose, logging.INFO)
-    logging.basicConfig(format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kvstore").setLevel(level)
+@contextlib.contextmanager
+def store_logging(verbose: int) -> Iterator[None]:
+    """Quiet the store's own log while kvtool runs (it reports problems itself; the
+    per-fragment warnings would drown them); ``-v`` shows warnings, ``-vv`` info, on stderr.
+    The logger's previous state is restored, so an in-process caller is left as it was."""
+    lg = logging.getLogger("kvstore")
+    old = (lg.level, lg.propagate, list(lg.handlers))
+    if verbose:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s %(name)s: %(message)s"))
+        lg.handlers, lg.propagate = [handler], False
+        lg.setLevel(logging.WARNING if verbose == 1 else logging.INFO)
+    else:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        lg.setLevel(old[0])
+        lg.propagate, lg.handlers = old[1], old[2]
 
 
 def emit(outcome: Outcome, as_json: bool) -> None:
@@ -155,20 +170,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(hoist_leading_store(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), message already printed
         return int(exc.code or 0)
-    _configure_logging(args.verbose)
-    cmd = COMMANDS[args.command]
+    with store_logging(args.verbose):
+        return _run(COMMANDS[args.command], args)
+
+
+def _run(cmd: Command, args: argparse.Namespace) -> int:
     try:
         store = open_store(resolve_url(args), args.config)
     except (KVStoreError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
+        return int(ExitCode.USAGE)
     progress = ProgressBar(sys.stderr)
     try:
         outcome = cmd.run(store, args, progress)
     except (KVStoreError, OSError) as exc:
         progress.close()
         print(f"{PROG}: error: {cmd.name}: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
+        return int(ExitCode.USAGE)
     finally:
         progress.close()
         store.close()
@@ -178,7 +196,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `kvtool ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return int(outcome.code)
-
 
 if __name__ == "__main__":
     sys.exit(main())

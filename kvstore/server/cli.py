@@ -27,9 +27,8 @@ from kvstore.server.config import SERVER_FIELDS, STORE_FIELDS, load_server_confi
 
 def _add_fields(group: argparse._ArgumentGroup, fields: dict) -> None:
     for name, f in fields.items():
-        group.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, metavar=str(f.type).upper(),
-                           help=f"default: {f.default!r}" if not callable(getattr(f, "default_factory", None))
-                           else None)
+        group.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, metavar=name.upper(),
+                           help=f"default: {f.default!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -142,3 +142,13 @@ def test_subprocess_module_and_console_script(store_dir):
         r = subprocess.run([str(script), "verify", str(store_dir.path / "missing")],
                            capture_output=True, text=True, env=env, timeout=120)
         assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_logging_quieted_and_restored(store_dir, run_tool):
+    import logging
+
+    lg = logging.getLogger("kvstore")
+    before = (lg.level, lg.propagate, list(lg.handlers))
+    assert run_tool("stats", store_dir.path)[0] == 0
+    assert run_tool("-v", "stats", store_dir.path)[0] == 0
+    assert (lg.level, lg.propagate, list(lg.handlers)) == before

@@ -46,7 +46,8 @@ def test_two_targets_down_reads_three_down_lost_then_repair(store_dir, run_tool)
     expected = {("block", k.hex()) for k in pop.blocks} | {("swa", k.hex()) for k in pop.swa}
     assert {(x["kind"], x["key"]) for x in d["lost"]} == expected  # every entry spans all six targets
     code, out, _ = run_tool("verify", pop.path, "--limit", "3")
-    assert code == 1 and out.count("lost_entry") == 3 and "more (--limit N" in out
+    assert code == 1 and f"{len(expected)} lost_entry" in out and "more (--limit N" in out
+    assert len(out.splitlines()) == 3 + 3  # 3 problems, "... more", the summary, the hint
     with kvstore.connect(str(pop.path)) as store:
         assert store.lookup(pop.chain).hit_blocks == 0  # lost entries stop matching
     code, out, _ = run_tool("repair", pop.path)

@@ -135,6 +135,7 @@ def test_replay_tool_end_to_end(tmp_path, capsys):
     trace.write_text("\n".join(lines))
     out = tmp_path / "out"
     rc = replay_trace.main(["--trace", str(trace), "--policies", "least_loaded,mooncake,kvstack",
+                            "--decode-policy", "least_kv",
                             "--prefill-instances", "2", "--store-capacity-blocks", "4,inf", "--limit", "50",
                             "--find-load", "--find-load-iters", "3", "--ttft-slo-ms", "2000", "--out", str(out),
                             "--quiet"])
