@@ -18,6 +18,6 @@ Typical wiring::
 
     store = kvstore.connect("./kvstack-data")
     model = ReferenceModel(model_preset("tiny"))
-    conn = KVStoreConnector(model.cfg, ConnectorConfig(block_size=16), store)
+    conn = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=16), store)
     engine = Engine(model, EngineConfig(block_size=16), connector=conn)
 """

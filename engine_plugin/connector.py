@@ -83,6 +83,30 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from kvstore.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What a connector moves for one model, independent of the model's code.
+
+    The engine exposes it (``ReferenceModel.kv_layout()``); the connector needs
+    nothing else from the model. ``block_shape`` is one block entry
+    (``[block_size, d_global]``), ``snapshot_shape`` one SWA window snapshot,
+    ``replay_spans`` maps a replay policy name to its span in tokens.
+    """
+
+    d_global: int
+    dtype: str  # a kvstore.api.DTYPES name, also the torch dtype name
+    snapshot_shape: tuple[int, ...]
+    replay_spans: tuple[tuple[str, int], ...]
+
+    def replay_span(self, policy: str) -> int:
+        for name, span in self.replay_spans:
+            if name == policy:
+                return span
+        raise InvalidRequest(f"unknown replay policy {policy!r}; known: {[n for n, _ in self.replay_spans]}")
+
 
 class Tier(enum.Enum):
     """Where a cached block or snapshot comes from, fastest first."""

@@ -17,7 +17,7 @@ Choosing the hit boundary H (``get_num_new_matched_tokens``), with reasons:
   2. With an SWA snapshot at H (host or store): no replay.
   3. Else, with a snapshot at S < H and ``H - S <= span``: stop at S; the
      prefill of ``[S, H)`` costs no more than the replay it avoids.
-  4. Else replay ``[H - span, H)``; ``span = REPLAY_SPANS[replay_policy]``.
+  4. Else replay ``[H - span, H)``; ``span = layout.replay_span(replay_policy)``.
      As in the public V4.1 serving code, an external hit with ``H <= span``
      is not adopted (the replay would cost as much as the recompute).
 Block entries hold only the global KV (``[block_size, d_global]``); SWA
@@ -41,10 +41,8 @@ from typing import Any, Sequence
 import torch
 
 from engine_plugin.connector import (BlockLoad, BlockSave, ConnectorMetadata, ForwardContext,
-                                     KVConnectorBase, LoadError, LoadSpec, RestorePlan,
+                                     KVConnectorBase, KVLayout, LoadError, LoadSpec, RestorePlan,
                                      SchedulerOutput, Tier, WindowSnapshot)
-from engine_plugin.reference.config import ModelConfig
-from engine_plugin.reference.model import REPLAY_SPANS, TORCH_DTYPES, snapshot_shape
 from engine_plugin.saver import SaveQueue
 from engine_plugin.tiers import HostCache, Metrics, StoreGateway
 from engine_plugin.transfer import BufferPool, get_backend
@@ -72,7 +70,7 @@ class ConnectorConfig:
     device: str = "cpu"  # a key of transfer.BACKENDS, optionally with ":index"
     host_capacity_bytes: int = 256 * 1024 * 1024
     save_policy: str = "write_through"
-    replay_policy: str = "exact"  # a key of model.REPLAY_SPANS
+    replay_policy: str = "exact"  # a name in KVLayout.replay_spans
     load_snapshots: bool = True
     snapshot_end_of_input: bool = True
     snapshot_end_of_output: bool = True
@@ -91,8 +89,6 @@ class ConnectorConfig:
     def __post_init__(self) -> None:
         if self.save_policy not in SAVE_POLICIES:
             raise InvalidRequest(f"unknown save_policy {self.save_policy!r}; known: {sorted(SAVE_POLICIES)}")
-        if self.replay_policy not in REPLAY_SPANS:
-            raise InvalidRequest(f"unknown replay_policy {self.replay_policy!r}; known: {sorted(REPLAY_SPANS)}")
         if self.staging_buffers < self.load_batch_blocks or self.load_batch_blocks < 1:
             raise InvalidRequest("staging_buffers must be >= load_batch_blocks >= 1")
 
@@ -116,17 +112,20 @@ class _Job:
 class KVStoreConnector(KVConnectorBase):
     """See the module docstring; hooks are documented in ``engine_plugin.connector``."""
 
-    def __init__(self, model_cfg: ModelConfig, config: ConnectorConfig = ConnectorConfig(),
+    def __init__(self, layout: KVLayout, config: ConnectorConfig = ConnectorConfig(),
                  store: KVStore | None = None):
-        self.mcfg, self.cfg = model_cfg, config
+        self.layout, self.cfg = layout, config
         self.policy = SAVE_POLICIES[config.save_policy]
-        self.span = REPLAY_SPANS[config.replay_policy](model_cfg)
+        self.span = layout.replay_span(config.replay_policy)
         self.B = config.block_size
-        self.dtype = TORCH_DTYPES[model_cfg.dtype]
-        self.block_shape = (self.B, model_cfg.d_global)
-        self.snap_shape = snapshot_shape(model_cfg)
+        try:
+            self.dtype = getattr(torch, layout.dtype)
+        except AttributeError:
+            raise InvalidRequest(f"KVLayout.dtype {layout.dtype!r} is not a torch dtype name") from None
+        self.block_shape = (self.B, layout.d_global)
+        self.snap_shape = tuple(layout.snapshot_shape)
         isz = torch.empty((), dtype=self.dtype).element_size()
-        self.block_nbytes = self.B * model_cfg.d_global * isz
+        self.block_nbytes = self.B * layout.d_global * isz
         self.snap_nbytes = isz * int(torch.Size(self.snap_shape).numel())
         self.metrics = Metrics()
         self.backend = get_backend(config.device)
@@ -337,7 +336,7 @@ class KVStoreConnector(KVConnectorBase):
         for (kind, key), t in self.host.items():
             shape = self.block_shape if kind == "block" else self.snap_shape
             item = PutItem(key, t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), kind=kind,
-                           ttl_s=self.cfg.ttl_s, layout=Layout(self.mcfg.dtype, shape),
+                           ttl_s=self.cfg.ttl_s, layout=Layout(self.layout.dtype, shape),
                            tokens=self.B if kind == "block" else 0)
             n += self.saves.submit([item], []) if self.gateway.store is not None else 0
         return n
@@ -467,7 +466,7 @@ class KVStoreConnector(KVConnectorBase):
             return
         for ev in self._step_events:  # bytes are taken below: the copies must be complete
             self.backend.sync_event(ev)
-        layout = Layout(self.mcfg.dtype, tuple(shape))
+        layout = Layout(self.layout.dtype, tuple(shape))
         items = [PutItem(key, buf.numpy().tobytes(), kind=kind, ttl_s=self.cfg.ttl_s, layout=layout,
                          tokens=tokens) for key, buf in bufs]
         if pooled:  # bytes copied out: the staging buffers can be reused at once
@@ -480,7 +479,7 @@ class KVStoreConnector(KVConnectorBase):
         self.metrics.inc(f"host_evictions_{kind}")
         if kind == "block" and self.policy.store_on_host_evict and self.gateway.store is not None:
             item = PutItem(key, t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), kind="block",
-                           ttl_s=self.cfg.ttl_s, layout=Layout(self.mcfg.dtype, self.block_shape),
+                           ttl_s=self.cfg.ttl_s, layout=Layout(self.layout.dtype, self.block_shape),
                            tokens=self.B)
             self.saves.submit([item], [])
 

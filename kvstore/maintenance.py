@@ -241,7 +241,8 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
     """Compare the index with the fragments on every target (python-diskcache's ``check``).
 
     Reads and verifies every fragment of every live and lost entry, then lists
-    orphan files. With ``fix=True``: rebuilds missing and corrupt fragments,
+    orphan files. An entry with fewer than k good fragments is marked lost even
+    without ``fix`` (as a read would), so lookups stop offering it. With ``fix=True``: rebuilds missing and corrupt fragments,
     restores lost entries that became readable again, and removes orphans
     older than ``orphan_grace_s``. Returns the problems found (``fixed`` says
     which were mended).
@@ -260,7 +261,9 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
         good, bad = _scan_entry(store, ek, m)
         kind = EntryKind.from_code(ek[0]).value
         if len(good) < m.k:
-            if where == "entries" and not fix:
+            # A scrub knows what a read would learn: mark it lost so lookups stop offering it
+            # (``repair`` restores it if its targets come back).
+            if where == "entries":
                 store._mark_lost(ek, m)
             problems.append(Problem(ProblemKind.LOST_ENTRY, ek[1:].hex(), kind, ",".join(
                 p.target for p in bad.values()), f"{len(good)} of {m.k} needed fragments are good"))

@@ -497,8 +497,10 @@ class EmbeddedStore:
             self._touch(eks[i], now)
             return Entry(eks[i][1:], k, h.layout, h.tokens, plain)
 
-        if len(eks) == 1:
-            return [one(0)]
+        live = [m for m in metas if m is not None]
+        if len(eks) == 1 or not any(self._parallel(m) for m in live):
+            # Local targets: a plain loop beats the thread hand-off (tools/bench_store.py).
+            return [one(i) for i in range(len(eks))]
         return list(self._batch_pool.map(one, range(len(eks))))
 
     # ------------------------------------------------------------------ access times (approximate LRU)

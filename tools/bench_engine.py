@@ -74,7 +74,7 @@ class Bench:
     def engine(self, store, n_tokens: int, **kw) -> Engine:
         conn = None
         if store is not False:
-            conn = KVStoreConnector(self.model.cfg, ConnectorConfig(
+            conn = KVStoreConnector(self.model.kv_layout(), ConnectorConfig(
                 block_size=self.args.block_size, device=self.args.device, host_capacity_bytes=4 << 30,
                 **kw), store)
         return Engine(self.model, self.ecfg(n_tokens), connector=conn)
@@ -133,7 +133,7 @@ class Bench:
         return out
 
     def load_throughput(self, prefix: list[int], store) -> dict:
-        conn = KVStoreConnector(self.model.cfg, ConnectorConfig(
+        conn = KVStoreConnector(self.model.kv_layout(), ConnectorConfig(
             block_size=self.args.block_size, device=self.args.device, promote_to_host=False,
             load_batch_blocks=256, staging_buffers=512), store)
         eng = Engine(self.model, self.ecfg(len(prefix)), connector=conn)
@@ -173,12 +173,12 @@ class Bench:
                 prompt = [rng.randrange(model.cfg.vocab_size) for _ in range(n + rng.randint(1, 30))]
                 cold = Engine(model, EngineConfig(block_size=B, chunk_size=4096,
                                                   num_blocks=len(prompt) // B + 16)).generate(prompt, sp)
-                seed = KVStoreConnector(model.cfg, ConnectorConfig(block_size=B), store)
+                seed = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=B), store)
                 Engine(model, EngineConfig(block_size=B, num_blocks=len(prompt) // B + 16),
                        connector=seed).generate(prompt[:n], ONE)
                 seed.close()
                 for pol in stats:
-                    c = KVStoreConnector(model.cfg, ConnectorConfig(block_size=B, replay_policy=pol,
+                    c = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=B, replay_policy=pol,
                                                                     load_snapshots=False), store)
                     warm = Engine(model, EngineConfig(block_size=B, num_blocks=len(prompt) // B + 16),
                                   connector=c).generate(prompt, sp)

@@ -37,14 +37,13 @@ Window state (``WindowState.buf``) layout, one tensor per request::
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_plugin.connector import KVLayout
 from engine_plugin.reference.config import ModelConfig
 from kvstore.errors import InvalidRequest
 
@@ -260,6 +259,12 @@ class ReferenceModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    def kv_layout(self) -> KVLayout:
+        """What the connector needs to know about this model's KV (see ``connector.KVLayout``)."""
+        c = self.cfg
+        return KVLayout(c.d_global, c.dtype, snapshot_shape(c),
+                        tuple((name, fn(c)) for name, fn in REPLAY_SPANS.items()))
 
     def replay_span(self, policy: str = "exact") -> int:
         """Tokens to replay before a hit boundary to rebuild the windows (see module doc)."""

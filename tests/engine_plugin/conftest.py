@@ -43,7 +43,7 @@ class Rig:
                **conn_kw) -> Engine:
         conn = None
         if connector:
-            conn = KVStoreConnector(self.model.cfg, ConnectorConfig(block_size=BLOCK, **conn_kw), store)
+            conn = KVStoreConnector(self.model.kv_layout(), ConnectorConfig(block_size=BLOCK, **conn_kw), store)
             self.connectors.append(conn)
         return Engine(self.model, EngineConfig(block_size=BLOCK, num_blocks=num_blocks, chunk_size=chunk),
                       connector=conn)

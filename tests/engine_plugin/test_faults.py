@@ -11,7 +11,6 @@ import pathlib
 import random
 import time
 
-import pytest
 
 from engine_plugin.connector import Tier
 from engine_plugin.reference import SamplingParams

@@ -24,7 +24,7 @@ def cuda_model():
 
 
 def _engine(model, store, **kw):
-    conn = KVStoreConnector(model.cfg, ConnectorConfig(block_size=16, device="cuda", **kw), store)
+    conn = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=16, device="cuda", **kw), store)
     return Engine(model, EngineConfig(block_size=16, chunk_size=32), connector=conn)
 
 
