@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,12 +23,24 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import grpc
 
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from kvstore.errors import StoreUnavailable
+
+
+def _ready_json(line: str) -> dict | None:
+    """``READY <json>``: the workers' and the entrypoint's first line."""
+    return json.loads(line[len("READY "):]) if line.startswith("READY ") else None
+
+
+def _ready_kvstore(line: str) -> dict | None:
+    """``kvstore serving grpc://HOST:PORT ...``: the daemon's first line."""
+    m = re.match(r"kvstore serving grpc://(\S+)", line)
+    return {"address": m.group(1)} if m else None
 
 
 @dataclass(slots=True)
@@ -59,7 +72,7 @@ class Cluster:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ processes
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], parse: Callable[[str], dict | None] = None) -> Proc:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.work_dir / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -75,11 +88,12 @@ class Cluster:
         while reader.is_alive() and time.monotonic() < deadline and popen.poll() is None:
             reader.join(0.05)
         line = line_box[0] if line_box else ""
-        if not line.startswith("READY "):
+        info = (parse or _ready_json)(line)
+        if info is None:
             tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
             self.stop()
             raise StoreUnavailable(f"{name} did not start (exit {popen.poll()}): {line.strip()}\n{tail}")
-        proc.info = json.loads(line[len("READY "):])
+        proc.info = info
         # keep draining stdout so the child never blocks on a full pipe
         threading.Thread(target=lambda: [None for _ in popen.stdout], daemon=True).start()
         return proc
@@ -89,7 +103,7 @@ class Cluster:
         data_dir = self.work_dir / "store"
         if self.store_mode == "daemon":
             p = self._spawn("kvstore", ["-m", "kvstore.server.cli", "serve", "--data-dir", str(data_dir),
-                                        "--port", "0", "--ready-line"])
+                                        "--port", "0", "--log-level", "WARNING"], _ready_kvstore)
             self.store_url = f"grpc://{p.address}"
         else:
             self.store_url = str(data_dir)
