@@ -188,6 +188,7 @@ class EntrypointService(pbg.EntrypointServicer):
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is up")
             inst = self._pick(self.decode_lb.choose(dreq, [self._decode_snapshot(i) for i in live]), live, "decode")
             t = ms()
+            yield hop("decode_start", worker=inst.worker_id, resume_at=len(generated))
             call = inst.stub.Decode(pb.DecodeRequest(request_id=rid, token_ids=prompt, generated=generated,
                                                      tenant_salt=salt, sampling=sampling, images=images),
                                     timeout=self._timeout(context))

@@ -70,12 +70,15 @@ class StoreConfig:
     max_value_bytes: int = 64 * 1024 * 1024
     fsync: bool = True  # fragments and index durable before a put returns
     read_workers: int = 8  # threads reading and writing fragments in parallel
+    fragment_read_retries: int = 1  # extra tries of a fragment read that failed transiently (EIO, checksum)
+    read_timeout_s: float = 0.0  # >0: a fragment not read in time is skipped for parity (if k others are good)
     parallel_reads: str = "auto"  # "auto": fan out for remote targets only; "always"; "never"
     orphan_grace_s: float = 300.0  # unindexed fragments younger than this are an in-flight put
     delete_grace_s: float = 30.0  # deleted entries' fragments outlive the delete by this much
     access_flush_s: float = 1.0  # LRU access times are batched into one index write per interval
     lmdb_map_size: int = 8 * 1024**3
     max_readers: int = 256
+    clock_offset_s: float = 0.0  # added to the wall clock (a node whose clock is off; chaos tests of TTLs)
 
     def __post_init__(self) -> None:
         if self.ec_k < 1 or self.ec_m < 0 or self.ec_k + self.ec_m > 32:
@@ -92,6 +95,8 @@ class StoreConfig:
             raise InvalidRequest(f"parallel_reads must be auto, always or never, got {self.parallel_reads!r}")
         if self.capacity_bytes < 0 or self.max_value_bytes <= 0:
             raise InvalidRequest("capacity_bytes must be >= 0 and max_value_bytes > 0")
+        if not 0 <= self.fragment_read_retries <= 16 or self.read_timeout_s < 0:
+            raise InvalidRequest("fragment_read_retries must be in [0, 16] and read_timeout_s >= 0")
         if self.default_ttl_s is not None and self.default_ttl_s <= 0:
             raise InvalidRequest("default_ttl_s must be positive (or unset for no expiry)")
         if self.targets and len(self.targets) < self.ec_k + self.ec_m:

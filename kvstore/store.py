@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -66,6 +66,7 @@ from kvstore.targets import Target, TargetUnavailable, fragment_path, open_targe
 log = logging.getLogger(__name__)
 
 DATA_FORMAT_VERSION = 1
+MAX_TTL_S = 100 * 365 * 86400.0  # expiry times are u64 nanoseconds: keep far from overflow
 _SCRATCH_MAX = 16 * 1024 * 1024  # larger reads get a fresh buffer instead of a cached one
 FORMAT_FILE = "kvstore.json"
 
@@ -99,6 +100,9 @@ class EmbeddedStore:
 
     def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.time):
         self.config = config
+        if config.clock_offset_s:
+            base, offset = clock, config.clock_offset_s
+            clock = lambda: base() + offset  # noqa: E731 - a skewed node (TTLs, grace periods)
         self.clock = clock
         self.data_dir = Path(config.data_dir).resolve()
         self._closed = False
@@ -125,6 +129,7 @@ class EmbeddedStore:
         self.counters: dict[str, int] = {
             "puts": 0, "puts_deduplicated": 0, "gets": 0, "get_misses": 0, "degraded_reads": 0,
             "unrecoverable": 0, "bytes_in": 0, "bytes_out": 0, "evicted": 0, "fragment_rewrites": 0,
+            "read_retries": 0, "read_timeouts": 0,
         }
         if not fresh:
             missing = [n for n, t in self.targets.items() if not t.is_up()]
@@ -184,8 +189,9 @@ class EmbeddedStore:
             )
         if ttl_s is None:
             ttl_s = self.config.default_ttl_s
-        elif ttl_s <= 0:
-            raise InvalidRequest(f"ttl_s must be positive (or None for the default), got {ttl_s}")
+        elif not 0 < ttl_s <= MAX_TTL_S:  # also rejects NaN
+            raise InvalidRequest(f"ttl_s must be in (0, {MAX_TTL_S:.0f}] seconds (or None for the default), "
+                                 f"got {ttl_s}")
         if not isinstance(tokens, int) or tokens < 0:
             raise InvalidRequest(f"tokens must be a non-negative int, got {tokens!r}")
         entry = codec.encode_entry(key, k, payload, lay, tokens, compression=self.config.compression,
@@ -328,12 +334,25 @@ class EmbeddedStore:
         if t is None:
             raise TargetUnavailable(2, f"target {meta.targets[i]} is not configured")
         rel = fragment_path(ek[0], ek[1:], meta.gen, i)
-        if into is None:
-            raw: bytes | memoryview = t.read(rel)
-        else:
-            # One byte more than expected, so that an over-long file is caught as corrupt.
-            raw = into[: t.read_into(rel, into)]
-        fh, body = codec.parse_fragment(raw, max_body=meta.frag_len)
+        tries = 1 + self.config.fragment_read_retries
+        for attempt in range(tries):
+            try:
+                if into is None:
+                    raw: bytes | memoryview = t.read(rel)
+                else:
+                    # One byte more than expected, so that an over-long file is caught as corrupt.
+                    raw = into[: t.read_into(rel, into)]
+                fh, body = codec.parse_fragment(raw, max_body=meta.frag_len)
+                break
+            except (FileNotFoundError, TargetUnavailable):
+                raise  # gone is not transient: read parity instead of retrying
+            except (OSError, CorruptData) as exc:
+                # An I/O error or a checksum mismatch may be transient (a flaky path, a bit
+                # flipped in transit): retry a bounded number of times, then give up on it.
+                if attempt + 1 >= tries:
+                    raise
+                self._count("read_retries")
+                log.info("fragment %d of %s on %s: retrying after %s", i, ek[1:].hex(), meta.targets[i], exc)
         if (fh.index != i or fh.key != ek[1:] or fh.gen != meta.gen or fh.kind_code != ek[0]
                 or fh.entry_len != meta.entry_len or fh.k != meta.k or fh.m != meta.m):
             raise CorruptData(f"fragment {i} on {meta.targets[i]} belongs to another entry or slot")
@@ -361,27 +380,41 @@ class EmbeddedStore:
 
         Fragment ``i`` is read into slot ``i`` of ``scratch`` (``frag_len + 1`` bytes
         each); the returned bodies are views into it, valid until the caller reuses it.
+
+        With ``read_timeout_s`` > 0 a fragment not back in time is counted as failed and
+        the next one is read instead, so one slow target does not stall a get while k
+        others answer; if fewer than k arrive otherwise, the late reads are awaited after
+        all (a slow target is not a lost one). Those late reads may still be writing into
+        their slots, so the buffer is a fresh one, never the reused per-thread scratch.
         """
         slot = meta.frag_len + 1
+        timeout = self.config.read_timeout_s
         if scratch is None:
-            scratch = self._scratch(slot * len(meta.targets))
+            n_bytes = slot * len(meta.targets)
+            scratch = memoryview(bytearray(n_bytes)) if timeout else self._scratch(n_bytes)
         good: dict[int, memoryview] = {}
         failed: list[str] = []
+        late: dict[int, Future] = {}
         n = len(meta.targets)
-        parallel = self._parallel(meta)
+        parallel = self._parallel(meta) or timeout > 0
         nxt = 0
         while len(good) < meta.k and nxt < n:
             want = list(range(nxt, min(n, nxt + meta.k - len(good))))
             nxt = want[-1] + 1
             views = {i: scratch[i * slot : (i + 1) * slot] for i in want}
             outs: list[tuple[int, memoryview | None, Exception | None]] = []
-            if parallel and len(want) > 1:
-                futs = [(i, self._pool.submit(self._read_fragment, meta, ek, i, views[i])) for i in want]
-                for i, f in futs:
+            if parallel and (len(want) > 1 or timeout):
+                futs = {self._pool.submit(self._read_fragment, meta, ek, i, views[i]): i for i in want}
+                done, slow = wait(futs, timeout=timeout or None)
+                for f in slow:
+                    late[futs[f]] = f
+                    self._count("read_timeouts")
+                    outs.append((futs[f], None, TimeoutError(f"no answer within read_timeout_s={timeout}")))
+                for f in done:
                     try:
-                        outs.append((i, f.result(), None))
+                        outs.append((futs[f], f.result(), None))
                     except (OSError, CorruptData) as exc:
-                        outs.append((i, None, exc))
+                        outs.append((futs[f], None, exc))
             else:
                 for i in want:
                     try:
@@ -394,6 +427,14 @@ class EmbeddedStore:
                 else:
                     log.warning("fragment %d of %s on %s unusable: %s", i, ek[1:].hex(), meta.targets[i], exc)
                     failed.append(meta.targets[i])
+        for i, f in late.items():
+            if len(good) >= meta.k:
+                break
+            try:
+                good[i] = f.result()  # bounded by the target itself: better late than lost
+            except (OSError, CorruptData):
+                continue
+            failed.remove(meta.targets[i])
         return good, failed
 
     def _decode(self, meta: Meta, ek: bytes, good: dict[int, memoryview], failed: list[str]) -> tuple[codec.EntryHeader, bytes]:

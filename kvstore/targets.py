@@ -254,3 +254,8 @@ def open_target(spec: TargetSpec) -> Target:
     return TARGET_TYPES.get(scheme, Target)(spec)
 
 
+
+# Fault-injecting wrapper for chaos tests and the soak (kvstore.faults): registered by
+# import path, so fsspec imports it only when a ``faulty://`` target is opened. It goes
+# through the generic ``Target`` (tmp + rename publish, remote-style parallel reads).
+fsspec.register_implementation("faulty", "kvstore.faults.FaultyFileSystem", clobber=True)

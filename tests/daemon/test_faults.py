@@ -182,7 +182,9 @@ def test_fuzz_put_messages(fuzz_daemon, req, ttl) -> None:
     except grpc.RpcError as err:
         assert err.code() in ACCEPTABLE
         return
-    if created:  # a new entry reads back byte for byte (an existing key was deduplicated)
+    # A new entry reads back byte for byte (an existing key was deduplicated). A TTL shorter
+    # than the round trip may legitimately expire before the read, so only longer ones check.
+    if created and (ttl is None or ttl >= 5):
         got = pb.GetReply.FromString(call("Get", pb.KeyRequest(key=req.key, kind=req.kind).SerializeToString()))
         assert got.value == req.value
 

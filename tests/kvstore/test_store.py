@@ -99,7 +99,9 @@ def test_delete_and_pin(store, keys):
     (lambda s, k: s.put(k, b"x", kind="weird"), "unknown entry kind"),
     (lambda s, k: s.put(k, b"x" * 10, layout=Layout("float13", (10,))), "unknown layout dtype"),
     (lambda s, k: s.put(k, b"x" * 10, layout=Layout("float16", (10,))), "describes 20 bytes"),
-    (lambda s, k: s.put(k, b"x", ttl_s=-1), "ttl_s must be positive"),
+    (lambda s, k: s.put(k, b"x", ttl_s=-1), "ttl_s must be in"),
+    (lambda s, k: s.put(k, b"x", ttl_s=float("nan")), "ttl_s must be in"),
+    (lambda s, k: s.put(k, b"x", ttl_s=1e300), "ttl_s must be in"),
     (lambda s, k: s.put(k, b"x", tokens=-3), "tokens"),
     (lambda s, k: s.get(b""), "16 bytes"),
 ])

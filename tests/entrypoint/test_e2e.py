@@ -1,0 +1,104 @@
+"""End to end on loopback: the entrypoint, real worker processes running the reference
+engine with the plugin, the kvstore daemon. Tokens are compared with a cold run of the
+same request on a single in-process engine without any cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import grpc
+import pytest
+
+from entrypoint.cluster import Cluster
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.vision import VisionEncoder, image_hash
+
+MODEL = "tiny"
+
+
+def cold_tokens(prompt, max_new):
+    from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, SamplingParams, model_preset
+
+    eng = Engine(ReferenceModel(model_preset(MODEL)), EngineConfig(block_size=16, num_blocks=256))
+    return eng.generate(prompt, SamplingParams(max_new_tokens=max_new)).output
+
+
+def splice(prompt, img_bytes, start, length):
+    from engine_plugin.reference import model_preset
+
+    cfg = model_preset(MODEL)
+    toks = VisionEncoder(cfg.vocab_size, seed=cfg.seed).encode(img_bytes, length)
+    out = list(prompt)
+    out[start:start + length] = toks
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cluster"), ve=1, prefill=1, decode=2, model=MODEL, store="daemon")
+    with c:
+        yield c
+
+
+def _prompt(seed, n):
+    import random
+
+    r = random.Random(seed)
+    return [r.randrange(1, 128) for _ in range(n)]
+
+
+def test_generate_matches_cold_and_second_turn_hits_the_store(cluster):
+    cl = cluster.client()
+    prompt = _prompt(1, 150)
+    img = os.urandom(3000)
+    seg = pb.ImageSegment(image_hash=image_hash(img), image_data=img, start=40, length=20)
+    toks, hops, summary = cl.generate(prompt, max_new_tokens=12, images=[seg])
+    full = splice(prompt, img, 40, 20)
+    assert toks == cold_tokens(full, 12)
+    assert [h["hop"] for h in hops][:3] == ["ve", "lookup", "prefill"]
+    # Turn 2 re-sends turn 1 plus more: most of its prefix comes from the store.
+    prompt2 = prompt + toks + _prompt(2, 40)
+    toks2, hops2, _ = cl.generate(prompt2, max_new_tokens=8, images=[seg])
+    assert toks2 == cold_tokens(splice(prompt2, img, 40, 20), 8)
+    ve, lookup, prefill = hops2[0], hops2[1], hops2[2]
+    assert ve["cache_hit"] is True
+    assert lookup["hit_blocks"] >= 9
+    assert prefill["hit_tokens"] >= 9 * 16 and prefill["prefilled_tokens"] < len(prompt2) - 100
+
+
+def test_sigkill_decode_worker_mid_stream_same_tokens(cluster):
+    cl = cluster.client()
+    prompt = _prompt(3, 120)
+    expected = cold_tokens(prompt, 200)
+    victim: list[str] = []
+    serving: list[str] = []
+
+    def on_event(ev):
+        if ev.kind == "hop":
+            d = json.loads(ev.detail)
+            if d["hop"] == "decode_start":
+                serving.append(d["worker"])
+        if ev.kind == "token" and ev.index == 10 and not victim:
+            victim.append(serving[-1])
+            cluster.kill(serving[-1], signal.SIGKILL)  # the worker serving this stream dies mid-stream
+
+    toks, hops, summary = cl.generate(prompt, max_new_tokens=200, on_event=on_event)
+    assert toks == expected
+    assert [h for h in hops if h["hop"] == "failover"] and len(summary["failovers"]) == 1
+    assert serving[-1] != victim[0]
+    # A restart brings the capacity back for the other tests.
+    cluster.start_worker("decode", victim[0])
+
+
+@pytest.mark.parametrize("req, code", [
+    (pb.GenerateRequest(token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(token_ids=[1, 2, 3], images=[pb.ImageSegment(image_hash=b"h", start=2, length=5)]),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(token_ids=[1, 2, 3], tenant="nobody"), grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_bad_requests_get_clear_errors(cluster, req, code):
+    with pytest.raises(grpc.RpcError) as ei:
+        list(cluster.client().stub.Generate(req, timeout=30))
+    assert ei.value.code() == code and ei.value.details()
