@@ -8,8 +8,9 @@ Modules, in the order a request meets them:
   (device pool prefix cache -> ``tiers.HostCache`` -> any ``kvstore`` store),
   with SWA bounded replay and snapshot policy.
 * ``transfer``: device backends (cpu / cuda / npu, a registry) and pinned
-  staging buffers; ``saver``: the bounded background save queue;
-  ``tiers``: host LRU cache, the guarded store gateway, metrics.
+  staging buffers; ``loader``: tiers -> staging -> device on the loader
+  thread; ``saver``: the bounded background save queue; ``tiers``: host LRU
+  cache, the guarded store gateway, metrics.
 * ``reference``: a small real torch model and engine (paged global KV,
   chunked prefill, batched decode) used by tests, benchmarks and the
   walkthrough.

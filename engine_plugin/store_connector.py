@@ -25,16 +25,31 @@ entries are snapshots at chosen boundaries: end of the prompt, every
 ``snapshot_interval_blocks`` blocks, and the end of the output.
 
 Failure handling: anything missing, lost, corrupt or wrong-sized at load time
-turns into a ``LoadError`` (engine recomputes from the last good block); a
-store that is down or slow is skipped for ``store_backoff_s`` after a failure
-(``StoreGateway``); saves never block the step (bounded queue, drop + count).
+turns into a ``LoadError`` (engine recomputes from the last good block, and
+the recomputed blocks are saved again, which heals an entry the store marked
+lost); a store that is down or slow is skipped for ``store_backoff_s`` after a
+failure (``StoreGateway``); saves never block the step (bounded queue, drop +
+count). Close the connector before its store (the saver may still be writing).
+
+P/D handoff: a prefill engine's ``request_finished`` returns transfer params;
+the decode engine loads the same blocks through its own connector (lookups
+verify against the store, the params are never trusted as proof) once the
+prefill side reported the request in ``get_finished``.
+
+Counters (``metrics.snapshot()``): ``hit_tokens_{device,host,store}``,
+``snapshot_hits``, ``replays``, ``replay_tokens``, ``hits_not_adopted``,
+``loaded_tokens``, ``bytes_loaded``, ``load_errors``, ``load_missing``,
+``load_bad_size``, ``snapshot_load_failed``, ``staging_exhausted``,
+``store_errors``, ``store_timeouts``, ``store_skipped``, ``saves_enqueued``,
+``saves_done``, ``saves_failed``, ``saves_dropped``, ``bytes_saved``,
+``snapshots_saved``, ``device_evictions_to_host``, ``host_evictions_{block,swa}``,
+``save_enqueue_wait_max_s``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -43,6 +58,7 @@ import torch
 from engine_plugin.connector import (BlockLoad, BlockSave, ConnectorMetadata, ForwardContext,
                                      KVConnectorBase, KVLayout, LoadError, LoadSpec, RestorePlan,
                                      SchedulerOutput, Tier, WindowSnapshot)
+from engine_plugin.loader import Loader
 from engine_plugin.saver import SaveQueue
 from engine_plugin.tiers import HostCache, Metrics, StoreGateway
 from engine_plugin.transfer import BufferPool, get_backend
@@ -135,6 +151,7 @@ class KVStoreConnector(KVConnectorBase):
                                     backoff_s=config.store_backoff_s)
         self.buffers = BufferPool(self.backend, config.staging_buffers)
         self.load_stream, self.save_stream = self.backend.new_stream(), self.backend.new_stream()
+        self.loader = Loader(self, self.load_stream)
         self._loader = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
         self._plans: dict[str, _Plan] = {}
         self._snapped: dict[str, set[int]] = {}  # request id -> boundaries already snapshotted
@@ -263,9 +280,9 @@ class KVStoreConnector(KVConnectorBase):
         self._errors = {}
         for spec in self._meta.loads:
             win = forward_context.windows.get(spec.request_id)
-            swa = (self._loader.submit(self._load_snapshot, spec, win)
+            swa = (self._loader.submit(self.loader.load_snapshot, spec, win)
                    if spec.snapshot_key is not None and win is not None else None)
-            glob = self._loader.submit(self._load_blocks, spec, forward_context.kv_pool) if spec.blocks else None
+            glob = self._loader.submit(self.loader.load_blocks, spec, forward_context.kv_pool) if spec.blocks else None
             self._jobs[spec.request_id] = _Job(spec, swa, glob)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -346,6 +363,7 @@ class KVStoreConnector(KVConnectorBase):
         self.saves.flush()
 
     def close(self) -> None:
+        """Drain the save queue and stop the threads. Close the connector before its store."""
         self.saves.close()
         self._loader.shutdown(wait=True)
         self.gateway.close()
@@ -353,82 +371,6 @@ class KVStoreConnector(KVConnectorBase):
     # ================================================================ internals: loads
     def _host_tensor(self, nbytes: int, shape: tuple[int, ...]) -> torch.Tensor:
         return self.backend.empty_host(nbytes).view(self.dtype).view(shape)
-
-    def _fill(self, data: bytes, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store bytes -> a staging buffer from the pool; returns (raw buffer, typed view)."""
-        buf = self.buffers.acquire(len(data), timeout=self.cfg.store_timeout_s)
-        if buf is None:
-            raise _StagingExhausted()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only bytes: torch warns, we only read
-            buf.copy_(torch.frombuffer(data, dtype=torch.uint8))
-        return buf, buf.view(self.dtype).view(shape)
-
-    def _promote(self, kind: str, key: bytes, src: torch.Tensor, nbytes: int, shape) -> None:
-        if self.cfg.promote_to_host:
-            t = self._host_tensor(nbytes, shape)
-            t.copy_(src)
-            self.host.put(kind, key, t)
-
-    def _load_snapshot(self, spec: LoadSpec, win: torch.Tensor) -> tuple[bool, dict]:
-        key = spec.snapshot_key
-        src = self.host.get("swa", key) if spec.snapshot_tier is Tier.HOST else None
-        buf = None
-        if src is None:
-            data = self.gateway.get_many([key], kind="swa", nbytes=self.snap_nbytes)[0]
-            if data is None:
-                self.metrics.inc("snapshot_load_failed")
-                return False, {}
-            try:
-                buf, src = self._fill(data, self.snap_shape)
-            except _StagingExhausted:
-                return False, {}
-            self._promote("swa", key, src, self.snap_nbytes, self.snap_shape)
-        events = {f"swa.{l}": self.backend.copy_async(win[l], src[l], self.load_stream)
-                  for l in range(self.snap_shape[0])}  # layer by layer: layer 0 can start first
-        if buf is not None:
-            self.backend.sync_event(events[f"swa.{self.snap_shape[0] - 1}"])
-            self.buffers.release(buf)
-        self.metrics.inc("bytes_loaded", self.snap_nbytes)
-        return True, events
-
-    def _load_blocks(self, spec: LoadSpec, pool: torch.Tensor) -> tuple[int, dict]:
-        """Copy the spec's blocks into the pool; returns (leading good blocks, events)."""
-        good, ev = 0, None
-        nb = self.cfg.load_batch_blocks
-        for s in range(0, len(spec.blocks), nb):
-            batch = spec.blocks[s:s + nb]
-            srcs: list[torch.Tensor | None] = [
-                self.host.get("block", b.key) if b.tier is Tier.HOST else None for b in batch]
-            need = [i for i, t in enumerate(srcs) if t is None]
-            datas = self.gateway.get_many([batch[i].key for i in need], kind="block",
-                                          nbytes=self.block_nbytes) if need else []
-            staged = []
-            for i, data in zip(need, datas):
-                if data is None:
-                    break
-                try:
-                    buf, srcs[i] = self._fill(data, self.block_shape)
-                except _StagingExhausted:
-                    self.metrics.inc("staging_exhausted")
-                    break
-                staged.append(buf)
-                self._promote("block", batch[i].key, srcs[i], self.block_nbytes, self.block_shape)
-            stop = False
-            for b, src in zip(batch, srcs):
-                if src is None:
-                    stop = True
-                    break
-                ev = self.backend.copy_async(pool[b.block_id], src, self.load_stream)
-                good += 1
-            self.metrics.inc("bytes_loaded", len(staged) * self.block_nbytes)
-            if staged:
-                self.backend.sync_event(ev)  # the staging buffers are free once the copies ran
-                for buf in staged:
-                    self.buffers.release(buf)
-            if stop:
-                break
-        return good, {"global": ev}
 
     # ================================================================ internals: saves
     def _save_blocks(self, saves: Sequence[BlockSave], pool: torch.Tensor) -> None:
@@ -482,7 +424,3 @@ class KVStoreConnector(KVConnectorBase):
                            ttl_s=self.cfg.ttl_s, layout=Layout(self.layout.dtype, self.block_shape),
                            tokens=self.B)
             self.saves.submit([item], [])
-
-
-class _StagingExhausted(Exception):
-    """No staging buffer within the timeout (a shortfall, handled as a failed load)."""

@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        cfg = EntrypointConfig(namespace=model_preset(a.model).namespace(), block_size=a.block_size,
-                               tenants=tenants, prefill_policy=a.prefill_policy)
+        mcfg = model_preset(a.model)
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(mcfg.dtype, 4)
+        cfg = EntrypointConfig(namespace=mcfg.namespace(), block_size=a.block_size, tenants=tenants,
+                               prefill_policy=a.prefill_policy, kv_bytes_per_token=mcfg.d_global * itemsize)
         return serve(cfg, a.store, host=a.host, port=a.port, heartbeat_s=a.heartbeat_s, stop=stop,
                      ready=lambda addr: print("READY " + json.dumps({"address": addr}), flush=True))
     except kvstore.KVStoreError as exc:

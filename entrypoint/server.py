@@ -29,6 +29,7 @@ Deadlines: worker calls get the client's remaining time. Backpressure: at most
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -44,6 +45,7 @@ from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import Instance, Registry
 from kvstore.keys import BlockHasher, ImageSpan, Namespace
+from lb.cost_model import load_default
 from lb.registry import get_policy
 from lb.types import DecodeInstance, DecodeRequest, PrefillInstance, PrefixHits, QueuedPrefill, RouteRequest, VEInstance, VERequest
 
@@ -65,6 +67,7 @@ class EntrypointConfig:
     max_inflight: int = 64
     worker_timeout_s: float = 120.0
     default_max_new_tokens: int = 16
+    kv_bytes_per_token: float = 0.0  # the served model's global KV per token (0: the LB cost model's own)
 
 
 class Abort(Exception):
@@ -76,9 +79,13 @@ class Abort(Exception):
 class EntrypointService(pbg.EntrypointServicer):
     def __init__(self, cfg: EntrypointConfig, store: kvstore.KVStore, registry: Registry):
         self.cfg, self.store, self.registry = cfg, store, registry
-        self.prefill_lb = get_policy(cfg.prefill_policy, kind="prefill")
-        self.decode_lb = get_policy(cfg.decode_policy, kind="decode")
-        self.ve_lb = get_policy(cfg.ve_policy, kind="ve")
+        models = load_default()
+        if cfg.kv_bytes_per_token:  # the LBs must size KV as the served model does
+            models = dataclasses.replace(models, transfer=dataclasses.replace(
+                models.transfer, kv_bytes_per_token=cfg.kv_bytes_per_token, block_tokens=cfg.block_size))
+        self.prefill_lb = get_policy(cfg.prefill_policy, models, kind="prefill")
+        self.decode_lb = get_policy(cfg.decode_policy, models, kind="decode")
+        self.ve_lb = get_policy(cfg.ve_policy, models, kind="ve")
         self._slots = threading.BoundedSemaphore(cfg.max_inflight)
         self._lock = threading.Lock()
 

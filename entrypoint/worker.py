@@ -69,12 +69,15 @@ class WorkerConfig:
 
 
 class _Handle:
-    __slots__ = ("events", "req", "metrics_before")
+    """One submitted request: its engine record and the queue of events for the RPC thread."""
+
+    __slots__ = ("events", "req", "metrics_before", "sent")
 
     def __init__(self) -> None:
         self.events: queue.Queue = queue.Queue()
         self.req: Any = None
         self.metrics_before: dict[str, float] = {}
+        self.sent = 0  # output tokens already put on ``events``
 
 
 class EngineRunner:
@@ -90,52 +93,53 @@ class EngineRunner:
         self._thread.start()
 
     def submit(self, rid: str, prompt: list[int], sampling: Any, *, tenant_salt: bytes,
-               images: list[ImageSpan], output_offset: int = 0) -> _Handle:
+               images: list[ImageSpan]) -> _Handle:
         h = _Handle()
-        self._inbox.put((rid, prompt, sampling, tenant_salt, images, output_offset, h))
+        self._inbox.put((rid, prompt, sampling, tenant_salt, images, h))
         self._wake.set()
         return h
 
     def _admit(self) -> None:
         while True:
             try:
-                rid, prompt, sampling, salt, images, offset, h = self._inbox.get_nowait()
+                rid, prompt, sampling, salt, images, h = self._inbox.get_nowait()
             except queue.Empty:
                 return
             try:
                 h.metrics_before = self.connector.metrics.snapshot()
-                h.req = self.engine.add_request(rid, prompt, sampling, tenant_salt=salt, images=images,
-                                                output_offset=offset)
+                h.req = self.engine.add_request(rid, prompt, sampling, tenant_salt=salt, images=images)
                 self._live[rid] = h
             except InvalidRequest as exc:
                 h.events.put(("error", str(exc)))
+            except Exception as exc:  # noqa: BLE001 - a bug must fail this request, not the runner thread
+                log.exception("cannot admit %s", rid)
+                h.events.put(("error", f"internal error admitting the request: {exc}"))
 
     def _publish(self) -> None:
         for rid, h in list(self._live.items()):
             req = h.req
-            sent = getattr(h, "_sent", 0)
-            for i in range(sent, len(req.output)):
+            for i in range(h.sent, len(req.output)):
                 h.events.put(("token", req.output[i], i))
-            h._sent = len(req.output)  # type: ignore[attr-defined]
+            h.sent = len(req.output)
             if req.status.value == "finished":
                 del self._live[rid]
                 h.events.put(("done", req))
 
     def _loop(self) -> None:
         while not self._stop:
-            self._admit()
-            if self.engine.has_work():
-                try:
+            try:
+                self._admit()
+                if self.engine.has_work():
                     self.engine.step()
-                except Exception as exc:  # noqa: BLE001 - report to every waiting caller, keep serving
-                    log.exception("engine step failed")
-                    for h in self._live.values():
-                        h.events.put(("error", f"engine step failed: {exc}"))
-                    self._live.clear()
-                self._publish()
-            else:
-                self._wake.wait(0.05)
-                self._wake.clear()
+                    self._publish()
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+            except Exception as exc:  # noqa: BLE001 - fail the waiting requests, keep serving others
+                log.exception("engine step failed")
+                for h in self._live.values():
+                    h.events.put(("error", f"engine step failed: {exc}"))
+                self._live.clear()
 
     def load(self) -> dict[str, int]:
         eng = self.engine
@@ -205,10 +209,11 @@ class WorkerService(pbg.WorkerServicer):
         from engine_plugin.reference import SamplingParams
 
         sp = request.sampling
-        sampling = SamplingParams(max_new_tokens=max_new, temperature=sp.temperature, seed=sp.seed)
+        sampling = SamplingParams(max_new_tokens=max_new, temperature=sp.temperature, seed=sp.seed,
+                                  output_offset=offset)
         images = [ImageSpan(i.image_hash, i.start, i.length) for i in request.images]
         return self.runner.submit(f"{request.request_id}/{uuid.uuid4().hex[:6]}", prompt, sampling,
-                                  tenant_salt=request.tenant_salt, images=images, output_offset=offset)
+                                  tenant_salt=request.tenant_salt, images=images)
 
     def _events(self, h: _Handle, context):
         while True:
@@ -269,7 +274,7 @@ def build(cfg: WorkerConfig) -> tuple[WorkerService, Any]:
         return WorkerService(cfg, None, VisionEncoder(mcfg.vocab_size, seed=mcfg.seed)), None
     store = kvstore.connect(cfg.store_url)
     model = ReferenceModel(mcfg)
-    conn = KVStoreConnector(mcfg, ConnectorConfig(block_size=cfg.block_size,
+    conn = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=cfg.block_size,
                                                   host_capacity_bytes=cfg.host_capacity_bytes), store)
     engine = Engine(model, EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks), connector=conn)
     runner = EngineRunner(engine, conn)

@@ -342,7 +342,12 @@ class EmbeddedStore:
                 else:
                     # One byte more than expected, so that an over-long file is caught as corrupt.
                     raw = into[: t.read_into(rel, into)]
-                fh, body = codec.parse_fragment(raw, max_body=meta.frag_len)
+                try:
+                    fh, body = codec.parse_fragment(raw, max_body=meta.frag_len)
+                except IncompatibleFormat as exc:
+                    # The index vouches for this entry's format: one fragment whose header claims
+                    # another version is a damaged fragment (read parity), not a failed get.
+                    raise CorruptData(f"fragment {i} on {meta.targets[i]}: {exc}") from exc
                 break
             except (FileNotFoundError, TargetUnavailable):
                 raise  # gone is not transient: read parity instead of retrying

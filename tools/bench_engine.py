@@ -16,7 +16,7 @@ What is compared, all in one run, on the same prompts:
   with the SWA snapshot at the boundary ("snap") and with bounded replay instead ("replay");
   p50/p90/p99 over ``--reps`` and the ratio cold/hit.
 * The replay's share of TTFT (replay wall time / TTFT, replay rows).
-* Plugin load throughput (store -> pinned staging -> pool, ``_load_blocks``) vs the store's
+* Plugin load throughput (store -> pinned staging -> pool, ``Loader.load_blocks``) vs the store's
   own ``get_many`` on the same entries (GB/s, ratio).
 * Persisted bytes per token: measured (global KV blocks + SWA snapshots, logical bytes) vs
   persisting the SWA KV of every token with every block, and vs a window snapshot per block.
@@ -148,7 +148,7 @@ class Bench:
             raw.append(time.perf_counter() - t0)
             assert all(g is not None for g in got)
             t0 = time.perf_counter()
-            good, ev = conn._load_blocks(spec, eng.pool.kv)
+            good, ev = conn.loader.load_blocks(spec, eng.pool.kv)
             conn.backend.sync_event(ev["global"])
             plug.append(time.perf_counter() - t0)
             assert good == len(keys)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvstore.errors import InvalidRequest
+from kvstore.keys import Namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,11 @@ class ModelConfig:
     @property
     def n_layers(self) -> int:
         return self.n_swa_layers + self.n_cross_layers
+
+    def namespace(self, rank: int = 0) -> Namespace:
+        """The store key namespace of this model's global KV (the entrypoint hashes with it too)."""
+        return Namespace(model_id=self.model_id, kv_layout=f"global-d{self.d_global}", dtype=self.dtype,
+                         rank=rank)
 
     @property
     def model_id(self) -> str:

@@ -37,6 +37,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -46,7 +47,7 @@ from engine_plugin.reference.config import EngineConfig
 from engine_plugin.reference.model import ReferenceModel, WindowState
 from engine_plugin.reference.pool import BlockPool
 from kvstore.errors import InvalidRequest
-from kvstore.keys import BlockHasher, Namespace
+from kvstore.keys import BlockHasher, ImageSpan, Namespace
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     temperature: float = 0.0
     seed: int = 0
+    output_offset: int = 0  # output index of this request's first token (a stream resumed elsewhere)
 
 
 class Status(enum.Enum):
@@ -90,6 +92,8 @@ class Request:
         self.transfer_params_out: dict | None = None
         self.first_token_step: int | None = None
         self.published = 0  # leading blocks already published in the device prefix cache
+        self.hasher: BlockHasher | None = None  # the engine's, or one with this request's tenant salt
+        self.images: tuple[ImageSpan, ...] = ()
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -140,7 +144,10 @@ class Engine:
 
     # ------------------------------------------------------------------ API
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams = SamplingParams(),
-                    kv_transfer_params: dict | None = None) -> Request:
+                    kv_transfer_params: dict | None = None, *, tenant_salt: bytes | None = None,
+                    images: Sequence[ImageSpan] = ()) -> Request:
+        """Queue a request. ``tenant_salt`` (default: the engine's) and the image spans enter its
+        block hashes, exactly as the entrypoint computes them with ``kvstore.keys``."""
         if not prompt:
             raise InvalidRequest("a prompt needs at least one token")
         if max(prompt) >= self.model.cfg.vocab_size or min(prompt) < 0:
@@ -148,6 +155,11 @@ class Engine:
         if sampling.max_new_tokens < 1:
             raise InvalidRequest("max_new_tokens must be >= 1")
         req = Request(request_id, prompt, sampling, kv_transfer_params)
+        if tenant_salt is not None and tenant_salt != self.hasher.tenant_salt:
+            req.hasher = BlockHasher(self.namespace, self.cfg.block_size, tenant_salt)
+        else:
+            req.hasher = self.hasher
+        req.images = tuple(images)
         self.waiting.append(req)
         return req
 
@@ -229,7 +241,7 @@ class Engine:
         while self.waiting and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
             prompt = req.prompt_token_ids
-            req.block_hashes = self.hasher.hash_blocks(prompt)
+            req.block_hashes = req.hasher.hash_blocks(prompt, req.images)
             max_hit = (len(prompt) - 1) // B  # leave >= 1 token to compute: it yields the logits
             dev = self.pool.match_prefix(req.block_hashes[:max_hit])
             total_blocks = -(-(len(prompt) + req.sampling.max_new_tokens) // B)
@@ -324,8 +336,8 @@ class Engine:
         n_full = len(toks) // B
         if n_full > len(req.block_hashes):  # extend the hash chain (kvstore.keys is the only hasher)
             k = len(req.block_hashes)
-            req.block_hashes += self.hasher.hash_blocks(
-                toks[k * B:n_full * B], parent=req.block_hashes[-1] if k else None, start_block=k)
+            req.block_hashes += req.hasher.hash_blocks(
+                toks[k * B:n_full * B], req.images, parent=req.block_hashes[-1] if k else None, start_block=k)
         for i in range(req.published, min(req.num_computed // B, len(req.block_hashes))):
             # publish completed blocks in the device prefix cache; if another block already
             # holds this hash (two requests computed it), ours stays private and is freed later
@@ -338,7 +350,7 @@ class Engine:
         sp = req.sampling
         if sp.temperature <= 0:
             return int(torch.argmax(logits))
-        gen = torch.Generator().manual_seed(sp.seed * 1_000_003 + len(req.output))
+        gen = torch.Generator().manual_seed(sp.seed * 1_000_003 + sp.output_offset + len(req.output))
         u = torch.rand(logits.shape, generator=gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
         gumbel = -torch.log(-torch.log(u))
         return int(torch.argmax(logits.double().cpu() / sp.temperature + gumbel))
@@ -353,5 +365,4 @@ class Engine:
 
 
 def default_namespace(model: ReferenceModel) -> Namespace:
-    c = model.cfg
-    return Namespace(model_id=c.model_id, kv_layout=f"global-d{c.d_global}", dtype=c.dtype)
+    return model.cfg.namespace()

@@ -47,6 +47,7 @@ class ServerConfig:
     tls_client_ca: str = ""  # set: mutual TLS, clients need a cert signed by this CA
     tokens_file: str = ""  # set: bearer-token auth, tenants namespaced (see kvstore.server.auth)
     tenant_secret_file: str = ""  # empty: <data_dir>/server/tenant.secret (created 0600)
+    tenant_quota_bytes: int = 0  # >0: live plain bytes each tenant may hold (RESOURCE_EXHAUSTED over it)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:
@@ -57,6 +58,8 @@ class ServerConfig:
             raise InvalidRequest("concurrency limits and workers must be >= 1")
         if self.gc_interval_s < 0 or self.drain_s < 0:
             raise InvalidRequest("gc_interval_s and drain_s must be >= 0")
+        if self.tenant_quota_bytes < 0:
+            raise InvalidRequest("tenant_quota_bytes must be >= 0 (0: no per-tenant quota)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidRequest("TLS needs both tls_cert and tls_key")
         if self.tls_client_ca and not self.tls_cert:

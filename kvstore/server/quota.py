@@ -21,6 +21,9 @@ so a tenant is refused only when its *live* bytes plus the put are over quota.
 
 Invariant: ``total + reserved <= quota`` after every successful ``reserve``;
 reservations make concurrent puts of one tenant unable to overshoot together.
+A re-put of an entry that is live is not charged (it stores nothing); if that
+entry expires between the check and the put, the tenant may overshoot by at
+most that one batch.
 A refused put raises ``CapacityExceeded`` (RESOURCE_EXHAUSTED on the wire) and
 stores nothing.
 """
@@ -66,7 +69,8 @@ class TenantQuota:
             raw = txn.get(tenant_id(tenant))
         return _U64.unpack(raw)[0] if raw else 0
 
-    def _live(self, eks: list[bytes]) -> list[bool]:
+    def live(self, eks: list[bytes]) -> list[bool]:
+        """Which of these entries are live now (a re-put of one stores nothing, so costs nothing)."""
         now = self.store.now_ns()
         with self.store.index.env.begin() as txn:
             metas = [self.store.index.get_meta(txn, ek) for ek in eks]
@@ -84,7 +88,7 @@ class TenantQuota:
                         break
                     if len(k) > len(tid):
                         rows.append((bytes(k), _U64.unpack(v)[0]))
-        live = self._live([k[16:] for k, _ in rows])
+        live = self.live([k[16:] for k, _ in rows])
         total = sum(n for (_, n), ok in zip(rows, live) if ok)
         with self.env.begin(write=True) as txn:
             for (k, _), ok in zip(rows, live):

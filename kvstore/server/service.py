@@ -38,14 +38,16 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.api import LookupResult, PutItem
+from kvstore.api import EntryKind, LookupResult, PutItem
 from kvstore.config import StoreConfig
 from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound
+from kvstore.index import ekey
 from kvstore.keys import check_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import DaemonMetrics
+from kvstore.server.quota import TenantQuota
 from kvstore.server.wire import kind_or_default, layout_from_pb, layout_to_pb, status_of
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,12 @@ class Daemon:
         from kvstore.store import EmbeddedStore
 
         self.cfg = server_cfg
+        tls_files = _read_tls_files(server_cfg)  # before opening anything: a bad setup fails fast
         self.store = store if store is not None else EmbeddedStore(store_cfg)
+        self.quota: TenantQuota | None = None
+        if server_cfg.tenant_quota_bytes:
+            self.quota = TenantQuota(Path(store_cfg.data_dir) / "server" / "quota", server_cfg.tenant_quota_bytes,
+                                     self.store, sync=store_cfg.fsync)
         self.tokens = TokenTable()
         if server_cfg.tokens_file:
             secret_path = Path(server_cfg.tenant_secret_file or Path(store_cfg.data_dir) / "server" / "tenant.secret")
@@ -115,15 +122,18 @@ class Daemon:
         bind = f"{server_cfg.host}:{server_cfg.port}"
         if server_cfg.tls:
             creds = grpc.ssl_server_credentials(
-                [(Path(server_cfg.tls_key).read_bytes(), Path(server_cfg.tls_cert).read_bytes())],
-                root_certificates=Path(server_cfg.tls_client_ca).read_bytes() if server_cfg.tls_client_ca else None,
+                [(tls_files["tls_key"], tls_files["tls_cert"])],
+                root_certificates=tls_files.get("tls_client_ca"),
                 require_client_auth=bool(server_cfg.tls_client_ca))
             self.port = self.server.add_secure_port(bind, creds)
         else:
             self.port = self.server.add_insecure_port(bind)
         if not self.port:
             self.store.close()
-            raise InvalidRequest(f"cannot listen on {bind} (in use, or not a local address)")
+            if self.quota is not None:
+                self.quota.close()
+            hint = "; or the TLS key does not match the certificate" if server_cfg.tls else ""
+            raise InvalidRequest(f"cannot listen on {bind} (in use, or not a local address{hint})")
         self._stop_gc = threading.Event()
         self._gc_thread: threading.Thread | None = None
         self._stopped = False
@@ -163,6 +173,8 @@ class Daemon:
         self.metrics.close()
         self._pool.shutdown(wait=True)
         self.store.close()
+        if self.quota is not None:
+            self.quota.close()
         log.info("kvstore daemon %s stopped", self.address)
 
     def wait(self) -> None:
@@ -229,16 +241,35 @@ class Daemon:
         layout = layout_from_pb(r.layout) if r.HasField("layout") else None
         return PutItem(self._key(tenant, r.key), r.value, kind_or_default(r.kind), ttl, layout, int(r.tokens))
 
+    def _store_put(self, items: list[PutItem], tenant: Tenant) -> list[bool]:
+        """``store.put_many`` charged to the tenant's quota (reserve, put, settle)."""
+        if self.quota is None:
+            return self.store.put_many(items)
+        eks = [ekey(EntryKind.parse(it.kind).code, it.key) for it in items]
+        n = sum(len(it.value) for it, live in zip(items, self.quota.live(eks)) if not live)
+        self.quota.reserve(tenant.name, n)
+        try:
+            created = self.store.put_many(items)
+        except BaseException:
+            self.quota.cancel(tenant.name, n)
+            raise
+        self.quota.settle(tenant.name, n, [(ek, len(it.value)) for ek, it, c in zip(eks, items, created) if c])
+        return created
+
+    def _forget(self, tenant: Tenant, deleted: list[tuple[bytes, str]]) -> None:
+        if self.quota is not None and deleted:
+            self.quota.forget(tenant.name, [ekey(EntryKind.parse(kind).code, key) for key, kind in deleted])
+
     # ------------------------------------------------------------------ handlers
     def _put(self, r: pb.PutRequest, tenant: Tenant) -> pb.PutReply:
-        created = self.store.put_many([self._item(r, tenant)])[0]
+        created = self._store_put([self._item(r, tenant)], tenant)[0]
         if created:
             self.metrics.bytes_in.inc(len(r.value))
         return pb.PutReply(created=created)
 
     def _put_many(self, r: pb.PutManyRequest, tenant: Tenant) -> pb.PutManyReply:
         self._batch(len(r.items), "put_many")
-        created = self.store.put_many([self._item(it, tenant) for it in r.items])
+        created = self._store_put([self._item(it, tenant) for it in r.items], tenant)
         self.metrics.bytes_in.inc(sum(len(it.value) for it, c in zip(r.items, created) if c))
         return pb.PutManyReply(created=created)
 
@@ -268,7 +299,11 @@ class Daemon:
 
     def _one(self, op: str) -> Callable[[pb.KeyRequest, Tenant], pb.BoolReply]:
         def handler(r: pb.KeyRequest, tenant: Tenant) -> pb.BoolReply:
-            return pb.BoolReply(ok=getattr(self.store, op)(self._key(tenant, r.key), kind=kind_or_default(r.kind)))
+            key, kind = self._key(tenant, r.key), kind_or_default(r.kind)
+            ok = getattr(self.store, op)(key, kind=kind)
+            if ok and op == "delete":
+                self._forget(tenant, [(key, kind)])
+            return pb.BoolReply(ok=ok)
         return handler
 
     def _many(self, op: str) -> Callable[[pb.KeysRequest, Tenant], pb.BoolsReply]:
@@ -276,7 +311,10 @@ class Daemon:
             self._batch(len(r.keys), f"{op}_many")
             args = [(self._key(tenant, k.key), kind_or_default(k.kind)) for k in r.keys]  # validate all first
             fn = getattr(self.store, op)
-            return pb.BoolsReply(ok=[fn(key, kind=kind) for key, kind in args])
+            oks = [fn(key, kind=kind) for key, kind in args]
+            if op == "delete":
+                self._forget(tenant, [a for a, ok in zip(args, oks) if ok])
+            return pb.BoolsReply(ok=oks)
         return handler
 
     def _lookup_one(self, keys: Any, tenant: Tenant) -> LookupResult:
@@ -319,3 +357,22 @@ class Daemon:
 
     def _repair(self, r: pb.RepairRequest, tenant: Tenant) -> pb.JsonReply:
         return pb.JsonReply(json=json.dumps(self.store.repair(), default=str))
+
+
+def _read_tls_files(cfg: ServerConfig) -> dict[str, bytes]:
+    """The PEM files TLS needs, read and sanity-checked; ``InvalidRequest`` naming the problem."""
+    want = {"tls_cert": "CERTIFICATE", "tls_key": "PRIVATE KEY", "tls_client_ca": "CERTIFICATE"}
+    out: dict[str, bytes] = {}
+    for name, marker in want.items():
+        path = getattr(cfg, name)
+        if not path:
+            continue
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise InvalidRequest(f"TLS setup: cannot read {name} file {path!r} ({exc.strerror or exc}); "
+                                 "fix the path or drop the TLS options") from exc
+        if b"-----BEGIN" not in data or marker.encode() not in data:
+            raise InvalidRequest(f"TLS setup: {name} file {path!r} is not a PEM {marker.lower()}")
+        out[name] = data
+    return out

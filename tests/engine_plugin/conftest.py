@@ -25,9 +25,10 @@ def model() -> ReferenceModel:
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, rig):
     s = kvstore.connect(str(tmp_path / "store"))
     yield s
+    rig.close()  # connectors first: their saver threads may still be writing to the store
     s.close()
 
 
@@ -58,6 +59,7 @@ class Rig:
     def close(self) -> None:
         for c in self.connectors:
             c.close()
+        self.connectors.clear()
 
     @staticmethod
     def same(cold, warm, atol: float = 1e-4) -> None:

@@ -29,4 +29,5 @@ def test_hit_equals_cold(rig, tmp_path_factory, seed, shared, tail, chunk, snaps
         b = rig.engine(store, chunk=chunk, load_snapshots=snapshots)
         rig.same(rig.cold(second, sp), b.generate(second, sp))
     finally:
+        rig.close()  # connectors before the store: no put may run while it closes
         store.close()

@@ -1,0 +1,259 @@
+"""Every fault ``kvstore.faults`` injects, and every retry/timeout limit of the store, reached.
+
+Limits of the embedded store and where each is reached here:
+  * ``fragment_read_retries`` (transient read error or checksum mismatch): recovered
+    within the limit, exhausted past it (then the read goes degraded), and 0.
+  * ``read_timeout_s``: a slow target is skipped while k others answer; when fewer
+    than k answer in time the late reads are awaited (slow is not lost).
+  * write fallback to spare targets: used while spares last; exhausted gives
+    ``StoreUnavailable`` (EIO) or ``CapacityExceeded`` (ENOSPC) and stores nothing.
+  * fewer than k good fragments: ``Unrecoverable``, never wrong bytes; repair restores.
+Every mutating test ends with ``check()`` clean.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import pytest
+
+from kvstore import CapacityExceeded, StoreUnavailable, Unrecoverable, faults
+from kvstore.index import ekey
+
+from .conftest import K, V, assert_clean
+
+
+def frag_targets(store, key: bytes) -> list[str]:
+    with store.index.env.begin() as txn:
+        return list(store.index.get_meta(txn, ekey(1, key)).targets)
+
+
+def _put_some(store, n=8, size=3000):
+    for i in range(n):
+        assert store.put(K(i), V(i, size))
+
+
+def test_all_zero_plan_is_a_plain_directory(faulty_store):
+    fs = faulty_store()
+    _put_some(fs.store)
+    assert [fs.store.get(K(i)) for i in range(8)] == [V(i) for i in range(8)]
+    assert fs.store.counters["degraded_reads"] == 0 and fs.store.counters["read_retries"] == 0
+    assert sum(sum(c.counts.values()) for c in fs.controls) == 0
+    assert_clean(fs.store)
+
+
+def test_transient_read_error_is_retried_within_the_limit(faulty_store):
+    fs = faulty_store(fragment_read_retries=2)
+    fs.store.put(K(1), V(1))
+    first = fs.control_of(frag_targets(fs.store, K(1))[0])
+    # Fail exactly the next two reads of that target, then calm: two retries suffice.
+    first.set(read_error_p=1.0).schedule([(first.ops + 3, faults.FaultPlan())])
+    assert fs.store.get(K(1)) == V(1)
+    assert fs.store.counters["read_retries"] == 2
+    assert fs.store.counters["degraded_reads"] == 0  # recovered on the same fragment
+    assert first.counts["read_error"] == 2
+    assert_clean(fs.store)
+
+
+@pytest.mark.parametrize("retries", [0, 1, 3])
+def test_read_retries_exhausted_then_degraded_read(faulty_store, retries):
+    fs = faulty_store(fragment_read_retries=retries)
+    fs.store.put(K(1), V(1))
+    bad = fs.control_of(frag_targets(fs.store, K(1))[0]).set(read_error_p=1.0)
+    assert fs.store.get(K(1)) == V(1)
+    assert fs.store.counters["read_retries"] == retries
+    assert bad.counts["read_error"] == retries + 1
+    assert fs.store.counters["degraded_reads"] == 1
+    fs.calm()
+    assert_clean(fs.store)
+
+
+def test_corrupt_reads_on_m_targets_never_return_wrong_bytes(faulty_store):
+    fs = faulty_store(k=2, m=2, fragment_read_retries=0)
+    _put_some(fs.store)
+    for c in fs.controls[:2]:
+        c.set(corrupt_read_p=1.0)
+    for i in range(8):
+        assert fs.store.get(K(i)) == V(i)
+    assert sum(c.counts["corrupt_read"] for c in fs.controls) > 0
+    assert fs.store.counters["degraded_reads"] > 0 and fs.store.counters["unrecoverable"] == 0
+    fs.calm()
+    assert_clean(fs.store)
+
+
+def test_corrupt_reads_beyond_m_are_unrecoverable_then_repaired(faulty_store):
+    fs = faulty_store(k=2, m=1, n=3, fragment_read_retries=1)
+    _put_some(fs.store, 4)
+    for c in fs.controls[:2]:
+        c.set(corrupt_read_p=1.0)
+    for i in range(4):
+        with pytest.raises(Unrecoverable):
+            fs.store.get(K(i))  # never the wrong bytes
+    assert fs.store.lookup([K(0)]).hit_blocks == 0  # marked lost: lookups stop offering it
+    fs.calm()  # the bytes on disk were fine all along
+    out = fs.store.repair()
+    assert out["restored_entries"] == 4 and out["still_lost"] == 0
+    assert [fs.store.get(K(i)) for i in range(4)] == [V(i) for i in range(4)]
+    assert_clean(fs.store)
+
+
+def test_read_timeout_skips_a_slow_target(faulty_store):
+    fs = faulty_store(k=2, m=2, read_timeout_s=0.2)
+    fs.store.put(K(1), V(1))
+    slow = fs.control_of(frag_targets(fs.store, K(1))[0]).set(latency_s=1.5, latency_p=1.0)
+    t0 = time.monotonic()
+    assert fs.store.get(K(1)) == V(1)
+    took = time.monotonic() - t0
+    assert took < 1.0, took  # did not wait for the slow target
+    assert fs.store.counters["read_timeouts"] == 1 and fs.store.counters["degraded_reads"] == 1
+    assert slow.counts["latency"] == 1
+    fs.calm()
+    time.sleep(1.6)  # let the abandoned read finish before check()
+    assert_clean(fs.store)
+
+
+def test_without_read_timeout_a_slow_target_stalls_the_get(faulty_store):
+    fs = faulty_store(k=2, m=2, read_timeout_s=0)
+    fs.store.put(K(1), V(1))
+    fs.control_of(frag_targets(fs.store, K(1))[0]).set(latency_s=0.6, latency_p=1.0)
+    t0 = time.monotonic()
+    assert fs.store.get(K(1)) == V(1)
+    assert time.monotonic() - t0 >= 0.6
+    assert fs.store.counters["read_timeouts"] == 0
+
+
+def test_read_timeout_waits_for_late_fragments_rather_than_losing_the_entry(faulty_store):
+    fs = faulty_store(k=2, m=2, read_timeout_s=0.1)
+    fs.store.put(K(1), V(1))
+    names = frag_targets(fs.store, K(1))
+    for n in names[:3]:  # only one fragment answers in time: k=2 needs a late one
+        fs.control_of(n).set(latency_s=0.5, latency_p=1.0)
+    t0 = time.monotonic()
+    assert fs.store.get(K(1)) == V(1)
+    assert time.monotonic() - t0 >= 0.4
+    assert fs.store.counters["unrecoverable"] == 0 and fs.store.lookup([K(1)]).hit_blocks == 1
+    fs.calm()
+    time.sleep(0.6)
+    assert_clean(fs.store)
+
+
+def test_write_errors_fall_back_to_a_spare_target(faulty_store):
+    fs = faulty_store(n=5, k=2, m=2)
+    bad = fs.controls[0].set(write_error_p=1.0)
+    _put_some(fs.store, 12)
+    assert bad.counts["write_error"] > 0
+    for i in range(12):
+        assert bad.name not in "".join(frag_targets(fs.store, K(i)))
+        assert fs.store.get(K(i)) == V(i)
+    fs.calm()
+    assert_clean(fs.store)
+
+
+@pytest.mark.parametrize("fault,err", [("write_error_p", StoreUnavailable), ("enospc_p", CapacityExceeded)])
+def test_spares_exhausted_put_fails_typed_and_stores_nothing(faulty_store, fault, err):
+    fs = faulty_store(n=4, k=2, m=2)  # no spare target
+    fs.store.put(K(0), V(0))
+    fs.controls[1].set(**{fault: 1.0})
+    with pytest.raises(err):
+        fs.store.put(K(1), V(1))
+    assert fs.store.lookup([K(1)]).hit_blocks == 0
+    assert fs.store.get(K(0)) == V(0)  # reads keep working
+    fs.calm()
+    assert_clean(fs.store)  # the failed put's placed fragments were removed, no orphans
+    assert fs.store.put(K(1), V(1)) and fs.store.get(K(1)) == V(1)  # space is back
+
+
+def test_short_writes_are_caught_on_read_and_repaired(faulty_store):
+    fs = faulty_store(k=2, m=2)
+    liar = fs.controls[2].set(short_write_p=1.0)
+    _put_some(fs.store, 10)  # acknowledged: the disk lied
+    fs.calm()
+    assert liar.counts["short_write"] > 0
+    for i in range(10):
+        assert fs.store.get(K(i)) == V(i)
+    problems = fs.store.check()
+    assert problems and {p.kind.value for p in problems} == {"corrupt_fragment"}
+    assert fs.store.repair()["rebuilt_fragments"] == liar.counts["short_write"]
+    assert_clean(fs.store)
+
+
+def test_target_vanishes_and_comes_back(faulty_store):
+    fs = faulty_store(n=5, k=2, m=2)
+    _put_some(fs.store, 10)
+    gone = fs.controls[0].down()
+    assert not fs.store.targets[fs.store.target_specs[0].name].is_up()
+    for i in range(10):
+        assert fs.store.get(K(i)) == V(i)
+    for i in range(10, 20):  # new puts avoid it
+        assert fs.store.put(K(i), V(i))
+        assert gone.name not in "".join(frag_targets(fs.store, K(i)))
+    assert any(p.kind.value == "target_down" for p in fs.store.check())
+    gone.up()
+    assert [fs.store.get(K(i)) for i in range(20)] == [V(i) for i in range(20)]
+    assert_clean(fs.store)
+
+
+def test_capacity_of_a_target_gives_enospc(faulty_store):
+    fs = faulty_store(n=4, k=2, m=2)
+    fs.controls[0].set(capacity_bytes=20_000)
+    stored = []
+    with pytest.raises(CapacityExceeded) as info:
+        for i in range(100):
+            fs.store.put(K(i), V(i))
+            stored.append(i)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+    assert 0 < len(stored) < 100
+    assert [fs.store.get(K(i)) for i in stored] == [V(i) for i in stored]
+    assert_clean(fs.store)
+    fs.controls[0].set(capacity_bytes=0)
+    assert fs.store.put(K(500), V(500))
+
+
+def test_same_seed_same_faults(tmp_path):
+    def run(name):
+        c = faults.control(name, faults.FaultPlan(read_error_p=0.3, seed=7))
+        out = []
+        for _ in range(200):
+            out.append(c.draw("read_error", c.plan.read_error_p))
+        return out
+
+    assert run("seed-a") == run("seed-b")
+
+
+def test_plan_file_reaches_other_processes(tmp_path):
+    c = faults.FaultControl("fileplan", state_dir=str(tmp_path))
+    faults.write_plan(str(tmp_path), "fileplan", faults.FaultPlan(down=True))
+    with pytest.raises(FileNotFoundError):
+        c.step("read")
+    assert c.plan.down
+    time.sleep(0.06)
+    faults.write_plan(str(tmp_path), "fileplan", faults.FaultPlan())
+    time.sleep(0.06)
+    c.step("read")
+    time.sleep(0.55)
+    c.step("read")
+    assert faults.read_counts(str(tmp_path), "fileplan") == {"down": 1}
+
+
+def test_a_flipped_version_field_is_a_damaged_fragment_not_a_failed_get(faulty_store):
+    """Found by the soak: one bit in one fragment's version field failed the whole get
+    with IncompatibleFormat; it is now a degraded read and repair rewrites the fragment."""
+    import struct
+    from pathlib import Path
+
+    from kvstore.targets import fragment_path
+
+    fs = faulty_store(k=2, m=2)
+    fs.store.put(K(1), V(1))
+    with fs.store.index.env.begin() as txn:
+        m = fs.store.index.get_meta(txn, ekey(1, K(1)))
+    p = Path(fs.store.targets[m.targets[0]].root) / fragment_path(1, K(1), m.gen, 0)
+    raw = bytearray(p.read_bytes())
+    struct.pack_into("<H", raw, 4, 3)
+    p.write_bytes(bytes(raw))
+    assert fs.store.get(K(1)) == V(1)
+    assert fs.store.counters["degraded_reads"] == 1
+    assert [x.kind.value for x in fs.store.check()] == ["corrupt_fragment"]
+    assert fs.store.repair()["rebuilt_fragments"] == 1
+    assert_clean(fs.store)

@@ -1,0 +1,450 @@
+"""Chaos soak: sharded ``kvstore serve`` daemons over ``faulty://`` targets, many clients, faults.
+
+Claim under test: never wrong bytes, and nothing acknowledged lost while at most
+m targets of a shard are faulty. Exact commands::
+
+    # the full run (a benchmark; ~2 minutes on 2 cores)
+    .venv/bin/python tools/soak.py --duration 120 --shards 3 --clients 4 --out soak-full.json
+    # the short run that tests/chaos/test_soak.py does (~25 s)
+    .venv/bin/python tools/soak.py --duration 15 --shards 2 --clients 2 --out /tmp/soak.json
+
+Loopback only; every daemon binds 127.0.0.1 on a port picked at first start and
+reused on restart. Bounded by ``--duration`` and ``--max-ops`` per client.
+
+Set-up: ``--shards`` daemons, each over ``--targets`` faulty targets with EC
+``k+m`` (at least one spare target); the fault plans live in files under
+``<workdir>/faults`` that the daemons poll (``kvstore.faults``).
+
+Clients (``--clients`` processes, ``ShardedStore``): a mixed workload of puts,
+TTL puts, gets of their own keys and of other clients' keys, lookups of chains,
+deletes, and GC. A value is derived from its key (``value_for``), so every
+read is checked by whoever reads; each client keeps the ledger of its
+acknowledged puts and deletes (``<workdir>/ledger-N.json``).
+
+Chaos (one controller, seeded): SIGKILL + restart of a daemon (sometimes with
+a skewed clock, ``--clock-offset-s``), a target vanishing and coming back, a
+target filling up (ENOSPC by capacity), latency, transient read errors, bits
+flipped in fragment files on disk, short writes. Invariant of the schedule:
+per shard, targets under a fault or holding unrepaired damage are at most m
+(``max_faulty_targets`` in the report proves it); damage is cleared by a
+``Repair`` of that shard before its budget is freed.
+
+Final pass: all faults cleared, every shard repaired, then every acknowledged,
+undeleted, non-TTL key is read back: ``acked_lost`` (must be 0) and
+``wrong_bytes`` (must be 0, counted during the run too). Output: JSON to
+``--out``; exit 1 if either is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import kvstore  # noqa: E402
+from kvstore import faults  # noqa: E402
+from kvstore.errors import CapacityExceeded, KVStoreError, NotFound, StoreUnavailable, Unrecoverable  # noqa: E402
+
+OPS = {"put": 30, "put_ttl": 8, "get": 30, "get_other": 8, "lookup": 12, "delete": 5, "get_many": 6, "gc": 1}
+
+
+def key_for(seed: int, client: int, i: int) -> bytes:
+    return hashlib.blake2b(f"{seed}:{client}:{i}".encode(), digest_size=16).digest()
+
+
+def value_for(key: bytes) -> bytes:
+    return hashlib.shake_128(key).digest(256 + key[0] * 8)
+
+
+# ----------------------------------------------------------------------------- client process
+def run_client(a: argparse.Namespace) -> int:
+    rng = random.Random(a.seed * 1000 + a.client)
+    s = kvstore.connect(a.urls, timeout_s=10)
+    live: list[int] = []  # acknowledged, not deleted, no TTL (insertion order)
+    live_set: set[int] = set()
+    ttl: dict[int, tuple[float, float]] = {}
+    deleted: set[int] = set()
+    uncertain: set[int] = set()
+    c: Counter[str] = Counter()
+    samples: list[tuple[float, str, float]] = []
+    nxt = 0
+    ops, weights = list(OPS), list(OPS.values())
+    end = time.time() + a.duration
+
+    def check_value(k: bytes, v: bytes | None) -> None:
+        if v is not None and v != value_for(k):
+            c["wrong_bytes"] += 1
+
+    for _ in range(a.max_ops):
+        if time.time() >= end:
+            break
+        op = rng.choices(ops, weights)[0]
+        if op in ("get", "delete", "lookup", "get_many") and not live:
+            op = "put"
+        t0 = time.time()
+        try:
+            if op in ("put", "put_ttl"):
+                i, nxt = nxt, nxt + 1
+                k = key_for(a.seed, a.client, i)
+                life = rng.uniform(2.0, 8.0) if op == "put_ttl" else None
+                try:
+                    s.put(k, value_for(k), ttl_s=life)
+                except (StoreUnavailable, CapacityExceeded):
+                    uncertain.add(i)  # may or may not have been committed: not acknowledged
+                    raise
+                if life is None:
+                    live.append(i)
+                    live_set.add(i)
+                else:
+                    ttl[i] = (time.time(), life)
+                c["acked_puts"] += 1
+            elif op == "get":
+                i = rng.choice(live) if live_set and (not ttl or rng.random() < 0.8) else rng.choice(list(ttl))
+                k = key_for(a.seed, a.client, i)
+                try:
+                    check_value(k, s.get(k))
+                    c["reads_ok"] += 1
+                except NotFound:
+                    if i in live_set:
+                        c["acked_missing_during_run"] += 1
+                    elif time.time() < ttl[i][0] + ttl[i][1] - a.max_skew - 1.0:
+                        c["ttl_missing_early"] += 1
+                    else:
+                        c["ttl_expired"] += 1
+            elif op == "get_other":
+                other = rng.randrange(a.clients)
+                k = key_for(a.seed, other, rng.randrange(max(nxt, 1)))
+                try:
+                    check_value(k, s.get(k))
+                    c["reads_ok"] += 1
+                except NotFound:
+                    pass
+            elif op == "get_many":
+                idx = rng.sample(live, min(len(live), 16))
+                keys = [key_for(a.seed, a.client, i) for i in idx]
+                for k, v in zip(keys, s.get_many(keys)):
+                    check_value(k, v)
+                    c["acked_missing_during_run" if v is None else "reads_ok"] += 1
+            elif op == "lookup":
+                start = rng.randrange(len(live))
+                chain = [key_for(a.seed, a.client, i) for i in live[start:start + 8]]
+                if s.lookup(chain).hit_blocks != len(chain):
+                    c["lookup_short"] += 1
+            elif op == "delete":
+                i = live.pop(rng.randrange(len(live)))
+                live_set.discard(i)
+                try:
+                    s.delete(key_for(a.seed, a.client, i))
+                    deleted.add(i)
+                except StoreUnavailable:
+                    uncertain.add(i)
+                    raise
+            elif op == "gc":
+                s.gc()
+            c[f"op_{op}"] += 1
+            samples.append((t0, op, (time.time() - t0) * 1000))
+        except Unrecoverable:
+            c["unrecoverable"] += 1
+        except CapacityExceeded:
+            c["capacity_refused"] += 1
+        except StoreUnavailable:
+            c["unavailable"] += 1
+        except KVStoreError as exc:
+            c[f"error_{type(exc).__name__}"] += 1
+    s.close()
+    doc = {"client": a.client, "counts": dict(c), "live": live, "ttl": list(ttl), "deleted": sorted(deleted),
+           "uncertain": sorted(uncertain), "samples": samples}
+    Path(a.ledger).write_text(json.dumps(doc))
+    return 0
+
+
+# ----------------------------------------------------------------------------- daemons
+class Shard:
+    def __init__(self, idx: int, work: Path, a: argparse.Namespace, env: dict):
+        self.idx, self.a, self.env = idx, a, env
+        self.names = [f"s{idx}t{j}" for j in range(a.targets)]
+        self.dirs = [work / f"s{idx}" / f"t{j}" for j in range(a.targets)]
+        self.data = work / f"s{idx}" / "data"
+        self.log = open(work / f"daemon-{idx}.log", "ab")
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.offset = 0.0
+        self.harvested: Counter[str] = Counter()
+
+    def start(self, offset: float = 0.0) -> None:
+        self.offset = offset
+        urls = ",".join(faults.faulty_url(n, str(d)) for n, d in zip(self.names, self.dirs))
+        cmd = [sys.executable, "-m", "kvstore.server.cli", "serve", "--port", str(self.port), "--data-dir",
+               str(self.data), "--targets", urls, "--ec-k", str(self.a.k), "--ec-m", str(self.a.m),
+               "--fsync", "false", "--gc-interval-s", "3", "--orphan-grace-s", "60", "--delete-grace-s", "2",
+               "--read-timeout-s", "0.5", "--fragment-read-retries", "1", "--clock-offset-s", str(offset),
+               "--log-level", "WARNING"]
+        for attempt in range(20):
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT,
+                                         env=self.env)
+            m = re.search(r"grpc://\S+", self.proc.stdout.readline())
+            if m:
+                self.url = m.group(0)
+                self.port = int(self.url.rsplit(":", 1)[1])
+                return
+            self.proc.wait()
+            time.sleep(0.25)  # the old port may linger for a moment after a SIGKILL
+        raise RuntimeError(f"shard {self.idx} did not start; see daemon-{self.idx}.log")
+
+    def harvest(self) -> None:
+        """Add this incarnation's store counters (they live in memory: read before a kill)."""
+        try:
+            with kvstore.connect(self.url, timeout_s=10) as r:
+                self.harvested.update(r.stats()["counters"])
+        except KVStoreError:
+            pass
+
+    def kill(self) -> None:
+        self.harvest()
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.harvest()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+# ----------------------------------------------------------------------------- chaos
+WINDOW_FAULTS = {  # kind -> plan for one target during its window (a registry, not a chain of ifs)
+    "target_down": lambda r, d: faults.FaultPlan(down=True),
+    "target_full": lambda r, d: faults.FaultPlan(capacity_bytes=faults._du(str(d)) + r.randrange(0, 30_000)),
+    "latency": lambda r, d: faults.FaultPlan(latency_s=r.uniform(0.05, 0.8), latency_p=0.5, seed=r.randrange(99)),
+    "read_errors": lambda r, d: faults.FaultPlan(read_error_p=0.3, seed=r.randrange(99)),
+    "short_writes": lambda r, d: faults.FaultPlan(short_write_p=0.5, seed=r.randrange(99)),  # leaves damage
+    "corrupt_reads": lambda r, d: faults.FaultPlan(corrupt_read_p=0.3, seed=r.randrange(99)),
+}
+DAMAGING = {"short_writes", "corrupt_files"}
+
+
+def corrupt_files(r: random.Random, d: Path, n: int) -> int:
+    files = [p for p in d.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    hit = 0
+    for p in r.sample(files, min(n, len(files))):
+        try:
+            b = bytearray(p.read_bytes())
+            i = r.randrange(len(b) * 8)
+            b[i // 8] ^= 1 << (i % 8)
+            p.write_bytes(bytes(b))
+            hit += 1
+        except (OSError, ValueError):
+            pass
+    return hit
+
+
+def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float) -> dict:
+    r = random.Random(a.seed)
+    active: list[tuple[float, int, int, str]] = []  # (until, shard, target, kind)
+    damaged: dict[int, set[int]] = defaultdict(set)
+    cooling: dict[tuple[int, int], float] = {}
+    timeline: list[tuple[float, float, str]] = []
+    injected: Counter[str] = Counter()
+    repairs: Counter[str] = Counter()
+    max_faulty = 0
+
+    def busy(s: int, now: float) -> set[int]:
+        return ({t for _, sh, t, _ in active if sh == s} | damaged[s]
+                | {t for (sh, t), until in cooling.items() if sh == s and until > now})
+
+    def repair(s: int) -> None:
+        try:
+            with kvstore.connect(shards[s].url, timeout_s=60) as rs:
+                out = rs.repair()
+            repairs["runs"] += 1
+            for k, v in out.items():
+                repairs[k] += v
+            damaged[s].clear()
+        except KVStoreError:
+            repairs["failed_runs"] += 1
+
+    while time.time() < end:
+        now = time.time()
+        for f in [f for f in active if f[0] <= now]:
+            active.remove(f)
+            faults.write_plan(str(fdir), shards[f[1]].names[f[2]], faults.FaultPlan())
+            cooling[(f[1], f[2])] = now + 0.3  # the daemon polls every 50 ms; keep it counted a while
+            if f[3] in DAMAGING:
+                damaged[f[1]].add(f[2])
+        s = r.randrange(len(shards))
+        choice = r.random()
+        if choice < 0.3:
+            pass  # calm steps: the latency figures need a calm baseline from the same run
+        elif choice < 0.4:
+            t0 = time.time()
+            skew = r.choice([0.0, 0.0, r.uniform(-20, 20)])
+            shards[s].kill()
+            injected["daemon_sigkill"] += 1
+            time.sleep(r.uniform(0.2, 1.0))
+            shards[s].start(offset=skew)
+            injected["clock_skew" if skew else "daemon_restart"] += 1
+            timeline.append((t0, time.time(), "daemon_sigkill"))
+        elif choice < 0.5 and damaged[s] and not any(f[1] == s for f in active):
+            repair(s)
+        else:
+            free = [t for t in range(a.targets) if t not in busy(s, now)]
+            if free and len(busy(s, now)) < a.m:
+                t = r.choice(free)
+                if r.random() < 0.15:
+                    injected["corrupt_files"] += corrupt_files(r, shards[s].dirs[t], r.randint(1, 5))
+                    damaged[s].add(t)
+                else:
+                    kind = r.choice(list(WINDOW_FAULTS))
+                    faults.write_plan(str(fdir), shards[s].names[t], WINDOW_FAULTS[kind](r, shards[s].dirs[t]))
+                    length = r.uniform(1.0, 3.0)
+                    active.append((now + length, s, t, kind))
+                    timeline.append((now, now + length + 0.3, kind))
+                    injected[kind] += 1
+        for sh in range(len(shards)):
+            max_faulty = max(max_faulty, len(busy(sh, time.time())))
+        time.sleep(r.uniform(0.2, 0.6))
+    for f in active:
+        faults.write_plan(str(fdir), shards[f[1]].names[f[2]], faults.FaultPlan())
+    time.sleep(0.3)
+    for s in range(len(shards)):
+        repair(s)
+    return {"injected": dict(injected), "repairs": dict(repairs), "timeline": timeline,
+            "max_faulty_targets": max_faulty}
+
+
+# ----------------------------------------------------------------------------- report
+def pct(xs: list[float]) -> dict:
+    if not xs:
+        return {"n": 0}
+    xs = sorted(xs)
+    at = lambda q: round(xs[min(len(xs) - 1, int(q * len(xs)))], 2)  # noqa: E731
+    return {"n": len(xs), "p50_ms": at(0.5), "p90_ms": at(0.9), "p99_ms": at(0.99)}
+
+
+def verify(urls: str, seed: int, ledgers: list[dict]) -> Counter:
+    out: Counter[str] = Counter()
+    with kvstore.connect(urls, timeout_s=30) as s:
+        for led in ledgers:
+            cl = led["client"]
+            for group, expect in ((led["live"], "live"), (led["deleted"], "deleted"), (led["uncertain"], "any")):
+                for b in range(0, len(group), 256):
+                    keys = [key_for(seed, cl, i) for i in group[b:b + 256]]
+                    for k, v in zip(keys, s.get_many(keys)):
+                        if v is not None and v != value_for(k):
+                            out["wrong_bytes"] += 1
+                        elif expect == "live":
+                            out["acked_checked"] += 1
+                            out["acked_lost"] += v is None
+                        elif expect == "deleted" and v is not None:
+                            out["deleted_but_found"] += 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--shards", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--targets", type=int, default=5)
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--m", type=int, default=2)
+    ap.add_argument("--max-ops", type=int, default=1_000_000, help="per client")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--out", default="soak-results.json")
+    ap.add_argument("--client", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--urls", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--ledger", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--max-skew", type=float, default=20.0, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.client >= 0:
+        return run_client(a)
+    if a.targets < a.k + a.m + 1:
+        ap.error("--targets must be at least k + m + 1 (a spare to fall back to)")
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="kvsoak-"))
+    fdir = work / "faults"
+    fdir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env[faults.ENV_DIR] = str(fdir)
+    shards = [Shard(i, work, a, env) for i in range(a.shards)]
+    for sh in shards:
+        sh.start()
+    urls = ",".join(sh.url for sh in shards)
+    t_start = time.time()
+    end = t_start + a.duration
+    clients = [subprocess.Popen([sys.executable, __file__, "--client", str(c), "--clients", str(a.clients),
+                                 "--urls", urls, "--ledger", str(work / f"ledger-{c}.json"), "--seed", str(a.seed),
+                                 "--duration", str(a.duration), "--max-ops", str(a.max_ops)], cwd=ROOT, env=env)
+               for c in range(a.clients)]
+    ch = chaos(shards, fdir, a, end)
+    for p in clients:
+        p.wait(timeout=a.duration + 120)
+    ledgers = [json.loads((work / f"ledger-{c}.json").read_text()) for c in range(a.clients)]
+    final = verify(urls, a.seed, ledgers)
+    with kvstore.connect(urls, timeout_s=60) as s:
+        problems = [p.kind.value for p in s.check()]
+    for sh in shards:
+        sh.stop()
+    counts: Counter[str] = Counter()
+    for led in ledgers:
+        counts.update(led["counts"])
+    daemon_faults: Counter[str] = Counter()
+    for sh in shards:
+        for n in sh.names:
+            daemon_faults.update(faults.read_counts(str(fdir), n))
+    windows = ch.pop("timeline")
+    lat: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for led in ledgers:
+        for t, op, ms in led["samples"]:
+            phase = "faults" if any(w0 <= t <= w1 for w0, w1, _ in windows) else "calm"
+            lat[phase][op].append(ms)
+            lat[phase]["all"].append(ms)
+    harvested: Counter[str] = Counter()
+    for sh in shards:
+        harvested.update(sh.harvested)
+    ops_done = sum(v for k, v in counts.items() if k.startswith("op_"))
+    report = {
+        "command": " ".join([Path(sys.executable).name, "tools/soak.py", *(argv or sys.argv[1:])]),
+        "config": {"shards": a.shards, "clients": a.clients, "targets_per_shard": a.targets, "ec": f"{a.k}+{a.m}",
+                   "duration_s": a.duration, "seed": a.seed},
+        "elapsed_s": round(time.time() - t_start, 1),
+        "operations": ops_done, "ops_by_kind": {k[3:]: v for k, v in counts.items() if k.startswith("op_")},
+        "faults_scheduled": ch["injected"], "faults_injected_in_daemons": dict(daemon_faults),
+        "max_faulty_targets_per_shard": ch["max_faulty_targets"], "m": a.m,
+        "degraded_reads": harvested["degraded_reads"], "read_retries": harvested["read_retries"],
+        "read_timeouts": harvested["read_timeouts"], "unrecoverable_in_daemons": harvested["unrecoverable"],
+        "repairs": ch["repairs"],
+        "wrong_bytes": counts["wrong_bytes"] + final["wrong_bytes"],
+        "acked_lost": final["acked_lost"], "acked_checked_at_end": final["acked_checked"],
+        "deleted_but_found": final["deleted_but_found"],
+        "client_counts": {k: v for k, v in counts.items() if not k.startswith("op_")},
+        "client_counts_note": "unavailable: calls to a shard while its daemon was killed (not acknowledged)",
+        "check_after_repair": dict(Counter(problems)),
+        "latency": {ph: {op: pct(v) for op, v in sorted(d.items())} for ph, d in lat.items()},
+        "workdir": str(work),
+    }
+    Path(a.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("operations", "faults_scheduled", "degraded_reads", "repairs",
+                                             "wrong_bytes", "acked_lost", "max_faulty_targets_per_shard")}))
+    return 1 if report["wrong_bytes"] or report["acked_lost"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
