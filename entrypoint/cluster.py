@@ -60,11 +60,13 @@ class Cluster:
 
     def __init__(self, work_dir: str | Path, *, ve: int = 1, prefill: int = 1, decode: int = 2,
                  model: str = "tiny", block_size: int = 16, store: str = "daemon",
-                 worker_args: tuple[str, ...] = (), start_timeout_s: float = 120.0):
+                 worker_args: tuple[str, ...] = (), entrypoint_args: tuple[str, ...] = (),
+                 start_timeout_s: float = 120.0):
         self.work_dir = Path(work_dir)
         self.counts = {"ve": ve, "prefill": prefill, "decode": decode}
         self.model, self.block_size, self.store_mode = model, block_size, store
         self.worker_args = worker_args
+        self.entrypoint_args = entrypoint_args
         self.start_timeout_s = start_timeout_s
         self.procs: dict[str, Proc] = {}
         self.store_url = ""
@@ -108,7 +110,8 @@ class Cluster:
         else:
             self.store_url = str(data_dir)
         ep = self._spawn("entrypoint", ["-m", "entrypoint", "--store", self.store_url, "--model", self.model,
-                                        "--block-size", str(self.block_size), "--heartbeat-s", "0.2"])
+                                        "--block-size", str(self.block_size), "--heartbeat-s", "0.2",
+                                        *self.entrypoint_args])
         self.entrypoint_address = ep.address
         for role, n in self.counts.items():
             for i in range(n):

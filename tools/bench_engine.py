@@ -1,11 +1,15 @@
 """Benchmark the engine plugin on the reference engine: TTFT cold vs hit per tier, replay share,
 load throughput, persisted bytes per token, and the window-only span's greedy agreement.
 
-Exact command (the committed figures were produced with it; writes JSON to --out)::
+Exact command (the reported figures were produced with it; writes JSON to --out; ~6 min on
+2 CPU cores)::
 
-    .venv/bin/python tools/bench_engine.py --sizes 4096,16384,32768 --out bench_engine.json
-    # quicker, on a shared 2-core box:
-    .venv/bin/python tools/bench_engine.py --sizes 1024,2048,4096 --reps 3 --out bench_engine.json
+    .venv/bin/python tools/bench_engine.py --sizes 4096,16384,32768 --block-size 256 --reps 3 \
+        --agree-n 40 --out bench_engine.json
+    # 16-token blocks (the test block size; small 8 KiB store entries):
+    .venv/bin/python tools/bench_engine.py --sizes 4096,16384,32768 --reps 2 --out bench_engine_b16.json
+    # quicker:
+    .venv/bin/python tools/bench_engine.py --sizes 1024,2048 --reps 2 --agree-n 10 --out /tmp/b.json
     # add the daemon as a store tier:
     .venv/bin/python tools/bench_engine.py --store-url grpc://127.0.0.1:7070 --out bench_engine.json
 
@@ -153,9 +157,12 @@ class Bench:
             plug.append(time.perf_counter() - t0)
             assert good == len(keys)
         conn.close()
-        r, p = statistics.median(raw), statistics.median(plug)
+        # best-of-N as the headline (a shared box adds one-sided noise), medians kept alongside
+        r, p = min(raw), min(plug)
         return {"bytes": nbytes, "store_get_many_GBps": nbytes / r / 1e9, "plugin_load_GBps": nbytes / p / 1e9,
-                "plugin_over_store": r / p}
+                "plugin_over_store": r / p,
+                "median_store_GBps": nbytes / statistics.median(raw) / 1e9,
+                "median_plugin_GBps": nbytes / statistics.median(plug) / 1e9}
 
     def agreement(self) -> dict:
         a = self.args

@@ -274,17 +274,21 @@ def run_stats(store: KVStore, args: argparse.Namespace, progress: Progress) -> O
 
 
 def _configure_delete(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--key", type=parse_key, metavar="HEX", required=True, help="the entry's key")
+    p.add_argument("--key", type=parse_key, metavar="HEX", action="append", required=True,
+                   help="the entry's key (repeat for several)")
     _kind_arg(p)
 
 
 def run_delete(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     kind = EntryKind.parse(args.kind).value
-    deleted = store.delete(args.key, kind=kind)
-    d = {"key": args.key.hex(), "kind": kind, "deleted": deleted}
-    text = (f"deleted {kind} entry {args.key.hex()} (its fragments go at the next `kvtool gc` after "
-            "delete_grace_s)" if deleted else f"no {kind} entry {args.key.hex()}")
-    return Outcome(ExitCode.OK if deleted else ExitCode.PROBLEMS, d, text)
+    done = {k.hex(): store.delete(k, kind=kind) for k in args.key}
+    n = sum(done.values())
+    d = {"kind": kind, "deleted": done} if len(done) > 1 else {"key": args.key[0].hex(), "kind": kind,
+                                                                 "deleted": n == 1}
+    text = "\n".join(f"deleted {kind} entry {k}" if ok else f"no {kind} entry {k}" for k, ok in done.items())
+    if n:
+        text += "\n(fragments go at the next `kvtool gc` after delete_grace_s)"
+    return Outcome(ExitCode.OK if n == len(done) else ExitCode.PROBLEMS, d, text)
 
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (

@@ -1,0 +1,196 @@
+"""``kvstack walkthrough``: the whole stack on one laptop, hop by hop.
+
+What it does, in order:
+  1. starts, on loopback and a fresh data directory, the kvstore daemon, one
+     vision-encoder, one prefill and two decode workers (the reference engine
+     with the plugin) and the entrypoint (``entrypoint.cluster``);
+  2. plays turn 1 (system prompt, tool definitions, the task) and turn 2 (tool
+     call, tool result, a screenshot as an image segment);
+  3. runs turn 3 cold (a tenant with its own salt, so nothing is cached for it),
+     then in three variants, each compared with the cold run token by token:
+     - cache hit: the prefix comes from the engine's tiers and the store, the
+       SWA snapshot is present, only the new message is prefilled;
+     - SWA miss: a fresh prefill engine, and the SWA snapshots deleted with
+       ``kvtool delete --kind swa``: the plugin replays the bounded span;
+     - engine failover: the decode worker serving the stream is killed with
+       SIGKILL mid-stream; the entrypoint re-dispatches and the stream completes;
+  4. prints a per-hop timeline and writes a self-contained HTML report.
+
+Everything it started is stopped when it ends, on Ctrl-C and on error.
+Exit code 0 when every variant produced the cold run's tokens, 1 otherwise,
+2 on a usage or start-up error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from entrypoint.cluster import Cluster
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.vision import VisionEncoder
+from entrypoint.walkthrough.conversation import Conversation, build
+from entrypoint.walkthrough.report import VariantResult, hop_line, render_html
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockHasher, ImageSpan
+
+COLD_TENANT = "cold"
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _run(client, name: str, prompt: list[int], images, max_new: int, *, tenant: str = "",
+         on_event=None) -> VariantResult:
+    _say(f"\n== {name}: {len(prompt):,} prompt tokens")
+
+    def show(ev):
+        if ev.kind == "hop":
+            _say(hop_line(dict(json.loads(ev.detail), t_ms=ev.t_ms)))
+        elif ev.kind == "token" and ev.index == 0:
+            _say(f"  {ev.t_ms:9.1f} ms  first token   ({ev.token_id})")
+        if on_event is not None:
+            on_event(ev)
+
+    toks, hops, summary = client.generate(prompt, max_new_tokens=max_new, images=images, tenant=tenant,
+                                          on_event=show)
+    _say(f"  {summary['total_ms']:9.1f} ms  done          {len(toks)} tokens, TTFT {summary['ttft_ms']:.1f} ms")
+    return VariantResult(name, toks, hops, summary)
+
+
+def _spliced(conv: Conversation, prompt: list[int], seg: pb.ImageSegment, vocab: int, seed: int) -> list[int]:
+    toks = VisionEncoder(vocab, seed=seed).encode(seg.image_data, seg.length)
+    out = list(prompt)
+    out[seg.start:seg.start + seg.length] = toks
+    return out
+
+
+def walkthrough(args: argparse.Namespace) -> int:
+    from engine_plugin.reference.config import model_preset
+
+    mcfg = model_preset(args.model)
+    out_dir = Path(args.out).resolve()
+    run_dir = out_dir / time.strftime("run-%Y%m%d-%H%M%S")
+    conv = build(args.context_tokens, mcfg.vocab_size)
+    _say(f"kvstack walkthrough: a coding agent's third turn, ~{args.context_tokens:,} tokens of context\n"
+         f"work directory: {run_dir}")
+    _say("starting the kvstore daemon, 1 vision encoder, 1 prefill and 2 decode workers, the entrypoint ...")
+    cluster = Cluster(run_dir, ve=1, prefill=1, decode=2, model=args.model, block_size=args.block_size,
+                      store="daemon", entrypoint_args=("--tenant", f"{COLD_TENANT}=walkthrough-cold-salt"),
+                      worker_args=("--num-blocks", str(args.num_blocks)))
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        t0 = time.perf_counter()
+        cluster.start()
+        _say(f"stack up in {time.perf_counter() - t0:.1f} s: store {cluster.store_url}, "
+             f"entrypoint {cluster.entrypoint_address}")
+        client = cluster.client()
+        n = args.max_new_tokens
+        # Turn 1 and turn 2 fill the caches and the store.
+        t1 = _run(client, "turn 1", conv.turn1, [], n)
+        p2 = conv.turn1 + t1.tokens + conv.turn2_added
+        start = len(conv.turn1) + len(t1.tokens) + conv.screenshot.start
+        seg = pb.ImageSegment(image_hash=conv.screenshot.hash, image_data=conv.screenshot.data, start=start,
+                              length=conv.screenshot.length)
+        t2 = _run(client, "turn 2", p2, [seg], n)
+        p3 = p2 + t2.tokens + conv.turn3_added
+        # Turn 3, cold, then the three variants.
+        cold = _run(client, "turn 3, cold (no cache for this tenant)", p3, [seg], n, tenant=COLD_TENANT)
+        cold.note = "A tenant with its own salt: none of its blocks are cached, every token is prefilled."
+        hit = _run(client, "turn 3, cache hit", p3, [seg], n)
+        hit.note = "The same request for the tenant who sent turns 1 and 2: the prefix comes from the tiers."
+        # SWA miss: a fresh prefill engine (empty device and host tiers), snapshots deleted from the store.
+        cluster.kill("prefill-0", signal.SIGKILL)
+        cluster.start_worker("prefill", "prefill-0")
+        cluster.wait_for_workers(4)
+        spliced = _spliced(conv, p3, seg, mcfg.vocab_size, mcfg.seed)
+        keys = BlockHasher(mcfg.namespace(), args.block_size, b"").hash_blocks(
+            spliced, [ImageSpan(seg.image_hash, seg.start, seg.length)])
+        cmd = [sys.executable, "-m", "kvstore.cli.kvtool", "delete", "--kind", "swa", cluster.store_url,
+               *[a for k in keys for a in ("--key", k.hex())]]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        deleted = res.stdout.count("deleted swa entry")
+        _say(f"\n$ kvtool delete --kind swa {cluster.store_url} --key ... ({len(keys)} keys): "
+             f"{deleted} SWA snapshots deleted")
+        miss = _run(client, "turn 3, SWA miss", p3, [seg], n)
+        miss.note = (f"A fresh prefill engine and {deleted} SWA snapshots deleted with kvtool: the blocks come "
+                     "from the store and the plugin replays the bounded span to rebuild the windows.")
+        # Failover: kill the decode worker serving the stream, mid-stream.
+        serving: list[str] = []
+        killed: list[str] = []
+
+        def killer(ev):
+            if ev.kind == "hop":
+                d = json.loads(ev.detail)
+                if d["hop"] == "decode_start":
+                    serving.append(d["worker"])
+            if ev.kind == "token" and ev.index == max(1, n // 3) and not killed and serving:
+                _say(f"  -- SIGKILL {serving[-1]} mid-stream --")
+                killed.append(serving[-1])
+                cluster.kill(serving[-1], signal.SIGKILL)
+
+        fail = _run(client, "turn 3, engine failover", p3, [seg], n, on_event=killer)
+        fail.note = f"The decode worker {killed[0] if killed else '?'} was killed with SIGKILL mid-stream."
+        variants = [hit, miss, fail]
+        for v in variants:
+            v.cold_tokens = cold.tokens
+        cold.cold_tokens = cold.tokens
+        _say("\n== summary (turn 3)")
+        ok = True
+        for v in [cold, *variants]:
+            f = v.figures()
+            same = v is cold or v.matches_cold
+            ok &= same
+            _say(f"  {v.name:<36} TTFT {f['ttft_ms']:8.1f} ms ({f['ttft_ms'] / (cold.figures()['ttft_ms'] or 1):.2f}x cold)"
+                 f"  prefilled {f['prefilled']:>7,}  loaded {f['loaded']:>7,}  replayed {f['replayed']:>5,}"
+                 f"  tokens {'== cold' if same else '!= COLD'}")
+        report = run_dir / "report.html"
+        report.write_text(render_html(
+            "kvstack walkthrough: a coding agent's third turn",
+            f"Turn 3 has {len(p3):,} prompt tokens (model {args.model}, block size {args.block_size}); "
+            "each variant is compared with the cold run of the same request.", cold, variants))
+        (run_dir / "results.json").write_text(json.dumps(
+            {v.name: {"tokens": v.tokens, "figures": v.figures(), "hops": v.hops, "summary": v.summary,
+                      "matches_cold": v is cold or v.matches_cold} for v in [cold, *variants]}, indent=1))
+        _say(f"\nreport: {report}")
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        _say("\ninterrupted: stopping everything")
+        return 130
+    except KVStoreError as exc:
+        _say(f"walkthrough failed: {exc}")
+        return 2
+    finally:
+        cluster.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvstack", description="kvstack: the KV cache service, end to end")
+    sub = ap.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("walkthrough", help="run the coding-agent walkthrough through the whole stack")
+    w.add_argument("--context-tokens", type=int, default=3000, help="turn 3 context size (full size: 100000)")
+    w.add_argument("--max-new-tokens", type=int, default=24)
+    w.add_argument("--model", default="tiny", help="reference model preset")
+    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--num-blocks", type=int, default=0, help="device pool blocks per engine (0: fit the context)")
+    w.add_argument("--out", default="./kvstack-walkthrough", help="directory for the run's data, logs and report")
+    args = ap.parse_args(argv)
+    if args.context_tokens < 100 or args.max_new_tokens < 3:
+        ap.error("--context-tokens must be >= 100 and --max-new-tokens >= 3")
+    if not args.num_blocks:
+        args.num_blocks = 2 * (args.context_tokens + 4 * args.max_new_tokens) // args.block_size + 64
+    return walkthrough(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
