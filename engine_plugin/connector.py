@@ -5,6 +5,19 @@ connector has two halves that may live in different processes; in the
 reference engine both run in one process, but they only talk through
 ``ConnectorMetadata`` built by the scheduler half and bound on the worker half.
 
+One engine step, in call order::
+
+    admit:   get_num_new_matched_tokens -> (engine allocates) -> update_state_after_alloc
+             -> restore_plan, snapshot_boundaries
+    step:    build_connector_meta -> bind_connector_metadata -> start_load_kv
+             -> [forward: wait_for_layer_load("swa.<i>" / "global") per group]
+             -> get_load_errors -> save_kv_layer("global") -> save_kv_layer("swa")
+             -> wait_for_save -> clear_connector_metadata -> get_finished
+    finish:  request_finished (then the engine frees the blocks)
+
+What the connector knows about the model is a ``KVLayout`` (global KV width,
+dtype, snapshot shape, replay spans); it never imports the model.
+
 Scheduler side (called by the scheduler, on the engine's main thread)
 ---------------------------------------------------------------------
 ``get_num_new_matched_tokens(request, num_computed_tokens) -> (int, bool)``

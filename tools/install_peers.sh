@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Install the peers that tools/bench_store.py compares against (idempotent).
+# Install the system packages the tests and benchmarks need (idempotent).
 #
 #   bash tools/install_peers.sh            # as root (or with sudo available)
 #
 # * redis-server (Debian package) for the Redis peer; the bench starts its own
 #   instance on a loopback port and stops it afterwards.
+# * chromium (Debian package) to render the walkthrough report in the tests.
 # * redis-py + hiredis and py-lmdb into the active or the project venv (.venv),
 #   if one exists (else the `bench` extra brings them).
 # Safe to run again: every step checks first and does nothing if satisfied.
@@ -12,21 +13,26 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-if command -v redis-server >/dev/null 2>&1; then
-    echo "redis-server: present ($(redis-server --version | head -1))"
-else
+# Debian packages: command -> package. redis-server is a benchmark peer; chromium renders
+# the walkthrough's HTML report in tests/walkthrough (headless, offline).
+declare -A DEB=([redis-server]=redis-server [chromium]=chromium)
+missing=()
+for cmd in "${!DEB[@]}"; do
+    if command -v "$cmd" >/dev/null 2>&1; then echo "$cmd: present"; else missing+=("${DEB[$cmd]}"); fi
+done
+if [ ${#missing[@]} -gt 0 ]; then
     SUDO=""
     if [ "$(id -u)" -ne 0 ]; then
         if command -v sudo >/dev/null 2>&1; then SUDO="sudo"; else
-            echo "redis-server missing and not root (no sudo): install it with apt-get install redis-server" >&2
+            echo "missing ${missing[*]} and not root (no sudo): install with apt-get install ${missing[*]}" >&2
             exit 1
         fi
     fi
     export DEBIAN_FRONTEND=noninteractive
     $SUDO apt-get update -qq
-    # --no-install-recommends: redis-tools is enough; no service is enabled by us.
-    $SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null
-    echo "redis-server: installed ($(redis-server --version | head -1))"
+    # --no-install-recommends: no services are enabled by us; the tests start what they need.
+    $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    echo "installed: ${missing[*]}"
 fi
 
 # Python clients: only into a virtual environment (the project's .venv, or the active one);

@@ -66,3 +66,16 @@ def test_gateway_without_store_is_a_shortfall():
     assert gw.get_many([b"k" * 16], kind="block", nbytes=4) == [None]
     assert gw.put_many([]) is False
     gw.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_host_copy_is_exact_for_any_dtype_and_layout(dtype):
+    from engine_plugin.transfer import host_copy
+
+    src = (torch.arange(24) % 7).to(dtype).view(4, 6)
+    dst = torch.zeros(4, 6, dtype=dtype)
+    host_copy(dst, src)
+    assert torch.equal(dst, src)
+    dst_t = torch.zeros(6, 4, dtype=dtype)
+    host_copy(dst_t, src.t())  # non-contiguous source: falls back to Tensor.copy_
+    assert torch.equal(dst_t, src.t())
