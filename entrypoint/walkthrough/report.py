@@ -77,7 +77,7 @@ def _bar_chart(rows: list[tuple[str, dict[str, float]]], keys: list[str], colors
                unit: str, width: int = 720) -> str:
     """Horizontal stacked bars: one row per label."""
     total = max([sum(v.get(k, 0) for k in keys) for _, v in rows] + [1e-9])
-    bar_h, gap, left = 26, 12, 150
+    bar_h, gap, left = 26, 12, 250
     h = len(rows) * (bar_h + gap) + 40
     out = [f'<svg width="{width}" height="{h}" role="img">']
     for i, (label, vals) in enumerate(rows):
@@ -103,7 +103,7 @@ def _bar_chart(rows: list[tuple[str, dict[str, float]]], keys: list[str], colors
 def _timeline(v: VariantResult, width: int = 720) -> str:
     hops = [h for h in v.hops]
     end = max([v.summary.get("total_ms", 0.0)] + [h["t_ms"] for h in hops] + [1.0])
-    left, row = 120, 22
+    left, row = 110, 22
     out = [f'<svg width="{width}" height="{len(hops) * row + 30}" role="img">']
     for i, h in enumerate(hops):
         dur = h.get("ms", 0.0) or 0.0
