@@ -14,6 +14,7 @@ import sys
 import threading
 
 import kvstore
+from kvstore.api import DTYPES
 from entrypoint.server import EntrypointConfig, serve
 
 
@@ -43,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         mcfg = model_preset(a.model)
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(mcfg.dtype, 4)
         cfg = EntrypointConfig(namespace=mcfg.namespace(), block_size=a.block_size, tenants=tenants,
-                               prefill_policy=a.prefill_policy, kv_bytes_per_token=mcfg.d_global * itemsize)
+                               prefill_policy=a.prefill_policy,
+                               kv_bytes_per_token=mcfg.d_global * DTYPES[mcfg.dtype])
         return serve(cfg, a.store, host=a.host, port=a.port, heartbeat_s=a.heartbeat_s, stop=stop,
                      ready=lambda addr: print("READY " + json.dumps({"address": addr}), flush=True))
     except kvstore.KVStoreError as exc:

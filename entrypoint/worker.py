@@ -159,6 +159,9 @@ class EngineRunner:
 
 
 def _stats(h: _Handle, connector: Any, block_nbytes: int, started: float) -> dict[str, Any]:
+    """Per-request figures. Token counts come from the request; the per-tier split is the
+    connector's counters over the request's lifetime (exact when it ran alone, shared with
+    requests batched beside it otherwise)."""
     req = h.req
     after = connector.metrics.snapshot()
     d = {k: after.get(k, 0) - h.metrics_before.get(k, 0) for k in after}
