@@ -102,3 +102,52 @@ def test_bad_requests_get_clear_errors(cluster, req, code):
     with pytest.raises(grpc.RpcError) as ei:
         list(cluster.client().stub.Generate(req, timeout=30))
     assert ei.value.code() == code and ei.value.details()
+
+
+def test_deadline_and_cancellation_leave_the_service_healthy(cluster):
+    cl = cluster.client()
+    prompt = _prompt(5, 100)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(cl.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=pb.Sampling(max_new_tokens=400)),
+                              timeout=0.3))
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stream = cl.stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=pb.Sampling(max_new_tokens=400)),
+                              timeout=60)
+    for ev in stream:
+        if ev.kind == "token":
+            stream.cancel()  # the client goes away after the first token
+            break
+    with pytest.raises(grpc.RpcError) as ei:
+        next(stream)
+    assert ei.value.code() == grpc.StatusCode.CANCELLED
+    # Neither the deadline nor the cancel counts as a worker failure: all are still up and serving.
+    workers = cl.stub.ListWorkers(pb.Empty(), timeout=10).workers
+    assert len(workers) == 4
+    toks, _, _ = cl.generate(prompt, max_new_tokens=6)
+    assert toks == cold_tokens(prompt, 6)
+
+
+def test_workers_join_and_leave_at_run_time(cluster):
+    cl = cluster.client()
+    info = next(w for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers if w.role == "decode")
+    assert cl.stub.Deregister(info, timeout=10).ok
+    assert info.worker_id not in {w.worker_id for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers}
+    prompt = _prompt(6, 70)
+    toks, hops, _ = cl.generate(prompt, max_new_tokens=6)  # served by the decode worker that is left
+    assert toks == cold_tokens(prompt, 6)
+    assert all(h["worker"] != info.worker_id for h in hops if h["hop"] == "decode_start")
+    assert cl.stub.Register(info, timeout=10).ok
+    assert info.worker_id in {w.worker_id for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers}
+
+
+def test_backpressure_answers_resource_exhausted(tmp_path):
+    with Cluster(tmp_path, ve=0, prefill=1, decode=1, model=MODEL, store="embedded",
+                 entrypoint_args=("--max-inflight", "1")) as c:
+        stub = c.client().stub
+        first = stub.Generate(pb.GenerateRequest(token_ids=_prompt(7, 200), sampling=pb.Sampling(max_new_tokens=300)),
+                              timeout=120)
+        next(first)  # the first request holds the only slot while it streams
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Generate(pb.GenerateRequest(token_ids=[1, 2, 3]), timeout=30))
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in ei.value.details()
+        assert sum(1 for ev in first if ev.kind == "token") > 0
