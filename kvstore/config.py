@@ -152,6 +152,15 @@ def _coerce(name: str, typ: Any, value: Any) -> Any:
         raise InvalidRequest(f"config field {name!r}: cannot use {value!r} ({exc})") from exc
 
 
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """A TOML config file as a dict; an unreadable or malformed file is ``InvalidRequest``."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidRequest(f"cannot read config file {path}: {exc}") from exc
+
+
 def load_config(
     toml_path: str | os.PathLike | None = None,
     env: Mapping[str, str] | None = None,
@@ -164,11 +173,7 @@ def load_config(
     fields = {f.name: f for f in dataclasses.fields(StoreConfig)}
     values: dict[str, Any] = {}
     if toml_path is not None:
-        try:
-            with open(toml_path, "rb") as fh:
-                doc = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise InvalidRequest(f"cannot read config file {toml_path}: {exc}") from exc
+        doc = read_toml(toml_path)
         doc = doc.get("store", doc)
         for k, v in doc.items():
             if k not in fields:

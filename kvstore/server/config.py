@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvstore.config import ENV_PREFIX, StoreConfig, _coerce, load_config
+from kvstore.config import ENV_PREFIX, StoreConfig, _coerce, load_config, read_toml
 from kvstore.errors import InvalidRequest
 
 MiB = 1024 * 1024
@@ -89,11 +88,7 @@ def load_server_config(
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     if toml_path is not None:
-        try:
-            with open(toml_path, "rb") as fh:
-                doc = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise InvalidRequest(f"cannot read config file {toml_path}: {exc}") from exc
+        doc = read_toml(toml_path)
         if "server" in doc and "store" not in doc and set(doc) - {"server"}:
             raise InvalidRequest(f"{toml_path}: put store options under a [store] table next to [server]")
         for k, v in doc.get("server", {}).items():
