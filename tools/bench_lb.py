@@ -1,6 +1,6 @@
 """Benchmark lb/: EPLB (ours vs DeepSeek's greedy) and the trace replay at the SLO-limited load.
 
-Exact command (what produced the figures in the closing note; ~5 min on 2 shared cores)::
+Exact command (what produced the figures in the closing note; ~2-5 min on 2 shared cores)::
 
     .venv/bin/python tools/bench_lb.py \\
         --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --out results/bench_lb.json

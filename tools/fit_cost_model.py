@@ -19,7 +19,7 @@ Role
       over cached + new keys, output projection, a 4x MLP); kept for
       comparison and for machines without the engine package.
 
-Exact command (what produced the committed file; ~3-4 min on 2 shared cores, one torch thread)::
+Exact command (what produced the committed file; ~2-4 min on 2 shared cores, one torch thread)::
 
     .venv/bin/python tools/fit_cost_model.py --out lb/data/cost_model.json
 
