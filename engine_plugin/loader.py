@@ -6,33 +6,35 @@ single loader thread; ``wait_for_layer_load`` waits on their futures.
 
 Per batch of ``load_batch_blocks`` blocks (numbered steps, with reasons):
   1. host-tier blocks are used in place (they already live in host memory);
-  2. the rest are read with one ``get_many`` (bounded by the gateway timeout);
-  3. each payload is copied into a staging buffer from the ``BufferPool``
-     (pinned on accelerators: the copy engine can DMA from it) and promoted
-     to the host tier;
-  4. ``copy_async`` into the destination pool block on the load stream;
-     blocks stop at the first missing one (later blocks are useless: a hit
-     is a prefix);
+  2. the rest get a staging buffer each from the ``BufferPool`` (pinned on
+     accelerators: the copy engine can DMA from it), up to the first one the
+     pool cannot give within the timeout (a hit is a prefix: later blocks
+     would be useless without it);
+  3. one ``StoreGateway.read_into`` lands the payloads *in those buffers*:
+     the store copies each payload from its fragment bodies into the buffer
+     and verifies the entry checksum over the buffer, so the only host copy
+     is storage -> pinned (stores without the native read: ``get_many`` plus
+     one copy). A slot is used only when the gateway reports it ok (verified,
+     exact size); a buffer of a read abandoned at its timeout goes back to the
+     pool only once that read finished, since it may still write into it;
+  4. a good buffer is promoted to the host tier *as is* (detached from the
+     pool: no second copy), and ``copy_async`` copies it into the destination
+     pool block on the load stream; blocks stop at the first bad one;
   5. the batch's last event is synchronised *on this thread* before its
-     staging buffers go back to the pool, so a buffer is never reused while
-     a copy may still read it; the compute stream only waits on events.
+     remaining staging buffers go back to the pool, so a buffer is never
+     reused while a copy may still read it; the compute stream only waits on
+     events.
 Returns are ``(good, events)``: the count of leading good blocks (or a flag
 for the snapshot) and the events per layer group (``"global"``, ``"swa.<i>"``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from engine_plugin.connector import LoadSpec, Tier
-from engine_plugin.transfer import host_copy
-
-
-class StagingExhausted(Exception):
-    """No staging buffer within the timeout (a shortfall, handled as a failed load)."""
 
 
 class Loader:
@@ -42,34 +44,53 @@ class Loader:
         self.c = connector
         self.stream = stream
 
-    def _fill(self, data: bytes, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store bytes -> a staging buffer from the pool; returns (raw buffer, typed view)."""
-        buf = self.c.buffers.acquire(len(data), timeout=self.c.cfg.store_timeout_s)
-        if buf is None:
-            raise StagingExhausted()
-        buf.numpy()[:] = np.frombuffer(data, dtype=np.uint8)  # one memcpy, no torch thread pool
-        return buf, buf.view(self.c.dtype).view(shape)
+    def _read_staged(self, kind: str, keys: Sequence[bytes], nbytes: int) -> list[torch.Tensor | None]:
+        """Steps 2-3: per key, a staging buffer holding its verified payload, or ``None``.
 
-    def _promote(self, kind: str, key: bytes, src: torch.Tensor, nbytes: int, shape) -> None:
-        if self.c.cfg.promote_to_host:
-            t = self.c._host_tensor(nbytes, shape)
-            host_copy(t, src)
-            self.c.host.put(kind, key, t)
+        The caller owns the returned buffers (release, or detach when promoted); buffers of
+        failed slots are already back in the pool (or will be, once an abandoned read ended).
+        """
+        bufs: list[torch.Tensor] = []
+        for _ in keys:
+            buf = self.c.buffers.acquire(nbytes, timeout=self.c.cfg.store_timeout_s)
+            if buf is None:
+                self.c.metrics.inc("staging_exhausted")
+                break
+            bufs.append(buf)
+        if not bufs:
+            return [None] * len(keys)
+        res = self.c.gateway.read_into(keys[: len(bufs)], [b.numpy() for b in bufs], kind=kind, nbytes=nbytes)
+        if res.pending is not None:
+            # The store may still be writing into every one of these buffers.
+            res.pending.add_done_callback(lambda _f, held=bufs: [self.c.buffers.release(b) for b in held])
+            return [None] * len(keys)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        for i, (buf, ok) in enumerate(zip(bufs, res.ok)):
+            if ok:
+                out[i] = buf
+            else:
+                self.c.buffers.release(buf)
+        return out
+
+    def _promote(self, kind: str, key: bytes, buf: torch.Tensor, typed: torch.Tensor) -> bool:
+        """Step 4: hand the staging buffer itself to the host tier; True if it now owns it."""
+        if self.c.cfg.promote_to_host and self.c.host.put(kind, key, typed):
+            self.c.buffers.detach(buf)
+            return True
+        return False
 
     def load_snapshot(self, spec: LoadSpec, win: torch.Tensor) -> tuple[bool, dict]:
         key = spec.snapshot_key
         src = self.c.host.get("swa", key) if spec.snapshot_tier is Tier.HOST else None
         buf = None
         if src is None:
-            data = self.c.gateway.get_many([key], kind="swa", nbytes=self.c.snap_nbytes)[0]
-            if data is None:
+            buf = self._read_staged("swa", [key], self.c.snap_nbytes)[0]
+            if buf is None:
                 self.c.metrics.inc("snapshot_load_failed")
                 return False, {}
-            try:
-                buf, src = self._fill(data, self.c.snap_shape)
-            except StagingExhausted:
-                return False, {}
-            self._promote("swa", key, src, self.c.snap_nbytes, self.c.snap_shape)
+            src = buf.view(self.c.dtype).view(self.c.snap_shape)
+            if self._promote("swa", key, buf, src):
+                buf = None
         events = {f"swa.{l}": self.c.backend.copy_async(win[l], src[l], self.stream)
                   for l in range(self.c.snap_shape[0])}  # layer by layer: layer 0 can start first
         if buf is not None:
@@ -87,19 +108,18 @@ class Loader:
             srcs: list[torch.Tensor | None] = [
                 self.c.host.get("block", b.key) if b.tier is Tier.HOST else None for b in batch]
             need = [i for i, t in enumerate(srcs) if t is None]
-            datas = self.c.gateway.get_many([batch[i].key for i in need], kind="block",
-                                          nbytes=self.c.block_nbytes) if need else []
-            staged = []
-            for i, data in zip(need, datas):
-                if data is None:
-                    break
-                try:
-                    buf, srcs[i] = self._fill(data, self.c.block_shape)
-                except StagingExhausted:
-                    self.c.metrics.inc("staging_exhausted")
-                    break
-                staged.append(buf)
-                self._promote("block", batch[i].key, srcs[i], self.c.block_nbytes, self.c.block_shape)
+            staged = self._read_staged("block", [batch[i].key for i in need], self.c.block_nbytes) if need else []
+            used, to_release = 0, []
+            for i, buf in zip(need, staged):
+                if buf is None:
+                    break  # blocks past the first bad one are useless (a hit is a prefix)
+                used += 1
+                srcs[i] = buf.view(self.c.dtype).view(self.c.block_shape)
+                if not self._promote("block", batch[i].key, buf, srcs[i]):
+                    to_release.append(buf)
+            for buf in staged[used + 1:]:  # verified but past the gap: no copy reads them
+                if buf is not None:
+                    self.c.buffers.release(buf)
             stop = False
             for b, src in zip(batch, srcs):
                 if src is None:
@@ -107,10 +127,10 @@ class Loader:
                     break
                 ev = self.c.backend.copy_async(pool[b.block_id], src, self.stream)
                 good += 1
-            self.c.metrics.inc("bytes_loaded", len(staged) * self.c.block_nbytes)
-            if staged:
+            self.c.metrics.inc("bytes_loaded", used * self.c.block_nbytes)
+            if to_release:
                 self.c.backend.sync_event(ev)  # the staging buffers are free once the copies ran
-                for buf in staged:
+                for buf in to_release:
                     self.c.buffers.release(buf)
             if stop:
                 break

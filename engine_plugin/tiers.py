@@ -17,7 +17,13 @@ hangs on it and never uses bad bytes:
    timeout again on every request;
 3. a read returns ``None`` for an entry that is missing, lost, corrupt or of
    the wrong size (the store checks checksums; the gateway checks lengths),
-   so the caller recomputes that part.
+   so the caller recomputes that part;
+4. ``read_into`` lands payloads straight in the caller's (pinned staging)
+   buffers through ``kvstore.api.read_into``: the store verifies each entry's
+   checksum over the buffer itself before the slot is reported good. A call
+   abandoned after its timeout may still be writing into those buffers, so
+   its future comes back as ``IntoResult.pending`` and the caller must not
+   reuse the buffers before it completed.
 
 ``Metrics`` is a thread-safe counter set; ``snapshot()`` returns a dict.
 """
@@ -29,12 +35,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
-from kvstore.api import KVStore, LookupResult, PutItem
-from kvstore.errors import KVStoreError
+from kvstore.api import EntryInfo, EntryKind, KVStore, LookupResult, PutItem, read_into, writable_view
+from kvstore.errors import InvalidRequest, KVStoreError
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +134,20 @@ class HostCache:
         return len(self._d)
 
 
+@dataclass(frozen=True, slots=True)
+class IntoResult:
+    """Outcome of ``StoreGateway.read_into``.
+
+    ``ok[i]``: ``outs[i]`` holds a verified payload of exactly the expected size.
+    ``pending``: not ``None`` when the call was abandoned at its timeout and may still
+    write into the buffers; every ``ok`` is then ``False`` and the buffers may be reused
+    only once this future is done (``add_done_callback``).
+    """
+
+    ok: list[bool]
+    pending: cf.Future | None = None
+
+
 class StoreGateway:
     """Timeouts, a circuit breaker and length checks around a ``KVStore`` (see module doc)."""
 
@@ -146,22 +167,29 @@ class StoreGateway:
 
     def _call(self, what: str, fn, *args, timeout: float | None = None, **kw):
         """``(ok, result)``; never raises for store trouble, never waits past the timeout."""
+        ok, res, _ = self._run(what, fn, *args, timeout=timeout, **kw)
+        return ok, res
+
+    def _run(self, what: str, fn, *args, timeout: float | None = None, **kw):
+        """``(ok, result, abandoned)``: as ``_call``, plus the future of a call given up at
+        its timeout (it may still be running), else ``None``."""
         if self.store is None:
-            return False, None
+            return False, None, None
         if not self.available:
             self.metrics.inc("store_skipped")
-            return False, None
+            return False, None, None
         timeout = self.timeout_s if timeout is None else timeout
         fut = self._pool.submit(fn, *args, **kw)
         try:
-            return True, fut.result(timeout=timeout)
+            return True, fut.result(timeout=timeout), None
         except cf.TimeoutError:
             self._trip(what, f"timed out after {timeout}s", "store_timeouts")
+            return False, None, fut
         except KVStoreError as exc:
             self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
         except OSError as exc:
             self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
-        return False, None
+        return False, None, None
 
     def _trip(self, what: str, reason: str, counter: str) -> None:
         self.metrics.inc(counter)
@@ -195,6 +223,46 @@ class StoreGateway:
                 v = None
             out.append(v)
         return out
+
+    def read_into(self, keys: Sequence[bytes], outs: Sequence[Any], *, kind: str,
+                  nbytes: int) -> IntoResult:
+        """Verified payloads of exactly ``nbytes`` straight into ``outs`` (see ``IntoResult``).
+
+        A slot is not ok where the entry is missing, lost, corrupt, of the wrong size, or the
+        store failed; the contents of a buffer that is not ok are undefined.
+        """
+        if self.store is None:
+            return IntoResult([False] * len(keys))
+        ok, res, abandoned = self._run(f"read_into({kind})", self._read_into, list(keys), list(outs),
+                                       kind, nbytes)
+        if not ok:
+            return IntoResult([False] * len(keys), abandoned)
+        good = []
+        for info in res:
+            if info is None:
+                self.metrics.inc("load_missing")
+            elif info.nbytes != nbytes:
+                self.metrics.inc("load_bad_size")
+                log.warning("store entry of %d bytes where %d were expected; not used", info.nbytes, nbytes)
+            good.append(info is not None and info.nbytes == nbytes)
+        return IntoResult(good)
+
+    def _read_into(self, keys: list[bytes], outs: list[Any], kind: str, nbytes: int) -> list[EntryInfo | None]:
+        """On the gateway's executor (so the timeout covers it). An entry larger than its
+        buffer makes the store refuse the whole batch (caller misuse there); here it is one
+        wrong-sized entry, so the batch is read again with ``get_many`` and that entry is
+        left out, as ``get_many`` callers always had it."""
+        try:
+            return read_into(self.store, keys, outs, kind=kind)
+        except InvalidRequest:
+            datas = self.store.get_many(keys, kind=kind)  # a bad key raises again: a real error
+        k = EntryKind.parse(kind)
+        infos: list[EntryInfo | None] = []
+        for key, data, out in zip(keys, datas, outs):
+            if data is not None and len(data) == nbytes:
+                writable_view(out)[:nbytes] = memoryview(data).cast("B")
+            infos.append(None if data is None else EntryInfo(key, k, len(data)))
+        return infos
 
     def put_many(self, items: Sequence[PutItem]) -> bool:
         if self.store is None:

@@ -5,9 +5,13 @@ benchmark and ``tools/gpu_check.sh``.
 
 Path of a load (store -> device)::
 
-    store.get_many --bytes--> pinned staging buffer (BufferPool, reused)
+    store.get_many_into: fragment bodies --one copy, checksum verified over the
+        destination--> pinned staging buffer (BufferPool, reused)
         --copy_async(non_blocking) on the side stream--> pool block on device
         --event--> compute stream waits on the event before the layer group
+
+(stores without ``get_many_into`` go through ``kvstore.api.read_into``'s
+fallback: ``get_many`` bytes, then one copy into the staging buffer).
 
 and of a save (device -> store): ``copy_async`` on the save stream into a
 pinned buffer, an event, then a background thread waits on the event and
@@ -20,9 +24,12 @@ puts. One interface, three backends chosen at run time from ``BACKENDS``
   ``torch_npu`` installed raises ``InvalidRequest`` with an install hint.
 
 Invariant of ``BufferPool``: a buffer is either free (in its size class
-list) or owned by exactly one in-flight transfer; ``acquire`` blocks at most
-``timeout`` seconds and returns ``None`` (a shortfall the caller counts) when
-the pool is exhausted, which is the transfer path's backpressure.
+list) or owned by exactly one in-flight transfer (a store read into it, or a
+copy out of it); ``acquire`` blocks at most ``timeout`` seconds and returns
+``None`` (a shortfall the caller counts) when the pool is exhausted, which is
+the transfer path's backpressure. ``detach`` hands a buffer to a new owner for
+good (the host tier, which keeps a loaded block instead of copying it); the
+pool then counts it no longer and may allocate a replacement.
 """
 
 from __future__ import annotations
@@ -185,16 +192,26 @@ class BufferPool:
     def acquire(self, nbytes: int, timeout: float | None = None) -> torch.Tensor | None:
         with self._cv:
             free = self._free.setdefault(nbytes, [])
-            if not free and self._count.get(nbytes, 0) < self.max_per_size:
-                self._count[nbytes] = self._count.get(nbytes, 0) + 1
-                self.allocations += 1
-                return self.backend.empty_host(nbytes)
-            if not self._cv.wait_for(lambda: bool(free), timeout=timeout):
+            room = lambda: self._count.get(nbytes, 0) < self.max_per_size  # noqa: E731
+            if not self._cv.wait_for(lambda: bool(free) or room(), timeout=timeout):
                 return None
-            self.reuses += 1
-            return free.pop()
+            if free:
+                self.reuses += 1
+                return free.pop()
+            self._count[nbytes] = self._count.get(nbytes, 0) + 1
+            self.allocations += 1
+            return self.backend.empty_host(nbytes)
 
     def release(self, buf: torch.Tensor) -> None:
         with self._cv:
             self._free.setdefault(buf.numel(), []).append(buf)
+            self._cv.notify_all()
+
+    def detach(self, buf: torch.Tensor) -> None:
+        """Give up an acquired buffer for good (it is not released; its slot is freed)."""
+        with self._cv:
+            n = buf.numel()
+            if self._count.get(n, 0) < 1:
+                raise RuntimeError(f"BufferPool.detach of a {n}-byte buffer the pool never handed out: a bug")
+            self._count[n] -= 1
             self._cv.notify_all()

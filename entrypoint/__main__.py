@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a tenant and its key salt (repeatable); default: one tenant 'default'")
     ap.add_argument("--prefill-policy", default="kvstack")
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    ap.add_argument("--worker-timeout-s", type=float, default=3600.0, help="bound on one worker call")
     ap.add_argument("--max-inflight", type=int, default=64, help="requests served at once; more get RESOURCE_EXHAUSTED")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         mcfg = model_preset(a.model)
         cfg = EntrypointConfig(namespace=mcfg.namespace(), block_size=a.block_size, tenants=tenants,
                                prefill_policy=a.prefill_policy, max_inflight=a.max_inflight,
+                               worker_timeout_s=a.worker_timeout_s,
                                kv_bytes_per_token=mcfg.d_global * DTYPES[mcfg.dtype])
         return serve(cfg, a.store, host=a.host, port=a.port, heartbeat_s=a.heartbeat_s, stop=stop,
                      ready=lambda addr: print("READY " + json.dumps({"address": addr}), flush=True))

@@ -183,7 +183,7 @@ class Client:
 
     def generate(self, token_ids: list[int], *, max_new_tokens: int = 8, images: list[pb.ImageSegment] = (),
                  tenant: str = "", temperature: float = 0.0, seed: int = 0, request_id: str = "",
-                 on_event=None, timeout: float = 300.0) -> tuple[list[int], list[dict], dict]:
+                 on_event=None, timeout: float | None = 300.0) -> tuple[list[int], list[dict], dict]:
         """(tokens, hop events, summary). ``on_event(event)`` sees every event as it arrives."""
         req = pb.GenerateRequest(request_id=request_id, token_ids=token_ids, images=list(images), tenant=tenant,
                                  sampling=pb.Sampling(max_new_tokens=max_new_tokens, temperature=temperature,

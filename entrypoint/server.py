@@ -65,7 +65,7 @@ class EntrypointConfig:
     ve_policy: str = "kvstack"
     max_attempts: int = 3
     max_inflight: int = 64
-    worker_timeout_s: float = 120.0
+    worker_timeout_s: float = 3600.0  # per worker call; a 100k-token cold prefill on a CPU takes minutes
     default_max_new_tokens: int = 16
     kv_bytes_per_token: float = 0.0  # the served model's global KV per token (0: the LB cost model's own)
 

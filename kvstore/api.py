@@ -20,6 +20,30 @@ Semantics every implementation guarantees
   shortfall, returned as ``None`` in its slot (it is logged and counted).
 * ``lookup`` has one side effect: none. It does not refresh access times (a
   lookup is not a use; the load that follows is).
+
+Reading into caller buffers (optional method, and a helper that always works)
+-----------------------------------------------------------------------------
+``get_many_into(keys, outs, *, kind)`` is the zero-staging batched read: the
+payload of ``keys[i]`` lands in the caller's writable buffer ``outs[i]`` (for
+instance the numpy view of a pinned host tensor, ``tensor.numpy()``), so a
+caller that would copy ``get_many``'s bytes into its own buffer anyway saves
+that copy. It is optional: a store that has it satisfies ``ReadsInto``; every
+caller goes through ``read_into(store, keys, outs, kind=...)``, which uses the
+method when present and otherwise ``get_many`` plus one copy, so remote and
+sharded stores work unchanged. Guarantees of both:
+
+1. Slot ``i`` of the result is an ``EntryInfo`` only once the entry checksum
+   was verified over ``outs[i][:nbytes]`` itself (the destination, not a
+   staging copy; the fallback copies bytes ``get_many`` verified); it is
+   ``None`` for a missing or unrecoverable entry, exactly where ``get_many``
+   gives ``None``. The contents of ``outs[i]`` are undefined in a ``None``
+   slot and past ``nbytes`` (a failed attempt may have written there).
+2. ``outs[i]`` must be writable, C-contiguous and hold at least the entry's
+   plain size; a shorter one raises ``InvalidRequest`` (caller misuse: size
+   buffers from the layout). The store checks sizes against its index before
+   reading anything; the fallback can only check after ``get_many``, so the
+   contents of all ``outs`` are undefined after that error.
+3. ``len(outs) == len(keys)``, and no two ``outs`` may overlap.
 """
 
 from __future__ import annotations
@@ -215,3 +239,76 @@ class KVStore(Protocol):
     def check(self, fix: bool = False) -> list: ...
 
     def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- reads into caller buffers
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    """What ``get_many_into`` landed in a caller buffer: the header of a verified entry.
+
+    ``nbytes`` is the payload length written at the start of the buffer. ``layout``
+    and ``tokens`` are ``None`` when the read went through the ``get_many`` fallback
+    of ``read_into`` (a plain batched get does not carry headers).
+    """
+
+    key: bytes
+    kind: EntryKind
+    nbytes: int
+    layout: Layout | None = None
+    tokens: int | None = None
+
+
+@runtime_checkable
+class ReadsInto(Protocol):
+    """A store that reads verified payloads straight into caller buffers (module docstring)."""
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
+                      kind: str = "block") -> list[EntryInfo | None]: ...
+
+
+def writable_view(out: Any, what: str = "out") -> memoryview:
+    """``out`` as a flat writable byte view; misuse (read-only, strided) raises ``InvalidRequest``."""
+    try:
+        mv = memoryview(out)
+    except TypeError as exc:
+        raise InvalidRequest(
+            f"{what} must support the buffer protocol (a bytearray, a numpy array, "
+            f"tensor.numpy()), got {type(out).__name__}"
+        ) from exc
+    if mv.readonly:
+        raise InvalidRequest(f"{what} is read-only; pass a writable buffer")
+    if not mv.c_contiguous:
+        raise InvalidRequest(f"{what} is not C-contiguous; pass a contiguous buffer")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def read_into(store: Any, keys: Sequence[bytes], outs: Sequence[Any], *,
+              kind: str = "block") -> list[EntryInfo | None]:
+    """Batched read into caller buffers through any ``KVStore`` (see the module docstring).
+
+    Uses ``store.get_many_into`` when the store has it; otherwise ``get_many`` and one
+    copy per entry into ``outs[i]``.
+    """
+    if len(outs) != len(keys):
+        raise InvalidRequest(f"read_into: {len(keys)} keys but {len(outs)} output buffers")
+    if isinstance(store, ReadsInto):
+        return store.get_many_into(keys, outs, kind=kind)
+    k = EntryKind.parse(kind)
+    views = [writable_view(o, f"outs[{i}]") for i, o in enumerate(outs)]
+    datas = store.get_many(keys, kind=k.value)
+    result: list[EntryInfo | None] = []
+    for i, (key, data, mv) in enumerate(zip(keys, datas, views)):
+        if data is None:
+            result.append(None)
+            continue
+        n = len(data)
+        if n > len(mv):
+            raise InvalidRequest(
+                f"outs[{i}] holds {len(mv)} bytes but the {k.value} entry {bytes(key).hex()} has {n}; "
+                "size the buffers from the entry layout"
+            )
+        mv[:n] = memoryview(data).cast("B")
+        result.append(EntryInfo(bytes(key), k, n))
+    return result

@@ -2,9 +2,11 @@
 
 Called by ``kvstore.store`` only. ``encode_entry`` -> ``ErasureCode.encode`` ->
 ``frame_fragment`` on the write path; ``parse_fragment`` -> ``decode`` ->
-``decode_entry`` on the read path. Every parser here takes untrusted bytes and
-either returns verified data or raises ``CorruptData`` / ``IncompatibleFormat``;
-none of them allocates more than the limits it is given.
+``decode_entry`` on the read path (``decode_entry_pieces_into`` /
+``decode_entry_into`` when the caller supplies the destination buffer). Every
+parser here takes untrusted bytes and either returns verified data (or writes
+it into the caller's buffer and verifies it there) or raises ``CorruptData`` /
+``IncompatibleFormat``; none of them allocates more than the limits it is given.
 
 Entry (the plain record, before erasure coding), little-endian::
 
@@ -184,6 +186,88 @@ def decode_entry_pieces(pieces: list[memoryview], *, max_plain: int) -> tuple[En
                 raise CorruptData("entry checksum mismatch")
             return h, plain
     return decode_entry(b"".join(pieces), max_plain=max_plain)
+
+
+def _verify_dest(h: EntryHeader, out: memoryview, n: int) -> None:
+    """The entry checksum over the destination bytes ``out[:n]`` (never a staging copy)."""
+    if n != h.plain_len or xxhash.xxh3_128_digest(out[:n]) != h.checksum:
+        raise CorruptData("entry checksum mismatch")
+
+
+def _stored_into(h: EntryHeader, pieces: list[memoryview], out: memoryview) -> None:
+    """Write the plain payload of an entry whose *stored* bytes are ``pieces`` into ``out``.
+
+    Raw: one copy of each piece into place. Zstd: the compressed pieces are joined (one copy
+    of the smaller, compressed bytes) and decompressed straight into ``out`` through a stream
+    reader's ``readinto``, so the plain bytes are written once. Verifies the checksum over
+    ``out`` before returning.
+    """
+    if h.plain_len > len(out):
+        raise CorruptData(f"entry claims {h.plain_len} plain bytes, the buffer sized from the "
+                          f"index holds {len(out)}")
+    if sum(len(p) for p in pieces) < h.stored_len:
+        raise CorruptData(f"entry payload truncated: fewer than {h.stored_len} stored bytes")
+    if h.codec == CODEC_RAW:
+        if h.stored_len != h.plain_len:
+            raise CorruptData(f"raw entry with {h.stored_len} stored and {h.plain_len} plain bytes")
+        pos = 0
+        for p in pieces:
+            take = min(len(p), h.plain_len - pos)
+            out[pos : pos + take] = p[:take]
+            pos += take
+            if pos == h.plain_len:
+                break
+        _verify_dest(h, out, pos)
+        return
+    stored = pieces[0][: h.stored_len] if len(pieces[0]) >= h.stored_len else b"".join(pieces)[: h.stored_len]
+    try:
+        reader = _zd().stream_reader(stored)
+        pos = 0
+        while pos < h.plain_len:
+            got = reader.readinto(out[pos : h.plain_len])
+            if not got:
+                break
+            pos += got
+        if reader.readinto(bytearray(1)):  # more plain bytes than the header says
+            raise CorruptData(f"zstd payload decodes to more than {h.plain_len} bytes")
+    except zstandard.ZstdError as exc:
+        raise CorruptData(f"zstd payload does not decode: {exc}") from exc
+    _verify_dest(h, out, pos)
+
+
+def decode_entry_into(buf: bytes | memoryview, out: memoryview, *, max_plain: int) -> EntryHeader:
+    """``decode_entry`` writing the verified plain payload into ``out[:plain_len]``.
+
+    ``out`` is a flat writable byte view (``kvstore.api.writable_view``). A payload longer
+    than ``out`` is ``CorruptData`` (the caller sized ``out`` from the index, which vouches
+    for the entry). On any error the contents of ``out`` are undefined.
+    """
+    h = decode_entry_header(buf, max_plain=max_plain)
+    stored = memoryview(buf)[h.header_len : h.header_len + h.stored_len]
+    if len(stored) != h.stored_len:
+        raise CorruptData(f"entry payload truncated: {len(stored)} of {h.stored_len} bytes")
+    _stored_into(h, [stored], out)
+    return h
+
+
+def decode_entry_pieces_into(pieces: list[memoryview], out: memoryview, *, max_plain: int) -> EntryHeader:
+    """``decode_entry_pieces`` writing into ``out``: the plain bytes go from the fragment
+    bodies to ``out`` with a single copy, and the checksum is verified over ``out``.
+
+    ::
+
+        pieces:  | entry header | payload ...  |  payload ...  |  payload ... pad |
+                 '--- piece 0 ----------------''--- piece 1 --''--- piece k-1 ---'
+        out:                    | payload ........................ |  (plain_len)
+    """
+    first = pieces[0]
+    if len(first) < ENTRY_HEADER_MIN + 64:
+        return decode_entry_into(b"".join(pieces), out, max_plain=max_plain)
+    h = decode_entry_header(first, max_plain=max_plain)
+    if len(first) < h.header_len:
+        return decode_entry_into(b"".join(pieces), out, max_plain=max_plain)
+    _stored_into(h, [first[h.header_len :], *pieces[1:]], out)
+    return h
 
 
 # ----------------------------------------------------------------------------- fragments

@@ -17,6 +17,14 @@ Guarantees (same as the embedded store, see ``kvstore.api``):
     naming the limit, never a silent failure: both ends use
     ``max_message_bytes``.
 
+Batches travel as streams (``GetStream``, ``PutStream``; see kvstore.proto):
+one message per value, so a batch is never one multi-MiB message, and values
+are hand-encoded (``kvstore.server.wire``: one copy, not protobuf's two). A
+daemon that predates them (UNIMPLEMENTED) is served with GetMany/PutMany from
+then on. A ``put_many`` whose encoded items add up to more than
+``max_message_bytes`` raises ``RequestTooLarge`` before anything is sent, as
+the one-message PutMany did.
+
 Options (``connect`` overrides, else environment): ``token``
 (``KVSTORE_TOKEN``), ``ca_file`` (``KVSTORE_CA_FILE``), ``cert_file`` /
 ``key_file`` for mutual TLS (``KVSTORE_CERT_FILE`` / ``KVSTORE_KEY_FILE``),
@@ -35,12 +43,12 @@ from typing import Any, Sequence
 import grpc
 
 from kvstore.api import Entry, EntryKind, Layout, LookupResult, PutItem
-from kvstore.errors import InvalidRequest, StoreClosed
+from kvstore.errors import InternalError, InvalidRequest, StoreClosed
 from kvstore.keys import check_key
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server.wire import error_from_rpc, layout_from_pb, layout_to_pb
+from kvstore.server.wire import RequestTooLarge, error_from_rpc, layout_from_pb, put_parts
 
 MiB = 1024 * 1024
 
@@ -79,8 +87,24 @@ def parse_address(url: str) -> tuple[str, bool]:
     return rest.rstrip("/"), scheme == "grpcs"
 
 
-def normalize_item(it: PutItem) -> pb.PutRequest:
-    """Validate one put client-side, as the embedded store does before writing, and build its message."""
+@dataclass(frozen=True, slots=True)
+class EncodedPut:
+    """One validated put, encoded as ``head + value + tail`` (a ``PutRequest``; ``wire.put_parts``)."""
+
+    head: bytes
+    value: memoryview
+    tail: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + self.value.nbytes + len(self.tail)
+
+    def message(self) -> bytes:
+        return b"".join((self.head, self.value, self.tail))  # the one copy of the value
+
+
+def encode_item(it: PutItem) -> EncodedPut:
+    """Validate one put client-side, as the embedded store does before writing, and encode it."""
     from kvstore.store import _payload
 
     key = check_key(it.key)
@@ -90,11 +114,17 @@ def normalize_item(it: PutItem) -> pb.PutRequest:
         raise InvalidRequest(f"tokens must be a non-negative int, got {it.tokens!r}")
     if it.ttl_s is not None and it.ttl_s <= 0:
         raise InvalidRequest(f"ttl_s must be positive (or None for the default), got {it.ttl_s}")
-    req = pb.PutRequest(key=key, value=bytes(mv), kind=kind, tokens=it.tokens)
-    if it.ttl_s is not None:
-        req.ttl_s = float(it.ttl_s)
-    layout_to_pb(layout, req.layout)
-    return req
+    head, tail = put_parts(key, mv.nbytes, kind, it.ttl_s, layout, it.tokens)
+    return EncodedPut(head, mv, tail)
+
+
+def normalize_item(it: PutItem) -> pb.PutRequest:
+    """``encode_item`` as a ``PutRequest`` message (validation as there)."""
+    return pb.PutRequest.FromString(encode_item(it).message())
+
+
+class _Unimplemented(Exception):
+    """The daemon does not know a streaming method (it predates it); the caller falls back."""
 
 
 class RemoteStore:
@@ -120,29 +150,81 @@ class RemoteStore:
         else:
             self._channel = grpc.insecure_channel(self.address, options=opts)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        # Raw-bytes callables for the hand-encoded requests (no request serializer: already bytes).
+        svc = "/kvstore.v1.KVStore/"
+        self._put_raw = self._channel.unary_unary(svc + "Put", response_deserializer=pb.PutReply.FromString)
+        self._get_stream = self._channel.unary_stream(
+            svc + "GetStream", request_serializer=pb.GetManyRequest.SerializeToString,
+            response_deserializer=pb.GetChunk.FromString)
+        self._put_stream = self._channel.stream_unary(svc + "PutStream",
+                                                      response_deserializer=pb.PutManyReply.FromString)
+        self._streams = True  # False once the daemon answered UNIMPLEMENTED (an older daemon)
         self._md = (("authorization", f"Bearer {o.token}"),) if o.token else None
         self._closed = False
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, method: str, req: Any, timeout_s: float | None = None) -> Any:
+    def _call(self, method: str, req: Any, timeout_s: float | None = None, fn: Any = None) -> Any:
         if self._closed:
             raise StoreClosed("this store is closed; open a new one with kvstore.connect")
         try:
-            return getattr(self._stub, method)(req, timeout=timeout_s or self.options.timeout_s, metadata=self._md)
+            return (fn or getattr(self._stub, method))(req, timeout=timeout_s or self.options.timeout_s,
+                                                       metadata=self._md)
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"{method} on {self.url}") from err
+
+    def _unimplemented(self, err: grpc.RpcError) -> bool:
+        """True (and streams off from now on) when the daemon does not know a streaming method."""
+        if err.code() is grpc.StatusCode.UNIMPLEMENTED:
+            self._streams = False
+            return True
+        return False
 
     # ------------------------------------------------------------------ writes
     def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
             layout: Layout | None = None, tokens: int = 0) -> bool:
-        return self._call("Put", normalize_item(PutItem(key, value, kind, ttl_s, layout, tokens))).created
+        enc = encode_item(PutItem(key, value, kind, ttl_s, layout, tokens))
+        return self._call("Put", enc.message(), fn=self._put_raw).created
 
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         if not items:
             return []
-        reqs = [normalize_item(it) for it in items]
-        return list(self._call("PutMany", pb.PutManyRequest(items=reqs)).created)
+        encs = [encode_item(it) for it in items]  # validate every item before sending any
+        total = sum(e.nbytes for e in encs)
+        if total > self.options.max_message_bytes:
+            raise RequestTooLarge(
+                f"put_many of {len(encs)} items ({total} bytes) is over this client's max_message_bytes="
+                f"{self.options.max_message_bytes}; raise max_message_bytes on both the daemon and the client, "
+                "or send smaller batches")
+        if self._streams:
+            try:
+                # Each item is encoded as gRPC asks for it: the next one is built while this one is sent.
+                reply = self._stream_call("PutStream", lambda: self._put_stream(
+                    (e.message() for e in encs), timeout=self.options.timeout_s, metadata=self._md))
+            except _Unimplemented:
+                reply = None
+            if reply is not None:
+                return self._check_count("PutStream", list(reply.created), len(encs))
+        reqs = [pb.PutRequest.FromString(e.message()) for e in encs]
+        return self._check_count("PutMany", list(self._call("PutMany", pb.PutManyRequest(items=reqs)).created),
+                                 len(encs))
+
+    def _stream_call(self, method: str, run: Any) -> Any:
+        """Run a streaming call; typed errors as ``_call``; ``_Unimplemented`` for an older daemon."""
+        if self._closed:
+            raise StoreClosed("this store is closed; open a new one with kvstore.connect")
+        try:
+            return run()
+        except grpc.RpcError as err:
+            if self._unimplemented(err):
+                raise _Unimplemented(method) from err
+            raise error_from_rpc(err, f"{method} on {self.url}") from err
+
+    @staticmethod
+    def _check_count(method: str, got: list, want: int) -> list:
+        if len(got) != want:
+            raise InternalError(f"{method} answered {len(got)} results for {want} items (a kvstore bug)")
+        return got
 
     # ------------------------------------------------------------------ reads
     def get_entry(self, key: bytes, *, kind: str = "block") -> Entry:
@@ -158,8 +240,22 @@ class RemoteStore:
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
-        r = self._call("GetMany", pb.GetManyRequest(keys=keys, kind=EntryKind.parse(kind).value))
-        return [v.value if v.found else None for v in r.values]
+        req = pb.GetManyRequest(keys=keys, kind=EntryKind.parse(kind).value)
+        if self._streams:
+            def run() -> list[bytes | None]:
+                out: list[bytes | None] = []
+                for c in self._get_stream(req, timeout=self.options.timeout_s, metadata=self._md):
+                    if c.index != len(out):
+                        raise InternalError(f"GetStream sent index {c.index} at position {len(out)} (a kvstore bug)")
+                    out.extend(v.value if v.found else None for v in c.values)
+                return self._check_count("GetStream", out, len(keys))
+
+            try:
+                return self._stream_call("GetStream", run)
+            except _Unimplemented:
+                pass
+        r = self._call("GetMany", req)
+        return self._check_count("GetMany", [v.value if v.found else None for v in r.values], len(keys))
 
     # ------------------------------------------------------------------ delete, pin
     def _one(self, method: str, key: bytes, kind: str) -> bool:

@@ -27,7 +27,9 @@ Write path (``put``), in this order, each step for the reason given:
 Read path (``get``): read the k data fragments (in parallel for remote targets), verify each one's
 checksum and header against the index; on any failure read parity fragments
 until k are good; decode; verify the entry checksum; return. Fewer than k good
-fragments: mark the entry lost and raise ``Unrecoverable``.
+fragments: mark the entry lost and raise ``Unrecoverable``. ``get_many_into``
+is the same path, except that the decode writes the payload into the caller's
+buffer (one copy from the fragment bodies) and the checksum is verified there.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvstore import codec
-from kvstore.api import Entry, EntryKind, Layout, LookupResult, PutItem
+from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
 from kvstore.config import StoreConfig, load_config
 from kvstore.errors import (
     CapacityExceeded,
@@ -442,7 +444,11 @@ class EmbeddedStore:
             failed.remove(meta.targets[i])
         return good, failed
 
-    def _decode(self, meta: Meta, ek: bytes, good: dict[int, memoryview], failed: list[str]) -> tuple[codec.EntryHeader, bytes]:
+    def _decode(self, meta: Meta, ek: bytes, good: dict[int, memoryview], failed: list[str],
+                out: memoryview | None = None) -> tuple[codec.EntryHeader, bytes | memoryview]:
+        """Decode and verify an entry from ``good`` bodies; with ``out`` (a flat writable
+        view of at least ``meta.plain_len`` bytes) the plain bytes are written there and
+        verified in place, and the returned payload is the view ``out[:plain_len]``."""
         code = codec.erasure_code(meta.k, meta.m, self.config.ec_type)
         limit = max(self.config.max_value_bytes, meta.plain_len)
         try:
@@ -450,11 +456,20 @@ class EmbeddedStore:
             try:
                 if pieces is None:
                     raise CorruptData("not all data fragments at hand")
-                h, plain = codec.decode_entry_pieces(pieces, max_plain=limit)
+                if out is None:
+                    h, plain = codec.decode_entry_pieces(pieces, max_plain=limit)
+                else:
+                    h = codec.decode_entry_pieces_into(pieces, out, max_plain=limit)
+                    plain = out[: h.plain_len]
             except CorruptData:
                 # Slow path: the erasure decoder (degraded reads, or a fast path that disagreed).
+                # With ``out`` it rewrites the whole payload and verifies it again in place.
                 buf = code.decode(good)[: meta.entry_len]
-                h, plain = codec.decode_entry(buf, max_plain=limit)
+                if out is None:
+                    h, plain = codec.decode_entry(buf, max_plain=limit)
+                else:
+                    h = codec.decode_entry_into(buf, out, max_plain=limit)
+                    plain = out[: h.plain_len]
             if h.key != ek[1:] or h.kind.code != ek[0]:
                 raise CorruptData("decoded entry names another key")
             return h, plain
@@ -464,7 +479,8 @@ class EmbeddedStore:
                 key=ek[1:], failed_targets=tuple(failed),
             ) from exc
 
-    def _read_verified(self, ek: bytes, meta: Meta) -> tuple[codec.EntryHeader, bytes]:
+    def _read_verified(self, ek: bytes, meta: Meta,
+                       out: memoryview | None = None) -> tuple[codec.EntryHeader, bytes | memoryview]:
         good, failed = self._gather(meta, ek)
         if len(good) < meta.k:
             self._mark_lost(ek, meta)
@@ -477,7 +493,7 @@ class EmbeddedStore:
         if failed:
             self._count("degraded_reads")
         try:
-            return self._decode(meta, ek, good, failed)
+            return self._decode(meta, ek, good, failed, out)
         except Unrecoverable:
             self._mark_lost(ek, meta)
             raise
@@ -547,6 +563,52 @@ class EmbeddedStore:
         if len(eks) == 1 or not any(self._parallel(m) for m in live):
             # Local targets: a plain loop beats the thread hand-off (tools/bench_store.py).
             return [one(i) for i in range(len(eks))]
+        return list(self._batch_pool.map(one, range(len(eks))))
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
+                      kind: str = "block") -> list[EntryInfo | None]:
+        """Batched get straight into caller buffers (``kvstore.api``, "Reading into caller
+        buffers"): fragments are read and verified as in ``get_many``, the payload pieces
+        are copied from the fragment bodies into ``outs[i]`` (one copy; zstd entries are
+        decompressed into it), and the entry checksum is verified over ``outs[i]``.
+
+        Every buffer is checked against the index's plain size before any fragment is
+        read, so a too-small one raises ``InvalidRequest`` with nothing written.
+        """
+        self._check_open()
+        if len(outs) != len(keys):
+            raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
+        k = EntryKind.parse(kind)
+        eks = [ekey(k.code, check_key(key)) for key in keys]
+        views = [writable_view(o, f"outs[{i}]") for i, o in enumerate(outs)]
+        now = self.now_ns()
+        with self.index.env.begin() as txn:
+            metas = [self.index.get_meta(txn, ek) for ek in eks]
+        for i, m in enumerate(metas):
+            if m is not None and m.plain_len > len(views[i]):
+                raise InvalidRequest(
+                    f"outs[{i}] holds {len(views[i])} bytes but the {k.value} entry {eks[i][1:].hex()} "
+                    f"has {m.plain_len}; size the buffers from the entry layout"
+                )
+        self._count("gets", len(eks))
+
+        def one(i: int) -> EntryInfo | None:
+            m = metas[i]
+            if m is None or (m.expires_ns and m.expires_ns <= now):
+                self._count("get_misses")
+                return None
+            try:
+                h, _ = self._read_verified(eks[i], m, views[i])
+            except Unrecoverable as exc:
+                log.error("get_many_into: %s", exc)
+                return None
+            self._count("bytes_out", h.plain_len)
+            self._touch(eks[i], now)
+            return EntryInfo(eks[i][1:], k, h.plain_len, h.layout, h.tokens)
+
+        live = [m for m in metas if m is not None]
+        if len(eks) == 1 or not any(self._parallel(m) for m in live):
+            return [one(i) for i in range(len(eks))]  # local targets: as in get_entries
         return list(self._batch_pool.map(one, range(len(eks))))
 
     # ------------------------------------------------------------------ access times (approximate LRU)

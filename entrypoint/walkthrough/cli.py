@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+
 from entrypoint.cluster import Cluster
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.vision import VisionEncoder
@@ -59,7 +61,7 @@ def _run(client, name: str, prompt: list[int], images, max_new: int, *, tenant: 
             on_event(ev)
 
     toks, hops, summary = client.generate(prompt, max_new_tokens=max_new, images=images, tenant=tenant,
-                                          on_event=show)
+                                          on_event=show, timeout=None)
     _say(f"  {summary['total_ms']:9.1f} ms  done          {len(toks)} tokens, TTFT {summary['ttft_ms']:.1f} ms")
     return VariantResult(name, toks, hops, summary)
 
@@ -169,6 +171,10 @@ def walkthrough(args: argparse.Namespace) -> int:
         return 130
     except KVStoreError as exc:
         _say(f"walkthrough failed: {exc}")
+        return 2
+    except grpc.RpcError as exc:
+        _say(f"walkthrough failed: the entrypoint answered {exc.code().name}: {exc.details()} "
+             f"(logs in {run_dir})")
         return 2
     finally:
         cluster.stop()

@@ -68,9 +68,11 @@ class Conversation:
 def build(context_tokens: int, vocab_size: int, *, image_tokens: int = 64) -> Conversation:
     """A conversation whose turn 3 has about ``context_tokens`` tokens of prompt."""
     budget = max(context_tokens, 600)
-    t1 = _fill(SYSTEM, int(budget * 0.10)) + _fill(TOOLS, int(budget * 0.35)) + TASK
+    # Shares of the context: system prompt 10%, tool definitions 40%, the tool's result the rest
+    # (less the fixed texts, the image and the two replies).
+    t1 = _fill(SYSTEM, int(budget * 0.10)) + _fill(TOOLS, int(budget * 0.40)) + TASK
     before_img = TOOL_CALL
-    after_img = _fill(TOOL_RESULT, int(budget * 0.40))
+    after_img = _fill(TOOL_RESULT, int(budget * 0.50) - image_tokens - 256)
     placeholder = "\0" * image_tokens  # overwritten by the vision encoder's tokens
     t2 = before_img + placeholder + after_img
     shot = hashlib.shake_256(b"checkout-page-screenshot").digest(48 * 1024)  # deterministic image bytes

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\nkvstore.v1\"&\n\x06Layout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\x88\x01\n\nPutRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x12\n\x05ttl_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\"\n\x06layout\x18\x05 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x42\x08\n\x06_ttl_s\"\x1b\n\x08PutReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"7\n\x0ePutManyRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.PutRequest\"\x1f\n\x0cPutManyReply\x12\x0f\n\x07\x63reated\x18\x01 \x03(\x08\"\'\n\nKeyRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\t\"[\n\x08GetReply\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x0c\n\x04kind\x18\x04 \x01(\t\",\n\x0eGetManyRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\t\"*\n\nMaybeValue\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\"6\n\x0cGetManyReply\x12&\n\x06values\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.MaybeValue\"\x17\n\tBoolReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"3\n\x0bKeysRequest\x12$\n\x04keys\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.KeyRequest\"\x18\n\nBoolsReply\x12\n\n\x02ok\x18\x01 \x03(\x08\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"A\n\x0bLookupReply\x12\x12\n\nhit_blocks\x18\x01 \x01(\x03\x12\x13\n\x06swa_at\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\t\n\x07_swa_at\">\n\x11LookupManyRequest\x12)\n\x06\x63hains\x18\x01 \x03(\x0b\x32\x19.kvstore.v1.LookupRequest\";\n\x0fLookupManyReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.LookupReply\"(\n\nProbeReply\x12\r\n\x05\x62lock\x18\x01 \x01(\x0c\x12\x0b\n\x03swa\x18\x02 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\x19\n\tJsonReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"\x1c\n\tGcRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"\x1b\n\x0c\x43heckRequest\x12\x0b\n\x03\x66ix\x18\x01 \x01(\x08\"g\n\x07Problem\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x12\n\nentry_kind\x18\x03 \x01(\t\x12\x0e\n\x06target\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\r\n\x05\x66ixed\x18\x06 \x01(\x08\"3\n\nCheckReply\x12%\n\x08problems\x18\x01 \x03(\x0b\x32\x13.kvstore.v1.Problem\"\x0f\n\rRepairRequest2\xfe\x07\n\x07KVStore\x12\x33\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x14.kvstore.v1.PutReply\x12?\n\x07PutMany\x12\x1a.kvstore.v1.PutManyRequest\x1a\x18.kvstore.v1.PutManyReply\x12\x33\n\x03Get\x12\x16.kvstore.v1.KeyRequest\x1a\x14.kvstore.v1.GetReply\x12?\n\x07GetMany\x12\x1a.kvstore.v1.GetManyRequest\x1a\x18.kvstore.v1.GetManyReply\x12\x37\n\x06\x44\x65lete\x12\x16.kvstore.v1.KeyRequest\x1a\x15.kvstore.v1.BoolReply\x12=\n\nDeleteMany\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.BoolsReply\x12\x34\n\x03Pin\x12\x16.kvstore.v1.KeyRequest\x1a\x15.kvstore.v1.BoolReply\x12:\n\x07PinMany\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.BoolsReply\x12\x36\n\x05Unpin\x12\x16.kvstore.v1.KeyRequest\x1a\x15.kvstore.v1.BoolReply\x12<\n\tUnpinMany\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.BoolsReply\x12<\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x17.kvstore.v1.LookupReply\x12H\n\nLookupMany\x12\x1d.kvstore.v1.LookupManyRequest\x1a\x1b.kvstore.v1.LookupManyReply\x12:\n\x05Probe\x12\x19.kvstore.v1.LookupRequest\x1a\x16.kvstore.v1.ProbeReply\x12\x38\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x15.kvstore.v1.JsonReply\x12\x32\n\x02Gc\x12\x15.kvstore.v1.GcRequest\x1a\x15.kvstore.v1.JsonReply\x12\x39\n\x05\x43heck\x12\x18.kvstore.v1.CheckRequest\x1a\x16.kvstore.v1.CheckReply\x12:\n\x06Repair\x12\x19.kvstore.v1.RepairRequest\x1a\x15.kvstore.v1.JsonReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\nkvstore.v1\"&\n\x06Layout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\x88\x01\n\nPutRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x12\n\x05ttl_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\"\n\x06layout\x18\x05 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x42\x08\n\x06_ttl_s\"\x1b\n\x08PutReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"7\n\x0ePutManyRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.PutRequest\"\x1f\n\x0cPutManyReply\x12\x0f\n\x07\x63reated\x18\x01 \x03(\x08\"\'\n\nKeyRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\t\"[\n\x08GetReply\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x0c\n\x04kind\x18\x04 \x01(\t\",\n\x0eGetManyRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\t\"*\n\nMaybeValue\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\"6\n\x0cGetManyReply\x12&\n\x06values\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.MaybeValue\"A\n\x08GetChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12&\n\x06values\x18\x02 \x03(\x0b\x32\x16.kvstore.v1.MaybeValue\"\x17\n\tBoolReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"3\n\x0bKeysRequest\x12$\n\x04keys\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.KeyRequest\"\x18\n\nBoolsReply\x12\n\n\x02ok\x18\x01 \x03(\x08\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"A\n\x0bLookupReply\x12\x12\n\nhit_blocks\x18\x01 \x01(\x03\x12\x13\n\x06swa_at\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\t\n\x07_swa_at\">\n\x11LookupManyRequest\x12)\n\x06\x63hains\x18\x01 \x03(\x0b\x32\x19.kvstore.v1.LookupRequest\";\n\x0fLookupManyReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.LookupReply\"(\n\nProbeReply\x12\r\n\x05\x62lock\x18\x01 \x01(\x0c\x12\x0b\n\x03swa\x18\x02 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\x19\n\tJsonReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"\x1c\n\tGcRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"\x1b\n\x0c\x43heckRequest\x12\x0b\n\x03\x66ix\x18\x01 \x01(\x08\"g\n\x07Problem\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x12\n\nentry_kind\x18\x03 \x01(\t\x12\x0e\n\x06target\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\r\n\x05\x66ixed\x18\x06 \x01(\x08\"3\n\nCheckReply\x12%\n\x08problems\x18\x01 \x03(\x0b\x32\x13.kvstore.v1.Problem\"\x0f\n\rRepairRequest2\x80\t\n\x07KVStore\x12\x33\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x14.kvstore.v1.PutReply\x12?\n\x07PutMany\x12\x1a.kvstore.v1.PutManyRequest\x1a\x18.kvstore.v1.PutManyReply\x12\x33\n\x03Get\x12\x16.kvstore.v1.KeyRequest\x1a\x14.kvstore.v1.GetReply\x12?\n\x07GetMany\x12\x1a.kvstore.v1.GetManyRequest\x1a\x18.kvstore.v1.GetManyReply\x12?\n\tGetStream\x12\x1a.kvstore.v1.GetManyRequest\x1a\x14.kvstore.v1.GetChunk0\x01\x12?\n\tPutStream\x12\x16.kvstore.v1.PutRequest\x1a\x18.kvstore.v1.PutManyReply(\x01\x12\x37\n\x06\x44\x65lete\x12\x16.kvstore.v1.KeyRequest\x1a\x15.kvstore.v1.BoolReply\x12=\n\nDeleteMany\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.BoolsReply\x12\x34\n\x03Pin\x12\x16.kvstore.v1.KeyRequest\x1a\x15.kvstore.v1.BoolReply\x12:\n\x07PinMany\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.BoolsReply\x12\x36\n\x05Unpin\x12\x16.kvstore.v1.KeyRequest\x1a\x15.kvstore.v1.BoolReply\x12<\n\tUnpinMany\x12\x17.kvstore.v1.KeysRequest\x1a\x16.kvstore.v1.BoolsReply\x12<\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x17.kvstore.v1.LookupReply\x12H\n\nLookupMany\x12\x1d.kvstore.v1.LookupManyRequest\x1a\x1b.kvstore.v1.LookupManyReply\x12:\n\x05Probe\x12\x19.kvstore.v1.LookupRequest\x1a\x16.kvstore.v1.ProbeReply\x12\x38\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x15.kvstore.v1.JsonReply\x12\x32\n\x02Gc\x12\x15.kvstore.v1.GcRequest\x1a\x15.kvstore.v1.JsonReply\x12\x39\n\x05\x43heck\x12\x18.kvstore.v1.CheckRequest\x1a\x16.kvstore.v1.CheckReply\x12:\n\x06Repair\x12\x19.kvstore.v1.RepairRequest\x1a\x15.kvstore.v1.JsonReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,36 +51,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MAYBEVALUE']._serialized_end=549
   _globals['_GETMANYREPLY']._serialized_start=551
   _globals['_GETMANYREPLY']._serialized_end=605
-  _globals['_BOOLREPLY']._serialized_start=607
-  _globals['_BOOLREPLY']._serialized_end=630
-  _globals['_KEYSREQUEST']._serialized_start=632
-  _globals['_KEYSREQUEST']._serialized_end=683
-  _globals['_BOOLSREPLY']._serialized_start=685
-  _globals['_BOOLSREPLY']._serialized_end=709
-  _globals['_LOOKUPREQUEST']._serialized_start=711
-  _globals['_LOOKUPREQUEST']._serialized_end=740
-  _globals['_LOOKUPREPLY']._serialized_start=742
-  _globals['_LOOKUPREPLY']._serialized_end=807
-  _globals['_LOOKUPMANYREQUEST']._serialized_start=809
-  _globals['_LOOKUPMANYREQUEST']._serialized_end=871
-  _globals['_LOOKUPMANYREPLY']._serialized_start=873
-  _globals['_LOOKUPMANYREPLY']._serialized_end=932
-  _globals['_PROBEREPLY']._serialized_start=934
-  _globals['_PROBEREPLY']._serialized_end=974
-  _globals['_STATSREQUEST']._serialized_start=976
-  _globals['_STATSREQUEST']._serialized_end=990
-  _globals['_JSONREPLY']._serialized_start=992
-  _globals['_JSONREPLY']._serialized_end=1017
-  _globals['_GCREQUEST']._serialized_start=1019
-  _globals['_GCREQUEST']._serialized_end=1047
-  _globals['_CHECKREQUEST']._serialized_start=1049
-  _globals['_CHECKREQUEST']._serialized_end=1076
-  _globals['_PROBLEM']._serialized_start=1078
-  _globals['_PROBLEM']._serialized_end=1181
-  _globals['_CHECKREPLY']._serialized_start=1183
-  _globals['_CHECKREPLY']._serialized_end=1234
-  _globals['_REPAIRREQUEST']._serialized_start=1236
-  _globals['_REPAIRREQUEST']._serialized_end=1251
-  _globals['_KVSTORE']._serialized_start=1254
-  _globals['_KVSTORE']._serialized_end=2276
+  _globals['_GETCHUNK']._serialized_start=607
+  _globals['_GETCHUNK']._serialized_end=672
+  _globals['_BOOLREPLY']._serialized_start=674
+  _globals['_BOOLREPLY']._serialized_end=697
+  _globals['_KEYSREQUEST']._serialized_start=699
+  _globals['_KEYSREQUEST']._serialized_end=750
+  _globals['_BOOLSREPLY']._serialized_start=752
+  _globals['_BOOLSREPLY']._serialized_end=776
+  _globals['_LOOKUPREQUEST']._serialized_start=778
+  _globals['_LOOKUPREQUEST']._serialized_end=807
+  _globals['_LOOKUPREPLY']._serialized_start=809
+  _globals['_LOOKUPREPLY']._serialized_end=874
+  _globals['_LOOKUPMANYREQUEST']._serialized_start=876
+  _globals['_LOOKUPMANYREQUEST']._serialized_end=938
+  _globals['_LOOKUPMANYREPLY']._serialized_start=940
+  _globals['_LOOKUPMANYREPLY']._serialized_end=999
+  _globals['_PROBEREPLY']._serialized_start=1001
+  _globals['_PROBEREPLY']._serialized_end=1041
+  _globals['_STATSREQUEST']._serialized_start=1043
+  _globals['_STATSREQUEST']._serialized_end=1057
+  _globals['_JSONREPLY']._serialized_start=1059
+  _globals['_JSONREPLY']._serialized_end=1084
+  _globals['_GCREQUEST']._serialized_start=1086
+  _globals['_GCREQUEST']._serialized_end=1114
+  _globals['_CHECKREQUEST']._serialized_start=1116
+  _globals['_CHECKREQUEST']._serialized_end=1143
+  _globals['_PROBLEM']._serialized_start=1145
+  _globals['_PROBLEM']._serialized_end=1248
+  _globals['_CHECKREPLY']._serialized_start=1250
+  _globals['_CHECKREPLY']._serialized_end=1301
+  _globals['_REPAIRREQUEST']._serialized_start=1303
+  _globals['_REPAIRREQUEST']._serialized_end=1318
+  _globals['_KVSTORE']._serialized_start=1321
+  _globals['_KVSTORE']._serialized_end=2473
 # @@protoc_insertion_point(module_scope)

@@ -54,6 +54,16 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.GetManyRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.GetManyReply.FromString,
                 _registered_method=True)
+        self.GetStream = channel.unary_stream(
+                '/kvstore.v1.KVStore/GetStream',
+                request_serializer=kvstore__pb2.GetManyRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.GetChunk.FromString,
+                _registered_method=True)
+        self.PutStream = channel.stream_unary(
+                '/kvstore.v1.KVStore/PutStream',
+                request_serializer=kvstore__pb2.PutRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.PutManyReply.FromString,
+                _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/kvstore.v1.KVStore/Delete',
                 request_serializer=kvstore__pb2.KeyRequest.SerializeToString,
@@ -143,6 +153,18 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -248,6 +270,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.GetMany,
                     request_deserializer=kvstore__pb2.GetManyRequest.FromString,
                     response_serializer=kvstore__pb2.GetManyReply.SerializeToString,
+            ),
+            'GetStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetStream,
+                    request_deserializer=kvstore__pb2.GetManyRequest.FromString,
+                    response_serializer=kvstore__pb2.GetChunk.SerializeToString,
+            ),
+            'PutStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutStream,
+                    request_deserializer=kvstore__pb2.PutRequest.FromString,
+                    response_serializer=kvstore__pb2.PutManyReply.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
@@ -423,6 +455,60 @@ class KVStore:
             '/kvstore.v1.KVStore/GetMany',
             kvstore__pb2.GetManyRequest.SerializeToString,
             kvstore__pb2.GetManyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/GetStream',
+            kvstore__pb2.GetManyRequest.SerializeToString,
+            kvstore__pb2.GetChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvstore.v1.KVStore/PutStream',
+            kvstore__pb2.PutRequest.SerializeToString,
+            kvstore__pb2.PutManyReply.FromString,
             options,
             channel_credentials,
             insecure,

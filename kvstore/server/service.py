@@ -16,6 +16,17 @@ Per call, in this order (each step for its reason):
   5. A ``KVStoreError`` becomes a status + trailing metadata (``wire``); any
      other exception is a bug: INTERNAL, logged with its traceback.
 
+The two streaming batch forms take the same steps: ``GetStream`` validates
+every key first, then reads the keys a window (``GET_STREAM_WINDOW``) at a
+time and sends each value as its own ``GetChunk`` (its admission slot held
+until the stream ends); ``PutStream`` receives and parses every item (bounded
+by ``max_batch_items`` and, in total bytes, by ``max_message_bytes``) before
+it is admitted, then stores them with one ``put_many`` exactly as PutMany does.
+Why streaming: one 16 MiB reply cost ~35 ms of protobuf building and
+serializing plus ~28 ms in gRPC (one message, many slices) against ~10 ms for
+16 streamed 1 MiB messages (tools/bench_remote.py; profile in its docstring).
+Values are hand-encoded (``wire.encode_*``): one copy each instead of two.
+
 Background GC runs in its own thread every ``gc_interval_s``; the store's GC
 works in bounded index transactions, so requests are not stalled behind it.
 ``stop()`` drains: health goes NOT_SERVING, gRPC stops accepting calls and
@@ -29,10 +40,11 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -48,12 +60,29 @@ from kvstore.server.auth import Limiter, Tenant, TokenTable, load_server_secret,
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
-from kvstore.server.wire import kind_or_default, layout_from_pb, layout_to_pb, status_of
+from kvstore.server.wire import (
+    RequestTooLarge,
+    encode_get_chunk,
+    encode_get_reply,
+    kind_or_default,
+    layout_from_pb,
+    status_of,
+)
 
 log = logging.getLogger(__name__)
 
 SERVICE = "kvstore.v1.KVStore"
 MAX_TTL_S = 100 * 365 * 86400.0
+# GetStream: keys per store.get_many (a window; the next is read while this one is sent), and
+# the most value bytes packed into one GetChunk (per-message cost matters for small values;
+# one message per value for large ones). Measured with tools/bench_remote.py.
+GET_STREAM_WINDOW = 8
+GET_STREAM_CHUNK_BYTES = 1 << 20
+
+
+def _serialize(msg: Any) -> bytes:
+    """Reply serializer: hand-encoded replies (``wire.encode_*``) are bytes already."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +141,23 @@ class Daemon:
                 ("grpc.max_send_message_length", server_cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
         self._pool = ThreadPoolExecutor(max_workers=server_cfg.workers, thread_name_prefix="kvstore-rpc")
+        # GetStream's read-ahead (one window per stream in flight; bounded by the RPC workers).
+        self._read_pool = ThreadPoolExecutor(max_workers=server_cfg.workers, thread_name_prefix="kvstore-read")
         self.server = grpc.server(self._pool, options=opts)
+        # Streaming batch forms, kept apart from ``methods`` (the unary table the fuzz tests walk).
+        self.stream_methods: dict[str, _Method] = {
+            "GetStream": _Method(pb.GetManyRequest, self._get_stream),
+            "PutStream": _Method(pb.PutRequest, self._put_stream),
+        }
         handlers = {name: grpc.unary_unary_rpc_method_handler(
             self._behaviour(name, m), request_deserializer=None,
-            response_serializer=lambda msg: msg.SerializeToString()) for name, m in self.methods.items()}
+            response_serializer=_serialize) for name, m in self.methods.items()}
+        handlers["GetStream"] = grpc.unary_stream_rpc_method_handler(
+            self._reply_stream("GetStream", self.stream_methods["GetStream"]), request_deserializer=None,
+            response_serializer=None)  # the handler yields encoded GetChunk bytes
+        handlers["PutStream"] = grpc.stream_unary_rpc_method_handler(
+            self._request_stream("PutStream", self.stream_methods["PutStream"]), request_deserializer=None,
+            response_serializer=_serialize)
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -172,6 +214,7 @@ class Daemon:
             self._gc_thread.join()
         self.metrics.close()
         self._pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)
         self.store.close()
         if self.quota is not None:
             self.quota.close()
@@ -188,38 +231,95 @@ class Daemon:
                 log.exception("background gc failed")
 
     # ------------------------------------------------------------------ dispatch
+    @contextmanager
+    def _guarded(self, name: str, context: grpc.ServicerContext) -> Iterator[None]:
+        """Steps 5 and the metrics of one call: typed errors to status + metadata, the rest INTERNAL."""
+        t0 = time.perf_counter()
+        code = "OK"
+        try:
+            yield
+        except KVStoreError as exc:
+            status, md = status_of(exc)
+            code = status.name
+            context.set_trailing_metadata(md)
+            context.abort(status, str(exc))
+        except GeneratorExit:  # a streaming reply the client stopped reading (cancelled, timed out)
+            code = "CANCELLED"
+            raise
+        except Exception as exc:  # noqa: BLE001 - anything untyped is a bug; say so
+            log.exception("%s failed", name)
+            code = "INTERNAL"
+            status, md = status_of(InternalError(str(exc)))
+            context.set_trailing_metadata(md)
+            context.abort(status, f"internal error in {name} (a kvstore bug; see the daemon log): {exc}")
+        finally:
+            self.metrics.observe(name, code, time.perf_counter() - t0)
+
+    def _tenant(self, name: str, m: _Method, context: grpc.ServicerContext) -> Tenant:
+        """Step 1."""
+        tenant = self.tokens.authenticate(context.invocation_metadata())
+        if m.admin:
+            require_admin(tenant, name)
+        return tenant
+
+    @staticmethod
+    def _parse(name: str, m: _Method, raw: bytes) -> Any:
+        """Step 2."""
+        try:
+            return m.request.FromString(raw)
+        except (DecodeError, ValueError) as exc:
+            raise InvalidRequest(f"malformed {name} request ({len(raw)} bytes): {exc}") from exc
+
+    @contextmanager
+    def _admitted(self, tenant: Tenant) -> Iterator[None]:
+        """Step 3, released when the call's store work is done (a stream: when it ends)."""
+        self.limiter.acquire(tenant.name)
+        self.metrics.inflight.inc()
+        try:
+            yield
+        finally:
+            self.metrics.inflight.dec()
+            self.limiter.release(tenant.name)
+
     def _behaviour(self, name: str, m: _Method) -> Callable[[bytes, grpc.ServicerContext], Any]:
         def behaviour(raw: bytes, context: grpc.ServicerContext) -> Any:
-            t0 = time.perf_counter()
-            code = "OK"
-            try:
-                tenant = self.tokens.authenticate(context.invocation_metadata())
-                if m.admin:
-                    require_admin(tenant, name)
-                try:
-                    req = m.request.FromString(raw)
-                except (DecodeError, ValueError) as exc:
-                    raise InvalidRequest(f"malformed {name} request ({len(raw)} bytes): {exc}") from exc
-                self.limiter.acquire(tenant.name)
-                self.metrics.inflight.inc()
-                try:
+            with self._guarded(name, context):
+                tenant = self._tenant(name, m, context)
+                req = self._parse(name, m, raw)
+                with self._admitted(tenant):
                     return m.handler(req, tenant)
-                finally:
-                    self.metrics.inflight.dec()
-                    self.limiter.release(tenant.name)
-            except KVStoreError as exc:
-                status, md = status_of(exc)
-                code = status.name
-                context.set_trailing_metadata(md)
-                context.abort(status, str(exc))
-            except Exception as exc:  # noqa: BLE001 - anything untyped is a bug; say so
-                log.exception("%s failed", name)
-                code = "INTERNAL"
-                status, md = status_of(InternalError(str(exc)))
-                context.set_trailing_metadata(md)
-                context.abort(status, f"internal error in {name} (a kvstore bug; see the daemon log): {exc}")
-            finally:
-                self.metrics.observe(name, code, time.perf_counter() - t0)
+
+        return behaviour
+
+    def _reply_stream(self, name: str, m: _Method) -> Callable[[bytes, grpc.ServicerContext], Iterator[bytes]]:
+        """Server streaming: the handler is a generator of encoded messages; the slot is held until it ends."""
+        def behaviour(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+            with self._guarded(name, context):
+                tenant = self._tenant(name, m, context)
+                req = self._parse(name, m, raw)
+                with self._admitted(tenant):
+                    yield from m.handler(req, tenant)
+
+        return behaviour
+
+    def _request_stream(self, name: str, m: _Method) -> Callable[[Iterator[bytes], grpc.ServicerContext], Any]:
+        """Client streaming: every message is received and parsed (bounded in count and total bytes)
+        before the call is admitted and the handler sees the list, as for one unary batch."""
+        def behaviour(raws: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            with self._guarded(name, context):
+                tenant = self._tenant(name, m, context)
+                reqs, total = [], 0
+                for raw in raws:
+                    total += len(raw)
+                    if total > self.cfg.max_message_bytes:
+                        raise RequestTooLarge(
+                            f"{name} of more than {self.cfg.max_message_bytes} bytes is over the daemon's "
+                            "max_message_bytes; raise max_message_bytes on both the daemon and the client, "
+                            "or send smaller batches")
+                    reqs.append(self._parse(name, m, raw))
+                    self._batch(len(reqs), name)
+                with self._admitted(tenant):
+                    return m.handler(reqs, tenant)
 
         return behaviour
 
@@ -268,12 +368,19 @@ class Daemon:
         return pb.PutReply(created=created)
 
     def _put_many(self, r: pb.PutManyRequest, tenant: Tenant) -> pb.PutManyReply:
-        self._batch(len(r.items), "put_many")
-        created = self._store_put([self._item(it, tenant) for it in r.items], tenant)
-        self.metrics.bytes_in.inc(sum(len(it.value) for it, c in zip(r.items, created) if c))
+        return self._put_items(r.items, tenant)
+
+    def _put_stream(self, reqs: list[pb.PutRequest], tenant: Tenant) -> pb.PutManyReply:
+        return self._put_items(reqs, tenant)
+
+    def _put_items(self, reqs: Sequence[pb.PutRequest], tenant: Tenant) -> pb.PutManyReply:
+        """PutMany and PutStream: validate every item, then one store.put_many (a bad batch stores nothing)."""
+        self._batch(len(reqs), "put_many")
+        created = self._store_put([self._item(it, tenant) for it in reqs], tenant)
+        self.metrics.bytes_in.inc(sum(len(it.value) for it, c in zip(reqs, created) if c))
         return pb.PutManyReply(created=created)
 
-    def _get(self, r: pb.KeyRequest, tenant: Tenant) -> pb.GetReply:
+    def _get(self, r: pb.KeyRequest, tenant: Tenant) -> bytes:
         kind = kind_or_default(r.kind)
         try:
             e = self.store.get_entry(self._key(tenant, r.key), kind=kind)
@@ -282,9 +389,7 @@ class Daemon:
             raise
         self.metrics.hit("get", kind, True)
         self.metrics.bytes_out.inc(len(e.data))
-        out = pb.GetReply(value=e.data, tokens=e.tokens, kind=e.kind.value)
-        layout_to_pb(e.layout, out.layout)
-        return out
+        return encode_get_reply(e.data, e.layout, e.tokens, e.kind.value)  # one copy of the value, not two
 
     def _get_many(self, r: pb.GetManyRequest, tenant: Tenant) -> pb.GetManyReply:
         self._batch(len(r.keys), "get_many")
@@ -296,6 +401,44 @@ class Daemon:
         self.metrics.bytes_out.inc(sum(len(v) for v in vals if v is not None))
         return pb.GetManyReply(values=[pb.MaybeValue(found=False) if v is None else pb.MaybeValue(found=True, value=v)
                                        for v in vals])
+
+    def _get_stream(self, r: pb.GetManyRequest, tenant: Tenant) -> Iterator[bytes]:
+        """``get_many`` as a stream of ``GetChunk``: window k+1 is read while window k is sent.
+
+        Every key is validated before the first read. A window is one ``store.get_many``
+        (one index read, the store's own batch parallelism), run on ``_read_pool`` one
+        window ahead of the sender, so disk/decode work overlaps gRPC's sending; at most
+        two windows are held. A window's values go out in chunks of up to
+        ``GET_STREAM_CHUNK_BYTES`` (one value per chunk when values are that large).
+        """
+        self._batch(len(r.keys), "get_many")
+        kind = kind_or_default(r.kind)
+        keys = [self._key(tenant, k) for k in r.keys]
+        starts = list(range(0, len(keys), GET_STREAM_WINDOW))
+
+        def read(start: int) -> list[bytes | None]:
+            return self.store.get_many(keys[start:start + GET_STREAM_WINDOW], kind=kind)
+
+        pending = self._read_pool.submit(read, starts[0]) if starts else None
+        try:
+            for n, start in enumerate(starts):
+                vals = pending.result()
+                pending = self._read_pool.submit(read, starts[n + 1]) if n + 1 < len(starts) else None
+                hits = sum(v is not None for v in vals)
+                self.metrics.hit("get", kind, True, hits)
+                self.metrics.hit("get", kind, False, len(vals) - hits)
+                self.metrics.bytes_out.inc(sum(len(v) for v in vals if v is not None))
+                first, size = 0, 0
+                for j, v in enumerate(vals):
+                    n_bytes = 0 if v is None else len(v)
+                    if j > first and size + n_bytes > GET_STREAM_CHUNK_BYTES:
+                        yield encode_get_chunk(start + first, vals[first:j])
+                        first, size = j, 0
+                    size += n_bytes
+                yield encode_get_chunk(start + first, vals[first:])
+        finally:
+            if pending is not None:  # the client went away: let the read in flight finish before releasing
+                wait([pending])
 
     def _one(self, op: str) -> Callable[[pb.KeyRequest, Tenant], pb.BoolReply]:
         def handler(r: pb.KeyRequest, tenant: Tenant) -> pb.BoolReply:

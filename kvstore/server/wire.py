@@ -13,11 +13,27 @@ mapped by ``ERRORS_BY_STATUS``: UNAVAILABLE and DEADLINE_EXCEEDED become
 
 Conversions never trust the wire: kinds, layouts and keys are validated by the
 store itself (``InvalidRequest`` -> INVALID_ARGUMENT).
+
+Hand encoders
+-------------
+The messages that carry multi-MiB values (``PutRequest``, ``GetReply``,
+``GetChunk``) are *encoded* here by hand, never decoded: building a upb message
+copies the value into its arena and ``SerializeToString`` copies it again,
+while ``b"".join((head, value, tail))`` copies it once. The output is the
+canonical protobuf encoding, byte for byte what ``SerializeToString`` gives
+(fields in number order, proto3 defaults left out; tests compare the two), so
+any protobuf peer reads it. Decoding stays with upb, which validates::
+
+    PutRequest: [0a len key] [12 len value] [1a len kind] [21 f64 ttl_s]
+                [2a len Layout{0a len dtype, 12 len packed shape}] [30 varint tokens]
+    GetReply:   [0a len value] [12 len Layout] [18 varint tokens] [22 len kind]
+    GetChunk:   [08 varint index] then per value [12 len MaybeValue{08 01 found, 12 len value}]
 """
 
 from __future__ import annotations
 
-from typing import Any
+import struct
+from typing import Any, Sequence
 
 import grpc
 
@@ -142,3 +158,71 @@ def layout_from_pb(msg: pb.Layout) -> Layout:
 
 def kind_or_default(kind: str) -> str:
     return kind or "block"
+
+
+# ---------------------------------------------------------------------- hand encoders
+def _varint(n: int) -> bytes:
+    """Protobuf varint of ``n``; a negative int64 is its 64-bit two's complement (10 bytes)."""
+    if n < 0:
+        n += 1 << 64
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _len_field(tag: int, data: bytes) -> bytes:
+    """A length-delimited field, left out when empty (proto3 default)."""
+    return bytes((tag,)) + _varint(len(data)) + data if data else b""
+
+
+def _layout_bytes(layout: Layout) -> bytes:
+    shape = b"".join(_varint(int(d)) for d in layout.shape)
+    return _len_field(0x0A, layout.dtype.encode()) + _len_field(0x12, shape)
+
+
+def put_parts(key: bytes, value_len: int, kind: str, ttl_s: float | None, layout: Layout,
+              tokens: int) -> tuple[bytes, bytes]:
+    """``(head, tail)`` of an encoded ``PutRequest``: the message is ``head + value + tail``.
+
+    ``layout`` is always sent (as ``normalize_item`` does); ``ttl_s`` only when set.
+    """
+    head = _len_field(0x0A, key) + (b"\x12" + _varint(value_len) if value_len else b"")
+    tail = _len_field(0x1A, kind.encode())
+    if ttl_s is not None:
+        tail += b"\x21" + struct.pack("<d", float(ttl_s))
+    tail += b"\x2a" + _varint(len(lb := _layout_bytes(layout))) + lb
+    if tokens:
+        tail += b"\x30" + _varint(tokens)
+    return head, tail
+
+
+def encode_get_reply(value: Any, layout: Layout, tokens: int, kind: str) -> bytes:
+    """An encoded ``GetReply`` (``layout`` always sent, as ``layout_to_pb`` into a set field does)."""
+    lb = _layout_bytes(layout)
+    parts = [b"\x0a" + _varint(len(value)), value] if len(value) else []
+    parts.append(b"\x12" + _varint(len(lb)) + lb)
+    if tokens:
+        parts.append(b"\x18" + _varint(tokens))
+    parts.append(_len_field(0x22, kind.encode()))
+    return b"".join(parts)
+
+
+def encode_maybe_value(value: Any | None) -> list[Any]:
+    """The parts of one encoded ``GetChunk.values`` element (a ``MaybeValue``; None: not found)."""
+    if value is None:
+        return [b"\x12\x00"]
+    if not len(value):
+        return [b"\x12\x02\x08\x01"]
+    inner = b"\x08\x01\x12" + _varint(len(value))
+    return [b"\x12" + _varint(len(inner) + len(value)) + inner, value]
+
+
+def encode_get_chunk(index: int, values: Sequence[Any | None]) -> bytes:
+    """An encoded ``GetChunk``: ``values[j]`` answers key ``index + j`` (None: not found)."""
+    parts: list[Any] = [b"\x08" + _varint(index)] if index else []
+    for v in values:
+        parts += encode_maybe_value(v)
+    return b"".join(parts)

@@ -2,7 +2,10 @@
 
 Corruption is real (fragment files of a real embedded store are overwritten
 on disk); outages and delays come from ``FaultyStore``, a thin wrapper that
-delegates to a real store object and injects the fault.
+delegates to a real store object and injects the fault. ``FaultyStore`` has
+only the plain protocol (as the remote and sharded clients), so the plugin
+reads through ``read_into``'s ``get_many`` fallback; ``FaultyNativeStore``
+adds ``get_many_into`` (as the embedded store), with the same faults.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import pathlib
 import random
 import time
+from dataclasses import replace
 
+import pytest
 
 from engine_plugin.connector import Tier
 from engine_plugin.reference import SamplingParams
@@ -51,7 +56,25 @@ class FaultyStore:
         return self.inner.put_many(items)
 
     def __getattr__(self, name):
+        if name == "get_many_into":  # the plain protocol only (FaultyNativeStore adds it)
+            raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+class FaultyNativeStore(FaultyStore):
+    """``FaultyStore`` with the native read into caller buffers, faults applied alike."""
+
+    def get_many_into(self, keys, outs, *, kind="block"):
+        self._gate(self.delay_s)
+        infos = self.inner.get_many_into(keys, outs, kind=kind)
+        return [None if k in self.drop else
+                (replace(i, nbytes=i.nbytes - 4) if i is not None and k in self.truncate else i)
+                for k, i in zip(keys, infos)]
+
+
+@pytest.fixture(params=[FaultyStore, FaultyNativeStore], ids=["get_many", "native"])
+def faulty_cls(request):
+    return request.param
 
 
 KIND_DIRS = {"block": "1", "swa": "2"}  # the embedded store's per-kind fragment directories
@@ -108,12 +131,12 @@ def test_corrupt_snapshot_falls_back_to_replay(rig, store, tmp_path):
     assert warm.plan.hit_tokens == 96 and warm.plan.needs_replay  # same boundary, windows replayed
 
 
-def test_lost_or_wrong_sized_entries_at_load_time(rig, store):
+def test_lost_or_wrong_sized_entries_at_load_time(rig, store, faulty_cls):
     rng = random.Random(102)
     prompt = rig.tokens(rng, 150)
     a = _seed(rig, store, prompt)
     keys = a.hasher.hash_blocks(prompt)
-    faulty = FaultyStore(store)
+    faulty = faulty_cls(store)
     faulty.drop = {keys[6]}  # lost between lookup and load
     b = rig.engine(faulty)
     rig.same(rig.cold(prompt, GREEDY), b.generate(prompt, GREEDY))
@@ -147,11 +170,11 @@ def test_store_down_runs_cold_with_a_reason_and_counters(rig, store, caplog):
     assert "StoreUnavailable" in caplog.text and "injected outage" in eng.connector.gateway.last_error
 
 
-def test_slow_store_times_out_instead_of_hanging(rig, store):
+def test_slow_store_times_out_instead_of_hanging(rig, store, faulty_cls):
     rng = random.Random(104)
     prompt = rig.tokens(rng, 100)
     _seed(rig, store, prompt)
-    faulty = FaultyStore(store)
+    faulty = faulty_cls(store)
     faulty.delay_s = 1.5
     eng = rig.engine(faulty, store_timeout_s=0.1, store_backoff_s=60)
     t0 = time.monotonic()
