@@ -1,0 +1,117 @@
+"""The streaming batch RPCs (GetStream, PutStream) and the hand encoders behind them.
+
+The behaviour suite (test_behaviour.py) already runs every batch call of the remote and
+sharded stores through the streams; these tests pin what is particular to them: the
+encoders equal protobuf's own, chunking keeps order, an older daemon is served with the
+unary forms, and the size and count limits of a PutStream fail loudly and store nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import grpc
+import pytest
+
+import kvstore
+from kvstore import InvalidRequest, Layout, PutItem
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.server.service import GET_STREAM_CHUNK_BYTES, GET_STREAM_WINDOW
+from kvstore.server.wire import RequestTooLarge, encode_get_chunk, encode_get_reply, put_parts
+
+
+def K(i: int | str) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+VALUES = [b"", b"x", os.urandom(300), os.urandom(200_000)]
+LAYOUTS = [Layout("uint8", (7,)), Layout("float16", (2, 0, 3)), Layout("int32", ())]
+
+
+@pytest.mark.parametrize("ttl", [None, 0.5, 1e9])
+@pytest.mark.parametrize("tokens", [0, 1, 2**31])
+def test_put_encoding_is_protobufs(ttl, tokens) -> None:
+    for v in VALUES:
+        for lay in LAYOUTS:
+            head, tail = put_parts(K(1), len(v), "swa", ttl, lay, tokens)
+            want = pb.PutRequest(key=K(1), value=v, kind="swa", tokens=tokens,
+                                 layout=pb.Layout(dtype=lay.dtype, shape=lay.shape))
+            if ttl is not None:
+                want.ttl_s = ttl
+            assert head + v + tail == want.SerializeToString()
+            reply = pb.GetReply(value=v, tokens=tokens, kind="block", layout=pb.Layout(dtype=lay.dtype, shape=lay.shape))
+            assert encode_get_reply(v, lay, tokens, "block") == reply.SerializeToString()
+
+
+@pytest.mark.parametrize("index", [0, 1, 127, 128, 4095])
+def test_get_chunk_encoding_is_protobufs(index) -> None:
+    for vals in ([], [None], [b""], VALUES + [None]):
+        want = pb.GetChunk(index=index, values=[pb.MaybeValue(found=False) if v is None else
+                                                pb.MaybeValue(found=True, value=v) for v in vals])
+        assert encode_get_chunk(index, vals) == want.SerializeToString()
+
+
+def test_get_stream_keeps_order_across_windows_and_chunks(make_daemon) -> None:
+    d = make_daemon()
+    n = 3 * GET_STREAM_WINDOW + 1
+    sizes = [0, 17, GET_STREAM_CHUNK_BYTES // 3, GET_STREAM_CHUNK_BYTES + 1]
+    with kvstore.connect(d.address) as s:
+        vals = {i: os.urandom(sizes[i % len(sizes)]) for i in range(n) if i % 5 != 3}  # every 5th-from-3 missing
+        assert all(s.put_many([PutItem(K(i), v) for i, v in vals.items()]))
+        keys = [K(i) for i in range(n)]
+        assert s.get_many(keys) == [vals.get(i) for i in range(n)]
+        assert s.get_many(keys[::-1]) == [vals.get(i) for i in reversed(range(n))]
+        assert s._streams  # the streams were used, not the fallback
+        assert s.check() == []
+
+
+def test_older_daemon_without_streams_gets_the_unary_forms(make_daemon) -> None:
+    d = make_daemon()
+    with kvstore.connect(d.address) as s:
+        # Point the stream callables at methods the daemon does not have: UNIMPLEMENTED, as from an old daemon.
+        s._get_stream = s._channel.unary_stream("/kvstore.v1.KVStore/NoGetStream",
+                                                request_serializer=pb.GetManyRequest.SerializeToString,
+                                                response_deserializer=pb.GetChunk.FromString)
+        s._put_stream = s._channel.stream_unary("/kvstore.v1.KVStore/NoPutStream",
+                                                response_deserializer=pb.PutManyReply.FromString)
+        assert s.put_many([PutItem(K(1), b"one"), PutItem(K(2), b"two")]) == [True, True]
+        assert s._streams is False
+        s._streams = True
+        assert s.get_many([K(1), K(3), K(2)]) == [b"one", None, b"two"]
+        assert s._streams is False
+        assert s.put_many([PutItem(K(1), b"again")]) == [False]
+
+
+def test_put_stream_over_the_size_limit_stores_nothing(make_daemon) -> None:
+    d = make_daemon(max_message_bytes=1024 * 1024)
+    items = [PutItem(K(i), os.urandom(400 * 1024)) for i in range(3)]  # each fits, together they do not
+    with kvstore.connect(d.address) as s:  # the daemon's limit
+        with pytest.raises(RequestTooLarge, match="max_message_bytes"):
+            s.put_many(items)
+        assert s.get_many([it.key for it in items]) == [None] * 3
+    with kvstore.connect(d.address, max_message_bytes=512 * 1024) as s:  # the client's own, before sending
+        with pytest.raises(RequestTooLarge, match="client's max_message_bytes"):
+            s.put_many(items[:2])
+        assert s.put_many(items[:1]) == [True]
+        assert s.check() == []
+
+
+def test_put_stream_bad_item_or_too_many_items_store_nothing(make_daemon) -> None:
+    d = make_daemon(max_batch_items=8)
+    ch = grpc.insecure_channel(d.address.split("://")[1])
+    call = ch.stream_unary("/kvstore.v1.KVStore/PutStream")
+    good = [pb.PutRequest(key=K(i), value=b"v").SerializeToString() for i in range(3)]
+    for msgs in (good + [pb.PutRequest(key=K(9), value=b"v", kind="bogus").SerializeToString()],
+                 good + [b"\xff\xff\xff"],
+                 [pb.PutRequest(key=K(i), value=b"v").SerializeToString() for i in range(9)]):
+        with pytest.raises(grpc.RpcError) as ei:
+            call(iter(msgs), timeout=10)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ch.close()
+    with kvstore.connect(d.address) as s:
+        assert s.stats()["entries"] == 0
+        with pytest.raises(InvalidRequest, match="max_batch_items"):
+            s.get_many([K(i) for i in range(9)])
+        assert s.put_many([PutItem(K(i), b"v") for i in range(8)]) == [True] * 8
+        assert s.check() == []
