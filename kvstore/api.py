@@ -49,7 +49,7 @@ sharded stores work unchanged. Guarantees of both:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -155,6 +155,26 @@ class Layout:
     @classmethod
     def for_bytes(cls, n: int) -> "Layout":
         return cls("uint8", (n,))
+
+
+def as_payload(value: Any, layout: Layout | None) -> tuple[memoryview, Layout]:
+    """A put value as contiguous bytes plus its layout (bytes-like: ``uint8[n]``; numpy: its own).
+
+    Every store implementation normalises values through this, so they accept the same
+    values and raise the same ``InvalidRequest`` for the rest."""
+    if isinstance(value, np.ndarray):
+        arr = np.ascontiguousarray(value)
+        lay = layout or Layout(str(arr.dtype), tuple(arr.shape))
+        mv = memoryview(arr).cast("B") if arr.size else memoryview(b"")
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        mv = memoryview(value).cast("B")
+        lay = layout or Layout.for_bytes(len(mv))
+    else:
+        raise InvalidRequest(
+            f"a value must be bytes-like or a numpy array, got {type(value).__name__}"
+        )
+    lay.validate(len(mv))
+    return mv, lay
 
 
 @dataclass(frozen=True, slots=True)

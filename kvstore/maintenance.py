@@ -311,7 +311,7 @@ def repair(store: "EmbeddedStore", progress: Progress | None = None) -> dict:
 # --------------------------------------------------------------------------- stats
 def stats(store: "EmbeddedStore") -> dict:
     """Summary for ``kvtool stats`` and the daemon's metrics (counts entries: O(index))."""
-    from kvstore.placement import domains_used
+
 
     by_kind: dict[str, dict[str, int]] = {}
     oldest = newest = None

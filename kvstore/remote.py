@@ -64,6 +64,7 @@ class ClientOptions:
     server_name: str = ""
     timeout_s: float = 60.0
     max_message_bytes: int = 96 * MiB
+    max_batch_items: int = 4096  # the daemon's default limit; longer chains and probes go in pieces
 
     ENV = {"token": "KVSTORE_TOKEN", "ca_file": "KVSTORE_CA_FILE", "cert_file": "KVSTORE_CERT_FILE",
            "key_file": "KVSTORE_KEY_FILE"}
@@ -105,7 +106,7 @@ class EncodedPut:
 
 def encode_item(it: PutItem) -> EncodedPut:
     """Validate one put client-side, as the embedded store does before writing, and encode it."""
-    from kvstore.store import _payload
+    from kvstore.api import as_payload as _payload
 
     key = check_key(it.key)
     kind = EntryKind.parse(it.kind).value
@@ -290,21 +291,39 @@ class RemoteStore:
         return LookupResult(int(r.hit_blocks), int(r.swa_at) if r.HasField("swa_at") else None)
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """Longest prefix; a chain longer than ``max_batch_items`` is looked up piece by piece,
+        each piece only while every key before it hit (a 100k-token prompt in 16-token blocks
+        is a 6,250-key chain)."""
         keys = [check_key(k) for k in keys]
-        if not keys:
-            return LookupResult(0, None)
-        return self._result(self._call("Lookup", pb.LookupRequest(keys=keys)))
+        step = self.options.max_batch_items
+        hit, swa_at = 0, None
+        for off in range(0, len(keys), step):
+            r = self._result(self._call("Lookup", pb.LookupRequest(keys=keys[off:off + step])))
+            hit = off + r.hit_blocks
+            if r.swa_at is not None:
+                swa_at = off + r.swa_at
+            if r.hit_blocks < len(keys[off:off + step]):
+                break
+        return LookupResult(hit, swa_at)
 
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
         msgs = [pb.LookupRequest(keys=[check_key(k) for k in c]) for c in chains]
         if not msgs:
             return []
+        if len(msgs) > self.options.max_batch_items or any(len(m.keys) > self.options.max_batch_items for m in msgs):
+            return [self.lookup(m.keys) for m in msgs]
         return [self._result(r) for r in self._call("LookupMany", pb.LookupManyRequest(chains=msgs)).results]
 
     def probe(self, keys: Sequence[bytes]) -> tuple[bytes, bytes]:
         """Per key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings."""
-        r = self._call("Probe", pb.LookupRequest(keys=[check_key(k) for k in keys]))
-        return r.block, r.swa
+        keys = [check_key(k) for k in keys]
+        step = self.options.max_batch_items
+        block, swa = [], []
+        for off in range(0, len(keys), step):
+            r = self._call("Probe", pb.LookupRequest(keys=keys[off:off + step]))
+            block.append(r.block)
+            swa.append(r.swa)
+        return b"".join(block), b"".join(swa)
 
     # ------------------------------------------------------------------ maintenance
     def stats(self) -> dict:

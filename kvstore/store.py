@@ -34,70 +34,39 @@ buffer (one copy from the fragment bodies) and the checksum is verified there.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
 from kvstore import codec
 from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
 from kvstore.config import StoreConfig, load_config
+from kvstore.fragments import FragmentIO
 from kvstore.errors import (
     CapacityExceeded,
-    CorruptData,
     IncompatibleFormat,
     InvalidRequest,
     NotFound,
     StoreClosed,
-    StoreUnavailable,
     Unrecoverable,
 )
 from kvstore.index import Index, Meta, ekey
 from kvstore.keys import KEY_LEN, check_key
-from kvstore.placement import place
-from kvstore.targets import Target, TargetUnavailable, fragment_path, open_target
+from kvstore.targets import Target, open_target
 
 log = logging.getLogger(__name__)
 
 DATA_FORMAT_VERSION = 1
-MAX_TTL_S = 100 * 365 * 86400.0  # expiry times are u64 nanoseconds: keep far from overflow
-_SCRATCH_MAX = 16 * 1024 * 1024  # larger reads get a fresh buffer instead of a cached one
 FORMAT_FILE = "kvstore.json"
 
 
-def _payload(value: Any, layout: Layout | None) -> tuple[memoryview, Layout]:
-    """Normalise a value to contiguous bytes plus its layout (misuse raises InvalidRequest)."""
-    if isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value)
-        lay = layout or Layout(str(arr.dtype), tuple(arr.shape))
-        mv = memoryview(arr).cast("B") if arr.size else memoryview(b"")
-    elif isinstance(value, (bytes, bytearray, memoryview)):
-        mv = memoryview(value).cast("B")
-        lay = layout or Layout.for_bytes(len(mv))
-    else:
-        raise InvalidRequest(
-            f"a value must be bytes-like or a numpy array, got {type(value).__name__}"
-        )
-    lay.validate(len(mv))
-    return mv, lay
-
-
-class _Encoded:
-    __slots__ = ("ek", "key", "kind", "meta_base", "frames")
-
-    def __init__(self, ek: bytes, key: bytes, kind: EntryKind, meta_base: Meta, frames: list[bytes]):
-        self.ek, self.key, self.kind, self.meta_base, self.frames = ek, key, kind, meta_base, frames
-
-
-class EmbeddedStore:
+class EmbeddedStore(FragmentIO):
     """In-process implementation of ``kvstore.api.KVStore``. See the module docstring."""
 
     def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.time):
@@ -178,87 +147,6 @@ class EmbeddedStore:
         with self._counters_lock:
             self.counters[name] += n
 
-    # ------------------------------------------------------------------ write path
-    def _encode(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
-                layout: Layout | None, tokens: int) -> _Encoded:
-        key = check_key(key)
-        k = EntryKind.parse(kind)
-        payload, lay = _payload(value, layout)
-        if len(payload) > self.config.max_value_bytes:
-            raise InvalidRequest(
-                f"value of {len(payload)} bytes is over max_value_bytes={self.config.max_value_bytes}; "
-                "split it or raise the limit in the store config"
-            )
-        if ttl_s is None:
-            ttl_s = self.config.default_ttl_s
-        elif not 0 < ttl_s <= MAX_TTL_S:  # also rejects NaN
-            raise InvalidRequest(f"ttl_s must be in (0, {MAX_TTL_S:.0f}] seconds (or None for the default), "
-                                 f"got {ttl_s}")
-        if not isinstance(tokens, int) or tokens < 0:
-            raise InvalidRequest(f"tokens must be a non-negative int, got {tokens!r}")
-        entry = codec.encode_entry(key, k, payload, lay, tokens, compression=self.config.compression,
-                                   zstd_level=self.config.zstd_level, min_ratio=self.config.min_compress_ratio)
-        bodies = self.code.encode(entry)
-        gen = os.urandom(8)
-        cfg = self.config
-        frames = [
-            codec.frame_fragment(codec.FragmentHeader(i, cfg.ec_k, cfg.ec_m, k.code, key, gen, len(entry), len(b)), b)
-            for i, b in enumerate(bodies)
-        ]
-        now = self.now_ns()
-        meta = Meta(k=cfg.ec_k, m=cfg.ec_m, tokens=tokens, plain_len=len(payload), entry_len=len(entry),
-                    frag_len=len(frames[0]), created_ns=now, access_ns=now,
-                    expires_ns=now + int(ttl_s * 1e9) if ttl_s else 0, gen=gen, targets=())
-        return _Encoded(ekey(k.code, key), key, k, meta, frames)
-
-    def _write_fragments(self, enc: _Encoded) -> tuple[str, ...]:
-        """Write every fragment to a distinct target; replace failing targets by the next best."""
-        n = len(enc.frames)
-        order = place(enc.key, self.target_specs, len(self.target_specs))  # all targets, best first
-        chosen = order[:n]
-        spare = order[n:]
-        failed: list[str] = []
-        pending = list(range(n))
-        while pending:
-            futs = {
-                i: self._pool.submit(
-                    self.targets[chosen[i]].write,
-                    fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, i),
-                    enc.frames[i], fsync=self.config.fsync,
-                )
-                for i in pending
-            }
-            pending = []
-            last_exc: OSError | None = None
-            for i, f in futs.items():
-                try:
-                    f.result()
-                except OSError as exc:
-                    log.warning("fragment %d of %s failed on target %s: %s", i, enc.key.hex(), chosen[i], exc)
-                    failed.append(chosen[i])
-                    last_exc = exc
-                    pending.append(i)
-            if pending and len(spare) < len(pending):
-                self._discard(enc, {i: c for i, c in enumerate(chosen) if i not in pending})
-                cls = CapacityExceeded if getattr(last_exc, "errno", None) == errno.ENOSPC else StoreUnavailable
-                raise cls(
-                    f"cannot place {n} fragments of {enc.key.hex()} on distinct targets; failed: "
-                    f"{', '.join(failed)} (last error: {last_exc})"
-                ) from last_exc
-            for i in pending:
-                chosen[i] = spare.pop(0)
-        return tuple(chosen)
-
-    def _discard(self, enc: _Encoded, placed: dict[int, str]) -> None:
-        """Remove fragments of a put that will never be indexed (best effort: else orphans)."""
-        for i, name in placed.items():
-            t = self.targets.get(name)
-            if t is not None:
-                try:
-                    t.delete(fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, i))
-                except OSError:
-                    pass  # an orphan GC will sweep
-
     def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
             layout: Layout | None = None, tokens: int = 0) -> bool:
         return self.put_many([PutItem(key, value, kind, ttl_s, layout, tokens)])[0]
@@ -328,175 +216,6 @@ class EmbeddedStore:
         if n_new and self.config.capacity_bytes:
             self._evict_if_needed()
         return result
-
-    # ------------------------------------------------------------------ read path
-    def _read_fragment(self, meta: Meta, ek: bytes, i: int, into: memoryview | None = None) -> memoryview:
-        """One verified fragment body (a view into ``into`` when given); raises OSError or CorruptData."""
-        t = self.targets.get(meta.targets[i])
-        if t is None:
-            raise TargetUnavailable(2, f"target {meta.targets[i]} is not configured")
-        rel = fragment_path(ek[0], ek[1:], meta.gen, i)
-        tries = 1 + self.config.fragment_read_retries
-        for attempt in range(tries):
-            try:
-                if into is None:
-                    raw: bytes | memoryview = t.read(rel)
-                else:
-                    # One byte more than expected, so that an over-long file is caught as corrupt.
-                    raw = into[: t.read_into(rel, into)]
-                try:
-                    fh, body = codec.parse_fragment(raw, max_body=meta.frag_len)
-                except IncompatibleFormat as exc:
-                    # The index vouches for this entry's format: one fragment whose header claims
-                    # another version is a damaged fragment (read parity), not a failed get.
-                    raise CorruptData(f"fragment {i} on {meta.targets[i]}: {exc}") from exc
-                break
-            except (FileNotFoundError, TargetUnavailable):
-                raise  # gone is not transient: read parity instead of retrying
-            except (OSError, CorruptData) as exc:
-                # An I/O error or a checksum mismatch may be transient (a flaky path, a bit
-                # flipped in transit): retry a bounded number of times, then give up on it.
-                if attempt + 1 >= tries:
-                    raise
-                self._count("read_retries")
-                log.info("fragment %d of %s on %s: retrying after %s", i, ek[1:].hex(), meta.targets[i], exc)
-        if (fh.index != i or fh.key != ek[1:] or fh.gen != meta.gen or fh.kind_code != ek[0]
-                or fh.entry_len != meta.entry_len or fh.k != meta.k or fh.m != meta.m):
-            raise CorruptData(f"fragment {i} on {meta.targets[i]} belongs to another entry or slot")
-        return body
-
-    def _scratch(self, nbytes: int) -> memoryview:
-        """A per-thread reusable read buffer: warm pages instead of fresh allocations per get."""
-        if nbytes > _SCRATCH_MAX:
-            return memoryview(bytearray(nbytes))
-        buf = getattr(self._tls, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            buf = self._tls.buf = bytearray(max(nbytes, 1 << 20))
-        return memoryview(buf)
-
-    def _parallel(self, meta: Meta) -> bool:
-        mode = self.config.parallel_reads
-        if mode == "auto":
-            # Page-cache reads of local files are faster on one thread than fanned out
-            # (measured: tools/bench_store.py); remote targets gain from parallel requests.
-            return not all(self.targets[t].local for t in meta.targets[: meta.k] if t in self.targets)
-        return mode == "always"
-
-    def _gather(self, meta: Meta, ek: bytes, scratch: memoryview | None = None) -> tuple[dict[int, memoryview], list[str]]:
-        """At least k verified bodies if possible (data fragments first); failed target names.
-
-        Fragment ``i`` is read into slot ``i`` of ``scratch`` (``frag_len + 1`` bytes
-        each); the returned bodies are views into it, valid until the caller reuses it.
-
-        With ``read_timeout_s`` > 0 a fragment not back in time is counted as failed and
-        the next one is read instead, so one slow target does not stall a get while k
-        others answer; if fewer than k arrive otherwise, the late reads are awaited after
-        all (a slow target is not a lost one). Those late reads may still be writing into
-        their slots, so the buffer is a fresh one, never the reused per-thread scratch.
-        """
-        slot = meta.frag_len + 1
-        timeout = self.config.read_timeout_s
-        if scratch is None:
-            n_bytes = slot * len(meta.targets)
-            scratch = memoryview(bytearray(n_bytes)) if timeout else self._scratch(n_bytes)
-        good: dict[int, memoryview] = {}
-        failed: list[str] = []
-        late: dict[int, Future] = {}
-        n = len(meta.targets)
-        parallel = self._parallel(meta) or timeout > 0
-        nxt = 0
-        while len(good) < meta.k and nxt < n:
-            want = list(range(nxt, min(n, nxt + meta.k - len(good))))
-            nxt = want[-1] + 1
-            views = {i: scratch[i * slot : (i + 1) * slot] for i in want}
-            outs: list[tuple[int, memoryview | None, Exception | None]] = []
-            if parallel and (len(want) > 1 or timeout):
-                futs = {self._pool.submit(self._read_fragment, meta, ek, i, views[i]): i for i in want}
-                done, slow = wait(futs, timeout=timeout or None)
-                for f in slow:
-                    late[futs[f]] = f
-                    self._count("read_timeouts")
-                    outs.append((futs[f], None, TimeoutError(f"no answer within read_timeout_s={timeout}")))
-                for f in done:
-                    try:
-                        outs.append((futs[f], f.result(), None))
-                    except (OSError, CorruptData) as exc:
-                        outs.append((futs[f], None, exc))
-            else:
-                for i in want:
-                    try:
-                        outs.append((i, self._read_fragment(meta, ek, i, views[i]), None))
-                    except (OSError, CorruptData) as exc:
-                        outs.append((i, None, exc))
-            for i, body, exc in outs:
-                if body is not None:
-                    good[i] = body
-                else:
-                    log.warning("fragment %d of %s on %s unusable: %s", i, ek[1:].hex(), meta.targets[i], exc)
-                    failed.append(meta.targets[i])
-        for i, f in late.items():
-            if len(good) >= meta.k:
-                break
-            try:
-                good[i] = f.result()  # bounded by the target itself: better late than lost
-            except (OSError, CorruptData):
-                continue
-            failed.remove(meta.targets[i])
-        return good, failed
-
-    def _decode(self, meta: Meta, ek: bytes, good: dict[int, memoryview], failed: list[str],
-                out: memoryview | None = None) -> tuple[codec.EntryHeader, bytes | memoryview]:
-        """Decode and verify an entry from ``good`` bodies; with ``out`` (a flat writable
-        view of at least ``meta.plain_len`` bytes) the plain bytes are written there and
-        verified in place, and the returned payload is the view ``out[:plain_len]``."""
-        code = codec.erasure_code(meta.k, meta.m, self.config.ec_type)
-        limit = max(self.config.max_value_bytes, meta.plain_len)
-        try:
-            pieces = code.data_pieces(good)
-            try:
-                if pieces is None:
-                    raise CorruptData("not all data fragments at hand")
-                if out is None:
-                    h, plain = codec.decode_entry_pieces(pieces, max_plain=limit)
-                else:
-                    h = codec.decode_entry_pieces_into(pieces, out, max_plain=limit)
-                    plain = out[: h.plain_len]
-            except CorruptData:
-                # Slow path: the erasure decoder (degraded reads, or a fast path that disagreed).
-                # With ``out`` it rewrites the whole payload and verifies it again in place.
-                buf = code.decode(good)[: meta.entry_len]
-                if out is None:
-                    h, plain = codec.decode_entry(buf, max_plain=limit)
-                else:
-                    h = codec.decode_entry_into(buf, out, max_plain=limit)
-                    plain = out[: h.plain_len]
-            if h.key != ek[1:] or h.kind.code != ek[0]:
-                raise CorruptData("decoded entry names another key")
-            return h, plain
-        except CorruptData as exc:
-            raise Unrecoverable(
-                f"entry {ek[1:].hex()} failed verification after decoding ({exc})",
-                key=ek[1:], failed_targets=tuple(failed),
-            ) from exc
-
-    def _read_verified(self, ek: bytes, meta: Meta,
-                       out: memoryview | None = None) -> tuple[codec.EntryHeader, bytes | memoryview]:
-        good, failed = self._gather(meta, ek)
-        if len(good) < meta.k:
-            self._mark_lost(ek, meta)
-            raise Unrecoverable(
-                f"entry {ek[1:].hex()} ({EntryKind.from_code(ek[0]).value}) has {len(good)} good fragments, "
-                f"needs {meta.k}; failed targets: {', '.join(failed) or 'none'}. "
-                "Bring the targets back and run `kvtool repair`.",
-                key=ek[1:], failed_targets=tuple(failed),
-            )
-        if failed:
-            self._count("degraded_reads")
-        try:
-            return self._decode(meta, ek, good, failed, out)
-        except Unrecoverable:
-            self._mark_lost(ek, meta)
-            raise
 
     def _mark_lost(self, ek: bytes, meta: Meta) -> None:
         self._count("unrecoverable")
