@@ -174,7 +174,8 @@ class LocalTarget(Target):
         d = os.path.dirname(path)
         if not os.path.isdir(self.root):
             raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
-        os.makedirs(d, exist_ok=True)
+        if not os.path.isdir(d):
+            self._make_dirs(d, fsync=fsync)
         tmp = os.path.join(d, f".tmp.{secrets.token_hex(6)}.{os.path.basename(path)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -199,6 +200,23 @@ class LocalTarget(Target):
                 os.fsync(dfd)  # the rename itself durable before the index commits
             finally:
                 os.close(dfd)
+
+    def _make_dirs(self, d: str, *, fsync: bool) -> None:
+        """Create ``d`` (and missing parents below the root); with ``fsync``, make each new
+        directory entry durable by syncing its parent, as a file's rename is made durable."""
+        missing = []
+        p = d
+        while not os.path.isdir(p) and p != self.root:
+            missing.append(p)
+            p = os.path.dirname(p)
+        os.makedirs(d, exist_ok=True)
+        if fsync:
+            for created in reversed(missing):
+                dfd = os.open(os.path.dirname(created), os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
 
     def read(self, rel: str) -> bytes:
         with open(self._p(rel), "rb", buffering=0) as fh:
