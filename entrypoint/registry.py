@@ -72,6 +72,7 @@ class Registry:
             self._by_id[worker_id] = inst
         if old is not None:
             old.channel.close()
+        self._poll(inst)  # the LBs need its load and memory figures before its first request
         log.info("worker %s (%s) joined at %s", worker_id, role, address)
         return inst
 
@@ -86,6 +87,10 @@ class Registry:
     def instances(self, role: str | None = None) -> list[Instance]:
         with self._lock:
             return [i for i in self._by_id.values() if role is None or i.role == role]
+
+    def ready(self, role: str | None = None) -> list[Instance]:
+        """Healthy instances that have answered a heartbeat (their figures are known)."""
+        return [i for i in self.instances(role) if i.healthy and i.status is not None]
 
     def mark_down(self, worker_id: str, reason: str) -> None:
         with self._lock:
@@ -109,23 +114,26 @@ class Registry:
                 inst.prefix.popitem(last=False)
 
     # ------------------------------------------------------------------ heartbeat
+    def _poll(self, inst: Instance) -> None:
+        try:
+            st = inst.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            with self._lock:
+                inst.misses += 1
+                if inst.healthy and inst.misses >= self.miss_limit:
+                    inst.healthy = False
+                    log.warning("worker %s missed %d heartbeats (%s): down", inst.worker_id,
+                                inst.misses, exc.code())
+            return
+        with self._lock:
+            inst.status, inst.misses, inst.last_seen = st, 0, time.monotonic()
+            if not inst.healthy:
+                log.info("worker %s answers again: up", inst.worker_id)
+            inst.healthy = True
+
     def poll_once(self) -> None:
         for inst in self.instances():
-            try:
-                st = inst.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
-            except grpc.RpcError as exc:
-                with self._lock:
-                    inst.misses += 1
-                    if inst.healthy and inst.misses >= self.miss_limit:
-                        inst.healthy = False
-                        log.warning("worker %s missed %d heartbeats (%s): down", inst.worker_id,
-                                    inst.misses, exc.code())
-                continue
-            with self._lock:
-                inst.status, inst.misses, inst.last_seen = st, 0, time.monotonic()
-                if not inst.healthy:
-                    log.info("worker %s answers again: up", inst.worker_id)
-                inst.healthy = True
+            self._poll(inst)
 
     def start(self) -> None:
         def run() -> None:

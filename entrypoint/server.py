@@ -103,7 +103,7 @@ class EntrypointService(pbg.EntrypointServicer):
 
     def ListWorkers(self, request, context):
         return pb.WorkerList(workers=[pb.WorkerInfo(worker_id=i.worker_id, role=i.role, address=i.address)
-                                      for i in self.registry.instances() if i.healthy])
+                                      for i in self.registry.ready()])
 
     # ------------------------------------------------------------------ Generate
     def Generate(self, request, context):
@@ -190,7 +190,7 @@ class EntrypointService(pbg.EntrypointServicer):
         while len(generated) < max_new:
             dreq = DecodeRequest(context_tokens=len(prompt) + len(generated), max_new_tokens=max_new - len(generated),
                                  tbt_slo_ms=request.tbt_slo_ms or None)
-            live = [i for i in self.registry.instances("decode") if i.healthy]
+            live = self.registry.ready("decode")
             if not live:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is up")
             inst = self._pick(self.decode_lb.choose(dreq, [self._decode_snapshot(i) for i in live]), live, "decode")
@@ -233,7 +233,7 @@ class EntrypointService(pbg.EntrypointServicer):
         """Pick an instance of ``role`` and call it; on a retryable failure mark it down and retry."""
         last = None
         for _ in range(self.cfg.max_attempts):
-            live = [i for i in self.registry.instances(role) if i.healthy]
+            live = self.registry.ready(role)
             if not live:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up")
             inst = pick(live)
