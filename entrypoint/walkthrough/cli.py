@@ -136,7 +136,7 @@ def walkthrough(args: argparse.Namespace) -> int:
                 d = json.loads(ev.detail)
                 if d["hop"] == "decode_start":
                     serving.append(d["worker"])
-            if ev.kind == "token" and ev.index == max(1, n // 3) and not killed and serving:
+            if ev.kind == "token" and ev.index == 2 and not killed and serving:
                 _say(f"  -- SIGKILL {serving[-1]} mid-stream --")
                 killed.append(serving[-1])
                 cluster.kill(serving[-1], signal.SIGKILL)

@@ -23,7 +23,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 def _cmd(out: Path) -> list[str]:
     return [sys.executable, "-m", "entrypoint.walkthrough.cli", "walkthrough", "--context-tokens", "700",
-            "--max-new-tokens", "12", "--out", str(out)]
+            "--max-new-tokens", "24", "--out", str(out)]
 
 
 def _our_processes(marker: str) -> list[str]:
