@@ -260,10 +260,9 @@ class EntrypointService(pbg.EntrypointServicer):
         return self._pick(self.ve_lb.choose(VERequest((img.image_hash,)), snaps), live, "ve")
 
     def _route_request(self, prompt, keys, store_hit: int, request) -> RouteRequest:
-        hits = {}
-        for i in self.registry.instances("prefill"):
-            hits[i.worker_id] = PrefixHits.from_tiers(
-                keys, device=i.holds, store=lambda h, _s=set(keys[:store_hit]): h in _s)
+        in_store = set(keys[:store_hit]).__contains__  # the store is shared: one answer for every instance
+        hits = {i.worker_id: PrefixHits.from_tiers(keys, device=i.holds, store=in_store)
+                for i in self.registry.instances("prefill")}
         return RouteRequest(prompt_tokens=len(prompt), num_blocks=len(keys), hits=hits, block_hashes=tuple(keys),
                             ttft_slo_ms=request.ttft_slo_ms or None, block_tokens=self.cfg.block_size)
 
