@@ -181,30 +181,30 @@ def write_plots(out: Path, sweep: dict, main: dict[str, SimResult]) -> list[str]
             ax.plot(xplot, [sweep[c]["results"][n]["hit_ratio"] for c in caps], marker="o", label=n)
         ax.plot(xplot, [sweep[c]["refs"]["lru_oracle"] for c in caps], "k--", label="LRU oracle")
         ax.plot(xplot, [sweep[c]["refs"]["ideal"] for c in caps], "k:", label="ideal (infinite)")
-        ax.set_xscale("log")
-        ax.set_xlabel("shared store capacity (blocks; rightmost point = unbounded)")
-        ax.set_ylabel("prefix hit ratio (blocks)")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "hit_ratio_vs_store_capacity.png", dpi=120)
-        plt.close(fig)
-        files.append("hit_ratio_vs_store_capacity.png")
+        files.append(_save_log_x(plt, fig, ax, out / "hit_ratio_vs_store_capacity.png",
+                                 "shared store capacity (blocks; rightmost point = unbounded)",
+                                 "prefix hit ratio (blocks)"))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for n, r in main.items():
         v = np.sort(np.asarray(r.ttft_s))
         if len(v):
             ax.plot(v, np.arange(1, len(v) + 1) / r.requests, label=n)
+    files.append(_save_log_x(plt, fig, ax, out / "ttft_cdf.png", "TTFT (s)",
+                             "fraction of all requests (rejected never reach 1)"))
+    return files
+
+
+def _save_log_x(plt, fig, ax, path: Path, xlabel: str, ylabel: str) -> str:
+    """Finish a log-x plot (labels, legend, grid), write it as PNG, return its file name."""
     ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("fraction of all requests (rejected never reach 1)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "ttft_cdf.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    files.append("ttft_cdf.png")
-    return files
+    return path.name
 
 
 def main(argv: list[str] | None = None) -> int:
