@@ -188,9 +188,9 @@ def decode_entry_pieces(pieces: list[memoryview], *, max_plain: int) -> tuple[En
     return decode_entry(b"".join(pieces), max_plain=max_plain)
 
 
-def _verify_dest(h: EntryHeader, out: memoryview, n: int) -> None:
-    """The entry checksum over the destination bytes ``out[:n]`` (never a staging copy)."""
-    if n != h.plain_len or xxhash.xxh3_128_digest(out[:n]) != h.checksum:
+def verify_plain(h: EntryHeader, plain: bytes | memoryview) -> None:
+    """The entry checksum over the plain bytes where they will be used (never a staging copy)."""
+    if len(plain) != h.plain_len or xxhash.xxh3_128_digest(plain) != h.checksum:
         raise CorruptData("entry checksum mismatch")
 
 
@@ -217,7 +217,7 @@ def _stored_into(h: EntryHeader, pieces: list[memoryview], out: memoryview) -> N
             pos += take
             if pos == h.plain_len:
                 break
-        _verify_dest(h, out, pos)
+        verify_plain(h, out[:pos])
         return
     stored = pieces[0][: h.stored_len] if len(pieces[0]) >= h.stored_len else b"".join(pieces)[: h.stored_len]
     try:
@@ -232,7 +232,7 @@ def _stored_into(h: EntryHeader, pieces: list[memoryview], out: memoryview) -> N
             raise CorruptData(f"zstd payload decodes to more than {h.plain_len} bytes")
     except zstandard.ZstdError as exc:
         raise CorruptData(f"zstd payload does not decode: {exc}") from exc
-    _verify_dest(h, out, pos)
+    verify_plain(h, out[:pos])
 
 
 def decode_entry_into(buf: bytes | memoryview, out: memoryview, *, max_plain: int) -> EntryHeader:
@@ -294,25 +294,41 @@ def frame_fragment(h: FragmentHeader, body: bytes) -> bytes:
     return b"".join((head[:-8], struct.pack("<Q", x.intdigest()), body))
 
 
-def parse_fragment(buf: bytes | memoryview, *, max_body: int) -> tuple[FragmentHeader, memoryview]:
-    """Verify a fragment file's bytes; return its header and a view of its body."""
+def fragment_checksum(buf: bytes | memoryview) -> int:
+    """The xxh3-64 a fragment's header records (see ``parse_fragment`` for what it covers)."""
+    return _FRAG_HEAD.unpack_from(buf, 0)[-1]
+
+
+def peek_fragment(buf: bytes | memoryview, *, max_body: int,
+                  body_len: int | None = None) -> tuple[FragmentHeader, memoryview]:
+    """A fragment's header and body view, checking structure (magic, version, lengths) but
+    *not* the checksum: only for bodies whose content another checksum covers (the read
+    fast paths, where the entry checksum over the assembled payload decides). With
+    ``body_len`` (a scatter read, where ``buf`` is the header alone) the header's body
+    length is checked against it instead of against ``len(buf)``."""
     if len(buf) < FRAG_HEADER_LEN:
         raise CorruptData(f"fragment of {len(buf)} bytes is shorter than its header")
-    magic, ver, idx, k, m, kind, _pad, key, gen, entry_len, body_len, csum = _FRAG_HEAD.unpack_from(buf, 0)
+    magic, ver, idx, k, m, kind, _pad, key, gen, entry_len, blen, _csum = _FRAG_HEAD.unpack_from(buf, 0)
     if magic != FRAG_MAGIC:
         raise CorruptData("fragment magic mismatch")
     if ver != FORMAT_VERSION:
         raise IncompatibleFormat(f"fragment format version {ver}; expected {FORMAT_VERSION}")
-    if body_len > max_body or len(buf) - FRAG_HEADER_LEN != body_len:
-        raise CorruptData(f"fragment body is {len(buf) - FRAG_HEADER_LEN} bytes, header says {body_len}")
+    got = len(buf) - FRAG_HEADER_LEN if body_len is None else body_len
+    if blen > max_body or got != blen:
+        raise CorruptData(f"fragment body is {got} bytes, header says {blen}")
+    return FragmentHeader(idx, k, m, kind, key, gen, entry_len, blen), memoryview(buf)[FRAG_HEADER_LEN:]
+
+
+def parse_fragment(buf: bytes | memoryview, *, max_body: int) -> tuple[FragmentHeader, memoryview]:
+    """Verify a fragment file's bytes; return its header and a view of its body."""
+    fh, body = peek_fragment(buf, max_body=max_body)
     x = xxhash.xxh3_64()
     x.update(buf[: FRAG_HEADER_LEN - 8])
     x.update(b"\0" * 8)
-    body = memoryview(buf)[FRAG_HEADER_LEN:]
     x.update(body)
-    if x.intdigest() != csum:
+    if x.intdigest() != fragment_checksum(buf):
         raise CorruptData("fragment checksum mismatch")
-    return FragmentHeader(idx, k, m, kind, key, gen, entry_len, body_len), body
+    return fh, body
 
 
 # ----------------------------------------------------------------------------- erasure codes
@@ -342,6 +358,15 @@ class ErasureCode:
 
     def reconstruct(self, frags: dict[int, bytes], missing: list[int]) -> dict[int, bytes]:
         raise NotImplementedError
+
+    # Scatter reads (``kvstore.fragments``): a systematic code stores data fragment ``i``'s
+    # body as ``data_lead`` bytes of its own header, then ``entry[i*share:(i+1)*share]``
+    # (``share = body_len - data_lead``; the last one zero-padded), so a reader can land
+    # those bytes straight in their final place and check the lead with ``data_lead_ok``.
+    data_lead: int | None = None  # None: not systematic, no scatter reads
+
+    def data_lead_ok(self, lead: memoryview, i: int, share: int, entry_len: int) -> bool:
+        return False
 
 
 class PyECLibCode(ErasureCode):
@@ -387,6 +412,11 @@ class PyECLibCode(ErasureCode):
             remaining -= take
         return pieces if remaining == 0 else None
 
+    data_lead = _LIBEC_HEAD
+
+    def data_lead_ok(self, lead: memoryview, i: int, share: int, entry_len: int) -> bool:
+        return self._LIBEC_FIELDS.unpack_from(lead, 0) == (i, share, 0, entry_len)
+
     def decode(self, frags: dict[int, bytes]) -> bytes:
         if len(frags) < self.k:
             raise CorruptData(f"{len(frags)} good fragments, need {self.k}")
@@ -417,6 +447,11 @@ class NoCode(ErasureCode):
 
     def data_pieces(self, frags: dict[int, memoryview]) -> list[memoryview] | None:
         return [frags[0]] if 0 in frags else None
+
+    data_lead = 0
+
+    def data_lead_ok(self, lead: memoryview, i: int, share: int, entry_len: int) -> bool:
+        return i == 0 and share == entry_len
 
     def reconstruct(self, frags: dict[int, bytes], missing: list[int]) -> dict[int, bytes]:
         raise CorruptData("no parity to reconstruct from")

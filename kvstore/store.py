@@ -26,7 +26,11 @@ Write path (``put``), in this order, each step for the reason given:
 
 Read path (``get``): read the k data fragments (in parallel for remote targets), verify each one's
 checksum and header against the index; on any failure read parity fragments
-until k are good; decode; verify the entry checksum; return. Fewer than k good
+until k are good; decode; verify the entry checksum; return. Local targets first
+try a fast path (``FragmentIO._read_fast`` / ``_read_scatter``): one open + one
+``preadv`` per data fragment, headers checked against the index, fragment 0 (which
+holds the entry header) verified whole, and the rest trusted only through the entry
+checksum over the assembled payload; anything unexpected falls back to the path above. Fewer than k good
 fragments: mark the entry lost and raise ``Unrecoverable``. ``get_many_into``
 is the same path, except that the decode writes the payload into the caller's
 buffer (one copy from the fragment bodies) and the checksum is verified there.
@@ -173,12 +177,18 @@ class EmbeddedStore(FragmentIO):
                     self._count("puts_deduplicated")
                     continue
                 todo.append(i)
-        encs = {i: self._encode(items[i].key, items[i].value, items[i].kind, items[i].ttl_s,
-                                items[i].layout, items[i].tokens) for i in todo}
-        # 3-4: fragments durable first (in parallel across items).
+        # 3-4: fragments durable first, in parallel across items; each item's writes start
+        # as soon as it is encoded, so encoding the next overlaps them. A bad item raises
+        # out of ``_encode`` and the cleanup below removes what earlier items wrote.
+        encs: dict[int, Any] = {}
         placed: dict[int, tuple[str, ...]] = {}
-        futs = {i: self._batch_pool.submit(self._write_fragments, e) for i, e in encs.items()} if len(encs) > 1 else {}
+        futs: dict[int, Any] = {}
         try:
+            for i in todo:
+                it = items[i]
+                encs[i] = self._encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
+                if len(todo) > 1:
+                    futs[i] = self._batch_pool.submit(self._write_fragments, encs[i])
             for i, e in encs.items():
                 placed[i] = futs[i].result() if futs else self._write_fragments(e)
         except BaseException:
