@@ -272,15 +272,20 @@ class Index:
                 if exp and exp <= now_ns:
                     break
                 hit += 1
-            swa_at = None
-            if hit:
-                ek_swa = [sp + k for k in keys[:hit]]
+            # The last live SWA entry at or below the hit, searched backwards from the hit in
+            # growing windows (snapshots sit at turn ends and fixed intervals, so usually the
+            # first window answers; the worst case still reads each SWA key once).
+            swa_at, hi, width = None, hit, 32
+            while hi > 0 and swa_at is None:
+                lo = max(0, hi - width)
+                ek_swa = [sp + k for k in keys[lo:hi]]
                 got = dict(cur.getmulti(ek_swa))
-                for n in range(hit, 0, -1):
-                    raw = got.get(ek_swa[n - 1])
+                for n in range(hi, lo, -1):
+                    raw = got.get(ek_swa[n - 1 - lo])
                     if raw is not None:
                         exp = expires_of(raw)
                         if not exp or exp > now_ns:
                             swa_at = n
                             break
+                hi, width = lo, width * 4
             return hit, swa_at

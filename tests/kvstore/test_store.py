@@ -64,6 +64,23 @@ def test_lookup_longest_prefix_and_swa_boundary(store, keys):
     assert [r.hit_blocks for r in store.lookup_many([keys[:3], keys[5:7], keys[10:]])] == [3, 2, 0]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_lookup_swa_at_is_the_last_live_snapshot_below_the_hit(store, hasher, seed):
+    """Against a plain model, over chains longer than the index's first search windows."""
+    rng = np.random.default_rng(seed)
+    n = 700
+    keys = hasher.hash_blocks(list(range(16 * n)))
+    hit = int(rng.integers(0, n))
+    for k in keys[:hit]:
+        store.put(k, b"kv")
+    swa = sorted(int(x) for x in rng.choice(n, size=int(rng.integers(0, 4)), replace=False))
+    for i in swa:
+        store.put(keys[i], b"w", kind="swa")
+    below = [i + 1 for i in swa if i < hit]
+    r = store.lookup(keys[:n])
+    assert (r.hit_blocks, r.swa_at) == (hit, below[-1] if below else None), (hit, swa)
+
+
 def test_lookup_has_no_side_effects(store, keys):
     store.put(keys[0], b"x")
     before = store.counters.copy()
