@@ -25,10 +25,18 @@ then on. A ``put_many`` whose encoded items add up to more than
 ``max_message_bytes`` raises ``RequestTooLarge`` before anything is sent, as
 the one-message PutMany did.
 
+Direct reads (``kvstore.direct``; opt-in, ``direct_reads="on"`` or ``"auto"``): ``get``,
+``get_entry``, ``get_many`` and ``get_many_into`` ask the daemon where an entry's
+fragments are (``Locate``) and read and verify them from the shared targets in this
+process; a key whose direct read fails in any way is read through the daemon as
+without the option, so results and errors are the same. Requires read access to the
+targets' files (see the security note there); puts stay on gRPC.
+
 Options (``connect`` overrides, else environment): ``token``
 (``KVSTORE_TOKEN``), ``ca_file`` (``KVSTORE_CA_FILE``), ``cert_file`` /
 ``key_file`` for mutual TLS (``KVSTORE_CERT_FILE`` / ``KVSTORE_KEY_FILE``),
-``timeout_s``, ``max_message_bytes``, ``server_name`` (TLS name override).
+``timeout_s``, ``max_message_bytes``, ``server_name`` (TLS name override),
+``direct_reads`` ("off" (default), "on", "auto"; ``KVSTORE_DIRECT_READS``).
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ from typing import Any, Sequence
 
 import grpc
 
-from kvstore.api import Entry, EntryKind, Layout, LookupResult, PutItem
+from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
+from kvstore.direct import DirectReads, copy_into, parse_mode
 from kvstore.errors import InternalError, InvalidRequest, StoreClosed
 from kvstore.keys import check_key
 from kvstore.maintenance import Problem, ProblemKind
@@ -65,9 +74,13 @@ class ClientOptions:
     timeout_s: float = 60.0
     max_message_bytes: int = 96 * MiB
     max_batch_items: int = 4096  # the daemon's default limit; longer chains and probes go in pieces
+    direct_reads: str = "off"  # "off", "on" or "auto" (a bool: on/off); see kvstore.direct
 
     ENV = {"token": "KVSTORE_TOKEN", "ca_file": "KVSTORE_CA_FILE", "cert_file": "KVSTORE_CERT_FILE",
-           "key_file": "KVSTORE_KEY_FILE"}
+           "key_file": "KVSTORE_KEY_FILE", "direct_reads": "KVSTORE_DIRECT_READS"}
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "direct_reads", parse_mode(self.direct_reads))
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any]) -> "ClientOptions":
@@ -163,6 +176,8 @@ class RemoteStore:
         self._md = (("authorization", f"Bearer {o.token}"),) if o.token else None
         self._closed = False
         self._lock = threading.Lock()
+        # Direct reads (kvstore.direct): None when off; the daemon is first asked on the first read.
+        self._direct = DirectReads(o.direct_reads, self._call, url) if o.direct_reads != "off" else None
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, req: Any, timeout_s: float | None = None, fn: Any = None) -> Any:
@@ -231,6 +246,10 @@ class RemoteStore:
     def get_entry(self, key: bytes, *, kind: str = "block") -> Entry:
         key = check_key(key)
         k = EntryKind.parse(kind)
+        if self._direct is not None:
+            e = self._direct.get_entry(key, k)  # NotFound from Locate; None: read through the daemon
+            if e is not None:
+                return e
         r = self._call("Get", pb.KeyRequest(key=key, kind=k.value))
         return Entry(key, k, layout_from_pb(r.layout), int(r.tokens), r.value)
 
@@ -241,7 +260,42 @@ class RemoteStore:
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
-        req = pb.GetManyRequest(keys=keys, kind=EntryKind.parse(kind).value)
+        k = EntryKind.parse(kind)
+        if self._direct is not None:
+            got = self._direct.get_many(keys, k, self._get_many_rpc)
+            if got is not None:
+                return got
+        return self._get_many_rpc(keys, k)
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
+                      kind: str = "block") -> list[EntryInfo | None]:
+        """``kvstore.api``'s batched read into caller buffers. With direct reads the payloads
+        are decoded straight into ``outs`` (sizes checked against the located records before
+        anything is read); otherwise, and for keys read through the daemon, ``get_many`` plus
+        one copy (``EntryInfo.layout``/``tokens`` are then ``None``)."""
+        if len(outs) != len(keys):
+            raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
+        keys = [check_key(x) for x in keys]
+        k = EntryKind.parse(kind)
+        views = [writable_view(o, f"outs[{i}]") for i, o in enumerate(outs)]
+        if not keys:
+            return []
+        if self._direct is not None:
+            got = self._direct.get_many_into(keys, views, k, self._get_many_rpc)
+            if got is not None:
+                return got
+        done = copy_into(keys, self._get_many_rpc(keys, k), views, k, range(len(keys)))
+        return [done[i] for i in range(len(keys))]
+
+    def direct_stats(self) -> dict:
+        """This client's direct reads: mode, active (or why not), counters (``kvstore.direct``)."""
+        if self._direct is None:
+            return {"mode": "off", "active": False, "reason": "direct_reads='off'", "counters": {}}
+        return self._direct.stats()
+
+    def _get_many_rpc(self, keys: list[bytes], k: EntryKind) -> list[bytes | None]:
+        """The batched get over gRPC (GetStream; GetMany for an older daemon)."""
+        req = pb.GetManyRequest(keys=keys, kind=k.value)
         if self._streams:
             def run() -> list[bytes | None]:
                 out: list[bytes | None] = []
@@ -344,6 +398,8 @@ class RemoteStore:
             if not self._closed:
                 self._closed = True
                 self._channel.close()
+                if self._direct is not None:
+                    self._direct.close()
 
     def __enter__(self) -> "RemoteStore":
         return self

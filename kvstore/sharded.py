@@ -23,6 +23,10 @@ nothing anywhere, but a shard that is *down* fails the call with
 ``StoreUnavailable`` while the other shards may already have stored their
 part (a retry is safe: puts are idempotent). The sum of ``stats`` and
 ``gc`` over shards is returned with the per-shard detail under ``shards``.
+
+Client options (``kvstore.remote.ClientOptions``) apply to every shard, so
+``direct_reads="on"``/``"auto"`` makes each shard's client read directly from
+that daemon's targets (``kvstore.direct``), each deciding "auto" for itself.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from kvstore.api import Entry, Layout, LookupResult, PutItem
+from kvstore.api import Entry, EntryInfo, Layout, LookupResult, PutItem
 from kvstore.errors import InvalidRequest
 from kvstore.keys import check_key
 from kvstore.remote import ClientOptions, RemoteStore, normalize_item
@@ -127,6 +131,20 @@ class ShardedStore:
         keys = [check_key(k) for k in keys]
         got = self._scatter(self._group(keys), lambda sh, pos: sh.get_many([keys[i] for i in pos], kind=kind))
         return [got[i] for i in range(len(keys))]
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
+                      kind: str = "block") -> list[EntryInfo | None]:
+        """``kvstore.api``'s read into caller buffers: each shard fills its keys' buffers."""
+        if len(outs) != len(keys):
+            raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
+        keys = [check_key(k) for k in keys]
+        got = self._scatter(self._group(keys), lambda sh, pos: sh.get_many_into(
+            [keys[i] for i in pos], [outs[i] for i in pos], kind=kind))
+        return [got[i] for i in range(len(keys))]
+
+    def direct_stats(self) -> dict:
+        """Per shard URL: that client's direct reads (``RemoteStore.direct_stats``)."""
+        return {u: s.direct_stats() for u, s in zip(self.urls, self.shards)}
 
     def _by_key(self, op: str, keys: Sequence[bytes], kind: str) -> list[bool]:
         keys = [check_key(k) for k in keys]

@@ -6,12 +6,16 @@ redis-server and the Mooncake venv)::
     .venv/bin/python tools/bench_remote.py --out results/bench_remote.json
     .venv/bin/python tools/bench_remote.py --fsync true --n 32     # durable puts (fsync) for kvstore
 
-``tools/bench_store.py --remote`` calls ``run_remote(args)`` (arguments from
-``add_arguments``). Measured, per entry size (128 KiB and 1 MiB): put and get
+``run_remote(args)`` (arguments from ``add_arguments``) is the whole comparison, for
+other scripts to call. Measured, per entry size (128 KiB and 1 MiB): put and get
 throughput, single calls and batches of ``--batch``, for
 
 * ``embedded``: ``kvstore.connect(dir)`` in this process (4+2 erasure code, zstd off: random bytes),
 * ``remote``:   one ``kvstore serve`` daemon on 127.0.0.1, same store config, over gRPC,
+* ``remote_direct``: the same daemon, client opened with ``direct_reads="on"`` (``kvstore.direct``):
+  reads ask the daemon where the fragments are (``Locate``) and read and verify them from the
+  daemon's target directories in this process, as on a shared DFS mount; puts as ``remote``.
+  Its client's direct-read counters go to the JSON under ``direct_stats`` (fallbacks must be 0),
 * ``redis``:    ``redis-server`` on 127.0.0.1 (no persistence), SET/GET, MSET/MGET pipelines,
 * ``mooncake``: Mooncake Store over TCP on loopback (master with its HTTP metadata server +
   one storage process with a 2 GiB segment; the bench client mounts no memory), from its own
@@ -22,7 +26,8 @@ and the p50/p90/p99 of ``lookup`` on a 1,000-block chain: embedded, over gRPC, a
 over 3 daemons. Peers that cannot run are reported with the reason, never silently dropped.
 kvstore writes use ``fsync=false`` by default (page-cache durability, like Redis without AOF
 and Mooncake's memory pool); ``--fsync true`` measures durable puts. Prints a table with ratios
-(remote / peer); ``--out`` writes the JSON. Every throughput is the median of ``--repeat``
+(``remote`` and ``remote_direct`` / each peer); ``--out`` writes the JSON. Issue #3's goals for
+batched gets: ``remote_direct`` >= 1.0x ``mooncake`` and >= 2x ``redis``. Every throughput is the median of ``--repeat``
 rounds (each round: ``--n`` entries per size and mode, all systems); the per-round values
 are kept in the JSON under ``rounds``. Loopback on a shared 2-core machine is noisy: compare
 ratios from one run, not absolute figures across runs.
@@ -247,11 +252,13 @@ def run_remote(args: argparse.Namespace) -> dict:
         daemons = [start_daemon(Path(tmp) / f"d{i}", opts) for i in range(4)]
         try:
             rs = kvstore.connect(daemons[0].url)
+            rd = kvstore.connect(daemons[0].url, direct_reads="on")
             # Rounds interleave the systems, so that a burst of load elsewhere hits all of them.
             for rnd in range(args.repeat):
                 one: dict[str, Any] = {
                     "embedded": {str(s): bench_kvstore(emb, s, args.n, args.batch, f"e{rnd}") for s in sizes},
-                    "remote": {str(s): bench_kvstore(rs, s, args.n, args.batch, f"r{rnd}") for s in sizes}}
+                    "remote": {str(s): bench_kvstore(rs, s, args.n, args.batch, f"r{rnd}") for s in sizes},
+                    "remote_direct": {str(s): bench_kvstore(rd, s, args.n, args.batch, f"x{rnd}") for s in sizes}}
                 if not args.no_peers:
                     one["redis"] = run_redis(sizes, args.n, args.batch)
                     one["mooncake"] = run_mooncake(sizes, args.n, args.batch, args.mooncake_python)
@@ -259,6 +266,8 @@ def run_remote(args: argparse.Namespace) -> dict:
             lk = {"embedded": lookup_latency(emb, args.chain, args.lookup_reps, "e"),
                   "remote": lookup_latency(rs, args.chain, args.lookup_reps, "r")}
             rs.close()
+            rep["direct_stats"] = rd.direct_stats()
+            rd.close()
             with kvstore.connect(",".join(d.url for d in daemons[1:])) as sh:
                 lk["sharded3"] = lookup_latency(sh, args.chain, args.lookup_reps, "s")
         finally:
@@ -284,26 +293,38 @@ def _medians(rounds: list[dict]) -> dict:
     return out
 
 
+# (subject, peer) pairs of the ratio table, subject / peer.
+RATIOS = [("remote", "embedded"), ("remote", "redis"), ("remote", "mooncake"), ("remote_direct", "embedded"),
+          ("remote_direct", "remote"), ("remote_direct", "redis"), ("remote_direct", "mooncake")]
+SHORT = {"remote_direct": "direct", "embedded": "emb", "mooncake": "mooncake"}
+
+
 def table(rep: dict) -> str:
     systems = rep["systems"]
     names = list(systems)
-    rows = [f"{'op':<10}{'size':>9} " + "".join(f"{n:>11}" for n in names)
-            + "".join(f"{'remote/' + n:>18}" for n in names if n != "remote")]
+    pairs = [(a, b) for a, b in RATIOS if a in systems and b in systems]
+    rows = [f"MiB/s, median of {rep['repeat']} rounds", f"{'op':<10}{'size':>9} " + "".join(f"{n:>14}" for n in names),
+            ]
+    ratio_rows = ["ratios (same run)", f"{'op':<10}{'size':>9} " + "".join(
+        f"{SHORT.get(a, a) + '/' + SHORT.get(b, b):>16}" for a, b in pairs)]
     for s in rep["sizes"]:
         for op in ("put", "get", "put_batch", "get_batch"):
             vals = {n: systems[n].get(str(s), {}).get(op) if "skipped" not in systems[n] else None for n in names}
-            line = f"{op:<10}{s // 1024:>7}Ki " + "".join(f"{(v if v is not None else '-'):>11}" for v in vals.values())
-            r = vals.get("remote")
-            for n in names:
-                if n != "remote":
-                    line += f"{(f'{r / vals[n]:.2f}x' if r and vals[n] else '-'):>18}"
-            rows.append(line)
+            head = f"{op:<10}{s // 1024:>7}Ki "
+            rows.append(head + "".join(f"{(v if v is not None else '-'):>14}" for v in vals.values()))
+            ratio_rows.append(head + "".join(
+                f"{(f'{vals[a] / vals[b]:.2f}x' if vals[a] and vals[b] else '-'):>16}" for a, b in pairs))
+    rows += ratio_rows
     for n, v in systems.items():
         if "skipped" in v:
             rows.append(f"{n}: skipped: {v['skipped']}")
     lk = rep["lookup_1000_ms"]
     rows.append("lookup of a 1,000-block chain (ms): " + ", ".join(
         f"{k} p50 {v['p50']} p99 {v['p99']}" for k, v in lk.items()))
+    if "direct_stats" in rep:
+        c = rep["direct_stats"].get("counters", {})
+        rows.append(f"remote_direct client: active={rep['direct_stats'].get('active')} direct_reads="
+                    f"{c.get('direct_reads', 0)} fallbacks={c.get('fallbacks', 0)}")
     return "\n".join(rows)
 
 

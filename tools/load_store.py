@@ -5,12 +5,17 @@ Commands (from the repository root)::
     .venv/bin/python tools/load_store.py --procs 4 --seconds 20 --out results/load_1daemon.json
     .venv/bin/python tools/load_store.py --procs 4 --seconds 20 --daemons 3 --out results/load_3daemons.json
     .venv/bin/python tools/load_store.py --url grpc://127.0.0.1:7070 --procs 4 --seconds 20
+    .venv/bin/python tools/load_store.py --procs 4 --seconds 20 --direct-reads on --out results/load_direct.json
 
 Without ``--url`` it starts ``--daemons`` fresh ``kvstore serve`` processes on
 127.0.0.1 (port 0, temporary data directories; several daemons are reached as
 one sharded store) and stops them afterwards. ``--procs`` client processes
 (multiprocessing, spawn) each run a bounded loop (``--seconds`` and
 ``--max-ops``) of puts (``--put``), gets (``--get``) and chain lookups (the rest).
+
+``--direct-reads on|auto`` opens every client with that option (``kvstore.direct``): reads
+go to the daemons' target files, puts and lookups over gRPC; the report adds the clients'
+summed direct-read counters (``direct``: reads served directly, fallbacks to the daemon).
 
 Verification: key ``j`` is ``BLAKE2b-128(seed:j)`` and its value is
 ``SHAKE-128(key)`` of a length derived from the key, so any process can check
@@ -59,7 +64,7 @@ def worker(wid: int, args: dict, out: "mp.Queue") -> None:
     from kvstore.errors import KVStoreError, NotFound
 
     rng = random.Random(args["seed"] * 1000 + wid)
-    store = kvstore.connect(args["url"])
+    store = kvstore.connect(args["url"], direct_reads=args["direct_reads"])
     lat: dict[str, list[float]] = {"put": [], "get": [], "lookup": []}
     res = {"ops": 0, "bytes_in": 0, "bytes_out": 0, "misses": 0, "errors": 0, "wrong_bytes": 0,
            "error_samples": [], "acked": []}
@@ -102,16 +107,27 @@ def worker(wid: int, args: dict, out: "mp.Queue") -> None:
             res["errors"] += 1
             if len(res["error_samples"]) < 5:
                 res["error_samples"].append(f"{type(exc).__name__}: {exc}"[:300])
+    st = store.direct_stats()
+    # one client: {"counters": ...}; a sharded one: {url: {"counters": ...}}
+    res["direct"] = st["counters"] if "counters" in st else _summed(x["counters"] for x in st.values())
     store.close()
     res["lat"] = lat
     out.put(res)
 
 
-def verify_all(url: str, seed: int, value_bytes: int, acked: set[int]) -> tuple[int, int]:
+def _summed(dicts) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def verify_all(url: str, seed: int, value_bytes: int, acked: set[int], direct_reads: str = "off") -> tuple[int, int]:
     import kvstore
 
     wrong = missing = 0
-    with kvstore.connect(url) as s:
+    with kvstore.connect(url, direct_reads=direct_reads) as s:
         ids = sorted(acked)
         for i in range(0, len(ids), 64):
             part = ids[i:i + 64]
@@ -138,7 +154,7 @@ def run(args: argparse.Namespace) -> dict:
         q: mp.Queue = ctx.Queue()
         params = {"url": url, "seconds": args.seconds, "max_ops": args.max_ops, "seed": args.seed,
                   "value_bytes": args.value_bytes, "key_space": args.key_space, "chain_len": args.chain_len,
-                  "put": args.put, "get": args.get}
+                  "put": args.put, "get": args.get, "direct_reads": args.direct_reads}
         procs = [ctx.Process(target=worker, args=(w, params, q)) for w in range(args.procs)]
         t0 = time.monotonic()
         for p in procs:
@@ -148,7 +164,7 @@ def run(args: argparse.Namespace) -> dict:
             p.join(30)
         wall = time.monotonic() - t0
         acked = {j for r in results for j in r["acked"]}
-        final_wrong, final_missing = verify_all(url, args.seed, args.value_bytes, acked)
+        final_wrong, final_missing = verify_all(url, args.seed, args.value_bytes, acked, args.direct_reads)
     finally:
         for d in daemons:
             stop_daemon(d)
@@ -168,6 +184,7 @@ def run(args: argparse.Namespace) -> dict:
         "error_samples": [e for r in results for e in r["error_samples"]][:10],
         "wrong_bytes": sum(r["wrong_bytes"] for r in results) + final_wrong,
         "acknowledged_keys": len(acked), "final_missing": final_missing,
+        "direct_reads": args.direct_reads, "direct": _summed(r["direct"] for r in results),
     }
 
 
@@ -185,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--get", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--fsync", default="true")
+    ap.add_argument("--direct-reads", default="off", choices=["off", "on", "auto"],
+                    help="clients read the daemons' target files directly (kvstore.direct)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     rep = run(args)

@@ -109,6 +109,16 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.ProbeReply.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/kvstore.v1.KVStore/Describe',
+                request_serializer=kvstore__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.DescribeReply.FromString,
+                _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/kvstore.v1.KVStore/Locate',
+                request_serializer=kvstore__pb2.LocateRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.LocateReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.KVStore/Stats',
                 request_serializer=kvstore__pb2.StatsRequest.SerializeToString,
@@ -224,6 +234,18 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Locate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -325,6 +347,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=kvstore__pb2.LookupRequest.FromString,
                     response_serializer=kvstore__pb2.ProbeReply.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=kvstore__pb2.DescribeRequest.FromString,
+                    response_serializer=kvstore__pb2.DescribeReply.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=kvstore__pb2.LocateRequest.FromString,
+                    response_serializer=kvstore__pb2.LocateReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -752,6 +784,60 @@ class KVStore:
             '/kvstore.v1.KVStore/Probe',
             kvstore__pb2.LookupRequest.SerializeToString,
             kvstore__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Describe',
+            kvstore__pb2.DescribeRequest.SerializeToString,
+            kvstore__pb2.DescribeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Locate',
+            kvstore__pb2.LocateRequest.SerializeToString,
+            kvstore__pb2.LocateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,9 +38,15 @@ The service contract
    under a per-tenant keyed hash (``kvstore.server.auth``): tenants cannot
    read, delete, look up, or detect each other's entries. ``Stats``, ``Gc``,
    ``Check`` and ``Repair`` need an admin tenant (PERMISSION_DENIED).
-6. Health: the standard ``grpc.health.v1.Health`` service reports SERVING for
+6. Direct reads (``kvstore.direct``): ``Describe`` returns the target table
+   and erasure code; ``Locate`` returns the index records of a batch of keys
+   (tenant-namespaced, access times refreshed as by a get, counted as
+   ``op="locate"``), so a client that mounts the same targets reads and
+   verifies the fragments itself and falls back to ``Get`` on any failure.
+   ``allow_direct_reads = false`` refuses Locate (PERMISSION_DENIED).
+7. Health: the standard ``grpc.health.v1.Health`` service reports SERVING for
    ``""`` and ``kvstore.v1.KVStore``; NOT_SERVING once a drain has begun.
-7. Shutdown (SIGTERM/SIGINT): stop accepting, let in-flight calls finish
+8. Shutdown (SIGTERM/SIGINT): stop accepting, let in-flight calls finish
    within ``drain_s``, stop GC, close the store.
 
 Modules: ``config`` (ServerConfig), ``service`` (Daemon), ``auth`` (tokens,

@@ -47,6 +47,7 @@ class ServerConfig:
     tokens_file: str = ""  # set: bearer-token auth, tenants namespaced (see kvstore.server.auth)
     tenant_secret_file: str = ""  # empty: <data_dir>/server/tenant.secret (created 0600)
     tenant_quota_bytes: int = 0  # >0: live plain bytes each tenant may hold (RESOURCE_EXHAUSTED over it)
+    allow_direct_reads: bool = True  # answer Locate and show the target table (kvstore.direct); false: PERMISSION_DENIED
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:

@@ -10,10 +10,10 @@ metric                                 type       labels / meaning
 =====================================  =========  ==========================================
 kvstore_requests_total                 counter    method, code (gRPC status name)
 kvstore_request_seconds                histogram  method
-kvstore_hits_total                     counter    op (get, lookup), kind (block, swa)
+kvstore_hits_total                     counter    op (get, lookup, locate), kind (block, swa)
 kvstore_misses_total                   counter    op, kind
 kvstore_bytes_in_total                 counter    payload bytes received by puts
-kvstore_bytes_out_total                counter    payload bytes returned by gets
+kvstore_bytes_out_total                counter    payload bytes returned by gets (not direct reads)
 kvstore_gc_runs_total                  counter    GC passes (background and on request)
 kvstore_gc_reclaimed_bytes_total       counter    bytes GC freed (graveyard + orphans)
 kvstore_inflight_requests              gauge      calls being served now

@@ -27,6 +27,16 @@ serializing plus ~28 ms in gRPC (one message, many slices) against ~10 ms for
 16 streamed 1 MiB messages (tools/bench_remote.py; profile in its docstring).
 Values are hand-encoded (``wire.encode_*``): one copy each instead of two.
 
+Direct reads (``kvstore.direct``): ``Describe`` gives any authenticated client the
+target table (URLs with credentials removed) and the erasure code; ``Locate`` is the
+index half of a get: the same key validation and tenant translation, live entries
+only, the same access-time refresh (LRU), hits and misses counted as ``op="locate"``;
+it answers where the fragments are and moves no payload. The daemon stays the only
+writer: a client whose direct read fails falls back to ``Get``/``GetStream``, and the
+daemon's read path then counts the degraded read or marks the entry lost. With
+``allow_direct_reads = false`` Locate is PERMISSION_DENIED and Describe shows no
+targets.
+
 Background GC runs in its own thread every ``gc_interval_s``; the store's GC
 works in bounded index transactions, so requests are not stalled behind it.
 ``stop()`` drains: health goes NOT_SERVING, gRPC stops accepting calls and
@@ -52,8 +62,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.api import EntryKind, LookupResult, PutItem
 from kvstore.config import StoreConfig
+from kvstore.direct import client_url
 from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound
-from kvstore.index import ekey
+from kvstore.index import Meta, ekey
 from kvstore.keys import check_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
@@ -61,6 +72,7 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
 from kvstore.server.wire import (
+    PermissionDenied,
     RequestTooLarge,
     encode_get_chunk,
     encode_get_reply,
@@ -132,6 +144,8 @@ class Daemon:
             "Lookup": _Method(pb.LookupRequest, self._lookup),
             "LookupMany": _Method(pb.LookupManyRequest, self._lookup_many),
             "Probe": _Method(pb.LookupRequest, self._probe),
+            "Describe": _Method(pb.DescribeRequest, self._describe),
+            "Locate": _Method(pb.LocateRequest, self._locate),
             "Stats": _Method(pb.StatsRequest, self._stats, admin=True),
             "Gc": _Method(pb.GcRequest, self._gc, admin=True),
             "Check": _Method(pb.CheckRequest, self._check, admin=True),
@@ -482,6 +496,46 @@ class Daemon:
         return pb.ProbeReply(block=bytes(x.hit_blocks for x in res),
                              swa=bytes(1 if x.swa_at else 0 for x in res))
 
+    def _describe(self, r: pb.DescribeRequest, tenant: Tenant) -> pb.DescribeReply:
+        """What a direct-reading client needs, fetched once per client (``kvstore.direct``)."""
+        out = pb.DescribeReply(direct_reads=self.cfg.allow_direct_reads, auth=self.tokens.enabled)
+        if not self.cfg.allow_direct_reads:
+            return out  # no target table for a daemon that does not serve direct reads
+        from kvstore.store import FORMAT_FILE
+
+        st = self.store
+        cfg = st.config
+        out.ec_type, out.ec_k, out.ec_m = cfg.ec_type, cfg.ec_k, cfg.ec_m
+        out.max_value_bytes, out.read_timeout_s, out.parallel_reads = (
+            cfg.max_value_bytes, cfg.read_timeout_s, cfg.parallel_reads)
+        for spec in st.target_specs:
+            out.targets.add(name=spec.name, url=client_url(spec, st.targets.get(spec.name)), domain=spec.domain)
+        out.data_dir = str(st.data_dir)
+        try:
+            out.format_marker = (Path(st.data_dir) / FORMAT_FILE).read_bytes()
+        except OSError as exc:  # the probe then fails on the client: "auto" stays off
+            log.warning("describe: cannot read the data-dir marker: %s", exc)
+        return out
+
+    def _locate(self, r: pb.LocateRequest, tenant: Tenant) -> pb.LocateReply:
+        """The index half of a get (module docstring): validate every key, then read the
+        records in one transaction and refresh the access time of each live one."""
+        if not self.cfg.allow_direct_reads:
+            raise PermissionDenied("this daemon does not serve direct reads (allow_direct_reads = false); "
+                                   "read through Get/GetStream")
+        self._batch(len(r.keys), "locate")
+        kind = EntryKind.parse(kind_or_default(r.kind))
+        eks = [ekey(kind.code, self._key(tenant, k)) for k in r.keys]  # validate every key first
+        metas = _locate_entries(self.store, eks)
+        hits = sum(m is not None for m in metas)
+        self.metrics.hit("locate", kind.value, True, hits)
+        self.metrics.hit("locate", kind.value, False, len(metas) - hits)
+        return pb.LocateReply(locations=[
+            pb.Location() if m is None else pb.Location(
+                found=True, stored_key=ek[1:], kind=kind.value, k=m.k, m=m.m, entry_len=m.entry_len,
+                plain_len=m.plain_len, frag_len=m.frag_len, gen=m.gen, targets=m.targets, tokens=m.tokens)
+            for ek, m in zip(eks, metas)])
+
     def _stats(self, r: pb.StatsRequest, tenant: Tenant) -> pb.JsonReply:
         s = dict(self.store.stats())
         s["daemon"] = {"address": self.address, "tls": self.cfg.tls, "auth": self.tokens.enabled,
@@ -500,6 +554,27 @@ class Daemon:
 
     def _repair(self, r: pb.RepairRequest, tenant: Tenant) -> pb.JsonReply:
         return pb.JsonReply(json=json.dumps(self.store.repair(), default=str))
+
+
+def _locate_entries(store: Any, eks: Sequence[bytes]) -> list[Meta | None]:
+    """Live index records of ``eks`` (``None``: absent or expired; lost ones are not in
+    ``entries``), each live one touched exactly as ``EmbeddedStore.get_entries`` does.
+
+    The one place that reaches into the embedded store's index for Locate (its
+    ``index``, ``now_ns`` and ``_touch``); a public ``EmbeddedStore.locate`` would replace it.
+    """
+    store._check_open()
+    now = store.now_ns()
+    with store.index.env.begin() as txn:
+        metas = [store.index.get_meta(txn, ek) for ek in eks]
+    out: list[Meta | None] = []
+    for ek, m in zip(eks, metas):
+        if m is None or (m.expires_ns and m.expires_ns <= now):
+            out.append(None)
+            continue
+        store._touch(ek, now)  # a located entry is about to be read: a use, as a get is
+        out.append(m)
+    return out
 
 
 def _read_tls_files(cfg: ServerConfig) -> dict[str, bytes]:

@@ -84,7 +84,8 @@ ALL_METHODS = [
     ("Pin", pb.KeyRequest), ("PinMany", pb.KeysRequest), ("Unpin", pb.KeyRequest),
     ("UnpinMany", pb.KeysRequest), ("Lookup", pb.LookupRequest), ("LookupMany", pb.LookupManyRequest),
     ("Probe", pb.LookupRequest), ("Stats", pb.StatsRequest), ("Gc", pb.GcRequest),
-    ("Check", pb.CheckRequest), ("Repair", pb.RepairRequest)]
+    ("Check", pb.CheckRequest), ("Repair", pb.RepairRequest), ("Describe", pb.DescribeRequest),
+    ("Locate", pb.LocateRequest)]
 
 
 def test_the_fuzzed_table_covers_every_rpc(fuzz_daemon):

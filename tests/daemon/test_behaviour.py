@@ -1,7 +1,10 @@
-"""One behaviour suite, three implementations: embedded, remote (one daemon), sharded over 3 daemons.
+"""One behaviour suite, three implementations: embedded, remote (one daemon), sharded over 3 daemons,
+plus the remote store reading directly from the daemon's targets (``kvstore.direct``).
 
 Every test is written against ``kvstore.api.KVStore`` only; the ``store``
 fixture supplies the implementation. Mutating tests end with ``check() == []``.
+With direct reads every read of this suite is served directly (nothing is
+damaged here): the fixture checks that none fell back to the daemon.
 """
 
 from __future__ import annotations
@@ -23,16 +26,21 @@ def K(i: int | str) -> bytes:
     return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
 
 
-@pytest.fixture(params=["embedded", "remote", "sharded3"])
+@pytest.fixture(params=["embedded", "remote", "remote_direct", "sharded3"])
 def store(request, tmp_path, make_daemon):
     if request.param == "embedded":
         s = kvstore.connect(str(tmp_path / "emb"), fsync=False)
     elif request.param == "remote":
         s = kvstore.connect(make_daemon().address)
+    elif request.param == "remote_direct":
+        s = kvstore.connect(make_daemon().address, direct_reads="on")
     else:
         s = kvstore.connect(",".join(make_daemon().address for _ in range(3)))
     yield s
     s.close()
+    if request.param == "remote_direct":
+        st = s.direct_stats()
+        assert st["mode"] == "on" and st["counters"].get("fallbacks", 0) == 0, st
 
 
 def test_put_get_dedup(store) -> None:
@@ -122,6 +130,22 @@ def test_get_many_and_put_many(store) -> None:
     assert got == [bytes([3]) * 4, None, bytes([19]) * 20]
     assert store.get_many([]) == [] and store.put_many([]) == []
     assert store.stats()["entries"] == 20
+
+
+def test_read_into_caller_buffers(store) -> None:
+    from kvstore.api import read_into
+
+    keys = [K(f"ri{i}") for i in range(3)]
+    vals = [os.urandom(1000 + i) for i in range(3)]
+    assert store.put_many([PutItem(k, v) for k, v in zip(keys, vals)]) == [True] * 3
+    outs = [bytearray(2000) for _ in range(4)]
+    infos = read_into(store, keys + [K("ri-missing")], outs)
+    assert [None if i is None else (i.key, i.nbytes) for i in infos] == [
+        (k, len(v)) for k, v in zip(keys, vals)] + [None]
+    assert all(bytes(outs[i][: len(v)]) == v for i, v in enumerate(vals))
+    with pytest.raises(InvalidRequest):
+        read_into(store, keys[:1], [bytearray(10)])  # too small for the entry
+    assert store.check() == []
 
 
 def test_errors_are_typed(store) -> None:

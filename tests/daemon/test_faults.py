@@ -136,7 +136,7 @@ def test_malformed_requests_are_invalid_argument_and_store_nothing(make_daemon) 
 
 
 METHODS = ["Put", "PutMany", "Get", "GetMany", "Delete", "DeleteMany", "Pin", "PinMany", "Unpin",
-           "UnpinMany", "Lookup", "LookupMany", "Probe", "Stats", "Gc", "Check"]
+           "UnpinMany", "Lookup", "LookupMany", "Probe", "Describe", "Locate", "Stats", "Gc", "Check"]
 ACCEPTABLE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 
 
