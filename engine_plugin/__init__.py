@@ -9,8 +9,9 @@ Modules, in the order a request meets them:
   with SWA bounded replay and snapshot policy.
 * ``transfer``: device backends (cpu / cuda / npu, a registry) and pinned
   staging buffers; ``loader``: tiers -> staging -> device on the loader
-  thread; ``saver``: the bounded background save queue; ``tiers``: host LRU
-  cache, the guarded store gateway, metrics.
+  thread (straight into the pool on a host-resident backend); ``saver``: the
+  bounded background save queue; ``tiers``: host LRU cache, the guarded store
+  gateway, metrics.
 * ``reference``: a small real torch model and engine (paged global KV,
   chunked prefill, batched decode) used by tests, benchmarks and the
   walkthrough.

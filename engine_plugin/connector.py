@@ -66,8 +66,11 @@ Worker side (called by the model runner during a step)
     ``"global"`` before the first layer that reads global KV). Guarantees: on
     return, every load of that group in this step has finished and is ordered
     before the compute stream's next kernel. It is bounded in time: every
-    store call under it has a timeout. It never raises for a failed load; a
-    failed load is reported by ``get_load_errors``.
+    store call under it has a timeout (one exception, by choice: a read that
+    writes straight into the engine's blocks on a host-resident backend is
+    waited for past its timeout rather than left writing into blocks the
+    engine recomputes; ``engine_plugin.loader``). It never raises for a failed
+    load; a failed load is reported by ``get_load_errors``.
 ``get_load_errors() -> dict[str, LoadError]`` (vLLM: ``get_block_ids_with_load_errors``)
     When: after the step's forward passes, before any output is committed.
     Requests listed here computed with incomplete KV; the engine discards

@@ -1,15 +1,18 @@
-"""The load half of the transfer path: tiers -> pinned staging -> device, on the loader thread.
+"""The load half of the transfer path: tiers -> (pinned staging ->) device, on the loader thread.
 
 Who calls it: ``KVStoreConnector.start_load_kv`` submits ``load_snapshot`` and
 ``load_blocks`` (in that order, so layer 0's window is first) to its
 single loader thread; ``wait_for_layer_load`` waits on their futures.
 
+Two ways to land store payloads, chosen per load (``KVStoreConnector.direct_reads``):
+
+*Staged* (accelerators: the copy engine needs pinned memory to DMA from).
 Per batch of ``load_batch_blocks`` blocks (numbered steps, with reasons):
   1. host-tier blocks are used in place (they already live in host memory);
-  2. the rest get a staging buffer each from the ``BufferPool`` (pinned on
-     accelerators: the copy engine can DMA from it), up to the first one the
-     pool cannot give within the timeout (a hit is a prefix: later blocks
-     would be useless without it);
+  2. the rest get a staging buffer each from the ``BufferPool`` in one
+     ``acquire_many`` (pinned on accelerators), as many as the pool gives
+     within the timeout (a hit is a prefix: blocks past the last buffer would
+     be useless without it);
   3. one ``StoreGateway.read_into`` lands the payloads *in those buffers*:
      the store copies each payload from its fragment bodies into the buffer
      and verifies the entry checksum over the buffer, so the only host copy
@@ -24,17 +27,53 @@ Per batch of ``load_batch_blocks`` blocks (numbered steps, with reasons):
      remaining staging buffers go back to the pool, so a buffer is never
      reused while a copy may still read it; the compute stream only waits on
      events.
+
+*Direct* (host-resident backends, ``cpu``: the pool *is* host memory, so a
+staging buffer would only add a second memcpy). Per batch:
+  1. host-tier blocks are copied into their pool blocks (``copy_async``,
+     synchronous on such a backend);
+  2. one ``StoreGateway.read_into`` whose buffers are the destination pool
+     blocks themselves (byte views of ``pool[block_id]``, no tensor per block):
+     the store verifies each checksum over the pool block;
+  3. the leading good blocks are reported; a pool block past the first bad one
+     may hold anything (a failed entry's bytes, or good bytes nobody adopts):
+     the engine recomputes every block from ``valid_tokens`` on, and it
+     allocated these blocks to this request alone, so nothing else reads them;
+  4. no promotion to the host tier: with device == host memory it would be a
+     copy of the same bytes in the same DRAM. The block is in the engine's
+     device prefix cache once committed, and the device pool's eviction writes
+     it to the host tier (``on_device_evict``), as for any computed block.
+  A direct read is *never abandoned*: the gateway gives up on a store call at
+  its timeout, but a ``get_many_into`` still running would keep writing into
+  blocks the engine is about to recompute (or hand to another request). So a
+  native direct read runs *inline* on the loader thread (``read_into(...,
+  inline=True)``, which also saves the hop to the gateway's executor): one
+  slower than ``store_timeout_s`` trips the breaker like a timeout (counted
+  ``store_timeouts`` and ``direct_read_overruns``, logged), and its entries,
+  verified and complete, are used. This is the one place a load can outlast
+  ``store_timeout_s``; ``ConnectorConfig(direct_reads=False)`` keeps the staged
+  path, whose abandoned reads only ever hold staging buffers. A store with only
+  ``get_many`` is read under the timeout as usual and the gateway copies the
+  bytes after the call returned, so an abandoned call never writes anywhere.
+  The SWA snapshot is read straight into the request's window buffer under the
+  same rule when it is not promoted (with promotion, the staged buffer becomes
+  the host entry, which costs the same one copy).
+
 Returns are ``(good, events)``: the count of leading good blocks (or a flag
 for the snapshot) and the events per layer group (``"global"``, ``"swa.<i>"``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from engine_plugin.connector import LoadSpec, Tier
+
+log = logging.getLogger(__name__)
 
 
 class Loader:
@@ -44,19 +83,34 @@ class Loader:
         self.c = connector
         self.stream = stream
 
+    # ------------------------------------------------------------------ shared
+    def _read_direct(self, kind: str, keys: Sequence[bytes], outs: Sequence[np.ndarray],
+                     nbytes: int) -> list[bool]:
+        """One gateway read into engine-owned host memory; never returns while it may still write.
+
+        ``inline``: it runs on this thread (no executor hop, and nothing left running to wait
+        for); one slower than the timeout trips the breaker but keeps its verified entries.
+        """
+        res = self.c.gateway.read_into(keys, outs, kind=kind, nbytes=nbytes, inline=True)
+        if res.late:
+            self.c.metrics.inc("direct_read_overruns")
+            log.warning("a direct %s read of %d entries took longer than the store timeout; the "
+                        "step waited for it (direct_reads=False keeps loads within the timeout)",
+                        kind, len(keys))
+        if res.pending is not None:
+            raise RuntimeError("bug: an inline StoreGateway.read_into came back pending "
+                               "(it may still write into the engine's blocks)")
+        return res.ok
+
     def _read_staged(self, kind: str, keys: Sequence[bytes], nbytes: int) -> list[torch.Tensor | None]:
-        """Steps 2-3: per key, a staging buffer holding its verified payload, or ``None``.
+        """Staged steps 2-3: per key, a staging buffer holding its verified payload, or ``None``.
 
         The caller owns the returned buffers (release, or detach when promoted); buffers of
         failed slots are already back in the pool (or will be, once an abandoned read ended).
         """
-        bufs: list[torch.Tensor] = []
-        for _ in keys:
-            buf = self.c.buffers.acquire(nbytes, timeout=self.c.cfg.store_timeout_s)
-            if buf is None:
-                self.c.metrics.inc("staging_exhausted")
-                break
-            bufs.append(buf)
+        bufs = self.c.buffers.acquire_many(nbytes, len(keys), timeout=self.c.cfg.store_timeout_s)
+        if len(bufs) < len(keys):
+            self.c.metrics.inc("staging_exhausted")
         if not bufs:
             return [None] * len(keys)
         res = self.c.gateway.read_into(keys[: len(bufs)], [b.numpy() for b in bufs], kind=kind, nbytes=nbytes)
@@ -73,15 +127,30 @@ class Loader:
         return out
 
     def _promote(self, kind: str, key: bytes, buf: torch.Tensor, typed: torch.Tensor) -> bool:
-        """Step 4: hand the staging buffer itself to the host tier; True if it now owns it."""
+        """Staged step 4: hand the staging buffer itself to the host tier; True if it now owns it."""
         if self.c.cfg.promote_to_host and self.c.host.put(kind, key, typed):
             self.c.buffers.detach(buf)
             return True
         return False
 
+    def _direct_ok(self, t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+        """Whether a store may write ``t`` (a pool, a window) directly: see the module docstring."""
+        return (self.c.direct_reads and t.device.type == "cpu" and t.dtype == self.c.dtype
+                and tuple(t.shape[-len(shape):]) == shape and t.is_contiguous())
+
+    # ------------------------------------------------------------------ snapshot
     def load_snapshot(self, spec: LoadSpec, win: torch.Tensor) -> tuple[bool, dict]:
         key = spec.snapshot_key
+        L = self.c.snap_shape[0]
         src = self.c.host.get("swa", key) if spec.snapshot_tier is Tier.HOST else None
+        if (src is None and not self.c.cfg.promote_to_host
+                and tuple(win.shape) == self.c.snap_shape and self._direct_ok(win, self.c.snap_shape)):
+            ok = self._read_direct("swa", [key], [win.view(-1).view(torch.uint8).numpy()], self.c.snap_nbytes)[0]
+            if not ok:
+                self.c.metrics.inc("snapshot_load_failed")
+                return False, {}
+            self.c.metrics.inc("bytes_loaded", self.c.snap_nbytes)
+            return True, {f"swa.{l}": None for l in range(L)}
         buf = None
         if src is None:
             buf = self._read_staged("swa", [key], self.c.snap_nbytes)[0]
@@ -92,15 +161,47 @@ class Loader:
             if self._promote("swa", key, buf, src):
                 buf = None
         events = {f"swa.{l}": self.c.backend.copy_async(win[l], src[l], self.stream)
-                  for l in range(self.c.snap_shape[0])}  # layer by layer: layer 0 can start first
+                  for l in range(L)}  # layer by layer: layer 0 can start first
         if buf is not None:
-            self.c.backend.sync_event(events[f"swa.{self.c.snap_shape[0] - 1}"])
+            self.c.backend.sync_event(events[f"swa.{L - 1}"])
             self.c.buffers.release(buf)
         self.c.metrics.inc("bytes_loaded", self.c.snap_nbytes)
         return True, events
 
+    # ------------------------------------------------------------------ blocks
     def load_blocks(self, spec: LoadSpec, pool: torch.Tensor) -> tuple[int, dict]:
         """Copy the spec's blocks into the pool; returns (leading good blocks, events)."""
+        if self._direct_ok(pool, self.c.block_shape) and pool.dim() == 1 + len(self.c.block_shape):
+            return self._load_blocks_direct(spec, pool)
+        return self._load_blocks_staged(spec, pool)
+
+    def _load_blocks_direct(self, spec: LoadSpec, pool: torch.Tensor) -> tuple[int, dict]:
+        rows = pool.view(pool.shape[0], -1).view(torch.uint8).numpy()  # [num_blocks, block_nbytes]
+        host, nbytes, nb = self.c.host, self.c.block_nbytes, self.c.cfg.load_batch_blocks
+        good, ev = 0, None
+        for s in range(0, len(spec.blocks), nb):
+            batch = spec.blocks[s:s + nb]
+            from_store = []  # positions in batch read from the store
+            for i, b in enumerate(batch):
+                src = host.get("block", b.key) if b.tier is Tier.HOST else None
+                if src is None:
+                    from_store.append(i)
+                else:
+                    ev = self.c.backend.copy_async(pool[b.block_id], src, self.stream)
+            ok = [True] * len(batch)
+            if from_store:
+                res = self._read_direct("block", [batch[i].key for i in from_store],
+                                        [rows[batch[i].block_id] for i in from_store], nbytes)
+                for i, r in zip(from_store, res):
+                    ok[i] = r
+            n = next((i for i, r in enumerate(ok) if not r), len(batch))
+            good += n
+            self.c.metrics.inc("bytes_loaded", nbytes * sum(1 for i in from_store if i < n))
+            if n < len(batch):
+                break  # blocks past the first bad one are useless (a hit is a prefix)
+        return good, {"global": ev}
+
+    def _load_blocks_staged(self, spec: LoadSpec, pool: torch.Tensor) -> tuple[int, dict]:
         good, ev = 0, None
         nb = self.c.cfg.load_batch_blocks
         for s in range(0, len(spec.blocks), nb):

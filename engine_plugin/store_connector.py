@@ -39,7 +39,7 @@ prefill side reported the request in ``get_finished``.
 Counters (``metrics.snapshot()``): ``hit_tokens_{device,host,store}``,
 ``snapshot_hits``, ``replays``, ``replay_tokens``, ``hits_not_adopted``,
 ``loaded_tokens``, ``bytes_loaded``, ``load_errors``, ``load_missing``,
-``load_bad_size``, ``snapshot_load_failed``, ``staging_exhausted``,
+``load_bad_size``, ``snapshot_load_failed``, ``staging_exhausted``, ``direct_read_overruns``,
 ``store_errors``, ``store_timeouts``, ``store_skipped``, ``saves_enqueued``,
 ``saves_done``, ``saves_failed``, ``saves_dropped``, ``bytes_saved``,
 ``snapshots_saved``, ``device_evictions_to_host``, ``host_evictions_{block,swa}``,
@@ -92,7 +92,10 @@ class ConnectorConfig:
     snapshot_end_of_output: bool = True
     snapshot_interval_blocks: int = 0  # 0: no interval snapshots
     adopt_short_hits: bool = False  # V4.1 rule: an external hit no longer than the span is not adopted
-    promote_to_host: bool = True
+    promote_to_host: bool = True  # blocks read straight into a host-resident pool are not (loader)
+    # Host-resident backends (cpu): the store reads straight into the pool blocks, no staging
+    # buffer and no second copy; an overrun read is then waited for (see engine_plugin.loader).
+    direct_reads: bool = True
     store_timeout_s: float = 2.0  # reads (lookup, get_many): on the critical path of a request
     store_put_timeout_s: float = 30.0  # background puts
     store_backoff_s: float = 5.0
@@ -145,6 +148,7 @@ class KVStoreConnector(KVConnectorBase):
         self.snap_nbytes = isz * int(torch.Size(self.snap_shape).numel())
         self.metrics = Metrics()
         self.backend = get_backend(config.device)
+        self.direct_reads = config.direct_reads and self.backend.host_resident
         self.host = HostCache(config.host_capacity_bytes, on_evict=self._host_evicted)
         self.gateway = StoreGateway(store, self.metrics, timeout_s=config.store_timeout_s,
                                     put_timeout_s=config.store_put_timeout_s,
@@ -295,7 +299,7 @@ class KVStoreConnector(KVConnectorBase):
 
     def get_load_errors(self) -> dict[str, LoadError]:
         for rid, job in list(self._jobs.items()):
-            spec, H = job.spec, (job.spec.first_block + len(job.spec.blocks)) * self.B
+            spec = job.spec
             window_ok, good, reason = True, len(spec.blocks), ""
             if job.swa is not None:
                 ok, events = job.swa.result()

@@ -18,12 +18,19 @@ hangs on it and never uses bad bytes:
 3. a read returns ``None`` for an entry that is missing, lost, corrupt or of
    the wrong size (the store checks checksums; the gateway checks lengths),
    so the caller recomputes that part;
-4. ``read_into`` lands payloads straight in the caller's (pinned staging)
-   buffers through ``kvstore.api.read_into``: the store verifies each entry's
-   checksum over the buffer itself before the slot is reported good. A call
-   abandoned after its timeout may still be writing into those buffers, so
-   its future comes back as ``IntoResult.pending`` and the caller must not
-   reuse the buffers before it completed.
+4. ``read_into`` lands payloads straight in the caller's buffers (pinned
+   staging buffers, or pool blocks on a host-resident backend). A store with
+   ``get_many_into`` (``kvstore.api.ReadsInto``) writes them itself and
+   verifies each entry's checksum over the buffer before the slot is reported
+   good; such a call abandoned after its timeout may still be writing into
+   those buffers, so its future comes back as ``IntoResult.pending`` and the
+   caller must not reuse the buffers before it completed. A store with only
+   ``get_many`` is read under the timeout and the bytes are copied on the
+   *caller's* thread afterwards, so an abandoned call never writes into the
+   buffers (``pending`` is always ``None`` there). ``inline=True`` reads a
+   ``ReadsInto`` store on the caller's thread instead (no executor hop): for a
+   caller that must wait for the writes to end anyway; a call slower than the
+   timeout is counted and trips the breaker, and its verified slots are kept.
 
 ``Metrics`` is a thread-safe counter set; ``snapshot()`` returns a dict.
 """
@@ -40,7 +47,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvstore.api import EntryInfo, EntryKind, KVStore, LookupResult, PutItem, read_into, writable_view
+from kvstore.api import EntryInfo, EntryKind, KVStore, LookupResult, PutItem, ReadsInto, writable_view
 from kvstore.errors import InvalidRequest, KVStoreError
 
 log = logging.getLogger(__name__)
@@ -142,10 +149,13 @@ class IntoResult:
     ``pending``: not ``None`` when the call was abandoned at its timeout and may still
     write into the buffers; every ``ok`` is then ``False`` and the buffers may be reused
     only once this future is done (``add_done_callback``).
+    ``late``: an ``inline`` call finished after its timeout; it was counted and tripped the
+    breaker as a timeout, but it *did* finish, so its ``ok`` slots are as good as any.
     """
 
     ok: list[bool]
     pending: cf.Future | None = None
+    late: bool = False  # an inline call that took longer than its timeout (counted as one)
 
 
 class StoreGateway:
@@ -160,6 +170,7 @@ class StoreGateway:
         self._open_until = 0.0
         self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-store")
         self.last_error = ""
+        self._native_into = isinstance(store, ReadsInto)  # checked once: a Protocol isinstance is slow
 
     @property
     def available(self) -> bool:
@@ -190,6 +201,26 @@ class StoreGateway:
         except OSError as exc:
             self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
         return False, None, None
+
+    def _run_inline(self, what: str, fn, *args, **kw):
+        """``(ok, result, late)``: ``fn`` on the calling thread, for a caller that would wait
+        for it past any timeout anyway (no executor hop). A call slower than ``timeout_s`` is
+        counted and trips the breaker like a timeout, but its result is returned."""
+        if self.store is None:
+            return False, None, False
+        if not self.available:
+            self.metrics.inc("store_skipped")
+            return False, None, False
+        t0 = time.monotonic()
+        try:
+            res = fn(*args, **kw)
+        except (KVStoreError, OSError) as exc:
+            self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
+            return False, None, False
+        took = time.monotonic() - t0
+        if took > self.timeout_s:
+            self._trip(what, f"took {took:.2f}s, over the {self.timeout_s}s timeout", "store_timeouts")
+        return True, res, took > self.timeout_s
 
     def _trip(self, what: str, reason: str, counter: str) -> None:
         self.metrics.inc(counter)
@@ -225,16 +256,31 @@ class StoreGateway:
         return out
 
     def read_into(self, keys: Sequence[bytes], outs: Sequence[Any], *, kind: str,
-                  nbytes: int) -> IntoResult:
+                  nbytes: int, inline: bool = False) -> IntoResult:
         """Verified payloads of exactly ``nbytes`` straight into ``outs`` (see ``IntoResult``).
 
         A slot is not ok where the entry is missing, lost, corrupt, of the wrong size, or the
-        store failed; the contents of a buffer that is not ok are undefined.
+        store failed; the contents of a buffer that is not ok are undefined. ``inline``: a
+        ``ReadsInto`` store is read on the calling thread and never abandoned (for a caller
+        that must wait for any write into ``outs`` to end: ``loader``'s direct reads); a
+        slow call is reported ``late``. A ``get_many``-only store is read as without it.
         """
         if self.store is None:
             return IntoResult([False] * len(keys))
-        ok, res, abandoned = self._run(f"read_into({kind})", self._read_into, list(keys), list(outs),
-                                       kind, nbytes)
+        if not self._native_into:
+            # get_many under the timeout, the copy here: a late reply then writes nothing.
+            good = []
+            for data, out in zip(self.get_many(keys, kind=kind, nbytes=nbytes), outs):
+                if data is not None:
+                    writable_view(out)[:nbytes] = memoryview(data).cast("B")
+                good.append(data is not None)
+            return IntoResult(good)
+        abandoned, late = None, False
+        if inline:
+            ok, res, late = self._run_inline(f"read_into({kind})", self._read_into, keys, outs, kind, nbytes)
+        else:
+            ok, res, abandoned = self._run(f"read_into({kind})", self._read_into, list(keys), list(outs),
+                                           kind, nbytes)
         if not ok:
             return IntoResult([False] * len(keys), abandoned)
         good = []
@@ -245,15 +291,15 @@ class StoreGateway:
                 self.metrics.inc("load_bad_size")
                 log.warning("store entry of %d bytes where %d were expected; not used", info.nbytes, nbytes)
             good.append(info is not None and info.nbytes == nbytes)
-        return IntoResult(good)
+        return IntoResult(good, late=late)
 
     def _read_into(self, keys: list[bytes], outs: list[Any], kind: str, nbytes: int) -> list[EntryInfo | None]:
-        """On the gateway's executor (so the timeout covers it). An entry larger than its
-        buffer makes the store refuse the whole batch (caller misuse there); here it is one
-        wrong-sized entry, so the batch is read again with ``get_many`` and that entry is
-        left out, as ``get_many`` callers always had it."""
+        """For a ``ReadsInto`` store, on the gateway's executor (so the timeout covers it) or
+        inline. An entry larger than its buffer makes the store refuse the whole batch (caller
+        misuse there); here it is one wrong-sized entry, so the batch is read again with
+        ``get_many`` and that entry is left out, as ``get_many`` callers always had it."""
         try:
-            return read_into(self.store, keys, outs, kind=kind)
+            return self.store.get_many_into(keys, outs, kind=kind)
         except InvalidRequest:
             datas = self.store.get_many(keys, kind=kind)  # a bad key raises again: a real error
         k = EntryKind.parse(kind)

@@ -10,16 +10,27 @@ Path of a load (store -> device)::
         --copy_async(non_blocking) on the side stream--> pool block on device
         --event--> compute stream waits on the event before the layer group
 
-(stores without ``get_many_into`` go through ``kvstore.api.read_into``'s
-fallback: ``get_many`` bytes, then one copy into the staging buffer).
+(stores without ``get_many_into``: ``get_many`` bytes under the gateway's
+timeout, then one copy into the staging buffer on the loader thread).
+
+On a *host-resident* backend (``DeviceBackend.host_resident``: the "device"
+pool is ordinary host memory and ``copy_async`` is a memcpy on the calling
+thread, i.e. ``cpu``) the staging hop buys nothing, so the loader lets the
+store read straight into the destination pool blocks (``direct_reads``;
+``loader`` says what that changes)::
+
+    store.get_many_into: fragment bodies --one copy, checksum verified over the
+        pool block itself--> pool block (no staging buffer, no second copy)
 
 and of a save (device -> store): ``copy_async`` on the save stream into a
 pinned buffer, an event, then a background thread waits on the event and
 puts. One interface, three backends chosen at run time from ``BACKENDS``
 (a registry with lazy imports, as fsspec does; add a row for a new device):
 
-* ``cpu``: the same calls; copies are synchronous and events are no-ops.
-* ``cuda``: pinned host memory, ``non_blocking`` copies, side streams, events.
+* ``cpu``: the same calls; copies are synchronous and events are no-ops;
+  host-resident (direct reads into the pool).
+* ``cuda``: pinned host memory, ``non_blocking`` copies, side streams, events;
+  not host-resident (DMA from pinned staging).
 * ``npu``: the same through ``torch_npu``; asking for it without
   ``torch_npu`` installed raises ``InvalidRequest`` with an install hint.
 
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -61,6 +73,10 @@ class DeviceBackend:
     """CPU backend; the base of the accelerator backends (same call sequence everywhere)."""
 
     name = "cpu"
+    # True: device tensors are plain host memory and ``copy_async`` completes before it
+    # returns, so a store may write a pool block directly (no staging). A subclass whose
+    # copies are asynchronous, or whose pool is not host memory, must set it False.
+    host_resident = True
 
     def __init__(self, index: int = 0):
         self.index = index
@@ -93,6 +109,7 @@ class DeviceBackend:
 
 class CudaBackend(DeviceBackend):
     name = "cuda"
+    host_resident = False
 
     def __init__(self, index: int = 0):
         super().__init__(index)
@@ -201,6 +218,31 @@ class BufferPool:
             self._count[nbytes] = self._count.get(nbytes, 0) + 1
             self.allocations += 1
             return self.backend.empty_host(nbytes)
+
+    def acquire_many(self, nbytes: int, n: int, timeout: float | None = None) -> list[torch.Tensor]:
+        """Up to ``n`` buffers under one lock; waits at most ``timeout`` in all (not per buffer).
+
+        Returns fewer than ``n`` (possibly none) when the pool stays exhausted until the deadline:
+        the same shortfall as ``acquire``, for a whole batch.
+        """
+        out: list[torch.Tensor] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            free = self._free.setdefault(nbytes, [])
+            while len(out) < n:
+                if free:
+                    self.reuses += 1
+                    out.append(free.pop())
+                elif self._count.get(nbytes, 0) < self.max_per_size:
+                    self._count[nbytes] = self._count.get(nbytes, 0) + 1
+                    self.allocations += 1
+                    out.append(self.backend.empty_host(nbytes))
+                else:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._cv.wait(left)
+        return out
 
     def release(self, buf: torch.Tensor) -> None:
         with self._cv:

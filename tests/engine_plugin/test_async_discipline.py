@@ -28,6 +28,7 @@ class _Stream:
 
 class LazyBackend(DeviceBackend):
     name = "lazy"
+    host_resident = False  # its copies are asynchronous: the staged path, with its events
     seq = 0
 
     def new_stream(self):

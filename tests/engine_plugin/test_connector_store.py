@@ -177,10 +177,31 @@ def test_staging_buffers_are_reused_across_batches(rig, store):
     a = rig.engine(store)
     a.generate(prompt, GREEDY)
     a.connector.flush()
-    b = rig.engine(store, load_batch_blocks=4, staging_buffers=4, promote_to_host=False)
+    b = rig.engine(store, load_batch_blocks=4, staging_buffers=4, promote_to_host=False,
+                   direct_reads=False)  # the staged path (as on an accelerator)
     warm = b.generate(prompt + [7], GREEDY)
     assert warm.hit_tokens == 288
     assert b.connector.buffers.reuses > 0 and b.connector.buffers.allocations <= 4 + 1  # + a snapshot
+    rig.same(rig.cold(prompt + [7], GREEDY), warm)
+
+
+@pytest.mark.parametrize("promote", [True, False])
+def test_direct_reads_give_the_cold_answer(rig, store, promote):
+    """On the cpu backend the store reads straight into the pool blocks (and, unpromoted,
+    the snapshot straight into the window): the same answer, no host-tier copy of blocks."""
+    rng = random.Random(97)
+    prompt = rig.tokens(rng, 300)
+    a = rig.engine(store)
+    a.generate(prompt, GREEDY)
+    a.connector.flush()
+    b = rig.engine(store, load_batch_blocks=4, staging_buffers=4, promote_to_host=promote)
+    assert b.connector.direct_reads
+    warm = b.generate(prompt + [7], GREEDY)
+    assert warm.hit_tokens == 288 and warm.plan.snapshot_tier is Tier.STORE and b.rollbacks == 0
+    # loaded blocks are not promoted (the pool is host memory already); a promoted snapshot
+    # is (its staging buffer becomes the host entry)
+    assert not any(kind == "block" for (kind, _), _ in b.connector.host.items())
+    assert (("swa", a.hasher.hash_blocks(prompt)[17]) in b.connector.host) == promote
     rig.same(rig.cold(prompt + [7], GREEDY), warm)
 
 

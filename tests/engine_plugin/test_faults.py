@@ -77,6 +77,17 @@ def faulty_cls(request):
     return request.param
 
 
+# How the loading engine lands store payloads (engine_plugin.loader): straight into the pool
+# (the cpu default), through staging buffers (accelerators), and direct with the snapshot
+# read straight into the window too (unpromoted).
+LOAD_PATHS = {"direct": {}, "staged": {"direct_reads": False}, "direct_unpromoted": {"promote_to_host": False}}
+
+
+@pytest.fixture(params=sorted(LOAD_PATHS))
+def load_path(request) -> dict:
+    return LOAD_PATHS[request.param]
+
+
 KIND_DIRS = {"block": "1", "swa": "2"}  # the embedded store's per-kind fragment directories
 
 
@@ -98,12 +109,12 @@ def _seed(rig, store, prompt, **kw):
     return eng
 
 
-def test_corrupt_block_on_disk_falls_back_and_heals_the_store(rig, store, tmp_path):
+def test_corrupt_block_on_disk_falls_back_and_heals_the_store(rig, store, tmp_path, load_path):
     rng = random.Random(100)
     prompt = rig.tokens(rng, 120)
     a = _seed(rig, store, prompt, snapshot_end_of_input=False, snapshot_end_of_output=False)
     _corrupt(tmp_path / "store", a.hasher.hash_blocks(prompt)[4])
-    b = rig.engine(store)
+    b = rig.engine(store, **load_path)
     warm = b.generate(prompt, GREEDY)
     rig.same(rig.cold(prompt, GREEDY), warm)
     m = b.connector.metrics.snapshot()
@@ -117,13 +128,13 @@ def test_corrupt_block_on_disk_falls_back_and_heals_the_store(rig, store, tmp_pa
     rig.same(rig.cold(prompt, GREEDY), again)
 
 
-def test_corrupt_snapshot_falls_back_to_replay(rig, store, tmp_path):
+def test_corrupt_snapshot_falls_back_to_replay(rig, store, tmp_path, load_path):
     rng = random.Random(101)
     prompt = rig.tokens(rng, 96 + 7)
     a = _seed(rig, store, prompt, snapshot_end_of_output=False)  # snapshot at 96
     keys = a.hasher.hash_blocks(prompt)
     _corrupt(tmp_path / "store", keys[5], "swa")  # the SWA entry at 96; the blocks stay good
-    b = rig.engine(store)
+    b = rig.engine(store, **load_path)
     warm = b.generate(prompt, GREEDY)
     rig.same(rig.cold(prompt, GREEDY), warm)
     m = b.connector.metrics.snapshot()
@@ -131,23 +142,23 @@ def test_corrupt_snapshot_falls_back_to_replay(rig, store, tmp_path):
     assert warm.plan.hit_tokens == 96 and warm.plan.needs_replay  # same boundary, windows replayed
 
 
-def test_lost_or_wrong_sized_entries_at_load_time(rig, store, faulty_cls):
+def test_lost_or_wrong_sized_entries_at_load_time(rig, store, faulty_cls, load_path):
     rng = random.Random(102)
     prompt = rig.tokens(rng, 150)
     a = _seed(rig, store, prompt)
     keys = a.hasher.hash_blocks(prompt)
     faulty = faulty_cls(store)
     faulty.drop = {keys[6]}  # lost between lookup and load
-    b = rig.engine(faulty)
+    b = rig.engine(faulty, **load_path)
     rig.same(rig.cold(prompt, GREEDY), b.generate(prompt, GREEDY))
     assert b.rollbacks == 1 and b.connector.metrics.get("load_missing") == 1
     faulty.drop, faulty.truncate = set(), {keys[2]}
-    c = rig.engine(faulty)
+    c = rig.engine(faulty, **load_path)
     warm = c.generate(prompt, GREEDY)
     rig.same(rig.cold(prompt, GREEDY), warm)
     assert c.connector.metrics.get("load_bad_size") == 1 and warm.plan.hit_tokens == 32
     faulty.truncate = {keys[-1]}  # the snapshot key: the SWA entry is fine, the block is short
-    d = rig.engine(faulty)
+    d = rig.engine(faulty, **load_path)
     rig.same(rig.cold(prompt, GREEDY), d.generate(prompt, GREEDY))
     assert store.check() == []
 

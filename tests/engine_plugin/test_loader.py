@@ -1,16 +1,21 @@
-"""The loader's store -> staging path: reads land in the pool's buffers, verified there.
+"""The loader's two store paths: staged (store -> staging buffer -> pool) and direct (store -> pool).
 
-Checks what the read-into path adds to the loader's guarantees: a read abandoned
-at its timeout keeps its staging buffers out of the pool until it finished (it may
-still write into them), promoted blocks are the staging buffers themselves (no
-second copy, and the pool's accounting stays right), and stores without
-``get_many_into`` load the same bytes through the ``get_many`` fallback.
+Checks what the read-into paths add to the loader's guarantees. Staged: a read
+abandoned at its timeout keeps its staging buffers out of the pool until it
+finished (it may still write into them), promoted blocks are the staging buffers
+themselves (no second copy, and the pool's accounting stays right). Direct (the cpu
+backend's default): payloads land in the pool blocks with no staging buffer, a bad
+entry in the middle of a batch stops the good count there and the engine's answer
+is still the cold one, an overrun native read is waited for (it would otherwise
+write into blocks the engine recomputes) and trips the breaker, and a slow
+``get_many``-only store never writes after its timeout. Stores without ``get_many_into`` load the same bytes.
 """
 
 from __future__ import annotations
 
 import random
 import threading
+import time
 
 import torch
 
@@ -70,7 +75,7 @@ def test_abandoned_read_keeps_its_buffers_until_it_ends(rig, store):
     prompt, keys = _seeded(rig, store, 64, 1)
     gated = GatedStore(store)
     eng = rig.engine(gated, store_timeout_s=0.1, load_batch_blocks=4, staging_buffers=4,
-                     promote_to_host=False)
+                     promote_to_host=False, direct_reads=False)
     c = eng.connector
     good, _ = c.loader.load_blocks(_spec(keys[:4]), eng.pool.kv)
     assert good == 0 and c.metrics.get("store_timeouts") == 1
@@ -84,7 +89,7 @@ def test_abandoned_read_keeps_its_buffers_until_it_ends(rig, store):
 
 def test_promoted_blocks_are_the_staging_buffers_themselves(rig, store):
     prompt, keys = _seeded(rig, store, 96, 2)
-    eng = rig.engine(store, load_batch_blocks=2, staging_buffers=2)
+    eng = rig.engine(store, load_batch_blocks=2, staging_buffers=2, direct_reads=False)
     c = eng.connector
     good, ev = c.loader.load_blocks(_spec(keys), eng.pool.kv)
     c.backend.sync_event(ev["global"])
@@ -103,3 +108,81 @@ def test_plain_protocol_store_loads_the_same(rig, store):
     warm = b.generate(prompt + [9], GREEDY)
     assert warm.hit_tokens == 96 and b.rollbacks == 0
     rig.same(rig.cold(prompt + [9], GREEDY), warm)
+
+
+class SlowGetMany(GetManyOnly):
+    """The plain protocol, with every ``get_many`` taking ``delay_s``."""
+
+    def __init__(self, inner, delay_s: float):
+        super().__init__(inner)
+        self.delay_s = delay_s
+        self.done = threading.Event()
+
+    def get_many(self, keys, *, kind="block"):
+        time.sleep(self.delay_s)
+        try:
+            return self.inner.get_many(keys, kind=kind)
+        finally:
+            self.done.set()
+
+
+def test_direct_read_lands_in_the_pool_without_staging(rig, store):
+    prompt, keys = _seeded(rig, store, 96, 4)
+    eng = rig.engine(store, load_batch_blocks=4, staging_buffers=4)
+    c = eng.connector
+    assert c.direct_reads
+    spec = LoadSpec("r", tuple(BlockLoad(i, 10 + 2 * i, k, Tier.STORE) for i, k in enumerate(keys)), 0)
+    good, ev = c.loader.load_blocks(spec, eng.pool.kv)
+    c.backend.sync_event(ev["global"])
+    assert good == len(keys)
+    for i, k in enumerate(keys):  # non-adjacent destination blocks, each written whole
+        assert eng.pool.kv[10 + 2 * i].numpy().tobytes() == store.get(k)
+    assert c.buffers.allocations == 0 and len(c.host) == 0  # no staging, no promotion
+    assert c.metrics.get("bytes_loaded") == len(keys) * c.block_nbytes
+
+
+def test_direct_read_with_a_corrupt_entry_mid_batch_gives_the_cold_answer(rig, store, tmp_path):
+    from test_faults import _corrupt
+
+    prompt, keys = _seeded(rig, store, 150, 5)
+    _corrupt(tmp_path / "store", keys[3], "block")
+    eng = rig.engine(store, load_batch_blocks=8)  # blocks 0..7 in one read: 3 is mid-batch
+    assert eng.connector.direct_reads
+    eng.pool.kv.fill_(float("nan"))  # stale block contents: a block used without being written shows
+    warm = eng.generate(prompt + [5], GREEDY)
+    m = eng.connector.metrics.snapshot()
+    assert eng.rollbacks == 1 and m["load_errors"] == 1 and m["load_missing"] == 1
+    assert warm.plan.hit_tokens == 48  # re-planned at the bad block; 4.. (read fine) not adopted
+    rig.same(rig.cold(prompt + [5], GREEDY), warm)
+
+
+def test_overrun_direct_read_is_waited_for(rig, store):
+    prompt, keys = _seeded(rig, store, 64, 6)
+    gated = GatedStore(store)
+    eng = rig.engine(gated, store_timeout_s=0.05, load_batch_blocks=4)
+    c = eng.connector
+    threading.Timer(0.3, gated.gate.set).start()
+    t0 = time.monotonic()
+    good, _ = c.loader.load_blocks(_spec(keys[:4]), eng.pool.kv)
+    # it returned only once the store stopped writing into the pool blocks ...
+    assert gated.done.is_set() and time.monotonic() - t0 >= 0.25
+    # ... counted as a timeout (the breaker is open), its verified entries kept
+    assert c.metrics.get("store_timeouts") == 1 and c.metrics.get("direct_read_overruns") == 1
+    assert not c.gateway.available and good == 4
+    for i, k in enumerate(keys[:4]):
+        assert eng.pool.kv[i].numpy().tobytes() == store.get(k)
+
+
+def test_slow_plain_store_never_writes_after_its_timeout(rig, store):
+    prompt, keys = _seeded(rig, store, 64, 7)
+    slow = SlowGetMany(store, delay_s=0.3)
+    eng = rig.engine(slow, store_timeout_s=0.05, load_batch_blocks=4)
+    c = eng.connector
+    eng.pool.kv.fill_(7.0)
+    t0 = time.monotonic()
+    good, _ = c.loader.load_blocks(_spec(keys[:4]), eng.pool.kv)
+    assert good == 0 and time.monotonic() - t0 < 0.25  # bounded: not waited for
+    assert c.metrics.get("direct_read_overruns") == 0
+    assert slow.done.wait(5)
+    time.sleep(0.05)  # the gateway thread has returned the bytes; nobody copies them anywhere
+    assert bool((eng.pool.kv == 7.0).all())

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 
 from engine_plugin.tiers import HostCache, Metrics, StoreGateway
 from engine_plugin.transfer import BACKENDS, BufferPool, DeviceBackend, get_backend
-from kvstore.errors import InvalidRequest
+from kvstore.api import EntryInfo, EntryKind
+from kvstore.errors import InvalidRequest, StoreUnavailable
 
 
 def test_backend_registry():
@@ -49,6 +52,18 @@ def test_buffer_pool_reuses_and_applies_backpressure():
     assert got == [b]
 
 
+def test_buffer_pool_acquire_many_is_bounded_by_one_timeout():
+    pool = BufferPool(DeviceBackend(), max_buffers_per_size=3)
+    a = pool.acquire(64)
+    pool.release(a)
+    got = pool.acquire_many(64, 5, timeout=0.05)  # 1 reused + 2 new, then 0.05 s for the rest
+    assert len(got) == 3 and got[0] is a and pool.allocations == 3 and pool.reuses == 1
+    assert pool.acquire_many(64, 2, timeout=0.01) == []  # exhausted: a shortfall, not a hang
+    threading.Timer(0.05, pool.release, (got[1],)).start()
+    assert pool.acquire_many(64, 2, timeout=0.3) == [got[1]]  # woken by the release, then times out
+    assert pool.acquire_many(64, 0) == []
+
+
 def test_host_cache_lru_by_bytes():
     evicted = []
     hc = HostCache(3 * 64, on_evict=lambda k, key, t: evicted.append(key))
@@ -65,6 +80,40 @@ def test_gateway_without_store_is_a_shortfall():
     assert gw.lookup([b"k" * 16]) is None
     assert gw.get_many([b"k" * 16], kind="block", nbytes=4) == [None]
     assert gw.put_many([]) is False
+    gw.close()
+
+
+class _NativeStub:
+    """A ``ReadsInto`` store in a few lines: fills each buffer with 1s, optionally slow or failing."""
+
+    def __init__(self, delay_s: float = 0.0, exc: Exception | None = None):
+        self.delay_s, self.exc = delay_s, exc
+
+    def get_many_into(self, keys, outs, *, kind="block"):
+        time.sleep(self.delay_s)
+        if self.exc is not None:
+            raise self.exc
+        for o in outs:
+            o[:4] = 1
+        return [EntryInfo(k, EntryKind.BLOCK, 4) for k in keys]
+
+    def get_many(self, keys, *, kind="block"):
+        return [b"\x01" * 4 for _ in keys]
+
+
+def test_gateway_inline_read_is_never_abandoned_but_trips_the_breaker():
+    m = Metrics()
+    gw = StoreGateway(_NativeStub(delay_s=0.15), m, timeout_s=0.05, backoff_s=60)
+    outs = [np.zeros(4, np.uint8) for _ in range(2)]
+    res = gw.read_into([b"k" * 16, b"j" * 16], outs, kind="block", nbytes=4, inline=True)
+    assert res.ok == [True, True] and res.late and res.pending is None  # finished: kept
+    assert all((o == 1).all() for o in outs) and m.get("store_timeouts") == 1 and not gw.available
+    gw.close()
+    gw = StoreGateway(_NativeStub(exc=StoreUnavailable("down")), m, timeout_s=0.05, backoff_s=60)
+    res = gw.read_into([b"k" * 16], [np.zeros(4, np.uint8)], kind="block", nbytes=4, inline=True)
+    assert res.ok == [False] and not res.late and m.get("store_errors") == 1 and not gw.available
+    assert gw.read_into([b"k" * 16], [np.zeros(4, np.uint8)], kind="block", nbytes=4,
+                        inline=True).ok == [False] and m.get("store_skipped") == 1  # breaker open
     gw.close()
 
 
