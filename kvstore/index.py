@@ -45,6 +45,7 @@ _META = struct.Struct("<BBBBBIQQQQQQ8s")
 _EXPIRES_OFF = 1 + 1 + 1 + 1 + 1 + 4 + 8 + 8 + 8 + 8 + 8  # byte offset of expires_ns inside a Meta record
 FLAG_PINNED = 1
 _U64 = struct.Struct(">Q")
+_EXP = struct.Struct("<Q")  # expires_ns as stored in a Meta record
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +152,7 @@ class Index:
 
     @staticmethod
     def expires_of(raw: bytes) -> int:
-        return struct.unpack_from("<Q", raw, _EXPIRES_OFF)[0]
+        return _EXP.unpack_from(raw, _EXPIRES_OFF)[0]
 
     # ------------------------------------------------------------------ counters
     def add_counter(self, txn: lmdb.Transaction, name: str, delta: int) -> None:
@@ -253,39 +254,32 @@ class Index:
     def lookup(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int) -> tuple[int, int | None]:
         """Longest live block prefix of the chain ``keys`` and the last SWA boundary within it.
 
-        O(len(chain)) point reads in one read transaction; nothing is written.
+        O(hit length) point reads in one read transaction; nothing is written.
         """
         if not keys:
             return 0, None
         bp, sp = bytes((block_code,)), bytes((swa_code,))
-        ek_blocks = [bp + k for k in keys]
-        expires_of = self.expires_of
-        with self.env.begin() as txn:
-            cur = txn.cursor(db=self.db["entries"])
-            found = dict(cur.getmulti(ek_blocks))
+        unpack, off, db = _EXP.unpack_from, _EXPIRES_OFF, self.db["entries"]
+        with self.env.begin(buffers=True) as txn:
+            get = txn.get  # point reads, stopping at the first miss (measured faster than getmulti)
             hit = 0
-            for ek in ek_blocks:
-                raw = found.get(ek)
+            for k in keys:
+                raw = get(bp + k, db=db)
                 if raw is None:
                     break
-                exp = expires_of(raw)
+                exp = unpack(raw, off)[0]
                 if exp and exp <= now_ns:
                     break
                 hit += 1
-            # The last live SWA entry at or below the hit, searched backwards from the hit in
-            # growing windows (snapshots sit at turn ends and fixed intervals, so usually the
-            # first window answers; the worst case still reads each SWA key once).
-            swa_at, hi, width = None, hit, 32
-            while hi > 0 and swa_at is None:
-                lo = max(0, hi - width)
-                ek_swa = [sp + k for k in keys[lo:hi]]
-                got = dict(cur.getmulti(ek_swa))
-                for n in range(hi, lo, -1):
-                    raw = got.get(ek_swa[n - 1 - lo])
-                    if raw is not None:
-                        exp = expires_of(raw)
-                        if not exp or exp > now_ns:
-                            swa_at = n
-                            break
-                hi, width = lo, width * 4
+            # The last live SWA entry at or below the hit, read backwards from the hit
+            # (snapshots sit at turn ends and fixed intervals, so the first few reads answer;
+            # the worst case, no snapshot at all, reads each SWA key of the hit once).
+            swa_at = None
+            for n in range(hit, 0, -1):
+                raw = get(sp + keys[n - 1], db=db)
+                if raw is not None:
+                    exp = unpack(raw, off)[0]
+                    if not exp or exp > now_ns:
+                        swa_at = n
+                        break
             return hit, swa_at
