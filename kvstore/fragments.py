@@ -39,6 +39,12 @@ class _Encoded:
 
 
 
+def _frame_matches(fh: codec.FragmentHeader, ek: bytes, meta: Meta, i: int) -> bool:
+    """Is this fragment header the one the index record expects in slot ``i``?"""
+    return (fh.index == i and fh.key == ek[1:] and fh.gen == meta.gen and fh.kind_code == ek[0]
+            and fh.entry_len == meta.entry_len and fh.k == meta.k and fh.m == meta.m)
+
+
 class FragmentIO:
     """Write and read paths over the targets (see the module docstring)."""
 
@@ -154,8 +160,7 @@ class FragmentIO:
                     raise
                 self._count("read_retries")
                 log.info("fragment %d of %s on %s: retrying after %s", i, ek[1:].hex(), meta.targets[i], exc)
-        if (fh.index != i or fh.key != ek[1:] or fh.gen != meta.gen or fh.kind_code != ek[0]
-                or fh.entry_len != meta.entry_len or fh.k != meta.k or fh.m != meta.m):
+        if not _frame_matches(fh, ek, meta, i):
             raise CorruptData(f"fragment {i} on {meta.targets[i]} belongs to another entry or slot")
         return body
 
@@ -312,8 +317,7 @@ class FragmentIO:
                 if n != flen:
                     return None
                 fh, body = (codec.parse_fragment if i == 0 else codec.peek_fragment)(view[:n], max_body=flen)
-                if (fh.index != i or fh.key != ek[1:] or fh.gen != meta.gen or fh.kind_code != ek[0]
-                        or fh.entry_len != meta.entry_len or fh.k != k or fh.m != meta.m):
+                if not _frame_matches(fh, ek, meta, i):
                     return None
                 bodies[i] = body
             pieces = codec.erasure_code(k, meta.m, self.config.ec_type).data_pieces(bodies)
@@ -378,9 +382,8 @@ class FragmentIO:
                 if n != flen:
                     return None
                 fh, _ = codec.peek_fragment(heads[i], max_body=flen, body_len=flen - codec.FRAG_HEADER_LEN)
-                if (fh.index != i or fh.key != ek[1:] or fh.gen != meta.gen or fh.kind_code != ek[0]
-                        or fh.entry_len != elen or fh.k != k or fh.m != meta.m
-                        or not code.data_lead_ok(heads[i][codec.FRAG_HEADER_LEN:], i, share, elen)):
+                if not (_frame_matches(fh, ek, meta, i)
+                        and code.data_lead_ok(heads[i][codec.FRAG_HEADER_LEN:], i, share, elen)):
                     return None
                 if i == 0:  # fragment 0 carries the entry header: verify it whole
                     x0.update(heads[0][: codec.FRAG_HEADER_LEN - 8])
