@@ -254,32 +254,40 @@ class Index:
     def lookup(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int) -> tuple[int, int | None]:
         """Longest live block prefix of the chain ``keys`` and the last SWA boundary within it.
 
-        O(hit length) point reads in one read transaction; nothing is written.
+        O(chain) point reads in one read transaction (fewer when SWA snapshots are near the
+        hit); nothing is written.
         """
         if not keys:
             return 0, None
         bp, sp = bytes((block_code,)), bytes((swa_code,))
-        unpack, off, db = _EXP.unpack_from, _EXPIRES_OFF, self.db["entries"]
-        with self.env.begin(buffers=True) as txn:
-            get = txn.get  # point reads, stopping at the first miss (measured faster than getmulti)
+        unpack, off = _EXP.unpack_from, _EXPIRES_OFF
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self.db["entries"])
+            ek_blocks = [bp + k for k in keys]
             hit = 0
-            for k in keys:
-                raw = get(bp + k, db=db)
-                if raw is None:
+            # getmulti answers the found keys in the order asked: the prefix ends at the first
+            # answer that is not the next chain key, or that has expired.
+            for (ek, raw), want in zip(cur.getmulti(ek_blocks), ek_blocks):
+                if ek != want:
                     break
                 exp = unpack(raw, off)[0]
                 if exp and exp <= now_ns:
                     break
                 hit += 1
-            # The last live SWA entry at or below the hit, read backwards from the hit
-            # (snapshots sit at turn ends and fixed intervals, so the first few reads answer;
-            # the worst case, no snapshot at all, reads each SWA key of the hit once).
-            swa_at = None
-            for n in range(hit, 0, -1):
-                raw = get(sp + keys[n - 1], db=db)
-                if raw is not None:
-                    exp = unpack(raw, off)[0]
-                    if not exp or exp > now_ns:
-                        swa_at = n
-                        break
+            # The last live SWA entry at or below the hit, searched backwards from the hit in
+            # growing windows (snapshots sit at turn ends and fixed intervals, so usually the
+            # first window answers; the worst case, no snapshot, reads each SWA key once).
+            swa_at, hi, width = None, hit, 16
+            while hi > 0 and swa_at is None:
+                lo = max(0, hi - width)
+                window = [sp + k for k in keys[lo:hi]]
+                found = cur.getmulti(window)
+                if found:
+                    at = {ek: lo + i + 1 for i, ek in enumerate(window)}
+                    for ek, raw in reversed(found):
+                        exp = unpack(raw, off)[0]
+                        if not exp or exp > now_ns:
+                            swa_at = at[ek]
+                            break
+                hi, width = lo, width * 4
             return hit, swa_at
