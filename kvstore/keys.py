@@ -182,3 +182,11 @@ def check_key(key: bytes) -> bytes:
             f"a key must be exactly {KEY_LEN} bytes (a kvstore.keys block hash), got {len(key)}"
         )
     return key
+
+
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """``check_key`` over a batch, with one cheap pass for the common all-valid case."""
+    keys = list(keys)
+    if all(type(k) is bytes and len(k) == KEY_LEN for k in keys):
+        return keys
+    return [check_key(k) for k in keys]

@@ -53,7 +53,7 @@ import grpc
 from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
 from kvstore.direct import DirectReads, copy_into, parse_mode
 from kvstore.errors import InternalError, InvalidRequest, StoreClosed
-from kvstore.keys import check_key
+from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -257,7 +257,7 @@ class RemoteStore:
         return self.get_entry(key, kind=kind).data
 
     def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:
-        keys = [check_key(k) for k in keys]
+        keys = check_keys(keys)
         if not keys:
             return []
         k = EntryKind.parse(kind)
@@ -348,7 +348,7 @@ class RemoteStore:
         """Longest prefix; a chain longer than ``max_batch_items`` is looked up piece by piece,
         each piece only while every key before it hit (a 100k-token prompt in 16-token blocks
         is a 6,250-key chain)."""
-        keys = [check_key(k) for k in keys]
+        keys = check_keys(keys)
         step = self.options.max_batch_items
         hit, swa_at = 0, None
         for off in range(0, len(keys), step):
@@ -361,7 +361,7 @@ class RemoteStore:
         return LookupResult(hit, swa_at)
 
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
-        msgs = [pb.LookupRequest(keys=[check_key(k) for k in c]) for c in chains]
+        msgs = [pb.LookupRequest(keys=check_keys(c)) for c in chains]
         if not msgs:
             return []
         if len(msgs) > self.options.max_batch_items or any(len(m.keys) > self.options.max_batch_items for m in msgs):
@@ -370,7 +370,7 @@ class RemoteStore:
 
     def probe(self, keys: Sequence[bytes]) -> tuple[bytes, bytes]:
         """Per key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings."""
-        keys = [check_key(k) for k in keys]
+        keys = check_keys(keys)
         step = self.options.max_batch_items
         block, swa = [], []
         for off in range(0, len(keys), step):

@@ -61,7 +61,7 @@ from kvstore.errors import (
     Unrecoverable,
 )
 from kvstore.index import Index, Meta, ekey
-from kvstore.keys import KEY_LEN, check_key
+from kvstore.keys import check_key, check_keys
 from kvstore.targets import Target, open_target
 
 log = logging.getLogger(__name__)
@@ -397,8 +397,7 @@ class EmbeddedStore(FragmentIO):
     # ------------------------------------------------------------------ lookup
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         self._check_open()
-        if not all(type(k) is bytes and len(k) == KEY_LEN for k in keys):
-            keys = [check_key(k) for k in keys]
+        keys = check_keys(keys)
         hit, swa = self.index.lookup(keys, EntryKind.BLOCK.code, EntryKind.SWA.code, self.now_ns())
         return LookupResult(hit, swa)
 

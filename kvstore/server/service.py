@@ -65,7 +65,7 @@ from kvstore.config import StoreConfig
 from kvstore.direct import client_url
 from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound
 from kvstore.index import Meta, ekey
-from kvstore.keys import check_key
+from kvstore.keys import check_key, check_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
 from kvstore.server.config import ServerConfig
@@ -346,6 +346,12 @@ class Daemon:
     def _key(tenant: Tenant, key: bytes) -> bytes:
         return tenant.store_key(check_key(key))  # validate the client's key before mapping it
 
+    @staticmethod
+    def _keys(tenant: Tenant, keys: Any) -> list[bytes]:
+        """``_key`` over a batch (every key validated before any is mapped)."""
+        keys = check_keys(keys)
+        return [tenant.store_key(k) for k in keys] if tenant.secret else keys
+
     def _item(self, r: pb.PutRequest, tenant: Tenant) -> PutItem:
         ttl = r.ttl_s if r.HasField("ttl_s") else None
         if ttl is not None and not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL_S):
@@ -476,7 +482,7 @@ class Daemon:
 
     def _lookup_one(self, keys: Any, tenant: Tenant) -> LookupResult:
         self._batch(len(keys), "lookup chain")
-        res = self.store.lookup([self._key(tenant, k) for k in keys])
+        res = self.store.lookup(self._keys(tenant, keys))
         self.metrics.hit("lookup", "block", res.hit_blocks > 0)
         self.metrics.hit("lookup", "swa", res.swa_at is not None)
         return res
