@@ -294,6 +294,23 @@ class EmbeddedStore(FragmentIO):
             return [one(i) for i in range(len(eks))]
         return list(self._batch_pool.map(one, range(len(eks))))
 
+    def locate(self, eks: Sequence[bytes]) -> list[Meta | None]:
+        """The index half of a get, for readers that fetch the fragments themselves
+        (``kvstore.direct``, through the daemon's Locate): per ``kind + key`` the live index
+        record (``None``: absent, expired or lost), each live one touched as a get does."""
+        self._check_open()
+        now = self.now_ns()
+        with self.index.env.begin() as txn:
+            metas = [self.index.get_meta(txn, ek) for ek in eks]
+        out: list[Meta | None] = []
+        for ek, m in zip(eks, metas):
+            if m is None or (m.expires_ns and m.expires_ns <= now):
+                out.append(None)
+                continue
+            self._touch(ek, now)  # a located entry is about to be read: a use, as a get is
+            out.append(m)
+        return out
+
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
                       kind: str = "block") -> list[EntryInfo | None]:
         """Batched get straight into caller buffers (``kvstore.api``, "Reading into caller

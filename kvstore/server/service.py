@@ -64,7 +64,7 @@ from kvstore.api import EntryKind, LookupResult, PutItem
 from kvstore.config import StoreConfig
 from kvstore.direct import client_url
 from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound
-from kvstore.index import Meta, ekey
+from kvstore.index import ekey
 from kvstore.keys import check_key, check_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
@@ -414,7 +414,7 @@ class Daemon:
     def _get_many(self, r: pb.GetManyRequest, tenant: Tenant) -> pb.GetManyReply:
         self._batch(len(r.keys), "get_many")
         kind = kind_or_default(r.kind)
-        vals = self.store.get_many([self._key(tenant, k) for k in r.keys], kind=kind)
+        vals = self.store.get_many(self._keys(tenant, r.keys), kind=kind)
         hits = sum(v is not None for v in vals)
         self.metrics.hit("get", kind, True, hits)
         self.metrics.hit("get", kind, False, len(vals) - hits)
@@ -433,7 +433,7 @@ class Daemon:
         """
         self._batch(len(r.keys), "get_many")
         kind = kind_or_default(r.kind)
-        keys = [self._key(tenant, k) for k in r.keys]
+        keys = self._keys(tenant, r.keys)
         starts = list(range(0, len(keys), GET_STREAM_WINDOW))
 
         def read(start: int) -> list[bytes | None]:
@@ -531,8 +531,8 @@ class Daemon:
                                    "read through Get/GetStream")
         self._batch(len(r.keys), "locate")
         kind = EntryKind.parse(kind_or_default(r.kind))
-        eks = [ekey(kind.code, self._key(tenant, k)) for k in r.keys]  # validate every key first
-        metas = _locate_entries(self.store, eks)
+        eks = [ekey(kind.code, k) for k in self._keys(tenant, r.keys)]  # validate every key first
+        metas = self.store.locate(eks)
         hits = sum(m is not None for m in metas)
         self.metrics.hit("locate", kind.value, True, hits)
         self.metrics.hit("locate", kind.value, False, len(metas) - hits)
@@ -560,27 +560,6 @@ class Daemon:
 
     def _repair(self, r: pb.RepairRequest, tenant: Tenant) -> pb.JsonReply:
         return pb.JsonReply(json=json.dumps(self.store.repair(), default=str))
-
-
-def _locate_entries(store: Any, eks: Sequence[bytes]) -> list[Meta | None]:
-    """Live index records of ``eks`` (``None``: absent or expired; lost ones are not in
-    ``entries``), each live one touched exactly as ``EmbeddedStore.get_entries`` does.
-
-    The one place that reaches into the embedded store's index for Locate (its
-    ``index``, ``now_ns`` and ``_touch``); a public ``EmbeddedStore.locate`` would replace it.
-    """
-    store._check_open()
-    now = store.now_ns()
-    with store.index.env.begin() as txn:
-        metas = [store.index.get_meta(txn, ek) for ek in eks]
-    out: list[Meta | None] = []
-    for ek, m in zip(eks, metas):
-        if m is None or (m.expires_ns and m.expires_ns <= now):
-            out.append(None)
-            continue
-        store._touch(ek, now)  # a located entry is about to be read: a use, as a get is
-        out.append(m)
-    return out
 
 
 def _read_tls_files(cfg: ServerConfig) -> dict[str, bytes]:
