@@ -24,7 +24,7 @@ from kvstore.errors import CapacityExceeded, CorruptData, IncompatibleFormat, In
 from kvstore.index import Meta, ekey
 from kvstore.keys import check_key
 from kvstore.placement import place
-from kvstore.targets import LocalTarget, TargetUnavailable, fragment_path
+from kvstore.targets import LocalTarget, TargetUnavailable, fragment_path, fragment_prefix
 
 log = logging.getLogger("kvstore.store")
 
@@ -303,8 +303,7 @@ class FragmentIO:
         k, flen = meta.k, meta.frag_len
         slot = flen + 1  # one byte more, so that an over-long file shows as a wrong length
         scratch = self._scratch(slot * k)
-        hx = ek[1:].hex()
-        rel = f"/{ek[0]}/{hx[:2]}/{hx}.{meta.gen.hex()}."
+        rel = "/" + fragment_prefix(ek[0], ek[1:], meta.gen)
         bodies: dict[int, memoryview] = {}
         try:
             for i in range(k):
@@ -360,8 +359,7 @@ class FragmentIO:
         ehead = scratch[k * head : k * head + hlen]
         pad = scratch[k * head + hlen : k * head + hlen + share]
         spare = scratch[k * head + hlen + share :]
-        hx = ek[1:].hex()
-        rel = f"/{ek[0]}/{hx[:2]}/{hx}.{meta.gen.hex()}."
+        rel = "/" + fragment_prefix(ek[0], ek[1:], meta.gen)
         x0 = xxhash.xxh3_64()
         try:
             for i in range(k):

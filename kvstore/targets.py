@@ -37,8 +37,13 @@ class TargetUnavailable(OSError):
 
 def fragment_path(kind_code: int, key: bytes, gen: bytes, index: int) -> str:
     """``<kind>/<key[0]>/<key hex>.<gen hex>.<index>``: unique per (entry, generation, fragment)."""
+    return f"{fragment_prefix(kind_code, key, gen)}{index}"
+
+
+def fragment_prefix(kind_code: int, key: bytes, gen: bytes) -> str:
+    """``fragment_path`` without the index (a reader appends each fragment's index)."""
     hx = key.hex()
-    return f"{kind_code}/{hx[:2]}/{hx}.{gen.hex()}.{index}"
+    return f"{kind_code}/{hx[:2]}/{hx}.{gen.hex()}."
 
 
 def parse_fragment_path(rel: str) -> tuple[int, bytes, bytes, int] | None:
