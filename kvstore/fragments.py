@@ -94,7 +94,7 @@ class FragmentIO:
                 i: self._pool.submit(
                     self.targets[chosen[i]].write,
                     fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, i),
-                    enc.frames[i], fsync=self.config.fsync, fresh=True,
+                    enc.frames[i], fsync=self.config.fsync,
                 )
                 for i in pending
             }

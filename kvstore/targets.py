@@ -3,18 +3,11 @@
 A target is one directory-like root (a local disk, an S3 bucket prefix, a
 mounted distributed file system). The store calls exactly four operations:
 
-* ``write(rel, data, fresh=False)``: atomic publish. Local roots write
-  ``.tmp.*`` beside the final name, fsync the file, rename it into place, then
-  fsync the directory (rename is atomic on POSIX; the directory fsync makes the
-  new name durable). With ``fresh=True`` the caller promises that ``rel`` is a
-  name nobody has used or will read until the caller says so (a put's
-  fragments: the name carries a random generation and the index points at it
-  only after the write returns), so a local root creates the final name
-  directly (``O_EXCL``), fsyncs it and its directory: the same durability with
-  one journal commit instead of two. A crash midway leaves a torn file under a
-  name no index record names: an orphan, swept after the grace period like a
-  ``.tmp.*`` one. Object stores (s3, gcs, memory) publish a whole object in
-  one call, which is already atomic.
+* ``write(rel, data)``: atomic publish. Local roots write ``.tmp.*`` beside
+  the final name, fsync the file, rename it into place, then fsync the
+  directory (rename is atomic on POSIX; the directory fsync makes the new name
+  durable). Object stores (s3, gcs, memory) publish a whole object in one
+  call, which is already atomic.
 * ``read(rel) -> bytes``, ``delete(rel)``, ``walk() -> (rel, size, mtime)``.
 
 Implementations are chosen by URL scheme through ``TARGET_TYPES`` (a registry,
@@ -106,7 +99,7 @@ class Target:
         except OSError:
             return False
 
-    def write(self, rel: str, data: bytes, *, fsync: bool, fresh: bool = False) -> None:
+    def write(self, rel: str, data: bytes, *, fsync: bool) -> None:
         path = self._p(rel)
         if not self.is_up():
             raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
@@ -190,15 +183,14 @@ class LocalTarget(Target):
     def is_up(self) -> bool:
         return os.path.isdir(self.root)
 
-    def write(self, rel: str, data: bytes, *, fsync: bool, fresh: bool = False) -> None:
+    def write(self, rel: str, data: bytes, *, fsync: bool) -> None:
         path = self._p(rel)
         d = os.path.dirname(path)
         if not os.path.isdir(self.root):
             raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
         if not os.path.isdir(d):
             self._make_dirs(d, fsync=fsync)
-        # fresh: the final name, which nobody reads before we return (see the module docstring)
-        tmp = path if fresh else os.path.join(d, f".tmp.{secrets.token_hex(6)}.{os.path.basename(path)}")
+        tmp = os.path.join(d, f".tmp.{secrets.token_hex(6)}.{os.path.basename(path)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -215,10 +207,9 @@ class LocalTarget(Target):
                 pass
             raise
         os.close(fd)
-        if not fresh:
-            os.rename(tmp, path)  # atomic publish: readers see the old state or the whole fragment
+        os.rename(tmp, path)  # atomic publish: readers see the old state or the whole fragment
         if fsync:
-            _fsync_dir(d)  # the new name durable before the index commits
+            _fsync_dir(d)  # the rename itself durable before the index commits
 
     def _make_dirs(self, d: str, *, fsync: bool) -> None:
         """Create ``d`` (and missing parents below the root); with ``fsync``, make each new
