@@ -102,11 +102,18 @@ def encode_entry(
     zstd_level: int,
     min_ratio: float,
 ) -> bytes:
-    """Self-describing entry bytes; zstd only when it shrinks by ``min_ratio`` or more."""
+    """Self-describing entry bytes; zstd only when it shrinks by ``min_ratio`` or more.
+
+    Early abort (as btrfs and ZFS do before compressing a whole extent): a payload of at
+    least ``2 * ZSTD_PROBE`` bytes is compressed whole only when its first ``ZSTD_PROBE``
+    bytes shrink by ``min_ratio``; KV tensors are near-incompressible noise (fp16/bf16
+    mantissas), and compressing a 1 MiB block only to throw the result away costs more
+    than writing it. A payload whose head is noise and whose tail is not is stored raw.
+    """
     plain = memoryview(payload).cast("B")
     stored: bytes | memoryview = plain
     codec = CODEC_RAW
-    if compression == "zstd" and len(plain) > 64:
+    if compression == "zstd" and len(plain) > 64 and _worth_compressing(plain, zstd_level, min_ratio):
         comp = _zc(zstd_level).compress(plain)
         if len(comp) * min_ratio <= len(plain):
             stored, codec = comp, CODEC_ZSTD
@@ -118,6 +125,15 @@ def encode_entry(
     )
     dims = struct.pack(f"<{len(layout.shape)}Q", *layout.shape)
     return b"".join((head, dims, stored))
+
+
+ZSTD_PROBE = 64 * 1024
+
+
+def _worth_compressing(plain: memoryview, level: int, min_ratio: float) -> bool:
+    if len(plain) < 2 * ZSTD_PROBE:
+        return True
+    return len(_zc(level).compress(plain[:ZSTD_PROBE])) * min_ratio <= ZSTD_PROBE
 
 
 def decode_entry_header(buf: bytes | memoryview, *, max_plain: int) -> EntryHeader:

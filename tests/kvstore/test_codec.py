@@ -35,6 +35,36 @@ def test_zstd_only_when_it_pays():
     assert codec.decode_entry_header(raw, max_plain=10**6).codec == codec.CODEC_RAW
 
 
+def test_zstd_probe_aborts_early_on_a_noisy_head(monkeypatch):
+    """Large payloads: the head decides (``codec.ZSTD_PROBE``); a compressible payload is still
+    compressed, noise is never compressed whole, and every choice round-trips."""
+    import os
+
+    n = 8 * codec.ZSTD_PROBE
+    calls: list[int] = []
+    real = codec._zc
+
+    class Spy:
+        def __init__(self, level):
+            self.z = real(level)
+
+        def compress(self, data):
+            calls.append(len(data))
+            return self.z.compress(data)
+
+    monkeypatch.setattr(codec, "_zc", Spy)
+    cases = {"zeros": bytes(n), "noise": os.urandom(n),
+             "noisy head": os.urandom(codec.ZSTD_PROBE) + bytes(n - codec.ZSTD_PROBE)}
+    want = {"zeros": (codec.CODEC_ZSTD, [codec.ZSTD_PROBE, n]), "noise": (codec.CODEC_RAW, [codec.ZSTD_PROBE]),
+            "noisy head": (codec.CODEC_RAW, [codec.ZSTD_PROBE])}
+    for name, payload in cases.items():
+        calls.clear()
+        buf = codec.encode_entry(KEY, EntryKind.BLOCK, payload, Layout.for_bytes(n), 0,
+                                 compression="zstd", zstd_level=3, min_ratio=1.1)
+        assert (codec.decode_entry_header(buf, max_plain=n).codec, calls) == want[name], name
+        assert codec.decode_entry(buf, max_plain=n)[1] == payload
+
+
 @given(st.binary(min_size=1, max_size=3000), st.data())
 @settings(max_examples=60, deadline=None)
 def test_bit_flips_and_truncation_never_decode_silently(payload, data):
