@@ -251,6 +251,23 @@ class Index:
                 return
 
     # ------------------------------------------------------------------ lookup
+    def probe(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int) -> tuple[bytes, bytes]:
+        """Per key, independently: 1 if a live block entry, and 1 if *also* a live SWA entry
+        (what ``lookup`` of that key alone would say); two byte strings, one read transaction,
+        O(len(keys)). A sharded client probes every key of a chain on its shard and walks the
+        prefix itself."""
+        bp, sp = bytes((block_code,)), bytes((swa_code,))
+        unpack, off = _EXP.unpack_from, _EXPIRES_OFF
+
+        def live(found: list[tuple[bytes, bytes]]) -> set[bytes]:
+            return {ek[1:] for ek, raw in found if not (e := unpack(raw, off)[0]) or e > now_ns}
+
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self.db["entries"])
+            blocks = live(cur.getmulti([bp + k for k in keys]))
+            swas = live(cur.getmulti([sp + k for k in keys if k in blocks])) if blocks else set()
+        return (bytes(k in blocks for k in keys), bytes(k in swas for k in keys))
+
     def lookup(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int) -> tuple[int, int | None]:
         """Longest live block prefix of the chain ``keys`` and the last SWA boundary within it.
 

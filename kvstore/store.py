@@ -421,6 +421,12 @@ class EmbeddedStore(FragmentIO):
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
         return [self.lookup(c) for c in chains]
 
+    def probe(self, keys: Sequence[bytes]) -> tuple[bytes, bytes]:
+        """Per key, on its own (not a chain): 1 if a live block entry, and 1 if also a live SWA
+        entry; as two byte strings (``RemoteStore.probe``'s answer, which serves it)."""
+        self._check_open()
+        return self.index.probe(check_keys(keys), EntryKind.BLOCK.code, EntryKind.SWA.code, self.now_ns())
+
     # ------------------------------------------------------------------ capacity
     def used_bytes(self) -> int:
         with self.index.env.begin() as txn:

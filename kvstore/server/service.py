@@ -497,10 +497,8 @@ class Daemon:
 
     def _probe(self, r: pb.LookupRequest, tenant: Tenant) -> pb.ProbeReply:
         self._batch(len(r.keys), "probe")
-        # A one-key chain's lookup says whether the block is live and, if so, whether its SWA is.
-        res = self.store.lookup_many([[self._key(tenant, k)] for k in r.keys])
-        return pb.ProbeReply(block=bytes(x.hit_blocks for x in res),
-                             swa=bytes(1 if x.swa_at else 0 for x in res))
+        block, swa = self.store.probe(self._keys(tenant, r.keys))
+        return pb.ProbeReply(block=block, swa=swa)
 
     def _describe(self, r: pb.DescribeRequest, tenant: Tenant) -> pb.DescribeReply:
         """What a direct-reading client needs, fetched once per client (``kvstore.direct``)."""

@@ -22,3 +22,19 @@ def test_long_chain_lookup_over_the_batch_limit(make_daemon):
         assert [x.hit_blocks for x in s.lookup_many([keys, keys[:30]])] == [250, 30]
         block, swa = s.probe(keys)
         assert block.count(1) == 250 and swa.count(1) == 2
+
+
+def test_sharded_batch_placement_is_owner_per_key():
+    """``ShardedStore._group`` (one score matrix for a batch) must place every key exactly where
+    ``owner`` (the per-key rendezvous rule) does; no daemon needed, channels connect lazily."""
+    from kvstore.sharded import ShardedStore
+
+    s = ShardedStore([f"grpc://127.0.0.1:{p}" for p in (1, 2, 3, 4)])
+    try:
+        keys = [os.urandom(16) for _ in range(2000)]
+        groups = s._group(keys)
+        assert sorted(i for pos in groups.values() for i in pos) == list(range(len(keys)))
+        assert all(s.owner(keys[i]) == shard for shard, pos in groups.items() for i in pos)
+        assert len(groups) == 4 and s._group([]) == {}
+    finally:
+        s.close()

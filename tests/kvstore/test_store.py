@@ -81,6 +81,26 @@ def test_lookup_swa_at_is_the_last_live_snapshot_below_the_hit(store, hasher, se
     assert (r.hit_blocks, r.swa_at) == (hit, below[-1] if below else None), (hit, swa)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_probe_is_each_keys_own_lookup(store, keys, clock, seed):
+    """``probe`` (what the daemon answers a sharded client's Probe with) against its model:
+    ``lookup`` of each key alone, over live, expired, SWA-only and absent keys."""
+    rng = np.random.default_rng(seed)
+    ks = keys[:24]
+    for k in ks:
+        state = int(rng.integers(0, 6))
+        if state in (1, 2, 3):
+            store.put(k, b"kv", ttl_s=5 if state == 3 else None)
+        if state in (2, 3, 4, 5):
+            store.put(k, b"w", kind="swa", ttl_s=5 if state == 5 else None)
+    clock.advance(6)  # the ttl'd ones expire
+    block, swa = store.probe(ks + [keys[0]])
+    want = [store.lookup([k]) for k in ks + [keys[0]]]
+    assert list(block) == [r.hit_blocks for r in want]
+    assert list(swa) == [int(r.swa_at == 1) for r in want]
+    assert store.probe([]) == (b"", b"")
+
+
 def test_lookup_has_no_side_effects(store, keys):
     store.put(keys[0], b"x")
     before = store.counters.copy()
