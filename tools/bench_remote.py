@@ -58,7 +58,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # noqa: E402 - run as a script
 
@@ -143,15 +143,13 @@ def run_redis(sizes: list[int], n: int, batch: int) -> dict:
     if not exe:
         return {"skipped": "redis-server not installed (bash tools/install_peers.sh)"}
     try:
-        import redis  # noqa: F401
+        import redis
     except ImportError:
         return {"skipped": "redis-py not installed (pip install -e '.[bench]')"}
     port = _free_port()
     p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                           "--protected-mode", "yes"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        import redis
-
         end = time.monotonic() + 10
         while True:
             try:

@@ -181,7 +181,7 @@ class GlobalAttention(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, g: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         c = self.cfg
-        T, H, S = x.shape[0], c.n_heads, g.shape[0]
+        T, H = x.shape[0], c.n_heads
         q = self.q(self.norm(x)).view(T, H, c.d_global)
         q = torch.cat([q[..., : c.d_latent], rope(q[..., c.d_latent:], pos, c.rope_theta)], dim=-1)
         # every head reads the same K (= g) and V (= g[:, :d_latent]): fold the heads into the

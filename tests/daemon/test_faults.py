@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 
 import grpc
 import pytest

@@ -11,10 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 import kvstore
-from kvstore import NotFound, PutItem
+from kvstore import NotFound
 from kvstore.maintenance import ProblemKind
 
 from ._writer import value

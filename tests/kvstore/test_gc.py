@@ -8,7 +8,7 @@ import os
 import pytest
 
 import kvstore
-from kvstore import CapacityExceeded, NotFound, PutItem
+from kvstore import CapacityExceeded, NotFound
 from kvstore.index import ekey
 from kvstore.maintenance import ProblemKind
 
