@@ -251,6 +251,14 @@ class Index:
                 return
 
     # ------------------------------------------------------------------ lookup
+    def _none_expired(self, txn: lmdb.Transaction, now_ns: int) -> bool:
+        """True when no record has expired yet: the soonest ``ttl`` key is in the future (or
+        there is none). By invariant 3 every expiring live entry has a ``ttl`` record, so then
+        no live record needs its own expiry check (lookup's common case: GC keeps expired
+        records few and short-lived)."""
+        first = txn.cursor(db=self.db["ttl"])
+        return not first.first() or _U64.unpack_from(first.key())[0] > now_ns
+
     def probe(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int) -> tuple[bytes, bytes]:
         """Per key, independently: 1 if a live block entry, and 1 if *also* a live SWA entry
         (what ``lookup`` of that key alone would say); two byte strings, one read transaction,
@@ -259,10 +267,14 @@ class Index:
         bp, sp = bytes((block_code,)), bytes((swa_code,))
         unpack, off = _EXP.unpack_from, _EXPIRES_OFF
 
-        def live(found: list[tuple[bytes, bytes]]) -> set[bytes]:
-            return {ek[1:] for ek, raw in found if not (e := unpack(raw, off)[0]) or e > now_ns}
-
         with self.env.begin() as txn:
+            fresh = self._none_expired(txn, now_ns)
+
+            def live(found: list[tuple[bytes, bytes]]) -> set[bytes]:
+                if fresh:
+                    return {ek[1:] for ek, _ in found}
+                return {ek[1:] for ek, raw in found if not (e := unpack(raw, off)[0]) or e > now_ns}
+
             cur = txn.cursor(db=self.db["entries"])
             blocks = live(cur.getmulti([bp + k for k in keys]))
             swas = live(cur.getmulti([sp + k for k in keys if k in blocks])) if blocks else set()
@@ -281,16 +293,26 @@ class Index:
         with self.env.begin() as txn:
             cur = txn.cursor(db=self.db["entries"])
             ek_blocks = [bp + k for k in keys]
+            found = cur.getmulti(ek_blocks)
             hit = 0
             # getmulti answers the found keys in the order asked: the prefix ends at the first
             # answer that is not the next chain key, or that has expired.
-            for (ek, raw), want in zip(cur.getmulti(ek_blocks), ek_blocks):
-                if ek != want:
-                    break
-                exp = unpack(raw, off)[0]
-                if exp and exp <= now_ns:
-                    break
-                hit += 1
+            if self._none_expired(txn, now_ns):
+                if len(found) == len(ek_blocks):
+                    hit = len(found)  # every key answered, so each in its place: a full hit
+                else:
+                    for (ek, _raw), want in zip(found, ek_blocks):
+                        if ek != want:
+                            break
+                        hit += 1
+            else:
+                for (ek, raw), want in zip(found, ek_blocks):
+                    if ek != want:
+                        break
+                    exp = unpack(raw, off)[0]
+                    if exp and exp <= now_ns:
+                        break
+                    hit += 1
             # The last live SWA entry at or below the hit, searched backwards from the hit in
             # growing windows (snapshots sit at turn ends and fixed intervals, so usually the
             # first window answers; the worst case, no snapshot, reads each SWA key once).

@@ -81,6 +81,18 @@ def test_lookup_swa_at_is_the_last_live_snapshot_below_the_hit(store, hasher, se
     assert (r.hit_blocks, r.swa_at) == (hit, below[-1] if below else None), (hit, swa)
 
 
+def test_lookup_stops_at_an_expired_block_before_gc(store, keys, clock):
+    """Both index paths: nothing expired yet (no per-record check) and something expired."""
+    for i, k in enumerate(keys[:10]):
+        store.put(k, b"kv", ttl_s=5 if i == 6 else None)
+    store.put(keys[3], b"w", kind="swa", ttl_s=50)
+    assert (store.lookup(keys[:10]).hit_blocks, store.lookup(keys[:10]).swa_at) == (10, 4)
+    clock.advance(6)
+    assert (store.lookup(keys[:10]).hit_blocks, store.lookup(keys[:10]).swa_at) == (6, 4)
+    clock.advance(50)
+    assert (store.lookup(keys[:10]).hit_blocks, store.lookup(keys[:10]).swa_at) == (6, None)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_probe_is_each_keys_own_lookup(store, keys, clock, seed):
     """``probe`` (what the daemon answers a sharded client's Probe with) against its model:
