@@ -14,9 +14,7 @@ Implementations are chosen by URL scheme through ``TARGET_TYPES`` (a registry,
 as fsspec's own). A missing root is *never* recreated by a write: a vanished
 disk must look vanished (``TargetUnavailable``), not silently become an empty
 directory. Only ``create_root`` (called when a data directory is first made)
-creates it; a local root also gets its fan-out directories (``<kind>/<xx>``)
-then, so that a put on a young store does not create and sync directories on
-its hot path (as Squid's ``-z`` lays out its cache directories up front).
+creates it.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from typing import Iterator
 
 import fsspec
 
-from kvstore.api import EntryKind
 from kvstore.config import TargetSpec
 from kvstore.errors import InvalidRequest
 
@@ -173,12 +170,6 @@ class LocalTarget(Target):
 
     def create_root(self) -> None:
         os.makedirs(self.root, exist_ok=True)
-        for kind in EntryKind:
-            top = os.path.join(self.root, str(kind.code))
-            for b in range(256):
-                os.makedirs(os.path.join(top, f"{b:02x}"), exist_ok=True)
-            _fsync_dir(top)
-        _fsync_dir(self.root)
 
     def is_up(self) -> bool:
         return os.path.isdir(self.root)

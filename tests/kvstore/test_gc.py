@@ -147,10 +147,3 @@ def test_check_reports_orphans_and_fix_removes_them(store, keys):
     store.check(fix=True)
     assert_clean(store)
 
-
-def test_a_new_local_target_has_its_fanout_directories(data_dir):
-    with kvstore.connect(str(data_dir), fsync=False) as s:
-        for t in s.targets.values():
-            for kind in kvstore.EntryKind:
-                assert len(os.listdir(os.path.join(t.root, str(kind.code)))) == 256
-        assert s.check() == []
