@@ -200,7 +200,7 @@ class LocalTarget(Target):
         os.close(fd)
         os.rename(tmp, path)  # atomic publish: readers see the old state or the whole fragment
         if fsync:
-            _fsync_dir(d)  # the rename itself durable before the index commits
+            fsync_dir(d)  # the rename itself durable before the index commits
 
     def _make_dirs(self, d: str, *, fsync: bool) -> None:
         """Create ``d`` (and missing parents below the root); with ``fsync``, make each new
@@ -213,7 +213,7 @@ class LocalTarget(Target):
         os.makedirs(d, exist_ok=True)
         if fsync:
             for created in reversed(missing):
-                _fsync_dir(os.path.dirname(created))
+                fsync_dir(os.path.dirname(created))
 
     def read(self, rel: str) -> bytes:
         with open(self._p(rel), "rb", buffering=0) as fh:
@@ -251,7 +251,8 @@ class LocalTarget(Target):
                 yield os.path.relpath(p, self.root), st.st_size, st.st_mtime
 
 
-def _fsync_dir(d: str) -> None:
+def fsync_dir(d: str) -> None:
+    """Make the entries of directory ``d`` (a new or renamed name in it) durable."""
     dfd = os.open(d, os.O_RDONLY)
     try:
         os.fsync(dfd)
