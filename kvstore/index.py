@@ -297,20 +297,12 @@ class Index:
             hit = 0
             # getmulti answers the found keys in the order asked: the prefix ends at the first
             # answer that is not the next chain key, or that has expired.
-            if self._none_expired(txn, now_ns):
-                if len(found) == len(ek_blocks):
-                    hit = len(found)  # every key answered, so each in its place: a full hit
-                else:
-                    for (ek, _raw), want in zip(found, ek_blocks):
-                        if ek != want:
-                            break
-                        hit += 1
+            fresh = self._none_expired(txn, now_ns)
+            if fresh and len(found) == len(ek_blocks):
+                hit = len(found)  # every key answered, so each in its place: a full hit
             else:
                 for (ek, raw), want in zip(found, ek_blocks):
-                    if ek != want:
-                        break
-                    exp = unpack(raw, off)[0]
-                    if exp and exp <= now_ns:
+                    if ek != want or (not fresh and 0 < unpack(raw, off)[0] <= now_ns):
                         break
                     hit += 1
             # The last live SWA entry at or below the hit, searched backwards from the hit in
