@@ -301,13 +301,25 @@ class FragmentHeader:
     body_len: int
 
 
+FRAG_ID_LEN = FRAG_HEADER_LEN - 8  # the header up to its checksum: which fragment this is, and its size
+
+
+def fragment_id(index: int, k: int, m: int, kind_code: int, key: bytes, gen: bytes, entry_len: int,
+                body_len: int) -> bytes:
+    """The first ``FRAG_ID_LEN`` header bytes of the fragment these fields describe (magic,
+    version, index, k, m, kind, key, generation, entry and body lengths). A reader that knows
+    all of them from the index compares bytes instead of parsing the header."""
+    return _FRAG_HEAD.pack(FRAG_MAGIC, FORMAT_VERSION, index, k, m, kind_code, 0,
+                           key, gen, entry_len, body_len, 0)[:FRAG_ID_LEN]
+
+
 def frame_fragment(h: FragmentHeader, body: bytes) -> bytes:
-    head = _FRAG_HEAD.pack(FRAG_MAGIC, FORMAT_VERSION, h.index, h.k, h.m, h.kind_code, 0,
-                           h.key, h.gen, h.entry_len, len(body), 0)
+    head = fragment_id(h.index, h.k, h.m, h.kind_code, h.key, h.gen, h.entry_len, len(body))
     x = xxhash.xxh3_64()
     x.update(head)
+    x.update(b"\0" * 8)
     x.update(body)
-    return b"".join((head[:-8], struct.pack("<Q", x.intdigest()), body))
+    return b"".join((head, struct.pack("<Q", x.intdigest()), body))
 
 
 def fragment_checksum(buf: bytes | memoryview) -> int:
@@ -315,13 +327,19 @@ def fragment_checksum(buf: bytes | memoryview) -> int:
     return _FRAG_HEAD.unpack_from(buf, 0)[-1]
 
 
-def peek_fragment(buf: bytes | memoryview, *, max_body: int,
-                  body_len: int | None = None) -> tuple[FragmentHeader, memoryview]:
+def fragment_checksum_ok(buf: bytes | memoryview) -> bool:
+    """Does the whole fragment ``buf`` (header and body) match the checksum its header records?"""
+    x = xxhash.xxh3_64()
+    x.update(buf[:FRAG_ID_LEN])
+    x.update(b"\0" * 8)
+    x.update(buf[FRAG_HEADER_LEN:])
+    return x.intdigest() == fragment_checksum(buf)
+
+
+def peek_fragment(buf: bytes | memoryview, *, max_body: int) -> tuple[FragmentHeader, memoryview]:
     """A fragment's header and body view, checking structure (magic, version, lengths) but
-    *not* the checksum: only for bodies whose content another checksum covers (the read
-    fast paths, where the entry checksum over the assembled payload decides). With
-    ``body_len`` (a scatter read, where ``buf`` is the header alone) the header's body
-    length is checked against it instead of against ``len(buf)``."""
+    *not* the checksum (``parse_fragment`` adds that). The read fast paths check neither
+    this way: they know the header from the index record (``fragment_id``)."""
     if len(buf) < FRAG_HEADER_LEN:
         raise CorruptData(f"fragment of {len(buf)} bytes is shorter than its header")
     magic, ver, idx, k, m, kind, _pad, key, gen, entry_len, blen, _csum = _FRAG_HEAD.unpack_from(buf, 0)
@@ -329,7 +347,7 @@ def peek_fragment(buf: bytes | memoryview, *, max_body: int,
         raise CorruptData("fragment magic mismatch")
     if ver != FORMAT_VERSION:
         raise IncompatibleFormat(f"fragment format version {ver}; expected {FORMAT_VERSION}")
-    got = len(buf) - FRAG_HEADER_LEN if body_len is None else body_len
+    got = len(buf) - FRAG_HEADER_LEN
     if blen > max_body or got != blen:
         raise CorruptData(f"fragment body is {got} bytes, header says {blen}")
     return FragmentHeader(idx, k, m, kind, key, gen, entry_len, blen), memoryview(buf)[FRAG_HEADER_LEN:]
@@ -338,11 +356,7 @@ def peek_fragment(buf: bytes | memoryview, *, max_body: int,
 def parse_fragment(buf: bytes | memoryview, *, max_body: int) -> tuple[FragmentHeader, memoryview]:
     """Verify a fragment file's bytes; return its header and a view of its body."""
     fh, body = peek_fragment(buf, max_body=max_body)
-    x = xxhash.xxh3_64()
-    x.update(buf[: FRAG_HEADER_LEN - 8])
-    x.update(b"\0" * 8)
-    x.update(body)
-    if x.intdigest() != fragment_checksum(buf):
+    if not fragment_checksum_ok(buf):
         raise CorruptData("fragment checksum mismatch")
     return fh, body
 

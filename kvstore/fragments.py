@@ -304,6 +304,9 @@ class FragmentIO:
         slot = flen + 1  # one byte more, so that an over-long file shows as a wrong length
         scratch = self._scratch(slot * k)
         rel = "/" + fragment_prefix(ek[0], ek[1:], meta.gen)
+        # Each fragment's header up to its checksum is known from the record: compare bytes
+        # (``codec.fragment_id``; what parsing it and ``_frame_matches`` would check).
+        key, gen, m, elen, blen = ek[1:], meta.gen, meta.m, meta.entry_len, flen - codec.FRAG_HEADER_LEN
         bodies: dict[int, memoryview] = {}
         try:
             for i in range(k):
@@ -313,12 +316,11 @@ class FragmentIO:
                     n = os.preadv(fd, [view], 0)
                 finally:
                     os.close(fd)
-                if n != flen:
+                if n != flen or view[: codec.FRAG_ID_LEN] != codec.fragment_id(i, k, m, ek[0], key, gen, elen, blen):
                     return None
-                fh, body = (codec.parse_fragment if i == 0 else codec.peek_fragment)(view[:n], max_body=flen)
-                if not _frame_matches(fh, ek, meta, i):
+                if i == 0 and not codec.fragment_checksum_ok(view[:flen]):
                     return None
-                bodies[i] = body
+                bodies[i] = view[codec.FRAG_HEADER_LEN : flen]
             pieces = codec.erasure_code(k, meta.m, self.config.ec_type).data_pieces(bodies)
             if pieces is None:
                 return None
@@ -379,9 +381,9 @@ class FragmentIO:
                     os.close(fd)
                 if n != flen:
                     return None
-                fh, _ = codec.peek_fragment(heads[i], max_body=flen, body_len=flen - codec.FRAG_HEADER_LEN)
-                if not (_frame_matches(fh, ek, meta, i)
-                        and code.data_lead_ok(heads[i][codec.FRAG_HEADER_LEN:], i, share, elen)):
+                if (heads[i][: codec.FRAG_ID_LEN] != codec.fragment_id(i, k, meta.m, ek[0], ek[1:], meta.gen, elen,
+                                                                        flen - codec.FRAG_HEADER_LEN)
+                        or not code.data_lead_ok(heads[i][codec.FRAG_HEADER_LEN:], i, share, elen)):
                     return None
                 if i == 0:  # fragment 0 carries the entry header: verify it whole
                     x0.update(heads[0][: codec.FRAG_HEADER_LEN - 8])
