@@ -386,7 +386,7 @@ class FragmentIO:
                         or not code.data_lead_ok(heads[i][codec.FRAG_HEADER_LEN:], i, share, elen)):
                     return None
                 if i == 0:  # fragment 0 carries the entry header: verify it whole
-                    x0.update(heads[0][: codec.FRAG_HEADER_LEN - 8])
+                    x0.update(heads[0][: codec.FRAG_ID_LEN])
                     x0.update(b"\0" * 8)
                     x0.update(heads[0][codec.FRAG_HEADER_LEN:])
                     for part in iov[1:-1]:

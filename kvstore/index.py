@@ -270,10 +270,8 @@ class Index:
         with self.env.begin() as txn:
             fresh = self._none_expired(txn, now_ns)
 
-            def live(found: list[tuple[bytes, bytes]]) -> set[bytes]:
-                if fresh:
-                    return {ek[1:] for ek, _ in found}
-                return {ek[1:] for ek, raw in found if not (e := unpack(raw, off)[0]) or e > now_ns}
+            def live(found: list[tuple[bytes, bytes]]) -> set[bytes]:  # lookup's expiry rule
+                return {ek[1:] for ek, raw in found if fresh or not 0 < unpack(raw, off)[0] <= now_ns}
 
             cur = txn.cursor(db=self.db["entries"])
             blocks = live(cur.getmulti([bp + k for k in keys]))
