@@ -259,24 +259,30 @@ class Index:
         first = txn.cursor(db=self.db["ttl"])
         return not first.first() or _U64.unpack_from(first.key())[0] > now_ns
 
+    @staticmethod
+    def _live_flags(cur: lmdb.Cursor, eks: list[bytes], fresh: bool, now_ns: int) -> list[bool]:
+        """Per record key of ``eks``: True when its record is present and has not expired
+        (lookup's expiry rule). When nothing has expired (``fresh``, see ``_none_expired``)
+        only presence is asked: positioning the cursor copies no value, about 3x faster than
+        ``getmulti`` for a found key."""
+        if fresh:
+            return list(map(cur.set_key, eks))
+        unpack, off, value = _EXP.unpack_from, _EXPIRES_OFF, cur.value
+        return [cur.set_key(ek) and not 0 < unpack(value(), off)[0] <= now_ns for ek in eks]
+
     def probe(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int) -> tuple[bytes, bytes]:
         """Per key, independently: 1 if a live block entry, and 1 if *also* a live SWA entry
         (what ``lookup`` of that key alone would say); two byte strings, one read transaction,
         O(len(keys)). A sharded client probes every key of a chain on its shard and walks the
         prefix itself."""
         bp, sp = bytes((block_code,)), bytes((swa_code,))
-        unpack, off = _EXP.unpack_from, _EXPIRES_OFF
-
         with self.env.begin() as txn:
             fresh = self._none_expired(txn, now_ns)
-
-            def live(found: list[tuple[bytes, bytes]]) -> set[bytes]:  # lookup's expiry rule
-                return {ek[1:] for ek, raw in found if fresh or not 0 < unpack(raw, off)[0] <= now_ns}
-
             cur = txn.cursor(db=self.db["entries"])
-            blocks = live(cur.getmulti([bp + k for k in keys]))
-            swas = live(cur.getmulti([sp + k for k in keys if k in blocks])) if blocks else set()
-        return (bytes(k in blocks for k in keys), bytes(k in swas for k in keys))
+            blocks = self._live_flags(cur, [bp + k for k in keys], fresh, now_ns)
+            swas = self._live_flags(cur, [sp + k for k, b in zip(keys, blocks) if b], fresh, now_ns)
+        it = iter(swas)
+        return bytes(blocks), bytes(b and next(it) for b in blocks)
 
     def lookup(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int) -> tuple[int, int | None]:
         """Longest live block prefix of the chain ``keys`` and the last SWA boundary within it.
@@ -287,36 +293,24 @@ class Index:
         if not keys:
             return 0, None
         bp, sp = bytes((block_code,)), bytes((swa_code,))
-        unpack, off = _EXP.unpack_from, _EXPIRES_OFF
         with self.env.begin() as txn:
             cur = txn.cursor(db=self.db["entries"])
-            ek_blocks = [bp + k for k in keys]
-            found = cur.getmulti(ek_blocks)
-            hit = 0
-            # getmulti answers the found keys in the order asked: the prefix ends at the first
-            # answer that is not the next chain key, or that has expired.
             fresh = self._none_expired(txn, now_ns)
-            if fresh and len(found) == len(ek_blocks):
-                hit = len(found)  # every key answered, so each in its place: a full hit
-            else:
-                for (ek, raw), want in zip(found, ek_blocks):
-                    if ek != want or (not fresh and 0 < unpack(raw, off)[0] <= now_ns):
-                        break
-                    hit += 1
+            live = self._live_flags(cur, [bp + k for k in keys], fresh, now_ns)
+            try:
+                hit = live.index(False)  # the prefix ends at the first block that is not live
+            except ValueError:
+                hit = len(live)
             # The last live SWA entry at or below the hit, searched backwards from the hit in
             # growing windows (snapshots sit at turn ends and fixed intervals, so usually the
             # first window answers; the worst case, no snapshot, reads each SWA key once).
             swa_at, hi, width = None, hit, 16
             while hi > 0 and swa_at is None:
                 lo = max(0, hi - width)
-                window = [sp + k for k in keys[lo:hi]]
-                found = cur.getmulti(window)
-                if found:
-                    at = {ek: lo + i + 1 for i, ek in enumerate(window)}
-                    for ek, raw in reversed(found):
-                        exp = unpack(raw, off)[0]
-                        if not exp or exp > now_ns:
-                            swa_at = at[ek]
-                            break
+                window = self._live_flags(cur, [sp + k for k in keys[lo:hi]], fresh, now_ns)
+                for i in range(len(window) - 1, -1, -1):
+                    if window[i]:
+                        swa_at = lo + i + 1
+                        break
                 hi, width = lo, width * 4
             return hit, swa_at
