@@ -73,6 +73,7 @@ class StoreConfig:
     fragment_read_retries: int = 1  # extra tries of a fragment read that failed transiently (EIO, checksum)
     read_timeout_s: float = 0.0  # >0: a fragment not read in time is skipped for parity (if k others are good)
     parallel_reads: str = "auto"  # "auto": fan out for remote targets only; "always"; "never"
+    parallel_writes: str = "auto"  # "auto": fan out only writes that wait (fsync, remote targets); "always"; "never"
     orphan_grace_s: float = 300.0  # unindexed fragments younger than this are an in-flight put
     delete_grace_s: float = 30.0  # deleted entries' fragments outlive the delete by this much
     access_flush_s: float = 1.0  # LRU access times are batched into one index write per interval
@@ -91,8 +92,9 @@ class StoreConfig:
             raise InvalidRequest("watermarks need 0 < low_watermark <= high_watermark <= 1")
         if self.compression not in ("zstd", "none"):
             raise InvalidRequest(f"compression must be 'zstd' or 'none', got {self.compression!r}")
-        if self.parallel_reads not in ("auto", "always", "never"):
-            raise InvalidRequest(f"parallel_reads must be auto, always or never, got {self.parallel_reads!r}")
+        for knob in ("parallel_reads", "parallel_writes"):
+            if getattr(self, knob) not in ("auto", "always", "never"):
+                raise InvalidRequest(f"{knob} must be auto, always or never, got {getattr(self, knob)!r}")
         if self.capacity_bytes < 0 or self.max_value_bytes <= 0:
             raise InvalidRequest("capacity_bytes must be >= 0 and max_value_bytes > 0")
         if not 0 <= self.fragment_read_retries <= 16 or self.read_timeout_s < 0:

@@ -18,6 +18,8 @@ Write path (``put``), in this order, each step for the reason given:
      the put a fresh 8-byte generation so its file names are unique.
   4. Write every fragment atomically (tmp + fsync + rename + dir fsync) to its
      rendezvous-chosen target; a failing target is replaced by the next best.
+     Writes that wait (fsync, remote targets) run on threads, per fragment or, in a
+     batch, per entry; page-cache writes run inline (``parallel_writes``).
   5. Only then commit the index record (LMDB, fsync). A crash before 5 leaves
      orphan fragments that GC sweeps after ``orphan_grace_s``; never an index
      record without its fragments. If another writer committed the same key
@@ -51,7 +53,7 @@ from typing import Any, Callable, Sequence
 from kvstore import codec
 from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
 from kvstore.config import StoreConfig, load_config
-from kvstore.fragments import FragmentIO
+from kvstore.fragments import FragmentIO, run_now
 from kvstore.errors import (
     CapacityExceeded,
     IncompatibleFormat,
@@ -156,7 +158,7 @@ class EmbeddedStore(FragmentIO):
         return self.put_many([PutItem(key, value, kind, ttl_s, layout, tokens)])[0]
 
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
-        """Batched put: fragments of all items written in parallel, then one index commit."""
+        """Batched put: fragments of all items written (on threads where writes wait), then one index commit."""
         self._check_open()
         if not items:
             return []
@@ -177,20 +179,21 @@ class EmbeddedStore(FragmentIO):
                     self._count("puts_deduplicated")
                     continue
                 todo.append(i)
-        # 3-4: fragments durable first, in parallel across items; each item's writes start
-        # as soon as it is encoded, so encoding the next overlaps them. A bad item raises
+        # 3-4: fragments durable first, in parallel across items where writes wait; each
+        # item's writes start as soon as it is encoded, so encoding the next overlaps them. A bad item raises
         # out of ``_encode`` and the cleanup below removes what earlier items wrote.
         encs: dict[int, Any] = {}
         placed: dict[int, tuple[str, ...]] = {}
         futs: dict[int, Any] = {}
+        batch = len(todo) > 1
+        submit = self._batch_pool.submit if batch and self._fan_out_writes(self.targets, in_batch=False) else run_now
         try:
             for i in todo:
                 it = items[i]
                 encs[i] = self._encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
-                if len(todo) > 1:
-                    futs[i] = self._batch_pool.submit(self._write_fragments, encs[i])
-            for i, e in encs.items():
-                placed[i] = futs[i].result() if futs else self._write_fragments(e)
+                futs[i] = submit(self._write_fragments, encs[i], in_batch=batch)
+            for i in encs:
+                placed[i] = futs[i].result()
         except BaseException:
             for i, f in futs.items():
                 if i not in placed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -212,3 +213,36 @@ def test_config_precedence(tmp_path, monkeypatch):
 def test_unknown_scheme():
     with pytest.raises(InvalidRequest, match="no store for URL scheme"):
         kvstore.connect("ftp://x")
+
+
+@pytest.mark.parametrize("mode, fsync, single, batch", [
+    ("never", True, {"MainThread"}, {"MainThread"}),
+    ("always", False, {"kvstore-io"}, {"kvstore-io"}),
+    ("auto", False, {"MainThread"}, {"MainThread"}),  # page-cache writes: inline
+    ("auto", True, {"kvstore-io"}, {"kvstore-batch"}),  # fsync waits: per fragment, or per entry of a batch
+])
+def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch, mode, fsync, single, batch):
+    from kvstore.targets import LocalTarget
+
+    seen: list[str] = []
+    real = LocalTarget.write
+
+    def write(self, rel, data, *, fsync):
+        seen.append(threading.current_thread().name.rsplit("_", 1)[0])
+        return real(self, rel, data, fsync=fsync)
+
+    monkeypatch.setattr(LocalTarget, "write", write)
+    with kvstore.connect(str(data_dir), fsync=fsync, parallel_writes=mode) as s:
+        assert s.put(keys[0], b"one")
+        assert set(seen) == single and len(seen) == 6
+        seen.clear()
+        assert s.put_many([PutItem(k, value_for(k, 5000)) for k in keys[1:5]]) == [True] * 4
+        assert set(seen) == batch and len(seen) == 24
+        assert s.get(keys[0]) == b"one"
+        assert s.get_many(keys[1:5]) == [value_for(k, 5000) for k in keys[1:5]]
+        assert s.check() == []
+
+
+def test_parallel_writes_is_checked(data_dir):
+    with pytest.raises(InvalidRequest, match="parallel_writes must be auto, always or never"):
+        kvstore.connect(str(data_dir), parallel_writes="sometimes")
