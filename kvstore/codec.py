@@ -412,7 +412,7 @@ class PyECLibCode(ErasureCode):
         except ECDriverError as exc:
             raise InvalidRequest(
                 f"erasure code {ec_type} {k}+{m} is not available here ({exc}); "
-                "try ec_type='isa_l_rs_vand' or 'liberasurecode_rs_vand'"
+                "try ec_type='isa_l_rs_cauchy' or 'liberasurecode_rs_vand'"
             ) from exc
 
     def encode(self, data: bytes) -> list[bytes]:

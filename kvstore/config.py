@@ -21,6 +21,11 @@ from kvstore.errors import InvalidRequest
 
 ENV_PREFIX = "KVSTORE_"
 DEFAULT_DATA_DIR = "./kvstack-data"
+# ISA-L Reed-Solomon over a Cauchy matrix: MDS for every k+m (ISA-L's Vandermonde matrix
+# is not for all of them), as fast as Vandermonde (tools/bench_store.py).
+DEFAULT_EC_TYPE = "isa_l_rs_cauchy"
+# What a data directory whose marker names no code was written with (before it was recorded).
+LEGACY_EC_TYPE = "isa_l_rs_vand"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +63,7 @@ class StoreConfig:
     data_dir: str = DEFAULT_DATA_DIR
     ec_k: int = 4
     ec_m: int = 2
-    ec_type: str = "isa_l_rs_vand"  # pyeclib backend (ISA-L Reed-Solomon)
+    ec_type: str = ""  # pyeclib backend; "": the data directory's (DEFAULT_EC_TYPE for a new one)
     targets: tuple[TargetSpec, ...] = ()  # empty: k+m subdirectories of data_dir
     capacity_bytes: int = 0  # 0: unbounded (no capacity eviction)
     high_watermark: float = 0.95  # evict when stored bytes exceed this share of capacity

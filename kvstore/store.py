@@ -6,7 +6,7 @@ processes); within a process the store is thread-safe.
 
 Data directory::
 
-    <data_dir>/kvstore.json     format version and creation time (written last on first open)
+    <data_dir>/kvstore.json     format version, creation time, erasure code (ec_type)
     <data_dir>/index/           LMDB environment (see kvstore.index)
     <data_dir>/targets/t0..tN   the embedded default targets (k+m, one failure domain)
 
@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 from kvstore import codec
 from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
-from kvstore.config import StoreConfig, load_config
+from kvstore.config import DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, load_config
 from kvstore.fragments import FragmentIO, run_now
 from kvstore.errors import (
     CapacityExceeded,
@@ -83,7 +83,8 @@ class EmbeddedStore(FragmentIO):
         self.clock = clock
         self.data_dir = Path(config.data_dir).resolve()
         self._closed = False
-        fresh = self._open_data_dir()
+        fresh, ec_type = self._open_data_dir(config.ec_type)
+        self.config = config = replace(config, ec_type=ec_type)  # from here on, the directory's code
         self.target_specs = config.resolved_targets()
         self.targets: dict[str, Target] = {s.name: open_target(s) for s in self.target_specs}
         if fresh:
@@ -114,13 +115,20 @@ class EmbeddedStore(FragmentIO):
                 log.warning("targets down at open: %s (reads will be degraded)", ", ".join(missing))
 
     # ------------------------------------------------------------------ set-up
-    def _open_data_dir(self) -> bool:
+    def _open_data_dir(self, ec_type: str) -> tuple[bool, str]:
+        """Check or create the directory's marker; (created now?, the directory's ec_type).
+
+        The marker records the erasure code the directory was created with: every record
+        is decoded with it, so a store configured with another one is refused (one code
+        can not read another's parity) rather than failing on the first degraded read.
+        """
         fmt = self.data_dir / FORMAT_FILE
         if fmt.exists():
             try:
                 doc = json.loads(fmt.read_text())
                 ver = int(doc["format_version"])
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+                recorded = str(doc.get("ec_type", LEGACY_EC_TYPE))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise IncompatibleFormat(
                     f"{fmt} is unreadable ({exc}); this is not a kvstore data directory or it is damaged"
                 ) from exc
@@ -130,17 +138,26 @@ class EmbeddedStore(FragmentIO):
                     f"version {DATA_FORMAT_VERSION}; open it with a matching kvstack release or "
                     "start a fresh directory"
                 )
-            return False
+            if ec_type and ec_type != recorded:
+                raise IncompatibleFormat(
+                    f"data directory {self.data_dir} was written with ec_type {recorded!r}, this store is "
+                    f"configured with {ec_type!r}; leave ec_type unset (the directory's is used) or "
+                    "start a fresh directory"
+                )
+            return False, recorded
         if self.data_dir.exists() and any(p.name not in ("index", "targets") for p in self.data_dir.iterdir()):
             raise InvalidRequest(
                 f"{self.data_dir} exists, is not empty and has no {FORMAT_FILE}: refusing to use it "
                 "as a kvstore data directory; pass an empty or new directory"
             )
+        ec_type = ec_type or DEFAULT_EC_TYPE
+        codec.erasure_code(self.config.ec_k, self.config.ec_m, ec_type)  # an unknown code: nothing created
         self.data_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.data_dir / f".{FORMAT_FILE}.tmp"
-        tmp.write_text(json.dumps({"format_version": DATA_FORMAT_VERSION, "created": time.time()}))
+        tmp.write_text(json.dumps({"format_version": DATA_FORMAT_VERSION, "created": time.time(),
+                                   "ec_type": ec_type}))
         os.replace(tmp, fmt)
-        return True
+        return True, ec_type
 
     def _check_open(self) -> None:
         if self._closed:

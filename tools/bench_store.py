@@ -23,7 +23,7 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
 3. Longest-prefix ``lookup`` of a 1,000-block chain (all hit, with SWA snapshots), p50/p90/p99 in
    process, at 10k / 100k / 1M index entries. The index is filled by inserting records with
    fake fragment metadata straight through ``kvstore.index.Index`` (lookup reads only the index).
-4. Erasure coding alone: pyeclib ISA-L (``isa_l_rs_vand``) 4+2 and 8+4 encode, and decode with
+4. Erasure coding alone: pyeclib ISA-L (``isa_l_rs_cauchy``, the default, and ``isa_l_rs_vand``) 4+2 and 8+4 encode, and decode with
    0, 1 and 2 data fragments lost.
 
 The peers live in ``tools/bench_peers.py``. A missing peer (no redis-server even after
@@ -33,6 +33,7 @@ The peers live in ``tools/bench_peers.py``. A missing peer (no redis-server even
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvstore  # noqa: E402
 from kvstore import codec  # noqa: E402
+from kvstore.config import DEFAULT_EC_TYPE, LEGACY_EC_TYPE  # noqa: E402
 from kvstore.index import Meta, ekey  # noqa: E402
 from tools.bench_peers import LMDBPeer, Peer, RawFilePeer, RedisPeer, RedisServer  # noqa: E402
 
@@ -242,8 +244,8 @@ def bench_lookup(sizes: list[int], work: str, iters: int, log: Callable[[str], N
 # ----------------------------------------------------------------------------------- erasure coding
 def bench_ec(sizes: list[int], iters: int, log: Callable[[str], None]) -> list[dict]:
     out = []
-    for k, m in ((4, 2), (8, 4)):
-        code = codec.erasure_code(k, m, "isa_l_rs_vand")
+    for (k, m), ec_type in itertools.product(((4, 2), (8, 4)), (DEFAULT_EC_TYPE, LEGACY_EC_TYPE)):
+        code = codec.erasure_code(k, m, ec_type)
         for size in sizes:
             data = payloads(size, 1, seed=7)[0]
             frags = code.encode(data)
@@ -260,10 +262,10 @@ def bench_ec(sizes: list[int], iters: int, log: Callable[[str], None]) -> list[d
                     t = time.perf_counter()
                     fn()
                     lat.append(time.perf_counter() - t)
-                row = {"ec": f"{k}+{m}", "size": size, "op": name, "mib_s": size / MiB / statistics.median(lat),
+                row = {"ec": f"{k}+{m}", "ec_type": ec_type, "size": size, "op": name, "mib_s": size / MiB / statistics.median(lat),
                        "p50_ms": pct(lat, 50) * 1e3}
                 out.append(row)
-                log(f"  EC {k}+{m} {size // 1024:>5} KiB {name:<14} {row['mib_s']:8.0f} MiB/s")
+                log(f"  EC {ec_type} {k}+{m} {size // 1024:>5} KiB {name:<14} {row['mib_s']:8.0f} MiB/s")
     return out
 
 
@@ -293,9 +295,10 @@ def table(rows: list[Row], ratio_rows: list[dict], goal_rows: list[dict], lookup
             lines.append(f"  {x['entries']:>9} entries: p50 {x['p50_ms']:.3f} ms  p90 {x['p90_ms']:.3f} ms  "
                          f"p99 {x['p99_ms']:.3f} ms  (hit {x['hit_blocks']}, swa_at {x['swa_at']})")
     if ec:
-        lines.append("\nerasure coding, pyeclib isa_l_rs_vand (MiB/s of payload)")
+        lines.append("\nerasure coding, pyeclib (MiB/s of payload)")
         for x in ec:
-            lines.append(f"  {x['ec']:<5} {x['size'] // 1024:>5} KiB {x['op']:<14} {x['mib_s']:>9.0f}")
+            lines.append(f"  {x['ec_type']:<16} {x['ec']:<5} {x['size'] // 1024:>5} KiB {x['op']:<14} "
+                         f"{x['mib_s']:>9.0f}")
     return "\n".join(lines)
 
 
@@ -365,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {
         "command": " ".join([Path(sys.executable).name, "tools/bench_store.py", *(argv or sys.argv[1:])]),
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-        "payload": "fp16 random-normal", "zstd3_ratio": zratio, "ec": "isa_l_rs_vand 4+2", "fsync": True,
+        "payload": "fp16 random-normal", "zstd3_ratio": zratio, "ec": f"{DEFAULT_EC_TYPE} 4+2", "fsync": True,
         "redis": getattr(server, "version", None), "redis_persistence": "appendonly yes, appendfsync always",
         "lmdb": "sync=True, one txn per put or batch", "raw_file": "tmp write + fsync + rename + dir fsync",
         "reps": reps, "mib_per_rep": mib_per_rep, "batch": a.batch, "elapsed_s": elapsed, "notes": notes,

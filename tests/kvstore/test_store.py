@@ -176,6 +176,47 @@ def test_incompatible_format_version(data_dir, keys):
         kvstore.connect(str(data_dir))
 
 
+def test_the_directory_records_its_erasure_code(data_dir, keys):
+    from kvstore.config import DEFAULT_EC_TYPE
+
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        assert s.config.ec_type == DEFAULT_EC_TYPE
+        s.put(keys[0], value_for(keys[0]))
+    assert json.loads((data_dir / "kvstore.json").read_text())["ec_type"] == DEFAULT_EC_TYPE
+    with pytest.raises(IncompatibleFormat, match="written with ec_type 'isa_l_rs_cauchy'.*leave ec_type unset"):
+        kvstore.connect(str(data_dir), ec_type="isa_l_rs_vand")
+    with kvstore.connect(str(data_dir), fsync=False, ec_type=DEFAULT_EC_TYPE) as s:
+        assert s.get(keys[0]) == value_for(keys[0])
+
+
+@pytest.mark.parametrize("ec_type", ["isa_l_rs_vand", "isa_l_rs_cauchy"])
+def test_a_directory_is_decoded_with_its_own_code(data_dir, keys, ec_type):
+    """Parity written by one code is rebuilt with that code whatever the default is, also for
+    a marker from before the code was recorded (then it was ISA-L Vandermonde)."""
+    import shutil
+
+    with kvstore.connect(str(data_dir), fsync=False, ec_type=ec_type) as s:
+        s.put_many([PutItem(k, value_for(k, 20_000)) for k in keys[:6]])
+        lost = [fragment_files(s, k)[:2] for k in keys[:6]]  # two data fragments each: parity must decode
+    if ec_type == "isa_l_rs_vand":  # a marker written before ec_type was recorded
+        doc = json.loads((data_dir / "kvstore.json").read_text())
+        del doc["ec_type"]
+        (data_dir / "kvstore.json").write_text(json.dumps(doc))
+    for paths in lost:
+        for p in paths:
+            shutil.move(p, p.with_name(p.name + ".away"))
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        assert s.config.ec_type == ec_type
+        assert s.get_many(keys[:6]) == [value_for(k, 20_000) for k in keys[:6]]
+        assert s.stats()["counters"]["degraded_reads"] == 6
+
+
+def test_an_unknown_erasure_code_creates_nothing(data_dir):
+    with pytest.raises(InvalidRequest, match="unknown ec_type 'rs_magic'"):
+        kvstore.connect(str(data_dir), ec_type="rs_magic")
+    assert not data_dir.exists()
+
+
 def test_refuses_a_foreign_directory(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(InvalidRequest, match="refusing"):
