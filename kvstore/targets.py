@@ -177,12 +177,15 @@ class LocalTarget(Target):
     def write(self, rel: str, data: bytes, *, fsync: bool) -> None:
         path = self._p(rel)
         d = os.path.dirname(path)
-        if not os.path.isdir(self.root):
-            raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
-        if not os.path.isdir(d):
-            self._make_dirs(d, fsync=fsync)
         tmp = os.path.join(d, f".tmp.{secrets.token_hex(6)}.{os.path.basename(path)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:  # a fan-out directory not made yet, or the whole target gone
+            if not os.path.isdir(self.root):
+                raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root) from None
+            self._make_dirs(d, fsync=fsync)
+            fd = os.open(tmp, flags, 0o644)
         try:
             view = memoryview(data)
             while view:
