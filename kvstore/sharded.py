@@ -41,7 +41,7 @@ import xxhash
 
 from kvstore.api import Entry, EntryInfo, Layout, LookupResult, PutItem
 from kvstore.errors import InvalidRequest
-from kvstore.keys import check_key
+from kvstore.keys import check_key, check_keys
 from kvstore.remote import ClientOptions, RemoteStore, normalize_item
 
 
@@ -80,18 +80,25 @@ class ShardedStore:
     def shard_for(self, key: bytes) -> RemoteStore:
         return self.shards[self.owner(check_key(key))]
 
-    def _scatter(self, positions: dict[int, list[int]], fn: Callable[[RemoteStore, list[int]], list]) -> dict[int, Any]:
-        """Run ``fn(shard, positions)`` per shard in parallel; return {position: result}."""
+    def _per_shard(self, positions: dict[int, list[int]], fn: Callable[[RemoteStore, list[int]], Any]) -> dict[int, Any]:
+        """Run ``fn(shard, positions)`` per shard in parallel; return {shard: its result}."""
         futs = {s: self._pool.submit(fn, self.shards[s], pos) for s, pos in positions.items()}
         out: dict[int, Any] = {}
         first_exc: BaseException | None = None
         for s, f in futs.items():
             try:
-                out.update(zip(positions[s], f.result()))
+                out[s] = f.result()
             except BaseException as exc:  # wait for every shard, then raise the first failure
                 first_exc = first_exc or exc
         if first_exc is not None:
             raise first_exc
+        return out
+
+    def _scatter(self, positions: dict[int, list[int]], fn: Callable[[RemoteStore, list[int]], list]) -> dict[int, Any]:
+        """``_per_shard`` with each shard's results (one per position) keyed by position."""
+        out: dict[int, Any] = {}
+        for s, got in self._per_shard(positions, fn).items():
+            out.update(zip(positions[s], got))
         return out
 
     def _group(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
@@ -133,7 +140,7 @@ class ShardedStore:
         return [got[i] for i in range(len(items))]
 
     def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:
-        keys = [check_key(k) for k in keys]
+        keys = check_keys(keys)
         got = self._scatter(self._group(keys), lambda sh, pos: sh.get_many([keys[i] for i in pos], kind=kind))
         return [got[i] for i in range(len(keys))]
 
@@ -142,7 +149,7 @@ class ShardedStore:
         """``kvstore.api``'s read into caller buffers: each shard fills its keys' buffers."""
         if len(outs) != len(keys):
             raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
-        keys = [check_key(k) for k in keys]
+        keys = check_keys(keys)
         got = self._scatter(self._group(keys), lambda sh, pos: sh.get_many_into(
             [keys[i] for i in pos], [outs[i] for i in pos], kind=kind))
         return [got[i] for i in range(len(keys))]
@@ -152,7 +159,7 @@ class ShardedStore:
         return {u: s.direct_stats() for u, s in zip(self.urls, self.shards)}
 
     def _by_key(self, op: str, keys: Sequence[bytes], kind: str) -> list[bool]:
-        keys = [check_key(k) for k in keys]
+        keys = check_keys(keys)
         got = self._scatter(self._group(keys),
                             lambda sh, pos: getattr(sh, op)([keys[i] for i in pos], kind=kind))
         return [got[i] for i in range(len(keys))]
@@ -167,21 +174,24 @@ class ShardedStore:
         return self._by_key("unpin_many", keys, kind)
 
     # ------------------------------------------------------------------ lookup
-    def _probe_all(self, keys: list[bytes]) -> tuple[list[int], list[int]]:
-        def probe(sh: RemoteStore, pos: list[int]) -> list[tuple[int, int]]:
-            block, swa = sh.probe([keys[i] for i in pos])
-            return list(zip(block, swa))
-
-        got = self._scatter(self._group(keys), probe) if keys else {}
-        return [got[i][0] for i in range(len(keys))], [got[i][1] for i in range(len(keys))]
+    def _probe_all(self, keys: list[bytes]) -> tuple[bytes, bytes]:
+        """``probe`` of every key, each asked of the shard that owns it (all shards at once)."""
+        block, swa = np.zeros(len(keys), np.uint8), np.zeros(len(keys), np.uint8)
+        groups = self._group(keys)
+        got = self._per_shard(groups, lambda sh, pos: sh.probe([keys[i] for i in pos]))
+        for s, (b, w) in got.items():
+            block[groups[s]], swa[groups[s]] = np.frombuffer(b, np.uint8), np.frombuffer(w, np.uint8)
+        return block.tobytes(), swa.tobytes()
 
     @staticmethod
-    def _walk(block: Sequence[int], swa: Sequence[int]) -> LookupResult:
-        hit = 0
-        while hit < len(block) and block[hit]:
-            hit += 1
-        swa_at = next((n for n in range(hit, 0, -1) if swa[n - 1]), None)
-        return LookupResult(hit, swa_at)
+    def _walk(block: bytes, swa: bytes) -> LookupResult:
+        """The longest prefix of live blocks and the last SWA snapshot within it (what one
+        store's ``lookup`` says), from per-key presence bytes."""
+        hit = block.find(0)
+        if hit < 0:
+            hit = len(block)
+        last = swa.rfind(1, 0, hit)
+        return LookupResult(hit, last + 1 if last >= 0 else None)
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         return self.lookup_many([keys])[0]
@@ -191,7 +201,7 @@ class ShardedStore:
         bounds: list[tuple[int, int]] = []
         for c in chains:
             start = len(flat)
-            flat.extend(check_key(k) for k in c)
+            flat.extend(check_keys(c))
             bounds.append((start, len(flat)))
         block, swa = self._probe_all(flat)
         return [self._walk(block[a:b], swa[a:b]) for a, b in bounds]
