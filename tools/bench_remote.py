@@ -22,7 +22,7 @@ throughput, single calls and batches of ``--batch``, for
   venv: ``$KVSTACK_MOONCAKE_VENV``, default ``.bench/mooncake-venv`` in the repository, as
   ``tools/install_peers.sh --mooncake`` creates it (``--mooncake-python`` overrides).
 
-and the p50/p90/p99 of ``lookup`` on a 1,000-block chain: embedded, over gRPC, and sharded
+and the p50/p90/p99 of ``lookup`` on a ``--chain``-block chain (1,000): embedded, over gRPC, and sharded
 over 3 daemons. Peers that cannot run are reported with the reason, never silently dropped.
 kvstore writes use ``fsync=false`` by default (page-cache durability, like Redis without AOF
 and Mooncake's memory pool); ``--fsync true`` measures durable puts. Prints a table with ratios
@@ -242,7 +242,7 @@ def run_remote(args: argparse.Namespace) -> dict:
 
     sizes = [int(s) for s in args.sizes.split(",")]
     fs = str(args.fsync).lower() in ("1", "true", "yes")
-    rep: dict[str, Any] = {"sizes": sizes, "n": args.n, "batch": args.batch, "fsync": fs,
+    rep: dict[str, Any] = {"sizes": sizes, "n": args.n, "batch": args.batch, "chain": args.chain, "fsync": fs,
                            "repeat": args.repeat, "unit": "MiB/s", "systems": {}, "rounds": []}
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
         opts = ["--fsync", str(fs).lower(), "--compression", "none"]
@@ -273,7 +273,7 @@ def run_remote(args: argparse.Namespace) -> dict:
             for d in daemons:
                 stop_daemon(d)
     rep["systems"] = _medians(rep["rounds"])
-    rep["lookup_1000_ms"] = lk
+    rep["lookup_ms"] = lk
     return rep
 
 
@@ -316,8 +316,8 @@ def table(rep: dict) -> str:
     for n, v in systems.items():
         if "skipped" in v:
             rows.append(f"{n}: skipped: {v['skipped']}")
-    lk = rep["lookup_1000_ms"]
-    rows.append("lookup of a 1,000-block chain (ms): " + ", ".join(
+    lk = rep["lookup_ms"]
+    rows.append(f"lookup of a {rep['chain']:,}-block chain (ms): " + ", ".join(
         f"{k} p50 {v['p50']} p99 {v['p99']}" for k, v in lk.items()))
     if "direct_stats" in rep:
         c = rep["direct_stats"].get("counters", {})
@@ -327,7 +327,8 @@ def table(rep: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="remote kvstore vs embedded, Redis and Mooncake")
+    ap = argparse.ArgumentParser(prog="bench_store.py --remote / bench_remote.py",
+                                 description="remote kvstore vs embedded, Redis and Mooncake")
     add_arguments(ap)
     args = ap.parse_args(argv)
     rep = run_remote(args)

@@ -5,6 +5,11 @@ Exact command (the figures in the report were produced with it; ~5 min on 2 idle
     bash tools/install_peers.sh          # redis-server (Debian) + redis-py/hiredis/lmdb, idempotent
     .venv/bin/python tools/bench_store.py --out results/bench_store.json
     .venv/bin/python tools/bench_store.py --quick     # < 1 min, smaller figures, same shape
+    .venv/bin/python tools/bench_store.py --remote --out results/bench_remote.json  # the daemon (below)
+
+``--remote`` runs the daemon's benchmark instead (``tools/bench_remote.py``: remote and
+direct-read clients over gRPC against the embedded store, Redis and the Mooncake store in
+the same run); the options after it are that benchmark's (``--remote --help`` lists them).
 
 What is measured (figures, not a test; the machine is noisy, read the ratios):
 
@@ -309,7 +314,15 @@ def parse_size(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--remote" in args:
+        from tools import bench_remote
+
+        args.remove("--remote")
+        return bench_remote.main(args)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--remote", action="store_true",
+                    help="run the daemon's benchmark (tools/bench_remote.py) instead; see --remote --help")
     ap.add_argument("--quick", action="store_true", help="small run (< 1 min): fewer bytes, reps, sizes")
     ap.add_argument("--sizes", default=None, help="payload sizes (default 128K,1M,4M)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5; quick 1)")
@@ -322,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--work-dir", default=None, help="where the stores live (default: a temp dir)")
     ap.add_argument("--no-install", action="store_true", help="do not run tools/install_peers.sh if redis is missing")
     ap.add_argument("--out", default="results/bench_store.json")
-    a = ap.parse_args(argv)
+    a = ap.parse_args(args)
     q = a.quick
     sizes = [parse_size(s) for s in (a.sizes or ("128K,1M,4M")).split(",")]
     reps = a.reps or (1 if q else 5)

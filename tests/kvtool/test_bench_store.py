@@ -36,3 +36,20 @@ def test_bench_store_quick_smallest(tmp_path):
     assert d["lookup"][0]["hit_blocks"] == 1000 and d["lookup"][0]["entries"] == 10_000
     assert "ratio kvstore / peer" in r.stdout and "goals" in r.stdout
     assert not any(p.name.startswith("bench_store-") for p in tmp_path.iterdir())  # work dir cleaned
+
+
+def test_bench_store_remote_runs_the_daemon_benchmark(tmp_path):
+    """``bench_store.py --remote`` is the issue's command for the daemon's benchmark: it runs
+    tools/bench_remote.py with the options that follow (here its smallest run, no peers)."""
+    out = tmp_path / "remote.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    r = subprocess.run(
+        [sys.executable, "tools/bench_store.py", "--remote", "--no-peers", "--n", "4", "--sizes", "131072",
+         "--batch", "2", "--repeat", "1", "--chain", "50", "--lookup-reps", "5", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert d["chain"] == 50 and set(d["lookup_ms"]) == {"embedded", "remote", "sharded3"}
+    for system in ("embedded", "remote", "remote_direct"):
+        assert {"put", "get", "put_batch", "get_batch"} <= set(d["systems"][system]["131072"]), d["systems"][system]
+    assert "lookup of a 50-block chain" in r.stdout
