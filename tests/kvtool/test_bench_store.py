@@ -20,7 +20,7 @@ def test_bench_store_quick_smallest(tmp_path):
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     r = subprocess.run(
-        [sys.executable, "tools/bench_store.py", "--quick", "--sizes", "128K", "--reps", "1", "--mib-per-rep", "1",
+        [sys.executable, "tools/bench_store.py", "--quick", "--sizes", "128K", "--reps", "2", "--mib-per-rep", "1",
          "--batch", "8", "--lookup-sizes", "10k", "--no-ec", "--no-install", "--work-dir", str(tmp_path),
          "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -31,7 +31,9 @@ def test_bench_store_quick_smallest(tmp_path):
     if shutil.which("redis-server"):
         assert "redis" in systems
     for row in d["io"]:
-        assert row["mib_s"] > 0 and row["p50_ms"] <= row["p99_ms"]
+        assert row["mib_s"] > 0 and row["p50_ms"] <= row["p99_ms"] and len(row["rep_mib_s"]) == 2
+    for x in d["ratios"]:  # paired rep by rep: the median lies within the per-rep ratios
+        assert 0 < x["ratio_min"] <= x["ratio"] <= x["ratio_max"]
     assert {(g["op"], g["peer"]) for g in d["goals"]} >= {("get", "raw_file"), ("put", "raw_file")}
     assert d["lookup"][0]["hit_blocks"] == 1000 and d["lookup"][0]["entries"] == 10_000
     assert "ratio kvstore / peer" in r.stdout and "goals" in r.stdout
