@@ -28,8 +28,8 @@ kvstore writes use ``fsync=false`` by default (page-cache durability, like Redis
 and Mooncake's memory pool); ``--fsync true`` measures durable puts. Prints a table with ratios
 (``remote`` and ``remote_direct`` / each peer); ``--out`` writes the JSON. Issue #3's goals for
 batched gets: ``remote_direct`` >= 1.0x ``mooncake`` and >= 2x ``redis``. Every throughput is the median of ``--repeat``
-rounds (each round: ``--n`` entries per size and mode, all systems); the per-round values
-are kept in the JSON under ``rounds``. Loopback on a shared 2-core machine is noisy: compare
+rounds (each round: ``--n`` entries per size and mode, all systems); each ratio is the
+median of the per-round ratios; the per-round values are kept in the JSON under ``rounds``. Loopback on a shared 2-core machine is noisy: compare
 ratios from one run, not absolute figures across runs.
 
 Profile of the remote batch path (16 x 1 MiB, fsync off), before the streaming RPCs:
@@ -291,6 +291,13 @@ def _medians(rounds: list[dict]) -> dict:
     return out
 
 
+def paired_ratio(rounds: list[dict], a: str, b: str, size: str, op: str) -> float | None:
+    """``a`` / ``b`` throughput: the median of the per-round ratios (both ran in that round)."""
+    got = [r[a][size][op] / r[b][size][op] for r in rounds
+           if r[a].get(size, {}).get(op) and r[b].get(size, {}).get(op)]
+    return statistics.median(got) if got else None
+
+
 # (subject, peer) pairs of the ratio table, subject / peer.
 RATIOS = [("remote", "embedded"), ("remote", "redis"), ("remote", "mooncake"), ("remote_direct", "embedded"),
           ("remote_direct", "remote"), ("remote_direct", "redis"), ("remote_direct", "mooncake")]
@@ -303,15 +310,16 @@ def table(rep: dict) -> str:
     pairs = [(a, b) for a, b in RATIOS if a in systems and b in systems]
     rows = [f"MiB/s, median of {rep['repeat']} rounds", f"{'op':<10}{'size':>9} " + "".join(f"{n:>14}" for n in names),
             ]
-    ratio_rows = ["ratios (same run)", f"{'op':<10}{'size':>9} " + "".join(
+    ratio_rows = ["ratios (median of the per-round ratios)", f"{'op':<10}{'size':>9} " + "".join(
         f"{SHORT.get(a, a) + '/' + SHORT.get(b, b):>16}" for a, b in pairs)]
     for s in rep["sizes"]:
         for op in ("put", "get", "put_batch", "get_batch"):
             vals = {n: systems[n].get(str(s), {}).get(op) if "skipped" not in systems[n] else None for n in names}
             head = f"{op:<10}{s // 1024:>7}Ki "
             rows.append(head + "".join(f"{(v if v is not None else '-'):>14}" for v in vals.values()))
+            ratio = {(a, b): paired_ratio(rep["rounds"], a, b, str(s), op) for a, b in pairs}
             ratio_rows.append(head + "".join(
-                f"{(f'{vals[a] / vals[b]:.2f}x' if vals[a] and vals[b] else '-'):>16}" for a, b in pairs))
+                f"{(f'{x:.2f}x' if x is not None else '-'):>16}" for x in ratio.values()))
     rows += ratio_rows
     for n, v in systems.items():
         if "skipped" in v:
