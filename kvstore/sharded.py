@@ -80,7 +80,8 @@ class ShardedStore:
     def shard_for(self, key: bytes) -> RemoteStore:
         return self.shards[self.owner(check_key(key))]
 
-    def _per_shard(self, positions: dict[int, list[int]], fn: Callable[[RemoteStore, list[int]], Any]) -> dict[int, Any]:
+    def _per_shard(self, positions: dict[int, list[int]],
+                   fn: Callable[[RemoteStore, list[int]], Any]) -> dict[int, Any]:
         """Run ``fn(shard, positions)`` per shard in parallel; return {shard: its result}."""
         futs = {s: self._pool.submit(fn, self.shards[s], pos) for s, pos in positions.items()}
         out: dict[int, Any] = {}

@@ -30,8 +30,8 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
 3. Longest-prefix ``lookup`` of a 1,000-block chain (all hit, with SWA snapshots), p50/p90/p99 in
    process, at 10k / 100k / 1M index entries. The index is filled by inserting records with
    fake fragment metadata straight through ``kvstore.index.Index`` (lookup reads only the index).
-4. Erasure coding alone: pyeclib ISA-L (``isa_l_rs_cauchy``, the default, and ``isa_l_rs_vand``) 4+2 and 8+4 encode, and decode with
-   0, 1 and 2 data fragments lost.
+4. Erasure coding alone: pyeclib ISA-L (``isa_l_rs_cauchy``, the default, and ``isa_l_rs_vand``)
+   4+2 and 8+4 encode, and decode with 0, 1 and 2 data fragments lost.
 
 The peers live in ``tools/bench_peers.py``. A missing peer (no redis-server even after
 ``tools/install_peers.sh``) is reported and skipped.
@@ -282,8 +282,8 @@ def bench_ec(sizes: list[int], iters: int, log: Callable[[str], None]) -> list[d
                     t = time.perf_counter()
                     fn()
                     lat.append(time.perf_counter() - t)
-                row = {"ec": f"{k}+{m}", "ec_type": ec_type, "size": size, "op": name, "mib_s": size / MiB / statistics.median(lat),
-                       "p50_ms": pct(lat, 50) * 1e3}
+                row = {"ec": f"{k}+{m}", "ec_type": ec_type, "size": size, "op": name,
+                       "mib_s": size / MiB / statistics.median(lat), "p50_ms": pct(lat, 50) * 1e3}
                 out.append(row)
                 log(f"  EC {ec_type} {k}+{m} {size // 1024:>5} KiB {name:<14} {row['mib_s']:8.0f} MiB/s")
     return out
