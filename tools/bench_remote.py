@@ -22,15 +22,16 @@ throughput, single calls and batches of ``--batch``, for
   venv: ``$KVSTACK_MOONCAKE_VENV``, default ``.bench/mooncake-venv`` in the repository, as
   ``tools/install_peers.sh --mooncake`` creates it (``--mooncake-python`` overrides).
 
-and the p50/p90/p99 of ``lookup`` on a ``--chain``-block chain (1,000): embedded, over gRPC, and sharded
-over 3 daemons. Peers that cannot run are reported with the reason, never silently dropped.
+and the p50/p90/p99 of ``lookup`` on a chain of ``--chain`` blocks (default 1,000): embedded, over
+gRPC, and sharded over 3 daemons. Peers that cannot run are reported with the reason, never silently dropped.
 kvstore writes use ``fsync=false`` by default (page-cache durability, like Redis without AOF
 and Mooncake's memory pool); ``--fsync true`` measures durable puts. Prints a table with ratios
 (``remote`` and ``remote_direct`` / each peer); ``--out`` writes the JSON. Issue #3's goals for
-batched gets: ``remote_direct`` >= 1.0x ``mooncake`` and >= 2x ``redis``. Every throughput is the median of ``--repeat``
-rounds (each round: ``--n`` entries per size and mode, all systems); each ratio is the
-median of the per-round ratios; the per-round values are kept in the JSON under ``rounds``. Loopback on a shared 2-core machine is noisy: compare
-ratios from one run, not absolute figures across runs.
+batched gets: ``remote_direct`` >= 1.0x ``mooncake`` and >= 2x ``redis``. Every throughput is
+the median of ``--repeat`` rounds (each round: ``--n`` entries per size and mode, all systems);
+each ratio is the median of the per-round ratios; the per-round values are kept in the JSON
+under ``rounds``. Loopback on a shared 2-core machine is noisy: compare ratios from one run,
+not absolute figures across runs.
 
 Profile of the remote batch path (16 x 1 MiB, fsync off), before the streaming RPCs:
 GetMany was ~65 ms per batch against 4.7 ms embedded. Server: building the 16 MiB
