@@ -175,7 +175,8 @@ class EmbeddedStore(FragmentIO):
         return self.put_many([PutItem(key, value, kind, ttl_s, layout, tokens)])[0]
 
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
-        """Batched put: fragments of all items written (on threads where writes wait), then one index commit."""
+        """Batched put: the fragments of all items written (on threads where writes wait),
+        then one index commit."""
         self._check_open()
         if not items:
             return []
@@ -196,9 +197,10 @@ class EmbeddedStore(FragmentIO):
                     self._count("puts_deduplicated")
                     continue
                 todo.append(i)
-        # 3-4: fragments durable first, in parallel across items where writes wait; each
-        # item's writes start as soon as it is encoded, so encoding the next overlaps them. A bad item raises
-        # out of ``_encode`` and the cleanup below removes what earlier items wrote.
+        # 3-4: fragments durable first. Where writes wait (see ``_fan_out_writes``) each item's
+        # writes start on a thread as soon as it is encoded, so encoding the next overlaps
+        # them; otherwise they run inline. A bad item raises out of ``_encode`` and the
+        # cleanup below removes what earlier items wrote.
         encs: dict[int, Any] = {}
         placed: dict[int, tuple[str, ...]] = {}
         futs: dict[int, Any] = {}
