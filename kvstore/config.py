@@ -79,6 +79,8 @@ class StoreConfig:
     read_timeout_s: float = 0.0  # >0: a fragment not read in time is skipped for parity (if k others are good)
     parallel_reads: str = "auto"  # "auto": fan out for remote targets only; "always"; "never"
     parallel_writes: str = "auto"  # "auto": fan out only writes that wait (fsync, remote targets); "always"; "never"
+    pack_batches: bool = True  # put_many writes one pack file per target, not one file per fragment
+    pack_bytes: int = 4 * 1024 * 1024  # a batch is cut into packs of about this many payload bytes
     orphan_grace_s: float = 300.0  # unindexed fragments younger than this are an in-flight put
     delete_grace_s: float = 30.0  # deleted entries' fragments outlive the delete by this much
     access_flush_s: float = 1.0  # LRU access times are batched into one index write per interval
@@ -100,8 +102,8 @@ class StoreConfig:
         for knob in ("parallel_reads", "parallel_writes"):
             if getattr(self, knob) not in ("auto", "always", "never"):
                 raise InvalidRequest(f"{knob} must be auto, always or never, got {getattr(self, knob)!r}")
-        if self.capacity_bytes < 0 or self.max_value_bytes <= 0:
-            raise InvalidRequest("capacity_bytes must be >= 0 and max_value_bytes > 0")
+        if self.capacity_bytes < 0 or self.max_value_bytes <= 0 or self.pack_bytes <= 0:
+            raise InvalidRequest("capacity_bytes must be >= 0, max_value_bytes and pack_bytes > 0")
         if not 0 <= self.fragment_read_retries <= 16 or self.read_timeout_s < 0:
             raise InvalidRequest("fragment_read_retries must be in [0, 16] and read_timeout_s >= 0")
         if self.default_ttl_s is not None and self.default_ttl_s <= 0:

@@ -359,14 +359,14 @@ class DirectReads:
             if not loc.found:
                 out.append(None)
                 continue
-            skey, gen, k, m, targets = loc.stored_key, loc.gen, loc.k, loc.m, tuple(loc.targets)
+            skey, gen, k, m, targets, offsets = loc.stored_key, loc.gen, loc.k, loc.m, tuple(loc.targets), tuple(loc.offsets)
             if (len(skey) != KEY_LEN or len(gen) != 8 or k < 1 or len(targets) != k + m or loc.kind != kv
-                    or not loc.frag_len):
+                    or not loc.frag_len or len(offsets) not in (0, k + m)):
                 log.warning("Locate sent an unusable record for %s; reading it through the daemon", skey.hex())
                 out.append(Located(prefix + skey, None))
                 continue
             out.append(Located(prefix + skey, Meta(k, m, loc.tokens, loc.plain_len, loc.entry_len, loc.frag_len,
-                                                   0, 0, 0, gen, targets)))
+                                                   0, 0, 0, gen, targets, offsets=offsets)))
         return out
 
     def _retried(self, r: DirectReader, loc: Located) -> None:

@@ -21,10 +21,10 @@ import xxhash
 from kvstore import codec
 from kvstore.api import EntryKind, Layout, as_payload
 from kvstore.errors import CapacityExceeded, CorruptData, IncompatibleFormat, InvalidRequest, StoreUnavailable, Unrecoverable
-from kvstore.index import Meta, ekey
+from kvstore.index import STANDALONE, Meta, ekey
 from kvstore.keys import check_key
 from kvstore.placement import place
-from kvstore.targets import LocalTarget, TargetUnavailable, fragment_path, fragment_prefix
+from kvstore.targets import LocalTarget, TargetUnavailable, fragment_path, fragment_prefix, pack_path
 
 log = logging.getLogger("kvstore.store")
 
@@ -41,6 +41,26 @@ def run_now(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
     except BaseException as exc:  # handed to the caller, re-raised by ``result()``
         fut.set_exception(exc)
     return fut
+
+
+def frag_loc(ek: bytes, meta: Meta, i: int) -> tuple[str, int | None]:
+    """Where fragment ``i`` of a record lives on ``meta.targets[i]``: (its own file, ``None``)
+    or (the batch's pack file, byte offset) -- see ``Meta.offsets``."""
+    if meta.offsets and meta.offsets[i] != STANDALONE:
+        return pack_path(meta.gen), meta.offsets[i]
+    return fragment_path(ek[0], ek[1:], meta.gen, i), None
+
+
+def _data_paths(ek: bytes, meta: Meta, roots: list[str]) -> list[tuple[str, int | None]]:
+    """``frag_loc`` of the k data fragments as absolute local paths (the read fast paths)."""
+    if not meta.offsets:
+        rel = "/" + fragment_prefix(ek[0], ek[1:], meta.gen)
+        return [(roots[i] + rel + str(i), None) for i in range(meta.k)]
+    out = []
+    for i in range(meta.k):
+        rel, off = frag_loc(ek, meta, i)
+        out.append((roots[i] + "/" + rel, off))
+    return out
 
 
 class _Encoded:
@@ -62,7 +82,7 @@ class FragmentIO:
 
     # ------------------------------------------------------------------ write path
     def _encode(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
-                layout: Layout | None, tokens: int) -> _Encoded:
+                layout: Layout | None, tokens: int, gen: bytes | None = None) -> _Encoded:
         key = check_key(key)
         k = EntryKind.parse(kind)
         payload, lay = as_payload(value, layout)
@@ -81,7 +101,7 @@ class FragmentIO:
         entry = codec.encode_entry(key, k, payload, lay, tokens, compression=self.config.compression,
                                    zstd_level=self.config.zstd_level, min_ratio=self.config.min_compress_ratio)
         bodies = self.code.encode(entry)
-        gen = os.urandom(8)
+        gen = gen or os.urandom(8)
         cfg = self.config
         frames = [
             codec.frame_fragment(codec.FragmentHeader(i, cfg.ec_k, cfg.ec_m, k.code, key, gen, len(entry), len(b)), b)
@@ -145,6 +165,51 @@ class FragmentIO:
                 chosen[i] = spare.pop(0)
         return tuple(chosen)
 
+    def _write_pack(self, encs: Sequence[_Encoded], gen: bytes) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+        """A batch's fragments (all encoded with generation ``gen``), one pack file per target:
+        each entry's fragments go to the targets rendezvous hashing picks for it, as single
+        puts do, and each target's share is published with one atomic write (one fsync and
+        one directory fsync instead of one per fragment). Per entry: (targets, offsets).
+        Any failing target raises ``OSError`` after removing what was written; the caller
+        then writes the batch fragment by fragment, where failed targets are replaced."""
+        shares: dict[str, list[bytes]] = {}
+        sizes: dict[str, int] = {}
+        out = []
+        for enc in encs:
+            chosen = place(enc.key, self.target_specs, len(enc.frames))
+            offsets = []
+            for name, frame in zip(chosen, enc.frames):
+                offsets.append(sizes.get(name, 0))
+                shares.setdefault(name, []).append(frame)
+                sizes[name] = offsets[-1] + len(frame)
+            out.append((tuple(chosen), tuple(offsets)))
+        rel = pack_path(gen)
+        submit = self._pool.submit if self._fan_out_writes(list(shares), in_batch=False) else run_now
+        futs = {name: submit(self.targets[name].write, rel, parts, fsync=self.config.fsync)
+                for name, parts in shares.items()}
+        errors = {}
+        for name, f in futs.items():
+            try:
+                f.result()
+            except OSError as exc:
+                errors[name] = exc
+        if errors:
+            self._discard_pack(gen, [n for n in futs if n not in errors])
+            name, exc = next(iter(errors.items()))
+            log.warning("pack %s: target %s failed (%s); writing the batch fragment by fragment", gen.hex(), name, exc)
+            raise exc
+        return out
+
+    def _discard_pack(self, gen: bytes, names: Sequence[str]) -> None:
+        """Remove a pack that no index record names (best effort: else an orphan)."""
+        for name in names:
+            t = self.targets.get(name)
+            if t is not None:
+                try:
+                    t.delete(pack_path(gen))
+                except OSError:
+                    pass  # an orphan GC will sweep
+
     def _discard(self, enc: _Encoded, placed: dict[int, str]) -> None:
         """Remove fragments of a put that will never be indexed (best effort: else orphans)."""
         for i, name in placed.items():
@@ -161,12 +226,15 @@ class FragmentIO:
         t = self.targets.get(meta.targets[i])
         if t is None:
             raise TargetUnavailable(2, f"target {meta.targets[i]} is not configured")
-        rel = fragment_path(ek[0], ek[1:], meta.gen, i)
+        rel, off = frag_loc(ek, meta, i)
         tries = 1 + self.config.fragment_read_retries
         for attempt in range(tries):
             try:
-                if into is None:
-                    raw: bytes | memoryview = t.read(rel)
+                if off is not None:  # exactly its bytes of the pack
+                    buf = memoryview(bytearray(meta.frag_len)) if into is None else into[: meta.frag_len]
+                    raw: bytes | memoryview = buf[: t.read_into(rel, buf, off)]
+                elif into is None:
+                    raw = t.read(rel)
                 else:
                     # One byte more than expected, so that an over-long file is caught as corrupt.
                     raw = into[: t.read_into(rel, into)]
@@ -329,17 +397,18 @@ class FragmentIO:
         k, flen = meta.k, meta.frag_len
         slot = flen + 1  # one byte more, so that an over-long file shows as a wrong length
         scratch = self._scratch(slot * k)
-        rel = "/" + fragment_prefix(ek[0], ek[1:], meta.gen)
+        paths = _data_paths(ek, meta, roots)
         # Each fragment's header up to its checksum is known from the record: compare bytes
         # (``codec.fragment_id``; what parsing it and ``_frame_matches`` would check).
         key, gen, m, elen, blen = ek[1:], meta.gen, meta.m, meta.entry_len, flen - codec.FRAG_HEADER_LEN
         bodies: dict[int, memoryview] = {}
         try:
             for i in range(k):
-                view = scratch[i * slot : (i + 1) * slot]
-                fd = os.open(roots[i] + rel + str(i), os.O_RDONLY)
+                path, off = paths[i]
+                view = scratch[i * slot : (i + 1) * slot if off is None else i * slot + flen]
+                fd = os.open(path, os.O_RDONLY)
                 try:
-                    n = os.preadv(fd, [view], 0)
+                    n = os.preadv(fd, [view], off or 0)
                 finally:
                     os.close(fd)
                 if n != flen or view[: codec.FRAG_ID_LEN] != codec.fragment_id(i, k, m, ek[0], key, gen, elen, blen):
@@ -387,7 +456,7 @@ class FragmentIO:
         ehead = scratch[k * head : k * head + hlen]
         pad = scratch[k * head + hlen : k * head + hlen + share]
         spare = scratch[k * head + hlen + share :]
-        rel = "/" + fragment_prefix(ek[0], ek[1:], meta.gen)
+        paths = _data_paths(ek, meta, roots)
         x0 = xxhash.xxh3_64()
         try:
             for i in range(k):
@@ -399,10 +468,12 @@ class FragmentIO:
                     iov.append(out[max(lo, hlen) - hlen : min(hi, elen) - hlen])
                 if hi > elen:
                     iov.append(pad[: hi - max(lo, elen)])
-                iov.append(spare[i : i + 1])  # an over-long file shows as a wrong length
-                fd = os.open(roots[i] + rel + str(i), os.O_RDONLY)
+                path, off = paths[i]
+                if off is None:
+                    iov.append(spare[i : i + 1])  # an over-long file shows as a wrong length
+                fd = os.open(path, os.O_RDONLY)
                 try:
-                    n = os.preadv(fd, iov, 0)
+                    n = os.preadv(fd, iov, off or 0)
                 finally:
                     os.close(fd)
                 if n != flen:
@@ -415,7 +486,7 @@ class FragmentIO:
                     x0.update(heads[0][: codec.FRAG_ID_LEN])
                     x0.update(b"\0" * 8)
                     x0.update(heads[0][codec.FRAG_HEADER_LEN:])
-                    for part in iov[1:-1]:
+                    for part in iov[1:-1] if off is None else iov[1:]:  # payload parts, not the spare byte
                         x0.update(part)
                     if x0.intdigest() != codec.fragment_checksum(heads[0]):
                         return None

@@ -12,6 +12,7 @@ Sub-databases (``ek`` is the 17-byte entry key ``kind code || block hash``)::
     lru      access_ns(u64 BE)||ek  -> ''         unpinned live entries, oldest first
     ttl      expires_ns(u64 BE)||ek -> ''         live entries with a TTL, soonest first
     grave    deleted_ns(u64 BE)||ek||gen -> Meta  deleted entries whose fragments await removal
+    packs    gen                    -> u64 count   records (entries, lost, grave) stored in pack ``gen``
     tids     u16 id                 -> target name (fragment locations are stored as ids)
     info     name                   -> u64 counters (used_bytes, degraded_reads, ...)
 
@@ -25,6 +26,11 @@ Invariants (each write transaction keeps them):
   5. A record leaves ``entries`` (delete, eviction, expiry) by moving to
      ``grave`` in the same transaction; its fragments are removed only after
      ``delete_grace_s`` so a reader that already holds the metadata can finish.
+  6. A record with ``offsets`` (a batched put's entry: its fragments sit in the
+     batch's pack files, see ``kvstore.targets``) is counted once in ``packs[gen]``
+     while it is in ``entries``, ``lost`` or ``grave``; the pack files are removed
+     only when that count drops to zero (the last record purged from ``grave``).
+     Until then the bytes of its purged entries stay on disk: at most one batch.
 """
 
 from __future__ import annotations
@@ -40,8 +46,10 @@ from kvstore.errors import IncompatibleFormat, InternalError
 
 INDEX_FORMAT = 1
 
-# version, flags, k, m, n_frag, tokens, plain_len, entry_len, frag_len, created_ns, access_ns, expires_ns, gen
+# version, flags, k, m, n_frag, tokens, plain_len, entry_len, frag_len, created_ns, access_ns, expires_ns, gen;
+# then n_frag u16 target ids; version 2 (packed) adds n_frag u64 offsets.
 _META = struct.Struct("<BBBBBIQQQQQQ8s")
+STANDALONE = (1 << 64) - 1  # an ``offsets`` slot whose fragment is its own file (rebuilt by repair)
 _EXPIRES_OFF = 1 + 1 + 1 + 1 + 1 + 4 + 8 + 8 + 8 + 8 + 8  # byte offset of expires_ns inside a Meta record
 FLAG_PINNED = 1
 _U64 = struct.Struct(">Q")
@@ -61,9 +69,13 @@ class Meta:
     created_ns: int
     access_ns: int
     expires_ns: int
-    gen: bytes  # 8 random bytes, unique per put: names this generation's fragment files
+    gen: bytes  # 8 random bytes, unique per put (per batch when packed): names its fragment or pack files
     targets: tuple[str, ...]  # fragment i lives on targets[i]
     pinned: bool = False
+    # () : fragment i is its own file (``fragment_path``). Else fragment i is ``frag_len`` bytes
+    # at offsets[i] of the pack file ``pack_path(gen)`` on targets[i], or its own file where
+    # offsets[i] == STANDALONE.
+    offsets: tuple[int, ...] = ()
 
     @property
     def stored_bytes(self) -> int:
@@ -77,7 +89,7 @@ def ekey(kind_code: int, key: bytes) -> bytes:
 class Index:
     """LMDB-backed metadata. Methods named ``*_txn`` take an open transaction."""
 
-    DBS = (b"entries", b"lost", b"lru", b"ttl", b"grave", b"tids", b"info")
+    DBS = (b"entries", b"lost", b"lru", b"ttl", b"grave", b"packs", b"tids", b"info")
 
     def __init__(self, path: str, *, map_size: int, sync: bool, max_readers: int = 256):
         os.makedirs(path, exist_ok=True)
@@ -137,18 +149,21 @@ class Index:
     # ------------------------------------------------------------------ records
     def pack(self, txn: lmdb.Transaction, m: Meta) -> bytes:
         ids = [self._target_id(txn, t) for t in m.targets]
-        head = _META.pack(1, FLAG_PINNED if m.pinned else 0, m.k, m.m, len(ids), m.tokens, m.plain_len,
-                          m.entry_len, m.frag_len, m.created_ns, m.access_ns, m.expires_ns, m.gen)
+        head = _META.pack(2 if m.offsets else 1, FLAG_PINNED if m.pinned else 0, m.k, m.m, len(ids), m.tokens,
+                          m.plain_len, m.entry_len, m.frag_len, m.created_ns, m.access_ns, m.expires_ns, m.gen)
+        if m.offsets:
+            return head + struct.pack(f">{len(ids)}H{len(ids)}Q", *ids, *m.offsets)
         return head + struct.pack(f">{len(ids)}H", *ids)
 
     def unpack(self, txn: lmdb.Transaction, raw: bytes) -> Meta:
         (ver, flags, k, m, n, tokens, plain_len, entry_len, frag_len, created, access, expires,
          gen) = _META.unpack_from(raw, 0)
-        if ver != 1:
+        if ver not in (1, 2):
             raise InternalError(f"index record version {ver}: this is a bug or a foreign index")
         ids = struct.unpack_from(f">{n}H", raw, _META.size)
+        offsets = struct.unpack_from(f">{n}Q", raw, _META.size + 2 * n) if ver == 2 else ()
         return Meta(k, m, tokens, plain_len, entry_len, frag_len, created, access, expires, gen,
-                    tuple(self._target_name(txn, i) for i in ids), bool(flags & FLAG_PINNED))
+                    tuple(self._target_name(txn, i) for i in ids), bool(flags & FLAG_PINNED), offsets)
 
     @staticmethod
     def expires_of(raw: bytes) -> int:
@@ -180,6 +195,27 @@ class Index:
         if m.expires_ns:
             txn.put(_U64.pack(m.expires_ns) + ek, b"", db=self.db["ttl"])
         self.add_counter(txn, "used_bytes", m.stored_bytes)
+        if m.offsets:
+            self._pack_refs(txn, m.gen, +1)
+
+    def _pack_refs(self, txn: lmdb.Transaction, gen: bytes, delta: int) -> int:
+        cur = txn.get(gen, db=self.db["packs"])
+        val = (_U64.unpack(cur)[0] if cur else 0) + delta
+        if val < 0:
+            raise InternalError(f"pack {gen.hex()} reference count went negative: this is a bug")
+        if val:
+            txn.put(gen, _U64.pack(val), db=self.db["packs"])
+        elif cur is not None:
+            txn.delete(gen, db=self.db["packs"])
+        return val
+
+    def purge_grave_txn(self, txn: lmdb.Transaction, grave_key: bytes, m: Meta) -> bool:
+        """Drop a graveyard record (its own fragment files are the caller's to delete).
+        True when it was the last record of its pack: the pack files may go too. A record
+        another process purged first is not counted twice."""
+        if not txn.delete(grave_key, db=self.db["grave"]):
+            return False
+        return bool(m.offsets) and self._pack_refs(txn, m.gen, -1) == 0
 
     def _unlink_orderings(self, txn: lmdb.Transaction, ek: bytes, m: Meta) -> None:
         if not m.pinned:

@@ -11,10 +11,11 @@ GC steps, in order, with the reason for the order:
   3. Evict LRU entries above the capacity high watermark, down to the low one.
   4. Purge the graveyard: fragments of entries removed more than
      ``delete_grace_s`` ago (a reader that fetched the metadata before the
-     removal has had that long to finish).
-  5. Sweep orphans: fragment files no index record names (a put that crashed
-     before its index commit), older than ``orphan_grace_s`` so that an
-     in-flight put's fragments are never taken.
+     removal has had that long to finish); a pack file goes with the last
+     record stored in it (``kvstore.index`` invariant 6).
+  5. Sweep orphans: fragment and pack files no index record names (a put that
+     crashed before its index commit), older than ``orphan_grace_s`` so that an
+     in-flight put's files are never taken.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import TYPE_CHECKING, Callable
 from kvstore import codec
 from kvstore.api import EntryKind
 from kvstore.errors import CorruptData
-from kvstore.index import Meta
-from kvstore.targets import TargetUnavailable, fragment_path, parse_fragment_path
+from kvstore.index import STANDALONE, Meta
+from kvstore.targets import TargetUnavailable, fragment_path, pack_path, parse_fragment_path, parse_pack_path
 
 if TYPE_CHECKING:
     from kvstore.store import EmbeddedStore
@@ -93,24 +94,32 @@ def _purge_grave(store: "EmbeddedStore", now: int, dry_run: bool) -> tuple[int, 
         ek = rest[:17]
         for i, name in enumerate(m.targets):
             tgt = store.targets.get(name)
-            if tgt is None:
+            if tgt is None or (m.offsets and m.offsets[i] != STANDALONE):
                 continue
-            try:
-                tgt.delete(fragment_path(ek[0], ek[1:], m.gen, i))
-            except OSError as exc:  # a down target keeps the file; the orphan sweep gets it later
-                log.warning("cannot delete fragment on %s: %s", name, exc)
+            _delete(tgt, fragment_path(ek[0], ek[1:], m.gen, i))
         nbytes += m.stored_bytes
         with store.index.env.begin(write=True) as txn:
-            txn.delete(_grave_key(t, rest), db=store.index.db["grave"])
+            last_of_pack = store.index.purge_grave_txn(txn, _grave_key(t, rest), m)
+        if last_of_pack:
+            for tgt in store.targets.values():  # every target the batch may have used
+                _delete(tgt, pack_path(m.gen))
     return len(due), nbytes
+
+
+def _delete(tgt, rel: str) -> None:
+    try:
+        tgt.delete(rel)
+    except OSError as exc:  # a down target keeps the file; the orphan sweep gets it later
+        log.warning("cannot delete %s on %s: %s", rel, tgt.name, exc)
 
 
 def _grave_key(t: int, rest: bytes) -> bytes:
     return t.to_bytes(8, "big") + rest
 
 
-def _known_generations(store: "EmbeddedStore") -> set[tuple[bytes, bytes]]:
-    """(entry key, gen) of every live, lost and graveyard record: the files that are not orphans."""
+def _known_generations(store: "EmbeddedStore") -> tuple[set[tuple[bytes, bytes]], set[bytes]]:
+    """(entry key, gen) of every live, lost and graveyard record, and the gens of the packs
+    they are stored in: the files that are not orphans."""
     known: set[tuple[bytes, bytes]] = set()
     with store.index.env.begin() as txn:
         for db in ("entries", "lost"):
@@ -118,12 +127,13 @@ def _known_generations(store: "EmbeddedStore") -> set[tuple[bytes, bytes]]:
                 known.add((bytes(ek), store.index.unpack(txn, raw).gen))
         for k, raw in store.index.iter_db(txn, "grave"):
             known.add((bytes(k[8:25]), bytes(k[25:33])))
-    return known
+        packs = {bytes(gen) for gen, _ in store.index.iter_db(txn, "packs")}
+    return known, packs
 
 
 def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: float,
                    progress: Progress) -> tuple[int, int, list[Problem]]:
-    known = _known_generations(store)
+    known, packs = _known_generations(store)
     n = nbytes = 0
     problems: list[Problem] = []
     names = list(store.targets)
@@ -138,9 +148,13 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
         for rel, size, mtime in files:
             base = rel.rsplit("/", 1)[-1]
             parsed = parse_fragment_path(rel)
+            pack = parse_pack_path(rel) if parsed is None else None
             if parsed is not None:
                 kind_code, key, gen, _i = parsed
                 if (bytes((kind_code,)) + key, gen) in known:
+                    continue
+            elif pack is not None:
+                if pack in packs:
                     continue
             elif not base.startswith(".tmp."):
                 continue  # not ours: leave foreign files alone
@@ -201,7 +215,8 @@ def _scan_entry(store: "EmbeddedStore", ek: bytes, m: Meta) -> tuple[dict[int, b
 
 def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
              bad: dict[int, Problem]) -> Meta | None:
-    """Rewrite the bad fragments (same target if it is up, else a healthy spare); new Meta or None."""
+    """Rewrite the bad fragments (same target if it is up, else a healthy spare); new Meta or None.
+    A rebuilt fragment is always its own file: a packed one is marked ``STANDALONE``."""
     code = codec.erasure_code(m.k, m.m, store.config.ec_type)
     try:
         rebuilt = code.reconstruct(good, sorted(bad))
@@ -213,6 +228,7 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
         log.error("cannot rebuild %s: %s", ek[1:].hex(), exc)
         return None
     targets = list(m.targets)
+    offsets = list(m.offsets)
     from kvstore.placement import place
 
     for i, body in rebuilt.items():
@@ -223,13 +239,15 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
             try:
                 store.targets[name].write(fragment_path(ek[0], ek[1:], m.gen, i), frame, fsync=store.config.fsync)
                 targets[i] = name
+                if offsets:
+                    offsets[i] = STANDALONE
                 break
             except OSError as exc:
                 log.warning("repair of %s fragment %d: target %s failed: %s", ek[1:].hex(), i, name, exc)
         else:
             return None
     store._count("fragment_rewrites", len(rebuilt))
-    return replace(m, targets=tuple(targets))
+    return replace(m, targets=tuple(targets), offsets=tuple(offsets))
 
 
 def _iter_records(store: "EmbeddedStore", db: str) -> list[tuple[bytes, Meta]]:

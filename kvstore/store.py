@@ -18,12 +18,16 @@ Write path (``put``), in this order, each step for the reason given:
      the put a fresh 8-byte generation so its file names are unique.
   4. Write every fragment atomically (tmp + fsync + rename + dir fsync) to its
      rendezvous-chosen target; a failing target is replaced by the next best.
+     A batch (``put_many``, ``pack_batches``) instead writes one pack file per
+     target holding that target's fragments of every entry, each published the
+     same atomic way, so a batch costs one fsync pair per target, not per fragment.
      Writes that wait (fsync, remote targets) run on threads, per fragment or, in a
      batch, per entry; page-cache writes run inline (``parallel_writes``).
   5. Only then commit the index record (LMDB, fsync). A crash before 5 leaves
      orphan fragments that GC sweeps after ``orphan_grace_s``; never an index
      record without its fragments. If another writer committed the same key
-     first, our fragments are removed and the put returns ``False``.
+     first, our fragments are removed (or stay in the pack until it goes) and
+     the put returns ``False``.
   6. Above the capacity high watermark, evict LRU entries down to the low one.
 
 Read path (``get``): read the k data fragments (in parallel for remote targets), verify each one's
@@ -197,21 +201,29 @@ class EmbeddedStore(FragmentIO):
                     self._count("puts_deduplicated")
                     continue
                 todo.append(i)
-        # 3-4: fragments durable first. Where writes wait (see ``_fan_out_writes``) each item's
-        # writes start on a thread as soon as it is encoded, so encoding the next overlaps
-        # them; otherwise they run inline. A bad item raises out of ``_encode`` and the
-        # cleanup below removes what earlier items wrote.
+        # 3-4: fragments durable first. A batch (``pack_batches``) is encoded whole under one
+        # generation and published as one pack file per target (``_write_pack``); if that
+        # fails, or for a single put, fragment by fragment: where writes wait (see
+        # ``_fan_out_writes``) each item's writes start on a thread as soon as it is encoded,
+        # so encoding the next overlaps them; otherwise they run inline. A bad item raises
+        # out of ``_encode`` and the cleanup below removes what earlier items wrote.
         encs: dict[int, Any] = {}
         placed: dict[int, tuple[str, ...]] = {}
+        offsets: dict[int, tuple[int, ...]] = {}
         futs: dict[int, Any] = {}
         batch = len(todo) > 1
+        if batch and self.config.pack_batches:
+            self._put_packs(items, todo, encs, placed, offsets)
         submit = self._batch_pool.submit if batch and self._fan_out_writes(self.targets, in_batch=False) else run_now
         try:
             for i in todo:
+                if i in placed:
+                    continue
                 it = items[i]
-                encs[i] = self._encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
+                if i not in encs:
+                    encs[i] = self._encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
                 futs[i] = submit(self._write_fragments, encs[i], in_batch=batch)
-            for i in encs:
+            for i in futs:
                 placed[i] = futs[i].result()
         except BaseException:
             for i, f in futs.items():
@@ -236,11 +248,15 @@ class EmbeddedStore(FragmentIO):
                 lost = self.index.get_lost(txn, e.ek)
                 if lost is not None:
                     self.index.drop_lost_txn(txn, e.ek, lost, now, to_grave=True)
-                self.index.insert_txn(txn, e.ek, replace(e.meta_base, targets=placed[i]))
+                self.index.insert_txn(txn, e.ek, replace(e.meta_base, targets=placed[i], offsets=offsets.get(i, ())))
                 result[i] = True
             self._flush_touches_txn(txn)
         for i in losers:
-            self._discard(encs[i], dict(enumerate(placed[i])))
+            if i not in offsets:  # a loser's share of a pack goes with the pack
+                self._discard(encs[i], dict(enumerate(placed[i])))
+        for gen, members in _by_gen(encs, offsets).items():
+            if not any(result[i] for i in members):
+                self._discard_pack(gen, sorted({n for i in members for n in placed[i]}))
         n_new = sum(result)
         self._count("puts", n_new)
         self._count("bytes_in", sum(encs[i].meta_base.plain_len for i in encs if result[i]))
@@ -248,6 +264,41 @@ class EmbeddedStore(FragmentIO):
         if n_new and self.config.capacity_bytes:
             self._evict_if_needed()
         return result
+
+    def _put_packs(self, items: Sequence[PutItem], todo: list[int], encs: dict, placed: dict,
+                   offsets: dict) -> None:
+        """Steps 3-4 for a batch: encode it in chunks of about ``pack_bytes`` payload bytes,
+        each chunk one generation and one pack per target; a chunk's pack writes run on a
+        thread while the next chunk is encoded (encoding holds the GIL, writes wait in
+        the kernel); the last chunk's run here. Fills ``encs``; ``placed`` and ``offsets`` for the chunks written.
+        A chunk whose packs fail stays unplaced: the caller writes it fragment by fragment."""
+        writes = []
+        chunk: list[int] = []
+        size = 0
+        gen = os.urandom(8)
+        try:
+            for n, i in enumerate(todo):
+                it = items[i]
+                encs[i] = self._encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens, gen)
+                chunk.append(i)
+                size += encs[i].meta_base.plain_len
+                last = n == len(todo) - 1
+                if size >= self.config.pack_bytes or last:
+                    # On a thread only while there is encoding left to overlap it with.
+                    submit = run_now if last or self.config.parallel_writes == "never" else self._batch_pool.submit
+                    writes.append((chunk, gen, submit(self._write_pack, [encs[j] for j in chunk], gen)))
+                    chunk, size, gen = [], 0, os.urandom(8)
+        except BaseException:  # a bad item: nothing of this batch may stay behind
+            for _chunk, g, fut in writes:
+                if fut.exception() is None:
+                    self._discard_pack(g, list(self.targets))
+            raise
+        for chunk, _gen, fut in writes:
+            try:
+                for i, (names, offs) in zip(chunk, fut.result()):
+                    placed[i], offsets[i] = names, offs
+            except OSError:
+                pass  # logged by _write_pack
 
     def _mark_lost(self, ek: bytes, meta: Meta) -> None:
         self._count("unrecoverable")
@@ -539,6 +590,14 @@ class EmbeddedStore(FragmentIO):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _by_gen(encs: dict, offsets: dict) -> dict[bytes, list[int]]:
+    """The packed items of a batch, grouped by pack generation."""
+    out: dict[bytes, list[int]] = {}
+    for i in offsets:
+        out.setdefault(encs[i].meta_base.gen, []).append(i)
+    return out
 
 
 def open_embedded(url: str, **overrides: Any) -> EmbeddedStore:

@@ -3,12 +3,19 @@
 A target is one directory-like root (a local disk, an S3 bucket prefix, a
 mounted distributed file system). The store calls exactly four operations:
 
-* ``write(rel, data)``: atomic publish. Local roots write ``.tmp.*`` beside
+* ``write(rel, data)``: atomic publish (``data`` is bytes or a list of byte
+  strings written back to back: a pack). Local roots write ``.tmp.*`` beside
   the final name, fsync the file, rename it into place, then fsync the
   directory (rename is atomic on POSIX; the directory fsync makes the new name
   durable). Object stores (s3, gcs, memory) publish a whole object in one
   call, which is already atomic.
-* ``read(rel) -> bytes``, ``delete(rel)``, ``walk() -> (rel, size, mtime)``.
+* ``read(rel) -> bytes`` (``read_into(rel, buf, offset)`` for a range),
+  ``delete(rel)``, ``walk() -> (rel, size, mtime)``.
+
+Two kinds of file, both named from the entry's record (``kvstore.index.Meta``):
+a *fragment file* (one put's fragment ``i``: ``fragment_path``) and a *pack file*
+(``pack_path(gen)``: the fragments a batched put placed on this target, back to
+back, so a batch publishes one file per target instead of one per fragment).
 
 Implementations are chosen by URL scheme through ``TARGET_TYPES`` (a registry,
 as fsspec's own). A missing root is *never* recreated by a write: a vanished
@@ -60,6 +67,28 @@ def parse_fragment_path(rel: str) -> tuple[int, bytes, bytes, int] | None:
         return None
 
 
+def pack_path(gen: bytes) -> str:
+    """``p/<gen[0]>/<gen hex>.pack``: the pack file of batch ``gen`` (one per target it used)."""
+    hx = gen.hex()
+    return f"p/{hx[:2]}/{hx}.pack"
+
+
+def parse_pack_path(rel: str) -> bytes | None:
+    """Inverse of ``pack_path``: the batch generation, or ``None``."""
+    parts = rel.replace("\\", "/").split("/")
+    if len(parts) != 3 or parts[0] != "p" or not parts[2].endswith(".pack"):
+        return None
+    try:
+        gen = bytes.fromhex(parts[2][: -len(".pack")])
+    except ValueError:
+        return None
+    return gen if len(gen) == 8 and parts[1] == gen.hex()[:2] else None
+
+
+def _joined(data: bytes | list) -> bytes:
+    return data if isinstance(data, (bytes, bytearray, memoryview)) else b"".join(data)
+
+
 def _safe_rel(rel: str) -> str:
     if rel.startswith("/") or ".." in rel.split("/"):
         raise InvalidRequest(f"refusing a path outside the target root: {rel!r}")
@@ -96,23 +125,23 @@ class Target:
         except OSError:
             return False
 
-    def write(self, rel: str, data: bytes, *, fsync: bool) -> None:
+    def write(self, rel: str, data: bytes | list, *, fsync: bool) -> None:
         path = self._p(rel)
         if not self.is_up():
             raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
         if self.atomic_put:
-            self.fs.pipe_file(path, data)
+            self.fs.pipe_file(path, _joined(data))
             return
         tmp = f"{path.rsplit('/', 1)[0]}/.tmp.{secrets.token_hex(6)}.{path.rsplit('/', 1)[1]}"
-        self.fs.pipe_file(tmp, data)
+        self.fs.pipe_file(tmp, _joined(data))
         self.fs.mv(tmp, path)
 
     def read(self, rel: str) -> bytes:
         return self.fs.cat_file(self._p(rel))
 
-    def read_into(self, rel: str, buf: memoryview) -> int:
-        """Read up to ``len(buf)`` bytes of the file into ``buf``; returns the count."""
-        data = self.read(rel)
+    def read_into(self, rel: str, buf: memoryview, offset: int = 0) -> int:
+        """Read up to ``len(buf)`` bytes of the file from ``offset`` into ``buf``; returns the count."""
+        data = self.fs.cat_file(self._p(rel), start=offset, end=offset + len(buf))
         n = min(len(data), len(buf))
         buf[:n] = data[:n]
         return n
@@ -174,7 +203,7 @@ class LocalTarget(Target):
     def is_up(self) -> bool:
         return os.path.isdir(self.root)
 
-    def write(self, rel: str, data: bytes, *, fsync: bool) -> None:
+    def write(self, rel: str, data: bytes | list, *, fsync: bool) -> None:
         path = self._p(rel)
         d = os.path.dirname(path)
         tmp = os.path.join(d, f".tmp.{secrets.token_hex(6)}.{os.path.basename(path)}")
@@ -187,10 +216,7 @@ class LocalTarget(Target):
             self._make_dirs(d, fsync=fsync)
             fd = os.open(tmp, flags, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
+            _write_all(fd, data)
             if fsync:
                 os.fsync(fd)  # data durable before the name points at it
         except BaseException:
@@ -222,12 +248,12 @@ class LocalTarget(Target):
         with open(self._p(rel), "rb", buffering=0) as fh:
             return fh.read()
 
-    def read_into(self, rel: str, buf: memoryview) -> int:
+    def read_into(self, rel: str, buf: memoryview, offset: int = 0) -> int:
         fd = os.open(self._p(rel), os.O_RDONLY)
         try:
             n = 0
             while n < len(buf):
-                got = os.preadv(fd, [buf[n:]], n)
+                got = os.preadv(fd, [buf[n:]], offset + n)
                 if not got:
                     break
                 n += got
@@ -252,6 +278,21 @@ class LocalTarget(Target):
                 except FileNotFoundError:
                     continue
                 yield os.path.relpath(p, self.root), st.st_size, st.st_mtime
+
+
+_IOV_MAX = 512  # well under the kernel's 1024 per writev
+
+
+def _write_all(fd: int, data: bytes | list) -> None:
+    """Write ``data`` (bytes, or byte strings back to back: one ``writev`` per slice) fully."""
+    parts = [memoryview(data)] if isinstance(data, (bytes, bytearray, memoryview)) else [memoryview(p) for p in data]
+    while parts:
+        n = os.writev(fd, parts[:_IOV_MAX])
+        while parts and n >= len(parts[0]):
+            n -= len(parts[0])
+            parts.pop(0)
+        if n:
+            parts[0] = parts[0][n:]
 
 
 def fsync_dir(d: str) -> None:

@@ -135,7 +135,8 @@ def _entry_text(d: dict) -> str:
         lines.append(f"  {name:<15} {d.get(name)}")
     if "targets" in d:
         lines.append("  fragments       " + "  ".join(
-            f"{t['fragment']}@{t['target']}{'' if t['up'] else '(down)'}" for t in d["targets"]))
+            f"{t['fragment']}@{t['target']}{'' if t.get('offset') is None else ':pack+' + str(t['offset'])}"
+            f"{'' if t['up'] else '(down)'}" for t in d["targets"]))
     return "\n".join(lines)
 
 

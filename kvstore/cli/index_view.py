@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from kvstore.api import EntryKind
+from kvstore.fragments import frag_loc
 from kvstore.index import Meta, ekey
 
 if TYPE_CHECKING:
@@ -153,8 +154,16 @@ def row_dict(row: IndexRow, now_ns: int, up: set[str]) -> dict:
         "fragment_bytes": m.frag_len, "stored_bytes": m.stored_bytes, "ec": f"{m.k}+{m.m}",
         "created": iso(m.created_ns), "last_access": iso(m.access_ns), "expires": iso(m.expires_ns),
         "pinned": m.pinned,
-        "targets": [{"fragment": i, "target": t, "up": t in up} for i, t in enumerate(m.targets)],
+        "targets": [{"fragment": i, "target": t, "up": t in up, "file": rel, "offset": off}
+                    for i, (t, (rel, off)) in enumerate(zip(m.targets, _locations(row)))],
     }
+
+
+def _locations(row: IndexRow) -> list[tuple[str, int | None]]:
+    """Per fragment: its file under the target root, and its offset there (``None``: the whole
+    file; else a batch's pack file)."""
+    ek = ekey(row.kind.code, row.key)
+    return [frag_loc(ek, row.meta, i) for i in range(len(row.meta.targets))]
 
 
 def find(store: "EmbeddedStore", key: bytes, kind: EntryKind) -> IndexRow | None:

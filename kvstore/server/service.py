@@ -537,7 +537,8 @@ class Daemon:
         return pb.LocateReply(locations=[
             pb.Location() if m is None else pb.Location(
                 found=True, stored_key=ek[1:], kind=kind.value, k=m.k, m=m.m, entry_len=m.entry_len,
-                plain_len=m.plain_len, frag_len=m.frag_len, gen=m.gen, targets=m.targets, tokens=m.tokens)
+                plain_len=m.plain_len, frag_len=m.frag_len, gen=m.gen, targets=m.targets, tokens=m.tokens,
+                offsets=m.offsets)
             for ek, m in zip(eks, metas)])
 
     def _stats(self, r: pb.StatsRequest, tenant: Tenant) -> pb.JsonReply:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -24,7 +23,8 @@ from kvstore.direct import DirectReads, auto_decision, client_url
 from kvstore.errors import KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.wire import PermissionDenied, Unauthenticated
-from kvstore.targets import LocalTarget, fragment_path
+from kvstore.targets import LocalTarget
+from tests.fragments import FragmentRef, fragment_refs
 
 from .test_security import TOK_A, TOK_B, tokens_file  # noqa: F401 - a fixture
 
@@ -33,18 +33,15 @@ def K(i) -> bytes:
     return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
 
 
-def frag_files(d, key: bytes, kind_code: int = 1) -> list[Path]:
-    """Fragment files of a live entry of daemon ``d``, fragment i at position i (anonymous tenant)."""
-    ek = bytes((kind_code,)) + key
-    with d.store.index.env.begin() as txn:
-        m = d.store.index.get_meta(txn, ek)
-    return [Path(d.store.targets[t].root) / fragment_path(kind_code, key, m.gen, i) for i, t in enumerate(m.targets)]
+def frag_files(d, key: bytes, kind: str = "block") -> list[FragmentRef]:
+    """Fragments of a live entry of daemon ``d``, fragment i at position i (anonymous tenant)."""
+    return fragment_refs(d.store, key, kind)
 
 
-def flip_last_byte(p: Path) -> None:
-    b = bytearray(p.read_bytes())
+def flip_last_byte(f: FragmentRef) -> None:
+    b = bytearray(f.read_bytes())
     b[-1] ^= 0xFF
-    p.write_bytes(bytes(b))
+    f.write_bytes(bytes(b))
 
 
 def counter(d, name: str) -> int:
@@ -55,12 +52,14 @@ def test_damaged_fragments_fall_back_to_the_daemon(make_daemon) -> None:
     d = make_daemon()
     s = kvstore.connect(d.address, direct_reads="on")
     vals = {n: os.urandom(200_000) for n in "ABCD"}
-    assert s.put_many([PutItem(K(n), v) for n, v in vals.items()]) == [True] * 4
+    assert s.put(K("A"), vals["A"]) and s.put(K("D"), vals["D"])  # fragment files
+    assert s.put_many([PutItem(K(n), vals[n]) for n in "BC"]) == [True] * 2  # a pack
+    assert frag_files(d, K("B"))[0].packed and not frag_files(d, K("A"))[0].packed
     assert s.get_many([K(n) for n in vals]) == list(vals.values())  # clean: all direct
     assert s.direct_stats()["counters"]["direct_reads"] == 4
-    frag_files(d, K("A"))[1].unlink()  # a missing data fragment
-    flip_last_byte(frag_files(d, K("B"))[0])  # a corrupt one (checksum fails)
-    frag_files(d, K("D"))[2].unlink()
+    frag_files(d, K("A"))[1].remove()  # a missing data fragment
+    flip_last_byte(frag_files(d, K("B"))[0])  # a corrupt one inside the pack (checksum fails)
+    frag_files(d, K("D"))[2].remove()
     before = counter(d, "degraded_reads")
 
     assert s.get(K("A")) == vals["A"]  # get: direct read degraded -> the daemon's Get
@@ -87,7 +86,7 @@ def test_unrecoverable_entry_is_marked_lost_only_by_the_daemon(make_daemon) -> N
     v = os.urandom(50_000)
     s.put(K("lost"), v)
     for f in frag_files(d, K("lost"))[:3]:  # m + 1 = 3 of 4+2 gone: fewer than k remain
-        f.unlink()
+        f.remove()
     direct = s._direct
     r = direct.reader()
     (loc,) = direct.locate([K("lost")], EntryKind.BLOCK, r)

@@ -10,7 +10,6 @@ adds ``get_many_into`` (as the embedded store), with the same faults.
 
 from __future__ import annotations
 
-import pathlib
 import random
 import time
 from dataclasses import replace
@@ -88,17 +87,17 @@ def load_path(request) -> dict:
     return LOAD_PATHS[request.param]
 
 
-KIND_DIRS = {"block": "1", "swa": "2"}  # the embedded store's per-kind fragment directories
+def _corrupt(store, key: bytes, kind: str | None = None) -> int:
+    """Overwrite every fragment of ``key`` (of ``kind``, or any) with garbage of the same size,
+    in its own file or inside its batch's pack (``tests.fragments``)."""
+    from tests.fragments import fragment_refs
 
-
-def _corrupt(data_dir: pathlib.Path, key: bytes, kind: str | None = None) -> int:
-    """Overwrite every fragment of ``key`` (of ``kind``, or any) with garbage of the same size."""
     n = 0
-    for f in data_dir.rglob(f"{key.hex()}*"):
-        if f.is_file() and (kind is None or f.parent.parent.name == KIND_DIRS[kind]):
+    for k in [kind] if kind else ["block", "swa"]:
+        for f in fragment_refs(store, key, k):
             f.write_bytes(bytes(255 - b for b in f.read_bytes()))
             n += 1
-    assert n, f"no fragment files found for {key.hex()} under {data_dir}"
+    assert n, f"no fragments found for {key.hex()}"
     return n
 
 
@@ -113,7 +112,7 @@ def test_corrupt_block_on_disk_falls_back_and_heals_the_store(rig, store, tmp_pa
     rng = random.Random(100)
     prompt = rig.tokens(rng, 120)
     a = _seed(rig, store, prompt, snapshot_end_of_input=False, snapshot_end_of_output=False)
-    _corrupt(tmp_path / "store", a.hasher.hash_blocks(prompt)[4])
+    _corrupt(store, a.hasher.hash_blocks(prompt)[4])
     b = rig.engine(store, **load_path)
     warm = b.generate(prompt, GREEDY)
     rig.same(rig.cold(prompt, GREEDY), warm)
@@ -133,7 +132,7 @@ def test_corrupt_snapshot_falls_back_to_replay(rig, store, tmp_path, load_path):
     prompt = rig.tokens(rng, 96 + 7)
     a = _seed(rig, store, prompt, snapshot_end_of_output=False)  # snapshot at 96
     keys = a.hasher.hash_blocks(prompt)
-    _corrupt(tmp_path / "store", keys[5], "swa")  # the SWA entry at 96; the blocks stay good
+    _corrupt(store, keys[5], "swa")  # the SWA entry at 96; the blocks stay good
     b = rig.engine(store, **load_path)
     warm = b.generate(prompt, GREEDY)
     rig.same(rig.cold(prompt, GREEDY), warm)

@@ -145,7 +145,7 @@ def test_direct_read_with_a_corrupt_entry_mid_batch_gives_the_cold_answer(rig, s
     from test_faults import _corrupt
 
     prompt, keys = _seeded(rig, store, 150, 5)
-    _corrupt(tmp_path / "store", keys[3], "block")
+    _corrupt(store, keys[3], "block")
     eng = rig.engine(store, load_batch_blocks=8)  # blocks 0..7 in one read: 3 is mid-batch
     assert eng.connector.direct_reads
     eng.pool.kv.fill_(float("nan"))  # stale block contents: a block used without being written shows

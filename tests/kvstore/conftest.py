@@ -1,5 +1,5 @@
 """Shared fixtures for the embedded store tests: a fresh data directory per test,
-an injectable clock, and helpers to reach fragment files on disk."""
+an injectable clock, and value and check helpers (fragments on disk: ``tests.fragments``)."""
 
 from __future__ import annotations
 
@@ -57,18 +57,6 @@ def value_for(key: bytes, size: int = 4000) -> bytes:
 
     rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
     return rng.integers(0, 16, size, dtype=np.uint8).tobytes()
-
-
-def fragment_files(store, key: bytes, kind: str = "block") -> list[Path]:
-    """Paths of an entry's fragment files, fragment i at position i."""
-    from kvstore.api import EntryKind
-    from kvstore.index import ekey
-    from kvstore.targets import fragment_path
-
-    ek = ekey(EntryKind.parse(kind).code, key)
-    with store.index.env.begin() as txn:
-        m = store.index.get_meta(txn, ek) or store.index.get_lost(txn, ek)
-    return [Path(store.targets[t].root) / fragment_path(ek[0], key, m.gen, i) for i, t in enumerate(m.targets)]
 
 
 def assert_clean(store) -> None:

@@ -13,15 +13,20 @@ import kvstore
 from kvstore import PutItem, Unrecoverable
 from kvstore.maintenance import ProblemKind
 
-from .conftest import assert_clean, fragment_files, value_for
+from .conftest import assert_clean, value_for
+from tests.fragments import fragment_refs
 
 N = 40
 
 
-@pytest.fixture
-def full(store, keys):
-    store.put_many([PutItem(k, value_for(k, 6000)) for k in keys[:N]])
-    return store
+@pytest.fixture(params=["pack", "files"])
+def full(data_dir, clock, keys, request):
+    """N entries from one batch: in the batch's pack files (the default), or one file per fragment."""
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, orphan_grace_s=0, delete_grace_s=0,
+                         pack_batches=request.param == "pack") as s:
+        s.put_many([PutItem(k, value_for(k, 6000)) for k in keys[:N]])
+        assert all(f.packed == (request.param == "pack") for f in fragment_refs(s, keys[0]))
+        yield s
 
 
 def _roots(store):
@@ -48,7 +53,7 @@ def test_m_plus_one_gone_only_the_overexposed_are_lost_then_repair(data_dir, key
     for n in gone:
         os.rename(roots[n], roots[n] + ".away")
     expected_lost = {k for k in keys[:N]
-                     if sum(p.parents[2].name in gone for p in fragment_files(full, k)) > 2}
+                     if sum(f.target in gone for f in fragment_refs(full, k)) > 2}
     assert expected_lost and len(expected_lost) < N
     for k in keys[:N]:
         if k in expected_lost:
@@ -93,7 +98,7 @@ def _flip(path, at=-10):
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "header"])
 def test_damaged_fragment_is_detected_and_reconstructed(full, keys, damage):
     k = keys[5]
-    f = fragment_files(full, k)[1]
+    f = fragment_refs(full, k)[1]
     {"flip": lambda: _flip(f),
      "truncate": lambda: f.write_bytes(f.read_bytes()[:-100]),
      "empty": lambda: f.write_bytes(b""),
@@ -107,7 +112,7 @@ def test_damaged_fragment_is_detected_and_reconstructed(full, keys, damage):
 
 
 def test_swapped_fragments_between_entries_are_caught(full, keys):
-    a, b = fragment_files(full, keys[1]), fragment_files(full, keys[2])
+    a, b = fragment_refs(full, keys[1]), fragment_refs(full, keys[2])
     for i in (0, 3):
         da, db = a[i].read_bytes(), b[i].read_bytes()
         a[i].write_bytes(db)
@@ -122,7 +127,7 @@ def test_swapped_fragments_between_entries_are_caught(full, keys):
 
 def test_every_fragment_damaged_beyond_m_is_unrecoverable_never_wrong(full, keys):
     k = keys[7]
-    for f in fragment_files(full, k)[:3]:
+    for f in fragment_refs(full, k)[:3]:
         _flip(f)
     with pytest.raises(Unrecoverable):
         full.get(k)

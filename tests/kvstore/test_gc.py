@@ -12,7 +12,8 @@ from kvstore import CapacityExceeded, NotFound
 from kvstore.index import ekey
 from kvstore.maintenance import ProblemKind
 
-from .conftest import assert_clean, fragment_files, value_for
+from .conftest import assert_clean, value_for
+from tests.fragments import fragment_refs
 
 
 def test_ttl_expiry(store, keys, clock):
@@ -124,18 +125,18 @@ def test_orphans_are_swept_after_their_grace(data_dir, keys, clock):
 def test_deleted_fragments_outlive_the_delete_by_the_grace(data_dir, keys, clock):
     with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=30) as s:
         s.put(keys[0], b"x" * 1000)
-        files = fragment_files(s, keys[0])
+        files = fragment_refs(s, keys[0])
         # A reader took the metadata before the delete ...
         with s.index.env.begin() as txn:
             meta = s.index.get_meta(txn, ekey(1, keys[0]))
         s.delete(keys[0])
         s.gc()
         # ... and can still read every fragment during the grace period.
-        assert all(f.exists() for f in files)
+        assert all(f.path.exists() for f in files)
         assert s._read_fragment(meta, ekey(1, keys[0]), 0)
         clock.advance(31)
         assert s.gc()["purged"] == 1
-        assert not any(f.exists() for f in files)
+        assert not any(f.path.exists() for f in files)
         assert_clean(s)
 
 

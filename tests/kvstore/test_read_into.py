@@ -18,7 +18,8 @@ from kvstore import codec
 from kvstore.api import EntryInfo, EntryKind, Layout, ReadsInto, read_into, writable_view
 from kvstore.errors import CorruptData
 
-from .conftest import assert_clean, fragment_files, value_for
+from .conftest import assert_clean, value_for
+from tests.fragments import fragment_refs
 
 N = 12
 
@@ -144,7 +145,7 @@ def _flip(path, at=-10):
 def test_corrupt_data_fragment_is_reconstructed_into_the_buffer(store, reader, keys, compressible, frag):
     vals = [value_for(k, 6000) if compressible else os.urandom(6000) for k in keys[:4]]
     store.put_many([PutItem(k, v) for k, v in zip(keys, vals)])
-    _flip(fragment_files(store, keys[1])[frag])
+    _flip(fragment_refs(store, keys[1])[frag])
     outs = _bufs(4, 6000)
     infos = reader(keys[:4], outs)
     assert all(i is not None for i in infos)
@@ -156,7 +157,7 @@ def test_corrupt_data_fragment_is_reconstructed_into_the_buffer(store, reader, k
 
 def test_unrecoverable_is_none_and_marked_lost(store, reader, keys):
     store.put_many([PutItem(k, value_for(k, 6000)) for k in keys[:4]])
-    for f in fragment_files(store, keys[2])[:3]:  # m + 1 = 3 damaged of 4+2
+    for f in fragment_refs(store, keys[2])[:3]:  # m + 1 = 3 damaged of 4+2
         _flip(f)
     outs = _bufs(4, 6000)
     infos = reader(keys[:4], outs)
@@ -170,7 +171,7 @@ def test_plain_copy_store(data_dir, keys, clock):
     with kvstore.connect(str(data_dir), ec_k=1, ec_m=0, fsync=False, clock=clock) as s:
         s.put_many([PutItem(k, os.urandom(5000)) for k in keys[:2]])
         want = s.get_many(keys[:2])
-        _flip(fragment_files(s, keys[1])[0])
+        _flip(fragment_refs(s, keys[1])[0])
         outs = _bufs(2, 5000)
         infos = s.get_many_into(keys[:2], outs)
         assert infos[1] is None and outs[0].tobytes() == want[0]

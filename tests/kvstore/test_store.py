@@ -12,7 +12,8 @@ import kvstore
 from kvstore import InvalidRequest, Layout, NotFound, PutItem
 from kvstore.errors import IncompatibleFormat, StoreClosed
 
-from .conftest import assert_clean, fragment_files, value_for
+from .conftest import assert_clean, value_for
+from tests.fragments import fragment_refs
 
 
 def test_put_get_round_trip_and_dedup(store, keys):
@@ -29,9 +30,9 @@ def test_put_get_round_trip_and_dedup(store, keys):
 
 def test_fragments_go_to_k_plus_m_distinct_targets(store, keys):
     store.put(keys[1], value_for(keys[1]))
-    files = fragment_files(store, keys[1])
+    files = fragment_refs(store, keys[1])
     assert len(files) == 6
-    assert len({p.parent.parent.parent for p in files}) == 6  # six distinct target roots
+    assert not any(f.packed for f in files) and len({f.target for f in files}) == 6  # six distinct targets
 
 
 def test_numpy_layout_is_kept(store, keys):
@@ -193,18 +194,16 @@ def test_the_directory_records_its_erasure_code(data_dir, keys):
 def test_a_directory_is_decoded_with_its_own_code(data_dir, keys, ec_type):
     """Parity written by one code is rebuilt with that code whatever the default is, also for
     a marker from before the code was recorded (then it was ISA-L Vandermonde)."""
-    import shutil
-
     with kvstore.connect(str(data_dir), fsync=False, ec_type=ec_type) as s:
         s.put_many([PutItem(k, value_for(k, 20_000)) for k in keys[:6]])
-        lost = [fragment_files(s, k)[:2] for k in keys[:6]]  # two data fragments each: parity must decode
+        lost = [fragment_refs(s, k)[:2] for k in keys[:6]]  # two data fragments each: parity must decode
     if ec_type == "isa_l_rs_vand":  # a marker written before ec_type was recorded
         doc = json.loads((data_dir / "kvstore.json").read_text())
         del doc["ec_type"]
         (data_dir / "kvstore.json").write_text(json.dumps(doc))
-    for paths in lost:
-        for p in paths:
-            shutil.move(p, p.with_name(p.name + ".away"))
+    for refs in lost:
+        for f in refs:
+            f.remove()
     with kvstore.connect(str(data_dir), fsync=False) as s:
         assert s.config.ec_type == ec_type
         assert s.get_many(keys[:6]) == [value_for(k, 20_000) for k in keys[:6]]
@@ -256,13 +255,14 @@ def test_unknown_scheme():
         kvstore.connect("ftp://x")
 
 
-@pytest.mark.parametrize("mode, fsync, single, batch", [
-    ("never", True, {"MainThread"}, {"MainThread"}),
-    ("always", False, {"kvstore-io"}, {"kvstore-io"}),
-    ("auto", False, {"MainThread"}, {"MainThread"}),  # page-cache writes: inline
-    ("auto", True, {"kvstore-io"}, {"kvstore-batch"}),  # fsync waits: per fragment, or per entry of a batch
+@pytest.mark.parametrize("mode, fsync, single, batch, pack", [
+    ("never", True, {"MainThread"}, {"MainThread"}, {"MainThread"}),
+    ("always", False, {"kvstore-io"}, {"kvstore-io"}, {"kvstore-io"}),
+    ("auto", False, {"MainThread"}, {"MainThread"}, {"MainThread"}),  # page-cache writes: inline
+    # fsync waits: per fragment, or per entry of an unpacked batch, or per pack file
+    ("auto", True, {"kvstore-io"}, {"kvstore-batch"}, {"kvstore-io"}),
 ])
-def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch, mode, fsync, single, batch):
+def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch, mode, fsync, single, batch, pack):
     from kvstore.targets import LocalTarget
 
     seen: list[str] = []
@@ -273,7 +273,7 @@ def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch,
         return real(self, rel, data, fsync=fsync)
 
     monkeypatch.setattr(LocalTarget, "write", write)
-    with kvstore.connect(str(data_dir), fsync=fsync, parallel_writes=mode) as s:
+    with kvstore.connect(str(data_dir), fsync=fsync, parallel_writes=mode, pack_batches=False) as s:
         assert s.put(keys[0], b"one")
         assert set(seen) == single and len(seen) == 6
         seen.clear()
@@ -281,6 +281,12 @@ def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch,
         assert set(seen) == batch and len(seen) == 24
         assert s.get(keys[0]) == b"one"
         assert s.get_many(keys[1:5]) == [value_for(k, 5000) for k in keys[1:5]]
+        assert s.check() == []
+    seen.clear()
+    with kvstore.connect(str(data_dir), fsync=fsync, parallel_writes=mode) as s:  # packed batches
+        assert s.put_many([PutItem(k, value_for(k, 5000)) for k in keys[5:9]]) == [True] * 4
+        assert set(seen) == pack and len(seen) == 6  # one pack file per target
+        assert s.get_many(keys[1:9]) == [value_for(k, 5000) for k in keys[1:9]]
         assert s.check() == []
 
 

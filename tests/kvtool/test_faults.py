@@ -98,17 +98,21 @@ def test_corrupt_fragment_found_and_repaired(store_dir, run_tool):
     key = pop.chain[5]
     code, out, _ = run_tool("inspect", pop.path, "--key", key.hex(), "--json")
     frag = json.loads(out)["targets"][2]
-    files = list((pop.path / "targets" / frag["target"]).rglob(f"{key.hex()}.*.2"))
-    assert len(files) == 1
-    raw = bytearray(files[0].read_bytes())
-    for i in range(100, 108):
+    path = pop.path / "targets" / frag["target"] / frag["file"]
+    at = (frag["offset"] or 0) + 100  # in its own file, or in its batch's pack
+    raw = bytearray(path.read_bytes())
+    for i in range(at, at + 8):
         raw[i] ^= 0xFF
-    files[0].write_bytes(bytes(raw))
+    path.write_bytes(bytes(raw))
     code, d = _verify_json(run_tool, pop.path)
     assert code == 1 and d["counts"] == {"corrupt_fragment": 1}
     assert d["problems"][0]["key"] == key.hex() and d["problems"][0]["target"] == frag["target"]
     code, out, _ = run_tool("repair", pop.path, "--json")
     assert code == 0 and json.loads(out)["rebuilt_fragments"] == 1
-    assert files[0].read_bytes() != bytes(raw)
+    if frag["offset"] is None:
+        assert path.read_bytes() != bytes(raw)  # rewritten in place
+    else:  # rebuilt as its own file; the pack keeps the damaged copy until the pack goes
+        code, out, _ = run_tool("inspect", pop.path, "--key", key.hex(), "--json")
+        assert json.loads(out)["targets"][2]["offset"] is None
     assert _verify_json(run_tool, pop.path)[0] == 0
     _all_read_back(pop)

@@ -1,0 +1,196 @@
+"""Pack files: a batched put publishes one file per target holding that target's fragments
+of every entry (``kvstore.targets``, ``kvstore.index`` invariant 6). What must hold: the
+entries read back from their packs; a pack outlives every record stored in it and no
+longer; a pack no record names is swept as an orphan; a pack that cannot be written
+leaves nothing behind and the batch is written fragment by fragment instead; repair
+rebuilds a packed fragment as its own file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from kvstore import PutItem
+from kvstore.index import STANDALONE, ekey
+from kvstore.maintenance import ProblemKind
+from kvstore.targets import LocalTarget, pack_path, parse_pack_path
+
+from .conftest import assert_clean, value_for
+from tests.fragments import fragment_refs
+
+
+def _packs(store) -> list[Path]:
+    return sorted(p for t in store.targets.values() for p in Path(t.root).rglob("*.pack"))
+
+
+def _pack_refs(store) -> dict[bytes, int]:
+    with store.index.env.begin() as txn:
+        return {bytes(g): int.from_bytes(v, "big") for g, v in store.index.iter_db(txn, "packs")}
+
+
+@pytest.fixture
+def packed(data_dir, clock):
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, orphan_grace_s=60, delete_grace_s=30) as s:
+        yield s
+
+
+def test_a_batch_is_one_pack_file_per_target_and_reads_back(packed, keys):
+    vals = [value_for(k, 3000 + 500 * i) for i, k in enumerate(keys[:12])]  # unequal sizes
+    assert packed.put_many([PutItem(k, v) for k, v in zip(keys[:12], vals)]) == [True] * 12
+    packs = _packs(packed)
+    assert len(packs) == 6 and len({p.name for p in packs}) == 1
+    gen = parse_pack_path(str(packs[0].relative_to(packs[0].parents[2])))
+    assert _pack_refs(packed) == {gen: 12}
+    # Every fragment sits inside the pack, none overlapping another on its target.
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for k in keys[:12]:
+        for f in fragment_refs(packed, k):
+            assert f.packed and f.path.name == packs[0].name
+            spans.setdefault(f.target, []).append((f.offset, f.offset + f.length))
+    for t, ss in spans.items():
+        ss.sort()
+        assert all(a[1] <= b[0] for a, b in zip(ss, ss[1:])), t
+        assert ss[-1][1] == os.path.getsize(Path(packed.targets[t].root) / pack_path(gen))
+    assert packed.get_many(keys[:12]) == vals
+    assert [packed.get(k) for k in keys[:12]] == vals
+    outs = [bytearray(len(v)) for v in vals]
+    assert all(packed.get_many_into(keys[:12], outs)) and [bytes(o) for o in outs] == vals
+    assert_clean(packed)
+
+
+def test_a_pack_outlives_every_entry_in_it_and_no_longer(packed, keys, clock):
+    packed.put_many([PutItem(k, value_for(k)) for k in keys[:4]])
+    (gen,) = _pack_refs(packed)
+    for k in keys[:3]:
+        packed.delete(k)
+    clock.advance(31)
+    assert packed.gc()["purged"] == 3
+    assert len(_packs(packed)) == 6 and _pack_refs(packed) == {gen: 1}  # keys[3] still lives there
+    assert packed.get(keys[3]) == value_for(keys[3])
+    assert_clean(packed)
+    packed.delete(keys[3])
+    assert packed.gc()["purged"] == 0  # within the delete grace: a reader may still hold the record
+    assert len(_packs(packed)) == 6
+    clock.advance(31)
+    assert packed.gc()["purged"] == 1
+    assert _packs(packed) == [] and _pack_refs(packed) == {}
+    assert_clean(packed)
+
+
+def test_capacity_eviction_frees_packs(data_dir, keys, clock):
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=0, compression="none",
+                         capacity_bytes=400_000) as s:
+        for b in range(6):  # six batches of 4 x 20 kB (about 30 kB stored each): over capacity
+            clock.advance(1)
+            s.put_many([PutItem(k, os.urandom(20_000)) for k in keys[b * 4 : b * 4 + 4]])
+        s.gc()
+        assert s.used_bytes() <= 400_000
+        live = sum(v for v in _pack_refs(s).values())
+        assert live == s.stats()["entries"] < 24
+        assert len(_packs(s)) == 6 * len(_pack_refs(s))  # a pack with no live entry is gone
+        assert_clean(s)
+
+
+def test_an_unindexed_pack_is_an_orphan_after_its_grace(packed, keys, clock):
+    packed.put_many([PutItem(k, value_for(k)) for k in keys[:3]])
+    stray = os.urandom(8)
+    packed.targets["t2"].write(pack_path(stray), [b"half a ", b"batch"], fsync=False)  # a crashed batch
+    path = Path(packed.targets["t2"].root) / pack_path(stray)
+    clock.t = os.path.getmtime(path) + 10
+    assert packed.gc()["orphans"] == 0  # may be a batch in flight
+    clock.t = os.path.getmtime(path) + 61
+    problems = packed.check()
+    assert [(p.kind, p.target, p.detail) for p in problems] == [(ProblemKind.ORPHAN_FRAGMENT, "t2", pack_path(stray))]
+    out = packed.gc()
+    assert out["orphans"] == 1 and out["reclaimed_bytes"] == 12
+    assert not path.exists() and len(_packs(packed)) == 6
+    assert packed.get_many(keys[:3]) == [value_for(k) for k in keys[:3]]
+    assert_clean(packed)
+
+
+def test_a_failing_pack_write_falls_back_to_fragment_files(packed, keys, monkeypatch):
+    real = LocalTarget.write
+
+    def write(self, rel, data, *, fsync):
+        if self.name == "t4" and rel.startswith("p/"):
+            raise OSError(5, "injected I/O error")
+        return real(self, rel, data, fsync=fsync)
+
+    monkeypatch.setattr(LocalTarget, "write", write)
+    assert packed.put_many([PutItem(k, value_for(k)) for k in keys[:5]]) == [True] * 5
+    assert _packs(packed) == [] and _pack_refs(packed) == {}  # the other targets' packs removed
+    assert not any(f.packed for k in keys[:5] for f in fragment_refs(packed, k))
+    assert packed.get_many(keys[:5]) == [value_for(k) for k in keys[:5]]
+    assert_clean(packed)
+
+
+def test_a_batch_that_loses_every_race_leaves_no_pack(packed, keys, monkeypatch):
+    real = packed._write_pack
+
+    def racing(encs, gen):
+        out = real(encs, gen)
+        for e in encs:  # another writer commits the same keys first
+            packed.put(e.key, b"theirs")
+        return out
+
+    monkeypatch.setattr(packed, "_write_pack", racing)
+    assert packed.put_many([PutItem(k, value_for(k)) for k in keys[:3]]) == [False] * 3
+    assert _packs(packed) == [] and _pack_refs(packed) == {}
+    assert packed.get_many(keys[:3]) == [b"theirs"] * 3
+    assert_clean(packed)
+
+
+def test_repair_rebuilds_a_packed_fragment_as_its_own_file(packed, keys, clock):
+    packed.put_many([PutItem(k, value_for(k)) for k in keys[:4]])
+    bad = fragment_refs(packed, keys[2])[3]
+    bad.write_bytes(b"\xff" * 64)
+    assert packed.repair()["rebuilt_fragments"] == 1
+    refs = fragment_refs(packed, keys[2])
+    assert not refs[3].packed and refs[3].path.exists() and all(f.packed for f in refs[:3] + refs[4:])
+    with packed.index.env.begin() as txn:
+        assert packed.index.get_meta(txn, ekey(1, keys[2])).offsets[3] == STANDALONE
+    assert packed.get(keys[2]) == value_for(keys[2])
+    assert_clean(packed)
+    # Deleted, the entry takes its own file with it, and the pack goes with the last entry.
+    for k in keys[:4]:
+        packed.delete(k)
+    clock.advance(31)
+    assert packed.gc()["purged"] == 4
+    assert not refs[3].path.exists() and _packs(packed) == []
+    assert_clean(packed)
+
+
+def test_single_puts_and_unpacked_batches_write_fragment_files(data_dir, keys):
+    with kvstore.connect(str(data_dir), fsync=False, pack_batches=False) as s:
+        s.put_many([PutItem(k, value_for(k)) for k in keys[:3]])
+        s.put(keys[3], value_for(keys[3]))
+        assert _packs(s) == []
+        assert not any(f.packed for k in keys[:4] for f in fragment_refs(s, k))
+    with kvstore.connect(str(data_dir), fsync=False) as s:  # the same directory, packing on
+        s.put(keys[4], value_for(keys[4]))
+        assert not any(f.packed for f in fragment_refs(s, keys[4]))
+        s.put_many([PutItem(k, value_for(k)) for k in keys[5:7]])
+        assert all(f.packed for f in fragment_refs(s, keys[5]))
+        assert s.get_many(keys[:7]) == [value_for(k) for k in keys[:7]]
+        assert_clean(s)
+
+
+def test_a_large_batch_is_cut_into_packs_of_about_pack_bytes(data_dir, keys):
+    with kvstore.connect(str(data_dir), fsync=False, pack_bytes=10_000) as s:
+        assert s.put_many([PutItem(k, value_for(k, 5000)) for k in keys[:9]]) == [True] * 9
+        assert sorted(_pack_refs(s).values()) == [1, 2, 2, 2, 2]  # 2 x 5000 reach pack_bytes
+        assert len(_packs(s)) == 5 * 6
+        assert s.get_many(keys[:9]) == [value_for(k, 5000) for k in keys[:9]]
+        assert_clean(s)
+
+
+def test_a_bad_item_late_in_a_batch_leaves_nothing_behind(data_dir, keys):
+    with kvstore.connect(str(data_dir), fsync=False, pack_bytes=10_000, max_value_bytes=8000) as s:
+        items = [PutItem(k, value_for(k, 5000)) for k in keys[:8]] + [PutItem(keys[8], b"x" * 9000)]
+        with pytest.raises(kvstore.InvalidRequest, match="max_value_bytes"):
+            s.put_many(items)  # four packs were already on their way when the last item failed
+        assert _packs(s) == [] and s.stats()["entries"] == 0
+        assert_clean(s)
