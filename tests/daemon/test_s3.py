@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import pytest
 
 import kvstore
+from kvstore import PutItem
 from kvstore.config import TargetSpec, load_config
 from kvstore.store import EmbeddedStore
 
@@ -111,6 +113,34 @@ def test_s3_round_trip_lose_a_bucket_and_repair(s3_store) -> None:
     client.create_bucket(Bucket="kv-a")
     store.repair()
     assert store.check() == []
+
+
+def test_s3_batch_is_one_pack_object_per_target_read_by_range(s3_store) -> None:
+    store, client, run = s3_store
+    vals = {i: os.urandom(40_000 + i) for i in range(10)}
+    assert store.put_many([PutItem(K(i), v) for i, v in vals.items()]) == [True] * 10
+    for b in BUCKETS:  # 2 targets per bucket, one pack object each, holding every entry's fragment
+        objs = [o["Key"] for o in client.list_objects_v2(Bucket=b, Prefix=run).get("Contents", [])]
+        assert len(objs) == 2 and all(o.endswith(".pack") for o in objs), (b, objs)
+    assert store.get_many([K(i) for i in vals]) == list(vals.values())  # ranged GETs
+    assert store.check() == []
+
+    _drop_bucket(client, "kv-c")
+    assert store.get_many([K(i) for i in vals]) == list(vals.values())  # degraded, still correct
+    client.create_bucket(Bucket="kv-c")
+    out = store.repair()
+    assert out["rebuilt_fragments"] == 2 * len(vals) and out["still_lost"] == 0, out
+    assert store.check() == []
+    _drop_bucket(client, "kv-a")  # the rebuilt fragments (objects of their own) now carry reads
+    assert store.get_many([K(i) for i in vals]) == list(vals.values())
+    client.create_bucket(Bucket="kv-a")
+    store.repair()
+    for i in vals:
+        store.delete(K(i))
+    store.clock = lambda: time.time() + 3600  # past the delete grace
+    assert store.gc()["purged"] == len(vals)
+    for b in BUCKETS:  # the packs went with their last entry, the rebuilt fragments with theirs
+        assert client.list_objects_v2(Bucket=b, Prefix=run).get("Contents", []) == [], b
 
 
 def test_daemon_on_s3_targets(s3_endpoint, make_daemon, tmp_path) -> None:
