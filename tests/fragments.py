@@ -66,3 +66,16 @@ def fragment_refs(store, key: bytes, kind: str = "block") -> list[FragmentRef]:
         rel, off = frag_loc(ek, m, i)
         out.append(FragmentRef(Path(store.targets[t].root) / rel, off, m.frag_len, t))
     return out
+
+
+def assert_pack_refs_match_records(store) -> None:
+    """``kvstore.index`` invariant 6: each pack's count equals the records stored in it."""
+    want: dict[bytes, int] = {}
+    with store.index.env.begin() as txn:
+        metas = [store.index.unpack(txn, raw) for db in ("entries", "lost", "grave")
+                 for _, raw in store.index.iter_db(txn, db)]
+        have = {bytes(g): int.from_bytes(v, "big") for g, v in store.index.iter_db(txn, "packs")}
+    for m in metas:
+        if m.offsets:
+            want[m.gen] = want.get(m.gen, 0) + 1
+    assert have == want

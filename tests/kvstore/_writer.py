@@ -37,9 +37,9 @@ def main() -> int:
     for _ in range(300):
         op = rng.integers(0, 3)
         if op == 0 or not mine:
-            k = rng.bytes(16)
-            s.put(k, value(k))
-            mine.append(k)
+            new = [rng.bytes(16) for _ in range(int(rng.integers(1, 4)))]  # 2 or 3: a batch in packs
+            s.put_many([PutItem(k, value(k)) for k in new])
+            mine.extend(new)
         elif op == 1:
             k = mine[int(rng.integers(0, len(mine)))]
             try:

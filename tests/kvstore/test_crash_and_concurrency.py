@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 
 import kvstore
-from kvstore import NotFound
+from kvstore import NotFound, PutItem
 from kvstore.maintenance import ProblemKind
 
 from ._writer import value
 from .conftest import assert_clean
+from tests.fragments import assert_pack_refs_match_records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,6 +59,7 @@ def test_sigkill_at_random_instants_loses_no_acknowledged_put(tmp_path):
             assert s.get(k) == value(k)
         s.check(fix=True)
         assert_clean(s)
+        assert_pack_refs_match_records(s)
 
 
 def test_threads_put_get_gc_one_store(data_dir, clock):
@@ -73,9 +75,9 @@ def test_threads_put_get_gc_one_store(data_dir, clock):
         while time.monotonic() < stop and n < 400:
             n += 1
             if not mine or rng.random() < 0.4:
-                k = rng.randbytes(16)
-                s.put(k, value(k))
-                mine.append(k)
+                new = [rng.randbytes(16) for _ in range(rng.choice([1, 1, 2, 3]))]  # batches: packs
+                s.put_many([PutItem(k, value(k)) for k in new])
+                mine.extend(new)
             else:
                 k = rng.choice(mine)
                 try:
@@ -100,6 +102,7 @@ def test_threads_put_get_gc_one_store(data_dir, clock):
     assert s.used_bytes() <= 400_000
     s.gc()
     assert [p for p in s.check() if p.kind is not ProblemKind.ORPHAN_FRAGMENT] == []
+    assert_pack_refs_match_records(s)
     s.close()
 
 
@@ -115,3 +118,4 @@ def test_processes_share_one_data_directory(data_dir):
         assert all(p.returncode == 0 for p in procs)
         assert all(o.strip().endswith("BAD 0") for o in outs), outs
         assert [p for p in s.check() if p.kind is not ProblemKind.ORPHAN_FRAGMENT] == []
+        assert_pack_refs_match_records(s)
