@@ -81,6 +81,7 @@ class StoreConfig:
     parallel_writes: str = "auto"  # "auto": fan out only writes that wait (fsync, remote targets); "always"; "never"
     pack_batches: bool = True  # put_many writes one pack file per target, not one file per fragment
     pack_bytes: int = 4 * 1024 * 1024  # a batch is cut into packs of about this many payload bytes
+    pack_compact_ratio: float = 0.5  # GC moves a pack's live entries out once this share of it is dead
     orphan_grace_s: float = 300.0  # unindexed fragments younger than this are an in-flight put
     delete_grace_s: float = 30.0  # deleted entries' fragments outlive the delete by this much
     access_flush_s: float = 1.0  # LRU access times are batched into one index write per interval
@@ -95,6 +96,8 @@ class StoreConfig:
             )
         if self.ec_m == 0 and self.ec_k > 1:
             raise InvalidRequest("ec_m = 0 only makes sense with ec_k = 1 (one plain copy)")
+        if not 0 < self.pack_compact_ratio <= 1:
+            raise InvalidRequest(f"pack_compact_ratio must be in (0, 1], got {self.pack_compact_ratio}")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise InvalidRequest("watermarks need 0 < low_watermark <= high_watermark <= 1")
         if self.compression not in ("zstd", "none"):

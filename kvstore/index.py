@@ -12,7 +12,9 @@ Sub-databases (``ek`` is the 17-byte entry key ``kind code || block hash``)::
     lru      access_ns(u64 BE)||ek  -> ''         unpinned live entries, oldest first
     ttl      expires_ns(u64 BE)||ek -> ''         live entries with a TTL, soonest first
     grave    deleted_ns(u64 BE)||ek||gen -> Meta  deleted entries whose fragments await removal
-    packs    gen                    -> u64 count   records (entries, lost, grave) stored in pack ``gen``
+    packs    gen                    -> records, bytes, dead bytes (3 x u64) of pack ``gen`` (below)
+    members  gen||ek                -> ''          the records stored in pack ``gen``
+    compact  gen                    -> ''          packs mostly dead: GC moves their live entries out
     tids     u16 id                 -> target name (fragment locations are stored as ids)
     info     name                   -> u64 counters (used_bytes, degraded_reads, ...)
 
@@ -28,9 +30,14 @@ Invariants (each write transaction keeps them):
      ``delete_grace_s`` so a reader that already holds the metadata can finish.
   6. A record with ``offsets`` (a batched put's entry: its fragments sit in the
      batch's pack files, see ``kvstore.targets``) is counted once in ``packs[gen]``
-     while it is in ``entries``, ``lost`` or ``grave``; the pack files are removed
-     only when that count drops to zero (the last record purged from ``grave``).
-     Until then the bytes of its purged entries stay on disk: at most one batch.
+     and has one ``members`` record while it is in ``entries``, ``lost`` or
+     ``grave``; the pack files are removed only when that count drops to zero (the
+     last record purged from ``grave``). Until then a purged record's pack bytes
+     are *dead*: counted in the pack's dead bytes and in ``info.pack_dead_bytes``
+     (as are the pack copies of fragments repair rebuilt as their own files). A
+     pack whose dead bytes reach ``compact_ratio`` of its bytes is queued in
+     ``compact``; GC rewrites its live entries into a new pack, so dead bytes
+     stay bounded without an operator.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ STANDALONE = (1 << 64) - 1  # an ``offsets`` slot whose fragment is its own file
 _EXPIRES_OFF = 1 + 1 + 1 + 1 + 1 + 4 + 8 + 8 + 8 + 8 + 8  # byte offset of expires_ns inside a Meta record
 FLAG_PINNED = 1
 _U64 = struct.Struct(">Q")
+_PACK = struct.Struct(">QQQ")  # records stored in the pack, their bytes in it, dead bytes in it
 _EXP = struct.Struct("<Q")  # expires_ns as stored in a Meta record
 
 
@@ -82,6 +90,11 @@ class Meta:
         return self.frag_len * len(self.targets)
 
 
+def packed_bytes(m: Meta) -> int:
+    """Bytes of a record's fragments that sit in its pack (0 for fragment files)."""
+    return m.frag_len * sum(1 for o in m.offsets if o != STANDALONE) if m.offsets else 0
+
+
 def ekey(kind_code: int, key: bytes) -> bytes:
     return bytes((kind_code,)) + key
 
@@ -89,9 +102,11 @@ def ekey(kind_code: int, key: bytes) -> bytes:
 class Index:
     """LMDB-backed metadata. Methods named ``*_txn`` take an open transaction."""
 
-    DBS = (b"entries", b"lost", b"lru", b"ttl", b"grave", b"packs", b"tids", b"info")
+    DBS = (b"entries", b"lost", b"lru", b"ttl", b"grave", b"packs", b"members", b"compact", b"tids", b"info")
 
-    def __init__(self, path: str, *, map_size: int, sync: bool, max_readers: int = 256):
+    def __init__(self, path: str, *, map_size: int, sync: bool, max_readers: int = 256,
+                 compact_ratio: float = 0.5):
+        self.compact_ratio = compact_ratio
         os.makedirs(path, exist_ok=True)
         self.env = lmdb.open(
             path, map_size=map_size, max_dbs=len(self.DBS) + 1, sync=sync, metasync=sync,
@@ -196,26 +211,53 @@ class Index:
             txn.put(_U64.pack(m.expires_ns) + ek, b"", db=self.db["ttl"])
         self.add_counter(txn, "used_bytes", m.stored_bytes)
         if m.offsets:
-            self._pack_refs(txn, m.gen, +1)
+            txn.put(m.gen + ek, b"", db=self.db["members"])
+            self._pack_update(txn, m.gen, 1, packed_bytes(m), 0)
 
-    def _pack_refs(self, txn: lmdb.Transaction, gen: bytes, delta: int) -> int:
+    def _pack_update(self, txn: lmdb.Transaction, gen: bytes, d_refs: int, d_bytes: int, d_dead: int) -> int:
+        """Apply deltas to pack ``gen``'s record (invariant 6); returns its record count. At
+        zero the record goes, and its dead bytes with it (the caller deletes the files)."""
         cur = txn.get(gen, db=self.db["packs"])
-        val = (_U64.unpack(cur)[0] if cur else 0) + delta
-        if val < 0:
-            raise InternalError(f"pack {gen.hex()} reference count went negative: this is a bug")
-        if val:
-            txn.put(gen, _U64.pack(val), db=self.db["packs"])
-        elif cur is not None:
+        refs, nbytes, dead = _PACK.unpack(cur) if cur else (0, 0, 0)
+        refs, nbytes, dead = refs + d_refs, nbytes + d_bytes, dead + d_dead
+        if min(refs, nbytes, dead) < 0:
+            raise InternalError(f"pack {gen.hex()} counts went negative: this is a bug")
+        if refs:
+            txn.put(gen, _PACK.pack(refs, nbytes, dead), db=self.db["packs"])
+            self.add_counter(txn, "pack_dead_bytes", d_dead)
+            if d_dead and dead >= self.compact_ratio * nbytes:
+                txn.put(gen, b"", db=self.db["compact"])
+        else:
             txn.delete(gen, db=self.db["packs"])
-        return val
+            txn.delete(gen, db=self.db["compact"])
+            self.add_counter(txn, "pack_dead_bytes", d_dead - dead)
+        return refs
 
-    def purge_grave_txn(self, txn: lmdb.Transaction, grave_key: bytes, m: Meta) -> bool:
+    def pack_info(self, txn: lmdb.Transaction, gen: bytes) -> tuple[int, int, int] | None:
+        """(records, bytes, dead bytes) of pack ``gen``; ``None`` when no record is stored in it."""
+        cur = txn.get(gen, db=self.db["packs"])
+        return None if cur is None else _PACK.unpack(cur)
+
+    def pack_members(self, txn: lmdb.Transaction, gen: bytes) -> list[bytes]:
+        """Entry keys of the records stored in pack ``gen`` (live, lost or in the graveyard)."""
+        cur = txn.cursor(db=self.db["members"])
+        out = []
+        if cur.set_range(gen):
+            for k in cur.iternext(values=False):
+                if k[:8] != gen:
+                    break
+                out.append(bytes(k[8:]))
+        return out
+
+    def purge_grave_txn(self, txn: lmdb.Transaction, grave_key: bytes, m: Meta) -> int | None:
         """Drop a graveyard record (its own fragment files are the caller's to delete).
-        True when it was the last record of its pack: the pack files may go too. A record
-        another process purged first is not counted twice."""
-        if not txn.delete(grave_key, db=self.db["grave"]):
-            return False
-        return bool(m.offsets) and self._pack_refs(txn, m.gen, -1) == 0
+        When it was the last record of its pack, the pack's bytes (its files may go too);
+        else ``None``. A record another process purged first is not counted twice."""
+        if not txn.delete(grave_key, db=self.db["grave"]) or not m.offsets:
+            return None
+        txn.delete(m.gen + grave_key[8:25], db=self.db["members"])
+        info = self.pack_info(txn, m.gen)
+        return info[1] if self._pack_update(txn, m.gen, -1, 0, packed_bytes(m)) == 0 and info else None
 
     def _unlink_orderings(self, txn: lmdb.Transaction, ek: bytes, m: Meta) -> None:
         if not m.pinned:
@@ -239,6 +281,8 @@ class Index:
         if new.expires_ns:
             txn.put(_U64.pack(new.expires_ns) + ek, b"", db=self.db["ttl"])
         self.add_counter(txn, "used_bytes", new.stored_bytes - old.stored_bytes)
+        if old.offsets and old.gen == new.gen and packed_bytes(new) < packed_bytes(old):  # repair moved some out
+            self._pack_update(txn, old.gen, 0, 0, packed_bytes(old) - packed_bytes(new))
 
     def touch_txn(self, txn: lmdb.Transaction, ek: bytes, access_ns: int) -> None:
         m = self.get_meta(txn, ek)

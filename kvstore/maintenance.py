@@ -13,7 +13,10 @@ GC steps, in order, with the reason for the order:
      ``delete_grace_s`` ago (a reader that fetched the metadata before the
      removal has had that long to finish); a pack file goes with the last
      record stored in it (``kvstore.index`` invariant 6).
-  5. Sweep orphans: fragment and pack files no index record names (a put that
+  5. Compact packs that are mostly dead (``kvstore.index`` invariant 6): their
+     live entries are rewritten into a new pack, and the old one is purged with
+     the last of its records one ``delete_grace_s`` later, as a delete is.
+  6. Sweep orphans: fragment and pack files no index record names (a put that
      crashed before its index commit), older than ``orphan_grace_s`` so that an
      in-flight put's files are never taken.
 """
@@ -21,6 +24,7 @@ GC steps, in order, with the reason for the order:
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING, Callable
 from kvstore import codec
 from kvstore.api import EntryKind
 from kvstore.errors import CorruptData
-from kvstore.index import STANDALONE, Meta
+from kvstore.index import STANDALONE, Meta, packed_bytes
 from kvstore.targets import TargetUnavailable, fragment_path, pack_path, parse_fragment_path, parse_pack_path
 
 if TYPE_CHECKING:
@@ -88,7 +92,7 @@ def _purge_grave(store: "EmbeddedStore", now: int, dry_run: bool) -> tuple[int, 
         due = [(t, rest, store.index.unpack(txn, txn.get(_grave_key(t, rest), db=store.index.db["grave"])))
                for t, rest in store.index.oldest(txn, "grave", before_ns=cutoff + 1)]
     if dry_run:
-        return len(due), sum(m.stored_bytes for _, _, m in due)
+        return len(due), sum(m.stored_bytes - packed_bytes(m) for _, _, m in due)  # packs: not counted
     nbytes = 0
     for t, rest, m in due:
         ek = rest[:17]
@@ -97,12 +101,13 @@ def _purge_grave(store: "EmbeddedStore", now: int, dry_run: bool) -> tuple[int, 
             if tgt is None or (m.offsets and m.offsets[i] != STANDALONE):
                 continue
             _delete(tgt, fragment_path(ek[0], ek[1:], m.gen, i))
-        nbytes += m.stored_bytes
+        nbytes += m.stored_bytes - packed_bytes(m)  # its own files; pack bytes go with the pack
         with store.index.env.begin(write=True) as txn:
-            last_of_pack = store.index.purge_grave_txn(txn, _grave_key(t, rest), m)
-        if last_of_pack:
+            pack_freed = store.index.purge_grave_txn(txn, _grave_key(t, rest), m)
+        if pack_freed is not None:
             for tgt in store.targets.values():  # every target the batch may have used
                 _delete(tgt, pack_path(m.gen))
+            nbytes += pack_freed
     return len(due), nbytes
 
 
@@ -111,6 +116,24 @@ def _delete(tgt, rel: str) -> None:
         tgt.delete(rel)
     except OSError as exc:  # a down target keeps the file; the orphan sweep gets it later
         log.warning("cannot delete %s on %s: %s", rel, tgt.name, exc)
+
+
+def _compact_packs(store: "EmbeddedStore", dry_run: bool, limit: int = 64) -> tuple[int, int]:
+    """Step 5 for up to ``limit`` queued packs: (packs, entries moved out)."""
+    with store.index.env.begin() as txn:
+        queued = [bytes(g) for g, _ in itertools.islice(store.index.iter_db(txn, "compact"), limit)]
+    moved = 0
+    for gen in queued:
+        with store.index.env.begin() as txn:
+            live = [(ek, m) for ek in store.index.pack_members(txn, gen)
+                    if (m := store.index.get_meta(txn, ek)) is not None and m.gen == gen]
+        if dry_run:
+            moved += len(live)
+            continue
+        moved += store._rewrite(live)
+        with store.index.env.begin(write=True) as txn:
+            txn.delete(gen, db=store.index.db["compact"])  # queued again if it gets deader still
+    return len(queued), moved
 
 
 def _grave_key(t: int, rest: bytes) -> bytes:
@@ -183,12 +206,14 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
     if cap and used - (0 if not dry_run else expired_bytes) > cap * store.config.high_watermark:
         evicted = store.evict_to(int(cap * store.config.low_watermark), dry_run=dry_run)
     purged, purged_bytes = _purge_grave(store, now, dry_run)
+    compacted, moved = _compact_packs(store, dry_run)
     orphans = orphan_bytes = 0
     if sweep_orphans:
         orphans, orphan_bytes, _ = _sweep_orphans(store, store.clock(), dry_run,
                                                   store.config.orphan_grace_s, progress)
     out = {
         "dry_run": dry_run, "expired": expired, "evicted": evicted, "purged": purged,
+        "compacted_packs": compacted, "moved_entries": moved,
         "orphans": orphans, "reclaimed_bytes": purged_bytes + orphan_bytes,
         "used_bytes": store.used_bytes(),
     }
@@ -335,6 +360,7 @@ def stats(store: "EmbeddedStore") -> dict:
     oldest = newest = None
     with store.index.env.begin() as txn:
         used = store.index.counter(txn, "used_bytes")
+        dead = store.index.counter(txn, "pack_dead_bytes")
         lost = txn.stat(store.index.db["lost"])["entries"]
         grave = txn.stat(store.index.db["grave"])["entries"]
         for ek, raw in store.index.iter_db(txn, "entries"):
@@ -354,6 +380,7 @@ def stats(store: "EmbeddedStore") -> dict:
         "entries": sum(d["entries"] for d in by_kind.values()),
         "by_kind": by_kind,
         "used_bytes": used,
+        "pack_dead_bytes": dead,  # on disk in packs, no longer needed: GC compacts them away
         "capacity_bytes": store.config.capacity_bytes,
         "lost_entries": lost,
         "graveyard_entries": grave,

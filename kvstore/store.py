@@ -95,7 +95,8 @@ class EmbeddedStore(FragmentIO):
             for t in self.targets.values():
                 t.create_root()
         self.index = Index(str(self.data_dir / "index"), map_size=config.lmdb_map_size,
-                           sync=config.fsync, max_readers=config.max_readers)
+                           sync=config.fsync, max_readers=config.max_readers,
+                           compact_ratio=config.pack_compact_ratio)
         self.code = codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
         # Two pools, so that no task ever waits on a task queued behind it in its own pool:
         # ``_pool`` runs single fragment reads/writes (leaf work); ``_batch_pool`` runs one
@@ -111,7 +112,7 @@ class EmbeddedStore(FragmentIO):
         self.counters: dict[str, int] = {
             "puts": 0, "puts_deduplicated": 0, "gets": 0, "get_misses": 0, "degraded_reads": 0,
             "unrecoverable": 0, "bytes_in": 0, "bytes_out": 0, "evicted": 0, "fragment_rewrites": 0,
-            "read_retries": 0, "read_timeouts": 0,
+            "compacted_entries": 0, "read_retries": 0, "read_timeouts": 0,
         }
         if not fresh:
             missing = [n for n, t in self.targets.items() if not t.is_up()]
@@ -299,6 +300,46 @@ class EmbeddedStore(FragmentIO):
                     placed[i], offsets[i] = names, offs
             except OSError:
                 pass  # logged by _write_pack
+
+    def _rewrite(self, members: Sequence[tuple[bytes, Meta]]) -> int:
+        """Compaction (``kvstore.maintenance``): read these live entries of one pack, write
+        them into a new pack, and swap each record whose generation did not change meanwhile;
+        the old records go to the graveyard (readers holding them finish within the grace)
+        and the old pack goes with the last of them. Times, TTL and pin are kept. An entry
+        that fails to read stays where it is (the read marked it lost). Returns the count moved."""
+        gen = os.urandom(8)
+        encs = []
+        for ek, m in members:
+            try:
+                h, plain = self._read_verified(ek, m)
+            except Unrecoverable as exc:
+                log.error("compaction: %s", exc)
+                continue
+            encs.append((ek, m, self._encode(ek[1:], bytes(plain), EntryKind.from_code(ek[0]), None, h.layout,
+                                             h.tokens, gen)))
+        if not encs:
+            return 0
+        try:
+            locs = self._write_pack([e for _, _, e in encs], gen)
+        except OSError as exc:
+            log.warning("compaction of %d entries postponed: %s", len(encs), exc)
+            return 0
+        moved = 0
+        now = self.now_ns()
+        with self.index.env.begin(write=True) as txn:
+            for (ek, old, enc), (names, offs) in zip(encs, locs):
+                cur = self.index.get_meta(txn, ek)
+                if cur is None or cur.gen != old.gen:
+                    continue  # deleted, evicted or re-put meanwhile: our copy is dead on arrival
+                self.index.remove_txn(txn, ek, cur, now)
+                self.index.insert_txn(txn, ek, replace(
+                    enc.meta_base, targets=names, offsets=offs, created_ns=cur.created_ns,
+                    access_ns=cur.access_ns, expires_ns=cur.expires_ns, pinned=cur.pinned))
+                moved += 1
+        if not moved:
+            self._discard_pack(gen, sorted({n for names, _ in locs for n in names}))
+        self._count("compacted_entries", moved)
+        return moved
 
     def _mark_lost(self, ek: bytes, meta: Meta) -> None:
         self._count("unrecoverable")

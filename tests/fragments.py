@@ -74,7 +74,7 @@ def assert_pack_refs_match_records(store) -> None:
     with store.index.env.begin() as txn:
         metas = [store.index.unpack(txn, raw) for db in ("entries", "lost", "grave")
                  for _, raw in store.index.iter_db(txn, db)]
-        have = {bytes(g): int.from_bytes(v, "big") for g, v in store.index.iter_db(txn, "packs")}
+        have = {bytes(g): int.from_bytes(v[:8], "big") for g, v in store.index.iter_db(txn, "packs")}
     for m in metas:
         if m.offsets:
             want[m.gen] = want.get(m.gen, 0) + 1

@@ -113,7 +113,9 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
 def _summary_text(d: dict) -> str:
     lines = [f"store {d['data_dir']}  ec {d['erasure_code']}  used {fmt_bytes(d['used_bytes'])}"
              + (f" of {fmt_bytes(d['capacity_bytes'])} ({d['capacity_used']:.0%})" if d["capacity_bytes"] else
-                " (no capacity limit)")]
+                " (no capacity limit)")
+             + (f", {fmt_bytes(d['pack_dead_bytes'])} dead in packs until GC compacts them"
+                if d.get("pack_dead_bytes") else "")]
     head = f"{'kind':<6} {'entries':>8} {'lost':>5} {'degraded':>8} {'expired':>7} {'pinned':>6} " \
            f"{'plain':>10} {'stored':>10}  created (oldest .. newest)"
     lines.append(head)
@@ -200,7 +202,8 @@ def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outc
     d = _call_with_progress(store.gc, progress, dry_run=args.dry_run)
     verb = "would reclaim" if args.dry_run else "reclaimed"
     text = (f"gc{' (dry run)' if args.dry_run else ''}: expired {d.get('expired', 0)}, evicted "
-            f"{d.get('evicted', 0)}, purged {d.get('purged', 0)} deleted, orphans {d.get('orphans', 0)}; "
+            f"{d.get('evicted', 0)}, purged {d.get('purged', 0)} deleted, compacted {d.get('compacted_packs', 0)} "
+            f"packs ({d.get('moved_entries', 0)} entries moved), orphans {d.get('orphans', 0)}; "
             f"{verb} {fmt_bytes(d.get('reclaimed_bytes', 0))} ({d.get('reclaimed_bytes', 0)} bytes); "
             f"used {fmt_bytes(d.get('used_bytes'))}")
     return Outcome(ExitCode.OK, d, text)

@@ -132,12 +132,15 @@ def summarize(store: "EmbeddedStore") -> dict:
             setattr(total, name, pick(vals) if vals else 0)
     cap = store.config.capacity_bytes
     used = store.used_bytes()
+    with store.index.env.begin() as txn:
+        dead = store.index.counter(txn, "pack_dead_bytes")
     return {
         "data_dir": str(store.data_dir),
         "erasure_code": f"{store.config.ec_k}+{store.config.ec_m}",
         "by_kind": {k: s.as_dict() for k, s in kinds.items()},
         "total": total.as_dict(),
         "used_bytes": used,
+        "pack_dead_bytes": dead,
         "capacity_bytes": cap,
         "capacity_used": (used / cap) if cap else None,
         "targets": [{"name": n, "up": n in up} for n in store.targets],

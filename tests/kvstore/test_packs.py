@@ -28,7 +28,7 @@ def _packs(store) -> list[Path]:
 
 def _pack_refs(store) -> dict[bytes, int]:
     with store.index.env.begin() as txn:
-        return {bytes(g): int.from_bytes(v, "big") for g, v in store.index.iter_db(txn, "packs")}
+        return {bytes(g): int.from_bytes(v[:8], "big") for g, v in store.index.iter_db(txn, "packs")}
 
 
 @pytest.fixture
@@ -61,7 +61,9 @@ def test_a_batch_is_one_pack_file_per_target_and_reads_back(packed, keys):
     assert_clean(packed)
 
 
-def test_a_pack_outlives_every_entry_in_it_and_no_longer(packed, keys, clock):
+def test_a_pack_outlives_every_entry_in_it_and_no_longer(data_dir, keys, clock):
+    packed = kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=30,
+                             pack_compact_ratio=1.0)  # no compaction: a pack lives as long as its entries
     packed.put_many([PutItem(k, value_for(k)) for k in keys[:4]])
     (gen,) = _pack_refs(packed)
     for k in keys[:3]:
@@ -77,6 +79,43 @@ def test_a_pack_outlives_every_entry_in_it_and_no_longer(packed, keys, clock):
     clock.advance(31)
     assert packed.gc()["purged"] == 1
     assert _packs(packed) == [] and _pack_refs(packed) == {}
+    assert packed.stats()["pack_dead_bytes"] == 0
+    assert_clean(packed)
+    packed.close()
+
+
+def test_dead_bytes_are_counted_and_a_mostly_dead_pack_is_compacted(packed, keys, clock):
+    vals = {k: value_for(k, 20_000) for k in keys[:8]}
+    packed.put_many([PutItem(k, v) for k, v in vals.items()])
+    packed.pin(keys[6])
+    (old,) = _pack_refs(packed)
+    with packed.index.env.begin() as txn:
+        dead = sum(packed.index.get_meta(txn, ekey(1, k)).stored_bytes for k in keys[:3])
+        before = {k: packed.index.get_meta(txn, ekey(1, k)) for k in keys[5:8]}
+    for k in keys[:3]:
+        packed.delete(k)
+    clock.advance(31)
+    out = packed.gc()  # 3 of 8 dead: under the ratio, nothing moves
+    assert out["purged"] == 3 and out["compacted_packs"] == 0
+    assert packed.stats()["pack_dead_bytes"] == dead
+    packed.delete(keys[3])
+    clock.advance(31)
+    out = packed.gc()  # 4 of 8 dead: the 4 live entries move to a new pack
+    assert out["compacted_packs"] == 1 and out["moved_entries"] == 4
+    refs = _pack_refs(packed)
+    assert refs[old] == 4 and len(refs) == 2  # the old records wait out the grace in the graveyard
+    assert packed.get_many(list(vals)[4:]) == list(vals.values())[4:]
+    with packed.index.env.begin() as txn:
+        for k, m in before.items():  # times, TTL and pin kept
+            now = packed.index.get_meta(txn, ekey(1, k))
+            assert now.gen != old and (now.access_ns, now.created_ns, now.expires_ns, now.pinned) == (
+                m.access_ns, m.created_ns, m.expires_ns, m.pinned)
+    assert_clean(packed)
+    clock.advance(31)
+    packed.gc()
+    assert old not in _pack_refs(packed) and len(_packs(packed)) == 6
+    assert packed.stats()["pack_dead_bytes"] == 0 and packed.stats()["entries"] == 4
+    assert packed.get_many(list(vals)[4:]) == list(vals.values())[4:]
     assert_clean(packed)
 
 
@@ -87,10 +126,16 @@ def test_capacity_eviction_frees_packs(data_dir, keys, clock):
             clock.advance(1)
             s.put_many([PutItem(k, os.urandom(20_000)) for k in keys[b * 4 : b * 4 + 4]])
         s.gc()
+        s.gc()  # also purges what the first one compacted away
         assert s.used_bytes() <= 400_000
-        live = sum(v for v in _pack_refs(s).values())
-        assert live == s.stats()["entries"] < 24
-        assert len(_packs(s)) == 6 * len(_pack_refs(s))  # a pack with no live entry is gone
+        st = s.stats()
+        assert sum(_pack_refs(s).values()) == st["entries"] + st["graveyard_entries"] and st["entries"] < 24
+        assert len(_packs(s)) == 6 * len(_pack_refs(s))  # a pack with no record is gone
+        # What stays on disk: the live entries, plus dead pack bytes under the compaction ratio.
+        with s.index.env.begin() as txn:
+            for gen in _pack_refs(s):
+                refs, nbytes, dead = s.index.pack_info(txn, gen)
+                assert dead < 0.5 * nbytes or txn.get(gen, db=s.index.db["compact"]) is not None
         assert_clean(s)
 
 
@@ -152,6 +197,7 @@ def test_repair_rebuilds_a_packed_fragment_as_its_own_file(packed, keys, clock):
     assert not refs[3].packed and refs[3].path.exists() and all(f.packed for f in refs[:3] + refs[4:])
     with packed.index.env.begin() as txn:
         assert packed.index.get_meta(txn, ekey(1, keys[2])).offsets[3] == STANDALONE
+    assert packed.stats()["pack_dead_bytes"] == bad.length  # the damaged copy stays in the pack
     assert packed.get(keys[2]) == value_for(keys[2])
     assert_clean(packed)
     # Deleted, the entry takes its own file with it, and the pack goes with the last entry.
