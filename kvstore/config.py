@@ -82,6 +82,7 @@ class StoreConfig:
     pack_batches: bool = True  # put_many writes one pack file per target, not one file per fragment
     pack_bytes: int = 4 * 1024 * 1024  # a batch is cut into packs of about this many payload bytes
     pack_compact_ratio: float = 0.5  # GC moves a pack's live entries out once this share of it is dead
+    tune_malloc: bool = True  # glibc: keep large buffers on the heap (process-wide; see kvstore.tuning)
     orphan_grace_s: float = 300.0  # unindexed fragments younger than this are an in-flight put
     delete_grace_s: float = 30.0  # deleted entries' fragments outlive the delete by this much
     access_flush_s: float = 1.0  # LRU access times are batched into one index write per interval

@@ -69,6 +69,7 @@ from kvstore.errors import (
 from kvstore.index import Index, Meta, ekey
 from kvstore.keys import check_key, check_keys
 from kvstore.targets import Target, open_target
+from kvstore.tuning import tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class EmbeddedStore(FragmentIO):
 
     def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.time):
         self.config = config
+        if config.tune_malloc:
+            tune_malloc()
         if config.clock_offset_s:
             base, offset = clock, config.clock_offset_s
             clock = lambda: base() + offset  # noqa: E731 - a skewed node (TTLs, grace periods)

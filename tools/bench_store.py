@@ -377,8 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import zstandard
 
     zratio = len(sample) / len(zstandard.ZstdCompressor(level=3).compress(sample))
+    from kvstore.tuning import tune_malloc
+
+    malloc = tune_malloc()  # before any system runs: kvstore, raw files and LMDB share this process's allocator
     log(f"payload: fp16 random-normal, zstd-3 ratio {zratio:.3f}; systems {systems}; sizes {sizes}; "
-        f"reps {reps}; {mib_per_rep} MiB per rep")
+        f"reps {reps}; {mib_per_rep} MiB per rep; malloc tuning {malloc}")
     try:
         rows = bench_io(systems, sizes, reps, mib_per_rep, a.batch, work, log)
         lookups = [] if a.no_lookup else bench_lookup(lookup_sizes, work, 50 if q else 200, log)
@@ -401,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "redis": getattr(server, "version", None), "redis_persistence": "appendonly yes, appendfsync always",
         "lmdb": "sync=True, one txn per put or batch", "raw_file": "tmp write + fsync + rename + dir fsync",
         "reps": reps, "mib_per_rep": mib_per_rep, "batch": a.batch, "elapsed_s": elapsed, "notes": notes,
+        "malloc_tuning": malloc,
         "lookup_index": "filled with fake metas through kvstore.index.Index (lookup reads only the index)",
     }
     out = Path(a.out)
