@@ -359,7 +359,8 @@ class DirectReads:
             if not loc.found:
                 out.append(None)
                 continue
-            skey, gen, k, m, targets, offsets = loc.stored_key, loc.gen, loc.k, loc.m, tuple(loc.targets), tuple(loc.offsets)
+            skey, gen, k, m = loc.stored_key, loc.gen, loc.k, loc.m
+            targets, offsets = tuple(loc.targets), tuple(loc.offsets)
             if (len(skey) != KEY_LEN or len(gen) != 8 or k < 1 or len(targets) != k + m or loc.kind != kv
                     or not loc.frag_len or len(offsets) not in (0, k + m)):
                 log.warning("Locate sent an unusable record for %s; reading it through the daemon", skey.hex())

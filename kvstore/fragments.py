@@ -196,7 +196,8 @@ class FragmentIO:
         if errors:
             self._discard_pack(gen, [n for n in futs if n not in errors])
             name, exc = next(iter(errors.items()))
-            log.warning("pack %s: target %s failed (%s); writing the batch fragment by fragment", gen.hex(), name, exc)
+            log.warning("pack %s: target %s failed (%s); writing the batch fragment by fragment",
+                        gen.hex(), name, exc)
             raise exc
         return out
 

@@ -252,7 +252,8 @@ class EmbeddedStore(FragmentIO):
                 lost = self.index.get_lost(txn, e.ek)
                 if lost is not None:
                     self.index.drop_lost_txn(txn, e.ek, lost, now, to_grave=True)
-                self.index.insert_txn(txn, e.ek, replace(e.meta_base, targets=placed[i], offsets=offsets.get(i, ())))
+                self.index.insert_txn(txn, e.ek, replace(e.meta_base, targets=placed[i],
+                                                         offsets=offsets.get(i, ())))
                 result[i] = True
             self._flush_touches_txn(txn)
         for i in losers:
@@ -273,9 +274,10 @@ class EmbeddedStore(FragmentIO):
                    offsets: dict) -> None:
         """Steps 3-4 for a batch: encode it in chunks of about ``pack_bytes`` payload bytes,
         each chunk one generation and one pack per target; a chunk's pack writes run on a
-        thread while the next chunk is encoded (encoding holds the GIL, writes wait in
-        the kernel); the last chunk's run here. Fills ``encs``; ``placed`` and ``offsets`` for the chunks written.
-        A chunk whose packs fail stays unplaced: the caller writes it fragment by fragment."""
+        thread while the next chunk is encoded (encoding holds the GIL, writes wait in the
+        kernel); the last chunk's run here. Fills ``encs``, and ``placed`` and ``offsets``
+        for the chunks written. A chunk whose packs fail stays unplaced: the caller writes
+        it fragment by fragment."""
         writes = []
         chunk: list[int] = []
         size = 0
