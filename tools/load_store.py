@@ -11,7 +11,8 @@ Without ``--url`` it starts ``--daemons`` fresh ``kvstore serve`` processes on
 127.0.0.1 (port 0, temporary data directories; several daemons are reached as
 one sharded store) and stops them afterwards. ``--procs`` client processes
 (multiprocessing, spawn) each run a bounded loop (``--seconds`` and
-``--max-ops``) of puts (``--put``), gets (``--get``) and chain lookups (the rest).
+``--max-ops``) of puts (``--put``; ``--put-batch N`` puts N consecutive keys in one
+``put_many``), gets (``--get``) and chain lookups (the rest).
 
 ``--direct-reads on|auto`` opens every client with that option (``kvstore.direct``): reads
 go to the daemons' target files, puts and lookups over gRPC; the report adds the clients'
@@ -61,6 +62,7 @@ def pct(xs: list[float], q: float) -> float | None:
 
 def worker(wid: int, args: dict, out: "mp.Queue") -> None:
     import kvstore
+    from kvstore import PutItem
     from kvstore.errors import KVStoreError, NotFound
 
     rng = random.Random(args["seed"] * 1000 + wid)
@@ -77,10 +79,15 @@ def worker(wid: int, args: dict, out: "mp.Queue") -> None:
         t0 = time.perf_counter()
         try:
             if r < args["put"]:
-                v = value_of(k, vb)
-                store.put(k, v)
-                res["bytes_in"] += len(v)
-                res["acked"].append(j)
+                if args["put_batch"] > 1:  # consecutive keys in one put_many (pack files)
+                    js = [(j + i) % space for i in range(args["put_batch"])]
+                    vs = [value_of(key_of(seed, x), vb) for x in js]
+                    store.put_many([PutItem(key_of(seed, x), v) for x, v in zip(js, vs)])
+                else:
+                    js, vs = [j], [value_of(k, vb)]
+                    store.put(k, vs[0])
+                res["bytes_in"] += sum(map(len, vs))
+                res["acked"].extend(js)
                 op = "put"
             elif r < args["put"] + args["get"]:
                 op = "get"
@@ -154,7 +161,7 @@ def run(args: argparse.Namespace) -> dict:
         q: mp.Queue = ctx.Queue()
         params = {"url": url, "seconds": args.seconds, "max_ops": args.max_ops, "seed": args.seed,
                   "value_bytes": args.value_bytes, "key_space": args.key_space, "chain_len": args.chain_len,
-                  "put": args.put, "get": args.get, "direct_reads": args.direct_reads}
+                  "put": args.put, "put_batch": args.put_batch, "get": args.get, "direct_reads": args.direct_reads}
         procs = [ctx.Process(target=worker, args=(w, params, q)) for w in range(args.procs)]
         t0 = time.monotonic()
         for p in procs:
@@ -175,6 +182,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "url": url if args.url else f"{args.daemons} fresh daemon(s)", "daemons": args.daemons if not args.url else None,
         "procs": args.procs, "seconds": args.seconds, "wall_s": round(wall, 2), "value_bytes": args.value_bytes,
+        "put_batch": args.put_batch,
         "ops": ops, "ops_per_s": round(ops / args.seconds, 1),
         "mib_in_per_s": round(sum(r["bytes_in"] for r in results) / args.seconds / 2**20, 2),
         "mib_out_per_s": round(sum(r["bytes_out"] for r in results) / args.seconds / 2**20, 2),
@@ -199,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--key-space", type=int, default=2000)
     ap.add_argument("--chain-len", type=int, default=16)
     ap.add_argument("--put", type=float, default=0.3)
+    ap.add_argument("--put-batch", type=int, default=1, help="keys per put op (> 1: one put_many, as an engine saves)")
     ap.add_argument("--get", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--fsync", default="true")

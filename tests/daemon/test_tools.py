@@ -8,17 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import kvstore
 from kvstore import PutItem
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_load_tool_against_three_daemons_verifies_every_read(tmp_path) -> None:
+@pytest.mark.parametrize("put_batch", ["1", "3"])
+def test_load_tool_against_three_daemons_verifies_every_read(tmp_path, put_batch) -> None:
     out = tmp_path / "load.json"
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "load_store.py"), "--procs", "2", "--seconds", "2",
                         "--daemons", "3", "--value-bytes", "4096", "--key-space", "300", "--fsync", "false",
-                        "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                        "--put-batch", put_batch, "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rep = json.loads(out.read_text())
     assert rep["ops"] > 0 and rep["wrong_bytes"] == 0 and rep["errors"] == 0 and rep["final_missing"] == 0
