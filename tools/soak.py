@@ -55,10 +55,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvstore  # noqa: E402
-from kvstore import faults  # noqa: E402
+from kvstore import PutItem, faults  # noqa: E402
 from kvstore.errors import CapacityExceeded, KVStoreError, NotFound, StoreUnavailable, Unrecoverable  # noqa: E402
 
-OPS = {"put": 30, "put_ttl": 8, "get": 30, "get_other": 8, "lookup": 12, "delete": 5, "get_many": 6, "gc": 1}
+OPS = {"put": 22, "put_many": 8, "put_ttl": 8, "get": 30, "get_other": 8, "lookup": 12, "delete": 5, "get_many": 6,
+       "gc": 1}
 
 
 def key_for(seed: int, client: int, i: int) -> bytes:
@@ -111,6 +112,18 @@ def run_client(a: argparse.Namespace) -> int:
                 else:
                     ttl[i] = (time.time(), life)
                 c["acked_puts"] += 1
+            elif op == "put_many":  # a batch: pack files on each shard it reaches
+                idx = list(range(nxt, nxt + rng.randint(2, 4)))
+                nxt += len(idx)
+                try:
+                    s.put_many([PutItem(key_for(a.seed, a.client, i), value_for(key_for(a.seed, a.client, i)))
+                                for i in idx])
+                except (StoreUnavailable, CapacityExceeded):
+                    uncertain.update(idx)
+                    raise
+                live.extend(idx)
+                live_set.update(idx)
+                c["acked_puts"] += len(idx)
             elif op == "get":
                 i = rng.choice(live) if live_set and (not ttl or rng.random() < 0.8) else rng.choice(list(ttl))
                 k = key_for(a.seed, a.client, i)
