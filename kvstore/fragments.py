@@ -165,52 +165,6 @@ class FragmentIO:
                 chosen[i] = spare.pop(0)
         return tuple(chosen)
 
-    def _write_pack(self, encs: Sequence[_Encoded], gen: bytes) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
-        """A batch's fragments (all encoded with generation ``gen``), one pack file per target:
-        each entry's fragments go to the targets rendezvous hashing picks for it, as single
-        puts do, and each target's share is published with one atomic write (one fsync and
-        one directory fsync instead of one per fragment). Per entry: (targets, offsets).
-        Any failing target raises ``OSError`` after removing what was written; the caller
-        then writes the batch fragment by fragment, where failed targets are replaced."""
-        shares: dict[str, list[bytes]] = {}
-        sizes: dict[str, int] = {}
-        out = []
-        for enc in encs:
-            chosen = place(enc.key, self.target_specs, len(enc.frames))
-            offsets = []
-            for name, frame in zip(chosen, enc.frames):
-                offsets.append(sizes.get(name, 0))
-                shares.setdefault(name, []).append(frame)
-                sizes[name] = offsets[-1] + len(frame)
-            out.append((tuple(chosen), tuple(offsets)))
-        rel = pack_path(gen)
-        submit = self._pool.submit if self._fan_out_writes(list(shares), in_batch=False) else run_now
-        futs = {name: submit(self.targets[name].write, rel, parts, fsync=self.config.fsync)
-                for name, parts in shares.items()}
-        errors = {}
-        for name, f in futs.items():
-            try:
-                f.result()
-            except OSError as exc:
-                errors[name] = exc
-        if errors:
-            self._discard_pack(gen, [n for n in futs if n not in errors])
-            name, exc = next(iter(errors.items()))
-            log.warning("pack %s: target %s failed (%s); writing the batch fragment by fragment",
-                        gen.hex(), name, exc)
-            raise exc
-        return out
-
-    def _discard_pack(self, gen: bytes, names: Sequence[str]) -> None:
-        """Remove a pack that no index record names (best effort: else an orphan)."""
-        for name in names:
-            t = self.targets.get(name)
-            if t is not None:
-                try:
-                    t.delete(pack_path(gen))
-                except OSError:
-                    pass  # an orphan GC will sweep
-
     def _discard(self, enc: _Encoded, placed: dict[int, str]) -> None:
         """Remove fragments of a put that will never be indexed (best effort: else orphans)."""
         for i, name in placed.items():

@@ -58,6 +58,7 @@ from kvstore import codec
 from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
 from kvstore.config import DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, load_config
 from kvstore.fragments import FragmentIO, run_now
+from kvstore.packs import PackIO
 from kvstore.errors import (
     CapacityExceeded,
     IncompatibleFormat,
@@ -77,7 +78,7 @@ DATA_FORMAT_VERSION = 1
 FORMAT_FILE = "kvstore.json"
 
 
-class EmbeddedStore(FragmentIO):
+class EmbeddedStore(FragmentIO, PackIO):
     """In-process implementation of ``kvstore.api.KVStore``. See the module docstring."""
 
     def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.time):
@@ -259,9 +260,7 @@ class EmbeddedStore(FragmentIO):
         for i in losers:
             if i not in offsets:  # a loser's share of a pack goes with the pack
                 self._discard(encs[i], dict(enumerate(placed[i])))
-        for gen, members in _by_gen(encs, offsets).items():
-            if not any(result[i] for i in members):
-                self._discard_pack(gen, sorted({n for i in members for n in placed[i]}))
+        self._discard_unused_packs(encs, placed, offsets, result)
         n_new = sum(result)
         self._count("puts", n_new)
         self._count("bytes_in", sum(encs[i].meta_base.plain_len for i in encs if result[i]))
@@ -269,82 +268,6 @@ class EmbeddedStore(FragmentIO):
         if n_new and self.config.capacity_bytes:
             self._evict_if_needed()
         return result
-
-    def _put_packs(self, items: Sequence[PutItem], todo: list[int], encs: dict, placed: dict,
-                   offsets: dict) -> None:
-        """Steps 3-4 for a batch: encode it in chunks of about ``pack_bytes`` payload bytes,
-        each chunk one generation and one pack per target; a chunk's pack writes run on a
-        thread while the next chunk is encoded (encoding holds the GIL, writes wait in the
-        kernel); the last chunk's run here. Fills ``encs``, and ``placed`` and ``offsets``
-        for the chunks written. A chunk whose packs fail stays unplaced: the caller writes
-        it fragment by fragment."""
-        writes = []
-        chunk: list[int] = []
-        size = 0
-        gen = os.urandom(8)
-        try:
-            for n, i in enumerate(todo):
-                it = items[i]
-                encs[i] = self._encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens, gen)
-                chunk.append(i)
-                size += encs[i].meta_base.plain_len
-                last = n == len(todo) - 1
-                if size >= self.config.pack_bytes or last:
-                    # On a thread only while there is encoding left to overlap it with.
-                    submit = run_now if last or self.config.parallel_writes == "never" else self._batch_pool.submit
-                    writes.append((chunk, gen, submit(self._write_pack, [encs[j] for j in chunk], gen)))
-                    chunk, size, gen = [], 0, os.urandom(8)
-        except BaseException:  # a bad item: nothing of this batch may stay behind
-            for _chunk, g, fut in writes:
-                if fut.exception() is None:
-                    self._discard_pack(g, list(self.targets))
-            raise
-        for chunk, _gen, fut in writes:
-            try:
-                for i, (names, offs) in zip(chunk, fut.result()):
-                    placed[i], offsets[i] = names, offs
-            except OSError:
-                pass  # logged by _write_pack
-
-    def _rewrite(self, members: Sequence[tuple[bytes, Meta]]) -> int:
-        """Compaction (``kvstore.maintenance``): read these live entries of one pack, write
-        them into a new pack, and swap each record whose generation did not change meanwhile;
-        the old records go to the graveyard (readers holding them finish within the grace)
-        and the old pack goes with the last of them. Times, TTL and pin are kept. An entry
-        that fails to read stays where it is (the read marked it lost). Returns the count moved."""
-        gen = os.urandom(8)
-        encs = []
-        for ek, m in members:
-            try:
-                h, plain = self._read_verified(ek, m)
-            except Unrecoverable as exc:
-                log.error("compaction: %s", exc)
-                continue
-            encs.append((ek, m, self._encode(ek[1:], bytes(plain), EntryKind.from_code(ek[0]), None, h.layout,
-                                             h.tokens, gen)))
-        if not encs:
-            return 0
-        try:
-            locs = self._write_pack([e for _, _, e in encs], gen)
-        except OSError as exc:
-            log.warning("compaction of %d entries postponed: %s", len(encs), exc)
-            return 0
-        moved = 0
-        now = self.now_ns()
-        with self.index.env.begin(write=True) as txn:
-            for (ek, old, enc), (names, offs) in zip(encs, locs):
-                cur = self.index.get_meta(txn, ek)
-                if cur is None or cur.gen != old.gen:
-                    continue  # deleted, evicted or re-put meanwhile: our copy is dead on arrival
-                self.index.remove_txn(txn, ek, cur, now)
-                self.index.insert_txn(txn, ek, replace(
-                    enc.meta_base, targets=names, offsets=offs, created_ns=cur.created_ns,
-                    access_ns=cur.access_ns, expires_ns=cur.expires_ns, pinned=cur.pinned))
-                moved += 1
-        if not moved:
-            self._discard_pack(gen, sorted({n for names, _ in locs for n in names}))
-        self._count("compacted_entries", moved)
-        return moved
 
     def _mark_lost(self, ek: bytes, meta: Meta) -> None:
         self._count("unrecoverable")
@@ -636,14 +559,6 @@ class EmbeddedStore(FragmentIO):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _by_gen(encs: dict, offsets: dict) -> dict[bytes, list[int]]:
-    """The packed items of a batch, grouped by pack generation."""
-    out: dict[bytes, list[int]] = {}
-    for i in offsets:
-        out.setdefault(encs[i].meta_base.gen, []).append(i)
-    return out
 
 
 def open_embedded(url: str, **overrides: Any) -> EmbeddedStore:

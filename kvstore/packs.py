@@ -1,0 +1,164 @@
+"""Pack files of the embedded store: a batch's fragments published as one file per target,
+and compaction of packs that are mostly dead.
+
+``PackIO`` is a mixin of ``kvstore.store.EmbeddedStore`` beside ``FragmentIO`` (whose
+``_encode``, ``_fan_out_writes`` and ``_read_verified`` it uses, with the store's
+``config``, ``targets``, ``target_specs``, ``index``, ``_pool``, ``_batch_pool``,
+``_count`` and ``now_ns``). Where packs sit in the write path is in ``kvstore.store``'s
+docstring; their names in ``kvstore.targets``; their bookkeeping (record counts, dead
+bytes, the compaction queue) in ``kvstore.index`` invariant 6; when GC compacts them
+in ``kvstore.maintenance``. The read path finds a packed fragment through
+``kvstore.fragments.frag_loc``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import Sequence
+
+from kvstore.api import EntryKind, PutItem
+from kvstore.errors import Unrecoverable
+from kvstore.fragments import _Encoded, run_now
+from kvstore.index import Meta
+from kvstore.placement import place
+from kvstore.targets import pack_path
+
+log = logging.getLogger("kvstore.store")
+
+
+class PackIO:
+    """Pack writes and compaction (see the module docstring)."""
+
+    def _write_pack(self, encs: Sequence[_Encoded], gen: bytes) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+        """A batch's fragments (all encoded with generation ``gen``), one pack file per target:
+        each entry's fragments go to the targets rendezvous hashing picks for it, as single
+        puts do, and each target's share is published with one atomic write (one fsync and
+        one directory fsync instead of one per fragment). Per entry: (targets, offsets).
+        Any failing target raises ``OSError`` after removing what was written; the caller
+        then writes the batch fragment by fragment, where failed targets are replaced."""
+        shares: dict[str, list[bytes]] = {}
+        sizes: dict[str, int] = {}
+        out = []
+        for enc in encs:
+            chosen = place(enc.key, self.target_specs, len(enc.frames))
+            offsets = []
+            for name, frame in zip(chosen, enc.frames):
+                offsets.append(sizes.get(name, 0))
+                shares.setdefault(name, []).append(frame)
+                sizes[name] = offsets[-1] + len(frame)
+            out.append((tuple(chosen), tuple(offsets)))
+        rel = pack_path(gen)
+        submit = self._pool.submit if self._fan_out_writes(list(shares), in_batch=False) else run_now
+        futs = {name: submit(self.targets[name].write, rel, parts, fsync=self.config.fsync)
+                for name, parts in shares.items()}
+        errors = {}
+        for name, f in futs.items():
+            try:
+                f.result()
+            except OSError as exc:
+                errors[name] = exc
+        if errors:
+            self._discard_pack(gen, [n for n in futs if n not in errors])
+            name, exc = next(iter(errors.items()))
+            log.warning("pack %s: target %s failed (%s); writing the batch fragment by fragment",
+                        gen.hex(), name, exc)
+            raise exc
+        return out
+
+    def _discard_pack(self, gen: bytes, names: Sequence[str]) -> None:
+        """Remove a pack that no index record names (best effort: else an orphan)."""
+        for name in names:
+            t = self.targets.get(name)
+            if t is not None:
+                try:
+                    t.delete(pack_path(gen))
+                except OSError:
+                    pass  # an orphan GC will sweep
+
+    def _put_packs(self, items: Sequence[PutItem], todo: list[int], encs: dict, placed: dict,
+                   offsets: dict) -> None:
+        """Steps 3-4 for a batch: encode it in chunks of about ``pack_bytes`` payload bytes,
+        each chunk one generation and one pack per target; a chunk's pack writes run on a
+        thread while the next chunk is encoded (encoding holds the GIL, writes wait in the
+        kernel); the last chunk's run here. Fills ``encs``, and ``placed`` and ``offsets``
+        for the chunks written. A chunk whose packs fail stays unplaced: the caller writes
+        it fragment by fragment."""
+        writes = []
+        chunk: list[int] = []
+        size = 0
+        gen = os.urandom(8)
+        try:
+            for n, i in enumerate(todo):
+                it = items[i]
+                encs[i] = self._encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens, gen)
+                chunk.append(i)
+                size += encs[i].meta_base.plain_len
+                last = n == len(todo) - 1
+                if size >= self.config.pack_bytes or last:
+                    # On a thread only while there is encoding left to overlap it with.
+                    submit = run_now if last or self.config.parallel_writes == "never" else self._batch_pool.submit
+                    writes.append((chunk, gen, submit(self._write_pack, [encs[j] for j in chunk], gen)))
+                    chunk, size, gen = [], 0, os.urandom(8)
+        except BaseException:  # a bad item: nothing of this batch may stay behind
+            for _chunk, g, fut in writes:
+                if fut.exception() is None:
+                    self._discard_pack(g, list(self.targets))
+            raise
+        for chunk, _gen, fut in writes:
+            try:
+                for i, (names, offs) in zip(chunk, fut.result()):
+                    placed[i], offsets[i] = names, offs
+            except OSError:
+                pass  # logged by _write_pack
+
+    def _discard_unused_packs(self, encs: dict, placed: dict, offsets: dict, result: list[bool]) -> None:
+        """After a batch's commit: remove each of its packs in which no entry was committed
+        (every one lost its race to another writer)."""
+        by_gen: dict[bytes, list[int]] = {}
+        for i in offsets:
+            by_gen.setdefault(encs[i].meta_base.gen, []).append(i)
+        for gen, members in by_gen.items():
+            if not any(result[i] for i in members):
+                self._discard_pack(gen, sorted({n for i in members for n in placed[i]}))
+
+    def _rewrite(self, members: Sequence[tuple[bytes, Meta]]) -> int:
+        """Compaction (``kvstore.maintenance``): read these live entries of one pack, write
+        them into a new pack, and swap each record whose generation did not change meanwhile;
+        the old records go to the graveyard (readers holding them finish within the grace)
+        and the old pack goes with the last of them. Times, TTL and pin are kept. An entry
+        that fails to read stays where it is (the read marked it lost). Returns the count moved."""
+        gen = os.urandom(8)
+        encs = []
+        for ek, m in members:
+            try:
+                h, plain = self._read_verified(ek, m)
+            except Unrecoverable as exc:
+                log.error("compaction: %s", exc)
+                continue
+            encs.append((ek, m, self._encode(ek[1:], bytes(plain), EntryKind.from_code(ek[0]), None, h.layout,
+                                             h.tokens, gen)))
+        if not encs:
+            return 0
+        try:
+            locs = self._write_pack([e for _, _, e in encs], gen)
+        except OSError as exc:
+            log.warning("compaction of %d entries postponed: %s", len(encs), exc)
+            return 0
+        moved = 0
+        now = self.now_ns()
+        with self.index.env.begin(write=True) as txn:
+            for (ek, old, enc), (names, offs) in zip(encs, locs):
+                cur = self.index.get_meta(txn, ek)
+                if cur is None or cur.gen != old.gen:
+                    continue  # deleted, evicted or re-put meanwhile: our copy is dead on arrival
+                self.index.remove_txn(txn, ek, cur, now)
+                self.index.insert_txn(txn, ek, replace(
+                    enc.meta_base, targets=names, offsets=offs, created_ns=cur.created_ns,
+                    access_ns=cur.access_ns, expires_ns=cur.expires_ns, pinned=cur.pinned))
+                moved += 1
+        if not moved:
+            self._discard_pack(gen, sorted({n for names, _ in locs for n in names}))
+        self._count("compacted_entries", moved)
+        return moved
