@@ -33,7 +33,7 @@ from kvstore import codec
 from kvstore.api import EntryKind
 from kvstore.errors import CorruptData
 from kvstore.index import STANDALONE, Meta, packed_bytes
-from kvstore.targets import TargetUnavailable, fragment_path, pack_path, parse_fragment_path, parse_pack_path
+from kvstore.targets import TargetUnavailable, fragment_path, parse_fragment_path, parse_pack_path
 
 if TYPE_CHECKING:
     from kvstore.store import EmbeddedStore
@@ -105,8 +105,7 @@ def _purge_grave(store: "EmbeddedStore", now: int, dry_run: bool) -> tuple[int, 
         with store.index.env.begin(write=True) as txn:
             pack_freed = store.index.purge_grave_txn(txn, _grave_key(t, rest), m)
         if pack_freed is not None:
-            for tgt in store.targets.values():  # every target the batch may have used
-                _delete(tgt, pack_path(m.gen))
+            store._discard_pack(m.gen, list(store.targets))  # every target the batch may have used
             nbytes += pack_freed
     return len(due), nbytes
 
