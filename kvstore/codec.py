@@ -313,13 +313,25 @@ def fragment_id(index: int, k: int, m: int, kind_code: int, key: bytes, gen: byt
                            key, gen, entry_len, body_len, 0)[:FRAG_ID_LEN]
 
 
-def frame_fragment(h: FragmentHeader, body: bytes) -> bytes:
-    head = fragment_id(h.index, h.k, h.m, h.kind_code, h.key, h.gen, h.entry_len, len(body))
-    x = xxhash.xxh3_64()
-    x.update(head)
-    x.update(b"\0" * 8)
+_ZERO_CSUM = b"\0" * 8
+_CSUM = struct.Struct("<Q")
+
+
+def fragment_parts(index: int, k: int, m: int, kind_code: int, key: bytes, gen: bytes, entry_len: int,
+                   body: bytes) -> list[bytes]:
+    """A fragment as [header, body]: written back to back (``writev``) they are the bytes
+    ``frame_fragment`` joins, without copying the body (the write path's form)."""
+    head = _FRAG_HEAD.pack(FRAG_MAGIC, FORMAT_VERSION, index, k, m, kind_code, 0,
+                           key, gen, entry_len, len(body), 0)[:FRAG_ID_LEN]
+    x = xxhash.xxh3_64(head)
+    x.update(_ZERO_CSUM)
     x.update(body)
-    return b"".join((head, struct.pack("<Q", x.intdigest()), body))
+    return [head + _CSUM.pack(x.intdigest()), body]
+
+
+def frame_fragment(h: FragmentHeader, body: bytes) -> bytes:
+    """One fragment's bytes: header (with the checksum over header and body) then body."""
+    return b"".join(fragment_parts(h.index, h.k, h.m, h.kind_code, h.key, h.gen, h.entry_len, body))
 
 
 def fragment_checksum(buf: bytes | memoryview) -> int:
@@ -331,7 +343,7 @@ def fragment_checksum_ok(buf: bytes | memoryview) -> bool:
     """Does the whole fragment ``buf`` (header and body) match the checksum its header records?"""
     x = xxhash.xxh3_64()
     x.update(buf[:FRAG_ID_LEN])
-    x.update(b"\0" * 8)
+    x.update(_ZERO_CSUM)
     x.update(buf[FRAG_HEADER_LEN:])
     return x.intdigest() == fragment_checksum(buf)
 

@@ -94,14 +94,15 @@ LOCAL_SCHEMES = ("", "file", "local")
 REDESCRIBE_S = 10.0  # at most one Describe per this many seconds after a record names an unknown target
 
 
-def parse_mode(value: Any) -> str:
-    """A ``direct_reads`` option as one of ``MODES`` (bools and the usual spellings accepted)."""
+def parse_mode(value: Any, option: str = "direct_reads") -> str:
+    """A ``direct_reads`` (or ``direct_writes``) option as one of ``MODES`` (bools and the usual
+    spellings accepted)."""
     if isinstance(value, bool):
         return "on" if value else "off"
     v = str(value).strip().lower()
     v = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off", "": "off"}.get(v, v)
     if v not in MODES:
-        raise InvalidRequest(f"direct_reads must be one of {list(MODES)} (or a bool), got {value!r}")
+        raise InvalidRequest(f"{option} must be one of {list(MODES)} (or a bool), got {value!r}")
     return v
 
 

@@ -43,6 +43,16 @@ def run_now(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
     return fut
 
 
+def expiry_ns(ttl_s: float | None, default_ttl_s: float, now: int) -> int:
+    """An entry's expiry time (0: none) from a put's ``ttl_s`` (``None``: the store's default)."""
+    if ttl_s is None:
+        ttl_s = default_ttl_s
+    elif not 0 < ttl_s <= MAX_TTL_S:  # also rejects NaN
+        raise InvalidRequest(f"ttl_s must be in (0, {MAX_TTL_S:.0f}] seconds (or None for the default), "
+                             f"got {ttl_s}")
+    return now + int(ttl_s * 1e9) if ttl_s else 0
+
+
 def frag_loc(ek: bytes, meta: Meta, i: int) -> tuple[str, int | None]:
     """Where fragment ``i`` of a record lives on ``meta.targets[i]``: (its own file, ``None``)
     or (the batch's pack file, byte offset) -- see ``Meta.offsets``."""
@@ -64,9 +74,12 @@ def _data_paths(ek: bytes, meta: Meta, roots: list[str]) -> list[tuple[str, int 
 
 
 class _Encoded:
+    """One put, encoded: ``frames[i]`` is fragment ``i`` as ``codec.fragment_parts`` (header,
+    body), ``meta_base`` its index record but for where the fragments land."""
+
     __slots__ = ("ek", "key", "kind", "meta_base", "frames")
 
-    def __init__(self, ek: bytes, key: bytes, kind: EntryKind, meta_base: Meta, frames: list[bytes]):
+    def __init__(self, ek: bytes, key: bytes, kind: EntryKind, meta_base: Meta, frames: list[list[bytes]]):
         self.ek, self.key, self.kind, self.meta_base, self.frames = ek, key, kind, meta_base, frames
 
 
@@ -91,11 +104,8 @@ class FragmentIO:
                 f"value of {len(payload)} bytes is over max_value_bytes={self.config.max_value_bytes}; "
                 "split it or raise the limit in the store config"
             )
-        if ttl_s is None:
-            ttl_s = self.config.default_ttl_s
-        elif not 0 < ttl_s <= MAX_TTL_S:  # also rejects NaN
-            raise InvalidRequest(f"ttl_s must be in (0, {MAX_TTL_S:.0f}] seconds (or None for the default), "
-                                 f"got {ttl_s}")
+        now = self.now_ns()
+        expires = expiry_ns(ttl_s, self.config.default_ttl_s, now)
         if not isinstance(tokens, int) or tokens < 0:
             raise InvalidRequest(f"tokens must be a non-negative int, got {tokens!r}")
         entry = codec.encode_entry(key, k, payload, lay, tokens, compression=self.config.compression,
@@ -103,14 +113,11 @@ class FragmentIO:
         bodies = self.code.encode(entry)
         gen = gen or os.urandom(8)
         cfg = self.config
-        frames = [
-            codec.frame_fragment(codec.FragmentHeader(i, cfg.ec_k, cfg.ec_m, k.code, key, gen, len(entry), len(b)), b)
-            for i, b in enumerate(bodies)
-        ]
-        now = self.now_ns()
+        frames = [codec.fragment_parts(i, cfg.ec_k, cfg.ec_m, k.code, key, gen, len(entry), b)
+                  for i, b in enumerate(bodies)]
         meta = Meta(k=cfg.ec_k, m=cfg.ec_m, tokens=tokens, plain_len=len(payload), entry_len=len(entry),
-                    frag_len=len(frames[0]), created_ns=now, access_ns=now,
-                    expires_ns=now + int(ttl_s * 1e9) if ttl_s else 0, gen=gen, targets=())
+                    frag_len=codec.FRAG_HEADER_LEN + len(bodies[0]), created_ns=now, access_ns=now,
+                    expires_ns=expires, gen=gen, targets=())
         return _Encoded(ekey(k.code, key), key, k, meta, frames)
 
     def _fan_out_writes(self, names: Sequence[str], *, in_batch: bool) -> bool:

@@ -184,6 +184,13 @@ def check_key(key: bytes) -> bytes:
     return key
 
 
+def tenant_key(key: bytes, secret: bytes) -> bytes:
+    """The key a daemon stores tenant ``secret``'s ``key`` under (``kvstore.server.auth``):
+    keyed BLAKE2b-128, so two tenants' equal keys are unrelated and unguessable without the
+    secret. A direct-writing client (``kvstore.direct_writes``) names its fragments with it."""
+    return hashlib.blake2b(key, key=secret, digest_size=KEY_LEN, person=b"kvstack-tenant").digest()
+
+
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     """``check_key`` over a batch, with one cheap pass for the common all-valid case."""
     keys = list(keys)

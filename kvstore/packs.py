@@ -15,17 +15,38 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
+from kvstore import codec
 from kvstore.api import EntryKind, PutItem
-from kvstore.errors import Unrecoverable
-from kvstore.fragments import _Encoded, run_now
-from kvstore.index import Meta
+from kvstore.errors import InvalidRequest, StoreUnavailable, Unrecoverable
+from kvstore.fragments import _Encoded, expiry_ns, run_now
+from kvstore.index import STANDALONE, Meta
 from kvstore.placement import place
 from kvstore.targets import pack_path
 
 log = logging.getLogger("kvstore.store")
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenEntry:
+    """An entry whose fragments a client wrote itself into pack files (``kvstore.direct_writes``),
+    to be indexed by ``PackIO.commit_written``: the index record's fields the writer knows.
+    Fragment ``i`` is ``frag_len`` bytes at ``offsets[i]`` of ``pack_path(gen)`` on ``targets[i]``;
+    ``ttl_s`` ``None`` means the store's default."""
+
+    ek: bytes  # kind code || stored key
+    k: int
+    m: int
+    tokens: int
+    plain_len: int
+    entry_len: int
+    frag_len: int
+    gen: bytes
+    targets: tuple[str, ...]
+    offsets: tuple[int, ...]
+    ttl_s: float | None = None
 
 
 class PackIO:
@@ -43,11 +64,12 @@ class PackIO:
         out = []
         for enc in encs:
             chosen = place(enc.key, self.target_specs, len(enc.frames))
+            flen = enc.meta_base.frag_len
             offsets = []
             for name, frame in zip(chosen, enc.frames):
                 offsets.append(sizes.get(name, 0))
-                shares.setdefault(name, []).append(frame)
-                sizes[name] = offsets[-1] + len(frame)
+                shares.setdefault(name, []).extend(frame)
+                sizes[name] = offsets[-1] + flen
             out.append((tuple(chosen), tuple(offsets)))
         rel = pack_path(gen)
         submit = self._pool.submit if self._fan_out_writes(list(shares), in_batch=False) else run_now
@@ -122,6 +144,72 @@ class PackIO:
         for gen, members in by_gen.items():
             if not any(result[i] for i in members):
                 self._discard_pack(gen, sorted({n for i in members for n in placed[i]}))
+
+    def commit_written(self, entries: Sequence[WrittenEntry]) -> list[bool]:
+        """Index entries a client wrote into pack files itself (the daemon's ``Commit``;
+        ``kvstore.direct_writes``): steps 5-6 of a put, after checking what the index will
+        rely on. Per entry, ``False`` where a live entry of the key already exists (its bytes
+        stay in the pack: the writer removes a pack none of whose entries was indexed).
+
+        Checked first, all or nothing (``InvalidRequest``, nothing indexed): the erasure code
+        is this store's; the targets are k+m distinct known ones; every pack is new to the
+        index (a generation names one batch), on its target, long enough for the fragments
+        placed in it, and written less than half of ``orphan_grace_s`` ago, so the orphan
+        sweep, which removes unindexed packs older than the grace, cannot be removing it.
+        The bytes themselves are not read: every read checks each fragment's checksum and
+        header (key, generation, index) against the record, so a wrong byte is never returned.
+        """
+        self._check_open()
+        if not entries:
+            return []
+        cfg = self.config
+        now = self.now_ns()
+        n = cfg.ec_k + cfg.ec_m
+        need: dict[tuple[bytes, str], int] = {}
+        records = []
+        for e in entries:
+            what = f"written entry {e.ek[1:].hex()}"
+            if (e.k, e.m) != (cfg.ec_k, cfg.ec_m):
+                raise InvalidRequest(f"{what}: erasure code {e.k}+{e.m}; this store uses {cfg.ec_k}+{cfg.ec_m}")
+            if len(e.targets) != n or len(set(e.targets)) != n or any(t not in self.targets for t in e.targets):
+                raise InvalidRequest(f"{what}: needs {n} distinct targets of this store, got {list(e.targets)}")
+            if len(e.offsets) != n or STANDALONE in e.offsets or len(e.gen) != 8:
+                raise InvalidRequest(f"{what}: needs an 8-byte generation and {n} pack offsets")
+            if not (0 <= e.plain_len <= cfg.max_value_bytes and 0 < e.entry_len <= e.k * e.frag_len
+                    and codec.FRAG_HEADER_LEN < e.frag_len and 0 <= e.tokens < 2**32):
+                raise InvalidRequest(f"{what}: inconsistent sizes (plain {e.plain_len}, entry {e.entry_len}, "
+                                     f"fragment {e.frag_len}) or tokens {e.tokens}")
+            records.append((e.ek, Meta(e.k, e.m, e.tokens, e.plain_len, e.entry_len, e.frag_len, now, now,
+                                       expiry_ns(e.ttl_s, cfg.default_ttl_s, now), e.gen, e.targets,
+                                       offsets=e.offsets)))
+            for name, off in zip(e.targets, e.offsets):
+                need[(e.gen, name)] = max(need.get((e.gen, name), 0), off + e.frag_len)
+        with self.index.env.begin() as txn:
+            reused = sorted(g.hex() for g in {g for g, _ in need} if self.index.pack_info(txn, g) is not None)
+        if reused:
+            raise InvalidRequest(f"pack generation(s) {reused} already hold indexed entries; each batch "
+                                 "is written under a fresh random generation")
+        oldest = self.clock() - cfg.orphan_grace_s / 2
+        for (gen, name), size in need.items():
+            try:
+                got, mtime = self.targets[name].stat(pack_path(gen))
+            except FileNotFoundError:
+                raise InvalidRequest(f"pack {gen.hex()} is not on target {name}: write every pack "
+                                     "before committing its entries") from None
+            except OSError as exc:
+                raise StoreUnavailable(f"cannot check pack {gen.hex()} on target {name}: {exc}") from exc
+            if got < size:
+                raise InvalidRequest(f"pack {gen.hex()} on target {name} has {got} bytes; its entries need {size}")
+            if mtime < oldest:
+                raise InvalidRequest(f"pack {gen.hex()} on target {name} was written more than "
+                                     f"orphan_grace_s/2 = {cfg.orphan_grace_s / 2:.0f} s ago; GC may be "
+                                     "sweeping it as an orphan: write the batch again")
+        created = self._index_new(records, now)
+        for (ek, _), c in zip(records, created):
+            if not c:  # a re-put of a live key: refresh it, as put does
+                self._touch(ek, now)
+                self._count("puts_deduplicated")
+        return created
 
     def _rewrite(self, members: Sequence[tuple[bytes, Meta]]) -> int:
         """Compaction (``kvstore.maintenance``): read these live entries of one pack, write

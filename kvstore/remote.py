@@ -30,13 +30,19 @@ Direct reads (``kvstore.direct``; opt-in, ``direct_reads="on"`` or ``"auto"``): 
 fragments are (``Locate``) and read and verify them from the shared targets in this
 process; a key whose direct read fails in any way is read through the daemon as
 without the option, so results and errors are the same. Requires read access to the
-targets' files (see the security note there); puts stay on gRPC.
+targets' files (see the security note there).
+
+Direct writes (``kvstore.direct_writes``; opt-in, ``direct_writes="on"`` or ``"auto"``, and
+the daemon's ``allow_direct_writes``): ``put`` and ``put_many`` encode and write pack files
+into the shared targets in this process and ask the daemon only to index them (``Commit``);
+the results and errors are those of a put over gRPC. Requires write access to the targets.
 
 Options (``connect`` overrides, else environment): ``token``
 (``KVSTORE_TOKEN``), ``ca_file`` (``KVSTORE_CA_FILE``), ``cert_file`` /
 ``key_file`` for mutual TLS (``KVSTORE_CERT_FILE`` / ``KVSTORE_KEY_FILE``),
 ``timeout_s``, ``max_message_bytes``, ``server_name`` (TLS name override),
-``direct_reads`` ("off" (default), "on", "auto"; ``KVSTORE_DIRECT_READS``).
+``direct_reads`` ("off" (default), "on", "auto"; ``KVSTORE_DIRECT_READS``),
+``direct_writes`` (the same; ``KVSTORE_DIRECT_WRITES``).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import grpc
 
 from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
 from kvstore.direct import DirectReads, copy_into, parse_mode
+from kvstore.direct_writes import DirectWrites
 from kvstore.errors import InternalError, InvalidRequest, StoreClosed
 from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
@@ -75,12 +82,15 @@ class ClientOptions:
     max_message_bytes: int = 96 * MiB
     max_batch_items: int = 4096  # the daemon's default limit; longer chains and probes go in pieces
     direct_reads: str = "off"  # "off", "on" or "auto" (a bool: on/off); see kvstore.direct
+    direct_writes: str = "off"  # the same modes; see kvstore.direct_writes
 
     ENV = {"token": "KVSTORE_TOKEN", "ca_file": "KVSTORE_CA_FILE", "cert_file": "KVSTORE_CERT_FILE",
-           "key_file": "KVSTORE_KEY_FILE", "direct_reads": "KVSTORE_DIRECT_READS"}
+           "key_file": "KVSTORE_KEY_FILE", "direct_reads": "KVSTORE_DIRECT_READS",
+           "direct_writes": "KVSTORE_DIRECT_WRITES"}
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "direct_reads", parse_mode(self.direct_reads))
+        object.__setattr__(self, "direct_writes", parse_mode(self.direct_writes, "direct_writes"))
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any]) -> "ClientOptions":
@@ -178,6 +188,9 @@ class RemoteStore:
         self._lock = threading.Lock()
         # Direct reads (kvstore.direct): None when off; the daemon is first asked on the first read.
         self._direct = DirectReads(o.direct_reads, self._call, url) if o.direct_reads != "off" else None
+        # Direct writes (kvstore.direct_writes): None when off; the daemon is first asked on the first put.
+        self._direct_w = (DirectWrites(o.direct_writes, self._call, url, max_items=o.max_batch_items)
+                          if o.direct_writes != "off" else None)
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, req: Any, timeout_s: float | None = None, fn: Any = None) -> Any:
@@ -199,12 +212,23 @@ class RemoteStore:
     # ------------------------------------------------------------------ writes
     def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
             layout: Layout | None = None, tokens: int = 0) -> bool:
-        enc = encode_item(PutItem(key, value, kind, ttl_s, layout, tokens))
-        return self._call("Put", enc.message(), fn=self._put_raw).created
+        item = PutItem(key, value, kind, ttl_s, layout, tokens)
+        if self._direct_w is not None:
+            return self.put_many([item])[0]
+        return self._call("Put", encode_item(item).message(), fn=self._put_raw).created
 
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         if not items:
             return []
+        if self._direct_w is not None:
+            if self._closed:
+                raise StoreClosed("this store is closed; open a new one with kvstore.connect")
+            got = self._direct_w.put_many(items, self._put_many_rpc)
+            if got is not None:
+                return got
+        return self._put_many_rpc(items)
+
+    def _put_many_rpc(self, items: Sequence[PutItem]) -> list[bool]:
         encs = [encode_item(it) for it in items]  # validate every item before sending any
         total = sum(e.nbytes for e in encs)
         if total > self.options.max_message_bytes:
@@ -286,6 +310,12 @@ class RemoteStore:
                 return got
         done = copy_into(keys, self._get_many_rpc(keys, k), views, k, range(len(keys)))
         return [done[i] for i in range(len(keys))]
+
+    def direct_write_stats(self) -> dict:
+        """This client's direct writes: mode, active (or why not), counters (``kvstore.direct_writes``)."""
+        if self._direct_w is None:
+            return {"mode": "off", "active": False, "reason": "direct_writes='off'", "counters": {}}
+        return self._direct_w.stats()
 
     def direct_stats(self) -> dict:
         """This client's direct reads: mode, active (or why not), counters (``kvstore.direct``)."""
@@ -400,6 +430,8 @@ class RemoteStore:
                 self._channel.close()
                 if self._direct is not None:
                     self._direct.close()
+                if self._direct_w is not None:
+                    self._direct_w.close()
 
     def __enter__(self) -> "RemoteStore":
         return self

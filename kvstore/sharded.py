@@ -155,6 +155,10 @@ class ShardedStore:
             [keys[i] for i in pos], [outs[i] for i in pos], kind=kind))
         return [got[i] for i in range(len(keys))]
 
+    def direct_write_stats(self) -> dict:
+        """Per shard URL: that client's direct writes (``RemoteStore.direct_write_stats``)."""
+        return {u: s.direct_write_stats() for u, s in zip(self.urls, self.shards)}
+
     def direct_stats(self) -> dict:
         """Per shard URL: that client's direct reads (``RemoteStore.direct_stats``)."""
         return {u: s.direct_stats() for u, s in zip(self.urls, self.shards)}

@@ -240,34 +240,43 @@ class EmbeddedStore(FragmentIO, PackIO):
             for i, names in placed.items():
                 self._discard(encs[i], dict(enumerate(names)))
             raise
-        # 5: one index transaction for the batch.
-        losers: list[int] = []
-        with self.index.env.begin(write=True) as txn:
-            for i, e in encs.items():
-                old = self.index.get_meta(txn, e.ek)
-                if old is not None:
-                    if not (old.expires_ns and old.expires_ns <= now):
-                        losers.append(i)  # a concurrent writer won; ours are orphans to remove
-                        continue
-                    self.index.remove_txn(txn, e.ek, old, now)
-                lost = self.index.get_lost(txn, e.ek)
-                if lost is not None:
-                    self.index.drop_lost_txn(txn, e.ek, lost, now, to_grave=True)
-                self.index.insert_txn(txn, e.ek, replace(e.meta_base, targets=placed[i],
-                                                         offsets=offsets.get(i, ())))
-                result[i] = True
-            self._flush_touches_txn(txn)
-        for i in losers:
-            if i not in offsets:  # a loser's share of a pack goes with the pack
+        # 5-6: one index transaction for the batch; then capacity.
+        order = list(encs)
+        created = self._index_new([(encs[i].ek, replace(encs[i].meta_base, targets=placed[i],
+                                                         offsets=offsets.get(i, ()))) for i in order], now)
+        for i, c in zip(order, created):
+            result[i] = c
+            if not c and i not in offsets:  # a concurrent writer won; a loser's share of a pack goes with the pack
                 self._discard(encs[i], dict(enumerate(placed[i])))
         self._discard_unused_packs(encs, placed, offsets, result)
-        n_new = sum(result)
+        return result
+
+    def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int) -> list[bool]:
+        """Steps 5-6 for records whose fragments are durable: one transaction inserting each
+        record whose key is free (absent or expired; a lost record of it goes to the
+        graveyard), ``False`` where a live entry won the race (the caller removes or keeps the
+        loser's files); then the counters, and eviction above the high watermark."""
+        created: list[bool] = []
+        with self.index.env.begin(write=True) as txn:
+            for ek, meta in records:
+                old = self.index.get_meta(txn, ek)
+                if old is not None:
+                    if not (old.expires_ns and old.expires_ns <= now):
+                        created.append(False)
+                        continue
+                    self.index.remove_txn(txn, ek, old, now)
+                lost = self.index.get_lost(txn, ek)
+                if lost is not None:
+                    self.index.drop_lost_txn(txn, ek, lost, now, to_grave=True)
+                self.index.insert_txn(txn, ek, meta)
+                created.append(True)
+            self._flush_touches_txn(txn)
+        n_new = sum(created)
         self._count("puts", n_new)
-        self._count("bytes_in", sum(encs[i].meta_base.plain_len for i in encs if result[i]))
-        # 6: keep inside capacity.
+        self._count("bytes_in", sum(m.plain_len for (_, m), c in zip(records, created) if c))
         if n_new and self.config.capacity_bytes:
             self._evict_if_needed()
-        return result
+        return created
 
     def _mark_lost(self, ek: bytes, meta: Meta) -> None:
         self._count("unrecoverable")

@@ -152,16 +152,24 @@ class Target:
         except FileNotFoundError:
             pass
 
+    def stat(self, rel: str) -> tuple[int, float]:
+        """(size, mtime) of one file; ``FileNotFoundError`` when it is not there."""
+        return _size_mtime(self.fs.info(self._p(rel)))
+
     def walk(self) -> Iterator[tuple[str, int, float]]:
         """Every file under the root as (relative path, size, mtime); temporaries included."""
         if not self.is_up():
             raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
         for path, info in self.fs.find(self.root, detail=True).items():
-            rel = path[len(self.root):].lstrip("/")
-            mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0.0
-            if hasattr(mtime, "timestamp"):
-                mtime = mtime.timestamp()
-            yield rel, int(info.get("size") or 0), float(mtime)
+            yield (path[len(self.root):].lstrip("/"), *_size_mtime(info))
+
+
+def _size_mtime(info: dict) -> tuple[int, float]:
+    """Size and modification time from an fsspec ``info`` dict (each backend names them its way)."""
+    mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0.0
+    if hasattr(mtime, "timestamp"):
+        mtime = mtime.timestamp()
+    return int(info.get("size") or 0), float(mtime)
 
 
 class ObjectTarget(Target):
@@ -260,6 +268,10 @@ class LocalTarget(Target):
             return n
         finally:
             os.close(fd)
+
+    def stat(self, rel: str) -> tuple[int, float]:
+        st = os.stat(self._p(rel))
+        return st.st_size, st.st_mtime
 
     def delete(self, rel: str) -> None:
         try:

@@ -12,10 +12,13 @@ throughput, single calls and batches of ``--batch``, for
 
 * ``embedded``: ``kvstore.connect(dir)`` in this process (4+2 erasure code, zstd off: random bytes),
 * ``remote``:   one ``kvstore serve`` daemon on 127.0.0.1, same store config, over gRPC,
-* ``remote_direct``: the same daemon, client opened with ``direct_reads="on"`` (``kvstore.direct``):
+* ``remote_direct``: the same daemon (``allow_direct_writes``), client opened with
+  ``direct_reads="on"`` (``kvstore.direct``) and ``direct_writes="on"`` (``kvstore.direct_writes``):
   reads ask the daemon where the fragments are (``Locate``) and read and verify them from the
-  daemon's target directories in this process, as on a shared DFS mount; puts as ``remote``.
-  Its client's direct-read counters go to the JSON under ``direct_stats`` (fallbacks must be 0),
+  daemon's target directories in this process, as on a shared DFS mount; puts encode and write
+  the pack files in this process and ask the daemon to index them (``Commit``).
+  Its client's counters go to the JSON under ``direct_stats`` and ``direct_write_stats``
+  (fallbacks must be 0),
 * ``redis``:    ``redis-server`` on 127.0.0.1 (no persistence), SET/GET, MSET/MGET pipelines,
 * ``mooncake``: Mooncake Store over TCP on loopback (master with its HTTP metadata server +
   one storage process with a 2 GiB segment; the bench client mounts no memory), from its own
@@ -246,12 +249,12 @@ def run_remote(args: argparse.Namespace) -> dict:
     rep: dict[str, Any] = {"sizes": sizes, "n": args.n, "batch": args.batch, "chain": args.chain, "fsync": fs,
                            "repeat": args.repeat, "unit": "MiB/s", "systems": {}, "rounds": []}
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
-        opts = ["--fsync", str(fs).lower(), "--compression", "none"]
+        opts = ["--fsync", str(fs).lower(), "--compression", "none", "--allow-direct-writes", "true"]
         emb = kvstore.connect(str(Path(tmp) / "emb"), fsync=fs, compression="none")
         daemons = [start_daemon(Path(tmp) / f"d{i}", opts) for i in range(4)]
         try:
             rs = kvstore.connect(daemons[0].url)
-            rd = kvstore.connect(daemons[0].url, direct_reads="on")
+            rd = kvstore.connect(daemons[0].url, direct_reads="on", direct_writes="on")
             # Rounds interleave the systems, so that a burst of load elsewhere hits all of them.
             for rnd in range(args.repeat):
                 one: dict[str, Any] = {
@@ -266,6 +269,7 @@ def run_remote(args: argparse.Namespace) -> dict:
                   "remote": lookup_latency(rs, args.chain, args.lookup_reps, "r")}
             rs.close()
             rep["direct_stats"] = rd.direct_stats()
+            rep["direct_write_stats"] = rd.direct_write_stats()
             rd.close()
             with kvstore.connect(",".join(d.url for d in daemons[1:])) as sh:
                 lk["sharded3"] = lookup_latency(sh, args.chain, args.lookup_reps, "s")
@@ -332,6 +336,11 @@ def table(rep: dict) -> str:
         c = rep["direct_stats"].get("counters", {})
         rows.append(f"remote_direct client: active={rep['direct_stats'].get('active')} direct_reads="
                     f"{c.get('direct_reads', 0)} fallbacks={c.get('fallbacks', 0)}")
+    if "direct_write_stats" in rep:
+        c = rep["direct_write_stats"].get("counters", {})
+        rows.append(f"remote_direct client: direct writes active={rep['direct_write_stats'].get('active')} "
+                    f"entries={c.get('direct_writes', 0)} commits={c.get('commits', 0)} "
+                    f"fallbacks={c.get('fallbacks', 0)}")
     return "\n".join(rows)
 
 

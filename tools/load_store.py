@@ -6,6 +6,7 @@ Commands (from the repository root)::
     .venv/bin/python tools/load_store.py --procs 4 --seconds 20 --daemons 3 --out results/load_3daemons.json
     .venv/bin/python tools/load_store.py --url grpc://127.0.0.1:7070 --procs 4 --seconds 20
     .venv/bin/python tools/load_store.py --procs 4 --seconds 20 --direct-reads on --out results/load_direct.json
+    .venv/bin/python tools/load_store.py --procs 4 --seconds 20 --put-batch 4 --direct-writes on --direct-reads on
 
 Without ``--url`` it starts ``--daemons`` fresh ``kvstore serve`` processes on
 127.0.0.1 (port 0, temporary data directories; several daemons are reached as
@@ -17,6 +18,9 @@ one sharded store) and stops them afterwards. ``--procs`` client processes
 ``--direct-reads on|auto`` opens every client with that option (``kvstore.direct``): reads
 go to the daemons' target files, puts and lookups over gRPC; the report adds the clients'
 summed direct-read counters (``direct``: reads served directly, fallbacks to the daemon).
+``--direct-writes on|auto`` likewise for puts (``kvstore.direct_writes``: clients write the
+pack files, the daemons index them; the daemons it starts get ``--allow-direct-writes true``);
+the report adds ``direct_w`` (entries written directly, commits, fallbacks).
 
 Verification: key ``j`` is ``BLAKE2b-128(seed:j)`` and its value is
 ``SHAKE-128(key)`` of a length derived from the key, so any process can check
@@ -66,7 +70,7 @@ def worker(wid: int, args: dict, out: "mp.Queue") -> None:
     from kvstore.errors import KVStoreError, NotFound
 
     rng = random.Random(args["seed"] * 1000 + wid)
-    store = kvstore.connect(args["url"], direct_reads=args["direct_reads"])
+    store = kvstore.connect(args["url"], direct_reads=args["direct_reads"], direct_writes=args["direct_writes"])
     lat: dict[str, list[float]] = {"put": [], "get": [], "lookup": []}
     res = {"ops": 0, "bytes_in": 0, "bytes_out": 0, "misses": 0, "errors": 0, "wrong_bytes": 0,
            "error_samples": [], "acked": []}
@@ -114,9 +118,9 @@ def worker(wid: int, args: dict, out: "mp.Queue") -> None:
             res["errors"] += 1
             if len(res["error_samples"]) < 5:
                 res["error_samples"].append(f"{type(exc).__name__}: {exc}"[:300])
-    st = store.direct_stats()
     # one client: {"counters": ...}; a sharded one: {url: {"counters": ...}}
-    res["direct"] = st["counters"] if "counters" in st else _summed(x["counters"] for x in st.values())
+    for name, st in (("direct", store.direct_stats()), ("direct_w", store.direct_write_stats())):
+        res[name] = st["counters"] if "counters" in st else _summed(x["counters"] for x in st.values())
     store.close()
     res["lat"] = lat
     out.put(res)
@@ -154,14 +158,16 @@ def run(args: argparse.Namespace) -> dict:
     url = args.url
     if not url:
         tmp = tempfile.TemporaryDirectory(prefix="kvload-")
-        daemons = [start_daemon(Path(tmp.name) / f"d{i}", ["--fsync", str(args.fsync)]) for i in range(args.daemons)]
+        opts = ["--fsync", str(args.fsync), "--allow-direct-writes", str(args.direct_writes != "off").lower()]
+        daemons = [start_daemon(Path(tmp.name) / f"d{i}", opts) for i in range(args.daemons)]
         url = ",".join(d.url for d in daemons)
     try:
         ctx = mp.get_context("spawn")
         q: mp.Queue = ctx.Queue()
         params = {"url": url, "seconds": args.seconds, "max_ops": args.max_ops, "seed": args.seed,
                   "value_bytes": args.value_bytes, "key_space": args.key_space, "chain_len": args.chain_len,
-                  "put": args.put, "put_batch": args.put_batch, "get": args.get, "direct_reads": args.direct_reads}
+                  "put": args.put, "put_batch": args.put_batch, "get": args.get, "direct_reads": args.direct_reads,
+                  "direct_writes": args.direct_writes}
         procs = [ctx.Process(target=worker, args=(w, params, q)) for w in range(args.procs)]
         t0 = time.monotonic()
         for p in procs:
@@ -193,6 +199,7 @@ def run(args: argparse.Namespace) -> dict:
         "wrong_bytes": sum(r["wrong_bytes"] for r in results) + final_wrong,
         "acknowledged_keys": len(acked), "final_missing": final_missing,
         "direct_reads": args.direct_reads, "direct": _summed(r["direct"] for r in results),
+        "direct_writes": args.direct_writes, "direct_w": _summed(r["direct_w"] for r in results),
     }
 
 
@@ -213,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fsync", default="true")
     ap.add_argument("--direct-reads", default="off", choices=["off", "on", "auto"],
                     help="clients read the daemons' target files directly (kvstore.direct)")
+    ap.add_argument("--direct-writes", default="off", choices=["off", "on", "auto"],
+                    help="clients write pack files into the daemons' targets (kvstore.direct_writes)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     rep = run(args)

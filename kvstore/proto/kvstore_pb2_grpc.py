@@ -119,6 +119,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.LocateRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.LocateReply.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvstore.v1.KVStore/Commit',
+                request_serializer=kvstore__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.PutManyReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.KVStore/Stats',
                 request_serializer=kvstore__pb2.StatsRequest.SerializeToString,
@@ -246,6 +251,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -357,6 +368,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Locate,
                     request_deserializer=kvstore__pb2.LocateRequest.FromString,
                     response_serializer=kvstore__pb2.LocateReply.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=kvstore__pb2.CommitRequest.FromString,
+                    response_serializer=kvstore__pb2.PutManyReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -838,6 +854,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Locate',
             kvstore__pb2.LocateRequest.SerializeToString,
             kvstore__pb2.LocateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Commit',
+            kvstore__pb2.CommitRequest.SerializeToString,
+            kvstore__pb2.PutManyReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import InvalidRequest
-from kvstore.keys import KEY_LEN
+from kvstore.keys import tenant_key
 from kvstore.server.wire import PermissionDenied, ServerBusy, Unauthenticated
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class Tenant:
         """The key stored for this tenant's ``key`` (identity for the anonymous tenant)."""
         if not self.secret:
             return key
-        return hashlib.blake2b(key, key=self.secret, digest_size=KEY_LEN, person=b"kvstack-tenant").digest()
+        return tenant_key(key, self.secret)
 
 
 ANONYMOUS_TENANT = Tenant(ANONYMOUS, b"", admin=True)

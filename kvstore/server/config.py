@@ -48,6 +48,9 @@ class ServerConfig:
     tenant_secret_file: str = ""  # empty: <data_dir>/server/tenant.secret (created 0600)
     tenant_quota_bytes: int = 0  # >0: live plain bytes each tenant may hold (RESOURCE_EXHAUSTED over it)
     allow_direct_reads: bool = True  # answer Locate and show the target table (kvstore.direct); false: PERMISSION_DENIED
+    # Answer Commit: index packs clients wrote into the targets themselves (kvstore.direct_writes);
+    # only for clients trusted with write access to every target's files. false: PERMISSION_DENIED.
+    allow_direct_writes: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:

@@ -66,6 +66,7 @@ from kvstore.direct import client_url
 from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound
 from kvstore.index import ekey
 from kvstore.keys import check_key, check_keys
+from kvstore.packs import WrittenEntry
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
 from kvstore.server.config import ServerConfig
@@ -146,6 +147,7 @@ class Daemon:
             "Probe": _Method(pb.LookupRequest, self._probe),
             "Describe": _Method(pb.DescribeRequest, self._describe),
             "Locate": _Method(pb.LocateRequest, self._locate),
+            "Commit": _Method(pb.CommitRequest, self._commit),
             "Stats": _Method(pb.StatsRequest, self._stats, admin=True),
             "Gc": _Method(pb.GcRequest, self._gc, admin=True),
             "Check": _Method(pb.CheckRequest, self._check, admin=True),
@@ -362,18 +364,26 @@ class Daemon:
         return PutItem(self._key(tenant, r.key), r.value, kind_or_default(r.kind), ttl, layout, int(r.tokens))
 
     def _store_put(self, items: list[PutItem], tenant: Tenant) -> list[bool]:
-        """``store.put_many`` charged to the tenant's quota (reserve, put, settle)."""
+        """``store.put_many`` charged to the tenant's quota."""
         if self.quota is None:
             return self.store.put_many(items)
-        eks = [ekey(EntryKind.parse(it.kind).code, it.key) for it in items]
-        n = sum(len(it.value) for it, live in zip(items, self.quota.live(eks)) if not live)
+        return self._charged(tenant, [ekey(EntryKind.parse(it.kind).code, it.key) for it in items],
+                             [len(it.value) for it in items], lambda: self.store.put_many(items))
+
+    def _charged(self, tenant: Tenant, eks: list[bytes], sizes: list[int],
+                 write: Callable[[], list[bool]]) -> list[bool]:
+        """``write()``, a store write of entries ``eks`` of ``sizes`` plain bytes, charged to
+        the tenant's quota: reserve what is not live yet, write, settle what was created."""
+        if self.quota is None:
+            return write()
+        n = sum(s for s, live in zip(sizes, self.quota.live(eks)) if not live)
         self.quota.reserve(tenant.name, n)
         try:
-            created = self.store.put_many(items)
+            created = write()
         except BaseException:
             self.quota.cancel(tenant.name, n)
             raise
-        self.quota.settle(tenant.name, n, [(ek, len(it.value)) for ek, it, c in zip(eks, items, created) if c])
+        self.quota.settle(tenant.name, n, [(ek, s) for ek, s, c in zip(eks, sizes, created) if c])
         return created
 
     def _forget(self, tenant: Tenant, deleted: list[tuple[bytes, str]]) -> None:
@@ -501,10 +511,12 @@ class Daemon:
         return pb.ProbeReply(block=block, swa=swa)
 
     def _describe(self, r: pb.DescribeRequest, tenant: Tenant) -> pb.DescribeReply:
-        """What a direct-reading client needs, fetched once per client (``kvstore.direct``)."""
-        out = pb.DescribeReply(direct_reads=self.cfg.allow_direct_reads, auth=self.tokens.enabled)
-        if not self.cfg.allow_direct_reads:
-            return out  # no target table for a daemon that does not serve direct reads
+        """What a direct-reading or -writing client needs, fetched once per client
+        (``kvstore.direct``, ``kvstore.direct_writes``)."""
+        out = pb.DescribeReply(direct_reads=self.cfg.allow_direct_reads, auth=self.tokens.enabled,
+                               direct_writes=self.cfg.allow_direct_writes)
+        if not (self.cfg.allow_direct_reads or self.cfg.allow_direct_writes):
+            return out  # no target table for a daemon that serves neither
         from kvstore.store import FORMAT_FILE
 
         st = self.store
@@ -515,6 +527,12 @@ class Daemon:
         for spec in st.target_specs:
             out.targets.add(name=spec.name, url=client_url(spec, st.targets.get(spec.name)), domain=spec.domain)
         out.data_dir = str(st.data_dir)
+        if self.cfg.allow_direct_writes:  # how to encode as this store does, and whose keys
+            out.key_secret = tenant.secret
+            out.compression, out.zstd_level, out.min_compress_ratio = (
+                cfg.compression, cfg.zstd_level, cfg.min_compress_ratio)
+            out.pack_bytes, out.fsync, out.orphan_grace_s, out.parallel_writes = (
+                cfg.pack_bytes, cfg.fsync, cfg.orphan_grace_s, cfg.parallel_writes)
         try:
             out.format_marker = (Path(st.data_dir) / FORMAT_FILE).read_bytes()
         except OSError as exc:  # the probe then fails on the client: "auto" stays off
@@ -540,6 +558,28 @@ class Daemon:
                 plain_len=m.plain_len, frag_len=m.frag_len, gen=m.gen, targets=m.targets, tokens=m.tokens,
                 offsets=m.offsets)
             for ek, m in zip(eks, metas)])
+
+    def _commit(self, r: pb.CommitRequest, tenant: Tenant) -> pb.PutManyReply:
+        """The index half of a put whose packs the client wrote (``kvstore.direct_writes``):
+        keys validated and translated as Put does, the records checked and indexed by
+        ``store.commit_written``, charged to the tenant's quota as a put is."""
+        if not self.cfg.allow_direct_writes:
+            raise PermissionDenied("this daemon does not accept direct writes (allow_direct_writes = false); "
+                                   "put through Put/PutStream")
+        self._batch(len(r.entries), "commit")
+        entries = []
+        for e in r.entries:
+            ttl = e.ttl_s if e.HasField("ttl_s") else None
+            if ttl is not None and not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL_S):
+                raise InvalidRequest(f"ttl_s must be positive and at most {MAX_TTL_S:.0f} s, got {ttl}")
+            kind = EntryKind.parse(kind_or_default(e.kind))
+            entries.append(WrittenEntry(
+                ekey(kind.code, self._key(tenant, e.key)), e.k, e.m, e.tokens, e.plain_len, e.entry_len,
+                e.frag_len, e.gen, tuple(e.targets), tuple(e.offsets), ttl))
+        created = self._charged(tenant, [w.ek for w in entries], [w.plain_len for w in entries],
+                                lambda: self.store.commit_written(entries))
+        self.metrics.bytes_in.inc(sum(w.plain_len for w, c in zip(entries, created) if c))
+        return pb.PutManyReply(created=created)
 
     def _stats(self, r: pb.StatsRequest, tenant: Tenant) -> pb.JsonReply:
         s = dict(self.store.stats())

@@ -69,6 +69,7 @@ def fuzz_daemon(tmp_path_factory):
 
     scfg, stcfg = load_server_config(None, env={}, port=0, gc_interval_s=0, fsync=False, max_batch_items=16,
                                      tenant_quota_bytes=200_000, orphan_grace_s=0, delete_grace_s=0,
+                                     allow_direct_writes=True,
                                      data_dir=str(tmp_path_factory.mktemp("fuzzall") / "d"))
     d = Daemon(scfg, stcfg).start()
     ch = grpc.insecure_channel(d.address.split("://")[1])
@@ -85,7 +86,7 @@ ALL_METHODS = [
     ("UnpinMany", pb.KeysRequest), ("Lookup", pb.LookupRequest), ("LookupMany", pb.LookupManyRequest),
     ("Probe", pb.LookupRequest), ("Stats", pb.StatsRequest), ("Gc", pb.GcRequest),
     ("Check", pb.CheckRequest), ("Repair", pb.RepairRequest), ("Describe", pb.DescribeRequest),
-    ("Locate", pb.LocateRequest)]
+    ("Locate", pb.LocateRequest), ("Commit", pb.CommitRequest)]
 
 
 def test_the_fuzzed_table_covers_every_rpc(fuzz_daemon):

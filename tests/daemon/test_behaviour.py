@@ -1,10 +1,11 @@
 """One behaviour suite, three implementations: embedded, remote (one daemon), sharded over 3 daemons,
-plus the remote store reading directly from the daemon's targets (``kvstore.direct``).
+plus the remote store reading from and writing into the daemon's targets itself (``kvstore.direct``,
+``kvstore.direct_writes``).
 
 Every test is written against ``kvstore.api.KVStore`` only; the ``store``
 fixture supplies the implementation. Mutating tests end with ``check() == []``.
-With direct reads every read of this suite is served directly (nothing is
-damaged here): the fixture checks that none fell back to the daemon.
+With direct reads and writes every read and put of this suite is served directly
+(nothing is damaged here): the fixture checks that none fell back to the daemon.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ def store(request, tmp_path, make_daemon):
     elif request.param == "remote":
         s = kvstore.connect(make_daemon().address)
     elif request.param == "remote_direct":
-        s = kvstore.connect(make_daemon().address, direct_reads="on")
+        s = kvstore.connect(make_daemon(allow_direct_writes=True).address, direct_reads="on", direct_writes="on")
     else:
         s = kvstore.connect(",".join(make_daemon().address for _ in range(3)))
     yield s
     s.close()
     if request.param == "remote_direct":
-        st = s.direct_stats()
-        assert st["mode"] == "on" and st["counters"].get("fallbacks", 0) == 0, st
+        for st in (s.direct_stats(), s.direct_write_stats()):
+            assert st["mode"] == "on" and st["counters"].get("fallbacks", 0) == 0, st
 
 
 def test_put_get_dedup(store) -> None:

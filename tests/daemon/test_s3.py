@@ -150,9 +150,17 @@ def test_daemon_on_s3_targets(s3_endpoint, make_daemon, tmp_path) -> None:
             client.create_bucket(Bucket=b)
         except client.exceptions.BucketAlreadyOwnedByYou:
             pass
-    d = make_daemon(targets=_targets("daemon"), ec_k=4, ec_m=2)
+    d = make_daemon(targets=_targets("daemon"), ec_k=4, ec_m=2, allow_direct_writes=True)
     with kvstore.connect(d.address) as s:
         v = os.urandom(3 * 1024 * 1024)
         assert s.put(K("big"), v) and s.get(K("big")) == v
         assert s.lookup([K("big")]).hit_blocks == 1
+        assert s.check() == []
+    # Direct reads and writes against the same buckets, with this process's own credentials.
+    with kvstore.connect(d.address, direct_writes="on", direct_reads="on") as s:
+        vals = {K(f"dw{i}"): os.urandom(300_000) for i in range(4)}
+        assert s.put_many([kvstore.PutItem(k, x) for k, x in vals.items()]) == [True] * 4
+        assert s.get_many(list(vals)) == list(vals.values())
+        assert s.direct_write_stats()["counters"]["direct_writes"] == 4
+        assert s.direct_stats()["counters"]["direct_reads"] == 4
         assert s.check() == []

@@ -16,17 +16,20 @@ from kvstore import PutItem
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("put_batch", ["1", "3"])
-def test_load_tool_against_three_daemons_verifies_every_read(tmp_path, put_batch) -> None:
+@pytest.mark.parametrize("put_batch,direct", [("1", "off"), ("3", "off"), ("3", "on")])
+def test_load_tool_against_three_daemons_verifies_every_read(tmp_path, put_batch, direct) -> None:
     out = tmp_path / "load.json"
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "load_store.py"), "--procs", "2", "--seconds", "2",
                         "--daemons", "3", "--value-bytes", "4096", "--key-space", "300", "--fsync", "false",
-                        "--put-batch", put_batch, "--out", str(out)],
+                        "--put-batch", put_batch, "--direct-reads", direct, "--direct-writes", direct,
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rep = json.loads(out.read_text())
     assert rep["ops"] > 0 and rep["wrong_bytes"] == 0 and rep["errors"] == 0 and rep["final_missing"] == 0
     assert rep["latency_ms"]["get"]["p50"] is not None
+    if direct == "on":  # the clients wrote packs themselves, and nothing fell back to the daemons
+        assert rep["direct_w"]["direct_writes"] > 0 and rep["direct_w"]["fallbacks"] == 0, rep["direct_w"]
 
 
 def test_sharded_store_spreads_keys_and_chains_cross_shards(make_daemon) -> None:

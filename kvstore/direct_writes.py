@@ -1,0 +1,278 @@
+"""Direct writes: the client encodes a batch and writes its pack files itself; the daemon indexes them.
+
+Who calls it: ``kvstore.remote.RemoteStore`` (so also every shard of a ``ShardedStore``)
+for ``put`` and ``put_many`` when opened with ``kvstore.connect("grpc://H:P",
+direct_writes="on")`` or ``"auto"``; the daemon answers with ``Describe`` and ``Commit``
+(``kvstore.server.service``), which calls ``kvstore.packs.PackIO.commit_written``.
+
+Why (issue #3): over gRPC every payload byte crosses protobuf and a socket into the
+daemon, whose one process then erasure-codes and writes the whole fleet's puts. Where
+the targets are a distributed file system every engine host mounts (or S3), the client
+can encode and write the fragments exactly as the embedded store does, on its own
+cores, and the daemon stays the metadata service: it checks and commits index records.
+This is ``kvstore.direct`` (direct reads) for the write path.
+
+Write steps (``DirectWrites.put_many``), in order, each for its reason:
+  1. Once per client, on the first put: ``Describe`` -> the target table, the erasure
+     code and the daemon store's encoding knobs (compression, pack size, fsync), and the
+     caller's tenant secret, so fragment headers name the key the daemon stores the entry
+     under (``kvstore.keys.tenant_key``; empty for the anonymous tenant: keys as sent).
+  2. Validate every item as the embedded store does (same errors, nothing written for a
+     bad batch), drop repeats of a key within the batch, then encode and write it with
+     the embedded store's own batch code (``PackIO._put_packs``): chunks of about
+     ``pack_bytes``, one pack file per target per chunk, each published atomically and
+     durable first when the daemon's store fsyncs.
+  3. One ``Commit`` with the records of every chunk written. The daemon checks them
+     (erasure code, targets, packs present, long enough, fresh) and indexes them in one
+     transaction, charged to the tenant's quota. The put is acknowledged only then: a
+     key already live answers ``False``, as a put does.
+  4. A pack none of whose entries was indexed (every key was live) is removed.
+
+Failures, each kept apart:
+  * A chunk whose pack write fails on any target (its packs are removed at once): its
+    items go through ``PutStream``, where the daemon replaces a failed target by a spare.
+  * ``Commit`` refused with PERMISSION_DENIED (the daemon stopped allowing direct writes):
+    they turn off for this client, the packs are removed, the batch goes through ``PutStream``.
+  * ``Commit`` refused before indexing anything (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+    UNAUTHENTICATED): the packs are removed and the error raised, as a put would raise it.
+  * Any other failure of ``Commit`` (the daemon down, a timeout): the error is raised and
+    the packs stay, since the commit may have happened; if it did not, they are orphans.
+    So is everything a client that crashes between steps 2 and 3 wrote: GC sweeps orphans
+    after ``orphan_grace_s``. Never an index record without its fragments.
+
+Modes (``ClientOptions.direct_writes``; environment ``KVSTORE_DIRECT_WRITES``): "off" (the
+default), "on" (whenever the daemon allows them; if its targets cannot be opened here, off
+with a warning), "auto" (on only when the daemon allows them and mode "auto" of direct
+reads would turn on: no tokens, every target a local directory here, the daemon's
+data-dir marker read back byte for byte).
+
+Security. A direct write needs the client to be trusted with write access to every
+target's files, which a writable DFS mount already implies; the daemon's
+``allow_direct_writes`` is off by default. What the daemon indexes stays confined to the
+caller: ``Commit`` translates keys exactly as ``Put`` does, so a tenant commits only
+under its own stored keys, and every read checks each fragment's checksum and header
+(key, generation, index) against the record, so a forged or damaged pack costs its writer
+the entry and never returns wrong bytes to anyone. ``Describe`` gives a caller its own
+tenant secret only when direct writes are allowed: it maps the caller's keys, and reveals
+nothing of another tenant's (the server secret stays on the daemon).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+from kvstore import codec
+from kvstore.api import EntryKind, PutItem
+from kvstore.config import StoreConfig, TargetSpec
+from kvstore.direct import auto_decision, parse_mode
+from kvstore.errors import InternalError, InvalidRequest, KVStoreError, StoreUnavailable
+from kvstore.fragments import FragmentIO
+from kvstore.keys import check_key, tenant_key
+from kvstore.packs import PackIO
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.server.wire import PermissionDenied, ServerBusy, Unauthenticated
+from kvstore.targets import Target, open_target
+from kvstore.tuning import tune_malloc
+
+log = logging.getLogger(__name__)
+
+# Commit errors that mean "nothing was indexed": the packs of the batch may go at once.
+REFUSED = (InvalidRequest, ServerBusy, Unauthenticated, PermissionDenied)
+
+PutFallback = Callable[[Sequence[PutItem]], list]  # the gRPC put_many of the client
+
+
+class DirectWriter(FragmentIO, PackIO):
+    """A write-only ``FragmentIO`` + ``PackIO`` host over the daemon's targets (step 2).
+
+    Invariants, each for its reason:
+      1. It writes and removes only pack files of batches it encoded itself, and only
+         before their ``Commit`` or after one that indexed none of their entries: the
+         daemon owns the index and every file it names.
+      2. Its encoding is the daemon store's (code, compression, pack size, fsync from
+         ``Describe``), so a committed entry is indistinguishable from one put over gRPC.
+    """
+
+    def __init__(self, d: pb.DescribeReply, *, workers: int = 8):
+        specs = tuple(TargetSpec(t.url, t.domain or "default", t.name) for t in d.targets)
+        # ---- The host interface of FragmentIO._encode and PackIO._put_packs (config, targets,
+        # target_specs, code, _pool, _batch_pool, now_ns): kept in this one block.
+        self.config = StoreConfig(
+            data_dir=d.data_dir or ".", ec_k=d.ec_k, ec_m=d.ec_m, ec_type=d.ec_type, targets=specs,
+            max_value_bytes=d.max_value_bytes or StoreConfig.max_value_bytes,
+            compression=d.compression or "none", zstd_level=d.zstd_level,
+            min_compress_ratio=d.min_compress_ratio or StoreConfig.min_compress_ratio,
+            pack_bytes=d.pack_bytes or StoreConfig.pack_bytes, fsync=d.fsync,
+            parallel_writes=d.parallel_writes or "auto",
+            orphan_grace_s=d.orphan_grace_s or StoreConfig.orphan_grace_s)
+        self.target_specs = specs
+        self.targets: dict[str, Target] = {s.name: open_target(s) for s in specs}
+        self.code = codec.erasure_code(d.ec_k, d.ec_m, d.ec_type)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-dwrite-io")
+        self._batch_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-dwrite")
+        # ---- end of the host interface.
+        self.secret = bytes(d.key_secret)
+        self._lock = threading.Lock()
+        self.counters: dict[str, int] = {"direct_writes": 0, "direct_write_bytes": 0, "fallbacks": 0,
+                                         "commits": 0, "discarded_packs": 0}
+        if self.config.tune_malloc:
+            tune_malloc()  # as the embedded store does: buffers of 128 KiB+ without a fresh mmap each
+
+    @staticmethod
+    def now_ns() -> int:
+        return time.time_ns()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def _discard_pack(self, gen: bytes, names: Sequence[str]) -> None:
+        self._count("discarded_packs")
+        PackIO._discard_pack(self, gen, names)
+
+    def stored_key(self, key: bytes) -> bytes:
+        return tenant_key(key, self.secret) if self.secret else key
+
+    def close(self) -> None:
+        self._batch_pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+
+
+class DirectWrites:
+    """The direct-write path of one ``RemoteStore``: mode, Describe once, write, Commit, fall back.
+
+    ``call(method, request)`` is the client's unary call (typed errors, token, deadline).
+    ``put_many`` returns ``None`` when direct writes are not usable right now (off, the
+    daemon unreachable before the first Describe, or it stopped allowing them): the caller
+    then puts over gRPC as without this object.
+    """
+
+    def __init__(self, mode: str, call: Callable[[str, Any], Any], url: str, *, max_items: int):
+        self.mode = parse_mode(mode, "direct_writes")
+        self.url = url
+        self.max_items = max_items
+        self._call = call
+        self._lock = threading.Lock()
+        self._writer: DirectWriter | None = None
+        self._retired: list[DirectWriter] = []
+        self._off = self.mode == "off"
+        self.reason = "direct_writes='off'" if self._off else "not described yet"
+
+    def writer(self) -> DirectWriter | None:
+        w = self._writer
+        if w is not None or self._off:
+            return w
+        with self._lock:
+            if self._writer is not None or self._off:
+                return self._writer
+            try:
+                d = self._call("Describe", pb.DescribeRequest())
+            except StoreUnavailable:
+                return None  # unreachable or busy: this batch over gRPC (which raises the same), next time again
+            except KVStoreError as exc:  # e.g. an older daemon without Describe
+                return self._turn_off(f"Describe failed: {exc}")
+            why = "" if d.direct_writes else "the daemon does not accept direct writes (allow_direct_writes = false)"
+            if not why and self.mode == "auto":
+                why = auto_decision(d)
+            if why:
+                return self._turn_off(why, warn=self.mode == "on")
+            try:
+                self._writer = DirectWriter(d)
+            except (KVStoreError, ImportError, OSError, ValueError) as exc:
+                return self._turn_off(f"cannot open the daemon's targets here: {exc}", warn=True)
+            self.reason = ""
+            log.info("direct writes on for %s (%d targets)", self.url, len(self._writer.targets))
+            return self._writer
+
+    def _turn_off(self, why: str, *, warn: bool = False) -> None:
+        if self._writer is not None:  # other threads may still be writing with it: close it last
+            self._retired.append(self._writer)
+        self._off, self.reason, self._writer = True, why, None
+        (log.warning if warn else log.info)("direct writes off for %s: %s", self.url, why)
+        return None
+
+    def put_many(self, items: Sequence[PutItem], fallback: PutFallback) -> list[bool] | None:
+        """Steps 2-4 (module docstring); ``None``: put these over gRPC instead."""
+        if len(items) > self.max_items:
+            return None  # the daemon refuses such a batch; its error comes from the gRPC path
+        w = self.writer()
+        if w is None:
+            return None
+        result = [False] * len(items)
+        todo: list[int] = []
+        seen: set[bytes] = set()
+        stored: list[PutItem] = []
+        for i, it in enumerate(items):  # validated before anything is written (step 2)
+            ek = bytes((EntryKind.parse(it.kind).code,)) + check_key(it.key)
+            stored.append(PutItem(w.stored_key(ek[1:]), it.value, it.kind, it.ttl_s, it.layout, it.tokens))
+            if ek not in seen:
+                seen.add(ek)
+                todo.append(i)
+        encs: dict[int, Any] = {}
+        placed: dict[int, tuple[str, ...]] = {}
+        offsets: dict[int, tuple[int, ...]] = {}
+        w._put_packs(stored, todo, encs, placed, offsets)  # a bad item raises here, nothing left behind
+        written = [i for i in todo if i in offsets]
+        try:
+            created = self._commit(items, written, encs, placed, offsets) if written else []
+        except PermissionDenied as exc:
+            self._discard(w, encs, placed, offsets, len(items))
+            self._turn_off(f"Commit refused: {exc}", warn=True)
+            return None
+        except REFUSED:
+            self._discard(w, encs, placed, offsets, len(items))
+            raise
+        for i, c in zip(written, created):
+            result[i] = c
+        w._discard_unused_packs(encs, placed, offsets, result)
+        w._count("commits")
+        w._count("direct_writes", sum(created))
+        w._count("direct_write_bytes", sum(encs[i].meta_base.plain_len for i, c in zip(written, created) if c))
+        rest = [i for i in todo if i not in offsets]  # chunks whose packs failed: the daemon writes them
+        if rest:
+            w._count("fallbacks", len(rest))
+            for i, c in zip(rest, fallback([items[i] for i in rest])):
+                result[i] = c
+        return result
+
+    def _commit(self, items: Sequence[PutItem], written: list[int], encs: dict, placed: dict,
+                offsets: dict) -> list[bool]:
+        entries = []
+        for i in written:
+            it, m = items[i], encs[i].meta_base
+            e = pb.WrittenEntry(key=bytes(it.key), kind=encs[i].kind.value, k=m.k, m=m.m, tokens=m.tokens,
+                                plain_len=m.plain_len, entry_len=m.entry_len, frag_len=m.frag_len, gen=m.gen,
+                                targets=placed[i], offsets=offsets[i])
+            if it.ttl_s is not None:
+                e.ttl_s = it.ttl_s
+            entries.append(e)
+        created = list(self._call("Commit", pb.CommitRequest(entries=entries)).created)
+        if len(created) != len(entries):
+            raise InternalError(f"Commit answered {len(created)} results for {len(entries)} entries (a kvstore bug)")
+        return created
+
+    @staticmethod
+    def _discard(w: DirectWriter, encs: dict, placed: dict, offsets: dict, n: int) -> None:
+        """Remove the packs of a batch of ``n`` items whose Commit indexed nothing."""
+        w._discard_unused_packs(encs, placed, offsets, [False] * n)
+
+    def stats(self) -> dict:
+        """Mode, whether direct writes are active (and why not), and this client's counters."""
+        total: dict[str, int] = {}
+        for w in [*self._retired, *([self._writer] if self._writer else [])]:
+            for k, v in w.counters.items():
+                total[k] = total.get(k, 0) + v
+        return {"mode": self.mode, "active": self._writer is not None and not self._off,
+                "reason": self.reason, "counters": total}
+
+    def close(self) -> None:
+        with self._lock:
+            writers = [*self._retired, *([self._writer] if self._writer else [])]
+            for w in writers:
+                w.close()
+            self._retired, self._writer, self._off = writers, None, True
+            self.reason = "closed"

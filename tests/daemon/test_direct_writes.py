@@ -1,0 +1,193 @@
+"""Direct writes (kvstore.direct_writes): the client writes pack files itself, the daemon indexes them.
+
+The behaviour suite (test_behaviour.py) runs every protocol call with direct writes on;
+these tests pin what is particular to them: the bytes land in the daemon's targets as
+its own batches do, keys are the tenant's stored keys, a failing pack or a refusing
+daemon falls back to PutStream, Commit checks what it indexes (all or nothing), and a
+batch that is never committed leaves only orphans that GC sweeps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import pytest
+
+import kvstore
+from kvstore import InvalidRequest, PutItem, StoreUnavailable
+from kvstore.index import ekey
+from kvstore.packs import WrittenEntry
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.server.wire import PermissionDenied
+from kvstore.targets import pack_path
+from tests.fragments import fragment_refs
+
+from .test_security import TOK_A, TOK_B, tokens_file  # noqa: F401 - a fixture
+
+
+def K(i) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+def pack_files(d) -> list[str]:
+    return sorted(rel for t in d.store.targets.values() for rel, _s, _m in t.walk() if rel.endswith(".pack"))
+
+
+def test_a_batch_is_written_here_and_indexed_by_the_daemon(make_daemon) -> None:
+    d = make_daemon(allow_direct_writes=True)
+    s = kvstore.connect(d.address, direct_writes="on")
+    vals = {K(i): os.urandom(100_000 + i) for i in range(5)}
+    assert s.put_many([PutItem(k, v, ttl_s=3600, tokens=7) for k, v in vals.items()]) == [True] * 5
+    assert s.put(K("single"), b"one") is True  # a put is a batch of one
+    st = s.direct_write_stats()
+    assert st["active"] and st["counters"]["direct_writes"] == 6 and st["counters"]["commits"] == 2, st
+    assert d.store.counters["puts"] == 6  # indexed by the daemon's store, nothing through PutStream
+    refs = fragment_refs(d.store, K(0))
+    assert all(r.packed for r in refs) and len({r.target for r in refs}) == 6
+    assert len(pack_files(d)) == 12  # two batches, one pack per target each
+    with kvstore.connect(d.address) as plain:  # the daemon's own read path verifies every fragment
+        assert plain.get_many(list(vals)) == list(vals.values()) and plain.get(K("single")) == b"one"
+        e = plain.get_entry(K(3))
+        assert e.tokens == 7
+    m = d.store.locate([ekey(1, K(0))])[0]
+    assert 3500e9 < m.expires_ns - m.created_ns <= 3600e9  # the TTL applied on the daemon's clock
+    assert s.check() == []
+    s.close()
+
+
+def test_a_re_put_is_false_and_its_unused_pack_is_removed(make_daemon) -> None:
+    d = make_daemon(allow_direct_writes=True)
+    s = kvstore.connect(d.address, direct_writes="on")
+    items = [PutItem(K(i), b"v%d" % i) for i in range(4)]
+    assert s.put_many(items) == [True] * 4
+    before = pack_files(d)
+    assert s.put_many(items + [items[0]]) == [False] * 5  # live keys, and a repeat inside the batch
+    assert pack_files(d) == before  # the second batch's packs went: none of its entries was indexed
+    assert d.store.counters["puts_deduplicated"] == 4
+    assert s.put_many([items[1], PutItem(K("new"), b"n")]) == [False, True]
+    assert s.get(K("new")) == b"n" and s.check() == []
+    s.close()
+
+
+def test_tenants_keys_are_their_stored_keys(make_daemon, tokens_file) -> None:  # noqa: F811
+    d = make_daemon(allow_direct_writes=True, tokens_file=tokens_file)
+    a = kvstore.connect(d.address, token=TOK_A, direct_writes="on")
+    b = kvstore.connect(d.address, token=TOK_B, direct_writes="on")
+    prompt = [K(f"prompt{i}") for i in range(4)]
+    assert a.put_many([PutItem(k, b"A%d" % i) for i, k in enumerate(prompt)]) == [True] * 4
+    assert a.direct_write_stats()["counters"]["direct_writes"] == 4
+    with kvstore.connect(d.address, token=TOK_A) as a_plain:  # read through the daemon: headers name its keys
+        assert a_plain.get_many(prompt) == [b"A%d" % i for i in range(4)]
+        assert a_plain.lookup(prompt).hit_blocks == 4
+    assert b.lookup(prompt).hit_blocks == 0 and b.get_many(prompt) == [None] * 4
+    assert b.put_many([PutItem(k, b"B") for k in prompt]) == [True] * 4  # B's own entries, not a dedup
+    assert a.get(prompt[0]) == b"A0" and b.get(prompt[0]) == b"B"
+    with pytest.raises(kvstore.NotFound):  # neither is stored under the client's key
+        d.store.get(prompt[0])
+    for c in (a, b):
+        c.close()
+
+
+def test_a_daemon_that_does_not_allow_them_gets_puts_over_grpc(make_daemon) -> None:
+    d = make_daemon()  # allow_direct_writes defaults to false
+    with kvstore.connect(d.address, direct_writes="on") as s:
+        assert s.put_many([PutItem(K(i), b"x") for i in range(3)]) == [True] * 3
+        st = s.direct_write_stats()
+        assert not st["active"] and "allow_direct_writes" in st["reason"], st
+        assert s.get(K(1)) == b"x"
+    with kvstore.connect(d.address) as s:  # Commit itself is refused
+        with pytest.raises(PermissionDenied):
+            s._call("Commit", pb.CommitRequest())
+
+
+def test_a_failing_pack_goes_through_the_daemon(make_daemon, monkeypatch) -> None:
+    d = make_daemon(allow_direct_writes=True)
+    s = kvstore.connect(d.address, direct_writes="on")
+    assert s.put(K("warm"), b"w")  # Describe done, the writer open
+    w = s._direct_w.writer()
+    victim = w.targets["t2"]
+
+    def broken(rel, data, *, fsync):
+        raise OSError(5, "I/O error (injected)")
+
+    monkeypatch.setattr(victim, "write", broken)
+    vals = {K(i): os.urandom(50_000) for i in range(6)}
+    assert s.put_many([PutItem(k, v) for k, v in vals.items()]) == [True] * 6
+    assert s._direct_w.stats()["counters"]["fallbacks"] == 6
+    assert s.get_many(list(vals)) == list(vals.values())
+    assert s.check() == []  # the failed pack's other files were removed, not left as orphans
+    assert len(pack_files(d)) == 6 + 6  # the warm-up's packs and the daemon's own batch
+    s.close()
+
+
+def test_a_batch_never_committed_leaves_only_orphans(make_daemon, monkeypatch) -> None:
+    d = make_daemon(allow_direct_writes=True, orphan_grace_s=0.5)
+    s = kvstore.connect(d.address, direct_writes="on")
+    assert s.put(K("warm"), b"w")
+
+    def lost(method, req, *a, **kw):  # the client dies (or the daemon goes) before the commit lands
+        raise StoreUnavailable(f"{method}: connection lost (injected)")
+
+    monkeypatch.setattr(s._direct_w, "_call", lost)
+    with pytest.raises(StoreUnavailable):
+        s.put_many([PutItem(K(i), b"v") for i in range(3)])
+    assert len(pack_files(d)) == 12  # left in place: the commit may have happened
+    assert s.lookup([K(0)]).hit_blocks == 0
+    time.sleep(0.6)
+    kinds = {p.kind.value for p in s.check()}
+    assert kinds == {"orphan_fragment"}, kinds
+    assert s.gc()["orphans"] == 6 and len(pack_files(d)) == 6 and s.check() == []
+    s.close()
+
+
+def test_commit_checks_everything_before_indexing_anything(make_daemon, tmp_path) -> None:
+    d = make_daemon(allow_direct_writes=True)
+    s = kvstore.connect(d.address, direct_writes="on")
+    assert s.put_many([PutItem(K(i), b"x" * 1000) for i in range(2)]) == [True] * 2
+    st = d.store
+    good = st.locate([ekey(1, K(0))])[0]
+    gen = os.urandom(8)
+    for name, off in zip(good.targets, good.offsets):  # a fresh pack holding K(0)'s fragments
+        data = st.targets[name].read(pack_path(good.gen))[off:off + good.frag_len]
+        st.targets[name].write(pack_path(gen), data, fsync=False)
+
+    def entry(key=K("new"), **over):
+        f = dict(ek=ekey(1, key), k=good.k, m=good.m, tokens=0, plain_len=good.plain_len,
+                 entry_len=good.entry_len, frag_len=good.frag_len, gen=gen, targets=good.targets,
+                 offsets=(0,) * 6)
+        f.update(over)
+        return WrittenEntry(**f)
+
+    bad = {
+        "erasure code": entry(k=3, m=3),
+        "distinct targets": entry(targets=("t0",) * 6),
+        "distinct targets ": entry(targets=(*good.targets[:5], "t99")),
+        "pack offsets": entry(offsets=(0,) * 5),
+        "inconsistent sizes": entry(frag_len=10),
+        "is not on target": entry(gen=os.urandom(8)),
+        "has ": entry(offsets=(10,) * 6),  # past the end of the pack
+        "already hold indexed entries": entry(gen=good.gen),
+    }
+    for why, e in bad.items():
+        with pytest.raises(InvalidRequest, match=why.strip()):
+            st.commit_written([entry(K("fine")), e])  # all or nothing: the fine one is not indexed either
+    assert st.locate([ekey(1, K("fine")), ekey(1, K("new"))]) == [None, None]
+    for name in good.targets:  # a pack from long ago: the orphan sweep may be deleting it
+        p = os.path.join(st.targets[name].root, pack_path(gen))
+        os.utime(p, (time.time() - 3600, time.time() - 3600))
+    with pytest.raises(InvalidRequest, match="orphan_grace_s"):
+        st.commit_written([entry()])
+    for name in good.targets:
+        os.utime(os.path.join(st.targets[name].root, pack_path(gen)))
+    assert st.commit_written([entry(K(0)), entry()]) == [False, True]  # K(0) is live: not indexed again
+    # The record is the daemon's truth; the read checks the fragments against it: these name K(0).
+    with pytest.raises(kvstore.Unrecoverable):
+        st.get(K("new"))
+    assert st.get(K(0)) == b"x" * 1000
+    with pytest.raises(InvalidRequest):  # over the wire too, before anything is indexed
+        s._call("Commit", pb.CommitRequest(entries=[pb.WrittenEntry(
+            key=K("w"), k=4, m=2, gen=b"12345678", targets=["t0"] * 6, offsets=[0] * 6, entry_len=1,
+            frag_len=100)]))
+    s.close()
