@@ -3,7 +3,8 @@
 Who calls it: ``kvstore.remote.RemoteStore`` (so also every shard of a
 ``ShardedStore``) when opened with ``kvstore.connect("grpc://H:P", direct_reads="on")``
 or ``"auto"``; the daemon (``kvstore.server.service``) calls ``client_url`` for its
-``Describe`` answer. Puts, deletes, lookups and maintenance stay on gRPC.
+``Describe`` answer. Puts may be direct too (``kvstore.direct_writes``); deletes, lookups
+and maintenance stay on gRPC.
 
 Why (issue #3): over gRPC every payload byte crosses protobuf and one loopback
 socket (~520 MiB/s for 1 MiB entries) while the embedded store reads the same

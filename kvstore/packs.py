@@ -4,7 +4,10 @@ and compaction of packs that are mostly dead.
 ``PackIO`` is a mixin of ``kvstore.store.EmbeddedStore`` beside ``FragmentIO`` (whose
 ``_encode``, ``_fan_out_writes`` and ``_read_verified`` it uses, with the store's
 ``config``, ``targets``, ``target_specs``, ``index``, ``_pool``, ``_batch_pool``,
-``_count`` and ``now_ns``). Where packs sit in the write path is in ``kvstore.store``'s
+``_count``, ``_touch``, ``_index_new``, ``_check_open``, ``clock`` and ``now_ns``). The
+write half (``_put_packs`` and what it calls) is also the direct-writing client's
+(``kvstore.direct_writes.DirectWriter``, which has no index); ``commit_written`` is the
+daemon's side of those writes. Where packs sit in the write path is in ``kvstore.store``'s
 docstring; their names in ``kvstore.targets``; their bookkeeping (record counts, dead
 bytes, the compaction queue) in ``kvstore.index`` invariant 6; when GC compacts them
 in ``kvstore.maintenance``. The read path finds a packed fragment through

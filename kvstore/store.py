@@ -29,6 +29,8 @@ Write path (``put``), in this order, each step for the reason given:
      first, our fragments are removed (or stay in the pack until it goes) and
      the put returns ``False``.
   6. Above the capacity high watermark, evict LRU entries down to the low one.
+A direct-writing client of the daemon (``kvstore.direct_writes``) does 1-4 itself
+(as a batch: packs) and hands 5-6 to ``commit_written``, which checks its records first.
 
 Read path (``get``): read the k data fragments (in parallel for remote targets), verify each one's
 checksum and header against the index; on any failure read parity fragments

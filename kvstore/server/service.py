@@ -35,7 +35,13 @@ it answers where the fragments are and moves no payload. The daemon stays the on
 writer: a client whose direct read fails falls back to ``Get``/``GetStream``, and the
 daemon's read path then counts the degraded read or marks the entry lost. With
 ``allow_direct_reads = false`` Locate is PERMISSION_DENIED and Describe shows no
-targets.
+targets (unless direct writes are allowed).
+
+Direct writes (``kvstore.direct_writes``; ``allow_direct_writes``, off by default):
+``Describe`` also gives the store's encoding knobs and the caller's own tenant secret;
+``Commit`` is the index half of a put whose pack files the client wrote: keys validated
+and translated as Put does, the records checked and indexed by
+``PackIO.commit_written``, charged to the tenant's quota. Off: PERMISSION_DENIED.
 
 Background GC runs in its own thread every ``gc_interval_s``; the store's GC
 works in bounded index transactions, so requests are not stalled behind it.
