@@ -23,14 +23,18 @@ Write steps (``DirectWrites.put_many``), in order, each for its reason:
      ``pack_bytes``, one pack file per target per chunk, each published atomically and
      durable first when the daemon's store fsyncs.
   3. One ``Commit`` with the records of every chunk written. The daemon checks them
-     (erasure code, targets, packs present, long enough, fresh) and indexes them in one
-     transaction, charged to the tenant's quota. The put is acknowledged only then: a
-     key already live answers ``False``, as a put does.
-  4. A pack none of whose entries was indexed (every key was live) is removed.
+     (erasure code, targets, sizes: else INVALID_ARGUMENT) and every pack (present on each
+     target, long enough, fresh: else that pack is *rejected*), and indexes the entries of
+     the packs it accepts in one transaction, charged to the tenant's quota. The put is
+     acknowledged only then: a key already live answers ``False``, as a put does.
+  4. A pack none of whose entries was indexed (every key was live, or the pack was
+     rejected) is removed; the entries of rejected packs go through ``PutStream``.
 
 Failures, each kept apart:
-  * A chunk whose pack write fails on any target (its packs are removed at once): its
-    items go through ``PutStream``, where the daemon replaces a failed target by a spare.
+  * A chunk whose pack write fails on any target (its packs are removed at once), or whose
+    pack the daemon rejects (a silently short write, a target it cannot reach, a commit
+    stalled past half the orphan grace): its items go through ``PutStream``, where the
+    daemon replaces a failed target by a spare.
   * ``Commit`` refused with PERMISSION_DENIED (the daemon stopped allowing direct writes):
     they turn off for this client, the packs are removed, the batch goes through ``PutStream``.
   * ``Commit`` refused before indexing anything (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
@@ -118,7 +122,7 @@ class DirectWriter(FragmentIO, PackIO):
         self.secret = bytes(d.key_secret)
         self._lock = threading.Lock()
         self.counters: dict[str, int] = {"direct_writes": 0, "direct_write_bytes": 0, "fallbacks": 0,
-                                         "commits": 0, "discarded_packs": 0}
+                                         "commits": 0, "rejected_packs": 0, "discarded_packs": 0}
         if self.config.tune_malloc:
             tune_malloc()  # as the embedded store does: buffers of 128 KiB+ without a fresh mmap each
 
@@ -218,7 +222,7 @@ class DirectWrites:
         w._put_packs(stored, todo, encs, placed, offsets)  # a bad item raises here, nothing left behind
         written = [i for i in todo if i in offsets]
         try:
-            created = self._commit(items, written, encs, placed, offsets) if written else []
+            created, rejected = self._commit(items, written, encs, placed, offsets) if written else ([], {})
         except PermissionDenied as exc:
             self._discard(w, encs, placed, offsets, len(items))
             self._turn_off(f"Commit refused: {exc}", warn=True)
@@ -228,11 +232,15 @@ class DirectWrites:
             raise
         for i, c in zip(written, created):
             result[i] = c
-        w._discard_unused_packs(encs, placed, offsets, result)
+        w._discard_unused_packs(encs, placed, offsets, result)  # rejected packs included: nothing indexed
+        for why in rejected.values():
+            log.warning("direct write rejected by %s: %s; putting its entries through the daemon", self.url, why)
         w._count("commits")
+        w._count("rejected_packs", len(rejected))
         w._count("direct_writes", sum(created))
         w._count("direct_write_bytes", sum(encs[i].meta_base.plain_len for i, c in zip(written, created) if c))
-        rest = [i for i in todo if i not in offsets]  # chunks whose packs failed: the daemon writes them
+        # Chunks whose packs failed here or were rejected there: the daemon writes them.
+        rest = [i for i in todo if i not in offsets or encs[i].meta_base.gen in rejected]
         if rest:
             w._count("fallbacks", len(rest))
             for i, c in zip(rest, fallback([items[i] for i in rest])):
@@ -240,7 +248,8 @@ class DirectWrites:
         return result
 
     def _commit(self, items: Sequence[PutItem], written: list[int], encs: dict, placed: dict,
-                offsets: dict) -> list[bool]:
+                offsets: dict) -> tuple[list[bool], dict[bytes, str]]:
+        """One Commit for the written entries: (created per entry, rejected pack -> why)."""
         entries = []
         for i in written:
             it, m = items[i], encs[i].meta_base
@@ -250,10 +259,11 @@ class DirectWrites:
             if it.ttl_s is not None:
                 e.ttl_s = it.ttl_s
             entries.append(e)
-        created = list(self._call("Commit", pb.CommitRequest(entries=entries)).created)
-        if len(created) != len(entries):
+        reply = self._call("Commit", pb.CommitRequest(entries=entries))
+        created = list(reply.created)
+        if len(created) != len(entries) or len(reply.rejected_packs) != len(reply.reasons):
             raise InternalError(f"Commit answered {len(created)} results for {len(entries)} entries (a kvstore bug)")
-        return created
+        return created, dict(zip(reply.rejected_packs, reply.reasons))
 
     @staticmethod
     def _discard(w: DirectWriter, encs: dict, placed: dict, offsets: dict, n: int) -> None:

@@ -23,13 +23,22 @@ from typing import Sequence
 
 from kvstore import codec
 from kvstore.api import EntryKind, PutItem
-from kvstore.errors import InvalidRequest, StoreUnavailable, Unrecoverable
+from kvstore.errors import InvalidRequest, Unrecoverable
 from kvstore.fragments import _Encoded, expiry_ns, run_now
 from kvstore.index import STANDALONE, Meta
 from kvstore.placement import place
 from kvstore.targets import pack_path
 
 log = logging.getLogger("kvstore.store")
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What ``PackIO.commit_written`` did: per entry, indexed now or not; and the packs it
+    rejected (generation -> why), none of whose entries was indexed."""
+
+    created: list[bool]
+    rejected: dict[bytes, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,19 +157,24 @@ class PackIO:
             if not any(result[i] for i in members):
                 self._discard_pack(gen, sorted({n for i in members for n in placed[i]}))
 
-    def commit_written(self, entries: Sequence[WrittenEntry]) -> list[bool]:
+    def commit_written(self, entries: Sequence[WrittenEntry]) -> CommitResult:
         """Index entries a client wrote into pack files itself (the daemon's ``Commit``;
         ``kvstore.direct_writes``): steps 5-6 of a put, after checking what the index will
-        rely on. Per entry, ``False`` where a live entry of the key already exists (its bytes
-        stay in the pack: the writer removes a pack none of whose entries was indexed).
+        rely on. Per entry, ``created`` is ``False`` where a live entry of the key already
+        exists (its bytes stay in the pack: the writer removes a pack none of whose entries
+        was indexed) or where its pack was rejected.
 
-        Checked first, all or nothing (``InvalidRequest``, nothing indexed): the erasure code
-        is this store's; the targets are k+m distinct known ones; every pack is new to the
-        index (a generation names one batch), on its target, long enough for the fragments
-        placed in it, and written less than half of ``orphan_grace_s`` ago, so the orphan
-        sweep, which removes unindexed packs older than the grace, cannot be removing it.
-        The bytes themselves are not read: every read checks each fragment's checksum and
-        header (key, generation, index) against the record, so a wrong byte is never returned.
+        Checked first, all or nothing (``InvalidRequest``, nothing indexed), what only a
+        wrong or malicious writer sends: the erasure code is this store's; the targets are
+        k+m distinct known ones; sizes are consistent; every pack is new to the index (a
+        generation names one batch). Then per pack, what storage faults and stalls cause:
+        on every target it is present, long enough for the fragments placed in it, and
+        written less than half of ``orphan_grace_s`` ago (so the orphan sweep, which removes
+        unindexed packs older than the grace, cannot be removing it). A pack failing that is
+        ``rejected`` (generation -> why): none of its entries is indexed, the rest are, and
+        the writer puts them again another way. The bytes themselves are not read: every
+        read checks each fragment's checksum and header (key, generation, index) against the
+        record, so a wrong byte is never returned.
         """
         self._check_open()
         if not entries:
@@ -193,26 +207,31 @@ class PackIO:
             raise InvalidRequest(f"pack generation(s) {reused} already hold indexed entries; each batch "
                                  "is written under a fresh random generation")
         oldest = self.clock() - cfg.orphan_grace_s / 2
+        rejected: dict[bytes, str] = {}
         for (gen, name), size in need.items():
+            if gen in rejected:
+                continue
             try:
                 got, mtime = self.targets[name].stat(pack_path(gen))
-            except FileNotFoundError:
-                raise InvalidRequest(f"pack {gen.hex()} is not on target {name}: write every pack "
-                                     "before committing its entries") from None
-            except OSError as exc:
-                raise StoreUnavailable(f"cannot check pack {gen.hex()} on target {name}: {exc}") from exc
+            except OSError as exc:  # FileNotFoundError included
+                rejected[gen] = f"pack {gen.hex()} cannot be checked on target {name}: {exc}"
+                continue
             if got < size:
-                raise InvalidRequest(f"pack {gen.hex()} on target {name} has {got} bytes; its entries need {size}")
-            if mtime < oldest:
-                raise InvalidRequest(f"pack {gen.hex()} on target {name} was written more than "
-                                     f"orphan_grace_s/2 = {cfg.orphan_grace_s / 2:.0f} s ago; GC may be "
-                                     "sweeping it as an orphan: write the batch again")
-        created = self._index_new(records, now)
-        for (ek, _), c in zip(records, created):
+                rejected[gen] = f"pack {gen.hex()} on target {name} has {got} bytes; its entries need {size}"
+            elif mtime < oldest:
+                rejected[gen] = (f"pack {gen.hex()} on target {name} was written more than orphan_grace_s/2 = "
+                                 f"{cfg.orphan_grace_s / 2:.0f} s ago; GC may be sweeping it as an orphan")
+        keep = [j for j, e in enumerate(entries) if e.gen not in rejected]
+        made = self._index_new([records[j] for j in keep], now)
+        created = [False] * len(entries)
+        for j, c in zip(keep, made):
+            created[j] = c
             if not c:  # a re-put of a live key: refresh it, as put does
-                self._touch(ek, now)
+                self._touch(records[j][0], now)
                 self._count("puts_deduplicated")
-        return created
+        for why in rejected.values():
+            log.warning("commit: %s; its entries are not indexed", why)
+        return CommitResult(created, rejected)
 
     def _rewrite(self, members: Sequence[tuple[bytes, Meta]]) -> int:
         """Compaction (``kvstore.maintenance``): read these live entries of one pack, write

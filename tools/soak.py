@@ -5,7 +5,7 @@ m targets of a shard are faulty. Exact commands::
 
     # the full run (a benchmark; ~2 minutes on 2 cores)
     .venv/bin/python tools/soak.py --duration 120 --shards 3 --clients 4 --out soak-full.json
-    # the short run that tests/chaos/test_soak.py does (~25 s)
+    # the short run that tests/chaos/test_soak.py does (~25 s), also with --direct-writes
     .venv/bin/python tools/soak.py --duration 15 --shards 2 --clients 2 --out /tmp/soak.json
 
 Loopback only; every daemon binds 127.0.0.1 on a port picked at first start and
@@ -19,7 +19,10 @@ Clients (``--clients`` processes, ``ShardedStore``): a mixed workload of puts,
 TTL puts, gets of their own keys and of other clients' keys, lookups of chains,
 deletes, and GC. A value is derived from its key (``value_for``), so every
 read is checked by whoever reads; each client keeps the ledger of its
-acknowledged puts and deletes (``<workdir>/ledger-N.json``).
+acknowledged puts and deletes (``<workdir>/ledger-N.json``). With ``--direct-writes`` the
+clients write the pack files of their puts into the faulty targets themselves and the
+daemons only commit them (``kvstore.direct_writes``): the clients meet the same faults,
+and a failed pack goes through the daemon (``client_counts``: ``direct_*``).
 
 Chaos (one controller, seeded): SIGKILL + restart of a daemon (sometimes with
 a skewed clock, ``--clock-offset-s``), a target vanishing and coming back, a
@@ -73,7 +76,7 @@ def value_for(key: bytes) -> bytes:
 # ----------------------------------------------------------------------------- client process
 def run_client(a: argparse.Namespace) -> int:
     rng = random.Random(a.seed * 1000 + a.client)
-    s = kvstore.connect(a.urls, timeout_s=10)
+    s = kvstore.connect(a.urls, timeout_s=10, direct_writes="on" if a.direct_writes else "off")
     live: list[int] = []  # acknowledged, not deleted, no TTL (insertion order)
     live_set: set[int] = set()
     ttl: dict[int, tuple[float, float]] = {}
@@ -81,6 +84,7 @@ def run_client(a: argparse.Namespace) -> int:
     uncertain: set[int] = set()
     c: Counter[str] = Counter()
     samples: list[tuple[float, str, float]] = []
+    errors: list[str] = []  # the first few unexpected errors, for the report
     nxt = 0
     ops, weights = list(OPS), list(OPS.values())
     end = time.time() + a.duration
@@ -177,9 +181,14 @@ def run_client(a: argparse.Namespace) -> int:
             c["unavailable"] += 1
         except KVStoreError as exc:
             c[f"error_{type(exc).__name__}"] += 1
+            if len(errors) < 5:
+                errors.append(f"{op}: {type(exc).__name__}: {exc}"[:300])
+    if a.direct_writes:  # per shard: this client's pack writes, commits and fallbacks to PutStream
+        for st in s.direct_write_stats().values():
+            c.update({f"direct_{k}": v for k, v in st["counters"].items()})
     s.close()
     doc = {"client": a.client, "counts": dict(c), "live": live, "ttl": list(ttl), "deleted": sorted(deleted),
-           "uncertain": sorted(uncertain), "samples": samples}
+           "uncertain": sorted(uncertain), "samples": samples, "errors": errors}
     Path(a.ledger).write_text(json.dumps(doc))
     return 0
 
@@ -204,7 +213,7 @@ class Shard:
                str(self.data), "--targets", urls, "--ec-k", str(self.a.k), "--ec-m", str(self.a.m),
                "--fsync", "false", "--gc-interval-s", "3", "--orphan-grace-s", "60", "--delete-grace-s", "2",
                "--read-timeout-s", "0.5", "--fragment-read-retries", "1", "--clock-offset-s", str(offset),
-               "--log-level", "WARNING"]
+               "--log-level", "WARNING", "--allow-direct-writes", str(self.a.direct_writes).lower()]
         for attempt in range(20):
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT,
                                          env=self.env)
@@ -382,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", default="soak-results.json")
+    ap.add_argument("--direct-writes", action="store_true",
+                    help="clients write pack files into the faulty targets themselves (kvstore.direct_writes)")
     ap.add_argument("--client", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--urls", default="", help=argparse.SUPPRESS)
     ap.add_argument("--ledger", default="", help=argparse.SUPPRESS)
@@ -404,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     end = t_start + a.duration
     clients = [subprocess.Popen([sys.executable, __file__, "--client", str(c), "--clients", str(a.clients),
                                  "--urls", urls, "--ledger", str(work / f"ledger-{c}.json"), "--seed", str(a.seed),
-                                 "--duration", str(a.duration), "--max-ops", str(a.max_ops)], cwd=ROOT, env=env)
+                                 "--duration", str(a.duration), "--max-ops", str(a.max_ops),
+                                 *(["--direct-writes"] if a.direct_writes else [])], cwd=ROOT, env=env)
                for c in range(a.clients)]
     ch = chaos(shards, fdir, a, end)
     for p in clients:
@@ -436,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": " ".join([Path(sys.executable).name, "tools/soak.py", *(argv or sys.argv[1:])]),
         "config": {"shards": a.shards, "clients": a.clients, "targets_per_shard": a.targets, "ec": f"{a.k}+{a.m}",
-                   "duration_s": a.duration, "seed": a.seed},
+                   "duration_s": a.duration, "seed": a.seed, "direct_writes": a.direct_writes},
         "elapsed_s": round(time.time() - t_start, 1),
         "operations": ops_done, "ops_by_kind": {k[3:]: v for k, v in counts.items() if k.startswith("op_")},
         "faults_scheduled": ch["injected"], "faults_injected_in_daemons": dict(daemon_faults),
@@ -449,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         "deleted_but_found": final["deleted_but_found"],
         "client_counts": {k: v for k, v in counts.items() if not k.startswith("op_")},
         "client_counts_note": "unavailable: calls to a shard while its daemon was killed (not acknowledged)",
+        "client_error_samples": [e for led in ledgers for e in led.get("errors", [])][:10],
         "check_after_repair": dict(Counter(problems)),
         "latency": {ph: {op: pct(v) for op, v in sorted(d.items())} for ph, d in lat.items()},
         "workdir": str(work),

@@ -122,7 +122,7 @@ class KVStoreStub:
         self.Commit = channel.unary_unary(
                 '/kvstore.v1.KVStore/Commit',
                 request_serializer=kvstore__pb2.CommitRequest.SerializeToString,
-                response_deserializer=kvstore__pb2.PutManyReply.FromString,
+                response_deserializer=kvstore__pb2.CommitReply.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.KVStore/Stats',
@@ -372,7 +372,7 @@ def add_KVStoreServicer_to_server(servicer, server):
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
                     request_deserializer=kvstore__pb2.CommitRequest.FromString,
-                    response_serializer=kvstore__pb2.PutManyReply.SerializeToString,
+                    response_serializer=kvstore__pb2.CommitReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -880,7 +880,7 @@ class KVStore:
             target,
             '/kvstore.v1.KVStore/Commit',
             kvstore__pb2.CommitRequest.SerializeToString,
-            kvstore__pb2.PutManyReply.FromString,
+            kvstore__pb2.CommitReply.FromString,
             options,
             channel_credentials,
             insecure,

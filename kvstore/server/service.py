@@ -565,7 +565,7 @@ class Daemon:
                 offsets=m.offsets)
             for ek, m in zip(eks, metas)])
 
-    def _commit(self, r: pb.CommitRequest, tenant: Tenant) -> pb.PutManyReply:
+    def _commit(self, r: pb.CommitRequest, tenant: Tenant) -> pb.CommitReply:
         """The index half of a put whose packs the client wrote (``kvstore.direct_writes``):
         keys validated and translated as Put does, the records checked and indexed by
         ``store.commit_written``, charged to the tenant's quota as a put is."""
@@ -582,10 +582,16 @@ class Daemon:
             entries.append(WrittenEntry(
                 ekey(kind.code, self._key(tenant, e.key)), e.k, e.m, e.tokens, e.plain_len, e.entry_len,
                 e.frag_len, e.gen, tuple(e.targets), tuple(e.offsets), ttl))
-        created = self._charged(tenant, [w.ek for w in entries], [w.plain_len for w in entries],
-                                lambda: self.store.commit_written(entries))
+        res: list = []
+
+        def commit() -> list[bool]:
+            res.append(self.store.commit_written(entries))
+            return res[0].created
+
+        created = self._charged(tenant, [w.ek for w in entries], [w.plain_len for w in entries], commit)
         self.metrics.bytes_in.inc(sum(w.plain_len for w, c in zip(entries, created) if c))
-        return pb.PutManyReply(created=created)
+        return pb.CommitReply(created=created, rejected_packs=list(res[0].rejected),
+                              reasons=list(res[0].rejected.values()))
 
     def _stats(self, r: pb.StatsRequest, tenant: Tenant) -> pb.JsonReply:
         s = dict(self.store.stats())

@@ -1,7 +1,8 @@
 """The short chaos soak (``tools/soak.py``): figures with nothing lost and no wrong bytes.
 
 Runs the tool as a subprocess exactly as documented (2 shards x 5 faulty targets,
-EC 2+2, 2 clients, ~15 s of chaos) and checks its JSON report.
+EC 2+2, 2 clients, ~15 s of chaos) and checks its JSON report; once with the daemons
+writing every put, once with the clients writing their packs (``--direct-writes``).
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_short_soak_loses_nothing_and_never_lies(tmp_path):
+@pytest.mark.parametrize("direct", [False, True], ids=["daemon-writes", "direct-writes"])
+def test_short_soak_loses_nothing_and_never_lies(tmp_path, direct):
     out = tmp_path / "soak.json"
     r = subprocess.run([sys.executable, "tools/soak.py", "--duration", "15", "--shards", "2", "--clients", "2",
-                        "--seed", "3", "--workdir", str(tmp_path / "w"), "--out", str(out)],
+                        "--seed", "3", "--workdir", str(tmp_path / "w"), "--out", str(out),
+                        *(["--direct-writes"] if direct else [])],
                        cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert out.exists(), r.stderr[-3000:]
     rep = json.loads(out.read_text())
@@ -31,3 +36,6 @@ def test_short_soak_loses_nothing_and_never_lies(tmp_path):
     assert rep["check_after_repair"] == {}
     assert rep["client_counts"].get("acked_missing_during_run", 0) == 0
     assert {"calm", "faults"} >= set(rep["latency"])
+    assert rep["client_error_samples"] == []  # no error but the typed unavailable/refused ones
+    if direct:  # the clients wrote packs themselves; faulty ones were rejected or failed and went via the daemon
+        assert rep["client_counts"]["direct_direct_writes"] > 100, rep["client_counts"]

@@ -122,6 +122,26 @@ def test_a_failing_pack_goes_through_the_daemon(make_daemon, monkeypatch) -> Non
     s.close()
 
 
+def test_a_pack_the_daemon_rejects_goes_through_the_daemon(make_daemon, monkeypatch) -> None:
+    d = make_daemon(allow_direct_writes=True)
+    s = kvstore.connect(d.address, direct_writes="on")
+    assert s.put(K("warm"), b"w")
+    victim = s._direct_w.writer().targets["t3"]
+    write = victim.write
+
+    def short_write(rel, data, *, fsync):  # a target that silently keeps only part of a write
+        write(rel, b"".join(data)[:100], fsync=fsync)
+
+    monkeypatch.setattr(victim, "write", short_write)
+    vals = {K(i): os.urandom(20_000) for i in range(3)}
+    assert s.put_many([PutItem(k, v) for k, v in vals.items()]) == [True] * 3
+    c = s.direct_write_stats()["counters"]
+    assert c["rejected_packs"] == 1 and c["fallbacks"] == 3 and c["direct_writes"] == 1, c
+    assert s.get_many(list(vals)) == list(vals.values())
+    assert s.check() == []  # the rejected pack was removed from every target
+    s.close()
+
+
 def test_a_batch_never_committed_leaves_only_orphans(make_daemon, monkeypatch) -> None:
     d = make_daemon(allow_direct_writes=True, orphan_grace_s=0.5)
     s = kvstore.connect(d.address, direct_writes="on")
@@ -148,10 +168,18 @@ def test_commit_checks_everything_before_indexing_anything(make_daemon, tmp_path
     assert s.put_many([PutItem(K(i), b"x" * 1000) for i in range(2)]) == [True] * 2
     st = d.store
     good = st.locate([ekey(1, K(0))])[0]
-    gen = os.urandom(8)
-    for name, off in zip(good.targets, good.offsets):  # a fresh pack holding K(0)'s fragments
-        data = st.targets[name].read(pack_path(good.gen))[off:off + good.frag_len]
-        st.targets[name].write(pack_path(gen), data, fsync=False)
+
+    def copy_pack(age_s: float = 0.0) -> bytes:
+        """A new pack holding a copy of K(0)'s fragments, written ``age_s`` ago."""
+        g = os.urandom(8)
+        for name, off in zip(good.targets, good.offsets):
+            st.targets[name].write(pack_path(g), st.targets[name].read(pack_path(good.gen))[off:off + good.frag_len],
+                                   fsync=False)
+            if age_s:
+                os.utime(os.path.join(st.targets[name].root, pack_path(g)), (time.time() - age_s,) * 2)
+        return g
+
+    gen = copy_pack()
 
     def entry(key=K("new"), **over):
         f = dict(ek=ekey(1, key), k=good.k, m=good.m, tokens=0, plain_len=good.plain_len,
@@ -160,28 +188,30 @@ def test_commit_checks_everything_before_indexing_anything(make_daemon, tmp_path
         f.update(over)
         return WrittenEntry(**f)
 
-    bad = {
+    invalid = {  # what only a wrong or malicious writer sends: all or nothing
         "erasure code": entry(k=3, m=3),
         "distinct targets": entry(targets=("t0",) * 6),
         "distinct targets ": entry(targets=(*good.targets[:5], "t99")),
         "pack offsets": entry(offsets=(0,) * 5),
         "inconsistent sizes": entry(frag_len=10),
-        "is not on target": entry(gen=os.urandom(8)),
-        "has ": entry(offsets=(10,) * 6),  # past the end of the pack
         "already hold indexed entries": entry(gen=good.gen),
     }
-    for why, e in bad.items():
+    for why, e in invalid.items():
         with pytest.raises(InvalidRequest, match=why.strip()):
-            st.commit_written([entry(K("fine")), e])  # all or nothing: the fine one is not indexed either
+            st.commit_written([entry(K("fine")), e])  # the fine one is not indexed either
     assert st.locate([ekey(1, K("fine")), ekey(1, K("new"))]) == [None, None]
-    for name in good.targets:  # a pack from long ago: the orphan sweep may be deleting it
-        p = os.path.join(st.targets[name].root, pack_path(gen))
-        os.utime(p, (time.time() - 3600, time.time() - 3600))
-    with pytest.raises(InvalidRequest, match="orphan_grace_s"):
-        st.commit_written([entry()])
-    for name in good.targets:
-        os.utime(os.path.join(st.targets[name].root, pack_path(gen)))
-    assert st.commit_written([entry(K(0)), entry()]) == [False, True]  # K(0) is live: not indexed again
+    # What storage faults cause is per pack: that pack's entries are not indexed, the others are.
+    missing, stale = os.urandom(8), copy_pack(age_s=3600)  # stale: the orphan sweep may be deleting it
+    short = entry(K("short"), offsets=(10,) * 6)  # fragments past the end of pack gen
+    r = st.commit_written([entry(K("fine"), gen=copy_pack()), entry(K("lost"), gen=missing), short,
+                           entry(K("late"), gen=stale)])
+    assert r.created == [True, False, False, False] and set(r.rejected) == {missing, gen, stale}
+    assert "cannot be checked" in r.rejected[missing] and "bytes; its entries need" in r.rejected[gen]
+    assert "orphan_grace_s" in r.rejected[stale]
+    assert st.locate([ekey(1, K(n)) for n in ("lost", "short", "late")]) == [None] * 3
+    assert st.locate([ekey(1, K("fine"))])[0] is not None
+    gen = copy_pack()
+    assert st.commit_written([entry(K(0)), entry()]).created == [False, True]  # K(0) is live: not again
     # The record is the daemon's truth; the read checks the fragments against it: these name K(0).
     with pytest.raises(kvstore.Unrecoverable):
         st.get(K("new"))
