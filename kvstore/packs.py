@@ -178,7 +178,7 @@ class PackIO:
         """
         self._check_open()
         if not entries:
-            return []
+            return CommitResult([], {})
         cfg = self.config
         now = self.now_ns()
         n = cfg.ec_k + cfg.ec_m
