@@ -229,6 +229,7 @@ class PackIO:
             if not c:  # a re-put of a live key: refresh it, as put does
                 self._touch(records[j][0], now)
                 self._count("puts_deduplicated")
+        self._count("rejected_packs", len(rejected))
         for why in rejected.values():
             log.warning("commit: %s; its entries are not indexed", why)
         return CommitResult(created, rejected)

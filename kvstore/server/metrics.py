@@ -54,6 +54,10 @@ class _StoreCollector:
         c = CounterMetricFamily("kvstore_unrecoverable_reads", "reads with fewer than k good fragments")
         c.add_metric([], counters.get("unrecoverable", 0))
         yield c
+        c = CounterMetricFamily("kvstore_rejected_packs", "directly written packs found missing, short or stale "
+                                "at Commit (their entries were put through the daemon)")
+        c.add_metric([], counters.get("rejected_packs", 0))
+        yield c
         used = lost = 0
         try:
             used = self.store.used_bytes()

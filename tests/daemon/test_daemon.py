@@ -143,6 +143,7 @@ def test_prometheus_metrics(make_daemon) -> None:
                    "kvstore_bytes_in_total 100.0", "kvstore_bytes_out_total 200.0",
                    "kvstore_gc_runs_total 1.0", "kvstore_gc_reclaimed_bytes_total",
                    'kvstore_request_seconds_bucket{le="0.005",method="Get"}',
-                   "kvstore_degraded_reads_total 0.0", "kvstore_lost_entries 0.0", "kvstore_used_bytes"):
+                   "kvstore_degraded_reads_total 0.0", "kvstore_lost_entries 0.0", "kvstore_used_bytes",
+                   "kvstore_rejected_packs_total 0.0"):
         assert needle in body, needle
     s.close()

@@ -137,6 +137,7 @@ def test_a_pack_the_daemon_rejects_goes_through_the_daemon(make_daemon, monkeypa
     assert s.put_many([PutItem(k, v) for k, v in vals.items()]) == [True] * 3
     c = s.direct_write_stats()["counters"]
     assert c["rejected_packs"] == 1 and c["fallbacks"] == 3 and c["direct_writes"] == 1, c
+    assert d.store.counters["rejected_packs"] == 1  # the daemon's count (and metric) of them
     assert s.get_many(list(vals)) == list(vals.values())
     assert s.check() == []  # the rejected pack was removed from every target
     s.close()
