@@ -277,7 +277,54 @@ def copy_into(keys: Sequence[bytes], datas: Sequence[bytes | None], views: Seque
 GetMany = Callable[[list[bytes], EntryKind], list]  # the gRPC batched get of the client
 
 
-class DirectReads:
+class DirectPath:
+    """What the direct-read and direct-write paths of one client share (``DirectReads`` here,
+    ``kvstore.direct_writes.DirectWrites``): the mode, the worker over the daemon's targets
+    (``_current``: a reader or writer, ``None`` while off or not described yet), the ones it
+    replaced (``_retired``: other threads may still use them, so they close last), turning
+    off with a reason, and counters summed over all of them."""
+
+    option = "direct_reads"
+
+    def __init__(self, mode: str, url: str):
+        self.mode = parse_mode(mode, self.option)
+        self.url = url
+        self._lock = threading.RLock()  # set-up and turning off; the hot path never takes it once on
+        self._current: Any = None
+        self._retired: list[Any] = []
+        self._off = self.mode == "off"
+        self.reason = f"{self.option}='off'" if self._off else "not described yet"
+
+    def _turn_off(self, why: str, *, warn: bool = False) -> None:
+        with self._lock:
+            if self._current is not None:  # other threads may still be using it: close it last
+                self._retired.append(self._current)
+            self._off, self.reason, self._current = True, why, None
+        (log.warning if warn else log.info)("%s off for %s: %s", self.option.replace("_", " "), self.url, why)
+        return None
+
+    def _all(self) -> list[Any]:
+        return [*self._retired, *([self._current] if self._current is not None else [])]
+
+    def stats(self) -> dict:
+        """Mode, whether the path is active (and why not), and this client's counters."""
+        total: dict[str, int] = {}
+        for w in self._all():
+            for k, v in w.counters.items():
+                total[k] = total.get(k, 0) + v
+        return {"mode": self.mode, "active": self._current is not None and not self._off,
+                "reason": self.reason, "counters": total}
+
+    def close(self) -> None:
+        with self._lock:
+            workers = self._all()
+            for w in workers:
+                w.close()
+            self._retired, self._current, self._off = workers, None, True  # counters stay readable
+            self.reason = "closed"
+
+
+class DirectReads(DirectPath):
     """The direct-read path of one ``RemoteStore``: mode, Describe once, Locate, read, fall back.
 
     ``call(method, request)`` is the client's unary call (typed errors, its token and
@@ -287,20 +334,14 @@ class DirectReads:
     """
 
     def __init__(self, mode: str, call: Callable[[str, Any], Any], url: str):
-        self.mode = parse_mode(mode)
-        self.url = url
+        super().__init__(mode, url)
         self._call = call
-        self._lock = threading.RLock()  # Describe and turning off; reads never take it once described
-        self._reader: DirectReader | None = None
-        self._retired: list[DirectReader] = []  # replaced by a re-Describe; closed with this object
-        self._off = self.mode == "off"
-        self.reason = "direct_reads='off'" if self._off else "not described yet"
         self._stale = False
         self._described_at = 0.0
 
     # set-up (step 1) ------------------------------------------------------------------
     def reader(self) -> DirectReader | None:
-        r = self._reader
+        r = self._current
         if r is not None and not self._stale:
             return r
         if self._off:
@@ -308,15 +349,15 @@ class DirectReads:
         with self._lock:
             if self._off:
                 return None  # another thread's Describe turned them off
-            if self._reader is not None and (not self._stale or time.monotonic() - self._described_at < REDESCRIBE_S):
-                return self._reader
+            if self._current is not None and (not self._stale or time.monotonic() - self._described_at < REDESCRIBE_S):
+                return self._current
             return self._describe()
 
     def _describe(self) -> DirectReader | None:
         try:
             d = self._call("Describe", pb.DescribeRequest())
         except StoreUnavailable:
-            return self._reader  # unreachable or busy: try again on the next read
+            return self._current  # unreachable or busy: try again on the next read
         except KVStoreError as exc:  # e.g. an older daemon without Describe (UNIMPLEMENTED)
             return self._turn_off(f"Describe failed: {exc}")
         self._described_at = time.monotonic()
@@ -329,20 +370,12 @@ class DirectReads:
             new = DirectReader(d)
         except (KVStoreError, ImportError, OSError, ValueError) as exc:
             return self._turn_off(f"cannot open the daemon's targets here: {exc}", warn=True)
-        if self._reader is not None:
-            self._retired.append(self._reader)
-        self._reader = new
+        if self._current is not None:
+            self._retired.append(self._current)
+        self._current = new
         self.reason = ""
         log.info("direct reads on for %s (%d targets)", self.url, len(new.targets))
         return new
-
-    def _turn_off(self, why: str, *, warn: bool = False) -> None:
-        with self._lock:
-            if self._reader is not None:  # other threads may still be reading with it: close it last
-                self._retired.append(self._reader)
-            self._off, self.reason, self._reader = True, why, None
-        (log.warning if warn else log.info)("direct reads off for %s: %s", self.url, why)
-        return None
 
     # Locate (step 2) --------------------------------------------------------------------
     def locate(self, keys: Sequence[bytes], kind: EntryKind, r: DirectReader) -> list[Located | None] | None:
@@ -438,21 +471,3 @@ class DirectReads:
             for i, info in copy_into(keys, fallback([keys[i] for i in retry], kind), views, kind, retry).items():
                 out[i] = info
         return out
-
-    # reporting, close -------------------------------------------------------------------
-    def stats(self) -> dict:
-        """Mode, whether direct reads are active (and why not), and this client's counters."""
-        total: dict[str, int] = {}
-        for r in [*self._retired, *([self._reader] if self._reader else [])]:
-            for k, v in r.counters.items():
-                total[k] = total.get(k, 0) + v
-        return {"mode": self.mode, "active": self._reader is not None and not self._off,
-                "reason": self.reason, "counters": total}
-
-    def close(self) -> None:
-        with self._lock:
-            readers = [*self._retired, *([self._reader] if self._reader else [])]
-            for r in readers:
-                r.close()
-            self._retired, self._reader, self._off = readers, None, True  # counters stay readable
-            self.reason = "closed"

@@ -72,7 +72,7 @@ from typing import Any, Callable, Sequence
 from kvstore import codec
 from kvstore.api import EntryKind, PutItem
 from kvstore.config import StoreConfig, TargetSpec
-from kvstore.direct import auto_decision, parse_mode
+from kvstore.direct import DirectPath, auto_decision
 from kvstore.errors import InternalError, InvalidRequest, KVStoreError, StoreUnavailable
 from kvstore.fragments import FragmentIO
 from kvstore.keys import check_key, tenant_key
@@ -146,7 +146,7 @@ class DirectWriter(FragmentIO, PackIO):
         self._pool.shutdown(wait=True)
 
 
-class DirectWrites:
+class DirectWrites(DirectPath):
     """The direct-write path of one ``RemoteStore``: mode, Describe once, write, Commit, fall back.
 
     ``call(method, request)`` is the client's unary call (typed errors, token, deadline).
@@ -155,24 +155,20 @@ class DirectWrites:
     then puts over gRPC as without this object.
     """
 
+    option = "direct_writes"
+
     def __init__(self, mode: str, call: Callable[[str, Any], Any], url: str, *, max_items: int):
-        self.mode = parse_mode(mode, "direct_writes")
-        self.url = url
+        super().__init__(mode, url)
         self.max_items = max_items
         self._call = call
-        self._lock = threading.Lock()
-        self._writer: DirectWriter | None = None
-        self._retired: list[DirectWriter] = []
-        self._off = self.mode == "off"
-        self.reason = "direct_writes='off'" if self._off else "not described yet"
 
     def writer(self) -> DirectWriter | None:
-        w = self._writer
+        w = self._current
         if w is not None or self._off:
             return w
         with self._lock:
-            if self._writer is not None or self._off:
-                return self._writer
+            if self._current is not None or self._off:
+                return self._current
             try:
                 d = self._call("Describe", pb.DescribeRequest())
             except StoreUnavailable:
@@ -185,19 +181,12 @@ class DirectWrites:
             if why:
                 return self._turn_off(why, warn=self.mode == "on")
             try:
-                self._writer = DirectWriter(d)
+                self._current = DirectWriter(d)
             except (KVStoreError, ImportError, OSError, ValueError) as exc:
                 return self._turn_off(f"cannot open the daemon's targets here: {exc}", warn=True)
             self.reason = ""
-            log.info("direct writes on for %s (%d targets)", self.url, len(self._writer.targets))
-            return self._writer
-
-    def _turn_off(self, why: str, *, warn: bool = False) -> None:
-        if self._writer is not None:  # other threads may still be writing with it: close it last
-            self._retired.append(self._writer)
-        self._off, self.reason, self._writer = True, why, None
-        (log.warning if warn else log.info)("direct writes off for %s: %s", self.url, why)
-        return None
+            log.info("direct writes on for %s (%d targets)", self.url, len(self._current.targets))
+            return self._current
 
     def put_many(self, items: Sequence[PutItem], fallback: PutFallback) -> list[bool] | None:
         """Steps 2-4 (module docstring); ``None``: put these over gRPC instead."""
@@ -269,20 +258,3 @@ class DirectWrites:
     def _discard(w: DirectWriter, encs: dict, placed: dict, offsets: dict, n: int) -> None:
         """Remove the packs of a batch of ``n`` items whose Commit indexed nothing."""
         w._discard_unused_packs(encs, placed, offsets, [False] * n)
-
-    def stats(self) -> dict:
-        """Mode, whether direct writes are active (and why not), and this client's counters."""
-        total: dict[str, int] = {}
-        for w in [*self._retired, *([self._writer] if self._writer else [])]:
-            for k, v in w.counters.items():
-                total[k] = total.get(k, 0) + v
-        return {"mode": self.mode, "active": self._writer is not None and not self._off,
-                "reason": self.reason, "counters": total}
-
-    def close(self) -> None:
-        with self._lock:
-            writers = [*self._retired, *([self._writer] if self._writer else [])]
-            for w in writers:
-                w.close()
-            self._retired, self._writer, self._off = writers, None, True
-            self.reason = "closed"

@@ -70,6 +70,7 @@ from kvstore.api import EntryKind, LookupResult, PutItem
 from kvstore.config import StoreConfig
 from kvstore.direct import client_url
 from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound
+from kvstore.fragments import MAX_TTL_S
 from kvstore.index import ekey
 from kvstore.keys import check_key, check_keys
 from kvstore.packs import WrittenEntry
@@ -91,7 +92,6 @@ from kvstore.server.wire import (
 log = logging.getLogger(__name__)
 
 SERVICE = "kvstore.v1.KVStore"
-MAX_TTL_S = 100 * 365 * 86400.0
 # GetStream: keys per store.get_many (a window; the next is read while this one is sent), and
 # the most value bytes packed into one GetChunk (per-message cost matters for small values;
 # one message per value for large ones). Measured with tools/bench_remote.py.
@@ -360,10 +360,16 @@ class Daemon:
         keys = check_keys(keys)
         return [tenant.store_key(k) for k in keys] if tenant.secret else keys
 
-    def _item(self, r: pb.PutRequest, tenant: Tenant) -> PutItem:
+    @staticmethod
+    def _ttl(r: pb.PutRequest | pb.WrittenEntry) -> float | None:
+        """The request's TTL (``None``: unset, the store's default), checked."""
         ttl = r.ttl_s if r.HasField("ttl_s") else None
         if ttl is not None and not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL_S):
             raise InvalidRequest(f"ttl_s must be positive and at most {MAX_TTL_S:.0f} s, got {ttl}")
+        return ttl
+
+    def _item(self, r: pb.PutRequest, tenant: Tenant) -> PutItem:
+        ttl = self._ttl(r)
         if not 0 <= r.tokens < 2**32:
             raise InvalidRequest(f"tokens must be in [0, 2**32), got {r.tokens}")
         layout = layout_from_pb(r.layout) if r.HasField("layout") else None
@@ -575,13 +581,10 @@ class Daemon:
         self._batch(len(r.entries), "commit")
         entries = []
         for e in r.entries:
-            ttl = e.ttl_s if e.HasField("ttl_s") else None
-            if ttl is not None and not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL_S):
-                raise InvalidRequest(f"ttl_s must be positive and at most {MAX_TTL_S:.0f} s, got {ttl}")
             kind = EntryKind.parse(kind_or_default(e.kind))
             entries.append(WrittenEntry(
                 ekey(kind.code, self._key(tenant, e.key)), e.k, e.m, e.tokens, e.plain_len, e.entry_len,
-                e.frag_len, e.gen, tuple(e.targets), tuple(e.offsets), ttl))
+                e.frag_len, e.gen, tuple(e.targets), tuple(e.offsets), self._ttl(e)))
         res: list = []
 
         def commit() -> list[bool]:
