@@ -74,6 +74,10 @@ class StoreConfig:
     min_compress_ratio: float = 1.1  # store raw unless zstd shrinks by at least this factor
     max_value_bytes: int = 64 * 1024 * 1024
     fsync: bool = True  # fragments and index durable before a put returns
+    # How fsync makes a put's files durable (kvstore.targets.sync_plan): "file" fsyncs each file
+    # and its directory; "fs" one syncfs per filesystem once the put's files are written;
+    # "auto": "fs" where every target is a local ext4/xfs/btrfs directory on Linux >= 5.8, else "file".
+    sync_mode: str = "auto"
     read_workers: int = 8  # threads reading and writing fragments in parallel
     fragment_read_retries: int = 1  # extra tries of a fragment read that failed transiently (EIO, checksum)
     read_timeout_s: float = 0.0  # >0: a fragment not read in time is skipped for parity (if k others are good)
@@ -103,6 +107,8 @@ class StoreConfig:
             raise InvalidRequest("watermarks need 0 < low_watermark <= high_watermark <= 1")
         if self.compression not in ("zstd", "none"):
             raise InvalidRequest(f"compression must be 'zstd' or 'none', got {self.compression!r}")
+        if self.sync_mode not in ("auto", "file", "fs"):
+            raise InvalidRequest(f"sync_mode must be auto, file or fs, got {self.sync_mode!r}")
         for knob in ("parallel_reads", "parallel_writes"):
             if getattr(self, knob) not in ("auto", "always", "never"):
                 raise InvalidRequest(f"{knob} must be auto, always or never, got {getattr(self, knob)!r}")

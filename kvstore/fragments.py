@@ -24,7 +24,15 @@ from kvstore.errors import CapacityExceeded, CorruptData, IncompatibleFormat, In
 from kvstore.index import STANDALONE, Meta, ekey
 from kvstore.keys import check_key
 from kvstore.placement import place
-from kvstore.targets import LocalTarget, TargetUnavailable, fragment_path, fragment_prefix, pack_path
+from kvstore.targets import (
+    LocalTarget,
+    TargetUnavailable,
+    fragment_path,
+    fragment_prefix,
+    pack_path,
+    sync_plan,
+    syncfs,
+)
 
 log = logging.getLogger("kvstore.store")
 
@@ -120,6 +128,34 @@ class FragmentIO:
                     expires_ns=expires, gen=gen, targets=())
         return _Encoded(ekey(k.code, key), key, k, meta, frames)
 
+    def _sync_mode(self) -> str:
+        """How this host makes writes durable: "file" (fsync each file and its directory),
+        "fs" (``_sync_after``: one syncfs per filesystem) or "" (fsync off); resolved once
+        from ``config.sync_mode`` and the targets (``kvstore.targets.sync_plan``)."""
+        mode = self.__dict__.get("_sync_resolved")
+        if mode is None:
+            mode, why = sync_plan(self.config.sync_mode, list(self.targets.values())) if self.config.fsync else ("", "")
+            if mode:
+                log.info("durable writes: %s (%s)", "one syncfs per filesystem" if mode == "fs" else
+                         "fsync per file and directory", why)
+            self.__dict__["_sync_resolved"] = mode
+        return mode
+
+    def _sync_after(self, names: Sequence[str]) -> None:
+        """Sync mode "fs": make the files just written to these targets durable, one syncfs
+        per filesystem (``OSError`` if that fails). Nothing to do in the other modes."""
+        if self._sync_mode() != "fs":
+            return
+        devs = self.__dict__.setdefault("_target_devs", {})
+        done = set()
+        for name in names:
+            root = self.targets[name].root
+            if name not in devs:
+                devs[name] = os.stat(root).st_dev
+            if devs[name] not in done:
+                done.add(devs[name])
+                syncfs(root)
+
     def _fan_out_writes(self, names: Sequence[str], *, in_batch: bool) -> bool:
         """Should writes to these targets run on threads? Only writes that wait pay for the
         hand-off: to a remote target always, to a local one when fsync waits for the device,
@@ -131,7 +167,7 @@ class FragmentIO:
             return mode == "always"
         if not all(self.targets[t].local for t in names if t in self.targets):
             return True
-        return self.config.fsync and not in_batch
+        return self._sync_mode() == "file" and not in_batch
 
     def _write_fragments(self, enc: _Encoded, *, in_batch: bool = False) -> tuple[str, ...]:
         """Write every fragment to a distinct target; replace failing targets by the next best."""
@@ -147,7 +183,7 @@ class FragmentIO:
                 i: submit(
                     self.targets[chosen[i]].write,
                     fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, i),
-                    enc.frames[i], fsync=self.config.fsync,
+                    enc.frames[i], fsync=self._sync_mode() == "file",
                 )
                 for i in pending
             }
@@ -170,6 +206,11 @@ class FragmentIO:
                 ) from last_exc
             for i in pending:
                 chosen[i] = spare.pop(0)
+        try:
+            self._sync_after(chosen)
+        except OSError as exc:
+            self._discard(enc, dict(enumerate(chosen)))
+            raise StoreUnavailable(f"fragments of {enc.key.hex()} could not be made durable: {exc}") from exc
         return tuple(chosen)
 
     def _discard(self, enc: _Encoded, placed: dict[int, str]) -> None:

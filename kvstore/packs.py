@@ -85,7 +85,7 @@ class PackIO:
             out.append((tuple(chosen), tuple(offsets)))
         rel = pack_path(gen)
         submit = self._pool.submit if self._fan_out_writes(list(shares), in_batch=False) else run_now
-        futs = {name: submit(self.targets[name].write, rel, parts, fsync=self.config.fsync)
+        futs = {name: submit(self.targets[name].write, rel, parts, fsync=self._sync_mode() == "file")
                 for name, parts in shares.items()}
         errors = {}
         for name, f in futs.items():
@@ -93,6 +93,11 @@ class PackIO:
                 f.result()
             except OSError as exc:
                 errors[name] = exc
+        if not errors:
+            try:
+                self._sync_after(list(shares))
+            except OSError as exc:
+                errors["(syncfs)"] = exc
         if errors:
             self._discard_pack(gen, [n for n in futs if n not in errors])
             name, exc = next(iter(errors.items()))

@@ -18,6 +18,8 @@ Write path (``put``), in this order, each step for the reason given:
      the put a fresh 8-byte generation so its file names are unique.
   4. Write every fragment atomically (tmp + fsync + rename + dir fsync) to its
      rendezvous-chosen target; a failing target is replaced by the next best.
+     With ``sync_mode`` "fs" the files are written without fsync and made durable
+     together, one syncfs per filesystem, once all are in place (``FragmentIO._sync_after``).
      A batch (``put_many``, ``pack_batches``) instead writes one pack file per
      target holding that target's fragments of every entry, each published the
      same atomic way, so a batch costs one fsync pair per target, not per fragment.
@@ -100,6 +102,7 @@ class EmbeddedStore(FragmentIO, PackIO):
         if fresh:
             for t in self.targets.values():
                 t.create_root()
+        self._sync_mode()  # resolved (and a bad sync_mode refused) before anything is opened
         self.index = Index(str(self.data_dir / "index"), map_size=config.lmdb_map_size,
                            sync=config.fsync, max_readers=config.max_readers,
                            compact_ratio=config.pack_compact_ratio)

@@ -259,10 +259,18 @@ def test_unknown_scheme():
     ("never", True, {"MainThread"}, {"MainThread"}, {"MainThread"}),
     ("always", False, {"kvstore-io"}, {"kvstore-io"}, {"kvstore-io"}),
     ("auto", False, {"MainThread"}, {"MainThread"}, {"MainThread"}),  # page-cache writes: inline
-    # fsync waits: per fragment, or per entry of an unpacked batch, or per pack file
+    # fsync per file waits: per fragment, or per entry of an unpacked batch, or per pack file
     ("auto", True, {"kvstore-io"}, {"kvstore-batch"}, {"kvstore-io"}),
+    # one syncfs after the writes (sync_mode "fs"): the writes themselves do not wait
+    ("auto", "fs", {"MainThread"}, {"MainThread"}, {"MainThread"}),
 ])
 def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch, mode, fsync, single, batch, pack):
+    from kvstore.targets import _SYNCFS
+
+    if fsync == "fs" and _SYNCFS is None:
+        pytest.skip("syncfs is Linux-only")
+    sync_mode = "fs" if fsync == "fs" else "file"
+    fsync = bool(fsync)
     from kvstore.targets import LocalTarget
 
     seen: list[str] = []
@@ -273,7 +281,8 @@ def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch,
         return real(self, rel, data, fsync=fsync)
 
     monkeypatch.setattr(LocalTarget, "write", write)
-    with kvstore.connect(str(data_dir), fsync=fsync, parallel_writes=mode, pack_batches=False) as s:
+    with kvstore.connect(str(data_dir), fsync=fsync, parallel_writes=mode, pack_batches=False,
+                         sync_mode=sync_mode) as s:
         assert s.put(keys[0], b"one")
         assert set(seen) == single and len(seen) == 6
         seen.clear()
@@ -283,7 +292,7 @@ def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch,
         assert s.get_many(keys[1:5]) == [value_for(k, 5000) for k in keys[1:5]]
         assert s.check() == []
     seen.clear()
-    with kvstore.connect(str(data_dir), fsync=fsync, parallel_writes=mode) as s:  # packed batches
+    with kvstore.connect(str(data_dir), fsync=fsync, parallel_writes=mode, sync_mode=sync_mode) as s:  # packs
         assert s.put_many([PutItem(k, value_for(k, 5000)) for k in keys[5:9]]) == [True] * 4
         assert set(seen) == pack and len(seen) == 6  # one pack file per target
         assert s.get_many(keys[1:9]) == [value_for(k, 5000) for k in keys[1:9]]
