@@ -101,7 +101,8 @@ class PackIO:
         if errors:
             self._discard_pack(gen, [n for n in futs if n not in errors])
             name, exc = next(iter(errors.items()))
-            log.warning("pack %s: target %s failed (%s); writing the batch fragment by fragment",
+            log.warning("pack %s: target %s failed (%s); its entries go the fallback way (fragment by "
+                        "fragment here, or through the daemon for a direct writer)",
                         gen.hex(), name, exc)
             raise exc
         return out
