@@ -104,7 +104,8 @@ class DirectWriter(FragmentIO, PackIO):
     def __init__(self, d: pb.DescribeReply, *, workers: int = 8):
         specs = tuple(TargetSpec(t.url, t.domain or "default", t.name) for t in d.targets)
         # ---- The host interface of FragmentIO._encode and PackIO._put_packs (config, targets,
-        # target_specs, code, _pool, _batch_pool, now_ns): kept in this one block.
+        # target_specs, code, _pool, _batch_pool, now_ns): kept in this one block. Durability:
+        # fsync as the daemon's store; sync_mode "auto", resolved for this host's own mounts.
         self.config = StoreConfig(
             data_dir=d.data_dir or ".", ec_k=d.ec_k, ec_m=d.ec_m, ec_type=d.ec_type, targets=specs,
             max_value_bytes=d.max_value_bytes or StoreConfig.max_value_bytes,
