@@ -1,0 +1,116 @@
+"""The daemon's direct-I/O calls: ``Describe``, ``Locate`` and ``Commit``.
+
+``DirectRPC`` is a mixin of ``kvstore.server.service.Daemon`` (kept apart so each file has
+one job): it uses the daemon's ``cfg``, ``store``, ``tokens``, ``metrics``, ``_batch``,
+``_key``, ``_keys``, ``_ttl`` and ``_charged``; the per-call steps (authentication,
+parsing, admission, error mapping) are the daemon's, as for every call.
+
+Direct reads (``kvstore.direct``): ``Describe`` gives any authenticated client the
+target table (URLs with credentials removed) and the erasure code; ``Locate`` is the
+index half of a get: the same key validation and tenant translation, live entries
+only, the same access-time refresh (LRU), hits and misses counted as ``op="locate"``;
+it answers where the fragments are and moves no payload. The daemon stays the only
+writer: a client whose direct read fails falls back to ``Get``/``GetStream``, and the
+daemon's read path then counts the degraded read or marks the entry lost. With
+``allow_direct_reads = false`` Locate is PERMISSION_DENIED and Describe shows no
+targets (unless direct writes are allowed).
+
+Direct writes (``kvstore.direct_writes``; ``allow_direct_writes``, off by default):
+``Describe`` also gives the store's encoding knobs and the caller's own tenant secret;
+``Commit`` is the index half of a put whose pack files the client wrote: keys validated
+and translated as Put does, the records checked and indexed by
+``PackIO.commit_written``, charged to the tenant's quota. Off: PERMISSION_DENIED.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from kvstore.api import EntryKind
+from kvstore.direct import client_url
+from kvstore.index import ekey
+from kvstore.packs import WrittenEntry
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.server.auth import Tenant
+from kvstore.server.wire import PermissionDenied, kind_or_default
+
+log = logging.getLogger("kvstore.server.service")
+
+
+class DirectRPC:
+    """Describe, Locate and Commit (see the module docstring)."""
+
+    def _describe(self, r: pb.DescribeRequest, tenant: Tenant) -> pb.DescribeReply:
+        """What a direct-reading or -writing client needs, fetched once per client
+        (``kvstore.direct``, ``kvstore.direct_writes``)."""
+        out = pb.DescribeReply(direct_reads=self.cfg.allow_direct_reads, auth=self.tokens.enabled,
+                               direct_writes=self.cfg.allow_direct_writes)
+        if not (self.cfg.allow_direct_reads or self.cfg.allow_direct_writes):
+            return out  # no target table for a daemon that serves neither
+        from kvstore.store import FORMAT_FILE
+
+        st = self.store
+        cfg = st.config
+        out.ec_type, out.ec_k, out.ec_m = cfg.ec_type, cfg.ec_k, cfg.ec_m
+        out.max_value_bytes, out.read_timeout_s, out.parallel_reads = (
+            cfg.max_value_bytes, cfg.read_timeout_s, cfg.parallel_reads)
+        for spec in st.target_specs:
+            out.targets.add(name=spec.name, url=client_url(spec, st.targets.get(spec.name)), domain=spec.domain)
+        out.data_dir = str(st.data_dir)
+        if self.cfg.allow_direct_writes:  # how to encode as this store does, and whose keys
+            out.key_secret = tenant.secret
+            out.compression, out.zstd_level, out.min_compress_ratio = (
+                cfg.compression, cfg.zstd_level, cfg.min_compress_ratio)
+            out.pack_bytes, out.fsync, out.orphan_grace_s, out.parallel_writes = (
+                cfg.pack_bytes, cfg.fsync, cfg.orphan_grace_s, cfg.parallel_writes)
+        try:
+            out.format_marker = (Path(st.data_dir) / FORMAT_FILE).read_bytes()
+        except OSError as exc:  # the probe then fails on the client: "auto" stays off
+            log.warning("describe: cannot read the data-dir marker: %s", exc)
+        return out
+
+    def _locate(self, r: pb.LocateRequest, tenant: Tenant) -> pb.LocateReply:
+        """The index half of a get (module docstring): validate every key, then read the
+        records in one transaction and refresh the access time of each live one."""
+        if not self.cfg.allow_direct_reads:
+            raise PermissionDenied("this daemon does not serve direct reads (allow_direct_reads = false); "
+                                   "read through Get/GetStream")
+        self._batch(len(r.keys), "locate")
+        kind = EntryKind.parse(kind_or_default(r.kind))
+        eks = [ekey(kind.code, k) for k in self._keys(tenant, r.keys)]  # validate every key first
+        metas = self.store.locate(eks)
+        hits = sum(m is not None for m in metas)
+        self.metrics.hit("locate", kind.value, True, hits)
+        self.metrics.hit("locate", kind.value, False, len(metas) - hits)
+        return pb.LocateReply(locations=[
+            pb.Location() if m is None else pb.Location(
+                found=True, stored_key=ek[1:], kind=kind.value, k=m.k, m=m.m, entry_len=m.entry_len,
+                plain_len=m.plain_len, frag_len=m.frag_len, gen=m.gen, targets=m.targets, tokens=m.tokens,
+                offsets=m.offsets)
+            for ek, m in zip(eks, metas)])
+
+    def _commit(self, r: pb.CommitRequest, tenant: Tenant) -> pb.CommitReply:
+        """The index half of a put whose packs the client wrote (``kvstore.direct_writes``):
+        keys validated and translated as Put does, the records checked and indexed by
+        ``store.commit_written``, charged to the tenant's quota as a put is."""
+        if not self.cfg.allow_direct_writes:
+            raise PermissionDenied("this daemon does not accept direct writes (allow_direct_writes = false); "
+                                   "put through Put/PutStream")
+        self._batch(len(r.entries), "commit")
+        entries = []
+        for e in r.entries:
+            kind = EntryKind.parse(kind_or_default(e.kind))
+            entries.append(WrittenEntry(
+                ekey(kind.code, self._key(tenant, e.key)), e.k, e.m, e.tokens, e.plain_len, e.entry_len,
+                e.frag_len, e.gen, tuple(e.targets), tuple(e.offsets), self._ttl(e)))
+        res: list = []
+
+        def commit() -> list[bool]:
+            res.append(self.store.commit_written(entries))
+            return res[0].created
+
+        created = self._charged(tenant, [w.ek for w in entries], [w.plain_len for w in entries], commit)
+        self.metrics.bytes_in.inc(sum(w.plain_len for w, c in zip(entries, created) if c))
+        return pb.CommitReply(created=created, rejected_packs=list(res[0].rejected),
+                              reasons=list(res[0].rejected.values()))
