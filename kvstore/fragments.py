@@ -132,13 +132,13 @@ class FragmentIO:
         """How this host makes writes durable: "file" (fsync each file and its directory),
         "fs" (``_sync_after``: one syncfs per filesystem) or "" (fsync off); resolved once
         from ``config.sync_mode`` and the targets (``kvstore.targets.sync_plan``)."""
-        mode = self.__dict__.get("_sync_resolved")
+        mode = getattr(self, "_sync_resolved", None)
         if mode is None:
             mode, why = sync_plan(self.config.sync_mode, list(self.targets.values())) if self.config.fsync else ("", "")
             if mode:
                 log.info("durable writes: %s (%s)", "one syncfs per filesystem" if mode == "fs" else
                          "fsync per file and directory", why)
-            self.__dict__["_sync_resolved"] = mode
+            self._sync_resolved = mode
         return mode
 
     def _sync_after(self, names: Sequence[str]) -> None:
@@ -146,7 +146,9 @@ class FragmentIO:
         per filesystem (``OSError`` if that fails). Nothing to do in the other modes."""
         if self._sync_mode() != "fs":
             return
-        devs = self.__dict__.setdefault("_target_devs", {})
+        devs = getattr(self, "_target_devs", None)
+        if devs is None:
+            devs = self._target_devs = {}
         done = set()
         for name in names:
             root = self.targets[name].root
