@@ -72,17 +72,19 @@ class Cluster:
         self.store_url = ""
         self.entrypoint_address = ""
         self._lock = threading.Lock()
+        self._stopped = False  # once stopped, never starts a process again (stop may race a start)
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, name: str, args: list[str], parse: Callable[[str], dict | None] = None) -> Proc:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.work_dir / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        popen = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=open(log_path, "wb"),
-                                 text=True, start_new_session=True, env=env)
-        proc = Proc(name, popen, log_path)
-        with self._lock:
-            self.procs[name] = proc
+        with self._lock:  # started and registered together, so that stop() sees every process
+            if self._stopped:
+                raise StoreUnavailable(f"the cluster was stopped; {name} is not started")
+            popen = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                                     stderr=open(log_path, "wb"), text=True, start_new_session=True, env=env)
+            proc = self.procs[name] = Proc(name, popen, log_path)
         deadline = time.monotonic() + self.start_timeout_s
         line_box: list[str] = []
         reader = threading.Thread(target=lambda: line_box.append(popen.stdout.readline()), daemon=True)
@@ -145,6 +147,7 @@ class Cluster:
 
     def stop(self) -> None:
         with self._lock:
+            self._stopped = True
             procs = list(self.procs.values())
         for p in procs:  # workers and the entrypoint first, the store last
             if p.popen.poll() is None:

@@ -28,6 +28,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,7 +92,9 @@ def walkthrough(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    try:
+    outcome: dict = {}
+
+    def play() -> int:
         t0 = time.perf_counter()
         cluster.start()
         _say(f"stack up in {time.perf_counter() - t0:.1f} s: store {cluster.store_url}, "
@@ -166,6 +169,24 @@ def walkthrough(args: argparse.Namespace) -> int:
                       "matches_cold": v is cold or v.matches_cold} for v in [cold, *variants]}, indent=1))
         _say(f"\nreport: {report}")
         return 0 if ok else 1
+
+    def play_here() -> None:
+        try:
+            outcome["code"] = play()
+        except BaseException as exc:  # handed to the main thread below
+            outcome["error"] = exc
+
+    # The stack is driven from a worker thread; the main thread only waits for it. Ctrl-C and
+    # SIGTERM raise KeyboardInterrupt in the main thread, and never inside gRPC's own calls
+    # and locks (an interrupted stream left its channel unclosable, so the process hung at exit).
+    worker = threading.Thread(target=play_here, name="walkthrough", daemon=True)
+    try:
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["code"]
     except KeyboardInterrupt:
         _say("\ninterrupted: stopping everything")
         return 130
@@ -177,7 +198,9 @@ def walkthrough(args: argparse.Namespace) -> int:
              f"(logs in {run_dir})")
         return 2
     finally:
-        cluster.stop()
+        cluster.stop()  # its processes gone, a worker still inside a call gets an error and ends
+        if worker.is_alive():
+            worker.join(timeout=10)
 
 
 def main(argv: list[str] | None = None) -> int:
