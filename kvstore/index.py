@@ -34,7 +34,8 @@ Invariants (each write transaction keeps them):
      ``grave``; the pack files are removed only when that count drops to zero (the
      last record purged from ``grave``). Until then a purged record's pack bytes
      are *dead*: counted in the pack's dead bytes and in ``info.pack_dead_bytes``
-     (as are the pack copies of fragments repair rebuilt as their own files). A
+     (as are the pack copies of fragments repair rebuilt as their own files, and the
+     share of an entry that lost its put race in a pack whose other entries were stored). A
      pack whose dead bytes reach ``compact_ratio`` of its bytes is queued in
      ``compact``; GC rewrites its live entries into a new pack, so dead bytes
      stay bounded without an operator.
@@ -232,6 +233,13 @@ class Index:
             txn.delete(gen, db=self.db["compact"])
             self.add_counter(txn, "pack_dead_bytes", d_dead - dead)
         return refs
+
+    def pack_dead_txn(self, txn: lmdb.Transaction, gen: bytes, nbytes: int) -> None:
+        """Count ``nbytes`` of pack ``gen`` that no record will ever name (a race loser's
+        share) as its bytes and dead bytes at once (invariant 6). No-op for a pack without
+        records: its writer removes it."""
+        if nbytes and txn.get(gen, db=self.db["packs"]) is not None:
+            self._pack_update(txn, gen, 0, nbytes, nbytes)
 
     def pack_info(self, txn: lmdb.Transaction, gen: bytes) -> tuple[int, int, int] | None:
         """(records, bytes, dead bytes) of pack ``gen``; ``None`` when no record is stored in it."""

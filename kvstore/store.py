@@ -71,7 +71,7 @@ from kvstore.errors import (
     StoreClosed,
     Unrecoverable,
 )
-from kvstore.index import Index, Meta, ekey
+from kvstore.index import Index, Meta, ekey, packed_bytes
 from kvstore.keys import check_key, check_keys
 from kvstore.targets import Target, open_target
 from kvstore.tuning import tune_malloc
@@ -275,6 +275,10 @@ class EmbeddedStore(FragmentIO, PackIO):
                     self.index.drop_lost_txn(txn, ek, lost, now, to_grave=True)
                 self.index.insert_txn(txn, ek, meta)
                 created.append(True)
+            # A loser's share of a pack stays in it: dead from the start (index invariant 6).
+            for (ek, meta), c in zip(records, created):
+                if not c and meta.offsets:
+                    self.index.pack_dead_txn(txn, meta.gen, packed_bytes(meta))
             self._flush_touches_txn(txn)
         n_new = sum(created)
         self._count("puts", n_new)

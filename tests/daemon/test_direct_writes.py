@@ -68,6 +68,8 @@ def test_a_re_put_is_false_and_its_unused_pack_is_removed(make_daemon) -> None:
     assert d.store.counters["puts_deduplicated"] == 4
     assert s.put_many([items[1], PutItem(K("new"), b"n")]) == [False, True]
     assert s.get(K("new")) == b"n" and s.check() == []
+    loser = d.store.locate([ekey(1, K(1))])[0]  # the same size as its copy in the new pack
+    assert d.store.stats()["pack_dead_bytes"] == 6 * loser.frag_len  # that copy is dead from the start
     s.close()
 
 

@@ -188,6 +188,36 @@ def test_a_batch_that_loses_every_race_leaves_no_pack(packed, keys, monkeypatch)
     assert_clean(packed)
 
 
+def test_a_race_losers_share_of_a_pack_is_dead_from_the_start(packed, keys, monkeypatch, clock):
+    real = packed._write_pack
+
+    def racing(encs, gen):
+        out = real(encs, gen)
+        for e in encs[:3]:  # another writer commits three of the keys first
+            packed.put(e.key, b"theirs")
+        return out
+
+    monkeypatch.setattr(packed, "_write_pack", racing)
+    vals = {k: os.urandom(20_000) for k in keys[:5]}  # one size: every share of the pack is as long
+    assert packed.put_many([PutItem(k, v) for k, v in vals.items()]) == [False] * 3 + [True] * 2
+    monkeypatch.undo()
+    (gen,) = _pack_refs(packed)
+    with packed.index.env.begin() as txn:
+        refs, nbytes, dead = packed.index.pack_info(txn, gen)
+        flen = packed.index.get_meta(txn, ekey(1, keys[3])).frag_len
+    assert refs == 2 and dead == 3 * 6 * flen and nbytes == 5 * 6 * flen  # the 3 losers' shares
+    assert packed.stats()["pack_dead_bytes"] == dead
+    packed.delete(keys[3])  # 4 of 5 shares dead: over the ratio, GC moves the last entry out
+    clock.advance(31)
+    out = packed.gc()
+    assert out["compacted_packs"] == 1 and out["moved_entries"] == 1
+    assert packed.get(keys[4]) == vals[keys[4]] and packed.get_many(keys[:3]) == [b"theirs"] * 3
+    clock.advance(31)
+    packed.gc()
+    assert gen not in _pack_refs(packed) and packed.stats()["pack_dead_bytes"] == 0
+    assert_clean(packed)
+
+
 def test_repair_rebuilds_a_packed_fragment_as_its_own_file(packed, keys, clock):
     packed.put_many([PutItem(k, value_for(k)) for k in keys[:4]])
     bad = fragment_refs(packed, keys[2])[3]
