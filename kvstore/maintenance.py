@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
@@ -91,8 +92,15 @@ def _purge_grave(store: "EmbeddedStore", now: int, dry_run: bool) -> tuple[int, 
     with store.index.env.begin() as txn:
         due = [(t, rest, store.index.unpack(txn, txn.get(_grave_key(t, rest), db=store.index.db["grave"])))
                for t, rest in store.index.oldest(txn, "grave", before_ns=cutoff + 1)]
-    if dry_run:
-        return len(due), sum(m.stored_bytes - packed_bytes(m) for _, _, m in due)  # packs: not counted
+    if dry_run:  # what the real pass would free: own files, and each pack all of whose records are due
+        nbytes = sum(m.stored_bytes - packed_bytes(m) for _, _, m in due)
+        by_gen = Counter(m.gen for _, _, m in due if m.offsets)
+        with store.index.env.begin() as txn:
+            for gen, n in by_gen.items():
+                info = store.index.pack_info(txn, gen)
+                if info is not None and info[0] == n:
+                    nbytes += info[1]
+        return len(due), nbytes
     nbytes = 0
     for t, rest, m in due:
         ek = rest[:17]
