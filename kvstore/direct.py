@@ -86,6 +86,7 @@ from kvstore.index import Meta
 from kvstore.keys import KEY_LEN
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.targets import Target, open_target
+from kvstore.tuning import tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,8 @@ class DirectReader(FragmentIO):
         self.counters: dict[str, int] = {
             "direct_reads": 0, "direct_bytes": 0, "fallbacks": 0, "degraded_reads": 0, "unrecoverable": 0,
             "read_retries": 0, "read_timeouts": 0}
+        if self.config.tune_malloc:
+            tune_malloc()  # as the embedded store does: read buffers of 128 KiB+ without a fresh mmap each
 
     # FragmentIO host methods -----------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:

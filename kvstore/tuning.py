@@ -12,7 +12,9 @@ What: ``mallopt(M_MMAP_THRESHOLD, 32 MiB)`` and ``mallopt(M_TRIM_THRESHOLD,
 instead of returning it at once.
 
 When: once per process, when a store opens with ``StoreConfig.tune_malloc``
-(the default; the daemon included). Never when the environment already sets
+(the default; the daemon included), and when a remote client starts reading or
+writing fragments itself (``kvstore.direct``, ``kvstore.direct_writes``); a client
+that only talks gRPC leaves the allocator alone. Never when the environment already sets
 glibc's malloc tunables (``GLIBC_TUNABLES`` naming ``glibc.malloc.``,
 ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``): the operator's choice
 wins. On another C library nothing happens. ``tune_malloc`` says which case it was.
