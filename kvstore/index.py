@@ -46,7 +46,9 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from itertools import compress, count
+from operator import not_
+from typing import Iterable, Iterator, Sequence
 
 import lmdb
 
@@ -348,15 +350,20 @@ class Index:
         return not first.first() or _U64.unpack_from(first.key())[0] > now_ns
 
     @staticmethod
-    def _live_flags(cur: lmdb.Cursor, eks: list[bytes], fresh: bool, now_ns: int) -> list[bool]:
-        """Per record key of ``eks``: True when its record is present and has not expired
-        (lookup's expiry rule). When nothing has expired (``fresh``, see ``_none_expired``)
-        only presence is asked: positioning the cursor copies no value, about 3x faster than
-        ``getmulti`` for a found key."""
+    def _live_iter(cur: lmdb.Cursor, eks: Iterable[bytes], fresh: bool, now_ns: int) -> Iterator[bool]:
+        """Per record key of ``eks``, lazily (each read when asked for): True when its record
+        is present and has not expired (lookup's expiry rule). When nothing has expired
+        (``fresh``, see ``_none_expired``) only presence is asked: positioning the cursor
+        copies no value, about 3x faster than ``getmulti`` for a found key."""
         if fresh:
-            return list(map(cur.set_key, eks))
+            return map(cur.set_key, eks)
         unpack, off, value = _EXP.unpack_from, _EXPIRES_OFF, cur.value
-        return [cur.set_key(ek) and not 0 < unpack(value(), off)[0] <= now_ns for ek in eks]
+        return (cur.set_key(ek) and not 0 < unpack(value(), off)[0] <= now_ns for ek in eks)
+
+    @classmethod
+    def _live_flags(cls, cur: lmdb.Cursor, eks: list[bytes], fresh: bool, now_ns: int) -> list[bool]:
+        """``_live_iter`` over all of ``eks``."""
+        return list(cls._live_iter(cur, eks, fresh, now_ns))
 
     def probe(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int) -> tuple[bytes, bytes]:
         """Per key, independently: 1 if a live block entry, and 1 if *also* a live SWA entry
@@ -375,8 +382,8 @@ class Index:
     def lookup(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int) -> tuple[int, int | None]:
         """Longest live block prefix of the chain ``keys`` and the last SWA boundary within it.
 
-        O(chain) point reads in one read transaction (fewer when SWA snapshots are near the
-        hit); nothing is written.
+        O(hit) point reads in one read transaction: at most ``hit + 1`` block keys and ``hit``
+        SWA keys (usually a few, snapshots being near the hit); nothing is written.
         """
         if not keys:
             return 0, None
@@ -384,11 +391,10 @@ class Index:
         with self.env.begin() as txn:
             cur = txn.cursor(db=self.db["entries"])
             fresh = self._none_expired(txn, now_ns)
-            live = self._live_flags(cur, [bp + k for k in keys], fresh, now_ns)
-            try:
-                hit = live.index(False)  # the prefix ends at the first block that is not live
-            except ValueError:
-                hit = len(live)
+            # The prefix ends at the first block that is not live; no key past it is read, so a
+            # chain that misses early costs its hit, not its length (a new prompt: one read).
+            live = self._live_iter(cur, map(bp.__add__, keys), fresh, now_ns)
+            hit = next(compress(count(), map(not_, live)), len(keys))  # C loops, as fast as a list
             # The last live SWA entry at or below the hit, searched backwards from the hit in
             # growing windows (snapshots sit at turn ends and fixed intervals, so usually the
             # first window answers; the worst case, no snapshot, reads each SWA key once).

@@ -115,6 +115,61 @@ def test_probe_is_each_keys_own_lookup(store, keys, clock, seed):
     assert store.probe([]) == (b"", b"")
 
 
+class _CountingEnv:
+    """The index's LMDB environment, counting the entry records its read cursors position on."""
+
+    def __init__(self, env):
+        self.env, self.reads = env, []
+
+    def begin(self, **kw):
+        counting = self
+
+        class Txn:
+            def __init__(self, txn):
+                self.txn = txn
+
+            def __enter__(self):
+                self.txn.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.txn.__exit__(*exc)
+
+            def cursor(self, **kw):
+                cur = self.txn.cursor(**kw)
+
+                class Cursor:
+                    def __getattr__(self, name):
+                        return getattr(cur, name)
+
+                    def set_key(self, ek):
+                        counting.reads.append(bytes(ek))
+                        return cur.set_key(ek)
+
+                return Cursor()
+
+        return Txn(self.env.begin(**kw))
+
+
+@pytest.mark.parametrize("hit", [0, 3, 40])
+def test_lookup_reads_its_hit_not_its_chain(store, hasher, monkeypatch, hit):
+    """Issue #2: lookup costs O(hit length). A 1,000-block chain that hits ``hit`` blocks
+    (one SWA snapshot inside) positions on at most hit + 1 block records and hit SWA ones."""
+    keys = hasher.hash_blocks(list(range(16 * 1000)))
+    for k in keys[:hit] + keys[hit + 1:hit + 30]:  # stored blocks past the first gap do not count
+        store.put(k, b"kv")
+    if hit:
+        store.put(keys[hit // 2], b"w", kind="swa")
+    counting = _CountingEnv(store.index.env)
+    monkeypatch.setattr(store.index, "env", counting)
+    r = store.lookup(keys)
+    assert (r.hit_blocks, r.swa_at) == (hit, hit // 2 + 1 if hit else None)
+    code = bytes((kvstore.EntryKind.BLOCK.code,))
+    block = [ek for ek in counting.reads if ek[:1] == code]
+    assert block == [code + k for k in keys[:hit + 1]]
+    assert len(counting.reads) - len(block) <= hit
+
+
 def test_lookup_has_no_side_effects(store, keys):
     store.put(keys[0], b"x")
     before = store.counters.copy()
