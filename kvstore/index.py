@@ -180,8 +180,12 @@ class Index:
             raise InternalError(f"index record version {ver}: this is a bug or a foreign index")
         ids = struct.unpack_from(f">{n}H", raw, _META.size)
         offsets = struct.unpack_from(f">{n}Q", raw, _META.size + 2 * n) if ver == 2 else ()
+        try:
+            names = tuple(map(self._tname.__getitem__, ids))  # every read's path: a C loop over known ids
+        except KeyError:  # an id another process assigned since this one loaded the table
+            names = tuple(self._target_name(txn, i) for i in ids)
         return Meta(k, m, tokens, plain_len, entry_len, frag_len, created, access, expires, gen,
-                    tuple(self._target_name(txn, i) for i in ids), bool(flags & FLAG_PINNED), offsets)
+                    names, bool(flags & FLAG_PINNED), offsets)
 
     @staticmethod
     def expires_of(raw: bytes) -> int:

@@ -357,3 +357,14 @@ def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch,
 def test_parallel_writes_is_checked(data_dir):
     with pytest.raises(InvalidRequest, match="parallel_writes must be auto, always or never"):
         kvstore.connect(str(data_dir), parallel_writes="sometimes")
+
+
+def test_a_target_id_assigned_elsewhere_is_read_from_the_index(store, keys):
+    """Target ids are cached per process; an id another process assigned after this one
+    loaded the table (here: forgotten) is read from the index, not a KeyError."""
+    v = value_for(keys[0], 20_000)
+    store.put(keys[0], v)
+    known = dict(store.index._tname)
+    store.index._tname.clear()
+    assert store.get(keys[0]) == v
+    assert store.index._tname == known
