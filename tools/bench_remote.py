@@ -4,7 +4,7 @@ Command (from the repository root; ``bash tools/install_peers.sh --mooncake`` fi
 redis-server and the Mooncake venv)::
 
     .venv/bin/python tools/bench_remote.py --out results/bench_remote.json
-    .venv/bin/python tools/bench_remote.py --fsync true --n 32     # durable puts (fsync) for kvstore
+    .venv/bin/python tools/bench_remote.py --fsync true --n 64     # durable puts (fsync) for kvstore
 
 ``run_remote(args)`` (arguments from ``add_arguments``) is the whole comparison, for
 other scripts to call. Measured, per entry size (128 KiB and 1 MiB): put and get
@@ -227,7 +227,8 @@ def lookup_latency(store: Any, chain_len: int, reps: int, tag: str) -> dict:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sizes", default="131072,1048576", help="entry sizes in bytes, comma separated")
-    ap.add_argument("--n", type=int, default=64, help="entries per size and mode")
+    ap.add_argument("--n", type=int, default=256,
+                    help="entries per size and mode (256: 16 batches of 16 per figure; 64 gave only 4)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--fsync", default="false", help="kvstore puts durable (fsync) or page cache only")
     ap.add_argument("--chain", type=int, default=1000)
