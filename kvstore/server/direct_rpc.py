@@ -78,14 +78,15 @@ class DirectRPC:
                                    "read through Get/GetStream")
         self._batch(len(r.keys), "locate")
         kind = EntryKind.parse(kind_or_default(r.kind))
-        eks = [ekey(kind.code, k) for k in self._keys(tenant, r.keys)]  # validate every key first
+        code, kv = kind.code, kind.value  # enum properties, read once: ~3 us each per key otherwise
+        eks = [ekey(code, k) for k in self._keys(tenant, r.keys)]  # validate every key first
         metas = self.store.locate(eks)
         hits = sum(m is not None for m in metas)
-        self.metrics.hit("locate", kind.value, True, hits)
-        self.metrics.hit("locate", kind.value, False, len(metas) - hits)
+        self.metrics.hit("locate", kv, True, hits)
+        self.metrics.hit("locate", kv, False, len(metas) - hits)
         return pb.LocateReply(locations=[
             pb.Location() if m is None else pb.Location(
-                found=True, stored_key=ek[1:], kind=kind.value, k=m.k, m=m.m, entry_len=m.entry_len,
+                found=True, stored_key=ek[1:], kind=kv, k=m.k, m=m.m, entry_len=m.entry_len,
                 plain_len=m.plain_len, frag_len=m.frag_len, gen=m.gen, targets=m.targets, tokens=m.tokens,
                 offsets=m.offsets)
             for ek, m in zip(eks, metas)])
