@@ -295,7 +295,12 @@ class Index:
         if new.expires_ns:
             txn.put(_U64.pack(new.expires_ns) + ek, b"", db=self.db["ttl"])
         self.add_counter(txn, "used_bytes", new.stored_bytes - old.stored_bytes)
-        if old.offsets and old.gen == new.gen and packed_bytes(new) < packed_bytes(old):  # repair moved some out
+        self._moved_out(txn, old, new)
+
+    def _moved_out(self, txn: lmdb.Transaction, old: Meta, new: Meta) -> None:
+        """Repair rebuilt some of ``old``'s packed fragments as their own files (``new``): their
+        copies in the pack are dead bytes from now on (invariant 6)."""
+        if old.offsets and old.gen == new.gen and packed_bytes(new) < packed_bytes(old):
             self._pack_update(txn, old.gen, 0, 0, packed_bytes(old) - packed_bytes(new))
 
     def touch_txn(self, txn: lmdb.Transaction, ek: bytes, access_ns: int) -> None:
@@ -316,12 +321,15 @@ class Index:
         return None if raw is None else self.unpack(txn, raw)
 
     def drop_lost_txn(self, txn: lmdb.Transaction, ek: bytes, m: Meta, now_ns: int, *, to_grave: bool) -> None:
+        old = self.get_lost(txn, ek)
         txn.delete(ek, db=self.db["lost"])
         if to_grave:
             txn.put(_U64.pack(now_ns) + ek + m.gen, self.pack(txn, m), db=self.db["grave"])
             self.add_counter(txn, "used_bytes", -m.stored_bytes)
-        else:  # restored: back to live, keeping its bytes counted
+        else:  # restored: back to live (as repaired, ``m``), keeping its bytes counted
             txn.put(ek, self.pack(txn, m), db=self.db["entries"])
+            if old is not None:
+                self._moved_out(txn, old, m)
             if not m.pinned:
                 txn.put(_U64.pack(m.access_ns) + ek, b"", db=self.db["lru"])
             if m.expires_ns:

@@ -334,8 +334,9 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
                         store.index.drop_lost_txn(txn, ek, fixed_meta, store.now_ns(), to_grave=False)
         for p in bad.values():
             problems.append(replace(p, fixed=fix and fixed_meta is not None))
-        if where == "lost" and not bad:
-            # All fragments read fine again (targets came back): the entry is only marked lost.
+        if where == "lost":
+            # Readable again (targets came back; any bad fragments listed above): with fix it is
+            # live again, its bad fragments rebuilt first.
             problems.append(Problem(ProblemKind.LOST_ENTRY, ek[1:].hex(), kind, "",
                                     "marked lost but readable again", fixed=fix and fixed_meta is not None))
     progress("verify", total, total)

@@ -243,6 +243,28 @@ def test_repair_rebuilds_a_packed_fragment_as_its_own_file(packed, keys, clock):
     assert_clean(packed)
 
 
+def test_a_restored_lost_entry_counts_its_repaired_pack_share_as_dead(packed, keys):
+    """A packed entry is marked lost (3 of its 6 fragments bad), two come back, and repair
+    restores it, rebuilding the third as its own file: that fragment's copy in the pack is
+    dead bytes, as for a live entry's repair (invariant 6)."""
+    packed.put_many([PutItem(k, value_for(k)) for k in keys[:4]])
+    refs = fragment_refs(packed, keys[2])
+    saved = [f.read_bytes() for f in refs[:3]]
+    for f in refs[:3]:
+        f.write_bytes(b"\xff" * 64)
+    with pytest.raises(kvstore.Unrecoverable):
+        packed.get(keys[2])
+    assert packed.stats()["lost_entries"] == 1
+    for f, data in zip(refs[:2], saved[:2]):  # two targets come back; fragment 2 stays bad
+        f.write_bytes(data)
+    out = packed.repair()
+    assert (out["restored_entries"], out["rebuilt_fragments"]) == (1, 1)
+    assert not fragment_refs(packed, keys[2])[2].packed
+    assert packed.stats()["pack_dead_bytes"] == refs[2].length
+    assert packed.get(keys[2]) == value_for(keys[2])
+    assert_clean(packed)
+
+
 def test_single_puts_and_unpacked_batches_write_fragment_files(data_dir, keys):
     with kvstore.connect(str(data_dir), fsync=False, pack_batches=False) as s:
         s.put_many([PutItem(k, value_for(k)) for k in keys[:3]])
