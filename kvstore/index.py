@@ -377,16 +377,24 @@ class Index:
         """``_live_iter`` over all of ``eks``."""
         return list(cls._live_iter(cur, eks, fresh, now_ns))
 
-    def probe(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int) -> tuple[bytes, bytes]:
+    def probe(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int, *,
+              until_miss: bool = False) -> tuple[bytes, bytes]:
         """Per key, independently: 1 if a live block entry, and 1 if *also* a live SWA entry
         (what ``lookup`` of that key alone would say); two byte strings, one read transaction,
         O(len(keys)). A sharded client probes every key of a chain on its shard and walks the
-        prefix itself."""
+        prefix itself. ``until_miss`` (``keys`` are one chain's share, in chain order): stop
+        after the first key without a live block entry, so the strings end with that key's 0
+        (or cover every key when all are live): O(hit) reads, as ``lookup``."""
         bp, sp = bytes((block_code,)), bytes((swa_code,))
         with self.env.begin() as txn:
             fresh = self._none_expired(txn, now_ns)
             cur = txn.cursor(db=self.db["entries"])
-            blocks = self._live_flags(cur, [bp + k for k in keys], fresh, now_ns)
+            if until_miss:
+                live = self._live_iter(cur, map(bp.__add__, keys), fresh, now_ns)
+                hit = next(compress(count(), map(not_, live)), len(keys))
+                blocks = [True] * hit + [False] * (hit < len(keys))
+            else:
+                blocks = self._live_flags(cur, [bp + k for k in keys], fresh, now_ns)
             swas = self._live_flags(cur, [sp + k for k, b in zip(keys, blocks) if b], fresh, now_ns)
         it = iter(swas)
         return bytes(blocks), bytes(b and next(it) for b in blocks)

@@ -398,15 +398,24 @@ class RemoteStore:
             return [self.lookup(m.keys) for m in msgs]
         return [self._result(r) for r in self._call("LookupMany", pb.LookupManyRequest(chains=msgs)).results]
 
-    def probe(self, keys: Sequence[bytes]) -> tuple[bytes, bytes]:
-        """Per key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings."""
+    def probe(self, keys: Sequence[bytes], *, until_miss: bool = False) -> tuple[bytes, bytes]:
+        """Per key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings.
+        ``until_miss`` (``keys`` are one chain's share, in chain order): the strings may end
+        at the first key without a live block (``EmbeddedStore.probe``); pieces after it are
+        not asked for."""
         keys = check_keys(keys)
         step = self.options.max_batch_items
         block, swa = [], []
         for off in range(0, len(keys), step):
-            r = self._call("Probe", pb.LookupRequest(keys=keys[off:off + step]))
+            n = len(keys[off:off + step])
+            r = self._call("Probe", pb.ProbeRequest(keys=keys[off:off + step], until_miss=until_miss))
+            short = len(r.block) < n
+            if len(r.swa) != len(r.block) or len(r.block) > n or (short and (not until_miss or r.block[-1:] != b"\0")):
+                raise InternalError(f"Probe answered {len(r.block)}/{len(r.swa)} flags for {n} keys (a kvstore bug)")
             block.append(r.block)
             swa.append(r.swa)
+            if until_miss and 0 in r.block:
+                break
         return b"".join(block), b"".join(swa)
 
     # ------------------------------------------------------------------ maintenance

@@ -15,7 +15,9 @@ client groups the chain's positions by owner, sends one ``Probe`` per shard
 in parallel ("is keys[i] a live block? a live SWA?"), then walks the answers
 in chain order and stops at the first missing block; ``swa_at`` is the last
 SWA at or before that point. One round trip (the slowest shard) per lookup;
-``lookup_many`` batches every chain's keys into that same one round.
+``lookup_many`` batches every chain's keys into that same one round. For one
+chain each shard stops reading at its own first miss (``until_miss``): the
+chain's prefix ends at the earliest of those, so a shard reads O(hit) keys.
 
 Failure semantics: a batch spanning shards is sent to each shard in
 parallel; every item is validated client-side first, so bad input stores
@@ -179,13 +181,20 @@ class ShardedStore:
         return self._by_key("unpin_many", keys, kind)
 
     # ------------------------------------------------------------------ lookup
-    def _probe_all(self, keys: list[bytes]) -> tuple[bytes, bytes]:
-        """``probe`` of every key, each asked of the shard that owns it (all shards at once)."""
+    def _probe_all(self, keys: list[bytes], *, one_chain: bool = False) -> tuple[bytes, bytes]:
+        """``probe`` of every key, each asked of the shard that owns it (all shards at once).
+
+        ``one_chain`` (``keys`` is one chain): each shard may stop at its first key without a
+        live block (``until_miss``); the keys it did not answer stay 0. That changes no walk:
+        the chain's first miss is the earliest of the shards' first misses, and every key
+        before it was answered by its shard. So each shard reads O(hit), not its whole share.
+        """
         block, swa = np.zeros(len(keys), np.uint8), np.zeros(len(keys), np.uint8)
         groups = self._group(keys)
-        got = self._per_shard(groups, lambda sh, pos: sh.probe([keys[i] for i in pos]))
+        got = self._per_shard(groups, lambda sh, pos: sh.probe([keys[i] for i in pos], until_miss=one_chain))
         for s, (b, w) in got.items():
-            block[groups[s]], swa[groups[s]] = np.frombuffer(b, np.uint8), np.frombuffer(w, np.uint8)
+            pos = groups[s][:len(b)]
+            block[pos], swa[pos] = np.frombuffer(b, np.uint8), np.frombuffer(w, np.uint8)
         return block.tobytes(), swa.tobytes()
 
     @staticmethod
@@ -208,7 +217,7 @@ class ShardedStore:
             start = len(flat)
             flat.extend(check_keys(c))
             bounds.append((start, len(flat)))
-        block, swa = self._probe_all(flat)
+        block, swa = self._probe_all(flat, one_chain=len(chains) == 1)
         return [self._walk(block[a:b], swa[a:b]) for a, b in bounds]
 
     # ------------------------------------------------------------------ maintenance

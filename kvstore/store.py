@@ -481,11 +481,13 @@ class EmbeddedStore(FragmentIO, PackIO):
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
         return [self.lookup(c) for c in chains]
 
-    def probe(self, keys: Sequence[bytes]) -> tuple[bytes, bytes]:
+    def probe(self, keys: Sequence[bytes], *, until_miss: bool = False) -> tuple[bytes, bytes]:
         """Per key, on its own (not a chain): 1 if a live block entry, and 1 if also a live SWA
-        entry; as two byte strings (``RemoteStore.probe``'s answer, which serves it)."""
+        entry; as two byte strings (``RemoteStore.probe``'s answer, which serves it).
+        ``until_miss``: ``Index.probe``'s (answers end at the first key without a block)."""
         self._check_open()
-        return self.index.probe(check_keys(keys), EntryKind.BLOCK.code, EntryKind.SWA.code, self.now_ns())
+        return self.index.probe(check_keys(keys), EntryKind.BLOCK.code, EntryKind.SWA.code, self.now_ns(),
+                                until_miss=until_miss)
 
     # ------------------------------------------------------------------ capacity
     def used_bytes(self) -> int:

@@ -106,7 +106,7 @@ class KVStoreStub:
                 _registered_method=True)
         self.Probe = channel.unary_unary(
                 '/kvstore.v1.KVStore/Probe',
-                request_serializer=kvstore__pb2.LookupRequest.SerializeToString,
+                request_serializer=kvstore__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.ProbeReply.FromString,
                 _registered_method=True)
         self.Describe = channel.unary_unary(
@@ -356,7 +356,7 @@ def add_KVStoreServicer_to_server(servicer, server):
             ),
             'Probe': grpc.unary_unary_rpc_method_handler(
                     servicer.Probe,
-                    request_deserializer=kvstore__pb2.LookupRequest.FromString,
+                    request_deserializer=kvstore__pb2.ProbeRequest.FromString,
                     response_serializer=kvstore__pb2.ProbeReply.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
@@ -798,7 +798,7 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Probe',
-            kvstore__pb2.LookupRequest.SerializeToString,
+            kvstore__pb2.ProbeRequest.SerializeToString,
             kvstore__pb2.ProbeReply.FromString,
             options,
             channel_credentials,

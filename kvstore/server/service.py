@@ -134,7 +134,7 @@ class Daemon(DirectRPC):
             "UnpinMany": _Method(pb.KeysRequest, self._many("unpin")),
             "Lookup": _Method(pb.LookupRequest, self._lookup),
             "LookupMany": _Method(pb.LookupManyRequest, self._lookup_many),
-            "Probe": _Method(pb.LookupRequest, self._probe),
+            "Probe": _Method(pb.ProbeRequest, self._probe),
             "Describe": _Method(pb.DescribeRequest, self._describe),
             "Locate": _Method(pb.LocateRequest, self._locate),
             "Commit": _Method(pb.CommitRequest, self._commit),
@@ -501,9 +501,9 @@ class Daemon(DirectRPC):
         self._batch(sum(len(c.keys) for c in r.chains), "lookup_many (keys in all chains)")
         return pb.LookupManyReply(results=[_lookup_pb(self._lookup_one(c.keys, tenant)) for c in r.chains])
 
-    def _probe(self, r: pb.LookupRequest, tenant: Tenant) -> pb.ProbeReply:
+    def _probe(self, r: pb.ProbeRequest, tenant: Tenant) -> pb.ProbeReply:
         self._batch(len(r.keys), "probe")
-        block, swa = self.store.probe(self._keys(tenant, r.keys))
+        block, swa = self.store.probe(self._keys(tenant, r.keys), until_miss=r.until_miss)
         return pb.ProbeReply(block=block, swa=swa)
 
     def _stats(self, r: pb.StatsRequest, tenant: Tenant) -> pb.JsonReply:

@@ -84,7 +84,7 @@ ALL_METHODS = [
     ("GetMany", pb.GetManyRequest), ("Delete", pb.KeyRequest), ("DeleteMany", pb.KeysRequest),
     ("Pin", pb.KeyRequest), ("PinMany", pb.KeysRequest), ("Unpin", pb.KeyRequest),
     ("UnpinMany", pb.KeysRequest), ("Lookup", pb.LookupRequest), ("LookupMany", pb.LookupManyRequest),
-    ("Probe", pb.LookupRequest), ("Stats", pb.StatsRequest), ("Gc", pb.GcRequest),
+    ("Probe", pb.ProbeRequest), ("Stats", pb.StatsRequest), ("Gc", pb.GcRequest),
     ("Check", pb.CheckRequest), ("Repair", pb.RepairRequest), ("Describe", pb.DescribeRequest),
     ("Locate", pb.LocateRequest), ("Commit", pb.CommitRequest)]
 

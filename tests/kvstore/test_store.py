@@ -113,6 +113,10 @@ def test_probe_is_each_keys_own_lookup(store, keys, clock, seed):
     assert list(block) == [r.hit_blocks for r in want]
     assert list(swa) == [int(r.swa_at == 1) for r in want]
     assert store.probe([]) == (b"", b"")
+    # until_miss: the same answers, ending with the first key that has no live block.
+    end = block.find(0) + 1 or len(block)
+    assert store.probe(ks + [keys[0]], until_miss=True) == (block[:end], swa[:end])
+    assert store.probe([], until_miss=True) == (b"", b"")
 
 
 class _CountingEnv:
@@ -168,6 +172,12 @@ def test_lookup_reads_its_hit_not_its_chain(store, hasher, monkeypatch, hit):
     block = [ek for ek in counting.reads if ek[:1] == code]
     assert block == [code + k for k in keys[:hit + 1]]
     assert len(counting.reads) - len(block) <= hit
+    # A sharded client's probe of its share of the chain, until its first miss: the same reads.
+    counting.reads.clear()
+    flags, swa = store.probe(keys, until_miss=True)
+    assert flags == b"\1" * hit + b"\0" and len(swa) == hit + 1
+    assert [ek for ek in counting.reads if ek[:1] == code] == [code + k for k in keys[:hit + 1]]
+    assert len(counting.reads) == 2 * hit + 1  # and one SWA read per live block
 
 
 def test_lookup_has_no_side_effects(store, keys):
