@@ -36,6 +36,11 @@ Final pass: all faults cleared, every shard repaired, then every acknowledged,
 undeleted, non-TTL key is read back: ``acked_lost`` (must be 0) and
 ``wrong_bytes`` (must be 0, counted during the run too). Output: JSON to
 ``--out``; exit 1 if either is non-zero.
+
+Work directory: ``--workdir`` is yours and stays. Without it the soak makes a
+temporary one (daemon data, fault plans, ledgers: tens to hundreds of MiB) and
+removes it after a clean run; after a failed run (or with ``--keep``) it stays for
+the post-mortem, and the report's ``workdir`` names it.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -389,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", type=int, default=2)
     ap.add_argument("--max-ops", type=int, default=1_000_000, help="per client")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--workdir", default="")
+    ap.add_argument("--workdir", default="", help="kept afterwards (default: a temporary one, removed after a clean run)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary work directory after a clean run too")
     ap.add_argument("--out", default="soak-results.json")
     ap.add_argument("--direct-writes", action="store_true",
                     help="clients write pack files into the faulty targets themselves (kvstore.direct_writes)")
@@ -466,10 +473,16 @@ def main(argv: list[str] | None = None) -> int:
         "latency": {ph: {op: pct(v) for op, v in sorted(d.items())} for ph, d in lat.items()},
         "workdir": str(work),
     }
+    failed = bool(report["wrong_bytes"] or report["acked_lost"])
+    report["workdir_kept"] = bool(a.workdir or a.keep or failed)
+    if not report["workdir_kept"]:
+        shutil.rmtree(work, ignore_errors=True)
+    elif failed:
+        print(f"soak failed; its work directory is kept for the post-mortem: {work}", file=sys.stderr)
     Path(a.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: report[k] for k in ("operations", "faults_scheduled", "degraded_reads", "repairs",
                                              "wrong_bytes", "acked_lost", "max_faulty_targets_per_shard")}))
-    return 1 if report["wrong_bytes"] or report["acked_lost"] else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

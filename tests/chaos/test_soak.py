@@ -8,6 +8,7 @@ writing every put, once with the clients writing their packs (``--direct-writes`
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("direct", [False, True], ids=["daemon-writes", "direct-writes"])
 def test_short_soak_loses_nothing_and_never_lies(tmp_path, direct):
+    """The direct-writes run also lets the soak make its own temporary work directory (under
+    this test's, through TMPDIR), which a clean run removes; the other names one, which stays."""
     out = tmp_path / "soak.json"
+    workdir = [] if direct else ["--workdir", str(tmp_path / "w")]
     r = subprocess.run([sys.executable, "tools/soak.py", "--duration", "15", "--shards", "2", "--clients", "2",
-                        "--seed", "3", "--workdir", str(tmp_path / "w"), "--out", str(out),
-                        *(["--direct-writes"] if direct else [])],
-                       cwd=ROOT, capture_output=True, text=True, timeout=150)
+                        "--seed", "3", *workdir, "--out", str(out), *(["--direct-writes"] if direct else [])],
+                       cwd=ROOT, capture_output=True, text=True, timeout=150, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.exists(), r.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert r.returncode == 0, (rep, r.stderr[-3000:])
@@ -39,3 +42,5 @@ def test_short_soak_loses_nothing_and_never_lies(tmp_path, direct):
     assert rep["client_error_samples"] == []  # no error but the typed unavailable/refused ones
     if direct:  # the clients wrote packs themselves; faulty ones were rejected or failed and went via the daemon
         assert rep["client_counts"]["direct_direct_writes"] > 100, rep["client_counts"]
+    work = Path(rep["workdir"])
+    assert work.parent == tmp_path and rep["workdir_kept"] == (not direct) and work.exists() == (not direct)
