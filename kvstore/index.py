@@ -321,7 +321,7 @@ class Index:
         return None if raw is None else self.unpack(txn, raw)
 
     def drop_lost_txn(self, txn: lmdb.Transaction, ek: bytes, m: Meta, now_ns: int, *, to_grave: bool) -> None:
-        old = self.get_lost(txn, ek)
+        old = None if to_grave else self.get_lost(txn, ek)  # restoring: what repair may have moved out
         txn.delete(ek, db=self.db["lost"])
         if to_grave:
             txn.put(_U64.pack(now_ns) + ek + m.gen, self.pack(txn, m), db=self.db["grave"])
