@@ -415,16 +415,9 @@ class Index:
             # chain that misses early costs its hit, not its length (a new prompt: one read).
             live = self._live_iter(cur, map(bp.__add__, keys), fresh, now_ns)
             hit = next(compress(count(), map(not_, live)), len(keys))  # C loops, as fast as a list
-            # The last live SWA entry at or below the hit, searched backwards from the hit in
-            # growing windows (snapshots sit at turn ends and fixed intervals, so usually the
-            # first window answers; the worst case, no snapshot, reads each SWA key once).
-            swa_at, hi, width = None, hit, 16
-            while hi > 0 and swa_at is None:
-                lo = max(0, hi - width)
-                window = self._live_flags(cur, [sp + k for k in keys[lo:hi]], fresh, now_ns)
-                for i in range(len(window) - 1, -1, -1):
-                    if window[i]:
-                        swa_at = lo + i + 1
-                        break
-                hi, width = lo, width * 4
+            # The last live SWA entry at or below the hit: SWA keys read backwards from the hit,
+            # lazily, stopping at the first live one (snapshots sit at turn ends and fixed
+            # intervals, so usually a few reads; with no snapshot, each SWA key once).
+            swa_live = self._live_iter(cur, map(sp.__add__, reversed(keys[:hit])), fresh, now_ns)
+            swa_at = next(compress(range(hit, 0, -1), swa_live), None)
             return hit, swa_at

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRequest
-from kvstore.keys import KEY_LEN, BlockHasher, ImageSpan, Namespace, check_key
+from kvstore.keys import KEY_LEN, BlockHasher, ImageSpan, Namespace, check_key, check_keys
 
 NS = Namespace("m", "global", "bfloat16", 0)
 tokens = st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=200)
@@ -86,6 +86,25 @@ def test_stable_across_processes():
 def test_wrong_key_length_is_a_clear_error(bad):
     with pytest.raises(InvalidRequest, match="16 bytes|must be bytes"):
         check_key(bad)
+
+
+_key_like = st.one_of(st.binary(min_size=KEY_LEN, max_size=KEY_LEN), st.binary(max_size=20),
+                      st.binary(min_size=KEY_LEN, max_size=KEY_LEN).map(bytearray), st.text(max_size=16),
+                      st.integers(), st.none())
+
+
+@given(st.lists(_key_like, max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_a_batch_of_keys_is_checked_as_each_key_is(batch):
+    """``check_keys`` (one fast pass when all are valid) answers as ``check_key`` per key."""
+    try:
+        want = [check_key(k) for k in batch]
+    except InvalidRequest:
+        with pytest.raises(InvalidRequest):
+            check_keys(batch)
+        return
+    got = check_keys(batch)
+    assert got == want and all(type(k) is bytes for k in got)
 
 
 def test_bad_hasher_inputs():

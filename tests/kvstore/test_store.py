@@ -158,7 +158,8 @@ class _CountingEnv:
 @pytest.mark.parametrize("hit", [0, 3, 40])
 def test_lookup_reads_its_hit_not_its_chain(store, hasher, monkeypatch, hit):
     """Issue #2: lookup costs O(hit length). A 1,000-block chain that hits ``hit`` blocks
-    (one SWA snapshot inside) positions on at most hit + 1 block records and hit SWA ones."""
+    (one SWA snapshot inside) positions on at most hit + 1 block records, and on the SWA records
+    from the hit back to the snapshot."""
     keys = hasher.hash_blocks(list(range(16 * 1000)))
     for k in keys[:hit] + keys[hit + 1:hit + 30]:  # stored blocks past the first gap do not count
         store.put(k, b"kv")
@@ -169,13 +170,15 @@ def test_lookup_reads_its_hit_not_its_chain(store, hasher, monkeypatch, hit):
     r = store.lookup(keys)
     assert (r.hit_blocks, r.swa_at) == (hit, hit // 2 + 1 if hit else None)
     code = bytes((kvstore.EntryKind.BLOCK.code,))
+    swa = bytes((kvstore.EntryKind.SWA.code,))
     block = [ek for ek in counting.reads if ek[:1] == code]
     assert block == [code + k for k in keys[:hit + 1]]
-    assert len(counting.reads) - len(block) <= hit
+    # SWA keys are read backwards from the hit and stop at the snapshot: none past it.
+    assert [ek for ek in counting.reads if ek[:1] != code] == [swa + k for k in keys[hit // 2:hit][::-1]]
     # A sharded client's probe of its share of the chain, until its first miss: the same reads.
     counting.reads.clear()
-    flags, swa = store.probe(keys, until_miss=True)
-    assert flags == b"\1" * hit + b"\0" and len(swa) == hit + 1
+    flags, swas = store.probe(keys, until_miss=True)
+    assert flags == b"\1" * hit + b"\0" and len(swas) == hit + 1
     assert [ek for ek in counting.reads if ek[:1] == code] == [code + k for k in keys[:hit + 1]]
     assert len(counting.reads) == 2 * hit + 1  # and one SWA read per live block
 
