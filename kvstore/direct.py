@@ -429,21 +429,29 @@ class DirectReads(DirectPath):
         h, plain = got
         return Entry(key, kind, h.layout, h.tokens, bytes(plain))
 
-    def get_many(self, keys: list[bytes], kind: EntryKind, fallback: GetMany) -> list[bytes | None] | None:
-        r = self.reader()
-        locs = self.locate(keys, kind, r) if r is not None else None
-        if locs is None:
-            return None
+    def _read_located(self, r: DirectReader, locs: list, views: list[memoryview] | None) -> tuple[list, list[int]]:
+        """Read every located entry (into ``views[i]`` when given): ([(i, (header, payload))] of
+        those read and verified, [i] of those to retry through the daemon)."""
         found = [i for i, loc in enumerate(locs) if loc is not None]
-        got = r.read_many([locs[i] for i in found], [None] * len(found))
-        out: list[bytes | None] = [None] * len(keys)
-        retry: list[int] = []
+        got = r.read_many([locs[i] for i in found], [None] * len(found) if views is None else [views[i] for i in found])
+        read, retry = [], []
         for i, g in zip(found, got):
             if g is None:
                 retry.append(i)
                 self._retried(r, locs[i])
             else:
-                out[i] = bytes(g[1])
+                read.append((i, g))
+        return read, retry
+
+    def get_many(self, keys: list[bytes], kind: EntryKind, fallback: GetMany) -> list[bytes | None] | None:
+        r = self.reader()
+        locs = self.locate(keys, kind, r) if r is not None else None
+        if locs is None:
+            return None
+        read, retry = self._read_located(r, locs, None)
+        out: list[bytes | None] = [None] * len(keys)
+        for i, (_, plain) in read:
+            out[i] = bytes(plain)
         if retry:
             for i, v in zip(retry, fallback([keys[i] for i in retry], kind)):
                 out[i] = v
@@ -460,16 +468,10 @@ class DirectReads(DirectPath):
                 raise InvalidRequest(
                     f"outs[{i}] holds {len(views[i])} bytes but the {kind.value} entry {keys[i].hex()} has "
                     f"{loc.meta.plain_len}; size the buffers from the entry layout")
-        found = [i for i, loc in enumerate(locs) if loc is not None]
-        got = r.read_many([locs[i] for i in found], [views[i] for i in found])
+        read, retry = self._read_located(r, locs, views)
         out: list[EntryInfo | None] = [None] * len(keys)
-        retry: list[int] = []
-        for i, g in zip(found, got):
-            if g is None:
-                retry.append(i)
-                self._retried(r, locs[i])
-            else:
-                out[i] = EntryInfo(keys[i], kind, g[0].plain_len, g[0].layout, g[0].tokens)
+        for i, (h, _) in read:
+            out[i] = EntryInfo(keys[i], kind, h.plain_len, h.layout, h.tokens)
         if retry:
             for i, info in copy_into(keys, fallback([keys[i] for i in retry], kind), views, kind, retry).items():
                 out[i] = info
