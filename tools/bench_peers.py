@@ -10,6 +10,10 @@ to the store's (fsync before a put returns):
 * ``RedisPeer`` on a ``RedisServer``: a private ``redis-server`` on a loopback port with
   ``appendonly yes``, ``appendfsync always``, RDB snapshots and AOF rewrites off; redis-py
   (hiredis parser when installed); a batch is one non-transactional pipeline.
+* ``ECFloorPeer``: not a store but a bound: the least I/O any store that keeps an entry as
+  k+m fragments on k+m targets behind a durable index can do (appends to open files, one
+  syncfs, one durable LMDB commit; k preads back). kvstore / ec_floor says how far the store
+  is from its own design's limit, beside how far it is from one plain copy (``raw_file``).
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import tempfile
 import time
 
-from kvstore.targets import fsync_dir  # the store's own directory fsync, so both publish alike
+from kvstore.targets import fsync_dir, syncfs  # the store's own directory fsync and syncfs
 
 
 class Peer:
@@ -91,6 +96,63 @@ class LMDBPeer(Peer):
             return [txn.get(k) for k in keys]
 
     def close(self):
+        self.env.close()
+
+
+class ECFloorPeer(Peer):
+    """The I/O floor of a k+m fragment store with a durable index, at kvstore's durability.
+
+    Put: one append of ``ceil(len / k)`` bytes to each of k+m files held open (the data shares,
+    and the first share again standing in for each parity fragment), one ``syncfs`` for all of
+    them, then one durable LMDB commit of the (offset, length) record. A batch appends every
+    entry, then syncs and commits once. Get: one LMDB read, k ``preadv`` into one buffer.
+    No file is created per put, nothing is encoded, checksummed or verified, and a crash may
+    tear an append: a bound for the design, never a store to use.
+    """
+
+    batch_api = True
+    _REC = struct.Struct("<QQ")  # offset in every file, entry length
+
+    def __init__(self, d: str, k: int = 4, m: int = 2):
+        import lmdb
+
+        self.d, self.k = d, k
+        self.fds = [os.open(os.path.join(d, f"t{i}"), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+                    for i in range(k + m)]
+        self.end = 0  # every file has the same length: each put appends one share to each
+        self.env = lmdb.open(os.path.join(d, "index"), map_size=2**30, sync=True, metasync=True)
+
+    def _append(self, val: bytes) -> bytes:
+        share = -(-len(val) // self.k)
+        mv = memoryview(val)
+        for i, fd in enumerate(self.fds):
+            piece = mv[i * share:(i + 1) * share] if i < self.k else mv[:share]
+            os.write(fd, piece if len(piece) == share else bytes(piece) + bytes(share - len(piece)))
+        rec, self.end = self._REC.pack(self.end, len(val)), self.end + share
+        return rec
+
+    def put_many(self, kv):
+        recs = [(k, self._append(v)) for k, v in kv]
+        syncfs(self.d)
+        with self.env.begin(write=True) as txn:
+            for k, rec in recs:
+                txn.put(k, rec)
+
+    def put(self, key, val):
+        self.put_many([(key, val)])
+
+    def get(self, key):
+        with self.env.begin() as txn:
+            off, n = self._REC.unpack(txn.get(key))
+        share = -(-n // self.k)
+        buf = bytearray(share * self.k)
+        for i in range(self.k):
+            os.preadv(self.fds[i], [memoryview(buf)[i * share:(i + 1) * share]], off)
+        return bytes(memoryview(buf)[:n])
+
+    def close(self):
+        for fd in self.fds:
+            os.close(fd)
         self.env.close()
 
 

@@ -17,7 +17,10 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
    batches (``put_many``/``get_many``), for: kvstore EC 4+2 with zstd off; kvstore with zstd on
    (``min_compress_ratio=1.0`` so the compressed path is really taken; the payload's zstd-3
    ratio is printed: fp16 noise compresses only a little); raw files (tmp write + fsync + rename
-   + dir fsync vs plain read: the limit for one copy at the same durability); LMDB (py-lmdb,
+   + dir fsync vs plain read: the limit for one copy at the same durability); ``ec_floor`` (the
+   least I/O of any store keeping k+m fragments behind a durable index: appends to open files,
+   one syncfs, one durable LMDB commit; k preads back; nothing encoded or verified: the limit
+   for kvstore's own design, ``tools.bench_peers.ECFloorPeer``); LMDB (py-lmdb,
    ``sync=True``, one transaction per put or per batch); Redis (``redis-server`` started here on
    loopback with ``appendonly yes, appendfsync always``, RDB off, AOF rewrite off; redis-py +
    hiredis; a batch is a pipeline). Every rep writes fresh keys into a fresh directory, then
@@ -62,7 +65,7 @@ import kvstore  # noqa: E402
 from kvstore import codec  # noqa: E402
 from kvstore.config import DEFAULT_EC_TYPE, LEGACY_EC_TYPE  # noqa: E402
 from kvstore.index import Meta, ekey  # noqa: E402
-from tools.bench_peers import LMDBPeer, Peer, RawFilePeer, RedisPeer, RedisServer  # noqa: E402
+from tools.bench_peers import ECFloorPeer, LMDBPeer, Peer, RawFilePeer, RedisPeer, RedisServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -117,6 +120,7 @@ SYSTEMS: dict[str, Callable[[str], Peer]] = {
     "kvstore": lambda d: KVStorePeer(d, "none"),
     "kvstore_zstd": lambda d: KVStorePeer(d, "zstd"),
     "raw_file": RawFilePeer,
+    "ec_floor": ECFloorPeer,
     "lmdb": LMDBPeer,
     "redis": RedisPeer,
 }

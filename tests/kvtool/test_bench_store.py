@@ -27,7 +27,7 @@ def test_bench_store_quick_smallest(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     d = json.loads(out.read_text())
     systems = {row["system"] for row in d["io"]}
-    assert {"kvstore", "kvstore_zstd", "raw_file", "lmdb"} <= systems
+    assert {"kvstore", "kvstore_zstd", "raw_file", "ec_floor", "lmdb"} <= systems
     if shutil.which("redis-server"):
         assert "redis" in systems
     for row in d["io"]:
@@ -55,3 +55,21 @@ def test_bench_store_remote_runs_the_daemon_benchmark(tmp_path):
     for system in ("embedded", "remote", "remote_direct"):
         assert {"put", "get", "put_batch", "get_batch"} <= set(d["systems"][system]["131072"]), d["systems"][system]
     assert "lookup of a 50-block chain" in r.stdout
+
+
+def test_the_ec_floor_peer_returns_what_was_put(tmp_path):
+    """The design-floor peer splits each value into k shares (the last one padded) across
+    k+m append-only files: every value, of any length, reads back exactly, single or batched."""
+    sys.path.insert(0, str(ROOT))
+    from tools.bench_peers import ECFloorPeer
+
+    peer = ECFloorPeer(str(tmp_path), k=4, m=2)
+    vals = {os.urandom(16): os.urandom(n) for n in (0, 1, 3, 4, 5, 1001, 131072)}
+    first = list(vals.items())
+    peer.put(*first[0])
+    peer.put_many(first[1:])
+    try:
+        assert {k: peer.get(k) for k in vals} == vals
+        assert len({os.path.getsize(tmp_path / f"t{i}") for i in range(6)}) == 1  # one share per file per put
+    finally:
+        peer.close()
