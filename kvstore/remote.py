@@ -21,9 +21,9 @@ Batches travel as streams (``GetStream``, ``PutStream``; see kvstore.proto):
 one message per value, so a batch is never one multi-MiB message, and values
 are hand-encoded (``kvstore.server.wire``: one copy, not protobuf's two). A
 daemon that predates them (UNIMPLEMENTED) is served with GetMany/PutMany from
-then on. A ``put_many`` whose encoded items add up to more than
-``max_message_bytes`` raises ``RequestTooLarge`` before anything is sent, as
-the one-message PutMany did.
+then on. A ``put_many`` (or one of its pieces, below) whose encoded items add
+up to more than ``max_message_bytes`` raises ``RequestTooLarge`` before
+anything is sent, as the one-message PutMany did.
 
 Direct reads (``kvstore.direct``; opt-in, ``direct_reads="on"`` or ``"auto"``): ``get``,
 ``get_entry``, ``get_many`` and ``get_many_into`` ask the daemon where an entry's
@@ -42,12 +42,21 @@ Options (``connect`` overrides, else environment): ``token``
 ``key_file`` for mutual TLS (``KVSTORE_CERT_FILE`` / ``KVSTORE_KEY_FILE``),
 ``timeout_s``, ``max_message_bytes``, ``server_name`` (TLS name override),
 ``direct_reads`` ("off" (default), "on", "auto"; ``KVSTORE_DIRECT_READS``),
-``direct_writes`` (the same; ``KVSTORE_DIRECT_WRITES``).
+``direct_writes`` (the same; ``KVSTORE_DIRECT_WRITES``). Bad options raise
+``InvalidRequest`` at connect time: ``cert_file`` without ``key_file`` (or the
+reverse), a TLS file that cannot be read or is not PEM, a URL not of the form
+``URL_FORM``, a non-positive or non-finite ``timeout_s``.
+
+Batches larger than ``max_batch_items`` (the daemon's per-call limit, 4096 by
+default) are validated whole, then sent as consecutive pieces of at most that
+many items, results concatenated in order, as ``lookup`` and ``probe`` do for
+long chains. Such a batch is not one unit on the daemon: see ``put_many``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -67,6 +76,9 @@ from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.server.wire import RequestTooLarge, error_from_rpc, layout_from_pb, put_parts
 
 MiB = 1024 * 1024
+URL_FORM = "grpc://HOST:PORT[,grpc://HOST:PORT...] (grpcs:// for TLS; HOST a name, an IPv4 or a [IPv6] address)"
+# gRPC channel arguments are C ints: a larger message limit is an OverflowError inside gRPC.
+MAX_MESSAGE_BYTES = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +103,17 @@ class ClientOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "direct_reads", parse_mode(self.direct_reads))
         object.__setattr__(self, "direct_writes", parse_mode(self.direct_writes, "direct_writes"))
+        if bool(self.cert_file) != bool(self.key_file):
+            # Checked here: gRPC aborts the whole process (SIGABRT) on a certificate without its key.
+            raise InvalidRequest("mutual TLS needs both cert_file and key_file (the client certificate and its "
+                                 f"private key); got cert_file={self.cert_file!r}, key_file={self.key_file!r}")
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not (math.isfinite(self.timeout_s) and 0 < self.timeout_s <= 1e9)):
+            raise InvalidRequest(f"timeout_s must be a finite number of seconds in (0, 1e9], got {self.timeout_s!r}")
+        for name, lo, hi in (("max_message_bytes", 64 * 1024, MAX_MESSAGE_BYTES), ("max_batch_items", 1, 2**31)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise InvalidRequest(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any]) -> "ClientOptions":
@@ -104,11 +127,45 @@ class ClientOptions:
 
 
 def parse_address(url: str) -> tuple[str, bool]:
-    """``grpc://host:port`` -> ("host:port", tls=False); ``grpcs://`` -> tls=True."""
+    """``grpc://host:port`` -> ("host:port", tls=False); ``grpcs://`` -> tls=True.
+
+    HOST must be non-empty (a name, an IPv4 address, or an IPv6 address in brackets,
+    ``[::1]``) and PORT an integer in [1, 65535]; one trailing ``/`` is allowed. Anything
+    else raises ``InvalidRequest`` showing ``URL_FORM``, before any channel is opened.
+    """
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in ("grpc", "grpcs") or ":" not in rest or not rest.rsplit(":", 1)[1].isdigit():
-        raise InvalidRequest(f"bad daemon URL {url!r}: expected grpc://HOST:PORT or grpcs://HOST:PORT")
-    return rest.rstrip("/"), scheme == "grpcs"
+    rest = rest[:-1] if rest.endswith("/") else rest
+    host, colon, port = rest.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
+    ok = (sep and scheme in ("grpc", "grpcs") and colon and host
+          and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535
+          and (bracketed or ":" not in host) and not any(c.isspace() or c in "/,@?#[]" for c in host.strip("[]")))
+    if not ok:
+        raise InvalidRequest(f"bad daemon URL {url!r}: expected {URL_FORM}")
+    return rest, scheme == "grpcs"
+
+
+def split_urls(url: str) -> list[str]:
+    """A comma list of daemon URLs, each checked by ``parse_address``; an empty entry (a
+    leading, trailing or doubled comma) is refused as any other malformed URL is."""
+    urls = [u.strip() for u in url.split(",")]
+    if not all(urls):
+        raise InvalidRequest(f"bad daemon URL list {url!r}: an empty entry (a stray comma?); expected {URL_FORM}")
+    for u in urls:
+        parse_address(u)
+    return urls
+
+
+def _read_pem(path: str, option: str, marker: str) -> bytes:
+    """A client TLS file, read and sanity-checked; ``InvalidRequest`` naming the file."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidRequest(f"TLS setup: cannot read {option} {path!r} ({exc.strerror or exc}); "
+                             "fix the path or drop the option") from exc
+    if b"-----BEGIN" not in data or marker.encode() not in data:
+        raise InvalidRequest(f"TLS setup: {option} {path!r} is not a PEM {marker.lower()}")
+    return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +224,9 @@ class RemoteStore:
             opts.append(("grpc.ssl_target_name_override", o.server_name))
         if tls or o.ca_file:
             creds = grpc.ssl_channel_credentials(
-                root_certificates=Path(o.ca_file).read_bytes() if o.ca_file else None,
-                private_key=Path(o.key_file).read_bytes() if o.key_file else None,
-                certificate_chain=Path(o.cert_file).read_bytes() if o.cert_file else None)
+                root_certificates=_read_pem(o.ca_file, "ca_file", "CERTIFICATE") if o.ca_file else None,
+                private_key=_read_pem(o.key_file, "key_file", "PRIVATE KEY") if o.key_file else None,
+                certificate_chain=_read_pem(o.cert_file, "cert_file", "CERTIFICATE") if o.cert_file else None)
             self._channel = grpc.secure_channel(self.address, creds, options=opts)
         else:
             self._channel = grpc.insecure_channel(self.address, options=opts)
@@ -217,25 +274,63 @@ class RemoteStore:
             return self.put_many([item])[0]
         return self._call("Put", encode_item(item).message(), fn=self._put_raw).created
 
+    def _pieces(self, n: int) -> list[slice]:
+        """A batch of ``n`` items as consecutive pieces of at most ``max_batch_items``."""
+        step = self.options.max_batch_items
+        return [slice(off, off + step) for off in range(0, n, step)]
+
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
+        """``kvstore.api``'s batched put; one ``created`` flag per item, in order.
+
+        Every item is validated (and, without direct writes, every piece's size checked
+        against ``max_message_bytes``) before anything is sent. A batch of more than
+        ``max_batch_items`` items goes to the daemon as consecutive pieces of at most that
+        many, so unlike the embedded store's ``put_many`` (one index commit for the whole
+        batch) it is not one unit: a failure in a later piece (daemon down, quota, capacity)
+        raises after the earlier pieces were stored. Retrying the whole batch is safe: a put
+        of a live key stores nothing (it then answers ``created=False`` for those).
+        """
+        items = list(items)
         if not items:
             return []
+        encs = [encode_item(it) for it in items]  # validate every item before sending any
+        pieces = self._pieces(len(items))
+        if self._direct_w is None:
+            for p in pieces:  # every piece fits in one call before the first is sent
+                self._check_bytes(encs[p], len(items))
+        out: list[bool] = []
+        for p in pieces:
+            out.extend(self._put_piece(items[p], encs[p]))
+        return out
+
+    def _put_piece(self, items: list[PutItem], encs: list[EncodedPut]) -> list[bool]:
+        """One piece of ``put_many`` (at most ``max_batch_items``): direct writes, else gRPC."""
         if self._direct_w is not None:
             if self._closed:
                 raise StoreClosed("this store is closed; open a new one with kvstore.connect")
             got = self._direct_w.put_many(items, self._put_many_rpc)
             if got is not None:
                 return got
-        return self._put_many_rpc(items)
+        return self._send_puts(encs)
 
-    def _put_many_rpc(self, items: Sequence[PutItem]) -> list[bool]:
-        encs = [encode_item(it) for it in items]  # validate every item before sending any
+    def _check_bytes(self, encs: list[EncodedPut], batch: int) -> None:
+        """``RequestTooLarge`` when these encoded puts are over ``max_message_bytes`` together."""
         total = sum(e.nbytes for e in encs)
         if total > self.options.max_message_bytes:
+            what = f"put_many of {len(encs)} items" if len(encs) == batch else (
+                f"a {len(encs)}-item piece of a put_many of {batch} items")
             raise RequestTooLarge(
-                f"put_many of {len(encs)} items ({total} bytes) is over this client's max_message_bytes="
+                f"{what} ({total} bytes) is over this client's max_message_bytes="
                 f"{self.options.max_message_bytes}; raise max_message_bytes on both the daemon and the client, "
                 "or send smaller batches")
+
+    def _put_many_rpc(self, items: Sequence[PutItem]) -> list[bool]:
+        """One piece over gRPC (also direct writes' fallback): validated, encoded, sent."""
+        return self._send_puts([encode_item(it) for it in items])
+
+    def _send_puts(self, encs: list[EncodedPut]) -> list[bool]:
+        """PutStream (PutMany for an older daemon) of at most ``max_batch_items`` encoded puts."""
+        self._check_bytes(encs, len(encs))
         if self._streams:
             try:
                 # Each item is encoded as gRPC asks for it: the next one is built while this one is sent.
@@ -285,6 +380,13 @@ class RemoteStore:
         if not keys:
             return []
         k = EntryKind.parse(kind)
+        out: list[bytes | None] = []
+        for p in self._pieces(len(keys)):  # more than max_batch_items keys: in pieces, in order
+            out.extend(self._get_piece(keys[p], k))
+        return out
+
+    def _get_piece(self, keys: list[bytes], k: EntryKind) -> list[bytes | None]:
+        """One piece of ``get_many`` (at most ``max_batch_items`` keys): direct reads, else gRPC."""
         if self._direct is not None:
             got = self._direct.get_many(keys, k, self._get_many_rpc)
             if got is not None:
@@ -296,7 +398,8 @@ class RemoteStore:
         """``kvstore.api``'s batched read into caller buffers. With direct reads the payloads
         are decoded straight into ``outs`` (sizes checked against the located records before
         anything is read); otherwise, and for keys read through the daemon, ``get_many`` plus
-        one copy (``EntryInfo.layout``/``tokens`` are then ``None``)."""
+        one copy (``EntryInfo.layout``/``tokens`` are then ``None``). Every key and buffer is
+        checked first; more than ``max_batch_items`` keys are read in pieces, in order."""
         if len(outs) != len(keys):
             raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
         keys = [check_key(x) for x in keys]
@@ -304,6 +407,13 @@ class RemoteStore:
         views = [writable_view(o, f"outs[{i}]") for i, o in enumerate(outs)]
         if not keys:
             return []
+        out: list[EntryInfo | None] = []
+        for p in self._pieces(len(keys)):
+            out.extend(self._get_into_piece(keys[p], views[p], k))
+        return out
+
+    def _get_into_piece(self, keys: list[bytes], views: list[memoryview], k: EntryKind) -> list[EntryInfo | None]:
+        """One piece of ``get_many_into``: direct reads, else gRPC plus one copy."""
         if self._direct is not None:
             got = self._direct.get_many_into(keys, views, k, self._get_many_rpc)
             if got is not None:
@@ -347,9 +457,15 @@ class RemoteStore:
         return self._call(method, pb.KeyRequest(key=check_key(key), kind=EntryKind.parse(kind).value)).ok
 
     def _many(self, method: str, keys: Sequence[bytes], kind: str) -> list[bool]:
+        """DeleteMany/PinMany/UnpinMany: every key validated, then pieces of at most
+        ``max_batch_items`` in order (a failure in a later piece leaves earlier ones done)."""
         k = EntryKind.parse(kind).value
         reqs = [pb.KeyRequest(key=check_key(x), kind=k) for x in keys]
-        return list(self._call(method, pb.KeysRequest(keys=reqs)).ok) if reqs else []
+        out: list[bool] = []
+        for p in self._pieces(len(reqs)):
+            out.extend(self._check_count(method, list(self._call(method, pb.KeysRequest(keys=reqs[p])).ok),
+                                         len(reqs[p])))
+        return out
 
     def delete(self, key: bytes, *, kind: str = "block") -> bool:
         return self._one("Delete", key, kind)
@@ -450,11 +566,13 @@ class RemoteStore:
 
 
 def open_grpc(url: str, **overrides: Any):
-    """``kvstore.connect`` opener for ``grpc://`` and ``grpcs://`` (a comma list: sharded)."""
+    """``kvstore.connect`` opener for ``grpc://`` and ``grpcs://`` (a comma list: sharded).
+
+    Options and every URL are checked (``split_urls``) before any channel is opened."""
     opts = ClientOptions.from_overrides(overrides)
-    urls = [u.strip() for u in url.split(",") if u.strip()]
+    urls = split_urls(url)
     if len(urls) > 1:
         from kvstore.sharded import ShardedStore
 
         return ShardedStore(urls, opts)
-    return RemoteStore(urls[0] if urls else url, opts)
+    return RemoteStore(urls[0], opts)

@@ -23,7 +23,9 @@ Failure semantics: a batch spanning shards is sent to each shard in
 parallel; every item is validated client-side first, so bad input stores
 nothing anywhere, but a shard that is *down* fails the call with
 ``StoreUnavailable`` while the other shards may already have stored their
-part (a retry is safe: puts are idempotent). The sum of ``stats`` and
+part (a retry is safe: puts are idempotent). Each shard's part goes through
+``RemoteStore``, which sends more than ``max_batch_items`` items in pieces
+(not one unit on that daemon either). The sum of ``stats`` and
 ``gc`` over shards is returned with the per-shard detail under ``shards``.
 
 Client options (``kvstore.remote.ClientOptions``) apply to every shard, so
@@ -44,7 +46,7 @@ import xxhash
 from kvstore.api import Entry, EntryInfo, Layout, LookupResult, PutItem
 from kvstore.errors import InvalidRequest
 from kvstore.keys import check_key, check_keys
-from kvstore.remote import ClientOptions, RemoteStore, normalize_item
+from kvstore.remote import ClientOptions, RemoteStore, normalize_item, parse_address
 
 
 def _sum_into(acc: dict, d: dict) -> None:
@@ -64,8 +66,17 @@ class ShardedStore:
     def __init__(self, urls: Sequence[str], options: ClientOptions | None = None):
         if len(set(urls)) != len(urls) or not urls:
             raise InvalidRequest(f"shard URLs must be distinct and non-empty, got {list(urls)}")
+        for u in urls:
+            parse_address(u)  # every URL checked before any channel is opened
         self.urls = list(urls)
-        self.shards = [RemoteStore(u, options) for u in self.urls]
+        self.shards: list[RemoteStore] = []
+        try:
+            for u in self.urls:
+                self.shards.append(RemoteStore(u, options))
+        except BaseException:
+            for sh in self.shards:  # a shard that failed to open: close the channels already open
+                sh.close()
+            raise
         self._names = [u.encode() for u in self.urls]
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(urls)), thread_name_prefix="kvstore-shard")
 

@@ -109,10 +109,19 @@ class TokenTable:
                 doc = tomllib.load(fh)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise InvalidRequest(f"cannot read tokens file {tokens_file}: {exc}") from exc
+        unknown = sorted(set(doc) - {"tokens", "admin_tenants"})
+        if unknown:
+            raise InvalidRequest(f"{tokens_file}: unknown key(s) {unknown}; a tokens file has [tokens] and "
+                                 "admin_tenants only")
         tokens = doc.get("tokens")
         if not isinstance(tokens, dict) or not tokens:
             raise InvalidRequest(f"{tokens_file} needs a non-empty [tokens] table of token = \"tenant\"")
-        admins = set(doc.get("admin_tenants", []))
+        admin_list = doc.get("admin_tenants", [])
+        # A string here would be iterated letter by letter: "ops" would make tenants o, p and s admins.
+        if not isinstance(admin_list, list) or not all(isinstance(a, str) and a for a in admin_list):
+            raise InvalidRequest(f"{tokens_file}: admin_tenants must be a list of tenant names, e.g. "
+                                 f"admin_tenants = [\"ops\"]; got {admin_list!r}")
+        admins = set(admin_list)
         out: dict[bytes, Tenant] = {}
         for tok, name in tokens.items():
             if not isinstance(name, str) or not name or len(tok) < 8:

@@ -10,6 +10,11 @@ On start it prints one line to stdout, ``kvstore serving grpc://HOST:PORT``
 (plus ``metrics http://HOST:PORT/metrics`` when enabled), so scripts and tests
 can read the bound address when ``--port 0`` picked a free one. SIGTERM or
 SIGINT drains and exits 0.
+
+A start that cannot succeed (a bad option or config file, a data directory that
+cannot be opened, a port in use, a TLS key that does not match its certificate)
+prints one line, ``kvstore serve: <what is wrong and what to do>``, to stderr
+and exits 2, with nothing left open.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 import threading
 from typing import Sequence
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.server.config import SERVER_FIELDS, STORE_FIELDS, load_server_config
 
 
@@ -31,12 +36,23 @@ def _add_fields(group: argparse._ArgumentGroup, fields: dict) -> None:
                            help=f"default: {f.default!r}")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    """``--log-level`` checked (``logging.basicConfig`` raises a bare ``ValueError`` on a bad one)."""
+    level = text.strip().upper()
+    if level not in LOG_LEVELS:
+        raise InvalidRequest(f"unknown --log-level {text!r}; use one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvstore", description="kvstore daemon")
     sub = ap.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the kvstore gRPC daemon in the foreground")
     serve.add_argument("--config", default=None, help="TOML file with [server] and [store] tables")
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-level", default="INFO", help=f"one of {', '.join(LOG_LEVELS)} (default: INFO)")
     _add_fields(serve.add_argument_group("server"), SERVER_FIELDS)
     _add_fields(serve.add_argument_group("store"), STORE_FIELDS)
     return ap
@@ -45,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     from kvstore.server.service import Daemon
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=_log_level(args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     over = {k: getattr(args, k) for k in (*SERVER_FIELDS, *STORE_FIELDS)}
     server_cfg, store_cfg = load_server_config(args.config, **over)
@@ -77,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except KVStoreError as exc:
+        print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the environment refused something (a file, a socket): say what, no traceback
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
         return 2
 

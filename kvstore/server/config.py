@@ -12,11 +12,19 @@ a TOML file, the embedded defaults (127.0.0.1:7070, no TLS, no auth, data in
 
 Every listener binds to ``host`` (127.0.0.1 by default); nothing listens on
 all interfaces unless the operator says so.
+
+Validation (all ``InvalidRequest``, so ``kvstore serve`` exits 2 with one line):
+a file with a ``[server]`` or ``[store]`` table may hold nothing else at the top
+level; an unknown key anywhere is refused; an integer field takes an integer
+only (``7070.9``, ``true`` are refused, never truncated); a float field takes a
+finite number no larger than ``MAX_SECONDS`` (``inf``/``nan`` would turn into an
+overflow in gRPC's stop or a silently disabled GC, so they are refused at load).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -25,6 +33,13 @@ from kvstore.config import ENV_PREFIX, StoreConfig, _coerce, load_config, read_t
 from kvstore.errors import InvalidRequest
 
 MiB = 1024 * 1024
+# The largest time a float option may hold: ~31 years, far beyond any useful drain or GC
+# period, and well inside what threading and gRPC timeouts accept (1e300 overflows them).
+MAX_SECONDS = 1e9
+# gRPC channel arguments are C ints: a larger message limit is an OverflowError inside gRPC.
+MAX_MESSAGE_BYTES = 2**31 - 1
+# The quota ledger stores totals as u64 (kvstore.server.quota); keep well clear of the top.
+MAX_QUOTA_BYTES = 2**62
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,16 +68,22 @@ class ServerConfig:
     allow_direct_writes: bool = False
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:
             raise InvalidRequest("port must be in [0, 65535]; metrics_port in [-1, 65535]")
-        if self.max_message_bytes < 64 * 1024 or self.max_batch_items < 1:
-            raise InvalidRequest("max_message_bytes must be >= 64 KiB and max_batch_items >= 1")
+        if not 64 * 1024 <= self.max_message_bytes <= MAX_MESSAGE_BYTES or self.max_batch_items < 1:
+            raise InvalidRequest(f"max_message_bytes must be in [64 KiB, {MAX_MESSAGE_BYTES}] and "
+                                 "max_batch_items >= 1")
         if self.max_concurrent_requests < 1 or self.max_concurrent_per_tenant < 1 or self.workers < 1:
             raise InvalidRequest("concurrency limits and workers must be >= 1")
-        if self.gc_interval_s < 0 or self.drain_s < 0:
-            raise InvalidRequest("gc_interval_s and drain_s must be >= 0")
-        if self.tenant_quota_bytes < 0:
-            raise InvalidRequest("tenant_quota_bytes must be >= 0 (0: no per-tenant quota)")
+        for name in ("gc_interval_s", "drain_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and 0 <= v <= MAX_SECONDS):  # nan fails every comparison: check it
+                raise InvalidRequest(f"{name} must be a finite number of seconds in [0, {MAX_SECONDS:.0e}], "
+                                     f"got {v!r}")
+        if not 0 <= self.tenant_quota_bytes <= MAX_QUOTA_BYTES:
+            raise InvalidRequest(f"tenant_quota_bytes must be in [0, 2**62] (0: no per-tenant quota), "
+                                 f"got {self.tenant_quota_bytes}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidRequest("TLS needs both tls_cert and tls_key")
         if self.tls_client_ca and not self.tls_cert:
@@ -71,6 +92,47 @@ class ServerConfig:
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
+
+
+def _field_kind(typ: Any) -> str:
+    """``"int"``, ``"float"``, ``"bool"``, ``"str"`` or ``""`` (anything else) for a field's type."""
+    name = typ if isinstance(typ, str) else getattr(typ, "__name__", "")
+    return name if name in ("int", "float", "bool", "str") else ""
+
+
+_WANT = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _fits(kind: str, value: Any) -> bool:
+    """``value`` already is of the field's type (a bool is no number: ``True`` is not ``1`` here)."""
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    return True
+
+
+def _check_types(cfg: "ServerConfig") -> None:
+    """Every field holds its declared type (``ServerConfig(port=7070.9)`` is refused, not truncated)."""
+    for f in dataclasses.fields(cfg):
+        kind, value = _field_kind(f.type), getattr(cfg, f.name)
+        if not _fits(kind, value):
+            raise InvalidRequest(f"server option {f.name!r} must be {_WANT[kind]}, got {value!r}")
+
+
+def _coerce_server(name: str, value: Any, source: str) -> Any:
+    """A ServerConfig field's value from ``source`` (TOML file, env, option), strictly typed."""
+    typ = SERVER_FIELDS[name].type
+    kind = _field_kind(typ)
+    if kind == "int" and isinstance(value, float) and value.is_integer():
+        value = int(value)  # TOML's 7070.0 is 7070; 7070.9 is refused below, never truncated
+    if not isinstance(value, str) and not _fits(kind, value):  # text (env, flags) is parsed by _coerce
+        raise InvalidRequest(f"server option {name!r} in {source} must be {_WANT[kind]}, got {value!r}")
+    return _coerce(name, typ, value)
 
 
 SERVER_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
@@ -87,33 +149,44 @@ def load_server_config(
 ) -> tuple[ServerConfig, StoreConfig]:
     """Both configs: flags (``overrides``, ``None`` = unset) > env > TOML > defaults.
 
-    ``overrides`` may mix server and store fields; unknown names raise ``InvalidRequest``.
+    ``overrides`` may mix server and store fields. Raises ``InvalidRequest`` for an
+    unknown name (option, ``[server]`` key, top-level key or table of a file with
+    ``[server]``/``[store]`` tables), a value of the wrong type (an integer field
+    given ``7070.9`` or ``true``) and a value out of range (see ``ServerConfig``).
     """
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    tabled = False  # a file with [server] and/or [store] tables (else: a flat store-only file)
     if toml_path is not None:
         doc = read_toml(toml_path)
-        if "server" in doc and "store" not in doc and set(doc) - {"server"}:
-            raise InvalidRequest(f"{toml_path}: put store options under a [store] table next to [server]")
+        tabled = "server" in doc or "store" in doc
+        extra = sorted(set(doc) - {"server", "store"}) if tabled else []
+        if extra:
+            raise InvalidRequest(
+                f"unknown top-level key(s) or table(s) {extra} in {toml_path}: a file with [server] or "
+                "[store] tables holds only those two (store options go under [store])")
+        for table in ("server", "store"):
+            if table in doc and not isinstance(doc[table], dict):
+                raise InvalidRequest(f"{toml_path}: {table!r} must be a [{table}] table, got {doc[table]!r}")
         for k, v in doc.get("server", {}).items():
             if k not in SERVER_FIELDS:
                 raise InvalidRequest(f"unknown [server] option {k!r} in {toml_path}; known: {sorted(SERVER_FIELDS)}")
-            values[k] = _coerce(k, SERVER_FIELDS[k].type, v)
-    for k, f in SERVER_FIELDS.items():
+            values[k] = _coerce_server(k, v, str(toml_path))
+    for k in SERVER_FIELDS:
         ev = env.get(ENV_PREFIX + k.upper())
         if ev is not None:
-            values[k] = _coerce(k, f.type, ev)
+            values[k] = _coerce_server(k, ev, ENV_PREFIX + k.upper())
     store_over: dict[str, Any] = {}
     for k, v in overrides.items():
         if k in SERVER_FIELDS:
             if v is not None:
-                values[k] = _coerce(k, SERVER_FIELDS[k].type, v)
+                values[k] = _coerce_server(k, v, f"option --{k.replace('_', '-')}")
         elif k in STORE_FIELDS:
             store_over[k] = v
         else:
             raise InvalidRequest(f"unknown option {k!r}")
     toml_for_store = toml_path
-    if toml_path is not None and "store" not in doc and "server" in doc:
+    if tabled and "store" not in doc:
         toml_for_store = None  # a server-only file: no store options in it
     store_cfg = load_config(toml_for_store, env=env, **store_over)
     return ServerConfig(**values), store_cfg

@@ -23,7 +23,8 @@ Invariant: ``total + reserved <= quota`` after every successful ``reserve``;
 reservations make concurrent puts of one tenant unable to overshoot together.
 A re-put of an entry that is live is not charged (it stores nothing); if that
 entry expires between the check and the put, the tenant may overshoot by at
-most that one batch.
+most that one batch. An entry named twice in one batch is reserved once (the
+store keeps one copy; ``Daemon._charged`` reserves the larger size).
 A refused put raises ``CapacityExceeded`` (RESOURCE_EXHAUSTED on the wire) and
 stores nothing.
 """

@@ -103,15 +103,47 @@ def _lookup_pb(r: LookupResult) -> pb.LookupReply:
 
 
 class Daemon(DirectRPC):
-    """One daemon: a gRPC server, its store, metrics and the GC thread. Thread-safe."""
+    """One daemon: a gRPC server, its store, metrics and the GC thread. Thread-safe.
+
+    The daemon owns its store (one passed as ``store`` too): ``stop()`` closes it, and so
+    does a start that fails (``__init__`` or ``start`` raising ``InvalidRequest``: port or
+    metrics port in use, bad host, TLS key not matching its certificate), which leaves
+    nothing open or listening behind.
+    """
 
     def __init__(self, server_cfg: ServerConfig, store_cfg: StoreConfig, *, store: Any = None):
         from kvstore.store import EmbeddedStore
 
         self.cfg = server_cfg
         tls_files = _read_tls_files(server_cfg)  # before opening anything: a bad setup fails fast
-        self.store = store if store is not None else EmbeddedStore(store_cfg)
+        if store is None:
+            try:
+                store = EmbeddedStore(store_cfg)
+            except OSError as exc:  # a data_dir that is a file, under /proc, not writable, ...
+                raise InvalidRequest(f"cannot open the store in data_dir {store_cfg.data_dir!r}: {exc}; "
+                                     "give a directory this process can create and write") from exc
+        self.store = store
         self.quota: TenantQuota | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._read_pool: ThreadPoolExecutor | None = None
+        self.server: grpc.Server | None = None
+        try:
+            self._build(server_cfg, store_cfg, tls_files)
+        except BaseException as exc:
+            # Nothing was started yet: close what was opened (the store and quota hold LMDB
+            # environments and their locks), so a refused start leaves nothing behind.
+            self._release()
+            if isinstance(exc, OSError):
+                raise InvalidRequest(f"cannot start the daemon: {exc}") from exc
+            raise
+        self._stop_gc = threading.Event()
+        self._gc_thread: threading.Thread | None = None
+        self._stopped = False
+        self._stop_lock = threading.Lock()
+
+    def _build(self, server_cfg: ServerConfig, store_cfg: StoreConfig, tls_files: dict[str, bytes]) -> None:
+        """The rest of ``__init__`` once the store is open: quota, tokens, the gRPC server,
+        bound to its port (``InvalidRequest`` when it cannot be). Starts nothing."""
         if server_cfg.tenant_quota_bytes:
             self.quota = TenantQuota(Path(store_cfg.data_dir) / "server" / "quota", server_cfg.tenant_quota_bytes,
                                      self.store, sync=store_cfg.fsync)
@@ -168,24 +200,32 @@ class Daemon(DirectRPC):
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         bind = f"{server_cfg.host}:{server_cfg.port}"
-        if server_cfg.tls:
-            creds = grpc.ssl_server_credentials(
-                [(tls_files["tls_key"], tls_files["tls_cert"])],
-                root_certificates=tls_files.get("tls_client_ca"),
-                require_client_auth=bool(server_cfg.tls_client_ca))
-            self.port = self.server.add_secure_port(bind, creds)
-        else:
-            self.port = self.server.add_insecure_port(bind)
+        try:
+            if server_cfg.tls:
+                creds = grpc.ssl_server_credentials(
+                    [(tls_files["tls_key"], tls_files["tls_cert"])],
+                    root_certificates=tls_files.get("tls_client_ca"),
+                    require_client_auth=bool(server_cfg.tls_client_ca))
+                self.port = self.server.add_secure_port(bind, creds)
+            else:
+                self.port = self.server.add_insecure_port(bind)
+        except RuntimeError:  # current grpcio raises ("Failed to bind"); older releases returned 0
+            self.port = 0
         if not self.port:
-            self.store.close()
-            if self.quota is not None:
-                self.quota.close()
             hint = "; or the TLS key does not match the certificate" if server_cfg.tls else ""
-            raise InvalidRequest(f"cannot listen on {bind} (in use, or not a local address{hint})")
-        self._stop_gc = threading.Event()
-        self._gc_thread: threading.Thread | None = None
-        self._stopped = False
-        self._stop_lock = threading.Lock()
+            raise InvalidRequest(f"cannot listen on {bind} (in use, or not a local address{hint}); "
+                                 "pick another --host/--port (--port 0: a free one)")
+
+    def _release(self) -> None:
+        """Close what ``__init__`` opened, for a daemon that never started."""
+        if self.server is not None:
+            self.server.stop(None)
+        for pool in (self._pool, self._read_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self.store.close()
+        if self.quota is not None:
+            self.quota.close()
 
     # ------------------------------------------------------------------ life cycle
     @property
@@ -194,9 +234,17 @@ class Daemon(DirectRPC):
         return f"{scheme}://{self.cfg.host}:{self.port}"
 
     def start(self) -> "Daemon":
+        """Serve: gRPC, then metrics, then GC. If the metrics port cannot be bound, what was
+        started is stopped and the store closed before ``InvalidRequest`` is raised."""
         self.server.start()
         if self.cfg.metrics_port >= 0:
-            self.metrics.serve(self.cfg.host, self.cfg.metrics_port)
+            try:
+                self.metrics.serve(self.cfg.host, self.cfg.metrics_port)
+            except OSError as exc:
+                self.stop(grace_s=0)
+                raise InvalidRequest(
+                    f"cannot serve metrics on {self.cfg.host}:{self.cfg.metrics_port} ({exc.strerror or exc}); "
+                    "pick another --metrics-port (0: a free one, -1: no metrics)") from exc
         if self.cfg.gc_interval_s > 0:
             self._gc_thread = threading.Thread(target=self._gc_loop, name="kvstore-gc", daemon=True)
             self._gc_thread.start()
@@ -369,10 +417,17 @@ class Daemon(DirectRPC):
     def _charged(self, tenant: Tenant, eks: list[bytes], sizes: list[int],
                  write: Callable[[], list[bool]]) -> list[bool]:
         """``write()``, a store write of entries ``eks`` of ``sizes`` plain bytes, charged to
-        the tenant's quota: reserve what is not live yet, write, settle what was created."""
+        the tenant's quota: reserve what is not live yet, write, settle what was created.
+
+        An entry named twice in one batch is stored once (the store skips the repeat), so it
+        is reserved once, at the larger of its sizes: the reservation stays an upper bound
+        of what the write can add, and ``settle`` records what was actually created."""
         if self.quota is None:
             return write()
-        n = sum(s for s, live in zip(sizes, self.quota.live(eks)) if not live)
+        want: dict[bytes, int] = {}
+        for ek, size in zip(eks, sizes):
+            want[ek] = max(size, want.get(ek, 0))
+        n = sum(size for size, live in zip(want.values(), self.quota.live(list(want))) if not live)
         self.quota.reserve(tenant.name, n)
         try:
             created = write()
@@ -478,7 +533,8 @@ class Daemon(DirectRPC):
     def _many(self, op: str) -> Callable[[pb.KeysRequest, Tenant], pb.BoolsReply]:
         def handler(r: pb.KeysRequest, tenant: Tenant) -> pb.BoolsReply:
             self._batch(len(r.keys), f"{op}_many")
-            args = [(self._key(tenant, k.key), kind_or_default(k.kind)) for k in r.keys]  # validate all first
+            # Validate every key and kind before applying any: a bad item changes nothing.
+            args = [(self._key(tenant, k.key), EntryKind.parse(kind_or_default(k.kind)).value) for k in r.keys]
             fn = getattr(self.store, op)
             oks = [fn(key, kind=kind) for key, kind in args]
             if op == "delete":

@@ -169,3 +169,21 @@ def test_concurrency_limit_is_resource_exhausted(make_daemon, tmp_path) -> None:
     assert result["v"] == b"v"
     assert s.lookup([K(1)]).hit_blocks == 1  # admitted again once the slot is free
     s.close()
+
+
+@pytest.mark.parametrize("body, match", [
+    ('admin_tenants = "ops"\n', "admin_tenants must be a list"),  # would make tenants o, p and s admins
+    ("admin_tenants = [1]\n", "admin_tenants must be a list"),
+    ('admin_tenant = ["ops"]\n', "unknown key"),  # a typo: silently no admins
+])
+def test_a_malformed_tokens_file_is_refused(tmp_path, body, match) -> None:
+    from kvstore.errors import InvalidRequest
+    from kvstore.server.auth import TokenTable
+
+    p = tmp_path / "tokens.toml"
+    p.write_text(body + f'[tokens]\n"{TOK_A}" = "o"\n"{TOK_OPS}" = "ops"\n')
+    with pytest.raises(InvalidRequest, match=match):
+        TokenTable.load(str(p), b"s" * 32)
+    p.write_text(f'admin_tenants = ["ops"]\n[tokens]\n"{TOK_A}" = "o"\n"{TOK_OPS}" = "ops"\n')
+    table = TokenTable.load(str(p), b"s" * 32)
+    assert {t.name: t.admin for t in table.tenants_by_token.values()} == {"o": False, "ops": True}
