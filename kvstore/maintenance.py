@@ -9,6 +9,7 @@ GC steps, in order, with the reason for the order:
   1. Flush batched access times, so LRU decisions see recent reads.
   2. Expire entries whose TTL passed (``ttl`` ordering, oldest first).
   3. Evict LRU entries above the capacity high watermark, down to the low one.
+     Pinned entries are never in the ``lru`` ordering, so they are never taken.
   4. Purge the graveyard: fragments of entries removed more than
      ``delete_grace_s`` ago (a reader that fetched the metadata before the
      removal has had that long to finish); a pack file goes with the last
@@ -19,20 +20,28 @@ GC steps, in order, with the reason for the order:
   6. Sweep orphans: fragment and pack files no index record names (a put that
      crashed before its index commit), older than ``orphan_grace_s`` so that an
      in-flight put's files are never taken.
+
+A dry run (``run_gc(dry_run=True)``) changes nothing, not even the batched
+access times, and reports what the real pass would do from the same state:
+steps 2 and 3 walk their whole orderings (not one batch), step 3 as the
+``lru`` ordering will stand after step 1 and without the entries step 2
+removes. Its ``purged`` covers records already in the graveyard; the entries
+it expires or evicts reach the graveyard only in the real pass.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Collection
 
 from kvstore import codec
 from kvstore.api import EntryKind
-from kvstore.errors import CorruptData
+from kvstore.errors import CapacityExceeded, CorruptData
 from kvstore.index import STANDALONE, Meta, packed_bytes
 from kvstore.targets import TargetUnavailable, fragment_path, parse_fragment_path, parse_pack_path
 
@@ -70,21 +79,83 @@ def _noop(phase: str, done: int, total: int) -> None:
 
 
 # --------------------------------------------------------------------------- GC
-def _remove_expired(store: "EmbeddedStore", now: int, dry_run: bool) -> tuple[int, int]:
+def _remove_expired(store: "EmbeddedStore", now: int) -> tuple[int, int]:
+    """Step 2: remove every entry whose TTL passed by ``now``, in write batches of 512;
+    returns (entries, stored bytes)."""
     n = nbytes = 0
     while True:
-        with store.index.env.begin(write=not dry_run) as txn:
+        with store.index.env.begin(write=True) as txn:
             batch = list(store.index.oldest(txn, "ttl", before_ns=now + 1, limit=512))
             for _t, ek in batch:
                 m = store.index.get_meta(txn, ek)
                 if m is None:
                     continue
-                if not dry_run:
-                    store.index.remove_txn(txn, ek, m, now)
+                store.index.remove_txn(txn, ek, m, now)
                 n += 1
                 nbytes += m.stored_bytes
-        if dry_run or len(batch) < 512:
+        if len(batch) < 512:  # each batch left the ordering: it ends within len(ttl) / 512 + 1 rounds
             return n, nbytes
+
+
+def _plan_expiry(store: "EmbeddedStore", now: int) -> dict[bytes, int]:
+    """Dry run of step 2: entry key -> stored bytes of every entry ``_remove_expired(now)``
+    would remove. One read transaction over the ``ttl`` ordering up to ``now``; changes nothing.
+    (Deleting nothing, it cannot page in batches as the real pass does: it walks once.)"""
+    out: dict[bytes, int] = {}
+    with store.index.env.begin() as txn:
+        for _t, ek in store.index.oldest(txn, "ttl", before_ns=now + 1):
+            m = store.index.get_meta(txn, ek)
+            if m is not None:
+                out[bytes(ek)] = m.stored_bytes
+    return out
+
+
+def _pending_touches(store: "EmbeddedStore") -> dict[bytes, int]:
+    """A copy of the access times the store batches in memory (step 1 writes them). Read
+    under the store's own lock, not flushed: a dry run writes nothing, yet must order the
+    LRU walk as the real pass will."""
+    with store._touch_lock:
+        return dict(store._touches)
+
+
+def _plan_eviction(store: "EmbeddedStore", used: int, goal: int, gone: Collection[bytes]) -> tuple[int, int]:
+    """Dry run of step 3: (entries, stored bytes) that ``EmbeddedStore.evict_to(goal)`` would
+    evict when ``used`` bytes are stored and the entries in ``gone`` were removed first (step 2).
+
+    Mirrors ``evict_to`` without deleting: walks the ``lru`` ordering oldest first, as it will
+    stand once step 1 has written the pending access times (an entry read since the last flush
+    moves to its new time), skipping pinned entries (they are not in the ordering) and ``gone``,
+    until ``used`` would be at most ``goal``. Raises ``CapacityExceeded``, as the real pass
+    would, when the ordering runs out first. One read transaction; bounded by the ordering.
+    """
+    pending = _pending_touches(store)
+    n = nbytes = 0
+    with store.index.env.begin() as txn:
+        moved: list[tuple[int, bytes]] = []  # (new access time, ek): where step 1 will put them
+        for ek, ts in pending.items():
+            m = store.index.get_meta(txn, ek)
+            if m is not None and not m.pinned and ts > m.access_ns:  # Index.touch_txn's rule
+                moved.append((ts, bytes(ek)))
+        moved.sort()
+        moved_keys = {ek for _, ek in moved}
+        stored = ((t, bytes(ek)) for t, ek in store.index.oldest(txn, "lru"))
+        # Both streams are sorted by (time, ek), the ``lru`` ordering's own key order.
+        order = heapq.merge((x for x in stored if x[1] not in moved_keys), moved)
+        for _t, ek in order:
+            if used - nbytes <= goal:
+                return n, nbytes
+            if ek in gone:
+                continue
+            m = store.index.get_meta(txn, ek)
+            if m is None:
+                continue
+            n += 1
+            nbytes += m.stored_bytes
+    if used - nbytes <= goal:
+        return n, nbytes
+    raise CapacityExceeded(
+        f"gc would fail: after evicting {n} entries the store would hold {used - nbytes} bytes, over the "
+        f"goal {goal}, and everything left is pinned; unpin entries or raise capacity_bytes")
 
 
 def _purge_grave(store: "EmbeddedStore", now: int, dry_run: bool) -> tuple[int, int]:
@@ -162,7 +233,10 @@ def _known_generations(store: "EmbeddedStore") -> tuple[set[tuple[bytes, bytes]]
 
 
 def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: float,
-                   progress: Progress) -> tuple[int, int, list[Problem]]:
+                   progress: Progress, skip: Collection[str] = ()) -> tuple[int, int, list[Problem]]:
+    """Step 6: (files, bytes, problems) of orphans on every target but those in ``skip``
+    (targets the caller already reported down). A target that cannot be listed is one
+    ``TARGET_DOWN`` problem."""
     known, packs = _known_generations(store)
     n = nbytes = 0
     problems: list[Problem] = []
@@ -170,6 +244,8 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
     for ti, name in enumerate(names):
         tgt = store.targets[name]
         progress("orphans", ti, len(names))
+        if name in skip:
+            continue
         try:
             files = list(tgt.walk())
         except OSError as exc:
@@ -202,16 +278,30 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
 
 def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool = True,
            progress: Progress | None = None) -> dict:
+    """One GC pass (steps 1-6 above); returns its counts. ``evicted_bytes`` is the stored size
+    of the evicted entries (in a real pass, measured from the used-bytes counter, so a put
+    running alongside shifts it). A dry run reports the counts and bytes of the real pass from
+    the same state and changes nothing. Raises ``CapacityExceeded`` when step 3 cannot get
+    under the low watermark because everything left is pinned (a dry run raises it too)."""
     progress = progress or _noop
     now = store.now_ns()
-    if not dry_run:
+    if dry_run:
+        plan = _plan_expiry(store, now)
+        expired, expired_bytes = len(plan), sum(plan.values())
+    else:
         store.flush_touches()
-    expired, expired_bytes = _remove_expired(store, now, dry_run)
-    evicted = 0
-    used = store.used_bytes()
+        plan = {}
+        expired, expired_bytes = _remove_expired(store, now)
+    evicted = evicted_bytes = 0
+    used = store.used_bytes() - (expired_bytes if dry_run else 0)
     cap = store.config.capacity_bytes
-    if cap and used - (0 if not dry_run else expired_bytes) > cap * store.config.high_watermark:
-        evicted = store.evict_to(int(cap * store.config.low_watermark), dry_run=dry_run)
+    if cap and used > cap * store.config.high_watermark:
+        goal = int(cap * store.config.low_watermark)
+        if dry_run:
+            evicted, evicted_bytes = _plan_eviction(store, used, goal, plan)
+        else:
+            evicted = store.evict_to(goal)
+            evicted_bytes = max(0, used - store.used_bytes())
     purged, purged_bytes = _purge_grave(store, now, dry_run)
     compacted, moved = _compact_packs(store, dry_run)
     orphans = orphan_bytes = 0
@@ -219,8 +309,8 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
         orphans, orphan_bytes, _ = _sweep_orphans(store, store.clock(), dry_run,
                                                   store.config.orphan_grace_s, progress)
     out = {
-        "dry_run": dry_run, "expired": expired, "evicted": evicted, "purged": purged,
-        "compacted_packs": compacted, "moved_entries": moved,
+        "dry_run": dry_run, "expired": expired, "evicted": evicted, "evicted_bytes": evicted_bytes,
+        "purged": purged, "compacted_packs": compacted, "moved_entries": moved,
         "orphans": orphans, "reclaimed_bytes": purged_bytes + orphan_bytes,
         "used_bytes": store.used_bytes(),
     }
@@ -295,13 +385,14 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
     without ``fix`` (as a read would), so lookups stop offering it. With ``fix=True``: rebuilds missing and corrupt fragments,
     restores lost entries that became readable again, and removes orphans
     older than ``orphan_grace_s``. Returns the problems found (``fixed`` says
-    which were mended).
+    which were mended); a down target is one ``TARGET_DOWN`` problem, whichever
+    step noticed it.
     """
     progress = progress or _noop
     problems: list[Problem] = []
-    for name, t in store.targets.items():
-        if not t.is_up():
-            problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail="target root missing"))
+    down = [name for name, t in store.targets.items() if not t.is_up()]
+    for name in down:
+        problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail="target root missing"))
     records = [(ek, m, "entries") for ek, m in _iter_records(store, "entries")]
     records += [(ek, m, "lost") for ek, m in _iter_records(store, "lost")]
     total = len(records)
@@ -340,7 +431,9 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
             problems.append(Problem(ProblemKind.LOST_ENTRY, ek[1:].hex(), kind, "",
                                     "marked lost but readable again", fixed=fix and fixed_meta is not None))
     progress("verify", total, total)
-    _, _, orphans = _sweep_orphans(store, store.clock(), not fix, store.config.orphan_grace_s, progress)
+    # A target reported down above is not swept: its failed listing would report it down twice.
+    _, _, orphans = _sweep_orphans(store, store.clock(), not fix, store.config.orphan_grace_s, progress,
+                                   skip=down)
     problems.extend(orphans)
     return problems
 

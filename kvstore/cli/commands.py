@@ -70,6 +70,24 @@ def parse_chain(text: str) -> list[bytes]:
     return [parse_key(part) for part in text.split(",") if part.strip()]
 
 
+def non_negative_int(text: str) -> int:
+    """A count such as ``--limit`` (argparse ``type``: negative or not a number is exit 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 0 or more") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative; give 0 or more")
+    return n
+
+
+def output_file(text: str) -> str:
+    """A file kvtool writes (argparse ``type``: an empty name is a usage error, exit 2)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty file name; give the path of the file to write")
+    return text
+
+
 def fmt_bytes(n: int | float | None) -> str:
     if n is None:
         return "-"
@@ -107,7 +125,9 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chain", type=parse_chain, metavar="HEX,HEX,...",
                    help="show which blocks and SWA snapshots of a prefix chain are present")
     _kind_arg(p)
-    p.add_argument("--parquet", metavar="FILE", help="export the whole index to a Parquet file (pyarrow)")
+    p.add_argument("--parquet", metavar="FILE", type=output_file,
+                   help="export the whole index to a Parquet file (pyarrow); FILE is replaced only "
+                        "once the export is complete")
 
 
 def _summary_text(d: dict) -> str:
@@ -143,7 +163,7 @@ def _entry_text(d: dict) -> str:
 
 
 def _inspect_embedded(store: Any, args: argparse.Namespace) -> Outcome:
-    if args.parquet:
+    if args.parquet is not None:
         n = index_view.export_parquet(store, args.parquet)
         return Outcome(ExitCode.OK, {"parquet": args.parquet, "rows": n}, f"wrote {n} index rows to {args.parquet}")
     if args.key is not None:
@@ -167,7 +187,7 @@ def _chain_outcome(store: KVStore, chain: list[bytes], rows: list[dict]) -> Outc
 
 
 def _inspect_remote(store: KVStore, args: argparse.Namespace) -> Outcome:
-    if args.parquet:
+    if args.parquet is not None:
         raise InvalidRequest("--parquet needs an embedded store (a data directory), not a daemon URL")
     if args.key is not None:
         kind = EntryKind.parse(args.kind)
@@ -198,12 +218,19 @@ def _configure_gc(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="report what would be removed; change nothing")
 
 
+def _evicted_bytes(d: dict) -> str:
+    """`` (N B)`` after the evicted count, when the store reports it (an older daemon may not)."""
+    n = d.get("evicted_bytes")
+    return f" ({fmt_bytes(n)})" if n else ""
+
+
 def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     d = _call_with_progress(store.gc, progress, dry_run=args.dry_run)
     verb = "would reclaim" if args.dry_run else "reclaimed"
     text = (f"gc{' (dry run)' if args.dry_run else ''}: expired {d.get('expired', 0)}, evicted "
-            f"{d.get('evicted', 0)}, purged {d.get('purged', 0)} deleted, compacted {d.get('compacted_packs', 0)} "
-            f"packs ({d.get('moved_entries', 0)} entries moved), orphans {d.get('orphans', 0)}; "
+            f"{d.get('evicted', 0)}{_evicted_bytes(d)}, purged {d.get('purged', 0)} deleted, "
+            f"compacted {d.get('compacted_packs', 0)} packs ({d.get('moved_entries', 0)} entries moved), "
+            f"orphans {d.get('orphans', 0)}; "
             f"{verb} {fmt_bytes(d.get('reclaimed_bytes', 0))} ({d.get('reclaimed_bytes', 0)} bytes); "
             f"used {fmt_bytes(d.get('used_bytes'))}")
     return Outcome(ExitCode.OK, d, text)
@@ -215,7 +242,7 @@ def _configure_none(p: argparse.ArgumentParser) -> None:
 
 
 def _configure_verify(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--limit", type=int, default=50, metavar="N",
+    p.add_argument("--limit", type=non_negative_int, default=50, metavar="N",
                    help="list at most N problems in text output (default 50; --json lists all)")
 
 

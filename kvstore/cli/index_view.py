@@ -4,8 +4,10 @@ Only ``kvstore.cli.commands`` calls this module, and only when the store is an
 ``EmbeddedStore`` (a daemon URL falls back to the public ``stats()`` and
 ``lookup``). Guarantees:
 
-* Nothing here writes: every view runs in one LMDB *read* transaction, so it
-  sees a consistent snapshot and never blocks a writer.
+* Nothing here writes to the store: every view runs in one LMDB *read*
+  transaction, so it sees a consistent snapshot and never blocks a writer.
+  The one file written is the Parquet export, published atomically (see
+  ``export_parquet``).
 * Nothing here reads fragment files (``kvtool verify`` does that): "degraded"
   means *placed on a target that is down now*, judged from the index alone.
 * Namespaces are not stored (keys are opaque 16-byte prefix hashes), so the
@@ -18,12 +20,17 @@ whether its TTL already passed and GC has not removed it yet) and ``lost``
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
+import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from kvstore.api import EntryKind
+from kvstore.errors import InvalidRequest
 from kvstore.fragments import frag_loc
 from kvstore.index import Meta, ekey
 
@@ -211,7 +218,55 @@ def export_parquet(store: "EmbeddedStore", path: str, batch_rows: int = PARQUET_
     k, m, created, last_access, expires (UTC timestamps, null when none),
     pinned, targets (list of target names, fragment i at position i).
     Written in row groups of ``batch_rows``, so memory stays bounded.
+
+    Atomic publish: the rows go to a temporary file beside ``path`` (the same
+    directory, so the rename never crosses a filesystem), which is fsynced and
+    then renamed over ``path`` only once complete. On any failure the temporary
+    is removed and an earlier file at ``path`` is left exactly as it was.
+
+    Raises ``InvalidRequest`` for an empty ``path`` or one that names a
+    directory, and ``OSError`` (naming ``path``) when the file cannot be written
+    (e.g. "File too large", a full disk).
     """
+    if not path:
+        raise InvalidRequest("the Parquet export needs a file name; give --parquet FILE")
+    dest = Path(path)
+    if dest.is_dir():
+        raise InvalidRequest(f"{path} is a directory; give --parquet a file name")
+    tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        # O_EXCL: never clobber someone else's file; mode 0o666 & ~umask, as a plain create would give.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except OSError as exc:
+        raise OSError(f"cannot write Parquet file {path}: {exc.strerror or exc}") from exc
+    try:
+        n = _write_parquet(store, str(tmp), batch_rows)
+        with open(tmp, "rb") as f:  # durable before it is published: a crash never leaves a torn FILE
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise OSError(f"cannot write Parquet file {path} ({exc}); "
+                          f"any earlier {dest.name} is left unchanged") from exc
+        raise
+    _fsync_dir(dest.parent)
+    return n
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every filesystem allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_parquet(store: "EmbeddedStore", path: str, batch_rows: int) -> int:
+    """``export_parquet``'s writer: the index into the (temporary) file ``path``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

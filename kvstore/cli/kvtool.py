@@ -16,7 +16,9 @@ Usage (global options go before or after the subcommand)::
 
 The store is a path, a ``file://`` URL or any URL ``kvstore.connect`` knows
 (e.g. a ``grpc://`` daemon once registered); without one, ``KVSTORE_DATA_DIR``,
-then ``data_dir`` of ``--config``, then ``./kvstack-data``.
+then ``data_dir`` of ``--config``, then ``./kvstack-data``. ``--config`` is the
+store config of a data directory; with a daemon URL it is a usage error (the
+daemon runs under its own config).
 
 Contract:
 * kvtool never creates a store: a local path without ``kvstore.json`` is a
@@ -63,6 +65,10 @@ def _require_local_store(url: str) -> None:
 # URL scheme -> check run before opening ("" is a plain path). Unlisted schemes open directly.
 PRECHECKS: dict[str, Callable[[str], None]] = {"": _require_local_store, "file": _require_local_store}
 
+# URL schemes whose store reads a store config (``--config``): a data directory. A daemon
+# (``grpc://``) runs under its own config, so ``--config`` with any other scheme is a usage error.
+CONFIG_SCHEMES: frozenset[str] = frozenset({"", "file"})
+
 
 def _common_options(subcommand: bool) -> argparse.ArgumentParser:
     """Global options; on subparsers their defaults are SUPPRESS so they never undo the top level's."""
@@ -72,7 +78,8 @@ def _common_options(subcommand: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--data-dir", dest="data_dir", metavar="DIR", default=dflt(None),
                    help="store path or URL (default: $KVSTORE_DATA_DIR, the config's data_dir, ./kvstack-data)")
-    p.add_argument("--config", metavar="FILE.toml", default=dflt(None), help="store config (TOML)")
+    p.add_argument("--config", metavar="FILE.toml", default=dflt(None),
+                   help="store config (TOML) of a data directory; not for a daemon URL")
     p.add_argument("--json", action="store_true", default=dflt(False), help="print one JSON document")
     p.add_argument("-v", "--verbose", action="count", default=dflt(0),
                    help="show store log messages (-v warnings, -vv info)")
@@ -127,7 +134,13 @@ def resolve_url(args: argparse.Namespace) -> str:
 
 
 def open_store(url: str, config: str | None) -> KVStore:
+    """Open the store at ``url``; ``config`` (a TOML store config) applies only to a data
+    directory. Raises ``InvalidRequest`` for ``--config`` with another URL, or for a local
+    path that is not an existing store."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
+    if config and scheme not in CONFIG_SCHEMES:
+        raise InvalidRequest(f"--config applies only to a data directory, not to {url}; "
+                             "drop --config (the daemon uses its own config)")
     check = PRECHECKS.get(scheme)
     if check is not None:
         check(url)

@@ -148,3 +148,44 @@ def test_check_reports_orphans_and_fix_removes_them(store, keys):
     store.check(fix=True)
     assert_clean(store)
 
+
+
+def test_dry_run_reports_what_the_real_pass_evicts_and_expires(data_dir, hasher, clock):
+    """``gc(dry_run=True)`` walks the whole TTL and LRU orderings (not one batch of 512 / 256):
+    it reports the counts and bytes the real pass then expires and evicts, skipping pinned
+    entries, entries the pass expires first, and entries read since the last access-time
+    flush (they move to the young end of the LRU ordering before the real pass evicts)."""
+    many = hasher.hash_blocks(list(range(16 * 1400)))
+    size = {k: 300 + (i % 7) * 150 for i, k in enumerate(many)}  # unequal: which entries go matters
+    opts = dict(fsync=False, clock=clock, compression="none", delete_grace_s=0, orphan_grace_s=0,
+                high_watermark=0.9, low_watermark=0.5)
+    with kvstore.connect(str(data_dir), **opts) as s:
+        for start in range(0, len(many), 200):  # seven put times: an LRU order with ties and steps
+            s.put_many([kvstore.PutItem(k, value_for(k, size[k]), ttl_s=100 if i < 600 else None)
+                        for i, k in enumerate(many[start:start + 200], start)])
+            clock.advance(1)
+        total = s.used_bytes()
+    clock.advance(200)  # the first 600 entries expire: more than one batch of 512
+    pinned, read = many[600:620], many[620:660]  # among the oldest of the entries that stay
+    with kvstore.connect(str(data_dir), capacity_bytes=total // 4, access_flush_s=3600, **opts) as s:
+        for k in pinned:
+            assert s.pin(k)
+        for k in read:
+            assert s.get(k) == value_for(k, size[k])
+        assert s._touches  # reads not yet written to the LRU ordering: the dry run must see them anyway
+        before = (s.used_bytes(), s.stats()["entries"])
+        dry = s.gc(dry_run=True)
+        assert (s.used_bytes(), s.stats()["entries"]) == before  # a dry run changes nothing
+        assert s.gc(dry_run=True) == dry
+        real = s.gc()
+        assert dry["expired"] == real["expired"] == 600
+        assert dry["evicted"] == real["evicted"] > 256
+        assert dry["evicted_bytes"] == real["evicted_bytes"] > 0
+        assert s.used_bytes() <= total // 4 * 0.5
+        assert all(s.lookup([k]).hit_blocks for k in pinned + read)  # pinned and recently read stay
+        assert_clean(s)
+    with kvstore.connect(str(data_dir), capacity_bytes=1, **opts) as s:
+        for k in many:
+            s.pin(k)
+        with pytest.raises(CapacityExceeded, match="pinned"):  # the real pass would fail: so does the dry run
+            s.gc(dry_run=True)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 import kvstore
 from tests.kvtool.conftest import populate, write_config
@@ -152,3 +153,94 @@ def test_logging_quieted_and_restored(store_dir, run_tool):
     assert run_tool("stats", store_dir.path)[0] == 0
     assert run_tool("-v", "stats", store_dir.path)[0] == 0
     assert (lg.level, lg.propagate, list(lg.handlers)) == before
+
+
+def _limited_file_size(limit: int):
+    def setup() -> None:  # in the child: `ulimit -f`, so a write past `limit` bytes fails "File too large"
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return setup
+
+
+def test_parquet_write_failure_keeps_the_earlier_file(store_dir, tmp_path):
+    """A failure mid-write ("File too large" under ``ulimit -f``) leaves an earlier export as it
+    was and no temporary behind; the error is one line, exit 2."""
+    pytest.importorskip("resource")
+    out_file = tmp_path / "index.parquet"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    argv = [sys.executable, "-m", "kvstore.cli.kvtool", "inspect", str(store_dir.path), "--parquet", str(out_file)]
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    good = out_file.read_bytes()
+    assert len(good) > 2048
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+                       preexec_fn=_limited_file_size(2048))
+    assert out_file.read_bytes() == good  # not truncated, not half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "index.parquet"]  # the temporary is gone
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert str(out_file) in r.stderr and "left unchanged" in r.stderr
+    assert pq.read_table(out_file).num_rows == len(store_dir.blocks) + len(store_dir.swa)
+
+
+def test_parquet_failure_in_process_creates_nothing(store_dir, run_tool, tmp_path, monkeypatch):
+    out_file = tmp_path / "out" / "index.parquet"
+    out_file.parent.mkdir()
+    real_write = pq.ParquetWriter.write_table
+
+    def write_then_fail(self, *a, **kw):
+        real_write(self, *a, **kw)  # some bytes reach the file first, as in a real mid-write failure
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", write_then_fail)
+    code, out, err = run_tool("inspect", store_dir.path, "--parquet", out_file)
+    assert code == 2 and out == "" and "File too large" in err and err.count("\n") == 1
+    assert not any(out_file.parent.iterdir())  # neither FILE nor a temporary
+    monkeypatch.undo()
+    code, out, _ = run_tool("inspect", store_dir.path, "--parquet", out_file)
+    assert code == 0 and [p.name for p in out_file.parent.iterdir()] == ["index.parquet"]
+
+
+def test_parquet_empty_or_directory_path_is_a_usage_error(store_dir, run_tool, tmp_path):
+    for bad in ("", "  "):
+        code, out, err = run_tool("inspect", store_dir.path, "--parquet", bad)
+        assert code == 2 and out == "" and "--parquet" in err and "Traceback" not in err
+    code, out, err = run_tool("inspect", store_dir.path, "--parquet", tmp_path)
+    assert code == 2 and out == "" and "is a directory" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == [store_dir.path]
+
+
+def test_negative_or_non_numeric_limit_is_a_usage_error(store_dir, run_tool):
+    for bad in ("-1", "-50", "ten", "1.5"):
+        code, out, err = run_tool("verify", store_dir.path, "--limit", bad)
+        assert code == 2 and out == "" and "--limit" in err and "... and" not in err, bad
+    code, out, _ = run_tool("verify", store_dir.path, "--limit", "0")
+    assert code == 0 and "no problems" in out and "... and" not in out
+
+
+def test_config_with_a_daemon_url_is_one_clear_usage_error(store_dir, run_tool, tmp_path):
+    cfg = write_config(tmp_path / "kv.toml", capacity_bytes=100000)
+    for argv in (("--config", cfg, "stats", "grpc://127.0.0.1:1"), ("stats", "grpc://127.0.0.1:1", "--config", cfg),
+                 ("--config", cfg, "--data-dir", "grpcs://example.invalid:443", "verify")):
+        code, out, err = run_tool(*argv)
+        assert code == 2 and out == "" and err.count("\n") == 1, argv
+        assert "--config applies only to a data directory" in err and "config_file" not in err, err
+    assert run_tool("--config", cfg, "stats", store_dir.path)[0] == 0  # a data directory takes it
+
+
+def test_gc_dry_run_reports_the_whole_capacity_eviction(tmp_path, run_tool):
+    """More than one eviction batch (256) over capacity: the dry run reports the count and
+    bytes the real gc then evicts, and changes nothing."""
+    pop = populate(tmp_path / "data", 300)  # 300 blocks + 75 SWA snapshots
+    cfg = write_config(tmp_path / "kv.toml", capacity_bytes=20000)
+    code, out, _ = run_tool("--config", cfg, "gc", "--dry-run", pop.path, "--json")
+    dry = json.loads(out)
+    assert code == 0 and dry["dry_run"] and dry["evicted"] > 256
+    code, out, _ = run_tool("--config", cfg, "gc", "--dry-run", pop.path)
+    assert code == 0 and f"evicted {dry['evicted']} (" in out  # with its size
+    code, out, _ = run_tool("stats", pop.path, "--json")
+    assert json.loads(out)["entries"] == 375  # the dry run removed nothing
+    code, out, _ = run_tool("--config", cfg, "gc", pop.path, "--json")
+    real = json.loads(out)
+    assert code == 0 and (real["evicted"], real["evicted_bytes"]) == (dry["evicted"], dry["evicted_bytes"])
+    assert real["used_bytes"] <= 20000 * 0.85

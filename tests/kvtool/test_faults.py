@@ -116,3 +116,23 @@ def test_corrupt_fragment_found_and_repaired(store_dir, run_tool):
         assert json.loads(out)["targets"][2]["offset"] is None
     assert _verify_json(run_tool, pop.path)[0] == 0
     _all_read_back(pop)
+
+
+def test_a_deleted_target_is_reported_down_once(store_dir, run_tool):
+    """The consistency check notices a vanished target root, and so does the orphan sweep
+    after it: one ``target_down`` problem, not two worded differently."""
+    pop = store_dir
+    src, dst = _away(pop, "t3")
+    code, d = _verify_json(run_tool, pop.path)
+    assert code == 1 and d["counts"]["target_down"] == 1
+    assert [p["target"] for p in d["problems"] if p["kind"] == "target_down"] == ["t3"]
+    assert d["counts"]["missing_fragment"] == len(pop.blocks) + len(pop.swa)  # its fragments still listed
+    code, out, _ = run_tool("verify", pop.path)
+    assert code == 1 and sum(line.startswith("target_down") for line in out.splitlines()) == 1
+    code, out, _ = run_tool("repair", pop.path, "--json")
+    assert code == 1  # nothing to rebuild onto: six targets, six fragments per entry
+    dst.rename(src)
+    assert run_tool("repair", pop.path)[0] == 0
+    code, d = _verify_json(run_tool, pop.path)
+    assert code == 0 and d["problems"] == []
+    _all_read_back(pop)
