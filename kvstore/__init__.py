@@ -15,10 +15,12 @@ registry with lazy imports, as fsspec does); all of them satisfy
 from __future__ import annotations
 
 import importlib
+import os
+import re
 from typing import Any, Callable
 
 from kvstore.api import Entry, EntryKind, KVStore, Layout, LookupResult, PutItem
-from kvstore.config import StoreConfig, TargetSpec, load_config
+from kvstore.config import DEFAULT_DATA_DIR, ENV_PREFIX, StoreConfig, TargetSpec, load_config
 from kvstore.errors import (
     CapacityExceeded,
     CorruptData,
@@ -39,17 +41,36 @@ CONNECTORS: dict[str, str] = {
 }
 
 
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+
+
 def register_connector(scheme: str, target: str) -> None:
     """Register ``"module:function"`` as the opener of URLs with this scheme."""
     CONNECTORS[scheme] = target
 
 
-def connect(url: str | None = None, **overrides: Any) -> KVStore:
+def connect(url: str | os.PathLike | None = None, **overrides: Any) -> KVStore:
     """Open a store. A plain path or ``file://`` URL opens the embedded store on that
-    data directory; ``overrides`` are ``StoreConfig`` fields (they win over the
-    ``KVSTORE_*`` environment and the defaults)."""
-    url = url if url is not None else overrides.pop("data_dir", None) or StoreConfig.data_dir
-    scheme = url.split("://", 1)[0] if "://" in url else ""
+    data directory (no URL: ``data_dir`` if given, else ``KVSTORE_DATA_DIR``, else
+    ``./kvstack-data``); ``overrides`` are ``StoreConfig`` fields (they win over the
+    ``KVSTORE_*`` environment and the defaults). A URL that is not one of these forms
+    raises ``InvalidRequest``: nothing is created for a mistyped one."""
+    if url is None:
+        url = overrides.pop("data_dir", None) or os.environ.get(ENV_PREFIX + "DATA_DIR") or DEFAULT_DATA_DIR
+    elif "data_dir" in overrides:
+        raise InvalidRequest("give the data directory once: as the URL or as data_dir, not both")
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str) or not url.replace(",", "").strip():
+        raise InvalidRequest(f"a store URL is a non-empty string (a path, file://PATH or grpc://HOST:PORT), "
+                             f"got {url!r}")
+    if "://" in url:
+        scheme = url.lstrip(", ").split("://", 1)[0]  # a stray leading comma: the opener's own message
+    else:
+        m = _SCHEME.match(url)
+        scheme = m.group(1).lower() if m and m.group(1).lower() in CONNECTORS else ""
+        if scheme and scheme != "file":  # "grpc:/host:port", "grpc:host:port": a typo, not a directory name
+            raise InvalidRequest(f"{url!r} is not a {scheme} URL: write {scheme}://HOST:PORT")
     try:
         target = CONNECTORS[scheme]
     except KeyError:

@@ -49,6 +49,7 @@ sharded stores work unchanged. Guarantees of both:
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -118,6 +119,17 @@ class Layout:
 
     dtype: str = "uint8"
     shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.shape) is tuple and all(type(d) is int for d in self.shape):
+            return
+        # A list (JSON, a caller), numpy or torch sizes: stored as the tuple of ints they mean.
+        try:
+            if isinstance(self.shape, (str, bytes)) or any(isinstance(d, bool) for d in self.shape):
+                raise TypeError
+            object.__setattr__(self, "shape", tuple(operator.index(d) for d in self.shape))
+        except TypeError:
+            raise InvalidRequest(f"a layout shape is a tuple of ints, got {self.shape!r}") from None
 
     @property
     def dtype_code(self) -> int:

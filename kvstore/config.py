@@ -10,6 +10,7 @@ domain, so the code path is the same as with real disks.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
@@ -26,6 +27,9 @@ DEFAULT_DATA_DIR = "./kvstack-data"
 DEFAULT_EC_TYPE = "isa_l_rs_cauchy"
 # What a data directory whose marker names no code was written with (before it was recorded).
 LEGACY_EC_TYPE = "isa_l_rs_vand"
+DEFAULT_EC_K, DEFAULT_EC_M = 4, 2  # a new data directory's code when ec_k / ec_m are unset
+MAX_TTL_S = 100 * 365 * 86400.0  # expiry times are u64 nanoseconds: keep far from overflow
+MAX_DURATION_S = 1e9  # any other time knob (~31 years): finite, and far from timestamp overflow
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +65,11 @@ class StoreConfig:
     """Knobs of the embedded store. Sizes in bytes, times in seconds."""
 
     data_dir: str = DEFAULT_DATA_DIR
-    ec_k: int = 4
-    ec_m: int = 2
+    # The erasure code: None (unset) means the data directory's, as recorded when it was created
+    # (DEFAULT_EC_K + DEFAULT_EC_M for a new one); a value that differs from the recorded one is
+    # refused (kvstore.store), since the directory's targets and records were laid out for it.
+    ec_k: int | None = None
+    ec_m: int | None = None
     ec_type: str = ""  # pyeclib backend; "": the data directory's (DEFAULT_EC_TYPE for a new one)
     targets: tuple[TargetSpec, ...] = ()  # empty: k+m subdirectories of data_dir
     capacity_bytes: int = 0  # 0: unbounded (no capacity eviction)
@@ -95,18 +102,36 @@ class StoreConfig:
     clock_offset_s: float = 0.0  # added to the wall clock (a node whose clock is off; chaos tests of TTLs)
 
     def __post_init__(self) -> None:
-        if self.ec_k < 1 or self.ec_m < 0 or self.ec_k + self.ec_m > 32:
-            raise InvalidRequest(
-                f"erasure code {self.ec_k}+{self.ec_m} is out of range: need k >= 1, m >= 0, k+m <= 32"
-            )
-        if self.ec_m == 0 and self.ec_k > 1:
-            raise InvalidRequest("ec_m = 0 only makes sense with ec_k = 1 (one plain copy)")
+        """Every knob checked before anything is created on disk: a bad value is one
+        ``InvalidRequest`` naming the field, never an error from deep inside a put."""
+        for f in dataclasses.fields(self):
+            v, want = getattr(self, f.name), str(f.type)
+            if v is None and "None" in want:
+                continue
+            if want.startswith(("int", "float")) and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                                      or (want.startswith("int") and not isinstance(v, int))):
+                raise InvalidRequest(f"{f.name} must be {'an integer' if want.startswith('int') else 'a number'}, "
+                                     f"got {v!r}")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise InvalidRequest(f"{f.name} must be a finite number, got {v}")
+        k, m = self.ec_k, self.ec_m
+        if k is not None or m is not None:
+            k = DEFAULT_EC_K if k is None else k
+            m = DEFAULT_EC_M if m is None else m
+            if k < 1 or m < 0 or k + m > 32:
+                raise InvalidRequest(f"erasure code {k}+{m} is out of range: need k >= 1, m >= 0, k+m <= 32")
+            if m == 0 and k > 1:
+                raise InvalidRequest("ec_m = 0 only makes sense with ec_k = 1 (one plain copy)")
         if not 0 < self.pack_compact_ratio <= 1:
             raise InvalidRequest(f"pack_compact_ratio must be in (0, 1], got {self.pack_compact_ratio}")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise InvalidRequest("watermarks need 0 < low_watermark <= high_watermark <= 1")
         if self.compression not in ("zstd", "none"):
             raise InvalidRequest(f"compression must be 'zstd' or 'none', got {self.compression!r}")
+        if not -(1 << 17) <= self.zstd_level <= 22:
+            raise InvalidRequest(f"zstd_level must be in [-131072, 22] (zstd's levels), got {self.zstd_level}")
+        if self.min_compress_ratio < 1:
+            raise InvalidRequest(f"min_compress_ratio must be >= 1 (1.0: keep any saving), got {self.min_compress_ratio}")
         if self.sync_mode not in ("auto", "file", "fs"):
             raise InvalidRequest(f"sync_mode must be auto, file or fs, got {self.sync_mode!r}")
         for knob in ("parallel_reads", "parallel_writes"):
@@ -114,23 +139,38 @@ class StoreConfig:
                 raise InvalidRequest(f"{knob} must be auto, always or never, got {getattr(self, knob)!r}")
         if self.capacity_bytes < 0 or self.max_value_bytes <= 0 or self.pack_bytes <= 0:
             raise InvalidRequest("capacity_bytes must be >= 0, max_value_bytes and pack_bytes > 0")
-        if not 0 <= self.fragment_read_retries <= 16 or self.read_timeout_s < 0:
-            raise InvalidRequest("fragment_read_retries must be in [0, 16] and read_timeout_s >= 0")
-        if self.default_ttl_s is not None and self.default_ttl_s <= 0:
-            raise InvalidRequest("default_ttl_s must be positive (or unset for no expiry)")
-        if self.targets and len(self.targets) < self.ec_k + self.ec_m:
+        if not 0 <= self.fragment_read_retries <= 16:
+            raise InvalidRequest(f"fragment_read_retries must be in [0, 16], got {self.fragment_read_retries}")
+        if not 1 <= self.read_workers <= 1024:
+            raise InvalidRequest(f"read_workers must be in [1, 1024], got {self.read_workers}")
+        if not 1 <= self.max_readers <= 1 << 20:
+            raise InvalidRequest(f"max_readers must be in [1, {1 << 20}], got {self.max_readers}")
+        if not 1 << 20 <= self.lmdb_map_size <= 1 << 46:
+            raise InvalidRequest(f"lmdb_map_size must be in [1 MiB, 64 TiB], got {self.lmdb_map_size}")
+        for knob in ("read_timeout_s", "orphan_grace_s", "delete_grace_s", "access_flush_s"):
+            if not 0 <= getattr(self, knob) <= MAX_DURATION_S:
+                raise InvalidRequest(f"{knob} must be in [0, {MAX_DURATION_S:.0f}] seconds, got {getattr(self, knob)}")
+        if not abs(self.clock_offset_s) <= MAX_DURATION_S:
+            raise InvalidRequest(f"clock_offset_s must be within +-{MAX_DURATION_S:.0f} s, got {self.clock_offset_s}")
+        if self.default_ttl_s is not None and not 0 < self.default_ttl_s <= MAX_TTL_S:
+            raise InvalidRequest(f"default_ttl_s must be in (0, {MAX_TTL_S:.0f}] seconds (or unset for no expiry), "
+                                 f"got {self.default_ttl_s}")
+        if self.targets and k is not None and len(self.targets) < k + m:
             raise InvalidRequest(
-                f"{len(self.targets)} targets cannot hold {self.ec_k}+{self.ec_m} fragments on "
-                f"distinct targets; give at least {self.ec_k + self.ec_m}"
+                f"{len(self.targets)} targets cannot hold {k}+{m} fragments on "
+                f"distinct targets; give at least {k + m}"
             )
         names = [t.name for t in self.targets]
         if len(set(names)) != len(names):
             raise InvalidRequest(f"target names must be unique, got {names}")
 
     def resolved_targets(self) -> tuple[TargetSpec, ...]:
-        """The configured targets, or the embedded default: k+m subdirectories of data_dir."""
+        """The configured targets, or the embedded default: k+m subdirectories of data_dir
+        (``ec_k``/``ec_m`` resolved: the store calls this once it has read its directory's)."""
         if self.targets:
             return self.targets
+        if self.ec_k is None or self.ec_m is None:
+            raise InvalidRequest("the default targets need ec_k and ec_m resolved (a kvstore bug)")
         root = Path(self.data_dir).resolve() / "targets"
         return tuple(
             TargetSpec(url=f"file://{root / f't{i}'}", domain="local", name=f"t{i}")
@@ -157,16 +197,28 @@ def _coerce(name: str, typ: Any, value: Any) -> Any:
                 if value.lower() in ("0", "false", "no", "off"):
                     return False
                 raise ValueError(value)
+            if not isinstance(value, (bool, int)):
+                raise TypeError(f"expected a bool, got {type(value).__name__}")
             return bool(value)
         if origin is typing.Union or "None" in str(typ):
             if value in (None, "", "none", "None"):
                 return None
-            return float(value)
+            typ = "int" if "int" in str(typ) else "float"
+        if isinstance(value, bool):
+            raise TypeError("expected a number, got a bool")
         if typ in (int, "int"):
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError("expected a whole number")
+                return int(value)
             return int(value)
         if typ in (float, "float"):
             return float(value)
-        return str(value)
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str):
+            raise TypeError(f"expected a string, got {type(value).__name__}")
+        return value
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"config field {name!r}: cannot use {value!r} ({exc})") from exc
 

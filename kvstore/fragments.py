@@ -10,6 +10,7 @@ steps, and why they are ordered as they are, are in ``kvstore.store``'s docstrin
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 from concurrent.futures import Future, wait
@@ -20,7 +21,9 @@ import xxhash
 
 from kvstore import codec
 from kvstore.api import EntryKind, Layout, as_payload
-from kvstore.errors import CapacityExceeded, CorruptData, IncompatibleFormat, InvalidRequest, StoreUnavailable, Unrecoverable
+from kvstore.config import MAX_TTL_S
+from kvstore.errors import (CapacityExceeded, CorruptData, IncompatibleFormat, InvalidRequest, StoreClosed,
+                            StoreUnavailable, Unrecoverable)
 from kvstore.index import STANDALONE, Meta, ekey
 from kvstore.keys import check_key
 from kvstore.placement import place
@@ -36,7 +39,6 @@ from kvstore.targets import (
 
 log = logging.getLogger("kvstore.store")
 
-MAX_TTL_S = 100 * 365 * 86400.0  # expiry times are u64 nanoseconds: keep far from overflow
 _SCRATCH_MAX = 16 * 1024 * 1024  # larger reads get a fresh buffer instead of a cached one
 
 
@@ -51,13 +53,39 @@ def run_now(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
     return fut
 
 
+CLOSE_WAIT_S = 10.0  # close() waits this long for calls in flight on other threads
+
+
+def in_flight(fn: Callable) -> Callable:
+    """A public call of the embedded store (``kvstore.store``): refused with ``StoreClosed``
+    once ``close`` has begun, and counted while it runs, so that ``close`` shuts the index
+    only after it returned (a call racing a close gets ``StoreClosed`` or its result, never
+    an error from a closed LMDB). Needs the store's ``_calls``, ``_closed``, ``_in_flight``."""
+
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._calls:
+            if self._closed:
+                raise StoreClosed("this store is closed; open a new one with kvstore.connect")
+            self._in_flight += 1
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            with self._calls:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._calls.notify_all()
+
+    return call
+
+
 def expiry_ns(ttl_s: float | None, default_ttl_s: float, now: int) -> int:
     """An entry's expiry time (0: none) from a put's ``ttl_s`` (``None``: the store's default)."""
     if ttl_s is None:
         ttl_s = default_ttl_s
-    elif not 0 < ttl_s <= MAX_TTL_S:  # also rejects NaN
-        raise InvalidRequest(f"ttl_s must be in (0, {MAX_TTL_S:.0f}] seconds (or None for the default), "
-                             f"got {ttl_s}")
+    elif isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_TTL_S:  # and NaN
+        raise InvalidRequest(f"ttl_s must be in (0, {MAX_TTL_S:.0f}] seconds (a number, or None for the "
+                             f"default), got {ttl_s!r}")
     return now + int(ttl_s * 1e9) if ttl_s else 0
 
 
@@ -102,8 +130,11 @@ class FragmentIO:
     """Write and read paths over the targets (see the module docstring)."""
 
     # ------------------------------------------------------------------ write path
-    def _encode(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
-                layout: Layout | None, tokens: int, gen: bytes | None = None) -> _Encoded:
+    def _checked(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
+                 layout: Layout | None, tokens: int) -> tuple[bytes, EntryKind, memoryview, Layout, int, int]:
+        """A put's arguments validated (``InvalidRequest`` for the first bad one): (key, kind,
+        payload, layout, now_ns, expires_ns). Every put passes here, also one that stores
+        nothing because its key is live: a bad request is refused whether or not it would write."""
         key = check_key(key)
         k = EntryKind.parse(kind)
         payload, lay = as_payload(value, layout)
@@ -114,13 +145,24 @@ class FragmentIO:
             )
         now = self.now_ns()
         expires = expiry_ns(ttl_s, self.config.default_ttl_s, now)
-        if not isinstance(tokens, int) or tokens < 0:
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise InvalidRequest(f"tokens must be a non-negative int, got {tokens!r}")
+        return key, k, payload, lay, now, expires
+
+    def _encode(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
+                layout: Layout | None, tokens: int, gen: bytes | None = None) -> _Encoded:
+        key, k, payload, lay, now, expires = self._checked(key, value, kind, ttl_s, layout, tokens)
         entry = codec.encode_entry(key, k, payload, lay, tokens, compression=self.config.compression,
                                    zstd_level=self.config.zstd_level, min_ratio=self.config.min_compress_ratio)
         bodies = self.code.encode(entry)
         gen = gen or os.urandom(8)
         cfg = self.config
+        stored = (codec.FRAG_HEADER_LEN + len(bodies[0])) * len(bodies)
+        if cfg.capacity_bytes and stored > cfg.capacity_bytes * cfg.low_watermark:
+            # It would be stored, then evicted by the next eviction: refuse it instead.
+            raise CapacityExceeded(
+                f"an entry of {stored} stored bytes cannot fit under the low watermark of capacity_bytes="
+                f"{cfg.capacity_bytes} ({cfg.capacity_bytes * cfg.low_watermark:.0f} bytes); raise the capacity")
         frames = [codec.fragment_parts(i, cfg.ec_k, cfg.ec_m, k.code, key, gen, len(entry), b)
                   for i, b in enumerate(bodies)]
         meta = Meta(k=cfg.ec_k, m=cfg.ec_m, tokens=tokens, plain_len=len(payload), entry_len=len(entry),
@@ -518,6 +560,11 @@ class FragmentIO:
                 return got
         good, failed = self._gather(meta, ek)
         if len(good) < meta.k:
+            unknown = sorted(set(meta.targets) - set(self.targets))
+            if unknown:  # a configuration that lacks targets is not a loss: nothing is marked
+                raise StoreUnavailable(
+                    f"entry {ek[1:].hex()} has fragments on targets {', '.join(unknown)}, which this store "
+                    "was not opened with; open the data directory with the targets it was written to")
             self._mark_lost(ek, meta)
             raise Unrecoverable(
                 f"entry {ek[1:].hex()} ({EntryKind.from_code(ek[0]).value}) has {len(good)} good fragments, "

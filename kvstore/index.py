@@ -16,7 +16,10 @@ Sub-databases (``ek`` is the 17-byte entry key ``kind code || block hash``)::
     members  gen||ek                -> ''          the records stored in pack ``gen``
     compact  gen                    -> ''          packs mostly dead: GC moves their live entries out
     tids     u16 id                 -> target name (fragment locations are stored as ids)
-    info     name                   -> u64 counters (used_bytes, degraded_reads, ...)
+    info     name                   -> u64 counters (used_bytes, degraded_reads, ...); and
+             b"identity"            -> 16 random bytes set when the index is created, which the data
+                                       directory's marker repeats (``kvstore.store``): an index that is
+                                       missing, emptied or another directory's is refused at open
 
 Invariants (each write transaction keeps them):
   1. An ``entries`` record exists only after all of its fragments were durably
@@ -52,7 +55,7 @@ from typing import Iterable, Iterator, Sequence
 
 import lmdb
 
-from kvstore.errors import IncompatibleFormat, InternalError
+from kvstore.errors import CorruptData, IncompatibleFormat, InternalError
 
 INDEX_FORMAT = 1
 
@@ -111,22 +114,44 @@ class Index:
                  compact_ratio: float = 0.5):
         self.compact_ratio = compact_ratio
         os.makedirs(path, exist_ok=True)
-        self.env = lmdb.open(
-            path, map_size=map_size, max_dbs=len(self.DBS) + 1, sync=sync, metasync=sync,
-            max_readers=max_readers, readahead=False,
-        )
-        self.db = {name.decode(): self.env.open_db(name) for name in self.DBS}
-        self._tid: dict[str, int] = {}
-        self._tname: dict[int, str] = {}
+        try:
+            self.env = lmdb.open(
+                path, map_size=map_size, max_dbs=len(self.DBS) + 1, sync=sync, metasync=sync,
+                max_readers=max_readers, readahead=False,
+            )
+        except lmdb.Error as exc:  # not an LMDB file (damaged, truncated), or an environment LMDB refuses
+            raise CorruptData(f"the index at {path} cannot be opened ({exc}); restore it from a copy, or "
+                              "move the data directory aside and start a fresh one") from exc
+        try:
+            self.db = {name.decode(): self.env.open_db(name) for name in self.DBS}
+            self._tid: dict[str, int] = {}
+            self._tname: dict[int, str] = {}
+            with self.env.begin(write=True) as txn:
+                fmt = txn.get(b"format", db=self.db["info"])
+                if fmt is None:
+                    txn.put(b"format", _U64.pack(INDEX_FORMAT), db=self.db["info"])
+                elif _U64.unpack(fmt)[0] != INDEX_FORMAT:
+                    raise IncompatibleFormat(
+                        f"index at {path} has format {_U64.unpack(fmt)[0]}; this kvstore reads {INDEX_FORMAT}"
+                    )
+            self._load_tids()
+        except lmdb.Error as exc:
+            self.env.close()
+            raise CorruptData(f"the index at {path} is damaged ({exc}); restore it from a copy, or "
+                              "move the data directory aside and start a fresh one") from exc
+        except BaseException:
+            self.env.close()
+            raise
+
+    def identity(self, proposed: bytes) -> bytes:
+        """This index's identity (see ``info``), set to ``proposed`` if it has none yet (a new
+        index). Several processes creating one directory at once agree: the first one wins."""
         with self.env.begin(write=True) as txn:
-            fmt = txn.get(b"format", db=self.db["info"])
-            if fmt is None:
-                txn.put(b"format", _U64.pack(INDEX_FORMAT), db=self.db["info"])
-            elif _U64.unpack(fmt)[0] != INDEX_FORMAT:
-                raise IncompatibleFormat(
-                    f"index at {path} has format {_U64.unpack(fmt)[0]}; this kvstore reads {INDEX_FORMAT}"
-                )
-        self._load_tids()
+            cur = txn.get(b"identity", db=self.db["info"])
+            if cur is None:
+                txn.put(b"identity", proposed, db=self.db["info"])
+                return proposed
+            return bytes(cur)
 
     def close(self) -> None:
         self.env.close()

@@ -196,7 +196,13 @@ _PLAIN, _KEY_LENS = frozenset((bytes,)), frozenset((KEY_LEN,))
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     """``check_key`` over a batch, with one cheap pass for the common all-valid case."""
-    keys = list(keys)
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise InvalidRequest(f"expected a sequence of {KEY_LEN}-byte keys, got one {type(keys).__name__}; "
+                             "wrap a single key in a list")
+    try:
+        keys = list(keys)
+    except TypeError:
+        raise InvalidRequest(f"expected a sequence of {KEY_LEN}-byte keys, got {type(keys).__name__}") from None
     if set(map(type, keys)) <= _PLAIN and set(map(len, keys)) <= _KEY_LENS:  # C loops: 1,000 keys in ~20 µs
         return keys
     return [check_key(k) for k in keys]

@@ -24,7 +24,7 @@ from typing import Sequence
 from kvstore import codec
 from kvstore.api import EntryKind, PutItem
 from kvstore.errors import InvalidRequest, Unrecoverable
-from kvstore.fragments import _Encoded, expiry_ns, run_now
+from kvstore.fragments import _Encoded, expiry_ns, in_flight, run_now
 from kvstore.index import STANDALONE, Meta
 from kvstore.placement import place
 from kvstore.targets import pack_path
@@ -163,6 +163,7 @@ class PackIO:
             if not any(result[i] for i in members):
                 self._discard_pack(gen, sorted({n for i in members for n in placed[i]}))
 
+    @in_flight
     def commit_written(self, entries: Sequence[WrittenEntry]) -> CommitResult:
         """Index entries a client wrote into pack files itself (the daemon's ``Commit``;
         ``kvstore.direct_writes``): steps 5-6 of a put, after checking what the index will

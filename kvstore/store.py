@@ -60,11 +60,12 @@ from typing import Any, Callable, Sequence
 
 from kvstore import codec
 from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
-from kvstore.config import DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, load_config
-from kvstore.fragments import FragmentIO, run_now
+from kvstore.config import DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, load_config
+from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, in_flight, run_now
 from kvstore.packs import PackIO
 from kvstore.errors import (
     CapacityExceeded,
+    CorruptData,
     IncompatibleFormat,
     InvalidRequest,
     NotFound,
@@ -73,12 +74,19 @@ from kvstore.errors import (
 )
 from kvstore.index import Index, Meta, ekey, packed_bytes
 from kvstore.keys import check_key, check_keys
-from kvstore.targets import Target, open_target
+from kvstore.targets import Target, fsync_dir, open_target
 from kvstore.tuning import tune_malloc
 
 log = logging.getLogger(__name__)
 
 DATA_FORMAT_VERSION = 1
+
+
+def _nonempty(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 FORMAT_FILE = "kvstore.json"
 
 
@@ -95,17 +103,44 @@ class EmbeddedStore(FragmentIO, PackIO):
         self.clock = clock
         self.data_dir = Path(config.data_dir).resolve()
         self._closed = False
-        fresh, ec_type = self._open_data_dir(config.ec_type)
-        self.config = config = replace(config, ec_type=ec_type)  # from here on, the directory's code
+        self._calls = threading.Condition()  # guards _closed and _in_flight (``in_flight``)
+        self._in_flight = 0
+        marker = self._read_marker()
+        fresh = marker is None
+        # From here on, the directory's code (erasure_code refuses an unknown one: nothing created).
+        self.config = config = self._resolve_code(config, marker)
+        codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
         self.target_specs = config.resolved_targets()
         self.targets: dict[str, Target] = {s.name: open_target(s) for s in self.target_specs}
-        if fresh:
-            for t in self.targets.values():
-                t.create_root()
         self._sync_mode()  # resolved (and a bad sync_mode refused) before anything is opened
-        self.index = Index(str(self.data_dir / "index"), map_size=config.lmdb_map_size,
+        index_dir = self.data_dir / "index"
+        if not fresh and marker.get("index_id") and not _nonempty(index_dir / "data.mdb"):
+            raise CorruptData(
+                f"the index of data directory {self.data_dir} is missing or empty ({index_dir / 'data.mdb'}); "
+                "opening it would make every stored fragment an orphan for GC to delete. Restore the "
+                "index from a copy, or move the directory aside and start a fresh one")
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidRequest(f"cannot use {self.data_dir} as a data directory: {exc.strerror or exc}") from exc
+        self.index = Index(str(index_dir), map_size=config.lmdb_map_size,
                            sync=config.fsync, max_readers=config.max_readers,
                            compact_ratio=config.pack_compact_ratio)
+        try:
+            identity = self.index.identity(os.urandom(16))
+            if not fresh and marker.get("index_id") and marker["index_id"] != identity.hex():
+                raise CorruptData(
+                    f"the index at {index_dir} is not the one data directory {self.data_dir} was created with "
+                    "(it was recreated or copied from another directory); opening it would make every stored "
+                    "fragment an orphan for GC to delete. Restore the directory's own index")
+            if fresh or marker.get("index_id") != identity.hex() or "ec_k" not in marker:
+                self._write_marker(config, identity, marker)
+            if fresh:
+                for t in self.targets.values():
+                    t.create_root()
+        except BaseException:
+            self.index.close()
+            raise
         self.code = codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
         # Two pools, so that no task ever waits on a task queued behind it in its own pool:
         # ``_pool`` runs single fragment reads/writes (leaf work); ``_batch_pool`` runs one
@@ -129,49 +164,80 @@ class EmbeddedStore(FragmentIO, PackIO):
                 log.warning("targets down at open: %s (reads will be degraded)", ", ".join(missing))
 
     # ------------------------------------------------------------------ set-up
-    def _open_data_dir(self, ec_type: str) -> tuple[bool, str]:
-        """Check or create the directory's marker; (created now?, the directory's ec_type).
+    def _read_marker(self) -> dict | None:
+        """The directory's marker (``FORMAT_FILE``) as a dict, or ``None`` for a new directory.
 
-        The marker records the erasure code the directory was created with: every record
-        is decoded with it, so a store configured with another one is refused (one code
-        can not read another's parity) rather than failing on the first degraded read.
+        The marker records what every record of the directory depends on: the format
+        version, the erasure code (``ec_type``, ``ec_k``, ``ec_m``: records are decoded and
+        the default targets laid out with it) and the identity of its index (``index_id``,
+        ``kvstore.index``), so that a lost or replaced index is refused rather than taken for
+        an empty store whose fragments are all orphans. Older markers lack some fields; the
+        store fills them in at open.
         """
         fmt = self.data_dir / FORMAT_FILE
-        if fmt.exists():
-            try:
+        try:
+            exists = fmt.exists()
+            if exists:
                 doc = json.loads(fmt.read_text())
                 ver = int(doc["format_version"])
-                recorded = str(doc.get("ec_type", LEGACY_EC_TYPE))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise IncompatibleFormat(
-                    f"{fmt} is unreadable ({exc}); this is not a kvstore data directory or it is damaged"
-                ) from exc
-            if ver != DATA_FORMAT_VERSION:
-                raise IncompatibleFormat(
-                    f"data directory {self.data_dir} has format version {ver}, this kvstore reads "
-                    f"version {DATA_FORMAT_VERSION}; open it with a matching kvstack release or "
-                    "start a fresh directory"
-                )
-            if ec_type and ec_type != recorded:
-                raise IncompatibleFormat(
-                    f"data directory {self.data_dir} was written with ec_type {recorded!r}, this store is "
-                    f"configured with {ec_type!r}; leave ec_type unset (the directory's is used) or "
-                    "start a fresh directory"
-                )
-            return False, recorded
-        if self.data_dir.exists() and any(p.name not in ("index", "targets") for p in self.data_dir.iterdir()):
-            raise InvalidRequest(
-                f"{self.data_dir} exists, is not empty and has no {FORMAT_FILE}: refusing to use it "
-                "as a kvstore data directory; pass an empty or new directory"
+                for name, typ in (("ec_type", str), ("ec_k", int), ("ec_m", int), ("index_id", str)):
+                    if name in doc and type(doc[name]) is not typ:
+                        raise TypeError(f"{name} is {doc[name]!r}")
+            else:
+                foreign = self.data_dir.exists() and any(p.name not in ("index", "targets")
+                                                         for p in self.data_dir.iterdir())
+        except (ValueError, KeyError, TypeError, AttributeError, IsADirectoryError) as exc:
+            raise IncompatibleFormat(
+                f"{fmt} is unreadable ({exc}); this is not a kvstore data directory or it is damaged") from exc
+        except OSError as exc:  # a file where the directory should be, no permission, ...
+            raise InvalidRequest(f"cannot use {self.data_dir} as a data directory: {exc.strerror or exc}") from exc
+        if not exists:
+            if foreign:
+                raise InvalidRequest(
+                    f"{self.data_dir} exists, is not empty and has no {FORMAT_FILE}: refusing to use it "
+                    "as a kvstore data directory; pass an empty or new directory")
+            return None
+        if ver != DATA_FORMAT_VERSION:
+            raise IncompatibleFormat(
+                f"data directory {self.data_dir} has format version {ver}, this kvstore reads "
+                f"version {DATA_FORMAT_VERSION}; open it with a matching kvstack release or "
+                "start a fresh directory"
             )
-        ec_type = ec_type or DEFAULT_EC_TYPE
-        codec.erasure_code(self.config.ec_k, self.config.ec_m, ec_type)  # an unknown code: nothing created
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.data_dir / f".{FORMAT_FILE}.tmp"
-        tmp.write_text(json.dumps({"format_version": DATA_FORMAT_VERSION, "created": time.time(),
-                                   "ec_type": ec_type}))
+        return doc
+
+    def _resolve_code(self, config: StoreConfig, marker: dict | None) -> StoreConfig:
+        """``config`` with the directory's erasure code filled in: an unset field takes the
+        recorded value (the defaults for a new directory, or for a marker written before
+        that field was recorded); a set one that differs from the record is refused."""
+        chosen = {"ec_type": config.ec_type or DEFAULT_EC_TYPE,
+                  "ec_k": DEFAULT_EC_K if config.ec_k is None else config.ec_k,
+                  "ec_m": DEFAULT_EC_M if config.ec_m is None else config.ec_m}
+        if marker is None:
+            return replace(config, **chosen)
+        recorded = {**chosen, "ec_type": LEGACY_EC_TYPE, **{n: marker[n] for n in chosen if n in marker}}
+        for name, value in recorded.items():
+            given = getattr(config, name)
+            if given not in (None, "") and given != value:
+                raise IncompatibleFormat(
+                    f"data directory {self.data_dir} was written with {name} {value!r}, this store is "
+                    f"configured with {given!r}; leave {name} unset (the directory's is used) or "
+                    "start a fresh directory")
+        return replace(config, **recorded)
+
+    def _write_marker(self, config: StoreConfig, identity: bytes, old: dict | None) -> None:
+        """Write the marker (atomically and durably: temporary file, fsync, rename, directory
+        fsync), keeping an existing one's creation time."""
+        doc = {"format_version": DATA_FORMAT_VERSION,
+               "created": old.get("created", time.time()) if old else time.time(),
+               "ec_type": config.ec_type, "ec_k": config.ec_k, "ec_m": config.ec_m, "index_id": identity.hex()}
+        fmt = self.data_dir / FORMAT_FILE
+        tmp = self.data_dir / f".{FORMAT_FILE}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            fh.write(json.dumps(doc))
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, fmt)
-        return True, ec_type
+        fsync_dir(str(self.data_dir))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -188,6 +254,7 @@ class EmbeddedStore(FragmentIO, PackIO):
             layout: Layout | None = None, tokens: int = 0) -> bool:
         return self.put_many([PutItem(key, value, kind, ttl_s, layout, tokens)])[0]
 
+    @in_flight
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         """Batched put: the fragments of all items written (on threads where writes wait),
         then one index commit."""
@@ -199,14 +266,19 @@ class EmbeddedStore(FragmentIO, PackIO):
         result = [False] * len(items)
         todo: list[int] = []
         seen: set[bytes] = set()
+        for it in items:
+            if not isinstance(it, PutItem):
+                raise InvalidRequest(f"put_many takes kvstore.PutItem(key, value, ...) items, got {type(it).__name__}")
         with self.index.env.begin() as txn:
             for i, it in enumerate(items):
                 ek = ekey(EntryKind.parse(it.kind).code, check_key(it.key))
                 if ek in seen:
+                    self._checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
                     continue
                 seen.add(ek)
                 m = self.index.get_meta(txn, ek)
                 if m is not None and not (m.expires_ns and m.expires_ns <= now):
+                    self._checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)  # refused all the same
                     self._touch(ek, now)
                     self._count("puts_deduplicated")
                     continue
@@ -288,6 +360,14 @@ class EmbeddedStore(FragmentIO, PackIO):
         return created
 
     def _mark_lost(self, ek: bytes, meta: Meta) -> None:
+        """Move a record whose fragments are gone to ``lost`` (lookup stops offering it).
+        Never for a record naming targets this store was not opened with: that is a
+        configuration to correct, and marking would hide intact entries until a repair."""
+        unknown = sorted(set(meta.targets) - set(self.targets))
+        if unknown:
+            log.error("entry %s names targets %s that this store was not opened with: not marked lost",
+                      ek[1:].hex(), ", ".join(unknown))
+            return
         self._count("unrecoverable")
         with self.index.env.begin(write=True) as txn:
             cur = self.index.get_meta(txn, ek)
@@ -302,6 +382,7 @@ class EmbeddedStore(FragmentIO, PackIO):
             return None
         return m
 
+    @in_flight
     def get_entry(self, key: bytes, *, kind: str = "block") -> Entry:
         self._check_open()
         k = EntryKind.parse(kind)
@@ -325,6 +406,7 @@ class EmbeddedStore(FragmentIO, PackIO):
         entries = self.get_entries(keys, kind=kind)
         return [None if e is None else e.data for e in entries]
 
+    @in_flight
     def get_entries(self, keys: Sequence[bytes], *, kind: str = "block") -> list[Entry | None]:
         self._check_open()
         k = EntryKind.parse(kind)
@@ -354,6 +436,7 @@ class EmbeddedStore(FragmentIO, PackIO):
             return [one(i) for i in range(len(eks))]
         return list(self._batch_pool.map(one, range(len(eks))))
 
+    @in_flight
     def locate(self, eks: Sequence[bytes]) -> list[Meta | None]:
         """The index half of a get, for readers that fetch the fragments themselves
         (``kvstore.direct``, through the daemon's Locate): per ``kind + key`` the live index
@@ -371,6 +454,7 @@ class EmbeddedStore(FragmentIO, PackIO):
             out.append(m)
         return out
 
+    @in_flight
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
                       kind: str = "block") -> list[EntryInfo | None]:
         """Batched get straight into caller buffers (``kvstore.api``, "Reading into caller
@@ -432,12 +516,14 @@ class EmbeddedStore(FragmentIO, PackIO):
         for ek, ts in pending.items():
             self.index.touch_txn(txn, ek, ts)
 
+    @in_flight
     def flush_touches(self) -> None:
         """Write batched access times to the LRU ordering (one transaction)."""
         with self.index.env.begin(write=True) as txn:
             self._flush_touches_txn(txn)
 
     # ------------------------------------------------------------------ delete, pin
+    @in_flight
     def delete(self, key: bytes, *, kind: str = "block") -> bool:
         self._check_open()
         ek = ekey(EntryKind.parse(kind).code, check_key(key))
@@ -453,6 +539,7 @@ class EmbeddedStore(FragmentIO, PackIO):
                 return True
         return False
 
+    @in_flight
     def _set_pinned(self, key: bytes, kind: str, pinned: bool) -> bool:
         self._check_open()
         ek = ekey(EntryKind.parse(kind).code, check_key(key))
@@ -472,6 +559,7 @@ class EmbeddedStore(FragmentIO, PackIO):
         return self._set_pinned(key, kind, False)
 
     # ------------------------------------------------------------------ lookup
+    @in_flight
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         self._check_open()
         keys = check_keys(keys)
@@ -481,6 +569,7 @@ class EmbeddedStore(FragmentIO, PackIO):
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
         return [self.lookup(c) for c in chains]
 
+    @in_flight
     def probe(self, keys: Sequence[bytes], *, until_miss: bool = False) -> tuple[bytes, bytes]:
         """Per key, on its own (not a chain): 1 if a live block entry, and 1 if also a live SWA
         entry; as two byte strings (``RemoteStore.probe``'s answer, which serves it).
@@ -490,6 +579,7 @@ class EmbeddedStore(FragmentIO, PackIO):
                                 until_miss=until_miss)
 
     # ------------------------------------------------------------------ capacity
+    @in_flight
     def used_bytes(self) -> int:
         with self.index.env.begin() as txn:
             return self.index.counter(txn, "used_bytes")
@@ -505,6 +595,7 @@ class EmbeddedStore(FragmentIO, PackIO):
         finally:
             self._evict_lock.release()
 
+    @in_flight
     def evict_to(self, goal_bytes: int, *, dry_run: bool = False) -> int:
         """Evict least-recently-used unpinned entries until at most ``goal_bytes`` are used."""
         self.flush_touches()
@@ -539,24 +630,28 @@ class EmbeddedStore(FragmentIO, PackIO):
         return evicted
 
     # ------------------------------------------------------------------ maintenance, stats
+    @in_flight
     def gc(self, *, dry_run: bool = False, orphans: bool = True, progress: Callable | None = None) -> dict:
         from kvstore.maintenance import run_gc
 
         self._check_open()
         return run_gc(self, dry_run=dry_run, sweep_orphans=orphans, progress=progress)
 
+    @in_flight
     def check(self, fix: bool = False, *, progress: Callable | None = None) -> list:
         from kvstore.maintenance import check
 
         self._check_open()
         return check(self, fix=fix, progress=progress)
 
+    @in_flight
     def repair(self, *, progress: Callable | None = None) -> dict:
         from kvstore.maintenance import repair
 
         self._check_open()
         return repair(self, progress=progress)
 
+    @in_flight
     def stats(self) -> dict:
         from kvstore.maintenance import stats
 
@@ -564,12 +659,18 @@ class EmbeddedStore(FragmentIO, PackIO):
         return stats(self)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        try:
-            self.flush_touches()
-        finally:
+        """Refuse new calls, wait up to ``CLOSE_WAIT_S`` for those in flight, write the
+        batched access times, close the index. Idempotent."""
+        with self._calls:
+            if self._closed:
+                return
             self._closed = True
+            if not self._calls.wait_for(lambda: not self._in_flight, timeout=CLOSE_WAIT_S):
+                log.warning("closing the store with %d calls still running", self._in_flight)
+        try:
+            with self.index.env.begin(write=True) as txn:
+                self._flush_touches_txn(txn)
+        finally:
             self._batch_pool.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self.index.close()
@@ -582,9 +683,28 @@ class EmbeddedStore(FragmentIO, PackIO):
 
 
 def open_embedded(url: str, **overrides: Any) -> EmbeddedStore:
-    """``kvstore.connect`` opener for plain paths and ``file://`` URLs."""
-    path = url[len("file://"):] if url.startswith("file://") else url
+    """``kvstore.connect`` opener for plain paths and ``file:`` URLs (``file:///abs``,
+    ``file://localhost/abs``, ``file:/abs``; the path is taken as written, not
+    percent-decoded, as the daemon's ``Describe`` writes target URLs)."""
+    path = _file_url_path(url)
     clock = overrides.pop("clock", None)
     config_file = overrides.pop("config_file", None)
     cfg = load_config(config_file, data_dir=path, **overrides)
     return EmbeddedStore(cfg, clock=clock or time.time)
+
+
+def _file_url_path(url: str) -> str:
+    """The local path of a plain path or ``file:`` URL; another host is ``InvalidRequest``."""
+    if not url.lower().startswith("file:"):
+        return url
+    rest = url[len("file:"):]
+    if rest.startswith("//"):
+        host, sep, path = rest[2:].partition("/")
+        if host not in ("", "localhost"):
+            raise InvalidRequest(f"{url!r} names host {host!r}: a data directory is local; write file:///PATH "
+                                 "(three slashes) or a plain path")
+        rest = sep + path
+    if not rest.startswith("/"):
+        raise InvalidRequest(f"{url!r}: a file URL holds an absolute path (file:///PATH); use a plain path "
+                             "for a relative one")
+    return rest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -10,6 +11,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 import kvstore
 from kvstore import NotFound, PutItem
@@ -119,3 +122,40 @@ def test_processes_share_one_data_directory(data_dir):
         assert all(o.strip().endswith("BAD 0") for o in outs), outs
         assert [p for p in s.check() if p.kind is not ProblemKind.ORPHAN_FRAGMENT] == []
         assert_pack_refs_match_records(s)
+
+
+def test_close_racing_calls_on_other_threads_gives_store_closed_never_an_lmdb_error(tmp_path, keys):
+    """Threads reading, looking up and putting while the main thread closes the store: each
+    call returns its result or raises ``StoreClosed``; none sees the closed index."""
+    import threading
+
+    from kvstore.errors import StoreClosed
+
+    for cycle in range(8):
+        s = kvstore.connect(str(tmp_path / f"s{cycle}"), fsync=False)
+        s.put_many([PutItem(k, os.urandom(2000)) for k in keys[:8]])
+        errors: list[BaseException] = []
+        go = threading.Event()
+
+        def work(i: int) -> None:
+            go.wait()
+            for j in range(200):
+                try:
+                    (s.get_many(keys[:8]), s.lookup(keys), s.put(keys[8 + (i * 200 + j) % 50], b"v"),
+                     s.flush_touches(), s.used_bytes())
+                except StoreClosed:
+                    return
+                except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+                    errors.append(exc)
+                    return
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        go.set()
+        s.close()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        with pytest.raises(StoreClosed):
+            s.used_bytes()

@@ -132,3 +132,29 @@ def test_every_fragment_damaged_beyond_m_is_unrecoverable_never_wrong(full, keys
     with pytest.raises(Unrecoverable):
         full.get(k)
     assert full.get_many([k, keys[8]]) == [None, value_for(keys[8], 6000)]
+
+
+def test_targets_left_out_of_the_config_are_not_a_loss(tmp_path, keys):
+    """Reopened with some of its targets missing from the configuration, a store reads what
+    it can, answers ``StoreUnavailable`` for the rest and marks nothing lost: with the full
+    target list back, every entry reads, every lookup hits and ``check`` is clean."""
+    from kvstore.errors import StoreUnavailable
+
+    urls = [f"file://{tmp_path / f'disk{i}'}#d{i}#disk{i}" for i in range(9)]
+    vals = {k: value_for(k, 3000) for k in keys[:30]}
+    with kvstore.connect(str(tmp_path / "s"), fsync=False, targets=",".join(urls)) as s:
+        s.put_many([PutItem(k, v) for k, v in vals.items()])
+    unavailable = 0
+    with kvstore.connect(str(tmp_path / "s"), fsync=False, targets=",".join(urls[:6])) as s:
+        for k, v in vals.items():
+            try:
+                assert s.get(k) == v
+            except StoreUnavailable as exc:
+                assert "not opened with" in str(exc)
+                unavailable += 1
+        assert s.stats()["lost_entries"] == 0
+    assert unavailable  # some entry had more than m fragments on the 3 targets left out
+    with kvstore.connect(str(tmp_path / "s"), fsync=False, targets=",".join(urls)) as s:
+        assert s.get_many(list(vals)) == list(vals.values())
+        assert s.lookup(list(vals)).hit_blocks == 30
+        assert_clean(s)

@@ -284,6 +284,71 @@ def test_an_unknown_erasure_code_creates_nothing(data_dir):
     assert not data_dir.exists()
 
 
+def test_the_directory_records_its_k_and_m(data_dir, keys):
+    """An 8+3 directory opened with no code given is read as 8+3 (all 11 targets), never
+    with the 4+2 default (which would miss 5 targets and mark every entry lost); a code
+    given that differs from the recorded one is refused."""
+    vals = {k: value_for(k, 5000) for k in keys[:10]}
+    with kvstore.connect(str(data_dir), fsync=False, ec_k=8, ec_m=3) as s:
+        s.put_many([PutItem(k, v) for k, v in vals.items()])
+    doc = json.loads((data_dir / "kvstore.json").read_text())
+    assert (doc["ec_k"], doc["ec_m"]) == (8, 3)
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        assert (s.config.ec_k, s.config.ec_m, len(s.targets)) == (8, 3, 11)
+        assert s.get_many(list(vals)) == list(vals.values())
+        assert s.check() == [] and s.lookup(list(vals)).hit_blocks == 10
+    with pytest.raises(IncompatibleFormat, match="written with ec_k 8.*leave ec_k unset"):
+        kvstore.connect(str(data_dir), ec_k=4, ec_m=2)
+    with pytest.raises(IncompatibleFormat, match="written with ec_m 3"):
+        kvstore.connect(str(data_dir), ec_m=2)
+
+
+def test_a_marker_from_before_k_and_m_were_recorded_takes_the_configured_code(data_dir, keys):
+    with kvstore.connect(str(data_dir), fsync=False, ec_k=3, ec_m=1) as s:
+        s.put(keys[0], b"v")
+    doc = json.loads((data_dir / "kvstore.json").read_text())
+    del doc["ec_k"], doc["ec_m"]
+    (data_dir / "kvstore.json").write_text(json.dumps(doc))
+    with kvstore.connect(str(data_dir), fsync=False, ec_k=3, ec_m=1) as s:
+        assert s.get(keys[0]) == b"v"
+    assert (json.loads((data_dir / "kvstore.json").read_text())["ec_k"]) == 3  # filled in at open
+
+
+@pytest.mark.parametrize("damage", ["removed", "emptied", "another"])
+def test_a_lost_or_replaced_index_is_refused_and_no_fragment_is_touched(data_dir, tmp_path, keys, damage):
+    """Issue #2 (nothing lost): a data directory whose index is gone, truncated to nothing or
+    swapped for another directory's is refused at open, with nothing created or deleted; it
+    is never taken for an empty store whose fragments GC would sweep as orphans."""
+    import shutil
+
+    with kvstore.connect(str(data_dir), fsync=False, orphan_grace_s=0) as s:
+        s.put_many([PutItem(k, value_for(k, 3000)) for k in keys[:8]])
+    before = sorted(p for p in (data_dir / "targets").rglob("*") if p.is_file())
+    index = data_dir / "index"
+    if damage == "removed":
+        shutil.rmtree(index)
+    elif damage == "emptied":
+        (index / "data.mdb").write_bytes(b"")
+    else:
+        other = tmp_path / "other"
+        kvstore.connect(str(other), fsync=False).close()
+        shutil.rmtree(index)
+        shutil.copytree(other / "index", index)
+    with pytest.raises(kvstore.CorruptData, match="index.*(missing or empty|not the one).*orphan"):
+        kvstore.connect(str(data_dir), fsync=False, orphan_grace_s=0)
+    assert sorted(p for p in (data_dir / "targets").rglob("*") if p.is_file()) == before
+    assert index.exists() == (damage != "removed")  # refused before anything was created
+
+
+def test_a_damaged_index_file_is_a_typed_error(data_dir, keys):
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        s.put(keys[0], b"v")
+    with open(data_dir / "index" / "data.mdb", "r+b") as fh:
+        fh.truncate(4096)
+    with pytest.raises(kvstore.CorruptData, match="index.*cannot be opened"):
+        kvstore.connect(str(data_dir), fsync=False)
+
+
 def test_refuses_a_foreign_directory(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(InvalidRequest, match="refusing"):
@@ -381,3 +446,46 @@ def test_a_target_id_assigned_elsewhere_is_read_from_the_index(store, keys):
     store.index._tname.clear()
     assert store.get(keys[0]) == v
     assert store.index._tname == known
+
+
+def test_an_entry_larger_than_the_capacity_is_refused_not_stored_and_evicted(data_dir, keys):
+    """With capacity_bytes below one entry's stored size, the put raises CapacityExceeded
+    (nothing written) instead of returning True for an entry the next eviction removes."""
+    with kvstore.connect(str(data_dir), fsync=False, capacity_bytes=50_000, compression="none",
+                         orphan_grace_s=0) as s:
+        assert s.put(keys[0], b"x" * 10_000)  # fits: ~15 kB stored with 4+2
+        with pytest.raises(kvstore.CapacityExceeded, match="cannot fit under the low watermark"):
+            s.put(keys[1], b"x" * 60_000)
+        with pytest.raises(kvstore.CapacityExceeded):
+            s.put_many([PutItem(keys[2], b"y" * 100), PutItem(keys[3], b"z" * 60_000)])
+        assert [s.lookup([k]).hit_blocks for k in keys[:4]] == [1, 0, 0, 0]
+        assert s.check() == []  # the refused batch left no fragment behind
+
+
+@pytest.mark.parametrize("bad", [
+    dict(value="not bytes"), dict(value=b"x" * 1001), dict(ttl_s=float("nan")), dict(ttl_s="10"), dict(tokens=-1),
+    dict(layout=kvstore.Layout("float32", (7,))),
+])
+def test_a_bad_put_of_a_live_key_is_refused_too(data_dir, keys, bad):
+    """Step 1 of the write path (validate) comes before step 2 (a live key stores nothing):
+    the same request is refused whether or not the key is stored already."""
+    with kvstore.connect(str(data_dir), fsync=False, max_value_bytes=1000) as s:
+        assert s.put(keys[0], b"x" * 10)
+        args = {"value": b"x" * 10, **bad}
+        with pytest.raises(InvalidRequest):
+            s.put(keys[0], args.pop("value"), **args)
+        with pytest.raises(InvalidRequest):  # and a duplicate inside one batch
+            s.put_many([PutItem(keys[1], b"ok"), PutItem(keys[1], **{"value": b"x" * 10, **bad})])
+        assert s.lookup([keys[1]]).hit_blocks == 0
+
+
+def test_misused_arguments_are_typed_errors(store, keys):
+    with pytest.raises(InvalidRequest, match="sequence of 16-byte keys"):
+        store.lookup(None)
+    with pytest.raises(InvalidRequest, match="wrap a single key"):
+        store.lookup(keys[0])
+    with pytest.raises(InvalidRequest, match="PutItem"):
+        store.put_many([(keys[0], b"v")])
+    assert kvstore.Layout("uint8", [4]).shape == (4,)
+    with pytest.raises(InvalidRequest, match="tuple of ints"):
+        kvstore.Layout("uint8", (1.5,))
