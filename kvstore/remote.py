@@ -60,7 +60,6 @@ import math
 import os
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import grpc
@@ -73,7 +72,7 @@ from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server.wire import RequestTooLarge, error_from_rpc, layout_from_pb, put_parts
+from kvstore.server.wire import RequestTooLarge, error_from_rpc, layout_from_pb, put_parts, read_pem
 
 MiB = 1024 * 1024
 URL_FORM = "grpc://HOST:PORT[,grpc://HOST:PORT...] (grpcs:// for TLS; HOST a name, an IPv4 or a [IPv6] address)"
@@ -156,18 +155,6 @@ def split_urls(url: str) -> list[str]:
     return urls
 
 
-def _read_pem(path: str, option: str, marker: str) -> bytes:
-    """A client TLS file, read and sanity-checked; ``InvalidRequest`` naming the file."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InvalidRequest(f"TLS setup: cannot read {option} {path!r} ({exc.strerror or exc}); "
-                             "fix the path or drop the option") from exc
-    if b"-----BEGIN" not in data or marker.encode() not in data:
-        raise InvalidRequest(f"TLS setup: {option} {path!r} is not a PEM {marker.lower()}")
-    return data
-
-
 @dataclass(frozen=True, slots=True)
 class EncodedPut:
     """One validated put, encoded as ``head + value + tail`` (a ``PutRequest``; ``wire.put_parts``)."""
@@ -224,9 +211,9 @@ class RemoteStore:
             opts.append(("grpc.ssl_target_name_override", o.server_name))
         if tls or o.ca_file:
             creds = grpc.ssl_channel_credentials(
-                root_certificates=_read_pem(o.ca_file, "ca_file", "CERTIFICATE") if o.ca_file else None,
-                private_key=_read_pem(o.key_file, "key_file", "PRIVATE KEY") if o.key_file else None,
-                certificate_chain=_read_pem(o.cert_file, "cert_file", "CERTIFICATE") if o.cert_file else None)
+                root_certificates=read_pem(o.ca_file, "ca_file", "CERTIFICATE") if o.ca_file else None,
+                private_key=read_pem(o.key_file, "key_file", "PRIVATE KEY") if o.key_file else None,
+                certificate_chain=read_pem(o.cert_file, "cert_file", "CERTIFICATE") if o.cert_file else None)
             self._channel = grpc.secure_channel(self.address, creds, options=opts)
         else:
             self._channel = grpc.insecure_channel(self.address, options=opts)

@@ -70,6 +70,7 @@ from kvstore.server.wire import (
     encode_get_reply,
     kind_or_default,
     layout_from_pb,
+    read_pem,
     status_of,
 )
 
@@ -590,12 +591,5 @@ def _read_tls_files(cfg: ServerConfig) -> dict[str, bytes]:
         path = getattr(cfg, name)
         if not path:
             continue
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise InvalidRequest(f"TLS setup: cannot read {name} file {path!r} ({exc.strerror or exc}); "
-                                 "fix the path or drop the TLS options") from exc
-        if b"-----BEGIN" not in data or marker.encode() not in data:
-            raise InvalidRequest(f"TLS setup: {name} file {path!r} is not a PEM {marker.lower()}")
-        out[name] = data
+        out[name] = read_pem(path, f"{name} file", marker)
     return out

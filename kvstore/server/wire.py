@@ -33,6 +33,7 @@ any protobuf peer reads it. Decoding stays with upb, which validates::
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 from typing import Any, Sequence
 
 import grpc
@@ -226,3 +227,16 @@ def encode_get_chunk(index: int, values: Sequence[Any | None]) -> bytes:
     for v in values:
         parts += encode_maybe_value(v)
     return b"".join(parts)
+
+
+def read_pem(path: str, option: str, marker: str) -> bytes:
+    """A TLS file (the daemon's or a client's), read and sanity-checked: ``InvalidRequest``
+    naming ``option`` and the file when it cannot be read or holds no PEM ``marker`` block."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidRequest(f"TLS setup: cannot read {option} {path!r} ({exc.strerror or exc}); "
+                             "fix the path or drop the option") from exc
+    if b"-----BEGIN" not in data or marker.encode() not in data:
+        raise InvalidRequest(f"TLS setup: {option} {path!r} is not a PEM {marker.lower()}")
+    return data
