@@ -107,12 +107,8 @@ class EmbeddedStore(FragmentIO, PackIO):
         self._in_flight = 0
         marker = self._read_marker()
         fresh = marker is None
-        # From here on, the directory's code (erasure_code refuses an unknown one: nothing created).
-        self.config = config = self._resolve_code(config, marker)
-        codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
-        self.target_specs = config.resolved_targets()
-        self.targets: dict[str, Target] = {s.name: open_target(s) for s in self.target_specs}
-        self._sync_mode()  # resolved (and a bad sync_mode refused) before anything is opened
+        if fresh:  # the code and targets settled (and refused if bad) before anything is created
+            self._settle(self._resolve_code(config, None))
         index_dir = self.data_dir / "index"
         if not fresh and marker.get("index_id") and not _nonempty(index_dir / "data.mdb"):
             raise CorruptData(
@@ -127,13 +123,18 @@ class EmbeddedStore(FragmentIO, PackIO):
                            sync=config.fsync, max_readers=config.max_readers,
                            compact_ratio=config.pack_compact_ratio)
         try:
+            old_marker = fresh or "ec_k" not in marker or "ec_m" not in marker  # from before they were recorded
+            if not fresh:
+                self._settle(self._resolve_code(config, {**self._code_of_records(), **marker} if old_marker
+                                                else marker))
+            config = self.config
             identity = self.index.identity(os.urandom(16))
             if not fresh and marker.get("index_id") and marker["index_id"] != identity.hex():
                 raise CorruptData(
                     f"the index at {index_dir} is not the one data directory {self.data_dir} was created with "
                     "(it was recreated or copied from another directory); opening it would make every stored "
                     "fragment an orphan for GC to delete. Restore the directory's own index")
-            if fresh or marker.get("index_id") != identity.hex() or "ec_k" not in marker:
+            if old_marker or marker.get("index_id") != identity.hex():
                 self._write_marker(config, identity, marker)
             if fresh:
                 for t in self.targets.values():
@@ -223,6 +224,25 @@ class EmbeddedStore(FragmentIO, PackIO):
                     f"configured with {given!r}; leave {name} unset (the directory's is used) or "
                     "start a fresh directory")
         return replace(config, **recorded)
+
+    def _settle(self, config: StoreConfig) -> None:
+        """Take ``config`` (its code resolved) as this store's: check the code (an unknown one
+        is refused), open its targets, resolve how writes are made durable."""
+        codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
+        self.config = config
+        self.target_specs = config.resolved_targets()
+        self.targets: dict[str, Target] = {s.name: open_target(s) for s in self.target_specs}
+        self._sync_mode()
+
+    def _code_of_records(self) -> dict:
+        """``ec_k``/``ec_m`` of the directory's first record (live, else lost): what a marker
+        written before they were recorded leaves out. Empty for an empty index."""
+        with self.index.env.begin() as txn:
+            for db in ("entries", "lost"):
+                for _ek, raw in self.index.iter_db(txn, db):
+                    m = self.index.unpack(txn, raw)
+                    return {"ec_k": m.k, "ec_m": m.m}
+        return {}
 
     def _write_marker(self, config: StoreConfig, identity: bytes, old: dict | None) -> None:
         """Write the marker (atomically and durably: temporary file, fsync, rename, directory

@@ -303,15 +303,26 @@ def test_the_directory_records_its_k_and_m(data_dir, keys):
         kvstore.connect(str(data_dir), ec_m=2)
 
 
-def test_a_marker_from_before_k_and_m_were_recorded_takes_the_configured_code(data_dir, keys):
+def test_a_marker_from_before_k_and_m_were_recorded_takes_them_from_the_records(data_dir, tmp_path, keys):
+    """A marker without ec_k/ec_m (written before they were recorded): the directory's
+    records say what they were written with, and the marker is filled in from them; an
+    empty old directory takes the configured code (or the default)."""
+    def strip(d):
+        doc = json.loads((d / "kvstore.json").read_text())
+        del doc["ec_k"], doc["ec_m"]
+        (d / "kvstore.json").write_text(json.dumps(doc))
+
     with kvstore.connect(str(data_dir), fsync=False, ec_k=3, ec_m=1) as s:
         s.put(keys[0], b"v")
-    doc = json.loads((data_dir / "kvstore.json").read_text())
-    del doc["ec_k"], doc["ec_m"]
-    (data_dir / "kvstore.json").write_text(json.dumps(doc))
-    with kvstore.connect(str(data_dir), fsync=False, ec_k=3, ec_m=1) as s:
-        assert s.get(keys[0]) == b"v"
+    strip(data_dir)
+    with kvstore.connect(str(data_dir), fsync=False) as s:  # no code given: the records' 3+1
+        assert (s.config.ec_k, s.config.ec_m) == (3, 1) and s.get(keys[0]) == b"v"
     assert (json.loads((data_dir / "kvstore.json").read_text())["ec_k"]) == 3  # filled in at open
+    empty = tmp_path / "empty"
+    kvstore.connect(str(empty), fsync=False, ec_k=2, ec_m=1).close()
+    strip(empty)
+    with kvstore.connect(str(empty), fsync=False, ec_k=5, ec_m=1) as s:
+        assert (s.config.ec_k, s.config.ec_m) == (5, 1)
 
 
 @pytest.mark.parametrize("damage", ["removed", "emptied", "another"])
