@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InternalError, InvalidRequest
 
 ENV_PREFIX = "KVSTORE_"
 DEFAULT_DATA_DIR = "./kvstack-data"
@@ -170,7 +170,7 @@ class StoreConfig:
         if self.targets:
             return self.targets
         if self.ec_k is None or self.ec_m is None:
-            raise InvalidRequest("the default targets need ec_k and ec_m resolved (a kvstore bug)")
+            raise InternalError("the default targets need ec_k and ec_m resolved first (a kvstore bug)")
         root = Path(self.data_dir).resolve() / "targets"
         return tuple(
             TargetSpec(url=f"file://{root / f't{i}'}", domain="local", name=f"t{i}")

@@ -80,14 +80,15 @@ from kvstore.tuning import tune_malloc
 log = logging.getLogger(__name__)
 
 DATA_FORMAT_VERSION = 1
+FORMAT_FILE = "kvstore.json"
 
 
 def _nonempty(path: Path) -> bool:
+    """Does ``path`` exist with at least one byte (an LMDB index that was ever opened does)?"""
     try:
         return path.stat().st_size > 0
     except OSError:
         return False
-FORMAT_FILE = "kvstore.json"
 
 
 class EmbeddedStore(FragmentIO, PackIO):
