@@ -107,10 +107,16 @@ class EmbeddedStore(FragmentIO, PackIO):
         self._calls = threading.Condition()  # guards _closed and _in_flight (``in_flight``)
         self._in_flight = 0
         marker = self._read_marker()
-        fresh = marker is None
+        index_dir = self.data_dir / "index"
+        # New: no marker and no index. A marker lost with its index in place (a crash between
+        # creating the index and writing the marker, or a deleted file) is rewritten from the
+        # index as an old marker is: fields it lacks come from the records.
+        fresh = marker is None and not _nonempty(index_dir / "data.mdb")
         if fresh:  # the code and targets settled (and refused if bad) before anything is created
             self._settle(self._resolve_code(config, None))
-        index_dir = self.data_dir / "index"
+        rewrite = marker is None
+        if marker is None:  # the code this version writes unless told otherwise (not the legacy one)
+            marker = {"ec_type": config.ec_type or DEFAULT_EC_TYPE}
         if not fresh and marker.get("index_id") and not _nonempty(index_dir / "data.mdb"):
             raise CorruptData(
                 f"the index of data directory {self.data_dir} is missing or empty ({index_dir / 'data.mdb'}); "
@@ -137,7 +143,7 @@ class EmbeddedStore(FragmentIO, PackIO):
                     "fragment an orphan for GC to delete. Restore the directory's own index")
             if old_marker or marker.get("index_id") != identity.hex():
                 self._write_marker(config, identity, marker)
-            if fresh:
+            if rewrite:
                 for t in self.targets.values():
                     t.create_root()
         except BaseException:

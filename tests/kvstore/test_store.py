@@ -325,6 +325,21 @@ def test_a_marker_from_before_k_and_m_were_recorded_takes_them_from_the_records(
         assert (s.config.ec_k, s.config.ec_m) == (5, 1)
 
 
+def test_a_lost_marker_is_rewritten_from_the_index(data_dir, keys):
+    """kvstore.json gone (deleted, or a crash between creating the index and writing it):
+    the next open takes the code from the records and the identity from the index."""
+    with kvstore.connect(str(data_dir), fsync=False, ec_k=8, ec_m=3) as s:
+        s.put_many([PutItem(k, value_for(k, 5000)) for k in keys[:4]])
+    doc = json.loads((data_dir / "kvstore.json").read_text())
+    (data_dir / "kvstore.json").unlink()
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        assert (s.config.ec_k, s.config.ec_m) == (8, 3)
+        assert s.get_many(keys[:4]) == [value_for(k, 5000) for k in keys[:4]]
+    again = json.loads((data_dir / "kvstore.json").read_text())
+    assert {k: again[k] for k in ("ec_type", "ec_k", "ec_m", "index_id")} == {
+        k: doc[k] for k in ("ec_type", "ec_k", "ec_m", "index_id")}
+
+
 @pytest.mark.parametrize("damage", ["removed", "emptied", "another"])
 def test_a_lost_or_replaced_index_is_refused_and_no_fragment_is_touched(data_dir, tmp_path, keys, damage):
     """Issue #2 (nothing lost): a data directory whose index is gone, truncated to nothing or
