@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import logging
 import math
 import random
 import time
@@ -67,21 +68,78 @@ class TraceRequest:
     hash_ids: tuple
 
 
-def parse_trace(lines: Iterable[str], limit: int | None = None) -> list[TraceRequest]:
-    """Parse JSON lines; blank lines are skipped; a bad line raises LBInputError naming its number."""
+#: Longest prompt or output (tokens) a trace line may claim: far above any model's context, far
+#: below what would turn the cost model's arithmetic into nonsense (a 10**18-token prompt).
+MAX_TRACE_TOKENS = 1 << 24
+
+
+def _trace_int(d: dict, name: str, lo: int, hi: int) -> int:
+    """``d[name]`` as a JSON integer in ``[lo, hi]`` (a bool, a float such as 1000.7 or 1000.0: refused)."""
+    v = d[name]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _trace_request(d: object) -> TraceRequest:
+    """One decoded trace line, every field checked (raises KeyError, TypeError or ValueError)."""
+    if not isinstance(d, dict):
+        raise TypeError(f"expected a JSON object, got {type(d).__name__}")
+    ts = d["timestamp"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise ValueError(f"timestamp must be a finite number of ms >= 0, got {ts!r}")
+    ids = d["hash_ids"]
+    if not isinstance(ids, list):
+        raise TypeError(f"hash_ids must be a list of block hashes, got {type(ids).__name__} {ids!r:.40}")
+    for i, h in enumerate(ids):
+        # Integers of any sign and size (signed 64-bit hashes are common) or non-empty strings
+        # (hex digests): opaque ids, only compared. Floats, bools, nulls and nested lists are not ids.
+        if isinstance(h, bool) or not (isinstance(h, int) or (isinstance(h, str) and h)):
+            raise ValueError(f"hash_ids[{i}] must be an integer or a non-empty string, got {h!r:.40}")
+    return TraceRequest(float(ts), _trace_int(d, "input_length", 1, MAX_TRACE_TOKENS),
+                        _trace_int(d, "output_length", 0, MAX_TRACE_TOKENS), tuple(ids))
+
+
+def parse_trace(lines: Iterable[str], limit: int | None = None, *,
+                block_tokens: int = BLOCK_TOKENS) -> list[TraceRequest]:
+    """Parse Mooncake JSON lines (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``).
+
+    Blank lines are skipped; at most ``limit`` requests are returned. A line that is not
+    JSON, misses a field, or holds a value no trace can mean (a non-finite or negative
+    timestamp, a length that is not an integer or is outside [1 (0 for the output),
+    ``MAX_TRACE_TOKENS``], hash ids that are not a list of integers or non-empty strings) raises
+    ``LBInputError`` naming its line number. Lines whose ``hash_ids`` do not cover
+    ``input_length`` in blocks of ``block_tokens`` (``len(hash_ids) == ceil(input_length /
+    block_tokens)``: the last block may be partial) are kept and counted in one warning:
+    the simulator takes compute from ``input_length`` and cache hits from ``hash_ids``.
+    """
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise LBInputError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise LBInputError(f"limit must be None or an integer >= 0, got {limit!r}")
     out: list[TraceRequest] = []
+    mismatched, first_mismatch = 0, 0
     for n, line in enumerate(lines, 1):
         if limit is not None and len(out) >= limit:
             break
         if not line.strip():
             continue
         try:
-            d = json.loads(line)
-            out.append(TraceRequest(float(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
-                                    tuple(d["hash_ids"])))
+            r = _trace_request(json.loads(line))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise LBInputError(f"trace line {n} is not Mooncake format "
                                f"(timestamp, input_length, output_length, hash_ids): {exc}") from exc
+        if len(r.hash_ids) != -(-r.input_length // block_tokens):
+            mismatched += 1
+            first_mismatch = first_mismatch or n
+        out.append(r)
+    if mismatched:
+        logging.getLogger(__name__).warning(
+            "%d of %d trace requests have len(hash_ids) != ceil(input_length / %d) (the first on line %d); "
+            "kept: compute follows input_length, cache hits follow hash_ids",
+            mismatched, len(out), block_tokens, first_mismatch)
     return out
 
 

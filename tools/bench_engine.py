@@ -40,6 +40,13 @@ What is compared, all in one run, on the same prompts:
   persisting the SWA KV of every token with every block, and vs a window snapshot per block.
 * Window-only replay span (``replay_policy="window"``): how often greedy continuations agree
   with cold (reported, not asserted); the exact span is reported alongside as a control.
+
+Arguments are checked before any work, in two steps: the plain numbers first (at once, before
+torch is imported: ``--help`` needs no torch either), then what needs torch and the engine
+(``--preset``, ``--agree-preset``, ``--device``: refused when torch can not allocate there, e.g.
+``cuda`` on a CPU-only build; the engine and connector configs; ``--store-url``). Exit status
+(the contract of ``tools/cli_args.py``): 0 when the results were printed and written, 2 for a
+bad argument (one line, before any model is built).
 """
 
 from __future__ import annotations
@@ -59,17 +66,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
-import kvstore  # noqa: E402
-from engine_plugin.connector import BlockLoad, LoadSpec, Tier  # noqa: E402
-from engine_plugin.reference import (Engine, EngineConfig, ReferenceModel, SamplingParams,  # noqa: E402
-                                     model_preset)
-from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector  # noqa: E402
-from kvstore.api import ReadsInto  # noqa: E402
+from tools.cli_args import check_output_file, csv_list, integer, one_line  # noqa: E402
 
 B = 16  # block size of the agreement runs (tiny model)
-ONE = SamplingParams(max_new_tokens=1)
+
+
+def _import_engine() -> None:
+    """torch, the engine and the store (~3 s): imported once the plain arguments are checked,
+    so that ``--help`` and a bad number answer at once. Binds the module names used below."""
+    global torch, kvstore, BlockLoad, LoadSpec, Tier, Engine, EngineConfig, ReferenceModel, SamplingParams
+    global model_preset, MODEL_PRESETS, ConnectorConfig, KVStoreConnector, ReadsInto, ONE
+    import torch
+
+    import kvstore
+    from engine_plugin.connector import BlockLoad, LoadSpec, Tier
+    from engine_plugin.reference import (MODEL_PRESETS, Engine, EngineConfig, ReferenceModel, SamplingParams,
+                                         model_preset)
+    from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
+    from kvstore.api import ReadsInto
+
+    ONE = SamplingParams(max_new_tokens=1)
 
 
 class _GetManyOnly:
@@ -281,39 +298,90 @@ def persisted_model(cfg, B: int) -> dict:
             "window_snapshot_every_block": glob + snap / B}
 
 
+def check_with_engine(a) -> str | None:
+    """What only torch and the engine can tell (None: all good); called before any model is built."""
+    for opt, name in (("--preset", a.preset), ("--agree-preset", a.agree_preset if a.agree_n > 0 else a.preset)):
+        if name not in MODEL_PRESETS:
+            return f"{opt} {name!r} is not a model preset; known: {', '.join(sorted(MODEL_PRESETS))}"
+    try:
+        torch.empty(1, device=a.device)
+    except (RuntimeError, AssertionError, ValueError) as exc:  # e.g. cuda on a CPU-only torch build
+        return f"--device {a.device}: torch can not allocate there ({one_line(exc)})"
+    n_max = max(a.sizes) + a.suffix
+    try:
+        EngineConfig(block_size=a.block_size, num_blocks=2 * (n_max // a.block_size) + 64, chunk_size=a.chunk,
+                     max_batched_tokens=a.chunk, device=a.device, sync_timing=True)
+        ConnectorConfig(block_size=a.block_size, device=a.device, host_capacity_bytes=4 << 30,
+                        snapshot_interval_blocks=min(a.sizes) // a.block_size)
+    except (kvstore.InvalidRequest, ValueError, TypeError) as exc:
+        return f"the engine refuses these arguments: {one_line(exc)}"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="4096,16384,32768")
+    ap.add_argument("--sizes", type=csv_list(integer(1, 1 << 22)), default=[4096, 16384, 32768],
+                    help="cached prefix lengths in tokens, each a multiple of --block-size")
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--load-reps", type=int, default=0, help="load throughput reps (default: --reps)")
-    ap.add_argument("--cold-reps", type=int, default=1)
-    ap.add_argument("--suffix", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per block (= store entry)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=integer(1, 10_000), default=3)
+    ap.add_argument("--load-reps", type=integer(0, 10_000), default=0, help="load throughput reps (default: --reps)")
+    ap.add_argument("--cold-reps", type=integer(1, 10_000), default=1)
+    ap.add_argument("--suffix", type=integer(1, 1 << 20), default=64)
+    ap.add_argument("--chunk", type=integer(1, 1 << 22), default=2048)
+    ap.add_argument("--block-size", type=integer(1, 1 << 16), default=16, help="tokens per block (= store entry)")
+    ap.add_argument("--threads", type=integer(1, 1024), default=2)
     ap.add_argument("--store-url", default=None, help="also measure a daemon store, e.g. grpc://host:port")
     ap.add_argument("--data-dir", default=None, help="embedded store directory (default: a temp dir)")
     ap.add_argument("--agree-preset", default="tiny")
-    ap.add_argument("--agree-n", type=int, default=40)
-    ap.add_argument("--agree-tokens", type=int, default=16)
+    ap.add_argument("--agree-n", type=integer(0, 100_000), default=40)
+    ap.add_argument("--agree-tokens", type=integer(1, 4096), default=16)
     ap.add_argument("--out", default="bench_engine.json")
     a = ap.parse_args(argv)
+    bad = [n for n in a.sizes if n % a.block_size]
+    if bad:
+        ap.error(f"--sizes {bad}: each size must be a multiple of --block-size {a.block_size} "
+                 f"(the cached prefix is whole blocks)")
+    if a.data_dir and Path(a.data_dir).exists() and not Path(a.data_dir).is_dir():
+        ap.error(f"--data-dir {a.data_dir} exists and is not a directory")
+    if msg := check_output_file(a.out):
+        ap.error(msg)
+    if a.store_url:
+        from kvstore.errors import InvalidRequest
+        from kvstore.remote import split_urls
+
+        try:
+            split_urls(a.store_url)  # a daemon URL, never a path to open an embedded store at
+        except InvalidRequest as exc:
+            ap.error(f"--store-url: {exc}")
+    _import_engine()
+    if msg := check_with_engine(a):
+        ap.error(msg)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(a.threads)
-    bench = Bench(a)
     tmp = Path(a.data_dir or tempfile.mkdtemp(prefix="bench-engine-"))
-    stores = {"embedded": kvstore.connect(str(tmp / "store"))}
-    if a.store_url:
-        stores["daemon"] = kvstore.connect(a.store_url)
+    stores: dict = {}
+    try:
+        stores["embedded"] = kvstore.connect(str(tmp / "store"))
+        if a.store_url:
+            stores["daemon"] = kvstore.connect(a.store_url)
+            stores["daemon"].stats()  # reachable, before any model is built
+    except kvstore.KVStoreError as exc:
+        for s in stores.values():
+            s.close()
+        if not a.data_dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+        ap.error(f"{'--store-url' if 'embedded' in stores else '--data-dir'}: {one_line(exc)}")
+    bench = Bench(a)
     results = {"args": vars(a), "model": bench.model.cfg.model_id, "sizes": [],
                "persisted_model_bytes_per_token": persisted_model(bench.model.cfg, a.block_size)}
     try:
-        for N in [int(s) for s in a.sizes.split(",")]:
+        for N in a.sizes:
+            print(f"bench_engine: {N} cached tokens ...", file=sys.stderr, flush=True)
             results["sizes"].append(bench.size(N, stores))
             print_size(results["sizes"][-1])
         if a.agree_n > 0:
+            print(f"bench_engine: greedy agreement, {a.agree_n} prompts ...", file=sys.stderr, flush=True)
             results["window_span_agreement"] = bench.agreement()
     finally:
         for s in stores.values():

@@ -36,6 +36,15 @@ TTFT SLO
     median-sized prefills on its instance. (The earlier hand-set 60 s was
     7.7x the toy fit's median cold prefill.) The value used is printed and
     recorded in the JSON (``ttft_slo``).
+
+Exit status (the contract of ``tools/cli_args.py``)
+    0: both parts ran and ``--out`` was written. 2: a bad argument or input,
+    refused in one line before any part runs: nothing to run (``--skip-eplb``
+    and ``--skip-replay``), a trace that is missing, unreadable, malformed or
+    holds no requests (when the replay runs), an SLO that is not a positive
+    number, an output path that can not be written. 1: the replay's
+    ``--find-load`` found no load at which the best baseline meets the SLO
+    (``replay_trace.py`` says so in one line).
 """
 
 from __future__ import annotations
@@ -52,8 +61,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import replay_trace  # noqa: E402
 from lb.eplb import balancedness, rebalance_experts  # noqa: E402
 from lb.eplb_greedy import rebalance_experts_greedy  # noqa: E402
+from lb.sim import TraceRequest  # noqa: E402
+from lb.types import LBInputError  # noqa: E402
+from tools.cli_args import check_output_dir, check_output_file, integer, number  # noqa: E402
 
 log = logging.getLogger("bench_lb")
 
@@ -112,13 +125,10 @@ def run_eplb(seed: int) -> list[dict]:
     return rows
 
 
-def derive_ttft_slo_ms(trace: Path, multiple: float) -> tuple[float, dict]:
+def derive_ttft_slo_ms(reqs: list[TraceRequest], multiple: float) -> tuple[float, dict]:
     """``multiple`` x the committed cost model's cold prefill of the trace's median prompt (ms)."""
     from lb.cost_model import load_default
-    from lb.sim import parse_trace
 
-    with open(trace) as fh:
-        reqs = parse_trace(fh)
     models = load_default()
     median = float(np.median([r.input_length for r in reqs]))
     cold_s = models.prefill.predict(median, 0)
@@ -129,22 +139,63 @@ def derive_ttft_slo_ms(trace: Path, multiple: float) -> tuple[float, dict]:
                     "cost_model_target": models.meta.get("target"), "preset": models.meta.get("preset")}
 
 
+def replay(argv: list[str]) -> int:
+    """``replay_trace.main(argv)``'s exit status (it has printed its one line if it is not 0)."""
+    try:
+        return replay_trace.main(argv)
+    except SystemExit as exc:  # argparse's exit: every argument was checked here first, so a bug
+        return exc.code if isinstance(exc.code, int) else 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="bench_lb.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True, help="results JSON path")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ttft-slo-ms", type=float, default=None,
+    ap.add_argument("--ttft-slo-ms", type=number(0, 1e12, lo_open=True), default=None,
                     help="TTFT SLO; default: --ttft-slo-x times the median prompt's cold prefill (see above)")
-    ap.add_argument("--ttft-slo-x", type=float, default=8.0,
+    ap.add_argument("--ttft-slo-x", type=number(0, 1e6, lo_open=True), default=8.0,
                     help="multiple of the median prompt's predicted cold prefill used as the default SLO")
-    ap.add_argument("--prefill-instances", type=int, default=16)
-    ap.add_argument("--store-capacity-blocks", default="20000,2000,5000,10000,40000,inf")
+    ap.add_argument("--prefill-instances", type=integer(1, 4096), default=16)
+    ap.add_argument("--store-capacity-blocks", default="20000,2000,5000,10000,40000,inf",
+                    help="comma list for the replay's sweep ('inf' = unbounded)")
     ap.add_argument("--skip-eplb", action="store_true")
     ap.add_argument("--skip-replay", action="store_true")
     args = ap.parse_args(argv)
+    # Every input is checked here, before the EPLB part runs for minutes: nothing is derived
+    # from a trace that does not hold requests, and the replay never meets an argument it refuses.
+    if args.skip_eplb and args.skip_replay:
+        ap.error("--skip-eplb and --skip-replay leave nothing to run")
+    try:
+        replay_trace.parse_capacities(args.store_capacity_blocks)
+    except argparse.ArgumentTypeError as exc:
+        ap.error(f"argument --store-capacity-blocks: {exc}")
+    replay_dirs = [args.out.with_name(args.out.stem + suffix) for suffix in ("_replay", "_replay_noise0.3",
+                                                                              "_replay_no_admission")]
+    for msg in [check_output_file(args.out)] + ([] if args.skip_replay else
+                                                [check_output_dir(d, "replay directory") for d in replay_dirs]):
+        if msg:
+            ap.error(msg)
+    try:
+        reqs = replay_trace.read_trace(args.trace)
+    except LBInputError as exc:
+        ap.error(str(exc))
+    if not reqs and not args.skip_replay:
+        ap.error(f"trace {args.trace} holds no requests")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out: dict = {"command": "python tools/bench_lb.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    if not args.skip_replay:
+        if args.ttft_slo_ms is None:
+            try:
+                args.ttft_slo_ms, out["ttft_slo"] = derive_ttft_slo_ms(reqs, args.ttft_slo_x)
+            except LBInputError as exc:
+                ap.error(f"cannot derive the TTFT SLO from the committed cost model: {exc}")
+            if not args.ttft_slo_ms > 0:
+                ap.error(f"the derived TTFT SLO is {args.ttft_slo_ms} ms (the cost model predicts "
+                         f"{out['ttft_slo']['median_cold_prefill_s']:.3g} s for the median prompt); give --ttft-slo-ms")
+        else:
+            out["ttft_slo"] = {"ttft_slo_ms": args.ttft_slo_ms, "source": "--ttft-slo-ms"}
     if not args.skip_eplb:
         rows = run_eplb(args.seed)
         out["eplb"] = rows
@@ -156,34 +207,31 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['ratio']:6.3f} {100 * r['layers_strictly_better']:6.0f}% {r['worst_layer_delta']:8.1e} "
                   f"{r['greedy_s']:7.2f}s {r['ours_s']:6.2f}s")
     if not args.skip_replay:
-        import replay_trace
-
-        if args.ttft_slo_ms is None:
-            args.ttft_slo_ms, out["ttft_slo"] = derive_ttft_slo_ms(args.trace, args.ttft_slo_x)
-        else:
-            out["ttft_slo"] = {"ttft_slo_ms": args.ttft_slo_ms, "source": "--ttft-slo-ms"}
         print(f"\nTTFT SLO {args.ttft_slo_ms:.0f} ms ({out['ttft_slo']})")
-
-        rdir = args.out.with_name(args.out.stem + "_replay")
-        replay_trace.main([
+        rdir = replay_dirs[0]
+        rc = replay([
             "--trace", str(args.trace), "--find-load", "--ttft-slo-ms", str(args.ttft_slo_ms),
             "--prefill-instances", str(args.prefill_instances), "--speedup", "0.1",
             "--store-capacity-blocks", args.store_capacity_blocks, "--out", str(rdir), "--quiet",
         ])
+        if rc:
+            return rc
         out["replay_dir"] = str(rdir)
         out["replay"] = json.loads((rdir / "results.json").read_text())
         speedup = out["replay"]["find_load"]["speedup"]
         # robustness at the same load: service times with log-normal noise (sigma 0.3) that the
         # policies' cost model does not know about; and routing alone, with admission control off
-        for tag, extra in (("noise0.3", ["--noise", "0.3"]), ("no_admission", ["--no-admission"])):
-            d = args.out.with_name(f"{args.out.stem}_replay_{tag}")
+        for (tag, extra), d in zip((("noise0.3", ["--noise", "0.3"]), ("no_admission", ["--no-admission"])),
+                                   replay_dirs[1:]):
             print(f"\n-- same load, {tag} --")
-            replay_trace.main([
+            rc = replay([
                 "--trace", str(args.trace), "--ttft-slo-ms", str(args.ttft_slo_ms),
                 "--prefill-instances", str(args.prefill_instances), "--speedup", repr(speedup),
                 "--store-capacity-blocks", args.store_capacity_blocks.split(",")[0], "--out", str(d), "--quiet",
                 *extra,
             ])
+            if rc:
+                return rc
             out[f"replay_{tag}"] = json.loads((d / "results.json").read_text())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2, default=str))

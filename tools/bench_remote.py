@@ -46,6 +46,10 @@ Now: GetStream/PutStream (one message per value, small values packed to ~1 MiB),
 hand-encoded with one copy (kvstore.server.wire), the server reading window k+1 while it
 sends window k. What is left for put is the store's own put_many (erasure coding and
 fragment writes): remote put_batch is within ~1.1-1.5x of embedded.
+
+Progress goes to stderr, one line per round and per lookup measurement. Exit status (the
+contract of ``tools/cli_args.py``): 0 when the table was printed; 2 for a bad argument,
+refused in one line before any daemon starts; 1 when a daemon did not start.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # noqa: E402 - run as a script
+
+from tools.cli_args import check_output_file, choice_bool, csv_list, integer, one_line  # noqa: E402
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,17 +234,23 @@ def lookup_latency(store: Any, chain_len: int, reps: int, tag: str) -> dict:
     return {f"p{q}": round(lat[min(len(lat) - 1, int(q / 100 * len(lat)))] * 1e3, 3) for q in (50, 90, 99)}
 
 
+def _log(msg: str) -> None:
+    print(f"bench_remote: {msg}", file=sys.stderr, flush=True)
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--sizes", default="131072,1048576", help="entry sizes in bytes, comma separated")
-    ap.add_argument("--n", type=int, default=256,
+    ap.add_argument("--sizes", type=csv_list(integer(1, 64 * MiB)), default=[131072, 1048576],
+                    help="entry sizes in bytes, comma separated (at most 64 MiB, the store's max_value_bytes)")
+    ap.add_argument("--n", type=integer(1, 1 << 20), default=256,
                     help="entries per size and mode (256: 16 batches of 16 per figure; 64 gave only 4)")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--fsync", default="false", help="kvstore puts durable (fsync) or page cache only")
-    ap.add_argument("--chain", type=int, default=1000)
-    ap.add_argument("--lookup-reps", type=int, default=200)
+    ap.add_argument("--batch", type=integer(1, 4096), default=16)
+    ap.add_argument("--fsync", type=choice_bool, default=False, help="kvstore puts durable (fsync) or page cache only")
+    ap.add_argument("--chain", type=integer(1, 1 << 20), default=1000)
+    ap.add_argument("--lookup-reps", type=integer(1, 1 << 20), default=200)
     ap.add_argument("--mooncake-python", default=mooncake_python(),
                     help="python of the Mooncake venv (default: $KVSTACK_MOONCAKE_VENV or .bench/mooncake-venv)")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds; each throughput is the median over them")
+    ap.add_argument("--repeat", type=integer(1, 1000), default=3,
+                    help="rounds; each throughput is the median over them")
     ap.add_argument("--no-peers", action="store_true", help="skip Redis and Mooncake")
     ap.add_argument("--out", default="")
 
@@ -248,8 +260,8 @@ def run_remote(args: argparse.Namespace) -> dict:
     import kvstore
     from tools.daemon_util import start_daemon, stop_daemon
 
-    sizes = [int(s) for s in args.sizes.split(",")]
-    fs = str(args.fsync).lower() in ("1", "true", "yes")
+    sizes = [int(s) for s in args.sizes.split(",")] if isinstance(args.sizes, str) else list(args.sizes)
+    fs = args.fsync if isinstance(args.fsync, bool) else str(args.fsync).lower() in ("1", "true", "yes")
     rep: dict[str, Any] = {"sizes": sizes, "n": args.n, "batch": args.batch, "chain": args.chain, "fsync": fs,
                            "repeat": args.repeat, "unit": "MiB/s", "systems": {}, "rounds": []}
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
@@ -261,6 +273,7 @@ def run_remote(args: argparse.Namespace) -> dict:
             rd = kvstore.connect(daemons[0].url, direct_reads="on", direct_writes="on")
             # Rounds interleave the systems, so that a burst of load elsewhere hits all of them.
             for rnd in range(args.repeat):
+                _log(f"round {rnd + 1} of {args.repeat}: sizes {sizes}, {args.n} entries each")
                 one: dict[str, Any] = {
                     "embedded": {str(s): bench_kvstore(emb, s, args.n, args.batch, f"e{rnd}") for s in sizes},
                     "remote": {str(s): bench_kvstore(rs, s, args.n, args.batch, f"r{rnd}") for s in sizes},
@@ -269,6 +282,7 @@ def run_remote(args: argparse.Namespace) -> dict:
                     one["redis"] = run_redis(sizes, args.n, args.batch)
                     one["mooncake"] = run_mooncake(sizes, args.n, args.batch, args.mooncake_python)
                 rep["rounds"].append(one)
+            _log(f"lookup latency of a {args.chain}-block chain, {args.lookup_reps} reps")
             lk = {"embedded": lookup_latency(emb, args.chain, args.lookup_reps, "e"),
                   "remote": lookup_latency(rs, args.chain, args.lookup_reps, "r")}
             rs.close()
@@ -353,7 +367,12 @@ def main(argv: list[str] | None = None) -> int:
                                  description="remote kvstore vs embedded, Redis and Mooncake")
     add_arguments(ap)
     args = ap.parse_args(argv)
-    rep = run_remote(args)
+    if args.out and (msg := check_output_file(args.out)):
+        ap.error(msg)
+    try:
+        rep = run_remote(args)
+    except RuntimeError as exc:  # tools.daemon_util: a daemon that did not start
+        ap.exit(1, f"{ap.prog}: error: {one_line(exc)}\n")
     print(table(rep))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,11 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
 
 The peers live in ``tools/bench_peers.py``. A missing peer (no redis-server even after
 ``tools/install_peers.sh``) is reported and skipped.
+
+Exit status (the contract of ``tools/cli_args.py``): 0 when the tables were printed and the
+JSON written; 2 for a bad argument, refused in one line before anything runs, including a
+``--systems`` list with nothing to compare (it needs ``kvstore`` and at least one peer) and a
+run whose only peer (redis) turned out to be missing.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from kvstore import codec  # noqa: E402
 from kvstore.config import DEFAULT_EC_TYPE, LEGACY_EC_TYPE  # noqa: E402
 from kvstore.index import Meta, ekey  # noqa: E402
 from tools.bench_peers import ECFloorPeer, LMDBPeer, Peer, RawFilePeer, RedisPeer, RedisServer  # noqa: E402
+from tools.cli_args import check_existing_dir, check_output_file, csv_list, integer, number  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -333,6 +339,41 @@ def parse_size(text: str) -> int:
     return int(float(t[:-1]) * units[t[-1]]) if t[-1] in units else int(t)
 
 
+MAX_PAYLOAD = 64 * MiB  # the store's default max_value_bytes
+MIN_LOOKUP_ENTRIES = 1000 + 1000 // 8  # the 1,000-block chain and its SWA snapshots must fit
+
+
+def _size_in(lo: int, hi: int | None, what: str) -> Callable[[str], int]:
+    """``type=`` for one size such as 128K, 1M, 10k or 4096, in ``[lo, hi]``."""
+
+    def conv(text: str) -> int:
+        try:
+            v = parse_size(text)
+        except (ValueError, IndexError, OverflowError):
+            raise argparse.ArgumentTypeError(f"expected a size such as 4096, 128K, 1M or 10k, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{what} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
+        if what == "payload size" and v % 2:
+            raise argparse.ArgumentTypeError(f"a payload size is a whole number of fp16 values (even), got {v}")
+        return v
+
+    return conv
+
+
+def _systems(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; known: {','.join(SYSTEMS)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a system is named twice in {text!r}")
+    if "kvstore" not in names or len(names) < 2:
+        peers = ",".join(n for n in SYSTEMS if n != "kvstore")
+        raise argparse.ArgumentTypeError(f"got {names}: the bench compares kvstore with its peers, so it needs "
+                                         f"kvstore and at least one of {peers}")
+    return names
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--remote" in args:
@@ -344,24 +385,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--remote", action="store_true",
                     help="run the daemon's benchmark (tools/bench_remote.py) instead; see --remote --help")
     ap.add_argument("--quick", action="store_true", help="small run (< 1 min): fewer bytes, reps, sizes")
-    ap.add_argument("--sizes", default=None, help="payload sizes (default 128K,1M,4M)")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5; quick 1)")
-    ap.add_argument("--mib-per-rep", type=float, default=None, help="MiB written per rep (default 32; quick 4)")
-    ap.add_argument("--batch", type=int, default=16, help="items per put_many/get_many")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
-    ap.add_argument("--lookup-sizes", default=None, help="index sizes (default 10k,100k,1000k; quick 10k,100k)")
+    ap.add_argument("--sizes", type=csv_list(_size_in(2, MAX_PAYLOAD, "payload size")), default=None,
+                    help="payload sizes (default 128K,1M,4M)")
+    ap.add_argument("--reps", type=integer(1, 1000), default=None, help="repetitions (default 5; quick 1)")
+    ap.add_argument("--mib-per-rep", type=number(0, 1 << 20, lo_open=True), default=None,
+                    help="MiB written per rep (default 32; quick 4)")
+    ap.add_argument("--batch", type=integer(1, 4096), default=16, help="items per put_many/get_many")
+    ap.add_argument("--systems", type=_systems, default=list(SYSTEMS),
+                    help=f"kvstore and at least one peer, from {','.join(SYSTEMS)}")
+    ap.add_argument("--lookup-sizes", type=csv_list(_size_in(MIN_LOOKUP_ENTRIES, None, "lookup index size")),
+                    default=None, help="index sizes (default 10k,100k,1000k; quick 10k,100k)")
     ap.add_argument("--no-lookup", action="store_true")
     ap.add_argument("--no-ec", action="store_true")
     ap.add_argument("--work-dir", default=None, help="where the stores live (default: a temp dir)")
     ap.add_argument("--no-install", action="store_true", help="do not run tools/install_peers.sh if redis is missing")
     ap.add_argument("--out", default="results/bench_store.json")
     a = ap.parse_args(args)
+    if a.work_dir is not None and (msg := check_existing_dir(a.work_dir, "--work-dir")):
+        ap.error(msg)
+    if msg := check_output_file(a.out):
+        ap.error(msg)
     q = a.quick
-    sizes = [parse_size(s) for s in (a.sizes or ("128K,1M,4M")).split(",")]
-    reps = a.reps or (1 if q else 5)
-    mib_per_rep = a.mib_per_rep or (4 if q else 32)
-    lookup_sizes = [parse_size(s) for s in (a.lookup_sizes or ("10k,100k" if q else "10k,100k,1000k")).split(",")]
-    systems = [s for s in a.systems.split(",") if s]
+    sizes = a.sizes or [128 * 1024, MiB, 4 * MiB]
+    reps = a.reps if a.reps is not None else (1 if q else 5)
+    mib_per_rep = a.mib_per_rep if a.mib_per_rep is not None else (4 if q else 32)
+    lookup_sizes = a.lookup_sizes or ([10_000, 100_000] if q else [10_000, 100_000, 1_000_000])
+    systems = list(a.systems)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     work = tempfile.mkdtemp(prefix="bench_store-", dir=a.work_dir)
@@ -377,6 +426,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             notes.append(f"redis peer skipped: {exc}")
             systems.remove("redis")
             log(notes[-1])
+            if len(systems) < 2:  # nothing left to compare kvstore with
+                shutil.rmtree(work, ignore_errors=True)
+                ap.error(f"{notes[-1]}; no peer is left to compare kvstore with (add one to --systems)")
     sample = payloads(1 * MiB, 1, seed=1)[0]
     import zstandard
 

@@ -20,8 +20,10 @@ What it does, in order (each step prints one short section):
   6. Shows that another tenant (another salt) shares nothing, then prints
      ``stats()`` and a summary.
 
-Exit code 0 when every check passed, 1 otherwise. Nothing is written outside
-the data directory; a temporary one is removed at the end.
+Exit code 0 when every check passed, 1 otherwise (a store error on the way is one
+line, ``tools/demo.py: error: ...``); 2 for a bad argument, such as a ``--data-dir``
+that is an existing file or a store the demo can not use, refused in one line.
+Nothing is written outside the data directory; a temporary one is removed at the end.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ if __package__ in (None, ""):  # `python tools/demo.py` from the repository root
 
 import kvstore  # noqa: E402
 from kvstore.api import Layout, PutItem  # noqa: E402
+from kvstore.errors import InvalidRequest, KVStoreError  # noqa: E402
 from kvstore.keys import BlockHasher, Namespace  # noqa: E402
 
 BLOCK = 256  # tokens per block (the engines' prefix-cache page size)
@@ -172,12 +175,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--data-dir", help="use (or create) this data directory and keep it; "
                                        "default: a fresh temporary one, removed at the end")
     args = ap.parse_args(argv)
-    if args.data_dir:
-        ok = run(args.data_dir)
-        print(f"store kept at {args.data_dir}; try: kvtool inspect {args.data_dir}")
-        return 0 if ok else 1
-    with tempfile.TemporaryDirectory(prefix="kvstack-demo-") as tmp:
-        return 0 if run(str(Path(tmp) / "data")) else 1
+    if args.data_dir and Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
+        ap.error(f"--data-dir {args.data_dir} exists and is not a directory")
+    try:
+        if args.data_dir:
+            ok = run(args.data_dir)
+            print(f"store kept at {args.data_dir}; try: kvtool inspect {args.data_dir}")
+            return 0 if ok else 1
+        with tempfile.TemporaryDirectory(prefix="kvstack-demo-") as tmp:
+            return 0 if run(str(Path(tmp) / "data")) else 1
+    except InvalidRequest as exc:  # the data directory (or the environment) is not one the demo can use
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
+    except KVStoreError as exc:
+        ap.exit(1, f"{ap.prog}: error: {type(exc).__name__}: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -26,11 +26,19 @@ Verification: key ``j`` is ``BLAKE2b-128(seed:j)`` and its value is
 ``SHAKE-128(key)`` of a length derived from the key, so any process can check
 any value it reads. A get that returns other bytes counts as ``wrong_bytes``;
 a lookup that claims ``h`` blocks is checked by reading block ``h-1`` back.
-After the run, one process reads back every key anyone acknowledged. Exit
-status 1 when ``wrong_bytes`` or ``errors`` is non-zero.
+After the run, one process reads back every key anyone acknowledged.
 
-Reports throughput (ops/s, MiB/s), p50/p90/p99 latency per operation, misses,
-errors and wrong bytes; ``--out`` writes the JSON.
+Reports throughput (ops/s, MiB/s, over ``wall_s``: the measured span from the
+first client's first operation to the last client's last one, never the
+requested ``--seconds``), p50/p90/p99 latency per operation, misses, errors and
+wrong bytes; ``--out`` writes the JSON. While it runs, a progress line goes to
+stderr every few seconds.
+
+Exit status (the contract of ``tools/cli_args.py``): 0 when every read was
+right; 1 when ``wrong_bytes``, ``errors`` or ``final_missing`` is non-zero, or
+when a client process died (the run is stopped at once, the daemons and their
+``kvload-*`` temporary directory removed, and its error printed in one line);
+2 for a bad argument or an unreachable ``--url``, refused before anything starts.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
+import queue
 import random
 import sys
 import tempfile
@@ -46,6 +55,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tools.cli_args import check_output_file, choice_bool, integer, number, one_line  # noqa: E402
+
+MAX_VALUE_BYTES = 40 * 2**20  # values are 0.5x..1.5x --value-bytes; the store's default limit is 64 MiB
+PROGRESS_EVERY_S = 5.0
+
+
+class ClientFailed(RuntimeError):
+    """A client process died or reported an exception: the run is stopped."""
 
 
 def key_of(seed: int, j: int) -> bytes:
@@ -64,7 +82,17 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def worker(wid: int, args: dict, out: "mp.Queue") -> None:
+def worker(wid: int, args: dict, out: "mp.Queue", ops_done) -> None:
+    """One client process: its report, or ``{"wid", "error"}`` if it failed, goes to ``out``."""
+    try:
+        res = client_loop(wid, args, ops_done)
+    except Exception as exc:  # reported to the parent, which stops the whole run
+        out.put({"wid": wid, "error": one_line(exc)[:500]})
+        return
+    out.put(res)
+
+
+def client_loop(wid: int, args: dict, ops_done) -> dict:
     import kvstore
     from kvstore import PutItem
     from kvstore.errors import KVStoreError, NotFound
@@ -72,10 +100,12 @@ def worker(wid: int, args: dict, out: "mp.Queue") -> None:
     rng = random.Random(args["seed"] * 1000 + wid)
     store = kvstore.connect(args["url"], direct_reads=args["direct_reads"], direct_writes=args["direct_writes"])
     lat: dict[str, list[float]] = {"put": [], "get": [], "lookup": []}
-    res = {"ops": 0, "bytes_in": 0, "bytes_out": 0, "misses": 0, "errors": 0, "wrong_bytes": 0,
+    res = {"wid": wid, "ops": 0, "bytes_in": 0, "bytes_out": 0, "misses": 0, "errors": 0, "wrong_bytes": 0,
            "error_samples": [], "acked": []}
     L, space, vb, seed = args["chain_len"], args["key_space"], args["value_bytes"], args["seed"]
-    end = time.monotonic() + args["seconds"]
+    # the load window, on the system-wide monotonic clock: the parent spans all clients' windows
+    res["t_start"] = time.monotonic()
+    end = res["t_start"] + args["seconds"]
     while time.monotonic() < end and res["ops"] < args["max_ops"]:
         r = rng.random()
         j = rng.randrange(space)
@@ -114,16 +144,18 @@ def worker(wid: int, args: dict, out: "mp.Queue") -> None:
                     res["misses"] += 1
             lat[op].append(time.perf_counter() - t0)
             res["ops"] += 1
+            ops_done[wid] = res["ops"]
         except (KVStoreError, OSError) as exc:
             res["errors"] += 1
             if len(res["error_samples"]) < 5:
                 res["error_samples"].append(f"{type(exc).__name__}: {exc}"[:300])
+    res["t_end"] = time.monotonic()
     # one client: {"counters": ...}; a sharded one: {url: {"counters": ...}}
     for name, st in (("direct", store.direct_stats()), ("direct_w", store.direct_write_stats())):
         res[name] = st["counters"] if "counters" in st else _summed(x["counters"] for x in st.values())
     store.close()
     res["lat"] = lat
-    out.put(res)
+    return res
 
 
 def _summed(dicts) -> dict:
@@ -150,48 +182,108 @@ def verify_all(url: str, seed: int, value_bytes: int, acked: set[int], direct_re
     return wrong, missing
 
 
+def collect(procs: list, q: "mp.Queue", ops_done, seconds: float) -> list[dict]:
+    """Every client's report, in client order; a progress line on stderr every few seconds.
+
+    Raises ``ClientFailed`` as soon as one client reports an exception or dies without a
+    report (the caller stops the others), or when they outlast ``seconds`` + 120 s."""
+    results: dict[int, dict] = {}
+    t0 = time.monotonic()
+    deadline, next_note = t0 + seconds + 120, t0 + PROGRESS_EVERY_S
+    exited_at: dict[int, float] = {}
+
+    def take(r: dict) -> None:
+        if "error" in r:
+            raise ClientFailed(f"client process {r['wid']} failed: {r['error']}")
+        results[r["wid"]] = r
+
+    while len(results) < len(procs):
+        try:
+            take(q.get(timeout=0.25))
+            continue
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        for w, p in enumerate(procs):
+            if w in results or p.exitcode is None:
+                continue
+            # a clean exit has flushed its report into the queue first: give the pipe a moment
+            if p.exitcode != 0 or now - exited_at.setdefault(w, now) > 5.0:
+                try:  # its own error report, if it managed to send one
+                    while True:
+                        take(q.get(timeout=0.5))
+                except queue.Empty:
+                    pass
+                if w not in results:
+                    raise ClientFailed(f"client process {w} died without a report (exit code {p.exitcode})")
+        if now > deadline:
+            raise ClientFailed(f"client processes did not finish within --seconds + 120 s ({seconds + 120:g} s)")
+        if now >= next_note:
+            next_note = now + PROGRESS_EVERY_S
+            print(f"load_store: {now - t0:.0f} s of {seconds:g} s, {sum(ops_done)} ops, "
+                  f"{len(results)}/{len(procs)} clients done", file=sys.stderr, flush=True)
+    return [results[w] for w in range(len(procs))]
+
+
 def run(args: argparse.Namespace) -> dict:
     from tools.daemon_util import start_daemon, stop_daemon
 
     daemons = []
     tmp = None
     url = args.url
-    if not url:
-        tmp = tempfile.TemporaryDirectory(prefix="kvload-")
-        opts = ["--fsync", str(args.fsync), "--allow-direct-writes", str(args.direct_writes != "off").lower()]
-        daemons = [start_daemon(Path(tmp.name) / f"d{i}", opts) for i in range(args.daemons)]
-        url = ",".join(d.url for d in daemons)
+    ctx = mp.get_context("spawn")
+    procs: list = []
+    q: mp.Queue = ctx.Queue()
     try:
-        ctx = mp.get_context("spawn")
-        q: mp.Queue = ctx.Queue()
+        if not url:
+            tmp = tempfile.TemporaryDirectory(prefix="kvload-")
+            opts = ["--fsync", str(args.fsync).lower(),
+                    "--allow-direct-writes", str(args.direct_writes != "off").lower()]
+            for i in range(args.daemons):
+                daemons.append(start_daemon(Path(tmp.name) / f"d{i}", opts))
+            url = ",".join(d.url for d in daemons)
         params = {"url": url, "seconds": args.seconds, "max_ops": args.max_ops, "seed": args.seed,
                   "value_bytes": args.value_bytes, "key_space": args.key_space, "chain_len": args.chain_len,
                   "put": args.put, "put_batch": args.put_batch, "get": args.get, "direct_reads": args.direct_reads,
                   "direct_writes": args.direct_writes}
-        procs = [ctx.Process(target=worker, args=(w, params, q)) for w in range(args.procs)]
-        t0 = time.monotonic()
+        ops_done = ctx.RawArray("q", args.procs)  # per client, for the progress line only
+        procs = [ctx.Process(target=worker, args=(w, params, q, ops_done)) for w in range(args.procs)]
         for p in procs:
             p.start()
-        results = [q.get(timeout=args.seconds + 120) for _ in procs]
+        results = collect(procs, q, ops_done, args.seconds)
         for p in procs:
             p.join(30)
-        wall = time.monotonic() - t0
+        # the measured load window: first client's start to last client's end (not --seconds)
+        wall = max(r["t_end"] for r in results) - min(r["t_start"] for r in results)
         acked = {j for r in results for j in r["acked"]}
         final_wrong, final_missing = verify_all(url, args.seed, args.value_bytes, acked, args.direct_reads)
     finally:
+        for p in procs:  # still running only when the run stopped early: stop them first
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        q.close()
+        q.cancel_join_thread()
         for d in daemons:
             stop_daemon(d)
         if tmp is not None:
             tmp.cleanup()
     lat = {op: [x for r in results for x in r["lat"][op]] for op in ("put", "get", "lookup")}
     ops = sum(r["ops"] for r in results)
+
+    def per_s(x: float, scale: float = 1.0, nd: int = 1) -> float | None:
+        return round(x / scale / wall, nd) if wall > 0 else None
+
     return {
         "url": url if args.url else f"{args.daemons} fresh daemon(s)", "daemons": args.daemons if not args.url else None,
-        "procs": args.procs, "seconds": args.seconds, "wall_s": round(wall, 2), "value_bytes": args.value_bytes,
+        "procs": args.procs, "seconds": args.seconds, "wall_s": round(wall, 3), "value_bytes": args.value_bytes,
         "put_batch": args.put_batch,
-        "ops": ops, "ops_per_s": round(ops / args.seconds, 1),
-        "mib_in_per_s": round(sum(r["bytes_in"] for r in results) / args.seconds / 2**20, 2),
-        "mib_out_per_s": round(sum(r["bytes_out"] for r in results) / args.seconds / 2**20, 2),
+        "ops": ops, "ops_per_s": per_s(ops),
+        "mib_in_per_s": per_s(sum(r["bytes_in"] for r in results), 2**20, 2),
+        "mib_out_per_s": per_s(sum(r["bytes_out"] for r in results), 2**20, 2),
         "latency_ms": {op: {"n": len(v), **{f"p{int(q * 100)}": round(pct(v, q) * 1e3, 3) if v else None
                                              for q in (0.5, 0.9, 0.99)}} for op, v in lat.items()},
         "misses": sum(r["misses"] for r in results), "errors": sum(r["errors"] for r in results),
@@ -203,28 +295,57 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def check_url(url: str) -> str | None:
+    """Why ``--url`` can not be used (None: every daemon in it answers)."""
+    import kvstore
+    from kvstore.errors import KVStoreError
+    from kvstore.remote import split_urls
+
+    try:
+        split_urls(url)
+        with kvstore.connect(url, timeout_s=10) as s:
+            s.stats()
+    except KVStoreError as exc:
+        return f"--url {url}: {one_line(exc)}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="mixed load on kvstore daemons, every read verified")
     ap.add_argument("--url", default="", help="existing daemon(s): grpc://h:p[,grpc://h:p...]")
-    ap.add_argument("--daemons", type=int, default=1, help="daemons to start when --url is not given")
-    ap.add_argument("--procs", type=int, default=4)
-    ap.add_argument("--seconds", type=float, default=10.0)
-    ap.add_argument("--max-ops", type=int, default=200_000, help="per process")
-    ap.add_argument("--value-bytes", type=int, default=64 * 1024)
-    ap.add_argument("--key-space", type=int, default=2000)
-    ap.add_argument("--chain-len", type=int, default=16)
-    ap.add_argument("--put", type=float, default=0.3)
-    ap.add_argument("--put-batch", type=int, default=1, help="keys per put op (> 1: one put_many, as an engine saves)")
-    ap.add_argument("--get", type=float, default=0.5)
+    ap.add_argument("--daemons", type=integer(1, 64), default=1, help="daemons to start when --url is not given")
+    ap.add_argument("--procs", type=integer(1, 256), default=4, help="client processes")
+    ap.add_argument("--seconds", type=number(0, 86400, lo_open=True), default=10.0,
+                    help="load duration per client (the report divides by the measured wall_s)")
+    ap.add_argument("--max-ops", type=integer(1), default=200_000, help="per process")
+    ap.add_argument("--value-bytes", type=integer(1, MAX_VALUE_BYTES), default=64 * 1024,
+                    help="mean value size (each value is 0.5x..1.5x of it)")
+    ap.add_argument("--key-space", type=integer(1), default=2000)
+    ap.add_argument("--chain-len", type=integer(1), default=16)
+    ap.add_argument("--put", type=number(0, 1), default=0.3, help="share of puts")
+    ap.add_argument("--put-batch", type=integer(1, 1024), default=1,
+                    help="keys per put op (> 1: one put_many, as an engine saves)")
+    ap.add_argument("--get", type=number(0, 1), default=0.5, help="share of gets (the rest: lookups)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--fsync", default="true")
+    ap.add_argument("--fsync", type=choice_bool, default=True, help="daemons it starts fsync (true/false)")
     ap.add_argument("--direct-reads", default="off", choices=["off", "on", "auto"],
                     help="clients read the daemons' target files directly (kvstore.direct)")
     ap.add_argument("--direct-writes", default="off", choices=["off", "on", "auto"],
                     help="clients write pack files into the daemons' targets (kvstore.direct_writes)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    rep = run(args)
+    if args.put + args.get > 1:
+        ap.error(f"--put + --get must be <= 1 (the rest are lookups), got {args.put} + {args.get}")
+    if args.out and (msg := check_output_file(args.out)):
+        ap.error(msg)
+    if args.url and (msg := check_url(args.url)):
+        ap.error(msg)
+    try:
+        rep = run(args)
+    except (RuntimeError, OSError) as exc:  # a client that died (ClientFailed), a daemon that did not start
+        ap.exit(1, f"{ap.prog}: error: {exc if isinstance(exc, ClientFailed) else one_line(exc)}\n")
+    except KeyboardInterrupt:
+        ap.exit(130, f"{ap.prog}: error: interrupted; daemons stopped, temporary files removed\n")
     text = json.dumps(rep, indent=2)
     print(text)
     if args.out:

@@ -34,6 +34,16 @@ only feed the sweep. Everything is bounded: ``--limit`` requests,
 Service times come from ``lb/data/cost_model.json`` (``--cost-model`` to
 override); ``--noise`` adds log-normal noise so policies' estimates are not
 exact.
+
+Exit status (the contract of ``tools/cli_args.py``)
+    0: the table was printed (and ``--out`` written). 2: a bad argument or bad
+    input, refused in one line before any simulation runs: an option out of
+    range, a trace that is missing, unreadable, not UTF-8 JSON lines (gzip
+    included: decompress it first), not Mooncake format or empty, a malformed
+    ``--cost-model``, an ``--out`` that is not a directory, or ``--policies``
+    without a baseline to compare with. 1: ``--find-load`` searched and no
+    load lets the best baseline meet the SLO (one line says so; raise
+    ``--ttft-slo-ms`` or add ``--prefill-instances``); nothing is compared.
 """
 
 from __future__ import annotations
@@ -51,10 +61,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lb.cost_model import CostModels, load_default  # noqa: E402
 from lb.registry import BASELINES, DECODE_POLICIES, POLICIES, get_policy  # noqa: E402
-from lb.sim import SimConfig, SimResult, parse_trace, reference_hit_ratios, simulate  # noqa: E402
+from lb.sim import SimConfig, SimResult, TraceRequest, parse_trace, reference_hit_ratios, simulate  # noqa: E402
 from lb.types import LBInputError, TierBandwidth  # noqa: E402
+from tools.cli_args import check_output_dir, csv_list, integer, number, one_line  # noqa: E402
 
 log = logging.getLogger("replay_trace")
+
+
+class NoFeasibleLoad(RuntimeError):
+    """``--find-load``: no load at which the best baseline meets the SLO (a result, exit status 1)."""
 
 
 class Progress:
@@ -75,12 +90,52 @@ class Progress:
         sys.stderr.flush()
 
 
-def _csv_ints(text: str) -> list[int | None]:
-    out: list[int | None] = []
-    for part in text.split(","):
-        part = part.strip()
-        out.append(None if part in ("inf", "none", "") else int(part))
-    return out
+def _capacity(text: str) -> int | None:
+    """A store capacity in blocks (an integer >= 0), or ``inf`` / ``none`` for unbounded."""
+    return None if text.lower() in ("inf", "none") else integer(0)(text)
+
+
+parse_capacities = csv_list(_capacity)  # --store-capacity-blocks (bench_lb checks its own with it)
+
+
+def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
+    """The requests of a Mooncake JSON-lines trace; any problem with the file is one ``LBInputError``."""
+
+    def lines(fh):
+        for n, raw in enumerate(fh, 1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise LBInputError(f"trace {path} line {n} is not UTF-8 text ({exc.reason}); "
+                                   f"a trace is JSON lines") from None
+
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(2) == b"\x1f\x8b":
+                raise LBInputError(f"trace {path} is gzip-compressed: decompress it first (gunzip -k {path})")
+            fh.seek(0)
+            return parse_trace(lines(fh), limit)
+    except IsADirectoryError:
+        raise LBInputError(f"trace {path} is a directory, not a JSON-lines file") from None
+    except FileNotFoundError:
+        raise LBInputError(f"trace {path}: no such file") from None
+    except OSError as exc:
+        raise LBInputError(f"trace {path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def load_cost_model(path: Path) -> CostModels:
+    """``--cost-model``: a JSON file from tools/fit_cost_model.py; any problem is one ``LBInputError``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LBInputError(f"--cost-model {path}: cannot read it ({one_line(exc)})") from None
+    try:
+        if not isinstance(json.loads(text), dict):
+            raise LBInputError("not a JSON object")
+        return CostModels.from_json(text)
+    except (LBInputError, json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise LBInputError(f"--cost-model {path} is not a cost model ({exc}); refit with tools/fit_cost_model.py") \
+            from None
 
 
 def run_policies(reqs, names, cfg, models, progress: Progress, decode: str = "kvstack") -> dict[str, SimResult]:
@@ -89,6 +144,9 @@ def run_policies(reqs, names, cfg, models, progress: Progress, decode: str = "kv
         progress.label = f"{name} x{cfg.speedup:.3g} store={cfg.store_capacity_blocks}"
         res[name] = simulate(reqs, get_policy(name, models), cfg, name=name, models=models, progress=progress,
                              decode_policy=get_policy(decode, models, kind="decode"))
+        if res[name].truncated:
+            log.warning("%s stopped at --max-wall-s %g s: its figures cover only part of the trace",
+                        progress.label, cfg.max_wall_s)
     return res
 
 
@@ -124,8 +182,8 @@ def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
         if lo is not None and hi is not None:
             break
     if lo is None:
-        raise LBInputError(f"no baseline meets the TTFT SLO at {target:.0%} even at speedup {s * 2:.3g}; "
-                           f"raise --ttft-slo-ms or add --prefill-instances")
+        raise NoFeasibleLoad(f"--find-load: no baseline meets the TTFT SLO at {target:.0%} even at speedup "
+                             f"{s * 2:.3g}; raise --ttft-slo-ms or add --prefill-instances")
     if hi is None:
         return lo, history
     for _ in range(iters):
@@ -208,60 +266,91 @@ def _save_log_x(plt, fig, ax, path: Path, xlabel: str, ylabel: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="replay_trace.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
-    ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma list from: {', '.join(POLICIES)}")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help=f"comma list from: {', '.join(POLICIES)} (at least one baseline: {', '.join(BASELINES)})")
     ap.add_argument("--decode-policy", default="kvstack", choices=sorted(DECODE_POLICIES),
                     help="decode LB used for every run (the table compares prefill policies)")
-    ap.add_argument("--prefill-instances", type=int, default=16)
-    ap.add_argument("--decode-instances", type=int, default=4)
-    ap.add_argument("--device-capacity-blocks", type=int, default=2000)
-    ap.add_argument("--host-capacity-blocks", type=int, default=8000)
-    ap.add_argument("--store-capacity-blocks", type=_csv_ints, default=[20000],
+    ap.add_argument("--prefill-instances", type=integer(1, 4096), default=16)
+    ap.add_argument("--decode-instances", type=integer(1, 4096), default=4)
+    ap.add_argument("--device-capacity-blocks", type=integer(0), default=2000)
+    ap.add_argument("--host-capacity-blocks", type=integer(0), default=8000)
+    ap.add_argument("--store-capacity-blocks", type=parse_capacities, default=[20000],
                     help="comma list (first = main run; all = sweep); 'inf' = unbounded")
-    ap.add_argument("--speedup", type=float, default=0.5, help="time scaling: 2 = twice the trace's offered load")
-    ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    ap.add_argument("--ttft-slo-ms", type=float, default=20000.0)
-    ap.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    ap.add_argument("--speedup", type=number(0, 1e6, lo_open=True), default=0.5,
+                    help="time scaling: 2 = twice the trace's offered load")
+    ap.add_argument("--limit", type=integer(1), default=None, help="replay only the first N requests")
+    ap.add_argument("--ttft-slo-ms", type=number(0, 1e12, lo_open=True), default=20000.0)
+    ap.add_argument("--tbt-slo-ms", type=number(0, 1e12, lo_open=True), default=100.0)
     ap.add_argument("--no-admission", action="store_true", help="do not pass SLOs to policies (no rejections)")
-    ap.add_argument("--noise", type=float, default=0.0, help="log-normal sigma on service times")
-    ap.add_argument("--store-gbps", type=float, default=1.18 * 2**30 / 1e9, help="store -> device GB/s")
-    ap.add_argument("--host-gbps", type=float, default=10.0, help="host -> device GB/s")
+    ap.add_argument("--noise", type=number(0, 3), default=0.0, help="log-normal sigma on service times")
+    ap.add_argument("--store-gbps", type=number(0, 1e6, lo_open=True), default=1.18 * 2**30 / 1e9,
+                    help="store -> device GB/s")
+    ap.add_argument("--host-gbps", type=number(0, 1e6, lo_open=True), default=10.0, help="host -> device GB/s")
     ap.add_argument("--cost-model", type=Path, default=None, help="cost model JSON (default lb/data/cost_model.json)")
     ap.add_argument("--find-load", action="store_true", help="search the load where the best baseline just meets the SLO")
-    ap.add_argument("--find-load-target", type=float, default=0.9, help="required TTFT attainment (0.9 = p90)")
-    ap.add_argument("--find-load-iters", type=int, default=8)
-    ap.add_argument("--max-wall-s", type=float, default=300.0, help="wall-clock bound per simulation run")
+    ap.add_argument("--find-load-target", type=number(0, 1, lo_open=True), default=0.9,
+                    help="required TTFT attainment (0.9 = p90)")
+    ap.add_argument("--find-load-iters", type=integer(1, 64), default=8)
+    ap.add_argument("--max-wall-s", type=number(1), default=300.0, help="wall-clock bound per simulation run (>= 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="directory for results.json and PNG plots")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
 
+    # Everything is checked before the first simulation: a bad input costs nothing.
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         ap.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
-    models: CostModels = CostModels.load(args.cost_model) if args.cost_model else load_default()
-    with open(args.trace) as fh:
-        reqs = parse_trace(fh, args.limit)
+    if not names:
+        ap.error(f"--policies lists no policy; choose from: {', '.join(POLICIES)}")
+    if not any(n in BASELINES for n in names):
+        ap.error(f"--policies {','.join(names)} has no baseline to compare with; add one of: {', '.join(BASELINES)}")
+    if len(set(names)) != len(names):
+        ap.error(f"--policies names a policy twice: {','.join(names)}")
+    if args.out is not None and (msg := check_output_dir(args.out)):
+        ap.error(msg)
+    try:
+        models: CostModels = load_cost_model(args.cost_model) if args.cost_model else load_default()
+        reqs = read_trace(args.trace, args.limit)
+    except LBInputError as exc:
+        ap.error(str(exc))
     if not reqs:
-        ap.error(f"{args.trace} holds no requests")
+        ap.error(f"trace {args.trace} holds no requests")
     caps = args.store_capacity_blocks
-    cfg = SimConfig(
-        prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
-        device_capacity_blocks=args.device_capacity_blocks, host_capacity_blocks=args.host_capacity_blocks,
-        store_capacity_blocks=caps[0],
-        bandwidth=TierBandwidth(host_bytes_per_s=args.host_gbps * 1e9, store_bytes_per_s=args.store_gbps * 1e9),
-        speedup=args.speedup, ttft_slo_ms=args.ttft_slo_ms, tbt_slo_ms=args.tbt_slo_ms,
-        admission=not args.no_admission, service_noise=args.noise, seed=args.seed, max_wall_s=args.max_wall_s,
-    )
+    try:
+        cfg = SimConfig(
+            prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
+            device_capacity_blocks=args.device_capacity_blocks, host_capacity_blocks=args.host_capacity_blocks,
+            store_capacity_blocks=caps[0],
+            bandwidth=TierBandwidth(host_bytes_per_s=args.host_gbps * 1e9, store_bytes_per_s=args.store_gbps * 1e9),
+            speedup=args.speedup, ttft_slo_ms=args.ttft_slo_ms, tbt_slo_ms=args.tbt_slo_ms,
+            admission=not args.no_admission, service_noise=args.noise, seed=args.seed, max_wall_s=args.max_wall_s,
+        )
+    except LBInputError as exc:
+        ap.error(str(exc))
+    try:
+        return _run(args, names, models, reqs, caps, cfg, argv)
+    except NoFeasibleLoad as exc:
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except LBInputError as exc:  # misuse found only once running: still one line
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
+
+
+def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: list[TraceRequest],
+         caps: list[int | None], cfg: SimConfig, argv: list[str] | None) -> int:
+    """The simulations, the table and ``--out``, once every input was checked."""
     progress = Progress(args.quiet)
     t0 = time.monotonic()
     out: dict = {"trace": str(args.trace), "requests": len(reqs), "argv": sys.argv[1:] if argv is None else argv,
                  "cost_model": models.meta.get("command", "defaults")}
     if args.find_load:
-        baselines = [n for n in names if n in BASELINES] or list(BASELINES)
+        baselines = [n for n in names if n in BASELINES]  # at least one: checked in main()
         s, hist = find_load(reqs, baselines, cfg, models, progress, args.find_load_target, args.find_load_iters,
                             args.decode_policy)
         cfg = replace(cfg, speedup=s)

@@ -40,7 +40,17 @@ undeleted, non-TTL key is read back: ``acked_lost`` (must be 0) and
 Work directory: ``--workdir`` is yours and stays. Without it the soak makes a
 temporary one (daemon data, fault plans, ledgers: tens to hundreds of MiB) and
 removes it after a clean run; after a failed run (or with ``--keep``) it stays for
-the post-mortem, and the report's ``workdir`` names it.
+the post-mortem, and the report's ``workdir`` names it (stderr names it too).
+
+Progress: a line on stderr every few seconds (elapsed, operations, calls refused while a
+daemon was down or a target full, unexpected errors, wrong bytes), from small per-client
+progress files the clients rewrite every second.
+
+Exit status (the contract of ``tools/cli_args.py``): 0 when nothing was lost and no byte
+was wrong; 1 when something was, or when the run itself failed (a daemon that does not
+start, a client that dies): one line says why and names the kept work directory; 2 for a
+bad argument (``--k``/``--m`` follow ``kvstore.config.StoreConfig``: k >= 1, m >= 0,
+k+m <= 32, m = 0 only with k = 1), refused before anything is started or created.
 """
 
 from __future__ import annotations
@@ -65,7 +75,10 @@ sys.path.insert(0, str(ROOT))
 
 import kvstore  # noqa: E402
 from kvstore import PutItem, faults  # noqa: E402
-from kvstore.errors import CapacityExceeded, KVStoreError, NotFound, StoreUnavailable, Unrecoverable  # noqa: E402
+from kvstore.config import StoreConfig  # noqa: E402
+from kvstore.errors import (CapacityExceeded, InvalidRequest, KVStoreError, NotFound, StoreUnavailable,  # noqa: E402
+                            Unrecoverable)
+from tools.cli_args import check_output_dir, check_output_file, integer, number, one_line  # noqa: E402
 
 OPS = {"put": 22, "put_many": 8, "put_ttl": 8, "get": 30, "get_other": 8, "lookup": 12, "delete": 5, "get_many": 6,
        "gc": 1}
@@ -77,6 +90,21 @@ def key_for(seed: int, client: int, i: int) -> bytes:
 
 def value_for(key: bytes) -> bytes:
     return hashlib.shake_128(key).digest(256 + key[0] * 8)
+
+
+def progress_path(work: Path, client: int) -> Path:
+    return work / f"progress-{client}.json"
+
+
+def write_progress(path: Path, c: Counter) -> None:
+    """A client's running counts for the controller's progress line (replaced atomically)."""
+    doc = {"ops": sum(v for k, v in c.items() if k.startswith("op_")),
+           "refused": c["unavailable"] + c["capacity_refused"],
+           "errors": c["unrecoverable"] + sum(v for k, v in c.items() if k.startswith("error_")),
+           "wrong_bytes": c["wrong_bytes"]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- client process
@@ -94,14 +122,20 @@ def run_client(a: argparse.Namespace) -> int:
     nxt = 0
     ops, weights = list(OPS), list(OPS.values())
     end = time.time() + a.duration
+    progress = progress_path(Path(a.ledger).parent, a.client)
+    next_progress = 0.0
 
     def check_value(k: bytes, v: bytes | None) -> None:
         if v is not None and v != value_for(k):
             c["wrong_bytes"] += 1
 
     for _ in range(a.max_ops):
-        if time.time() >= end:
+        now = time.time()
+        if now >= end:
             break
+        if now >= next_progress:
+            write_progress(progress, c)
+            next_progress = now + 1.0
         op = rng.choices(ops, weights)[0]
         if op in ("get", "delete", "lookup", "get_many") and not live:
             op = "put"
@@ -206,7 +240,8 @@ class Shard:
         self.names = [f"s{idx}t{j}" for j in range(a.targets)]
         self.dirs = [work / f"s{idx}" / f"t{j}" for j in range(a.targets)]
         self.data = work / f"s{idx}" / "data"
-        self.log = open(work / f"daemon-{idx}.log", "ab")
+        self.log_path = work / f"daemon-{idx}.log"
+        self.log = open(self.log_path, "ab")
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.offset = 0.0
@@ -230,7 +265,7 @@ class Shard:
                 return
             self.proc.wait()
             time.sleep(0.25)  # the old port may linger for a moment after a SIGKILL
-        raise RuntimeError(f"shard {self.idx} did not start; see daemon-{self.idx}.log")
+        raise RuntimeError(f"shard {self.idx} did not start; see {self.log_path}")
 
     def harvest(self) -> None:
         """Add this incarnation's store counters (they live in memory: read before a kill)."""
@@ -283,7 +318,8 @@ def corrupt_files(r: random.Random, d: Path, n: int) -> int:
     return hit
 
 
-def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float) -> dict:
+def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float, tick=lambda: None) -> dict:
+    """The fault schedule until ``end``; ``tick()`` is called once per step (the progress line)."""
     r = random.Random(a.seed)
     active: list[tuple[float, int, int, str]] = []  # (until, shard, target, kind)
     damaged: dict[int, set[int]] = defaultdict(set)
@@ -309,6 +345,7 @@ def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float) ->
             repairs["failed_runs"] += 1
 
     while time.time() < end:
+        tick()
         now = time.time()
         for f in [f for f in active if f[0] <= now]:
             active.remove(f)
@@ -385,15 +422,40 @@ def verify(urls: str, seed: int, ledgers: list[dict]) -> Counter:
     return out
 
 
+class Progress:
+    """A line on stderr every ``every`` seconds: the clients' summed progress files."""
+
+    def __init__(self, work: Path, clients: int, t_start: float, duration: float) -> None:
+        self.work, self.clients, self.t_start, self.duration = work, clients, t_start, duration
+        self.every = min(5.0, max(1.0, duration / 10))
+        self.next = t_start + self.every
+
+    def line(self, what: str) -> str:
+        tot: Counter[str] = Counter()
+        for c in range(self.clients):
+            try:
+                tot.update(json.loads(progress_path(self.work, c).read_text()))
+            except (OSError, ValueError):
+                pass  # not written yet
+        return (f"soak: {time.time() - self.t_start:.0f} s of {self.duration:g} s{what}: {tot['ops']} ops, "
+                f"{tot['refused']} refused (daemon down or target full), {tot['errors']} errors, "
+                f"{tot['wrong_bytes']} wrong bytes")
+
+    def __call__(self) -> None:
+        if time.time() >= self.next:
+            self.next = time.time() + self.every
+            print(self.line(""), file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--duration", type=float, default=60.0)
-    ap.add_argument("--shards", type=int, default=3)
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--targets", type=int, default=5)
-    ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--m", type=int, default=2)
-    ap.add_argument("--max-ops", type=int, default=1_000_000, help="per client")
+    ap.add_argument("--duration", type=number(0, 7 * 86400, lo_open=True), default=60.0, help="seconds of chaos")
+    ap.add_argument("--shards", type=integer(1, 32), default=3)
+    ap.add_argument("--clients", type=integer(1, 256), default=4)
+    ap.add_argument("--targets", type=integer(2, 64), default=5, help="faulty targets per shard (>= k + m + 1)")
+    ap.add_argument("--k", type=int, default=2, help="erasure code data fragments (k >= 1, k + m <= 32)")
+    ap.add_argument("--m", type=int, default=2, help="erasure code parity fragments (m >= 0; 0 only with k = 1)")
+    ap.add_argument("--max-ops", type=integer(1), default=1_000_000, help="per client")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workdir", default="", help="kept afterwards (default: a temporary one, removed after a clean run)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary work directory after a clean run too")
@@ -405,29 +467,69 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ledger", default="", help=argparse.SUPPRESS)
     ap.add_argument("--max-skew", type=float, default=20.0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.client >= 0:
-        return run_client(a)
+    if a.client >= 0:  # one client process, started by the controller below
+        try:
+            return run_client(a)
+        except Exception as exc:  # the controller sees the status and names the work directory
+            print(f"{ap.prog} client {a.client}: error: {one_line(exc)}", file=sys.stderr)
+            return 1
+    try:  # the store's own rule for an erasure code, checked before any daemon is started
+        StoreConfig(ec_k=a.k, ec_m=a.m)
+    except InvalidRequest as exc:
+        ap.error(f"--k {a.k} --m {a.m}: {exc}")
     if a.targets < a.k + a.m + 1:
-        ap.error("--targets must be at least k + m + 1 (a spare to fall back to)")
+        ap.error(f"--targets must be at least k + m + 1 = {a.k + a.m + 1} (a spare to fall back to), got {a.targets}")
+    for msg in (check_output_file(a.out), a.workdir and check_output_dir(a.workdir, "--workdir")):
+        if msg:
+            ap.error(msg)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="kvsoak-"))
+    shards: list[Shard] = []
+    clients: list[subprocess.Popen] = []
+    try:
+        return run(a, argv, work, shards, clients)
+    except (RuntimeError, OSError, ValueError, KVStoreError, subprocess.TimeoutExpired) as exc:
+        print(f"{ap.prog}: error: {one_line(exc)}; work directory kept for the post-mortem: {work}",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{ap.prog}: error: interrupted; work directory kept for the post-mortem: {work}", file=sys.stderr)
+        return 130
+    finally:  # whatever happened: nothing this run started is left running
+        for p in clients:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for sh in shards:
+            if sh.proc is not None and sh.proc.poll() is None:
+                sh.proc.kill()
+                sh.proc.wait(10)
+
+
+def run(a: argparse.Namespace, argv: list[str] | None, work: Path, shards: list, clients: list) -> int:
+    """The soak once every argument was checked; fills ``shards`` and ``clients`` as it starts them."""
     fdir = work / "faults"
     fdir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env[faults.ENV_DIR] = str(fdir)
-    shards = [Shard(i, work, a, env) for i in range(a.shards)]
+    shards.extend(Shard(i, work, a, env) for i in range(a.shards))
     for sh in shards:
         sh.start()
     urls = ",".join(sh.url for sh in shards)
     t_start = time.time()
     end = t_start + a.duration
-    clients = [subprocess.Popen([sys.executable, __file__, "--client", str(c), "--clients", str(a.clients),
-                                 "--urls", urls, "--ledger", str(work / f"ledger-{c}.json"), "--seed", str(a.seed),
-                                 "--duration", str(a.duration), "--max-ops", str(a.max_ops),
-                                 *(["--direct-writes"] if a.direct_writes else [])], cwd=ROOT, env=env)
-               for c in range(a.clients)]
-    ch = chaos(shards, fdir, a, end)
-    for p in clients:
-        p.wait(timeout=a.duration + 120)
+    clients.extend(subprocess.Popen([sys.executable, __file__, "--client", str(c), "--clients", str(a.clients),
+                                     "--urls", urls, "--ledger", str(work / f"ledger-{c}.json"), "--seed", str(a.seed),
+                                     "--duration", str(a.duration), "--max-ops", str(a.max_ops),
+                                     *(["--direct-writes"] if a.direct_writes else [])], cwd=ROOT, env=env)
+                   for c in range(a.clients))
+    print(f"soak: {a.shards} shard(s) of {a.targets} faulty targets (EC {a.k}+{a.m}), {a.clients} client(s), "
+          f"{a.duration:g} s; work directory {work}", file=sys.stderr, flush=True)
+    progress = Progress(work, a.clients, t_start, a.duration)
+    ch = chaos(shards, fdir, a, end, progress)
+    for c, p in enumerate(clients):
+        if p.wait(timeout=a.duration + 120):
+            raise RuntimeError(f"client {c} exited with status {p.returncode}")
+    print(progress.line(", chaos over") + "; verifying every acknowledged key", file=sys.stderr, flush=True)
     ledgers = [json.loads((work / f"ledger-{c}.json").read_text()) for c in range(a.clients)]
     final = verify(urls, a.seed, ledgers)
     with kvstore.connect(urls, timeout_s=60) as s:
@@ -478,7 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     if not report["workdir_kept"]:
         shutil.rmtree(work, ignore_errors=True)
     elif failed:
-        print(f"soak failed; its work directory is kept for the post-mortem: {work}", file=sys.stderr)
+        print(f"soak.py: error: {report['wrong_bytes']} wrong bytes, {report['acked_lost']} acknowledged keys lost; "
+              f"work directory kept for the post-mortem: {work}", file=sys.stderr)
+    else:
+        print(f"soak: work directory kept: {work}", file=sys.stderr)
     Path(a.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: report[k] for k in ("operations", "faults_scheduled", "degraded_reads", "repairs",
                                              "wrong_bytes", "acked_lost", "max_faulty_targets_per_shard")}))

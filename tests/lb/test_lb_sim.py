@@ -149,3 +149,45 @@ def test_replay_tool_end_to_end(tmp_path, capsys):
     assert "kvstack" in text and "p90/best" in text
     pytest.importorskip("matplotlib")
     assert (out / "ttft_cdf.png").exists() and (out / "hit_ratio_vs_store_capacity.png").exists()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("timestamp", float("nan")), ("timestamp", float("inf")), ("timestamp", -1), ("timestamp", True),
+    ("timestamp", "0"), ("hash_ids", "abc"), ("hash_ids", [1.0, 2]), ("hash_ids", [1.5]), ("hash_ids", [[1, 2], [3]]),
+    ("hash_ids", [True]), ("hash_ids", [None]), ("hash_ids", [""]), ("input_length", True), ("input_length", 1000.7),
+    ("input_length", 1000.0), ("input_length", 10**18), ("input_length", -5), ("input_length", 0),
+    ("output_length", -1), ("output_length", 2.5), ("output_length", None),
+])
+def test_parse_trace_refuses_values_no_trace_can_mean(field, value):
+    """Non-finite, non-integer (bools too) and out-of-range values: LBInputError naming the line."""
+    good = {"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1, 2]}
+    bad = json.dumps({**good, field: value})  # json writes nan/inf as NaN/Infinity, which json.loads reads
+    with pytest.raises(LBInputError, match=f"line 3 .*{field}"):
+        parse_trace([json.dumps(good), "", bad])
+
+
+def test_parse_trace_warns_once_when_hash_ids_and_input_length_disagree(caplog):
+    """ceil(input_length / block) == len(hash_ids) is consistent (the last block may be partial);
+    anything else is kept, and counted in one warning."""
+    def line(n: int, blocks: int) -> str:
+        return json.dumps({"timestamp": 0, "input_length": n, "output_length": 1, "hash_ids": list(range(blocks))})
+
+    with caplog.at_level("WARNING", logger="lb.sim"):
+        reqs = parse_trace([line(1024, 2), line(1025, 3), line(1, 1), line(1024, 3), line(5000, 2), line(10, 0)])
+    assert len(reqs) == 6
+    warnings = [r for r in caplog.records if r.name == "lb.sim"]
+    assert len(warnings) == 1 and "3 of 6" in warnings[0].getMessage() and "line 4" in warnings[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lb.sim"):
+        assert len(parse_trace([line(32, 2)], block_tokens=16)) == 1
+    assert not caplog.records
+    with pytest.raises(LBInputError, match="block_tokens"):
+        parse_trace([line(32, 2)], block_tokens=0)
+
+
+def test_parse_trace_takes_any_integer_or_string_block_hashes():
+    """Hash ids are opaque and only compared: signed 64-bit (and larger) integers and hex
+    strings are ids as well as Mooncake's 0, 1, 2, ... (a converted trace may use any)."""
+    ids = [-1, 2**64, "9f86d081884c7d65", 7]
+    got = parse_trace([json.dumps({"timestamp": 0, "input_length": 2048, "output_length": 1, "hash_ids": ids})])
+    assert list(got[0].hash_ids) == ids
