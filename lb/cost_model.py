@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -89,6 +90,11 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tupl
     return coef, 1.0 - float((resid**2).sum()) / ss_tot
 
 
+def _all_nonneg(*values: float) -> bool:
+    """All finite and >= 0 (a NaN coefficient would pass a bare ``< 0`` check)."""
+    return all(math.isfinite(v) and v >= 0 for v in values)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillCostModel:
     """``t = const + tok * suffix + attn * (suffix*cached + suffix^2/2)`` seconds."""
@@ -99,8 +105,8 @@ class PrefillCostModel:
     r2: float = float("nan")
 
     def __post_init__(self) -> None:
-        if min(self.const_s, self.per_token_s, self.per_attn_pair_s) < 0:
-            raise LBInputError("PrefillCostModel coefficients must be >= 0")
+        if not _all_nonneg(self.const_s, self.per_token_s, self.per_attn_pair_s):
+            raise LBInputError("PrefillCostModel coefficients must be finite numbers >= 0")
 
     @staticmethod
     def features(suffix: np.ndarray, cached: np.ndarray) -> np.ndarray:
@@ -114,7 +120,7 @@ class PrefillCostModel:
         arr = np.asarray(list(samples), dtype=np.float64)
         if arr.ndim != 2 or arr.shape[1] != 3:
             raise LBInputError("PrefillCostModel.fit expects (prompt_tokens, cached_tokens, seconds) rows")
-        if (arr[:, 1] > arr[:, 0]).any() or (arr < 0).any():
+        if (arr[:, 1] > arr[:, 0]).any() or (arr < 0).any() or not np.isfinite(arr).all():
             raise LBInputError("each sample needs 0 <= cached_tokens <= prompt_tokens and seconds >= 0")
         suffix = arr[:, 0] - arr[:, 1]
         coef, r2 = nonneg_lstsq(cls.features(suffix, arr[:, 1]), arr[:, 2])
@@ -146,14 +152,14 @@ class DecodeCostModel:
     r2: float = float("nan")
 
     def __post_init__(self) -> None:
-        if min(self.const_s, self.per_token_s, self.per_request_s) < 0:
-            raise LBInputError("DecodeCostModel coefficients must be >= 0")
+        if not _all_nonneg(self.const_s, self.per_token_s, self.per_request_s):
+            raise LBInputError("DecodeCostModel coefficients must be finite numbers >= 0")
 
     @classmethod
     def fit(cls, samples: Iterable[Sequence[float]]) -> "DecodeCostModel":
         """Fit on ``(batch_tokens, batch_requests, seconds_per_step)`` samples."""
         arr = np.asarray(list(samples), dtype=np.float64)
-        if arr.ndim != 2 or arr.shape[1] != 3 or (arr < 0).any():
+        if arr.ndim != 2 or arr.shape[1] != 3 or (arr < 0).any() or not np.isfinite(arr).all():
             raise LBInputError("DecodeCostModel.fit expects non-negative (batch_tokens, batch_requests, seconds) rows")
         x = np.stack([np.ones(len(arr)), arr[:, 0], arr[:, 1]], axis=-1)
         coef, r2 = nonneg_lstsq(x, arr[:, 2])
@@ -173,8 +179,9 @@ class TransferModel:
     block_tokens: int = BLOCK_TOKENS
 
     def __post_init__(self) -> None:
-        if self.kv_bytes_per_token <= 0 or self.block_tokens <= 0:
-            raise LBInputError("TransferModel needs kv_bytes_per_token > 0 and block_tokens > 0")
+        if not (_all_nonneg(self.kv_bytes_per_token, self.block_tokens)
+                and self.kv_bytes_per_token > 0 and self.block_tokens > 0):
+            raise LBInputError("TransferModel needs finite kv_bytes_per_token > 0 and block_tokens > 0")
 
     def block_bytes(self) -> float:
         return self.kv_bytes_per_token * self.block_tokens
@@ -220,6 +227,8 @@ class CostModels:
     def from_json(cls, text: str) -> "CostModels":
         try:
             d = json.loads(text)
+            if not isinstance(d, dict):
+                raise TypeError(f"expected a JSON object, got {type(d).__name__}")
             if d.get("format") != 1:
                 raise LBInputError(f"cost model format {d.get('format')!r} is not 1; refit with tools/fit_cost_model.py")
             return cls(

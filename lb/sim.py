@@ -432,6 +432,7 @@ def simulate(
         push(nf, 1, (d.id, d.version))
         return True
 
+    now = 0.0  # simulated time of the last event handled (none yet: a wall bound may trip first)
     while heap:
         if time.monotonic() - wall0 > cfg.max_wall_s:
             truncated = True
@@ -509,6 +510,6 @@ def simulate(
         hit_tiers={k: v / served_blocks if served_blocks else 0.0 for k, v in hit_blocks.items()},
         ttft_s=tuple(ttft.values()), tbt_s=tuple(tbt.values()),
         slo_attainment=ok_both / n if n else 1.0, ttft_attainment=ok_ttft / n if n else 1.0,
-        busy_s=tuple(p.busy for p in pre), sim_end_s=now if reqs else 0.0,
+        busy_s=tuple(p.busy for p in pre), sim_end_s=now,
         wall_s=time.monotonic() - wall0, truncated=truncated, reject_reasons=dict(reasons),
     )

@@ -48,6 +48,9 @@ def test_json_round_trip_and_committed_file():
     assert CostModels.from_json(m.to_json()) == m
     with pytest.raises(LBInputError, match="refit"):
         CostModels.from_json('{"format": 2}')
+    for not_an_object in ("[1]", "3", '"x"', "null"):
+        with pytest.raises(LBInputError, match="malformed cost model JSON"):
+            CostModels.from_json(not_an_object)
     assert DEFAULT_PATH.exists(), "run tools/fit_cost_model.py"
     d = load_default()
     assert d.prefill.r2 > 0.9 and d.decode.r2 > 0.9

@@ -191,3 +191,12 @@ def test_parse_trace_takes_any_integer_or_string_block_hashes():
     ids = [-1, 2**64, "9f86d081884c7d65", 7]
     got = parse_trace([json.dumps({"timestamp": 0, "input_length": 2048, "output_length": 1, "hash_ids": ids})])
     assert list(got[0].hash_ids) == ids
+
+
+def test_a_wall_bound_that_trips_before_the_first_event_gives_an_empty_truncated_result():
+    """max_wall_s of 0: the loop stops before handling any event (it raised UnboundLocalError)."""
+    reqs = parse_trace([json.dumps({"timestamp": i, "input_length": 512, "output_length": 1, "hash_ids": [i]})
+                        for i in range(5)])
+    cfg = SimConfig(prefill_instances=1, decode_instances=1, max_wall_s=0.0)
+    res = simulate(reqs, get_policy("round_robin"), cfg)
+    assert res.truncated and res.served == 0 and res.sim_end_s == 0.0
