@@ -52,6 +52,21 @@ Scheduler side (called by the scheduler, on the engine's main thread)
     Returns whether the connector needs the blocks kept (``True``: free only
     after ``get_finished`` reports the request) and transfer params for a
     decode engine (P/D handoff). Saves the end-of-output window snapshot.
+``request_aborted(request)``
+    When: instead of ``request_finished``, for a request the engine drops
+    (``Engine.abort_request``, e.g. after a step raised), before its blocks
+    are freed; possibly mid-step. Guarantees: on return nothing of the
+    connector still writes into the request's blocks or window, and nothing
+    more is saved for it; the connector forgets it. Idempotent.
+
+Declared attributes (checked by the engine at construction)
+-----------------------------------------------------------
+``block_size`` and ``layout`` (a ``KVLayout``): the block size and KV layout
+the connector moves. The engine refuses (``InvalidRequest``) a connector
+whose values differ from its own; ``None`` means "not declared".
+
+Lifetime: ``close()`` drains and stops; a second ``close()`` does nothing.
+A connector used after ``close()`` raises ``kvstore.errors.StoreClosed``.
 
 Worker side (called by the model runner during a step)
 ------------------------------------------------------
@@ -99,6 +114,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from kvstore.api import DTYPES
 from kvstore.errors import InvalidRequest
 
 
@@ -116,6 +132,23 @@ class KVLayout:
     dtype: str  # a kvstore.api.DTYPES name, also the torch dtype name
     snapshot_shape: tuple[int, ...]
     replay_spans: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.d_global, bool) or not isinstance(self.d_global, int) or self.d_global < 1:
+            raise InvalidRequest(f"KVLayout.d_global must be an int >= 1, got {self.d_global!r}")
+        if self.dtype not in DTYPES:
+            raise InvalidRequest(f"KVLayout.dtype {self.dtype!r} is unknown; use one of {sorted(DTYPES)}")
+        shape = self.snapshot_shape
+        if isinstance(shape, (list, torch.Size)):
+            shape = tuple(shape)
+            object.__setattr__(self, "snapshot_shape", shape)
+        if (not isinstance(shape, tuple) or not shape
+                or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)):
+            raise InvalidRequest(f"KVLayout.snapshot_shape must be a non-empty tuple of ints >= 0, got {shape!r}")
+        for item in self.replay_spans:
+            if (not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
+                    or isinstance(item[1], bool) or not isinstance(item[1], int) or item[1] < 0):
+                raise InvalidRequest(f"KVLayout.replay_spans holds (policy name, span >= 0) pairs, got {item!r}")
 
     def replay_span(self, policy: str) -> int:
         for name, span in self.replay_spans:
@@ -241,6 +274,10 @@ class ForwardContext:
 class KVConnectorBase(abc.ABC):
     """The contract; see the module docstring for when each hook runs and what it guarantees."""
 
+    #: What the engine checks at construction (module docstring); ``None``: not declared.
+    block_size: int | None = None
+    layout: KVLayout | None = None
+
     # ---- scheduler side
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
@@ -287,6 +324,9 @@ class KVConnectorBase(abc.ABC):
 
     @abc.abstractmethod
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]: ...
+
+    def request_aborted(self, request: ConnectorRequest) -> None:
+        """The engine drops ``request`` (see the module docstring). Default: nothing to forget."""
 
     def on_device_evict(self, key: bytes, block: torch.Tensor) -> None:
         """The engine's pool evicts a cached block (content still intact). Default: drop it."""

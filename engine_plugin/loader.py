@@ -13,7 +13,9 @@ Per batch of ``load_batch_blocks`` blocks (numbered steps, with reasons):
      ``acquire_many`` (pinned on accelerators), as many as the pool gives
      within the timeout (a hit is a prefix: blocks past the last buffer would
      be useless without it);
-  3. one ``StoreGateway.read_into`` lands the payloads *in those buffers*:
+  3. one ``StoreGateway.read_into`` lands the payloads *in those buffers*
+     (an entry saved with another dtype or shape than the connector's layout
+     is not ok, whatever its byte count):
      the store copies each payload from its fragment bodies into the buffer
      and verifies the entry checksum over the buffer, so the only host copy
      is storage -> pinned (stores without the native read: ``get_many`` plus
@@ -84,6 +86,10 @@ class Loader:
         self.stream = stream
 
     # ------------------------------------------------------------------ shared
+    def _layout(self, kind: str):
+        """The ``kvstore.api.Layout`` an entry of ``kind`` must have been saved with."""
+        return self.c.block_layout if kind == "block" else self.c.snap_layout
+
     def _read_direct(self, kind: str, keys: Sequence[bytes], outs: Sequence[np.ndarray],
                      nbytes: int) -> list[bool]:
         """One gateway read into engine-owned host memory; never returns while it may still write.
@@ -91,7 +97,8 @@ class Loader:
         ``inline``: it runs on this thread (no executor hop, and nothing left running to wait
         for); one slower than the timeout trips the breaker but keeps its verified entries.
         """
-        res = self.c.gateway.read_into(keys, outs, kind=kind, nbytes=nbytes, inline=True)
+        res = self.c.gateway.read_into(keys, outs, kind=kind, nbytes=nbytes, layout=self._layout(kind),
+                                       inline=True)
         if res.late:
             self.c.metrics.inc("direct_read_overruns")
             log.warning("a direct %s read of %d entries took longer than the store timeout; the "
@@ -113,7 +120,8 @@ class Loader:
             self.c.metrics.inc("staging_exhausted")
         if not bufs:
             return [None] * len(keys)
-        res = self.c.gateway.read_into(keys[: len(bufs)], [b.numpy() for b in bufs], kind=kind, nbytes=nbytes)
+        res = self.c.gateway.read_into(keys[: len(bufs)], [b.numpy() for b in bufs], kind=kind, nbytes=nbytes,
+                                       layout=self._layout(kind))
         if res.pending is not None:
             # The store may still be writing into every one of these buffers.
             res.pending.add_done_callback(lambda _f, held=bufs: [self.c.buffers.release(b) for b in held])

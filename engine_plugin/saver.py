@@ -13,6 +13,11 @@ Guarantees:
   3. Per request, in-flight jobs are counted; a finished request whose jobs
      are all done is reported once by ``take_sent`` (``get_finished``).
   4. The saver thread never dies on an error: it logs, counts, goes on.
+  5. ``close`` is idempotent: the first call drains the queue and stops the
+     thread with one sentinel; later calls return at once (a second sentinel
+     nobody reads would make every later ``flush`` wait forever). ``submit``
+     after ``close`` raises ``StoreClosed``; ``flush`` after it returns at once
+     (``close`` drained everything).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 
 from engine_plugin.tiers import Metrics, StoreGateway
 from kvstore.api import PutItem
+from kvstore.errors import StoreClosed
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +50,13 @@ class SaveQueue:
         self._inflight: dict[str, int] = {}
         self._finished: set[str] = set()
         self._sent: set[str] = set()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kv-save", daemon=True)
         self._thread.start()
 
     def submit(self, items: list[PutItem], request_ids: list[str]) -> bool:
+        if self._closed:
+            raise StoreClosed("the save queue is closed (its connector was closed)")
         if not items:
             return True
         with self._lock:
@@ -80,10 +89,17 @@ class SaveQueue:
 
     def flush(self) -> None:
         """Wait until every queued job was attempted (tests, P/D handoff, shutdown)."""
+        if self._closed:
+            return  # close() drained the queue, and no thread reads it any more
         self._q.join()
 
     def close(self) -> None:
-        self.flush()
+        """Drain the queue and stop the saver thread; idempotent (guarantee 5)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._q.join()
         self._q.put(None)
         self._thread.join(timeout=10)
 

@@ -24,12 +24,16 @@ Block entries hold only the global KV (``[block_size, d_global]``); SWA
 entries are snapshots at chosen boundaries: end of the prompt, every
 ``snapshot_interval_blocks`` blocks, and the end of the output.
 
-Failure handling: anything missing, lost, corrupt or wrong-sized at load time
-turns into a ``LoadError`` (engine recomputes from the last good block, and
-the recomputed blocks are saved again, which heals an entry the store marked
-lost); a store that is down or slow is skipped for ``store_backoff_s`` after a
-failure (``StoreGateway``); saves never block the step (bounded queue, drop +
-count). Close the connector before its store (the saver may still be writing).
+Failure handling: anything missing, lost, corrupt, wrong-sized or saved with
+another layout (the dtype/shape recorded with the entry, where the store
+reports it) at load time turns into a ``LoadError`` (engine recomputes from
+the last good block, and the recomputed blocks are saved again, which heals
+an entry the store marked lost); a store that is down or slow is skipped for ``store_backoff_s`` after a
+failure (``StoreGateway``); any exception a store call raises counts as a
+failed call there, never as an error of the step; saves never block the step
+(bounded queue, drop + count). Close the connector before its store (the
+saver may still be writing); ``close`` is idempotent, and any other hook
+after it raises ``StoreClosed``.
 
 P/D handoff: a prefill engine's ``request_finished`` returns transfer params;
 the decode engine loads the same blocks through its own connector (lookups
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -63,7 +68,7 @@ from engine_plugin.saver import SaveQueue
 from engine_plugin.tiers import HostCache, Metrics, StoreGateway
 from engine_plugin.transfer import BufferPool, get_backend
 from kvstore.api import KVStore, Layout, PutItem
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InvalidRequest, StoreClosed
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +111,28 @@ class ConnectorConfig:
     ttl_s: float | None = None
 
     def __post_init__(self) -> None:
+        """Every field is checked here (``InvalidRequest`` naming it), not when first used."""
         if self.save_policy not in SAVE_POLICIES:
             raise InvalidRequest(f"unknown save_policy {self.save_policy!r}; known: {sorted(SAVE_POLICIES)}")
-        if self.staging_buffers < self.load_batch_blocks or self.load_batch_blocks < 1:
+        for name, low in (("block_size", 1), ("host_capacity_bytes", 0), ("snapshot_interval_blocks", 0),
+                          ("save_queue_depth", 1), ("staging_buffers", 1), ("load_batch_blocks", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise InvalidRequest(f"ConnectorConfig.{name} must be an int >= {low}, got {v!r}")
+        if self.staging_buffers < self.load_batch_blocks:
             raise InvalidRequest("staging_buffers must be >= load_batch_blocks >= 1")
+        for name, positive in (("store_timeout_s", True), ("store_put_timeout_s", True),
+                               ("store_backoff_s", False), ("save_enqueue_timeout_s", False)):
+            v = getattr(self, name)
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or v < 0 or (positive and v == 0)):
+                raise InvalidRequest(f"ConnectorConfig.{name} must be a finite number "
+                                     f"{'> 0' if positive else '>= 0'}, got {v!r}")
+        if self.ttl_s is not None and (isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float))
+                                       or not math.isfinite(self.ttl_s) or self.ttl_s <= 0):
+            raise InvalidRequest(f"ConnectorConfig.ttl_s must be None or a finite number > 0, got {self.ttl_s!r}")
+        if not isinstance(self.device, str) or not isinstance(self.replay_policy, str):
+            raise InvalidRequest("ConnectorConfig.device and replay_policy are strings")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,16 +156,26 @@ class KVStoreConnector(KVConnectorBase):
 
     def __init__(self, layout: KVLayout, config: ConnectorConfig = ConnectorConfig(),
                  store: KVStore | None = None):
+        """Bad arguments raise ``InvalidRequest`` here. The engine checks ``block_size`` and
+        ``layout`` against its own when it is given this connector (``Engine.__init__``)."""
+        if not isinstance(layout, KVLayout):
+            raise InvalidRequest(f"layout must be a KVLayout (model.kv_layout()), got {type(layout).__name__}")
+        if not isinstance(config, ConnectorConfig):
+            raise InvalidRequest(f"config must be a ConnectorConfig, got {type(config).__name__}")
         self.layout, self.cfg = layout, config
         self.policy = SAVE_POLICIES[config.save_policy]
         self.span = layout.replay_span(config.replay_policy)
-        self.B = config.block_size
-        try:
-            self.dtype = getattr(torch, layout.dtype)
-        except AttributeError:
-            raise InvalidRequest(f"KVLayout.dtype {layout.dtype!r} is not a torch dtype name") from None
+        self.B = self.block_size = config.block_size
+        self._closed = False
+        dtype = getattr(torch, layout.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidRequest(f"KVLayout.dtype {layout.dtype!r} is not a torch dtype name")
+        self.dtype = dtype
         self.block_shape = (self.B, layout.d_global)
         self.snap_shape = tuple(layout.snapshot_shape)
+        # What a loaded entry must have been saved as (dtype and shape), besides its byte count.
+        self.block_layout = Layout(layout.dtype, self.block_shape)
+        self.snap_layout = Layout(layout.dtype, self.snap_shape)
         isz = torch.empty((), dtype=self.dtype).element_size()
         self.block_nbytes = self.B * layout.d_global * isz
         self.snap_nbytes = isz * int(torch.Size(self.snap_shape).numel())
@@ -170,7 +203,12 @@ class KVStoreConnector(KVConnectorBase):
                                enqueue_timeout_s=config.save_enqueue_timeout_s)
 
     # ================================================================ scheduler side
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("this KVStoreConnector is closed; build a new one (and a new engine) to go on")
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        self._check_open()
         B, keys = self.B, request.block_hashes
         max_blocks = min(len(keys), (len(request.prompt_token_ids) - 1) // B)
         n_dev = num_computed_tokens // B
@@ -207,6 +245,7 @@ class KVStoreConnector(KVConnectorBase):
         return plan.hit_tokens - plan.num_dev_tokens, False
 
     def update_state_after_alloc(self, request, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        self._check_open()
         rid = request.request_id
         plan = self._plans.get(rid)
         if plan is None:
@@ -249,6 +288,7 @@ class KVStoreConnector(KVConnectorBase):
         return {b for b in out if b > H}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
+        self._check_open()
         loads = tuple(self._pending.pop(rid) for rid in scheduler_output.new_request_ids
                       if rid in self._pending)
         saves = []
@@ -263,6 +303,7 @@ class KVStoreConnector(KVConnectorBase):
         return ConnectorMetadata(loads, tuple(saves))
 
     def request_finished(self, request, block_ids: Sequence[int]) -> tuple[bool, dict | None]:
+        self._check_open()
         rid = request.request_id
         lw = getattr(request, "last_window", None)
         snapped = self._snapped.pop(rid, set())
@@ -281,6 +322,7 @@ class KVStoreConnector(KVConnectorBase):
 
     # ================================================================ worker side
     def start_load_kv(self, forward_context: ForwardContext) -> None:
+        self._check_open()
         self._errors = {}
         for spec in self._meta.loads:
             win = forward_context.windows.get(spec.request_id)
@@ -325,6 +367,7 @@ class KVStoreConnector(KVConnectorBase):
         return dict(self._errors)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+        self._check_open()
         if layer_name == "global":
             self._save_blocks([sv for sv in self._meta.saves if sv.request_id not in self._errors],
                               kv_layer)
@@ -344,7 +387,26 @@ class KVStoreConnector(KVConnectorBase):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return self.saves.take_sent(), set()
 
+    def request_aborted(self, request) -> None:
+        """See ``engine_plugin.connector``: waits for the request's loads still running (they
+        may write into its blocks), then forgets its plan, pending loads and errors."""
+        rid = request.request_id
+        job = self._jobs.pop(rid, None)
+        if job is not None:
+            for fut in (job.swa, job.glob):
+                if fut is not None:
+                    try:
+                        fut.result()  # bounded: see wait_for_layer_load
+                    except Exception:  # noqa: BLE001 - the request is dropped anyway; the cause was raised
+                        log.debug("load of aborted request %s had failed", rid, exc_info=True)
+        self._pending.pop(rid, None)
+        self._errors.pop(rid, None)
+        self._plans.pop(rid, None)
+        self._reqs.pop(rid, None)
+        self._snapped.pop(rid, None)  # not ``saves.mark_finished``: get_finished never reports it
+
     def on_device_evict(self, key: bytes, block: torch.Tensor) -> None:
+        self._check_open()
         t = self._host_tensor(self.block_nbytes, self.block_shape)
         self.backend.sync_event(self.backend.copy_async(t, block, self.save_stream))
         self.host.put("block", key, t)
@@ -353,6 +415,7 @@ class KVStoreConnector(KVConnectorBase):
     def persist_host_tier(self) -> int:
         """Write every host-tier entry to the store (write-back policy: before a shutdown or
         a planned handoff, so that nothing only cached in DRAM is lost). Returns entries queued."""
+        self._check_open()
         n = 0
         for (kind, key), t in self.host.items():
             shape = self.block_shape if kind == "block" else self.snap_shape
@@ -364,10 +427,17 @@ class KVStoreConnector(KVConnectorBase):
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued save reached the store (tests, P/D handoff, shutdown)."""
+        self._check_open()
         self.saves.flush()
 
     def close(self) -> None:
-        """Drain the save queue and stop the threads. Close the connector before its store."""
+        """Drain the save queue and stop the threads. Close the connector before its store.
+
+        Idempotent: a second call returns at once. Every other hook raises ``StoreClosed`` after it.
+        """
+        if self._closed:
+            return
+        self._closed = True
         self.saves.close()
         self._loader.shutdown(wait=True)
         self.gateway.close()

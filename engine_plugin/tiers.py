@@ -15,9 +15,16 @@ hangs on it and never uses bad bytes:
 2. after an outage the gateway is *open* for ``backoff_s``: calls return a
    shortfall at once (counted as ``store_skipped``) instead of paying the
    timeout again on every request;
-3. a read returns ``None`` for an entry that is missing, lost, corrupt or of
-   the wrong size (the store checks checksums; the gateway checks lengths),
-   so the caller recomputes that part;
+3. a read returns ``None`` for an entry that is missing, lost, corrupt, of
+   the wrong size, or saved with another layout than the caller expects (the
+   store checks checksums; the gateway checks lengths and, where the store
+   reports it, the entry's dtype and shape: ``read_into(..., layout=)``), so
+   the caller recomputes that part. A plain ``get_many`` returns bytes
+   without their header, so where a read goes through one (a store without
+   ``get_many_into``; the remote client reading through the daemon, whose
+   ``EntryInfo.layout`` is then ``None``) only the length is checked: a
+   second read per entry (``get_entry``) to learn the layout would double
+   the load cost of every hit to catch a writer that broke the namespace;
 4. ``read_into`` lands payloads straight in the caller's buffers (pinned
    staging buffers, or pool blocks on a host-resident backend). A store with
    ``get_many_into`` (``kvstore.api.ReadsInto``) writes them itself and
@@ -31,6 +38,13 @@ hangs on it and never uses bad bytes:
    ``ReadsInto`` store on the caller's thread instead (no executor hop): for a
    caller that must wait for the writes to end anyway; a call slower than the
    timeout is counted and trips the breaker, and its verified slots are kept.
+5. a store call that raises *anything* (a ``KVStoreError``, an ``OSError``,
+   or an exception a broken store or client lets escape, such as a
+   ``ValueError``) or answers with the wrong number of slots is a failed
+   call: logged (with the traceback when unexpected), counted
+   (``store_errors``) and handled as in 1-2, so the caller recomputes. Only
+   the store call itself is guarded (``_guarded``): an exception in the
+   plugin's own code around it is a bug and propagates.
 
 ``Metrics`` is a thread-safe counter set; ``snapshot()`` returns a dict.
 """
@@ -47,10 +61,38 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvstore.api import EntryInfo, EntryKind, KVStore, LookupResult, PutItem, ReadsInto, writable_view
+from kvstore.api import EntryInfo, EntryKind, KVStore, Layout, LookupResult, PutItem, ReadsInto, writable_view
 from kvstore.errors import InvalidRequest, KVStoreError
 
 log = logging.getLogger(__name__)
+
+
+class _StoreFault(Exception):
+    """A store method raised something other than ``KVStoreError``/``OSError`` (a broken store
+    or client): the gateway treats it as a failed call. Carries the original as ``__cause__``."""
+
+
+def _guarded(fn: Callable) -> Callable:
+    """``fn`` (a store method) with any unexpected exception turned into ``_StoreFault``.
+
+    ``KVStoreError`` and ``OSError`` pass unchanged (the gateway and ``_read_into`` tell
+    them apart); wrapping only the store call keeps the plugin's own bugs visible.
+    """
+    def call(*args, **kw):
+        try:
+            return fn(*args, **kw)
+        except (KVStoreError, OSError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any store failure is a failed load, never the step's
+            raise _StoreFault(f"{type(exc).__name__}: {exc}") from exc
+    return call
+
+
+def _layout_matches(got: Layout | None, want: Layout | None) -> bool:
+    """Whether an entry saved as ``got`` may be used as ``want``; unknown on either side: yes."""
+    if got is None or want is None:
+        return True
+    return got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
 
 
 class Metrics:
@@ -196,10 +238,10 @@ class StoreGateway:
         except cf.TimeoutError:
             self._trip(what, f"timed out after {timeout}s", "store_timeouts")
             return False, None, fut
-        except KVStoreError as exc:
+        except (KVStoreError, OSError) as exc:
             self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
-        except OSError as exc:
-            self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
+        except _StoreFault as exc:
+            self._trip(what, str(exc), "store_errors", exc=exc.__cause__)
         return False, None, None
 
     def _run_inline(self, what: str, fn, *args, **kw):
@@ -217,32 +259,44 @@ class StoreGateway:
         except (KVStoreError, OSError) as exc:
             self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
             return False, None, False
+        except _StoreFault as exc:
+            self._trip(what, str(exc), "store_errors", exc=exc.__cause__)
+            return False, None, False
         took = time.monotonic() - t0
         if took > self.timeout_s:
             self._trip(what, f"took {took:.2f}s, over the {self.timeout_s}s timeout", "store_timeouts")
         return True, res, took > self.timeout_s
 
-    def _trip(self, what: str, reason: str, counter: str) -> None:
+    def _trip(self, what: str, reason: str, counter: str, exc: BaseException | None = None) -> None:
+        """Count a failed call and open the breaker; ``exc``: an unexpected exception, logged
+        with its traceback (a broken store is worth a stack, an outage is not)."""
         self.metrics.inc(counter)
         self._open_until = self.clock() + self.backoff_s
         self.last_error = f"{what}: {reason}"
         log.warning("kv store %s failed (%s); running without the store for %.1fs",
-                    what, reason, self.backoff_s)
+                    what, reason, self.backoff_s, exc_info=exc)
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult | None:
         if not keys:
             return LookupResult(0, None)
         if self.store is None:
             return None
-        ok, res = self._call("lookup", self.store.lookup, list(keys))
+        ok, res = self._call("lookup", _guarded(self.store.lookup), list(keys))
+        if ok and not isinstance(res, LookupResult):
+            self._trip("lookup", f"the store returned {type(res).__name__}, not a LookupResult", "store_errors")
+            return None
         return res if ok else None
 
     def get_many(self, keys: Sequence[bytes], *, kind: str, nbytes: int) -> list[bytes | None]:
         """Payloads, ``None`` where missing/lost/corrupt/wrong-sized or the store failed."""
         if self.store is None:
             return [None] * len(keys)
-        ok, res = self._call(f"get_many({kind})", self.store.get_many, list(keys), kind=kind)
+        ok, res = self._call(f"get_many({kind})", _guarded(self.store.get_many), list(keys), kind=kind)
         if not ok:
+            return [None] * len(keys)
+        if not isinstance(res, list) or len(res) != len(keys):
+            self._trip(f"get_many({kind})", f"the store answered {len(keys)} keys with "
+                       f"{len(res) if isinstance(res, list) else type(res).__name__}", "store_errors")
             return [None] * len(keys)
         out: list[bytes | None] = []
         for v in res:
@@ -256,11 +310,16 @@ class StoreGateway:
         return out
 
     def read_into(self, keys: Sequence[bytes], outs: Sequence[Any], *, kind: str,
-                  nbytes: int, inline: bool = False) -> IntoResult:
+                  nbytes: int, layout: Layout | None = None, inline: bool = False) -> IntoResult:
         """Verified payloads of exactly ``nbytes`` straight into ``outs`` (see ``IntoResult``).
 
-        A slot is not ok where the entry is missing, lost, corrupt, of the wrong size, or the
-        store failed; the contents of a buffer that is not ok are undefined. ``inline``: a
+        A slot is not ok where the entry is missing, lost, corrupt, of the wrong size, saved
+        with another dtype or shape than ``layout`` (counted ``load_bad_size`` like a wrong
+        size: an entry of the right byte count but another layout is not this KV), or the
+        store failed; the contents of a buffer that is not ok are undefined. The layout is
+        checked where the store reports it (``EntryInfo.layout``); a ``get_many``-only store,
+        or the ``get_many`` fallback of ``_read_into``, reports none, so only the length is
+        checked there (module docstring, point 3). ``inline``: a
         ``ReadsInto`` store is read on the calling thread and never abandoned (for a caller
         that must wait for any write into ``outs`` to end: ``loader``'s direct reads); a
         slow call is reported ``late``. A ``get_many``-only store is read as without it.
@@ -283,14 +342,25 @@ class StoreGateway:
                                            kind, nbytes)
         if not ok:
             return IntoResult([False] * len(keys), abandoned)
+        if not isinstance(res, list) or len(res) != len(keys):
+            self._trip(f"read_into({kind})", f"the store answered {len(keys)} keys with "
+                       f"{len(res) if isinstance(res, list) else type(res).__name__}", "store_errors")
+            return IntoResult([False] * len(keys), late=late)
         good = []
         for info in res:
+            ok = False
             if info is None:
                 self.metrics.inc("load_missing")
             elif info.nbytes != nbytes:
                 self.metrics.inc("load_bad_size")
                 log.warning("store entry of %d bytes where %d were expected; not used", info.nbytes, nbytes)
-            good.append(info is not None and info.nbytes == nbytes)
+            elif not _layout_matches(info.layout, layout):
+                self.metrics.inc("load_bad_size")
+                log.warning("store %s entry saved as %s%s where %s%s was expected; not used", kind,
+                            info.layout.dtype, list(info.layout.shape), layout.dtype, list(layout.shape))
+            else:
+                ok = True
+            good.append(ok)
         return IntoResult(good, late=late)
 
     def _read_into(self, keys: list[bytes], outs: list[Any], kind: str, nbytes: int) -> list[EntryInfo | None]:
@@ -299,9 +369,12 @@ class StoreGateway:
         misuse there); here it is one wrong-sized entry, so the batch is read again with
         ``get_many`` and that entry is left out, as ``get_many`` callers always had it."""
         try:
-            return self.store.get_many_into(keys, outs, kind=kind)
+            return _guarded(self.store.get_many_into)(keys, outs, kind=kind)
         except InvalidRequest:
-            datas = self.store.get_many(keys, kind=kind)  # a bad key raises again: a real error
+            datas = _guarded(self.store.get_many)(keys, kind=kind)  # a bad key raises again: a real error
+        if not isinstance(datas, list) or len(datas) != len(keys):
+            raise _StoreFault(f"get_many answered {len(keys)} keys with "
+                              f"{len(datas) if isinstance(datas, list) else type(datas).__name__}")
         k = EntryKind.parse(kind)
         infos: list[EntryInfo | None] = []
         for key, data, out in zip(keys, datas, outs):
@@ -315,7 +388,7 @@ class StoreGateway:
             return False
         # puts run on the background saver: a longer timeout stalls nobody, and a big batch
         # of fsync'ed erasure-coded writes legitimately takes seconds on a busy disk
-        ok, _ = self._call("put_many", self.store.put_many, list(items), timeout=self.put_timeout_s)
+        ok, _ = self._call("put_many", _guarded(self.store.put_many), list(items), timeout=self.put_timeout_s)
         return ok
 
     def close(self) -> None:

@@ -185,12 +185,20 @@ BACKENDS: dict[str, Callable[[int], DeviceBackend]] = {
 
 
 def get_backend(spec: str) -> DeviceBackend:
-    """``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"npu:0"`` -> a backend instance."""
-    name, _, idx = spec.partition(":")
+    """``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"npu:0"`` -> a backend instance.
+
+    An unknown name or an index that is not a non-negative integer raises ``InvalidRequest``.
+    """
+    if not isinstance(spec, str):
+        raise InvalidRequest(f"a device is a string such as 'cpu' or 'cuda:0', got {spec!r}")
+    name, sep, idx = spec.partition(":")
     try:
         factory = BACKENDS[name]
     except KeyError:
         raise InvalidRequest(f"unknown device backend {spec!r}; known: {sorted(BACKENDS)}") from None
+    if sep and not (idx.isascii() and idx.isdigit()):
+        raise InvalidRequest(f"device {spec!r}: the index after ':' must be a non-negative integer, "
+                             f"as in '{name}:0'")
     return factory(int(idx) if idx else 0)
 
 

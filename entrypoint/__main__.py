@@ -2,11 +2,13 @@
 
 The first line on stdout is ``READY <json>`` with the bound address; workers
 join with ``python -m entrypoint.worker --role ... --entrypoint ADDRESS``.
+A usage error (a bad flag value, an unknown model or policy, a store that
+cannot be opened) is one line on stderr and exit code 2, never a traceback;
+it is found before anything listens.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import signal
@@ -14,12 +16,14 @@ import sys
 import threading
 
 import kvstore
-from kvstore.api import DTYPES
+from entrypoint._cli import OneLineParser, fail
 from entrypoint.server import EntrypointConfig, serve
+from kvstore.api import DTYPES
+from lb.types import LBError
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m entrypoint", description="kvstack entrypoint")
+    ap = OneLineParser(prog="python -m entrypoint", description="kvstack entrypoint")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--store", default="./kvstack-data", help="kvstore URL (a data directory or grpc://...)")
@@ -31,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--worker-timeout-s", type=float, default=3600.0, help="bound on one worker call")
     ap.add_argument("--max-inflight", type=int, default=64, help="requests served at once; more get RESOURCE_EXHAUSTED")
-    a = ap.parse_args(argv)
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2), its one line already printed
+        return int(exc.code or 0)
+    if not 0 <= a.port <= 65535:
+        return fail(ap.prog, f"--port must be in [0, 65535], got {a.port}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from engine_plugin.reference.config import model_preset
 
@@ -39,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in a.tenant:
         name, _, salt = t.partition("=")
         if not name:
-            ap.error(f"--tenant needs NAME=SALT, got {t!r}")
+            return fail(ap.prog, f"--tenant needs NAME=SALT, got {t!r}")
         tenants[name] = salt.encode()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -52,9 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                                kv_bytes_per_token=mcfg.d_global * DTYPES[mcfg.dtype])
         return serve(cfg, a.store, host=a.host, port=a.port, heartbeat_s=a.heartbeat_s, stop=stop,
                      ready=lambda addr: print("READY " + json.dumps({"address": addr}), flush=True))
-    except kvstore.KVStoreError as exc:
-        print(f"entrypoint: {exc}", file=sys.stderr)
-        return 2
+    except (kvstore.KVStoreError, LBError, OSError) as exc:
+        return fail(ap.prog, exc)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 ``Generate`` (see ``proto/serving.proto``) takes one request through the
 hops, emitting a "hop" event for each so a client can draw the timeline:
 
-  1. validate (non-empty prompt, image spans inside the prompt, known tenant);
+  1. validate (non-empty prompt, image spans inside the prompt, known tenant,
+     a finite temperature >= 0): misuse is INVALID_ARGUMENT before any hop;
   2. ``ve``: each image goes to a vision-encoder worker picked by the VE LB
      (image-hash affinity vs load); its tokens are spliced into the prompt;
   3. ``lookup``: block hashes through ``kvstore.keys`` (tenant-salted), and the
@@ -32,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -46,7 +48,7 @@ from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import Instance, Registry
 from kvstore.keys import BlockHasher, ImageSpan, Namespace
 from lb.cost_model import load_default
-from lb.registry import get_policy
+from lb.registry import KINDS, get_policy
 from lb.types import DecodeInstance, DecodeRequest, PrefillInstance, PrefixHits, QueuedPrefill, RouteRequest, VEInstance, VERequest
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,22 @@ class EntrypointConfig:
     worker_timeout_s: float = 3600.0  # per worker call; a 100k-token cold prefill on a CPU takes minutes
     default_max_new_tokens: int = 16
     kv_bytes_per_token: float = 0.0  # the served model's global KV per token (0: the LB cost model's own)
+
+    def __post_init__(self) -> None:
+        """Checked here, before anything is started (``InvalidRequest`` naming the field)."""
+        for name, low in (("block_size", 1), ("max_attempts", 1), ("max_inflight", 1),
+                          ("default_max_new_tokens", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise kvstore.InvalidRequest(f"EntrypointConfig.{name} must be an int >= {low}, got {v!r}")
+        if not (math.isfinite(self.worker_timeout_s) and self.worker_timeout_s > 0):
+            raise kvstore.InvalidRequest(f"worker_timeout_s must be a finite number > 0, got {self.worker_timeout_s!r}")
+        if not (math.isfinite(self.kv_bytes_per_token) and self.kv_bytes_per_token >= 0):
+            raise kvstore.InvalidRequest(f"kv_bytes_per_token must be a finite number >= 0, "
+                                         f"got {self.kv_bytes_per_token!r}")
+        for kind, name in (("prefill", self.prefill_policy), ("decode", self.decode_policy), ("ve", self.ve_policy)):
+            if name not in KINDS[kind]:
+                raise kvstore.InvalidRequest(f"unknown {kind} policy {name!r}; known: {', '.join(sorted(KINDS[kind]))}")
 
 
 class Abort(Exception):
@@ -128,6 +146,10 @@ class EntrypointService(pbg.EntrypointServicer):
         salt = self.cfg.tenants.get(request.tenant or "default")
         if salt is None:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown tenant {request.tenant!r}")
+        temp = request.sampling.temperature
+        if not math.isfinite(temp) or temp < 0:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"temperature must be a finite number >= 0 (0 = greedy), got {temp!r}")
         spans = []
         for img in request.images:
             if not img.image_hash or img.length == 0 or img.start + img.length > len(toks):
@@ -294,27 +316,35 @@ class EntrypointService(pbg.EntrypointServicer):
 def serve(cfg: EntrypointConfig, store_url: str, *, host: str = "127.0.0.1", port: int = 0,
           heartbeat_s: float = 0.5, ready: Callable[[str], None] | None = None,
           stop: threading.Event | None = None) -> int:
-    """Run the entrypoint until ``stop`` is set (or forever). Calls ``ready(address)`` once listening."""
+    """Run the entrypoint until ``stop`` is set (or forever). Calls ``ready(address)`` once listening.
+
+    A failure while starting (a bad policy, a port that cannot be bound) raises after
+    closing what was already opened (the store)."""
     from concurrent import futures
 
+    if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
+        raise kvstore.InvalidRequest(f"heartbeat_s must be a finite number > 0, got {heartbeat_s!r}")
     store = kvstore.connect(store_url)
     registry = Registry(heartbeat_s=heartbeat_s)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_inflight + 8),
-                         options=[("grpc.max_receive_message_length", 64 << 20),
-                                  ("grpc.max_send_message_length", 64 << 20)])
-    pbg.add_EntrypointServicer_to_server(EntrypointService(cfg, store, registry), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise kvstore.InvalidRequest(f"cannot bind {host}:{port}")
-    server.start()
-    registry.start()
-    if ready is not None:
-        ready(f"{host}:{bound}")
-    stop = stop or threading.Event()
+    server = None
     try:
+        service = EntrypointService(cfg, store, registry)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_inflight + 8),
+                             options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])
+        pbg.add_EntrypointServicer_to_server(service, server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise kvstore.InvalidRequest(f"cannot bind {host}:{port}")
+        server.start()
+        registry.start()
+        if ready is not None:
+            ready(f"{host}:{bound}")
+        stop = stop or threading.Event()
         stop.wait()
     finally:
-        server.stop(grace=5).wait()
+        if server is not None:
+            server.stop(grace=5).wait()
         registry.stop()
         store.close()
     return 0

@@ -17,13 +17,22 @@ prefix through the plugin, and continues at the next output index (seeded
 sampling depends only on the seed and the output index, so a re-dispatched
 stream continues exactly where the dead one stopped).
 
+Failures: a request the engine refuses (``InvalidRequest`` from
+``add_request``: a prompt too long for the pool, bad sampling) fails alone
+with INVALID_ARGUMENT. An engine step that raises fails the requests it held
+with INTERNAL and takes them out of the engine (``Engine.abort_request``), so
+the next request starts from a clean engine; if even that fails the worker
+reports itself down (``Status`` answers UNAVAILABLE) rather than failing every
+request while looking healthy.
+
 Run: ``python -m entrypoint.worker --role decode --store ./kvstack-data``;
-the first line on stdout is ``READY <json>`` with the bound address.
+the first line on stdout is ``READY <json>`` with the bound address. A usage
+error (bad flag, unknown model, an entrypoint that cannot be reached) is one
+line on stderr and a non-zero exit, never a traceback.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import queue
@@ -39,10 +48,11 @@ from typing import Any
 import grpc
 
 import kvstore
+from entrypoint._cli import OneLineParser, fail
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.vision import EncoderCache, VisionEncoder
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InvalidRequest, StoreUnavailable
 from kvstore.keys import ImageSpan
 
 log = logging.getLogger(__name__)
@@ -66,6 +76,12 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise InvalidRequest(f"unknown worker role {self.role!r}; use one of {ROLES}")
+        for name, low in (("block_size", 1), ("num_blocks", 1), ("host_capacity_bytes", 0), ("port", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise InvalidRequest(f"WorkerConfig.{name} must be an int >= {low}, got {v!r}")
+        if self.port > 65535:
+            raise InvalidRequest(f"WorkerConfig.port must be <= 65535, got {self.port}")
 
 
 class _Handle:
@@ -89,15 +105,29 @@ class EngineRunner:
         self._live: dict[str, _Handle] = {}
         self._wake = threading.Event()
         self._stop = False
+        self.broken: str | None = None  # why the engine can not be used any more (Status: UNAVAILABLE)
         self._thread = threading.Thread(target=self._loop, name="engine-runner", daemon=True)
         self._thread.start()
 
     def submit(self, rid: str, prompt: list[int], sampling: Any, *, tenant_salt: bytes,
                images: list[ImageSpan]) -> _Handle:
+        """Queue a request; its outcome arrives on the handle's ``events``: ``("token", id, i)``,
+        ``("done", request)`` or ``("error", grpc.StatusCode, message)``."""
         h = _Handle()
         self._inbox.put((rid, prompt, sampling, tenant_salt, images, h))
         self._wake.set()
+        if self.broken is not None:  # checked after the put: no request waits on a stopped runner
+            self._fail_inbox()
         return h
+
+    def _fail_inbox(self) -> None:
+        """Fail every queued request with UNAVAILABLE (the runner is down; each is taken once)."""
+        while True:
+            try:
+                *_, h = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            h.events.put(("error", grpc.StatusCode.UNAVAILABLE, f"this worker is down: {self.broken}"))
 
     def _admit(self) -> None:
         while True:
@@ -110,10 +140,10 @@ class EngineRunner:
                 h.req = self.engine.add_request(rid, prompt, sampling, tenant_salt=salt, images=images)
                 self._live[rid] = h
             except InvalidRequest as exc:
-                h.events.put(("error", str(exc)))
+                h.events.put(("error", grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             except Exception as exc:  # noqa: BLE001 - a bug must fail this request, not the runner thread
                 log.exception("cannot admit %s", rid)
-                h.events.put(("error", f"internal error admitting the request: {exc}"))
+                h.events.put(("error", grpc.StatusCode.INTERNAL, f"internal error admitting the request: {exc}"))
 
     def _publish(self) -> None:
         for rid, h in list(self._live.items()):
@@ -137,9 +167,23 @@ class EngineRunner:
                     self._wake.clear()
             except Exception as exc:  # noqa: BLE001 - fail the waiting requests, keep serving others
                 log.exception("engine step failed")
-                for h in self._live.values():
-                    h.events.put(("error", f"engine step failed: {exc}"))
-                self._live.clear()
+                self._drop_all(f"engine step failed: {exc}")
+
+    def _drop_all(self, reason: str) -> None:
+        """Fail every live request and take it out of the engine, so that the next step starts
+        clean (a step that raised may have left any of them half-advanced). If the engine
+        can not even drop them, it is broken: the worker reports itself down from now on."""
+        for rid, h in list(self._live.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception as exc:  # noqa: BLE001 - the engine's state is broken: stop using it
+                log.exception("cannot drop request %s from the engine; the worker goes down", rid)
+                self.broken = f"{reason}; then dropping {rid} failed: {exc}"
+            h.events.put(("error", grpc.StatusCode.INTERNAL, reason))
+        self._live.clear()
+        if self.broken is not None:
+            self._stop = True
+            self._fail_inbox()
 
     def load(self) -> dict[str, int]:
         eng = self.engine
@@ -212,9 +256,12 @@ class WorkerService(pbg.WorkerServicer):
         from engine_plugin.reference import SamplingParams
 
         sp = request.sampling
-        sampling = SamplingParams(max_new_tokens=max_new, temperature=sp.temperature, seed=sp.seed,
-                                  output_offset=offset)
-        images = [ImageSpan(i.image_hash, i.start, i.length) for i in request.images]
+        try:
+            sampling = SamplingParams(max_new_tokens=max_new, temperature=sp.temperature, seed=sp.seed,
+                                      output_offset=offset)
+            images = [ImageSpan(i.image_hash, i.start, i.length) for i in request.images]
+        except InvalidRequest as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return self.runner.submit(f"{request.request_id}/{uuid.uuid4().hex[:6]}", prompt, sampling,
                                   tenant_salt=request.tenant_salt, images=images)
 
@@ -227,7 +274,7 @@ class WorkerService(pbg.WorkerServicer):
                     return
                 continue
             if ev[0] == "error":
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, ev[1])
+                context.abort(ev[1], ev[2])
             yield ev
             if ev[0] == "done":
                 return
@@ -262,43 +309,83 @@ class WorkerService(pbg.WorkerServicer):
                 yield pb.DecodeEvent(token_id=0, index=0, stats=json.dumps(st))
 
     def Status(self, request, context):
+        if self.runner is not None and self.runner.broken is not None:  # the heartbeat marks us down
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id} is down: {self.runner.broken}")
         load = self.runner.load() if self.runner is not None else {"running": 0, "waiting": 0}
         return pb.WorkerStatus(worker_id=self.cfg.worker_id, role=self.cfg.role,
                                cached_images=self.cache.keys(), **load)
 
 
 def build(cfg: WorkerConfig) -> tuple[WorkerService, Any]:
-    """The servicer and what must be closed at shutdown (store, runner)."""
+    """The servicer and what must be closed at shutdown (store, runner).
+
+    Every config is built (and checked) before the store is opened; a failure after that
+    closes what was opened before it raises."""
     from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, model_preset
     from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 
     mcfg = model_preset(cfg.model_preset)
     if cfg.role == "ve":
         return WorkerService(cfg, None, VisionEncoder(mcfg.vocab_size, seed=mcfg.seed)), None
+    ccfg = ConnectorConfig(block_size=cfg.block_size, host_capacity_bytes=cfg.host_capacity_bytes)
+    ecfg = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks)
     store = kvstore.connect(cfg.store_url)
-    model = ReferenceModel(mcfg)
-    conn = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=cfg.block_size,
-                                                  host_capacity_bytes=cfg.host_capacity_bytes), store)
-    engine = Engine(model, EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks), connector=conn)
-    runner = EngineRunner(engine, conn)
+    conn = None
+    try:
+        model = ReferenceModel(mcfg)
+        conn = KVStoreConnector(model.kv_layout(), ccfg, store)
+        engine = Engine(model, ecfg, connector=conn)
+        runner = EngineRunner(engine, conn)
+    except BaseException:
+        if conn is not None:
+            conn.close()
+        store.close()
+        raise
     return WorkerService(cfg, runner, None), (runner, conn, store)
 
 
+def _register(entrypoint: str, info: pb.WorkerInfo) -> None:
+    """Register with the entrypoint; a failure is one typed error that says what to do."""
+    try:
+        with grpc.insecure_channel(entrypoint) as ch:
+            pbg.EntrypointStub(ch).Register(info, timeout=10)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise InvalidRequest(f"the entrypoint at {entrypoint} refused the registration: "
+                                 f"{exc.details()}") from None
+        raise StoreUnavailable(f"the entrypoint at {entrypoint} is unreachable ({exc.code().name}); "
+                               "start it first or fix --entrypoint") from None
+
+
+def _close(closables: Any) -> None:
+    if closables:
+        runner, conn, store = closables
+        runner.stop()
+        conn.close()
+        store.close()
+
+
 def serve(cfg: WorkerConfig, *, ready_out=sys.stdout) -> int:
+    """Serve until SIGTERM/SIGINT. A start-up failure (a port that cannot be bound, an entrypoint
+    that cannot be reached or refuses us) raises a ``KVStoreError`` after closing what was opened."""
     svc, closables = build(cfg)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20)])
-    pbg.add_WorkerServicer_to_server(svc, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    if port == 0:
-        raise InvalidRequest(f"cannot bind {cfg.host}:{cfg.port}")
-    server.start()
-    address = f"{cfg.host}:{port}"
-    info = pb.WorkerInfo(worker_id=cfg.worker_id, role=cfg.role, address=address)
-    if cfg.entrypoint:
-        with grpc.insecure_channel(cfg.entrypoint) as ch:
-            pbg.EntrypointStub(ch).Register(info, timeout=10)
+    try:
+        pbg.add_WorkerServicer_to_server(svc, server)
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise InvalidRequest(f"cannot bind {cfg.host}:{cfg.port}")
+        server.start()
+        address = f"{cfg.host}:{port}"
+        info = pb.WorkerInfo(worker_id=cfg.worker_id, role=cfg.role, address=address)
+        if cfg.entrypoint:
+            _register(cfg.entrypoint, info)
+    except BaseException:
+        server.stop(grace=0).wait()
+        _close(closables)
+        raise
     print("READY " + json.dumps({"worker_id": cfg.worker_id, "role": cfg.role, "address": address}),
           file=ready_out, flush=True)
     stop = threading.Event()
@@ -306,16 +393,12 @@ def serve(cfg: WorkerConfig, *, ready_out=sys.stdout) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=5).wait()
-    if closables:
-        runner, conn, store = closables
-        runner.stop()
-        conn.close()
-        store.close()
+    _close(closables)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m entrypoint.worker", description="kvstack engine worker")
+    ap = OneLineParser(prog="python -m entrypoint.worker", description="kvstack engine worker")
     ap.add_argument("--role", required=True, choices=ROLES)
     ap.add_argument("--id", default="")
     ap.add_argument("--host", default="127.0.0.1")
@@ -325,16 +408,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--entrypoint", default="", help="entrypoint address to register with")
-    a = ap.parse_args(argv)
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2), its one line already printed
+        return int(exc.code or 0)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = WorkerConfig(role=a.role, worker_id=a.id or f"{a.role}-{uuid.uuid4().hex[:6]}", host=a.host,
                            port=a.port, store_url=a.store, model_preset=a.model, block_size=a.block_size,
                            num_blocks=a.num_blocks, entrypoint=a.entrypoint)
         return serve(cfg)
-    except kvstore.KVStoreError as exc:
-        print(f"worker: {exc}", file=sys.stderr)
-        return 2
+    except StoreUnavailable as exc:  # not a usage error: the same command may work later
+        return fail(ap.prog, exc, code=1)
+    except (kvstore.KVStoreError, OSError) as exc:
+        return fail(ap.prog, exc)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ Role
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from lb.cost_model import CostModels, load_default
@@ -119,8 +120,8 @@ class DynamoCost:
     name = "dynamo"
 
     def __init__(self, models: CostModels | None = None, *, overlap_weight: float = 1.0) -> None:
-        if overlap_weight < 0:
-            raise LBInputError("DynamoCost.overlap_weight must be >= 0")
+        if not math.isfinite(overlap_weight) or overlap_weight < 0:
+            raise LBInputError("DynamoCost.overlap_weight must be a finite number >= 0")
         self.w = overlap_weight
 
     def choose(self, req: RouteRequest, instances: Sequence[PrefillInstance]) -> Decision:

@@ -41,6 +41,8 @@ def check_eplb_args(weight: np.ndarray, num_replicas: int, num_groups: int, num_
     if not np.isfinite(weight).all() or (weight < 0).any():
         raise LBInputError("weight must be finite and >= 0 (expert loads)")
     layers, n_log = weight.shape
+    if layers < 1 or n_log < 1:
+        raise LBInputError(f"weight must have at least one layer and one logical expert, got shape {weight.shape}")
     for name, v in (("num_replicas", num_replicas), ("num_groups", num_groups),
                     ("num_nodes", num_nodes), ("num_gpus", num_gpus)):
         if int(v) != v or v <= 0:

@@ -48,6 +48,7 @@ Guarantees
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -176,8 +177,9 @@ class KVStackPrefillPolicy:
         serve_unavoidable: bool = True,
         unavoidable_max_queue: float = 0.25,
     ) -> None:
-        if load_weight < 0 or slack < 0 or unavoidable_max_queue < 0:
-            raise LBInputError("KVStackPrefillPolicy: load_weight, slack and unavoidable_max_queue must be >= 0")
+        if not all(math.isfinite(v) and v >= 0 for v in (load_weight, slack, unavoidable_max_queue)):
+            raise LBInputError("KVStackPrefillPolicy: load_weight, slack and unavoidable_max_queue must be "
+                               "finite numbers >= 0")
         self.models = models or load_default()
         self.load_weight = load_weight
         self.slack = slack

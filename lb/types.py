@@ -16,7 +16,10 @@ Who fills what
       instance, so it lives on the request, keyed by instance id.
 
 Invariants (checked in ``__post_init__``; misuse raises :class:`LBInputError`)
-    1. Counts and sizes are non-negative; a capacity is positive.
+    1. Counts, sizes and times are finite, non-negative real numbers; a
+       capacity or bandwidth is positive. NaN is refused explicitly: every
+       comparison with NaN is false, so a NaN load would otherwise pass a
+       ``< 0`` check and then win every ``min`` it takes part in.
     2. ``PrefixHits.total <= RouteRequest.num_blocks``: a prefix hit can not
        be longer than the prompt.
     3. Instance ids are unique within one snapshot (checked by the policies,
@@ -33,7 +36,9 @@ Failure kinds (STYLE.md habit 3)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 __all__ = [
@@ -78,10 +83,35 @@ class LBInternalError(LBError, RuntimeError):
     """Broken internal state inside ``lb/``: this is a bug, please report it."""
 
 
+def _finite(owner: str, name: str, value: object) -> float:
+    """``value`` if it is a finite real number (not a bool), else :class:`LBInputError`."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise LBInputError(f"{owner}.{name} must be a finite number, got {value!r}")
+    return value
+
+
 def _nonneg(owner: str, **values: float) -> None:
+    """Each value must be a finite real number >= 0 (NaN and inf are refused, not let through)."""
     for name, value in values.items():
-        if value < 0:
+        if _finite(owner, name, value) < 0:
             raise LBInputError(f"{owner}.{name} must be >= 0, got {value!r}")
+
+
+def _positive(owner: str, **values: float) -> None:
+    """Each value must be a finite real number > 0."""
+    for name, value in values.items():
+        if _finite(owner, name, value) <= 0:
+            raise LBInputError(f"{owner}.{name} must be > 0, got {value!r}")
+
+
+def _optional_slo(owner: str, **values: float | None) -> None:
+    """An SLO is ``None`` or ``inf`` (no SLO) or a number of milliseconds >= 0; NaN is refused
+    (``ttft > nan`` is always false, so a NaN SLO would silently mean "no SLO")."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, Real) or math.isnan(value) or value < 0:
+            raise LBInputError(f"{owner}.{name} must be None or a number of ms >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +129,8 @@ class TierBandwidth:
     store_latency_s: float = 1e-3
 
     def __post_init__(self) -> None:
-        if self.host_bytes_per_s <= 0 or self.store_bytes_per_s <= 0:
-            raise LBInputError("TierBandwidth bandwidths must be > 0 bytes/s")
+        _positive("TierBandwidth", host_bytes_per_s=self.host_bytes_per_s,
+                  store_bytes_per_s=self.store_bytes_per_s)
         _nonneg("TierBandwidth", host_latency_s=self.host_latency_s,
                 store_latency_s=self.store_latency_s)
 
@@ -169,7 +199,7 @@ class QueuedPrefill:
     def __post_init__(self) -> None:
         _nonneg("QueuedPrefill", suffix_tokens=self.suffix_tokens,
                 cached_tokens=self.cached_tokens, fetch_s=self.fetch_s)
-        if not 0.0 <= self.remaining_fraction <= 1.0:
+        if not 0.0 <= _finite("QueuedPrefill", "remaining_fraction", self.remaining_fraction) <= 1.0:
             raise LBInputError("QueuedPrefill.remaining_fraction must be in [0, 1]")
 
 
@@ -213,10 +243,9 @@ class DecodeInstance:
     healthy: bool = True
 
     def __post_init__(self) -> None:
-        _nonneg("DecodeInstance", kv_used_bytes=self.kv_used_bytes,
+        _nonneg(f"DecodeInstance {self.id!r}", kv_used_bytes=self.kv_used_bytes,
                 batch_tokens=self.batch_tokens, running_requests=self.running_requests)
-        if self.kv_capacity_bytes <= 0:
-            raise LBInputError(f"DecodeInstance {self.id!r}: kv_capacity_bytes must be > 0")
+        _positive(f"DecodeInstance {self.id!r}", kv_capacity_bytes=self.kv_capacity_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +262,7 @@ class VEInstance:
     healthy: bool = True
 
     def __post_init__(self) -> None:
-        _nonneg("VEInstance", queue_images=self.queue_images)
+        _nonneg(f"VEInstance {self.id!r}", queue_images=self.queue_images)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,8 +286,8 @@ class RouteRequest:
 
     def __post_init__(self) -> None:
         _nonneg("RouteRequest", prompt_tokens=self.prompt_tokens, num_blocks=self.num_blocks)
-        if self.block_tokens <= 0:
-            raise LBInputError("RouteRequest.block_tokens must be > 0")
+        _positive("RouteRequest", block_tokens=self.block_tokens)
+        _optional_slo("RouteRequest", ttft_slo_ms=self.ttft_slo_ms, tbt_slo_ms=self.tbt_slo_ms)
         for iid, h in self.hits.items():
             if h.total > self.num_blocks:
                 raise LBInputError(
@@ -292,6 +321,7 @@ class DecodeRequest:
     def __post_init__(self) -> None:
         _nonneg("DecodeRequest", context_tokens=self.context_tokens,
                 max_new_tokens=self.max_new_tokens)
+        _optional_slo("DecodeRequest", tbt_slo_ms=self.tbt_slo_ms)
 
 
 @dataclass(frozen=True, slots=True)

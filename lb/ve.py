@@ -20,6 +20,7 @@ Baseline in the same module: :class:`VELeastQueue` (queue only).
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from lb.types import Decision, LBInputError, VEInstance, VERequest, check_unique_ids
@@ -41,8 +42,8 @@ class KVStackVEPolicy:
     name = "kvstack"
 
     def __init__(self, models=None, *, seconds_per_image: float = 0.05, max_queue_images: int | None = None) -> None:
-        if seconds_per_image <= 0:
-            raise LBInputError("KVStackVEPolicy.seconds_per_image must be > 0")
+        if not math.isfinite(seconds_per_image) or seconds_per_image <= 0:
+            raise LBInputError("KVStackVEPolicy.seconds_per_image must be a finite number > 0")
         if max_queue_images is not None and max_queue_images <= 0:
             raise LBInputError("KVStackVEPolicy.max_queue_images must be > 0 or None")
         self.spi = seconds_per_image

@@ -28,12 +28,23 @@ chunk at a time); the scheduler still runs several requests together.
 Sampling is greedy (``temperature == 0``) or Gumbel-max with noise seeded by
 ``(seed, output index)``, so a request's tokens do not depend on how its
 prefix was obtained or on which engine continues it.
+
+Misuse is refused by ``add_request`` (``InvalidRequest``) before anything is
+queued, so a bad request never reaches ``step`` and never blocks the queue:
+a prompt that is not a list of int ids in the vocabulary, a request that
+needs more blocks than the whole pool has, a request id already waiting or
+running. ``abort_request`` takes a request out at any time (a worker whose
+step raised drops its requests with it) and frees its blocks. A connector
+whose block size or KV layout does not fit is refused by ``Engine(...)``.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
+import math
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -41,12 +52,12 @@ from typing import Sequence
 
 import torch
 
-from engine_plugin.connector import (ForwardContext, KVConnectorBase, RestorePlan, ScheduledChunk,
+from engine_plugin.connector import (ForwardContext, KVConnectorBase, KVLayout, RestorePlan, ScheduledChunk,
                                      SchedulerOutput, WindowSnapshot)
 from engine_plugin.reference.config import EngineConfig
-from engine_plugin.reference.model import ReferenceModel, WindowState
+from engine_plugin.reference.model import ReferenceModel, WindowState, snapshot_shape
 from engine_plugin.reference.pool import BlockPool
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InternalError, InvalidRequest
 from kvstore.keys import BlockHasher, ImageSpan, Namespace
 
 log = logging.getLogger(__name__)
@@ -54,16 +65,35 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How a request samples. ``temperature == 0`` is greedy; ``> 0`` is seeded Gumbel-max.
+
+    Checked at construction (``InvalidRequest``): ``temperature`` is a finite number >= 0 (NaN
+    would sample garbage, a negative one would silently be greedy); ``seed`` and
+    ``output_offset`` are ints >= 0. ``max_new_tokens >= 1`` is checked by ``add_request``.
+    """
+
     max_new_tokens: int = 16
     temperature: float = 0.0
     seed: int = 0
     output_offset: int = 0  # output index of this request's first token (a stream resumed elsewhere)
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        for name in ("max_new_tokens", "seed", "output_offset"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise InvalidRequest(f"SamplingParams.{name} must be an int, got {v!r}")
+        if self.seed < 0 or self.output_offset < 0:
+            raise InvalidRequest(f"seed and output_offset must be >= 0, got {self.seed} and {self.output_offset}")
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    ABORTED = "aborted"  # taken out by ``Engine.abort_request``; never in ``finished``
 
 
 class Request:
@@ -123,8 +153,13 @@ class Engine:
 
     def __init__(self, model: ReferenceModel, config: EngineConfig = EngineConfig(), *,
                  connector: KVConnectorBase | None = None, namespace: Namespace | None = None):
+        """Misconfiguration raises ``InvalidRequest`` here, not inside a later ``generate``: a
+        connector whose block size or ``KVLayout`` (global KV width, dtype, snapshot shape)
+        differs from this engine's and model's (``_check_connector``)."""
         self.model, self.cfg, self.connector = model, config, connector
         mc = model.cfg
+        if connector is not None:
+            _check_connector(connector, model, config)
         self.pool = BlockPool(config.num_blocks, config.block_size, mc.d_global,
                               dtype=model.embed.weight.dtype, device=model.device)
         self.namespace = namespace or default_namespace(model)
@@ -143,17 +178,33 @@ class Engine:
         self.kv_sent: set[str] = set()  # finished requests whose KV reached the store
 
     # ------------------------------------------------------------------ API
-    def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams = SamplingParams(),
+    def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(),
                     kv_transfer_params: dict | None = None, *, tenant_salt: bytes | None = None,
                     images: Sequence[ImageSpan] = ()) -> Request:
         """Queue a request. ``tenant_salt`` (default: the engine's) and the image spans enter its
-        block hashes, exactly as the entrypoint computes them with ``kvstore.keys``."""
-        if not prompt:
-            raise InvalidRequest("a prompt needs at least one token")
-        if max(prompt) >= self.model.cfg.vocab_size or min(prompt) < 0:
-            raise InvalidRequest(f"token ids must be in [0, {self.model.cfg.vocab_size})")
+        block hashes, exactly as the entrypoint computes them with ``kvstore.keys``.
+
+        Raises ``InvalidRequest``, and queues nothing, for: an id already waiting or running;
+        a prompt that is not a non-empty list/tuple of int token ids in ``[0, vocab_size)``
+        (a str, a tensor or float ids are refused, never truncated); ``max_new_tokens < 1``;
+        a request whose prompt plus output needs more blocks than the whole pool has (it
+        could never be admitted, and would block every request queued behind it).
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"a request id is a non-empty str, got {request_id!r}")
+        if any(r.request_id == request_id for r in itertools.chain(self.waiting, self.running)):
+            raise InvalidRequest(f"request id {request_id!r} is already waiting or running; "
+                                 "use a unique id per request")
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequest(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        prompt = self._token_ids(prompt)
         if sampling.max_new_tokens < 1:
             raise InvalidRequest("max_new_tokens must be >= 1")
+        total_blocks = -(-(len(prompt) + sampling.max_new_tokens) // self.cfg.block_size)
+        if total_blocks > self.pool.num_blocks:
+            raise InvalidRequest(f"request {request_id} needs {total_blocks} blocks "
+                                 f"({len(prompt)} prompt + {sampling.max_new_tokens} new tokens); the pool "
+                                 f"has {self.pool.num_blocks}: shorten it or give EngineConfig more num_blocks")
         req = Request(request_id, prompt, sampling, kv_transfer_params)
         if tenant_salt is not None and tenant_salt != self.hasher.tenant_salt:
             req.hasher = BlockHasher(self.namespace, self.cfg.block_size, tenant_salt)
@@ -162,6 +213,46 @@ class Engine:
         req.images = tuple(images)
         self.waiting.append(req)
         return req
+
+    def _token_ids(self, prompt: Sequence[int]) -> list[int]:
+        """``prompt`` as a list of python ints, or ``InvalidRequest`` saying what is wrong."""
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequest(f"a prompt is a list of int token ids, got {type(prompt).__name__}"
+                                 + (" (tokenize it first)" if isinstance(prompt, (str, bytes)) else
+                                    " (use .tolist())" if hasattr(prompt, "tolist") else ""))
+        if not prompt:
+            raise InvalidRequest("a prompt needs at least one token")
+        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if bad is not None:
+            raise InvalidRequest(f"token ids must be ints, got {bad!r} ({type(bad).__name__})")
+        ids = [int(t) for t in prompt]
+        vocab = self.model.cfg.vocab_size
+        if max(ids) >= vocab or min(ids) < 0:
+            raise InvalidRequest(f"token ids must be in [0, {vocab})")
+        return ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Take a waiting or running request out and free its blocks; False if it is neither.
+
+        Its results so far are dropped (it never enters ``finished``; status ``ABORTED``),
+        its published prefix blocks stay in the device prefix cache (they hold verified KV),
+        and the connector forgets it (``KVConnectorBase.request_aborted``) without saving
+        anything more for it. Safe after a ``step`` that raised: that is what it is for.
+        """
+        req = next((r for r in self.waiting if r.request_id == request_id), None)
+        if req is not None:
+            self.waiting.remove(req)
+        else:
+            req = next((r for r in self.running if r.request_id == request_id), None)
+            if req is None:
+                return False
+            self.running.remove(req)
+            if self.connector is not None:
+                self.connector.request_aborted(req)
+            self.pool.release(req.block_ids)
+            req.block_ids = []
+        req.status = Status.ABORTED
+        return True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -204,6 +295,9 @@ class Engine:
                 toks, ch.start, req.window, _PagedKV(self.pool, req.block_ids), hook=hook)
         errors = conn.get_load_errors() if conn is not None else {}
         for rid, err in errors.items():
+            if rid not in reqs:
+                raise InternalError(f"bug: the connector reports a load error for {rid!r}, "
+                                    "which is not running")
             self._rollback(reqs[rid], err.valid_tokens, err.window_ok)
             results.pop(rid, None)
             log.warning("request %s: KV load failed (%s); recomputing from token %d",
@@ -244,10 +338,7 @@ class Engine:
             req.block_hashes = req.hasher.hash_blocks(prompt, req.images)
             max_hit = (len(prompt) - 1) // B  # leave >= 1 token to compute: it yields the logits
             dev = self.pool.match_prefix(req.block_hashes[:max_hit])
-            total_blocks = -(-(len(prompt) + req.sampling.max_new_tokens) // B)
-            if total_blocks > self.pool.num_blocks:
-                raise InvalidRequest(f"request {req.request_id} needs {total_blocks} blocks; "
-                                     f"the pool has {self.pool.num_blocks}")
+            total_blocks = -(-(len(prompt) + req.sampling.max_new_tokens) // B)  # <= num_blocks: add_request
             self.pool.acquire(dev)  # before allocate: the eviction must not take our own hits
             fresh = self.pool.allocate(total_blocks - len(dev))
             if fresh is None:
@@ -257,15 +348,22 @@ class Engine:
             req.block_ids = dev + fresh
             num_dev = len(dev) * B
             ext = 0
-            if self.connector is not None:
-                ext, _ = self.connector.get_num_new_matched_tokens(req, num_dev)
-                self.connector.update_state_after_alloc(req, req.block_ids, ext)
-                req.plan = self.connector.restore_plan(req)
-                req.snapshot_boundaries = self.connector.snapshot_boundaries(req)
-            else:
-                start = max(0, num_dev - self.model.replay_span("exact")) if num_dev else None
-                req.plan = RestorePlan(num_dev, start)
-            self._apply_plan(req, req.plan)
+            try:
+                if self.connector is not None:
+                    ext, _ = self.connector.get_num_new_matched_tokens(req, num_dev)
+                    self.connector.update_state_after_alloc(req, req.block_ids, ext)
+                    req.plan = self.connector.restore_plan(req)
+                    req.snapshot_boundaries = self.connector.snapshot_boundaries(req)
+                else:
+                    start = max(0, num_dev - self.model.replay_span("exact")) if num_dev else None
+                    req.plan = RestorePlan(num_dev, start)
+                self._apply_plan(req, req.plan)
+            except BaseException:  # neither waiting nor running: give its blocks back, then fail
+                if self.connector is not None:
+                    self.connector.request_aborted(req)
+                self.pool.release(req.block_ids)
+                req.block_ids, req.status = [], Status.ABORTED
+                raise
             req.status = Status.RUNNING
             self.running.append(req)
             new_ids.append(req.request_id)
@@ -366,3 +464,28 @@ class Engine:
 
 def default_namespace(model: ReferenceModel) -> Namespace:
     return model.cfg.namespace()
+
+
+def _check_connector(connector: KVConnectorBase, model: ReferenceModel, config: EngineConfig) -> None:
+    """Refuse a connector that would move KV of another shape than this engine's pool holds.
+
+    Checked: the connector's block size (one store entry is one pool block) and its
+    ``KVLayout``: global KV width, dtype (a float16 layout on a float32 model would save
+    down-cast KV under the float32 namespace) and window snapshot shape. A connector that
+    does not declare them (``None``) is not checked.
+    """
+    B = getattr(connector, "block_size", None)
+    if B is not None and B != config.block_size:
+        raise InvalidRequest(f"the connector's block_size is {B} but the engine's is {config.block_size}; "
+                             "give ConnectorConfig and EngineConfig the same block_size")
+    lay = getattr(connector, "layout", None)
+    if not isinstance(lay, KVLayout):
+        return
+    mc = model.cfg
+    pool_dtype = str(model.embed.weight.dtype).removeprefix("torch.")
+    want = {"d_global": mc.d_global, "dtype": pool_dtype, "snapshot_shape": snapshot_shape(mc)}
+    got = {"d_global": lay.d_global, "dtype": lay.dtype, "snapshot_shape": tuple(lay.snapshot_shape)}
+    diff = [f"{k} {got[k]!r} (the model has {want[k]!r})" for k in want if got[k] != want[k]]
+    if diff:
+        raise InvalidRequest("the connector's KVLayout does not fit the model: " + ", ".join(diff)
+                             + "; build the connector with model.kv_layout()")

@@ -18,7 +18,14 @@ What it does, in order:
 
 Everything it started is stopped when it ends, on Ctrl-C and on error.
 Exit code 0 when every variant produced the cold run's tokens, 1 otherwise,
-2 on a usage or start-up error.
+2 on a usage or start-up error. Usage errors (a bad flag value, an unknown
+model, an ``--out`` where no directory can be made) are one line on stderr,
+found before anything is started.
+
+Each run gets its own directory under ``--out``, ``run-YYYYmmdd-HHMMSS``, made
+exclusively (``make_run_dir``): two walkthroughs started in the same second
+in the same ``--out`` get ``...-HHMMSS`` and ``...-HHMMSS-2``, never one
+shared store and log set.
 """
 
 from __future__ import annotations
@@ -34,15 +41,40 @@ from pathlib import Path
 
 import grpc
 
+from entrypoint._cli import OneLineParser, fail
 from entrypoint.cluster import Cluster
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.vision import VisionEncoder
 from entrypoint.walkthrough.conversation import Conversation, build
 from entrypoint.walkthrough.report import VariantResult, hop_line, render_html
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import BlockHasher, ImageSpan
 
 COLD_TENANT = "cold"
+PROG = "kvstack walkthrough"
+MAX_RUN_DIRS_PER_SECOND = 1000  # bound on the suffix search of make_run_dir
+
+
+def make_run_dir(out_dir: Path, now: time.struct_time | None = None) -> Path:
+    """Create and return a new, empty run directory under ``out_dir`` (made if missing).
+
+    Named ``run-%Y%m%d-%H%M%S`` (local time ``now``, default: the current time); if that
+    exists (another walkthrough started in the same second), ``-2``, ``-3``, ... is added.
+    ``mkdir`` without ``exist_ok`` is the claim, so two concurrent runs can never get the
+    same directory. Raises ``OSError`` when ``out_dir`` can not hold directories, and
+    ``InvalidRequest`` after ``MAX_RUN_DIRS_PER_SECOND`` names taken.
+    """
+    stamp = time.strftime("run-%Y%m%d-%H%M%S", now or time.localtime())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(1, MAX_RUN_DIRS_PER_SECOND + 1):
+        candidate = out_dir / (stamp if i == 1 else f"{stamp}-{i}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+    raise InvalidRequest(f"{MAX_RUN_DIRS_PER_SECOND} run directories {stamp}* already exist in {out_dir}; "
+                         "remove old runs or pick another --out")
 
 
 def _say(msg: str) -> None:
@@ -75,11 +107,15 @@ def _spliced(conv: Conversation, prompt: list[int], seg: pb.ImageSegment, vocab:
 
 
 def walkthrough(args: argparse.Namespace) -> int:
+    """Run the walkthrough with checked ``args`` (``main`` checks them); returns the exit code."""
     from engine_plugin.reference.config import model_preset
 
     mcfg = model_preset(args.model)
     out_dir = Path(args.out).resolve()
-    run_dir = out_dir / time.strftime("run-%Y%m%d-%H%M%S")
+    try:
+        run_dir = make_run_dir(out_dir)
+    except OSError as exc:
+        return fail(PROG, f"cannot create a run directory in --out {args.out}: {exc}")
     conv = build(args.context_tokens, mcfg.vocab_size)
     _say(f"kvstack walkthrough: a coding agent's third turn, ~{args.context_tokens:,} tokens of context\n"
          f"work directory: {run_dir}")
@@ -204,7 +240,7 @@ def walkthrough(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvstack", description="kvstack: the KV cache service, end to end")
+    ap = OneLineParser(prog="kvstack", description="kvstack: the KV cache service, end to end")
     sub = ap.add_subparsers(dest="command", required=True)
     w = sub.add_parser("walkthrough", help="run the coding-agent walkthrough through the whole stack")
     w.add_argument("--context-tokens", type=int, default=3000, help="turn 3 context size (full size: 100000)")
@@ -213,9 +249,23 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--block-size", type=int, default=16)
     w.add_argument("--num-blocks", type=int, default=0, help="device pool blocks per engine (0: fit the context)")
     w.add_argument("--out", default="./kvstack-walkthrough", help="directory for the run's data, logs and report")
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2), its one line already printed
+        return int(exc.code or 0)
+    # Every check before anything is started (no daemon, no directory for a bad flag).
     if args.context_tokens < 100 or args.max_new_tokens < 3:
-        ap.error("--context-tokens must be >= 100 and --max-new-tokens >= 3")
+        return fail(PROG, "--context-tokens must be >= 100 and --max-new-tokens >= 3")
+    if args.block_size < 1:
+        return fail(PROG, f"--block-size must be >= 1, got {args.block_size}")
+    if args.num_blocks < 0:
+        return fail(PROG, f"--num-blocks must be >= 0 (0: fit the context), got {args.num_blocks}")
+    from engine_plugin.reference.config import model_preset
+
+    try:
+        model_preset(args.model)
+    except KVStoreError as exc:
+        return fail(PROG, f"--model: {exc}")
     if not args.num_blocks:
         args.num_blocks = 2 * (args.context_tokens + 4 * args.max_new_tokens) // args.block_size + 64
     return walkthrough(args)

@@ -64,6 +64,6 @@ def test_misuse_raises(rig):
         eng.add_request("a", [], SamplingParams())
     with pytest.raises(InvalidRequest):
         eng.add_request("b", [1, 999], SamplingParams())
-    eng.add_request("c", list(range(100)), SamplingParams())
-    with pytest.raises(InvalidRequest):  # can never fit in 4 blocks
-        eng.step()
+    with pytest.raises(InvalidRequest, match="needs 8 blocks"):  # can never fit in 4 blocks
+        eng.add_request("c", list(range(100)), SamplingParams())
+    assert not eng.has_work()  # refused before it was queued

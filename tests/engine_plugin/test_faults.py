@@ -10,21 +10,27 @@ adds ``get_many_into`` (as the embedded store), with the same faults.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from engine_plugin.connector import Tier
 from engine_plugin.reference import SamplingParams
+from engine_plugin.tiers import Metrics, StoreGateway
+from kvstore.api import EntryInfo, EntryKind, Layout
 from kvstore.errors import StoreUnavailable
 
 GREEDY = SamplingParams(max_new_tokens=5)
 
 
 class FaultyStore:
-    """Delegates to a real store; ``drop``/``truncate`` keys, ``down``, ``delay_s``, ``put_delay_s``."""
+    """Delegates to a real store; ``drop``/``truncate`` keys, ``down``, ``delay_s``, ``put_delay_s``;
+    ``raise_in`` names methods (``lookup``, ``get``) that raise ``raise_exc`` instead (a broken
+    store or client whose exception is neither a ``KVStoreError`` nor an ``OSError``)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -33,19 +39,23 @@ class FaultyStore:
         self.down = False
         self.delay_s = 0.0
         self.put_delay_s = 0.0
+        self.raise_in: set[str] = set()
+        self.raise_exc: Exception = ValueError("injected: the client could not parse the reply")
 
-    def _gate(self, delay: float) -> None:
+    def _gate(self, delay: float, what: str = "") -> None:
         if self.down:
             raise StoreUnavailable("injected outage")
+        if what in self.raise_in:
+            raise self.raise_exc
         if delay:
             time.sleep(delay)
 
     def lookup(self, keys):
-        self._gate(self.delay_s)
+        self._gate(self.delay_s, "lookup")
         return self.inner.lookup(keys)
 
     def get_many(self, keys, *, kind="block"):
-        self._gate(self.delay_s)
+        self._gate(self.delay_s, "get")
         out = self.inner.get_many(keys, kind=kind)
         return [None if k in self.drop else (v[:-4] if v is not None and k in self.truncate else v)
                 for k, v in zip(keys, out)]
@@ -64,7 +74,7 @@ class FaultyNativeStore(FaultyStore):
     """``FaultyStore`` with the native read into caller buffers, faults applied alike."""
 
     def get_many_into(self, keys, outs, *, kind="block"):
-        self._gate(self.delay_s)
+        self._gate(self.delay_s, "get")
         infos = self.inner.get_many_into(keys, outs, kind=kind)
         return [None if k in self.drop else
                 (replace(i, nbytes=i.nbytes - 4) if i is not None and k in self.truncate else i)
@@ -222,3 +232,109 @@ def test_host_tier_hit_survives_a_dead_store(rig, store):
     warm = eng.generate(prompt, GREEDY)
     assert warm.hit_tokens == 80 and warm.plan.snapshot_tier is Tier.HOST
     rig.same(rig.cold(prompt, GREEDY), warm)
+
+
+def test_an_entry_of_another_layout_is_not_loaded(rig, store, load_path):
+    """An entry of the right byte count but saved as another dtype/shape (here int32 [16, 32]
+    where the connector moves float32 [16, 32]) is not this KV: refused like a wrong size."""
+    rng = random.Random(107)
+    prompt = rig.tokens(rng, 120)
+    a = _seed(rig, store, prompt, snapshot_end_of_input=False, snapshot_end_of_output=False)
+    keys = a.hasher.hash_blocks(prompt)
+    assert store.delete(keys[3], kind="block")
+    store.put(keys[3], np.full((16, 32), 7, dtype=np.int32), kind="block", tokens=16)  # 2048 bytes too
+    b = rig.engine(store, **load_path)
+    warm = b.generate(prompt, GREEDY)
+    rig.same(rig.cold(prompt, GREEDY), warm)
+    m = b.connector.metrics.snapshot()
+    assert m["load_bad_size"] == 1 and m["load_errors"] == 1 and b.rollbacks == 1
+    assert warm.plan.hit_tokens == 48  # re-planned at the last good block
+
+
+def test_a_snapshot_of_another_layout_is_not_loaded(rig, store, load_path):
+    rng = random.Random(108)
+    prompt = rig.tokens(rng, 96 + 7)
+    a = _seed(rig, store, prompt, snapshot_end_of_output=False)  # snapshot at 96
+    key = a.hasher.hash_blocks(prompt)[5]
+    nbytes = len(store.get(key, kind="swa"))
+    assert store.delete(key, kind="swa")
+    store.put(key, np.zeros(nbytes // 4, dtype=np.int32), kind="swa")  # same size, flat int32
+    b = rig.engine(store, **load_path)
+    warm = b.generate(prompt, GREEDY)
+    rig.same(rig.cold(prompt, GREEDY), warm)
+    m = b.connector.metrics.snapshot()
+    assert m["load_bad_size"] == 1 and m["snapshot_load_failed"] == 1 and b.rollbacks == 1
+    assert warm.plan.hit_tokens == 96 and warm.plan.needs_replay  # same boundary, windows replayed
+
+
+class _InfoStore:
+    """A ``ReadsInto`` store answering every key with a fixed ``EntryInfo`` header."""
+
+    def __init__(self, layout):
+        self.layout = layout
+
+    def get_many_into(self, keys, outs, *, kind="block"):
+        return [EntryInfo(k, EntryKind.parse(kind), 2048, self.layout) for k in keys]
+
+    def get_many(self, keys, *, kind="block"):
+        raise AssertionError("not used")
+
+
+@pytest.mark.parametrize("inline", [True, False])
+@pytest.mark.parametrize("stored, ok", [
+    (Layout("float32", (16, 32)), True),
+    (None, True),  # the remote client's gRPC fallback reports no layout: only the size is checked
+    (Layout("int32", (16, 32)), False),
+    (Layout("float32", (32, 16)), False),
+    (Layout("uint8", (2048,)), False),
+])
+def test_gateway_checks_the_entry_layout_where_the_store_reports_it(stored, ok, inline):
+    m = Metrics()
+    gw = StoreGateway(_InfoStore(stored), m)
+    try:
+        res = gw.read_into([b"k" * 16], [bytearray(2048)], kind="block", nbytes=2048,
+                           layout=Layout("float32", (16, 32)), inline=inline)
+    finally:
+        gw.close()
+    assert res.ok == [ok] and m.get("load_bad_size") == (0 if ok else 1)
+
+
+@pytest.mark.parametrize("where", ["get", "lookup"])
+def test_a_store_raising_an_unexpected_exception_means_recompute(rig, store, faulty_cls, load_path, where,
+                                                                 caplog):
+    """A broken store (or client) that raises e.g. ``ValueError`` is a failed load, logged with
+    the exception and counted: the engine recomputes instead of raising."""
+    rng = random.Random(109)
+    prompt = rig.tokens(rng, 100)
+    _seed(rig, store, prompt)
+    faulty = faulty_cls(store)
+    faulty.raise_in = {where}
+    eng = rig.engine(faulty, store_backoff_s=60, **load_path)
+    with caplog.at_level(logging.WARNING, logger="engine_plugin.tiers"):
+        warm = eng.generate(prompt, GREEDY)
+    rig.same(rig.cold(prompt, GREEDY), warm)
+    m = eng.connector.metrics.snapshot()
+    assert m["store_errors"] == 1
+    if where == "get":  # the hit was planned, its load failed: rolled back and recomputed
+        assert eng.rollbacks == 1 and m["load_errors"] == 1 and warm.plan.hit_tokens == 0
+    else:  # no lookup, no hit
+        assert warm.hit_tokens == 0 and eng.rollbacks == 0
+    assert "ValueError: injected" in eng.connector.gateway.last_error
+    assert "injected: the client could not parse the reply" in caplog.text and "Traceback" in caplog.text
+    assert eng.generate(prompt + [1], GREEDY).output  # the breaker is open: the store is skipped
+
+
+def test_a_bug_in_the_plugin_around_a_store_call_is_not_swallowed(rig, store, monkeypatch):
+    """Only the store call is guarded: an exception in the plugin's own code propagates."""
+    rng = random.Random(110)
+    prompt = rig.tokens(rng, 100)
+    _seed(rig, store, prompt)
+
+    def broken(*a, **kw):
+        raise ZeroDivisionError("a bug in the plugin")
+
+    monkeypatch.setattr("engine_plugin.tiers.writable_view", broken)  # used after get_many returned
+    eng = rig.engine(FaultyStore(store), direct_reads=False)
+    with pytest.raises(ZeroDivisionError, match="a bug in the plugin"):
+        eng.generate(prompt, GREEDY)
+    assert eng.connector.metrics.get("store_errors") == 0

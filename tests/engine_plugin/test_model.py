@@ -92,3 +92,41 @@ def test_config_validation():
         model_preset("tiny", window=0)
     with pytest.raises(InvalidRequest):
         model_preset("nope")
+
+
+@pytest.mark.parametrize("overrides", [
+    {"init_std": 0.1}, {"d_ff": 96}, {"rope_theta": 500.0}, {"d_latent": 16, "d_rope": 16},
+], ids=["init_std", "d_ff", "rope_theta", "latent_rope_split"])
+def test_every_field_that_changes_weights_or_kv_changes_the_namespace(rig, store, overrides):
+    """Two models that differ only in a field left out of the readable id must not share keys:
+    the second would load the first's KV (wrong output) from a shared store."""
+    from engine_plugin.reference import Engine, EngineConfig, SamplingParams
+    from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
+
+    base = model_preset("tiny")
+    other = model_preset("tiny", **overrides)
+    assert other.d_global == base.d_global  # same KV width: only the namespace tells them apart
+    assert other.namespace() != base.namespace() and other.model_id != base.model_id
+    prompt = rig.tokens(random.Random(30), 70)
+    sp = SamplingParams(max_new_tokens=2)
+    filler = rig.engine(store)  # the base model fills the store
+    filler.generate(prompt, sp)
+    filler.connector.flush()
+    assert store.lookup(filler.hasher.hash_blocks(prompt)).hit_blocks == 4
+    model = ReferenceModel(other)
+    conn = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=16), store)
+    rig.connectors.append(conn)
+    eng = Engine(model, EngineConfig(block_size=16), connector=conn)
+    assert store.lookup(eng.hasher.hash_blocks(prompt)).hit_blocks == 0
+    warm = eng.generate(prompt, sp)
+    assert warm.hit_tokens == 0 and conn.metrics.get("hit_tokens_store") == 0
+    cold = Engine(model, EngineConfig(block_size=16)).generate(prompt, sp)
+    assert warm.output == cold.output
+
+
+def test_model_id_is_stable_and_ignores_only_the_name():
+    a = model_preset("tiny")
+    assert a.model_id == model_preset("tiny").model_id  # deterministic: no process-level seed
+    assert model_preset("tiny", rope_theta=10000).model_id == a.model_id  # 10000 == 10000.0
+    assert model_preset("tiny", name="other").namespace() != a.namespace()  # the readable prefix
+    assert model_preset("tiny", seed=1).model_id != a.model_id

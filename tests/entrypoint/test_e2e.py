@@ -97,11 +97,32 @@ def test_sigkill_decode_worker_mid_stream_same_tokens(cluster):
     (pb.GenerateRequest(token_ids=[1, 2, 3], images=[pb.ImageSegment(image_hash=b"h", start=2, length=5)]),
      grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(token_ids=[1, 2, 3], tenant="nobody"), grpc.StatusCode.INVALID_ARGUMENT),
-])
+    (pb.GenerateRequest(token_ids=[1, 2, 3], sampling=pb.Sampling(temperature=float("nan"))),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(token_ids=[1, 2, 3], sampling=pb.Sampling(temperature=-1.0)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(token_ids=[1, 2, 3], sampling=pb.Sampling(temperature=float("inf"))),
+     grpc.StatusCode.INVALID_ARGUMENT),
+], ids=["empty", "image_outside", "unknown_tenant", "temperature_nan", "temperature_negative",
+        "temperature_inf"])
 def test_bad_requests_get_clear_errors(cluster, req, code):
     with pytest.raises(grpc.RpcError) as ei:
         list(cluster.client().stub.Generate(req, timeout=30))
     assert ei.value.code() == code and ei.value.details()
+
+
+def test_a_prompt_too_big_for_the_prefill_pool_fails_alone(cluster):
+    """The prefill worker's pool (1024 blocks of 16) can never hold this prompt: that request
+    is refused, and the worker keeps serving (before: it failed every later request while
+    its heartbeat still said it was up)."""
+    cl = cluster.client()
+    with pytest.raises(grpc.RpcError) as ei:
+        cl.generate(_prompt(8, 1024 * 16 + 1), max_new_tokens=2, timeout=120)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "blocks" in ei.value.details()
+    prompt = _prompt(9, 60)
+    for _ in range(2):
+        toks, _, _ = cl.generate(prompt, max_new_tokens=4)
+        assert toks == cold_tokens(prompt, 4)
 
 
 def test_deadline_and_cancellation_leave_the_service_healthy(cluster):

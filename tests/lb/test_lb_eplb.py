@@ -10,6 +10,7 @@ import pytest
 
 from lb.eplb import balancedness, gpu_loads, rebalance_experts
 from lb.eplb_greedy import rebalance_experts_greedy
+from lb.types import LBInputError
 
 README_W = np.array([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
                      [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])
@@ -144,6 +145,13 @@ def test_bad_input_raises_value_error(args, msg):
         rebalance_experts(*args)
     with pytest.raises(ValueError):
         rebalance_experts(np.ones((1, 8)), 8, 1, 1, 4, dead_gpus={9})
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0), (0, 0)])
+@pytest.mark.parametrize("fn", [rebalance_experts, rebalance_experts_greedy])
+def test_empty_weight_is_typed_misuse(fn, shape):
+    with pytest.raises(LBInputError, match="at least one layer and one logical expert"):
+        fn(np.zeros(shape), 16, 2, 2, 4)
 
 
 def test_accepts_torch_and_lists():

@@ -9,7 +9,7 @@ from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, Transfe
 from lb.registry import BASELINES, DECODE_POLICIES, POLICIES, VE_POLICIES, get_policy
 from lb.types import (
     DecodeInstance, DecodeRequest, LBInputError, PrefillInstance, PrefixHits, QueuedPrefill, RouteRequest,
-    UnknownPolicyError, VEInstance, VERequest,
+    TierBandwidth, UnknownPolicyError, VEInstance, VERequest,
 )
 
 MODELS = CostModels(
@@ -53,6 +53,66 @@ def test_input_validation():
         get_policy("least_loaded").choose(req(), [inst(0), inst(0)])
     with pytest.raises(LBInputError):
         DecodeInstance(0, 0, 0)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: DecodeInstance(0, kv_used_bytes=NAN, kv_capacity_bytes=10**9),
+    lambda: DecodeInstance(0, kv_used_bytes=0, kv_capacity_bytes=NAN),
+    lambda: DecodeInstance(0, kv_used_bytes=0, kv_capacity_bytes=10**9, batch_tokens=NAN),
+    lambda: DecodeInstance(0, kv_used_bytes=0, kv_capacity_bytes=10**9, running_requests=INF),
+    lambda: VEInstance(0, queue_images=NAN),
+    lambda: VEInstance(0, queue_images=-INF),
+    lambda: QueuedPrefill(100, fetch_s=NAN),
+    lambda: QueuedPrefill(NAN),
+    lambda: QueuedPrefill(100, remaining_fraction=NAN),
+    lambda: PrefixHits(NAN),
+    lambda: TierBandwidth(host_bytes_per_s=NAN),
+    lambda: TierBandwidth(store_latency_s=INF),
+    lambda: RouteRequest(NAN, 1),
+    lambda: RouteRequest(512, 1, ttft_slo_ms=NAN),
+    lambda: DecodeRequest(100, 10, tbt_slo_ms=NAN),
+    lambda: DecodeRequest(NAN, 10),
+    lambda: VEInstance(0, queue_images="3"),
+])
+def test_non_finite_loads_are_refused(make):
+    """NaN passes a bare ``< 0`` check and then wins every ``min``: refused at the snapshot."""
+    with pytest.raises(LBInputError, match="finite|ms >= 0"):
+        make()
+
+
+def test_an_infinite_slo_means_no_slo():
+    assert RouteRequest(512, 1, ttft_slo_ms=INF).ttft_slo_ms == INF
+    assert DecodeRequest(100, 10, tbt_slo_ms=INF).tbt_slo_ms == INF
+
+
+def test_a_nan_load_never_reaches_a_policy():
+    with pytest.raises(LBInputError):
+        get_policy("kvstack", MODELS, kind="decode").choose(
+            DecodeRequest(1000, 10),
+            [DecodeInstance(0, 10**8, 10**9), DecodeInstance(1, NAN, 10**9)])
+    with pytest.raises(LBInputError):
+        get_policy("kvstack", MODELS, kind="ve").choose(VERequest(("h",)), [VEInstance(0, 5), VEInstance(1, NAN)])
+    with pytest.raises(LBInputError):
+        get_policy("kvstack", MODELS).choose(req(), [inst(0, [100]), PrefillInstance(
+            1, (QueuedPrefill(100, fetch_s=NAN),))])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: get_policy("kvstack", MODELS, load_weight=NAN),
+    lambda: get_policy("kvstack", MODELS, slack=INF),
+    lambda: get_policy("dynamo", MODELS, overlap_weight=NAN),
+    lambda: get_policy("kvstack", MODELS, kind="ve", seconds_per_image=NAN),
+    lambda: PrefillCostModel(const_s=NAN),
+    lambda: DecodeCostModel(per_token_s=NAN),
+    lambda: TransferModel(kv_bytes_per_token=NAN),
+    lambda: PrefillCostModel.fit([(100, 0, NAN), (200, 0, 1.0)]),
+])
+def test_non_finite_knobs_are_refused(make):
+    with pytest.raises(LBInputError):
+        make()
 
 
 # ---------------------------------------------------------------- table-driven decisions

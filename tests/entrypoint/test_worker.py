@@ -1,0 +1,154 @@
+"""The worker's engine runner and the command lines, without a cluster: a request that fails
+fails alone and leaves the engine clean; usage errors are one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, SamplingParams, model_preset
+from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
+from entrypoint.worker import EngineRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+GREEDY = SamplingParams(max_new_tokens=3)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ReferenceModel(model_preset("tiny"))
+
+
+@pytest.fixture
+def runner(model):
+    conn = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=16))  # no store: tiers only
+    r = EngineRunner(Engine(model, EngineConfig(block_size=16, num_blocks=8), connector=conn), conn)
+    yield r
+    r.stop()
+    conn.close()
+
+
+def _outcome(h, timeout: float = 60.0):
+    """("done", tokens) or ("error", code, message) of one submitted request."""
+    toks = []
+    while True:
+        try:
+            ev = h.events.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError("no outcome within the timeout") from None
+        if ev[0] == "token":
+            toks.append(ev[1])
+        elif ev[0] == "done":
+            return "done", toks
+        else:
+            return ev if len(ev) == 3 else ("error", None, ev[1])  # (before: no status code)
+
+
+def _cold(model, prompt):
+    return Engine(model, EngineConfig(block_size=16, num_blocks=64)).generate(prompt, GREEDY).output
+
+
+def _submit(runner, rid, prompt):
+    return runner.submit(rid, prompt, GREEDY, tenant_salt=b"", images=[])
+
+
+def test_a_prompt_too_big_for_the_pool_fails_alone(runner, model):
+    kind, code, msg = _outcome(_submit(runner, "big", [1] * 500))
+    assert kind == "error" and "needs 32 blocks" in msg
+    prompt = list(range(1, 41))
+    for i in range(3):  # every later request is served (before the fix: each failed the same way)
+        assert _outcome(_submit(runner, f"ok-{i}", prompt)) == ("done", _cold(model, prompt))
+    assert not runner.engine.waiting and not runner.engine.running
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_failed_step_drops_its_requests_from_the_engine(runner, model, monkeypatch):
+    real_step = runner.engine.step
+    calls = []
+
+    def step_failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected step failure")
+        real_step()
+
+    monkeypatch.setattr(runner.engine, "step", step_failing_once)
+    kind, code, msg = _outcome(_submit(runner, "victim", list(range(1, 41))))
+    assert kind == "error" and "injected step failure" in msg
+    # The failed request is out of the engine (before: still running there, its blocks held).
+    assert not runner.engine.waiting and not runner.engine.running and not any(runner.engine.pool.refcount)
+    prompt = list(range(5, 50))
+    assert _outcome(_submit(runner, "next", prompt)) == ("done", _cold(model, prompt))
+    assert code == grpc.StatusCode.INTERNAL and runner.broken is None
+
+
+def test_an_engine_that_cannot_drop_its_requests_reports_the_worker_down(runner, monkeypatch):
+    def step_fails():
+        raise RuntimeError("injected step failure")
+
+    def abort_fails(rid):
+        raise RuntimeError("injected: the pool is inconsistent")
+
+    monkeypatch.setattr(runner.engine, "step", step_fails)
+    monkeypatch.setattr(runner.engine, "abort_request", abort_fails)
+    assert _outcome(_submit(runner, "a", [1, 2, 3]))[0] == "error"
+    assert runner.broken and "inconsistent" in runner.broken
+    kind, code, msg = _outcome(_submit(runner, "b", [1, 2, 3]), timeout=5)
+    assert kind == "error" and code == grpc.StatusCode.UNAVAILABLE and "down" in msg
+
+
+# ----------------------------------------------------------------------------- command lines
+
+
+def _run(args, cwd, timeout=120):
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def _one_line_error(res, prog, *needles, code=2):
+    err = res.stderr.strip()
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and len(err.splitlines()) == 1, res.stderr
+    assert err.startswith(f"{prog}: error: ") and all(n in err for n in needles), err
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--block-size", "0"], ["block_size", "got 0"]),
+    (["--block-size", "-16"], ["block_size"]),
+    (["--model", "nope"], ["unknown model preset 'nope'"]),
+    (["--prefill-policy", "nope"], ["unknown prefill policy 'nope'"]),
+    (["--max-inflight", "0"], ["max_inflight"]),
+    (["--heartbeat-s", "nan"], ["heartbeat_s"]),
+    (["--port", "70000"], ["--port"]),
+    (["--block-size", "x"], ["--block-size"]),
+])
+def test_entrypoint_usage_errors_are_one_line(tmp_path, args, needles):
+    res = _run(["-m", "entrypoint", "--store", str(tmp_path / "store"), *args], tmp_path)
+    _one_line_error(res, "python -m entrypoint", *needles)
+    assert not (tmp_path / "store").exists()  # refused before anything was opened
+
+
+def test_worker_with_an_unreachable_entrypoint_says_so_in_one_line(tmp_path):
+    res = _run(["-m", "entrypoint.worker", "--role", "prefill", "--entrypoint", "127.0.0.1:1",
+                "--store", str(tmp_path / "store")], tmp_path)
+    _one_line_error(res, "python -m entrypoint.worker", "127.0.0.1:1", "unreachable", code=1)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--role", "prefill", "--block-size", "0"], ["block_size"]),
+    (["--role", "decode", "--num-blocks", "0"], ["num_blocks"]),
+    (["--role", "prefill", "--model", "nope"], ["unknown model preset"]),
+    (["--role", "nope"], ["--role"]),
+])
+def test_worker_usage_errors_are_one_line(tmp_path, args, needles):
+    res = _run(["-m", "entrypoint.worker", "--store", str(tmp_path / "store"), *args], tmp_path)
+    _one_line_error(res, "python -m entrypoint.worker", *needles)
+    assert not (tmp_path / "store").exists()

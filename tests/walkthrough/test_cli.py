@@ -1,0 +1,67 @@
+"""``kvstack walkthrough`` without running the stack: usage errors are one line and exit 2
+before anything starts, and every run gets a directory of its own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--block-size", "0"], "--block-size must be >= 1"),
+    (["--block-size", "-16"], "--block-size must be >= 1"),
+    (["--model", "nope"], "unknown model preset 'nope'"),
+    (["--out", "/dev/null/x"], "cannot create a run directory"),
+    (["--num-blocks", "-1"], "--num-blocks must be >= 0"),
+    (["--context-tokens", "5"], "--context-tokens must be >= 100"),
+    (["--block-size", "x"], "--block-size"),
+])
+def test_usage_errors_are_one_line_and_start_nothing(tmp_path, args, needle):
+    out = tmp_path / "out"
+    argv = ["--out", str(out), *args] if "--out" not in args else args
+    res = subprocess.run([sys.executable, "-m", "entrypoint.walkthrough.cli", "walkthrough", *argv], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    err = res.stderr.strip()
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and len(err.splitlines()) == 1, res.stderr
+    assert err.startswith("kvstack") and needle in err, err
+    assert "starting" not in res.stdout  # refused before the stack was started
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_run_directories_are_unique_within_one_second(tmp_path):
+    from entrypoint.walkthrough.cli import make_run_dir
+
+    now = time.localtime()
+    got: list[Path] = []
+    lock = threading.Lock()
+
+    def claim():
+        d = make_run_dir(tmp_path, now)
+        with lock:
+            got.append(d)
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    stamp = time.strftime("run-%Y%m%d-%H%M%S", now)
+    assert len(got) == 8 and len(set(got)) == 8
+    assert {d.name for d in got} == {stamp} | {f"{stamp}-{i}" for i in range(2, 9)}
+    assert all(d.is_dir() and d.parent == tmp_path for d in got)
+
+
+def test_run_directory_errors_are_typed(tmp_path):
+    from entrypoint.walkthrough.cli import make_run_dir
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):
+        make_run_dir(tmp_path / "file" / "out")
