@@ -30,10 +30,15 @@ from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.server.config import SERVER_FIELDS, STORE_FIELDS, load_server_config
 
 
+# Fields whose unset default means something the value alone does not say.
+_DEFAULT_HELP = {"ec_k": "the data directory's (4 for a new one)", "ec_m": "the data directory's (2 for a new one)",
+                 "ec_type": "the data directory's (isa_l_rs_cauchy for a new one)"}
+
+
 def _add_fields(group: argparse._ArgumentGroup, fields: dict) -> None:
     for name, f in fields.items():
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, metavar=name.upper(),
-                           help=f"default: {f.default!r}")
+                           help=f"default: {_DEFAULT_HELP.get(name, repr(f.default))}")
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
