@@ -13,6 +13,7 @@ import errno
 import functools
 import logging
 import os
+import threading
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Sequence
 
@@ -56,25 +57,37 @@ def run_now(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
 CLOSE_WAIT_S = 10.0  # close() waits this long for calls in flight on other threads
 
 
+_CALL_DEPTH = threading.local()  # per thread: how many in_flight calls it is inside
+
+
 def in_flight(fn: Callable) -> Callable:
     """A public call of the embedded store (``kvstore.store``): refused with ``StoreClosed``
-    once ``close`` has begun, and counted while it runs, so that ``close`` shuts the index
-    only after it returned (a call racing a close gets ``StoreClosed`` or its result, never
-    an error from a closed LMDB). Needs the store's ``_calls``, ``_closed``, ``_in_flight``."""
+    once ``close`` has begun, and counted while it runs. ``close`` shuts the index only when
+    the count drops to zero: it waits up to ``CLOSE_WAIT_S``, and past that leaves the last
+    call still running to shut it as it returns. So a call racing a close gets
+    ``StoreClosed`` or its result, never an error from a closed LMDB. A call made from within
+    one in flight on the same thread (a put's eviction, GC's stats) is part of it, never
+    refused. Needs the store's ``_calls``, ``_closed``, ``_in_flight`` and ``_finish_close``."""
 
     @functools.wraps(fn)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_CALL_DEPTH, "n", 0)
         with self._calls:
-            if self._closed:
+            if self._closed and not depth:
                 raise StoreClosed("this store is closed; open a new one with kvstore.connect")
             self._in_flight += 1
+        _CALL_DEPTH.n = depth + 1
         try:
             return fn(self, *args, **kwargs)
         finally:
+            _CALL_DEPTH.n = depth
             with self._calls:
                 self._in_flight -= 1
-                if not self._in_flight:
+                last = not self._in_flight
+                if last:
                     self._calls.notify_all()
+            if last and self._closed:
+                self._finish_close(deferred=True)
 
     return call
 

@@ -20,6 +20,9 @@ Sub-databases (``ek`` is the 17-byte entry key ``kind code || block hash``)::
              b"identity"            -> 16 random bytes set when the index is created, which the data
                                        directory's marker repeats (``kvstore.store``): an index that is
                                        missing, emptied or another directory's is refused at open
+             b"code"                -> JSON {ec_type, ec_k, ec_m}: the directory's erasure code, set in
+                                       the same transaction (the marker repeats it; this copy is the one
+                                       creators racing each other agree on)
 
 Invariants (each write transaction keeps them):
   1. An ``entries`` record exists only after all of its fragments were durably
@@ -46,12 +49,13 @@ Invariants (each write transaction keeps them):
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from dataclasses import dataclass, replace
 from itertools import compress, count
 from operator import not_
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import lmdb
 
@@ -143,15 +147,32 @@ class Index:
             self.env.close()
             raise
 
-    def identity(self, proposed: bytes) -> bytes:
-        """This index's identity (see ``info``), set to ``proposed`` if it has none yet (a new
-        index). Several processes creating one directory at once agree: the first one wins."""
+    def settle(self, proposed_id: bytes, propose_code: Callable[[lmdb.Transaction], dict]) -> tuple[bytes, dict]:
+        """This index's identity and erasure code (see ``info``), set in one write transaction
+        if it has none yet: the identity to ``proposed_id``, the code to what
+        ``propose_code(txn)`` says (a dict of ``ec_type``, ``ec_k``, ``ec_m``). Several
+        processes creating one directory at once agree: the first one wins, and the others
+        read its identity and code here."""
         with self.env.begin(write=True) as txn:
-            cur = txn.get(b"identity", db=self.db["info"])
-            if cur is None:
-                txn.put(b"identity", proposed, db=self.db["info"])
-                return proposed
-            return bytes(cur)
+            info = self.db["info"]
+            ident = txn.get(b"identity", db=info)
+            if ident is None:
+                ident = proposed_id
+                txn.put(b"identity", ident, db=info)
+            raw = txn.get(b"code", db=info)
+            if raw is None:
+                code = propose_code(txn)
+                txn.put(b"code", json.dumps(code, sort_keys=True).encode(), db=info)
+            else:
+                code = json.loads(bytes(raw))
+            return bytes(ident), code
+
+    def first_record(self, txn: lmdb.Transaction) -> Meta | None:
+        """Any one record (live, else lost), or ``None`` for an empty index."""
+        for name in ("entries", "lost"):
+            for _ek, raw in txn.cursor(db=self.db[name]):
+                return self.unpack(txn, raw)
+        return None
 
     def close(self) -> None:
         self.env.close()

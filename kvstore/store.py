@@ -83,6 +83,11 @@ DATA_FORMAT_VERSION = 1
 FORMAT_FILE = "kvstore.json"
 
 
+def _holds_files(root: Path) -> bool:
+    """Is there any file below ``root`` (a directory that may not exist)?"""
+    return any(files for _d, _s, files in os.walk(root))
+
+
 def _nonempty(path: Path) -> bool:
     """Does ``path`` exist with at least one byte (an LMDB index that was ever opened does)?"""
     try:
@@ -104,8 +109,9 @@ class EmbeddedStore(FragmentIO, PackIO):
         self.clock = clock
         self.data_dir = Path(config.data_dir).resolve()
         self._closed = False
-        self._calls = threading.Condition()  # guards _closed and _in_flight (``in_flight``)
+        self._calls = threading.Condition()  # guards _closed, _in_flight and _shut (``in_flight``)
         self._in_flight = 0
+        self._shut = False  # the index closed (``_finish_close``)
         marker = self._read_marker()
         index_dir = self.data_dir / "index"
         # New: no marker and no index. A marker lost with its index in place (a crash between
@@ -117,7 +123,10 @@ class EmbeddedStore(FragmentIO, PackIO):
         rewrite = marker is None
         if marker is None:  # the code this version writes unless told otherwise (not the legacy one)
             marker = {"ec_type": config.ec_type or DEFAULT_EC_TYPE}
-        if not fresh and marker.get("index_id") and not _nonempty(index_dir / "data.mdb"):
+        # A marker says the directory was written before: its index must be there. (A marker from
+        # before index_id was recorded may precede its index by a crash: then no target holds a file.)
+        if (not rewrite and not _nonempty(index_dir / "data.mdb")
+                and (marker.get("index_id") or _holds_files(self.data_dir / "targets"))):
             raise CorruptData(
                 f"the index of data directory {self.data_dir} is missing or empty ({index_dir / 'data.mdb'}); "
                 "opening it would make every stored fragment an orphan for GC to delete. Restore the "
@@ -130,18 +139,19 @@ class EmbeddedStore(FragmentIO, PackIO):
                            sync=config.fsync, max_readers=config.max_readers,
                            compact_ratio=config.pack_compact_ratio)
         try:
-            old_marker = fresh or "ec_k" not in marker or "ec_m" not in marker  # from before they were recorded
-            if not fresh:
-                self._settle(self._resolve_code(config, {**self._code_of_records(), **marker} if old_marker
-                                                else marker))
+            # The identity and the code are settled in the index in one transaction: creators racing
+            # each other agree there (a loser adopts the winner's code, or is refused if it asked for
+            # another), and the code is known even where the marker is lost.
+            identity, code = self.index.settle(os.urandom(16), lambda txn: self._proposed_code(config, marker, txn))
+            if code != {n: getattr(self.config, n, None) for n in ("ec_type", "ec_k", "ec_m")}:
+                self._settle(self._resolve_code(config, code))
             config = self.config
-            identity = self.index.identity(os.urandom(16))
             if not fresh and marker.get("index_id") and marker["index_id"] != identity.hex():
                 raise CorruptData(
                     f"the index at {index_dir} is not the one data directory {self.data_dir} was created with "
                     "(it was recreated or copied from another directory); opening it would make every stored "
                     "fragment an orphan for GC to delete. Restore the directory's own index")
-            if old_marker or marker.get("index_id") != identity.hex():
+            if any(marker.get(n) != v for n, v in code.items()) or marker.get("index_id") != identity.hex():
                 self._write_marker(config, identity, marker)
             if rewrite:
                 for t in self.targets.values():
@@ -241,15 +251,19 @@ class EmbeddedStore(FragmentIO, PackIO):
         self.targets: dict[str, Target] = {s.name: open_target(s) for s in self.target_specs}
         self._sync_mode()
 
-    def _code_of_records(self) -> dict:
-        """``ec_k``/``ec_m`` of the directory's first record (live, else lost): what a marker
-        written before they were recorded leaves out. Empty for an empty index."""
-        with self.index.env.begin() as txn:
-            for db in ("entries", "lost"):
-                for _ek, raw in self.index.iter_db(txn, db):
-                    m = self.index.unpack(txn, raw)
-                    return {"ec_k": m.k, "ec_m": m.m}
-        return {}
+    def _proposed_code(self, config: StoreConfig, marker: dict, txn: Any) -> dict:
+        """The code to record in an index that has none (new, or from before it was recorded):
+        the configured one (defaults for a new directory); for a directory written before, what
+        its marker records, ``ec_k``/``ec_m`` a marker lacks taken from its records, and the
+        legacy ``ec_type`` for a marker that predates that field. Refused if ``config`` asks
+        for another (``_resolve_code``)."""
+        first = self.index.first_record(txn)
+        if first is not None:
+            marker = {"ec_k": first.k, "ec_m": first.m, **marker}
+        if not marker or not _nonempty(self.data_dir / FORMAT_FILE) and first is None:
+            marker = {}  # nothing written yet: the configured code
+        resolved = self._resolve_code(config, marker or None)
+        return {n: getattr(resolved, n) for n in ("ec_type", "ec_k", "ec_m")}
 
     def _write_marker(self, config: StoreConfig, identity: bytes, old: dict | None) -> None:
         """Write the marker (atomically and durably: temporary file, fsync, rename, directory
@@ -533,8 +547,9 @@ class EmbeddedStore(FragmentIO, PackIO):
         with self._touch_lock:
             self._touches[ek] = now
             due = self.clock() - self._last_flush >= self.config.access_flush_s
-        if due:
-            self.flush_touches()
+        if due:  # on whatever thread reads (a batch worker too): not a public call of its own
+            with self.index.env.begin(write=True) as txn:
+                self._flush_touches_txn(txn)
 
     def _flush_touches_txn(self, txn) -> None:
         with self._touch_lock:
@@ -687,19 +702,30 @@ class EmbeddedStore(FragmentIO, PackIO):
 
     def close(self) -> None:
         """Refuse new calls, wait up to ``CLOSE_WAIT_S`` for those in flight, write the
-        batched access times, close the index. Idempotent."""
+        batched access times, close the index. Past the wait, the last call still running
+        closes it as it returns (``in_flight``). Idempotent."""
         with self._calls:
             if self._closed:
                 return
             self._closed = True
             if not self._calls.wait_for(lambda: not self._in_flight, timeout=CLOSE_WAIT_S):
-                log.warning("closing the store with %d calls still running", self._in_flight)
+                log.warning("%d calls still running at close: the last one closes the index", self._in_flight)
+                return
+        self._finish_close(deferred=False)
+
+    def _finish_close(self, *, deferred: bool) -> None:
+        """Once, with no call in flight: write the batched access times, stop the pools (not
+        waiting when a returning call closes: it may run on one of their threads), close the index."""
+        with self._calls:
+            if self._shut or self._in_flight:
+                return
+            self._shut = True
         try:
             with self.index.env.begin(write=True) as txn:
                 self._flush_touches_txn(txn)
         finally:
-            self._batch_pool.shutdown(wait=True)
-            self._pool.shutdown(wait=True)
+            self._batch_pool.shutdown(wait=not deferred)
+            self._pool.shutdown(wait=not deferred)
             self.index.close()
 
     def __enter__(self) -> "EmbeddedStore":

@@ -159,3 +159,36 @@ def test_close_racing_calls_on_other_threads_gives_store_closed_never_an_lmdb_er
         assert not errors, errors
         with pytest.raises(StoreClosed):
             s.used_bytes()
+
+
+def test_a_call_outliving_closes_wait_finishes_and_nested_calls_are_not_refused(tmp_path, keys, monkeypatch):
+    """A GC still running when close() stops waiting finishes on an open index (the last call
+    out closes it), and its own nested calls (stats, used bytes) are part of it, not refused;
+    a put racing close with capacity set returns its result."""
+    import kvstore.store as store_mod
+    from kvstore.errors import StoreClosed
+
+    monkeypatch.setattr(store_mod, "CLOSE_WAIT_S", 0.2)
+    s = kvstore.connect(str(tmp_path / "s"), fsync=False, capacity_bytes=10**9)
+    s.put_many([PutItem(k, os.urandom(2000)) for k in keys[:20]])
+    started, out = threading.Event(), {}
+
+    def slow(phase: str, done: int, total: int) -> None:
+        started.set()
+        time.sleep(0.6)  # past close()'s wait
+
+    def run() -> None:
+        try:
+            out["gc"] = s.gc(progress=slow)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            out["gc"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    started.wait(10)
+    s.close()  # returns after 0.2 s with the GC still running
+    t.join(30)
+    assert isinstance(out["gc"], dict), out["gc"]
+    with pytest.raises(StoreClosed):
+        s.used_bytes()
+    assert s._shut  # the GC, returning last, closed the index

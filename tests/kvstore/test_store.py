@@ -307,10 +307,16 @@ def test_a_marker_from_before_k_and_m_were_recorded_takes_them_from_the_records(
     """A marker without ec_k/ec_m (written before they were recorded): the directory's
     records say what they were written with, and the marker is filled in from them; an
     empty old directory takes the configured code (or the default)."""
-    def strip(d):
+    def strip(d):  # as a directory written before: no ec_k/ec_m in the marker, no code in the index
         doc = json.loads((d / "kvstore.json").read_text())
         del doc["ec_k"], doc["ec_m"]
         (d / "kvstore.json").write_text(json.dumps(doc))
+        from kvstore.index import Index
+
+        idx = Index(str(d / "index"), map_size=2**24, sync=False)
+        with idx.env.begin(write=True) as txn:
+            assert txn.delete(b"code", db=idx.db["info"])
+        idx.close()
 
     with kvstore.connect(str(data_dir), fsync=False, ec_k=3, ec_m=1) as s:
         s.put(keys[0], b"v")
@@ -338,6 +344,43 @@ def test_a_lost_marker_is_rewritten_from_the_index(data_dir, keys):
     again = json.loads((data_dir / "kvstore.json").read_text())
     assert {k: again[k] for k in ("ec_type", "ec_k", "ec_m", "index_id")} == {
         k: doc[k] for k in ("ec_type", "ec_k", "ec_m", "index_id")}
+
+
+def test_the_index_holds_the_code_so_a_lost_marker_or_a_creation_race_cannot_change_it(data_dir, keys):
+    """The code is settled in the index with its identity: a directory created with a
+    non-default ec_type and code keeps them when its marker is lost, and a creator that lost
+    the race to another (its marker not written yet) adopts the winner's code when it gave
+    none, and is refused when it asked for another."""
+    with kvstore.connect(str(data_dir), fsync=False, ec_type="isa_l_rs_vand", ec_k=3, ec_m=2,
+                         pack_batches=False) as s:
+        s.put_many([PutItem(k, value_for(k, 50_000)) for k in keys[:3]])
+        lose = [fragment_refs(s, k)[:2] for k in keys[:3]]
+    (data_dir / "kvstore.json").unlink()  # the winner crashed before writing it, or it was deleted
+    with pytest.raises(IncompatibleFormat, match="written with ec_k 3"):
+        kvstore.connect(str(data_dir), fsync=False, ec_k=4, ec_m=2)
+    for refs in lose:
+        for f in refs:
+            f.remove()
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        assert (s.config.ec_type, s.config.ec_k, s.config.ec_m) == ("isa_l_rs_vand", 3, 2)
+        assert s.get_many(keys[:3]) == [value_for(k, 50_000) for k in keys[:3]]  # parity decoded right
+    doc = json.loads((data_dir / "kvstore.json").read_text())
+    assert (doc["ec_type"], doc["ec_k"], doc["ec_m"]) == ("isa_l_rs_vand", 3, 2)
+
+
+def test_an_older_marker_over_a_missing_index_is_refused_when_targets_hold_files(data_dir, keys):
+    """A marker from before index_id was recorded: a missing index is still refused while any
+    target holds a file (GC would sweep them all as orphans)."""
+    import shutil
+
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        s.put_many([PutItem(k, value_for(k, 3000)) for k in keys[:4]])
+    doc = json.loads((data_dir / "kvstore.json").read_text())
+    (data_dir / "kvstore.json").write_text(json.dumps({k: doc[k] for k in ("format_version", "created", "ec_type")}))
+    shutil.rmtree(data_dir / "index")
+    with pytest.raises(kvstore.CorruptData, match="missing or empty"):
+        kvstore.connect(str(data_dir), fsync=False, orphan_grace_s=0)
+    assert not (data_dir / "index").exists()
 
 
 @pytest.mark.parametrize("damage", ["removed", "emptied", "another"])
