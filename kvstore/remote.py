@@ -152,7 +152,8 @@ def split_urls(url: str) -> list[str]:
         raise InvalidRequest(f"bad daemon URL list {url!r}: an empty entry (a stray comma?); expected {URL_FORM}")
     for u in urls:
         parse_address(u)
-    return urls
+    # One spelling per daemon: shard placement hashes the URL, so "grpc://h:p/" must place as "grpc://h:p".
+    return [u[:-1] if u.endswith("/") else u for u in urls]
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,8 +498,21 @@ class RemoteStore:
         msgs = [pb.LookupRequest(keys=check_keys(c)) for c in chains]
         if not msgs:
             return []
-        if len(msgs) > self.options.max_batch_items or any(len(m.keys) > self.options.max_batch_items for m in msgs):
-            return [self.lookup(m.keys) for m in msgs]
+        limit = self.options.max_batch_items  # the daemon counts chains, and keys in all chains
+        if len(msgs) > limit or sum(len(m.keys) for m in msgs) > limit:
+            out: list[LookupResult] = []
+            piece: list = []
+            for m in msgs + [None]:  # pieces of whole chains within the limit; a longer chain alone
+                if m is None or (piece and (len(piece) >= limit or sum(len(x.keys) for x in piece) + len(m.keys) > limit)):
+                    if piece:
+                        out += [self._result(r) for r in
+                                self._call("LookupMany", pb.LookupManyRequest(chains=piece)).results]
+                    piece = []
+                if m is not None and len(m.keys) > limit:
+                    out.append(self.lookup(m.keys))
+                elif m is not None:
+                    piece.append(m)
+            return out
         return [self._result(r) for r in self._call("LookupMany", pb.LookupManyRequest(chains=msgs)).results]
 
     def probe(self, keys: Sequence[bytes], *, until_miss: bool = False) -> tuple[bytes, bytes]:

@@ -313,3 +313,26 @@ def test_good_daemon_urls_still_connect() -> None:
     s = kvstore.connect("grpc://127.0.0.1:7070, grpc://127.0.0.1:7071")
     assert len(s.shards) == 2
     s.close()
+
+
+def test_lookup_many_over_max_batch_items_in_all_chains_goes_in_pieces(make_daemon, tmp_path) -> None:
+    """The daemon limits the chains and the keys in all chains of one LookupMany: the client
+    sends whole chains in pieces within both, a longer chain alone, results in order."""
+    d = make_daemon(max_batch_items=10)
+    keys = [K(f"l{i}") for i in range(40)]
+    chains = [keys[i:i + 3] for i in range(0, 30, 3)] + [keys[:25], keys[5:7], [], keys[30:40], keys[:1]]
+    with kvstore.connect(d.address, max_batch_items=10) as s, \
+            kvstore.connect(str(tmp_path / "model"), fsync=False) as model:
+        for st in (s, model):
+            st.put_many([PutItem(k, b"v") for k in keys[:20]])
+        assert s.lookup_many(chains) == model.lookup_many(chains)
+
+
+def test_a_trailing_slash_names_the_same_shard(make_daemon) -> None:
+    ds = [make_daemon() for _ in range(2)]
+    plain, slashed = ",".join(d.address for d in ds), ",".join(d.address + "/" for d in ds)
+    with kvstore.connect(plain) as a, kvstore.connect(slashed) as b:
+        a.put_many([PutItem(K(f"s{i}"), b"v") for i in range(30)])
+        assert b.get_many([K(f"s{i}") for i in range(30)]) == [b"v"] * 30
+    with pytest.raises(InvalidRequest):
+        kvstore.connect(f"{ds[0].address},{ds[0].address}/")  # one daemon listed twice
