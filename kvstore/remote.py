@@ -502,16 +502,26 @@ class RemoteStore:
         if len(msgs) > limit or sum(len(m.keys) for m in msgs) > limit:
             out: list[LookupResult] = []
             piece: list = []
-            for m in msgs + [None]:  # pieces of whole chains within the limit; a longer chain alone
-                if m is None or (piece and (len(piece) >= limit or sum(len(x.keys) for x in piece) + len(m.keys) > limit)):
-                    if piece:
-                        out += [self._result(r) for r in
-                                self._call("LookupMany", pb.LookupManyRequest(chains=piece)).results]
-                    piece = []
-                if m is not None and len(m.keys) > limit:
+            n_keys = 0
+
+            def send() -> None:
+                if piece:
+                    out.extend(self._result(r) for r in
+                               self._call("LookupMany", pb.LookupManyRequest(chains=piece)).results)
+                    piece.clear()
+
+            for m in msgs:  # pieces of whole chains within both limits, in order; a longer chain alone
+                if len(m.keys) > limit:
+                    send()
                     out.append(self.lookup(m.keys))
-                elif m is not None:
-                    piece.append(m)
+                    continue
+                if len(piece) == limit or n_keys + len(m.keys) > limit:
+                    send()
+                if not piece:
+                    n_keys = 0
+                piece.append(m)
+                n_keys += len(m.keys)
+            send()
             return out
         return [self._result(r) for r in self._call("LookupMany", pb.LookupManyRequest(chains=msgs)).results]
 
