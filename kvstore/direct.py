@@ -91,7 +91,7 @@ from kvstore.tuning import tune_malloc
 log = logging.getLogger(__name__)
 
 MODES = ("off", "on", "auto")
-FORMAT_MARKER = "kvstore.json"  # kvstore.store.FORMAT_FILE: the data directory's format marker
+FORMAT_MARKER = "kvstore.json"  # kvstore.datadir.FORMAT_FILE: the data directory's format marker
 LOCAL_SCHEMES = ("", "file", "local")
 REDESCRIBE_S = 10.0  # at most one Describe per this many seconds after a record names an unknown target
 

@@ -6,7 +6,7 @@ processes); within a process the store is thread-safe.
 
 Data directory::
 
-    <data_dir>/kvstore.json     format version, creation time, erasure code (ec_type)
+    <data_dir>/kvstore.json     format version, creation time, erasure code, index identity (kvstore.datadir)
     <data_dir>/index/           LMDB environment (see kvstore.index)
     <data_dir>/targets/t0..tN   the embedded default targets (k+m, one failure domain)
 
@@ -48,9 +48,7 @@ buffer (one copy from the fragment bodies) and the checksum is verified there.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,43 +58,24 @@ from typing import Any, Callable, Sequence
 
 from kvstore import codec
 from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
-from kvstore.config import DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, load_config
+from kvstore.config import StoreConfig, load_config
+from kvstore.datadir import DataDir
 from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, in_flight, run_now
 from kvstore.packs import PackIO
 from kvstore.errors import (
     CapacityExceeded,
-    CorruptData,
-    IncompatibleFormat,
     InvalidRequest,
     NotFound,
     StoreClosed,
     Unrecoverable,
 )
-from kvstore.index import Index, Meta, ekey, packed_bytes
+from kvstore.index import Meta, ekey, packed_bytes
 from kvstore.keys import check_key, check_keys
-from kvstore.targets import Target, fsync_dir, open_target
 from kvstore.tuning import tune_malloc
 
 log = logging.getLogger(__name__)
 
-DATA_FORMAT_VERSION = 1
-FORMAT_FILE = "kvstore.json"
-
-
-def _holds_files(root: Path) -> bool:
-    """Is there any file below ``root`` (a directory that may not exist)?"""
-    return any(files for _d, _s, files in os.walk(root))
-
-
-def _nonempty(path: Path) -> bool:
-    """Does ``path`` exist with at least one byte (an LMDB index that was ever opened does)?"""
-    try:
-        return path.stat().st_size > 0
-    except OSError:
-        return False
-
-
-class EmbeddedStore(FragmentIO, PackIO):
+class EmbeddedStore(DataDir, FragmentIO, PackIO):
     """In-process implementation of ``kvstore.api.KVStore``. See the module docstring."""
 
     def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.time):
@@ -112,53 +91,8 @@ class EmbeddedStore(FragmentIO, PackIO):
         self._calls = threading.Condition()  # guards _closed, _in_flight and _shut (``in_flight``)
         self._in_flight = 0
         self._shut = False  # the index closed (``_finish_close``)
-        marker = self._read_marker()
-        index_dir = self.data_dir / "index"
-        # New: no marker and no index. A marker lost with its index in place (a crash between
-        # creating the index and writing the marker, or a deleted file) is rewritten from the
-        # index as an old marker is: fields it lacks come from the records.
-        fresh = marker is None and not _nonempty(index_dir / "data.mdb")
-        if fresh:  # the code and targets settled (and refused if bad) before anything is created
-            self._settle(self._resolve_code(config, None))
-        rewrite = marker is None
-        if marker is None:  # the code this version writes unless told otherwise (not the legacy one)
-            marker = {"ec_type": config.ec_type or DEFAULT_EC_TYPE}
-        # A marker says the directory was written before: its index must be there. (A marker from
-        # before index_id was recorded may precede its index by a crash: then no target holds a file.)
-        if (not rewrite and not _nonempty(index_dir / "data.mdb")
-                and (marker.get("index_id") or _holds_files(self.data_dir / "targets"))):
-            raise CorruptData(
-                f"the index of data directory {self.data_dir} is missing or empty ({index_dir / 'data.mdb'}); "
-                "opening it would make every stored fragment an orphan for GC to delete. Restore the "
-                "index from a copy, or move the directory aside and start a fresh one")
-        try:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise InvalidRequest(f"cannot use {self.data_dir} as a data directory: {exc.strerror or exc}") from exc
-        self.index = Index(str(index_dir), map_size=config.lmdb_map_size,
-                           sync=config.fsync, max_readers=config.max_readers,
-                           compact_ratio=config.pack_compact_ratio)
-        try:
-            # The identity and the code are settled in the index in one transaction: creators racing
-            # each other agree there (a loser adopts the winner's code, or is refused if it asked for
-            # another), and the code is known even where the marker is lost.
-            identity, code = self.index.settle(os.urandom(16), lambda txn: self._proposed_code(config, marker, txn))
-            if code != {n: getattr(self.config, n, None) for n in ("ec_type", "ec_k", "ec_m")}:
-                self._settle(self._resolve_code(config, code))
-            config = self.config
-            if not fresh and marker.get("index_id") and marker["index_id"] != identity.hex():
-                raise CorruptData(
-                    f"the index at {index_dir} is not the one data directory {self.data_dir} was created with "
-                    "(it was recreated or copied from another directory); opening it would make every stored "
-                    "fragment an orphan for GC to delete. Restore the directory's own index")
-            if any(marker.get(n) != v for n, v in code.items()) or marker.get("index_id") != identity.hex():
-                self._write_marker(config, identity, marker)
-            if rewrite:
-                for t in self.targets.values():
-                    t.create_root()
-        except BaseException:
-            self.index.close()
-            raise
+        fresh = self._open_data_dir(config)
+        config = self.config
         self.code = codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
         # Two pools, so that no task ever waits on a task queued behind it in its own pool:
         # ``_pool`` runs single fragment reads/writes (leaf work); ``_batch_pool`` runs one
@@ -182,104 +116,6 @@ class EmbeddedStore(FragmentIO, PackIO):
                 log.warning("targets down at open: %s (reads will be degraded)", ", ".join(missing))
 
     # ------------------------------------------------------------------ set-up
-    def _read_marker(self) -> dict | None:
-        """The directory's marker (``FORMAT_FILE``) as a dict, or ``None`` for a new directory.
-
-        The marker records what every record of the directory depends on: the format
-        version, the erasure code (``ec_type``, ``ec_k``, ``ec_m``: records are decoded and
-        the default targets laid out with it) and the identity of its index (``index_id``,
-        ``kvstore.index``), so that a lost or replaced index is refused rather than taken for
-        an empty store whose fragments are all orphans. Older markers lack some fields; the
-        store fills them in at open.
-        """
-        fmt = self.data_dir / FORMAT_FILE
-        try:
-            exists = fmt.exists()
-            if exists:
-                doc = json.loads(fmt.read_text())
-                ver = int(doc["format_version"])
-                for name, typ in (("ec_type", str), ("ec_k", int), ("ec_m", int), ("index_id", str)):
-                    if name in doc and type(doc[name]) is not typ:
-                        raise TypeError(f"{name} is {doc[name]!r}")
-            else:
-                foreign = self.data_dir.exists() and any(p.name not in ("index", "targets")
-                                                         for p in self.data_dir.iterdir())
-        except (ValueError, KeyError, TypeError, AttributeError, IsADirectoryError) as exc:
-            raise IncompatibleFormat(
-                f"{fmt} is unreadable ({exc}); this is not a kvstore data directory or it is damaged") from exc
-        except OSError as exc:  # a file where the directory should be, no permission, ...
-            raise InvalidRequest(f"cannot use {self.data_dir} as a data directory: {exc.strerror or exc}") from exc
-        if not exists:
-            if foreign:
-                raise InvalidRequest(
-                    f"{self.data_dir} exists, is not empty and has no {FORMAT_FILE}: refusing to use it "
-                    "as a kvstore data directory; pass an empty or new directory")
-            return None
-        if ver != DATA_FORMAT_VERSION:
-            raise IncompatibleFormat(
-                f"data directory {self.data_dir} has format version {ver}, this kvstore reads "
-                f"version {DATA_FORMAT_VERSION}; open it with a matching kvstack release or "
-                "start a fresh directory"
-            )
-        return doc
-
-    def _resolve_code(self, config: StoreConfig, marker: dict | None) -> StoreConfig:
-        """``config`` with the directory's erasure code filled in: an unset field takes the
-        recorded value (the defaults for a new directory, or for a marker written before
-        that field was recorded); a set one that differs from the record is refused."""
-        chosen = {"ec_type": config.ec_type or DEFAULT_EC_TYPE,
-                  "ec_k": DEFAULT_EC_K if config.ec_k is None else config.ec_k,
-                  "ec_m": DEFAULT_EC_M if config.ec_m is None else config.ec_m}
-        if marker is None:
-            return replace(config, **chosen)
-        recorded = {**chosen, "ec_type": LEGACY_EC_TYPE, **{n: marker[n] for n in chosen if n in marker}}
-        for name, value in recorded.items():
-            given = getattr(config, name)
-            if given not in (None, "") and given != value:
-                raise IncompatibleFormat(
-                    f"data directory {self.data_dir} was written with {name} {value!r}, this store is "
-                    f"configured with {given!r}; leave {name} unset (the directory's is used) or "
-                    "start a fresh directory")
-        return replace(config, **recorded)
-
-    def _settle(self, config: StoreConfig) -> None:
-        """Take ``config`` (its code resolved) as this store's: check the code (an unknown one
-        is refused), open its targets, resolve how writes are made durable."""
-        codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
-        self.config = config
-        self.target_specs = config.resolved_targets()
-        self.targets: dict[str, Target] = {s.name: open_target(s) for s in self.target_specs}
-        self._sync_mode()
-
-    def _proposed_code(self, config: StoreConfig, marker: dict, txn: Any) -> dict:
-        """The code to record in an index that has none (new, or from before it was recorded):
-        the configured one (defaults for a new directory); for a directory written before, what
-        its marker records, ``ec_k``/``ec_m`` a marker lacks taken from its records, and the
-        legacy ``ec_type`` for a marker that predates that field. Refused if ``config`` asks
-        for another (``_resolve_code``)."""
-        first = self.index.first_record(txn)
-        if first is not None:
-            marker = {"ec_k": first.k, "ec_m": first.m, **marker}
-        if not marker or not _nonempty(self.data_dir / FORMAT_FILE) and first is None:
-            marker = {}  # nothing written yet: the configured code
-        resolved = self._resolve_code(config, marker or None)
-        return {n: getattr(resolved, n) for n in ("ec_type", "ec_k", "ec_m")}
-
-    def _write_marker(self, config: StoreConfig, identity: bytes, old: dict | None) -> None:
-        """Write the marker (atomically and durably: temporary file, fsync, rename, directory
-        fsync), keeping an existing one's creation time."""
-        doc = {"format_version": DATA_FORMAT_VERSION,
-               "created": old.get("created", time.time()) if old else time.time(),
-               "ec_type": config.ec_type, "ec_k": config.ec_k, "ec_m": config.ec_m, "index_id": identity.hex()}
-        fmt = self.data_dir / FORMAT_FILE
-        tmp = self.data_dir / f".{FORMAT_FILE}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            fh.write(json.dumps(doc))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, fmt)
-        fsync_dir(str(self.data_dir))
-
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed("this store is closed; open a new one with kvstore.connect")

@@ -53,7 +53,7 @@ PROG = "kvtool"
 
 def _require_local_store(url: str) -> None:
     """A local data directory must already be a store (kvtool never creates one)."""
-    from kvstore.store import FORMAT_FILE
+    from kvstore.datadir import FORMAT_FILE
 
     path = Path(url[len("file://"):] if url.startswith("file://") else url)
     if not path.exists():

@@ -48,7 +48,7 @@ class DirectRPC:
                                direct_writes=self.cfg.allow_direct_writes)
         if not (self.cfg.allow_direct_reads or self.cfg.allow_direct_writes):
             return out  # no target table for a daemon that serves neither
-        from kvstore.store import FORMAT_FILE
+        from kvstore.datadir import FORMAT_FILE
 
         st = self.store
         cfg = st.config
