@@ -2,6 +2,18 @@
 overrides / CLI flags, ``KVSTORE_*`` environment variables, a TOML file, and the
 embedded defaults.
 
+Two ways in, two typing rules:
+
+* ``StoreConfig(...)`` built directly takes every field in its declared type only
+  (``fsync="false"``, ``ec_k=4.7``, ``targets="file:///x"`` are ``InvalidRequest``
+  naming the field): nothing is guessed from a string.
+* ``load_config`` (``kvstore.connect``'s keyword arguments, ``KVSTORE_<FIELD>``
+  variables, TOML keys, the daemon's flags) parses text: ``"off"`` for a bool,
+  ``"4"`` for an int, ``URL[#DOMAIN[#NAME]],...`` for ``targets``. Only the value
+  that wins for a field has to parse; one that a higher source overrides is logged
+  as a warning and ignored (``merge_sources``), so a stale variable never blocks a
+  start that a flag has already corrected.
+
 Every default works on a laptop with no external service: one local data
 directory holding ``ec_k + ec_m`` target subdirectories in a single failure
 domain, so the code path is the same as with real disks.
@@ -10,13 +22,14 @@ domain, so the code path is the same as with real disks.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import tomllib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from kvstore.errors import InternalError, InvalidRequest
 
@@ -30,6 +43,12 @@ LEGACY_EC_TYPE = "isa_l_rs_vand"
 DEFAULT_EC_K, DEFAULT_EC_M = 4, 2  # a new data directory's code when ec_k / ec_m are unset
 MAX_TTL_S = 100 * 365 * 86400.0  # expiry times are u64 nanoseconds: keep far from overflow
 MAX_DURATION_S = 1e9  # any other time knob (~31 years): finite, and far from timestamp overflow
+# How targets are written, for error messages: built directly, and as text (env, TOML, connect()).
+TARGETS_FORM = ("a tuple of TargetSpec, e.g. (TargetSpec('file:///mnt/nvme0/kv', domain='rack1'), ...); "
+                "as text (connect(), KVSTORE_TARGETS, a config file): 'URL[#DOMAIN[#NAME]],...', "
+                "e.g. 'file:///mnt/nvme0/kv#rack1,file:///mnt/nvme1/kv#rack2'")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +64,12 @@ class TargetSpec:
     name: str = ""
 
     def __post_init__(self) -> None:
+        """Every part a string (``TargetSpec(5)`` is ``InvalidRequest``), the URL non-empty;
+        an empty name becomes the URL."""
+        for part in ("url", "domain", "name"):
+            if not isinstance(getattr(self, part), str):
+                raise InvalidRequest(f"a target's {part} must be a string, got {getattr(self, part)!r} "
+                                     "(a target is TargetSpec(url, domain='default', name=''))")
         if not self.url:
             raise InvalidRequest("a target needs a non-empty URL")
         if not self.name:
@@ -105,15 +130,7 @@ class StoreConfig:
         """Every knob checked before anything is created on disk: a bad value is one
         ``InvalidRequest`` naming the field, never an error from deep inside a put."""
         for f in dataclasses.fields(self):
-            v, want = getattr(self, f.name), str(f.type)
-            if v is None and "None" in want:
-                continue
-            if want.startswith(("int", "float")) and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                                      or (want.startswith("int") and not isinstance(v, int))):
-                raise InvalidRequest(f"{f.name} must be {'an integer' if want.startswith('int') else 'a number'}, "
-                                     f"got {v!r}")
-            if isinstance(v, float) and not math.isfinite(v):
-                raise InvalidRequest(f"{f.name} must be a finite number, got {v}")
+            _check_type(self, f.name, str(f.type))
         k, m = self.ec_k, self.ec_m
         if k is not None or m is not None:
             k = DEFAULT_EC_K if k is None else k
@@ -178,28 +195,77 @@ class StoreConfig:
         )
 
 
-def _coerce(name: str, typ: Any, value: Any) -> Any:
-    """Turn a TOML/env/flag value into the field's type, with a clear error."""
+def _check_type(cfg: StoreConfig, name: str, want: str) -> None:
+    """``cfg.<name>`` holds its declared type ``want`` (the annotation's text), else
+    ``InvalidRequest`` naming the field. Text is never parsed here (that is
+    ``load_config``'s job); a number is finite; ``data_dir`` may be a path object and
+    ``targets`` a list, both normalised (to ``str``, to a tuple)."""
+    v = getattr(cfg, name)
+    if v is None and want.endswith("| None"):
+        return
+    kind = want.removesuffix(" | None")
+    if kind in ("int", "float"):
+        if isinstance(v, bool) or not isinstance(v, int if kind == "int" else (int, float)):
+            raise InvalidRequest(f"{name} must be {'an integer' if kind == 'int' else 'a number'}, got {v!r}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise InvalidRequest(f"{name} must be a finite number, got {v}")
+    elif kind == "bool":
+        if not isinstance(v, bool):
+            raise InvalidRequest(f"{name} must be True or False, got {v!r} (text such as 'off' is parsed only by "
+                                 f"load_config: connect(), KVSTORE_{name.upper()}, a config file)")
+    elif kind == "str":
+        if name == "data_dir" and isinstance(v, os.PathLike):
+            v = os.fspath(v)
+            object.__setattr__(cfg, name, v)
+        if not isinstance(v, str):
+            raise InvalidRequest(f"{name} must be a string, got {v!r}")
+    elif name == "targets":
+        if not isinstance(v, (tuple, list)) or not all(isinstance(t, TargetSpec) for t in v):
+            raise InvalidRequest(f"targets must be {TARGETS_FORM}; got {v!r}")
+        object.__setattr__(cfg, name, tuple(v))
+    else:  # a new field of a kind not handled above: checking it is part of adding it
+        raise InternalError(f"StoreConfig field {name!r} of type {want!r} has no type check (a kvstore bug)")
+
+
+def _parse_targets(value: Any) -> tuple[TargetSpec, ...]:
+    """``targets`` from text (``URL[#DOMAIN[#NAME]],...``) or a list of ``TargetSpec``, TOML
+    tables (``{url = ..., domain = ...}``), text or paths; anything else is ``TypeError``."""
+    if isinstance(value, str):  # "a, b": spaces around the commas are not part of a URL
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"expected {TARGETS_FORM}")
+    out = []
+    for v in value:
+        if isinstance(v, os.PathLike):
+            v = os.fspath(v)
+        if isinstance(v, TargetSpec):
+            out.append(v)
+        elif isinstance(v, Mapping):
+            out.append(TargetSpec(**v))
+        elif isinstance(v, str):
+            out.append(TargetSpec.parse(v))
+        else:
+            raise TypeError(f"a target {v!r} is neither a TargetSpec, a table nor text; expected {TARGETS_FORM}")
+    return tuple(out)
+
+
+def _coerce(name: str, typ: Any, value: Any, source: str = "") -> Any:
+    """Turn a TOML/env/flag value into the field's type, with a clear error naming the
+    field and, when given, ``source`` (where the value came from: ``KVSTORE_EC_K``, a file)."""
     origin = typing.get_origin(typ)
     try:
         if name == "targets":
-            if isinstance(value, str):
-                value = [v for v in value.split(",") if v]
-            return tuple(
-                v if isinstance(v, TargetSpec)
-                else TargetSpec(**v) if isinstance(v, Mapping) else TargetSpec.parse(str(v))
-                for v in value
-            )
+            return _parse_targets(value)
         if typ is bool or typ == "bool":
             if isinstance(value, str):
                 if value.lower() in ("1", "true", "yes", "on"):
                     return True
                 if value.lower() in ("0", "false", "no", "off"):
                     return False
-                raise ValueError(value)
-            if not isinstance(value, (bool, int)):
-                raise TypeError(f"expected a bool, got {type(value).__name__}")
-            return bool(value)
+                raise ValueError("expected true/false, 1/0, yes/no or on/off")
+            if not isinstance(value, bool):  # 5 or 0.0 is a slip, not a switch
+                raise TypeError(f"expected true or false, got {type(value).__name__}")
+            return value
         if origin is typing.Union or "None" in str(typ):
             if value in (None, "", "none", "None"):
                 return None
@@ -220,7 +286,34 @@ def _coerce(name: str, typ: Any, value: Any) -> Any:
             raise TypeError(f"expected a string, got {type(value).__name__}")
         return value
     except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"config field {name!r}: cannot use {value!r} ({exc})") from exc
+        where = f" in {source}" if source else ""
+        raise InvalidRequest(f"config field {name!r}{where}: cannot use {value!r} ({exc})") from exc
+
+
+# One source's values: field name -> (where it came from, the raw value).
+Layer = Mapping[str, tuple[str, Any]]
+
+
+def merge_sources(layers: Sequence[Layer], coerce: Callable[[str, Any, str], Any]) -> dict[str, Any]:
+    """Each field's value from ``layers`` (highest precedence first), coerced by
+    ``coerce(name, raw, source)``.
+
+    Only the value that wins must be usable: its error (``InvalidRequest``) is raised.
+    A lower source's value is overridden; if it cannot be coerced it is logged as a
+    warning naming its source and value, and ignored, so that a bad ``KVSTORE_PORT``
+    does not stop ``kvstore serve --port 7071`` (it would, were the flag removed).
+    """
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(n for layer in layers for n in layer):
+        given = [layer[name] for layer in layers if name in layer]
+        (source, raw), overridden = given[0], given[1:]
+        out[name] = coerce(name, raw, source)
+        for lower, lower_raw in overridden:
+            try:
+                coerce(name, lower_raw, lower)
+            except InvalidRequest as exc:
+                log.warning("%s; ignored: %s overrides it", exc, source)
+    return out
 
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:
@@ -239,25 +332,42 @@ def load_config(
 ) -> StoreConfig:
     """Build a ``StoreConfig``: overrides > ``KVSTORE_*`` env > TOML file > defaults.
 
-    Overrides equal to ``None`` are ignored so that unset CLI flags fall through.
+    Overrides equal to ``None`` are ignored so that unset CLI flags fall through. An
+    unknown field (override or TOML key) is ``InvalidRequest``; so is a value that
+    cannot be parsed, unless a higher source overrides it (then it is a logged warning,
+    see ``merge_sources``).
     """
+    return store_config_from(toml_path, env, overrides, lambda k: f"argument {k}=")
+
+
+def store_config_from(
+    toml_path: str | os.PathLike | None,
+    env: Mapping[str, str] | None,
+    overrides: Mapping[str, Any],
+    override_source: Callable[[str], str],
+) -> StoreConfig:
+    """``load_config`` with the overrides' source named by ``override_source(field)`` in
+    messages (the daemon's CLI says ``option --ec-k``)."""
     fields = {f.name: f for f in dataclasses.fields(StoreConfig)}
-    values: dict[str, Any] = {}
+    from_file: dict[str, tuple[str, Any]] = {}
     if toml_path is not None:
         doc = read_toml(toml_path)
         doc = doc.get("store", doc)
+        if not isinstance(doc, dict):
+            raise InvalidRequest(f"{toml_path}: 'store' must be a [store] table, got {doc!r}")
         for k, v in doc.items():
             if k not in fields:
                 raise InvalidRequest(f"unknown config field {k!r} in {toml_path}; known: {sorted(fields)}")
-            values[k] = _coerce(k, fields[k].type, v)
+            from_file[k] = (f"{toml_path}", v)
     env = os.environ if env is None else env
-    for k in fields:
-        ev = env.get(ENV_PREFIX + k.upper())
-        if ev is not None:
-            values[k] = _coerce(k, fields[k].type, ev)
+    from_env = {k: (ENV_PREFIX + k.upper(), env[ENV_PREFIX + k.upper()])
+                for k in fields if env.get(ENV_PREFIX + k.upper()) is not None}
+    given: dict[str, tuple[str, Any]] = {}
     for k, v in overrides.items():
         if k not in fields:
             raise InvalidRequest(f"unknown store option {k!r}; known: {sorted(fields)}")
         if v is not None:
-            values[k] = _coerce(k, fields[k].type, v)
+            given[k] = (override_source(k), v)
+    values = merge_sources([given, from_env, from_file],
+                           lambda k, v, source: _coerce(k, fields[k].type, v, source))
     return StoreConfig(**values)

@@ -583,9 +583,13 @@ def open_embedded(url: str, **overrides: Any) -> EmbeddedStore:
 
 
 def _file_url_path(url: str) -> str:
-    """The local path of a plain path or ``file:`` URL; another host is ``InvalidRequest``."""
+    """The local path of a plain path or ``file:`` URL; another host, a query or a fragment
+    is ``InvalidRequest`` (``kvstore.connect`` checks the same before dispatching here)."""
     if not url.lower().startswith("file:"):
         return url
+    if "?" in url or "#" in url:
+        raise InvalidRequest(f"{url!r}: a file URL cannot hold a query ('?') or fragment ('#'); "
+                             "give the directory as a plain path if its name contains one")
     rest = url[len("file:"):]
     if rest.startswith("//"):
         host, sep, path = rest[2:].partition("/")

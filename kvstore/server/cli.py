@@ -4,7 +4,9 @@ Flags are generated from the ``ServerConfig`` and ``StoreConfig`` fields
 (``--gc-interval-s``, ``--data-dir``, ``--ec-k``, ``--targets URL,URL`` ...), so
 every knob has a flag, a ``KVSTORE_<FIELD>`` variable and a TOML key, with
 precedence flags > env > TOML > defaults. With no flags at all it serves
-``./kvstack-data`` on 127.0.0.1:7070.
+``./kvstack-data`` on 127.0.0.1:7070. Only the values used must be valid: a bad
+``KVSTORE_PORT=abc`` under ``--port 7071`` (or a bad file key under a variable or
+flag) is logged as a warning naming it, and the daemon starts.
 
 On start it prints one line to stdout, ``kvstore serving grpc://HOST:PORT``
 (plus ``metrics http://HOST:PORT/metrics`` when enabled), so scripts and tests

@@ -13,6 +13,10 @@ a TOML file, the embedded defaults (127.0.0.1:7070, no TLS, no auth, data in
 Every listener binds to ``host`` (127.0.0.1 by default); nothing listens on
 all interfaces unless the operator says so.
 
+Only the value that wins for a field must be usable: a bad ``KVSTORE_PORT`` or
+file key that a flag (or, for a file key, a variable) overrides is logged as a
+warning naming it, and the daemon starts (``kvstore.config.merge_sources``).
+
 Validation (all ``InvalidRequest``, so ``kvstore serve`` exits 2 with one line):
 a file with a ``[server]`` or ``[store]`` table may hold nothing else at the top
 level; an unknown key anywhere is refused; an integer field takes an integer
@@ -29,7 +33,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvstore.config import ENV_PREFIX, StoreConfig, _coerce, load_config, read_toml
+from kvstore.config import ENV_PREFIX, StoreConfig, _coerce, merge_sources, read_toml, store_config_from
 from kvstore.errors import InvalidRequest
 
 MiB = 1024 * 1024
@@ -132,7 +136,7 @@ def _coerce_server(name: str, value: Any, source: str) -> Any:
         value = int(value)  # TOML's 7070.0 is 7070; 7070.9 is refused below, never truncated
     if not isinstance(value, str) and not _fits(kind, value):  # text (env, flags) is parsed by _coerce
         raise InvalidRequest(f"server option {name!r} in {source} must be {_WANT[kind]}, got {value!r}")
-    return _coerce(name, typ, value)
+    return _coerce(name, typ, value, source)
 
 
 SERVER_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
@@ -153,9 +157,11 @@ def load_server_config(
     unknown name (option, ``[server]`` key, top-level key or table of a file with
     ``[server]``/``[store]`` tables), a value of the wrong type (an integer field
     given ``7070.9`` or ``true``) and a value out of range (see ``ServerConfig``).
+    A value that a higher source overrides is checked only to warn about it (logged,
+    naming the variable or file and the value); it never stops the start.
     """
     env = os.environ if env is None else env
-    values: dict[str, Any] = {}
+    from_file: dict[str, tuple[str, Any]] = {}
     tabled = False  # a file with [server] and/or [store] tables (else: a flat store-only file)
     if toml_path is not None:
         doc = read_toml(toml_path)
@@ -171,22 +177,27 @@ def load_server_config(
         for k, v in doc.get("server", {}).items():
             if k not in SERVER_FIELDS:
                 raise InvalidRequest(f"unknown [server] option {k!r} in {toml_path}; known: {sorted(SERVER_FIELDS)}")
-            values[k] = _coerce_server(k, v, str(toml_path))
-    for k in SERVER_FIELDS:
-        ev = env.get(ENV_PREFIX + k.upper())
-        if ev is not None:
-            values[k] = _coerce_server(k, ev, ENV_PREFIX + k.upper())
+            from_file[k] = (str(toml_path), v)
+    from_env = {k: (ENV_PREFIX + k.upper(), env[ENV_PREFIX + k.upper()])
+                for k in SERVER_FIELDS if env.get(ENV_PREFIX + k.upper()) is not None}
+    flags: dict[str, tuple[str, Any]] = {}
     store_over: dict[str, Any] = {}
     for k, v in overrides.items():
         if k in SERVER_FIELDS:
             if v is not None:
-                values[k] = _coerce_server(k, v, f"option --{k.replace('_', '-')}")
+                flags[k] = (_flag(k), v)
         elif k in STORE_FIELDS:
             store_over[k] = v
         else:
             raise InvalidRequest(f"unknown option {k!r}")
+    values = merge_sources([flags, from_env, from_file], _coerce_server)
     toml_for_store = toml_path
     if tabled and "store" not in doc:
         toml_for_store = None  # a server-only file: no store options in it
-    store_cfg = load_config(toml_for_store, env=env, **store_over)
+    store_cfg = store_config_from(toml_for_store, env, store_over, _flag)
     return ServerConfig(**values), store_cfg
+
+
+def _flag(name: str) -> str:
+    """How a field's flag is named in messages: ``option --gc-interval-s``."""
+    return f"option --{name.replace('_', '-')}"

@@ -1,0 +1,135 @@
+"""``kvstore serve``'s sources, flags > ``KVSTORE_*`` > ``--config`` file > defaults: only
+the value used for a field must be valid. A bad value that a higher source overrides is a
+warning naming it (the daemon starts); a bad value that would be used is one
+``kvstore serve:`` line and exit 2.
+
+Every field of ``ServerConfig`` and ``StoreConfig`` is checked through
+``load_server_config`` (what the CLI calls); two subprocess runs check the CLI itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import InvalidRequest
+from kvstore.server.config import SERVER_FIELDS, STORE_FIELDS, load_server_config
+
+from .conftest import ROOT, subprocess_env
+
+FIELDS = {**SERVER_FIELDS, **STORE_FIELDS}
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _good_text(name: str, tmp_path: Path) -> str:
+    """A value for the field, as text (a flag, a variable), that loads on its own."""
+    special = {"ec_k": "2", "ec_m": "1", "default_ttl_s": "60", "data_dir": str(tmp_path / "data"),
+               "targets": ",".join(f"file://{tmp_path}/t{i}" for i in range(3)),
+               "tls_cert": "", "tls_key": "", "tls_client_ca": ""}
+    if name in special:
+        return special[name]
+    value = _default(FIELDS[name])
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _bad_text(name: str) -> str | None:
+    """Text that cannot be coerced to the field's type (None: every text is a string)."""
+    kind = str(FIELDS[name].type).removesuffix(" | None")
+    if name == "targets":
+        return "file:///a#d#n#extra"
+    return {"int": "abc", "float": "abc", "bool": "maybe"}.get(kind)
+
+
+ENV_BAD = [n for n in FIELDS if _bad_text(n) is not None]
+
+
+def test_every_non_string_field_has_a_bad_value() -> None:
+    assert {"port", "metrics_port", "gc_interval_s", "allow_direct_reads", "ec_k", "fsync", "targets"} <= set(ENV_BAD)
+
+
+@pytest.mark.parametrize("name", ENV_BAD)
+def test_a_bad_variable_under_a_flag_is_a_warning(name, tmp_path, caplog) -> None:
+    var, bad = f"KVSTORE_{name.upper()}", _bad_text(name)
+    over = {"data_dir": str(tmp_path / "data"), name: _good_text(name, tmp_path)}
+    with caplog.at_level(logging.WARNING, logger="kvstore.config"):
+        scfg, stcfg = load_server_config(None, env={var: bad}, **over)
+    assert var in caplog.text and repr(bad) in caplog.text, caplog.text
+    assert f"option --{name.replace('_', '-')} overrides it" in caplog.text
+
+
+@pytest.mark.parametrize("name", ENV_BAD)
+def test_a_bad_variable_that_is_used_is_refused_naming_it(name, tmp_path) -> None:
+    var = f"KVSTORE_{name.upper()}"
+    with pytest.raises(InvalidRequest, match=var):
+        load_server_config(None, env={var: _bad_text(name)}, data_dir=str(tmp_path / "data"))
+
+
+def _toml_bad(name: str) -> str:
+    """A TOML value of the wrong type for the field."""
+    return "5" if str(FIELDS[name].type) == "str" or name == "targets" else '"abc"'
+
+
+@pytest.mark.parametrize("name", sorted(FIELDS))
+def test_a_bad_file_key_under_a_variable_or_flag_is_a_warning(name, tmp_path, caplog) -> None:
+    table = "server" if name in SERVER_FIELDS else "store"
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text(f"[{table}]\n{name} = {_toml_bad(name)}\n")
+    base = {} if name == "data_dir" else {"data_dir": str(tmp_path / "data")}
+    with pytest.raises(InvalidRequest, match=name):
+        load_server_config(cfg, env={}, **base)
+    env = {f"KVSTORE_{name.upper()}": _good_text(name, tmp_path)}
+    with caplog.at_level(logging.WARNING, logger="kvstore.config"):
+        load_server_config(cfg, env=env, **base)  # the variable wins
+        load_server_config(cfg, env={}, **base, **{name: _good_text(name, tmp_path)})  # the flag wins
+    assert caplog.text.count(str(cfg)) == 2, caplog.text
+
+
+def test_a_precedence_chain_flag_over_env_over_file(tmp_path) -> None:
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text("[server]\nport = 7001\ndrain_s = 1\ngc_interval_s = 2\n")
+    scfg, _ = load_server_config(cfg, env={"KVSTORE_PORT": "7002", "KVSTORE_DRAIN_S": "3"}, port="7003",
+                                 data_dir=str(tmp_path / "data"))
+    assert (scfg.port, scfg.drain_s, scfg.gc_interval_s) == (7003, 3.0, 2.0)
+
+
+def _serve(tmp_path: Path, *args: str, env: dict[str, str], timeout: float = 60) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvstore.server.cli", "serve", "--data-dir", str(tmp_path / "data"),
+           "--gc-interval-s", "0", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=subprocess_env(**env))
+
+
+def test_serve_starts_when_a_flag_overrides_a_bad_variable(tmp_path) -> None:
+    p = _serve(tmp_path, "--port", "0", "--fsync", "false",
+               env={"KVSTORE_PORT": "abc", "KVSTORE_FSYNC": "maybe", "KVSTORE_HOST": "127.0.0.1"})
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("kvstore serving grpc://127.0.0.1:"), (line, p.stderr.read()[-3000:] if not line else "")
+        p.terminate()
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate(timeout=10)
+    assert p.returncode == 0, err[-3000:]
+    warnings = [ln for ln in err.splitlines() if "WARNING" in ln]
+    assert any("KVSTORE_PORT" in ln and "'abc'" in ln and "--port" in ln for ln in warnings), err[-3000:]
+    assert any("KVSTORE_FSYNC" in ln and "'maybe'" in ln for ln in warnings), err[-3000:]
+
+
+def test_serve_refuses_a_bad_variable_it_would_use_with_one_line(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "serve", "--data-dir", str(tmp_path / "data")],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=subprocess_env(KVSTORE_PORT="abc"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kvstore serve:")]
+    assert len(lines) == 1 and "KVSTORE_PORT" in lines[0] and "'abc'" in lines[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert not (tmp_path / "data").exists()
