@@ -352,7 +352,12 @@ def store_config_from(
     from_file: dict[str, tuple[str, Any]] = {}
     if toml_path is not None:
         doc = read_toml(toml_path)
-        doc = doc.get("store", doc)
+        if "store" in doc or "server" in doc:  # the daemon's form: [store] (and [server], not ours) only
+            stray = sorted(set(doc) - {"store", "server"})
+            if stray:
+                raise InvalidRequest(f"{toml_path}: a file with [store]/[server] tables holds nothing else at the "
+                                     f"top level; move {stray} into [store]")
+            doc = doc.get("store", {})
         if not isinstance(doc, dict):
             raise InvalidRequest(f"{toml_path}: 'store' must be a [store] table, got {doc!r}")
         for k, v in doc.items():

@@ -238,3 +238,19 @@ def test_open_embedded_itself_refuses_a_file_url_with_a_query(tmp_path, monkeypa
         with pytest.raises(InvalidRequest, match="query"):
             open_embedded(form.format(d=tmp_path / "p"), fsync=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_daemon_config_file_serves_connect_too(tmp_path) -> None:
+    """The daemon's file form ([server] and/or [store] tables) read by ``connect(config_file=)``:
+    [server] is the daemon's and skipped, a server-only file sets no store field, and a stray
+    top-level key beside the tables is refused rather than silently dropped."""
+    both = tmp_path / "both.toml"
+    both.write_text("[server]\nport = 7071\n[store]\nzstd_level = 7\n")
+    assert load_config(both, env={}).zstd_level == 7
+    server_only = tmp_path / "server.toml"
+    server_only.write_text("[server]\nport = 7071\n")
+    assert load_config(server_only, env={}) == load_config(None, env={})
+    stray = tmp_path / "stray.toml"
+    stray.write_text("zstd_level = 5\n[store]\nfsync = false\n")
+    with pytest.raises(InvalidRequest, match="top level"):
+        load_config(stray, env={})
