@@ -3,6 +3,26 @@
 ``kvstore.connect("grpc://127.0.0.1:7070")`` returns one (``grpcs://`` for TLS);
 a comma-separated list of URLs returns a ``kvstore.sharded.ShardedStore``.
 
+TLS: the URL scheme decides, per URL, never the options:
+  * ``grpcs://HOST:PORT`` is TLS. ``ca_file`` is the CA that signed the daemon's
+    certificate (absent: the system roots, i.e. gRPC's bundled roots or
+    ``GRPC_DEFAULT_SSL_ROOTS_FILE_PATH``); ``cert_file`` + ``key_file`` add a
+    client certificate (mutual TLS); ``server_name`` overrides the name checked.
+    A certificate that does not verify fails the call with ``StoreUnavailable``
+    within ``timeout_s`` (the message says to check ``ca_file``), never a hang.
+  * ``grpc://HOST:PORT`` is plaintext. TLS options (``TLS_OPTIONS``: given to
+    ``connect`` or taken from ``KVSTORE_CA_FILE`` / ``KVSTORE_CERT_FILE`` /
+    ``KVSTORE_KEY_FILE``) with a ``grpc://`` URL raise ``InvalidRequest`` ("use
+    grpcs://") at connect time, before any channel is opened: a client
+    certificate never silently means a plaintext connection.
+  * One exception, because the options (the environment above all) apply to every
+    shard of a comma list: in a list with at least one ``grpcs://`` URL, the TLS
+    options are for the ``grpcs://`` shards and the ``grpc://`` shards connect in
+    plaintext (``open_grpc`` says so to each shard's client with
+    ``ClientOptions.grpcs_in_set``; a ``ShardedStore`` built directly needs options
+    with it set for such a list). A list of ``grpc://`` URLs only is refused as one
+    ``grpc://`` URL is.
+
 Guarantees (same as the embedded store, see ``kvstore.api``):
   * Every method has the embedded store's semantics and raises the same
     ``kvstore.errors`` classes: the daemon sends the error's ``code`` in the
@@ -44,23 +64,38 @@ Options (``connect`` overrides, else environment): ``token``
 ``direct_reads`` ("off" (default), "on", "auto"; ``KVSTORE_DIRECT_READS``),
 ``direct_writes`` (the same; ``KVSTORE_DIRECT_WRITES``). Bad options raise
 ``InvalidRequest`` at connect time: ``cert_file`` without ``key_file`` (or the
-reverse), a TLS file that cannot be read or is not PEM, a URL not of the form
-``URL_FORM``, a non-positive or non-finite ``timeout_s``.
+reverse), a TLS file that cannot be read or is not PEM, TLS options with ``grpc://``
+URLs only (see TLS above), a URL not of the form ``URL_FORM``, a non-positive or
+non-finite ``timeout_s``.
 
 Batches larger than ``max_batch_items`` (the daemon's per-call limit, 4096 by
 default) are validated whole, then sent as consecutive pieces of at most that
 many items, results concatenated in order, as ``lookup`` and ``probe`` do for
 long chains. Such a batch is not one unit on the daemon: see ``put_many``.
+
+The daemon's own limit is learned, not configured twice: a daemon refuses a batch
+over its ``max_batch_items`` with ``wire.BatchTooLarge`` carrying that limit, before
+any store work (``kvstore.server.service``: nothing of the refused call was applied).
+The client then lowers its piece size to that limit for good (this client, i.e. this
+daemon) and resends the refused piece and the rest in pieces, once per batch call (a
+second refusal is raised). So with the default option and a daemon at a lower limit the
+first over-limit batch costs one refused call and every later one none; the steady
+state sends no extra call. ``max_batch_items`` given to ``connect`` stays an upper
+bound (pieces are never larger than it). ``lookup_many`` counts chains and keys in all
+chains against the limit, as the daemon does. A daemon that predates this sends no limit
+with its refusal: the ``InvalidRequest`` is raised as before (set ``max_batch_items``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 
@@ -72,12 +107,16 @@ from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server.wire import RequestTooLarge, error_from_rpc, layout_from_pb, put_parts, read_pem
+from kvstore.server.wire import BatchTooLarge, RequestTooLarge, error_from_rpc, layout_from_pb, put_parts, read_pem
+
+log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 URL_FORM = "grpc://HOST:PORT[,grpc://HOST:PORT...] (grpcs:// for TLS; HOST a name, an IPv4 or a [IPv6] address)"
 # gRPC channel arguments are C ints: a larger message limit is an OverflowError inside gRPC.
 MAX_MESSAGE_BYTES = 2**31 - 1
+# Options that only mean something over TLS: with a grpc:// URL they are refused (module docstring).
+TLS_OPTIONS = ("ca_file", "cert_file", "key_file", "server_name")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +133,11 @@ class ClientOptions:
     max_batch_items: int = 4096  # the daemon's default limit; longer chains and probes go in pieces
     direct_reads: str = "off"  # "off", "on" or "auto" (a bool: on/off); see kvstore.direct
     direct_writes: str = "off"  # the same modes; see kvstore.direct_writes
+    # Not a connect option: set by ``open_grpc`` when the URL list has a grpcs:// URL, so the
+    # TLS options are for those shards and a grpc:// shard of the list ignores them (plaintext).
+    grpcs_in_set: bool = False
 
+    INTERNAL = frozenset({"grpcs_in_set"})
     ENV = {"token": "KVSTORE_TOKEN", "ca_file": "KVSTORE_CA_FILE", "cert_file": "KVSTORE_CERT_FILE",
            "key_file": "KVSTORE_KEY_FILE", "direct_reads": "KVSTORE_DIRECT_READS",
            "direct_writes": "KVSTORE_DIRECT_WRITES"}
@@ -102,6 +145,8 @@ class ClientOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "direct_reads", parse_mode(self.direct_reads))
         object.__setattr__(self, "direct_writes", parse_mode(self.direct_writes, "direct_writes"))
+        if not isinstance(self.grpcs_in_set, bool):
+            raise InvalidRequest(f"grpcs_in_set must be a bool, got {self.grpcs_in_set!r}")
         if bool(self.cert_file) != bool(self.key_file):
             # Checked here: gRPC aborts the whole process (SIGABRT) on a certificate without its key.
             raise InvalidRequest("mutual TLS needs both cert_file and key_file (the client certificate and its "
@@ -116,13 +161,29 @@ class ClientOptions:
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any]) -> "ClientOptions":
-        fields = set(cls.__dataclass_fields__)
+        fields = set(cls.__dataclass_fields__) - cls.INTERNAL
         unknown = set(overrides) - fields
         if unknown:
             raise InvalidRequest(f"unknown grpc client option(s) {sorted(unknown)}; known: {sorted(fields)}")
         vals = {k: os.environ[e] for k, e in cls.ENV.items() if e in os.environ}
         vals.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**vals)
+
+    def tls_given(self) -> list[str]:
+        """The ``TLS_OPTIONS`` that are set (from ``connect`` or the environment)."""
+        return [n for n in TLS_OPTIONS if getattr(self, n)]
+
+
+def refuse_tls_options(url: str, o: ClientOptions) -> None:
+    """``InvalidRequest`` when TLS options are set for the plaintext ``grpc://`` ``url``
+    (and ``o`` is not for a URL list with a grpcs:// URL; module docstring)."""
+    given = o.tls_given()
+    if given and not o.grpcs_in_set:
+        env = [ClientOptions.ENV[n] for n in given if n in ClientOptions.ENV]
+        src = f" (or {'/'.join(env)} in the environment)" if env else ""
+        raise InvalidRequest(
+            f"{url} is plaintext but TLS option(s) {', '.join(given)} were given{src}: the URL scheme decides, "
+            f"use {'grpcs' + url[len('grpc'):]} for TLS or drop the option(s)")
 
 
 def parse_address(url: str) -> tuple[str, bool]:
@@ -197,20 +258,26 @@ class _Unimplemented(Exception):
 
 
 class RemoteStore:
-    """``kvstore.api.KVStore`` over gRPC. Thread-safe (one channel, shared)."""
+    """``kvstore.api.KVStore`` over gRPC. Thread-safe (one channel, shared).
+
+    ``url``'s scheme decides TLS (module docstring): ``InvalidRequest`` before any channel
+    is opened for TLS options with a ``grpc://`` URL (unless ``options.grpcs_in_set``).
+    """
 
     def __init__(self, url: str, options: ClientOptions | None = None):
         self.url = url
         self.address, tls = parse_address(url)
         self.options = o = options or ClientOptions()
+        if not tls:
+            refuse_tls_options(url, o)  # before opening anything
         opts = [("grpc.max_receive_message_length", o.max_message_bytes),
                 ("grpc.max_send_message_length", o.max_message_bytes),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000)]
-        if o.server_name:
+        if tls and o.server_name:
             opts.append(("grpc.ssl_target_name_override", o.server_name))
-        if tls or o.ca_file:
+        if tls:  # the scheme alone decides; without ca_file, gRPC verifies against the system roots
             creds = grpc.ssl_channel_credentials(
                 root_certificates=read_pem(o.ca_file, "ca_file", "CERTIFICATE") if o.ca_file else None,
                 private_key=read_pem(o.key_file, "key_file", "PRIVATE KEY") if o.key_file else None,
@@ -231,6 +298,9 @@ class RemoteStore:
         self._md = (("authorization", f"Bearer {o.token}"),) if o.token else None
         self._closed = False
         self._lock = threading.Lock()
+        # Items per batch call: the option, lowered to the daemon's max_batch_items once a
+        # refusal told it (``_learn``); only ever lowered, so pieces never grow past the option.
+        self._batch_items = o.max_batch_items
         # Direct reads (kvstore.direct): None when off; the daemon is first asked on the first read.
         self._direct = DirectReads(o.direct_reads, self._call, url) if o.direct_reads != "off" else None
         # Direct writes (kvstore.direct_writes): None when off; the daemon is first asked on the first put.
@@ -262,37 +332,75 @@ class RemoteStore:
             return self.put_many([item])[0]
         return self._call("Put", encode_item(item).message(), fn=self._put_raw).created
 
-    def _pieces(self, n: int) -> list[slice]:
-        """A batch of ``n`` items as consecutive pieces of at most ``max_batch_items``."""
-        step = self.options.max_batch_items
-        return [slice(off, off + step) for off in range(0, n, step)]
+    def _each_piece(self, n: int, send: Callable[[slice], Any], *,
+                    check: Callable[[slice], None] | None = None) -> Iterator[tuple[slice, Any]]:
+        """A batch of ``n`` items as consecutive pieces of at most ``_batch_items``, in order:
+        yields ``(piece, send(piece))``; the caller may stop early (``lookup``, ``probe``).
+
+        ``check(piece)`` runs on every piece before the first is sent (and again on the rest,
+        re-split, after a refusal). A piece the daemon refuses as over its ``max_batch_items``
+        (``BatchTooLarge``: nothing of it was applied) teaches this client the daemon's limit
+        (``_learn``); that piece and the rest are then re-split and sent. Once per call: a
+        second refusal, or one that says nothing new, is raised.
+        """
+        off, retried = 0, False
+        while off < n:
+            step = self._batch_items
+            pieces = [slice(o, min(o + step, n)) for o in range(off, n, step)]
+            if check is not None:
+                for p in pieces:
+                    check(p)
+            for p in pieces:
+                try:
+                    got = send(p)
+                except BatchTooLarge as exc:
+                    if retried or not self._learn(exc, p.stop - p.start):
+                        raise
+                    retried = True
+                    break  # re-split from p.start (== off) with the learned limit
+                off = p.stop
+                yield p, got
+
+    def _learn(self, exc: BatchTooLarge, sent: int) -> bool:
+        """Lower ``_batch_items`` to the daemon's limit from its refusal of a ``sent``-item
+        piece. False (the caller raises ``exc``) when the refusal names no usable limit, i.e.
+        none below what was sent: an older daemon, or a limit that changed under us."""
+        if not 0 < exc.limit < sent:
+            return False
+        with self._lock:
+            if exc.limit < self._batch_items:
+                log.info("%s refused a %d-item batch (max_batch_items=%d); sending batches of at most %d",
+                         self.url, sent, exc.limit, exc.limit)
+                self._batch_items = exc.limit
+        return True
 
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         """``kvstore.api``'s batched put; one ``created`` flag per item, in order.
 
         Every item is validated (and, without direct writes, every piece's size checked
         against ``max_message_bytes``) before anything is sent. A batch of more than
-        ``max_batch_items`` items goes to the daemon as consecutive pieces of at most that
-        many, so unlike the embedded store's ``put_many`` (one index commit for the whole
-        batch) it is not one unit: a failure in a later piece (daemon down, quota, capacity)
-        raises after the earlier pieces were stored. Retrying the whole batch is safe: a put
-        of a live key stores nothing (it then answers ``created=False`` for those).
+        ``max_batch_items`` items (the option, or the daemon's lower limit once learned:
+        module docstring) goes to the daemon as consecutive pieces of at most that many, so
+        unlike the embedded store's ``put_many`` (one index commit for the whole batch) it is
+        not one unit: a failure in a later piece (daemon down, quota, capacity) raises after
+        the earlier pieces were stored. A piece refused as over the daemon's limit stored
+        nothing and is resent in smaller pieces. Retrying the whole batch is safe: a put of a
+        live key stores nothing (it then answers ``created=False`` for those).
         """
         items = list(items)
         if not items:
             return []
         encs = [encode_item(it) for it in items]  # validate every item before sending any
-        pieces = self._pieces(len(items))
-        if self._direct_w is None:
-            for p in pieces:  # every piece fits in one call before the first is sent
-                self._check_bytes(encs[p], len(items))
+        # Every piece fits in one call before the first is sent (``_each_piece``'s check).
+        check = None if self._direct_w is not None else (lambda p: self._check_bytes(encs[p], len(items)))
         out: list[bool] = []
-        for p in pieces:
-            out.extend(self._put_piece(items[p], encs[p]))
+        for _, got in self._each_piece(len(items), lambda p: self._put_piece(items[p], encs[p]), check=check):
+            out.extend(got)
         return out
 
     def _put_piece(self, items: list[PutItem], encs: list[EncodedPut]) -> list[bool]:
-        """One piece of ``put_many`` (at most ``max_batch_items``): direct writes, else gRPC."""
+        """One piece of ``put_many`` (at most ``_batch_items``): direct writes, else gRPC.
+        A ``BatchTooLarge`` from either (Commit or PutStream refused) stored nothing."""
         if self._direct_w is not None:
             if self._closed:
                 raise StoreClosed("this store is closed; open a new one with kvstore.connect")
@@ -369,8 +477,8 @@ class RemoteStore:
             return []
         k = EntryKind.parse(kind)
         out: list[bytes | None] = []
-        for p in self._pieces(len(keys)):  # more than max_batch_items keys: in pieces, in order
-            out.extend(self._get_piece(keys[p], k))
+        for _, got in self._each_piece(len(keys), lambda p: self._get_piece(keys[p], k)):  # in pieces, in order
+            out.extend(got)
         return out
 
     def _get_piece(self, keys: list[bytes], k: EntryKind) -> list[bytes | None]:
@@ -396,8 +504,8 @@ class RemoteStore:
         if not keys:
             return []
         out: list[EntryInfo | None] = []
-        for p in self._pieces(len(keys)):
-            out.extend(self._get_into_piece(keys[p], views[p], k))
+        for _, got in self._each_piece(len(keys), lambda p: self._get_into_piece(keys[p], views[p], k)):
+            out.extend(got)
         return out
 
     def _get_into_piece(self, keys: list[bytes], views: list[memoryview], k: EntryKind) -> list[EntryInfo | None]:
@@ -449,10 +557,13 @@ class RemoteStore:
         ``max_batch_items`` in order (a failure in a later piece leaves earlier ones done)."""
         k = EntryKind.parse(kind).value
         reqs = [pb.KeyRequest(key=check_key(x), kind=k) for x in keys]
+
+        def send(p: slice) -> list[bool]:
+            return self._check_count(method, list(self._call(method, pb.KeysRequest(keys=reqs[p])).ok), len(reqs[p]))
+
         out: list[bool] = []
-        for p in self._pieces(len(reqs)):
-            out.extend(self._check_count(method, list(self._call(method, pb.KeysRequest(keys=reqs[p])).ok),
-                                         len(reqs[p])))
+        for _, got in self._each_piece(len(reqs), send):
+            out.extend(got)
         return out
 
     def delete(self, key: bytes, *, kind: str = "block") -> bool:
@@ -483,47 +594,46 @@ class RemoteStore:
         each piece only while every key before it hit (a 100k-token prompt in 16-token blocks
         is a 6,250-key chain)."""
         keys = check_keys(keys)
-        step = self.options.max_batch_items
         hit, swa_at = 0, None
-        for off in range(0, len(keys), step):
-            r = self._result(self._call("Lookup", pb.LookupRequest(keys=keys[off:off + step])))
-            hit = off + r.hit_blocks
+        for p, r in self._each_piece(len(keys), lambda p: self._result(
+                self._call("Lookup", pb.LookupRequest(keys=keys[p])))):
+            hit = p.start + r.hit_blocks
             if r.swa_at is not None:
-                swa_at = off + r.swa_at
-            if r.hit_blocks < len(keys[off:off + step]):
+                swa_at = p.start + r.swa_at
+            if r.hit_blocks < p.stop - p.start:
                 break
         return LookupResult(hit, swa_at)
 
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
-        msgs = [pb.LookupRequest(keys=check_keys(c)) for c in chains]
-        if not msgs:
-            return []
-        limit = self.options.max_batch_items  # the daemon counts chains, and keys in all chains
-        if len(msgs) > limit or sum(len(m.keys) for m in msgs) > limit:
-            out: list[LookupResult] = []
-            piece: list = []
-            n_keys = 0
-
-            def send() -> None:
-                if piece:
-                    out.extend(self._result(r) for r in
-                               self._call("LookupMany", pb.LookupManyRequest(chains=piece)).results)
-                    piece.clear()
-
-            for m in msgs:  # pieces of whole chains within both limits, in order; a longer chain alone
-                if len(m.keys) > limit:
-                    send()
-                    out.append(self.lookup(m.keys))
-                    continue
-                if len(piece) == limit or n_keys + len(m.keys) > limit:
-                    send()
-                if not piece:
-                    n_keys = 0
-                piece.append(m)
-                n_keys += len(m.keys)
-            send()
-            return out
-        return [self._result(r) for r in self._call("LookupMany", pb.LookupManyRequest(chains=msgs)).results]
+        """One result per chain, in order. The daemon limits both the chains of one LookupMany
+        and the keys in all of them to its ``max_batch_items``: chains go in pieces of whole
+        chains within both (``_batch_items``), a chain longer than that alone through
+        ``lookup``. A piece refused as too large re-splits once with the learned limit, as
+        ``_each_piece`` does."""
+        msgs = [check_keys(c) for c in chains]  # every chain validated before anything is sent
+        out: list[LookupResult] = []
+        i, retried = 0, False
+        while i < len(msgs):
+            limit = self._batch_items
+            if len(msgs[i]) > limit:
+                out.append(self.lookup(msgs[i]))
+                i += 1
+                continue
+            j, n_keys = i, 0
+            while j < len(msgs) and j - i < limit and n_keys + len(msgs[j]) <= limit:
+                n_keys += len(msgs[j])
+                j += 1
+            try:
+                reply = self._call("LookupMany", pb.LookupManyRequest(
+                    chains=[pb.LookupRequest(keys=c) for c in msgs[i:j]]))
+            except BatchTooLarge as exc:
+                if retried or not self._learn(exc, max(j - i, n_keys)):
+                    raise
+                retried = True
+                continue  # the same chains again, within the learned limit
+            out.extend(self._result(r) for r in self._check_count("LookupMany", list(reply.results), j - i))
+            i = j
+        return out
 
     def probe(self, keys: Sequence[bytes], *, until_miss: bool = False) -> tuple[bytes, bytes]:
         """Per key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings.
@@ -531,11 +641,10 @@ class RemoteStore:
         at the first key without a live block (``EmbeddedStore.probe``); pieces after it are
         not asked for."""
         keys = check_keys(keys)
-        step = self.options.max_batch_items
         block, swa = [], []
-        for off in range(0, len(keys), step):
-            n = len(keys[off:off + step])
-            r = self._call("Probe", pb.ProbeRequest(keys=keys[off:off + step], until_miss=until_miss))
+        for p, r in self._each_piece(len(keys), lambda p: self._call(
+                "Probe", pb.ProbeRequest(keys=keys[p], until_miss=until_miss))):
+            n = p.stop - p.start
             short = len(r.block) < n
             if len(r.swa) != len(r.block) or len(r.block) > n or (short and (not until_miss or r.block[-1:] != b"\0")):
                 raise InternalError(f"Probe answered {len(r.block)}/{len(r.swa)} flags for {n} keys (a kvstore bug)")
@@ -579,9 +688,16 @@ class RemoteStore:
 def open_grpc(url: str, **overrides: Any):
     """``kvstore.connect`` opener for ``grpc://`` and ``grpcs://`` (a comma list: sharded).
 
-    Options and every URL are checked (``split_urls``) before any channel is opened."""
+    Options and every URL are checked (``split_urls``; TLS options with ``grpc://`` URLs
+    only: ``refuse_tls_options``) before any channel is opened. In a list with a
+    ``grpcs://`` URL the TLS options are for those shards (module docstring)."""
     opts = ClientOptions.from_overrides(overrides)
     urls = split_urls(url)
+    if any(parse_address(u)[1] for u in urls):
+        if len(urls) > 1 and opts.tls_given():
+            opts = dataclasses.replace(opts, grpcs_in_set=True)
+    else:
+        refuse_tls_options(urls[0], opts)
     if len(urls) > 1:
         from kvstore.sharded import ShardedStore
 

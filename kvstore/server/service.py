@@ -16,6 +16,10 @@ Per call, in this order (each step for its reason):
   5. A ``KVStoreError`` becomes a status + trailing metadata (``wire``); any
      other exception is a bug: INTERNAL, logged with its traceback.
 
+A batch over ``max_batch_items`` is refused (``_batch``: ``wire.BatchTooLarge``, the
+limit in the trailing metadata) before any store work, so a client that does not know
+the limit learns it from the refusal and resends the batch in pieces (``kvstore.remote``).
+
 The two streaming batch forms take the same steps: ``GetStream`` validates
 every key first, then reads the keys a window (``GET_STREAM_WINDOW``) at a
 time and sends each value as its own ``GetChunk`` (its admission slot held
@@ -65,6 +69,7 @@ from kvstore.server.direct_rpc import DirectRPC
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
 from kvstore.server.wire import (
+    BatchTooLarge,
     RequestTooLarge,
     encode_get_chunk,
     encode_get_reply,
@@ -380,8 +385,14 @@ class Daemon(DirectRPC):
 
     # ------------------------------------------------------------------ helpers
     def _batch(self, n: int, what: str) -> None:
+        """``BatchTooLarge`` (carrying this daemon's limit) when ``n`` items are over ``max_batch_items``.
+
+        Contract: every handler calls it before any store work (and PutStream before the call
+        is admitted), so the refusal guarantees that nothing was applied; ``kvstore.remote``
+        relies on that to learn the limit and resend the batch in pieces."""
         if n > self.cfg.max_batch_items:
-            raise InvalidRequest(f"{what} of {n} items is over max_batch_items={self.cfg.max_batch_items}; split it")
+            raise BatchTooLarge(f"{what} of {n} items is over max_batch_items={self.cfg.max_batch_items}; split it",
+                                limit=self.cfg.max_batch_items)
 
     @staticmethod
     def _key(tenant: Tenant, key: bytes) -> bytes:

@@ -5,11 +5,16 @@ Errors
 The daemon answers a ``KVStoreError`` with the gRPC status in ``STATUS_BY_CODE``
 and trailing metadata ``kvstore-error-code`` (the class's ``code``); for
 ``Unrecoverable`` also ``kvstore-error-key`` (hex) and
-``kvstore-failed-targets`` (comma list). ``error_from_rpc`` on the client
+``kvstore-failed-targets`` (comma list); for ``BatchTooLarge`` (code
+``INVALID_REQUEST``, so a client that predates it reads a plain
+``InvalidRequest``) also ``kvstore-max-batch-items``, the daemon's limit, from
+which ``kvstore.remote`` learns how to split. ``error_from_rpc`` on the client
 rebuilds the same class with the same message. A status without the metadata
 (the daemon is down, gRPC refused an oversized message, a deadline passed) is
 mapped by ``ERRORS_BY_STATUS``: UNAVAILABLE and DEADLINE_EXCEEDED become
-``StoreUnavailable``, so "daemon down" is one retryable type for callers.
+``StoreUnavailable``, so "daemon down" is one retryable type for callers (a
+failed TLS handshake too: gRPC reports it as UNAVAILABLE; the message then
+says to check ``ca_file`` and the URL scheme).
 
 Conversions never trust the wire: kinds, layouts and keys are validated by the
 store itself (``InvalidRequest`` -> INVALID_ARGUMENT).
@@ -51,12 +56,28 @@ from kvstore.proto import kvstore_pb2 as pb
 MD_CODE = "kvstore-error-code"
 MD_KEY = "kvstore-error-key"
 MD_TARGETS = "kvstore-failed-targets"
+MD_BATCH_LIMIT = "kvstore-max-batch-items"
 
 
 class RequestTooLarge(InvalidRequest):
     """A message is over the gRPC size limit (``max_message_bytes``) of the client or the daemon."""
 
     code = "REQUEST_TOO_LARGE"
+
+
+class BatchTooLarge(InvalidRequest):
+    """A batch call has more items (or, for ``LookupMany``, chains or keys in all chains)
+    than the daemon's ``max_batch_items``, which is ``limit`` (0: not known).
+
+    Contract: the daemon raises it before any store work for that call, so a refused
+    batch changed nothing and the client may resend it in pieces of at most ``limit``
+    (``kvstore.remote`` does, once). Same wire ``code`` as ``InvalidRequest``; the limit
+    travels in ``MD_BATCH_LIMIT``.
+    """
+
+    def __init__(self, message: str, *, limit: int = 0):
+        super().__init__(message)
+        self.limit = limit
 
 
 class ServerBusy(StoreUnavailable):
@@ -118,6 +139,8 @@ def status_of(exc: KVStoreError) -> tuple[grpc.StatusCode, tuple[tuple[str, str]
     md: list[tuple[str, str]] = [(MD_CODE, code)]
     if isinstance(exc, Unrecoverable):
         md += [(MD_KEY, exc.key.hex()), (MD_TARGETS, ",".join(exc.failed_targets))]
+    if isinstance(exc, BatchTooLarge) and exc.limit > 0:
+        md.append((MD_BATCH_LIMIT, str(exc.limit)))
     return STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN), tuple(md)
 
 
@@ -133,19 +156,39 @@ def error_from_rpc(err: grpc.RpcError, where: str = "") -> KVStoreError:
     if cls is Unrecoverable:
         targets = tuple(t for t in md.get(MD_TARGETS, "").split(",") if t)
         return Unrecoverable(details, key=bytes.fromhex(md.get(MD_KEY, "")), failed_targets=targets)
+    if cls is InvalidRequest and _batch_limit(md.get(MD_BATCH_LIMIT)):
+        return BatchTooLarge(details, limit=_batch_limit(md.get(MD_BATCH_LIMIT)))
     if cls is not None:
         return cls(details)
     status = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     cls = ERRORS_BY_STATUS.get(status, KVStoreError)
     prefix = f"{where}: " if where else ""
     if cls is StoreUnavailable:
-        return StoreUnavailable(f"{prefix}kvstore daemon unreachable ({status.name}: {details})")
+        hint = TLS_HINT if any(m in details.lower() for m in _TLS_FAILURE_MARKERS) else ""
+        return StoreUnavailable(f"{prefix}kvstore daemon unreachable ({status.name}: {details}){hint}")
     if cls is RequestTooLarge:
         return RequestTooLarge(
             f"{prefix}{details}; raise max_message_bytes on both the daemon and the client, "
             "or send smaller batches"
         )
     return cls(f"{prefix}{status.name}: {details}")
+
+
+# Substrings (lower case) of gRPC's details for a failed TLS handshake: an untrusted daemon
+# certificate (CERTIFICATE_VERIFY_FAILED) or grpcs:// to a plaintext daemon (WRONG_VERSION_NUMBER).
+# Not bare "tls"/"ssl": a host name in the details may contain them.
+_TLS_FAILURE_MARKERS = ("handshake failed", "certificate_verify_failed", "wrong_version_number", "ssl_error")
+TLS_HINT = ("; the TLS handshake failed: the daemon's certificate must be signed by ca_file (without ca_file, "
+            "by a CA in the system roots), and grpcs:// is only for a TLS daemon")
+
+
+def _batch_limit(raw: Any) -> int:
+    """``MD_BATCH_LIMIT``'s value as a positive int; 0 when absent or not one (never trusted blindly)."""
+    if isinstance(raw, bytes):
+        raw = raw.decode("ascii", "replace")
+    if isinstance(raw, str) and raw.isascii() and raw.isdigit() and 0 < int(raw) <= 2**31:
+        return int(raw)
+    return 0
 
 
 def layout_to_pb(layout: Layout, msg: pb.Layout) -> None:

@@ -207,7 +207,8 @@ def test_locate_validates_like_get(make_daemon) -> None:
         with pytest.raises(kvstore.InvalidRequest):
             s._call("Locate", pb.LocateRequest(keys=[K(1)], kind="bogus"))
         with pytest.raises(kvstore.InvalidRequest, match="max_batch_items"):
-            s.get_many([K(i) for i in range(5)])
+            s._call("Locate", pb.LocateRequest(keys=[K(i) for i in range(5)]))
+        assert s.get_many([K(i) for i in range(5)]) == [None] * 5  # the client learns the limit and splits
         with pytest.raises(kvstore.InvalidRequest):
             s.get(b"short")
 
