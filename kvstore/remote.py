@@ -19,9 +19,8 @@ TLS: the URL scheme decides, per URL, never the options:
     shard of a comma list: in a list with at least one ``grpcs://`` URL, the TLS
     options are for the ``grpcs://`` shards and the ``grpc://`` shards connect in
     plaintext (``open_grpc`` says so to each shard's client with
-    ``ClientOptions.grpcs_in_set``; a ``ShardedStore`` built directly needs options
-    with it set for such a list). A list of ``grpc://`` URLs only is refused as one
-    ``grpc://`` URL is.
+    ``ClientOptions.grpcs_in_set``, as ``ShardedStore`` does itself for such a
+    list). A list of ``grpc://`` URLs only is refused as one ``grpc://`` URL is.
 
 Guarantees (same as the embedded store, see ``kvstore.api``):
   * Every method has the embedded store's semantics and raises the same

@@ -66,8 +66,9 @@ class ShardedStore:
     def __init__(self, urls: Sequence[str], options: ClientOptions | None = None):
         if len(set(urls)) != len(urls) or not urls:
             raise InvalidRequest(f"shard URLs must be distinct and non-empty, got {list(urls)}")
-        for u in urls:
-            parse_address(u)  # every URL checked before any channel is opened
+        tls = [parse_address(u)[1] for u in urls]  # every URL checked before any channel is opened
+        if any(tls):  # TLS options are for the grpcs:// shards; grpc:// ones are plaintext (kvstore.remote)
+            options = replace(options or ClientOptions(), grpcs_in_set=True)
         self.urls = list(urls)
         self.shards: list[RemoteStore] = []
         try:

@@ -22,7 +22,9 @@ The service contract
    ``UnpinMany``, ``LookupMany``) keep the caller's order. A batch is
    validated whole before anything is written: one bad item fails the call
    with INVALID_ARGUMENT and stores nothing. More than ``max_batch_items``
-   items is INVALID_ARGUMENT.
+   items is INVALID_ARGUMENT, refused before any store work, with the limit in
+   trailing metadata ``kvstore-max-batch-items`` (``wire.BatchTooLarge``):
+   clients learn it there and re-send in pieces.
 3. ``Probe`` answers, per key, "live block?" and "live SWA?"; the sharded
    client uses it to compute a chain's longest prefix across daemons.
 4. Errors. A store error is a gRPC status plus trailing metadata

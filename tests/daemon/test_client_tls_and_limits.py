@@ -125,6 +125,12 @@ def test_a_sharded_set_mixing_grpcs_and_grpc(make_daemon, certs, monkeypatch, so
         per = s.stats()["shards"]
         assert per[tls.address]["entries"] > 0 and per[plain.address]["entries"] > 0  # both shards used
         assert per[tls.address]["entries"] + per[plain.address]["entries"] == 40
+    # A ShardedStore built directly (not through connect) takes the same rule for a mixed list.
+    from kvstore.remote import ClientOptions
+    from kvstore.sharded import ShardedStore
+
+    with ShardedStore([tls.address, plain.address], ClientOptions(ca_file=certs["ca"])) as direct:
+        assert direct.get_many(keys[:5]) == [k * 2 for k in keys[:5]]
 
 
 # ---------------------------------------------------------------- 2. the daemon's max_batch_items
