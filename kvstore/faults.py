@@ -17,6 +17,8 @@ What it injects, per operation, from a seeded RNG (``FaultPlan``)::
                                 the bytes under the root past capacity_bytes
     short_write    write        only a prefix reaches the file, silently
     down           all          the root looks gone (ENOENT, is_up False) until up()
+    unreachable    all          access denied (PermissionError): the target cannot be asked,
+                                as with a wrong credential or an endpoint that refuses
 
 Control: ``control(NAME)`` returns the ``FaultControl`` that every filesystem
 opened on ``faulty://NAME/...`` consults on each call; a test flips it at run
@@ -68,6 +70,7 @@ class FaultPlan:
     capacity_bytes: int = 0  # 0: unbounded
     short_write_p: float = 0.0
     down: bool = False
+    unreachable: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -175,10 +178,14 @@ class FaultControl:
                 self.counts["latency"] += 1
             if plan.down:
                 self.counts["down"] += 1
+            elif plan.unreachable:
+                self.counts["unreachable"] += 1
         if delay:
             time.sleep(delay)
         if plan.down:
             raise FileNotFoundError(errno.ENOENT, f"faulty target {self.name} is down (injected)")
+        if plan.unreachable:
+            raise PermissionError(errno.EACCES, f"faulty target {self.name}: access denied (injected)")
         return plan
 
     def draw(self, kind: str, p: float) -> bool:
@@ -293,10 +300,17 @@ class FaultyFileSystem(AbstractFileSystem):
 
     # ---------------------------------------------------------------- metadata
     def isdir(self, path: str) -> bool:
+        self._refuse_if_unreachable()
         return not self.control.plan.down and os.path.isdir(self._strip_protocol(path))
 
     def exists(self, path: str, **kwargs: Any) -> bool:
+        self._refuse_if_unreachable()
         return not self.control.plan.down and os.path.exists(self._strip_protocol(path))
+
+    def _refuse_if_unreachable(self) -> None:
+        if self.control.plan.unreachable:
+            self.control.draw("unreachable", 1.0)  # counted
+            raise PermissionError(errno.EACCES, f"faulty target {self.control.name}: access denied (injected)")
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         self.control.step("mkdir")

@@ -31,6 +31,7 @@ from kvstore.placement import place
 from kvstore.targets import (
     LocalTarget,
     TargetUnavailable,
+    TargetUnreachable,
     fragment_path,
     fragment_prefix,
     pack_path,
@@ -335,8 +336,11 @@ class FragmentIO:
             return not all(self.targets[t].local for t in meta.targets[: meta.k] if t in self.targets)
         return mode == "always"
 
-    def _gather(self, meta: Meta, ek: bytes, scratch: memoryview | None = None) -> tuple[dict[int, memoryview], list[str]]:
-        """At least k verified bodies if possible (data fragments first); failed target names.
+    def _gather(self, meta: Meta, ek: bytes,
+                scratch: memoryview | None = None) -> tuple[dict[int, memoryview], list[str], list[str]]:
+        """At least k verified bodies if possible (data fragments first); failed target names;
+        of those, the ones that could not be asked (``TargetUnreachable``: nothing is known of
+        their fragments, so a shortfall they cause is not a loss).
 
         Fragment ``i`` is read into slot ``i`` of ``scratch`` (``frag_len + 1`` bytes
         each); the returned bodies are views into it, valid until the caller reuses it.
@@ -354,6 +358,7 @@ class FragmentIO:
             scratch = memoryview(bytearray(n_bytes)) if timeout else self._scratch(n_bytes)
         good: dict[int, memoryview] = {}
         failed: list[str] = []
+        unreachable: list[str] = []
         late: dict[int, Future] = {}
         n = len(meta.targets)
         parallel = self._parallel(meta) or timeout > 0
@@ -387,15 +392,20 @@ class FragmentIO:
                 else:
                     log.warning("fragment %d of %s on %s unusable: %s", i, ek[1:].hex(), meta.targets[i], exc)
                     failed.append(meta.targets[i])
+                    if isinstance(exc, TargetUnreachable):
+                        unreachable.append(meta.targets[i])
         for i, f in late.items():
             if len(good) >= meta.k:
                 break
             try:
                 good[i] = f.result()  # bounded by the target itself: better late than lost
+            except TargetUnreachable:
+                unreachable.append(meta.targets[i])
+                continue
             except (OSError, CorruptData):
                 continue
             failed.remove(meta.targets[i])
-        return good, failed
+        return good, failed, unreachable
 
     def _decode(self, meta: Meta, ek: bytes, good: dict[int, memoryview], failed: list[str],
                 out: memoryview | None = None) -> tuple[codec.EntryHeader, bytes | memoryview]:
@@ -571,13 +581,17 @@ class FragmentIO:
             got = self._read_fast(ek, meta, roots, out)
             if got is not None:
                 return got
-        good, failed = self._gather(meta, ek)
+        good, failed, unreachable = self._gather(meta, ek)
         if len(good) < meta.k:
             unknown = sorted(set(meta.targets) - set(self.targets))
             if unknown:  # a configuration that lacks targets is not a loss: nothing is marked
                 raise StoreUnavailable(
                     f"entry {ek[1:].hex()} has fragments on targets {', '.join(unknown)}, which this store "
                     "was not opened with; open the data directory with the targets it was written to")
+            if len(good) + len(unreachable) >= meta.k:  # readable, for all we know: not a loss either
+                raise StoreUnavailable(
+                    f"entry {ek[1:].hex()}: targets {', '.join(sorted(set(unreachable)))} could not be reached "
+                    f"({len(good)} of {meta.k} needed fragments read); nothing is marked lost, retry when they answer")
             self._mark_lost(ek, meta)
             raise Unrecoverable(
                 f"entry {ek[1:].hex()} ({EntryKind.from_code(ek[0]).value}) has {len(good)} good fragments, "

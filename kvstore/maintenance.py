@@ -43,7 +43,7 @@ from kvstore import codec
 from kvstore.api import EntryKind
 from kvstore.errors import CapacityExceeded, CorruptData
 from kvstore.index import STANDALONE, Meta, packed_bytes
-from kvstore.targets import TargetUnavailable, fragment_path, parse_fragment_path, parse_pack_path
+from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path, parse_fragment_path, parse_pack_path
 
 if TYPE_CHECKING:
     from kvstore.store import EmbeddedStore
@@ -319,13 +319,22 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
 
 
 # --------------------------------------------------------------------------- check / verify / repair
-def _scan_entry(store: "EmbeddedStore", ek: bytes, m: Meta) -> tuple[dict[int, bytes], dict[int, Problem]]:
+def _scan_entry(store: "EmbeddedStore", ek: bytes, m: Meta,
+                unreachable: frozenset[str] = frozenset()) -> tuple[dict[int, bytes], dict[int, Problem]]:
+    """Read and verify every fragment of a record: the good bodies, and a problem per bad one
+    (``TARGET_DOWN`` for a fragment on a target that could not be asked, or is in
+    ``unreachable``: known unreachable, so not asked again at the cost of its timeouts)."""
     good: dict[int, bytes] = {}
     bad: dict[int, Problem] = {}
     kind = EntryKind.from_code(ek[0]).value
     for i, name in enumerate(m.targets):
+        if name in unreachable:
+            bad[i] = Problem(ProblemKind.TARGET_DOWN, ek[1:].hex(), kind, name, f"fragment {i}: target unreachable")
+            continue
         try:
             good[i] = store._read_fragment(m, ek, i)
+        except TargetUnreachable as exc:  # not asked: nothing known of this fragment (``check``)
+            bad[i] = Problem(ProblemKind.TARGET_DOWN, ek[1:].hex(), kind, name, f"fragment {i}: {exc}")
         except FileNotFoundError as exc:
             bad[i] = Problem(ProblemKind.MISSING_FRAGMENT, ek[1:].hex(), kind, name, f"fragment {i}: {exc}")
         except (OSError, TargetUnavailable) as exc:
@@ -390,17 +399,31 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
     """
     progress = progress or _noop
     problems: list[Problem] = []
-    down = [name for name, t in store.targets.items() if not t.is_up()]
+    states = dict(zip(store.targets, store._pool.map(lambda t: t.state(), store.targets.values())))  # at once
+    down = [name for name, (state, _) in states.items() if state != "up"]
     for name in down:
-        problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail="target root missing"))
+        problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail=states[name][1]))
+    # Targets that could not be asked (``TargetUnreachable``: a wrong credential, an endpoint
+    # that does not answer) say nothing about their fragments: an entry short of k good ones
+    # because of them is not marked lost, and their fragments are not rebuilt elsewhere. One
+    # TARGET_DOWN problem per such target says how many entries it left unchecked.
+    unchecked: dict[str, int] = {}
+    unreachable = frozenset(name for name, (state, _) in states.items() if state == "unreachable")
     records = [(ek, m, "entries") for ek, m in _iter_records(store, "entries")]
     records += [(ek, m, "lost") for ek, m in _iter_records(store, "lost")]
     total = len(records)
     for n, (ek, m, where) in enumerate(records):
         if n % 64 == 0:
             progress("verify", n, total)
-        good, bad = _scan_entry(store, ek, m)
+        good, bad = _scan_entry(store, ek, m, unreachable)
         kind = EntryKind.from_code(ek[0]).value
+        unasked = {i: p for i, p in bad.items() if p.kind is ProblemKind.TARGET_DOWN}
+        if unasked:
+            for p in unasked.values():
+                unchecked[p.target] = unchecked.get(p.target, 0) + 1
+            bad = {i: p for i, p in bad.items() if i not in unasked}
+            if len(good) < m.k <= len(good) + len(unasked):
+                continue  # readable, for all we know: not lost, and nothing to rebuild from
         if len(good) < m.k:
             # A scrub knows what a read would learn: mark it lost so lookups stop offering it
             # (``repair`` restores it if its targets come back).
@@ -431,6 +454,15 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
             problems.append(Problem(ProblemKind.LOST_ENTRY, ek[1:].hex(), kind, "",
                                     "marked lost but readable again", fixed=fix and fixed_meta is not None))
     progress("verify", total, total)
+    for name, n in unchecked.items():
+        detail = f"could not be reached; {n} entries with fragments on it were not checked"
+        if name in down:
+            problems = [replace(p, detail=f"{p.detail}; {n} entries with fragments on it were not checked")
+                        if p.kind is ProblemKind.TARGET_DOWN and p.target == name and not p.key else p
+                        for p in problems]
+        else:
+            problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail=detail))
+            down.append(name)
     # A target reported down above is not swept: its failed listing would report it down twice.
     _, _, orphans = _sweep_orphans(store, store.clock(), not fix, store.config.orphan_grace_s, progress,
                                    skip=down)
@@ -476,6 +508,7 @@ def stats(store: "EmbeddedStore") -> dict:
             newest = m.created_ns if newest is None else max(newest, m.created_ns)
     specs = store.target_specs
     n_domains = len({t.domain for t in specs})
+    up = dict(zip(store.targets, store._pool.map(lambda t: t.is_up(), store.targets.values())))  # asked at once
     return {
         "data_dir": str(store.data_dir),
         "entries": sum(d["entries"] for d in by_kind.values()),
@@ -489,7 +522,7 @@ def stats(store: "EmbeddedStore") -> dict:
         "newest_created_s": newest / 1e9 if newest else None,
         "erasure_code": f"{store.config.ec_type} {store.config.ec_k}+{store.config.ec_m}",
         "durable_writes": {"file": "fsync per file", "fs": "syncfs per filesystem"}.get(store._sync_mode(), "off"),
-        "targets": [{"name": t.name, "url": t.url, "domain": t.domain, "up": store.targets[t.name].is_up()}
+        "targets": [{"name": t.name, "url": t.url, "domain": t.domain, "up": up[t.name]}
                     for t in specs],
         "failure_domains": n_domains,
         "failure_domain_note": (

@@ -111,9 +111,12 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             "compacted_entries": 0, "read_retries": 0, "read_timeouts": 0, "rejected_packs": 0,
         }
         if not fresh:
-            missing = [n for n, t in self.targets.items() if not t.is_up()]
-            if missing:
-                log.warning("targets down at open: %s (reads will be degraded)", ", ".join(missing))
+            # Asked at once: a remote target that does not answer costs its timeouts once, not per target.
+            states = dict(zip(self.targets, self._pool.map(lambda t: t.state(), self.targets.values())))
+            down = [f"{n} ({why})" for n, (state, why) in states.items() if state != "up"]
+            if down:
+                log.warning("targets down at open: %s (reads of their fragments are degraded, or fail while more "
+                            "than m are down)", "; ".join(down))
 
     # ------------------------------------------------------------------ set-up
     def _check_open(self) -> None:

@@ -27,10 +27,12 @@ creates it.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import secrets
 import sys
+import time
 
 from typing import Iterator, Sequence
 
@@ -42,6 +44,76 @@ from kvstore.errors import InvalidRequest
 
 class TargetUnavailable(OSError):
     """The target's root is gone or refuses I/O (internal to the store; never returned to callers)."""
+
+
+class TargetUnreachable(TargetUnavailable):
+    """A remote target could not be *asked*: connection refused or timed out, access denied
+    (a wrong credential), the service failing or throttling. Nothing is known about its
+    data, so this is never a reason to call a fragment missing or an entry lost: a read
+    short of k fragments because of it is ``StoreUnavailable`` (``kvstore.fragments``), and
+    ``check``/``verify`` report the target down without marking entries lost
+    (``kvstore.maintenance``). A missing object or bucket is ``FileNotFoundError`` instead:
+    that is an answer."""
+
+
+# Errors of the client libraries under fsspec (which are not OSErrors, or are OSErrors that
+# say nothing about the data): raised through ``Target`` as ``TargetUnreachable``.
+_CLIENT_MODULES = frozenset({"botocore", "aiobotocore", "boto3", "aiohttp", "urllib3", "requests", "google",
+                             "gcsfs", "s3fs", "asyncio"})
+# OSErrors of an object store's answer that mean "the service could not answer now" (s3fs maps
+# a 5xx to EREMOTEIO, throttling to EBUSY/EAGAIN) rather than anything about the object.
+_SERVICE_ERRNOS = frozenset({errno.EREMOTEIO, errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNREFUSED,
+                             errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH})
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """Does ``exc``, raised by an fsspec backend, mean the target could not be asked?"""
+    if isinstance(exc, (FileNotFoundError, TargetUnavailable, InvalidRequest)):
+        return False  # an answer ("not there"), or already classified
+    if isinstance(exc, (PermissionError, ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _SERVICE_ERRNOS:
+        return True
+    return type(exc).__module__.split(".", 1)[0] in _CLIENT_MODULES
+
+
+# After a target could not be asked, it is not asked again for this long: each operation fails
+# at once with ``TargetUnreachable`` (a circuit breaker), so an outage costs the client's
+# timeouts once per target and interval, not once per fragment of every get and scrub.
+UNREACHABLE_COOLDOWN_S = 5.0
+
+
+def _asking(method):
+    """Wrap a ``Target`` operation: a backend error that means "could not ask" becomes
+    ``TargetUnreachable`` naming the target (the original chained), and the target is not
+    asked again for ``UNREACHABLE_COOLDOWN_S``; other errors pass unchanged."""
+    import functools
+
+    @functools.wraps(method)
+    def call(self: "Target", *args, **kwargs):
+        where = self.name if self.name == self.spec.url else f"{self.name} ({self.spec.url})"
+        since = time.monotonic() - self._unreachable_at
+        if since < UNREACHABLE_COOLDOWN_S:
+            raise TargetUnreachable(errno.EHOSTUNREACH, f"target {where} not asked: it could not be reached "
+                                    f"{since:.1f} s ago ({self._unreachable_why})")
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            if not _is_unreachable(exc):
+                raise
+            self._unreachable_at, self._unreachable_why = time.monotonic(), f"{type(exc).__name__}: {exc}"
+            raise TargetUnreachable(errno.EHOSTUNREACH, f"target {where} could not be reached: "
+                                    f"{self._unreachable_why}") from exc
+    return call
+
+
+# Client settings for remote targets, so that an endpoint that refuses or never answers costs a
+# bounded time (botocore's defaults are 60 s per read and up to 5 attempts): connect within 5 s,
+# each read within TARGET_TIMEOUT_S, 3 attempts in all. Passed to fsspec per URL scheme.
+TARGET_TIMEOUT_S = 20.0
+_S3_CLIENT = {"config_kwargs": {"connect_timeout": 5, "read_timeout": TARGET_TIMEOUT_S,
+                                "retries": {"max_attempts": 3, "mode": "standard"}}}
+CLIENT_OPTIONS: dict[str, dict] = {"s3": _S3_CLIENT, "s3a": _S3_CLIENT}
 
 
 def fragment_path(kind_code: int, key: bytes, gen: bytes, index: int) -> str:
@@ -102,13 +174,16 @@ class Target:
 
     atomic_put = False
     local = False  # reads are worth fanning out over threads unless the target is local
+    _unreachable_at = -math.inf  # monotonic time it last could not be asked (``_asking``)
+    _unreachable_why = ""
 
     def __init__(self, spec: TargetSpec):
         self.spec = spec
         self.name = spec.name
         self.domain = spec.domain
+        scheme = spec.url.split("://", 1)[0] if "://" in spec.url else ""
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(spec.url)
+            self.fs, self.root = fsspec.core.url_to_fs(spec.url, **CLIENT_OPTIONS.get(scheme, {}))
         except (ImportError, ValueError) as exc:
             raise InvalidRequest(
                 f"cannot open target {spec.url!r}: {exc} (an s3:// target needs `pip install kvstack[s3]`)"
@@ -122,15 +197,35 @@ class Target:
         self.fs.makedirs(self.root, exist_ok=True)
 
     def is_up(self) -> bool:
-        try:
-            return bool(self.fs.isdir(self.root)) or self.fs.exists(self.root)
-        except OSError:
-            return False
+        return self.state()[0] == "up"
 
+    def state(self) -> tuple[str, str]:
+        """("up", ""), ("missing", why): the root is not there (an answer: its entries may be
+        lost), or ("unreachable", why): the target could not be asked (``TargetUnreachable``:
+        nothing is known about its data)."""
+        try:
+            return ("up", "") if self._root_exists() else ("missing", "target root missing")
+        except TargetUnreachable as exc:
+            return "unreachable", str(exc)
+        except OSError as exc:
+            return "missing", f"target root unreadable: {exc}"
+
+    @_asking
+    def _root_exists(self) -> bool:
+        return bool(self.fs.isdir(self.root)) or self.fs.exists(self.root)
+
+    def _check_up(self) -> None:
+        """``TargetUnreachable`` or ``TargetUnavailable`` (root missing) unless ``state`` is up."""
+        state, why = self.state()
+        if state != "up":
+            cls = TargetUnreachable if state == "unreachable" else TargetUnavailable
+            raise cls(errno.EHOSTUNREACH if state == "unreachable" else errno.ENOENT, f"target {self.name}: {why}",
+                      self.root)
+
+    @_asking
     def write(self, rel: str, data: bytes | list, *, fsync: bool) -> None:
         path = self._p(rel)
-        if not self.is_up():
-            raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
+        self._check_up()
         if self.atomic_put:
             self.fs.pipe_file(path, _joined(data))
             return
@@ -138,9 +233,11 @@ class Target:
         self.fs.pipe_file(tmp, _joined(data))
         self.fs.mv(tmp, path)
 
+    @_asking
     def read(self, rel: str) -> bytes:
         return self.fs.cat_file(self._p(rel))
 
+    @_asking
     def read_into(self, rel: str, buf: memoryview, offset: int = 0) -> int:
         """Read up to ``len(buf)`` bytes of the file from ``offset`` into ``buf``; returns the count."""
         data = self.fs.cat_file(self._p(rel), start=offset, end=offset + len(buf))
@@ -148,20 +245,22 @@ class Target:
         buf[:n] = data[:n]
         return n
 
+    @_asking
     def delete(self, rel: str) -> None:
         try:
             self.fs.rm_file(self._p(rel))
         except FileNotFoundError:
             pass
 
+    @_asking
     def stat(self, rel: str) -> tuple[int, float]:
         """(size, mtime) of one file; ``FileNotFoundError`` when it is not there."""
         return _size_mtime(self.fs.info(self._p(rel)))
 
+    @_asking
     def walk(self) -> Iterator[tuple[str, int, float]]:
         """Every file under the root as (relative path, size, mtime); temporaries included."""
-        if not self.is_up():
-            raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
+        self._check_up()
         for path, info in self.fs.find(self.root, detail=True).items():
             yield (path[len(self.root):].lstrip("/"), *_size_mtime(info))
 
@@ -179,14 +278,13 @@ class ObjectTarget(Target):
 
     atomic_put = True
 
-    def is_up(self) -> bool:
+    @_asking
+    def _root_exists(self) -> bool:
         try:
             self.fs.ls(self.root.split("/", 1)[0] if self.spec.url.startswith(("s3", "gs")) else self.root)
             return True
-        except FileNotFoundError:
+        except FileNotFoundError:  # no such bucket
             return self.spec.url.startswith("memory")
-        except OSError:
-            return False
 
     def create_root(self) -> None:
         try:

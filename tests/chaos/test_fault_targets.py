@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from kvstore import CapacityExceeded, StoreUnavailable, Unrecoverable, faults
+from kvstore import CapacityExceeded, StoreUnavailable, Unrecoverable, faults, targets
 from kvstore.index import ekey
 
 from .conftest import K, V, assert_clean
@@ -257,3 +257,96 @@ def test_a_flipped_version_field_is_a_damaged_fragment_not_a_failed_get(faulty_s
     assert [x.kind.value for x in fs.store.check()] == ["corrupt_fragment"]
     assert fs.store.repair()["rebuilt_fragments"] == 1
     assert_clean(fs.store)
+
+
+def _lost(store) -> int:
+    return store.stats()["lost_entries"]
+
+
+def test_targets_that_cannot_be_asked_never_lose_entries(faulty_store, monkeypatch):
+    """A target that refuses to be asked (access denied: a wrong credential, an endpoint that
+    refuses) says nothing about its fragments. Beyond m of them a get is ``StoreUnavailable``,
+    not ``Unrecoverable``; ``check`` reports them down and marks nothing lost (before, one
+    verify with a bad credential took every entry out of service); within m, reads are
+    degraded and repair leaves their fragments where they are; once they answer, all is clean."""
+    monkeypatch.setattr(targets, "UNREACHABLE_COOLDOWN_S", 0.0)  # ask every time (the breaker: below)
+    fs = faulty_store(n=5, k=2, m=2)
+    _put_some(fs.store, 12)
+    for c in fs.controls[:3]:  # m + 1
+        c.set(unreachable=True)
+    names = {s.name for s in fs.store.target_specs[:3]}
+    failed = 0
+    for i in range(12):
+        try:
+            assert fs.store.get(K(i)) == V(i)
+        except StoreUnavailable as exc:
+            failed += 1
+            assert "could not be reached" in str(exc) and "nothing is marked lost" in str(exc)
+    assert failed > 0  # 3 of 5 targets unasked: some entries have fewer than k fragments elsewhere
+    assert _lost(fs.store) == 0
+    problems = fs.store.check()
+    assert {p.kind.value for p in problems} == {"target_down"}, problems
+    assert {p.target for p in problems} == names
+    assert all("access denied" in p.detail and "not checked" in p.detail for p in problems), problems
+    assert _lost(fs.store) == 0 and fs.store.lookup([K(0)]).hit_blocks == 1
+    for c in fs.controls[:3]:
+        c.set(unreachable=False)
+    fs.controls[0].set(unreachable=True)  # within m: degraded reads, nothing rebuilt elsewhere
+    assert [fs.store.get(K(i)) for i in range(12)] == [V(i) for i in range(12)]
+    before = fs.store.stats()["counters"]["fragment_rewrites"]
+    assert {p.kind.value for p in fs.store.check(fix=True)} == {"target_down"}
+    assert fs.store.stats()["counters"]["fragment_rewrites"] == before
+    fs.calm()
+    assert [fs.store.get(K(i)) for i in range(12)] == [V(i) for i in range(12)]
+    assert_clean(fs.store)
+
+
+def test_an_unreachable_target_is_classified_from_a_backend_error():
+    """The errors of the client libraries under fsspec (botocore's EndpointConnectionError is
+    not an OSError) and an object store's access-denied or 5xx answers are "could not ask";
+    a missing object is an answer; a local I/O error stays what it is."""
+    import errno as e
+
+    from kvstore.targets import _is_unreachable
+
+    class EndpointConnectionError(Exception):  # the shape of botocore's, by module
+        __module__ = "botocore.exceptions"
+
+    assert _is_unreachable(EndpointConnectionError("Could not connect to the endpoint URL"))
+    assert _is_unreachable(PermissionError(e.EACCES, "AccessDenied"))
+    assert _is_unreachable(ConnectionRefusedError(e.ECONNREFUSED, "refused"))
+    assert _is_unreachable(TimeoutError("read timed out"))
+    assert _is_unreachable(OSError(e.EREMOTEIO, "InternalError"))
+    assert not _is_unreachable(FileNotFoundError(e.ENOENT, "NoSuchKey"))
+    assert not _is_unreachable(OSError(e.EIO, "read error"))
+    assert not _is_unreachable(ValueError("a bug is not an outage"))
+
+
+def test_a_target_that_could_not_be_asked_is_not_asked_again_for_a_while(faulty_store, monkeypatch):
+    """The circuit breaker (``kvstore.targets.UNREACHABLE_COOLDOWN_S``): after one "could not
+    ask", operations on that target fail at once without reaching it, so an outage costs its
+    timeouts once per interval; after the interval it is asked again."""
+    clock = [1000.0]
+    monkeypatch.setattr(targets.time, "monotonic", lambda: clock[0])
+    fs = faulty_store(n=5, k=2, m=2)
+    _put_some(fs.store, 4)
+    c = fs.controls[0]
+    t = fs.store.targets[fs.store.target_specs[0].name]
+    c.set(unreachable=True)
+    assert t.state()[0] == "unreachable"
+    assert c.counts["unreachable"] == 1
+    for _ in range(5):
+        assert t.state()[0] == "unreachable"
+        with pytest.raises(targets.TargetUnreachable, match="not asked"):
+            t.read("anything")
+    assert c.counts["unreachable"] == 1  # not asked again
+    c.set(unreachable=False)
+    clock[0] += targets.UNREACHABLE_COOLDOWN_S - 0.01
+    with pytest.raises(targets.TargetUnreachable, match="not asked"):
+        t.read("anything")
+    clock[0] += 0.01
+    ops = c.ops
+    with pytest.raises(FileNotFoundError):  # asked again: an answer
+        t.read("anything")
+    assert c.ops == ops + 1 and t.state()[0] == "up"
+    assert [fs.store.get(K(i)) for i in range(4)] == [V(i) for i in range(4)]

@@ -115,6 +115,46 @@ def test_s3_round_trip_lose_a_bucket_and_repair(s3_store) -> None:
     assert store.check() == []
 
 
+def test_an_endpoint_that_refuses_loses_nothing_and_costs_bounded_time(s3_store, s3_endpoint, monkeypatch) -> None:
+    """Every S3 target unreachable (the endpoint refuses connections; a wrong credential is
+    the same "could not ask"): opening warns, a get is ``StoreUnavailable`` in bounded time
+    (the client's connect timeout and retries, ``kvstore.targets.CLIENT_OPTIONS``), ``check``
+    reports the targets down and marks nothing lost. Before, botocore's EndpointConnectionError
+    escaped as a traceback (or InternalError through the daemon) and verify marked every entry
+    lost. Once the endpoint answers again, every entry reads back."""
+    import s3fs
+    import socket
+
+    from kvstore import StoreUnavailable
+
+    store, client, run = s3_store
+    vals = {i: os.urandom(20_000 + i) for i in range(3)}
+    for i, v in vals.items():
+        assert store.put(K(i), v)
+    cfg = store.config
+    store.close()
+    with socket.socket() as sock:  # a port nothing listens on: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", dead)
+    s3fs.S3FileSystem.clear_instance_cache()
+    t0 = time.monotonic()
+    with EmbeddedStore(cfg) as cut:
+        with pytest.raises(StoreUnavailable, match="could not be reached"):
+            cut.get(K(0))
+        problems = cut.check()
+        assert {p.kind.value for p in problems} == {"target_down"} and len(problems) == 6, problems
+        assert cut.stats()["lost_entries"] == 0
+    assert time.monotonic() - t0 < 40  # about 6 s here: each target asked once (the breaker)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    s3fs.S3FileSystem.clear_instance_cache()
+    with EmbeddedStore(cfg) as back:
+        assert all(back.get(K(i)) == v for i, v in vals.items())
+        assert back.check() == []
+
+
 def test_s3_batch_is_one_pack_object_per_target_read_by_range(s3_store) -> None:
     store, client, run = s3_store
     vals = {i: os.urandom(40_000 + i) for i in range(10)}

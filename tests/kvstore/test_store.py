@@ -558,3 +558,16 @@ def test_misused_arguments_are_typed_errors(store, keys):
     assert kvstore.Layout("uint8", [4]).shape == (4,)
     with pytest.raises(InvalidRequest, match="tuple of ints"):
         kvstore.Layout("uint8", (1.5,))
+
+
+def test_a_store_opens_with_another_stores_resolved_config(tmp_path):
+    """A config that already names the directory's code (``store.config`` of an earlier
+    store) opens the directory's targets too: before, they were never opened (AttributeError)."""
+    from kvstore.store import EmbeddedStore
+
+    with kvstore.connect(str(tmp_path / "d"), fsync=False) as s:
+        assert s.put(b"k" * 16, b"v" * 100)
+        cfg = s.config
+    with EmbeddedStore(cfg) as again:
+        assert again.get(b"k" * 16) == b"v" * 100
+        assert again.check() == []
