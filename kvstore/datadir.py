@@ -7,9 +7,10 @@ directory's code resolved, ``self.targets`` opened and ``self.index`` open.
 
 The marker ``<data_dir>/kvstore.json`` records what every record of the directory
 depends on: the format version, the erasure code (``ec_type``, ``ec_k``, ``ec_m``:
-records are decoded and the default targets laid out with it) and the identity of its
-index (``index_id``). The index keeps the identity and the code too (``kvstore.index``,
-``Index.settle``): processes creating one directory at once agree there, and a lost
+records are decoded and the default targets laid out with it), the identity of its
+index (``index_id``), and the configured targets (``targets``; none for the default
+layout; opened when a config names none). The index keeps the identity and the code
+too (``kvstore.index``, ``Index.settle``): processes creating one directory at once agree there, and a lost
 marker is rewritten from it. An index that is missing, emptied or another directory's
 is refused (``CorruptData``) rather than taken for an empty store whose fragments GC
 would sweep as orphans.
@@ -18,20 +19,24 @@ would sweep as orphans.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvstore import codec
-from kvstore.config import DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig
+from kvstore.config import DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, TargetSpec
 from kvstore.errors import CorruptData, IncompatibleFormat, InvalidRequest
 from kvstore.index import Index
 from kvstore.targets import Target, fsync_dir, open_target
 
 DATA_FORMAT_VERSION = 1
 FORMAT_FILE = "kvstore.json"
+
+log = logging.getLogger("kvstore.store")
 
 
 def _holds_files(root: Path) -> bool:
@@ -47,12 +52,36 @@ def _nonempty(path: Path) -> bool:
         return False
 
 
+def _targets_record(config: StoreConfig) -> list[dict] | None:
+    """The configured targets as the marker records them; ``None`` (nothing recorded) for the
+    embedded default layout under the data directory, so the directory can move, and for
+    targets whose URL carries ``user:password@``: credentials are never written to disk
+    (such a directory is opened with its targets named, as before)."""
+    if not config.targets or any("@" in urlsplit(t.url).netloc for t in config.targets):
+        return None
+    return [{"url": t.url, "domain": t.domain, "name": t.name} for t in config.targets]
+
+
+def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConfig:
+    """``config`` with the marker's recorded targets when it names none itself: so ``kvtool``
+    and a daemon started without ``KVSTORE_TARGETS`` open the targets the directory was
+    written to, not the default ones (whose absence would read as every entry lost). Targets
+    that are configured win, and are recorded in their turn (``_write_marker``)."""
+    recorded = (marker or {}).get("targets")
+    if config.targets or not recorded:
+        return config
+    specs = tuple(TargetSpec(**t) for t in recorded)
+    log.info("targets as recorded in %s: %s", FORMAT_FILE, ", ".join(f"{t.name}={t.url}" for t in specs))
+    return replace(config, targets=specs)
+
+
 class DataDir:
     """Opening and recording the data directory (see the module docstring)."""
 
     def _open_data_dir(self, config: StoreConfig) -> bool:
         """Check or create the directory, open its index; True when it was created now."""
         marker = self._read_marker()
+        config = self.config = _with_recorded_targets(config, marker)
         index_dir = self.data_dir / "index"
         # New: no marker and no index. A marker lost with its index in place (a crash between
         # creating the index and writing the marker, or a deleted file) is rewritten from the
@@ -93,7 +122,8 @@ class DataDir:
                     f"the index at {index_dir} is not the one data directory {self.data_dir} was created with "
                     "(it was recreated or copied from another directory); opening it would make every stored "
                     "fragment an orphan for GC to delete. Restore the directory's own index")
-            if any(marker.get(n) != v for n, v in code.items()) or marker.get("index_id") != identity.hex():
+            if (any(marker.get(n) != v for n, v in code.items()) or marker.get("index_id") != identity.hex()
+                    or marker.get("targets") != _targets_record(config)):
                 self._write_marker(config, identity, marker)
             if rewrite:
                 for t in self.targets.values():
@@ -119,9 +149,14 @@ class DataDir:
             if exists:
                 doc = json.loads(fmt.read_text())
                 ver = int(doc["format_version"])
-                for name, typ in (("ec_type", str), ("ec_k", int), ("ec_m", int), ("index_id", str)):
+                for name, typ in (("ec_type", str), ("ec_k", int), ("ec_m", int), ("index_id", str),
+                                  ("targets", list)):
                     if name in doc and type(doc[name]) is not typ:
                         raise TypeError(f"{name} is {doc[name]!r}")
+                for t in doc.get("targets", []):
+                    if type(t) is not dict or set(t) != {"url", "domain", "name"} or not all(
+                            type(v) is str for v in t.values()):
+                        raise TypeError(f"a recorded target is {t!r}")
             else:
                 foreign = self.data_dir.exists() and any(p.name not in ("index", "targets")
                                                          for p in self.data_dir.iterdir())
@@ -192,6 +227,8 @@ class DataDir:
         doc = {"format_version": DATA_FORMAT_VERSION,
                "created": old.get("created", time.time()) if old else time.time(),
                "ec_type": config.ec_type, "ec_k": config.ec_k, "ec_m": config.ec_m, "index_id": identity.hex()}
+        if _targets_record(config):
+            doc["targets"] = _targets_record(config)
         fmt = self.data_dir / FORMAT_FILE
         tmp = self.data_dir / f".{FORMAT_FILE}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:

@@ -571,3 +571,36 @@ def test_a_store_opens_with_another_stores_resolved_config(tmp_path):
     with EmbeddedStore(cfg) as again:
         assert again.get(b"k" * 16) == b"v" * 100
         assert again.check() == []
+
+
+def test_the_directory_records_its_targets_for_openers_that_name_none(tmp_path):
+    """Opened without targets (kvtool, a daemon without KVSTORE_TARGETS), a directory written
+    to configured targets uses the ones its marker records; before, it opened the default
+    t0..tN under the data directory and every entry read as lost. Credentials in a URL are
+    never recorded; targets given explicitly win and are recorded in their turn; the default
+    layout records nothing (the directory may move)."""
+    import json
+
+    from kvstore.config import TargetSpec
+
+    roots = [tmp_path / f"disk{i}" for i in range(6)]
+    specs = ",".join(f"file://{r}#rack{i % 3}" for i, r in enumerate(roots))
+    data = tmp_path / "d"
+    with kvstore.connect(str(data), targets=specs, fsync=False) as s:
+        assert s.put(b"k" * 16, b"v" * 1000)
+        want = s.target_specs
+    marker = json.loads((data / "kvstore.json").read_text())
+    assert [t["url"] for t in marker["targets"]] == [t.url for t in want]
+    with kvstore.connect(str(data), fsync=False) as again:  # no targets named
+        assert again.target_specs == want
+        assert again.get(b"k" * 16) == b"v" * 1000 and again.check() == []
+    assert not (data / "targets").exists()
+    # Credentials never reach the marker.
+    from kvstore.datadir import _targets_record
+    from kvstore.config import StoreConfig
+
+    assert _targets_record(StoreConfig(data_dir=str(data), targets=(TargetSpec("s3://AKIA:s3cr3t@bucket/p"),))) is None
+    # The default layout records nothing.
+    with kvstore.connect(str(tmp_path / "plain"), fsync=False):
+        pass
+    assert "targets" not in json.loads((tmp_path / "plain" / "kvstore.json").read_text())
