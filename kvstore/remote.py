@@ -59,13 +59,15 @@ the results and errors are those of a put over gRPC. Requires write access to th
 Options (``connect`` overrides, else environment): ``token``
 (``KVSTORE_TOKEN``), ``ca_file`` (``KVSTORE_CA_FILE``), ``cert_file`` /
 ``key_file`` for mutual TLS (``KVSTORE_CERT_FILE`` / ``KVSTORE_KEY_FILE``),
-``timeout_s``, ``max_message_bytes``, ``server_name`` (TLS name override),
+``timeout_s`` (each call's deadline), ``maintenance_timeout_s`` (that of ``gc``, ``check``
+and ``repair``, 3600 s by default; past it ``wire.DeadlineExceeded``, a
+``StoreUnavailable``), ``max_message_bytes``, ``server_name`` (TLS name override),
 ``direct_reads`` ("off" (default), "on", "auto"; ``KVSTORE_DIRECT_READS``),
 ``direct_writes`` (the same; ``KVSTORE_DIRECT_WRITES``). Bad options raise
 ``InvalidRequest`` at connect time: ``cert_file`` without ``key_file`` (or the
 reverse), a TLS file that cannot be read or is not PEM, TLS options with ``grpc://``
 URLs only (see TLS above), a URL not of the form ``URL_FORM``, a non-positive or
-non-finite ``timeout_s``.
+non-finite ``timeout_s`` or ``maintenance_timeout_s``.
 
 Batches larger than ``max_batch_items`` (the daemon's per-call limit, 4096 by
 default) are validated whole, then sent as consecutive pieces of at most that
@@ -128,6 +130,8 @@ class ClientOptions:
     key_file: str = ""
     server_name: str = ""
     timeout_s: float = 60.0
+    # Deadline of the maintenance calls (gc, check, repair): they walk the whole store.
+    maintenance_timeout_s: float = 3600.0
     max_message_bytes: int = 96 * MiB
     max_batch_items: int = 4096  # the daemon's default limit; longer chains and probes go in pieces
     direct_reads: str = "off"  # "off", "on" or "auto" (a bool: on/off); see kvstore.direct
@@ -150,9 +154,10 @@ class ClientOptions:
             # Checked here: gRPC aborts the whole process (SIGABRT) on a certificate without its key.
             raise InvalidRequest("mutual TLS needs both cert_file and key_file (the client certificate and its "
                                  f"private key); got cert_file={self.cert_file!r}, key_file={self.key_file!r}")
-        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
-                or not (math.isfinite(self.timeout_s) and 0 < self.timeout_s <= 1e9)):
-            raise InvalidRequest(f"timeout_s must be a finite number of seconds in (0, 1e9], got {self.timeout_s!r}")
+        for name in ("timeout_s", "maintenance_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 < v <= 1e9):
+                raise InvalidRequest(f"{name} must be a finite number of seconds in (0, 1e9], got {v!r}")
         for name, lo, hi in (("max_message_bytes", 64 * 1024, MAX_MESSAGE_BYTES), ("max_batch_items", 1, 2**31)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
@@ -310,11 +315,11 @@ class RemoteStore:
     def _call(self, method: str, req: Any, timeout_s: float | None = None, fn: Any = None) -> Any:
         if self._closed:
             raise StoreClosed("this store is closed; open a new one with kvstore.connect")
+        timeout = timeout_s or self.options.timeout_s
         try:
-            return (fn or getattr(self._stub, method))(req, timeout=timeout_s or self.options.timeout_s,
-                                                       metadata=self._md)
+            return (fn or getattr(self._stub, method))(req, timeout=timeout, metadata=self._md)
         except grpc.RpcError as err:
-            raise error_from_rpc(err, f"{method} on {self.url}") from err
+            raise error_from_rpc(err, f"{method} on {self.url}", timeout) from err
 
     def _unimplemented(self, err: grpc.RpcError) -> bool:
         """True (and streams off from now on) when the daemon does not know a streaming method."""
@@ -658,14 +663,51 @@ class RemoteStore:
         return json.loads(self._call("Stats", pb.StatsRequest()).json)
 
     def gc(self, *, dry_run: bool = False) -> dict:
-        return json.loads(self._call("Gc", pb.GcRequest(dry_run=dry_run), timeout_s=3600).json)
+        """The daemon's GC pass; waits up to ``maintenance_timeout_s`` (then ``DeadlineExceeded``)."""
+        return json.loads(self._call("Gc", pb.GcRequest(dry_run=dry_run),
+                                     timeout_s=self.options.maintenance_timeout_s).json)
 
     def check(self, fix: bool = False) -> list:
-        r = self._call("Check", pb.CheckRequest(fix=fix), timeout_s=3600)
+        """The daemon's consistency check; waits up to ``maintenance_timeout_s``."""
+        r = self._call("Check", pb.CheckRequest(fix=fix), timeout_s=self.options.maintenance_timeout_s)
         return [Problem(ProblemKind(p.kind), p.key, p.entry_kind, p.target, p.detail, p.fixed) for p in r.problems]
 
     def repair(self) -> dict:
-        return json.loads(self._call("Repair", pb.RepairRequest(), timeout_s=3600).json)
+        """The daemon's repair pass; waits up to ``maintenance_timeout_s``."""
+        return json.loads(self._call("Repair", pb.RepairRequest(), timeout_s=self.options.maintenance_timeout_s).json)
+
+    # ------------------------------------------------------------------ inspect (read-only, kvtool)
+    def inspect_summary(self) -> dict:
+        """The store summary ``kvtool inspect`` shows (``kvstore.cli.index_view.summarize``,
+        computed by the daemon). Needs an admin tenant (``PermissionDenied`` otherwise)."""
+        return json.loads(self._call("Inspect", pb.InspectRequest()).json)
+
+    def inspect_entries(self, keys: Sequence[bytes], *, kind: str = "block") -> list[dict]:
+        """Per key, in order, its index view (``index_view.entry_view``: state live/lost/absent,
+        sizes, times, fragments). Read-only: nothing is read or refreshed. An admin tenant
+        names index keys; any other tenant its own keys (kvstore.proto's ``Inspect``)."""
+        keys = check_keys(keys)
+        k = EntryKind.parse(kind).value
+        out: list[dict] = []
+        for _, got in self._each_piece(len(keys), lambda p: self._inspect_piece(
+                pb.InspectRequest(keys=keys[p], kind=k), "entries", p.stop - p.start)):
+            out.extend(got)
+        return out
+
+    def inspect_chain(self, keys: Sequence[bytes]) -> list[dict]:
+        """Per position of a prefix chain, the state of its block and of its SWA entry
+        (``index_view.chain_view``); read-only, keys as for ``inspect_entries``."""
+        keys = check_keys(keys)
+        out: list[dict] = []
+        for p, got in self._each_piece(len(keys), lambda p: self._inspect_piece(
+                pb.InspectRequest(keys=keys[p], chain=True), "positions", p.stop - p.start)):
+            for row in got:
+                row["position"] += p.start  # each piece numbers its own positions from 0
+            out.extend(got)
+        return out
+
+    def _inspect_piece(self, req: pb.InspectRequest, field: str, n: int) -> list[dict]:
+        return self._check_count("Inspect", json.loads(self._call("Inspect", req).json)[field], n)
 
     def close(self) -> None:
         with self._lock:

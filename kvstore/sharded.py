@@ -25,8 +25,15 @@ nothing anywhere, but a shard that is *down* fails the call with
 ``StoreUnavailable`` while the other shards may already have stored their
 part (a retry is safe: puts are idempotent). Each shard's part goes through
 ``RemoteStore``, which sends more than ``max_batch_items`` items in pieces
-(not one unit on that daemon either). The sum of ``stats`` and
-``gc`` over shards is returned with the per-shard detail under ``shards``.
+(not one unit on that daemon either).
+
+Maintenance (``stats``, ``gc``, ``check``, ``repair``, ``inspect_summary``) runs on
+every shard in parallel and waits for all of them. A shard that fails (down, refusing,
+timed out) does not discard the others' results, since a gc or repair there already ran:
+the sums cover the shards that answered, ``shards`` holds per URL that shard's own result
+or ``{"error": message, "code": KVStoreError.code}``, and ``check`` reports the shard as
+one ``TARGET_DOWN`` problem whose ``target`` is its URL. Only when no shard answers is
+the (first) error raised. Target names are prefixed with their shard, ``URL/t3``.
 
 Client options (``kvstore.remote.ClientOptions``) apply to every shard, so
 ``direct_reads="on"``/``"auto"`` makes each shard's client read directly from
@@ -44,20 +51,48 @@ import numpy as np
 import xxhash
 
 from kvstore.api import Entry, EntryInfo, Layout, LookupResult, PutItem
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import check_key, check_keys
+from kvstore.maintenance import Problem, ProblemKind
 from kvstore.remote import ClientOptions, RemoteStore, normalize_item, parse_address
 
 
 def _sum_into(acc: dict, d: dict) -> None:
-    """Add numeric leaves of ``d`` into ``acc`` (recursively); other values are left out."""
+    """Add numeric leaves of ``d`` into ``acc`` (recursively); a boolean leaf is true when it
+    is on any shard; other values are left out."""
     for k, v in d.items():
         if isinstance(v, bool):
-            continue
-        if isinstance(v, (int, float)):
+            acc[k] = bool(acc.get(k)) or v
+        elif isinstance(v, (int, float)):
             acc[k] = acc.get(k, 0) + v
         elif isinstance(v, dict):
             _sum_into(acc.setdefault(k, {}), v)
+
+
+def _capacity(caps: list[int]) -> int:
+    """The capacity of shards together: their sum, or 0 (no limit) when any shard has none."""
+    return sum(caps) if caps and all(caps) else 0
+
+
+def _same(values: list[Any]) -> Any:
+    """The value every shard reports, else the distinct values joined by " | "."""
+    distinct = list(dict.fromkeys(str(v) for v in values if v is not None))
+    return distinct[0] if len(distinct) == 1 else " | ".join(distinct) or None
+
+
+def _merge_summaries(parts: list[dict]) -> dict:
+    """``index_view.KindSummary.as_dict`` of several shards as one: counts summed, the
+    ``oldest_*`` times the earliest and the ``newest_*`` the latest (ISO-8601 UTC strings of
+    one format, so they order as text)."""
+    out: dict[str, Any] = {}
+    for d in parts:
+        for k, v in d.items():
+            if k.startswith(("oldest_", "newest_")):
+                vals = [x for x in (out.get(k), v) if x]
+                out[k] = (min if k.startswith("oldest_") else max)(vals) if vals else None
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+    return out
 
 
 class ShardedStore:
@@ -233,35 +268,137 @@ class ShardedStore:
         return [self._walk(block[a:b], swa[a:b]) for a, b in bounds]
 
     # ------------------------------------------------------------------ maintenance
-    def _each(self, fn: Callable[[RemoteStore], Any]) -> list[Any]:
-        return list(self._pool.map(fn, self.shards))
+    def _each(self, fn: Callable[[RemoteStore], Any]) -> tuple[dict[str, Any], dict[str, KVStoreError]]:
+        """``fn(shard)`` on every shard in parallel; waits for all of them.
+
+        Returns ``({url: result}, {url: error})``: a shard that fails with a ``KVStoreError``
+        (down, refusing, timed out) is named in the second dict and the others' results are
+        kept (a gc or repair there already ran). Raises the first shard's error when no shard
+        answered: then nothing was done anywhere. Any other exception is a bug and is raised.
+        """
+        futs = [self._pool.submit(fn, s) for s in self.shards]
+        ok: dict[str, Any] = {}
+        failed: dict[str, KVStoreError] = {}
+        for url, f in zip(self.urls, futs):
+            try:
+                ok[url] = f.result()
+            except KVStoreError as exc:
+                failed[url] = exc
+        if not ok:
+            raise next(iter(failed.values()))
+        return ok, failed
+
+    def _shards(self, ok: dict[str, Any], failed: dict[str, KVStoreError]) -> dict[str, Any]:
+        """The per-shard detail, in URL order: a shard's own result, or ``{"error", "code"}``."""
+        return {u: ok[u] if u in ok else {"error": str(failed[u]), "code": failed[u].code} for u in self.urls}
 
     def stats(self) -> dict:
-        per = self._each(lambda s: s.stats())
+        """The shards' stats summed (entries, bytes, counters, ...), every shard's targets named
+        ``URL/target``, and ``shards``: per URL its own stats or ``{"error", "code"}``. Shards
+        that fail are left out of the sums and named under ``shards`` (all failing: raised)."""
+        ok, failed = self._each(lambda s: s.stats())
         out: dict[str, Any] = {}
-        for st in per:
-            _sum_into(out, {k: st.get(k, 0) for k in ("entries", "used_bytes", "capacity_bytes", "lost_entries",
+        for st in ok.values():
+            _sum_into(out, {k: st.get(k, 0) for k in ("entries", "used_bytes", "pack_dead_bytes", "lost_entries",
                                                       "graveyard_entries", "by_kind", "counters")})
-        out["shards"] = dict(zip(self.urls, per))
+        out["capacity_bytes"] = _capacity([st.get("capacity_bytes", 0) for st in ok.values()])
+        created = [(st.get("oldest_created_s"), st.get("newest_created_s")) for st in ok.values()]
+        out["oldest_created_s"] = min((a for a, _ in created if a is not None), default=None)
+        out["newest_created_s"] = max((b for _, b in created if b is not None), default=None)
+        out["erasure_code"] = _same([st.get("erasure_code") for st in ok.values()])
+        out["targets"] = [dict(t, name=f"{u}/{t.get('name', '')}") for u, st in ok.items()
+                          for t in st.get("targets", ())]
+        out["shards"] = self._shards(ok, failed)
         return out
 
     def gc(self, *, dry_run: bool = False) -> dict:
-        per = self._each(lambda s: s.gc(dry_run=dry_run))
+        """Every shard's GC pass; the counts summed, ``dry_run`` as asked, ``shards`` as in ``stats``."""
+        ok, failed = self._each(lambda s: s.gc(dry_run=dry_run))
         out: dict[str, Any] = {}
-        for g in per:
+        for g in ok.values():
             _sum_into(out, g)
-        out["shards"] = dict(zip(self.urls, per))
+        out["dry_run"] = dry_run
+        out["shards"] = self._shards(ok, failed)
         return out
 
     def check(self, fix: bool = False) -> list:
-        per = self._each(lambda s: s.check(fix=fix))
-        return [replace(p, target=f"{url}/{p.target}" if p.target else url) for url, ps in zip(self.urls, per)
-                for p in ps]
+        """Every shard's problems, each target named ``URL/target`` (each name of a list, e.g.
+        a lost entry's ``URL/t3,URL/t5``). A shard that does not answer is one
+        ``TARGET_DOWN`` problem whose ``target`` is its URL; no shard answering is raised."""
+        ok, failed = self._each(lambda s: s.check(fix=fix))
+        out = []
+        for url in self.urls:
+            if url in failed:
+                out.append(Problem(ProblemKind.TARGET_DOWN, target=url,
+                                   detail=f"shard did not answer: {failed[url]}"))
+                continue
+            out += [replace(p, target=",".join(f"{url}/{t}" for t in p.target.split(",")) if p.target else url)
+                    for p in ok[url]]
+        return out
 
     def repair(self) -> dict:
+        """Every shard's repair; the counts summed, ``shards`` as in ``stats``."""
+        ok, failed = self._each(lambda s: s.repair())
         out: dict[str, Any] = {}
-        for r in self._each(lambda s: s.repair()):
+        for r in ok.values():
             _sum_into(out, r)
+        out["shards"] = self._shards(ok, failed)
+        return out
+
+    # ------------------------------------------------------------------ inspect (read-only, kvtool)
+    def inspect_summary(self) -> dict:
+        """``RemoteStore.inspect_summary`` of every shard, merged into the same schema: counts
+        summed per kind and in ``total``, creation and access ranges widened, targets named
+        ``URL/target``, ``data_dir`` the URL list; plus ``shards`` as in ``stats``."""
+        ok, failed = self._each(lambda s: s.inspect_summary())
+        parts = list(ok.values())
+        out = dict(parts[0])
+        out["data_dir"] = ",".join(self.urls)
+        out["erasure_code"] = _same([d.get("erasure_code") for d in parts])
+        out["by_kind"] = {k: _merge_summaries([d["by_kind"].get(k, {}) for d in parts])
+                          for k in dict.fromkeys(k for d in parts for k in d.get("by_kind", {}))}
+        out["total"] = _merge_summaries([d.get("total", {}) for d in parts])
+        for name in ("used_bytes", "pack_dead_bytes"):
+            out[name] = sum(int(d.get(name) or 0) for d in parts)
+        out["capacity_bytes"] = _capacity([d.get("capacity_bytes") or 0 for d in parts])
+        out["capacity_used"] = out["used_bytes"] / out["capacity_bytes"] if out["capacity_bytes"] else None
+        out["targets"] = [dict(t, name=f"{u}/{t['name']}") for u, d in ok.items() for t in d.get("targets", ())]
+        out["shards"] = self._shards(ok, failed)
+        return out
+
+    def _ask_all(self, fn: Callable[[RemoteStore], list[dict]]) -> list[tuple[str, list[dict]]]:
+        """``fn`` on every shard; every one must answer (an unanswered shard could hold the key)."""
+        ok, failed = self._each(fn)
+        if failed:
+            raise next(iter(failed.values()))
+        return list(ok.items())
+
+    def inspect_entries(self, keys: Sequence[bytes], *, kind: str = "block") -> list[dict]:
+        """Per key, its view from the shard that holds it, with ``shard``: that URL (``None``
+        when no shard has it). Every shard is asked: an admin names index keys, whose owner
+        the client cannot compute (a tenant's keys are hashed into its namespace first)."""
+        keys = check_keys(keys)
+        answers = self._ask_all(lambda s: s.inspect_entries(keys, kind=kind))
+        out = []
+        for i in range(len(keys)):
+            found = [(u, views[i]) for u, views in answers if views[i]["state"] != "absent"]
+            url, view = found[0] if found else (None, answers[0][1][i])
+            out.append(dict(view, shard=url))
+        return out
+
+    def inspect_chain(self, keys: Sequence[bytes]) -> list[dict]:
+        """Per chain position, the state of its block and SWA entries on whichever shard
+        holds them (every shard asked, as in ``inspect_entries``)."""
+        keys = check_keys(keys)
+        answers = self._ask_all(lambda s: s.inspect_chain(keys))
+        out = []
+        for i in range(len(keys)):
+            row = dict(answers[0][1][i])
+            for _, rows in answers:
+                for kind in ("block", "swa"):
+                    if rows[i].get(kind) not in (None, "absent"):
+                        row[kind] = rows[i][kind]
+            out.append(row)
         return out
 
     def close(self) -> None:

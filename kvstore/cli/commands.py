@@ -4,14 +4,27 @@
 ``Command.run(store, args, progress)`` with an open store. Every run returns
 an ``Outcome``: the exit code, a JSON-able ``data`` dict (printed with
 ``--json``) and the human ``text``. Runs use only the public store API
-(``stats``, ``gc``, ``check``, ``repair``, ``delete``, ``lookup``), except
-``inspect``, which reads an embedded store's index through
-``kvstore.cli.index_view`` and falls back to ``stats()`` for other stores.
+(``stats``, ``gc``, ``check``, ``repair``, ``delete``), except
+``inspect`` (below).
+
+``inspect`` shows the same records, in the same JSON, for a data directory and for a
+daemon: on a data directory it reads the index through ``kvstore.cli.index_view``; on a
+daemon it calls the read-only ``Inspect`` RPC, which runs that same code there
+(``inspect_summary`` / ``inspect_entries`` / ``inspect_chain`` of ``RemoteStore`` and
+``ShardedStore``). Neither reads a fragment, refreshes an access time or moves a counter.
+
+``delete --json`` is one shape for any number of keys: ``{"kind": KIND, "deleted":
+{KEY_HEX: true|false, ...}}`` (a key given twice is deleted once).
+
+Against several daemons (``grpc://A,grpc://B``) a shard that does not answer leaves the
+others' results standing (``kvstore.sharded``): the command prints them, names each such
+shard in one line on stderr (``Outcome.errors``) and exits 1.
 
 Exit codes (``ExitCode``): 0 healthy / done; 1 problems found (verify saw a
 missing, corrupt or lost fragment, a down target or an orphan; repair left
-something unfixed; ``inspect --key`` or ``delete`` found no such entry);
-2 usage error (raised by the caller: bad flags, not a store, a store error).
+something unfixed; ``inspect --key`` or ``delete`` found no such entry; a shard
+did not answer); 2 usage error (raised by the caller: bad flags, not a store, a
+store error).
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ from typing import Any, Callable
 
 from kvstore.api import EntryKind, KVStore
 from kvstore.cli import index_view
-from kvstore.errors import InvalidRequest, NotFound
+from kvstore.errors import InvalidRequest
 from kvstore.index import Index
 from kvstore.keys import KEY_LEN
 
@@ -40,9 +53,14 @@ class ExitCode(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
+    """A command's result: exit code, ``--json`` document, text, and ``errors``: one line
+    each (without the ``kvtool: error:`` prefix) that kvtool prints on stderr after the
+    result, e.g. a shard that did not answer."""
+
     code: ExitCode
     data: dict
     text: str
+    errors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +131,37 @@ def _problem_dict(p: Any) -> dict:
     return p.as_dict() if hasattr(p, "as_dict") else dict(p)
 
 
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _shard_of(store: KVStore, target: str) -> str | None:
+    """The shard URL a sharded result's target (``URL`` or ``URL/t3,URL/t5``) names, else None."""
+    for url in getattr(store, "urls", ()):
+        if target == url or target.startswith(url + "/"):
+            return url
+    return None
+
+
+def _with_down_shards(store: KVStore, outcome: Outcome, down: dict[str, str]) -> Outcome:
+    """``outcome`` with one stderr line per shard that did not answer (url -> its error) and
+    exit code at least 1: what the other shards did is printed, the gap is named."""
+    if not down:
+        return outcome
+    n = len(getattr(store, "urls", ())) or len(down)
+    lines = tuple(f"shard {url} did not answer ({_one_line(err)}); the results are from the other "
+                  f"{n - len(down)} of {n} shards" for url, err in down.items())
+    return Outcome(max(outcome.code, ExitCode.PROBLEMS), outcome.data, outcome.text, outcome.errors + lines)
+
+
+def _down_in(data: dict) -> dict[str, str]:
+    """``{url: error}`` of the shards a sharded result marks ``{"error": ...}`` under ``shards``."""
+    shards = data.get("shards")
+    if not isinstance(shards, dict):
+        return {}
+    return {u: d["error"] for u, d in shards.items() if isinstance(d, dict) and "error" in d}
+
+
 def _kind_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", default=EntryKind.BLOCK.value, choices=[k.value for k in EntryKind],
                    help="entry kind (default: block)")
@@ -151,7 +200,13 @@ def _summary_text(d: dict) -> str:
 def _entry_text(d: dict) -> str:
     if d["state"] == index_view.EntryState.ABSENT.value:
         return f"{d['kind']} {d['key']}: absent"
-    lines = [f"{d['kind']} {d['key']}: {d['state']}{' (expired, awaiting gc)' if d.get('expired') else ''}"]
+    notes = ["expired, awaiting gc"] if d.get("expired") else []
+    if d.get("degraded"):
+        down = [t["target"] for t in d.get("targets", ()) if not t["up"]]
+        notes.append(f"degraded: fragments on down targets {', '.join(down)}")
+    lines = [f"{d['kind']} {d['key']}: {d['state']}" + (f" ({'; '.join(notes)})" if notes else "")]
+    if d.get("shard"):
+        lines.append(f"  {'shard':<15} {d['shard']}")
     for name in ("tokens", "plain_bytes", "entry_bytes", "fragment_bytes", "stored_bytes", "ec", "created",
                  "last_access", "expires", "pinned"):
         lines.append(f"  {name:<15} {d.get(name)}")
@@ -162,55 +217,56 @@ def _entry_text(d: dict) -> str:
     return "\n".join(lines)
 
 
-def _inspect_embedded(store: Any, args: argparse.Namespace) -> Outcome:
-    if args.parquet is not None:
-        n = index_view.export_parquet(store, args.parquet)
-        return Outcome(ExitCode.OK, {"parquet": args.parquet, "rows": n}, f"wrote {n} index rows to {args.parquet}")
-    if args.key is not None:
-        d = index_view.entry_view(store, args.key, EntryKind.parse(args.kind))
-        code = ExitCode.PROBLEMS if d["state"] == index_view.EntryState.ABSENT.value else ExitCode.OK
-        return Outcome(code, d, _entry_text(d))
-    if args.chain is not None:
-        rows = index_view.chain_view(store, args.chain)
-        return _chain_outcome(store, args.chain, rows)
-    d = index_view.summarize(store)
-    return Outcome(ExitCode.OK, d, _summary_text(d))
+@dataclass(frozen=True, slots=True)
+class IndexViews:
+    """Where ``inspect`` gets its records: the index of a data directory (``index_view``
+    directly) or a daemon (its read-only ``Inspect`` RPC, which runs ``index_view`` there).
+    Both give the same dicts, so the output is the same."""
 
+    summary: Callable[[], dict]
+    entries: Callable[[list[bytes], EntryKind], list[dict]]
+    chain: Callable[[list[bytes]], list[dict]]
 
-def _chain_outcome(store: KVStore, chain: list[bytes], rows: list[dict]) -> Outcome:
-    res = store.lookup(chain)
-    data = {"length": len(chain), "hit_blocks": res.hit_blocks, "swa_at": res.swa_at, "positions": rows}
-    lines = [f"chain of {len(chain)}: hit_blocks={res.hit_blocks} swa_at={res.swa_at}",
-             f"{'pos':>4}  {'key':<32}  {'block':<7} swa"]
-    lines += [f"{r['position']:>4}  {r['key']}  {r['block']:<7} {r['swa']}" for r in rows]
-    return Outcome(ExitCode.OK, data, "\n".join(lines))
-
-
-def _inspect_remote(store: KVStore, args: argparse.Namespace) -> Outcome:
-    if args.parquet is not None:
-        raise InvalidRequest("--parquet needs an embedded store (a data directory), not a daemon URL")
-    if args.key is not None:
-        kind = EntryKind.parse(args.kind)
-        try:
-            e = store.get_entry(args.key, kind=kind.value)
-        except NotFound:
-            d = {"key": args.key.hex(), "kind": kind.value, "state": index_view.EntryState.ABSENT.value}
-            return Outcome(ExitCode.PROBLEMS, d, _entry_text(d))
-        d = {"key": args.key.hex(), "kind": kind.value, "state": "live", "tokens": e.tokens,
-             "plain_bytes": len(e.data), "layout": f"{e.layout.dtype}{list(e.layout.shape)}"}
-        return Outcome(ExitCode.OK, d, "\n".join(f"{k}: {v}" for k, v in d.items()))
-    if args.chain is not None:
-        singles = store.lookup_many([[k] for k in args.chain])
-        rows = [{"position": i, "key": k.hex(), "block": "live" if r.hit_blocks else "absent",
-                 "swa": "live" if r.swa_at else ("absent" if r.hit_blocks else "unknown")}
-                for i, (k, r) in enumerate(zip(args.chain, singles))]
-        return _chain_outcome(store, args.chain, rows)
-    d = store.stats()
-    return Outcome(ExitCode.OK, d, _stats_text(d))
+    @classmethod
+    def of(cls, store: KVStore) -> "IndexViews":
+        if _is_embedded(store):
+            return cls(lambda: index_view.summarize(store),
+                       lambda keys, kind: index_view.entry_views(store, keys, kind),
+                       lambda chain: index_view.chain_view(store, chain))
+        if hasattr(store, "inspect_summary"):
+            return cls(store.inspect_summary, lambda keys, kind: store.inspect_entries(keys, kind=kind.value),
+                       store.inspect_chain)
+        raise InvalidRequest(f"inspect needs a data directory or a daemon URL; {type(store).__name__} has no "
+                             "index views")
 
 
 def run_inspect(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
-    return _inspect_embedded(store, args) if _is_embedded(store) else _inspect_remote(store, args)
+    if args.parquet is not None:
+        if not _is_embedded(store):
+            raise InvalidRequest("--parquet needs an embedded store (a data directory), not a daemon URL")
+        n = index_view.export_parquet(store, args.parquet)
+        return Outcome(ExitCode.OK, {"parquet": args.parquet, "rows": n}, f"wrote {n} index rows to {args.parquet}")
+    views = IndexViews.of(store)
+    if args.key is not None:
+        d = views.entries([args.key], EntryKind.parse(args.kind))[0]
+        code = ExitCode.PROBLEMS if d["state"] == index_view.EntryState.ABSENT.value else ExitCode.OK
+        return Outcome(code, d, _entry_text(d))
+    if args.chain is not None:
+        return _chain_outcome(args.chain, views.chain(args.chain))
+    d = views.summary()
+    return _with_down_shards(store, Outcome(ExitCode.OK, d, _summary_text(d)), _down_in(d))
+
+
+def _chain_outcome(chain: list[bytes], rows: list[dict]) -> Outcome:
+    """The chain's rows, with what ``lookup`` answers computed from them (the longest prefix of
+    live blocks, the last live SWA within it), so inspecting asks nothing else of the store."""
+    hit = next((i for i, r in enumerate(rows) if r["block"] != index_view.EntryState.LIVE.value), len(rows))
+    swa = [i + 1 for i, r in enumerate(rows[:hit]) if r["swa"] == index_view.EntryState.LIVE.value]
+    data = {"length": len(chain), "hit_blocks": hit, "swa_at": swa[-1] if swa else None, "positions": rows}
+    lines = [f"chain of {len(chain)}: hit_blocks={data['hit_blocks']} swa_at={data['swa_at']}",
+             f"{'pos':>4}  {'key':<32}  {'block':<7} swa"]
+    lines += [f"{r['position']:>4}  {r['key']}  {r['block']:<7} {r['swa']}" for r in rows]
+    return Outcome(ExitCode.OK, data, "\n".join(lines))
 
 
 # ----------------------------------------------------------------------------- gc
@@ -226,6 +282,7 @@ def _evicted_bytes(d: dict) -> str:
 
 def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     d = _call_with_progress(store.gc, progress, dry_run=args.dry_run)
+    d.setdefault("dry_run", args.dry_run)
     verb = "would reclaim" if args.dry_run else "reclaimed"
     text = (f"gc{' (dry run)' if args.dry_run else ''}: expired {d.get('expired', 0)}, evicted "
             f"{d.get('evicted', 0)}{_evicted_bytes(d)}, purged {d.get('purged', 0)} deleted, "
@@ -233,7 +290,7 @@ def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outc
             f"orphans {d.get('orphans', 0)}; "
             f"{verb} {fmt_bytes(d.get('reclaimed_bytes', 0))} ({d.get('reclaimed_bytes', 0)} bytes); "
             f"used {fmt_bytes(d.get('used_bytes'))}")
-    return Outcome(ExitCode.OK, d, text)
+    return _with_down_shards(store, Outcome(ExitCode.OK, d, text), _down_in(d))
 
 
 # ----------------------------------------------------------------------------- verify / repair
@@ -255,9 +312,13 @@ def run_verify(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
     checked = _entries_known(store)
     problems = [_problem_dict(p) for p in _call_with_progress(store.check, progress, fix=False)]
     counts = Counter(p["kind"] for p in problems)
-    lost = sorted({(p["entry_kind"], p["key"]) for p in problems if p["kind"] == "lost_entry"})
+    # "shard": the daemon of a sharded set that holds the entry (None for one store)
+    lost = sorted({(p["entry_kind"], p["key"], _shard_of(store, p["target"]) or "")
+                   for p in problems if p["kind"] == "lost_entry"})
     data = {"ok": not problems, "checked_entries": checked, "problems": problems, "counts": dict(counts),
-            "lost": [{"kind": k, "key": key} for k, key in lost]}
+            "lost": [{"kind": k, "key": key, "shard": shard or None} for k, key, shard in lost]}
+    down = {p["target"]: p["detail"].removeprefix("shard did not answer: ") for p in problems
+            if p["kind"] == "target_down" and p["target"] in getattr(store, "urls", ())}
     lines = [f"{p['kind']:<17} {p['entry_kind'] or '-':<5} {p['key'] or '-':<32} {p['target'] or '-':<10} "
              f"{p['detail']}" for p in problems[:args.limit]]
     if len(problems) > args.limit:
@@ -266,7 +327,8 @@ def run_verify(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
     lines.append(f"verify: {checked} entries checked: {summary}")
     if lost:
         lines.append(f"lost entries ({len(lost)}): bring their targets back, then run `kvtool repair`")
-    return Outcome(ExitCode.PROBLEMS if problems else ExitCode.OK, data, "\n".join(lines))
+    return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if problems else ExitCode.OK, data, "\n".join(lines)),
+                             down)
 
 
 def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
@@ -277,7 +339,7 @@ def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
             f"still lost {d.get('still_lost', 0)}")
     if bad:
         text += "\nsome damage remains: bring missing targets back (or add spare targets) and run repair again"
-    return Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, text)
+    return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, text), _down_in(d))
 
 
 # ----------------------------------------------------------------------------- stats / delete
@@ -301,7 +363,7 @@ def _stats_text(d: dict) -> str:
 
 def run_stats(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     d = store.stats()
-    return Outcome(ExitCode.OK, d, _stats_text(d))
+    return _with_down_shards(store, Outcome(ExitCode.OK, d, _stats_text(d)), _down_in(d))
 
 
 def _configure_delete(p: argparse.ArgumentParser) -> None:
@@ -311,11 +373,11 @@ def _configure_delete(p: argparse.ArgumentParser) -> None:
 
 
 def run_delete(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
+    """JSON: ``{"kind": KIND, "deleted": {KEY_HEX: bool}}`` for one key or many (module docstring)."""
     kind = EntryKind.parse(args.kind).value
-    done = {k.hex(): store.delete(k, kind=kind) for k in args.key}
+    done = {k.hex(): store.delete(k, kind=kind) for k in dict.fromkeys(args.key)}  # a repeated key once
     n = sum(done.values())
-    d = {"kind": kind, "deleted": done} if len(done) > 1 else {"key": args.key[0].hex(), "kind": kind,
-                                                                 "deleted": n == 1}
+    d = {"kind": kind, "deleted": done}
     text = "\n".join(f"deleted {kind} entry {k}" if ok else f"no {kind} entry {k}" for k, ok in done.items())
     if n:
         text += "\n(fragments go at the next `kvtool gc` after delete_grace_s)"

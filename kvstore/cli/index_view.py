@@ -1,21 +1,24 @@
 """Read-only views of an embedded store's index, for ``kvtool inspect``.
 
-Only ``kvstore.cli.commands`` calls this module, and only when the store is an
-``EmbeddedStore`` (a daemon URL falls back to the public ``stats()`` and
-``lookup``). Guarantees:
+Two callers, one code path, so a data directory and a daemon print the same JSON:
+``kvstore.cli.commands`` on a data directory (an ``EmbeddedStore`` opened by kvtool),
+and the daemon's ``Inspect`` RPC (``kvstore.server.service``) on its own store, which
+``kvtool inspect grpc://...`` calls. Guarantees:
 
-* Nothing here writes to the store: every view runs in one LMDB *read*
-  transaction, so it sees a consistent snapshot and never blocks a writer.
-  The one file written is the Parquet export, published atomically (see
-  ``export_parquet``).
+* Nothing here writes to the store: every view runs in LMDB *read* transactions,
+  so it sees a consistent snapshot and never blocks a writer. No access time is
+  refreshed (LRU order is unchanged) and no store counter moves. The one file
+  written is the Parquet export, published atomically (see ``export_parquet``).
 * Nothing here reads fragment files (``kvtool verify`` does that): "degraded"
   means *placed on a target that is down now*, judged from the index alone.
 * Namespaces are not stored (keys are opaque 16-byte prefix hashes), so the
-  summary is by entry kind.
+  summary is by entry kind. Keys are the index's own (a daemon maps a tenant's
+  keys into its namespace before calling here).
 
 Record states (``EntryState``): ``live`` (in ``entries``; ``expired`` says
-whether its TTL already passed and GC has not removed it yet) and ``lost``
-(in ``lost``: fewer than k good fragments were seen; ``repair`` may restore it).
+whether its TTL already passed and GC has not removed it yet, ``degraded``
+whether a fragment sits on a target that is down), ``lost`` (in ``lost``: fewer
+than k good fragments were seen; ``repair`` may restore it) and ``absent``.
 """
 
 from __future__ import annotations
@@ -160,6 +163,8 @@ def row_dict(row: IndexRow, now_ns: int, up: set[str]) -> dict:
     return {
         "key": row.key.hex(), "kind": row.kind.value, "state": row.state.value,
         "expired": bool(m.expires_ns and m.expires_ns <= now_ns),
+        # as KindSummary counts it: a live record with a fragment on a down (or unknown) target
+        "degraded": row.state is EntryState.LIVE and any(t not in up for t in m.targets),
         "tokens": m.tokens, "plain_bytes": m.plain_len, "entry_bytes": m.entry_len,
         "fragment_bytes": m.frag_len, "stored_bytes": m.stored_bytes, "ec": f"{m.k}+{m.m}",
         "created": iso(m.created_ns), "last_access": iso(m.access_ns), "expires": iso(m.expires_ns),
@@ -188,11 +193,24 @@ def find(store: "EmbeddedStore", key: bytes, kind: EntryKind) -> IndexRow | None
     return None
 
 
+def absent_dict(key: bytes, kind: EntryKind) -> dict:
+    """The view of a key with no record of ``kind``."""
+    return {"key": key.hex(), "kind": kind.value, "state": EntryState.ABSENT.value}
+
+
 def entry_view(store: "EmbeddedStore", key: bytes, kind: EntryKind) -> dict:
-    row = find(store, key, kind)
-    if row is None:
-        return {"key": key.hex(), "kind": kind.value, "state": EntryState.ABSENT.value}
-    return row_dict(row, store.now_ns(), targets_up(store))
+    """One record's view (``row_dict``), or ``absent_dict``."""
+    return entry_views(store, [key], kind)[0]
+
+
+def entry_views(store: "EmbeddedStore", keys: Sequence[bytes], kind: EntryKind) -> list[dict]:
+    """``entry_view`` of each key, in order: one clock reading and one look at the targets."""
+    now, up = store.now_ns(), targets_up(store)
+    out = []
+    for key in keys:
+        row = find(store, key, kind)
+        out.append(absent_dict(key, kind) if row is None else row_dict(row, now, up))
+    return out
 
 
 def chain_view(store: "EmbeddedStore", chain: Sequence[bytes]) -> list[dict]:

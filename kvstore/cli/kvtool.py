@@ -3,6 +3,7 @@
 Usage (global options go before or after the subcommand)::
 
     kvtool [--data-dir DIR | STORE] [--config FILE.toml] [--json] [-v] COMMAND [STORE] [options]
+           [--token-file FILE] [--ca-file FILE] [--cert-file FILE --key-file FILE] [--timeout SECONDS]
 
     kvtool inspect ./kvstack-data                    # totals by kind, capacity, ages, degraded, lost
     kvtool inspect ./kvstack-data --key HEX --kind swa
@@ -13,12 +14,26 @@ Usage (global options go before or after the subcommand)::
     kvtool repair ./kvstack-data
     kvtool stats --json file:///var/lib/kv
     kvtool delete ./kvstack-data --key HEX --kind swa
+    KVSTORE_TOKEN=... kvtool verify grpc://10.0.0.5:7070 --timeout 600
+    kvtool stats grpc://h1:7070,grpc://h2:7070        # a sharded set
 
 The store is a path, a ``file://`` URL or any URL ``kvstore.connect`` knows
 (e.g. a ``grpc://`` daemon once registered); without one, ``KVSTORE_DATA_DIR``,
 then ``data_dir`` of ``--config``, then ``./kvstack-data``. ``--config`` is the
 store config of a data directory; with a daemon URL it is a usage error (the
 daemon runs under its own config).
+
+A daemon (``grpc://HOST:PORT``, ``grpcs://`` for TLS, a comma list for a sharded
+set) is reached with the client's environment (``DAEMON_ENV``: ``KVSTORE_TOKEN``,
+``KVSTORE_CA_FILE``, ``KVSTORE_CERT_FILE``, ``KVSTORE_KEY_FILE``) or the flags
+``--token-file``, ``--ca-file``, ``--cert-file``, ``--key-file`` (a flag wins over
+its variable; there is no ``--token``: a token on the command line is visible to
+every user in the process list). ``--timeout SECONDS`` is the deadline of every call
+to the daemon (default: 60 s, and 3600 s for verify, repair and gc); past it
+kvtool says so in one line and exits 2. These flags with a data directory are a
+usage error, as ``--config`` with a daemon is. ``stats``, ``verify``, ``repair``,
+``gc`` and ``inspect`` without ``--key``/``--chain`` need an admin tenant's
+token when the daemon has a tokens file.
 
 Contract:
 * kvtool never creates a store: a local path without ``kvstore.json`` is a
@@ -28,6 +43,9 @@ Contract:
   data directory) is one line on stderr, never a traceback.
 * Exit codes: 0 healthy, 1 problems found, 2 usage error (see
   ``kvstore.cli.commands``).
+* gRPC's own C-core log (e.g. a TLS "Handshake failed" line) is silenced: ``main``
+  sets ``GRPC_VERBOSITY=NONE`` before gRPC is loaded, unless the caller set
+  ``GRPC_VERBOSITY`` (set it to see those lines).
 """
 
 from __future__ import annotations
@@ -36,8 +54,11 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
+import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -51,10 +72,19 @@ from kvstore.errors import InvalidRequest, KVStoreError
 PROG = "kvtool"
 
 
+# A scheme ``kvstore.connect`` knows, then ":" but not "://": "grpc:/h:p", "grpcs:h:p" (a typo).
+_MISTYPED_URL = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]*):(?!//)")
+
+
 def _require_local_store(url: str) -> None:
     """A local data directory must already be a store (kvtool never creates one)."""
     from kvstore.datadir import FORMAT_FILE
 
+    m = _MISTYPED_URL.match(url)
+    scheme = m.group(1).lower() if m else ""
+    if scheme in kvstore.CONNECTORS and scheme not in CONFIG_SCHEMES and not Path(url).exists():
+        # "grpc:/h:p": a mistyped daemon URL, not a directory that does not exist (kvstore.connect's words)
+        raise InvalidRequest(f"{url!r} is not a {scheme} URL: write {scheme}://HOST:PORT")
     path = Path(url[len("file://"):] if url.startswith("file://") else url)
     if not path.exists():
         raise InvalidRequest(f"{path} does not exist; give the data directory of an existing store")
@@ -68,6 +98,35 @@ PRECHECKS: dict[str, Callable[[str], None]] = {"": _require_local_store, "file":
 # URL schemes whose store reads a store config (``--config``): a data directory. A daemon
 # (``grpc://``) runs under its own config, so ``--config`` with any other scheme is a usage error.
 CONFIG_SCHEMES: frozenset[str] = frozenset({"", "file"})
+
+# How kvtool reaches a daemon: client option <- (flag, environment variable). A flag wins over
+# its variable (``kvstore.remote.ClientOptions.from_overrides``); the token comes from a file.
+DAEMON_ENV: dict[str, tuple[str, str]] = {
+    "token": ("--token-file", "KVSTORE_TOKEN"),
+    "ca_file": ("--ca-file", "KVSTORE_CA_FILE"),
+    "cert_file": ("--cert-file", "KVSTORE_CERT_FILE"),
+    "key_file": ("--key-file", "KVSTORE_KEY_FILE"),
+}
+# client option -> the kvtool flag that sets it (for messages)
+FLAG_OF: dict[str, str] = {**{o: f for o, (f, _) in DAEMON_ENV.items()},
+                           "timeout_s": "--timeout", "maintenance_timeout_s": "--timeout"}
+
+EPILOG = """\
+daemons:
+  STORE may be grpc://HOST:PORT (grpcs:// for TLS) or a comma list of them (a sharded set).
+  These reach it, the flag winning over its variable:
+    KVSTORE_TOKEN      bearer token (--token-file FILE reads it from a file); stats, verify,
+                       repair, gc and inspect's summary need a token of an admin tenant
+    KVSTORE_CA_FILE    CA certificate (PEM) that signed the daemon's certificate (--ca-file)
+    KVSTORE_CERT_FILE  client certificate for mutual TLS (--cert-file)
+    KVSTORE_KEY_FILE   its private key (--key-file)
+  --timeout SECONDS   deadline of each call to a daemon (default 60 s; 3600 s for verify,
+                      repair and gc); a call past it is one error line, exit 2
+  GRPC_VERBOSITY      unset: kvtool silences gRPC's own log lines; set it to see them
+
+exit codes: 0 healthy, 1 problems found (or a shard of a sharded set did not answer),
+2 usage error or the store could not be reached
+"""
 
 
 def _common_options(subcommand: bool) -> argparse.ArgumentParser:
@@ -83,21 +142,53 @@ def _common_options(subcommand: bool) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", default=dflt(False), help="print one JSON document")
     p.add_argument("-v", "--verbose", action="count", default=dflt(0),
                    help="show store log messages (-v warnings, -vv info)")
+    d = p.add_argument_group("daemon options (grpc:// and grpcs:// stores only)")
+    d.add_argument("--token-file", metavar="FILE", type=given_file, default=dflt(None),
+                   help="read the bearer token from FILE (default: $KVSTORE_TOKEN)")
+    d.add_argument("--ca-file", metavar="FILE", type=given_file, default=dflt(None),
+                   help="CA that signed the daemon's certificate (default: $KVSTORE_CA_FILE)")
+    d.add_argument("--cert-file", metavar="FILE", type=given_file, default=dflt(None),
+                   help="client certificate for mutual TLS (default: $KVSTORE_CERT_FILE)")
+    d.add_argument("--key-file", metavar="FILE", type=given_file, default=dflt(None),
+                   help="client private key for mutual TLS (default: $KVSTORE_KEY_FILE)")
+    d.add_argument("--timeout", metavar="SECONDS", type=seconds, default=dflt(None),
+                   help="deadline of each call to the daemon (default: 60, and 3600 for verify, repair, gc)")
     return p
 
 
+def given_file(text: str) -> str:
+    """A file kvtool reads (argparse ``type``: an empty name is a usage error, exit 2)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty file name; give the path of the file")
+    return text
+
+
+def seconds(text: str) -> float:
+    """``--timeout`` (argparse ``type``: not a positive, finite number is a usage error, exit 2)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(v) and 0 < v <= 1e9):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, parents=[_common_options(False)],
+    parser = argparse.ArgumentParser(prog=PROG, parents=[_common_options(False)], epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description="Inspect, verify, repair and clean a kvstack store.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, parents=[_common_options(True)])
+        p = sub.add_parser(cmd.name, help=cmd.help, description=textwrap.fill(cmd.help, 80),
+                           parents=[_common_options(True)], epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # the epilog's layout kept
         p.add_argument("store", nargs="?", default=None, help="store path or URL")
         cmd.configure(p)
     return parser
 
 
-_TAKES_VALUE = {"--data-dir", "--config"}
+_TAKES_VALUE = {"--data-dir", "--config", "--token-file", "--ca-file", "--cert-file", "--key-file", "--timeout"}
 
 
 def hoist_leading_store(argv: Sequence[str]) -> list[str]:
@@ -133,18 +224,44 @@ def resolve_url(args: argparse.Namespace) -> str:
     return load_config(args.config).data_dir  # env KVSTORE_DATA_DIR > TOML data_dir > default
 
 
-def open_store(url: str, config: str | None) -> KVStore:
+def daemon_options(args: argparse.Namespace) -> dict[str, object]:
+    """The client options the daemon flags give (``kvstore.connect`` overrides); unset flags
+    are left out, so the environment (``DAEMON_ENV``) applies. Raises ``InvalidRequest`` for a
+    token file that cannot be read or is empty."""
+    opts: dict[str, object] = {}
+    for option, (flag, _env) in DAEMON_ENV.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and option == "token":
+            try:
+                value = Path(value).read_text().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise InvalidRequest(f"--token-file {value}: cannot read it ({exc})") from exc
+            if not value:
+                raise InvalidRequest(f"--token-file {args.token_file} is empty; put the bearer token in it")
+        if value is not None:
+            opts[option] = value
+    if args.timeout is not None:
+        opts["timeout_s"] = opts["maintenance_timeout_s"] = args.timeout
+    return opts
+
+
+def open_store(url: str, config: str | None, daemon: dict[str, object] | None = None) -> KVStore:
     """Open the store at ``url``; ``config`` (a TOML store config) applies only to a data
-    directory. Raises ``InvalidRequest`` for ``--config`` with another URL, or for a local
-    path that is not an existing store."""
+    directory, ``daemon`` (``daemon_options``) only to a daemon URL. Raises ``InvalidRequest``
+    for either with the other kind of store, for a mistyped daemon URL, or for a local path
+    that is not an existing store."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if config and scheme not in CONFIG_SCHEMES:
         raise InvalidRequest(f"--config applies only to a data directory, not to {url}; "
                              "drop --config (the daemon uses its own config)")
+    if daemon and scheme in CONFIG_SCHEMES:
+        flags = ", ".join(dict.fromkeys(FLAG_OF[o] for o in daemon))
+        raise InvalidRequest(f"{flags}: daemon options, for a grpc://HOST:PORT store, not for the data "
+                             f"directory {url}; drop them")
     check = PRECHECKS.get(scheme)
     if check is not None:
         check(url)
-    overrides = {"config_file": config} if config else {}
+    overrides = {"config_file": config} if config else dict(daemon or {})
     return kvstore.connect(url, **overrides)
 
 
@@ -176,6 +293,23 @@ def emit(outcome: Outcome, as_json: bool) -> None:
         print(outcome.text)
 
 
+@contextlib.contextmanager
+def quiet_grpc_core() -> Iterator[None]:
+    """``GRPC_VERBOSITY=NONE`` for this run, so gRPC's C core prints no log line of its own
+    (a TLS failure's "Handshake failed", connectivity notes) before kvtool's one-line error.
+    Only when the caller has not set ``GRPC_VERBOSITY`` and gRPC is not loaded yet (the core
+    reads it once, when it starts: a console-script run, where kvtool's imports do not load
+    gRPC until a daemon URL is opened). The variable is put back as it was afterwards."""
+    if "GRPC_VERBOSITY" in os.environ or "grpc" in sys.modules:
+        yield
+        return
+    os.environ["GRPC_VERBOSITY"] = "NONE"
+    try:
+        yield
+    finally:
+        os.environ.pop("GRPC_VERBOSITY", None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run kvtool; returns the exit code (the console script exits with it)."""
     parser = build_parser()
@@ -183,13 +317,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(hoist_leading_store(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), message already printed
         return int(exc.code or 0)
-    with store_logging(args.verbose):
+    with store_logging(args.verbose), quiet_grpc_core():
         return _run(COMMANDS[args.command], args)
+
+
+def _error_line(cmd: Command, exc: BaseException) -> str:
+    """kvtool's one line for a failed command: what the command needs, not the RPC that said no."""
+    code = getattr(exc, "code", "")
+    wire = sys.modules.get("kvstore.server.wire")  # loaded only once a daemon was called
+    if code == "PERMISSION_DENIED":
+        return (f"{cmd.name} needs an admin tenant's token: set KVSTORE_TOKEN (or --token-file) to a token of a "
+                f"tenant in the daemon's admin_tenants (the daemon said: {exc})")
+    if code == "UNAUTHENTICATED":
+        return (f"{cmd.name}: the daemon needs a bearer token it knows: set KVSTORE_TOKEN (or --token-file) "
+                f"(the daemon said: {exc})")
+    if wire is not None and isinstance(exc, wire.DeadlineExceeded):
+        return f"{cmd.name}: {exc}; --timeout SECONDS sets how long kvtool waits"
+    return f"{cmd.name}: {exc}"
 
 
 def _run(cmd: Command, args: argparse.Namespace) -> int:
     try:
-        store = open_store(resolve_url(args), args.config)
+        store = open_store(resolve_url(args), args.config, daemon_options(args))
     except (KVStoreError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE)
@@ -198,7 +347,7 @@ def _run(cmd: Command, args: argparse.Namespace) -> int:
         outcome = cmd.run(store, args, progress)
     except (KVStoreError, OSError) as exc:
         progress.close()
-        print(f"{PROG}: error: {cmd.name}: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {' '.join(_error_line(cmd, exc).split())}", file=sys.stderr)
         return int(ExitCode.USAGE)
     finally:
         progress.close()
@@ -208,6 +357,8 @@ def _run(cmd: Command, args: argparse.Namespace) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `kvtool ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    for line in outcome.errors:  # after the result: what was done first, then what was not
+        print(f"{PROG}: error: {cmd.name}: {line}", file=sys.stderr)
     return int(outcome.code)
 
 if __name__ == "__main__":

@@ -144,6 +144,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.RepairRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.JsonReply.FromString,
                 _registered_method=True)
+        self.Inspect = channel.unary_unary(
+                '/kvstore.v1.KVStore/Inspect',
+                request_serializer=kvstore__pb2.InspectRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.JsonReply.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -281,6 +286,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Inspect(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -392,6 +403,11 @@ def add_KVStoreServicer_to_server(servicer, server):
             'Repair': grpc.unary_unary_rpc_method_handler(
                     servicer.Repair,
                     request_deserializer=kvstore__pb2.RepairRequest.FromString,
+                    response_serializer=kvstore__pb2.JsonReply.SerializeToString,
+            ),
+            'Inspect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Inspect,
+                    request_deserializer=kvstore__pb2.InspectRequest.FromString,
                     response_serializer=kvstore__pb2.JsonReply.SerializeToString,
             ),
     }
@@ -988,6 +1004,33 @@ class KVStore:
             target,
             '/kvstore.v1.KVStore/Repair',
             kvstore__pb2.RepairRequest.SerializeToString,
+            kvstore__pb2.JsonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Inspect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Inspect',
+            kvstore__pb2.InspectRequest.SerializeToString,
             kvstore__pb2.JsonReply.FromString,
             options,
             channel_credentials,

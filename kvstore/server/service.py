@@ -33,6 +33,10 @@ Values are hand-encoded (``wire.encode_*``): one copy each instead of two.
 
 Direct reads and writes (``Describe``, ``Locate``, ``Commit``): ``kvstore.server.direct_rpc``.
 
+``Inspect`` (``_inspect``) answers ``kvtool inspect`` with the read-only index views of
+``kvstore.cli.index_view``, the code the tool runs on a data directory, so both print the
+same records; it touches nothing (no access time, no store counter).
+
 Background GC runs in its own thread every ``gc_interval_s``; the store's GC
 works in bounded index transactions, so requests are not stalled behind it.
 ``stop()`` drains: health goes NOT_SERVING, gRPC stops accepting calls and
@@ -180,6 +184,8 @@ class Daemon(DirectRPC):
             "Gc": _Method(pb.GcRequest, self._gc, admin=True),
             "Check": _Method(pb.CheckRequest, self._check, admin=True),
             "Repair": _Method(pb.RepairRequest, self._repair, admin=True),
+            # Admin-only for the summary; per-key views are any tenant's, in its namespace (_inspect).
+            "Inspect": _Method(pb.InspectRequest, self._inspect),
         }
         opts = [("grpc.max_receive_message_length", server_cfg.max_message_bytes),
                 ("grpc.max_send_message_length", server_cfg.max_message_bytes),
@@ -592,6 +598,40 @@ class Daemon(DirectRPC):
 
     def _repair(self, r: pb.RepairRequest, tenant: Tenant) -> pb.JsonReply:
         return pb.JsonReply(json=json.dumps(self.store.repair(), default=str))
+
+    def _inspect(self, r: pb.InspectRequest, tenant: Tenant) -> pb.JsonReply:
+        """``kvtool inspect`` against this daemon (kvstore.proto's ``Inspect``): the views
+        ``kvstore.cli.index_view`` computes on a data directory, from this daemon's store.
+
+        Read-only: index read transactions only (no fragment read, no access-time refresh,
+        no store counter); the request metrics are the only trace. Who sees what:
+
+        =====================  ===================================  =========================
+        request                admin tenant                         any other tenant
+        =====================  ===================================  =========================
+        no keys (the summary)  the whole store                      PERMISSION_DENIED
+        keys (entry or chain)  index keys, as Check and kvtool      its own keys, mapped into
+                               on the data directory name them      its namespace
+        =====================  ===================================  =========================
+
+        A tenant's own keys are mapped as ``Get`` maps them, so another tenant's entries
+        are "absent" to it. Each view names the key as it was sent.
+        """
+        from kvstore.cli import index_view  # the same code kvtool runs on a data directory
+
+        if not r.keys and not r.chain:
+            require_admin(tenant, "Inspect of the store summary")
+            return pb.JsonReply(json=json.dumps(index_view.summarize(self.store), default=str))
+        self._batch(len(r.keys), "inspect")
+        sent = check_keys(r.keys)  # validated before any is mapped
+        stored = sent if tenant.admin else [tenant.store_key(k) for k in sent]
+        if r.chain:
+            views = index_view.chain_view(self.store, stored)
+        else:
+            views = index_view.entry_views(self.store, stored, EntryKind.parse(kind_or_default(r.kind)))
+        for view, key in zip(views, sent):
+            view["key"] = key.hex()
+        return pb.JsonReply(json=json.dumps({"positions" if r.chain else "entries": views}, default=str))
 
 
 def _read_tls_files(cfg: ServerConfig) -> dict[str, bytes]:

@@ -14,7 +14,8 @@ rebuilds the same class with the same message. A status without the metadata
 mapped by ``ERRORS_BY_STATUS``: UNAVAILABLE and DEADLINE_EXCEEDED become
 ``StoreUnavailable``, so "daemon down" is one retryable type for callers (a
 failed TLS handshake too: gRPC reports it as UNAVAILABLE; the message then
-says to check ``ca_file`` and the URL scheme).
+says to check ``ca_file`` and the URL scheme). DEADLINE_EXCEEDED is its
+subclass ``DeadlineExceeded``, whose message names the call's deadline.
 
 Conversions never trust the wire: kinds, layouts and keys are validated by the
 store itself (``InvalidRequest`` -> INVALID_ARGUMENT).
@@ -86,6 +87,12 @@ class ServerBusy(StoreUnavailable):
     code = "BUSY"
 
 
+class DeadlineExceeded(StoreUnavailable):
+    """A call got no answer within its deadline (gRPC's DEADLINE_EXCEEDED): the daemon may be
+    reachable and still working on it. Client side only (the daemon never sends it); a
+    ``StoreUnavailable``, so callers that retry on "daemon down" retry it too."""
+
+
 class Unauthenticated(KVStoreError):
     """No bearer token, or one the daemon does not know."""
 
@@ -124,7 +131,7 @@ STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
 # gRPC status without kvstore metadata -> the class the client raises.
 ERRORS_BY_STATUS: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.UNAVAILABLE: StoreUnavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: StoreUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: StoreUnavailable,
     grpc.StatusCode.RESOURCE_EXHAUSTED: RequestTooLarge,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
@@ -144,8 +151,9 @@ def status_of(exc: KVStoreError) -> tuple[grpc.StatusCode, tuple[tuple[str, str]
     return STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN), tuple(md)
 
 
-def error_from_rpc(err: grpc.RpcError, where: str = "") -> KVStoreError:
-    """The typed error a failed call stands for (the caller raises it ``from err``)."""
+def error_from_rpc(err: grpc.RpcError, where: str = "", timeout_s: float | None = None) -> KVStoreError:
+    """The typed error a failed call stands for (the caller raises it ``from err``);
+    ``timeout_s``, the call's deadline, is named in a ``DeadlineExceeded``'s message."""
     md: dict[str, Any] = {}
     try:
         md = {k: v for k, v in (err.trailing_metadata() or ())}
@@ -163,6 +171,10 @@ def error_from_rpc(err: grpc.RpcError, where: str = "") -> KVStoreError:
     status = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     cls = ERRORS_BY_STATUS.get(status, KVStoreError)
     prefix = f"{where}: " if where else ""
+    if cls is DeadlineExceeded:
+        within = f"within {timeout_s:g} s" if timeout_s else "within the call's deadline"
+        return DeadlineExceeded(f"{prefix}no answer from the kvstore daemon {within} ({status.name}); "
+                                "it may be hung, overloaded or still working on the call")
     if cls is StoreUnavailable:
         hint = TLS_HINT if any(m in details.lower() for m in _TLS_FAILURE_MARKERS) else ""
         return StoreUnavailable(f"{prefix}kvstore daemon unreachable ({status.name}: {details}){hint}")

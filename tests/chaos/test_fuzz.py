@@ -86,7 +86,7 @@ ALL_METHODS = [
     ("UnpinMany", pb.KeysRequest), ("Lookup", pb.LookupRequest), ("LookupMany", pb.LookupManyRequest),
     ("Probe", pb.ProbeRequest), ("Stats", pb.StatsRequest), ("Gc", pb.GcRequest),
     ("Check", pb.CheckRequest), ("Repair", pb.RepairRequest), ("Describe", pb.DescribeRequest),
-    ("Locate", pb.LocateRequest), ("Commit", pb.CommitRequest)]
+    ("Locate", pb.LocateRequest), ("Commit", pb.CommitRequest), ("Inspect", pb.InspectRequest)]
 
 
 def test_the_fuzzed_table_covers_every_rpc(fuzz_daemon):
@@ -98,7 +98,7 @@ def test_the_fuzzed_table_covers_every_rpc(fuzz_daemon):
 def test_fuzz_every_request_message(fuzz_daemon, name, req_cls):
     d, ch = fuzz_daemon
     call = ch.unary_unary(f"/kvstore.v1.KVStore/{name}")
-    n = 6 if name in ("Check", "Repair", "Gc", "Stats") else 25
+    n = 6 if name in ("Check", "Repair", "Gc", "Stats", "Inspect") else 25  # these read the whole index
 
     @settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(msg=message_strategy(req_cls.DESCRIPTOR), tail=st.binary(max_size=8))

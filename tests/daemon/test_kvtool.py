@@ -1,0 +1,311 @@
+"""kvtool against daemon URLs: the same answers as on a data directory, read-only inspect,
+sharded sets with a shard down, tenants, timeouts and TLS failures in one line.
+
+Every daemon listens on 127.0.0.1 (``make_daemon``); a "down" shard is a loopback port
+nothing listens on. Waits are bounded (``--timeout``, subprocess timeouts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+import kvstore
+from kvstore import PutItem
+from kvstore.cli.kvtool import main
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.server.wire import DeadlineExceeded
+
+from .conftest import ROOT, subprocess_env
+
+TOK_A, TOK_B, TOK_OPS = "token-aaaaaaaa", "token-bbbbbbbb", "token-opsopsops"
+DAEMON_ENV = ("KVSTORE_TOKEN", "KVSTORE_CA_FILE", "KVSTORE_CERT_FILE", "KVSTORE_KEY_FILE", "KVSTORE_DATA_DIR")
+
+
+def K(i) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+@pytest.fixture
+def run_tool(capsys, monkeypatch):
+    """kvtool in-process, with no client settings from the environment: (code, stdout, stderr)."""
+    for name in DAEMON_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+    def run(*argv: object) -> tuple[int, str, str]:
+        code = main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture
+def tokens_file(tmp_path) -> str:
+    p = tmp_path / "tokens.toml"
+    p.write_text(f'admin_tenants = ["ops"]\n[tokens]\n"{TOK_A}" = "tenant-a"\n"{TOK_B}" = "tenant-b"\n'
+                 f'"{TOK_OPS}" = "ops"\n')
+    return str(p)
+
+
+def dead_url() -> str:
+    """A loopback URL nothing listens on (a shard that is down)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"grpc://127.0.0.1:{port}"
+
+
+def away(data_dir: str, *names: str) -> list[tuple[Path, Path]]:
+    moved = []
+    for n in names:
+        src = Path(data_dir) / "targets" / n
+        dst = src.with_name(n + ".away")
+        src.rename(dst)
+        moved.append((src, dst))
+    return moved
+
+
+def one_line(err: str) -> str:
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+# ----------------------------------------------------------------------------- A: inspect --key
+def test_inspect_key_on_a_daemon_is_read_only_and_as_on_the_data_directory(make_daemon, run_tool) -> None:
+    from kvstore.api import EntryKind
+    from kvstore.cli import index_view
+
+    d = make_daemon()
+    keys = [K(i) for i in range(6)]
+    with kvstore.connect(d.address) as s:
+        assert all(s.put_many([PutItem(k, b"v%d" % i * 500, tokens=3) for i, k in enumerate(keys)]))
+        s.put(K("ttl"), b"short-lived" * 100, ttl_s=0.05)
+    time.sleep(0.1)  # its TTL passes; no background GC (gc_interval_s=0) removes it
+    before = dict(d.store.counters)
+    for key, kind in [(k, "block") for k in keys] + [(K("ttl"), "block"), (keys[0], "swa")]:
+        code, out, _ = run_tool("inspect", d.address, "--key", key.hex(), "--kind", kind, "--json")
+        # what kvtool prints for a data directory: index_view's record of the same store
+        local = json.loads(json.dumps(index_view.entry_view(d.store, key, EntryKind.parse(kind))))
+        assert (code, json.loads(out)) == (1 if local["state"] == "absent" else 0, local), key.hex()
+    code, text, _ = run_tool("inspect", d.address, "--key", K("ttl").hex())
+    assert code == 0 and "live (expired, awaiting gc)" in text.splitlines()[0]  # not "absent"
+    # nothing was read, refreshed or counted: no get, no bytes out, no pending access time
+    assert dict(d.store.counters) == before and not d.store._touches
+    reg = d.metrics.registry
+    assert reg.get_sample_value("kvstore_requests_total", {"method": "Inspect", "code": "OK"}) == 9
+    assert reg.get_sample_value("kvstore_bytes_out_total") == 0
+    # One target away: degraded (not plain "live"); three away and a verify: lost (not "absent").
+    away(str(d.store.data_dir), "t1")
+    code, text, _ = run_tool("inspect", d.address, "--key", keys[1].hex())
+    assert code == 0 and text.startswith(f"block {keys[1].hex()}: live (degraded: fragments on down targets t1)")
+    away(str(d.store.data_dir), "t2", "t3")
+    assert run_tool("verify", d.address)[0] == 1
+    code, out, _ = run_tool("inspect", d.address, "--key", keys[2].hex(), "--json")
+    lost = json.loads(out)
+    assert code == 0 and lost["state"] == "lost"
+    code_text, lost_text, _ = run_tool("inspect", d.address, "--key", keys[2].hex())
+    data_dir = str(d.store.data_dir)
+    d.stop()
+    code, out, _ = run_tool("inspect", data_dir, "--key", keys[2].hex(), "--json")
+    assert (code, json.loads(out)) == (0, lost)  # the data directory's answer, exit code included
+    assert run_tool("inspect", data_dir, "--key", keys[2].hex())[:2] == (code_text, lost_text)
+
+
+def test_inspect_key_per_tenant_namespace(make_daemon, run_tool, tokens_file, monkeypatch, tmp_path) -> None:
+    d = make_daemon(tokens_file=tokens_file)
+    with kvstore.connect(d.address, token=TOK_A) as a:
+        a.put(K("mine"), b"tenant a's" * 100, kind="swa")
+    stored = d.tokens.tenants_by_token[TOK_A.encode()].store_key(K("mine"))
+    monkeypatch.setenv("KVSTORE_TOKEN", TOK_A)
+    code, out, _ = run_tool("inspect", d.address, "--key", K("mine").hex(), "--kind", "swa", "--json")
+    view = json.loads(out)
+    assert code == 0 and view["state"] == "live" and view["key"] == K("mine").hex()  # named as sent
+    code, out, _ = run_tool("inspect", d.address, "--chain", f"{K('x').hex()},{K('mine').hex()}", "--json")
+    assert code == 0 and [p["swa"] for p in json.loads(out)["positions"]] == ["absent", "live"]
+    monkeypatch.setenv("KVSTORE_TOKEN", TOK_B)  # another tenant: A's entry does not exist for it
+    code, out, _ = run_tool("inspect", d.address, "--key", K("mine").hex(), "--kind", "swa", "--json")
+    assert code == 1 and json.loads(out)["state"] == "absent"
+    code, out, err = run_tool("inspect", d.address)  # the summary is the whole store's: admins only
+    assert code == 2 and out == ""
+    assert one_line(err).startswith("kvtool: error: inspect needs an admin tenant's token")
+    # The admin names index keys, as kvtool on the data directory and verify do.
+    tok = tmp_path / "ops.token"
+    tok.write_text(TOK_OPS + "\n")
+    code, out, _ = run_tool("inspect", d.address, "--key", stored.hex(), "--kind", "swa", "--json",
+                            "--token-file", tok)  # the flag wins over KVSTORE_TOKEN
+    assert code == 0 and json.loads(out)["state"] == "live" and json.loads(out)["key"] == stored.hex()
+    assert run_tool("inspect", d.address, "--token-file", tok)[0] == 0
+
+
+def test_inspect_rpc_refuses_bad_requests_and_stays_read_only(make_daemon) -> None:
+    d = make_daemon(max_batch_items=4)
+    with kvstore.connect(d.address) as s:
+        s.put(K(1), b"x" * 100)
+    with grpc.insecure_channel(d.address.split("://")[1]) as ch:
+        call = ch.unary_unary("/kvstore.v1.KVStore/Inspect")
+        for req in (pb.InspectRequest(keys=[b"short"]), pb.InspectRequest(keys=[K(1)], kind="bogus"),
+                    pb.InspectRequest(keys=[K(i) for i in range(5)])):
+            with pytest.raises(grpc.RpcError) as ei:
+                call(req.SerializeToString(), timeout=10)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as ei:
+            call(b"\x0a\x10" + K(1)[:5], timeout=10)  # truncated
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with kvstore.connect(d.address, max_batch_items=4) as s:
+        keys = [K(i) for i in range(10)]  # more than max_batch_items: sent in pieces, answered in order
+        assert [v["state"] for v in s.inspect_entries(keys)] == ["absent", "live"] + ["absent"] * 8
+        assert [r["position"] for r in s.inspect_chain(keys)] == list(range(10))
+    assert d.store.check() == []
+
+
+# ----------------------------------------------------------------------------- B: inspect summary
+def test_inspect_summary_on_a_daemon_is_the_data_directory_schema(make_daemon, run_tool) -> None:
+    d = make_daemon()
+    with kvstore.connect(d.address) as s:
+        s.put_many([PutItem(K(i), b"s" * 300, kind="swa" if i % 3 == 0 else "block") for i in range(9)])
+    code, out, _ = run_tool("inspect", d.address, "--json")
+    remote = json.loads(out)
+    code_t, remote_text, _ = run_tool("inspect", d.address)
+    assert code == code_t == 0
+    assert remote["by_kind"]["swa"]["entries"] == 3 and remote["total"]["entries"] == 9
+    assert {t["name"] for t in remote["targets"]} == {f"t{i}" for i in range(6)} and "lost" in remote["total"]
+    data_dir = str(d.store.data_dir)
+    d.stop()
+    code, out, _ = run_tool("inspect", data_dir, "--json")
+    assert code == 0 and json.loads(out) == remote
+    assert run_tool("inspect", data_dir)[1] == remote_text
+
+
+# ----------------------------------------------------------------------------- C, D: sharded sets
+def _two_shards(make_daemon, n: int = 12) -> tuple[list, list[bytes]]:
+    a, b = make_daemon("a"), make_daemon("b")
+    keys = [K(f"sh{i}") for i in range(n)]
+    with kvstore.connect(f"{a.address},{b.address}") as s:
+        assert all(s.put_many([PutItem(k, b"v" * 2000) for k in keys]))
+        s.put(keys[0], b"w" * 500, kind="swa")
+    return [a, b], keys
+
+
+def test_sharded_maintenance_with_a_shard_down_keeps_the_others_results(make_daemon, run_tool) -> None:
+    (a, b), keys = _two_shards(make_daemon)
+    down = dead_url()
+    url = f"{a.address},{b.address},{down}"
+    entries = a.store.stats()["entries"] + b.store.stats()["entries"]
+    for argv in (("gc", "--dry-run"), ("gc",), ("repair",), ("stats",), ("inspect",)):
+        code, out, err = run_tool(*argv, url, "--json", "--timeout", "20")
+        d = json.loads(out)  # what A and B did is printed
+        assert code == 1, (argv, err)
+        assert one_line(err).startswith(f"kvtool: error: {argv[0]}: shard {down} did not answer")
+        assert "from the other 2 of 3 shards" in err
+        assert set(d["shards"][down]) == {"error", "code"} and "error" not in d["shards"][a.address]
+    assert d["total"]["entries"] == entries  # the inspect summary, of A and B
+    code, out, err = run_tool("verify", url, "--json", "--timeout", "20")
+    d = json.loads(out)
+    assert code == 1 and one_line(err).startswith(f"kvtool: error: verify: shard {down} did not answer")
+    assert [(p["kind"], p["target"]) for p in d["problems"]] == [("target_down", down)]
+    assert d["checked_entries"] == entries
+    code, out, err = run_tool("gc", url, "--timeout", "20")  # text: the sums, then the line on stderr
+    assert code == 1 and out.startswith("gc: expired 0") and err.count("\n") == 1
+    with pytest.raises(kvstore.StoreUnavailable):  # no shard answering is an error, not an empty result
+        with kvstore.connect(f"{dead_url()},{down}", timeout_s=10) as s:
+            s.gc()
+
+
+def test_sharded_results_keep_every_field(make_daemon, run_tool) -> None:
+    (a, b), keys = _two_shards(make_daemon)
+    url = f"{a.address},{b.address}"
+    code, out, _ = run_tool("gc", url, "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["dry_run"] is True
+    code, out, _ = run_tool("stats", url, "--json")
+    st = json.loads(out)
+    assert code == 0 and st["pack_dead_bytes"] == 0 and len(st["targets"]) == 12
+    assert {t["name"] for t in st["targets"]} == {f"{u}/t{i}" for u in (a.address, b.address) for i in range(6)}
+    assert st["entries"] == len(keys) + 1 and st["erasure_code"] == a.store.stats()["erasure_code"]
+    code, out, _ = run_tool("inspect", url, "--key", keys[0].hex(), "--kind", "swa", "--json")
+    view = json.loads(out)
+    assert code == 0 and view["state"] == "live" and view["shard"] in (a.address, b.address)
+    code, out, _ = run_tool("inspect", url, "--chain", ",".join(k.hex() for k in keys[:3]), "--json")
+    assert code == 0 and json.loads(out)["hit_blocks"] == 3
+    # Three targets of A away: A's entries are lost, and verify says on which shard, every
+    # target of a lost entry prefixed with it (not only the first name of the list).
+    a_keys = {k.hex() for k in keys if a.store.probe([k])[0] == b"\x01"}
+    assert a_keys
+    moved = away(str(a.store.data_dir), "t0", "t1", "t2")
+    code, out, _ = run_tool("verify", url, "--json")
+    d = json.loads(out)
+    assert code == 1 and {x["key"] for x in d["lost"] if x["kind"] == "block"} == a_keys
+    assert {x["shard"] for x in d["lost"]} == {a.address}
+    for p in d["problems"]:
+        assert all(t.startswith(a.address + "/") for t in p["target"].split(",")), p
+    for src, dst in moved:
+        dst.rename(src)
+    assert run_tool("repair", url)[0] == 0 and run_tool("verify", url)[0] == 0
+
+
+# ----------------------------------------------------------------------------- F: tenants
+def test_verify_as_a_non_admin_names_the_command(make_daemon, run_tool, tokens_file, monkeypatch) -> None:
+    d = make_daemon(tokens_file=tokens_file)
+    monkeypatch.setenv("KVSTORE_TOKEN", TOK_A)
+    for cmd in ("verify", "stats", "gc", "repair"):
+        code, out, err = run_tool(cmd, d.address)
+        assert code == 2 and out == ""
+        assert one_line(err).startswith(f"kvtool: error: {cmd} needs an admin tenant's token: set KVSTORE_TOKEN")
+    monkeypatch.setenv("KVSTORE_TOKEN", TOK_OPS)  # the variable keeps working
+    assert run_tool("verify", d.address)[0] == 0
+    monkeypatch.delenv("KVSTORE_TOKEN")
+    code, _, err = run_tool("stats", d.address)
+    assert code == 2 and "KVSTORE_TOKEN" in one_line(err)
+
+
+# ----------------------------------------------------------------------------- I: timeouts
+def test_a_hung_maintenance_call_times_out_in_one_line(make_daemon, run_tool) -> None:
+    d = make_daemon()
+    release = threading.Event()
+    real_check = d.store.check
+
+    def hung_check(*a, **kw):
+        release.wait(30)  # accepted, then no answer (bounded: the test releases it)
+        return real_check(*a, **kw)
+
+    d.store.check = hung_check
+    try:
+        t0 = time.monotonic()
+        code, out, err = run_tool("verify", d.address, "--timeout", "1.5")
+        assert code == 2 and out == "" and time.monotonic() - t0 < 15
+        assert "verify: Check on" in one_line(err) and "no answer from the kvstore daemon within 1.5 s" in err
+        assert "--timeout SECONDS" in err
+        with kvstore.connect(d.address, maintenance_timeout_s=1) as s:
+            with pytest.raises(DeadlineExceeded, match="within 1 s"):
+                s.check()
+            assert s.stats()["entries"] == 0  # other calls keep their own deadline
+    finally:
+        release.set()
+    with pytest.raises(kvstore.InvalidRequest, match="maintenance_timeout_s"):
+        kvstore.connect(d.address, maintenance_timeout_s=0)
+    assert run_tool("verify", d.address, "--timeout", "0")[0] == 2  # a usage error
+
+
+# ----------------------------------------------------------------------------- H: gRPC's own log
+def test_a_tls_failure_is_one_line_without_grpc_log_lines(make_daemon, certs) -> None:
+    d = make_daemon(tls_cert=certs["server"], tls_key=certs["server_key"])
+    env = subprocess_env(KVSTORE_CA_FILE=certs["other_ca"])  # not the CA that signed the daemon's cert
+    env.pop("GRPC_VERBOSITY", None)
+    env.pop("GRPC_TRACE", None)
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli.kvtool", "stats", d.address, "--timeout", "10"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("kvtool: error: stats: ") and "TLS handshake failed" in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr  # gRPC's "Handshake failed" log line did not leak
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli.kvtool", "stats", d.address, "--ca-file", certs["ca"],
+                        "--json"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout)["entries"] == 0, r.stderr  # the flag wins over the variable
