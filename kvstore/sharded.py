@@ -35,7 +35,7 @@ or ``{"error": message, "code": KVStoreError.code}``, and ``check`` reports the 
 one ``TARGET_DOWN`` problem whose ``target`` is its URL. Only when no shard answers is
 the (first) error raised. Target names are prefixed with their shard, ``URL/t3``.
 
-Client options (``kvstore.remote.ClientOptions``) apply to every shard, so
+Client options (``kvstore.client_options.ClientOptions``) apply to every shard, so
 ``direct_reads="on"``/``"auto"`` makes each shard's client read directly from
 that daemon's targets (``kvstore.direct``), each deciding "auto" for itself.
 """
@@ -54,7 +54,8 @@ from kvstore.api import Entry, EntryInfo, Layout, LookupResult, PutItem
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
-from kvstore.remote import ClientOptions, RemoteStore, normalize_item, parse_address
+from kvstore.client_options import ClientOptions, parse_address
+from kvstore.remote import RemoteStore, normalize_item
 
 
 def _sum_into(acc: dict, d: dict) -> None:
@@ -102,7 +103,7 @@ class ShardedStore:
         if len(set(urls)) != len(urls) or not urls:
             raise InvalidRequest(f"shard URLs must be distinct and non-empty, got {list(urls)}")
         tls = [parse_address(u)[1] for u in urls]  # every URL checked before any channel is opened
-        if any(tls):  # TLS options are for the grpcs:// shards; grpc:// ones are plaintext (kvstore.remote)
+        if any(tls):  # TLS options are for the grpcs:// shards; grpc:// ones are plaintext (kvstore.client_options)
             options = replace(options or ClientOptions(), grpcs_in_set=True)
         self.urls = list(urls)
         self.shards: list[RemoteStore] = []

@@ -299,7 +299,7 @@ def check_url(url: str) -> str | None:
     """Why ``--url`` can not be used (None: every daemon in it answers)."""
     import kvstore
     from kvstore.errors import KVStoreError
-    from kvstore.remote import split_urls
+    from kvstore.client_options import split_urls
 
     try:
         split_urls(url)

@@ -100,7 +100,7 @@ PRECHECKS: dict[str, Callable[[str], None]] = {"": _require_local_store, "file":
 CONFIG_SCHEMES: frozenset[str] = frozenset({"", "file"})
 
 # How kvtool reaches a daemon: client option <- (flag, environment variable). A flag wins over
-# its variable (``kvstore.remote.ClientOptions.from_overrides``); the token comes from a file.
+# its variable (``kvstore.client_options.ClientOptions.from_overrides``); the token comes from a file.
 DAEMON_ENV: dict[str, tuple[str, str]] = {
     "token": ("--token-file", "KVSTORE_TOKEN"),
     "ca_file": ("--ca-file", "KVSTORE_CA_FILE"),

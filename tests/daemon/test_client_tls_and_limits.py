@@ -23,7 +23,8 @@ import kvstore
 from kvstore import InvalidRequest, PutItem
 from kvstore.errors import StoreUnavailable
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.remote import ClientOptions, RemoteStore
+from kvstore.client_options import ClientOptions
+from kvstore.remote import RemoteStore
 from kvstore.server.wire import MD_BATCH_LIMIT, BatchTooLarge, error_from_rpc, status_of
 
 TLS_ENV = ("KVSTORE_CA_FILE", "KVSTORE_CERT_FILE", "KVSTORE_KEY_FILE")
@@ -126,7 +127,7 @@ def test_a_sharded_set_mixing_grpcs_and_grpc(make_daemon, certs, monkeypatch, so
         assert per[tls.address]["entries"] > 0 and per[plain.address]["entries"] > 0  # both shards used
         assert per[tls.address]["entries"] + per[plain.address]["entries"] == 40
     # A ShardedStore built directly (not through connect) takes the same rule for a mixed list.
-    from kvstore.remote import ClientOptions
+    from kvstore.client_options import ClientOptions
     from kvstore.sharded import ShardedStore
 
     with ShardedStore([tls.address, plain.address], ClientOptions(ca_file=certs["ca"])) as direct:
