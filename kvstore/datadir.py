@@ -59,7 +59,18 @@ def _targets_record(config: StoreConfig) -> list[dict] | None:
     (such a directory is opened with its targets named, as before)."""
     if not config.targets or any("@" in urlsplit(t.url).netloc for t in config.targets):
         return None
-    return [{"url": t.url, "domain": t.domain, "name": t.name} for t in config.targets]
+    return [{"url": _absolute(t.url), "domain": t.domain, "name": t.name} for t in config.targets]
+
+
+def _absolute(url: str) -> str:
+    """A local target's URL with its path made absolute, as the store resolved it when it
+    opened it (a relative path means the opener's working directory, which the next opener
+    does not share); other URLs as written."""
+    if "://" not in url:
+        return os.path.abspath(url)
+    if url.startswith("file://") and url[len("file://"):].startswith("/"):
+        return "file://" + os.path.abspath(url[len("file://"):])
+    return url
 
 
 def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConfig:
@@ -68,11 +79,29 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
     written to, not the default ones (whose absence would read as every entry lost). Targets
     that are configured win, and are recorded in their turn (``_write_marker``)."""
     recorded = (marker or {}).get("targets")
-    if config.targets or not recorded:
+    if not recorded:
         return config
-    specs = tuple(TargetSpec(**t) for t in recorded)
+    if config.targets:
+        if _targets_record(config) not in (None, recorded):
+            log.warning("the configured targets differ from those %s records; recording them instead: %s",
+                        FORMAT_FILE, ", ".join(f"{t.name}={t.url}" for t in config.targets))
+        return config
+    try:
+        specs = tuple(TargetSpec(**t) for t in recorded)
+        config = replace(config, targets=specs)
+    except InvalidRequest as exc:
+        raise IncompatibleFormat(f"the targets recorded in {FORMAT_FILE} are unusable ({exc}); correct its "
+                                 "'targets', or name the targets (KVSTORE_TARGETS, --targets)") from exc
+    local = [t for t in specs if "://" not in t.url or t.url.startswith("file://")]
+    if len(local) == len(specs) and not any(os.path.isdir(t.url.removeprefix("file://")) for t in local):
+        # Every recorded root gone at once is a directory moved or disks not mounted, not a loss:
+        # opening on them would mark every entry lost on its first read.
+        raise InvalidRequest(
+            f"none of the targets recorded in {FORMAT_FILE} is there ({', '.join(t.url for t in specs)}): "
+            "was the data directory moved, or are the disks not mounted? Name the targets "
+            "(KVSTORE_TARGETS, --targets) or mount them")
     log.info("targets as recorded in %s: %s", FORMAT_FILE, ", ".join(f"{t.name}={t.url}" for t in specs))
-    return replace(config, targets=specs)
+    return config
 
 
 class DataDir:

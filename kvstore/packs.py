@@ -23,7 +23,7 @@ from typing import Sequence
 
 from kvstore import codec
 from kvstore.api import EntryKind, PutItem
-from kvstore.errors import InvalidRequest, Unrecoverable
+from kvstore.errors import InvalidRequest, StoreUnavailable, Unrecoverable
 from kvstore.fragments import _Encoded, expiry_ns, in_flight, run_now
 from kvstore.index import STANDALONE, Meta
 from kvstore.placement import place
@@ -246,13 +246,14 @@ class PackIO:
         them into a new pack, and swap each record whose generation did not change meanwhile;
         the old records go to the graveyard (readers holding them finish within the grace)
         and the old pack goes with the last of them. Times, TTL and pin are kept. An entry
-        that fails to read stays where it is (the read marked it lost). Returns the count moved."""
+        that fails to read stays where it is (if lost, the read marked it; if its targets could
+        not be asked, ``StoreUnavailable``, it is moved by a later pass). Returns the count moved."""
         gen = os.urandom(8)
         encs = []
         for ek, m in members:
             try:
                 h, plain = self._read_verified(ek, m)
-            except Unrecoverable as exc:
+            except (Unrecoverable, StoreUnavailable) as exc:
                 log.error("compaction: %s", exc)
                 continue
             encs.append((ek, m, self._encode(ek[1:], bytes(plain), EntryKind.from_code(ek[0]), None, h.layout,

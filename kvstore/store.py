@@ -67,6 +67,7 @@ from kvstore.errors import (
     InvalidRequest,
     NotFound,
     StoreClosed,
+    StoreUnavailable,
     Unrecoverable,
 )
 from kvstore.index import Meta, ekey, packed_bytes
@@ -282,7 +283,9 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         return self.get_entry(key, kind=kind).data
 
     def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:
-        """Batched get; a missing or unrecoverable entry is ``None`` in its slot."""
+        """Batched get; a missing or unrecoverable entry is ``None`` in its slot, and so is one
+        that cannot be read for now (``StoreUnavailable`` from ``get``: its targets could not be
+        asked, or are not configured; logged): a batch is not failed for one entry."""
         entries = self.get_entries(keys, kind=kind)
         return [None if e is None else e.data for e in entries]
 
@@ -303,7 +306,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                 return None
             try:
                 h, plain = self._read_verified(eks[i], m)
-            except Unrecoverable as exc:
+            except (Unrecoverable, StoreUnavailable) as exc:  # lost, or unreadable for now: a miss
                 log.error("get_many: %s", exc)
                 return None
             self._count("bytes_out", len(plain))
@@ -369,7 +372,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                 return None
             try:
                 h, _ = self._read_verified(eks[i], m, views[i])
-            except Unrecoverable as exc:
+            except (Unrecoverable, StoreUnavailable) as exc:  # lost, or unreadable for now: a miss
                 log.error("get_many_into: %s", exc)
                 return None
             self._count("bytes_out", h.plain_len)

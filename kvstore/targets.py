@@ -263,12 +263,16 @@ class Target:
         """(size, mtime) of one file; ``FileNotFoundError`` when it is not there."""
         return _size_mtime(self.fs.info(self._p(rel)))
 
-    @_asking
     def walk(self) -> Iterator[tuple[str, int, float]]:
-        """Every file under the root as (relative path, size, mtime); temporaries included."""
+        """Every file under the root as (relative path, size, mtime); temporaries included.
+        The listing is taken whole first (``_find``), so its errors are classified too."""
         self._check_up()
-        for path, info in self.fs.find(self.root, detail=True).items():
+        for path, info in self._find().items():
             yield (path[len(self.root):].lstrip("/"), *_size_mtime(info))
+
+    @_asking
+    def _find(self) -> dict:
+        return self.fs.find(self.root, detail=True)
 
 
 def _size_mtime(info: dict) -> tuple[int, float]:

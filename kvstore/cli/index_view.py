@@ -203,13 +203,26 @@ def entry_view(store: "EmbeddedStore", key: bytes, kind: EntryKind) -> dict:
     return entry_views(store, [key], kind)[0]
 
 
-def entry_views(store: "EmbeddedStore", keys: Sequence[bytes], kind: EntryKind) -> list[dict]:
-    """``entry_view`` of each key, in order: one clock reading and one look at the targets."""
-    now, up = store.now_ns(), targets_up(store)
+# What a tenant that is not an admin does not see of its own entries through the daemon's
+# Inspect: where the fragments are (target names, which may spell URLs, and file names) and
+# whether its targets are up. They describe the deployment, not the tenant's data.
+PLACEMENT_FIELDS = ("targets", "degraded")
+
+
+def entry_views(store: "EmbeddedStore", keys: Sequence[bytes], kind: EntryKind, *,
+                placement: bool = True) -> list[dict]:
+    """``entry_view`` of each key, in order: one clock reading and one look at the targets;
+    ``placement=False`` leaves out ``PLACEMENT_FIELDS`` (and asks no target anything)."""
+    now = store.now_ns()
+    up = targets_up(store) if placement else set()
     out = []
     for key in keys:
         row = find(store, key, kind)
-        out.append(absent_dict(key, kind) if row is None else row_dict(row, now, up))
+        view = absent_dict(key, kind) if row is None else row_dict(row, now, up)
+        if not placement:
+            for field in PLACEMENT_FIELDS:
+                view.pop(field, None)
+        out.append(view)
     return out
 
 

@@ -615,7 +615,10 @@ class Daemon(DirectRPC):
         =====================  ===================================  =========================
 
         A tenant's own keys are mapped as ``Get`` maps them, so another tenant's entries
-        are "absent" to it. Each view names the key as it was sent.
+        are "absent" to it. Each view names the key as it was sent. A tenant that is not an
+        admin does not see where its fragments are or whether targets are up
+        (``index_view.PLACEMENT_FIELDS``: target names may spell URLs, credentials included,
+        and a daemon may refuse direct reads), and its call asks no target anything.
         """
         from kvstore.cli import index_view  # the same code kvtool runs on a data directory
 
@@ -628,7 +631,8 @@ class Daemon(DirectRPC):
         if r.chain:
             views = index_view.chain_view(self.store, stored)
         else:
-            views = index_view.entry_views(self.store, stored, EntryKind.parse(kind_or_default(r.kind)))
+            views = index_view.entry_views(self.store, stored, EntryKind.parse(kind_or_default(r.kind)),
+                                           placement=tenant.admin)
         for view, key in zip(views, sent):
             view["key"] = key.hex()
         return pb.JsonReply(json=json.dumps({"positions" if r.chain else "entries": views}, default=str))

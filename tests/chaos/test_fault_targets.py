@@ -350,3 +350,30 @@ def test_a_target_that_could_not_be_asked_is_not_asked_again_for_a_while(faulty_
         t.read("anything")
     assert c.ops == ops + 1 and t.state()[0] == "up"
     assert [fs.store.get(K(i)) for i in range(4)] == [V(i) for i in range(4)]
+
+
+def test_unreachable_targets_make_batch_slots_misses_and_gc_finishes(faulty_store, monkeypatch):
+    """More than m targets unreachable: get_many gives None in the slots it cannot read (not a
+    failed batch), and GC finishes (compaction postpones the entries it cannot read) instead
+    of failing on every run until the targets answer. A walk whose listing fails midway is
+    classified too."""
+    from kvstore import PutItem
+
+    monkeypatch.setattr(targets, "UNREACHABLE_COOLDOWN_S", 0.0)
+    fs = faulty_store(n=3, k=2, m=1)
+    s = fs.store
+    assert s.put_many([PutItem(K(i), V(i)) for i in range(20)]) == [True] * 20  # one pack
+    for i in range(15):
+        assert s.delete(K(i))
+    for c in fs.controls[:2]:
+        c.set(unreachable=True)
+    got = s.get_many([K(i) for i in range(15, 20)])
+    assert got == [None] * 5
+    out = s.gc()  # the pack is mostly dead: compaction reads its live entries, and cannot
+    assert out["moved_entries"] == 0 and s.stats()["lost_entries"] == 0
+    fs.calm()
+    assert s.get_many([K(i) for i in range(15, 20)]) == [V(i) for i in range(15, 20)]
+    t = s.targets[s.target_specs[0].name]
+    fs.controls[0].schedule([(fs.controls[0].ops + 1, faults.FaultPlan(unreachable=True))])
+    with pytest.raises(targets.TargetUnreachable):
+        list(t.walk())

@@ -130,6 +130,11 @@ def test_inspect_key_per_tenant_namespace(make_daemon, run_tool, tokens_file, mo
     code, out, _ = run_tool("inspect", d.address, "--key", K("mine").hex(), "--kind", "swa", "--json")
     view = json.loads(out)
     assert code == 0 and view["state"] == "live" and view["key"] == K("mine").hex()  # named as sent
+    # Not an admin: nothing of where the fragments are or of the targets' health (their names
+    # may spell URLs with credentials); the text form too.
+    assert "targets" not in view and "degraded" not in view and view["plain_bytes"] == 1000
+    code, out, _ = run_tool("inspect", d.address, "--key", K("mine").hex(), "--kind", "swa")
+    assert code == 0 and "fragments" not in out and ": live" in out
     code, out, _ = run_tool("inspect", d.address, "--chain", f"{K('x').hex()},{K('mine').hex()}", "--json")
     assert code == 0 and [p["swa"] for p in json.loads(out)["positions"]] == ["absent", "live"]
     monkeypatch.setenv("KVSTORE_TOKEN", TOK_B)  # another tenant: A's entry does not exist for it
@@ -144,6 +149,7 @@ def test_inspect_key_per_tenant_namespace(make_daemon, run_tool, tokens_file, mo
     code, out, _ = run_tool("inspect", d.address, "--key", stored.hex(), "--kind", "swa", "--json",
                             "--token-file", tok)  # the flag wins over KVSTORE_TOKEN
     assert code == 0 and json.loads(out)["state"] == "live" and json.loads(out)["key"] == stored.hex()
+    assert len(json.loads(out)["targets"]) == 6  # an admin sees the placement
     assert run_tool("inspect", d.address, "--token-file", tok)[0] == 0
 
 

@@ -604,3 +604,44 @@ def test_the_directory_records_its_targets_for_openers_that_name_none(tmp_path):
     with kvstore.connect(str(tmp_path / "plain"), fsync=False):
         pass
     assert "targets" not in json.loads((tmp_path / "plain" / "kvstore.json").read_text())
+
+
+def test_recorded_targets_are_absolute_and_a_moved_set_is_refused_not_lost(tmp_path, monkeypatch, caplog):
+    """Relative target paths are recorded as the store resolved them (not resolved again from
+    the next opener's working directory); recorded roots that are all gone (the directory
+    moved with its disks, disks not mounted) refuse the open instead of marking every entry
+    lost; a hand-edited record that is unusable names the marker; explicit targets that
+    differ from the record are recorded with a warning."""
+    import json
+    import logging
+    import shutil
+
+    from kvstore.errors import IncompatibleFormat, InvalidRequest
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    data = tmp_path / "data"
+    with kvstore.connect(str(data), targets="d0,d1,d2", ec_k=2, ec_m=1, fsync=False) as s:
+        assert s.put(b"k" * 16, b"hello" * 100)
+    rec = json.loads((data / "kvstore.json").read_text())["targets"]
+    assert [t["url"] for t in rec] == [str(tmp_path / "a" / f"d{i}") for i in range(3)]
+    monkeypatch.chdir(tmp_path / "b")
+    with kvstore.connect(str(data), fsync=False) as s:
+        assert s.get(b"k" * 16) == b"hello" * 100
+    # The directory and its disks moved: refused, nothing marked lost.
+    shutil.move(str(tmp_path / "a"), str(tmp_path / "moved"))
+    with pytest.raises(InvalidRequest, match="moved"):
+        kvstore.connect(str(data), fsync=False)
+    targets = ",".join(f"{tmp_path / 'moved' / f'd{i}'}#default#d{i}" for i in range(3))  # same names
+    with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+        with kvstore.connect(str(data), targets=targets, fsync=False) as s:  # named: used and recorded
+            assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
+    assert "differ from those kvstore.json records" in caplog.text
+    with kvstore.connect(str(data), fsync=False) as s:
+        assert s.get(b"k" * 16) == b"hello" * 100
+    doc = json.loads((data / "kvstore.json").read_text())
+    doc["targets"] = [{"url": "", "domain": "x", "name": "t"}]
+    (data / "kvstore.json").write_text(json.dumps(doc))
+    with pytest.raises(IncompatibleFormat, match="kvstore.json"):
+        kvstore.connect(str(data), fsync=False)
