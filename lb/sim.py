@@ -9,29 +9,54 @@ Role
     cost model: no I/O (the caller reads files and draws the progress bar
     through the ``progress`` callback).
 
+Cacheable blocks
+    Only *full* blocks are ever cached or hit, as in production
+    (``kvstore/keys.py`` hashes every full block; a partial last block is
+    recomputed): of a request's ``hash_ids`` only the first
+    ``input_length // block_tokens`` are looked up, inserted and counted as
+    in flight (:func:`cacheable_blocks`). A prompt of 1000 tokens with ids
+    ``[1, 2]`` can cache and reuse block 1 (512 tokens), never block 2.
+
 Model (one heap of timed events; ties: completions before arrivals)
     1. *Arrival* at ``timestamp_ms / 1000 / speedup``: hits per instance are
        looked up (device LRU, host LRU of that instance; the shared store
        LRU), the prefill policy chooses; a rejection is final (counted as an
        SLO miss). The request joins that instance's FIFO queue.
     2. *Prefill start*: hits are looked up again (the cache may have warmed
-       meanwhile); the usable prefix is the longest run of blocks present in
-       some tier, each loaded from its fastest tier; service time =
-       ``TransferModel.fetch_s`` + ``PrefillCostModel.predict`` (times an
-       optional log-normal noise). Hit blocks are touched in their tiers.
-    3. *Prefill end*: all the request's blocks enter the device LRU (evicted
-       blocks spill to the host LRU) and the shared store LRU (saved after
-       prefill). TTFT = end - arrival. The decode policy places it (memory
-       only; a request that does not fit waits for a decode to finish).
+       meanwhile); the usable prefix is the longest run of cacheable blocks
+       present in some tier, each loaded from its fastest tier; cached tokens
+       = ``min(input_length - 1, hit blocks x block_tokens)`` (the last token
+       is always computed); service time = ``TransferModel.fetch_s`` +
+       ``PrefillCostModel.predict`` (times an optional log-normal noise). Hit
+       blocks are touched in their tiers.
+    3. *Prefill end*: the request's cacheable blocks enter the device LRU
+       (evicted blocks spill to the host LRU) and the shared store LRU (saved
+       after prefill). TTFT = end - arrival. A request with ``output_length``
+       0 is then done (no decode, no TBT sample, not judged on the TBT SLO);
+       any other is placed by the decode policy (memory only; a request that
+       does not fit waits for a decode to finish).
     4. *Decode*: a fluid model per decode instance; steps advance at rate
        ``1 / DecodeCostModel.predict(batch tokens, batch requests)``, the
        batch changes on joins/leaves; TBT = decode time / output tokens.
 
 Hit ratios (blocks, prefix semantics: a block counts only if every block
-before it in the request also hit) are reported with two references computed
-over the same requests in arrival order: *ideal* (infinite cache) and an
-*LRU oracle*: one independent LRU of the store's capacity, touched at
-arrival. See :func:`reference_hit_ratios`.
+before it in the request also hit)
+    ``hit blocks / all blocks``: the numerator counts prefix-hit *full*
+    blocks; the denominator counts every block the trace lists
+    (``len(hash_ids)``, the partial last block included), so a request of
+    ``k`` full blocks and one partial block reaches at most ``k / (k + 1)``.
+    The policies' ratio is over the blocks of the requests served, taken at
+    prefill start; the two references use the same definition over all
+    requests in arrival order: *ideal* (infinite cache) and an *LRU
+    oracle* (one independent LRU of the store's capacity, touched at
+    arrival). See :func:`reference_hit_ratios`.
+
+Cost per arrival
+    A snapshot of an instance is O(1): its ``queue`` and ``inflight_blocks``
+    are immutable views (:class:`_QueueView`, :class:`_InflightView`) over
+    the instance's append-only job log, not copies of its queue. Policies
+    that walk the queue (``queue_seconds``, ``pending_tokens``) still pay
+    for its length.
 """
 
 from __future__ import annotations
@@ -42,9 +67,12 @@ import logging
 import math
 import random
 import time
+from bisect import bisect_left
 from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence, Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from itertools import chain
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -54,13 +82,17 @@ from lb.types import (
     QueuedPrefill, RouteRequest, TierBandwidth,
 )
 
-__all__ = ["TraceRequest", "parse_trace", "LRU", "SimConfig", "SimResult", "simulate", "reference_hit_ratios",
-           "prefix_hits_lru"]
+__all__ = ["TraceRequest", "cacheable_blocks", "parse_trace", "LRU", "SimConfig", "SimResult", "simulate",
+           "reference_hit_ratios", "prefix_hits_lru", "json_safe", "prompts_beyond_fit"]
 
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One Mooncake trace line: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``."""
+    """One Mooncake trace line: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``.
+
+    ``hash_ids`` are the trace's block ids in prompt order, the last one possibly
+    for a partial block; only :func:`cacheable_blocks` of them are ever cached.
+    """
 
     timestamp_ms: float
     input_length: int
@@ -68,14 +100,32 @@ class TraceRequest:
     hash_ids: tuple
 
 
+def cacheable_blocks(r: TraceRequest, block_tokens: int = BLOCK_TOKENS) -> tuple:
+    """The ids of ``r``'s *full* blocks: ``hash_ids[:input_length // block_tokens]``.
+
+    Production hashes only full blocks (``kvstore/keys.py``), so a partial last
+    block is never cached and never hit. When the trace lists fewer ids than full
+    blocks, every listed id is taken as a full block.
+    """
+    return r.hash_ids[: r.input_length // block_tokens]
+
+
 #: Longest prompt or output (tokens) a trace line may claim: far above any model's context, far
 #: below what would turn the cost model's arithmetic into nonsense (a 10**18-token prompt).
 MAX_TRACE_TOKENS = 1 << 24
 
 
+def _field(d: dict, name: str) -> object:
+    """``d[name]``; a missing field is a ``ValueError`` that names it (not a bare ``KeyError``)."""
+    try:
+        return d[name]
+    except KeyError:
+        raise ValueError(f'missing field "{name}"') from None
+
+
 def _trace_int(d: dict, name: str, lo: int, hi: int) -> int:
     """``d[name]`` as a JSON integer in ``[lo, hi]`` (a bool, a float such as 1000.7 or 1000.0: refused)."""
-    v = d[name]
+    v = _field(d, name)
     if isinstance(v, bool) or not isinstance(v, int):
         raise ValueError(f"{name} must be an integer, got {v!r}")
     if not lo <= v <= hi:
@@ -84,13 +134,13 @@ def _trace_int(d: dict, name: str, lo: int, hi: int) -> int:
 
 
 def _trace_request(d: object) -> TraceRequest:
-    """One decoded trace line, every field checked (raises KeyError, TypeError or ValueError)."""
+    """One decoded trace line, every field checked (raises TypeError or ValueError)."""
     if not isinstance(d, dict):
         raise TypeError(f"expected a JSON object, got {type(d).__name__}")
-    ts = d["timestamp"]
+    ts = _field(d, "timestamp")
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
         raise ValueError(f"timestamp must be a finite number of ms >= 0, got {ts!r}")
-    ids = d["hash_ids"]
+    ids = _field(d, "hash_ids")
     if not isinstance(ids, list):
         raise TypeError(f"hash_ids must be a list of block hashes, got {type(ids).__name__} {ids!r:.40}")
     for i, h in enumerate(ids):
@@ -102,18 +152,42 @@ def _trace_request(d: object) -> TraceRequest:
                         _trace_int(d, "output_length", 0, MAX_TRACE_TOKENS), tuple(ids))
 
 
+def _object_no_duplicates(pairs: list) -> dict:
+    """``object_pairs_hook``: a JSON object that names a key twice is refused (``json`` keeps the last)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f'duplicate key "{dup}" in one object (which value is meant?)')
+    return d
+
+
 def parse_trace(lines: Iterable[str], limit: int | None = None, *,
-                block_tokens: int = BLOCK_TOKENS) -> list[TraceRequest]:
+                block_tokens: int = BLOCK_TOKENS, source: str = "trace") -> list[TraceRequest]:
     """Parse Mooncake JSON lines (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``).
 
-    Blank lines are skipped; at most ``limit`` requests are returned. A line that is not
-    JSON, misses a field, or holds a value no trace can mean (a non-finite or negative
-    timestamp, a length that is not an integer or is outside [1 (0 for the output),
-    ``MAX_TRACE_TOKENS``], hash ids that are not a list of integers or non-empty strings) raises
-    ``LBInputError`` naming its line number. Lines whose ``hash_ids`` do not cover
-    ``input_length`` in blocks of ``block_tokens`` (``len(hash_ids) == ceil(input_length /
-    block_tokens)``: the last block may be partial) are kept and counted in one warning:
-    the simulator takes compute from ``input_length`` and cache hits from ``hash_ids``.
+    Blank lines are skipped; at most ``limit`` requests are returned. ``source`` names
+    the input in every message (the tools pass ``"trace PATH"``).
+
+    Refused, with one ``LBInputError`` that names ``source`` and the line number: a line
+    that is not JSON, is nested too deeply for the parser, names a key twice in one
+    object, misses a field (``missing field "output_length"``), or holds a value no
+    trace can mean (a non-finite or negative timestamp, a length that is not an integer
+    or is outside [1 (0 for the output), ``MAX_TRACE_TOKENS``], hash ids that are not a
+    list of integers or non-empty strings).
+
+    Kept, and counted in one warning: lines whose ``hash_ids`` do not cover
+    ``input_length`` in blocks of ``block_tokens`` (consistent is ``len(hash_ids) ==
+    ceil(input_length / block_tokens)``: the last block may be partial). The simulator
+    takes compute from ``input_length`` and cache hits from the full blocks
+    ``hash_ids[:input_length // block_tokens]``; when most lines disagree the trace was
+    probably written for another block size than ``block_tokens``.
+
+    Hash ids are opaque content keys, only compared for equality. Mooncake's ids are
+    chained (a block's id depends on every block before it), so one id at two different
+    positions in two requests contradicts the format; it is not refused: the caches are
+    keyed by id alone, so such a block hits wherever it appears (a repeat of an id
+    inside one request hits too once cached).
     """
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
         raise LBInputError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
@@ -127,9 +201,12 @@ def parse_trace(lines: Iterable[str], limit: int | None = None, *,
         if not line.strip():
             continue
         try:
-            r = _trace_request(json.loads(line))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise LBInputError(f"trace line {n} is not Mooncake format "
+            r = _trace_request(json.loads(line, object_pairs_hook=_object_no_duplicates))
+        except RecursionError:
+            raise LBInputError(f"{source} line {n} is nested too deeply to be a Mooncake trace line "
+                               f"(a JSON object of timestamp, input_length, output_length, hash_ids)") from None
+        except (json.JSONDecodeError, TypeError, ValueError) as exc:
+            raise LBInputError(f"{source} line {n} is not Mooncake format "
                                f"(timestamp, input_length, output_length, hash_ids): {exc}") from exc
         if len(r.hash_ids) != -(-r.input_length // block_tokens):
             mismatched += 1
@@ -137,9 +214,10 @@ def parse_trace(lines: Iterable[str], limit: int | None = None, *,
         out.append(r)
     if mismatched:
         logging.getLogger(__name__).warning(
-            "%d of %d trace requests have len(hash_ids) != ceil(input_length / %d) (the first on line %d); "
-            "kept: compute follows input_length, cache hits follow hash_ids",
-            mismatched, len(out), block_tokens, first_mismatch)
+            "%s: %d of %d lines have len(hash_ids) != ceil(input_length / %d) (the first on line %d); "
+            "kept: compute follows input_length, cache hits follow the full blocks hash_ids[:input_length // %d]; "
+            "if most lines disagree, the trace may use another block size than %d tokens",
+            source, mismatched, len(out), block_tokens, first_mismatch, block_tokens, block_tokens)
     return out
 
 
@@ -181,24 +259,57 @@ class LRU:
         return evicted
 
 
-def prefix_hits_lru(reqs: Sequence[TraceRequest], capacity: int | None) -> int:
-    """Prefix-hit blocks of one LRU of ``capacity`` touched in arrival order (the oracle)."""
+def prefix_hits_lru(reqs: Sequence[TraceRequest], capacity: int | None, *, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Prefix-hit blocks of one LRU of ``capacity`` touched in arrival order (the oracle).
+
+    Only each request's full blocks (:func:`cacheable_blocks`) are looked up and inserted.
+    """
     lru, hits = LRU(capacity), 0
     for r in sorted(reqs, key=lambda r: r.timestamp_ms):
+        full = cacheable_blocks(r, block_tokens)
         n = 0
-        for h in r.hash_ids:
+        for h in full:
             if h not in lru:
                 break
             n += 1
         hits += n
-        for h in r.hash_ids:
+        for h in full:
             lru.insert(h)
     return hits
 
 
-def reference_hit_ratios(reqs: Sequence[TraceRequest], capacity: int | None) -> dict:
+def reference_hit_ratios(reqs: Sequence[TraceRequest], capacity: int | None, *,
+                         block_tokens: int = BLOCK_TOKENS) -> dict:
+    """``{"ideal": ..., "lru_oracle": ...}``: prefix-hit full blocks / all listed blocks (see the module doc)."""
     total = sum(len(r.hash_ids) for r in reqs) or 1
-    return {"ideal": prefix_hits_lru(reqs, None) / total, "lru_oracle": prefix_hits_lru(reqs, capacity) / total}
+    return {"ideal": prefix_hits_lru(reqs, None, block_tokens=block_tokens) / total,
+            "lru_oracle": prefix_hits_lru(reqs, capacity, block_tokens=block_tokens) / total}
+
+
+def json_safe(obj: object) -> object:
+    """``obj`` with every non-finite float (NaN, inf) replaced by ``None``, so that
+    ``json.dumps(..., allow_nan=False)`` writes valid JSON (dicts, lists and tuples are walked)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def prompts_beyond_fit(reqs: Sequence[TraceRequest], models: CostModels) -> tuple[int, int] | None:
+    """``(requests whose input_length exceeds the largest prompt the prefill cost model was
+    fitted on, that largest prompt)``; ``None`` when the model records no samples
+    (``meta["prefill_samples"]`` rows of ``[prompt, cached, seconds]``, see tools/fit_cost_model.py)."""
+    samples = models.meta.get("prefill_samples") if isinstance(models.meta, dict) else None
+    try:
+        largest = max(int(s[0]) for s in samples) if samples else None
+    except (TypeError, ValueError, IndexError):
+        return None
+    if largest is None:
+        return None
+    return sum(1 for r in reqs if r.input_length > largest), largest
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +343,18 @@ class SimConfig:
 
 @dataclass(frozen=True, slots=True)
 class SimResult:
-    """Per-run metrics; ``to_dict`` is the JSON form written by the replay tool."""
+    """Per-run metrics; ``to_dict`` is the JSON form written by the replay tool.
+
+    ``requests`` is every request of the trace; ``arrived`` those whose arrival was
+    handled (``requests`` unless ``truncated``: the run stopped at ``max_wall_s``).
+    Attainments are over all ``requests``: a rejected request, one that never
+    arrived and one still in flight at a truncation count as misses, so a truncated
+    run's attainment is a lower bound of the complete run's (the run is deterministic
+    up to the point where it stopped). ``cached_tokens`` maps the index in ``reqs`` of
+    every request whose prefill started to the prompt tokens it reused. Percentiles of an
+    empty sample (nothing served, no TBT sample) are NaN here and ``None`` in
+    ``to_dict``, whose every non-finite figure is ``None``.
+    """
 
     policy: str
     requests: int
@@ -249,6 +371,8 @@ class SimResult:
     wall_s: float
     truncated: bool
     reject_reasons: dict
+    arrived: int = 0
+    cached_tokens: dict = field(default_factory=dict)
 
     def pct(self, what: str, q: float) -> float:
         v = self.ttft_s if what == "ttft" else self.tbt_s
@@ -261,16 +385,17 @@ class SimResult:
         return max(self.busy_s) / m if m > 0 else 1.0
 
     def to_dict(self) -> dict:
-        return {
-            "policy": self.policy, "requests": self.requests, "served": self.served, "rejected": self.rejected,
-            "hit_ratio": self.hit_ratio, "hit_tiers": self.hit_tiers,
+        """The JSON form: plain numbers, non-finite ones (an empty percentile) as ``None``."""
+        return json_safe({
+            "policy": self.policy, "requests": self.requests, "arrived": self.arrived, "served": self.served,
+            "rejected": self.rejected, "hit_ratio": self.hit_ratio, "hit_tiers": self.hit_tiers,
             "ttft_p50_s": self.pct("ttft", 50), "ttft_p90_s": self.pct("ttft", 90), "ttft_p99_s": self.pct("ttft", 99),
             "tbt_p50_ms": self.pct("tbt", 50) * 1e3, "tbt_p90_ms": self.pct("tbt", 90) * 1e3,
             "tbt_p99_ms": self.pct("tbt", 99) * 1e3,
             "slo_attainment": self.slo_attainment, "ttft_attainment": self.ttft_attainment,
             "imbalance": self.imbalance, "busy_s": list(self.busy_s), "sim_end_s": self.sim_end_s,
             "wall_s": self.wall_s, "truncated": self.truncated, "reject_reasons": self.reject_reasons,
-        }
+        })
 
 
 @dataclass(slots=True)
@@ -284,30 +409,147 @@ class _Job:
     actual: QueuedPrefill | None = None
 
 
+class _QueueView(Sequence):
+    """``PrefillInstance.queue`` of a snapshot, built in O(1): the running request (``head``,
+    if any) then ``items[lo:hi]``, the waiting requests' estimates, FIFO.
+
+    Immutable although it shares ``items`` with the simulator: ``items`` is append-only
+    (:class:`_Prefill` invariant 1), so the slice ``[lo, hi)`` fixed at snapshot time never
+    changes. Compares and hashes like the equivalent tuple.
+    """
+
+    __slots__ = ("_head", "_items", "_lo", "_hi")
+
+    def __init__(self, head: QueuedPrefill | None, items: list, lo: int, hi: int) -> None:
+        self._head, self._items, self._lo, self._hi = head, items, lo, hi
+
+    def __len__(self) -> int:
+        return (self._head is not None) + self._hi - self._lo
+
+    def __iter__(self):
+        rest = self._items[self._lo:self._hi]
+        return iter(rest) if self._head is None else chain((self._head,), rest)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("queue index out of range")
+        if self._head is not None:
+            if i == 0:
+                return self._head
+            i -= 1
+        return self._items[self._lo + i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (tuple, _QueueView)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+class _InflightView(AbstractSet):
+    """``PrefillInstance.inflight_blocks`` of a snapshot, built in O(1): the cacheable blocks
+    of the jobs at positions ``[lo, hi)`` of an instance's log (queued or running).
+
+    ``b in view`` is a binary search in ``where[b]`` (ascending positions of the jobs holding
+    ``b``); ``bool(view)`` is one subtraction of running block counts (``cum``). Iteration
+    and ``len`` build the set once (O(blocks in flight)). Immutable for the same reason as
+    :class:`_QueueView`: every list it reads is append-only.
+    """
+
+    __slots__ = ("_where", "_blocks", "_cum", "_lo", "_hi", "_set")
+
+    def __init__(self, where: dict, blocks: list, cum: list, lo: int, hi: int) -> None:
+        self._where, self._blocks, self._cum, self._lo, self._hi = where, blocks, cum, lo, hi
+        self._set: frozenset | None = None
+
+    def __contains__(self, b: object) -> bool:
+        pos = self._where.get(b)
+        if not pos:
+            return False
+        i = bisect_left(pos, self._lo)
+        return i < len(pos) and pos[i] < self._hi
+
+    def __bool__(self) -> bool:
+        return self._cum[self._hi] - self._cum[self._lo] > 0
+
+    def _frozen(self) -> frozenset:
+        if self._set is None:
+            self._set = frozenset(chain.from_iterable(self._blocks[self._lo:self._hi]))
+        return self._set
+
+    def __len__(self) -> int:
+        return len(self._frozen())
+
+    def __iter__(self):
+        return iter(self._frozen())
+
+    def __hash__(self) -> int:
+        return hash(self._frozen())
+
+    def __repr__(self) -> str:
+        return f"_InflightView({set(self._frozen())!r})"
+
+
 class _Prefill:
-    """Simulated prefill instance: FIFO queue, device + host LRU, inflight block counter."""
+    """Simulated prefill instance: an append-only job log (FIFO queue), device + host LRU.
+
+    Invariants (the O(1) snapshots rely on them)
+        1. ``jobs``, ``ests``, ``blocks``, ``cum`` and every list in ``where`` are
+           append-only: an entry, once written, never changes, so a view bounded by two
+           positions taken at snapshot time shows the same content forever.
+        2. ``jobs[:done]`` finished their prefill; ``jobs[done]`` is ``running`` when
+           ``started > done`` (one at a time: ``started - done`` is 0 or 1);
+           ``jobs[started:]`` wait, FIFO.
+        3. In flight (queued or running) is ``jobs[done:]``: block ``b`` is in flight iff
+           ``where[b]`` holds a position in ``[done, len(jobs))``.
+    """
 
     def __init__(self, iid: int, cfg: SimConfig) -> None:
         self.id = iid
         self.device = LRU(cfg.device_capacity_blocks)
         self.host = LRU(cfg.host_capacity_blocks)
-        self.queue: deque[_Job] = deque()
+        self.jobs: list[_Job] = []
+        self.ests: list[QueuedPrefill] = []  # ests[i] = jobs[i].est
+        self.blocks: list[tuple] = []  # blocks[i] = the cacheable blocks of jobs[i]
+        self.cum: list[int] = [0]  # cum[i] = sum of len(blocks[:i])
+        self.where: dict = {}  # block -> ascending positions of the jobs that hold it
+        self.started = 0
+        self.done = 0
         self.running: _Job | None = None
-        self.inflight: Counter = Counter()
-        self._inflight_frozen: frozenset | None = frozenset()
         self.busy = 0.0
 
-    def inflight_set(self) -> frozenset:
-        if self._inflight_frozen is None:
-            self._inflight_frozen = frozenset(self.inflight)
-        return self._inflight_frozen
-
-    def add_inflight(self, blocks, sign: int) -> None:
+    def enqueue(self, job: _Job, blocks: tuple) -> None:
+        """Append ``job`` (cacheable ``blocks``) to the queue; its blocks are in flight from now."""
+        pos = len(self.jobs)
+        self.jobs.append(job)
+        self.ests.append(job.est)
+        self.blocks.append(blocks)
+        self.cum.append(self.cum[-1] + len(blocks))
         for b in blocks:
-            self.inflight[b] += sign
-            if self.inflight[b] <= 0:
-                del self.inflight[b]
-        self._inflight_frozen = None
+            pos_list = self.where.get(b)
+            if pos_list is None:
+                self.where[b] = [pos]
+            elif pos_list[-1] != pos:  # a block repeated within one request: one position
+                pos_list.append(pos)
+
+    def waiting(self) -> bool:
+        return self.started < len(self.jobs)
+
+    def queue_view(self, head: QueuedPrefill | None) -> _QueueView:
+        return _QueueView(head, self.ests, self.started, len(self.ests))
+
+    def inflight_view(self) -> _InflightView:
+        return _InflightView(self.where, self.blocks, self.cum, self.done, len(self.jobs))
 
 
 class _Decode:
@@ -344,7 +586,12 @@ def simulate(
     decode_policy=None,
     progress: Callable[[int, int], None] | None = None,
 ) -> SimResult:
-    """Replay ``reqs`` through ``policy`` (a prefill policy object) under ``cfg``; see the module docstring."""
+    """Replay ``reqs`` through ``policy`` (a prefill policy object) under ``cfg``; see the module docstring.
+
+    Deterministic for a given ``cfg.seed``. Stops early, with ``truncated`` set, once
+    ``cfg.max_wall_s`` of wall time has passed (checked before each event). ``progress``
+    is called with (arrivals handled, requests) every 50 arrivals and at the last one.
+    """
     from lb.decode import KVStackDecodePolicy
 
     models = models or load_default()
@@ -354,6 +601,7 @@ def simulate(
     pre = [_Prefill(i, cfg) for i in range(cfg.prefill_instances)]
     dec = [_Decode(i, cfg, models) for i in range(cfg.decode_instances)]
     store = LRU(cfg.store_capacity_blocks)
+    full = [cacheable_blocks(r, bt) for r in reqs]  # only full blocks are ever cached (module doc)
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].timestamp_ms)
     t0 = reqs[order[0]].timestamp_ms if reqs else 0.0
     heap: list = []
@@ -370,6 +618,7 @@ def simulate(
 
     ttft: dict[int, float] = {}
     tbt: dict[int, float] = {}
+    cached_tok: dict[int, int] = {}
     reasons: Counter = Counter()
     hit_blocks = Counter()
     served_blocks = 0
@@ -378,26 +627,27 @@ def simulate(
     truncated = False
     done_arrivals = 0
 
-    def hits_on(p: _Prefill, r: TraceRequest) -> PrefixHits:
-        return PrefixHits.from_tiers(r.hash_ids, p.device.__contains__, p.host.__contains__, store.__contains__)
+    def hits_on(p: _Prefill, idx: int) -> PrefixHits:
+        return PrefixHits.from_tiers(full[idx], p.device.__contains__, p.host.__contains__, store.__contains__)
 
     def snapshot(p: _Prefill, now: float) -> PrefillInstance:
-        q = []
+        # O(1): views over the instance's append-only log (see _Prefill), not a copy of its queue
+        head = None
         if p.running is not None:
             a = p.running.actual
             dur = max(p.running.end - p.running.start, 1e-12)
-            q.append(QueuedPrefill(a.suffix_tokens, a.cached_tokens, 0.0, min(1.0, max(0.0, (p.running.end - now) / dur))))
-        q.extend(j.est for j in p.queue)
-        return PrefillInstance(p.id, tuple(q), cfg.bandwidth, True, p.inflight_set(), len(p.device))
+            head = QueuedPrefill(a.suffix_tokens, a.cached_tokens, 0.0, min(1.0, max(0.0, (p.running.end - now) / dur)))
+        return PrefillInstance(p.id, p.queue_view(head), cfg.bandwidth, True, p.inflight_view(), len(p.device))
 
     def start_next(p: _Prefill, now: float) -> None:
         nonlocal served_blocks
-        if p.running is not None or not p.queue:
+        if p.running is not None or not p.waiting():
             return
-        job = p.queue.popleft()
+        job = p.jobs[p.started]
+        p.started += 1
         r = job.req
-        h = hits_on(p, r)
-        for b in r.hash_ids[: h.total]:  # touch each hit block in the tier it is loaded from
+        h = hits_on(p, job.idx)
+        for b in full[job.idx][: h.total]:  # touch each hit block in the tier it is loaded from
             (p.device if b in p.device else p.host if b in p.host else store).touch(b)
         cached = max(0, min(r.input_length - 1, h.total * bt))  # the last token is always computed
         fetch = models.transfer.fetch_s(h.host, h.store, cfg.bandwidth)
@@ -405,6 +655,7 @@ def simulate(
         if cfg.service_noise > 0:
             dur *= math.exp(rng.gauss(0.0, cfg.service_noise))
         job.actual = QueuedPrefill(r.input_length - cached, cached, fetch)
+        cached_tok[job.idx] = cached
         job.start, job.end = now, now + dur
         p.running = job
         p.busy += dur
@@ -417,14 +668,14 @@ def simulate(
     def place_decode(idx: int, now: float) -> bool:
         r = reqs[idx]
         snaps = [DecodeInstance(d.id, d.kv_used, d.cap, d.batch_tokens, len(d.active)) for d in dec]
-        dreq = DecodeRequest(r.input_length, max(1, r.output_length), None)
+        dreq = DecodeRequest(r.input_length, r.output_length, None)
         dd = decode_policy.choose(dreq, snaps)
         if dd.chosen is None:
             return False
         d = dec[dd.chosen]
         d.advance(now)
         kv = int((r.input_length + r.output_length) * models.transfer.kv_bytes_per_token)
-        d.active[idx] = (d.steps + max(1, r.output_length), r.input_length, kv, now)
+        d.active[idx] = (d.steps + r.output_length, r.input_length, kv, now)
         d.kv_used += kv
         d.batch_tokens += r.input_length
         d.version += 1
@@ -444,9 +695,9 @@ def simulate(
             done_arrivals += 1
             if progress is not None and (done_arrivals % 50 == 0 or done_arrivals == len(reqs)):
                 progress(done_arrivals, len(reqs))
-            hits = {p.id: hits_on(p, r) for p in pre}
-            rr = RouteRequest(
-                r.input_length, len(r.hash_ids), hits, r.hash_ids, (),
+            hits = {p.id: hits_on(p, idx) for p in pre}
+            rr = RouteRequest(  # as production builds it: full blocks only (entrypoint/server.py)
+                r.input_length, len(full[idx]), hits, full[idx], (),
                 cfg.ttft_slo_ms if cfg.admission else None, cfg.tbt_slo_ms if cfg.admission else None, bt,
             )
             dcs = policy.choose(rr, [snapshot(p, now) for p in pre])
@@ -457,22 +708,22 @@ def simulate(
             h = hits[p.id]
             cached = max(0, min(r.input_length - 1, h.total * bt))  # the last token is always computed
             est = QueuedPrefill(r.input_length - cached, cached, models.transfer.fetch_s(h.host, h.store, cfg.bandwidth))
-            p.queue.append(_Job(idx, r, now, est))
-            p.add_inflight(r.hash_ids, +1)
+            p.enqueue(_Job(idx, r, now, est), full[idx])
             start_next(p, now)
         elif kind == 0:
             p = pre[payload]
             job = p.running
-            if job is None:
+            if job is None or p.started != p.done + 1:
                 raise LBInternalError("sim bug: prefill end event for an idle instance; please report this")
             p.running = None
-            for b in job.req.hash_ids:
+            p.done += 1  # its blocks leave the in-flight set: they are cached now
+            for b in full[job.idx]:
                 for ev in p.device.insert(b):
                     p.host.insert(ev)
                 store.insert(b)
-            p.add_inflight(job.req.hash_ids, -1)
             ttft[job.idx] = now - job.arrival
-            if not place_decode(job.idx, now):
+            # output_length 0: nothing to decode, the request is done (no TBT sample)
+            if job.req.output_length > 0 and not place_decode(job.idx, now):
                 decode_wait.append(job.idx)
             start_next(p, now)
         else:
@@ -490,7 +741,7 @@ def simulate(
                     del d.active[idx]
                     d.kv_used -= kv
                     d.batch_tokens -= ctx
-                    tbt[idx] = (now - joined) / max(1, reqs[idx].output_length)
+                    tbt[idx] = (now - joined) / reqs[idx].output_length  # >= 1: 0 is never decoded
             d.version += 1
             nf = d.next_finish()
             if nf is not None:
@@ -502,7 +753,9 @@ def simulate(
     ttft_slo = math.inf if cfg.ttft_slo_ms is None else cfg.ttft_slo_ms / 1e3
     tbt_slo = math.inf if cfg.tbt_slo_ms is None else cfg.tbt_slo_ms / 1e3
     ok_ttft = sum(1 for i, v in ttft.items() if v <= ttft_slo)
-    ok_both = sum(1 for i, v in ttft.items() if v <= ttft_slo and tbt.get(i, math.inf) <= tbt_slo)
+    # a request with no output token has no TBT to judge: its TTFT alone decides
+    ok_both = sum(1 for i, v in ttft.items()
+                  if v <= ttft_slo and (reqs[i].output_length == 0 or tbt.get(i, math.inf) <= tbt_slo))
     hb = sum(hit_blocks.values())
     return SimResult(
         policy=name, requests=n, served=len(ttft), rejected=sum(reasons.values()),
@@ -512,4 +765,5 @@ def simulate(
         slo_attainment=ok_both / n if n else 1.0, ttft_attainment=ok_ttft / n if n else 1.0,
         busy_s=tuple(p.busy for p in pre), sim_end_s=now,
         wall_s=time.monotonic() - wall0, truncated=truncated, reject_reasons=dict(reasons),
+        arrived=done_arrivals, cached_tokens=cached_tok,
     )

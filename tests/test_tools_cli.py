@@ -78,6 +78,14 @@ def files(tmp_path_factory) -> dict[str, str]:
     (d / "nan.jsonl").write_text('{"timestamp": NaN, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2]}\n')
     (d / "strids.jsonl").write_text('{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": "abc"}\n')
     (d / "boollen.jsonl").write_text('{"timestamp": 0, "input_length": true, "output_length": 4, "hash_ids": [1]}\n')
+    (d / "deep.jsonl").write_text(json.dumps(_line()) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    (d / "dupkey.jsonl").write_text(json.dumps(_line()) + '\n{"timestamp": 0, "input_length": 1024, "input_length": 9, '
+                                    '"output_length": 4, "hash_ids": [1, 2]}\n')
+    (d / "nofield.jsonl").write_text(json.dumps(_line()) + "\n" + json.dumps({"timestamp": 0, "input_length": 1024,
+                                                                                "hash_ids": [1, 2]}) + "\n")
+    (d / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + good.encode())
+    (d / "long.jsonl").write_text("".join(json.dumps(_line(ts=i * 1000, n=n, ids=range(-(-n // 512)))) + "\n"
+                                          for i, n in enumerate((40_000, 1024, 50_000))))
     (d / "cost.json").write_text('{"format": 1, "prefill": ')
     (d / "file").write_text("not a directory\n")
     out = d / "out"
@@ -86,6 +94,8 @@ def files(tmp_path_factory) -> dict[str, str]:
             "empty": str(d / "empty.jsonl"), "nested": str(d / "nested.jsonl"),
             "floatids": str(d / "floatids.jsonl"), "nan": str(d / "nan.jsonl"), "strids": str(d / "strids.jsonl"),
             "boollen": str(d / "boollen.jsonl"), "cost": str(d / "cost.json"), "file": str(d / "file"),
+            "deep": str(d / "deep.jsonl"), "dupkey": str(d / "dupkey.jsonl"), "nofield": str(d / "nofield.jsonl"),
+            "bom": str(d / "bom.jsonl"), "long": str(d / "long.jsonl"),
             "dir": str(d), "missing": str(d / "missing.jsonl"), "out": str(out)}
 
 
@@ -132,6 +142,8 @@ REFUSED = [
     ("replay_trace", ["--trace", "{strids}"]),
     ("replay_trace", ["--trace", "{floatids}"]),
     ("replay_trace", ["--trace", "{boollen}"]),
+    ("replay_trace", ["--trace", "{deep}"]),  # a RecursionError traceback before
+    ("replay_trace", ["--trace", "{dupkey}"]),  # json kept the last value before
     # 3. replay_trace: bad options
     ("replay_trace", ["--trace", "{T}", "--speedup", "0"]),
     ("replay_trace", ["--trace", "{T}", "--speedup", "-1"]),
@@ -151,6 +163,8 @@ REFUSED = [
     ("bench_lb", ["--trace", "{missing}", "--out", "{out}/lb.json", "--skip-eplb"]),
     ("bench_lb", ["--trace", "{missing}", "--out", "{out}/lb.json", "--skip-replay"]),
     ("bench_lb", ["--trace", "{nested}", "--out", "{out}/lb.json", "--skip-eplb"]),
+    ("bench_lb", ["--trace", "{deep}", "--out", "{out}/lb.json", "--skip-eplb"]),
+    ("bench_lb", ["--trace", "{dupkey}", "--out", "{out}/lb.json", "--skip-eplb"]),
     ("bench_lb", ["--trace", "{T}", "--out", "{out}/lb.json", "--skip-eplb", "--ttft-slo-ms", "0"]),
     ("bench_lb", ["--trace", "{T}", "--out", "{out}/lb.json", "--skip-eplb", "--store-capacity-blocks", "-5"]),
     ("bench_lb", ["--trace", "{T}", "--out", "{dir}", "--skip-eplb"]),
@@ -211,6 +225,11 @@ QUICK: dict[str, tuple[str, list[str]]] = {
                                    "2", "--prefill-instances", "1", "--quiet"]),
     "replay_out_file": ("replay_trace", ["--trace", "{T}", "--policies", "mooncake,kvstack", "--out", "{file}"]),
     "bench_lb_empty": ("bench_lb", ["--trace", "{empty}", "--out", "{out}/lb.json", "--skip-eplb"]),
+    "nofield": ("replay_trace", ["--trace", "{nofield}"]),
+    "bom_replay": ("replay_trace", ["--trace", "{bom}", "--policies", "round_robin", "--quiet"]),
+    "bom_bench": ("bench_lb", ["--trace", "{bom}", "--out", "{out}/bom.json", "--skip-eplb",
+                               "--store-capacity-blocks", "100"]),
+    "long": ("replay_trace", ["--trace", "{long}", "--policies", "round_robin,kvstack", "--quiet"]),
 }
 
 
@@ -268,6 +287,28 @@ def test_replay_out_existing_file_is_refused_before_simulating(quick):
     r = quick_run(quick, "replay_out_file")
     assert "is not a directory" in assert_one_error(r, "replay_trace")
     assert "requests, speedup" not in r.stdout  # no table: nothing was simulated
+
+
+def test_trace_errors_name_the_file_the_line_and_the_missing_field(quick, files):
+    line = assert_one_error(quick_run(quick, "nofield"), "replay_trace")
+    assert f"trace {files['nofield']} line 2 " in line and 'missing field "output_length"' in line, line
+    for name in ("deep", "dupkey"):
+        line = assert_one_error(quick_run(quick, f"replay_trace:--trace {{{name}}}"), "replay_trace")
+        assert f"trace {files[name]} line 2 " in line, line
+
+
+def test_a_byte_order_mark_on_line_1_is_accepted_by_both_tools(quick):
+    r = quick_run(quick, "bom_replay")
+    assert r.returncode == 0 and "round_rob" in r.stdout, r.stderr[-2000:]
+    r = quick_run(quick, "bom_bench")
+    assert r.returncode == 0 and "wrote" in r.stdout, r.stderr[-2000:]
+
+
+def test_prompts_beyond_the_cost_models_fitted_range_warn_once_per_run(quick):
+    r = quick_run(quick, "long")
+    assert r.returncode == 0, r.stderr[-2000:]
+    warned = [ln for ln in r.stderr.splitlines() if "longer than the largest" in ln]
+    assert len(warned) == 1 and warned[0].startswith("2 of 3 requests"), r.stderr[-2000:]
 
 
 def test_bench_lb_empty_trace_is_one_line_before_deriving_anything(quick):

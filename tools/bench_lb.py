@@ -34,8 +34,18 @@ TTFT SLO
     reference engine's fit (bench preset, CPU, 1 thread) that is ~7.6 s, so
     the SLO is ~60 s: a median request may wait behind about seven
     median-sized prefills on its instance. (The earlier hand-set 60 s was
-    7.7x the toy fit's median cold prefill.) The value used is printed and
-    recorded in the JSON (``ttft_slo``).
+    7.7x the toy fit's median cold prefill.) It is rounded *up* to a whole
+    100 ms, so it is never below 100 ms: a trace of short prompts (a
+    predicted cold prefill of a few ms) gets a 100 ms SLO, not 0. The value
+    used is printed and recorded in the JSON (``ttft_slo``).
+
+Truncated runs
+    Each replay run is bounded by ``--max-wall-s`` (passed to
+    ``replay_trace.py``). A run cut by it is marked ``*`` in the replay's
+    table, gets no ratios against complete runs, and one line after the
+    table counts such runs; ``--find-load`` says in one line when a load it
+    counts as a miss had a truncated run (see ``tools/replay_trace.py``).
+    Figures with no sample are ``null`` in the JSON (never a bare NaN).
 
 Exit status (the contract of ``tools/cli_args.py``)
     0: both parts ran and ``--out`` was written. 2: a bad argument or input,
@@ -52,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -64,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import replay_trace  # noqa: E402
 from lb.eplb import balancedness, rebalance_experts  # noqa: E402
 from lb.eplb_greedy import rebalance_experts_greedy  # noqa: E402
-from lb.sim import TraceRequest  # noqa: E402
+from lb.sim import TraceRequest, json_safe  # noqa: E402
 from lb.types import LBInputError  # noqa: E402
 from tools.cli_args import check_output_dir, check_output_file, integer, number  # noqa: E402
 
@@ -126,17 +137,33 @@ def run_eplb(seed: int) -> list[dict]:
 
 
 def derive_ttft_slo_ms(reqs: list[TraceRequest], multiple: float) -> tuple[float, dict]:
-    """``multiple`` x the committed cost model's cold prefill of the trace's median prompt (ms)."""
+    """``multiple`` x the committed cost model's cold prefill of the trace's median prompt, in ms,
+    rounded up to a whole 100 ms (so never below 100 ms, even for a trace of very short prompts)."""
     from lb.cost_model import load_default
 
     models = load_default()
     median = float(np.median([r.input_length for r in reqs]))
     cold_s = models.prefill.predict(median, 0)
-    slo_ms = round(multiple * cold_s * 1e3, -2)  # whole 100 ms
+    # up to a whole 100 ms, at least 100 ms: round() gave 0 ms for short prompts (a refused SLO)
+    slo_ms = float(max(100, 100 * math.ceil(multiple * cold_s * 1e3 / 100)))
     return slo_ms, {"ttft_slo_ms": slo_ms, "source": "derived", "multiple": multiple,
                     "median_input_tokens": median, "median_cold_prefill_s": cold_s,
                     "cost_model": models.meta.get("command", "defaults"),
                     "cost_model_target": models.meta.get("target"), "preset": models.meta.get("preset")}
+
+
+def truncated_runs(results: dict) -> list[str]:
+    """``capacity:policy`` of every run in a replay's ``results.json`` cut by ``--max-wall-s``."""
+    return [f"{cap}:{name}" for cap, v in results.get("sweep", {}).items()
+            for name, r in v.get("results", {}).items() if r.get("truncated")]
+
+
+def note_truncated(results: dict, what: str, max_wall_s: float) -> None:
+    """One line when some of a replay's runs were cut by ``--max-wall-s`` (never silent)."""
+    cut = truncated_runs(results)
+    if cut:
+        print(f"note: {len(cut)} {what} runs were cut by --max-wall-s {max_wall_s:g} s ({', '.join(cut)}): "
+              f"their figures cover only part of the trace (marked * above); raise --max-wall-s")
 
 
 def replay(argv: list[str]) -> int:
@@ -160,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-instances", type=integer(1, 4096), default=16)
     ap.add_argument("--store-capacity-blocks", default="20000,2000,5000,10000,40000,inf",
                     help="comma list for the replay's sweep ('inf' = unbounded)")
+    ap.add_argument("--max-wall-s", type=number(1), default=300.0,
+                    help="wall-clock bound per replay simulation run (>= 1), passed to replay_trace.py")
     ap.add_argument("--skip-eplb", action="store_true")
     ap.add_argument("--skip-replay", action="store_true")
     args = ap.parse_args(argv)
@@ -191,9 +220,6 @@ def main(argv: list[str] | None = None) -> int:
                 args.ttft_slo_ms, out["ttft_slo"] = derive_ttft_slo_ms(reqs, args.ttft_slo_x)
             except LBInputError as exc:
                 ap.error(f"cannot derive the TTFT SLO from the committed cost model: {exc}")
-            if not args.ttft_slo_ms > 0:
-                ap.error(f"the derived TTFT SLO is {args.ttft_slo_ms} ms (the cost model predicts "
-                         f"{out['ttft_slo']['median_cold_prefill_s']:.3g} s for the median prompt); give --ttft-slo-ms")
         else:
             out["ttft_slo"] = {"ttft_slo_ms": args.ttft_slo_ms, "source": "--ttft-slo-ms"}
     if not args.skip_eplb:
@@ -213,11 +239,13 @@ def main(argv: list[str] | None = None) -> int:
             "--trace", str(args.trace), "--find-load", "--ttft-slo-ms", str(args.ttft_slo_ms),
             "--prefill-instances", str(args.prefill_instances), "--speedup", "0.1",
             "--store-capacity-blocks", args.store_capacity_blocks, "--out", str(rdir), "--quiet",
+            "--max-wall-s", repr(args.max_wall_s),
         ])
         if rc:
             return rc
         out["replay_dir"] = str(rdir)
         out["replay"] = json.loads((rdir / "results.json").read_text())
+        note_truncated(out["replay"], "find-load replay", args.max_wall_s)
         speedup = out["replay"]["find_load"]["speedup"]
         # robustness at the same load: service times with log-normal noise (sigma 0.3) that the
         # policies' cost model does not know about; and routing alone, with admission control off
@@ -228,13 +256,15 @@ def main(argv: list[str] | None = None) -> int:
                 "--trace", str(args.trace), "--ttft-slo-ms", str(args.ttft_slo_ms),
                 "--prefill-instances", str(args.prefill_instances), "--speedup", repr(speedup),
                 "--store-capacity-blocks", args.store_capacity_blocks.split(",")[0], "--out", str(d), "--quiet",
-                *extra,
+                "--max-wall-s", repr(args.max_wall_s), *extra,
             ])
             if rc:
                 return rc
             out[f"replay_{tag}"] = json.loads((d / "results.json").read_text())
+            note_truncated(out[f"replay_{tag}"], f"{tag} replay", args.max_wall_s)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2, default=str))
+    # strict JSON: a figure with no sample (NaN) is null, never a bare NaN
+    args.out.write_text(json.dumps(json_safe(out), indent=2, default=str, allow_nan=False))
     print(f"wrote {args.out}")
     return 0
 

@@ -22,28 +22,46 @@ Exact commands
             --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
             --find-load --ttft-slo-ms 20000 --out results/replay_findload
 
-Metrics (per policy): prefix hit ratio over served blocks (plus the ideal
-infinite-cache ratio and the LRU-oracle ratio at the same store capacity,
-both over all requests in arrival order), TTFT p50/p90/p99 over served
-requests, TBT p50/p90, SLO attainment (TTFT and TBT both met, rejections
-count as misses), TTFT attainment, rejected requests, and load imbalance
-(max / mean prefill busy time across instances). The first value of
+Metrics (per policy): prefix hit ratio = prefix-hit *full* blocks / all
+blocks the trace lists (the partial last block of a prompt is never cached,
+as in production, but is counted in the denominator; see ``lb/sim.py``),
+over served requests, plus the ideal infinite-cache ratio and the LRU-oracle
+ratio at the same store capacity, same definition, over all requests in
+arrival order; TTFT p50/p90/p99 over served requests, TBT p50/p90 (requests
+with ``output_length`` 0 have no TBT and are judged on TTFT alone), SLO
+attainment (TTFT and TBT both met, rejections count as misses), TTFT
+attainment, rejected requests, and load imbalance (max / mean prefill busy
+time across instances). A figure with no sample (nothing served) prints as
+``n/a`` and is ``null`` in ``results.json``. The first value of
 ``--store-capacity-blocks`` is the one used for the main table; the others
 only feed the sweep. Everything is bounded: ``--limit`` requests,
 ``--max-wall-s`` per simulation run, ``--find-load-iters`` bisection steps.
 Service times come from ``lb/data/cost_model.json`` (``--cost-model`` to
-override); ``--noise`` adds log-normal noise so policies' estimates are not
-exact.
+override; one warning says how many prompts are longer than any it was fitted
+on); ``--noise`` adds log-normal noise so policies' estimates are not exact.
+
+A run cut by ``--max-wall-s`` covers only the requests that arrived before it
+stopped: its row is marked ``*`` with a note of how far it got, attainments
+still count every request (the rest as misses, so they are lower bounds), and
+no ratio is printed between it and a complete run (``-``); the best baseline
+is chosen among complete runs. ``--find-load`` takes a truncated run that
+meets the target as a pass (a lower bound met it) and one that misses it as a
+miss, saying so in one line per load (raise ``--max-wall-s`` to decide it).
+
+A trace may start with a UTF-8 byte-order mark (stripped from line 1 only).
 
 Exit status (the contract of ``tools/cli_args.py``)
     0: the table was printed (and ``--out`` written). 2: a bad argument or bad
-    input, refused in one line before any simulation runs: an option out of
-    range, a trace that is missing, unreadable, not UTF-8 JSON lines (gzip
-    included: decompress it first), not Mooncake format or empty, a malformed
+    input, refused in one line (naming the file and line) before any simulation
+    runs: an option out of range, a trace that is missing, unreadable, not UTF-8
+    JSON lines (gzip included: decompress it first), not Mooncake format (a
+    missing field, a key twice in one object, nesting too deep, a value no trace
+    can mean) or empty, a malformed
     ``--cost-model``, an ``--out`` that is not a directory, or ``--policies``
     without a baseline to compare with. 1: ``--find-load`` searched and no
     load lets the best baseline meet the SLO (one line says so; raise
-    ``--ttft-slo-ms`` or add ``--prefill-instances``); nothing is compared.
+    ``--ttft-slo-ms`` or add ``--prefill-instances``, and raise ``--max-wall-s``
+    when it says runs were cut by it); nothing is compared.
 """
 
 from __future__ import annotations
@@ -61,7 +79,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lb.cost_model import CostModels, load_default  # noqa: E402
 from lb.registry import BASELINES, DECODE_POLICIES, POLICIES, get_policy  # noqa: E402
-from lb.sim import SimConfig, SimResult, TraceRequest, parse_trace, reference_hit_ratios, simulate  # noqa: E402
+from lb.sim import (  # noqa: E402
+    SimConfig, SimResult, TraceRequest, json_safe, parse_trace, prompts_beyond_fit, reference_hit_ratios, simulate,
+)
 from lb.types import LBInputError, TierBandwidth  # noqa: E402
 from tools.cli_args import check_output_dir, csv_list, integer, number, one_line  # noqa: E402
 
@@ -99,12 +119,14 @@ parse_capacities = csv_list(_capacity)  # --store-capacity-blocks (bench_lb chec
 
 
 def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
-    """The requests of a Mooncake JSON-lines trace; any problem with the file is one ``LBInputError``."""
+    """The requests of a Mooncake JSON-lines trace; any problem with the file is one ``LBInputError``
+    that names the file (and the line, for a problem on one line). A UTF-8 byte-order mark at the
+    start of line 1 is skipped; anywhere else it is refused with its line."""
 
     def lines(fh):
         for n, raw in enumerate(fh, 1):
             try:
-                yield raw.decode("utf-8")
+                yield raw.decode("utf-8-sig" if n == 1 else "utf-8")
             except UnicodeDecodeError as exc:
                 raise LBInputError(f"trace {path} line {n} is not UTF-8 text ({exc.reason}); "
                                    f"a trace is JSON lines") from None
@@ -114,7 +136,7 @@ def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
             if fh.read(2) == b"\x1f\x8b":
                 raise LBInputError(f"trace {path} is gzip-compressed: decompress it first (gunzip -k {path})")
             fh.seek(0)
-            return parse_trace(lines(fh), limit)
+            return parse_trace(lines(fh), limit, source=f"trace {path}")
     except IsADirectoryError:
         raise LBInputError(f"trace {path} is a directory, not a JSON-lines file") from None
     except FileNotFoundError:
@@ -144,30 +166,53 @@ def run_policies(reqs, names, cfg, models, progress: Progress, decode: str = "kv
         progress.label = f"{name} x{cfg.speedup:.3g} store={cfg.store_capacity_blocks}"
         res[name] = simulate(reqs, get_policy(name, models), cfg, name=name, models=models, progress=progress,
                              decode_policy=get_policy(decode, models, kind="decode"))
-        if res[name].truncated:
-            log.warning("%s stopped at --max-wall-s %g s: its figures cover only part of the trace",
-                        progress.label, cfg.max_wall_s)
+        r = res[name]
+        if r.truncated:
+            log.warning("%s stopped at --max-wall-s %g s after %d of %d arrivals: its figures cover only that "
+                        "part of the trace", progress.label, cfg.max_wall_s, r.arrived, r.requests)
     return res
 
 
 def best_baseline(results: dict[str, SimResult]) -> str | None:
+    """The baseline with the best TTFT attainment (then lowest TTFT p90), among complete runs
+    when there is one (a run cut by ``--max-wall-s`` is not a fair reference); None without baselines."""
     base = [n for n in results if n in BASELINES]
     if not base:
         return None
-    return max(base, key=lambda n: (results[n].ttft_attainment, -results[n].pct("ttft", 90)))
+    pool = [n for n in base if not results[n].truncated] or base
+
+    def key(n: str) -> tuple:
+        p90 = results[n].pct("ttft", 90)
+        return results[n].ttft_attainment, -p90 if math.isfinite(p90) else -math.inf
+
+    return max(pool, key=key)
 
 
 def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
               decode: str = "kvstack") -> tuple[float, list]:
-    """Largest speedup at which the best baseline's TTFT attainment is >= target (bisection, bounded)."""
+    """Largest speedup at which the best baseline's TTFT attainment is >= target (bisection, bounded).
+
+    A run cut by ``--max-wall-s`` counts every request that never arrived as a miss, so its
+    attainment is a lower bound: >= target is a pass; below it is taken as a miss, which may be
+    the time bound and not the SLO, and one warning line per such load says so.
+    """
     history = []
+    unsure = []  # speedups judged a miss while some baseline run was truncated
 
     def ok(s: float) -> bool:
         res = run_policies(reqs, baselines, replace(cfg, speedup=s), models, progress, decode)
         best = max(r.ttft_attainment for r in res.values())
+        cut = {n: r for n, r in res.items() if r.truncated}
         history.append({"speedup": s, "best_baseline_ttft_attainment": best,
-                        "by_policy": {n: r.ttft_attainment for n, r in res.items()}})
+                        "by_policy": {n: r.ttft_attainment for n, r in res.items()},
+                        "truncated": sorted(cut)})
         log.info("speedup %.4g: best baseline TTFT attainment %.3f", s, best)
+        if best < target and cut:
+            unsure.append(s)
+            log.warning("--find-load: speedup %.4g counted as missing the SLO, but %s stopped at --max-wall-s "
+                        "%g s (%s): its attainment is only a lower bound; raise --max-wall-s to decide this load",
+                        s, ", ".join(cut), cfg.max_wall_s,
+                        ", ".join(f"{r.arrived} of {r.requests} arrivals" for r in cut.values()))
         return best >= target
 
     lo, hi = None, None
@@ -182,8 +227,10 @@ def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
         if lo is not None and hi is not None:
             break
     if lo is None:
+        cut = (f"; {len(unsure)} of these loads had runs cut by --max-wall-s {cfg.max_wall_s:g} s, "
+               f"so the time bound, not the SLO, may be why: raise --max-wall-s") if unsure else ""
         raise NoFeasibleLoad(f"--find-load: no baseline meets the TTFT SLO at {target:.0%} even at speedup "
-                             f"{s * 2:.3g}; raise --ttft-slo-ms or add --prefill-instances")
+                             f"{s * 2:.3g}; raise --ttft-slo-ms or add --prefill-instances{cut}")
     if hi is None:
         return lo, history
     for _ in range(iters):
@@ -197,7 +244,18 @@ def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
     return lo, history
 
 
+def _num(v: float, spec: str) -> str:
+    """``v`` formatted, or ``n/a`` for a figure with no sample (NaN, inf)."""
+    return format(v, spec) if math.isfinite(v) else "n/a"
+
+
+def _ratio(a: float, b: float) -> str:
+    return _num(a / b, ".3f") if math.isfinite(a) and math.isfinite(b) and b else "-"
+
+
 def format_table(results: dict[str, SimResult], refs: dict) -> str:
+    """The main table; a run cut by ``--max-wall-s`` is marked ``*`` and gets no ratios (``-``):
+    it covered a different extent of the trace than a complete run."""
     best = best_baseline(results)
     b = results.get(best) if best else None
     cols = ["policy", "hit", "ideal", "lru_orc", "ttft50", "ttft90", "ttft99", "tbt50ms", "tbt90ms",
@@ -205,14 +263,22 @@ def format_table(results: dict[str, SimResult], refs: dict) -> str:
     lines = [" ".join(f"{c:>9s}" for c in cols)]
     for name, r in results.items():
         p90 = r.pct("ttft", 90)
-        row = [name[:9], f"{r.hit_ratio:.3f}", f"{refs['ideal']:.3f}", f"{refs['lru_oracle']:.3f}",
-               f"{r.pct('ttft', 50):.2f}", f"{p90:.2f}", f"{r.pct('ttft', 99):.2f}",
-               f"{r.pct('tbt', 50) * 1e3:.1f}", f"{r.pct('tbt', 90) * 1e3:.1f}",
+        same_extent = b is not None and not r.truncated and not b.truncated
+        row = [name[:8] + "*" if r.truncated else name[:9], f"{r.hit_ratio:.3f}", f"{refs['ideal']:.3f}",
+               f"{refs['lru_oracle']:.3f}", _num(r.pct("ttft", 50), ".2f"), _num(p90, ".2f"),
+               _num(r.pct("ttft", 99), ".2f"), _num(r.pct("tbt", 50) * 1e3, ".1f"), _num(r.pct("tbt", 90) * 1e3, ".1f"),
                f"{r.slo_attainment:.3f}", f"{r.ttft_attainment:.3f}", f"{r.rejected}", f"{r.imbalance:.2f}",
-               f"{p90 / b.pct('ttft', 90):.3f}" if b else "-",
-               f"{r.ttft_attainment / b.ttft_attainment:.3f}" if b and b.ttft_attainment else "-"]
+               _ratio(p90, b.pct("ttft", 90)) if same_extent else "-",
+               _ratio(r.ttft_attainment, b.ttft_attainment) if same_extent else "-"]
         lines.append(" ".join(f"{c:>9s}" for c in row))
-    lines.append(f"(TTFT in s over served requests; ratios vs best baseline = {best}; lower p90/best is better)")
+    if b is not None and b.truncated:
+        lines.append("(TTFT in s over served requests; no ratios: every baseline run was cut by --max-wall-s)")
+    else:
+        lines.append(f"(TTFT in s over served requests; ratios vs best baseline = {best}; lower p90/best is better)")
+    for name, r in results.items():
+        if r.truncated:
+            lines.append(f"* {name}: cut by --max-wall-s after {r.arrived} of {r.requests} arrivals; its figures cover "
+                         f"only that part (attainments count the rest as misses); no ratios against complete runs")
     return "\n".join(lines)
 
 
@@ -321,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if not reqs:
         ap.error(f"trace {args.trace} holds no requests")
+    beyond = prompts_beyond_fit(reqs, models)
+    if beyond and beyond[0]:
+        log.warning("%d of %d requests have prompts longer than the largest the prefill cost model was fitted on "
+                    "(%d tokens): their service times are extrapolated", beyond[0], len(reqs), beyond[1])
     caps = args.store_capacity_blocks
     try:
         cfg = SimConfig(
@@ -361,7 +431,7 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
     main_results: dict[str, SimResult] = {}
     for i, cap in enumerate(caps):
         c = replace(cfg, store_capacity_blocks=cap)
-        refs = reference_hit_ratios(reqs, cap)
+        refs = reference_hit_ratios(reqs, cap, block_tokens=c.block_tokens)
         res = run_policies(reqs, names, c, models, progress, args.decode_policy)
         key = "inf" if cap is None else str(cap)
         sweep[key] = {"refs": refs, "results": {n: r.to_dict() for n, r in res.items()}}
@@ -375,7 +445,10 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
         print(f"{'capacity':>9s} {'ideal':>7s} {'lru_orc':>7s} " + " ".join(f"{n[:9]:>9s}" for n in names))
         for key, v in sweep.items():
             print(f"{key:>9s} {v['refs']['ideal']:7.3f} {v['refs']['lru_oracle']:7.3f} "
-                  + " ".join(f"{v['results'][n]['hit_ratio']:9.3f}" for n in names))
+                  + " ".join(f"{v['results'][n]['hit_ratio']:8.3f}{'*' if v['results'][n]['truncated'] else ' '}"
+                             for n in names))
+        if any(r["truncated"] for v in sweep.values() for r in v["results"].values()):
+            print("(* cut by --max-wall-s: that hit ratio covers only the requests served before it stopped)")
     out["config"] = {k: (v if not isinstance(v, TierBandwidth) else repr(v)) for k, v in
                      ((f, getattr(cfg, f)) for f in cfg.__dataclass_fields__)}
     out["sweep"] = sweep
@@ -384,7 +457,8 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
     out["wall_s"] = time.monotonic() - t0
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(out, indent=2, default=str))
+        # strict JSON: a figure with no sample (NaN) is null, never a bare NaN
+        (args.out / "results.json").write_text(json.dumps(json_safe(out), indent=2, default=str, allow_nan=False))
         plots = write_plots(args.out, sweep, main_results)
         print(f"wrote {args.out / 'results.json'}" + (f" and {', '.join(plots)}" if plots else ""))
     return 0
