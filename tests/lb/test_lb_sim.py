@@ -172,13 +172,13 @@ def test_parse_trace_warns_once_when_hash_ids_and_input_length_disagree(caplog):
     def line(n: int, blocks: int) -> str:
         return json.dumps({"timestamp": 0, "input_length": n, "output_length": 1, "hash_ids": list(range(blocks))})
 
-    with caplog.at_level("WARNING", logger="lb.sim"):
+    with caplog.at_level("WARNING", logger="lb.trace"):
         reqs = parse_trace([line(1024, 2), line(1025, 3), line(1, 1), line(1024, 3), line(5000, 2), line(10, 0)])
     assert len(reqs) == 6
-    warnings = [r for r in caplog.records if r.name == "lb.sim"]
+    warnings = [r for r in caplog.records if r.name == "lb.trace"]
     assert len(warnings) == 1 and "3 of 6" in warnings[0].getMessage() and "line 4" in warnings[0].getMessage()
     caplog.clear()
-    with caplog.at_level("WARNING", logger="lb.sim"):
+    with caplog.at_level("WARNING", logger="lb.trace"):
         assert len(parse_trace([line(32, 2)], block_tokens=16)) == 1
     assert not caplog.records
     with pytest.raises(LBInputError, match="block_tokens"):
@@ -381,9 +381,9 @@ def test_every_parse_error_names_the_source_and_line():
 def test_mismatch_warning_counts_lines_and_suggests_the_block_size(caplog):
     lines = [json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": list(range(k))})
              for k in (2, 8, 8)]
-    with caplog.at_level("WARNING", logger="lb.sim"):
+    with caplog.at_level("WARNING", logger="lb.trace"):
         parse_trace(lines, source="trace t.jsonl")
-    (msg,) = [r.getMessage() for r in caplog.records if r.name == "lb.sim"]
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "lb.trace"]
     assert msg.startswith("trace t.jsonl: 2 of 3 lines") and "line 2" in msg and "block size" in msg
 
 
