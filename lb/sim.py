@@ -49,7 +49,11 @@ before it in the request also hit)
     prefill start; the two references use the same definition over all
     requests in arrival order: *ideal* (infinite cache) and an *LRU
     oracle* (one independent LRU of the store's capacity, touched at
-    arrival). See :func:`reference_hit_ratios`.
+    arrival). See :func:`reference_hit_ratios`. Neither is an upper bound
+    on a policy: a request that waits in a queue may reuse the blocks of a
+    request that arrived after it but finished its prefill first, which the
+    arrival-order references never count (a policy above "ideal" means
+    queueing, not a bug).
 
 Cost per arrival
     A snapshot of an instance is O(1): its ``queue`` and ``inflight_blocks``

@@ -27,7 +27,8 @@ blocks the trace lists (the partial last block of a prompt is never cached,
 as in production, but is counted in the denominator; see ``lb/sim.py``),
 over served requests, plus the ideal infinite-cache ratio and the LRU-oracle
 ratio at the same store capacity, same definition, over all requests in
-arrival order; TTFT p50/p90/p99 over served requests, TBT p50/p90 (requests
+arrival order (references, not bounds: a queued request may reuse blocks of
+a later arrival that finished first; see ``lb/sim.py``); TTFT p50/p90/p99 over served requests, TBT p50/p90 (requests
 with ``output_length`` 0 have no TBT and are judged on TTFT alone), SLO
 attainment (TTFT and TBT both met, rejections count as misses), TTFT
 attainment, rejected requests, and load imbalance (max / mean prefill busy
