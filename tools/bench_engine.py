@@ -5,13 +5,13 @@ Exact command (the reported figures were produced with it; writes JSON to --out;
 2 CPU cores)::
 
     .venv/bin/python tools/bench_engine.py --sizes 4096,16384,32768 --block-size 256 --reps 3 \
-        --agree-n 40 --out bench_engine.json
+        --agree-n 40 --out results/bench_engine.json
     # 16-token blocks (the test block size; small 8 KiB store entries):
     .venv/bin/python tools/bench_engine.py --sizes 4096,16384,32768 --reps 2 --out bench_engine_b16.json
     # quicker:
     .venv/bin/python tools/bench_engine.py --sizes 1024,2048 --reps 2 --agree-n 10 --out /tmp/b.json
     # add the daemon as a store tier:
-    .venv/bin/python tools/bench_engine.py --store-url grpc://127.0.0.1:7070 --out bench_engine.json
+    .venv/bin/python tools/bench_engine.py --store-url grpc://127.0.0.1:7070 --out results/bench_engine.json
     # issue 4 (load throughput >= 0.8x the store's faster batched get), embedded store, ~2.5 min:
     .venv/bin/python tools/bench_engine.py --sizes 4096,16384,32768 --block-size 256 --reps 3 \
         --load-reps 15 --agree-n 0 --out results/bench_engine_issue4.json
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     ap.add_argument("--agree-preset", default="tiny")
     ap.add_argument("--agree-n", type=integer(0, 100_000), default=40)
     ap.add_argument("--agree-tokens", type=integer(1, 4096), default=16)
-    ap.add_argument("--out", default="bench_engine.json")
+    ap.add_argument("--out", default="results/bench_engine.json")
     a = ap.parse_args(argv)
     bad = [n for n in a.sizes if n % a.block_size]
     if bad:
@@ -389,6 +389,7 @@ def main(argv=None) -> int:
         if not a.data_dir:
             shutil.rmtree(tmp, ignore_errors=True)
     print_tail(results)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {a.out}")
     return 0

@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workdir", default="", help="kept afterwards (default: a temporary one, removed after a clean run)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary work directory after a clean run too")
-    ap.add_argument("--out", default="soak-results.json")
+    ap.add_argument("--out", default="results/soak.json")
     ap.add_argument("--direct-writes", action="store_true",
                     help="clients write pack files into the faulty targets themselves (kvstore.direct_writes)")
     ap.add_argument("--client", type=int, default=-1, help=argparse.SUPPRESS)
@@ -584,6 +584,7 @@ def run(a: argparse.Namespace, argv: list[str] | None, work: Path, shards: list,
               f"work directory kept for the post-mortem: {work}", file=sys.stderr)
     else:
         print(f"soak: work directory kept: {work}", file=sys.stderr)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: report[k] for k in ("operations", "faults_scheduled", "degraded_reads", "repairs",
                                              "wrong_bytes", "acked_lost", "max_faulty_targets_per_shard")}))
