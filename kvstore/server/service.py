@@ -33,9 +33,10 @@ Values are hand-encoded (``wire.encode_*``): one copy each instead of two.
 
 Direct reads and writes (``Describe``, ``Locate``, ``Commit``): ``kvstore.server.direct_rpc``.
 
-``Inspect`` (``_inspect``) answers ``kvtool inspect`` with the read-only index views of
-``kvstore.cli.index_view``, the code the tool runs on a data directory, so both print the
-same records; it touches nothing (no access time, no store counter).
+Maintenance and inspection (``Stats``, ``Gc``, ``Check``, ``Repair``, ``Inspect``):
+``kvstore.server.admin_rpc``. ``Inspect`` answers ``kvtool inspect`` with the read-only
+index views of ``kvstore.cli.index_view``, the code the tool runs on a data directory, so
+both print the same records; it touches nothing (no access time, no store counter).
 
 Background GC runs in its own thread every ``gc_interval_s``; the store's GC
 works in bounded index transactions, so requests are not stalled behind it.
@@ -45,7 +46,6 @@ gives in-flight ones ``drain_s`` to finish, GC stops, then the store closes.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -69,6 +69,7 @@ from kvstore.keys import check_key, check_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
 from kvstore.server.config import ServerConfig
+from kvstore.server.admin_rpc import AdminRPC
 from kvstore.server.direct_rpc import DirectRPC
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
@@ -112,7 +113,7 @@ def _lookup_pb(r: LookupResult) -> pb.LookupReply:
     return out
 
 
-class Daemon(DirectRPC):
+class Daemon(DirectRPC, AdminRPC):
     """One daemon: a gRPC server, its store, metrics and the GC thread. Thread-safe.
 
     The daemon owns its store (one passed as ``store`` too): ``stop()`` closes it, and so
@@ -579,63 +580,6 @@ class Daemon(DirectRPC):
         self._batch(len(r.keys), "probe")
         block, swa = self.store.probe(self._keys(tenant, r.keys), until_miss=r.until_miss)
         return pb.ProbeReply(block=block, swa=swa)
-
-    def _stats(self, r: pb.StatsRequest, tenant: Tenant) -> pb.JsonReply:
-        s = dict(self.store.stats())
-        s["daemon"] = {"address": self.address, "tls": self.cfg.tls, "auth": self.tokens.enabled,
-                       "in_flight": self.limiter.in_flight, "gc_interval_s": self.cfg.gc_interval_s}
-        return pb.JsonReply(json=json.dumps(s, default=str))
-
-    def _gc(self, r: pb.GcRequest, tenant: Tenant) -> pb.JsonReply:
-        out = self.store.gc(dry_run=r.dry_run)
-        if not r.dry_run:
-            self.metrics.gc_done(out)
-        return pb.JsonReply(json=json.dumps(out, default=str))
-
-    def _check(self, r: pb.CheckRequest, tenant: Tenant) -> pb.CheckReply:
-        problems = self.store.check(fix=r.fix)
-        return pb.CheckReply(problems=[pb.Problem(**p.as_dict()) for p in problems])
-
-    def _repair(self, r: pb.RepairRequest, tenant: Tenant) -> pb.JsonReply:
-        return pb.JsonReply(json=json.dumps(self.store.repair(), default=str))
-
-    def _inspect(self, r: pb.InspectRequest, tenant: Tenant) -> pb.JsonReply:
-        """``kvtool inspect`` against this daemon (kvstore.proto's ``Inspect``): the views
-        ``kvstore.cli.index_view`` computes on a data directory, from this daemon's store.
-
-        Read-only: index read transactions only (no fragment read, no access-time refresh,
-        no store counter); the request metrics are the only trace. Who sees what:
-
-        =====================  ===================================  =========================
-        request                admin tenant                         any other tenant
-        =====================  ===================================  =========================
-        no keys (the summary)  the whole store                      PERMISSION_DENIED
-        keys (entry or chain)  index keys, as Check and kvtool      its own keys, mapped into
-                               on the data directory name them      its namespace
-        =====================  ===================================  =========================
-
-        A tenant's own keys are mapped as ``Get`` maps them, so another tenant's entries
-        are "absent" to it. Each view names the key as it was sent. A tenant that is not an
-        admin does not see where its fragments are or whether targets are up
-        (``index_view.PLACEMENT_FIELDS``: target names may spell URLs, credentials included,
-        and a daemon may refuse direct reads), and its call asks no target anything.
-        """
-        from kvstore.cli import index_view  # the same code kvtool runs on a data directory
-
-        if not r.keys and not r.chain:
-            require_admin(tenant, "Inspect of the store summary")
-            return pb.JsonReply(json=json.dumps(index_view.summarize(self.store), default=str))
-        self._batch(len(r.keys), "inspect")
-        sent = check_keys(r.keys)  # validated before any is mapped
-        stored = sent if tenant.admin else [tenant.store_key(k) for k in sent]
-        if r.chain:
-            views = index_view.chain_view(self.store, stored)
-        else:
-            views = index_view.entry_views(self.store, stored, EntryKind.parse(kind_or_default(r.kind)),
-                                           placement=tenant.admin)
-        for view, key in zip(views, sent):
-            view["key"] = key.hex()
-        return pb.JsonReply(json=json.dumps({"positions" if r.chain else "entries": views}, default=str))
 
 
 def _read_tls_files(cfg: ServerConfig) -> dict[str, bytes]:

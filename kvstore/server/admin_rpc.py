@@ -1,0 +1,80 @@
+"""The daemon's maintenance and inspection calls: ``Stats``, ``Gc``, ``Check``, ``Repair``
+and ``Inspect``.
+
+``AdminRPC`` is a mixin of ``kvstore.server.service.Daemon`` (kept apart so each file has
+one job): it uses the daemon's ``cfg``, ``store``, ``tokens``, ``limiter``, ``metrics``,
+``address`` and ``_batch``; the per-call steps (authentication, the admin check of the
+calls that need one, parsing, admission, error mapping) are the daemon's, as for every
+call. Who may call what is in ``kvstore.server``'s contract (point 5) and in ``_inspect``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from kvstore.api import EntryKind
+from kvstore.keys import check_keys
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.server.auth import Tenant, require_admin
+from kvstore.server.wire import kind_or_default
+
+
+class AdminRPC:
+    """``Stats``, ``Gc``, ``Check``, ``Repair``, ``Inspect`` (module docstring)."""
+
+    def _stats(self, r: pb.StatsRequest, tenant: Tenant) -> pb.JsonReply:
+        s = dict(self.store.stats())
+        s["daemon"] = {"address": self.address, "tls": self.cfg.tls, "auth": self.tokens.enabled,
+                       "in_flight": self.limiter.in_flight, "gc_interval_s": self.cfg.gc_interval_s}
+        return pb.JsonReply(json=json.dumps(s, default=str))
+
+    def _gc(self, r: pb.GcRequest, tenant: Tenant) -> pb.JsonReply:
+        out = self.store.gc(dry_run=r.dry_run)
+        if not r.dry_run:
+            self.metrics.gc_done(out)
+        return pb.JsonReply(json=json.dumps(out, default=str))
+
+    def _check(self, r: pb.CheckRequest, tenant: Tenant) -> pb.CheckReply:
+        problems = self.store.check(fix=r.fix)
+        return pb.CheckReply(problems=[pb.Problem(**p.as_dict()) for p in problems])
+
+    def _repair(self, r: pb.RepairRequest, tenant: Tenant) -> pb.JsonReply:
+        return pb.JsonReply(json=json.dumps(self.store.repair(), default=str))
+
+    def _inspect(self, r: pb.InspectRequest, tenant: Tenant) -> pb.JsonReply:
+        """``kvtool inspect`` against this daemon (kvstore.proto's ``Inspect``): the views
+        ``kvstore.cli.index_view`` computes on a data directory, from this daemon's store.
+
+        Read-only: index read transactions only (no fragment read, no access-time refresh,
+        no store counter); the request metrics are the only trace. Who sees what:
+
+        =====================  ===================================  =========================
+        request                admin tenant                         any other tenant
+        =====================  ===================================  =========================
+        no keys (the summary)  the whole store                      PERMISSION_DENIED
+        keys (entry or chain)  index keys, as Check and kvtool      its own keys, mapped into
+                               on the data directory name them      its namespace
+        =====================  ===================================  =========================
+
+        A tenant's own keys are mapped as ``Get`` maps them, so another tenant's entries
+        are "absent" to it. Each view names the key as it was sent. A tenant that is not an
+        admin does not see where its fragments are or whether targets are up
+        (``index_view.PLACEMENT_FIELDS``: target names may spell URLs, credentials included,
+        and a daemon may refuse direct reads), and its call asks no target anything.
+        """
+        from kvstore.cli import index_view  # the same code kvtool runs on a data directory
+
+        if not r.keys and not r.chain:
+            require_admin(tenant, "Inspect of the store summary")
+            return pb.JsonReply(json=json.dumps(index_view.summarize(self.store), default=str))
+        self._batch(len(r.keys), "inspect")
+        sent = check_keys(r.keys)  # validated before any is mapped
+        stored = sent if tenant.admin else [tenant.store_key(k) for k in sent]
+        if r.chain:
+            views = index_view.chain_view(self.store, stored)
+        else:
+            views = index_view.entry_views(self.store, stored, EntryKind.parse(kind_or_default(r.kind)),
+                                           placement=tenant.admin)
+        for view, key in zip(views, sent):
+            view["key"] = key.hex()
+        return pb.JsonReply(json=json.dumps({"positions" if r.chain else "entries": views}, default=str))
