@@ -218,6 +218,9 @@ class KVStoreConnector(KVConnectorBase):
             n += 1
         store_swa = None
         if n < max_blocks:  # the gateway answers None at once while the store is marked down
+            # The gateway answers at most as many hits as keys asked (a store that answers
+            # more counts as failed: 0 hits), so n <= max_blocks, which leaves the prompt's
+            # last token to compute even when the store holds every block of it.
             lr = self.gateway.lookup(keys[n:max_blocks])
             if lr is not None:
                 tiers += [Tier.STORE] * lr.hit_blocks

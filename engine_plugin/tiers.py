@@ -40,7 +40,9 @@ hangs on it and never uses bad bytes:
    timeout is counted and trips the breaker, and its verified slots are kept.
 5. a store call that raises *anything* (a ``KVStoreError``, an ``OSError``,
    or an exception a broken store or client lets escape, such as a
-   ``ValueError``) or answers with the wrong number of slots is a failed
+   ``ValueError``), answers with the wrong number of slots, or answers a
+   lookup out of range (``_bad_lookup``: more hits than keys asked, a
+   negative, float or bool count, a snapshot past the hit) is a failed
    call: logged (with the traceback when unexpected), counted
    (``store_errors``) and handled as in 1-2, so the caller recomputes. Only
    the store call itself is guarded (``_guarded``): an exception in the
@@ -70,6 +72,26 @@ log = logging.getLogger(__name__)
 class _StoreFault(Exception):
     """A store method raised something other than ``KVStoreError``/``OSError`` (a broken store
     or client): the gateway treats it as a failed call. Carries the original as ``__cause__``."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bad_lookup(res, n_keys: int) -> str | None:
+    """Why a store's answer to a lookup of ``n_keys`` keys cannot be used, or ``None``.
+
+    Checked, because the connector indexes blocks and plans chunks with it: ``hit_blocks``
+    an int (not a bool) in ``[0, n_keys]``, ``swa_at`` ``None`` or an int in
+    ``[0, hit_blocks]`` (``LookupResult`` does not validate its fields).
+    """
+    if not isinstance(res, LookupResult):
+        return f"the store returned {type(res).__name__}, not a LookupResult"
+    if not _is_int(res.hit_blocks) or not 0 <= res.hit_blocks <= n_keys:
+        return f"the store answered hit_blocks={res.hit_blocks!r} to a lookup of {n_keys} keys"
+    if res.swa_at is not None and (not _is_int(res.swa_at) or not 0 <= res.swa_at <= res.hit_blocks):
+        return f"the store answered swa_at={res.swa_at!r} with hit_blocks={res.hit_blocks}"
+    return None
 
 
 def _guarded(fn: Callable) -> Callable:
@@ -282,10 +304,13 @@ class StoreGateway:
         if self.store is None:
             return None
         ok, res = self._call("lookup", _guarded(self.store.lookup), list(keys))
-        if ok and not isinstance(res, LookupResult):
-            self._trip("lookup", f"the store returned {type(res).__name__}, not a LookupResult", "store_errors")
+        if not ok:
             return None
-        return res if ok else None
+        bad = _bad_lookup(res, len(keys))
+        if bad:  # a store fault, never an exception in the engine's admit step
+            self._trip("lookup", bad, "store_errors")
+            return None
+        return res
 
     def get_many(self, keys: Sequence[bytes], *, kind: str, nbytes: int) -> list[bytes | None]:
         """Payloads, ``None`` where missing/lost/corrupt/wrong-sized or the store failed."""

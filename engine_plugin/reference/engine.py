@@ -36,6 +36,9 @@ needs more blocks than the whole pool has, a request id already waiting or
 running. ``abort_request`` takes a request out at any time (a worker whose
 step raised drops its requests with it) and frees its blocks. A connector
 whose block size or KV layout does not fit is refused by ``Engine(...)``.
+The engine's namespace covers the model's loaded weights (``ReferenceModel.model_id``);
+``add_request`` and ``step`` refuse to run once ``load_weights`` changed them
+after the engine was built (build the engine after loading the weights).
 """
 
 from __future__ import annotations
@@ -163,6 +166,8 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size, mc.d_global,
                               dtype=model.embed.weight.dtype, device=model.device)
         self.namespace = namespace or default_namespace(model)
+        # The weights this engine's namespace, pool and prefix cache belong to (see _check_model).
+        self._model_id = model.model_id
         self.hasher = BlockHasher(self.namespace, config.block_size, config.tenant_salt)
         backend = getattr(connector, "backend", None)
         if backend is not None and backend.device.type != model.device.type:
@@ -190,6 +195,7 @@ class Engine:
         a request whose prompt plus output needs more blocks than the whole pool has (it
         could never be admitted, and would block every request queued behind it).
         """
+        self._check_model()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"a request id is a non-empty str, got {request_id!r}")
         if any(r.request_id == request_id for r in itertools.chain(self.waiting, self.running)):
@@ -213,6 +219,18 @@ class Engine:
         req.images = tuple(images)
         self.waiting.append(req)
         return req
+
+    def _check_model(self) -> None:
+        """Refuse to run once the model's weights changed after this engine was built.
+
+        Refused, not re-derived: the namespace was hashed into queued requests' block
+        hashes, and the device pool and prefix cache hold KV of the old weights. The
+        connector holds no namespace (it moves KV under the keys the engine gives it).
+        """
+        if self.model.model_id != self._model_id:
+            raise InvalidRequest(f"the model's weights changed after this Engine was built (model_id "
+                                 f"{self._model_id!r} -> {self.model.model_id!r}); call load_weights "
+                                 "before building the Engine, or build a new Engine")
 
     def _token_ids(self, prompt: Sequence[int]) -> list[int]:
         """``prompt`` as a list of python ints, or ``InvalidRequest`` saying what is wrong."""
@@ -273,6 +291,7 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
+        self._check_model()  # before anything runs: a step on changed weights would mix two models
         self.steps += 1
         new_ids = self._admit()
         chunks = self._schedule()
@@ -463,7 +482,8 @@ class Engine:
 
 
 def default_namespace(model: ReferenceModel) -> Namespace:
-    return model.cfg.namespace()
+    """The model's namespace: its config *and* loaded weights (``ReferenceModel.model_id``)."""
+    return model.namespace()
 
 
 def _check_connector(connector: KVConnectorBase, model: ReferenceModel, config: EngineConfig) -> None:

@@ -37,6 +37,8 @@ Window state (``WindowState.buf``) layout, one tensor per request::
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import replace
 from typing import Callable, Protocol
 
 import torch
@@ -46,6 +48,7 @@ from torch import nn
 from engine_plugin.connector import KVLayout
 from engine_plugin.reference.config import ModelConfig
 from kvstore.errors import InvalidRequest
+from kvstore.keys import Namespace
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -231,7 +234,21 @@ the first consumer of global KV) so that a connector can wait for that group's l
 
 
 class ReferenceModel(nn.Module):
-    """See the module docstring. Weights are seeded from ``cfg.seed`` (no download)."""
+    """See the module docstring. Weights are seeded from ``cfg.seed`` (no download).
+
+    Identity (what the store namespace hashes), with reasons:
+      1. A seeded model is ``cfg.model_id``, which already covers the seed and every
+         other field that changes the weights (``ModelConfig.model_id``).
+      2. ``load_weights`` folds a digest of the *loaded tensors* (names, dtypes, shapes,
+         bytes; not the file, so two files with the same tensors are one model) into
+         ``model_id``: a fine-tune has the base model's config, and sharing its
+         namespace would load the base model's KV (wrong tokens, no error).
+      3. Weights loaded from a file are always keyed by their digest, even if they equal
+         the seeded ones: a spurious miss, never a wrong hit.
+      4. An ``Engine`` derives its namespace from ``model_id`` when it is built and
+         refuses requests once the model's identity changed (``load_weights`` after the
+         engine was built): its pool and prefix cache hold KV of the old weights.
+    """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__()
@@ -245,6 +262,7 @@ class ReferenceModel(nn.Module):
         self.final_norm = RMSNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights()
+        self.weights_digest: str | None = None  # set by load_weights (see the class docstring)
         self.to(device=device, dtype=TORCH_DTYPES[cfg.dtype])
         self.eval().requires_grad_(False)
 
@@ -259,6 +277,17 @@ class ReferenceModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    @property
+    def model_id(self) -> str:
+        """``cfg.model_id``, plus ``-w<digest>`` once weights were loaded from a file."""
+        if self.weights_digest is None:
+            return self.cfg.model_id
+        return f"{self.cfg.model_id}-w{self.weights_digest}"
+
+    def namespace(self, rank: int = 0) -> Namespace:
+        """The store key namespace of this model's global KV: ``cfg.namespace`` with ``model_id``."""
+        return replace(self.cfg.namespace(rank), model_id=self.model_id)
 
     def kv_layout(self) -> KVLayout:
         """What the connector needs to know about this model's KV (see ``connector.KVLayout``)."""
@@ -328,3 +357,15 @@ class ReferenceModel(nn.Module):
         if missing or unexpected:
             raise InvalidRequest(f"weights at {path} do not fit {self.cfg.model_id}: "
                                  f"missing {missing}, unexpected {unexpected}")
+        # After the copy: the digest is of the weights the model runs (cast to its dtype).
+        self.weights_digest = weights_digest(self)
+
+
+def weights_digest(model: nn.Module) -> str:
+    """Hex digest of ``model``'s tensors: name, dtype, shape and bytes, in name order."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -21,7 +21,7 @@ import pytest
 from engine_plugin.connector import Tier
 from engine_plugin.reference import SamplingParams
 from engine_plugin.tiers import Metrics, StoreGateway
-from kvstore.api import EntryInfo, EntryKind, Layout
+from kvstore.api import EntryInfo, EntryKind, Layout, LookupResult
 from kvstore.errors import StoreUnavailable
 
 GREEDY = SamplingParams(max_new_tokens=5)
@@ -338,3 +338,38 @@ def test_a_bug_in_the_plugin_around_a_store_call_is_not_swallowed(rig, store, mo
     with pytest.raises(ZeroDivisionError, match="a bug in the plugin"):
         eng.generate(prompt, GREEDY)
     assert eng.connector.metrics.get("store_errors") == 0
+
+
+class BadLookupStore(FaultyStore):
+    """``FaultyStore`` whose ``lookup`` answers ``answer(n_keys)`` instead of the truth."""
+
+    def __init__(self, inner, answer):
+        super().__init__(inner)
+        self.answer = answer
+
+    def lookup(self, keys):
+        return self.answer(len(keys))
+
+
+BAD_LOOKUPS = {
+    "more_than_asked": lambda n: LookupResult(n + 5, None),
+    "negative": lambda n: LookupResult(-3, None),
+    "float": lambda n: LookupResult(2.0, None),
+    "bool": lambda n: LookupResult(True, None),
+    "swa_past_hit": lambda n: LookupResult(1, 3),
+    "swa_negative": lambda n: LookupResult(2, -1),
+    "swa_float": lambda n: LookupResult(2, 2.0),
+}
+
+
+@pytest.mark.parametrize("answer", sorted(BAD_LOOKUPS))
+def test_out_of_range_lookup_answer_is_a_store_error_and_runs_cold(rig, store, answer):
+    """The contract: a store fault is 0 hits, never an exception in the admit step."""
+    rng = random.Random(140)
+    prompt = rig.tokens(rng, 96)  # whole blocks: "more than asked" would cover the last token
+    _seed(rig, store, prompt)
+    eng = rig.engine(BadLookupStore(store, BAD_LOOKUPS[answer]))
+    warm = eng.generate(prompt, GREEDY)
+    rig.same(rig.cold(prompt, GREEDY), warm)
+    assert warm.hit_tokens == 0 and eng.connector.metrics.get("store_errors") == 1
+    assert "lookup" in eng.connector.gateway.last_error

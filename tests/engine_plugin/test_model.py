@@ -130,3 +130,73 @@ def test_model_id_is_stable_and_ignores_only_the_name():
     assert model_preset("tiny", rope_theta=10000).model_id == a.model_id  # 10000 == 10000.0
     assert model_preset("tiny", name="other").namespace() != a.namespace()  # the readable prefix
     assert model_preset("tiny", seed=1).model_id != a.model_id
+
+
+def _store_engine(model, store, rig):
+    from engine_plugin.reference import Engine, EngineConfig
+    from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
+
+    conn = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=16), store)
+    rig.connectors.append(conn)
+    return Engine(model, EngineConfig(block_size=16), connector=conn)
+
+
+def test_loaded_weights_change_the_namespace(rig, store, tmp_path):
+    """A fine-tune has its base model's config: without its weights in the identity it
+    loads the base model's KV from a shared store and answers with other tokens."""
+    from engine_plugin.reference import Engine, EngineConfig, SamplingParams
+
+    base = ReferenceModel(model_preset("tiny"))
+    ReferenceModel(model_preset("tiny", seed=5)).save_weights(str(tmp_path / "ft.safetensors"))
+    ft = ReferenceModel(model_preset("tiny"))
+    ft.load_weights(str(tmp_path / "ft.safetensors"))
+    assert ft.model_id != base.model_id and ft.namespace() != base.namespace()
+    prompt = rig.tokens(random.Random(0), 100)
+    sp = SamplingParams(max_new_tokens=8)
+    filler = _store_engine(base, store, rig)
+    filler.generate(prompt, sp)
+    filler.connector.flush()
+    assert store.lookup(filler.hasher.hash_blocks(prompt)).hit_blocks == 6
+    eng = _store_engine(ft, store, rig)
+    warm = eng.generate(prompt, sp)
+    assert warm.hit_tokens == 0 and eng.connector.metrics.get("hit_tokens_store") == 0
+    cold = Engine(ft, EngineConfig(block_size=16)).generate(prompt, sp)
+    assert warm.output == cold.output
+
+
+def test_models_with_the_same_loaded_weights_share_kv(rig, store, tmp_path):
+    """The weights digest is of the tensors, not the file: two files of one model share KV."""
+    from engine_plugin.reference import Engine, EngineConfig, SamplingParams
+
+    src = ReferenceModel(model_preset("tiny", seed=5))
+    src.save_weights(str(tmp_path / "a.safetensors"))
+    src.save_weights(str(tmp_path / "b.safetensors"))
+    a, b = ReferenceModel(model_preset("tiny")), ReferenceModel(model_preset("tiny"))
+    a.load_weights(str(tmp_path / "a.safetensors"))
+    b.load_weights(str(tmp_path / "b.safetensors"))
+    assert a.namespace() == b.namespace() != model_preset("tiny").namespace()
+    prompt = rig.tokens(random.Random(1), 100)
+    sp = SamplingParams(max_new_tokens=8)
+    filler = _store_engine(a, store, rig)
+    filler.generate(prompt, sp)
+    filler.connector.flush()
+    eng = _store_engine(b, store, rig)
+    warm = eng.generate(prompt, sp)
+    assert eng.connector.metrics.get("hit_tokens_store") > 0
+    assert warm.output == Engine(b, EngineConfig(block_size=16)).generate(prompt, sp).output
+
+
+def test_an_engine_built_before_load_weights_refuses_to_run(tmp_path):
+    """Its namespace and pool belong to the old weights: refused, never silently reused."""
+    from engine_plugin.reference import Engine, EngineConfig, SamplingParams
+
+    ReferenceModel(model_preset("tiny", seed=5)).save_weights(str(tmp_path / "ft.safetensors"))
+    m = ReferenceModel(model_preset("tiny"))
+    eng = Engine(m, EngineConfig(block_size=16))
+    eng.add_request("queued", [1, 2, 3], SamplingParams(max_new_tokens=2))
+    m.load_weights(str(tmp_path / "ft.safetensors"))
+    with pytest.raises(InvalidRequest, match="weights changed"):
+        eng.step()
+    with pytest.raises(InvalidRequest, match="weights changed"):
+        eng.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=2))
+    assert Engine(m, EngineConfig(block_size=16)).namespace == m.namespace()
