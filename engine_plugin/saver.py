@@ -13,7 +13,13 @@ Guarantees:
   3. Per request, in-flight jobs are counted; a finished request whose jobs
      are all done is reported once by ``take_sent`` (``get_finished``).
   4. The saver thread never dies on an error: it logs, counts, goes on.
-  5. ``close`` is idempotent: the first call drains the queue and stops the
+  5. ``flush`` waits for the jobs submitted before it was called, not for an empty
+     queue: jobs get a ticket in queue order (``submit`` holds ``_submit_lock`` across
+     the put, so tickets and queue order agree) and the single saver thread completes
+     them in that order, so ``flush`` waits until the completed count reaches the
+     ticket count it saw. Under steady save traffic from other requests it still
+     returns (a P/D handoff waits for its own request's saves, not everyone's).
+  6. ``close`` is idempotent: the first call drains the queue and stops the
      thread with one sentinel; later calls return at once (a second sentinel
      nobody reads would make every later ``flush`` wait forever). ``submit``
      after ``close`` raises ``StoreClosed``; ``flush`` after it returns at once
@@ -51,6 +57,10 @@ class SaveQueue:
         self._finished: set[str] = set()
         self._sent: set[str] = set()
         self._closed = False
+        self._submit_lock = threading.Lock()  # one put at a time: tickets follow queue order (guarantee 5)
+        self._progress = threading.Condition()  # guards _submitted and _completed
+        self._submitted = 0  # jobs that entered the queue
+        self._completed = 0  # of those, attempted by the saver (a prefix of queue order)
         self._thread = threading.Thread(target=self._loop, name="kv-save", daemon=True)
         self._thread.start()
 
@@ -64,7 +74,10 @@ class SaveQueue:
                 self._inflight[rid] = self._inflight.get(rid, 0) + 1
         t0 = time.perf_counter()
         try:
-            self._q.put(SaveJob(tuple(items), tuple(request_ids)), timeout=self.enqueue_timeout_s)
+            with self._submit_lock:
+                self._q.put(SaveJob(tuple(items), tuple(request_ids)), timeout=self.enqueue_timeout_s)
+                with self._progress:
+                    self._submitted += 1
         except queue.Full:
             self.metrics.inc("saves_dropped", len(items))
             log.warning("save queue full: dropping %d entries (the store is too slow)", len(items))
@@ -87,14 +100,17 @@ class SaveQueue:
             self._finished -= sent
         return sent
 
-    def flush(self) -> None:
-        """Wait until every queued job was attempted (tests, P/D handoff, shutdown)."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every job submitted before this call was attempted (guarantee 5: not
+        for an empty queue); ``False`` if ``timeout`` seconds passed first."""
         if self._closed:
-            return  # close() drained the queue, and no thread reads it any more
-        self._q.join()
+            return True  # close() drained the queue, and no thread reads it any more
+        with self._progress:
+            target = self._submitted
+            return self._progress.wait_for(lambda: self._completed >= target or self._closed, timeout)
 
     def close(self) -> None:
-        """Drain the queue and stop the saver thread; idempotent (guarantee 5)."""
+        """Drain the queue and stop the saver thread; idempotent (guarantee 6)."""
         with self._lock:
             if self._closed:
                 return
@@ -128,4 +144,8 @@ class SaveQueue:
                 log.exception("save job failed")
                 self.metrics.inc("saves_failed", len(job.items) if job else 0)
             finally:
+                if job is not None:
+                    with self._progress:
+                        self._completed += 1
+                        self._progress.notify_all()
                 self._q.task_done()

@@ -428,10 +428,15 @@ class KVStoreConnector(KVConnectorBase):
             n += self.saves.submit([item], []) if self.gateway.store is not None else 0
         return n
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until every queued save reached the store (tests, P/D handoff, shutdown)."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every save submitted before this call was attempted (tests, P/D handoff,
+        shutdown; ``engine_plugin.saver`` guarantee 5); ``False`` if ``timeout`` seconds passed
+        first (logged)."""
         self._check_open()
-        self.saves.flush()
+        done = self.saves.flush(timeout)
+        if not done:
+            log.warning("flush: saves submitted before it still pending after %s s", timeout)
+        return done
 
     def close(self) -> None:
         """Drain the save queue and stop the threads. Close the connector before its store.

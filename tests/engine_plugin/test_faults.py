@@ -373,3 +373,47 @@ def test_out_of_range_lookup_answer_is_a_store_error_and_runs_cold(rig, store, a
     rig.same(rig.cold(prompt, GREEDY), warm)
     assert warm.hit_tokens == 0 and eng.connector.metrics.get("store_errors") == 1
     assert "lookup" in eng.connector.gateway.last_error
+
+
+def test_flush_waits_for_earlier_saves_not_for_an_empty_queue():
+    """``SaveQueue.flush`` under steady save traffic from other requests: it returns once the
+    jobs submitted before it were attempted (before, it waited for an empty queue, which a
+    busy engine never has), and the job it waited for is then in the store."""
+    import threading
+    import time as _time
+
+    from engine_plugin.saver import SaveQueue
+    from engine_plugin.tiers import Metrics
+    from kvstore.api import PutItem
+
+    saved: list[bytes] = []
+
+    class SlowGateway:
+        def put_many(self, items):
+            _time.sleep(0.01)
+            saved.extend(it.key for it in items)
+            return True
+
+    q = SaveQueue(SlowGateway(), Metrics(), depth=4, enqueue_timeout_s=5.0)
+    stop = threading.Event()
+
+    def traffic():
+        i = 0
+        while not stop.is_set():
+            q.submit([PutItem(b"o" + i.to_bytes(15, "big"), b"x")], [f"other{i}"])
+            i += 1
+
+    bg = threading.Thread(target=traffic, daemon=True)
+    bg.start()
+    try:
+        _time.sleep(0.05)  # the queue is full of other requests' saves, and stays so
+        mine = b"m" * 16
+        assert q.submit([PutItem(mine, b"v")], ["mine"])
+        t0 = _time.monotonic()
+        assert q.flush(timeout=10.0) is True
+        assert _time.monotonic() - t0 < 5.0
+        assert mine in saved
+    finally:
+        stop.set()
+        bg.join(timeout=10)
+        q.close()
