@@ -2,8 +2,8 @@
 
 The first line on stdout is ``READY <json>`` with the bound address; workers
 join with ``python -m entrypoint.worker --role ... --entrypoint ADDRESS``.
-A usage error (a bad flag value, an unknown model or policy, a store that
-cannot be opened) is one line on stderr and exit code 2, never a traceback;
+A usage error (a bad flag value, an unknown model or policy, a tenant with
+an empty or shared salt or given twice, a store that cannot be opened) is one line on stderr and exit code 2, never a traceback;
 it is found before anything listens.
 """
 
@@ -44,11 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from engine_plugin.reference.config import model_preset
 
-    tenants = {"default": b""}
+    tenants = {"default": b""}  # an explicit --tenant default=SALT replaces this one
+    given: set[str] = set()
     for t in a.tenant:
         name, _, salt = t.partition("=")
         if not name:
             return fail(ap.prog, f"--tenant needs NAME=SALT, got {t!r}")
+        if name in given:
+            return fail(ap.prog, f"--tenant {name!r} is given twice; give each tenant once")
+        given.add(name)
         tenants[name] = salt.encode()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,10 +3,16 @@
 ``Generate`` (see ``proto/serving.proto``) takes one request through the
 hops, emitting a "hop" event for each so a client can draw the timeline:
 
-  1. validate (non-empty prompt, image spans inside the prompt, known tenant,
-     a finite temperature >= 0): misuse is INVALID_ARGUMENT before any hop;
+  1. validate (non-empty prompt, image spans inside the prompt and not
+     overlapping, an ``image_hash`` that is the content hash of the
+     ``image_data`` sent, known tenant, a finite temperature >= 0): misuse is
+     INVALID_ARGUMENT before any hop;
   2. ``ve``: each image goes to a vision-encoder worker picked by the VE LB
-     (image-hash affinity vs load); its tokens are spliced into the prompt;
+     (image-hash affinity vs load); its tokens are spliced into the prompt.
+     The VE cache is shared by all tenants, so the call carries the tenant's
+     cache scope (``entrypoint.vision.tenant_scope``, gRPC metadata): an image
+     sent by hash alone (empty ``image_data``) is found only if this tenant
+     has sent its bytes before; otherwise the VE refuses it (INVALID_ARGUMENT);
   3. ``lookup``: block hashes through ``kvstore.keys`` (tenant-salted), and the
      store's longest cached prefix (and SWA boundary);
   4. ``prefill``: the Prefill LB picks an instance (estimated TTFT per tier),
@@ -15,13 +21,15 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
   5. ``decode``: the Decode LB picks an instance, which loads the KV from the
      store and streams tokens.
 
-Failover: a worker that fails a call (UNAVAILABLE, a broken stream, a missed
-deadline) is marked down and the hop is re-dispatched to another instance of
+Failover: a worker that fails a call with a retryable status (``RETRYABLE``:
+UNAVAILABLE, a broken stream, a missed deadline) is marked down and the hop is re-dispatched to another instance of
 its role, at most ``max_attempts`` times. A decode stream that breaks midway
 resumes on another worker from the tokens already sent; the new worker loads
 the KV persisted so far and recomputes only the tail, and since sampling
 depends only on (seed, output index), the client sees one uninterrupted,
-identical stream.
+identical stream. A non-retryable status (INVALID_ARGUMENT, FAILED_PRECONDITION,
+RESOURCE_EXHAUSTED, ...) from any hop is the request's, not the worker's: it is
+returned to the client and the worker stays up.
 
 Cancellation: a client that goes away cancels the in-flight worker call.
 Deadlines: worker calls get the client's remaining time. Backpressure: at most
@@ -46,6 +54,7 @@ import kvstore
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import Instance, Registry
+from entrypoint.vision import SCOPE_METADATA, check_image_hash, tenant_scope
 from kvstore.keys import BlockHasher, ImageSpan, Namespace
 from lb.cost_model import load_default
 from lb.registry import KINDS, get_policy
@@ -83,6 +92,19 @@ class EntrypointConfig:
         if not (math.isfinite(self.kv_bytes_per_token) and self.kv_bytes_per_token >= 0):
             raise kvstore.InvalidRequest(f"kv_bytes_per_token must be a finite number >= 0, "
                                          f"got {self.kv_bytes_per_token!r}")
+        # Tenants are isolated only by their salt (it enters every block key): an empty salt
+        # shares every key with ``default``, and two tenants with one salt share each other's.
+        seen: dict[bytes, str] = {}
+        for tenant, salt in self.tenants.items():
+            if not isinstance(salt, bytes):
+                raise kvstore.InvalidRequest(f"tenant {tenant!r}: its salt must be bytes, got {type(salt).__name__}")
+            if not salt and tenant != "default":
+                raise kvstore.InvalidRequest(f"tenant {tenant!r} has an empty salt: it would share every KV key "
+                                             "with tenant 'default'; give it a distinct non-empty salt")
+            if salt in seen:
+                raise kvstore.InvalidRequest(f"tenants {seen[salt]!r} and {tenant!r} have the same salt: they would "
+                                             "share every KV key; give each a distinct salt")
+            seen[salt] = tenant
         for kind, name in (("prefill", self.prefill_policy), ("decode", self.decode_policy), ("ve", self.ve_policy)):
             if name not in KINDS[kind]:
                 raise kvstore.InvalidRequest(f"unknown {kind} policy {name!r}; known: {', '.join(sorted(KINDS[kind]))}")
@@ -156,7 +178,18 @@ class EntrypointService(pbg.EntrypointServicer):
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"image span [{img.start}, {img.start + img.length}) is empty, has no hash, or "
                             f"lies outside the {len(toks)}-token prompt")
+            if img.image_data:
+                try:
+                    check_image_hash(img.image_hash, img.image_data)
+                except kvstore.InvalidRequest as exc:
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
             spans.append(ImageSpan(img.image_hash, img.start, img.length))
+        ordered = sorted(spans, key=lambda sp: sp.start)
+        for a, b in zip(ordered, ordered[1:]):
+            if b.start < a.start + a.length:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"image spans [{a.start}, {a.start + a.length}) and [{b.start}, {b.start + b.length}) "
+                            "overlap: each prompt position may hold at most one image's tokens")
         return salt, spans
 
     def _generate(self, request, context) -> Iterator[pb.GenerateEvent]:
@@ -169,6 +202,7 @@ class EntrypointService(pbg.EntrypointServicer):
             return pb.GenerateEvent(kind="hop", detail=json.dumps(detail), t_ms=ms())
 
         salt, spans = self._validate(request)
+        scope = ((SCOPE_METADATA, tenant_scope(request.tenant or "default", salt)),)
         max_new = request.sampling.max_new_tokens or self.cfg.default_max_new_tokens
         sampling = pb.Sampling(max_new_tokens=max_new, temperature=request.sampling.temperature,
                                seed=request.sampling.seed)
@@ -178,7 +212,7 @@ class EntrypointService(pbg.EntrypointServicer):
             t = ms()
             inst, reply = self._call("ve", lambda i: self._ve_pick(img, i), context,
                                      lambda i: i.stub.Encode(pb.EncodeRequest(request_id=rid, image=img),
-                                                             timeout=self._timeout(context)))
+                                                             timeout=self._timeout(context), metadata=scope))
             prompt[img.start:img.start + img.length] = list(reply.token_ids)
             yield hop("ve", worker=inst.worker_id, cache_hit=reply.cache_hit, tokens=img.length,
                       encode_ms=reply.encode_ms, ms=ms() - t)
@@ -236,6 +270,8 @@ class EntrypointService(pbg.EntrypointServicer):
             except grpc.RpcError as exc:
                 if not context.is_active():
                     return
+                if exc.code() not in RETRYABLE:  # the request's fault, not the worker's: no failover
+                    raise Abort(exc.code(), f"decode worker {inst.worker_id}: {exc.details()}") from exc
                 attempts += 1
                 self.registry.mark_down(inst.worker_id, f"decode stream broke: {exc.code()}")
                 failovers.append({"worker": inst.worker_id, "at_token": len(generated), "ms": ms()})

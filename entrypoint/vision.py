@@ -8,6 +8,15 @@ bytes always give the same tokens, on any machine.
 
 ``EncoderCache`` is the VE output cache keyed by image hash; the VE load
 balancer routes an image to the instance whose cache holds it.
+
+Trust: the cache is shared by every tenant, so an entry is only ever written
+for a hash that was checked against the bytes that were encoded
+(``check_image_hash``), and a *hash-only* lookup (no bytes sent) is scoped:
+it hits only if the same scope (a tenant-derived namespace the entrypoint
+sends) has itself sent that image's bytes before. A tenant can therefore
+neither poison another's entry (a hash that does not match its bytes is
+refused) nor read an image it never had (another tenant's hash alone gets
+nothing).
 """
 
 from __future__ import annotations
@@ -22,11 +31,24 @@ import torch
 from kvstore.errors import InvalidRequest
 
 PATCH_BYTES = 64
+SCOPE_METADATA = "kvstack-image-scope"  # gRPC metadata on Encode: the caller's tenant-derived cache scope
+
+
+def tenant_scope(tenant: str, salt: bytes) -> str:
+    """The VE cache scope of a tenant (hex; sent as ``SCOPE_METADATA``): distinct per tenant."""
+    return hashlib.blake2b(tenant.encode() + b"\0" + salt, digest_size=16, person=b"kvstack-vescope").hexdigest()
 
 
 def image_hash(data: bytes) -> bytes:
     """Content hash of an image (the VE cache key and the ``ImageSpan`` hash)."""
     return hashlib.blake2b(data, digest_size=16, person=b"kvstack-image").digest()
+
+
+def check_image_hash(claimed: bytes, data: bytes) -> None:
+    """Refuse (``InvalidRequest``) image bytes whose content hash is not ``claimed``."""
+    if image_hash(data) != claimed:
+        raise InvalidRequest(f"image_hash {claimed.hex()} does not match the image bytes sent "
+                             "(it must be entrypoint.vision.image_hash(image_data))")
 
 
 class VisionEncoder(torch.nn.Module):
@@ -53,23 +75,37 @@ class VisionEncoder(torch.nn.Module):
 
 
 class EncoderCache:
-    """LRU of image hash -> token ids, bounded in entries. Thread-safe."""
+    """LRU of image hash -> token ids, bounded in entries. Thread-safe.
+
+    Invariants (module docstring, "Trust"):
+      1. ``put`` is only called with a hash verified against the encoded bytes, so an entry's
+         tokens are the image's, whoever put it; a hit on ``get(h, scope, proven=True)`` (the
+         caller has just verified its bytes against ``h``) is safe for any scope.
+      2. Each entry records the scopes that proved they hold the bytes; a hash-only lookup
+         (``proven=False``) hits only for one of them, so a hash alone reveals nothing.
+    """
 
     def __init__(self, capacity: int = 256):
         self.capacity = capacity
-        self._d: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._d: OrderedDict[bytes, tuple[list[int], set[bytes]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, h: bytes) -> list[int] | None:
+    def get(self, h: bytes, scope: bytes, *, proven: bool) -> list[int] | None:
         with self._lock:
-            v = self._d.get(h)
-            if v is not None:
-                self._d.move_to_end(h)
-            return v
+            e = self._d.get(h)
+            if e is None:
+                return None
+            if proven:
+                e[1].add(scope)
+            elif scope not in e[1]:
+                return None
+            self._d.move_to_end(h)
+            return e[0]
 
-    def put(self, h: bytes, tokens: list[int]) -> None:
+    def put(self, h: bytes, tokens: list[int], scope: bytes) -> None:
         with self._lock:
-            self._d[h] = tokens
+            e = self._d.get(h)
+            self._d[h] = (tokens, (e[1] if e else set()) | {scope})
             self._d.move_to_end(h)
             while len(self._d) > self.capacity:
                 self._d.popitem(last=False)

@@ -17,6 +17,12 @@ prefix through the plugin, and continues at the next output index (seeded
 sampling depends only on the seed and the output index, so a re-dispatched
 stream continues exactly where the dead one stopped).
 
+VE cache trust: ``Encode`` refuses (INVALID_ARGUMENT) image bytes whose
+``image_hash`` is not their content hash, before the cache is read or written;
+a hash-only ``Encode`` (no bytes) hits only entries its own cache scope (gRPC
+metadata ``kvstack-image-scope``, a tenant-derived namespace the entrypoint
+sends; empty when absent) has sent the bytes of. See ``entrypoint.vision``.
+
 Failures: a request the engine refuses (``InvalidRequest`` from
 ``add_request``: a prompt too long for the pool, bad sampling) fails alone
 with INVALID_ARGUMENT. An engine step that raises fails the requests it held
@@ -51,7 +57,7 @@ import kvstore
 from entrypoint._cli import OneLineParser, fail
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.vision import EncoderCache, VisionEncoder
+from entrypoint.vision import SCOPE_METADATA, EncoderCache, VisionEncoder, check_image_hash
 from kvstore.errors import InvalidRequest, StoreUnavailable
 from kvstore.keys import ImageSpan
 
@@ -242,14 +248,21 @@ class WorkerService(pbg.WorkerServicer):
         self._need("ve", context)
         img = request.image
         t0 = time.perf_counter()
-        toks = self.cache.get(img.image_hash)
+        scope = dict(context.invocation_metadata() or ()).get(SCOPE_METADATA, "").encode()
+        proven = bool(img.image_data)
+        if proven:  # never cache (or serve) tokens under a hash that is not these bytes' hash
+            try:
+                check_image_hash(img.image_hash, img.image_data)
+            except InvalidRequest as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        toks = self.cache.get(img.image_hash, scope, proven=proven)
         hit = toks is not None and len(toks) == img.length
         if not hit:
             try:
                 toks = self.encoder.encode(img.image_data, img.length)
             except InvalidRequest as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            self.cache.put(img.image_hash, toks)
+            self.cache.put(img.image_hash, toks, scope)
         return pb.EncodeReply(token_ids=toks, cache_hit=hit, encode_ms=(time.perf_counter() - t0) * 1e3)
 
     def _submit(self, request, context, prompt, max_new, offset):

@@ -37,7 +37,8 @@ def splice(prompt, img_bytes, start, length):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster"), ve=1, prefill=1, decode=2, model=MODEL, store="daemon")
+    c = Cluster(tmp_path_factory.mktemp("cluster"), ve=1, prefill=1, decode=2, model=MODEL, store="daemon",
+                entrypoint_args=("--tenant", "a=salt-a", "--tenant", "b=salt-b"))
     with c:
         yield c
 
@@ -103,12 +104,40 @@ def test_sigkill_decode_worker_mid_stream_same_tokens(cluster):
      grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(token_ids=[1, 2, 3], sampling=pb.Sampling(temperature=float("inf"))),
      grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(token_ids=[1] * 40, images=[
+        pb.ImageSegment(image_hash=image_hash(b"img1" * 50), image_data=b"img2" * 50, start=2, length=8)]),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(token_ids=[1] * 40, images=[
+        pb.ImageSegment(image_hash=image_hash(b"x" * 50), image_data=b"x" * 50, start=2, length=8),
+        pb.ImageSegment(image_hash=image_hash(b"y" * 50), image_data=b"y" * 50, start=9, length=8)]),
+     grpc.StatusCode.INVALID_ARGUMENT),
 ], ids=["empty", "image_outside", "unknown_tenant", "temperature_nan", "temperature_negative",
-        "temperature_inf"])
+        "temperature_inf", "image_hash_mismatch", "image_spans_overlap"])
 def test_bad_requests_get_clear_errors(cluster, req, code):
     with pytest.raises(grpc.RpcError) as ei:
         list(cluster.client().stub.Generate(req, timeout=30))
     assert ei.value.code() == code and ei.value.details()
+
+
+def test_an_image_hash_cannot_poison_or_read_another_tenants_image(cluster):
+    """Before: B's img2 bytes under H(img1) were encoded and cached as img1 for every tenant,
+    and B could get A's image tokens by sending A's hash with no bytes."""
+    cl = cluster.client()
+    prompt = _prompt(11, 60)
+    img1, img2 = os.urandom(2000), os.urandom(2000)
+    real = pb.ImageSegment(image_hash=image_hash(img1), image_data=img1, start=5, length=10)
+    forged = pb.ImageSegment(image_hash=image_hash(img1), image_data=img2, start=5, length=10)
+    with pytest.raises(grpc.RpcError) as ei:
+        cl.generate(prompt, max_new_tokens=2, images=[forged], tenant="b")
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not match" in ei.value.details()
+    toks, hops, _ = cl.generate(prompt, max_new_tokens=4, images=[real], tenant="a")
+    assert toks == cold_tokens(splice(prompt, img1, 5, 10), 4)
+    hash_only = pb.ImageSegment(image_hash=image_hash(img1), start=5, length=10)
+    with pytest.raises(grpc.RpcError) as ei:
+        cl.generate(prompt, max_new_tokens=2, images=[hash_only], tenant="b")
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    toks_again, hops, _ = cl.generate(prompt, max_new_tokens=4, images=[hash_only], tenant="a")
+    assert toks_again == toks and hops[0]["cache_hit"] is True
 
 
 def test_a_prompt_too_big_for_the_prefill_pool_fails_alone(cluster):
@@ -172,3 +201,43 @@ def test_backpressure_answers_resource_exhausted(tmp_path):
             list(stub.Generate(pb.GenerateRequest(token_ids=[1, 2, 3]), timeout=30))
         assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in ei.value.details()
         assert sum(1 for ev in first if ev.kind == "token") > 0
+
+
+def test_a_non_retryable_decode_error_reaches_the_client_without_failover(tmp_path):
+    """Before: any decode error marked the worker down and failed over (here: to nothing,
+    UNAVAILABLE); a FAILED_PRECONDITION is the request's fault and goes back as it is."""
+    import time
+    from concurrent import futures
+
+    from entrypoint.proto import serving_pb2_grpc as pbg
+
+    calls = []
+
+    class RefusingDecode(pbg.WorkerServicer):
+        def Status(self, request, context):
+            return pb.WorkerStatus(worker_id="fake-decode", role="decode", kv_capacity_bytes=1 << 30)
+
+        def Decode(self, request, context):
+            calls.append(request.request_id)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "injected: this request cannot be decoded")
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pbg.add_WorkerServicer_to_server(RefusingDecode(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Cluster(tmp_path, ve=0, prefill=1, decode=0, model=MODEL, store="embedded") as c:
+            cl = c.client()
+            info = pb.WorkerInfo(worker_id="fake-decode", role="decode", address=f"127.0.0.1:{port}")
+            assert cl.stub.Register(info, timeout=10).ok
+            deadline = time.monotonic() + 30
+            while "fake-decode" not in {w.worker_id for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers}:
+                assert time.monotonic() < deadline, "the fake decode worker never became ready"
+                time.sleep(0.1)
+            with pytest.raises(grpc.RpcError) as ei:
+                cl.generate(_prompt(12, 40), max_new_tokens=4, timeout=60)
+            assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "injected" in ei.value.details()
+            assert len(calls) == 1
+            assert "fake-decode" in {w.worker_id for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers}
+    finally:
+        server.stop(grace=0).wait()

@@ -129,6 +129,9 @@ def _one_line_error(res, prog, *needles, code=2):
     (["--heartbeat-s", "nan"], ["heartbeat_s"]),
     (["--port", "70000"], ["--port"]),
     (["--block-size", "x"], ["--block-size"]),
+    (["--tenant", "a="], ["'a'", "empty salt"]),
+    (["--tenant", "a=s", "--tenant", "b=s"], ["'a'", "'b'", "same salt"]),
+    (["--tenant", "a=s1", "--tenant", "a=s2"], ["'a'", "given twice"]),
 ])
 def test_entrypoint_usage_errors_are_one_line(tmp_path, args, needles):
     res = _run(["-m", "entrypoint", "--store", str(tmp_path / "store"), *args], tmp_path)
@@ -152,3 +155,77 @@ def test_worker_usage_errors_are_one_line(tmp_path, args, needles):
     res = _run(["-m", "entrypoint.worker", "--store", str(tmp_path / "store"), *args], tmp_path)
     _one_line_error(res, "python -m entrypoint.worker", *needles)
     assert not (tmp_path / "store").exists()
+
+
+# ----------------------------------------------------------------------------- VE cache trust
+
+
+class _Ctx:
+    """The part of a ``grpc.ServicerContext`` that ``Encode`` uses; ``abort`` raises."""
+
+    def __init__(self, scope: str):
+        self.md = (("kvstack-image-scope", scope),)
+
+    def invocation_metadata(self):
+        return self.md
+
+    def abort(self, code, details):
+        raise grpc.RpcError(code, details)
+
+
+@pytest.fixture
+def ve():
+    from entrypoint.proto import serving_pb2 as pb
+    from entrypoint.vision import VisionEncoder
+    from entrypoint.worker import WorkerConfig, WorkerService
+
+    cfg = model_preset("tiny")
+    svc = WorkerService(WorkerConfig(role="ve"), None, VisionEncoder(cfg.vocab_size, seed=cfg.seed))
+
+    def encode(scope, h, data, length=8):
+        return svc.Encode(pb.EncodeRequest(image=pb.ImageSegment(image_hash=h, image_data=data, length=length)),
+                          _Ctx(scope))
+    return svc, encode
+
+
+def test_ve_refuses_bytes_that_do_not_match_their_hash_and_caches_nothing(ve):
+    from entrypoint.vision import image_hash
+
+    svc, encode = ve
+    img1, img2 = b"one" * 100, b"two" * 100
+    with pytest.raises(grpc.RpcError) as ei:
+        encode("tenant-b", image_hash(img1), img2)  # B claims img1's hash for img2's bytes
+    assert ei.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT and "does not match" in ei.value.args[1]
+    assert svc.cache.keys() == []  # before: img2's tokens cached under H(img1)
+    assert list(encode("tenant-a", image_hash(img1), img1).token_ids) == svc.encoder.encode(img1, 8)
+
+
+def test_ve_hash_only_lookup_hits_only_for_a_scope_that_sent_the_bytes(ve):
+    from entrypoint.vision import image_hash
+
+    svc, encode = ve
+    img = b"secret" * 50
+    h = image_hash(img)
+    first = encode("tenant-a", h, img)
+    assert not first.cache_hit
+    with pytest.raises(grpc.RpcError) as ei:  # before: tenant B got A's image tokens from the hash alone
+        encode("tenant-b", h, b"")
+    assert ei.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+    again = encode("tenant-a", h, b"")  # A's own image by hash: served from the cache
+    assert again.cache_hit and list(again.token_ids) == list(first.token_ids)
+    assert encode("tenant-b", h, img).cache_hit  # B with the bytes: verified, then a (safe) hit
+    assert encode("tenant-b", h, b"").cache_hit  # ...and now B has proven it holds the image
+
+
+@pytest.mark.parametrize("tenants, needle", [
+    ({"default": b"", "a": b""}, "empty salt"),
+    ({"default": b"", "a": b"s", "b": b"s"}, "same salt"),
+    ({"default": b"x", "a": b"x"}, "same salt"),
+])
+def test_entrypoint_config_refuses_tenants_that_would_share_keys(tenants, needle):
+    import kvstore
+    from entrypoint.server import EntrypointConfig
+
+    with pytest.raises(kvstore.InvalidRequest, match=needle):
+        EntrypointConfig(namespace=model_preset("tiny").namespace(), tenants=tenants)
+    EntrypointConfig(namespace=model_preset("tiny").namespace(), tenants={"default": b"", "a": b"1", "b": b"2"})
