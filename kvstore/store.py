@@ -37,7 +37,7 @@ A direct-writing client of the daemon (``kvstore.direct_writes``) does 1-4 itsel
 Read path (``get``): read the k data fragments (in parallel for remote targets), verify each one's
 checksum and header against the index; on any failure read parity fragments
 until k are good; decode; verify the entry checksum; return. Local targets first
-try a fast path (``FragmentIO._read_fast`` / ``_read_scatter``): one open + one
+try a fast path (``kvstore.fastread``: ``_read_fast`` / ``_read_scatter``): one open + one
 ``preadv`` per data fragment, headers checked against the index, fragment 0 (which
 holds the entry header) verified whole, and the rest trusted only through the entry
 checksum over the assembled payload; anything unexpected falls back to the path above. Fewer than k good
