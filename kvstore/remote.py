@@ -63,7 +63,6 @@ import json
 import logging
 import threading
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import grpc
@@ -77,46 +76,11 @@ from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server.wire import BatchTooLarge, RequestTooLarge, error_from_rpc, layout_from_pb, put_parts, read_pem
+from kvstore.server.wire import (BatchTooLarge, EncodedPut, RequestTooLarge, encode_item, error_from_rpc, layout_from_pb,
+                                 read_pem)
 
 log = logging.getLogger(__name__)
 
-
-
-@dataclass(frozen=True, slots=True)
-class EncodedPut:
-    """One validated put, encoded as ``head + value + tail`` (a ``PutRequest``; ``wire.put_parts``)."""
-
-    head: bytes
-    value: memoryview
-    tail: bytes
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.head) + self.value.nbytes + len(self.tail)
-
-    def message(self) -> bytes:
-        return b"".join((self.head, self.value, self.tail))  # the one copy of the value
-
-
-def encode_item(it: PutItem) -> EncodedPut:
-    """Validate one put client-side, as the embedded store does before writing, and encode it."""
-    from kvstore.api import as_payload as _payload
-
-    key = check_key(it.key)
-    kind = EntryKind.parse(it.kind).value
-    mv, layout = _payload(it.value, it.layout)
-    if not isinstance(it.tokens, int) or it.tokens < 0:
-        raise InvalidRequest(f"tokens must be a non-negative int, got {it.tokens!r}")
-    if it.ttl_s is not None and it.ttl_s <= 0:
-        raise InvalidRequest(f"ttl_s must be positive (or None for the default), got {it.ttl_s}")
-    head, tail = put_parts(key, mv.nbytes, kind, it.ttl_s, layout, it.tokens)
-    return EncodedPut(head, mv, tail)
-
-
-def normalize_item(it: PutItem) -> pb.PutRequest:
-    """``encode_item`` as a ``PutRequest`` message (validation as there)."""
-    return pb.PutRequest.FromString(encode_item(it).message())
 
 
 class _Unimplemented(Exception):

@@ -55,7 +55,8 @@ from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.client_options import ClientOptions, parse_address
-from kvstore.remote import RemoteStore, normalize_item
+from kvstore.remote import RemoteStore
+from kvstore.server.wire import normalize_item
 
 
 def _sum_into(acc: dict, d: dict) -> None:

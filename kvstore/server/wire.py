@@ -34,17 +34,21 @@ any protobuf peer reads it. Decoding stays with upb, which validates::
                 [2a len Layout{0a len dtype, 12 len packed shape}] [30 varint tokens]
     GetReply:   [0a len value] [12 len Layout] [18 varint tokens] [22 len kind]
     GetChunk:   [08 varint index] then per value [12 len MaybeValue{08 01 found, 12 len value}]
+
+A client's put (``encode_item`` -> ``EncodedPut``) is validated as the embedded store
+validates it, then encoded this way, so a bad item is refused before anything is sent.
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import grpc
 
-from kvstore.api import Layout
+from kvstore.api import EntryKind, Layout, PutItem, as_payload
 from kvstore.errors import (
     ERRORS_BY_CODE,
     InvalidRequest,
@@ -52,6 +56,7 @@ from kvstore.errors import (
     StoreUnavailable,
     Unrecoverable,
 )
+from kvstore.keys import check_key
 from kvstore.proto import kvstore_pb2 as pb
 
 MD_CODE = "kvstore-error-code"
@@ -295,3 +300,37 @@ def read_pem(path: str, option: str, marker: str) -> bytes:
     if b"-----BEGIN" not in data or marker.encode() not in data:
         raise InvalidRequest(f"TLS setup: {option} {path!r} is not a PEM {marker.lower()}")
     return data
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPut:
+    """One validated put, encoded as ``head + value + tail`` (a ``PutRequest``; ``wire.put_parts``)."""
+
+    head: bytes
+    value: memoryview
+    tail: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + self.value.nbytes + len(self.tail)
+
+    def message(self) -> bytes:
+        return b"".join((self.head, self.value, self.tail))  # the one copy of the value
+
+
+def encode_item(it: PutItem) -> EncodedPut:
+    """Validate one put client-side, as the embedded store does before writing, and encode it."""
+    key = check_key(it.key)
+    kind = EntryKind.parse(it.kind).value
+    mv, layout = as_payload(it.value, it.layout)
+    if not isinstance(it.tokens, int) or it.tokens < 0:
+        raise InvalidRequest(f"tokens must be a non-negative int, got {it.tokens!r}")
+    if it.ttl_s is not None and it.ttl_s <= 0:
+        raise InvalidRequest(f"ttl_s must be positive (or None for the default), got {it.ttl_s}")
+    head, tail = put_parts(key, mv.nbytes, kind, it.ttl_s, layout, it.tokens)
+    return EncodedPut(head, mv, tail)
+
+
+def normalize_item(it: PutItem) -> pb.PutRequest:
+    """``encode_item`` as a ``PutRequest`` message (validation as there)."""
+    return pb.PutRequest.FromString(encode_item(it).message())
