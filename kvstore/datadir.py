@@ -104,6 +104,27 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
     return config
 
 
+def file_url_path(url: str) -> str:
+    """The local path of a plain path or ``file:`` URL; another host, a query or a fragment
+    is ``InvalidRequest`` (``kvstore.connect`` checks the same before ``open_embedded`` calls this)."""
+    if not url.lower().startswith("file:"):
+        return url
+    if "?" in url or "#" in url:
+        raise InvalidRequest(f"{url!r}: a file URL cannot hold a query ('?') or fragment ('#'); "
+                             "give the directory as a plain path if its name contains one")
+    rest = url[len("file:"):]
+    if rest.startswith("//"):
+        host, sep, path = rest[2:].partition("/")
+        if host not in ("", "localhost"):
+            raise InvalidRequest(f"{url!r} names host {host!r}: a data directory is local; write file:///PATH "
+                                 "(three slashes) or a plain path")
+        rest = sep + path
+    if not rest.startswith("/"):
+        raise InvalidRequest(f"{url!r}: a file URL holds an absolute path (file:///PATH); use a plain path "
+                             "for a relative one")
+    return rest
+
+
 class DataDir:
     """Opening and recording the data directory (see the module docstring)."""
 

@@ -59,7 +59,7 @@ from typing import Any, Callable, Sequence
 from kvstore import codec
 from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
 from kvstore.config import StoreConfig, load_config
-from kvstore.datadir import DataDir
+from kvstore.datadir import DataDir, file_url_path
 from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, in_flight, run_now
 from kvstore.packs import PackIO
 from kvstore.errors import (
@@ -581,29 +581,8 @@ def open_embedded(url: str, **overrides: Any) -> EmbeddedStore:
     """``kvstore.connect`` opener for plain paths and ``file:`` URLs (``file:///abs``,
     ``file://localhost/abs``, ``file:/abs``; the path is taken as written, not
     percent-decoded, as the daemon's ``Describe`` writes target URLs)."""
-    path = _file_url_path(url)
+    path = file_url_path(url)
     clock = overrides.pop("clock", None)
     config_file = overrides.pop("config_file", None)
     cfg = load_config(config_file, data_dir=path, **overrides)
     return EmbeddedStore(cfg, clock=clock or time.time)
-
-
-def _file_url_path(url: str) -> str:
-    """The local path of a plain path or ``file:`` URL; another host, a query or a fragment
-    is ``InvalidRequest`` (``kvstore.connect`` checks the same before dispatching here)."""
-    if not url.lower().startswith("file:"):
-        return url
-    if "?" in url or "#" in url:
-        raise InvalidRequest(f"{url!r}: a file URL cannot hold a query ('?') or fragment ('#'); "
-                             "give the directory as a plain path if its name contains one")
-    rest = url[len("file:"):]
-    if rest.startswith("//"):
-        host, sep, path = rest[2:].partition("/")
-        if host not in ("", "localhost"):
-            raise InvalidRequest(f"{url!r} names host {host!r}: a data directory is local; write file:///PATH "
-                                 "(three slashes) or a plain path")
-        rest = sep + path
-    if not rest.startswith("/"):
-        raise InvalidRequest(f"{url!r}: a file URL holds an absolute path (file:///PATH); use a plain path "
-                             "for a relative one")
-    return rest

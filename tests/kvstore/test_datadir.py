@@ -1,0 +1,95 @@
+"""Opening a data directory (``kvstore.datadir``): a resolved config, and the targets the
+marker records for openers that name none."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvstore
+
+
+def test_a_store_opens_with_another_stores_resolved_config(tmp_path):
+    """A config that already names the directory's code (``store.config`` of an earlier
+    store) opens the directory's targets too: before, they were never opened (AttributeError)."""
+    from kvstore.store import EmbeddedStore
+
+    with kvstore.connect(str(tmp_path / "d"), fsync=False) as s:
+        assert s.put(b"k" * 16, b"v" * 100)
+        cfg = s.config
+    with EmbeddedStore(cfg) as again:
+        assert again.get(b"k" * 16) == b"v" * 100
+        assert again.check() == []
+
+
+def test_the_directory_records_its_targets_for_openers_that_name_none(tmp_path):
+    """Opened without targets (kvtool, a daemon without KVSTORE_TARGETS), a directory written
+    to configured targets uses the ones its marker records; before, it opened the default
+    t0..tN under the data directory and every entry read as lost. Credentials in a URL are
+    never recorded; targets given explicitly win and are recorded in their turn; the default
+    layout records nothing (the directory may move)."""
+    import json
+
+    from kvstore.config import TargetSpec
+
+    roots = [tmp_path / f"disk{i}" for i in range(6)]
+    specs = ",".join(f"file://{r}#rack{i % 3}" for i, r in enumerate(roots))
+    data = tmp_path / "d"
+    with kvstore.connect(str(data), targets=specs, fsync=False) as s:
+        assert s.put(b"k" * 16, b"v" * 1000)
+        want = s.target_specs
+    marker = json.loads((data / "kvstore.json").read_text())
+    assert [t["url"] for t in marker["targets"]] == [t.url for t in want]
+    with kvstore.connect(str(data), fsync=False) as again:  # no targets named
+        assert again.target_specs == want
+        assert again.get(b"k" * 16) == b"v" * 1000 and again.check() == []
+    assert not (data / "targets").exists()
+    # Credentials never reach the marker.
+    from kvstore.datadir import _targets_record
+    from kvstore.config import StoreConfig
+
+    assert _targets_record(StoreConfig(data_dir=str(data), targets=(TargetSpec("s3://AKIA:s3cr3t@bucket/p"),))) is None
+    # The default layout records nothing.
+    with kvstore.connect(str(tmp_path / "plain"), fsync=False):
+        pass
+    assert "targets" not in json.loads((tmp_path / "plain" / "kvstore.json").read_text())
+
+
+def test_recorded_targets_are_absolute_and_a_moved_set_is_refused_not_lost(tmp_path, monkeypatch, caplog):
+    """Relative target paths are recorded as the store resolved them (not resolved again from
+    the next opener's working directory); recorded roots that are all gone (the directory
+    moved with its disks, disks not mounted) refuse the open instead of marking every entry
+    lost; a hand-edited record that is unusable names the marker; explicit targets that
+    differ from the record are recorded with a warning."""
+    import json
+    import logging
+    import shutil
+
+    from kvstore.errors import IncompatibleFormat, InvalidRequest
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    data = tmp_path / "data"
+    with kvstore.connect(str(data), targets="d0,d1,d2", ec_k=2, ec_m=1, fsync=False) as s:
+        assert s.put(b"k" * 16, b"hello" * 100)
+    rec = json.loads((data / "kvstore.json").read_text())["targets"]
+    assert [t["url"] for t in rec] == [str(tmp_path / "a" / f"d{i}") for i in range(3)]
+    monkeypatch.chdir(tmp_path / "b")
+    with kvstore.connect(str(data), fsync=False) as s:
+        assert s.get(b"k" * 16) == b"hello" * 100
+    # The directory and its disks moved: refused, nothing marked lost.
+    shutil.move(str(tmp_path / "a"), str(tmp_path / "moved"))
+    with pytest.raises(InvalidRequest, match="moved"):
+        kvstore.connect(str(data), fsync=False)
+    targets = ",".join(f"{tmp_path / 'moved' / f'd{i}'}#default#d{i}" for i in range(3))  # same names
+    with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+        with kvstore.connect(str(data), targets=targets, fsync=False) as s:  # named: used and recorded
+            assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
+    assert "differ from those kvstore.json records" in caplog.text
+    with kvstore.connect(str(data), fsync=False) as s:
+        assert s.get(b"k" * 16) == b"hello" * 100
+    doc = json.loads((data / "kvstore.json").read_text())
+    doc["targets"] = [{"url": "", "domain": "x", "name": "t"}]
+    (data / "kvstore.json").write_text(json.dumps(doc))
+    with pytest.raises(IncompatibleFormat, match="kvstore.json"):
+        kvstore.connect(str(data), fsync=False)
