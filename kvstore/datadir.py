@@ -277,8 +277,9 @@ class DataDir:
         doc = {"format_version": DATA_FORMAT_VERSION,
                "created": old.get("created", time.time()) if old else time.time(),
                "ec_type": config.ec_type, "ec_k": config.ec_k, "ec_m": config.ec_m, "index_id": identity.hex()}
-        if _targets_record(config):
-            doc["targets"] = _targets_record(config)
+        recorded = _targets_record(config)
+        if recorded:
+            doc["targets"] = recorded
         fmt = self.data_dir / FORMAT_FILE
         tmp = self.data_dir / f".{FORMAT_FILE}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:

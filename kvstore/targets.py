@@ -27,6 +27,7 @@ creates it.
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
 import re
@@ -87,8 +88,6 @@ def _asking(method):
     """Wrap a ``Target`` operation: a backend error that means "could not ask" becomes
     ``TargetUnreachable`` naming the target (the original chained), and the target is not
     asked again for ``UNREACHABLE_COOLDOWN_S``; other errors pass unchanged."""
-    import functools
-
     @functools.wraps(method)
     def call(self: "Target", *args, **kwargs):
         where = self.name if self.name == self.spec.url else f"{self.name} ({self.spec.url})"
