@@ -30,6 +30,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 from kvstore.errors import InternalError, InvalidRequest
 
@@ -51,12 +52,25 @@ TARGETS_FORM = ("a tuple of TargetSpec, e.g. (TargetSpec('file:///mnt/nvme0/kv',
 log = logging.getLogger(__name__)
 
 
+def strip_userinfo(url: str) -> str:
+    """``url`` without a ``user:password@`` part (``s3://key:secret@bucket/p`` ->
+    ``s3://bucket/p``); anything else unchanged. What names, logs, errors and stats show of
+    a target URL: credentials are never recorded in the index nor printed."""
+    if "://" not in url:
+        return url
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
     """A storage target: an fsspec URL plus a failure-domain label.
 
     ``name`` is the stable id the index records for every fragment placed here;
-    it defaults to the URL, so renaming a mount point means giving the old name.
+    it defaults to the URL without credentials (``strip_userinfo``), so renaming a mount
+    point means giving the old name, and rotating a credential in the URL changes nothing.
     """
 
     url: str
@@ -65,15 +79,19 @@ class TargetSpec:
 
     def __post_init__(self) -> None:
         """Every part a string (``TargetSpec(5)`` is ``InvalidRequest``), the URL non-empty;
-        an empty name becomes the URL."""
+        an empty name becomes the URL; a name never carries ``user:password@``."""
         for part in ("url", "domain", "name"):
             if not isinstance(getattr(self, part), str):
                 raise InvalidRequest(f"a target's {part} must be a string, got {getattr(self, part)!r} "
                                      "(a target is TargetSpec(url, domain='default', name=''))")
         if not self.url:
             raise InvalidRequest("a target needs a non-empty URL")
-        if not self.name:
-            object.__setattr__(self, "name", self.url)
+        object.__setattr__(self, "name", strip_userinfo(self.name or self.url))
+
+    @property
+    def shown_url(self) -> str:
+        """The URL as logs, errors and stats show it: without credentials."""
+        return strip_userinfo(self.url)
 
     @classmethod
     def parse(cls, text: str) -> "TargetSpec":

@@ -84,7 +84,7 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
     if config.targets:
         if _targets_record(config) not in (None, recorded):
             log.warning("the configured targets differ from those %s records; recording them instead: %s",
-                        FORMAT_FILE, ", ".join(f"{t.name}={t.url}" for t in config.targets))
+                        FORMAT_FILE, ", ".join(f"{t.name}={t.shown_url}" for t in config.targets))
         return config
     try:
         specs = tuple(TargetSpec(**t) for t in recorded)

@@ -75,7 +75,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
-from urllib.parse import urlsplit, urlunsplit
 
 from kvstore import codec
 from kvstore.api import Entry, EntryInfo, EntryKind
@@ -115,11 +114,7 @@ def client_url(spec: TargetSpec, target: Target | None) -> str:
     ``user:password@`` part (a client uses its own credentials)."""
     if target is not None and target.local:
         return f"file://{target.root}"
-    parts = urlsplit(spec.url)
-    if "@" in parts.netloc:
-        parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
-        return urlunsplit(parts)
-    return spec.url
+    return spec.shown_url
 
 
 # ----------------------------------------------------------------------------- the client's half

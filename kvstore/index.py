@@ -59,6 +59,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import lmdb
 
+from kvstore.config import strip_userinfo
 from kvstore.errors import CorruptData, IncompatibleFormat, InternalError
 
 INDEX_FORMAT = 1
@@ -179,11 +180,16 @@ class Index:
 
     # ------------------------------------------------------------------ target ids
     def _load_tids(self) -> None:
-        with self.env.begin() as txn:
-            for k, v in txn.cursor(db=self.db["tids"]):
-                i = struct.unpack(">H", k)[0]
-                self._tid[v.decode()] = i
-                self._tname[i] = v.decode()
+        """Load the target table. A name recorded with credentials (an index written before
+        names dropped ``user:password@``, see ``TargetSpec``) is rewritten without them, so
+        its records name the target as configured today and the secret leaves the index."""
+        with self.env.begin(write=True) as txn:
+            for k, v in list(txn.cursor(db=self.db["tids"])):
+                i, name = struct.unpack(">H", k)[0], strip_userinfo(v.decode())
+                if name != v.decode():
+                    txn.put(k, name.encode(), db=self.db["tids"])
+                self._tid.setdefault(name, i)
+                self._tname[i] = name
 
     def _target_id(self, txn: lmdb.Transaction, name: str) -> int:
         i = self._tid.get(name)
@@ -191,7 +197,7 @@ class Index:
             return i
         # Another process may have assigned it since we loaded: re-read inside the write txn.
         for k, v in txn.cursor(db=self.db["tids"]):
-            if v.decode() == name:
+            if strip_userinfo(v.decode()) == name:
                 i = struct.unpack(">H", k)[0]
                 break
         else:
@@ -206,8 +212,8 @@ class Index:
             raw = txn.get(struct.pack(">H", i), db=self.db["tids"])
             if raw is None:
                 raise InternalError(f"index names target id {i} that has no name: this is a bug")
-            name = self._tname[i] = raw.decode()
-            self._tid[name] = i
+            name = self._tname[i] = strip_userinfo(raw.decode())
+            self._tid.setdefault(name, i)
         return name
 
     # ------------------------------------------------------------------ records

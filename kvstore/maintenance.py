@@ -522,7 +522,7 @@ def stats(store: "EmbeddedStore") -> dict:
         "newest_created_s": newest / 1e9 if newest else None,
         "erasure_code": f"{store.config.ec_type} {store.config.ec_k}+{store.config.ec_m}",
         "durable_writes": {"file": "fsync per file", "fs": "syncfs per filesystem"}.get(store._sync_mode(), "off"),
-        "targets": [{"name": t.name, "url": t.url, "domain": t.domain, "up": up[t.name]}
+        "targets": [{"name": t.name, "url": t.shown_url, "domain": t.domain, "up": up[t.name]}
                     for t in specs],
         "failure_domains": n_domains,
         "failure_domain_note": (

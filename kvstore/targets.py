@@ -90,7 +90,8 @@ def _asking(method):
     asked again for ``UNREACHABLE_COOLDOWN_S``; other errors pass unchanged."""
     @functools.wraps(method)
     def call(self: "Target", *args, **kwargs):
-        where = self.name if self.name == self.spec.url else f"{self.name} ({self.spec.url})"
+        shown = self.spec.shown_url
+        where = self.name if self.name == shown else f"{self.name} ({shown})"
         since = time.monotonic() - self._unreachable_at
         if since < UNREACHABLE_COOLDOWN_S:
             raise TargetUnreachable(errno.EHOSTUNREACH, f"target {where} not asked: it could not be reached "
@@ -188,7 +189,7 @@ class Target:
             self.fs, self.root = fsspec.core.url_to_fs(spec.url, **CLIENT_OPTIONS.get(scheme, {}))
         except (ImportError, ValueError) as exc:
             raise InvalidRequest(
-                f"cannot open target {spec.url!r}: {exc} (an s3:// target needs `pip install kvstack[s3]`)"
+                f"cannot open target {spec.shown_url!r}: {exc} (an s3:// target needs `pip install kvstack[s3]`)"
             ) from exc
         self.root = self.root.rstrip("/")
         if scheme in _FS_RETRIES and hasattr(self.fs, "retries"):

@@ -59,7 +59,7 @@ class AdminRPC:
         A tenant's own keys are mapped as ``Get`` maps them, so another tenant's entries
         are "absent" to it. Each view names the key as it was sent. A tenant that is not an
         admin does not see where its fragments are or whether targets are up
-        (``index_view.PLACEMENT_FIELDS``: target names may spell URLs, credentials included,
+        (``index_view.PLACEMENT_FIELDS``: target names may spell bucket and mount paths,
         and a daemon may refuse direct reads), and its call asks no target anything.
         """
         from kvstore.cli import index_view  # the same code kvtool runs on a data directory

@@ -93,3 +93,52 @@ def test_recorded_targets_are_absolute_and_a_moved_set_is_refused_not_lost(tmp_p
     (data / "kvstore.json").write_text(json.dumps(doc))
     with pytest.raises(IncompatibleFormat, match="kvstore.json"):
         kvstore.connect(str(data), fsync=False)
+
+
+def test_credentials_in_target_urls_reach_neither_the_index_nor_stats_nor_errors(tmp_path, caplog):
+    """A target URL with ``user:password@`` is named without it: before, the name defaulted to
+    the URL, so the secret was written into the LMDB index (every record names its targets)
+    and shown by stats and an admin's ``inspect``. An index written that way is scrubbed when
+    opened, and its records still name their targets."""
+    import json
+
+    import lmdb
+
+    from kvstore.config import TargetSpec, strip_userinfo
+
+    secret = "s3cr3tPW"
+    assert TargetSpec(f"s3://AKIA:{secret}@bucket/kv").name == "s3://bucket/kv"
+    assert TargetSpec(f"s3://AKIA:{secret}@bucket/kv", name=f"s3://AKIA:{secret}@bucket/kv").name == "s3://bucket/kv"
+    assert strip_userinfo("/data/a@b") == "/data/a@b" and strip_userinfo("file:///x/a@b") == "file:///x/a@b"
+    urls = [f"memory://AKIA:{secret}@{tmp_path.name}-t{i}/kv" for i in range(6)]
+    data = tmp_path / "d"
+    with kvstore.connect(str(data), targets=",".join(urls), fsync=False) as s:
+        assert s.put(b"k" * 16, b"v" * 5000)
+        stats = s.stats()
+        assert secret not in json.dumps(stats, default=str)
+        assert [t["url"] for t in stats["targets"]] == [strip_userinfo(u) for u in urls]
+        assert all(secret not in n for n in s.targets)
+        # An error naming an unreachable target names it without the secret.
+        t = next(iter(s.targets.values()))
+        t._unreachable_at, t._unreachable_why = __import__("time").monotonic(), "test"
+        with pytest.raises(Exception) as exc:
+            t.read("x")
+        assert secret not in str(exc.value)
+        t._unreachable_at = float("-inf")
+    index_bytes = (data / "index" / "data.mdb").read_bytes()
+    assert secret.encode() not in index_bytes
+    # An index written by the old code (names = credentialed URLs) is scrubbed on open.
+    env = lmdb.open(str(data / "index"), max_dbs=16)
+    tids = env.open_db(b"tids")
+    with env.begin(write=True) as txn:
+        for k, v in list(txn.cursor(db=tids)):
+            txn.put(k, urls[[strip_userinfo(u) for u in urls].index(v.decode())].encode(), db=tids)
+    env.close()
+    with kvstore.connect(str(data), targets=",".join(urls), fsync=False) as again:
+        assert again.get(b"k" * 16) == b"v" * 5000 and again.check() == []
+    env = lmdb.open(str(data / "index"), max_dbs=16)
+    tids = env.open_db(b"tids")
+    with env.begin() as txn:
+        names = [v.decode() for _, v in txn.cursor(db=tids)]
+    env.close()
+    assert len(names) == 6 and all(secret not in n for n in names)
