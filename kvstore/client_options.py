@@ -1,5 +1,5 @@
 """How a client reaches a daemon: ``ClientOptions`` (from ``connect`` overrides and the
-environment), daemon URLs (``parse_address``, ``split_urls``) and the TLS rule
+environment), daemon URLs (``parse_address``, ``split_urls``, ``shard_name``) and the TLS rule
 (``refuse_tls_options``). Used by ``kvstore.remote`` (one daemon), ``kvstore.sharded``
 (several) and ``kvtool``; ``kvstore.remote`` re-exports every name.
 
@@ -38,6 +38,7 @@ non-finite ``timeout_s`` or ``maintenance_timeout_s``.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from dataclasses import dataclass
@@ -141,6 +142,27 @@ def parse_address(url: str) -> tuple[str, bool]:
     if not ok:
         raise InvalidRequest(f"bad daemon URL {url!r}: expected {URL_FORM}")
     return rest, scheme == "grpcs"
+
+
+def shard_name(url: str) -> str:
+    """The name shard placement hashes for the daemon at ``url`` (``kvstore.sharded``): the
+    URL with the spellings of one address made equal (host case, a trailing ``.`` of a
+    host name, leading zeros of the port, the forms of an IPv6 address, a trailing ``/``),
+    so clients that write the same address differently place keys alike. The usual
+    spelling (``grpc://host:port``, lower case) is its own name. Different names of one
+    host (``localhost`` and ``127.0.0.1``, two DNS names) stay different shards: every
+    client must name each daemon by the same host."""
+    addr, tls = parse_address(url)
+    host, _, port = addr.rpartition(":")
+    host = host.lower()
+    if host.startswith("["):
+        try:
+            host = f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
+        except ValueError:
+            pass  # not an address (gRPC refuses it when connecting)
+    elif len(host) > 1:
+        host = host.rstrip(".") or host
+    return f"{'grpcs' if tls else 'grpc'}://{host}:{int(port)}"
 
 
 def split_urls(url: str) -> list[str]:

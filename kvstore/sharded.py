@@ -3,8 +3,9 @@
 ``kvstore.connect("grpc://h1:p1,grpc://h2:p2,grpc://h3:p3")`` returns one.
 
 Placement: a key's owner is the shard with the highest
-``xxh3_64(key || shard URL)`` (rendezvous hashing, as ``kvstore.placement``
-does for fragments). Every client computes the same owner with no shared
+``xxh3_64(key || shard name)`` (rendezvous hashing, as ``kvstore.placement``
+does for fragments), the name being the URL with its spelling made canonical
+(``kvstore.client_options.shard_name``: host case, port zeros, IPv6 forms). Every client computes the same owner with no shared
 state; adding a shard moves only the keys it now wins. A block entry and the
 SWA entry at the same key share an owner (the kind is not hashed), so one
 ``Probe`` answers both for a key.
@@ -54,7 +55,7 @@ from kvstore.api import Entry, EntryInfo, Layout, LookupResult, PutItem
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
-from kvstore.client_options import ClientOptions, parse_address
+from kvstore.client_options import ClientOptions, parse_address, shard_name
 from kvstore.remote import RemoteStore
 from kvstore.server.wire import normalize_item
 
@@ -101,9 +102,10 @@ class ShardedStore:
     """``kvstore.api.KVStore`` over N ``RemoteStore`` shards. Thread-safe."""
 
     def __init__(self, urls: Sequence[str], options: ClientOptions | None = None):
-        if len(set(urls)) != len(urls) or not urls:
-            raise InvalidRequest(f"shard URLs must be distinct and non-empty, got {list(urls)}")
         tls = [parse_address(u)[1] for u in urls]  # every URL checked before any channel is opened
+        names = [shard_name(u) for u in urls]
+        if len(set(names)) != len(names) or not urls:
+            raise InvalidRequest(f"shard URLs must be distinct daemons and non-empty, got {list(urls)}")
         if any(tls):  # TLS options are for the grpcs:// shards; grpc:// ones are plaintext (kvstore.client_options)
             options = replace(options or ClientOptions(), grpcs_in_set=True)
         self.urls = list(urls)
@@ -115,7 +117,7 @@ class ShardedStore:
             for sh in self.shards:  # a shard that failed to open: close the channels already open
                 sh.close()
             raise
-        self._names = [u.encode() for u in self.urls]
+        self._names = [n.encode() for n in names]
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(urls)), thread_name_prefix="kvstore-shard")
 
     # ------------------------------------------------------------------ placement

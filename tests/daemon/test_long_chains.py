@@ -76,6 +76,35 @@ def test_sharded_batch_placement_is_owner_per_key():
         s.close()
 
 
+def test_shard_placement_does_not_depend_on_how_an_address_is_spelled():
+    """Clients naming the same daemons with a different host case, port zeros, IPv6 form or a
+    trailing slash place every key on the same daemon; before, placement hashed the URL as
+    written, so such a client missed (and duplicated) every other client's keys. The usual
+    spelling keeps its placement (names hash as before), and two spellings of one daemon
+    in one list are refused."""
+    import pytest
+    import xxhash
+
+    from kvstore.errors import InvalidRequest
+    from kvstore.sharded import ShardedStore
+
+    plain = ["grpc://kv-a.example:5001", "grpc://127.0.0.1:5002", "grpc://[::1]:5003"]
+    other = ["grpc://KV-A.example.:05001/", "grpc://127.0.0.1:5002/", "grpc://[0:0:0:0:0:0:0:1]:5003"]
+    keys = [os.urandom(16) for _ in range(500)]
+    a, b = ShardedStore(plain), ShardedStore(other)
+    try:
+        assert [a.owner(k) for k in keys] == [b.owner(k) for k in keys]
+        assert len({a.owner(k) for k in keys}) == 3
+        for k in keys[:50]:  # the usual spelling is its own name: placement unchanged
+            scores = [xxhash.xxh3_64_intdigest(k + u.encode()) for u in plain]
+            assert a.owner(k) == scores.index(max(scores))
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(InvalidRequest, match="distinct"):
+        ShardedStore(["grpc://h:1", "grpc://H:0001"])
+
+
 def test_probe_answers_are_checked():
     """A daemon that ignores ``until_miss`` (an older one) answers every key: accepted. An
     answer cut short without ending on a miss, or with unequal strings, is a bug: raised."""
