@@ -3,8 +3,19 @@
 The first line on stdout is ``READY <json>`` with the bound address; workers
 join with ``python -m entrypoint.worker --role ... --entrypoint ADDRESS``.
 A usage error (a bad flag value, an unknown model or policy, a tenant with
-an empty or shared salt or given twice, a store that cannot be opened) is one line on stderr and exit code 2, never a traceback;
-it is found before anything listens.
+an empty or shared salt or given twice, a store that cannot be opened, a bad or
+unreadable worker secret, a non-loopback ``--host`` without one) is one line on
+stderr and exit code 2, never a traceback; it is found before anything listens.
+
+Worker secret (``entrypoint.auth``): ``--worker-secret-file FILE``, else the
+``KVSTACK_WORKER_SECRET`` environment variable; workers must send the same one.
+Without either, the entrypoint serves on loopback only and warns once.
+
+``--max-model-len N``: prompt + ``max_new_tokens`` over N is refused
+(INVALID_ARGUMENT) before any prefill; 0 is no bound. Default: the model
+preset's ``max_model_len`` when it has one, else 0. Set it to what a decode
+worker's pool holds (``--num-blocks`` x ``--block-size``) so that a request no
+pool can hold is refused at once instead of after its prefill.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import threading
 
 import kvstore
 from entrypoint._cli import OneLineParser, fail
+from entrypoint.auth import SECRET_ENV, load_worker_secret
 from entrypoint.server import EntrypointConfig, serve
 from kvstore.api import DTYPES
 from lb.types import LBError
@@ -35,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--worker-timeout-s", type=float, default=3600.0, help="bound on one worker call")
     ap.add_argument("--max-inflight", type=int, default=64, help="requests served at once; more get RESOURCE_EXHAUSTED")
+    ap.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                    help="refuse prompt + max_new_tokens over N before any prefill (0: no bound; default: the "
+                         "model preset's max_model_len if it has one, else 0)")
+    ap.add_argument("--worker-secret-file", default="", metavar="FILE",
+                    help=f"file holding the secret workers must send to Register (default: ${SECRET_ENV}; "
+                         "none: loopback only, with a warning)")
     try:
         a = ap.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2), its one line already printed
@@ -59,10 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         mcfg = model_preset(a.model)
+        # The reference presets have no context length today (RoPE has no position limit): no bound.
+        max_model_len = getattr(mcfg, "max_model_len", 0) if a.max_model_len is None else a.max_model_len
         cfg = EntrypointConfig(namespace=mcfg.namespace(), block_size=a.block_size, tenants=tenants,
                                prefill_policy=a.prefill_policy, max_inflight=a.max_inflight,
                                worker_timeout_s=a.worker_timeout_s,
-                               kv_bytes_per_token=mcfg.d_global * DTYPES[mcfg.dtype])
+                               kv_bytes_per_token=mcfg.d_global * DTYPES[mcfg.dtype],
+                               max_model_len=max_model_len,
+                               worker_secret=load_worker_secret(a.worker_secret_file))
         return serve(cfg, a.store, host=a.host, port=a.port, heartbeat_s=a.heartbeat_s, stop=stop,
                      ready=lambda addr: print("READY " + json.dumps({"address": addr}), flush=True))
     except (kvstore.KVStoreError, LBError, OSError) as exc:

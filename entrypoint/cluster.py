@@ -8,6 +8,12 @@ process and anything it started; nothing outlives the ``Cluster``.
 Each child prints ``READY <json>`` as its first stdout line once it listens;
 ``start`` waits for that line (bounded by ``start_timeout_s``), so a child that
 fails to start is reported with the tail of its log instead of hanging.
+
+Worker secret: each ``Cluster`` makes a random one (``secrets.token_urlsafe``)
+unless given one, and hands it to the entrypoint and to every worker it starts
+in their environment (``KVSTACK_WORKER_SECRET``, never on a command line, where
+``ps`` would show it); the kvstore daemon does not get it. A test that calls
+``Register``/``Deregister`` itself sends ``worker_metadata()``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import atexit
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,6 +34,7 @@ from typing import Callable
 
 import grpc
 
+from entrypoint import auth
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from kvstore.errors import StoreUnavailable
@@ -61,13 +69,14 @@ class Cluster:
     def __init__(self, work_dir: str | Path, *, ve: int = 1, prefill: int = 1, decode: int = 2,
                  model: str = "tiny", block_size: int = 16, store: str = "daemon",
                  worker_args: tuple[str, ...] = (), entrypoint_args: tuple[str, ...] = (),
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, worker_secret: str | None = None):
         self.work_dir = Path(work_dir)
         self.counts = {"ve": ve, "prefill": prefill, "decode": decode}
         self.model, self.block_size, self.store_mode = model, block_size, store
         self.worker_args = worker_args
         self.entrypoint_args = entrypoint_args
         self.start_timeout_s = start_timeout_s
+        self.worker_secret = secrets.token_urlsafe(32) if worker_secret is None else worker_secret
         self.procs: dict[str, Proc] = {}
         self.store_url = ""
         self.entrypoint_address = ""
@@ -75,10 +84,14 @@ class Cluster:
         self._stopped = False  # once stopped, never starts a process again (stop may race a start)
 
     # ------------------------------------------------------------------ processes
-    def _spawn(self, name: str, args: list[str], parse: Callable[[str], dict | None] = None) -> Proc:
+    def _spawn(self, name: str, args: list[str], parse: Callable[[str], dict | None] = None, *,
+               with_secret: bool = True) -> Proc:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.work_dir / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop(auth.SECRET_ENV, None)  # the caller's own secret is not this stack's
+        if with_secret and self.worker_secret:
+            env[auth.SECRET_ENV] = self.worker_secret
         with self._lock:  # started and registered together, so that stop() sees every process
             if self._stopped:
                 raise StoreUnavailable(f"the cluster was stopped; {name} is not started")
@@ -107,7 +120,8 @@ class Cluster:
         data_dir = self.work_dir / "store"
         if self.store_mode == "daemon":
             p = self._spawn("kvstore", ["-m", "kvstore.server.cli", "serve", "--data-dir", str(data_dir),
-                                        "--port", "0", "--log-level", "WARNING"], _ready_kvstore)
+                                        "--port", "0", "--log-level", "WARNING"], _ready_kvstore,
+                            with_secret=False)
             self.store_url = f"grpc://{p.address}"
         else:
             self.store_url = str(data_dir)
@@ -136,6 +150,10 @@ class Cluster:
                     return
                 time.sleep(0.1)
         raise StoreUnavailable(f"only some of {n} workers registered within {timeout_s} s")
+
+    def worker_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata for ``Register``/``Deregister`` on this stack's entrypoint."""
+        return auth.metadata(self.worker_secret)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         p = self.procs[name]

@@ -3,10 +3,14 @@
 ``Generate`` (see ``proto/serving.proto``) takes one request through the
 hops, emitting a "hop" event for each so a client can draw the timeline:
 
+  0. parse: request bytes that are not a ``GenerateRequest`` are
+     INVALID_ARGUMENT (``entrypoint.rpc``; so for every method here);
   1. validate (non-empty prompt, image spans inside the prompt and not
      overlapping, an ``image_hash`` that is the content hash of the
-     ``image_data`` sent, known tenant, a finite temperature >= 0): misuse is
-     INVALID_ARGUMENT before any hop;
+     ``image_data`` sent, known tenant, a finite temperature >= 0, prompt +
+     ``max_new_tokens`` within ``max_model_len`` when that is set): misuse is
+     INVALID_ARGUMENT before any hop, so a request that could never be decoded
+     costs no prefill;
   2. ``ve``: each image goes to a vision-encoder worker picked by the VE LB
      (image-hash affinity vs load); its tokens are spliced into the prompt.
      The VE cache is shared by all tenants, so the call carries the tenant's
@@ -31,6 +35,10 @@ identical stream. A non-retryable status (INVALID_ARGUMENT, FAILED_PRECONDITION,
 RESOURCE_EXHAUSTED, ...) from any hop is the request's, not the worker's: it is
 returned to the client and the worker stays up.
 
+Membership: ``Register`` and ``Deregister`` need the worker secret when one is
+configured (``entrypoint.auth``: UNAUTHENTICATED otherwise, and nothing
+changes); ``ListWorkers`` is open.
+
 Cancellation: a client that goes away cancels the in-flight worker call.
 Deadlines: worker calls get the client's remaining time. Backpressure: at most
 ``max_inflight`` requests at once; more get RESOURCE_EXHAUSTED.
@@ -51,9 +59,11 @@ from typing import Any, Callable, Iterator
 import grpc
 
 import kvstore
+from entrypoint.auth import WorkerAuth, check_listen, check_secret
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import Instance, Registry
+from entrypoint.rpc import make_server
 from entrypoint.vision import SCOPE_METADATA, check_image_hash, tenant_scope
 from kvstore.keys import BlockHasher, ImageSpan, Namespace
 from lb.cost_model import load_default
@@ -79,11 +89,16 @@ class EntrypointConfig:
     worker_timeout_s: float = 3600.0  # per worker call; a 100k-token cold prefill on a CPU takes minutes
     default_max_new_tokens: int = 16
     kv_bytes_per_token: float = 0.0  # the served model's global KV per token (0: the LB cost model's own)
+    # Bound on prompt + max_new_tokens of one request (0: none). A request over it could never be
+    # decoded (no pool holds it), so it is refused before its prefill, not after.
+    max_model_len: int = 0
+    # Shared secret of the membership calls ("": none; see entrypoint.auth). Not in repr: logs.
+    worker_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         """Checked here, before anything is started (``InvalidRequest`` naming the field)."""
         for name, low in (("block_size", 1), ("max_attempts", 1), ("max_inflight", 1),
-                          ("default_max_new_tokens", 1)):
+                          ("default_max_new_tokens", 1), ("max_model_len", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise kvstore.InvalidRequest(f"EntrypointConfig.{name} must be an int >= {low}, got {v!r}")
@@ -92,6 +107,10 @@ class EntrypointConfig:
         if not (math.isfinite(self.kv_bytes_per_token) and self.kv_bytes_per_token >= 0):
             raise kvstore.InvalidRequest(f"kv_bytes_per_token must be a finite number >= 0, "
                                          f"got {self.kv_bytes_per_token!r}")
+        if not isinstance(self.worker_secret, str):
+            raise kvstore.InvalidRequest(f"worker_secret must be a str, got {type(self.worker_secret).__name__}")
+        if self.worker_secret:
+            check_secret(self.worker_secret, "EntrypointConfig.worker_secret")
         # Tenants are isolated only by their salt (it enters every block key): an empty salt
         # shares every key with ``default``, and two tenants with one salt share each other's.
         seen: dict[bytes, str] = {}
@@ -128,9 +147,11 @@ class EntrypointService(pbg.EntrypointServicer):
         self.ve_lb = get_policy(cfg.ve_policy, models, kind="ve")
         self._slots = threading.BoundedSemaphore(cfg.max_inflight)
         self._lock = threading.Lock()
+        self.auth = WorkerAuth(cfg.worker_secret)
 
     # ------------------------------------------------------------------ membership RPCs
     def Register(self, request, context):
+        self.auth.check(context, f"Register of worker {request.worker_id!r}")  # before any change
         try:
             self.registry.add(request.worker_id, request.role, request.address)
         except kvstore.InvalidRequest as exc:
@@ -138,6 +159,7 @@ class EntrypointService(pbg.EntrypointServicer):
         return pb.RegisterReply(ok=True, message=f"{request.worker_id} registered")
 
     def Deregister(self, request, context):
+        self.auth.check(context, f"Deregister of worker {request.worker_id!r}")
         ok = self.registry.remove(request.worker_id)
         return pb.RegisterReply(ok=ok, message="removed" if ok else "unknown worker")
 
@@ -161,7 +183,8 @@ class EntrypointService(pbg.EntrypointServicer):
         rem = context.time_remaining()
         return self.cfg.worker_timeout_s if rem is None else max(0.001, min(rem, self.cfg.worker_timeout_s))
 
-    def _validate(self, request) -> tuple[bytes, list[ImageSpan]]:
+    def _validate(self, request) -> tuple[bytes, list[ImageSpan], int]:
+        """Step 1: (tenant salt, image spans, max_new_tokens), or ``Abort`` with INVALID_ARGUMENT."""
         toks = request.token_ids
         if not toks:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: send at least one token id")
@@ -172,6 +195,13 @@ class EntrypointService(pbg.EntrypointServicer):
         if not math.isfinite(temp) or temp < 0:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"temperature must be a finite number >= 0 (0 = greedy), got {temp!r}")
+        max_new = request.sampling.max_new_tokens or self.cfg.default_max_new_tokens
+        bound = self.cfg.max_model_len
+        if bound and len(toks) + max_new > bound:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"prompt ({len(toks)} tokens) + max_new_tokens ({max_new}) = {len(toks) + max_new} "
+                        f"exceeds max_model_len {bound}: shorten the prompt or ask for at most "
+                        f"{max(0, bound - len(toks))} new tokens")
         spans = []
         for img in request.images:
             if not img.image_hash or img.length == 0 or img.start + img.length > len(toks):
@@ -190,7 +220,7 @@ class EntrypointService(pbg.EntrypointServicer):
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"image spans [{a.start}, {a.start + a.length}) and [{b.start}, {b.start + b.length}) "
                             "overlap: each prompt position may hold at most one image's tokens")
-        return salt, spans
+        return salt, spans, max_new
 
     def _generate(self, request, context) -> Iterator[pb.GenerateEvent]:
         t0 = time.perf_counter()
@@ -201,9 +231,8 @@ class EntrypointService(pbg.EntrypointServicer):
             detail["hop"] = name
             return pb.GenerateEvent(kind="hop", detail=json.dumps(detail), t_ms=ms())
 
-        salt, spans = self._validate(request)
+        salt, spans, max_new = self._validate(request)
         scope = ((SCOPE_METADATA, tenant_scope(request.tenant or "default", salt)),)
-        max_new = request.sampling.max_new_tokens or self.cfg.default_max_new_tokens
         sampling = pb.Sampling(max_new_tokens=max_new, temperature=request.sampling.temperature,
                                seed=request.sampling.seed)
         prompt = list(request.token_ids)
@@ -354,24 +383,21 @@ def serve(cfg: EntrypointConfig, store_url: str, *, host: str = "127.0.0.1", por
           stop: threading.Event | None = None) -> int:
     """Run the entrypoint until ``stop`` is set (or forever). Calls ``ready(address)`` once listening.
 
-    A failure while starting (a bad policy, a port that cannot be bound) raises after
-    closing what was already opened (the store)."""
+    A ``host`` beyond loopback without ``cfg.worker_secret`` is refused before anything is
+    opened (``entrypoint.auth.check_listen``). A failure while starting (a bad policy, a port
+    that cannot be bound) raises after closing what was already opened (the store)."""
     from concurrent import futures
 
     if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
         raise kvstore.InvalidRequest(f"heartbeat_s must be a finite number > 0, got {heartbeat_s!r}")
+    check_listen(host, cfg.worker_secret)
     store = kvstore.connect(store_url)
     registry = Registry(heartbeat_s=heartbeat_s)
     server = None
     try:
         service = EntrypointService(cfg, store, registry)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_inflight + 8),
-                             options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
-        pbg.add_EntrypointServicer_to_server(service, server)
-        bound = server.add_insecure_port(f"{host}:{port}")
-        if bound == 0:
-            raise kvstore.InvalidRequest(f"cannot bind {host}:{port}")
+        server, bound = make_server(futures.ThreadPoolExecutor(max_workers=cfg.max_inflight + 8),
+                                    [(service, pb.DESCRIPTOR.services_by_name["Entrypoint"])], host, port)
         server.start()
         registry.start()
         if ready is not None:

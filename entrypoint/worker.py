@@ -31,10 +31,16 @@ the next request starts from a clean engine; if even that fails the worker
 reports itself down (``Status`` answers UNAVAILABLE) rather than failing every
 request while looking healthy.
 
+Request bytes that do not parse as the method's message are INVALID_ARGUMENT
+before any handler runs (``entrypoint.rpc``).
+
 Run: ``python -m entrypoint.worker --role decode --store ./kvstack-data``;
-the first line on stdout is ``READY <json>`` with the bound address. A usage
-error (bad flag, unknown model, an entrypoint that cannot be reached) is one
-line on stderr and a non-zero exit, never a traceback.
+the first line on stdout is ``READY <json>`` with the bound address. With
+``--entrypoint``, the worker registers there, sending the worker secret
+(``--worker-secret-file FILE``, else ``KVSTACK_WORKER_SECRET``; see
+``entrypoint.auth``). A usage error (bad flag, unknown model, a bad or
+refused worker secret) is one line on stderr and exit code 2, an entrypoint
+that cannot be reached one line and exit code 1; never a traceback.
 """
 
 from __future__ import annotations
@@ -48,15 +54,17 @@ import threading
 import time
 import uuid
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 import kvstore
+from entrypoint import auth
 from entrypoint._cli import OneLineParser, fail
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
+from entrypoint.rpc import make_server
 from entrypoint.vision import SCOPE_METADATA, EncoderCache, VisionEncoder, check_image_hash
 from kvstore.errors import InvalidRequest, StoreUnavailable
 from kvstore.keys import ImageSpan
@@ -78,6 +86,7 @@ class WorkerConfig:
     num_blocks: int = 1024
     host_capacity_bytes: int = 64 * 1024 * 1024
     entrypoint: str = ""  # address to register with ("" = the entrypoint is told by whoever started us)
+    worker_secret: str = field(default="", repr=False)  # sent with Register (entrypoint.auth); not in logs
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -88,6 +97,8 @@ class WorkerConfig:
                 raise InvalidRequest(f"WorkerConfig.{name} must be an int >= {low}, got {v!r}")
         if self.port > 65535:
             raise InvalidRequest(f"WorkerConfig.port must be <= 65535, got {self.port}")
+        if self.worker_secret:
+            auth.check_secret(self.worker_secret, "WorkerConfig.worker_secret")
 
 
 class _Handle:
@@ -357,12 +368,18 @@ def build(cfg: WorkerConfig) -> tuple[WorkerService, Any]:
     return WorkerService(cfg, runner, None), (runner, conn, store)
 
 
-def _register(entrypoint: str, info: pb.WorkerInfo) -> None:
-    """Register with the entrypoint; a failure is one typed error that says what to do."""
+def _register(entrypoint: str, info: pb.WorkerInfo, secret: str = "") -> None:
+    """Register with the entrypoint, sending ``secret`` (if any); a failure is one typed error
+    that says what to do."""
     try:
         with grpc.insecure_channel(entrypoint) as ch:
-            pbg.EntrypointStub(ch).Register(info, timeout=10)
+            pbg.EntrypointStub(ch).Register(info, timeout=10, metadata=auth.metadata(secret))
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            given = "a different worker secret" if secret else "no worker secret"
+            raise InvalidRequest(f"the entrypoint at {entrypoint} refused the registration: this worker sent "
+                                 f"{given}; give it the entrypoint's ({auth.SECRET_ENV} or "
+                                 "--worker-secret-file)") from None
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             raise InvalidRequest(f"the entrypoint at {entrypoint} refused the registration: "
                                  f"{exc.details()}") from None
@@ -382,21 +399,18 @@ def serve(cfg: WorkerConfig, *, ready_out=sys.stdout) -> int:
     """Serve until SIGTERM/SIGINT. A start-up failure (a port that cannot be bound, an entrypoint
     that cannot be reached or refuses us) raises a ``KVStoreError`` after closing what was opened."""
     svc, closables = build(cfg)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
-                         options=[("grpc.max_receive_message_length", 64 << 20),
-                                  ("grpc.max_send_message_length", 64 << 20)])
+    server = None
     try:
-        pbg.add_WorkerServicer_to_server(svc, server)
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        if port == 0:
-            raise InvalidRequest(f"cannot bind {cfg.host}:{cfg.port}")
+        server, port = make_server(futures.ThreadPoolExecutor(max_workers=16),
+                                   [(svc, pb.DESCRIPTOR.services_by_name["Worker"])], cfg.host, cfg.port)
         server.start()
         address = f"{cfg.host}:{port}"
         info = pb.WorkerInfo(worker_id=cfg.worker_id, role=cfg.role, address=address)
         if cfg.entrypoint:
-            _register(cfg.entrypoint, info)
+            _register(cfg.entrypoint, info, cfg.worker_secret)
     except BaseException:
-        server.stop(grace=0).wait()
+        if server is not None:
+            server.stop(grace=0).wait()
         _close(closables)
         raise
     print("READY " + json.dumps({"worker_id": cfg.worker_id, "role": cfg.role, "address": address}),
@@ -421,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--entrypoint", default="", help="entrypoint address to register with")
+    ap.add_argument("--worker-secret-file", default="", metavar="FILE",
+                    help=f"file holding the entrypoint's worker secret, sent with Register "
+                         f"(default: ${auth.SECRET_ENV})")
     try:
         a = ap.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2), its one line already printed
@@ -429,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = WorkerConfig(role=a.role, worker_id=a.id or f"{a.role}-{uuid.uuid4().hex[:6]}", host=a.host,
                            port=a.port, store_url=a.store, model_preset=a.model, block_size=a.block_size,
-                           num_blocks=a.num_blocks, entrypoint=a.entrypoint)
+                           num_blocks=a.num_blocks, entrypoint=a.entrypoint,
+                           worker_secret=auth.load_worker_secret(a.worker_secret_file))
         return serve(cfg)
     except StoreUnavailable as exc:  # not a usage error: the same command may work later
         return fail(ap.prog, exc, code=1)

@@ -121,7 +121,10 @@ def walkthrough(args: argparse.Namespace) -> int:
          f"work directory: {run_dir}")
     _say("starting the kvstore daemon, 1 vision encoder, 1 prefill and 2 decode workers, the entrypoint ...")
     cluster = Cluster(run_dir, ve=1, prefill=1, decode=2, model=args.model, block_size=args.block_size,
-                      store="daemon", entrypoint_args=("--tenant", f"{COLD_TENANT}=walkthrough-cold-salt"),
+                      store="daemon", entrypoint_args=("--tenant", f"{COLD_TENANT}=walkthrough-cold-salt",
+                                                       # what one engine's pool holds: a longer request is
+                                                       # refused before its prefill
+                                                       "--max-model-len", str(args.num_blocks * args.block_size)),
                       worker_args=("--num-blocks", str(args.num_blocks)))
 
     def on_signal(signum, _frame):

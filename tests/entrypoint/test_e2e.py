@@ -177,17 +177,52 @@ def test_deadline_and_cancellation_leave_the_service_healthy(cluster):
     assert toks == cold_tokens(prompt, 6)
 
 
+def _live_workers(cl) -> dict[str, str]:
+    return {w.worker_id: w.address for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers}
+
+
 def test_workers_join_and_leave_at_run_time(cluster):
     cl = cluster.client()
+    md = cluster.worker_metadata()
     info = next(w for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers if w.role == "decode")
-    assert cl.stub.Deregister(info, timeout=10).ok
+    # Without the stack's worker secret, no process can remove a worker or re-point it at itself.
+    forged = pb.WorkerInfo(worker_id=info.worker_id, role="decode", address="127.0.0.1:9")
+    for call, msg in ((cl.stub.Deregister, info), (cl.stub.Register, forged)):
+        with pytest.raises(grpc.RpcError) as ei:
+            call(msg, timeout=10)
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert _live_workers(cl)[info.worker_id] == info.address
+    assert cl.stub.Deregister(info, timeout=10, metadata=md).ok
     assert info.worker_id not in {w.worker_id for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers}
     prompt = _prompt(6, 70)
     toks, hops, _ = cl.generate(prompt, max_new_tokens=6)  # served by the decode worker that is left
     assert toks == cold_tokens(prompt, 6)
     assert all(h["worker"] != info.worker_id for h in hops if h["hop"] == "decode_start")
-    assert cl.stub.Register(info, timeout=10).ok
+    assert cl.stub.Register(info, timeout=10, metadata=md).ok
     assert info.worker_id in {w.worker_id for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers}
+
+
+@pytest.mark.parametrize("service, method", [
+    (s, m.name) for s in ("Entrypoint", "Worker") for m in pb.DESCRIPTOR.services_by_name[s].methods])
+@pytest.mark.parametrize("raw", [b"\xff", b"\x0a\x05ab"], ids=["bad_tag", "truncated"])
+def test_undecodable_request_bytes_are_invalid_argument_on_every_method(cluster, service, method, raw):
+    """Before: gRPC's own INTERNAL "Exception deserializing request!" (read as a server bug, and as
+    a retryable worker failure by the entrypoint's failover)."""
+    m = pb.DESCRIPTOR.services_by_name[service].methods_by_name[method]
+    if service == "Entrypoint":
+        address = cluster.entrypoint_address
+    else:
+        address = cluster.procs["ve-0"].address
+    with grpc.insecure_channel(address) as ch:
+        path = f"/{m.containing_service.full_name}/{m.name}"
+        call = (ch.unary_stream if m.server_streaming else ch.unary_unary)(
+            path, request_serializer=None, response_deserializer=None)  # raw bytes both ways
+        with pytest.raises(grpc.RpcError) as ei:
+            res = call(raw, timeout=10, metadata=cluster.worker_metadata())
+            list(res) if m.server_streaming else res
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
+    assert f"malformed {method} request" in ei.value.details()
+    assert m.input_type.full_name in ei.value.details()
 
 
 def test_backpressure_answers_resource_exhausted(tmp_path):
@@ -229,7 +264,7 @@ def test_a_non_retryable_decode_error_reaches_the_client_without_failover(tmp_pa
         with Cluster(tmp_path, ve=0, prefill=1, decode=0, model=MODEL, store="embedded") as c:
             cl = c.client()
             info = pb.WorkerInfo(worker_id="fake-decode", role="decode", address=f"127.0.0.1:{port}")
-            assert cl.stub.Register(info, timeout=10).ok
+            assert cl.stub.Register(info, timeout=10, metadata=c.worker_metadata()).ok
             deadline = time.monotonic() + 30
             while "fake-decode" not in {w.worker_id for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers}:
                 assert time.monotonic() < deadline, "the fake decode worker never became ready"

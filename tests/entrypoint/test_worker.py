@@ -132,6 +132,9 @@ def _one_line_error(res, prog, *needles, code=2):
     (["--tenant", "a="], ["'a'", "empty salt"]),
     (["--tenant", "a=s", "--tenant", "b=s"], ["'a'", "'b'", "same salt"]),
     (["--tenant", "a=s1", "--tenant", "a=s2"], ["'a'", "given twice"]),
+    (["--max-model-len", "-1"], ["max_model_len", "got -1"]),
+    (["--host", "0.0.0.0"], ["0.0.0.0", "no worker secret", "KVSTACK_WORKER_SECRET"]),
+    (["--worker-secret-file", "no-such-file"], ["cannot read --worker-secret-file no-such-file"]),
 ])
 def test_entrypoint_usage_errors_are_one_line(tmp_path, args, needles):
     res = _run(["-m", "entrypoint", "--store", str(tmp_path / "store"), *args], tmp_path)
@@ -150,6 +153,7 @@ def test_worker_with_an_unreachable_entrypoint_says_so_in_one_line(tmp_path):
     (["--role", "decode", "--num-blocks", "0"], ["num_blocks"]),
     (["--role", "prefill", "--model", "nope"], ["unknown model preset"]),
     (["--role", "nope"], ["--role"]),
+    (["--role", "prefill", "--worker-secret-file", "no-such-file"], ["cannot read --worker-secret-file"]),
 ])
 def test_worker_usage_errors_are_one_line(tmp_path, args, needles):
     res = _run(["-m", "entrypoint.worker", "--store", str(tmp_path / "store"), *args], tmp_path)

@@ -1,0 +1,198 @@
+"""The entrypoint service in process, with fake workers (no engine, no subprocess): the worker
+secret on the membership calls, and the ``max_model_len`` bound checked before any prefill."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+import kvstore
+from engine_plugin.reference import model_preset
+from entrypoint import auth
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.proto import serving_pb2_grpc as pbg
+from entrypoint.registry import Registry
+from entrypoint.rpc import make_server
+from entrypoint.server import EntrypointConfig, EntrypointService, serve
+
+SECRET = "s3cret-for-the-tests-0123456789"
+FIRST_TOKEN = 7
+
+
+class FakeWorker(pbg.WorkerServicer):
+    """Answers Status for ``role``; Prefill replies FIRST_TOKEN; Decode streams 1, 2, 3, ..."""
+
+    def __init__(self, worker_id: str, role: str):
+        self.worker_id, self.role = worker_id, role
+        self.prefills: list[int] = []  # prompt lengths of the Prefill calls
+
+    def Status(self, request, context):
+        return pb.WorkerStatus(worker_id=self.worker_id, role=self.role, kv_capacity_bytes=1 << 30)
+
+    def Prefill(self, request, context):
+        self.prefills.append(len(request.token_ids))
+        return pb.PrefillReply(first_token=FIRST_TOKEN, stats="{}")
+
+    def Decode(self, request, context):
+        for i in range(len(request.generated), request.sampling.max_new_tokens):
+            yield pb.DecodeEvent(token_id=i, index=i)
+
+
+@pytest.fixture
+def stack(tmp_path):
+    """``start(**EntrypointConfig fields)`` -> (service, channel, {role: (fake, address)}, address)."""
+    opened: list = []
+
+    def start(**cfg_kw):
+        fakes = {}
+        for role in ("prefill", "decode"):
+            fake = FakeWorker(f"fake-{role}", role)
+            server, port = make_server(ThreadPoolExecutor(4), [(fake, pb.DESCRIPTOR.services_by_name["Worker"])],
+                                       "127.0.0.1", 0)
+            server.start()
+            opened.append(server.stop)
+            fakes[role] = (fake, f"127.0.0.1:{port}")
+        cfg = EntrypointConfig(namespace=model_preset("tiny").namespace(), **cfg_kw)
+        store = kvstore.connect(str(tmp_path / "store"))
+        registry = Registry()
+        svc = EntrypointService(cfg, store, registry)
+        server, port = make_server(ThreadPoolExecutor(8), [(svc, pb.DESCRIPTOR.services_by_name["Entrypoint"])],
+                                   "127.0.0.1", 0)
+        server.start()
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        opened.extend([server.stop, lambda _: ch.close(), lambda _: registry.stop(), lambda _: store.close()])
+        return svc, ch, fakes, f"127.0.0.1:{port}"
+
+    yield start
+    for close in opened:
+        close(None)
+
+
+def _addresses(svc) -> dict[str, str]:
+    return {i.worker_id: i.address for i in svc.registry.instances()}
+
+
+# ----------------------------------------------------------------------------- worker secret
+
+
+def test_membership_calls_need_the_worker_secret_and_a_refusal_changes_nothing(stack):
+    svc, ch, fakes, _ = stack(worker_secret=SECRET)
+    stub = pbg.EntrypointStub(ch)
+    real = pb.WorkerInfo(worker_id="decode-0", role="decode", address=fakes["decode"][1])
+    evil = pb.WorkerInfo(worker_id="decode-0", role="decode", address="127.0.0.1:9")
+    good, bad = auth.metadata(SECRET), auth.metadata("not-the-secret-but-long-enough")
+    for md in ((), bad, (("authorization", SECRET),)):  # no secret, a wrong one, not as a bearer token
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Register(real, timeout=10, metadata=md)
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED and "worker secret" in ei.value.details()
+    assert _addresses(svc) == {}  # before: registered by anyone
+    assert stub.Register(real, timeout=10, metadata=good).ok
+    # Another process cannot re-point the worker id at itself, nor remove it.
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Register(evil, timeout=10, metadata=bad)
+    assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Deregister(real, timeout=10)
+    assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert _addresses(svc) == {"decode-0": fakes["decode"][1]}
+    assert [w.worker_id for w in stub.ListWorkers(pb.Empty(), timeout=10).workers] == ["decode-0"]  # open
+    # The legitimate worker, restarted elsewhere after a failover, re-registers under its id.
+    moved = pb.WorkerInfo(worker_id="decode-0", role="decode", address=fakes["prefill"][1])
+    assert stub.Register(moved, timeout=10, metadata=good).ok
+    assert _addresses(svc) == {"decode-0": fakes["prefill"][1]}
+    assert stub.Deregister(moved, timeout=10, metadata=good).ok and _addresses(svc) == {}
+
+
+def test_worker_register_sends_its_secret_and_says_what_to_fix_when_refused(stack):
+    from entrypoint.worker import _register
+
+    svc, _, fakes, entry = stack(worker_secret=SECRET)
+    info = pb.WorkerInfo(worker_id="prefill-0", role="prefill", address=fakes["prefill"][1])
+    for given in ("", "not-the-secret-but-long-enough"):
+        with pytest.raises(kvstore.InvalidRequest, match="refused the registration.*KVSTACK_WORKER_SECRET"):
+            _register(entry, info, given)
+    assert _addresses(svc) == {}
+    _register(entry, info, SECRET)
+    assert _addresses(svc) == {"prefill-0": fakes["prefill"][1]}
+
+
+def test_without_a_secret_loopback_serves_with_one_warning_and_other_hosts_refuse(tmp_path, caplog):
+    cfg = EntrypointConfig(namespace=model_preset("tiny").namespace())
+    with pytest.raises(kvstore.InvalidRequest, match="beyond loopback.*KVSTACK_WORKER_SECRET"):
+        serve(cfg, str(tmp_path / "refused"), host="0.0.0.0")
+    assert not (tmp_path / "refused").exists()  # refused before the store was opened
+    stop, ready = threading.Event(), []
+    caplog.set_level(logging.WARNING, logger="entrypoint")
+    t = threading.Thread(target=serve, args=(cfg, str(tmp_path / "store")),
+                         kwargs=dict(host="127.0.0.1", stop=stop, ready=ready.append), daemon=True)
+    t.start()
+    try:
+        for _ in range(200):
+            if ready:
+                break
+            stop.wait(0.05)
+        with grpc.insecure_channel(ready[0]) as ch:
+            stub = pbg.EntrypointStub(ch)
+            for i in range(2):
+                assert stub.Register(pb.WorkerInfo(worker_id=f"w{i}", role="ve", address="127.0.0.1:9"),
+                                     timeout=10).ok
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    warnings = [r for r in caplog.records if "no worker secret" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("short", "KVSTACK_WORKER_SECRET must be 16"),
+    ("with a space in the secret", "printable ASCII"),
+])
+def test_bad_secrets_are_refused_naming_their_source(value, needle):
+    with pytest.raises(kvstore.InvalidRequest, match=needle):
+        auth.load_worker_secret("", {"KVSTACK_WORKER_SECRET": value})
+
+
+def test_the_secret_file_wins_over_the_environment_and_is_never_in_a_repr(tmp_path):
+    f = tmp_path / "secret"
+    f.write_text(SECRET + "\n")
+    assert auth.load_worker_secret(str(f), {"KVSTACK_WORKER_SECRET": "from-the-environment-123"}) == SECRET
+    assert auth.load_worker_secret("", {"KVSTACK_WORKER_SECRET": "from-the-environment-123"}) \
+        == "from-the-environment-123"
+    assert auth.load_worker_secret("", {}) == ""
+    with pytest.raises(kvstore.InvalidRequest, match="cannot read --worker-secret-file"):
+        auth.load_worker_secret(str(tmp_path / "missing"), {})
+    cfg = EntrypointConfig(namespace=model_preset("tiny").namespace(), worker_secret=SECRET)
+    assert SECRET not in repr(cfg)
+
+
+# ----------------------------------------------------------------------------- max_model_len
+
+
+def test_a_request_over_max_model_len_is_refused_before_any_prefill(stack):
+    svc, ch, fakes, _ = stack(max_model_len=64)
+    for role, (fake, address) in fakes.items():
+        svc.registry.add(fake.worker_id, role, address)
+    stub = pbg.EntrypointStub(ch)
+    prompt = list(range(1, 61))
+    for max_new, needle in ((5, "prompt (60 tokens) + max_new_tokens (5) = 65 exceeds max_model_len 64"),
+                            (0, "max_new_tokens (16) = 76")):  # 0: the default, 16
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=pb.Sampling(max_new_tokens=max_new)),
+                               timeout=30))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in ei.value.details()
+        assert "at most 4 new tokens" in ei.value.details()
+    assert fakes["prefill"][0].prefills == []  # before: prefilled, then RESOURCE_EXHAUSTED at decode
+    events = list(stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=pb.Sampling(max_new_tokens=4)),
+                                timeout=30))
+    assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2, 3]
+    assert fakes["prefill"][0].prefills == [60]
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5])
+def test_max_model_len_must_be_an_int_of_at_least_zero(value):
+    with pytest.raises(kvstore.InvalidRequest, match="max_model_len"):
+        EntrypointConfig(namespace=model_preset("tiny").namespace(), max_model_len=value)
