@@ -314,6 +314,13 @@ class Daemon(DirectRPC, AdminRPC):
             code = "CANCELLED"
             raise
         except Exception as exc:  # noqa: BLE001 - anything untyped is a bug; say so
+            if isinstance(exc, grpc.RpcError) and not context.is_active():
+                # Reading a request stream raises it when the client went away mid-call
+                # (cancelled, timed out, died): nothing was applied (PutStream parses every
+                # message first) and nobody is left to answer; not a bug.
+                code = "CANCELLED"
+                log.info("%s: the client went away before sending its whole request; nothing applied", name)
+                context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the call")
             log.exception("%s failed", name)
             code = "INTERNAL"
             status, md = status_of(InternalError(str(exc)))

@@ -116,3 +116,44 @@ def test_put_stream_bad_item_or_too_many_items_store_nothing(make_daemon) -> Non
         assert s.get_many([K(i) for i in range(9)]) == [None] * 9  # ... the client learns its limit and splits
         assert s.put_many([PutItem(K(i), b"v") for i in range(8)]) == [True] * 8
         assert s.check() == []
+
+
+def test_a_client_gone_mid_put_stream_is_not_logged_as_a_daemon_bug(make_daemon, caplog) -> None:
+    """A client that cancels (or dies) while sending a PutStream: the daemon stores nothing of
+    it and logs the call as cancelled; before, "PutStream failed" was logged as an ERROR with a
+    traceback and counted INTERNAL, as if the daemon had a bug."""
+    import logging
+    import threading
+    import time
+
+    d = make_daemon()
+    ch = grpc.insecure_channel(d.address.split("://")[1])
+    call = ch.stream_unary("/kvstore.v1.KVStore/PutStream")
+    sent, release = threading.Event(), threading.Event()
+
+    def msgs():
+        yield pb.PutRequest(key=K(1), value=b"v").SerializeToString()
+        sent.set()
+        release.wait(10)  # the call is cancelled while the daemon waits for the next message
+
+    caplog.set_level(logging.INFO, logger="kvstore")
+    fut = call.future(msgs(), timeout=10)
+    assert sent.wait(10)
+    time.sleep(0.3)
+    fut.cancel()
+    release.set()
+    ch.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and 'code="CANCELLED"' not in _metric_lines(d, "PutStream"):
+        time.sleep(0.05)
+    assert 'code="CANCELLED"' in _metric_lines(d, "PutStream")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    with kvstore.connect(d.address) as s:
+        assert s.stats()["entries"] == 0
+
+
+def _metric_lines(d, method: str) -> str:
+    from prometheus_client import generate_latest
+
+    return "\n".join(line for line in generate_latest(d.metrics.registry).decode().splitlines()
+                     if f'method="{method}"' in line and "requests_total" in line)
