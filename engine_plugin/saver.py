@@ -24,14 +24,21 @@ Guarantees:
      nobody reads would make every later ``flush`` wait forever). ``submit``
      after ``close`` raises ``StoreClosed``; ``flush`` after it returns at once
      (``close`` drained everything).
+  7. A process that ends without ``close`` loses no queued save: at interpreter
+     exit the queue is flushed (up to ``EXIT_FLUSH_S``) *before* ``concurrent.futures``
+     stops taking work, which the store calls need (``_flush_at_exit``). Before,
+     the saves still queued then failed with "cannot schedule new futures" and
+     were silently missing from the store.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from engine_plugin.tiers import Metrics, StoreGateway
@@ -39,6 +46,30 @@ from kvstore.api import PutItem
 from kvstore.errors import StoreClosed
 
 log = logging.getLogger(__name__)
+
+EXIT_FLUSH_S = 60.0  # how long interpreter exit waits for queued saves (guarantee 7)
+
+
+def _flush_at_exit(q: "SaveQueue") -> None:
+    """Register guarantee 7's exit hook for ``q`` (held weakly: a queue that is gone or
+    closed costs nothing at exit). ``threading``'s exit hooks run before the non-daemon
+    threads are joined and in reverse order of registration, so this one runs before
+    ``concurrent.futures``' own hook (registered when it was imported) refuses new work;
+    ``atexit`` hooks run only after that, too late. ``threading._register_atexit`` is
+    the hook ``concurrent.futures`` itself uses; without it (another Python) ``atexit``
+    is the fallback, which still waits for the saves already handed to the store."""
+    ref = weakref.ref(q)
+
+    def flush() -> None:
+        sq = ref()
+        if sq is not None and not sq._closed and not sq.flush(EXIT_FLUSH_S):
+            log.warning("exit: saves still queued after %.0f s were not written", EXIT_FLUSH_S)
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        (register or atexit.register)(flush)
+    except RuntimeError:  # created while the interpreter is already exiting: nothing to hook into
+        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +94,7 @@ class SaveQueue:
         self._completed = 0  # of those, attempted by the saver (a prefix of queue order)
         self._thread = threading.Thread(target=self._loop, name="kv-save", daemon=True)
         self._thread.start()
+        _flush_at_exit(self)
 
     def submit(self, items: list[PutItem], request_ids: list[str]) -> bool:
         if self._closed:

@@ -417,3 +417,52 @@ def test_flush_waits_for_earlier_saves_not_for_an_empty_queue():
         stop.set()
         bg.join(timeout=10)
         q.close()
+
+
+_EXIT_SCRIPT = r"""
+import sys, time
+import kvstore
+from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, SamplingParams, model_preset
+from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
+
+class SlowPuts:  # a store whose puts take a while: saves are still queued when the script ends
+    def __init__(self, store):
+        self._s = store
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+    def put_many(self, items):
+        time.sleep(0.2)
+        return self._s.put_many(items)
+
+store = kvstore.connect(sys.argv[1], fsync=False)
+model = ReferenceModel(model_preset("tiny"))
+conn = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=16), SlowPuts(store))
+engine = Engine(model, EngineConfig(block_size=16), connector=conn)
+engine.generate(list(range(1, 100)), SamplingParams(max_new_tokens=4))
+# Saves still queued at the end (as after a last request's blocks were staged): put straight
+# on the connector's save queue, one item per job.
+for i in range(5):
+    conn.saves.submit([kvstore.PutItem(bytes([i]) * 16, b"late save %d" % i)], [])
+print("queued", conn.saves._submitted - conn.saves._completed, flush=True)
+# no conn.close(), no store.close(): the script just ends, as the README's snippet did
+"""
+
+
+def test_saves_queued_when_the_process_ends_are_not_lost(tmp_path):
+    """A script that ends without closing its connector (the README's snippet did) still
+    gets every queued save attempted: before, the saver's store calls were refused once
+    concurrent.futures shut down at exit ("cannot schedule new futures after interpreter
+    shutdown", a traceback) and those entries were silently missing."""
+    import subprocess
+    import sys
+
+    import kvstore
+
+    data = tmp_path / "store"
+    p = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(data)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    queued = int(p.stdout.split("queued", 1)[1].split()[0])
+    assert queued >= 4  # the test exercises the exit path: saves were still waiting
+    assert "Traceback" not in p.stderr and "cannot schedule" not in p.stderr, p.stderr[-3000:]
+    with kvstore.connect(str(data)) as s:
+        assert s.get_many([bytes([i]) * 16 for i in range(5)]) == [b"late save %d" % i for i in range(5)]
