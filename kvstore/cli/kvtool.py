@@ -89,7 +89,12 @@ def _require_local_store(url: str) -> None:
     if not path.exists():
         raise InvalidRequest(f"{path} does not exist; give the data directory of an existing store")
     if not (path / FORMAT_FILE).is_file():
-        raise InvalidRequest(f"{path} is not a kvstore data directory (no {FORMAT_FILE})")
+        index = path / "index" / "data.mdb"
+        if not (index.is_file() and index.stat().st_size > 0):
+            raise InvalidRequest(f"{path} is not a kvstore data directory (no {FORMAT_FILE}, no index)")
+        # A store whose marker was lost: opening it rewrites the marker from the index
+        # (kvstore.datadir), as the store and the daemon do.
+        print(f"{PROG}: note: {path} has no {FORMAT_FILE}; rewriting it from the index", file=sys.stderr)
 
 
 # URL scheme -> check run before opening ("" is a plain path). Unlisted schemes open directly.

@@ -109,6 +109,16 @@ def test_usage_errors_exit_2(store_dir, run_tool, tmp_path):
     code, _, err = run_tool("verify", empty)
     assert code == 2 and "not a kvstore data directory" in err and not any(empty.iterdir())
     assert run_tool("inspect", store_dir.path, "--key", "xyz")[0] == 2
+    # A store whose marker was lost is still one: kvtool opens it (rewriting the marker from
+    # the index, as the store and daemon do); before, it was refused as "not a data directory".
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(store_dir.path, copy)
+    (copy / "kvstore.json").unlink()
+    code, out, err = run_tool("stats", copy, "--json")
+    assert code == 0 and json.loads(out)["entries"] > 0 and "rewriting it from the index" in err, err
+    assert (copy / "kvstore.json").is_file() and run_tool("verify", copy)[0] == 0
     assert run_tool("delete", store_dir.path, "--key", "abcd", "--kind", "swa")[0] == 2
     assert run_tool("delete", store_dir.path)[0] == 2  # --key is required
     assert run_tool("frobnicate", store_dir.path)[0] == 2
