@@ -221,6 +221,14 @@ class PutItem:
     tokens: int = 0
 
 
+def check_put_item(it: Any) -> PutItem:
+    """``it`` when it is a ``PutItem``, else ``InvalidRequest`` (every store's ``put_many``
+    checks its items with it before doing anything)."""
+    if not isinstance(it, PutItem):
+        raise InvalidRequest(f"put_many takes kvstore.PutItem(key, value, ...) items, got {type(it).__name__}")
+    return it
+
+
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     """Longest cached prefix of a chain of block keys.

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvstore import codec
-from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
+from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_put_item, writable_view
 from kvstore.config import StoreConfig, load_config
 from kvstore.datadir import DataDir, file_url_path
 from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, in_flight, run_now
@@ -148,8 +148,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         todo: list[int] = []
         seen: set[bytes] = set()
         for it in items:
-            if not isinstance(it, PutItem):
-                raise InvalidRequest(f"put_many takes kvstore.PutItem(key, value, ...) items, got {type(it).__name__}")
+            check_put_item(it)
         with self.index.env.begin() as txn:
             for i, it in enumerate(items):
                 ek = ekey(EntryKind.parse(it.kind).code, check_key(it.key))

@@ -48,7 +48,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from kvstore.api import EntryKind, Layout, PutItem, as_payload
+from kvstore.api import EntryKind, Layout, PutItem, as_payload, check_put_item
 from kvstore.errors import (
     ERRORS_BY_CODE,
     InvalidRequest,
@@ -320,7 +320,7 @@ class EncodedPut:
 
 def encode_item(it: PutItem) -> EncodedPut:
     """Validate one put client-side, as the embedded store does before writing, and encode it."""
-    key = check_key(it.key)
+    key = check_key(check_put_item(it).key)
     kind = EntryKind.parse(it.kind).value
     mv, layout = as_payload(it.value, it.layout)
     if not isinstance(it.tokens, int) or it.tokens < 0:

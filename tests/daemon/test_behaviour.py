@@ -165,6 +165,11 @@ def test_errors_are_typed(store) -> None:
     with pytest.raises(InvalidRequest):
         store.put_many([PutItem(K(8), b"ok"), PutItem(b"bad", b"x")])
     assert store.get_many([K(8)]) == [None]  # the bad batch stored nothing
+    # Items that are not PutItem (a (key, value) tuple): InvalidRequest naming PutItem, on every
+    # store; the remote and sharded clients raised AttributeError before.
+    with pytest.raises(InvalidRequest, match="PutItem"):
+        store.put_many([PutItem(K(8), b"ok"), (K(9), b"x")])
+    assert store.get_many([K(8), K(9)]) == [None, None]
     with pytest.raises(ValueError):  # InvalidRequest is a ValueError
         store.lookup([b"x"])
 
