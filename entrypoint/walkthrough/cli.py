@@ -81,11 +81,27 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
+HEARTBEAT_S = 15.0  # a line this often while a request shows no progress (a long CPU prefill)
+
+
 def _run(client, name: str, prompt: list[int], images, max_new: int, *, tenant: str = "",
-         on_event=None) -> VariantResult:
+         on_event=None, heartbeat_s: float = HEARTBEAT_S) -> VariantResult:
     _say(f"\n== {name}: {len(prompt):,} prompt tokens")
+    t0 = last = time.monotonic()
+    done = threading.Event()
+
+    def heartbeat() -> None:  # the full-size example prefills for minutes on a laptop CPU
+        nonlocal last
+        while not done.wait(min(1.0, heartbeat_s)):
+            now = time.monotonic()
+            if now - last >= heartbeat_s:
+                _say(f"  {(now - t0) * 1e3:9.1f} ms  ... working (no event for {now - last:.0f} s; "
+                     "a long prefill on CPU)")
+                last = now
 
     def show(ev):
+        nonlocal last
+        last = time.monotonic()
         if ev.kind == "hop":
             _say(hop_line(dict(json.loads(ev.detail), t_ms=ev.t_ms)))
         elif ev.kind == "token" and ev.index == 0:
@@ -93,8 +109,14 @@ def _run(client, name: str, prompt: list[int], images, max_new: int, *, tenant: 
         if on_event is not None:
             on_event(ev)
 
-    toks, hops, summary = client.generate(prompt, max_new_tokens=max_new, images=images, tenant=tenant,
-                                          on_event=show, timeout=None)
+    beat = threading.Thread(target=heartbeat, name="walkthrough-heartbeat", daemon=True)
+    beat.start()
+    try:
+        toks, hops, summary = client.generate(prompt, max_new_tokens=max_new, images=images, tenant=tenant,
+                                              on_event=show, timeout=None)
+    finally:
+        done.set()
+        beat.join()
     _say(f"  {summary['total_ms']:9.1f} ms  done          {len(toks)} tokens, TTFT {summary['ttft_ms']:.1f} ms")
     return VariantResult(name, toks, hops, summary)
 

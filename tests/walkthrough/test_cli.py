@@ -65,3 +65,27 @@ def test_run_directory_errors_are_typed(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(OSError):
         make_run_dir(tmp_path / "file" / "out")
+
+
+def test_a_long_request_prints_a_heartbeat(capsys):
+    """A request that shows no event for a while (the full-size example's CPU prefill takes
+    minutes) prints a line at each heartbeat instead of going silent; none after it ends."""
+    from entrypoint.walkthrough import cli
+
+    class Event:
+        def __init__(self, kind, **kw):
+            self.kind, self.t_ms, self.index, self.token_id, self.detail = kind, 0.0, 0, 0, ""
+            self.__dict__.update(kw)
+
+    class SlowClient:
+        def generate(self, prompt, *, on_event, **_):
+            time.sleep(0.75)  # no event: a long prefill
+            on_event(Event("token", index=0, token_id=7))
+            return [7], [], {"total_ms": 750.0, "ttft_ms": 750.0}
+
+    res = cli._run(SlowClient(), "cold", [1, 2, 3], [], 1, heartbeat_s=0.2)
+    assert res.tokens == [7]
+    out = capsys.readouterr().out
+    beats = out.count("... working")
+    assert 2 <= beats <= 4, out
+    assert out.rstrip().splitlines()[-1].strip().endswith("TTFT 750.0 ms")  # nothing after the end
