@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
 from kvstore.errors import InvalidRequest
+from kvstore.server.config import port_taken
 
 MAX_MESSAGE_BYTES = 64 << 20  # gRPC send/receive limit of the entrypoint and the workers
 
@@ -84,7 +85,7 @@ def make_server(executor: Any, services: Iterable[tuple[Any, ServiceDescriptor]]
     for servicer, service in services:
         add_service(server, servicer, service)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = 0 if port_taken(host, port) else server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # current grpcio raises ("Failed to bind"); older releases returned 0
         bound = 0
     if bound == 0:

@@ -28,8 +28,10 @@ overflow in gRPC's stop or a silently disabled GC, so they are refused at load).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -201,3 +203,25 @@ def load_server_config(
 def _flag(name: str) -> str:
     """How a field's flag is named in messages: ``option --gc-interval-s``."""
     return f"option --{name.replace('_', '-')}"
+
+
+def port_taken(host: str, port: int) -> bool:
+    """True when something already listens on ``host:port`` (``port`` 0 never is): a bind
+    with ``SO_REUSEADDR`` as gRPC's fails. Checked before gRPC binds, so a busy port is one
+    clear line from the caller, not gRPC's C-core log line first; a race past this check
+    still fails in gRPC's bind, as before."""
+    if port == 0:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return False  # gRPC reports the bad host itself
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False

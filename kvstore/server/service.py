@@ -68,7 +68,7 @@ from kvstore.index import ekey
 from kvstore.keys import check_key, check_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
-from kvstore.server.config import ServerConfig
+from kvstore.server.config import ServerConfig, port_taken
 from kvstore.server.admin_rpc import AdminRPC
 from kvstore.server.direct_rpc import DirectRPC
 from kvstore.server.metrics import DaemonMetrics
@@ -214,7 +214,9 @@ class Daemon(DirectRPC, AdminRPC):
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         bind = f"{server_cfg.host}:{server_cfg.port}"
         try:
-            if server_cfg.tls:
+            if port_taken(server_cfg.host, server_cfg.port):
+                self.port = 0
+            elif server_cfg.tls:
                 creds = grpc.ssl_server_credentials(
                     [(tls_files["tls_key"], tls_files["tls_cert"])],
                     root_certificates=tls_files.get("tls_client_ca"),

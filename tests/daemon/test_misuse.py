@@ -112,6 +112,17 @@ def test_port_in_use_closes_the_store_and_raises(tmp_path, busy_port) -> None:
     d.stop(grace_s=0)
 
 
+def test_serve_on_a_busy_port_says_one_line(tmp_path, busy_port) -> None:
+    """``kvstore serve`` on a port in use: one line and exit 2, without gRPC's C-core log line
+    ("add_port.cc ... Failed to add port") printed before it."""
+    cmd = [sys.executable, "-m", "kvstore.server.cli", "serve", "--port", str(busy_port),
+           "--data-dir", str(tmp_path / "d"), "--log-level", "WARNING"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=subprocess_env())
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{busy_port}" in lines[0], r.stderr
+
+
 def test_tls_key_not_matching_the_certificate_is_invalid_request(tmp_path, certs) -> None:
     scfg, stcfg = _cfgs(tmp_path, tls_cert=certs["server"], tls_key=certs["client_key"])
     with pytest.raises(InvalidRequest, match="TLS key does not match"):
