@@ -31,20 +31,22 @@ from entrypoint._cli import OneLineParser, fail
 from entrypoint.auth import SECRET_ENV, load_worker_secret
 from entrypoint.server import EntrypointConfig, serve
 from kvstore.api import DTYPES
+from lb.registry import POLICIES
 from lb.types import LBError
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m entrypoint", description="kvstack entrypoint")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one, printed in READY)")
     ap.add_argument("--store", default="./kvstack-data", help="kvstore URL (a data directory or grpc://...)")
     ap.add_argument("--model", default="tiny", help="reference model preset (fixes the key namespace)")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the workers' too)")
     ap.add_argument("--tenant", action="append", default=[], metavar="NAME=SALT",
                     help="a tenant and its key salt (repeatable); default: one tenant 'default'")
-    ap.add_argument("--prefill-policy", default="kvstack")
-    ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    ap.add_argument("--prefill-policy", default="kvstack", choices=sorted(POLICIES),
+                    help="prefill load-balancing policy (lb/registry.py)")
+    ap.add_argument("--heartbeat-s", type=float, default=0.5, help="seconds between worker Status checks (a worker missing 3 is dropped)")
     ap.add_argument("--worker-timeout-s", type=float, default=3600.0, help="bound on one worker call")
     ap.add_argument("--max-inflight", type=int, default=64, help="requests served at once; more get RESOURCE_EXHAUSTED")
     ap.add_argument("--max-model-len", type=int, default=None, metavar="N",

@@ -18,6 +18,10 @@ from typing import NoReturn
 class OneLineParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose usage errors are one line (module docstring)."""
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)  # --help shows defaults
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 

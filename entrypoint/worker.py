@@ -427,13 +427,13 @@ def serve(cfg: WorkerConfig, *, ready_out=sys.stdout) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m entrypoint.worker", description="kvstack engine worker")
     ap.add_argument("--role", required=True, choices=ROLES)
-    ap.add_argument("--id", default="")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--id", default="", help="worker id (default: the role and a random suffix)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one, printed in READY)")
     ap.add_argument("--store", default="./kvstack-data", help="kvstore URL (a data directory or grpc://...)")
     ap.add_argument("--model", default="tiny", help="reference model preset")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the entrypoint's)")
+    ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the engine's device pool")
     ap.add_argument("--entrypoint", default="", help="entrypoint address to register with")
     ap.add_argument("--worker-secret-file", default="", metavar="FILE",
                     help=f"file holding the entrypoint's worker secret, sent with Register "

@@ -124,7 +124,7 @@ def _one_line_error(res, prog, *needles, code=2):
     (["--block-size", "0"], ["block_size", "got 0"]),
     (["--block-size", "-16"], ["block_size"]),
     (["--model", "nope"], ["unknown model preset 'nope'"]),
-    (["--prefill-policy", "nope"], ["unknown prefill policy 'nope'"]),
+    (["--prefill-policy", "nope"], ["invalid choice: 'nope'", "'kvstack'", "'round_robin'"]),  # lists the choices
     (["--max-inflight", "0"], ["max_inflight"]),
     (["--heartbeat-s", "nan"], ["heartbeat_s"]),
     (["--port", "70000"], ["--port"]),
