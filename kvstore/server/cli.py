@@ -34,7 +34,13 @@ from kvstore.server.config import SERVER_FIELDS, STORE_FIELDS, load_server_confi
 
 # Fields whose unset default means something the value alone does not say.
 _DEFAULT_HELP = {"ec_k": "the data directory's (4 for a new one)", "ec_m": "the data directory's (2 for a new one)",
-                 "ec_type": "the data directory's (isa_l_rs_cauchy for a new one)"}
+                 "ec_type": "the data directory's (isa_l_rs_cauchy for a new one)",
+                 "metrics_port": "-1 (no Prometheus endpoint; 0: a free port)",
+                 "port": "7070 (0: a free port, printed at start)",
+                 "targets": "the data directory's recorded targets, else k+m subdirectories of it; "
+                            "URL[#DOMAIN[#NAME]],... e.g. file:///mnt/nvme0/kv#rack1,s3://bucket/kv#az1",
+                 "tokens_file": "none (one anonymous tenant); a TOML file: admin_tenants = [...] "
+                                "and a [tokens] table of \"token\" = \"tenant\""}
 
 
 def _add_fields(group: argparse._ArgumentGroup, fields: dict) -> None:
