@@ -181,7 +181,9 @@ def error_from_rpc(err: grpc.RpcError, where: str = "", timeout_s: float | None 
         return DeadlineExceeded(f"{prefix}no answer from the kvstore daemon {within} ({status.name}); "
                                 "it may be hung, overloaded or still working on the call")
     if cls is StoreUnavailable:
-        hint = TLS_HINT if any(m in details.lower() for m in _TLS_FAILURE_MARKERS) else ""
+        low = details.lower()
+        hint = (TLS_HINT if any(m in low for m in _TLS_FAILURE_MARKERS)
+                else CLOSED_HINT if "socket closed" in low else "")
         return StoreUnavailable(f"{prefix}kvstore daemon unreachable ({status.name}: {details}){hint}")
     if cls is RequestTooLarge:
         return RequestTooLarge(
@@ -195,6 +197,10 @@ def error_from_rpc(err: grpc.RpcError, where: str = "", timeout_s: float | None 
 # certificate (CERTIFICATE_VERIFY_FAILED) or grpcs:// to a plaintext daemon (WRONG_VERSION_NUMBER).
 # Not bare "tls"/"ssl": a host name in the details may contain them.
 _TLS_FAILURE_MARKERS = ("handshake failed", "certificate_verify_failed", "wrong_version_number", "ssl_error")
+# A daemon that closes the connection at once: most often TLS on one side only, or a
+# daemon requiring client certificates (mutual TLS) that got none; said as a possibility.
+CLOSED_HINT = ("; the daemon closed the connection: if it serves TLS use grpcs://, and if it requires "
+               "client certificates give cert_file and key_file")
 TLS_HINT = ("; the TLS handshake failed: the daemon's certificate must be signed by ca_file (without ca_file, "
             "by a CA in the system roots), and grpcs:// is only for a TLS daemon")
 

@@ -103,6 +103,19 @@ def test_grpcs_without_ca_file_against_a_private_ca_fails_typed_and_bounded(make
         assert s.put(K(2), b"v") and s.get(K(2)) == b"v"
 
 
+def test_a_connection_the_daemon_closes_says_what_to_check(make_daemon, certs) -> None:
+    """Plaintext to a TLS daemon, or TLS without a client certificate to a daemon requiring
+    one: gRPC says only "Socket closed"; the error now says what to check (before: nothing)."""
+    d = _tls_daemon(make_daemon, certs, tls_client_ca=certs["ca"])
+    for url, opts in ((d.address.replace("grpcs://", "grpc://"), {}), (d.address, {"ca_file": certs["ca"]})):
+        with kvstore.connect(url, timeout_s=3, **opts) as s:
+            with pytest.raises(StoreUnavailable) as ei:
+                s.get(K(1))
+        msg = str(ei.value)
+        assert "\n" not in msg and ("grpcs://" in msg or "ca_file" in msg), msg
+        assert "cert_file" in msg or "ca_file" in msg, msg
+
+
 @pytest.mark.parametrize("source", ["option", "environment"])
 def test_a_sharded_set_mixing_grpcs_and_grpc(make_daemon, certs, monkeypatch, source) -> None:
     # both daemons at a low max_batch_items: each shard's client learns it (about 20 keys per shard)
