@@ -120,7 +120,7 @@ def run(data_dir: str) -> bool:
         dt = time.perf_counter() - t
         stored = sum(a.value.nbytes for a in items) + int(np.prod(SWA_SHAPE))
         print(f"[2] put {sum(new)} block entries ({mib(items[0].value.nbytes)} each) + 1 SWA snapshot "
-              f"({mib(np.prod(SWA_SHAPE))}) at block {len(keys) - 1}: {mib(stored)} in {dt * 1e3:.0f} ms")
+              f"({mib(np.prod(SWA_SHAPE))}) after block {len(keys)} (swa_at counts blocks): {mib(stored)} in {dt * 1e3:.0f} ms")
         again = store.put_many(items[:2])
         print(f"    re-put of 2 live blocks stores nothing: {again}")
 
