@@ -146,7 +146,7 @@ def summarize(store: "EmbeddedStore") -> dict:
         dead = store.index.counter(txn, "pack_dead_bytes")
     return {
         "data_dir": str(store.data_dir),
-        "erasure_code": f"{store.config.ec_k}+{store.config.ec_m}",
+        "erasure_code": f"{store.config.ec_type} {store.config.ec_k}+{store.config.ec_m}",  # as stats says it
         "by_kind": {k: s.as_dict() for k, s in kinds.items()},
         "total": total.as_dict(),
         "used_bytes": used,

@@ -27,6 +27,8 @@ def test_inspect_summary_json(store_dir, run_tool):
     assert d["total"]["lost"] == 0 and d["total"]["degraded"] == 0
     assert d["by_kind"]["block"]["plain_bytes"] == sum(len(v) for v in store_dir.blocks.values())
     assert d["total"]["oldest_created"] <= d["total"]["newest_created"]
+    # the erasure code spelled as stats spells it (it said "4+2" against stats' "<ec_type> 4+2")
+    assert d["erasure_code"] == json.loads(run_tool("stats", store_dir.path, "--json")[1])["erasure_code"]
     code, out, _ = run_tool("inspect", store_dir.path)
     assert code == 0 and "block" in out and "swa" in out
 
