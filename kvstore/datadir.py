@@ -172,6 +172,8 @@ class DataDir:
                     f"the index at {index_dir} is not the one data directory {self.data_dir} was created with "
                     "(it was recreated or copied from another directory); opening it would make every stored "
                     "fragment an orphan for GC to delete. Restore the directory's own index")
+            if not fresh:
+                self._refuse_foreign_targets(rewrite)
             if (any(marker.get(n) != v for n, v in code.items()) or marker.get("index_id") != identity.hex()
                     or marker.get("targets") != _targets_record(config)):
                 self._write_marker(config, identity, marker)
@@ -182,6 +184,23 @@ class DataDir:
             self.index.close()
             raise
         return fresh
+
+    def _refuse_foreign_targets(self, marker_lost: bool) -> None:
+        """``InvalidRequest`` when the directory's records live on none of the configured
+        targets (one record asked: every record's fragments sit on k+m of the directory's
+        targets, so a right configuration names at least one of them). Opening anyway would
+        make ``verify`` mark every entry lost; it happens when the marker that records the
+        targets was lost (the default layout is then assumed) or the wrong ones are given."""
+        with self.index.env.begin() as txn:
+            first = self.index.first_record(txn)
+        if first is None or set(first.targets) & set(self.targets):
+            return
+        why = (f"its {FORMAT_FILE}, which records them, is missing" if marker_lost
+               else "the configured targets are not this directory's")
+        raise InvalidRequest(
+            f"the entries of {self.data_dir} live on targets {', '.join(first.targets)}, none of which is "
+            f"configured ({', '.join(self.targets)}): {why}; give the directory's targets (targets=, "
+            "KVSTORE_TARGETS, a config file's [store] targets)")
 
     def _read_marker(self) -> dict | None:
         """The directory's marker (``FORMAT_FILE``) as a dict, or ``None`` for a new directory.

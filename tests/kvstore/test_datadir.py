@@ -142,3 +142,28 @@ def test_credentials_in_target_urls_reach_neither_the_index_nor_stats_nor_errors
         names = [v.decode() for _, v in txn.cursor(db=tids)]
     env.close()
     assert len(names) == 6 and all(secret not in n for n in names)
+
+
+def test_a_directory_whose_records_live_on_none_of_the_configured_targets_is_refused(tmp_path):
+    """Its marker lost (or the wrong targets given), a directory written to configured targets
+    would open with the default layout and ``verify`` would mark every entry lost (kvtool
+    opens such a directory since the marker is rewritten from the index). Now the open is
+    refused, naming the targets the records use, and nothing is created or rewritten."""
+    from kvstore.errors import InvalidRequest
+
+    roots = ",".join(f"file://{tmp_path}/disk{i}" for i in range(6))
+    data = tmp_path / "d"
+    with kvstore.connect(str(data), targets=roots, fsync=False) as s:
+        assert s.put(b"k" * 16, b"v" * 3000)
+    (data / "kvstore.json").unlink()
+    with pytest.raises(InvalidRequest, match=f"live on targets .*{tmp_path}/disk.*missing"):
+        kvstore.connect(str(data), fsync=False)
+    assert sorted(p.name for p in data.iterdir()) == ["index"]  # no default targets, no marker
+    other = ",".join(f"file://{tmp_path}/other{i}" for i in range(6))
+    with pytest.raises(InvalidRequest, match="none of which is configured"):
+        kvstore.connect(str(data), targets=other, fsync=False)
+    with kvstore.connect(str(data), targets=roots, fsync=False) as s:  # the right ones: all there
+        assert s.get(b"k" * 16) == b"v" * 3000 and s.check() == []
+    assert (data / "kvstore.json").is_file()
+    with pytest.raises(InvalidRequest, match="not this directory's"):  # marker there, wrong targets
+        kvstore.connect(str(data), targets=other, fsync=False)
