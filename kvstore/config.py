@@ -30,7 +30,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote
 
 from kvstore.errors import InternalError, InvalidRequest
 
@@ -52,16 +52,35 @@ TARGETS_FORM = ("a tuple of TargetSpec, e.g. (TargetSpec('file:///mnt/nvme0/kv',
 log = logging.getLogger(__name__)
 
 
-def strip_userinfo(url: str) -> str:
-    """``url`` without a ``user:password@`` part (``s3://key:secret@bucket/p`` ->
-    ``s3://bucket/p``); anything else unchanged. What names, logs, errors and stats show of
-    a target URL: credentials are never recorded in the index nor printed."""
+def split_userinfo(url: str) -> tuple[str, str | None, str | None]:
+    """``(url without its user:password@ part, user, password)``, the two percent-decoded
+    (``None`` when the URL carries none): ``s3://key:secret@bucket/p`` -> ``("s3://bucket/p",
+    "key", "secret")``. The userinfo ends at the last ``@`` before the first ``/``, ``?`` or
+    ``#`` after ``://``; an ``@`` only past those, with a ``:`` before it (a password holding
+    an unencoded ``/``, as AWS secret keys may), cannot be told from a path and is refused
+    (``InvalidRequest``, which never shows the secret)."""
     if "://" not in url:
-        return url
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+        return url, None, None
+    scheme, rest = url.split("://", 1)
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    at = rest.rfind("@", 0, end)
+    if at < 0:
+        later = rest.find("@", end)
+        if later > 0 and ":" in rest[:later] and not rest.startswith("/"):
+            raise InvalidRequest(
+                f"a {scheme}:// target URL has an '@' after a '/', '?' or '#' and a ':' before it: if it carries "
+                "user:password@, percent-encode '/', '?' and '#' in them (%2F, %3F, %23), or give the "
+                "credentials through the environment")
+        return url, None, None
+    user, _, password = rest[:at].partition(":")
+    return f"{scheme}://{rest[at + 1:]}", unquote(user), unquote(password)
+
+
+def strip_userinfo(url: str) -> str:
+    """``url`` without a ``user:password@`` part (``split_userinfo``). What names, logs,
+    errors and stats show of a target URL: credentials are never recorded in the index nor
+    printed."""
+    return split_userinfo(url)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +324,9 @@ def _coerce(name: str, typ: Any, value: Any, source: str = "") -> Any:
         return value
     except (TypeError, ValueError) as exc:
         where = f" in {source}" if source else ""
-        raise InvalidRequest(f"config field {name!r}{where}: cannot use {value!r} ({exc})") from exc
+        # target URLs may carry user:password@ (never echoed)
+        shown = "the value given (not shown: it may hold credentials)" if "@" in str(value) else repr(value)
+        raise InvalidRequest(f"config field {name!r}{where}: cannot use {shown} ({exc})") from exc
 
 
 # One source's values: field name -> (where it came from, the raw value).

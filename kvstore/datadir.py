@@ -25,10 +25,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvstore import codec
-from kvstore.config import DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, TargetSpec
+from kvstore.config import DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, TargetSpec, split_userinfo
 from kvstore.errors import CorruptData, IncompatibleFormat, InvalidRequest
 from kvstore.index import Index
 from kvstore.targets import Target, fsync_dir, open_target
@@ -57,7 +56,7 @@ def _targets_record(config: StoreConfig) -> list[dict] | None:
     embedded default layout under the data directory, so the directory can move, and for
     targets whose URL carries ``user:password@``: credentials are never written to disk
     (such a directory is opened with its targets named, as before)."""
-    if not config.targets or any("@" in urlsplit(t.url).netloc for t in config.targets):
+    if not config.targets or any(split_userinfo(t.url)[1] is not None for t in config.targets):
         return None
     return [{"url": _absolute(t.url), "domain": t.domain, "name": t.name} for t in config.targets]
 

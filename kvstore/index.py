@@ -182,7 +182,9 @@ class Index:
     def _load_tids(self) -> None:
         """Load the target table. A name recorded with credentials (an index written before
         names dropped ``user:password@``, see ``TargetSpec``) is rewritten without them, so
-        its records name the target as configured today and the secret leaves the index."""
+        its records name the target as configured today. (LMDB copies pages on write: the
+        old page stays in the file as a free page until a later write reuses it, and
+        ``mdb_copy -c`` drops it at once.)"""
         with self.env.begin(write=True) as txn:
             for k, v in list(txn.cursor(db=self.db["tids"])):
                 i, name = struct.unpack(">H", k)[0], strip_userinfo(v.decode())

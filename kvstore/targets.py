@@ -35,11 +35,11 @@ import secrets
 import sys
 import time
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import fsspec
 
-from kvstore.config import TargetSpec
+from kvstore.config import TargetSpec, split_userinfo
 from kvstore.errors import InvalidRequest
 
 
@@ -118,6 +118,27 @@ _S3_CLIENT = {"config_kwargs": {"connect_timeout": 5, "read_timeout": TARGET_TIM
 _FS_RETRIES = {"s3": 1, "s3a": 1}  # s3fs's own tries per call (its class attribute ``retries``; 5 by default)
 CLIENT_OPTIONS: dict[str, dict] = {"s3": _S3_CLIENT, "s3a": _S3_CLIENT}
 
+# A target URL's ``user:password@`` (``kvstore.config.split_userinfo``), per scheme: handed
+# to the filesystem as these options (s3fs reads no credentials from a URL: they made
+# "KEY:SECRET@bucket" a bucket name), or dropped where a scheme has no use for them. Other
+# schemes (sftp, ftp, smb, ...) get the URL as written: their fsspec filesystems read it.
+_URL_CREDENTIALS: dict[str, Callable[[str, str], dict]] = {
+    "s3": lambda user, password: {"key": user, "secret": password},
+    "s3a": lambda user, password: {"key": user, "secret": password},
+}
+_NO_CREDENTIALS = frozenset({"", "file", "local", "memory"})
+
+
+def _fsspec_args(url: str, scheme: str) -> tuple[str, dict]:
+    """The URL and options ``fsspec.core.url_to_fs`` gets for a target URL (see above)."""
+    opts = dict(CLIENT_OPTIONS.get(scheme, {}))
+    bare, user, password = split_userinfo(url)
+    if user is None:
+        return url, opts
+    if scheme in _URL_CREDENTIALS:
+        return bare, {**opts, **_URL_CREDENTIALS[scheme](user, password or "")}
+    return (bare if scheme in _NO_CREDENTIALS else url), opts
+
 
 def fragment_path(kind_code: int, key: bytes, gen: bytes, index: int) -> str:
     """``<kind>/<key[0]>/<key hex>.<gen hex>.<index>``: unique per (entry, generation, fragment)."""
@@ -185,8 +206,9 @@ class Target:
         self.name = spec.name
         self.domain = spec.domain
         scheme = spec.url.split("://", 1)[0] if "://" in spec.url else ""
+        url, opts = _fsspec_args(spec.url, scheme)
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(spec.url, **CLIENT_OPTIONS.get(scheme, {}))
+            self.fs, self.root = fsspec.core.url_to_fs(url, **opts)
         except (ImportError, ValueError) as exc:
             raise InvalidRequest(
                 f"cannot open target {spec.shown_url!r}: {exc} (an s3:// target needs `pip install kvstack[s3]`)"

@@ -110,6 +110,12 @@ def test_credentials_in_target_urls_reach_neither_the_index_nor_stats_nor_errors
     assert TargetSpec(f"s3://AKIA:{secret}@bucket/kv").name == "s3://bucket/kv"
     assert TargetSpec(f"s3://AKIA:{secret}@bucket/kv", name=f"s3://AKIA:{secret}@bucket/kv").name == "s3://bucket/kv"
     assert strip_userinfo("/data/a@b") == "/data/a@b" and strip_userinfo("file:///x/a@b") == "file:///x/a@b"
+    assert strip_userinfo(f"s3://AKIA:{secret}%2Fx@bucket/kv") == "s3://bucket/kv"
+    # An unencoded '/' in the password hides the '@' from URL parsers (the whole URL was
+    # recorded as the name before): refused, without showing the secret.
+    with pytest.raises(kvstore.InvalidRequest, match="percent-encode") as exc:
+        kvstore.connect(str(tmp_path / "x"), targets=f"memory://AKIA:wJa/{secret}@b-t0/kv")
+    assert secret not in str(exc.value) and not (tmp_path / "x").exists()
     urls = [f"memory://AKIA:{secret}@{tmp_path.name}-t{i}/kv" for i in range(6)]
     data = tmp_path / "d"
     with kvstore.connect(str(data), targets=",".join(urls), fsync=False) as s:
