@@ -212,6 +212,8 @@ def port_taken(host: str, port: int) -> bool:
     still fails in gRPC's bind, as before."""
     if port == 0:
         return False
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]  # "[::1]", as gRPC and daemon URLs write an IPv6 address
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:

@@ -123,6 +123,23 @@ def test_serve_on_a_busy_port_says_one_line(tmp_path, busy_port) -> None:
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{busy_port}" in lines[0], r.stderr
 
 
+def test_port_taken_reads_bracketed_ipv6(busy_port) -> None:
+    """``[::1]`` (how gRPC and daemon URLs write IPv6) is checked like ``::1``; before, the
+    brackets made the lookup fail and a busy port was taken for a free one."""
+    from kvstore.server.config import port_taken
+
+    assert port_taken("127.0.0.1", busy_port) and not port_taken("127.0.0.1", 0)
+    try:
+        s6 = socket.socket(socket.AF_INET6)
+        s6.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with s6:
+        s6.listen()
+        port = s6.getsockname()[1]
+        assert port_taken("[::1]", port) and port_taken("::1", port)
+
+
 def test_tls_key_not_matching_the_certificate_is_invalid_request(tmp_path, certs) -> None:
     scfg, stcfg = _cfgs(tmp_path, tls_cert=certs["server"], tls_key=certs["client_key"])
     with pytest.raises(InvalidRequest, match="TLS key does not match"):
