@@ -222,11 +222,24 @@ class PutItem:
 
 
 def check_put_item(it: Any) -> PutItem:
-    """``it`` when it is a ``PutItem``, else ``InvalidRequest`` (every store's ``put_many``
-    checks its items with it before doing anything)."""
+    """``it`` when it is a ``PutItem``, else ``InvalidRequest``."""
     if not isinstance(it, PutItem):
         raise InvalidRequest(f"put_many takes kvstore.PutItem(key, value, ...) items, got {type(it).__name__}")
     return it
+
+
+def check_put_items(items: Any) -> list[PutItem]:
+    """``put_many``'s argument as a list of ``PutItem`` (any iterable of them), else
+    ``InvalidRequest``: every store checks it so before doing anything."""
+    if isinstance(items, (PutItem, str, bytes, bytearray, memoryview)) or items is None:
+        raise InvalidRequest(f"put_many takes a list of kvstore.PutItem, got {type(items).__name__}")
+    try:
+        out = list(items)
+    except TypeError:
+        raise InvalidRequest(f"put_many takes a list of kvstore.PutItem, got {type(items).__name__}") from None
+    for it in out:
+        check_put_item(it)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

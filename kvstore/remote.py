@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterator, Sequence
 import grpc
 
 from kvstore.client_options import ClientOptions, parse_address, refuse_tls_options, split_urls
-from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
+from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_put_items, writable_view
 from kvstore.direct import DirectReads, copy_into
 from kvstore.direct_writes import DirectWrites
 from kvstore.errors import InternalError, InvalidRequest, StoreClosed
@@ -217,7 +217,7 @@ class RemoteStore:
         nothing and is resent in smaller pieces. Retrying the whole batch is safe: a put of a
         live key stores nothing (it then answers ``created=False`` for those).
         """
-        items = list(items)
+        items = check_put_items(items)
         if not items:
             return []
         encs = [encode_item(it) for it in items]  # validate every item before sending any

@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from kvstore.api import Entry, EntryInfo, Layout, LookupResult, PutItem
+from kvstore.api import Entry, EntryInfo, Layout, LookupResult, PutItem, check_put_items
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
@@ -187,6 +187,7 @@ class ShardedStore:
 
     # ------------------------------------------------------------------ batches
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
+        items = check_put_items(items)
         for it in items:
             normalize_item(it)  # validate everything before any shard stores anything
         groups = self._group([it.key for it in items])

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvstore import codec
-from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_put_item, writable_view
+from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_put_items, writable_view
 from kvstore.config import StoreConfig, load_config
 from kvstore.datadir import DataDir, file_url_path
 from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, in_flight, run_now
@@ -140,6 +140,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         """Batched put: the fragments of all items written (on threads where writes wait),
         then one index commit."""
         self._check_open()
+        items = check_put_items(items)
         if not items:
             return []
         now = self.now_ns()
@@ -147,8 +148,6 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         result = [False] * len(items)
         todo: list[int] = []
         seen: set[bytes] = set()
-        for it in items:
-            check_put_item(it)
         with self.index.env.begin() as txn:
             for i, it in enumerate(items):
                 ek = ekey(EntryKind.parse(it.kind).code, check_key(it.key))

@@ -170,6 +170,10 @@ def test_errors_are_typed(store) -> None:
     with pytest.raises(InvalidRequest, match="PutItem"):
         store.put_many([PutItem(K(8), b"ok"), (K(9), b"x")])
     assert store.get_many([K(8), K(9)]) == [None, None]
+    for bad in (None, PutItem(K(8), b"ok"), b"bytes"):  # not a list of items: the same, on every store
+        with pytest.raises(InvalidRequest, match="list of kvstore.PutItem"):
+            store.put_many(bad)
+    assert store.put_many(PutItem(K(i), b"g") for i in (10, 11)) == [True, True]  # any iterable of them
     with pytest.raises(ValueError):  # InvalidRequest is a ValueError
         store.lookup([b"x"])
 
