@@ -24,11 +24,15 @@ Guarantees:
      nobody reads would make every later ``flush`` wait forever). ``submit``
      after ``close`` raises ``StoreClosed``; ``flush`` after it returns at once
      (``close`` drained everything).
-  7. A process that ends without ``close`` loses no queued save: at interpreter
-     exit the queue is flushed (up to ``EXIT_FLUSH_S``) *before* ``concurrent.futures``
-     stops taking work, which the store calls need (``_flush_at_exit``). Before,
-     the saves still queued then failed with "cannot schedule new futures" and
-     were silently missing from the store.
+  7. A process that ends without ``close`` loses no queued save it can write in
+     time: at interpreter exit the queue is flushed *before* ``concurrent.futures``
+     stops taking work, which a store's own calls may need (``_flush_at_exit``).
+     Exit waits at most ``EXIT_FLUSH_S`` for all queues together, says so in one
+     line, and on the deadline or Ctrl-C drops what is left quietly (one line,
+     counted as ``saves_dropped``); a store call that hangs never holds exit up
+     (it runs on a daemon thread, ``tiers.DaemonExecutor``). Before, the saves
+     still queued failed with "cannot schedule new futures" and were silently
+     missing from the store.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from kvstore.errors import StoreClosed
 
 log = logging.getLogger(__name__)
 
-EXIT_FLUSH_S = 60.0  # how long interpreter exit waits for queued saves (guarantee 7)
+EXIT_FLUSH_S = 60.0  # the most interpreter exit waits for queued saves, all queues together (guarantee 7)
+_exit_deadline: float | None = None  # monotonic time the exit flush gives up, set by the first queue asked
 
 
 def _flush_at_exit(q: "SaveQueue") -> None:
@@ -57,13 +62,13 @@ def _flush_at_exit(q: "SaveQueue") -> None:
     ``concurrent.futures``' own hook (registered when it was imported) refuses new work;
     ``atexit`` hooks run only after that, too late. ``threading._register_atexit`` is
     the hook ``concurrent.futures`` itself uses; without it (another Python) ``atexit``
-    is the fallback, which still waits for the saves already handed to the store."""
+    is the fallback."""
     ref = weakref.ref(q)
 
     def flush() -> None:
         sq = ref()
-        if sq is not None and not sq._closed and not sq.flush(EXIT_FLUSH_S):
-            log.warning("exit: saves still queued after %.0f s were not written", EXIT_FLUSH_S)
+        if sq is not None:
+            sq.drain_at_exit()
 
     register = getattr(threading, "_register_atexit", None)
     try:
@@ -92,6 +97,7 @@ class SaveQueue:
         self._progress = threading.Condition()  # guards _submitted and _completed
         self._submitted = 0  # jobs that entered the queue
         self._completed = 0  # of those, attempted by the saver (a prefix of queue order)
+        self._dropping = False  # set at exit past the deadline (guarantee 7)
         self._thread = threading.Thread(target=self._loop, name="kv-save", daemon=True)
         self._thread.start()
         _flush_at_exit(self)
@@ -151,6 +157,32 @@ class SaveQueue:
         self._q.put(None)
         self._thread.join(timeout=10)
 
+    def drain_at_exit(self) -> None:
+        """Guarantee 7: flush what is queued within the exit deadline, else drop it."""
+        global _exit_deadline
+        if self._closed:
+            return
+        with self._progress:
+            pending = self._submitted - self._completed
+        if not pending:
+            return
+        now = time.monotonic()
+        if _exit_deadline is None:
+            _exit_deadline = now + EXIT_FLUSH_S
+        left = max(0.0, _exit_deadline - now)
+        log.warning("exit: writing %d queued KV save job(s) to the store (at most %.0f s; Ctrl-C drops them)",
+                    pending, left)
+        why = f"not written within {EXIT_FLUSH_S:.0f} s"
+        try:
+            done = self.flush(left)
+        except KeyboardInterrupt:
+            done, why = False, "interrupted"
+        if not done:
+            self._dropping = True  # the saver drops the rest without calling the store
+            with self._progress:
+                left_jobs = self._submitted - self._completed
+            log.warning("exit: %d queued KV save job(s) dropped (%s)", left_jobs, why)
+
     def _done(self, request_ids) -> None:
         with self._lock:
             for rid in request_ids:
@@ -166,7 +198,9 @@ class SaveQueue:
             try:
                 if job is None:
                     return
-                if self.gateway.put_many(job.items):
+                if self._dropping:
+                    self.metrics.inc("saves_dropped", len(job.items))
+                elif self.gateway.put_many(job.items):
                     self.metrics.inc("saves_done", len(job.items))
                     self.metrics.inc("bytes_saved", sum(len(it.value) for it in job.items))
                 else:

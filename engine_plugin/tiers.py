@@ -49,12 +49,18 @@ hangs on it and never uses bad bytes:
    plugin's own code around it is a bug and propagates.
 
 ``Metrics`` is a thread-safe counter set; ``snapshot()`` returns a dict.
+
+The executor of 1 (``DaemonExecutor``) runs store calls on daemon threads: a call
+abandoned at its timeout may hang forever (a dead mount, a silent endpoint), and
+``concurrent.futures`` would join its non-daemon worker at interpreter exit, so the
+engine's process could never end.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -222,6 +228,47 @@ class IntoResult:
     late: bool = False  # an inline call that took longer than its timeout (counted as one)
 
 
+class DaemonExecutor:
+    """``submit(fn, *args, **kwargs) -> concurrent.futures.Future``, run on ``workers``
+    daemon threads (module docstring: an abandoned call never holds up process exit).
+    ``shutdown`` cancels what has not started and stops the threads once they are free."""
+
+    def __init__(self, workers: int, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> cf.Future:
+        if self._closed:
+            raise RuntimeError("cannot schedule new calls after shutdown")
+        fut: cf.Future = cf.Future()
+        self._q.put((fut, fn, args, kwargs))
+        return fut
+
+    def _work(self) -> None:
+        while (job := self._q.get()) is not None:
+            fut, fn, args, kwargs = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+                    fut.set_exception(exc)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        while True:  # cancel what never started
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in self._threads:
+            self._q.put(None)
+
+
 class StoreGateway:
     """Timeouts, a circuit breaker and length checks around a ``KVStore`` (see module doc)."""
 
@@ -232,7 +279,7 @@ class StoreGateway:
         self.timeout_s, self.put_timeout_s = timeout_s, put_timeout_s
         self.backoff_s, self.clock = backoff_s, clock
         self._open_until = 0.0
-        self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-store")
+        self._pool = DaemonExecutor(4, "kv-store")
         self.last_error = ""
         self._native_into = isinstance(store, ReadsInto)  # checked once: a Protocol isinstance is slow
 
@@ -417,4 +464,4 @@ class StoreGateway:
         return ok
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()

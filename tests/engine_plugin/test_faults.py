@@ -425,13 +425,17 @@ import kvstore
 from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, SamplingParams, model_preset
 from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 
+import engine_plugin.saver
+DELAY = {"slow": 0.2, "too_slow": 2.0, "hung": 3600.0}[sys.argv[2]]
+engine_plugin.saver.EXIT_FLUSH_S = 3.0
+
 class SlowPuts:  # a store whose puts take a while: saves are still queued when the script ends
     def __init__(self, store):
         self._s = store
     def __getattr__(self, name):
         return getattr(self._s, name)
     def put_many(self, items):
-        time.sleep(0.2)
+        time.sleep(DELAY)
         return self._s.put_many(items)
 
 store = kvstore.connect(sys.argv[1], fsync=False)
@@ -459,10 +463,31 @@ def test_saves_queued_when_the_process_ends_are_not_lost(tmp_path):
     import kvstore
 
     data = tmp_path / "store"
-    p = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(data)], capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(data), "slow"], capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     queued = int(p.stdout.split("queued", 1)[1].split()[0])
     assert queued >= 4  # the test exercises the exit path: saves were still waiting
     assert "Traceback" not in p.stderr and "cannot schedule" not in p.stderr, p.stderr[-3000:]
+    assert "exit: writing" in p.stderr and "dropped" not in p.stderr, p.stderr[-3000:]
     with kvstore.connect(str(data)) as s:
         assert s.get_many([bytes([i]) * 16 for i in range(5)]) == [b"late save %d" % i for i in range(5)]
+
+
+@pytest.mark.parametrize("mode", ["too_slow", "hung"])
+def test_exit_waits_for_queued_saves_only_so_long(tmp_path, mode):
+    """Saves that cannot be written in time (a store too slow, or one whose put never
+    returns) hold exit up for ``EXIT_FLUSH_S`` (3 s here) at most, then are dropped with one
+    line, no traceback. Before, a hung put held exit forever (concurrent.futures joins its
+    worker threads at exit) and a slow one ended in "cannot schedule new futures" tracebacks."""
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path / "store"), mode], capture_output=True,
+                       text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "cannot schedule" not in p.stderr, p.stderr[-3000:]
+    assert "exit: writing" in p.stderr and "dropped (not written within 3 s)" in p.stderr, p.stderr[-3000:]
+    assert took < 100, took  # bounded (the generate before it takes seconds; a hang would take hours)
