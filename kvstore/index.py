@@ -60,7 +60,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import lmdb
 
 from kvstore.config import strip_userinfo
-from kvstore.errors import CorruptData, IncompatibleFormat, InternalError
+from kvstore.errors import CorruptData, IncompatibleFormat, InternalError, InvalidRequest
 
 INDEX_FORMAT = 1
 
@@ -125,6 +125,9 @@ class Index:
                 max_readers=max_readers, readahead=False,
             )
         except lmdb.Error as exc:  # not an LMDB file (damaged, truncated), or an environment LMDB refuses
+            if any(m in str(exc) for m in ("Permission denied", "Read-only file system")):
+                raise InvalidRequest(f"the index at {path} cannot be opened for writing ({exc}): the store "
+                                     "needs write access to its data directory, even to read it") from exc
             raise CorruptData(f"the index at {path} cannot be opened ({exc}); restore it from a copy, or "
                               "move the data directory aside and start a fresh one") from exc
         try:

@@ -418,6 +418,23 @@ def test_a_damaged_index_file_is_a_typed_error(data_dir, keys):
         kvstore.connect(str(data_dir), fsync=False)
 
 
+def test_an_index_it_may_not_write_is_not_called_damaged(data_dir, keys, monkeypatch):
+    """LMDB refusing for permissions (a read-only mount, another user's files) is said as
+    such; before, the message called the index damaged and advised starting a fresh store."""
+    import lmdb
+
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        s.put(keys[0], b"v")
+
+    def refuse(path, **kw):
+        raise lmdb.ReadonlyError(f"{path}: Read-only file system")
+
+    monkeypatch.setattr(lmdb, "open", refuse)
+    with pytest.raises(kvstore.InvalidRequest, match="write access") as ei:
+        kvstore.connect(str(data_dir), fsync=False)
+    assert "fresh" not in str(ei.value)
+
+
 def test_refuses_a_foreign_directory(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(InvalidRequest, match="refusing"):
