@@ -154,14 +154,14 @@ def shard_name(url: str) -> str:
     client must name each daemon by the same host."""
     addr, tls = parse_address(url)
     host, _, port = addr.rpartition(":")
-    host = host.lower()
     if host.startswith("["):
-        try:
-            host = f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
+        try:  # the zone of "fe80::1%eth0" keeps its case: interface names are case-sensitive
+            host = f"[{ipaddress.IPv6Address(host[1:-1].replace('%25', '%', 1)).compressed}]"
         except ValueError:
-            pass  # not an address (gRPC refuses it when connecting)
-    elif len(host) > 1:
-        host = host.rstrip(".") or host
+            host = host.lower()  # not an address (gRPC refuses it when connecting)
+    else:
+        host = host.lower()
+        host = (host.rstrip(".") or host) if len(host) > 1 else host
     return f"{'grpcs' if tls else 'grpc'}://{host}:{int(port)}"
 
 

@@ -103,6 +103,11 @@ def test_shard_placement_does_not_depend_on_how_an_address_is_spelled():
         b.close()
     with pytest.raises(InvalidRequest, match="distinct"):
         ShardedStore(["grpc://h:1", "grpc://H:0001"])
+    from kvstore.client_options import shard_name
+
+    # an IPv6 zone is an interface name: its case is kept, its %25 spelling is the same zone
+    assert shard_name("grpc://[FE80::1%25eth0]:5") == shard_name("grpc://[fe80::1%eth0]:5") == "grpc://[fe80::1%eth0]:5"
+    assert shard_name("grpc://[fe80::1%ETH0]:5") != shard_name("grpc://[fe80::1%eth0]:5")
 
 
 def test_probe_answers_are_checked():
