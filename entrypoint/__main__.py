@@ -8,7 +8,8 @@ unreadable worker secret, a non-loopback ``--host`` without one) is one line on
 stderr and exit code 2, never a traceback; it is found before anything listens.
 
 Worker secret (``entrypoint.auth``): ``--worker-secret-file FILE``, else the
-``KVSTACK_WORKER_SECRET`` environment variable; workers must send the same one.
+``KVSTACK_WORKER_SECRET`` environment variable; workers must have the same one
+(they send it to ``Register``, and require it of the entrypoint's calls).
 Without either, the entrypoint serves on loopback only and warns once.
 
 ``--max-model-len N``: prompt + ``max_new_tokens`` over N is refused
@@ -53,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="refuse prompt + max_new_tokens over N before any prefill (0: no bound; default: the "
                          "model preset's max_model_len if it has one, else 0)")
     ap.add_argument("--worker-secret-file", default="", metavar="FILE",
-                    help=f"file holding the secret workers must send to Register (default: ${SECRET_ENV}; "
-                         "none: loopback only, with a warning)")
+                    help=f"file holding the secret shared with the workers: they send it to Register, and "
+                         f"it is sent on every call to them (default: ${SECRET_ENV}; none: loopback only, "
+                         "with a warning)")
     try:
         a = ap.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2), its one line already printed

@@ -1,10 +1,14 @@
-"""The worker secret: who may join (``Register``) or remove (``Deregister``) entrypoint workers.
+"""The worker secret: who may join (``Register``) or remove (``Deregister``) entrypoint
+workers, and who may call the workers themselves.
 
 Why: ``Register`` replaces the address of a worker id. Without a check, any
 process that can reach the entrypoint could point a worker id at itself and
-receive every prompt routed there (or ``Deregister`` the fleet). So the
-entrypoint and its workers share one secret, and the membership calls carry it
-as gRPC metadata ``authorization: Bearer <secret>`` (the kvstore daemon's
+receive every prompt routed there (or ``Deregister`` the fleet). And a worker
+trusts what its callers send (the tenant salt that enters every KV key, the VE
+cache scope, the request size): a process that calls it directly could write
+or read KV under any tenant's salt, past the entrypoint's tenant handling and
+request limits. So the entrypoint and its workers share one secret, carried as
+gRPC metadata ``authorization: Bearer <secret>`` (the kvstore daemon's
 bearer-token convention, ``kvstore/server/auth.py``). A missing or wrong
 secret is UNAUTHENTICATED and changes nothing; it is compared in constant time.
 A worker restarted after a failover re-registers under its old id with the
@@ -20,17 +24,31 @@ The same two sources serve ``python -m entrypoint`` and
 characters without spaces (a gRPC metadata value), e.g.
 ``python -c "import secrets; print(secrets.token_urlsafe(32))"``.
 
-No secret at all (``check_listen``): an entrypoint listening on a loopback
-address accepts membership calls without one and logs one warning at start,
-so a laptop stack needs no configuration; one listening on any other address
-refuses to start, since there the whole network could re-route its workers.
-``entrypoint.cluster.Cluster`` (the walkthrough, the tests, the benchmarks)
-generates a random secret per stack and hands it to the entrypoint and the
-workers it starts through the environment, so even the zero-configuration
-walkthrough runs with membership authenticated.
+No secret at all (``check_listen``): an entrypoint or a worker listening on a
+loopback address accepts calls without one and logs one warning once it
+serves, so a laptop stack needs no configuration; one listening on any other
+address refuses to start, since there the whole network could re-route the
+workers or call them. ``entrypoint.cluster.Cluster`` (the walkthrough, the
+tests, the benchmarks) generates a random secret per stack and hands it to the
+entrypoint and the workers it starts through the environment, so even the
+zero-configuration walkthrough runs authenticated.
 
-Scope: only the membership calls. ``ListWorkers`` (read-only) stays open, and
-the workers' own service (``Prefill``, ``Decode``, ...) does not check callers.
+Scope, when a secret is configured:
+  * entrypoint: ``Register`` and ``Deregister`` need it (``WorkerAuth.check``
+    in the handler, before any change); ``ListWorkers`` (read-only) and
+    ``Generate`` (the clients' call) stay open.
+  * worker: every method of its ``Worker`` service (``Prefill``, ``Decode``,
+    ``Encode``, ``Status``, and any added later) needs it
+    (``server_interceptors``: a server interceptor, so a refused call reaches
+    no handler, not even the request parser).
+  * the entrypoint sends it on every call it makes to a worker
+    (``client_interceptor``, on every channel ``entrypoint.registry`` opens),
+    after the call's own metadata (the VE cache scope on ``Encode``); a worker
+    sends it with ``Register`` (``metadata``).
+A worker given a secret that its entrypoint lacks registers, but refuses the
+entrypoint's first ``Status``; the registry then drops it and refuses the
+``Register`` (INVALID_ARGUMENT naming the mismatch), so the worker exits
+instead of serving nobody.
 """
 
 from __future__ import annotations
@@ -39,6 +57,7 @@ import hmac
 import ipaddress
 import logging
 import os
+from dataclasses import dataclass
 from typing import Mapping
 
 import grpc
@@ -78,7 +97,7 @@ def load_worker_secret(secret_file: str = "", env: Mapping[str, str] | None = No
 
 
 def metadata(secret: str) -> tuple[tuple[str, str], ...]:
-    """The call metadata a worker sends with its membership calls (none without a secret)."""
+    """The call metadata that carries ``secret`` (none without a secret)."""
     return ((HEADER, f"Bearer {secret}"),) if secret else ()
 
 
@@ -91,21 +110,37 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_listen(host: str, secret: str) -> None:
-    """Refuse (``InvalidRequest``) an entrypoint on a non-loopback ``host`` without a secret;
-    warn once (here, at start) for one on loopback."""
+# What a caller could do to a server of this kind that has no secret: the reason in its messages.
+_OPEN_RISK = {
+    "entrypoint": "register or deregister workers",
+    "worker": "send this worker requests under any tenant's salt, past the entrypoint's checks",
+}
+
+
+def check_listen(host: str, secret: str, *, server: str = "entrypoint", warn: bool = True) -> None:
+    """Refuse (``InvalidRequest``) a ``server`` ("entrypoint" or "worker") on a non-loopback
+    ``host`` without a secret; with ``warn``, warn once (here) for one on loopback.
+
+    A worker calls it with ``warn=False`` before it opens anything and ``warn_no_secret``
+    once it serves, so that a start-up error stays the one line on stderr."""
     if secret:
         return
     if not is_loopback(host):
-        raise InvalidRequest(f"the entrypoint listens on {host}, beyond loopback, but has no worker secret: anyone "
-                             f"who can reach it could register workers; set {SECRET_ENV} or --worker-secret-file "
-                             "(and the same for the workers)")
-    log.warning("no worker secret configured: any local process can register or deregister workers "
-                "(set %s or --worker-secret-file, and the same for the workers)", SECRET_ENV)
+        raise InvalidRequest(f"the {server} listens on {host}, beyond loopback, but has no worker secret: anyone "
+                             f"who can reach it could {_OPEN_RISK[server]}; set {SECRET_ENV} or "
+                             "--worker-secret-file (the same on the entrypoint and every worker)")
+    if warn:
+        warn_no_secret(server)
+
+
+def warn_no_secret(server: str) -> None:
+    """The one warning of a ``server`` that serves on loopback without a secret."""
+    log.warning("no worker secret configured: any local process can %s (set %s or --worker-secret-file, "
+                "the same on the entrypoint and every worker)", _OPEN_RISK[server], SECRET_ENV)
 
 
 class WorkerAuth:
-    """Checks the worker secret of one membership call. No secret configured: everyone passes."""
+    """Checks the worker secret of one call. No secret configured: everyone passes."""
 
     def __init__(self, secret: str):
         self._secret = f"Bearer {secret}".encode() if secret else b""
@@ -114,18 +149,93 @@ class WorkerAuth:
     def enabled(self) -> bool:
         return bool(self._secret)
 
+    @staticmethod
+    def _given(invocation_metadata) -> bytes:
+        for k, v in invocation_metadata or ():
+            if k == HEADER:
+                return v if isinstance(v, bytes) else v.encode("utf-8", "replace")
+        return b""
+
+    def admits(self, invocation_metadata) -> bool:
+        """Whether call metadata (``(key, value)`` pairs) carries the secret; compared in constant time."""
+        return not self._secret or hmac.compare_digest(self._given(invocation_metadata), self._secret)
+
     def check(self, context: grpc.ServicerContext, what: str) -> None:
         """Abort the call with UNAUTHENTICATED unless it carries the secret."""
-        if not self._secret:
-            return
-        given = b""
-        for k, v in context.invocation_metadata() or ():
-            if k == HEADER:
-                given = v if isinstance(v, bytes) else v.encode("utf-8", "replace")
-                break
-        if not hmac.compare_digest(given, self._secret):
-            log.warning("refused %s from %s: %s worker secret", what, context.peer(),
-                        "wrong" if given else "no")
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"{what} needs the worker secret: send metadata '{HEADER}: Bearer <secret>' with the "
-                          f"entrypoint's secret ({SECRET_ENV} or --worker-secret-file on the worker)")
+        if not self.admits(context.invocation_metadata()):
+            self.refuse(context, what)
+
+    def refuse(self, context: grpc.ServicerContext, what: str) -> None:
+        """Log and abort (raises) with UNAUTHENTICATED: ``what`` came without the secret, or a wrong one."""
+        given = self._given(context.invocation_metadata())
+        log.warning("refused %s from %s: %s worker secret", what, context.peer(), "wrong" if given else "no")
+        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                      f"{what} needs the worker secret: send metadata '{HEADER}: Bearer <secret>' with the "
+                      f"secret the entrypoint and its workers share ({SECRET_ENV} or --worker-secret-file)")
+
+
+class _RequireSecret(grpc.ServerInterceptor):
+    """Every call to the server must carry the secret; a refused one gets a handler that only
+    aborts, so the servicer (and the request parser of ``entrypoint.rpc``) never runs."""
+
+    def __init__(self, auth: WorkerAuth):
+        self._auth = auth
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or self._auth.admits(handler_call_details.invocation_metadata):
+            return handler
+        what = handler_call_details.method.rsplit("/", 1)[-1]  # "/kvstack.serving.Worker/Prefill" -> "Prefill"
+
+        def refuse(request, context):
+            self._auth.refuse(context, what)
+
+        def refuse_stream(request, context):
+            self._auth.refuse(context, what)
+            yield from ()  # a generator, as a streaming behaviour is
+
+        if handler.request_streaming:  # no such method in the Worker service; refused the same way
+            return (grpc.stream_stream_rpc_method_handler(refuse_stream) if handler.response_streaming
+                    else grpc.stream_unary_rpc_method_handler(refuse))
+        return (grpc.unary_stream_rpc_method_handler(refuse_stream) if handler.response_streaming
+                else grpc.unary_unary_rpc_method_handler(refuse))
+
+
+def server_interceptors(secret: str) -> tuple[grpc.ServerInterceptor, ...]:
+    """What a worker's server needs to require ``secret`` on every call (nothing without one)."""
+    return (_RequireSecret(WorkerAuth(secret)),) if secret else ()
+
+
+@dataclass(frozen=True, slots=True)
+class _CallDetails(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: tuple | None
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: grpc.Compression | None
+
+
+class _SendSecret(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the secret to the metadata of every call, after the metadata the call already has."""
+
+    def __init__(self, secret: str):
+        self._metadata = metadata(secret)
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(d.method, d.timeout, tuple(d.metadata or ()) + self._metadata,
+                            getattr(d, "credentials", None), getattr(d, "wait_for_ready", None),
+                            getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
+def client_interceptor(secret: str) -> grpc.UnaryUnaryClientInterceptor | None:
+    """What a channel to a worker needs to send ``secret`` on every call (``None`` without one);
+    use as ``grpc.intercept_channel(channel, interceptor)``. Covers unary and server-streaming
+    calls, all the ``Worker`` service has."""
+    return _SendSecret(secret) if secret else None

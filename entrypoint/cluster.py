@@ -13,7 +13,7 @@ Worker secret: each ``Cluster`` makes a random one (``secrets.token_urlsafe``)
 unless given one, and hands it to the entrypoint and to every worker it starts
 in their environment (``KVSTACK_WORKER_SECRET``, never on a command line, where
 ``ps`` would show it); the kvstore daemon does not get it. A test that calls
-``Register``/``Deregister`` itself sends ``worker_metadata()``.
+``Register``/``Deregister`` or a worker itself sends ``worker_metadata()``.
 """
 
 from __future__ import annotations
@@ -152,7 +152,8 @@ class Cluster:
         raise StoreUnavailable(f"only some of {n} workers registered within {timeout_s} s")
 
     def worker_metadata(self) -> tuple[tuple[str, str], ...]:
-        """Call metadata for ``Register``/``Deregister`` on this stack's entrypoint."""
+        """Call metadata for ``Register``/``Deregister`` on this stack's entrypoint, and for any call
+        to one of its workers."""
         return auth.metadata(self.worker_secret)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

@@ -8,6 +8,13 @@ Heartbeat: a thread calls every instance's ``Status`` each ``heartbeat_s``;
 ``miss_limit`` misses in a row mark it down, and a success marks it up again.
 A dispatch failure (``mark_down``) takes effect at once.
 
+Worker secret (``entrypoint.auth``): every channel ``add`` opens sends it on
+every call (``Status`` here, and ``Prefill``/``Decode``/``Encode`` from the
+entrypoint's dispatch through ``Instance.stub``), after the call's own
+metadata. A worker that refuses the first ``Status`` as UNAUTHENTICATED (it
+has a secret the entrypoint lacks, or another one) is not added: ``add`` raises
+``InvalidRequest``, so its ``Register`` fails and says why.
+
 The prefix view per prefill/decode instance is approximate, as in SGLang's
 router: the block hashes the entrypoint routed there recently (an LRU bounded
 in blocks), standing for that engine's device prefix cache.
@@ -23,6 +30,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from entrypoint import auth
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from kvstore.errors import InvalidRequest
@@ -52,8 +60,9 @@ class Registry:
     """Thread-safe registry of workers by role. See the module docstring."""
 
     def __init__(self, *, heartbeat_s: float = 0.5, miss_limit: int = 3, rpc_timeout_s: float = 1.0,
-                 prefix_capacity_blocks: int = 4096):
+                 prefix_capacity_blocks: int = 4096, worker_secret: str = ""):
         self.heartbeat_s, self.miss_limit, self.rpc_timeout_s = heartbeat_s, miss_limit, rpc_timeout_s
+        self._send_secret = auth.client_interceptor(worker_secret)  # None: no secret (the secret is not kept here)
         self.prefix_capacity = prefix_capacity_blocks
         self._lock = threading.Lock()
         self._by_id: dict[str, Instance] = {}
@@ -66,13 +75,23 @@ class Registry:
             raise InvalidRequest(f"a worker needs an id, an address and a role in ve/prefill/decode; got "
                                  f"{worker_id!r} {role!r} {address!r}")
         ch = grpc.insecure_channel(address)
+        if self._send_secret is not None:
+            ch = grpc.intercept_channel(ch, self._send_secret)
         inst = Instance(worker_id, role, address, ch, pbg.WorkerStub(ch), last_seen=time.monotonic())
         with self._lock:
             old = self._by_id.pop(worker_id, None)
             self._by_id[worker_id] = inst
         if old is not None:
             old.channel.close()
-        self._poll(inst)  # the LBs need its load and memory figures before its first request
+        # The LBs need its load and memory figures before its first request.
+        if self._poll(inst) == grpc.StatusCode.UNAUTHENTICATED:  # it would refuse every call: not added
+            with self._lock:
+                if self._by_id.get(worker_id) is inst:
+                    del self._by_id[worker_id]
+            ch.close()
+            raise InvalidRequest(f"worker {worker_id} at {address} refused the entrypoint's Status call as "
+                                 f"UNAUTHENTICATED: the worker has a worker secret and the entrypoint has none, or "
+                                 f"another one; give both the same ({auth.SECRET_ENV} or --worker-secret-file)")
         log.info("worker %s (%s) joined at %s", worker_id, role, address)
         return inst
 
@@ -114,7 +133,8 @@ class Registry:
                 inst.prefix.popitem(last=False)
 
     # ------------------------------------------------------------------ heartbeat
-    def _poll(self, inst: Instance) -> None:
+    def _poll(self, inst: Instance) -> grpc.StatusCode | None:
+        """One heartbeat of ``inst``; the status code of a failed one (``None``: it answered)."""
         try:
             st = inst.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
         except grpc.RpcError as exc:
@@ -124,12 +144,13 @@ class Registry:
                     inst.healthy = False
                     log.warning("worker %s missed %d heartbeats (%s): down", inst.worker_id,
                                 inst.misses, exc.code())
-            return
+            return exc.code()
         with self._lock:
             inst.status, inst.misses, inst.last_seen = st, 0, time.monotonic()
             if not inst.healthy:
                 log.info("worker %s answers again: up", inst.worker_id)
             inst.healthy = True
+        return None
 
     def poll_once(self) -> None:
         for inst in self.instances():

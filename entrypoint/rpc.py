@@ -76,12 +76,15 @@ def add_service(server: grpc.Server, servicer: Any, service: ServiceDescriptor) 
 
 
 def make_server(executor: Any, services: Iterable[tuple[Any, ServiceDescriptor]], host: str,
-                port: int) -> tuple[grpc.Server, int]:
+                port: int, *, interceptors: Iterable[grpc.ServerInterceptor] = ()) -> tuple[grpc.Server, int]:
     """A server (not started) with ``services`` added, bound to ``host:port``; returns it and the bound port.
 
-    A port that cannot be bound raises ``InvalidRequest`` (after stopping the server)."""
-    server = grpc.server(executor, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    ``interceptors`` run before any handler, so before the request bytes are parsed (the
+    worker's secret check, ``entrypoint.auth.server_interceptors``). A port that cannot be
+    bound raises ``InvalidRequest`` (after stopping the server)."""
+    server = grpc.server(executor, interceptors=tuple(interceptors) or None,
+                         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     for servicer, service in services:
         add_service(server, servicer, service)
     try:

@@ -37,7 +37,9 @@ returned to the client and the worker stays up.
 
 Membership: ``Register`` and ``Deregister`` need the worker secret when one is
 configured (``entrypoint.auth``: UNAUTHENTICATED otherwise, and nothing
-changes); ``ListWorkers`` is open.
+changes); ``ListWorkers`` is open. Every call to a worker (every hop above, and
+the heartbeat) carries the same secret, since the workers require it
+(``entrypoint.registry`` opens the channels).
 
 Cancellation: a client that goes away cancels the in-flight worker call.
 Deadlines: worker calls get the client's remaining time. Backpressure: at most
@@ -92,7 +94,8 @@ class EntrypointConfig:
     # Bound on prompt + max_new_tokens of one request (0: none). A request over it could never be
     # decoded (no pool holds it), so it is refused before its prefill, not after.
     max_model_len: int = 0
-    # Shared secret of the membership calls ("": none; see entrypoint.auth). Not in repr: logs.
+    # Shared secret of the membership calls and of every call to a worker ("": none; see
+    # entrypoint.auth). Not in repr: logs.
     worker_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
@@ -392,7 +395,7 @@ def serve(cfg: EntrypointConfig, store_url: str, *, host: str = "127.0.0.1", por
         raise kvstore.InvalidRequest(f"heartbeat_s must be a finite number > 0, got {heartbeat_s!r}")
     check_listen(host, cfg.worker_secret)
     store = kvstore.connect(store_url)
-    registry = Registry(heartbeat_s=heartbeat_s)
+    registry = Registry(heartbeat_s=heartbeat_s, worker_secret=cfg.worker_secret)
     server = None
     try:
         service = EntrypointService(cfg, store, registry)

@@ -34,13 +34,21 @@ request while looking healthy.
 Request bytes that do not parse as the method's message are INVALID_ARGUMENT
 before any handler runs (``entrypoint.rpc``).
 
+Callers: with the worker secret (``--worker-secret-file FILE``, else
+``KVSTACK_WORKER_SECRET``; see ``entrypoint.auth``) every method here needs
+it (metadata ``authorization: Bearer <secret>``; UNAUTHENTICATED otherwise,
+before the request is parsed or any work is done), so only the entrypoint,
+which sends it on every call, can reach the engine with a tenant's salt or an
+image scope. Without one the worker serves on loopback only, and warns once
+it serves.
+
 Run: ``python -m entrypoint.worker --role decode --store ./kvstack-data``;
 the first line on stdout is ``READY <json>`` with the bound address. With
-``--entrypoint``, the worker registers there, sending the worker secret
-(``--worker-secret-file FILE``, else ``KVSTACK_WORKER_SECRET``; see
-``entrypoint.auth``). A usage error (bad flag, unknown model, a bad or
-refused worker secret) is one line on stderr and exit code 2, an entrypoint
-that cannot be reached one line and exit code 1; never a traceback.
+``--entrypoint``, the worker registers there, sending the worker secret. A
+usage error (bad flag, unknown model, a bad or refused worker secret, a
+non-loopback ``--host`` without a secret) is one line on stderr and exit code
+2, an entrypoint that cannot be reached one line and exit code 1; never a
+traceback.
 """
 
 from __future__ import annotations
@@ -86,7 +94,8 @@ class WorkerConfig:
     num_blocks: int = 1024
     host_capacity_bytes: int = 64 * 1024 * 1024
     entrypoint: str = ""  # address to register with ("" = the entrypoint is told by whoever started us)
-    worker_secret: str = field(default="", repr=False)  # sent with Register (entrypoint.auth); not in logs
+    # Sent with Register and required of every caller (entrypoint.auth); not in logs.
+    worker_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -396,13 +405,16 @@ def _close(closables: Any) -> None:
 
 
 def serve(cfg: WorkerConfig, *, ready_out=sys.stdout) -> int:
-    """Serve until SIGTERM/SIGINT. A start-up failure (a port that cannot be bound, an entrypoint
-    that cannot be reached or refuses us) raises a ``KVStoreError`` after closing what was opened."""
+    """Serve until SIGTERM/SIGINT. A start-up failure (a non-loopback host without a worker
+    secret, a port that cannot be bound, an entrypoint that cannot be reached or refuses us)
+    raises a ``KVStoreError`` after closing what was opened."""
+    auth.check_listen(cfg.host, cfg.worker_secret, server="worker", warn=False)  # before anything is opened
     svc, closables = build(cfg)
     server = None
     try:
         server, port = make_server(futures.ThreadPoolExecutor(max_workers=16),
-                                   [(svc, pb.DESCRIPTOR.services_by_name["Worker"])], cfg.host, cfg.port)
+                                   [(svc, pb.DESCRIPTOR.services_by_name["Worker"])], cfg.host, cfg.port,
+                                   interceptors=auth.server_interceptors(cfg.worker_secret))
         server.start()
         address = f"{cfg.host}:{port}"
         info = pb.WorkerInfo(worker_id=cfg.worker_id, role=cfg.role, address=address)
@@ -413,6 +425,8 @@ def serve(cfg: WorkerConfig, *, ready_out=sys.stdout) -> int:
             server.stop(grace=0).wait()
         _close(closables)
         raise
+    if not cfg.worker_secret:  # only now: a start-up error stays one line on stderr
+        auth.warn_no_secret("worker")
     print("READY " + json.dumps({"worker_id": cfg.worker_id, "role": cfg.role, "address": address}),
           file=ready_out, flush=True)
     stop = threading.Event()
@@ -428,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m entrypoint.worker", description="kvstack engine worker")
     ap.add_argument("--role", required=True, choices=ROLES)
     ap.add_argument("--id", default="", help="worker id (default: the role and a random suffix)")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (beyond loopback only with a worker secret)")
     ap.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one, printed in READY)")
     ap.add_argument("--store", default="./kvstack-data", help="kvstore URL (a data directory or grpc://...)")
     ap.add_argument("--model", default="tiny", help="reference model preset")
@@ -436,8 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the engine's device pool")
     ap.add_argument("--entrypoint", default="", help="entrypoint address to register with")
     ap.add_argument("--worker-secret-file", default="", metavar="FILE",
-                    help=f"file holding the entrypoint's worker secret, sent with Register "
-                         f"(default: ${auth.SECRET_ENV})")
+                    help=f"file holding the entrypoint's worker secret, sent with Register and required "
+                         f"of every caller (default: ${auth.SECRET_ENV}; none: loopback only, with a warning)")
     try:
         a = ap.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2), its one line already printed

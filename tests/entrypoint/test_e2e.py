@@ -177,6 +177,55 @@ def test_deadline_and_cancellation_leave_the_service_healthy(cluster):
     assert toks == cold_tokens(prompt, 6)
 
 
+@pytest.mark.parametrize("md", [(), (("authorization", "Bearer not-the-stack-secret-0123456789"),)],
+                         ids=["no_secret", "wrong_secret"])
+def test_workers_refuse_direct_calls_without_the_secret_and_do_nothing(cluster, md):
+    """Before: any local process could call a worker directly, with any tenant's salt or VE scope,
+    past the entrypoint's tenant handling and limits. Now each method is UNAUTHENTICATED and does
+    no work; the same requests through the entrypoint are served."""
+    import kvstore
+    from engine_plugin.reference import model_preset
+    from entrypoint.proto import serving_pb2_grpc as pbg
+    from kvstore.keys import BlockHasher
+
+    def refused(call):
+        with pytest.raises(grpc.RpcError) as ei:
+            call()
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED, (ei.value.code(), ei.value.details())
+
+    salt = b"salt-a"  # tenant a's: a direct caller claims to be tenant a
+    prompt = _prompt(20 + len(md), 64)
+    sampling = pb.Sampling(max_new_tokens=4)
+    img = os.urandom(1500)
+    keys = BlockHasher(model_preset(MODEL).namespace(), 16, salt).hash_blocks(prompt, [])
+    channels = {name: grpc.insecure_channel(cluster.procs[name].address) for name in ("ve-0", "prefill-0", "decode-0")}
+    store = kvstore.connect(cluster.store_url)
+    try:
+        ve, prefill, decode = (pbg.WorkerStub(ch) for ch in channels.values())
+        refused(lambda: ve.Status(pb.StatusRequest(), timeout=10, metadata=md))
+        refused(lambda: ve.Encode(pb.EncodeRequest(image=pb.ImageSegment(
+            image_hash=image_hash(img), image_data=img, length=10)), timeout=10, metadata=md))
+        refused(lambda: prefill.Prefill(pb.PrefillRequest(request_id="direct", token_ids=prompt, tenant_salt=salt,
+                                                          sampling=sampling), timeout=60, metadata=md))
+        streamed = []
+        refused(lambda: streamed.extend(decode.Decode(pb.DecodeRequest(
+            request_id="direct", token_ids=prompt, generated=[1], tenant_salt=salt, sampling=sampling),
+            timeout=60, metadata=md)))
+        assert streamed == []  # not one token
+        # Nothing was done: no image tokens cached, no KV written to the store under tenant a's salt.
+        assert image_hash(img) not in ve.Status(pb.StatusRequest(), timeout=10,
+                                                metadata=cluster.worker_metadata()).cached_images
+        assert store.lookup(keys).hit_blocks == 0
+        # The entrypoint's own calls carry the secret: the same prompt, as tenant a, is served.
+        toks, _, _ = cluster.client().generate(prompt, max_new_tokens=4, tenant="a")
+        assert toks == cold_tokens(prompt, 4)
+        assert store.lookup(keys).hit_blocks == len(keys)  # (the check above would have seen a write)
+    finally:
+        store.close()
+        for ch in channels.values():
+            ch.close()
+
+
 def _live_workers(cl) -> dict[str, str]:
     return {w.worker_id: w.address for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers}
 

@@ -1,10 +1,14 @@
 """The entrypoint service in process, with fake workers (no engine, no subprocess): the worker
-secret on the membership calls, and the ``max_model_len`` bound checked before any prefill."""
+secret on the membership calls and on every call to a worker (the worker's check of it, here
+on a fake servicer; on real workers in ``test_e2e``), and the ``max_model_len`` bound checked
+before any prefill."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -24,22 +28,62 @@ FIRST_TOKEN = 7
 
 
 class FakeWorker(pbg.WorkerServicer):
-    """Answers Status for ``role``; Prefill replies FIRST_TOKEN; Decode streams 1, 2, 3, ..."""
+    """Answers Status for ``role``; Prefill replies FIRST_TOKEN; Decode streams 1, 2, 3, ...;
+    Encode gives ``length`` tokens 5. Records each call: (method, its metadata as a dict)."""
 
     def __init__(self, worker_id: str, role: str):
         self.worker_id, self.role = worker_id, role
         self.prefills: list[int] = []  # prompt lengths of the Prefill calls
+        self.calls: list[tuple[str, dict]] = []
+
+    def _record(self, method: str, context) -> None:
+        self.calls.append((method, dict(context.invocation_metadata() or ())))
 
     def Status(self, request, context):
+        self._record("Status", context)
         return pb.WorkerStatus(worker_id=self.worker_id, role=self.role, kv_capacity_bytes=1 << 30)
 
     def Prefill(self, request, context):
+        self._record("Prefill", context)
         self.prefills.append(len(request.token_ids))
         return pb.PrefillReply(first_token=FIRST_TOKEN, stats="{}")
 
     def Decode(self, request, context):
+        self._record("Decode", context)
         for i in range(len(request.generated), request.sampling.max_new_tokens):
             yield pb.DecodeEvent(token_id=i, index=i)
+
+    def Encode(self, request, context):
+        self._record("Encode", context)
+        return pb.EncodeReply(token_ids=[5] * request.image.length)
+
+
+def _serve_fake(fake: FakeWorker, opened: list, secret: str = "") -> str:
+    """Serve ``fake`` on loopback as a worker does (requiring ``secret`` when given); its address."""
+    kw = {"interceptors": auth.server_interceptors(secret)} if secret else {}  # none: a worker without one
+    server, port = make_server(ThreadPoolExecutor(4), [(fake, pb.DESCRIPTOR.services_by_name["Worker"])],
+                               "127.0.0.1", 0, **kw)
+    server.start()
+    opened.append(server.stop)
+    return f"127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def _serving(cfg: EntrypointConfig, store_dir):
+    """``entrypoint.server.serve`` in a thread; yields its address."""
+    stop, ready = threading.Event(), []
+    t = threading.Thread(target=serve, args=(cfg, str(store_dir)),
+                         kwargs=dict(host="127.0.0.1", heartbeat_s=0.05, stop=stop, ready=ready.append), daemon=True)
+    t.start()
+    try:
+        for _ in range(200):
+            if ready:
+                break
+            stop.wait(0.05)
+        yield ready[0]
+    finally:
+        stop.set()
+        t.join(timeout=30)
 
 
 @pytest.fixture
@@ -51,14 +95,10 @@ def stack(tmp_path):
         fakes = {}
         for role in ("prefill", "decode"):
             fake = FakeWorker(f"fake-{role}", role)
-            server, port = make_server(ThreadPoolExecutor(4), [(fake, pb.DESCRIPTOR.services_by_name["Worker"])],
-                                       "127.0.0.1", 0)
-            server.start()
-            opened.append(server.stop)
-            fakes[role] = (fake, f"127.0.0.1:{port}")
+            fakes[role] = (fake, _serve_fake(fake, opened))
         cfg = EntrypointConfig(namespace=model_preset("tiny").namespace(), **cfg_kw)
         store = kvstore.connect(str(tmp_path / "store"))
-        registry = Registry()
+        registry = Registry(worker_secret=cfg.worker_secret)  # as entrypoint.server.serve makes it
         svc = EntrypointService(cfg, store, registry)
         server, port = make_server(ThreadPoolExecutor(8), [(svc, pb.DESCRIPTOR.services_by_name["Entrypoint"])],
                                    "127.0.0.1", 0)
@@ -145,6 +185,94 @@ def test_without_a_secret_loopback_serves_with_one_warning_and_other_hosts_refus
         t.join(timeout=30)
     warnings = [r for r in caplog.records if "no worker secret" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_the_entrypoint_sends_the_secret_on_every_call_to_a_worker(tmp_path):
+    """Every call the entrypoint makes to a worker (the heartbeat, each hop) carries the secret,
+    after the call's own metadata (the VE scope). Before: none did, so workers could not ask."""
+    from entrypoint.vision import SCOPE_METADATA, image_hash, tenant_scope
+
+    opened: list = []
+    fakes = {role: FakeWorker(f"fake-{role}", role) for role in ("ve", "prefill", "decode")}
+    cfg = EntrypointConfig(namespace=model_preset("tiny").namespace(), worker_secret=SECRET)
+    try:
+        with _serving(cfg, tmp_path / "store") as address, grpc.insecure_channel(address) as ch:
+            stub = pbg.EntrypointStub(ch)
+            for role, fake in fakes.items():
+                info = pb.WorkerInfo(worker_id=fake.worker_id, role=role, address=_serve_fake(fake, opened))
+                assert stub.Register(info, timeout=10, metadata=auth.metadata(SECRET)).ok
+            img = b"picture" * 20
+            req = pb.GenerateRequest(token_ids=list(range(1, 41)), sampling=pb.Sampling(max_new_tokens=4),
+                                     images=[pb.ImageSegment(image_hash=image_hash(img), image_data=img,
+                                                             start=2, length=8)])
+            events = list(stub.Generate(req, timeout=30))
+            assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2, 3]
+            seen, deadline = len(fakes["ve"].calls), time.monotonic() + 10
+            while not any(m == "Status" for m, _ in fakes["ve"].calls[seen:]):  # the heartbeat thread's too
+                assert time.monotonic() < deadline, "no heartbeat within 10 s"
+                time.sleep(0.05)
+    finally:
+        for close in opened:
+            close(None)
+    bearer = f"Bearer {SECRET}"
+    for role, fake in fakes.items():
+        methods = {m for m, _ in fake.calls}
+        assert methods >= {"Status", {"ve": "Encode", "prefill": "Prefill", "decode": "Decode"}[role]}
+        assert all(md.get("authorization") == bearer for _, md in fake.calls), (role, fake.calls)
+    encode_md = next(md for m, md in fakes["ve"].calls if m == "Encode")
+    assert encode_md[SCOPE_METADATA] == tenant_scope("default", b"")  # the call's own metadata, kept
+
+
+@pytest.mark.parametrize("method", [m.name for m in pb.DESCRIPTOR.services_by_name["Worker"].methods])
+def test_a_worker_with_a_secret_refuses_every_call_without_it_before_parsing_it(method):
+    """The worker's side (``auth.server_interceptors``, as ``entrypoint.worker.serve`` serves):
+    no secret, a wrong one, one not sent as a bearer token, and even unparsable bytes are
+    UNAUTHENTICATED and reach no handler; the secret gets the call served."""
+    opened: list = []
+    fake = FakeWorker("w", "ve")
+    m = pb.DESCRIPTOR.services_by_name["Worker"].methods_by_name[method]
+    try:
+        with grpc.insecure_channel(_serve_fake(fake, opened, SECRET)) as ch:
+            path = f"/{m.containing_service.full_name}/{m.name}"
+            call = (ch.unary_stream if m.server_streaming else ch.unary_unary)(
+                path, request_serializer=None, response_deserializer=None)  # raw bytes both ways
+            good = pb.DecodeRequest(sampling=pb.Sampling(max_new_tokens=2)) if method == "Decode" else \
+                pb.EncodeRequest(image=pb.ImageSegment(length=2)) if method == "Encode" else None
+            raw = good.SerializeToString() if good is not None else b""
+
+            def invoke(data: bytes, md) -> list:
+                res = call(data, timeout=10, metadata=md)
+                return list(res) if m.server_streaming else [res]
+
+            for data, md in ((raw, ()), (raw, auth.metadata("not-the-secret-but-long-enough")),
+                             (raw, (("authorization", SECRET),)), (b"\xff", ())):
+                with pytest.raises(grpc.RpcError) as ei:
+                    invoke(data, md)
+                assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED, (data, md, ei.value.details())
+                assert method in ei.value.details() and "worker secret" in ei.value.details()
+            assert fake.calls == []  # refused before the handler
+            assert invoke(raw, auth.metadata(SECRET)) and [c for c, _ in fake.calls] == [method]
+    finally:
+        for close in opened:
+            close(None)
+
+
+def test_a_worker_whose_secret_the_entrypoint_lacks_is_refused_at_registration(stack):
+    """It would refuse every call from this entrypoint: its Register fails and says why (before:
+    registered, then never up, silently)."""
+    from entrypoint.worker import _register
+
+    svc, _, _, entry = stack()  # an entrypoint without a secret
+    opened: list = []
+    try:
+        info = pb.WorkerInfo(worker_id="ve-0", role="ve", address=_serve_fake(FakeWorker("ve-0", "ve"), opened,
+                                                                             SECRET))
+        with pytest.raises(kvstore.InvalidRequest, match="refused the registration.*UNAUTHENTICATED.*same"):
+            _register(entry, info, SECRET)
+        assert _addresses(svc) == {}
+    finally:
+        for close in opened:
+            close(None)
 
 
 @pytest.mark.parametrize("value, needle", [

@@ -154,11 +154,40 @@ def test_worker_with_an_unreachable_entrypoint_says_so_in_one_line(tmp_path):
     (["--role", "prefill", "--model", "nope"], ["unknown model preset"]),
     (["--role", "nope"], ["--role"]),
     (["--role", "prefill", "--worker-secret-file", "no-such-file"], ["cannot read --worker-secret-file"]),
+    # Beyond loopback, anyone could call it with any tenant's salt (before: it served them all).
+    (["--role", "prefill", "--host", "0.0.0.0"], ["worker listens on 0.0.0.0", "no worker secret",
+                                                  "KVSTACK_WORKER_SECRET"]),
 ])
 def test_worker_usage_errors_are_one_line(tmp_path, args, needles):
     res = _run(["-m", "entrypoint.worker", "--store", str(tmp_path / "store"), *args], tmp_path)
     _one_line_error(res, "python -m entrypoint.worker", *needles)
     assert not (tmp_path / "store").exists()
+
+
+def test_worker_without_a_secret_serves_loopback_callers_and_warns_once(tmp_path):
+    """Zero configuration stays as it was: a loopback worker answers any local caller; it says so
+    once it serves (not before: a start-up error stays one line)."""
+    from entrypoint.cluster import _ready_json
+    from entrypoint.proto import serving_pb2 as pb
+    from entrypoint.proto import serving_pb2_grpc as pbg
+
+    err = tmp_path / "stderr"
+    with open(err, "wb") as err_fh:
+        p = subprocess.Popen([sys.executable, "-m", "entrypoint.worker", "--role", "ve", "--store",
+                              str(tmp_path / "store")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=err_fh,
+                             text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    try:
+        info = _ready_json(p.stdout.readline())
+        assert info is not None, err.read_text()
+        with grpc.insecure_channel(info["address"]) as ch:
+            st = pbg.WorkerStub(ch).Status(pb.StatusRequest(), timeout=30)
+        assert st.worker_id == info["worker_id"]
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+        p.stdout.close()
+    warnings = [line for line in err.read_text().splitlines() if "no worker secret" in line]
+    assert len(warnings) == 1 and "KVSTACK_WORKER_SECRET" in warnings[0], err.read_text()
 
 
 # ----------------------------------------------------------------------------- VE cache trust
