@@ -78,20 +78,18 @@ class Registry:
         if self._send_secret is not None:
             ch = grpc.intercept_channel(ch, self._send_secret)
         inst = Instance(worker_id, role, address, ch, pbg.WorkerStub(ch), last_seen=time.monotonic())
+        # The LBs need its load and memory figures before its first request. One that would
+        # refuse every call is not added, and leaves the worker registered under its id in place.
+        if self._poll(inst) == grpc.StatusCode.UNAUTHENTICATED:
+            ch.close()
+            raise InvalidRequest(f"worker {worker_id} at {address} refused the entrypoint's Status call as "
+                                 f"UNAUTHENTICATED: the worker has a worker secret and the entrypoint has none, or "
+                                 f"another one; give both the same ({auth.SECRET_ENV} or --worker-secret-file)")
         with self._lock:
             old = self._by_id.pop(worker_id, None)
             self._by_id[worker_id] = inst
         if old is not None:
             old.channel.close()
-        # The LBs need its load and memory figures before its first request.
-        if self._poll(inst) == grpc.StatusCode.UNAUTHENTICATED:  # it would refuse every call: not added
-            with self._lock:
-                if self._by_id.get(worker_id) is inst:
-                    del self._by_id[worker_id]
-            ch.close()
-            raise InvalidRequest(f"worker {worker_id} at {address} refused the entrypoint's Status call as "
-                                 f"UNAUTHENTICATED: the worker has a worker secret and the entrypoint has none, or "
-                                 f"another one; give both the same ({auth.SECRET_ENV} or --worker-secret-file)")
         log.info("worker %s (%s) joined at %s", worker_id, role, address)
         return inst
 

@@ -270,6 +270,13 @@ def test_a_worker_whose_secret_the_entrypoint_lacks_is_refused_at_registration(s
         with pytest.raises(kvstore.InvalidRequest, match="refused the registration.*UNAUTHENTICATED.*same"):
             _register(entry, info, SECRET)
         assert _addresses(svc) == {}
+        # A healthy worker registered under that id stays when such a one registers over it
+        # (before, it was dropped first, so the refused one left the id with no worker at all).
+        good = _serve_fake(FakeWorker("ve-0", "ve"), opened)
+        _register(entry, pb.WorkerInfo(worker_id="ve-0", role="ve", address=good), "")
+        with pytest.raises(kvstore.InvalidRequest, match="UNAUTHENTICATED"):
+            _register(entry, info, SECRET)
+        assert _addresses(svc) == {"ve-0": good}
     finally:
         for close in opened:
             close(None)
