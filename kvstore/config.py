@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -76,6 +77,13 @@ def split_userinfo(url: str) -> tuple[str, str | None, str | None]:
     return f"{scheme}://{rest[at + 1:]}", unquote(user), unquote(password)
 
 
+def redact_userinfo(text: str) -> str:
+    """``text`` (a URL, a list of them, a message quoting one) with each ``user:password``
+    replaced by ``***``, up to the last ``@`` of each URL: for messages about text that
+    ``split_userinfo`` may not be able to parse."""
+    return re.sub(r"://[^\s,'\"]*@", "://***@", text)
+
+
 def strip_userinfo(url: str) -> str:
     """``url`` without a ``user:password@`` part (``split_userinfo``). What names, logs,
     errors and stats show of a target URL: credentials are never recorded in the index nor
@@ -107,6 +115,9 @@ class TargetSpec:
             raise InvalidRequest("a target needs a non-empty URL")
         object.__setattr__(self, "name", strip_userinfo(self.name or self.url))
 
+    def __repr__(self) -> str:  # never the URL's credentials
+        return f"TargetSpec(url={self.shown_url!r}, domain={self.domain!r}, name={self.name!r})"
+
     @property
     def shown_url(self) -> str:
         """The URL as logs, errors and stats show it: without credentials."""
@@ -116,8 +127,11 @@ class TargetSpec:
     def parse(cls, text: str) -> "TargetSpec":
         """``URL[#DOMAIN[#NAME]]``, e.g. ``file:///mnt/nvme0/kv#rack1``."""
         parts = text.split("#")
+        if any("@" in p for p in parts[1:]):  # "s3://k:pa#ss@b/p": the '#' cut the password
+            raise InvalidRequest("a target's DOMAIN or NAME (after '#') holds an '@': if its URL carries "
+                                 "user:password@, percent-encode '#' there (%23); names hold no '@'")
         if len(parts) > 3:
-            raise InvalidRequest(f"bad target {text!r}: expected URL[#DOMAIN[#NAME]]")
+            raise InvalidRequest(f"bad target {redact_userinfo(text)!r}: expected URL[#DOMAIN[#NAME]]")
         return cls(parts[0], parts[1] if len(parts) > 1 and parts[1] else "default",
                    parts[2] if len(parts) > 2 else "")
 
@@ -325,8 +339,8 @@ def _coerce(name: str, typ: Any, value: Any, source: str = "") -> Any:
     except (TypeError, ValueError) as exc:
         where = f" in {source}" if source else ""
         # target URLs may carry user:password@ (never echoed)
-        shown = "the value given (not shown: it may hold credentials)" if "@" in str(value) else repr(value)
-        raise InvalidRequest(f"config field {name!r}{where}: cannot use {shown} ({exc})") from exc
+        raise InvalidRequest(f"config field {name!r}{where}: cannot use {redact_userinfo(repr(value))} "
+                             f"({redact_userinfo(str(exc))})") from exc
 
 
 # One source's values: field name -> (where it came from, the raw value).
