@@ -185,19 +185,20 @@ class DataDir:
         return fresh
 
     def _refuse_foreign_targets(self, marker_lost: bool) -> None:
-        """``InvalidRequest`` when the directory's records live on none of the configured
-        targets (one record asked: every record's fragments sit on k+m of the directory's
-        targets, so a right configuration names at least one of them). Opening anyway would
-        make ``verify`` mark every entry lost; it happens when the marker that records the
-        targets was lost (the default layout is then assumed) or the wrong ones are given."""
-        with self.index.env.begin() as txn:
-            first = self.index.first_record(txn)
-        if first is None or set(first.targets) & set(self.targets):
+        """``InvalidRequest`` when the directory has live entries and none of the target names
+        its index ever recorded is configured: every record's fragments sit on recorded
+        targets, so a right configuration names at least one of them (a subset of them, or
+        new targets beside them, is fine). Opening anyway would make ``verify`` mark every
+        entry lost; it happens when the marker that records the targets was lost (the default
+        layout is then assumed) or the wrong ones are given. A directory holding only lost
+        entries opens with new targets, to be repaired or emptied."""
+        recorded = self.index.target_names()
+        if not recorded or recorded & set(self.targets) or not self.index.has_live():
             return
         why = (f"its {FORMAT_FILE}, which records them, is missing" if marker_lost
                else "the configured targets are not this directory's")
         raise InvalidRequest(
-            f"the entries of {self.data_dir} live on targets {', '.join(first.targets)}, none of which is "
+            f"the entries of {self.data_dir} live on targets {', '.join(sorted(recorded))}, none of which is "
             f"configured ({', '.join(self.targets)}): {why}; give the directory's targets (targets=, "
             "KVSTORE_TARGETS, a config file's [store] targets)")
 

@@ -196,6 +196,16 @@ class Index:
                 self._tid.setdefault(name, i)
                 self._tname[i] = name
 
+    def target_names(self) -> set[str]:
+        """Every target name the index has recorded (fragments of some record sat there)."""
+        with self.env.begin() as txn:
+            return {strip_userinfo(v.decode()) for _, v in txn.cursor(db=self.db["tids"])}
+
+    def has_live(self) -> bool:
+        """True when ``entries`` holds a record."""
+        with self.env.begin() as txn:
+            return txn.cursor(db=self.db["entries"]).first()
+
     def _target_id(self, txn: lmdb.Transaction, name: str) -> int:
         i = self._tid.get(name)
         if i is not None:

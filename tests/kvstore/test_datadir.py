@@ -182,3 +182,18 @@ def test_a_directory_whose_records_live_on_none_of_the_configured_targets_is_ref
     assert (data / "kvstore.json").is_file()
     with pytest.raises(InvalidRequest, match="not this directory's"):  # marker there, wrong targets
         kvstore.connect(str(data), targets=other, fsync=False)
+    # Any recorded target configured is enough (a subset, or new ones beside them): opens.
+    some = ",".join([f"file://{tmp_path}/disk0"] + [f"file://{tmp_path}/other{i}" for i in range(5)])
+    with kvstore.connect(str(data), targets=some, fsync=False):
+        pass
+    # Only lost entries: it opens with new targets (to be repaired or emptied).
+    with kvstore.connect(str(data), targets=roots, fsync=False) as s:
+        s.delete(b"k" * 16)
+        assert s.put(b"j" * 16, b"w" * 3000)
+    for i in range(6):
+        __import__("shutil").rmtree(tmp_path / f"disk{i}", ignore_errors=True)
+    with kvstore.connect(str(data), targets=roots, fsync=False) as s:
+        s.check(fix=True)
+        assert s.stats()["entries"] == 0 and s.stats()["lost_entries"] == 1
+    with kvstore.connect(str(data), targets=other, fsync=False) as s:
+        assert s.stats()["lost_entries"] == 1
