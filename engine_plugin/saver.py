@@ -29,8 +29,10 @@ Guarantees:
      stops taking work, which a store's own calls may need (``_flush_at_exit``).
      Exit waits at most ``EXIT_FLUSH_S`` for all queues together, says so in one
      line, and on the deadline or Ctrl-C drops what is left quietly (one line,
-     counted as ``saves_dropped``); a store call that hangs never holds exit up
-     (it runs on a daemon thread, ``tiers.DaemonExecutor``). Before, the saves
+     counted as ``saves_dropped``); a gateway call that hangs does not hold exit up
+     (it runs on a daemon thread, ``tiers.DaemonExecutor``), though threads the
+     store runs itself may (the embedded store's parallel writes to a dead mount:
+     ``concurrent.futures`` joins them at exit). Before, the saves
      still queued failed with "cannot schedule new futures" and were silently
      missing from the store.
 """

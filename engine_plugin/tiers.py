@@ -53,7 +53,9 @@ hangs on it and never uses bad bytes:
 The executor of 1 (``DaemonExecutor``) runs store calls on daemon threads: a call
 abandoned at its timeout may hang forever (a dead mount, a silent endpoint), and
 ``concurrent.futures`` would join its non-daemon worker at interpreter exit, so the
-engine's process could never end.
+engine's process could never end. (Threads a store starts itself are its own: the
+embedded store's write pool is joined at exit.) After ``close`` a call is a shortfall,
+never an exception: its future comes back cancelled.
 """
 
 from __future__ import annotations
@@ -236,15 +238,19 @@ class DaemonExecutor:
     def __init__(self, workers: int, name: str):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._lock = threading.Lock()  # submit vs shutdown: no job is queued behind the stop markers
         self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(workers)]
         for t in self._threads:
             t.start()
 
     def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> cf.Future:
-        if self._closed:
-            raise RuntimeError("cannot schedule new calls after shutdown")
+        """A future of ``fn(*args, **kwargs)``; after ``shutdown``, one already cancelled."""
         fut: cf.Future = cf.Future()
-        self._q.put((fut, fn, args, kwargs))
+        with self._lock:
+            if self._closed:
+                fut.cancel()
+            else:
+                self._q.put((fut, fn, args, kwargs))
         return fut
 
     def _work(self) -> None:
@@ -257,16 +263,17 @@ class DaemonExecutor:
                     fut.set_exception(exc)
 
     def shutdown(self) -> None:
-        self._closed = True
-        while True:  # cancel what never started
-            try:
-                job = self._q.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job[0].cancel()
-        for _ in self._threads:
-            self._q.put(None)
+        with self._lock:
+            self._closed = True
+            while True:  # cancel what never started
+                try:
+                    job = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+            for _ in self._threads:
+                self._q.put(None)
 
 
 class StoreGateway:
@@ -304,6 +311,8 @@ class StoreGateway:
         fut = self._pool.submit(fn, *args, **kw)
         try:
             return True, fut.result(timeout=timeout), None
+        except cf.CancelledError:  # the gateway was closed meanwhile: no store any more
+            return False, None, None
         except cf.TimeoutError:
             self._trip(what, f"timed out after {timeout}s", "store_timeouts")
             return False, None, fut

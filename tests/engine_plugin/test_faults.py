@@ -491,3 +491,39 @@ def test_exit_waits_for_queued_saves_only_so_long(tmp_path, mode):
     assert "Traceback" not in p.stderr and "cannot schedule" not in p.stderr, p.stderr[-3000:]
     assert "exit: writing" in p.stderr and "dropped (not written within 3 s)" in p.stderr, p.stderr[-3000:]
     assert took < 100, took  # bounded (the generate before it takes seconds; a hang would take hours)
+
+
+def test_a_closed_gateway_answers_shortfalls_and_resolves_every_future():
+    """After ``close`` a call is a shortfall, not an exception (it raised RuntimeError, and a
+    caller waiting on a job cancelled by close got CancelledError); a job submitted while
+    close runs is cancelled, never left unresolved behind the stop markers."""
+    import threading as th
+
+    from engine_plugin.tiers import DaemonExecutor
+
+    class Slow:
+        def lookup(self, keys):
+            time.sleep(0.5)
+            return LookupResult(0, None)
+
+    gw = StoreGateway(Slow(), Metrics(), timeout_s=5)
+    got: list = []
+    threads = [th.Thread(target=lambda: got.append(gw.lookup([b"k" * 16]))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    gw.close()
+    for t in threads:
+        t.join(10)
+    assert len(got) == 6  # nobody raised
+    assert gw.lookup([b"k" * 16]) is None  # the shortfall answer: no store
+    ex = DaemonExecutor(2, "t")
+    futs = []
+    stop = th.Thread(target=ex.shutdown)
+    for i in range(200):
+        futs.append(ex.submit(time.sleep, 0))
+        if i == 100:
+            stop.start()
+    stop.join(10)
+    for f in futs:
+        f.result(timeout=5) if not f.cancelled() else None  # each one resolved: done or cancelled
