@@ -94,7 +94,7 @@ def _require_local_store(url: str) -> None:
             raise InvalidRequest(f"{path} is not a kvstore data directory (no {FORMAT_FILE}, no index)")
         # A store whose marker was lost: opening it rewrites the marker from the index
         # (kvstore.datadir), as the store and the daemon do.
-        print(f"{PROG}: note: {path} has no {FORMAT_FILE}; rewriting it from the index", file=sys.stderr)
+        print(f"{PROG}: note: {path} has no {FORMAT_FILE}; opening it rewrites it from the index", file=sys.stderr)
 
 
 # URL scheme -> check run before opening ("" is a plain path). Unlisted schemes open directly.

@@ -119,7 +119,7 @@ def test_usage_errors_exit_2(store_dir, run_tool, tmp_path):
     shutil.copytree(store_dir.path, copy)
     (copy / "kvstore.json").unlink()
     code, out, err = run_tool("stats", copy, "--json")
-    assert code == 0 and json.loads(out)["entries"] > 0 and "rewriting it from the index" in err, err
+    assert code == 0 and json.loads(out)["entries"] > 0 and "rewrites it from the index" in err, err
     assert (copy / "kvstore.json").is_file() and run_tool("verify", copy)[0] == 0
     assert run_tool("delete", store_dir.path, "--key", "abcd", "--kind", "swa")[0] == 2
     assert run_tool("delete", store_dir.path)[0] == 2  # --key is required
