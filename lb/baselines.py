@@ -23,6 +23,14 @@ Role
                    reject when the TTFT SLO can not be met
     ============== ===========================================================
 
+    Cost per decision: ``least_loaded`` and ``dynamo`` read
+    ``PrefillInstance.pending_tokens`` / ``queued_blocks``, O(1) per instance
+    when the snapshot carries ``QueueTotals`` (``lb.sim`` does), a walk of
+    the queue otherwise; the same numbers either way (see ``lb.types``).
+    ``mooncake`` (like ``kvstack``) still walks every queue in
+    ``queue_seconds``: a float sum of model predictions, whose value depends
+    on its order, so no running total can reproduce it bit for bit.
+
     Deviations, on purpose: "active blocks" for Dynamo are the KV blocks of
     the requests queued on the prefill instance (our snapshot has no decode
     side on a prefill instance); SGLang's "smallest tree" is
@@ -71,7 +79,7 @@ class LeastLoaded:
         live, why = healthy_or_reason(instances)
         if why:
             return Decision(None, why)
-        est = {i.id: float(i.pending_tokens) for i in live}
+        est = {i.id: float(i.pending_tokens) for i in live}  # O(1) each with QueueTotals
         pick = min(live, key=lambda i: est[i.id])
         return Decision(pick.id, f"least pending tokens ({est[pick.id]:.0f})", est)
 
@@ -132,7 +140,7 @@ class DynamoCost:
         cost = {}
         for i in live:
             uncached = req.num_blocks - req.hit_of(i.id).device
-            active = sum((q.suffix_tokens + q.cached_tokens + bt - 1) // bt for q in i.queue)
+            active = i.queued_blocks(bt)  # O(1) when the snapshot carries QueueTotals
             cost[i.id] = self.w * uncached + active
         pick = min(live, key=lambda i: cost[i.id])
         return Decision(pick.id, f"lowest Dynamo cost {cost[pick.id]:.1f}", cost)

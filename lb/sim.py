@@ -55,12 +55,17 @@ before it in the request also hit)
     arrival-order references never count (a policy above "ideal" means
     queueing, not a bug).
 
-Cost per arrival
+Cost per event
     A snapshot of an instance is O(1): its ``queue`` and ``inflight_blocks``
     are immutable views (:class:`_QueueView`, :class:`_InflightView`) over
-    the instance's append-only job log, not copies of its queue. Policies
-    that walk the queue (``queue_seconds``, ``pending_tokens``) still pay
-    for its length.
+    the instance's append-only job log, not copies of its queue, and its
+    ``totals`` (``lb.types.QueueTotals``) come from the running sums each
+    instance keeps (a ``QueueLoad``: + at enqueue, - at prefill start), so
+    ``pending_tokens`` and ``queued_blocks`` (``least_loaded``, ``dynamo``)
+    are O(1) too. Policies that walk the queue (``queue_seconds``:
+    ``mooncake``, ``kvstack``) still pay for its length. A decode finish is
+    O(log batch): each decode instance keeps a heap of its requests' target
+    steps (:class:`_Decode`).
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ from lb.trace import (  # the trace half (lb/trace.py), re-exported (``__all__``
 )
 from lb.types import (
     BLOCK_TOKENS, DecodeInstance, DecodeRequest, LBInputError, LBInternalError, PrefillInstance, PrefixHits,
-    QueuedPrefill, RouteRequest, TierBandwidth,
+    QueuedPrefill, QueueLoad, RouteRequest, TierBandwidth,
 )
 
 __all__ = ["TraceRequest", "cacheable_blocks", "parse_trace", "LRU", "SimConfig", "SimResult", "simulate",
@@ -292,6 +297,9 @@ class _Prefill:
            ``jobs[started:]`` wait, FIFO.
         3. In flight (queued or running) is ``jobs[done:]``: block ``b`` is in flight iff
            ``where[b]`` holds a position in ``[done, len(jobs))``.
+        4. ``load`` sums the estimates of the waiting jobs, ``ests[started:]`` (the
+           ``QueueTotals`` invariants): :meth:`enqueue` adds a job, :meth:`start` takes the
+           next one out as it becomes the running head; a finish changes nothing there.
     """
 
     def __init__(self, iid: int, cfg: SimConfig) -> None:
@@ -307,6 +315,7 @@ class _Prefill:
         self.done = 0
         self.running: _Job | None = None
         self.busy = 0.0
+        self.load = QueueLoad(cfg.block_tokens)
 
     def enqueue(self, job: _Job, blocks: tuple) -> None:
         """Append ``job`` (cacheable ``blocks``) to the queue; its blocks are in flight from now."""
@@ -321,6 +330,15 @@ class _Prefill:
                 self.where[b] = [pos]
             elif pos_list[-1] != pos:  # a block repeated within one request: one position
                 pos_list.append(pos)
+        self.load.enqueue(job.est)
+
+    def start(self) -> _Job:
+        """The next waiting job becomes the running one (the caller checked that none runs)."""
+        job = self.jobs[self.started]
+        self.started += 1
+        self.load.dequeue(job.est)  # shown from now on as the queue head, not in the waiting sums
+        self.running = job
+        return job
 
     def waiting(self) -> bool:
         return self.started < len(self.jobs)
@@ -333,13 +351,52 @@ class _Prefill:
 
 
 class _Decode:
-    """Fluid decode instance: ``steps`` advance at ``1 / tbt(batch)``."""
+    """Fluid decode instance: ``steps`` advance at ``1 / tbt(batch)``.
+
+    Invariants (a finish is O(log batch) because of them)
+        1. ``targets`` is a heap holding exactly one ``(target step, join number, idx)``
+           per request in ``active``: :meth:`join` pushes it, :meth:`finish_due` pops it,
+           nothing else touches either. So ``targets[0][0]`` is the smallest target
+           (what a scan of ``active`` found) and the requests due at a finish are a
+           prefix of the heap order.
+        2. Join numbers increase with each join, so sorting popped entries by them gives
+           ``active``'s insertion order: finished requests are reported in the order the
+           scan of ``active`` used to report them (``SimResult.tbt_s`` is that order).
+    """
 
     def __init__(self, iid: int, cfg: SimConfig, models: CostModels) -> None:
         self.id, self.cap, self.models = iid, cfg.decode_kv_capacity_bytes, models
         self.active: dict[int, tuple[float, int, int, float]] = {}  # idx -> (target step, ctx, kv bytes, join t)
+        self.targets: list[tuple[float, int, int]] = []  # heap of (target step, join number, idx)
+        self.joins = 0
         self.steps, self.t, self.version = 0.0, 0.0, 0
         self.kv_used, self.batch_tokens = 0, 0
+
+    def join(self, idx: int, target: float, ctx: int, kv: int, now: float) -> None:
+        """Request ``idx`` joins the batch (the caller advanced ``steps`` to ``now``)."""
+        self.active[idx] = (target, ctx, kv, now)
+        heapq.heappush(self.targets, (target, self.joins, idx))
+        self.joins += 1
+        self.kv_used += kv
+        self.batch_tokens += ctx
+
+    def finish_due(self) -> list[tuple[int, float]]:
+        """Finish the requests due now: the smallest target unconditionally (so float error in
+        ``steps`` can never re-schedule it forever) and any within 1e-6 steps of it, or of
+        ``steps``. Returns ``(idx, join time)`` of each, in join order."""
+        due = max(self.steps, self.targets[0][0]) + 1e-6
+        self.steps = max(self.steps, due - 1e-6)
+        popped = []
+        while self.targets and self.targets[0][0] <= due:
+            popped.append(heapq.heappop(self.targets))
+        popped.sort(key=lambda e: e[1])
+        out = []
+        for _, _, idx in popped:
+            _, ctx, kv, joined = self.active.pop(idx)
+            self.kv_used -= kv
+            self.batch_tokens -= ctx
+            out.append((idx, joined))
+        return out
 
     def tbt(self) -> float:
         return max(self.models.decode.predict(self.batch_tokens, len(self.active)), 1e-6)
@@ -350,9 +407,9 @@ class _Decode:
         self.t = now
 
     def next_finish(self) -> float | None:
-        if not self.active:
+        if not self.targets:
             return None
-        remaining = min(v[0] for v in self.active.values()) - self.steps
+        remaining = self.targets[0][0] - self.steps
         return self.t + max(0.0, remaining) * self.tbt()
 
 
@@ -417,14 +474,14 @@ def simulate(
             a = p.running.actual
             dur = max(p.running.end - p.running.start, 1e-12)
             head = QueuedPrefill(a.suffix_tokens, a.cached_tokens, 0.0, min(1.0, max(0.0, (p.running.end - now) / dur)))
-        return PrefillInstance(p.id, p.queue_view(head), cfg.bandwidth, True, p.inflight_view(), len(p.device))
+        return PrefillInstance(p.id, p.queue_view(head), cfg.bandwidth, True, p.inflight_view(), len(p.device),
+                               p.load.totals())
 
     def start_next(p: _Prefill, now: float) -> None:
         nonlocal served_blocks
         if p.running is not None or not p.waiting():
             return
-        job = p.jobs[p.started]
-        p.started += 1
+        job = p.start()
         r = job.req
         h = hits_on(p, job.idx)
         for b in full[job.idx][: h.total]:  # touch each hit block in the tier it is loaded from
@@ -437,7 +494,6 @@ def simulate(
         job.actual = QueuedPrefill(r.input_length - cached, cached, fetch)
         cached_tok[job.idx] = cached
         job.start, job.end = now, now + dur
-        p.running = job
         p.busy += dur
         hit_blocks["device"] += h.device
         hit_blocks["host"] += h.host
@@ -455,9 +511,7 @@ def simulate(
         d = dec[dd.chosen]
         d.advance(now)
         kv = int((r.input_length + r.output_length) * models.transfer.kv_bytes_per_token)
-        d.active[idx] = (d.steps + r.output_length, r.input_length, kv, now)
-        d.kv_used += kv
-        d.batch_tokens += r.input_length
+        d.join(idx, d.steps + r.output_length, r.input_length, kv, now)
         d.version += 1
         nf = d.next_finish()
         push(nf, 1, (d.id, d.version))
@@ -512,16 +566,10 @@ def simulate(
             if version != d.version:
                 continue  # stale: the batch changed since this finish time was computed
             d.advance(now)
-            # this event was scheduled for the smallest target: finish it (and any within rounding)
-            # unconditionally, so float error in `steps` can never re-schedule it forever
-            due = max(d.steps, min(v[0] for v in d.active.values())) + 1e-6
-            d.steps = max(d.steps, due - 1e-6)
-            for idx, (target, ctx, kv, joined) in list(d.active.items()):
-                if target <= due:
-                    del d.active[idx]
-                    d.kv_used -= kv
-                    d.batch_tokens -= ctx
-                    tbt[idx] = (now - joined) / reqs[idx].output_length  # >= 1: 0 is never decoded
+            # this event was scheduled for the smallest target: finish_due ends it (and any within
+            # rounding) unconditionally, so float error in `steps` can never re-schedule it forever
+            for idx, joined in d.finish_due():
+                tbt[idx] = (now - joined) / reqs[idx].output_length  # >= 1: 0 is never decoded
             d.version += 1
             nf = d.next_finish()
             if nf is not None:

@@ -3,13 +3,20 @@
 Role
     The entrypoint (or the trace simulator, ``lb.sim``) builds these records
     from its view of the fleet and hands them to a policy; the policy returns
-    a :class:`Decision`. Nothing here does I/O and nothing is mutated: every
-    record is a frozen, slotted dataclass, so a policy may keep references
-    to a snapshot without it changing under it.
+    a :class:`Decision`. Nothing here does I/O and no snapshot is mutated:
+    every record is a frozen, slotted dataclass, so a policy may keep
+    references to a snapshot without it changing under it. The one mutable
+    class, :class:`QueueLoad`, belongs to whoever owns a queue (``lb.sim``):
+    it keeps running sums per prefill instance and hands each snapshot an
+    immutable :class:`QueueTotals`.
 
 Who fills what
     * :class:`PrefillInstance` / :class:`DecodeInstance` / :class:`VEInstance`
       describe one engine each (load, memory, health, link bandwidths).
+    * :class:`QueueTotals` (optional, on a :class:`PrefillInstance`) sums its
+      waiting requests, so that ``least_loaded`` and ``dynamo`` need not walk
+      a queue that grows with the load; :class:`QueueLoad` keeps them, O(1)
+      per enqueue / start.
     * :class:`RouteRequest` describes one request, including what each
       prefill instance already holds of its prefix (``hits``: per instance
       id, a :class:`PrefixHits`). Cache state is per request *and* per
@@ -50,6 +57,8 @@ __all__ = [
     "TierBandwidth",
     "PrefixHits",
     "QueuedPrefill",
+    "QueueTotals",
+    "QueueLoad",
     "PrefillInstance",
     "DecodeInstance",
     "VEInstance",
@@ -203,6 +212,118 @@ class QueuedPrefill:
             raise LBInputError("QueuedPrefill.remaining_fraction must be in [0, 1]")
 
 
+def _ceil_blocks(q: QueuedPrefill, block_tokens: int) -> int:
+    """KV blocks of ``q``'s whole context (cached + suffix), the last one possibly partial."""
+    return (q.suffix_tokens + q.cached_tokens + block_tokens - 1) // block_tokens
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueTotals:
+    """Sums over the *waiting* entries of one :class:`PrefillInstance` queue, taken at snapshot time.
+
+    A snapshot that carries them lets ``least_loaded`` and ``dynamo`` decide in O(1) per
+    instance instead of walking a queue that grows with the overload (the walk made an
+    overloaded replay quadratic). Built by :meth:`QueueLoad.totals`; immutable, so a snapshot
+    keeps showing the sums of the moment it was taken.
+
+    Invariants, for the instance ``inst`` that carries them (the waiting entries are the *last*
+    ``requests`` of ``inst.queue``: the running request, if any, comes first and is walked)::
+
+        waiting       = inst.queue[len(inst.queue) - requests:]
+        suffix_tokens = sum(q.suffix_tokens for q in waiting)                      # exact int
+        blocks        = sum(ceil((q.suffix_tokens + q.cached_tokens) / block_tokens)
+                            for q in waiting)                                      # exact int
+        every q in waiting: remaining_fraction == 1.0, integer token counts
+
+    Integers, not floats, on purpose: a float running sum would depend on the order of its
+    additions and subtractions, so a total kept across events could differ in its last bit
+    from the walk the policies used to do, and flip a tie; integer sums are exact in any order.
+    """
+
+    requests: int = 0
+    suffix_tokens: int = 0
+    blocks: int = 0
+    block_tokens: int = BLOCK_TOKENS
+
+
+@dataclass(slots=True)
+class QueueLoad:
+    """The running :class:`QueueTotals` of one prefill instance's waiting requests.
+
+    Kept by whoever owns the instance's queue (``lb.sim``'s ``_Prefill``), which calls, per
+    request ``q`` (its :class:`QueuedPrefill` as shown in the snapshot's queue):
+
+    1. :meth:`enqueue` when ``q`` joins the queue (it is waiting from now on);
+    2. :meth:`dequeue` when ``q`` stops being a waiting entry: in the simulator when it
+       *starts* (it becomes the running head of the queue, shown with its remaining
+       fraction and walked, so it must leave the sums); an owner whose snapshot shows
+       running requests in full, as waiting entries, calls it when they *finish* instead.
+
+    A finish in the simulator changes nothing here: the request left the sums when it
+    started. The fields satisfy the :class:`QueueTotals` invariants over the requests
+    enqueued and not yet dequeued; each update is O(1). A dequeue that would drive a sum
+    below zero means the owner dequeued something it never enqueued: a bug, raised as
+    :class:`LBInternalError`.
+    """
+
+    block_tokens: int = BLOCK_TOKENS
+    requests: int = 0
+    suffix_tokens: int = 0
+    blocks: int = 0
+    _snap: QueueTotals | None = field(default=None, init=False, repr=False, compare=False)  # last totals()
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.block_tokens) or self.block_tokens < 1:
+            raise LBInputError(f"QueueLoad.block_tokens must be an integer >= 1, got {self.block_tokens!r}")
+
+    def enqueue(self, q: QueuedPrefill) -> None:
+        """``q`` joined the queue: add it to the sums."""
+        if not (_is_int(q.suffix_tokens) and _is_int(q.cached_tokens)) or q.remaining_fraction != 1.0:
+            raise LBInputError(f"QueueLoad.enqueue: a waiting request has integer token counts and "
+                               f"remaining_fraction 1.0, got {q!r}")
+        self.requests += 1
+        self.suffix_tokens += q.suffix_tokens
+        self.blocks += _ceil_blocks(q, self.block_tokens)
+        self._snap = None
+
+    def dequeue(self, q: QueuedPrefill) -> None:
+        """``q`` (enqueued earlier) is no longer a waiting entry: take it out of the sums."""
+        self.requests -= 1
+        self.suffix_tokens -= q.suffix_tokens
+        self.blocks -= _ceil_blocks(q, self.block_tokens)
+        self._snap = None
+        if self.requests < 0 or self.suffix_tokens < 0 or self.blocks < 0:
+            raise LBInternalError(f"QueueLoad went negative ({self!r}) after dequeuing {q!r}: a request was "
+                                  "dequeued that was never enqueued; this is a bug, please report it")
+
+    def totals(self) -> QueueTotals:
+        """The sums now, as an immutable record for a snapshot (O(1); shared until the next update)."""
+        if self._snap is None:
+            self._snap = QueueTotals(self.requests, self.suffix_tokens, self.blocks, self.block_tokens)
+        return self._snap
+
+
+#: Sums of integers in floats stay exact below 2**53; the fast pending_tokens keeps below this, see there.
+_EXACT_INT = 2**52
+
+
+def _walk_tokens(entries: Iterable[QueuedPrefill]) -> float:
+    """``sum(q.suffix_tokens * q.remaining_fraction)`` as one float addition after another, in order.
+
+    Written out rather than ``sum()`` because CPython 3.12's ``sum`` compensates float
+    rounding: the bit-exact argument of :attr:`PrefillInstance.pending_tokens` needs plain
+    sequential additions (which is what ``sum`` does on 3.11, the walk the policies used to do).
+    """
+    total = 0
+    for q in entries:
+        total += q.suffix_tokens * q.remaining_fraction
+    return total
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillInstance:
     """Snapshot of one prefill engine.
@@ -212,6 +333,13 @@ class PrefillInstance:
     requests will have written to this instance's device cache by the time
     a newly queued request starts: a policy that knows it can count them as
     device hits (the cache "warms" behind the queue).
+
+    ``totals`` (optional) are the sums over the waiting entries of ``queue``
+    (the :class:`QueueTotals` invariants say exactly which): with them,
+    :attr:`pending_tokens` and :meth:`queued_blocks` are O(1) (they walk only
+    the entries before the waiting ones, the running request); without them
+    (a snapshot built from a plain tuple), they walk the queue. Both ways give
+    the same numbers, bit for bit.
     """
 
     id: Hashable
@@ -220,11 +348,54 @@ class PrefillInstance:
     healthy: bool = True
     inflight_blocks: frozenset = frozenset()
     device_blocks_used: int = 0
+    totals: QueueTotals | None = None
+
+    def __post_init__(self) -> None:
+        if self.totals is not None and not 0 <= self.totals.requests <= len(self.queue):
+            raise LBInputError(f"PrefillInstance {self.id!r}: totals cover {self.totals.requests} waiting "
+                               f"requests but the queue holds {len(self.queue)}; build them with QueueLoad")
+
+    def _head(self) -> list[QueuedPrefill]:
+        """The entries before the waiting ones that ``totals`` sum (the running request): O(their number)."""
+        return [self.queue[i] for i in range(len(self.queue) - self.totals.requests)]
 
     @property
     def pending_tokens(self) -> int:
-        """Tokens still to compute on this instance (queued + rest of running)."""
-        return int(sum(q.suffix_tokens * q.remaining_fraction for q in self.queue))
+        """Tokens still to compute on this instance (queued + rest of running).
+
+        Defined as the walk ``int(total)`` where ``total`` adds ``q.suffix_tokens *
+        q.remaining_fraction`` over the queue in order, one float addition at a time
+        (:func:`_walk_tokens`). With ``totals`` the result is the same without the walk:
+        the head's partial sum ``x`` is walked, then the waiting entries add the exact
+        integer ``S = totals.suffix_tokens``. Adding an integer to ``x`` rounds only when
+        the sum enters a higher binade, by at most half an ulp of it, so over the whole
+        walk the sum drifts above ``x + S`` by less than one ulp of the result (a geometric
+        sum) and never falls below an integer it has reached. Hence ``int(walk) ==
+        floor(x) + S`` unless the fractional part of ``x`` lies within that drift of 1; in
+        that (rare) case, and for sums near ``2**53``, it walks the queue.
+        """
+        t = self.totals
+        if t is not None:
+            x = _walk_tokens(self._head())
+            if not t.requests:
+                return int(x)
+            m = math.floor(x)
+            f = x - m  # exact (Sterbenz: m <= x < 2m when m >= 1; f == x when m == 0)
+            bound = m + t.suffix_tokens + 2  # the walk stays below it, so its ulp is < bound * 2**-52
+            if bound < _EXACT_INT and (1.0 - f) * _EXACT_INT > bound:
+                return m + t.suffix_tokens
+        return int(_walk_tokens(self.queue))
+
+    def queued_blocks(self, block_tokens: int) -> int:
+        """KV blocks of every request in the queue, running one included:
+        ``sum(ceil((q.suffix_tokens + q.cached_tokens) / block_tokens) for q in queue)``.
+
+        O(1) with ``totals`` kept for the same ``block_tokens``; a walk otherwise.
+        """
+        t = self.totals
+        if t is not None and t.block_tokens == block_tokens:
+            return sum(_ceil_blocks(q, block_tokens) for q in self._head()) + t.blocks
+        return sum(_ceil_blocks(q, block_tokens) for q in self.queue)
 
     @property
     def queued_requests(self) -> int:

@@ -7,6 +7,12 @@ Exact command (what produced the figures in the closing note; ~2-5 min on 2 shar
 
 (``results/`` is git-ignored; the figures are quoted in the closing note.)
 
+Simulator cost alone (part 3, opt-in; the figures quoted in the lb/ QueueTotals change)::
+
+    .venv/bin/python tools/bench_lb.py --skip-eplb --skip-replay --sim-cost \
+        --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --sim-tile 3 --sim-repeats 3 \
+        --out results/bench_lb_simcost.json
+
 Parts (each compares peers in the same run and reports ratios)
     1. EPLB: a seeded corpus of expert loads (uniform, Zipf-like Pareto,
        log-normal, one hot expert) on DeepSeek-V3-like shapes: 58 layers x
@@ -25,6 +31,18 @@ Parts (each compares peers in the same run and reports ratios)
        Then, at the same load: with log-normal service-time noise (sigma
        0.3) the policies' cost model does not know about, and with
        admission control off (routing alone).
+    3. Simulator cost (only with ``--sim-cost``): the trace tiled
+       ``--sim-tile`` times (copy k shifted by k trace spans, its block ids
+       made its own, so every copy has the first copy's statistics: ~100k
+       requests at 25 tiles) is replayed at ``--sim-speedup`` (default 1,
+       already overloaded on 16 instances: the cold prefill work is ~6x the
+       trace's span, so queues grow with the trace) through each of
+       ``--sim-policies``, ``--sim-repeats`` times. Reports the wall time of
+       each run, their p50/p90 and, per policy, one digest of every
+       decision (chosen instance, reason, estimates) and of every metric
+       (each TTFT, TBT and cached-token count included): two builds of
+       ``lb/`` that give the same digest made the same run, decision by
+       decision. A run is still bounded by ``--max-wall-s`` (``truncated``).
 
 TTFT SLO
     Unless ``--ttft-slo-ms`` is given, it is derived from the committed cost
@@ -48,9 +66,9 @@ Truncated runs
     Figures with no sample are ``null`` in the JSON (never a bare NaN).
 
 Exit status (the contract of ``tools/cli_args.py``)
-    0: both parts ran and ``--out`` was written. 2: a bad argument or input,
+    0: the parts asked for ran and ``--out`` was written. 2: a bad argument or input,
     refused in one line before any part runs: nothing to run (``--skip-eplb``
-    and ``--skip-replay``), a trace that is missing, unreadable, malformed or
+    and ``--skip-replay`` without ``--sim-cost``), a trace that is missing, unreadable, malformed or
     holds no requests (when the replay runs), an SLO that is not a positive
     number, an output path that can not be written. 1: the replay's
     ``--find-load`` found no load at which the best baseline meets the SLO
@@ -60,6 +78,7 @@ Exit status (the contract of ``tools/cli_args.py``)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -75,7 +94,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import replay_trace  # noqa: E402
 from lb.eplb import balancedness, rebalance_experts  # noqa: E402
 from lb.eplb_greedy import rebalance_experts_greedy  # noqa: E402
-from lb.sim import TraceRequest, json_safe  # noqa: E402
+from lb.registry import POLICIES, get_policy  # noqa: E402
+from lb.sim import SimConfig, TraceRequest, json_safe, simulate  # noqa: E402
 from lb.types import LBInputError  # noqa: E402
 from tools.cli_args import check_output_dir, check_output_file, integer, number  # noqa: E402
 
@@ -152,6 +172,71 @@ def derive_ttft_slo_ms(reqs: list[TraceRequest], multiple: float) -> tuple[float
                     "cost_model_target": models.meta.get("target"), "preset": models.meta.get("preset")}
 
 
+def tile_trace(reqs: list[TraceRequest], copies: int) -> list[TraceRequest]:
+    """``copies`` back-to-back copies of ``reqs``: copy k is shifted by k spans (span = the trace's
+    duration + its mean gap) and has its own block ids (integer ids offset by k x (max id + 1),
+    other ids paired with k), so no copy reuses another's cache and each has the trace's load."""
+    if copies <= 1 or not reqs:
+        return list(reqs)
+    ts = [r.timestamp_ms for r in reqs]
+    lo, hi = min(ts), max(ts)
+    span = (hi - lo) + (hi - lo) / max(1, len(reqs) - 1)
+    ints = all(isinstance(h, int) for r in reqs for h in r.hash_ids)
+    stride = 1 + max((h for r in reqs for h in r.hash_ids), default=0) if ints else 0
+    out = list(reqs)
+    for k in range(1, copies):
+        for r in reqs:
+            ids = tuple(h + k * stride for h in r.hash_ids) if ints else tuple((k, h) for h in r.hash_ids)
+            out.append(TraceRequest(r.timestamp_ms + k * span, r.input_length, r.output_length, ids))
+    return out
+
+
+class _Recorder:
+    """A prefill policy that hashes every decision of the one it wraps (chosen, reason, estimates,
+    floats by their exact repr) into ``digest``: equal digests mean equal decisions, in order."""
+
+    def __init__(self, policy) -> None:
+        self.policy, self.digest, self.decisions = policy, hashlib.sha256(), 0
+
+    def choose(self, req, instances):
+        d = self.policy.choose(req, instances)
+        self.digest.update(repr((d.chosen, d.reason, sorted(d.estimates.items(), key=repr))).encode())
+        self.decisions += 1
+        return d
+
+
+def run_sim_cost(reqs: list[TraceRequest], names: list[str], cfg: SimConfig, repeats: int) -> dict:
+    """Wall time of ``simulate`` per policy (``repeats`` runs, sequential) and a digest of its outputs."""
+    out = {}
+    for name in names:
+        walls, digests, last = [], set(), None
+        for _ in range(repeats):
+            rec = _Recorder(get_policy(name))
+            t0 = time.perf_counter()
+            res = simulate(reqs, rec, cfg, name=name)
+            walls.append(time.perf_counter() - t0)
+            metrics = res.to_dict()
+            metrics.pop("wall_s")
+            rec.digest.update(repr((sorted(metrics.items()), res.ttft_s, res.tbt_s,
+                                    sorted(res.cached_tokens.items()))).encode())
+            digests.add(rec.digest.hexdigest()[:16])
+            last = (res, rec.decisions)
+        res, decisions = last
+        row = {"policy": name, "requests": len(reqs), "arrived": res.arrived, "decisions": decisions,
+               "served": res.served, "rejected": res.rejected, "truncated": res.truncated,
+               "wall_s": walls, "wall_p50_s": float(np.percentile(walls, 50)),
+               "wall_p90_s": float(np.percentile(walls, 90)), "wall_p99_s": float(np.percentile(walls, 99)),
+               "digest": sorted(digests)[0] if len(digests) == 1 else sorted(digests)}
+        log.info("%-13s %6d requests (%d arrived%s) wall p50 %.1f s (runs: %s) digest %s", name, len(reqs),
+                 res.arrived, ", TRUNCATED" if res.truncated else "", row["wall_p50_s"],
+                 " ".join(f"{w:.1f}" for w in walls), row["digest"])
+        out[name] = row
+    best = min(out.values(), key=lambda r: r["wall_p50_s"])["wall_p50_s"]
+    for row in out.values():
+        row["wall_p50_vs_fastest"] = row["wall_p50_s"] / best if best > 0 else math.nan
+    return out
+
+
 def truncated_runs(results: dict) -> list[str]:
     """``capacity:policy`` of every run in a replay's ``results.json`` cut by ``--max-wall-s``."""
     return [f"{cap}:{name}" for cap, v in results.get("sweep", {}).items()
@@ -191,11 +276,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="wall-clock bound per replay simulation run (>= 1), passed to replay_trace.py")
     ap.add_argument("--skip-eplb", action="store_true")
     ap.add_argument("--skip-replay", action="store_true")
+    ap.add_argument("--sim-cost", action="store_true", help="also run part 3, the simulator's own cost")
+    ap.add_argument("--sim-tile", type=integer(1, 1000), default=25,
+                    help="part 3: copies of the trace, back to back (25 x 3993 = ~100k requests)")
+    ap.add_argument("--sim-speedup", type=number(0, 1e6, lo_open=True), default=1.0,
+                    help="part 3: offered load (1 = trace time: overloaded on 16 instances)")
+    ap.add_argument("--sim-policies", default="least_loaded,dynamo", help="part 3: comma list of prefill policies")
+    ap.add_argument("--sim-repeats", type=integer(1, 100), default=3, help="part 3: runs per policy (median)")
     args = ap.parse_args(argv)
     # Every input is checked here, before the EPLB part runs for minutes: nothing is derived
     # from a trace that does not hold requests, and the replay never meets an argument it refuses.
-    if args.skip_eplb and args.skip_replay:
-        ap.error("--skip-eplb and --skip-replay leave nothing to run")
+    if args.skip_eplb and args.skip_replay and not args.sim_cost:
+        ap.error("--skip-eplb and --skip-replay leave nothing to run (add --sim-cost?)")
+    sim_policies = [n for n in args.sim_policies.split(",") if n]
+    unknown = [n for n in sim_policies if n not in POLICIES]
+    if args.sim_cost and (unknown or not sim_policies):
+        ap.error(f"argument --sim-policies: unknown policy {', '.join(unknown) or '(none given)'}; "
+                 f"known: {', '.join(POLICIES)}")
     try:
         replay_trace.parse_capacities(args.store_capacity_blocks)
     except argparse.ArgumentTypeError as exc:
@@ -210,11 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         reqs = replay_trace.read_trace(args.trace)
     except LBInputError as exc:
         ap.error(str(exc))
-    if not reqs and not args.skip_replay:
+    if not reqs and (not args.skip_replay or args.sim_cost):
         ap.error(f"trace {args.trace} holds no requests")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out: dict = {"command": "python tools/bench_lb.py " + " ".join(sys.argv[1:] if argv is None else argv)}
-    if not args.skip_replay:
+    if not args.skip_replay or args.sim_cost:
         if args.ttft_slo_ms is None:
             try:
                 args.ttft_slo_ms, out["ttft_slo"] = derive_ttft_slo_ms(reqs, args.ttft_slo_x)
@@ -262,6 +359,22 @@ def main(argv: list[str] | None = None) -> int:
                 return rc
             out[f"replay_{tag}"] = json.loads((d / "results.json").read_text())
             note_truncated(out[f"replay_{tag}"], f"{tag} replay", args.max_wall_s)
+    if args.sim_cost:
+        tiled = tile_trace(reqs, args.sim_tile)
+        cfg = SimConfig(prefill_instances=args.prefill_instances, speedup=args.sim_speedup,
+                        ttft_slo_ms=args.ttft_slo_ms, max_wall_s=args.max_wall_s, seed=args.seed)
+        print(f"\n== simulator cost: {len(tiled)} requests ({args.sim_tile} x the trace), speedup "
+              f"{args.sim_speedup:g}, {args.prefill_instances} prefill instances, {args.sim_repeats} runs each ==")
+        rows = run_sim_cost(tiled, sim_policies, cfg, args.sim_repeats)
+        out["sim_cost"] = {"tile": args.sim_tile, "speedup": args.sim_speedup, "requests": len(tiled),
+                           "prefill_instances": args.prefill_instances, "max_wall_s": args.max_wall_s,
+                           "results": rows}
+        print(f"{'policy':13s} {'requests':>8s} {'arrived':>8s} {'p50 s':>8s} {'p90 s':>8s} {'x fastest':>9s}  digest")
+        for r in rows.values():
+            print(f"{r['policy']:13s} {r['requests']:8d} {r['arrived']:8d}{'*' if r['truncated'] else ' '}"
+                  f"{r['wall_p50_s']:7.1f} {r['wall_p90_s']:8.1f} {r['wall_p50_vs_fastest']:9.2f}  {r['digest']}")
+        if any(r["truncated"] for r in rows.values()):
+            print(f"note: runs marked * were cut by --max-wall-s {args.max_wall_s:g} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # strict JSON: a figure with no sample (NaN) is null, never a bare NaN
     args.out.write_text(json.dumps(json_safe(out), indent=2, default=str, allow_nan=False))

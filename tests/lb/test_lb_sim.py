@@ -505,3 +505,30 @@ def test_read_trace_skips_a_byte_order_mark_on_line_1_only(tmp_path):
     bad.write_bytes((line + "\n").encode() + b"\xef\xbb\xbf" + line.encode())
     with pytest.raises(LBInputError, match=f"trace {bad} line 2 "):
         replay_trace.read_trace(bad)
+
+
+# ----------------------------------------------------------------------------- bench_lb's simulator-cost part
+def test_bench_lb_tiles_a_trace_into_back_to_back_copies_with_their_own_blocks():
+    import bench_lb
+
+    reqs = [TraceRequest(0.0, 1024, 1, (0, 1)), TraceRequest(30.0, 600, 2, (0, 2))]
+    tiled = bench_lb.tile_trace(reqs, 3)
+    assert [r.timestamp_ms for r in tiled] == [0.0, 30.0, 60.0, 90.0, 120.0, 150.0]  # span 30 + mean gap 30
+    assert [r.hash_ids for r in tiled] == [(0, 1), (0, 2), (3, 4), (3, 5), (6, 7), (6, 8)]
+    assert [(r.input_length, r.output_length) for r in tiled] == [(1024, 1), (600, 2)] * 3
+    named = bench_lb.tile_trace([TraceRequest(0.0, 512, 1, ("a",))], 2)
+    assert [r.hash_ids for r in named] == [("a",), ((1, "a"),)]
+
+
+def test_bench_lb_sim_cost_reports_one_digest_per_policy(capsys):
+    import bench_lb
+
+    cfg = SimConfig(prefill_instances=2, decode_instances=1, ttft_slo_ms=None)
+    rows = bench_lb.run_sim_cost(_busy_trace()[:40], ["least_loaded", "dynamo"], cfg, 2)
+    for name, row in rows.items():
+        assert isinstance(row["digest"], str) and len(row["wall_s"]) == 2, name  # both runs gave one digest
+        assert (row["requests"], row["arrived"], row["decisions"], row["truncated"]) == (40, 40, 40, False)
+    assert rows["least_loaded"]["digest"] != rows["dynamo"]["digest"]
+    with pytest.raises(SystemExit):
+        bench_lb.main(["--trace", "x", "--out", "y", "--skip-eplb", "--skip-replay"])
+    assert "add --sim-cost" in capsys.readouterr().err
