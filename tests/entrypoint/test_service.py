@@ -165,24 +165,12 @@ def test_without_a_secret_loopback_serves_with_one_warning_and_other_hosts_refus
     with pytest.raises(kvstore.InvalidRequest, match="beyond loopback.*KVSTACK_WORKER_SECRET"):
         serve(cfg, str(tmp_path / "refused"), host="0.0.0.0")
     assert not (tmp_path / "refused").exists()  # refused before the store was opened
-    stop, ready = threading.Event(), []
     caplog.set_level(logging.WARNING, logger="entrypoint")
-    t = threading.Thread(target=serve, args=(cfg, str(tmp_path / "store")),
-                         kwargs=dict(host="127.0.0.1", stop=stop, ready=ready.append), daemon=True)
-    t.start()
-    try:
-        for _ in range(200):
-            if ready:
-                break
-            stop.wait(0.05)
-        with grpc.insecure_channel(ready[0]) as ch:
-            stub = pbg.EntrypointStub(ch)
-            for i in range(2):
-                assert stub.Register(pb.WorkerInfo(worker_id=f"w{i}", role="ve", address="127.0.0.1:9"),
-                                     timeout=10).ok
-    finally:
-        stop.set()
-        t.join(timeout=30)
+    with _serving(cfg, tmp_path / "store") as address, grpc.insecure_channel(address) as ch:
+        stub = pbg.EntrypointStub(ch)
+        for i in range(2):
+            assert stub.Register(pb.WorkerInfo(worker_id=f"w{i}", role="ve", address="127.0.0.1:9"),
+                                 timeout=10).ok
     warnings = [r for r in caplog.records if "no worker secret" in r.getMessage()]
     assert len(warnings) == 1
 
