@@ -214,7 +214,7 @@ class Daemon(DirectRPC, AdminRPC):
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         bind = f"{server_cfg.host}:{server_cfg.port}"
         try:
-            if port_taken(server_cfg.host, server_cfg.port):
+            if port_taken(server_cfg.host, server_cfg.port):  # refused below, before gRPC logs its own line
                 self.port = 0
             elif server_cfg.tls:
                 creds = grpc.ssl_server_credentials(
@@ -316,11 +316,8 @@ class Daemon(DirectRPC, AdminRPC):
             code = "CANCELLED"
             raise
         except Exception as exc:  # noqa: BLE001 - anything untyped is a bug; say so
-            if isinstance(exc, grpc.RpcError) and not context.is_active():
-                # Reading a request stream raises it when the client went away mid-call
-                # (cancelled, timed out, died): nothing was applied (PutStream parses every
-                # message first) and nobody is left to answer; not a bug.
-                code = "CANCELLED"
+            if isinstance(exc, grpc.RpcError) and not context.is_active():  # a request stream's client went
+                code = "CANCELLED"  # away mid-call: nothing applied (PutStream parses all first), not a bug
                 log.info("%s: the client went away before sending its whole request; nothing applied", name)
                 context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the call")
             log.exception("%s failed", name)
