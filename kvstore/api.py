@@ -260,6 +260,25 @@ class LookupResult:
         return self.swa_at is not None and self.swa_at == self.hit_blocks
 
 
+def check_chain_ends(ends: Any, n_keys: int, *, until_miss: bool = False) -> list[int] | None:
+    """A probe's ``chain_ends`` (``Index.probe``): ``None``, or non-decreasing ends within
+    ``[0, n_keys]`` whose last is ``n_keys`` (share j is ``keys[ends[j-1]:ends[j]]``; an
+    empty share is allowed). ``InvalidRequest`` otherwise, or with ``until_miss`` (one
+    chain) as well."""
+    if ends is None:
+        return None
+    if until_miss:
+        raise InvalidRequest("probe takes until_miss (one chain) or chain_ends (several), not both")
+    try:
+        out = [operator.index(e) for e in ends]
+    except TypeError:
+        raise InvalidRequest("chain_ends must be a sequence of integers") from None
+    if (out[-1:] or [0]) != [n_keys] or any(b < a for a, b in zip([0] + out, out)):
+        raise InvalidRequest(f"chain_ends must rise from 0 to the number of keys ({n_keys}) and end on it, "
+                             f"got {out[:8]}{'...' if len(out) > 8 else ''}")
+    return out
+
+
 @runtime_checkable
 class KVStore(Protocol):
     """The store protocol. See the module docstring for the guarantees."""

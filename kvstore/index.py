@@ -444,22 +444,37 @@ class Index:
         """``_live_iter`` over all of ``eks``."""
         return list(cls._live_iter(cur, eks, fresh, now_ns))
 
+    @classmethod
+    def _hit(cls, cur: lmdb.Cursor, ekeys: Iterable[bytes], n: int, fresh: bool, now_ns: int) -> int:
+        """How many of the ``n`` record keys ``ekeys`` (a chain's blocks, in order) are live
+        before the first that is not; none past that one is read (C loops, as fast as a list)."""
+        return next(compress(count(), map(not_, cls._live_iter(cur, ekeys, fresh, now_ns))), n)
+
     def probe(self, keys: Sequence[bytes], block_code: int, swa_code: int, now_ns: int, *,
-              until_miss: bool = False) -> tuple[bytes, bytes]:
+              until_miss: bool = False, chain_ends: Sequence[int] | None = None) -> tuple[bytes, bytes]:
         """Per key, independently: 1 if a live block entry, and 1 if *also* a live SWA entry
         (what ``lookup`` of that key alone would say); two byte strings, one read transaction,
         O(len(keys)). A sharded client probes every key of a chain on its shard and walks the
         prefix itself. ``until_miss`` (``keys`` are one chain's share, in chain order): stop
         after the first key without a live block entry, so the strings end with that key's 0
-        (or cover every key when all are live): O(hit) reads, as ``lookup``."""
+        (or cover every key when all are live): O(hit) reads, as ``lookup``. ``chain_ends``
+        (``keys`` are several chains' shares one after another, share j ending before index
+        ``chain_ends[j]``; checked by ``kvstore.api.check_chain_ends``): each share is read as
+        ``until_miss`` reads one, and the strings cover every key, a key not read answering 0.
+        """
         bp, sp = bytes((block_code,)), bytes((swa_code,))
         with self.env.begin() as txn:
             fresh = self._none_expired(txn, now_ns)
             cur = txn.cursor(db=self.db["entries"])
             if until_miss:
-                live = self._live_iter(cur, map(bp.__add__, keys), fresh, now_ns)
-                hit = next(compress(count(), map(not_, live)), len(keys))
+                hit = self._hit(cur, map(bp.__add__, keys), len(keys), fresh, now_ns)
                 blocks = [True] * hit + [False] * (hit < len(keys))
+            elif chain_ends is not None:
+                blocks, start = [False] * len(keys), 0
+                for end in chain_ends:
+                    hit = self._hit(cur, map(bp.__add__, keys[start:end]), end - start, fresh, now_ns)
+                    blocks[start:start + hit] = [True] * hit
+                    start = end
             else:
                 blocks = self._live_flags(cur, [bp + k for k in keys], fresh, now_ns)
             swas = self._live_flags(cur, [sp + k for k, b in zip(keys, blocks) if b], fresh, now_ns)
@@ -480,8 +495,7 @@ class Index:
             fresh = self._none_expired(txn, now_ns)
             # The prefix ends at the first block that is not live; no key past it is read, so a
             # chain that misses early costs its hit, not its length (a new prompt: one read).
-            live = self._live_iter(cur, map(bp.__add__, keys), fresh, now_ns)
-            hit = next(compress(count(), map(not_, live)), len(keys))  # C loops, as fast as a list
+            hit = self._hit(cur, map(bp.__add__, keys), len(keys), fresh, now_ns)
             # The last live SWA entry at or below the hit: SWA keys read backwards from the hit,
             # lazily, stopping at the first live one (snapshots sit at turn ends and fixed
             # intervals, so usually a few reads; with no snapshot, each SWA key once).

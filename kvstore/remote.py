@@ -68,7 +68,8 @@ from typing import Any, Callable, Iterator, Sequence
 import grpc
 
 from kvstore.client_options import ClientOptions, parse_address, refuse_tls_options, split_urls
-from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_put_items, writable_view
+from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_chain_ends, check_put_items,
+                         writable_view)
 from kvstore.direct import DirectReads, copy_into
 from kvstore.direct_writes import DirectWrites
 from kvstore.errors import InternalError, InvalidRequest, StoreClosed
@@ -465,24 +466,41 @@ class RemoteStore:
             i = j
         return out
 
-    def probe(self, keys: Sequence[bytes], *, until_miss: bool = False) -> tuple[bytes, bytes]:
+    def probe(self, keys: Sequence[bytes], *, until_miss: bool = False,
+              chain_ends: Sequence[int] | None = None) -> tuple[bytes, bytes]:
         """Per key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings.
         ``until_miss`` (``keys`` are one chain's share, in chain order): the strings may end
         at the first key without a live block (``EmbeddedStore.probe``); pieces after it are
-        not asked for."""
+        not asked for. ``chain_ends`` (several chains' shares, ``Index.probe``): each piece
+        carries the ends of the shares within it, and the answer covers every key."""
         keys = check_keys(keys)
+        ends = check_chain_ends(chain_ends, len(keys), until_miss=until_miss)
         block, swa = [], []
-        for p, r in self._each_piece(len(keys), lambda p: self._call(
-                "Probe", pb.ProbeRequest(keys=keys[p], until_miss=until_miss))):
+
+        def ask(p: slice) -> Any:
+            cut = None if ends is None else [e - p.start for e in ends if p.start < e < p.stop] + [p.stop - p.start]
+            return self._call("Probe", pb.ProbeRequest(keys=keys[p], until_miss=until_miss, chain_ends=cut))
+
+        for p, r in self._each_piece(len(keys), ask):
             n = p.stop - p.start
             short = len(r.block) < n
-            if len(r.swa) != len(r.block) or len(r.block) > n or (short and (not until_miss or r.block[-1:] != b"\0")):
+            if len(r.swa) != len(r.block) or len(r.block) > n or (
+                    short and (not until_miss or r.block[-1:] != b"\0")):
                 raise InternalError(f"Probe answered {len(r.block)}/{len(r.swa)} flags for {n} keys (a kvstore bug)")
             block.append(r.block)
             swa.append(r.swa)
             if until_miss and 0 in r.block:
                 break
-        return b"".join(block), b"".join(swa)
+        if ends is None:
+            return b"".join(block), b"".join(swa)
+        # A share cut by a piece boundary was read on in the next piece: after its first miss,
+        # answer 0 as one daemon does.
+        block_all, swa_all = bytearray(b"".join(block)), bytearray(b"".join(swa))
+        for a, b in zip([0] + ends, ends):
+            miss = block_all.find(0, a, b)
+            if miss >= 0:
+                block_all[miss:b] = swa_all[miss:b] = bytes(b - miss)
+        return bytes(block_all), bytes(swa_all)
 
     # ------------------------------------------------------------------ maintenance
     def stats(self) -> dict:

@@ -16,9 +16,10 @@ client groups the chain's positions by owner, sends one ``Probe`` per shard
 in parallel ("is keys[i] a live block? a live SWA?"), then walks the answers
 in chain order and stops at the first missing block; ``swa_at`` is the last
 SWA at or before that point. One round trip (the slowest shard) per lookup;
-``lookup_many`` batches every chain's keys into that same one round. For one
-chain each shard stops reading at its own first miss (``until_miss``): the
-chain's prefix ends at the earliest of those, so a shard reads O(hit) keys.
+``lookup_many`` batches every chain's keys into that same one round. Each shard
+stops reading a chain at its own first miss in it (``until_miss`` for one chain,
+``chain_ends`` for several): the chain's prefix ends at the earliest of those, so
+a shard reads O(hit) keys of each chain.
 
 Failure semantics: a batch spanning shards is sent to each shard in
 parallel; every item is validated client-side first, so bad input stores
@@ -233,17 +234,27 @@ class ShardedStore:
         return self._by_key("unpin_many", keys, kind)
 
     # ------------------------------------------------------------------ lookup
-    def _probe_all(self, keys: list[bytes], *, one_chain: bool = False) -> tuple[bytes, bytes]:
-        """``probe`` of every key, each asked of the shard that owns it (all shards at once).
+    def _probe_all(self, keys: list[bytes], ends: list[int]) -> tuple[bytes, bytes]:
+        """``probe`` of the chains ``keys`` (chain j ends before index ``ends[j]``), each key
+        asked of the shard that owns it (all shards at once).
 
-        ``one_chain`` (``keys`` is one chain): each shard may stop at its first key without a
-        live block (``until_miss``); the keys it did not answer stay 0. That changes no walk:
-        the chain's first miss is the earliest of the shards' first misses, and every key
-        before it was answered by its shard. So each shard reads O(hit), not its whole share.
+        Each shard may stop a chain at its first key without a live block: ``until_miss`` for
+        one chain, ``chain_ends`` (its share of each chain) for several; the keys it did not
+        answer stay 0. That changes no walk: a chain's first miss is the earliest of the
+        shards' first misses in it, and every key before it was answered by its shard. So
+        each shard reads O(hit) of each chain, not its whole share.
         """
         block, swa = np.zeros(len(keys), np.uint8), np.zeros(len(keys), np.uint8)
         groups = self._group(keys)
-        got = self._per_shard(groups, lambda sh, pos: sh.probe([keys[i] for i in pos], until_miss=one_chain))
+        one = len(ends) == 1
+
+        def ask(sh: RemoteStore, pos: list[int]) -> tuple[bytes, bytes]:
+            share = [keys[i] for i in pos]
+            if one:
+                return sh.probe(share, until_miss=True)
+            return sh.probe(share, chain_ends=np.searchsorted(pos, ends).tolist())  # positions ascend
+
+        got = self._per_shard(groups, ask)
         for s, (b, w) in got.items():
             pos = groups[s][:len(b)]
             block[pos], swa[pos] = np.frombuffer(b, np.uint8), np.frombuffer(w, np.uint8)
@@ -269,7 +280,7 @@ class ShardedStore:
             start = len(flat)
             flat.extend(check_keys(c))
             bounds.append((start, len(flat)))
-        block, swa = self._probe_all(flat, one_chain=len(chains) == 1)
+        block, swa = self._probe_all(flat, [b for _, b in bounds])
         return [self._walk(block[a:b], swa[a:b]) for a, b in bounds]
 
     # ------------------------------------------------------------------ maintenance

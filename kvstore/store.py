@@ -57,7 +57,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvstore import codec
-from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_put_items, writable_view
+from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_chain_ends, check_put_items,
+                         writable_view)
 from kvstore.config import StoreConfig, load_config
 from kvstore.datadir import DataDir, file_url_path
 from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, in_flight, run_now
@@ -452,13 +453,16 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         return [self.lookup(c) for c in chains]
 
     @in_flight
-    def probe(self, keys: Sequence[bytes], *, until_miss: bool = False) -> tuple[bytes, bytes]:
+    def probe(self, keys: Sequence[bytes], *, until_miss: bool = False,
+              chain_ends: Sequence[int] | None = None) -> tuple[bytes, bytes]:
         """Per key, on its own (not a chain): 1 if a live block entry, and 1 if also a live SWA
         entry; as two byte strings (``RemoteStore.probe``'s answer, which serves it).
-        ``until_miss``: ``Index.probe``'s (answers end at the first key without a block)."""
+        ``until_miss``, ``chain_ends``: ``Index.probe``'s (each chain read to its first miss)."""
         self._check_open()
-        return self.index.probe(check_keys(keys), EntryKind.BLOCK.code, EntryKind.SWA.code, self.now_ns(),
-                                until_miss=until_miss)
+        keys = check_keys(keys)
+        ends = check_chain_ends(chain_ends, len(keys), until_miss=until_miss)
+        return self.index.probe(keys, EntryKind.BLOCK.code, EntryKind.SWA.code, self.now_ns(),
+                                until_miss=until_miss, chain_ends=ends)
 
     # ------------------------------------------------------------------ capacity
     @in_flight

@@ -584,7 +584,9 @@ class Daemon(DirectRPC, AdminRPC):
 
     def _probe(self, r: pb.ProbeRequest, tenant: Tenant) -> pb.ProbeReply:
         self._batch(len(r.keys), "probe")
-        block, swa = self.store.probe(self._keys(tenant, r.keys), until_miss=r.until_miss)
+        self._batch(len(r.chain_ends), "probe chains")
+        block, swa = self.store.probe(self._keys(tenant, r.keys), until_miss=r.until_miss,
+                                      chain_ends=list(r.chain_ends) if r.chain_ends else None)
         return pb.ProbeReply(block=block, swa=swa)
 
 

@@ -47,9 +47,9 @@ def test_sharded_lookup_stops_each_shard_at_its_first_miss(make_daemon, tmp_path
             want = model.lookup(keys)
             asked = answered = 0
             for shard in sh.shards:
-                def spy(ks, *, until_miss=False, _probe=type(shard).probe.__get__(shard)):
+                def spy(ks, *, _probe=type(shard).probe.__get__(shard), **kw):
                     nonlocal asked, answered
-                    block, swa = _probe(ks, until_miss=until_miss)
+                    block, swa = _probe(ks, **kw)
                     asked, answered = asked + len(ks), answered + len(block)
                     return block, swa
                 shard.probe = spy
@@ -58,6 +58,60 @@ def test_sharded_lookup_stops_each_shard_at_its_first_miss(make_daemon, tmp_path
             if hit < 250:  # the shard holding the first miss owns some of the 50+ keys after it
                 assert answered < asked, (trial, hit, answered)
             assert [r.hit_blocks for r in sh.lookup_many([keys, keys[:hit // 2]])] == [want.hit_blocks, hit // 2]
+
+
+def test_probe_of_several_chains_over_the_batch_limit(make_daemon):
+    """``chain_ends`` through the daemon, with the keys split in pieces of 100: each piece
+    carries the ends within it, and the answer is every chain's own, zero-filled."""
+    d = make_daemon(max_batch_items=100)
+    chains = [[os.urandom(16) for _ in range(n)] for n in (130, 0, 45, 90, 7)]
+    hits = [110, 0, 45, 3, 0]
+    with kvstore.connect(d.address, max_batch_items=100) as s:
+        for c, hit in zip(chains, hits):
+            s.put_many([PutItem(k, b"kv") for k in c[:hit] + c[hit + 1:]])  # blocks after the gap too
+        s.put(chains[0][50], b"w", kind="swa")
+        flat = [k for c in chains for k in c]
+        ends = [130, 130, 175, 265, 272]
+        block, swa = s.probe(flat, chain_ends=ends)
+        want = b"".join(b"\1" * h + b"\0" * (len(c) - h) for c, h in zip(chains, hits))
+        assert block == want and swa == b"\0" * 50 + b"\1" + b"\0" * 221
+        assert [r.hit_blocks for r in s.lookup_many(chains)] == hits
+
+
+def test_sharded_lookup_many_reads_each_chain_to_its_first_miss(make_daemon, tmp_path):
+    """A sharded ``lookup_many`` of many new prompts (chains that miss early) reads each chain
+    on each shard up to that shard's first miss in it, not the whole chain: before, every key
+    of every chain was read. Answers checked against the embedded store as the model."""
+    import random
+
+    from kvstore.sharded import ShardedStore
+    from tests.kvstore.test_store import CountingEnv
+
+    stores = [kvstore.connect(str(tmp_path / f"s{i}"), fsync=False) for i in range(3)]
+    daemons = [make_daemon(store=st) for st in stores]
+    rng = random.Random(7)
+    chains = [[os.urandom(16) for _ in range(200)] for _ in range(8)]
+    hits = [0, 0, 1, 5, 0, 200, 17, 0]
+    with ShardedStore([d.address for d in daemons]) as sh, kvstore.connect(str(tmp_path / "model"), fsync=False) as model:
+        want_reads = 0  # per shard and chain: its keys up to and including its first miss
+        for c, hit in zip(chains, hits):
+            stored = c[:hit] + [k for k in c[hit + 1:] if rng.random() < 0.7]
+            for shard in range(3):
+                mine = [k in stored for k in c if sh.owner(k) == shard]
+                want_reads += mine.index(False) + 1 if False in mine else len(mine)
+            for s in (sh, model):
+                s.put_many([PutItem(k, b"kv") for k in stored])
+                s.put(c[hit // 2], b"w", kind="swa")
+        counters = [CountingEnv(st.index.env) for st in stores]
+        for st, c in zip(stores, counters):
+            st.index.env = c
+        try:
+            assert sh.lookup_many(chains) == model.lookup_many(chains)
+        finally:
+            for st, c in zip(stores, counters):
+                st.index.env = c.env
+        block_reads = sum(1 for c in counters for ek in c.reads if ek[:1] == bytes((kvstore.EntryKind.BLOCK.code,)))
+        assert block_reads == want_reads < 600, block_reads  # every key of every chain: 1,600
 
 
 def test_sharded_batch_placement_is_owner_per_key():
@@ -112,7 +166,9 @@ def test_shard_placement_does_not_depend_on_how_an_address_is_spelled():
 
 def test_probe_answers_are_checked():
     """A daemon that ignores ``until_miss`` (an older one) answers every key: accepted. An
-    answer cut short without ending on a miss, or with unequal strings, is a bug: raised."""
+    answer cut short without ending on a miss, or with unequal strings, is a bug: raised.
+    With ``chain_ends`` every key is answered (an older daemon, ignoring it, does so too):
+    a short answer is raised."""
     import pytest
 
     from kvstore.errors import InternalError
@@ -129,5 +185,10 @@ def test_probe_answers_are_checked():
             else:
                 with pytest.raises(InternalError):
                     s.probe(keys, until_miss=True)
+            if len(block) == 3 == len(swa):
+                assert s.probe(keys, chain_ends=[2, 3]) == (block, swa)
+            else:
+                with pytest.raises(InternalError):
+                    s.probe(keys, chain_ends=[2, 3])
     finally:
         s.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import numpy as np
@@ -119,7 +120,7 @@ def test_probe_is_each_keys_own_lookup(store, keys, clock, seed):
     assert store.probe([], until_miss=True) == (b"", b"")
 
 
-class _CountingEnv:
+class CountingEnv:
     """The index's LMDB environment, counting the entry records its read cursors position on."""
 
     def __init__(self, env):
@@ -165,7 +166,7 @@ def test_lookup_reads_its_hit_not_its_chain(store, hasher, monkeypatch, hit):
         store.put(k, b"kv")
     if hit:
         store.put(keys[hit // 2], b"w", kind="swa")
-    counting = _CountingEnv(store.index.env)
+    counting = CountingEnv(store.index.env)
     monkeypatch.setattr(store.index, "env", counting)
     r = store.lookup(keys)
     assert (r.hit_blocks, r.swa_at) == (hit, hit // 2 + 1 if hit else None)
@@ -181,6 +182,45 @@ def test_lookup_reads_its_hit_not_its_chain(store, hasher, monkeypatch, hit):
     assert flags == b"\1" * hit + b"\0" and len(swas) == hit + 1
     assert [ek for ek in counting.reads if ek[:1] == code] == [code + k for k in keys[:hit + 1]]
     assert len(counting.reads) == 2 * hit + 1  # and one SWA read per live block
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_probe_of_several_chains_reads_each_to_its_first_miss(store, monkeypatch, seed):
+    """``probe(chain_ends=...)`` (a sharded ``lookup_many``'s shares): per chain, the answers
+    ``until_miss`` gives for it alone, zero-filled to the chain's length; a chain is read up to
+    its first miss and no further, whatever is stored after the gap."""
+    rng = np.random.default_rng(seed)
+    chains = [[os.urandom(16) for _ in range(int(rng.integers(0, 40)))] for _ in range(6)]
+    for c in chains:
+        hit = int(rng.integers(0, len(c) + 1))
+        for i, k in enumerate(c):
+            if i < hit or (i > hit and rng.random() < 0.5):
+                store.put(k, b"kv")
+            if rng.random() < 0.2:
+                store.put(k, b"w", kind="swa")
+    flat = [k for c in chains for k in c]
+    ends = np.cumsum([len(c) for c in chains]).tolist()
+    counting = CountingEnv(store.index.env)
+    monkeypatch.setattr(store.index, "env", counting)
+    block, swa = store.probe(flat, chain_ends=ends)
+    code = bytes((kvstore.EntryKind.BLOCK.code,))
+    reads = [ek[1:] for ek in counting.reads if ek[:1] == code]
+    want_b, want_s, want_reads = b"", b"", []
+    for c in chains:
+        b, w = store.probe(c, until_miss=True)
+        hit = b.find(0) if 0 in b else len(b)
+        want_b += b.ljust(len(c), b"\0")
+        want_s += w.ljust(len(c), b"\0")
+        want_reads += c[:hit + 1]
+    assert (block, swa) == (want_b, want_s)
+    assert reads == want_reads  # each chain to its first miss, that miss included
+    assert store.probe([], chain_ends=[]) == (b"", b"")
+    assert store.probe(chains[0], chain_ends=[0, 0, len(chains[0])])[0] == want_b[:len(chains[0])]
+    for bad in ([3, 2, len(flat)], [len(flat) - 1], [-1, len(flat)], [len(flat) + 1], ["x"]):
+        with pytest.raises(InvalidRequest, match="chain_ends"):
+            store.probe(flat, chain_ends=bad)
+    with pytest.raises(InvalidRequest, match="not both"):
+        store.probe(flat, until_miss=True, chain_ends=[len(flat)])
 
 
 def test_lookup_has_no_side_effects(store, keys):
