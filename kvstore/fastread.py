@@ -62,8 +62,9 @@ class LocalFastReads:
         with one open + one ``preadv`` into the per-thread scratch, and trusted only when the
         *entry* checksum (xxh3-128 over the assembled payload) matches; fragment 0, which
         holds the entry header (layout, tokens) outside that checksum, is verified whole.
-        Returns ``None`` on anything unexpected (missing, short or foreign fragment, checksum
-        mismatch) and the caller takes the verifying path, which finds the bad fragment,
+        Data fragments past 0 that hold part of the entry header (a small entry's) are verified
+        whole too. Returns ``None`` on anything unexpected (missing, short or foreign fragment,
+        checksum mismatch) and the caller takes the verifying path, which finds the bad fragment,
         reads parity, counts the degraded read and marks the entry lost if need be.
         """
         k, flen = meta.k, meta.frag_len
@@ -101,6 +102,15 @@ class LocalFastReads:
             return None
         if h.key != ek[1:] or h.kind.code != ek[0] or h.tokens != meta.tokens:
             return None
+        # The entry checksum covers the payload, not the entry header: a small entry's header
+        # runs on into data fragments past 0, which are then verified whole as well.
+        covered = len(pieces[0])
+        for i in range(1, len(pieces)):
+            if covered >= h.header_len:
+                break
+            if not codec.fragment_checksum_ok(scratch[i * slot : i * slot + flen]):
+                return None
+            covered += len(pieces[i])
         return h, plain
 
     def _read_scatter(self, ek: bytes, meta: Meta, roots: list[str],

@@ -97,3 +97,38 @@ def test_a_flipped_byte_anywhere_never_changes_the_result(tmp_path):
                     assert s.counters["degraded_reads"] > before, (frag, off, "damage must be seen")
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 1, 1, 1, 1, 1, 1, 3)], ids=["2d", "8d"])
+def test_a_small_entrys_header_in_later_fragments_is_verified(tmp_path, shape):
+    """A small entry's header (its layout: dtype, dims) runs on past fragment 0 into data
+    fragments 1..k-1, outside the entry checksum. A byte flipped anywhere in those fragments'
+    bodies never changes the layout, payload or tokens a read returns, and is seen (a degraded
+    read). Before, the fast path returned e.g. int8 for uint8, or a shape of 2**63 elements."""
+    from kvstore import Layout
+
+    s = kvstore.connect(str(tmp_path / "s"), fsync=False)
+    layout = Layout("uint8", shape)
+    val = bytes(range(int(np.prod(shape))))
+    try:
+        probe = os.urandom(16)
+        s.put(probe, val, layout=layout, tokens=5)
+        assert _entry_len(s, probe) > len(fragment_refs(s, probe)[0].read_bytes()) - codec.FRAG_HEADER_LEN - 80
+        for frag in range(1, s.config.ec_k):
+            size = fragment_refs(s, probe)[frag].length
+            for off in range(codec.FRAG_HEADER_LEN + 80, size):  # the fragment's share of the entry
+                key = os.urandom(16)
+                s.put(key, val, layout=layout, tokens=5)
+                ref = fragment_refs(s, key)[frag]
+                raw = bytearray(ref.read_bytes())
+                raw[off] ^= 0x01
+                ref.write_bytes(bytes(raw))
+                before = s.counters["degraded_reads"]
+                e = s.get_entry(key)
+                assert (e.data, e.layout, e.tokens) == (val, layout, 5), (frag, off)
+                out = bytearray(len(val))
+                info = s.get_many_into([key], [out])[0]
+                assert (bytes(out), info.layout, info.tokens) == (val, layout, 5), (frag, off)
+                assert s.counters["degraded_reads"] > before, (frag, off, "damage must be seen")
+    finally:
+        s.close()
