@@ -30,9 +30,8 @@ Guarantees:
      Exit waits at most ``EXIT_FLUSH_S`` for all queues together, says so in one
      line, and on the deadline or Ctrl-C drops what is left quietly (one line,
      counted as ``saves_dropped``); a gateway call that hangs does not hold exit up
-     (it runs on a daemon thread, ``tiers.DaemonExecutor``), though threads the
-     store runs itself may (the embedded store's parallel writes to a dead mount:
-     ``concurrent.futures`` joins them at exit). Before, the saves
+     (it runs on a daemon thread, ``kvstore.executors.DaemonExecutor``, as do the
+     embedded store's own I/O pools). Before, the saves
      still queued failed with "cannot schedule new futures" and were silently
      missing from the store.
 """

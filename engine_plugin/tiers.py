@@ -50,19 +50,18 @@ hangs on it and never uses bad bytes:
 
 ``Metrics`` is a thread-safe counter set; ``snapshot()`` returns a dict.
 
-The executor of 1 (``DaemonExecutor``) runs store calls on daemon threads: a call
-abandoned at its timeout may hang forever (a dead mount, a silent endpoint), and
-``concurrent.futures`` would join its non-daemon worker at interpreter exit, so the
-engine's process could never end. (Threads a store starts itself are its own: the
-embedded store's write pool is joined at exit.) After ``close`` a call is a shortfall,
-never an exception: its future comes back cancelled.
+The executor of 1 (``kvstore.executors.DaemonExecutor``) runs store calls on daemon
+threads: a call abandoned at its timeout may hang forever (a dead mount, a silent
+endpoint), and ``concurrent.futures`` would join its non-daemon worker at interpreter
+exit, so the engine's process could never end (the embedded store's own I/O pools are
+daemon threads too). After ``close`` a call is a shortfall, never an exception: its
+future comes back cancelled.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -73,6 +72,7 @@ import torch
 
 from kvstore.api import EntryInfo, EntryKind, KVStore, Layout, LookupResult, PutItem, ReadsInto, writable_view
 from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.executors import DaemonExecutor
 
 log = logging.getLogger(__name__)
 
@@ -228,52 +228,6 @@ class IntoResult:
     ok: list[bool]
     pending: cf.Future | None = None
     late: bool = False  # an inline call that took longer than its timeout (counted as one)
-
-
-class DaemonExecutor:
-    """``submit(fn, *args, **kwargs) -> concurrent.futures.Future``, run on ``workers``
-    daemon threads (module docstring: an abandoned call never holds up process exit).
-    ``shutdown`` cancels what has not started and stops the threads once they are free."""
-
-    def __init__(self, workers: int, name: str):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
-        self._lock = threading.Lock()  # submit vs shutdown: no job is queued behind the stop markers
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(workers)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> cf.Future:
-        """A future of ``fn(*args, **kwargs)``; after ``shutdown``, one already cancelled."""
-        fut: cf.Future = cf.Future()
-        with self._lock:
-            if self._closed:
-                fut.cancel()
-            else:
-                self._q.put((fut, fn, args, kwargs))
-        return fut
-
-    def _work(self) -> None:
-        while (job := self._q.get()) is not None:
-            fut, fn, args, kwargs = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args, **kwargs))
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-                    fut.set_exception(exc)
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self._closed = True
-            while True:  # cancel what never started
-                try:
-                    job = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    job[0].cancel()
-            for _ in self._threads:
-                self._q.put(None)
 
 
 class StoreGateway:
@@ -473,4 +427,4 @@ class StoreGateway:
         return ok
 
     def close(self) -> None:
-        self._pool.shutdown()
+        self._pool.shutdown(wait=False)

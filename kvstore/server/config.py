@@ -99,6 +99,14 @@ class ServerConfig:
     def tls(self) -> bool:
         return bool(self.tls_cert)
 
+    def read_tls_files(self) -> dict[str, bytes]:
+        """The PEM files TLS needs, read and sanity-checked; ``InvalidRequest`` naming the problem."""
+        from kvstore.server.wire import read_pem
+
+        want = {"tls_cert": "CERTIFICATE", "tls_key": "PRIVATE KEY", "tls_client_ca": "CERTIFICATE"}
+        return {name: read_pem(getattr(self, name), f"{name} file", marker)
+                for name, marker in want.items() if getattr(self, name)}
+
 
 def _field_kind(typ: Any) -> str:
     """``"int"``, ``"float"``, ``"bool"``, ``"str"`` or ``""`` (anything else) for a field's type."""

@@ -50,7 +50,7 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +62,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.api import EntryKind, LookupResult, PutItem
 from kvstore.config import StoreConfig
+from kvstore.executors import DaemonExecutor
 from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound
 from kvstore.fragments import MAX_TTL_S
 from kvstore.index import ekey
@@ -80,7 +81,6 @@ from kvstore.server.wire import (
     encode_get_reply,
     kind_or_default,
     layout_from_pb,
-    read_pem,
     status_of,
 )
 
@@ -92,6 +92,7 @@ SERVICE = "kvstore.v1.KVStore"
 # one message per value for large ones). Measured with tools/bench_remote.py.
 GET_STREAM_WINDOW = 8
 GET_STREAM_CHUNK_BYTES = 1 << 20
+STOP_EXTRA_S = 5.0  # ``Daemon.stop`` ends within this long after the drain grace
 
 
 def _serialize(msg: Any) -> bytes:
@@ -126,7 +127,7 @@ class Daemon(DirectRPC, AdminRPC):
         from kvstore.store import EmbeddedStore
 
         self.cfg = server_cfg
-        tls_files = _read_tls_files(server_cfg)  # before opening anything: a bad setup fails fast
+        tls_files = server_cfg.read_tls_files()  # before opening anything: a bad setup fails fast
         if store is None:
             try:
                 store = EmbeddedStore(store_cfg)
@@ -135,8 +136,8 @@ class Daemon(DirectRPC, AdminRPC):
                                      "give a directory this process can create and write") from exc
         self.store = store
         self.quota: TenantQuota | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._read_pool: ThreadPoolExecutor | None = None
+        self._pool: DaemonExecutor | None = None
+        self._read_pool: DaemonExecutor | None = None
         self.server: grpc.Server | None = None
         try:
             self._build(server_cfg, store_cfg, tls_files)
@@ -191,9 +192,10 @@ class Daemon(DirectRPC, AdminRPC):
         opts = [("grpc.max_receive_message_length", server_cfg.max_message_bytes),
                 ("grpc.max_send_message_length", server_cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
-        self._pool = ThreadPoolExecutor(max_workers=server_cfg.workers, thread_name_prefix="kvstore-rpc")
+        # Daemon threads (``kvstore.executors``): a call stuck in storage never holds up exit (``stop``).
+        self._pool = DaemonExecutor(server_cfg.workers, "kvstore-rpc")
         # GetStream's read-ahead (one window per stream in flight; bounded by the RPC workers).
-        self._read_pool = ThreadPoolExecutor(max_workers=server_cfg.workers, thread_name_prefix="kvstore-read")
+        self._read_pool = DaemonExecutor(server_cfg.workers, "kvstore-read")
         self.server = grpc.server(self._pool, options=opts)
         # Streaming batch forms, kept apart from ``methods`` (the unary table the fuzz tests walk).
         self.stream_methods: dict[str, _Method] = {
@@ -269,22 +271,27 @@ class Daemon(DirectRPC, AdminRPC):
         return self
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Drain and close; idempotent. In-flight calls get ``grace_s`` (default ``drain_s``)."""
+        """Drain and close; idempotent. In-flight calls get ``grace_s`` (default ``drain_s``);
+        all of it ends within ``STOP_EXTRA_S`` after that: a call stuck in storage (a hung
+        mount) is abandoned on its daemon thread, and the last call to return closes the
+        index (``EmbeddedStore.close``); its client was already told UNAVAILABLE (a put may
+        still commit: its outcome is unknown to the client, and a retry is safe)."""
         with self._stop_lock:
             if self._stopped:
                 return
             self._stopped = True
         grace = self.cfg.drain_s if grace_s is None else grace_s
+        end = time.monotonic() + grace + STOP_EXTRA_S
+        left = lambda: max(0.0, end - time.monotonic())  # noqa: E731
         self.health.enter_graceful_shutdown()
-        done = self.server.stop(grace)
-        done.wait(grace + 5)
+        self.server.stop(grace).wait(left())
         self._stop_gc.set()
         if self._gc_thread is not None:
-            self._gc_thread.join()
+            self._gc_thread.join(left())
         self.metrics.close()
-        self._pool.shutdown(wait=True)
-        self._read_pool.shutdown(wait=True)
-        self.store.close()
+        for pool in (self._pool, self._read_pool):
+            pool.shutdown(wait=True, timeout_s=left())
+        self.store.close(wait_s=left())
         if self.quota is not None:
             self.quota.close()
         log.info("kvstore daemon %s stopped", self.address)
@@ -515,12 +522,14 @@ class Daemon(DirectRPC, AdminRPC):
         (one index read, the store's own batch parallelism), run on ``_read_pool`` one
         window ahead of the sender, so disk/decode work overlaps gRPC's sending; at most
         two windows are held. A window's values go out in chunks of up to
-        ``GET_STREAM_CHUNK_BYTES`` (one value per chunk when values are that large).
+        ``GET_STREAM_CHUNK_BYTES`` and the message limit (one value per chunk when values are that large).
         """
         self._batch(len(r.keys), "get_many")
         kind = kind_or_default(r.kind)
         keys = self._keys(tenant, r.keys)
         starts = list(range(0, len(keys), GET_STREAM_WINDOW))
+        # within the message limit too (a daemon may set it below a chunk; 4 KiB for framing)
+        chunk_bytes = min(GET_STREAM_CHUNK_BYTES, self.cfg.max_message_bytes - 4096)
 
         def read(start: int) -> list[bytes | None]:
             return self.store.get_many(keys[start:start + GET_STREAM_WINDOW], kind=kind)
@@ -537,7 +546,7 @@ class Daemon(DirectRPC, AdminRPC):
                 first, size = 0, 0
                 for j, v in enumerate(vals):
                     n_bytes = 0 if v is None else len(v)
-                    if j > first and size + n_bytes > GET_STREAM_CHUNK_BYTES:
+                    if j > first and size + n_bytes > chunk_bytes:
                         yield encode_get_chunk(start + first, vals[first:j])
                         first, size = j, 0
                     size += n_bytes
@@ -589,14 +598,3 @@ class Daemon(DirectRPC, AdminRPC):
                                       chain_ends=list(r.chain_ends) if r.chain_ends else None)
         return pb.ProbeReply(block=block, swa=swa)
 
-
-def _read_tls_files(cfg: ServerConfig) -> dict[str, bytes]:
-    """The PEM files TLS needs, read and sanity-checked; ``InvalidRequest`` naming the problem."""
-    want = {"tls_cert": "CERTIFICATE", "tls_key": "PRIVATE KEY", "tls_client_ca": "CERTIFICATE"}
-    out: dict[str, bytes] = {}
-    for name, marker in want.items():
-        path = getattr(cfg, name)
-        if not path:
-            continue
-        out[name] = read_pem(path, f"{name} file", marker)
-    return out

@@ -102,6 +102,51 @@ def test_health_and_drain_finishes_in_flight_calls(make_daemon, tmp_path) -> Non
     s.close()
 
 
+def test_sigterm_exit_is_bounded_when_storage_hangs(spawn, tmp_path) -> None:
+    """SIGTERM with a put stuck in storage (every target op now takes 60 s): the process
+    exits within ``drain_s`` + ``STOP_EXTRA_S``, abandoning the call on its daemon thread.
+    Before, ``Daemon.stop`` joined its worker pools without a bound, so exit waited for
+    the storage (a hung mount: forever). The client is told UNAVAILABLE; the next daemon
+    opens the data directory cleanly and serves what was acknowledged."""
+    from kvstore.faults import FaultPlan, write_plan
+    from kvstore.server.service import STOP_EXTRA_S
+
+    data, faults = tmp_path / "data", tmp_path / "faults"
+    faults.mkdir()
+    names = [f"hang{i}" for i in range(6)]
+    targets = ",".join(f"faulty://{n}{data}/targets/t{i}" for i, n in enumerate(names))
+    env = subprocess_env(KVSTORE_FAULTS_DIR=str(faults))
+    d = spawn(data, "--targets", targets, "--drain-s", "1", env=env)
+    s = kvstore.connect(d.address, timeout_s=120)
+    assert s.put(K(1), b"kept")
+    for n in names:
+        write_plan(str(faults), n, FaultPlan(latency_s=60.0, latency_p=1.0))
+    time.sleep(1.5)  # the targets poll their plans
+    out: dict = {}
+
+    def put() -> None:
+        try:
+            out["r"] = s.put(K(2), b"x" * 800)
+        except Exception as exc:  # noqa: BLE001 - the outcome is the test's subject
+            out["r"] = exc
+
+    t = threading.Thread(target=put, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    assert d.term(timeout=60) == 0
+    took = time.monotonic() - t0
+    assert took < 1 + STOP_EXTRA_S + 5, took  # the storage would have held it 60 s
+    t.join(10)
+    assert isinstance(out.get("r"), StoreUnavailable), out
+    for n in names:
+        write_plan(str(faults), n, FaultPlan())
+    d2 = spawn(data, "--targets", targets, env=env)
+    with kvstore.connect(d2.address) as s2:
+        assert s2.get(K(1)) == b"kept"
+    s.close()
+
+
 def test_background_gc_runs_without_stalling_requests(make_daemon) -> None:
     d = make_daemon(gc_interval_s=0.1, delete_grace_s=0)
     s = kvstore.connect(d.address)

@@ -149,6 +149,19 @@ def slow_store(tmp_path) -> _SlowStore:
     return st
 
 
+def test_get_many_fits_a_message_limit_below_a_stream_chunk(make_daemon) -> None:
+    """A daemon's ``max_message_bytes`` may be below ``GET_STREAM_CHUNK_BYTES`` (1 MiB): a
+    batch of values that each fit goes out in chunks within the limit. Before, two 40 KB
+    values were packed into one 80 KB chunk and the batch failed with RequestTooLarge while
+    each ``get`` worked."""
+    d = make_daemon(max_message_bytes=64 * 1024)
+    vals = [bytes([i]) * 40_000 for i in range(5)]
+    with kvstore.connect(d.address, max_message_bytes=64 * 1024) as s:
+        for i, v in enumerate(vals):
+            assert s.put(K(100 + i), v)
+        assert s.get_many([K(100 + i) for i in range(5)] + [K(99)]) == vals + [None]
+
+
 def test_concurrency_limit_is_resource_exhausted(make_daemon, tmp_path) -> None:
     st = slow_store(tmp_path)
     d = make_daemon(store=st, max_concurrent_requests=1)

@@ -499,7 +499,7 @@ def test_a_closed_gateway_answers_shortfalls_and_resolves_every_future():
     close runs is cancelled, never left unresolved behind the stop markers."""
     import threading as th
 
-    from engine_plugin.tiers import DaemonExecutor
+    from kvstore.executors import DaemonExecutor
 
     class Slow:
         def lookup(self, keys):
@@ -519,7 +519,7 @@ def test_a_closed_gateway_answers_shortfalls_and_resolves_every_future():
     assert gw.lookup([b"k" * 16]) is None  # the shortfall answer: no store
     ex = DaemonExecutor(2, "t")
     futs = []
-    stop = th.Thread(target=ex.shutdown)
+    stop = th.Thread(target=ex.shutdown, kwargs={"wait": False})
     for i in range(200):
         futs.append(ex.submit(time.sleep, 0))
         if i == 100:
