@@ -387,6 +387,11 @@ class Index:
         raw = txn.get(ek, db=self.db["lost"])
         return None if raw is None else self.unpack(txn, raw)
 
+    def lost_records(self, txn: lmdb.Transaction) -> list[tuple[bytes, Meta]]:
+        """Every lost record (unrecoverable entries are few: a failure each), for GC's expiry
+        and eviction of them."""
+        return [(bytes(ek), self.unpack(txn, raw)) for ek, raw in txn.cursor(db=self.db["lost"])]
+
     def drop_lost_txn(self, txn: lmdb.Transaction, ek: bytes, m: Meta, now_ns: int, *, to_grave: bool) -> None:
         old = None if to_grave else self.get_lost(txn, ek)  # restoring: what repair may have moved out
         txn.delete(ek, db=self.db["lost"])

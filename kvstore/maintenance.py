@@ -79,10 +79,21 @@ def _noop(phase: str, done: int, total: int) -> None:
 
 
 # --------------------------------------------------------------------------- GC
+def _expired_lost(store: "EmbeddedStore", txn, now: int) -> list[tuple[bytes, Meta]]:
+    """The lost records whose TTL passed by ``now`` (lost records have no ``ttl`` ordering
+    entry; they are few, so step 2 reads them all)."""
+    return [(ek, m) for ek, m in store.index.lost_records(txn) if m.expires_ns and m.expires_ns <= now]
+
+
 def _remove_expired(store: "EmbeddedStore", now: int) -> tuple[int, int]:
-    """Step 2: remove every entry whose TTL passed by ``now``, in write batches of 512;
-    returns (entries, stored bytes)."""
+    """Step 2: remove every entry whose TTL passed by ``now``, in write batches of 512, and
+    every lost one (to the graveyard, as a delete); returns (entries, stored bytes)."""
     n = nbytes = 0
+    with store.index.env.begin(write=True) as txn:
+        for ek, m in _expired_lost(store, txn, now):
+            store.index.drop_lost_txn(txn, ek, m, now, to_grave=True)
+            n += 1
+            nbytes += m.stored_bytes
     while True:
         with store.index.env.begin(write=True) as txn:
             batch = list(store.index.oldest(txn, "ttl", before_ns=now + 1, limit=512))
@@ -103,6 +114,7 @@ def _plan_expiry(store: "EmbeddedStore", now: int) -> dict[bytes, int]:
     (Deleting nothing, it cannot page in batches as the real pass does: it walks once.)"""
     out: dict[bytes, int] = {}
     with store.index.env.begin() as txn:
+        out.update((ek, m.stored_bytes) for ek, m in _expired_lost(store, txn, now))
         for _t, ek in store.index.oldest(txn, "ttl", before_ns=now + 1):
             m = store.index.get_meta(txn, ek)
             if m is not None:
@@ -122,7 +134,8 @@ def _plan_eviction(store: "EmbeddedStore", used: int, goal: int, gone: Collectio
     """Dry run of step 3: (entries, stored bytes) that ``EmbeddedStore.evict_to(goal)`` would
     evict when ``used`` bytes are stored and the entries in ``gone`` were removed first (step 2).
 
-    Mirrors ``evict_to`` without deleting: walks the ``lru`` ordering oldest first, as it will
+    Mirrors ``evict_to`` without deleting: takes the unpinned lost entries first, then walks
+    the ``lru`` ordering oldest first, as it will
     stand once step 1 has written the pending access times (an entry read since the last flush
     moves to its new time), skipping pinned entries (they are not in the ordering) and ``gone``,
     until ``used`` would be at most ``goal``. Raises ``CapacityExceeded``, as the real pass
@@ -131,6 +144,12 @@ def _plan_eviction(store: "EmbeddedStore", used: int, goal: int, gone: Collectio
     pending = _pending_touches(store)
     n = nbytes = 0
     with store.index.env.begin() as txn:
+        for _a, ek, m in sorted((m.access_ns, ek, m) for ek, m in store.index.lost_records(txn)
+                                if not m.pinned and ek not in gone):  # lost entries go first
+            if used - nbytes <= goal:
+                return n, nbytes
+            n += 1
+            nbytes += m.stored_bytes
         moved: list[tuple[int, bytes]] = []  # (new access time, ek): where step 1 will put them
         for ek, ts in pending.items():
             m = store.index.get_meta(txn, ek)
@@ -282,7 +301,8 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
     of the evicted entries (in a real pass, measured from the used-bytes counter, so a put
     running alongside shifts it). A dry run reports the counts and bytes of the real pass from
     the same state and changes nothing. Raises ``CapacityExceeded`` when step 3 cannot get
-    under the low watermark because everything left is pinned (a dry run raises it too)."""
+    under the low watermark because everything left is pinned (a dry run raises it too),
+    after steps 4-6 have run: deleted entries and orphans are reclaimed all the same."""
     progress = progress or _noop
     now = store.now_ns()
     if dry_run:
@@ -295,13 +315,19 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
     evicted = evicted_bytes = 0
     used = store.used_bytes() - (expired_bytes if dry_run else 0)
     cap = store.config.capacity_bytes
+    full: CapacityExceeded | None = None  # raised once steps 4-6 have reclaimed what they can
     if cap and used > cap * store.config.high_watermark:
         goal = int(cap * store.config.low_watermark)
-        if dry_run:
-            evicted, evicted_bytes = _plan_eviction(store, used, goal, plan)
-        else:
-            evicted = store.evict_to(goal)
-            evicted_bytes = max(0, used - store.used_bytes())
+        try:
+            if dry_run:
+                evicted, evicted_bytes = _plan_eviction(store, used, goal, plan)
+            else:
+                evicted = store.evict_to(goal)
+                evicted_bytes = max(0, used - store.used_bytes())
+        except CapacityExceeded as exc:
+            full = exc
+            if not dry_run:
+                evicted_bytes = max(0, used - store.used_bytes())
     purged, purged_bytes = _purge_grave(store, now, dry_run)
     compacted, moved = _compact_packs(store, dry_run)
     orphans = orphan_bytes = 0
@@ -315,6 +341,9 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
         "used_bytes": store.used_bytes(),
     }
     log.info("gc: %s", out)
+    if full is not None:
+        raise CapacityExceeded(f"{full} (the rest of the gc pass ran: expired {expired}, purged {purged}, "
+                               f"orphans {orphans}, {out['reclaimed_bytes']} bytes reclaimed)") from full
     return out
 
 

@@ -39,8 +39,8 @@ checksum and header against the index; on any failure read parity fragments
 until k are good; decode; verify the entry checksum; return. Local targets first
 try a fast path (``kvstore.fastread``: ``_read_fast`` / ``_read_scatter``): one open + one
 ``preadv`` per data fragment, headers checked against the index, fragment 0 (which
-holds the entry header) verified whole, and the rest trusted only through the entry
-checksum over the assembled payload; anything unexpected falls back to the path above. Fewer than k good
+holds the entry header; with any other holding part of a small entry's) verified whole,
+and the rest trusted only through the entry checksum over the assembled payload; anything unexpected falls back to the path above. Fewer than k good
 fragments: mark the entry lost and raise ``Unrecoverable``. ``get_many_into``
 is the same path, except that the decode writes the payload into the caller's
 buffer (one copy from the fragment bodies) and the checksum is verified there.
@@ -51,7 +51,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -63,6 +62,7 @@ from kvstore.config import StoreConfig, load_config
 from kvstore.datadir import DataDir, file_url_path
 from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, in_flight, run_now
 from kvstore.packs import PackIO
+from kvstore.executors import DaemonExecutor
 from kvstore.errors import (
     CapacityExceeded,
     InvalidRequest,
@@ -99,8 +99,9 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         # Two pools, so that no task ever waits on a task queued behind it in its own pool:
         # ``_pool`` runs single fragment reads/writes (leaf work); ``_batch_pool`` runs one
         # entry of a batch each, and those submit their fragment I/O to ``_pool``.
-        self._pool = ThreadPoolExecutor(max_workers=config.read_workers, thread_name_prefix="kvstore-io")
-        self._batch_pool = ThreadPoolExecutor(max_workers=config.read_workers, thread_name_prefix="kvstore-batch")
+        # Daemon threads (``kvstore.executors``): a write stuck on a dead mount never holds up exit.
+        self._pool = DaemonExecutor(config.read_workers, "kvstore-io")
+        self._batch_pool = DaemonExecutor(config.read_workers, "kvstore-batch")
         self._tls = threading.local()
         self._touch_lock = threading.Lock()
         self._touches: dict[bytes, int] = {}
@@ -174,6 +175,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         offsets: dict[int, tuple[int, ...]] = {}
         futs: dict[int, Any] = {}
         batch = len(todo) > 1
+        started = self.clock()  # the files written from here on are at most this old at commit
         if batch and self.config.pack_batches:
             self._put_packs(items, todo, encs, placed, offsets)
         submit = self._batch_pool.submit if batch and self._fan_out_writes(self.targets, in_batch=False) else run_now
@@ -197,6 +199,18 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             for i, names in placed.items():
                 self._discard(encs[i], dict(enumerate(names)))
             raise
+        # The orphan sweep removes unindexed files older than orphan_grace_s: a write that took
+        # over half of it (slow targets, a huge batch) may be losing its first files to a GC
+        # right now, so it is not indexed (``commit_written`` refuses such packs the same way).
+        took = self.clock() - started
+        if took > self.config.orphan_grace_s / 2:
+            self._discard_unused_packs(encs, placed, offsets, result)
+            for i, names in placed.items():
+                if i not in offsets:
+                    self._discard(encs[i], dict(enumerate(names)))
+            raise StoreUnavailable(f"writing {len(encs)} entries took {took:.0f} s, over orphan_grace_s/2 = "
+                                   f"{self.config.orphan_grace_s / 2:.0f} s, so GC may be sweeping their fragments: "
+                                   "nothing was stored; retry (in smaller batches), or raise orphan_grace_s")
         # 5-6: one index transaction for the batch; then capacity.
         order = list(encs)
         created = self._index_new([(encs[i].ek, replace(encs[i].meta_base, targets=placed[i],
@@ -483,10 +497,22 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
     @in_flight
     def evict_to(self, goal_bytes: int, *, dry_run: bool = False) -> int:
-        """Evict least-recently-used unpinned entries until at most ``goal_bytes`` are used."""
+        """Evict until at most ``goal_bytes`` are used: first unpinned lost entries (no read
+        can use them until a repair; oldest access first), then least-recently-used unpinned
+        entries. ``CapacityExceeded`` when only pinned entries are left."""
         self.flush_touches()
         evicted = 0
         now = self.now_ns()
+        with self.index.env.begin(write=not dry_run) as txn:
+            used = self.index.counter(txn, "used_bytes")
+            for ek, m in sorted(self.index.lost_records(txn), key=lambda r: r[1].access_ns):
+                if used <= goal_bytes:
+                    break
+                if not m.pinned:
+                    if not dry_run:
+                        self.index.drop_lost_txn(txn, ek, m, now, to_grave=True)
+                    used -= m.stored_bytes
+                    evicted += 1
         while True:
             with self.index.env.begin(write=not dry_run) as txn:
                 used = self.index.counter(txn, "used_bytes")
@@ -544,15 +570,15 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         self._check_open()
         return stats(self)
 
-    def close(self) -> None:
-        """Refuse new calls, wait up to ``CLOSE_WAIT_S`` for those in flight, write the
-        batched access times, close the index. Past the wait, the last call still running
-        closes it as it returns (``in_flight``). Idempotent."""
+    def close(self, *, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Refuse new calls, wait up to ``wait_s`` for those in flight, write the batched
+        access times, close the index. Past the wait, the last call still running closes it
+        as it returns (``in_flight``). Idempotent."""
         with self._calls:
             if self._closed:
                 return
             self._closed = True
-            if not self._calls.wait_for(lambda: not self._in_flight, timeout=CLOSE_WAIT_S):
+            if not self._calls.wait_for(lambda: not self._in_flight, timeout=wait_s):
                 log.warning("%d calls still running at close: the last one closes the index", self._in_flight)
                 return
         self._finish_close(deferred=False)

@@ -67,7 +67,7 @@ from kvstore.api import KVStore
 from kvstore.cli.commands import COMMANDS, Command, ExitCode, Outcome
 from kvstore.cli.progress import ProgressBar
 from kvstore.config import load_config
-from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError
 
 PROG = "kvtool"
 
@@ -129,7 +129,7 @@ daemons:
                       repair and gc); a call past it is one error line, exit 2
   GRPC_VERBOSITY      unset: kvtool silences gRPC's own log lines; set it to see them
 
-exit codes: 0 healthy, 1 problems found (or a shard of a sharded set did not answer),
+exit codes: 0 healthy, 1 problems found (a shard of a sharded set did not answer; gc cannot get under capacity),
 2 usage error or the store could not be reached
 """
 
@@ -353,7 +353,8 @@ def _run(cmd: Command, args: argparse.Namespace) -> int:
     except (KVStoreError, OSError) as exc:
         progress.close()
         print(f"{PROG}: error: {' '.join(_error_line(cmd, exc).split())}", file=sys.stderr)
-        return int(ExitCode.USAGE)
+        # a store that cannot get under its capacity is a problem found, not a usage error
+        return int(ExitCode.PROBLEMS if isinstance(exc, CapacityExceeded) else ExitCode.USAGE)
     finally:
         progress.close()
         store.close()

@@ -65,6 +65,80 @@ def test_sigkill_at_random_instants_loses_no_acknowledged_put(tmp_path):
         assert_pack_refs_match_records(s)
 
 
+_HUNG_WRITE = """
+import sys, threading, time
+import kvstore
+from kvstore.faults import FaultPlan, control, faulty_url
+d = sys.argv[1]
+names = [f"hung{i}" for i in range(6)]
+s = kvstore.connect(d + "/data", targets=[faulty_url(n, f"{d}/t{i}") for i, n in enumerate(names)], fsync=False)
+s.put(b"k" * 16, b"before")
+for n in names:
+    control(n).set(latency_s=60.0, latency_p=1.0)  # every target op now hangs for a minute
+threading.Thread(target=s.put, args=(b"j" * 16, b"x" * 5000), daemon=True).start()
+time.sleep(0.5)
+print("leaving", flush=True)
+"""
+
+
+def test_a_write_hung_in_storage_does_not_hold_up_process_exit(tmp_path):
+    """The store's fragment I/O runs on daemon threads (``kvstore.executors``): a process
+    whose daemon thread is stuck in a put to a hung target exits when its main thread ends.
+    Before, ``concurrent.futures`` joined the store's pool workers at exit: a minute here, a
+    dead mount forever."""
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", _HUNG_WRITE, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).resolve().parents[2])
+    took = time.monotonic() - t0
+    assert p.returncode == 0 and "leaving" in p.stdout, p.stderr[-2000:]
+    assert took < 30, took  # the hung write would hold it 60 s
+    from kvstore.faults import faulty_url  # in this process the plans are all zero: plain directories
+
+    with kvstore.connect(str(tmp_path / "data"), targets=[faulty_url(f"hung{i}", f"{tmp_path}/t{i}")
+                                                          for i in range(6)]) as st:
+        assert st.get(b"k" * 16) == b"before"
+
+
+@pytest.mark.parametrize("n", [1, 6], ids=["put", "put_many"])
+def test_a_put_slower_than_half_the_orphan_grace_is_refused_not_lost(tmp_path, monkeypatch, n):
+    """A write whose fragments took longer than ``orphan_grace_s / 2`` is not indexed: its
+    first files may already be swept by a GC (here one runs while the write is still
+    going, 100 s into it with a 60 s grace). Before, the put was acknowledged and its
+    entries were Unrecoverable at once. Now it raises ``StoreUnavailable``, stores nothing
+    and leaves nothing behind; a put within the time is indexed as before."""
+    from kvstore.errors import StoreUnavailable
+
+    from .conftest import FakeClock
+
+    clock = FakeClock(time.time())
+    s = kvstore.connect(str(tmp_path / "d"), fsync=False, clock=clock, orphan_grace_s=60, delete_grace_s=0)
+    slow = {"on": True}
+    for name in ("_write_pack", "_write_fragments"):
+        def wrapped(*a, _orig=getattr(s, name), **kw):
+            got = _orig(*a, **kw)
+            if slow["on"]:
+                clock.advance(100)
+                sweeper = threading.Thread(target=s.gc)  # another thread's GC sweeps "orphans"
+                sweeper.start()
+                sweeper.join(30)
+            return got
+        monkeypatch.setattr(s, name, wrapped)
+    try:
+        items = [PutItem(k, value(k)) for k in (os.urandom(16) for _ in range(n))]
+        with pytest.raises(StoreUnavailable, match="orphan_grace_s"):
+            s.put_many(items)
+        assert s.get_many([it.key for it in items]) == [None] * n
+        assert s.stats()["entries"] == 0
+        slow["on"] = False
+        clock.advance(100)
+        s.gc()
+        assert s.check() == []  # nothing left behind
+        assert s.put_many(items) == [True] * n  # in time: indexed and readable
+        assert s.get_many([it.key for it in items]) == [it.value for it in items]
+    finally:
+        s.close()
+
+
 def test_threads_put_get_gc_one_store(data_dir, clock):
     s = kvstore.connect(str(data_dir), fsync=False, capacity_bytes=400_000, high_watermark=0.9,
                         low_watermark=0.6, delete_grace_s=60, access_flush_s=0.01)
