@@ -228,6 +228,21 @@ def check_put_item(it: Any) -> PutItem:
     return it
 
 
+MAX_TOKENS = 2**32  # an entry's token count is stored as u32
+
+
+def check_put_fields(ttl_s: Any, tokens: Any, max_ttl_s: float) -> None:
+    """A put's ``ttl_s`` (``None``, or a real number in ``(0, max_ttl_s]``; not a bool) and
+    ``tokens`` (an int in ``[0, 2**32)``; not a bool), else ``InvalidRequest``. Every store
+    and client checks a put with this before anything is written or sent."""
+    if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float))
+                              or not 0 < ttl_s <= max_ttl_s):  # and NaN
+        raise InvalidRequest(f"ttl_s must be in (0, {max_ttl_s:.0f}] seconds (a number, or None for the "
+                             f"default), got {ttl_s!r}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < MAX_TOKENS:
+        raise InvalidRequest(f"tokens must be an int in [0, 2**32), got {tokens!r}")
+
+
 def check_put_items(items: Any) -> list[PutItem]:
     """``put_many``'s argument as a list of ``PutItem`` (any iterable of them), else
     ``InvalidRequest``: every store checks it so before doing anything."""

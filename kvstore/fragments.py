@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 
 from kvstore import codec
-from kvstore.api import EntryKind, Layout, as_payload
+from kvstore.api import EntryKind, Layout, as_payload, check_put_fields
 from kvstore.config import MAX_TTL_S
 from kvstore.errors import (CapacityExceeded, CorruptData, IncompatibleFormat, InvalidRequest, StoreClosed,
                             StoreUnavailable, Unrecoverable)
@@ -88,9 +88,8 @@ def expiry_ns(ttl_s: float | None, default_ttl_s: float, now: int) -> int:
     """An entry's expiry time (0: none) from a put's ``ttl_s`` (``None``: the store's default)."""
     if ttl_s is None:
         ttl_s = default_ttl_s
-    elif isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_TTL_S:  # and NaN
-        raise InvalidRequest(f"ttl_s must be in (0, {MAX_TTL_S:.0f}] seconds (a number, or None for the "
-                             f"default), got {ttl_s!r}")
+    else:
+        check_put_fields(ttl_s, 0, MAX_TTL_S)
     return now + int(ttl_s * 1e9) if ttl_s else 0
 
 
@@ -128,11 +127,9 @@ class FragmentIO(LocalFastReads):
                 f"value of {len(payload)} bytes is over max_value_bytes={self.config.max_value_bytes}; "
                 "split it or raise the limit in the store config"
             )
+        check_put_fields(ttl_s, tokens, MAX_TTL_S)
         now = self.now_ns()
-        expires = expiry_ns(ttl_s, self.config.default_ttl_s, now)
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise InvalidRequest(f"tokens must be a non-negative int, got {tokens!r}")
-        return key, k, payload, lay, now, expires
+        return key, k, payload, lay, now, expiry_ns(ttl_s, self.config.default_ttl_s, now)
 
     def _encode(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
                 layout: Layout | None, tokens: int, gen: bytes | None = None) -> _Encoded:

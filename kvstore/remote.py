@@ -139,9 +139,13 @@ class RemoteStore:
                           if o.direct_writes != "off" else None)
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, method: str, req: Any, timeout_s: float | None = None, fn: Any = None) -> Any:
+    def _check_open(self) -> None:
+        """``StoreClosed`` after ``close``: every call checks first, an empty batch included."""
         if self._closed:
             raise StoreClosed("this store is closed; open a new one with kvstore.connect")
+
+    def _call(self, method: str, req: Any, timeout_s: float | None = None, fn: Any = None) -> Any:
+        self._check_open()
         timeout = timeout_s or self.options.timeout_s
         try:
             return (fn or getattr(self._stub, method))(req, timeout=timeout, metadata=self._md)
@@ -174,6 +178,7 @@ class RemoteStore:
         (``_learn``); that piece and the rest are then re-split and sent. Once per call: a
         second refusal, or one that says nothing new, is raised.
         """
+        self._check_open()
         off, retried = 0, False
         while off < n:
             step = self._batch_items
@@ -218,6 +223,7 @@ class RemoteStore:
         nothing and is resent in smaller pieces. Retrying the whole batch is safe: a put of a
         live key stores nothing (it then answers ``created=False`` for those).
         """
+        self._check_open()
         items = check_put_items(items)
         if not items:
             return []
@@ -233,8 +239,7 @@ class RemoteStore:
         """One piece of ``put_many`` (at most ``_batch_items``): direct writes, else gRPC.
         A ``BatchTooLarge`` from either (Commit or PutStream refused) stored nothing."""
         if self._direct_w is not None:
-            if self._closed:
-                raise StoreClosed("this store is closed; open a new one with kvstore.connect")
+            self._check_open()
             got = self._direct_w.put_many(items, self._put_many_rpc)
             if got is not None:
                 return got
@@ -273,8 +278,7 @@ class RemoteStore:
 
     def _stream_call(self, method: str, run: Any) -> Any:
         """Run a streaming call; typed errors as ``_call``; ``_Unimplemented`` for an older daemon."""
-        if self._closed:
-            raise StoreClosed("this store is closed; open a new one with kvstore.connect")
+        self._check_open()
         try:
             return run()
         except grpc.RpcError as err:
@@ -303,6 +307,7 @@ class RemoteStore:
         return self.get_entry(key, kind=kind).data
 
     def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:
+        self._check_open()
         keys = check_keys(keys)
         if not keys:
             return []
@@ -327,6 +332,7 @@ class RemoteStore:
         anything is read); otherwise, and for keys read through the daemon, ``get_many`` plus
         one copy (``EntryInfo.layout``/``tokens`` are then ``None``). Every key and buffer is
         checked first; more than ``max_batch_items`` keys are read in pieces, in order."""
+        self._check_open()
         if len(outs) != len(keys):
             raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
         keys = [check_key(x) for x in keys]
@@ -441,6 +447,7 @@ class RemoteStore:
         chains within both (``_batch_items``), a chain longer than that alone through
         ``lookup``. A piece refused as too large re-splits once with the learned limit, as
         ``_each_piece`` does."""
+        self._check_open()
         msgs = [check_keys(c) for c in chains]  # every chain validated before anything is sent
         out: list[LookupResult] = []
         i, retried = 0, False

@@ -53,7 +53,7 @@ import numpy as np
 import xxhash
 
 from kvstore.api import Entry, EntryInfo, Layout, LookupResult, PutItem, check_put_items
-from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError, StoreClosed
 from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.client_options import ClientOptions, parse_address, shard_name
@@ -120,6 +120,7 @@ class ShardedStore:
             raise
         self._names = [n.encode() for n in names]
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(urls)), thread_name_prefix="kvstore-shard")
+        self._closed = False
 
     # ------------------------------------------------------------------ placement
     def owner(self, key: bytes) -> int:
@@ -134,9 +135,16 @@ class ShardedStore:
     def shard_for(self, key: bytes) -> RemoteStore:
         return self.shards[self.owner(check_key(key))]
 
+    def _check_open(self) -> None:
+        """``StoreClosed`` after ``close`` (the batch and maintenance calls; a single-key call
+        goes to its shard, closed too)."""
+        if self._closed:
+            raise StoreClosed("this store is closed; open a new one with kvstore.connect")
+
     def _per_shard(self, positions: dict[int, list[int]],
                    fn: Callable[[RemoteStore, list[int]], Any]) -> dict[int, Any]:
         """Run ``fn(shard, positions)`` per shard in parallel; return {shard: its result}."""
+        self._check_open()
         futs = {s: self._pool.submit(fn, self.shards[s], pos) for s, pos in positions.items()}
         out: dict[int, Any] = {}
         first_exc: BaseException | None = None
@@ -292,6 +300,7 @@ class ShardedStore:
         kept (a gc or repair there already ran). Raises the first shard's error when no shard
         answered: then nothing was done anywhere. Any other exception is a bug and is raised.
         """
+        self._check_open()
         futs = [self._pool.submit(fn, s) for s in self.shards]
         ok: dict[str, Any] = {}
         failed: dict[str, KVStoreError] = {}
@@ -418,6 +427,7 @@ class ShardedStore:
         return out
 
     def close(self) -> None:
+        self._closed = True
         for s in self.shards:
             s.close()
         self._pool.shutdown(wait=False)

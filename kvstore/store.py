@@ -202,8 +202,9 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         # The orphan sweep removes unindexed files older than orphan_grace_s: a write that took
         # over half of it (slow targets, a huge batch) may be losing its first files to a GC
         # right now, so it is not indexed (``commit_written`` refuses such packs the same way).
+        # A grace of 0 (tests, a store no GC runs beside) protects no write: nothing to check.
         took = self.clock() - started
-        if took > self.config.orphan_grace_s / 2:
+        if self.config.orphan_grace_s and took > self.config.orphan_grace_s / 2:
             self._discard_unused_packs(encs, placed, offsets, result)
             for i, names in placed.items():
                 if i not in offsets:
@@ -370,6 +371,8 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         now = self.now_ns()
         with self.index.env.begin() as txn:
             metas = [self.index.get_meta(txn, ek) for ek in eks]
+        metas = [None if m is not None and m.expires_ns and m.expires_ns <= now else m
+                 for m in metas]  # an expired entry is absent, as in get_many
         for i, m in enumerate(metas):
             if m is not None and m.plain_len > len(views[i]):
                 raise InvalidRequest(
@@ -442,7 +445,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         ek = ekey(EntryKind.parse(kind).code, check_key(key))
         with self.index.env.begin(write=True) as txn:
             m = self.index.get_meta(txn, ek)
-            if m is None:
+            if m is None or (m.expires_ns and m.expires_ns <= self.now_ns()):  # expired: absent, as for get
                 return False
             if m.pinned != pinned:
                 self.index.update_txn(txn, ek, m, replace(m, pinned=pinned))
@@ -464,6 +467,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         return LookupResult(hit, swa)
 
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
+        self._check_open()
         return [self.lookup(c) for c in chains]
 
     @in_flight

@@ -10,7 +10,7 @@ metric                                 type       labels / meaning
 =====================================  =========  ==========================================
 kvstore_requests_total                 counter    method, code (gRPC status name)
 kvstore_request_seconds                histogram  method
-kvstore_hits_total                     counter    op (get, lookup, locate), kind (block, swa)
+kvstore_hits_total                     counter    op (get, lookup, probe, locate), kind (block, swa)
 kvstore_misses_total                   counter    op, kind
 kvstore_bytes_in_total                 counter    payload bytes received by puts
 kvstore_bytes_out_total                counter    payload bytes returned by gets (not direct reads)
@@ -22,6 +22,12 @@ kvstore_unrecoverable_reads_total      counter    reads that found fewer than k 
 kvstore_lost_entries                   gauge      entries marked lost (until repair)
 kvstore_used_bytes / capacity_bytes    gauge      stored fragment bytes / configured capacity
 =====================================  =========  ==========================================
+
+Lookups are counted per call this daemon answers: a ``Lookup`` (each piece of a chain
+longer than ``max_batch_items``, which a client sends in pieces, counts once), and a
+sharded client's ``Probe`` of its share of chains as ``op="probe"`` (a hit when any key
+asked has a live block, or SWA, entry: the longest prefix is the client's to walk, so a
+sharded set's lookups are counted once per shard asked, not once each).
 """
 
 from __future__ import annotations

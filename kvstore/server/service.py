@@ -63,7 +63,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.api import EntryKind, LookupResult, PutItem
 from kvstore.config import StoreConfig
 from kvstore.executors import DaemonExecutor
-from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound
+from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound, Unrecoverable
 from kvstore.fragments import MAX_TTL_S
 from kvstore.index import ekey
 from kvstore.keys import check_key, check_keys
@@ -74,15 +74,8 @@ from kvstore.server.admin_rpc import AdminRPC
 from kvstore.server.direct_rpc import DirectRPC
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
-from kvstore.server.wire import (
-    BatchTooLarge,
-    RequestTooLarge,
-    encode_get_chunk,
-    encode_get_reply,
-    kind_or_default,
-    layout_from_pb,
-    status_of,
-)
+from kvstore.server.wire import (BatchTooLarge, RequestTooLarge, details_of, encode_get_chunk, encode_get_reply,
+                                 kind_or_default, layout_from_pb, status_of)
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +311,7 @@ class Daemon(DirectRPC, AdminRPC):
             status, md = status_of(exc)
             code = status.name
             context.set_trailing_metadata(md)
-            context.abort(status, str(exc))
+            context.abort(status, details_of(exc))
         except GeneratorExit:  # a streaming reply the client stopped reading (cancelled, timed out)
             code = "CANCELLED"
             raise
@@ -331,7 +324,7 @@ class Daemon(DirectRPC, AdminRPC):
             code = "INTERNAL"
             status, md = status_of(InternalError(str(exc)))
             context.set_trailing_metadata(md)
-            context.abort(status, f"internal error in {name} (a kvstore bug; see the daemon log): {exc}")
+            context.abort(status, details_of(exc, f"internal error in {name} (a kvstore bug; see the daemon log): "))
         finally:
             self.metrics.observe(name, code, time.perf_counter() - t0)
 
@@ -495,11 +488,15 @@ class Daemon(DirectRPC, AdminRPC):
 
     def _get(self, r: pb.KeyRequest, tenant: Tenant) -> bytes:
         kind = kind_or_default(r.kind)
+        key = self._key(tenant, r.key)
         try:
-            e = self.store.get_entry(self._key(tenant, r.key), kind=kind)
+            e = self.store.get_entry(key, kind=kind)
         except NotFound:
             self.metrics.hit("get", kind, False)
             raise
+        except Unrecoverable as exc:  # named by the client's key, not the tenant's stored one
+            raise Unrecoverable(str(exc).replace(key.hex(), r.key.hex()), key=r.key,
+                                failed_targets=exc.failed_targets) from None
         self.metrics.hit("get", kind, True)
         self.metrics.bytes_out.inc(len(e.data))
         return encode_get_reply(e.data, e.layout, e.tokens, e.kind.value)  # one copy of the value, not two
@@ -596,5 +593,7 @@ class Daemon(DirectRPC, AdminRPC):
         self._batch(len(r.chain_ends), "probe chains")
         block, swa = self.store.probe(self._keys(tenant, r.keys), until_miss=r.until_miss,
                                       chain_ends=list(r.chain_ends) if r.chain_ends else None)
+        self.metrics.hit("probe", "block", 1 in block, bool(block))
+        self.metrics.hit("probe", "swa", 1 in swa, bool(block))
         return pb.ProbeReply(block=block, swa=swa)
 

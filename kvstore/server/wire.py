@@ -48,7 +48,8 @@ from typing import Any, Sequence
 
 import grpc
 
-from kvstore.api import EntryKind, Layout, PutItem, as_payload, check_put_item
+from kvstore.api import EntryKind, Layout, PutItem, as_payload, check_put_fields, check_put_item
+from kvstore.config import MAX_TTL_S
 from kvstore.errors import (
     ERRORS_BY_CODE,
     InvalidRequest,
@@ -154,6 +155,17 @@ def status_of(exc: KVStoreError) -> tuple[grpc.StatusCode, tuple[tuple[str, str]
     if isinstance(exc, BatchTooLarge) and exc.limit > 0:
         md.append((MD_BATCH_LIMIT, str(exc.limit)))
     return STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN), tuple(md)
+
+
+MAX_DETAILS = 2000  # characters of an error message sent as a call's details
+
+
+def details_of(exc: BaseException, prefix: str = "") -> str:
+    """``prefix + str(exc)``, cut to ``MAX_DETAILS``: a message may quote the request (a kind
+    or layout of 20,000 characters), and details over gRPC's 16 KiB metadata limit lose the
+    whole status, typed error code included."""
+    text = prefix + str(exc)
+    return text if len(text) <= MAX_DETAILS else text[: MAX_DETAILS - 25] + f"... ({len(text)} characters)"
 
 
 def error_from_rpc(err: grpc.RpcError, where: str = "", timeout_s: float | None = None) -> KVStoreError:
@@ -329,10 +341,7 @@ def encode_item(it: PutItem) -> EncodedPut:
     key = check_key(check_put_item(it).key)
     kind = EntryKind.parse(it.kind).value
     mv, layout = as_payload(it.value, it.layout)
-    if not isinstance(it.tokens, int) or it.tokens < 0:
-        raise InvalidRequest(f"tokens must be a non-negative int, got {it.tokens!r}")
-    if it.ttl_s is not None and it.ttl_s <= 0:
-        raise InvalidRequest(f"ttl_s must be positive (or None for the default), got {it.ttl_s}")
+    check_put_fields(it.ttl_s, it.tokens, MAX_TTL_S)
     head, tail = put_parts(key, mv.nbytes, kind, it.ttl_s, layout, it.tokens)
     return EncodedPut(head, mv, tail)
 

@@ -190,7 +190,37 @@ def test_gc_check_stats(store) -> None:
     assert store.check() == [] and store.check(fix=True) == []
 
 
+def test_put_fields_are_checked_alike(store) -> None:
+    """``ttl_s`` and ``tokens`` are refused alike on every store, whether the key is new or
+    live, alone or in a batch. Before, the remote and sharded clients sent tokens of 2**64 + 5
+    (stored as 5) and ttl_s=True (a one-second TTL), and raised TypeError for ttl_s="5";
+    the embedded store let a re-put of a live key through with tokens of 2**32."""
+    import decimal
+
+    assert store.put(K("live"), b"x")
+    for key in (K("new"), K("live")):
+        for bad in ({"ttl_s": True}, {"ttl_s": "5"}, {"ttl_s": [1]}, {"ttl_s": 1j}, {"ttl_s": decimal.Decimal(5)},
+                    {"ttl_s": float("inf")}, {"tokens": 2**32}, {"tokens": 2**64 + 5}, {"tokens": True},
+                    {"tokens": -1}, {"tokens": 1.0}):
+            with pytest.raises(InvalidRequest):
+                store.put(key, b"x", **bad)
+            with pytest.raises(InvalidRequest):
+                store.put_many([PutItem(K("other"), b"y"), PutItem(key, b"x", **bad)])
+    assert store.get_many([K("new"), K("other")]) == [None, None]
+    assert store.put(K("new"), b"x", ttl_s=2.5, tokens=2**32 - 1)
+    assert store.get_entry(K("new")).tokens == 2**32 - 1
+
+
 def test_closed_store_refuses(tmp_path, store) -> None:
+    """Every call of a closed store raises ``StoreClosed``, empty batches included. Before,
+    the sharded client raised RuntimeError from its batches, lookups and maintenance, and
+    the remote and sharded clients answered empty batches as if open."""
     store.close()
     with pytest.raises(StoreClosed):
         store.get(K(1))
+    for call in (lambda: store.get_many([K(1)]), lambda: store.get_many([]), lambda: store.put_many([]),
+                 lambda: store.put_many([PutItem(K(1), b"x")]), lambda: store.lookup([K(1)]),
+                 lambda: store.lookup([]), lambda: store.lookup_many([[K(1)], [K(2)]]), lambda: store.lookup_many([]),
+                 store.stats, store.gc, store.check, lambda: store.delete(K(1)), lambda: store.pin(K(1))):
+        with pytest.raises(StoreClosed):
+            call()

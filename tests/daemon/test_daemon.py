@@ -178,8 +178,13 @@ def test_prometheus_metrics(make_daemon) -> None:
     with pytest.raises(kvstore.NotFound):
         s.get(K(9))
     s.gc()
+    # a sharded client's lookup asks each shard a Probe (here: this daemon twice, as a set of one)
+    s.probe([K(1), K(2)], until_miss=True)
+    s.probe([K(3)])
     body = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics.port}/metrics", timeout=5).read().decode()
     for needle in ('kvstore_requests_total{code="OK",method="Put"} 1.0',
+                   'kvstore_hits_total{kind="block",op="probe"} 1.0',
+                   'kvstore_misses_total{kind="block",op="probe"} 1.0',
                    'kvstore_requests_total{code="NOT_FOUND",method="Get"} 1.0',
                    'kvstore_hits_total{kind="block",op="get"} 2.0',
                    'kvstore_misses_total{kind="block",op="get"} 2.0',

@@ -102,6 +102,26 @@ def test_tenants_are_isolated(make_daemon, tokens_file) -> None:
         s.close()
 
 
+def test_unrecoverable_names_the_callers_key(make_daemon, tokens_file, tmp_path) -> None:
+    """A tenant's keys are stored hashed into its namespace; an ``Unrecoverable`` for one
+    names the key the client asked for (in ``.key`` and the message), never the stored one."""
+    import shutil
+
+    import kvstore.errors
+
+    st = kvstore.connect(str(tmp_path / "lose"), fsync=False)
+    d = make_daemon(store=st, tokens_file=tokens_file)
+    with kvstore.connect(d.address, token=TOK_A) as a:
+        a.put(K("doomed"), b"v" * 5000)
+        for t in ("t0", "t1", "t2"):  # m + 1 = 3 of the 4+2 fragments gone
+            shutil.rmtree(st.targets[t].root)
+        with pytest.raises(kvstore.errors.Unrecoverable) as ei:
+            a.get(K("doomed"))
+    assert ei.value.key == K("doomed") and K("doomed").hex() in str(ei.value)
+    stored = [bytes(k[1:]) for k, _ in st.index.iter_db(st.index.env.begin(), "lost")]
+    assert len(stored) == 1 and stored[0] != K("doomed") and stored[0].hex() not in str(ei.value)
+
+
 def test_tenant_keys_are_stable_across_restart(make_daemon, tokens_file, tmp_path) -> None:
     d = make_daemon(tokens_file=tokens_file, data_dir=str(tmp_path / "stable"))
     with kvstore.connect(d.address, token=TOK_A) as a:

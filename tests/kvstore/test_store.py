@@ -615,3 +615,18 @@ def test_misused_arguments_are_typed_errors(store, keys):
     assert kvstore.Layout("uint8", [4]).shape == (4,)
     with pytest.raises(InvalidRequest, match="tuple of ints"):
         kvstore.Layout("uint8", (1.5,))
+
+
+def test_an_expired_entry_is_absent_to_pin_and_get_many_into(store, keys, clock):
+    """Before GC removes it, an expired entry is absent everywhere: ``pin``/``unpin`` say
+    False, and ``get_many_into`` answers ``None`` for it whatever its buffer's size (it
+    raised InvalidRequest over a buffer sized for the entry that no longer exists)."""
+    store.put(keys[0], b"x" * 100, ttl_s=1)
+    store.put(keys[1], b"y" * 10)
+    clock.advance(2)
+    assert store.pin(keys[0]) is False and store.unpin(keys[0]) is False
+    assert store.get_many([keys[0], keys[1]]) == [None, b"y" * 10]
+    outs = [bytearray(10), bytearray(10)]
+    got = store.get_many_into([keys[0], keys[1]], outs)
+    assert got[0] is None and got[1] is not None and bytes(outs[1]) == b"y" * 10
+    assert store.pin(keys[1]) is True
