@@ -370,11 +370,12 @@ def merge_sources(layers: Sequence[Layer], coerce: Callable[[str, Any, str], Any
 
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:
-    """A TOML config file as a dict; an unreadable or malformed file is ``InvalidRequest``."""
+    """A TOML config file as a dict; an unreadable or malformed file (not UTF-8 text
+    included) is ``InvalidRequest``."""
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise InvalidRequest(f"cannot read config file {path}: {exc}") from exc
 
 

@@ -211,6 +211,10 @@ class DataDir:
         ``kvstore.index``), so that a lost or replaced index is refused rather than taken for
         an empty store whose fragments are all orphans. Older markers lack some fields; the
         store fills them in at open.
+
+        A marker that cannot be read as one is ``IncompatibleFormat``, whatever breaks:
+        bad JSON or UTF-8 (``ValueError``), a missing or mistyped field, a number too large
+        for an int (``OverflowError``: ``1e400``), nesting too deep to parse (``RecursionError``).
         """
         fmt = self.data_dir / FORMAT_FILE
         try:
@@ -229,7 +233,8 @@ class DataDir:
             else:
                 foreign = self.data_dir.exists() and any(p.name not in ("index", "targets")
                                                          for p in self.data_dir.iterdir())
-        except (ValueError, KeyError, TypeError, AttributeError, IsADirectoryError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError,
+                IsADirectoryError) as exc:
             raise IncompatibleFormat(
                 f"{fmt} is unreadable ({exc}); this is not a kvstore data directory or it is damaged") from exc
         except OSError as exc:  # a file where the directory should be, no permission, ...

@@ -12,6 +12,8 @@ daemon: on a data directory it reads the index through ``kvstore.cli.index_view`
 daemon it calls the read-only ``Inspect`` RPC, which runs that same code there
 (``inspect_summary`` / ``inspect_entries`` / ``inspect_chain`` of ``RemoteStore`` and
 ``ShardedStore``). Neither reads a fragment, refreshes an access time or moves a counter.
+``inspect --parquet FILE`` (a data directory only) exports the whole index; with ``--key``
+or ``--chain`` it is a usage error.
 
 ``delete --json`` is one shape for any number of keys: ``{"kind": KIND, "deleted":
 {KEY_HEX: true|false, ...}}`` (a key given twice is deleted once).
@@ -169,14 +171,17 @@ def _kind_arg(p: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------------------- inspect
 def _configure_inspect(p: argparse.ArgumentParser) -> None:
+    # One view per run: --parquet exports the whole index, so with --key or --chain it is a
+    # usage error (exit 2) rather than an export that silently drops the key the admin named.
     g = p.add_mutually_exclusive_group()
     g.add_argument("--key", type=parse_key, metavar="HEX", help="show one entry (with --kind)")
     g.add_argument("--chain", type=parse_chain, metavar="HEX,HEX,...",
                    help="show which blocks and SWA snapshots of a prefix chain are present")
-    _kind_arg(p)
-    p.add_argument("--parquet", metavar="FILE", type=output_file,
-                   help="export the whole index to a Parquet file (pyarrow); FILE is replaced only "
-                        "once the export is complete")
+    g.add_argument("--parquet", metavar="FILE", type=output_file,
+                   help="export the whole index to a Parquet file (pyarrow; not with --key or --chain); "
+                        "FILE, if it exists, must be a regular file and is replaced only once the export "
+                        "is complete")
+    _kind_arg(p)  # after the group, so the usage line shows [--key | --chain | --parquet]
 
 
 def _summary_text(d: dict) -> str:
@@ -242,6 +247,8 @@ class IndexViews:
 
 def run_inspect(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     if args.parquet is not None:
+        if args.key is not None or args.chain is not None:  # the parser refuses it; a built Namespace may not
+            raise InvalidRequest("--parquet exports the whole index; it does not combine with --key or --chain")
         if not _is_embedded(store):
             raise InvalidRequest("--parquet needs an embedded store (a data directory), not a daemon URL")
         n = index_view.export_parquet(store, args.parquet)

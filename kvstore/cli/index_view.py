@@ -8,7 +8,8 @@ and the daemon's ``Inspect`` RPC (``kvstore.server.service``) on its own store, 
 * Nothing here writes to the store: every view runs in LMDB *read* transactions,
   so it sees a consistent snapshot and never blocks a writer. No access time is
   refreshed (LRU order is unchanged) and no store counter moves. The one file
-  written is the Parquet export, published atomically (see ``export_parquet``).
+  written is the Parquet export, published atomically (see ``export_parquet``);
+  it replaces only a regular file, never a symlink, FIFO, device or socket.
 * Nothing here reads fragment files (``kvtool verify`` does that): "degraded"
   means *placed on a target that is down now*, judged from the index alone.
 * Namespaces are not stored (keys are opaque 16-byte prefix hashes), so the
@@ -27,10 +28,11 @@ import contextlib
 import enum
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from kvstore.api import EntryKind
 from kvstore.errors import InvalidRequest
@@ -255,15 +257,19 @@ def export_parquet(store: "EmbeddedStore", path: str, batch_rows: int = PARQUET_
     then renamed over ``path`` only once complete. On any failure the temporary
     is removed and an earlier file at ``path`` is left exactly as it was.
 
-    Raises ``InvalidRequest`` for an empty ``path`` or one that names a
-    directory, and ``OSError`` (naming ``path``) when the file cannot be written
-    (e.g. "File too large", a full disk).
+    Only a new path or an existing regular file is replaced: the rename would put
+    a regular file in place of a symlink (not its target), a FIFO or a device node
+    (``/dev/null`` as root), so those are refused, checked with ``lstat`` before
+    writing and again just before the rename.
+
+    Raises ``InvalidRequest`` for an empty ``path``, one that names a directory
+    or an existing file that is not a regular file, and ``OSError`` (naming
+    ``path``) when the file cannot be written (e.g. "File too large", a full disk).
     """
     if not path:
         raise InvalidRequest("the Parquet export needs a file name; give --parquet FILE")
     dest = Path(path)
-    if dest.is_dir():
-        raise InvalidRequest(f"{path} is a directory; give --parquet a file name")
+    _refuse_special(dest, path)
     tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(6)}.tmp")
     try:
         # O_EXCL: never clobber someone else's file; mode 0o666 & ~umask, as a plain create would give.
@@ -274,6 +280,7 @@ def export_parquet(store: "EmbeddedStore", path: str, batch_rows: int = PARQUET_
         n = _write_parquet(store, str(tmp), batch_rows)
         with open(tmp, "rb") as f:  # durable before it is published: a crash never leaves a torn FILE
             os.fsync(f.fileno())
+        _refuse_special(dest, path)  # again: the export may take long, and DEST may have been replaced meanwhile
         os.replace(tmp, dest)
     except BaseException as exc:
         with contextlib.suppress(OSError):
@@ -284,6 +291,28 @@ def export_parquet(store: "EmbeddedStore", path: str, batch_rows: int = PARQUET_
         raise
     _fsync_dir(dest.parent)
     return n
+
+
+# st_mode file type -> its name in the refusal (a regular file is the one type replaced)
+_FILE_TYPES: tuple[tuple[Callable[[int], bool], str], ...] = (
+    (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _refuse_special(dest: Path, path: str) -> None:
+    """``InvalidRequest`` (naming ``path``, as the user spelt it) unless ``dest`` is absent or
+    a regular file (``lstat``: a symlink is judged itself, not its target). A path that cannot
+    be examined is left for the write to report."""
+    try:
+        mode = os.lstat(dest).st_mode
+    except OSError:
+        return
+    if stat.S_ISDIR(mode):
+        raise InvalidRequest(f"{path} is a directory; give --parquet a file name")
+    if not stat.S_ISREG(mode):
+        what = next((name for test, name in _FILE_TYPES if test(mode)), "not a regular file")
+        raise InvalidRequest(f"{path} is {what}; --parquet replaces only a regular file: give a new path "
+                             "or a regular file")
 
 
 def _fsync_dir(directory: Path) -> None:

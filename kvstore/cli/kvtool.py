@@ -41,8 +41,12 @@ Contract:
 * stdout carries the result (text, or one JSON document with ``--json``);
   progress and errors go to stderr. A ``KVStoreError`` (or an OS error on the
   data directory) is one line on stderr, never a traceback.
-* Exit codes: 0 healthy, 1 problems found, 2 usage error (see
-  ``kvstore.cli.commands``).
+* A result that cannot be written (a full disk, stdout closed) is one line,
+  ``kvtool: error: cannot write the result: REASON``, and exit 2, never 1 (which
+  would read as problems found). A reader that left (``kvtool ... | head``) is not
+  an error: the exit code is the command's.
+* Exit codes: 0 healthy, 1 problems found, 2 usage error, store unreachable or
+  result unwritable (see ``kvstore.cli.commands``).
 * gRPC's own C-core log (e.g. a TLS "Handshake failed" line) is silenced: ``main``
   sets ``GRPC_VERBOSITY=NONE`` before gRPC is loaded, unless the caller set
   ``GRPC_VERBOSITY`` (set it to see those lines).
@@ -130,7 +134,7 @@ daemons:
   GRPC_VERBOSITY      unset: kvtool silences gRPC's own log lines; set it to see them
 
 exit codes: 0 healthy, 1 problems found (a shard of a sharded set did not answer; gc cannot get under capacity),
-2 usage error or the store could not be reached
+2 usage error, the store could not be reached or the result could not be written
 """
 
 
@@ -291,11 +295,37 @@ def store_logging(verbose: int) -> Iterator[None]:
         lg.propagate, lg.handlers = old[1], old[2]
 
 
-def emit(outcome: Outcome, as_json: bool) -> None:
+def render(outcome: Outcome, as_json: bool) -> str | None:
+    """What kvtool prints on stdout for ``outcome`` (``None``: nothing)."""
     if as_json:
-        print(json.dumps(outcome.data, indent=2, sort_keys=True, default=str))
-    elif outcome.text:
-        print(outcome.text)
+        return json.dumps(outcome.data, indent=2, sort_keys=True, default=str)
+    return outcome.text or None
+
+
+class ResultUnwritable(Exception):
+    """The process has no stdout to write the result to (``emit``)."""
+
+
+def emit(outcome: Outcome, as_json: bool) -> None:
+    """Print ``outcome`` on stdout and flush it. Raises ``OSError`` when stdout cannot be
+    written (``BrokenPipeError`` when the reader left), ``ValueError`` when it is closed,
+    and ``ResultUnwritable`` when there is no stdout at all (started with fd 1 closed)."""
+    text = render(outcome, as_json)  # before writing: a rendering bug must not read as an I/O error
+    if sys.stdout is None:
+        raise ResultUnwritable("stdout is closed")
+    if text is not None:
+        print(text)
+    sys.stdout.flush()
+
+
+def _discard_stdout() -> None:
+    """Point stdout's descriptor at the null device, so the interpreter's last flush of what
+    could not be written does not fail again (a second error, exit 120)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        fd = sys.stdout.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
 
 
 @contextlib.contextmanager
@@ -360,9 +390,14 @@ def _run(cmd: Command, args: argparse.Namespace) -> int:
         store.close()
     try:
         emit(outcome, args.json)
-        sys.stdout.flush()
     except BrokenPipeError:  # `kvtool ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, ResultUnwritable) as exc:
+        # A full disk, a closed stdout: the result is lost, which is not "problems found" (1).
+        _discard_stdout()
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"{PROG}: error: cannot write the result: {' '.join(str(reason).split())}", file=sys.stderr)
+        return int(ExitCode.USAGE)
     for line in outcome.errors:  # after the result: what was done first, then what was not
         print(f"{PROG}: error: {cmd.name}: {line}", file=sys.stderr)
     return int(outcome.code)

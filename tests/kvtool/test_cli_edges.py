@@ -1,0 +1,131 @@
+"""kvtool at its edges: what it writes to, what it reads, and flags that do not combine.
+
+Each test pins one contract of ``kvstore.cli.kvtool``: an error is one line on
+stderr (never a traceback) and exits 2; exit 1 is kept for "problems found".
+Special files are made in ``tmp_path`` (a FIFO, a symlink); no test writes to a
+real device node except ``/dev/full``, and only once it is checked to be one.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from tests.kvtool.conftest import populate
+
+REPO = Path(__file__).resolve().parents[2]
+KVTOOL = [sys.executable, "-m", "kvstore.cli.kvtool"]
+
+
+def _one_error_line(err: str) -> str:
+    """The one ``kvtool: error:`` line of ``err``, the last one written; before it only
+    progress lines (``kvtool: PHASE: n/m (p%)``, which a pass prints on stderr) may come."""
+    lines = err.strip().splitlines()
+    assert lines and "Traceback" not in err, err
+    assert lines[-1].startswith("kvtool: error:") and all(
+        line.startswith("kvtool: ") and line.endswith("%)") for line in lines[:-1]), err
+    return lines[-1]
+
+
+@pytest.fixture
+def small_dir(tmp_path: Path) -> Path:
+    return populate(tmp_path / "data", n_blocks=2).path
+
+
+# ----------------------------------------------------------------------------- inspect --parquet DEST
+def test_parquet_refuses_a_fifo_or_symlink_and_leaves_it(small_dir, run_tool, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.parquet"
+    real = tmp_path / "real.parquet"
+    link.symlink_to(real)  # dangling: the export must not create real.parquet either
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for dest, kind in ((fifo, "FIFO"), (link, "symbolic link")):
+        code, out, err = run_tool("inspect", small_dir, "--parquet", dest)
+        line = _one_error_line(err)
+        assert code == 2 and out == "" and kind in line and str(dest) in line
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and stat.S_ISLNK(os.lstat(link).st_mode)
+    assert not real.exists() and sorted(p.name for p in tmp_path.iterdir()) == before  # no temporary left
+
+
+def test_parquet_replaces_an_existing_regular_file(small_dir, run_tool, tmp_path):
+    dest = tmp_path / "index.parquet"
+    dest.write_bytes(b"old")
+    code, out, err = run_tool("inspect", small_dir, "--parquet", dest)
+    assert code == 0 and err == "" and "wrote" in out
+    assert dest.read_bytes()[:4] == b"PAR1" and stat.S_ISREG(os.lstat(dest).st_mode)
+
+
+@pytest.mark.parametrize("flag", ["--key", "--chain"])
+def test_parquet_with_key_or_chain_is_a_usage_error(small_dir, run_tool, tmp_path, flag):
+    dest = tmp_path / "k.parquet"
+    code, out, err = run_tool("inspect", small_dir, flag, "01" * 16, "--parquet", dest)
+    assert code == 2 and out == "" and "--parquet" in err and flag in err and "Traceback" not in err
+    assert not dest.exists()
+
+
+# ----------------------------------------------------------------------------- unreadable inputs
+def test_config_file_that_is_not_utf8_is_one_line(small_dir, run_tool, tmp_path):
+    bad = tmp_path / "bin.toml"
+    bad.write_bytes(b"\xff\xfe")
+    code, out, err = run_tool("stats", small_dir, "--config", bad)
+    assert code == 2 and out == "" and "cannot read config file" in _one_error_line(err)
+
+
+@pytest.mark.parametrize("marker", ['{"format_version": 1e400}', "[" * 100000 + "]" * 100000],
+                         ids=["overflow", "deep-nesting"])
+def test_marker_that_breaks_the_json_reader_is_one_line(tmp_path, run_tool, marker):
+    d = tmp_path / "data"
+    kvstore.connect(str(d)).close()
+    (d / "kvstore.json").write_text(marker)
+    code, out, err = run_tool("stats", d)
+    line = _one_error_line(err)
+    assert code == 2 and out == "" and "kvstore.json is unreadable" in line and len(line) < 500
+
+
+# ----------------------------------------------------------------------------- stdout cannot be written
+class _FullStdout(io.StringIO):
+    def write(self, s: str) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_stdout_write_failure_in_process_is_one_line_exit_2(small_dir, capsys, monkeypatch):
+    from kvstore.cli.kvtool import main
+
+    monkeypatch.setattr(sys, "stdout", _FullStdout())
+    code = main(["verify", str(small_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and _one_error_line(err) == f"kvtool: error: cannot write the result: {os.strerror(errno.ENOSPC)}"
+
+
+def _kvtool_sub(argv: list[str], **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(KVTOOL + argv, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env, timeout=60, **kw)
+
+
+def test_closed_stdout_is_one_line_exit_2(small_dir):
+    # what `kvtool stats DIR >&-` gives: the child starts with fd 1 closed, so sys.stdout is None
+    r = _kvtool_sub(["stats", str(small_dir), "--json"], stdout=subprocess.DEVNULL,
+                    preexec_fn=lambda: os.close(1))
+    assert r.returncode == 2 and _one_error_line(r.stderr).startswith("kvtool: error: cannot write the result:")
+
+
+def test_full_disk_stdout_is_one_line_exit_2(small_dir):
+    try:
+        is_dev_full = stat.S_ISCHR(os.stat("/dev/full").st_mode)
+    except OSError:
+        is_dev_full = False
+    if not is_dev_full:
+        pytest.skip("/dev/full is not a character device here")
+    with open("/dev/full", "w") as full:
+        r = _kvtool_sub(["verify", str(small_dir)], stdout=full)
+    line = _one_error_line(r.stderr)
+    assert r.returncode == 2 and line == f"kvtool: error: cannot write the result: {os.strerror(errno.ENOSPC)}"
