@@ -391,34 +391,36 @@ class ShardedStore:
         out["shards"] = self._shards(ok, failed)
         return out
 
-    def _ask_all(self, fn: Callable[[RemoteStore], list[dict]]) -> list[tuple[str, list[dict]]]:
-        """``fn`` on every shard; every one must answer (an unanswered shard could hold the key)."""
+    def _ask_all(self, fn: Callable[[RemoteStore], list[dict]]) -> tuple[list[tuple[str, list[dict]]], dict]:
+        """``fn`` on every shard: ([(url, its answer)] of those that answered, ``{url: error}``
+        of those that did not). An admin's keys may live on any shard, so a row found nowhere
+        while a shard is down is not known absent: each row then carries ``unanswered`` (the
+        failed shards and their errors). No shard answering raises the first one's error."""
         ok, failed = self._each(fn)
-        if failed:
-            raise next(iter(failed.values()))
-        return list(ok.items())
+        return list(ok.items()), {u: str(e) for u, e in failed.items()}
 
     def inspect_entries(self, keys: Sequence[bytes], *, kind: str = "block") -> list[dict]:
         """Per key, its view from the shard that holds it, with ``shard``: that URL (``None``
-        when no shard has it). Every shard is asked: an admin names index keys, whose owner
-        the client cannot compute (a tenant's keys are hashed into its namespace first)."""
+        when no shard has it), and ``unanswered`` when a shard did not answer (``_ask_all``).
+        Every shard is asked: an admin names index keys, whose owner the client cannot compute
+        (a tenant's keys are hashed into its namespace first)."""
         keys = check_keys(keys)
-        answers = self._ask_all(lambda s: s.inspect_entries(keys, kind=kind))
+        answers, failed = self._ask_all(lambda s: s.inspect_entries(keys, kind=kind))
         out = []
         for i in range(len(keys)):
             found = [(u, views[i]) for u, views in answers if views[i]["state"] != "absent"]
             url, view = found[0] if found else (None, answers[0][1][i])
-            out.append(dict(view, shard=url))
+            out.append(dict(view, shard=url, **({"unanswered": failed} if failed else {})))
         return out
 
     def inspect_chain(self, keys: Sequence[bytes]) -> list[dict]:
         """Per chain position, the state of its block and SWA entries on whichever shard
-        holds them (every shard asked, as in ``inspect_entries``)."""
+        holds them (every shard asked, ``unanswered`` as in ``inspect_entries``)."""
         keys = check_keys(keys)
-        answers = self._ask_all(lambda s: s.inspect_chain(keys))
+        answers, failed = self._ask_all(lambda s: s.inspect_chain(keys))
         out = []
         for i in range(len(keys)):
-            row = dict(answers[0][1][i])
+            row = dict(answers[0][1][i], **({"unanswered": failed} if failed else {}))
             for _, rows in answers:
                 for kind in ("block", "swa"):
                     if rows[i].get(kind) not in (None, "absent"):

@@ -257,9 +257,10 @@ def run_inspect(store: KVStore, args: argparse.Namespace, progress: Progress) ->
     if args.key is not None:
         d = views.entries([args.key], EntryKind.parse(args.kind))[0]
         code = ExitCode.PROBLEMS if d["state"] == index_view.EntryState.ABSENT.value else ExitCode.OK
-        return Outcome(code, d, _entry_text(d))
+        return _with_down_shards(store, Outcome(code, d, _entry_text(d)), d.get("unanswered", {}))
     if args.chain is not None:
-        return _chain_outcome(args.chain, views.chain(args.chain))
+        rows = views.chain(args.chain)
+        return _with_down_shards(store, _chain_outcome(args.chain, rows), rows[0].get("unanswered", {}) if rows else {})
     d = views.summary()
     return _with_down_shards(store, Outcome(ExitCode.OK, d, _summary_text(d)), _down_in(d))
 

@@ -222,6 +222,14 @@ def test_sharded_maintenance_with_a_shard_down_keeps_the_others_results(make_dae
     assert d["checked_entries"] == entries
     code, out, err = run_tool("gc", url, "--timeout", "20")  # text: the sums, then the line on stderr
     assert code == 1 and out.startswith("gc: expired 0") and err.count("\n") == 1
+    # inspect --key / --chain: the answering shards' views, the down one named (before: nothing, exit 2)
+    code, out, err = run_tool("inspect", url, "--key", keys[0].hex(), "--json", "--timeout", "20")
+    d = json.loads(out)
+    assert code == 1 and d["state"] == "live" and d["shard"] in (a.address, b.address), (code, err)
+    assert one_line(err).startswith(f"kvtool: error: inspect: shard {down} did not answer") and down in d["unanswered"]
+    code, out, err = run_tool("inspect", url, "--chain", ",".join(k.hex() for k in keys[:3]), "--timeout", "20")
+    assert code == 1 and out.startswith("chain of 3: hit_blocks=3 swa_at=1"), (code, out, err)
+    assert one_line(err).startswith(f"kvtool: error: inspect: shard {down} did not answer")
     with pytest.raises(kvstore.StoreUnavailable):  # no shard answering is an error, not an empty result
         with kvstore.connect(f"{dead_url()},{down}", timeout_s=10) as s:
             s.gc()
