@@ -134,17 +134,24 @@ class FragmentIO(LocalFastReads):
     def _encode(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
                 layout: Layout | None, tokens: int, gen: bytes | None = None) -> _Encoded:
         key, k, payload, lay, now, expires = self._checked(key, value, kind, ttl_s, layout, tokens)
-        entry = codec.encode_entry(key, k, payload, lay, tokens, compression=self.config.compression,
-                                   zstd_level=self.config.zstd_level, min_ratio=self.config.min_compress_ratio)
-        bodies = self.code.encode(entry)
-        gen = gen or os.urandom(8)
+        enc = self._encode_entry(key, k, payload, lay, tokens, gen or os.urandom(8), now, expires)
         cfg = self.config
-        stored = (codec.FRAG_HEADER_LEN + len(bodies[0])) * len(bodies)
+        stored = enc.meta_base.frag_len * len(enc.frames)
         if cfg.capacity_bytes and stored > cfg.capacity_bytes * cfg.low_watermark:
             # It would be stored, then evicted by the next eviction: refuse it instead.
             raise CapacityExceeded(
                 f"an entry of {stored} stored bytes cannot fit under the low watermark of capacity_bytes="
                 f"{cfg.capacity_bytes} ({cfg.capacity_bytes * cfg.low_watermark:.0f} bytes); raise the capacity")
+        return enc
+
+    def _encode_entry(self, key: bytes, k: EntryKind, payload: memoryview, lay: Layout, tokens: int, gen: bytes,
+                      now: int, expires: int) -> _Encoded:
+        """The encoding half of ``_encode``, no admission checks: compaction re-encodes stored
+        entries with it (``PackIO._rewrite``), which a lowered limit must not refuse."""
+        cfg = self.config
+        entry = codec.encode_entry(key, k, payload, lay, tokens, compression=cfg.compression,
+                                   zstd_level=cfg.zstd_level, min_ratio=cfg.min_compress_ratio)
+        bodies = self.code.encode(entry)
         frames = [codec.fragment_parts(i, cfg.ec_k, cfg.ec_m, k.code, key, gen, len(entry), b)
                   for i, b in enumerate(bodies)]
         meta = Meta(k=cfg.ec_k, m=cfg.ec_m, tokens=tokens, plain_len=len(payload), entry_len=len(entry),

@@ -22,26 +22,35 @@ GC steps, in order, with the reason for the order:
      in-flight put's files are never taken.
 
 A dry run (``run_gc(dry_run=True)``) changes nothing, not even the batched
-access times, and reports what the real pass would do from the same state:
-steps 2 and 3 walk their whole orderings (not one batch), step 3 as the
-``lru`` ordering will stand after step 1 and without the entries step 2
-removes. Its ``purged`` covers records already in the graveyard; the entries
-it expires or evicts reach the graveyard only in the real pass.
+access times, and reports what the real pass would do from the same state
+(the plans are in ``kvstore.gc_plan``): steps 2 and 3 walk their whole
+orderings (not one batch), step 3 as the ``lru`` ordering will stand after
+step 1 and without the entries step 2 removes; step 5 from the ``compact``
+queue as step 4's purge leaves it (that purge adds dead bytes, which queues
+packs the same real pass compacts). Its ``purged`` covers records already in
+the graveyard; the entries it expires or evicts reach the graveyard only in
+the real pass.
+
+Failures within a pass: a file that cannot be deleted (step 4, step 6) is
+logged and left for a later pass (step 6 also reports it: ``orphans_kept``,
+an unfixed ``ORPHAN_FRAGMENT`` problem in ``check``); a pack whose compaction
+fails is logged and stays queued. Neither stops the rest of the pass.
+Progress: ``run_gc``'s docstring lists its phases.
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
 import itertools
 import logging
-from collections import Counter
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Collection
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 from kvstore import codec
 from kvstore.api import EntryKind
-from kvstore.errors import CapacityExceeded, CorruptData
+from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStoreError, StoreClosed
+from kvstore.gc_plan import (DueGrave, count_expired, due_graves, expired_lost, grave_key, plan_compaction,
+                             plan_eviction, plan_expiry, plan_purge)
 from kvstore.index import STANDALONE, Meta, packed_bytes
 from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path, parse_fragment_path, parse_pack_path
 
@@ -79,18 +88,19 @@ def _noop(phase: str, done: int, total: int) -> None:
 
 
 # --------------------------------------------------------------------------- GC
-def _expired_lost(store: "EmbeddedStore", txn, now: int) -> list[tuple[bytes, Meta]]:
-    """The lost records whose TTL passed by ``now`` (lost records have no ``ttl`` ordering
-    entry; they are few, so step 2 reads them all)."""
-    return [(ek, m) for ek, m in store.index.lost_records(txn) if m.expires_ns and m.expires_ns <= now]
+_PURGE_STEP = 256  # graveyard records between two progress reports of step 4
+_COMPACT_LIMIT = 64  # packs step 5 compacts per pass (the rest wait in the queue)
 
 
-def _remove_expired(store: "EmbeddedStore", now: int) -> tuple[int, int]:
+def _remove_expired(store: "EmbeddedStore", now: int, progress: Progress) -> tuple[int, int]:
     """Step 2: remove every entry whose TTL passed by ``now``, in write batches of 512, and
-    every lost one (to the graveyard, as a delete); returns (entries, stored bytes)."""
+    every lost one (to the graveyard, as a delete); returns (entries, stored bytes). Reports
+    ``expire`` progress after each batch, against a total counted first (a keys-only walk)."""
+    total = count_expired(store, now)
+    progress("expire", 0, total)
     n = nbytes = 0
     with store.index.env.begin(write=True) as txn:
-        for ek, m in _expired_lost(store, txn, now):
+        for ek, m in expired_lost(store, txn, now):
             store.index.drop_lost_txn(txn, ek, m, now, to_grave=True)
             n += 1
             nbytes += m.stored_bytes
@@ -104,95 +114,25 @@ def _remove_expired(store: "EmbeddedStore", now: int) -> tuple[int, int]:
                 store.index.remove_txn(txn, ek, m, now)
                 n += 1
                 nbytes += m.stored_bytes
+        if n or total:
+            progress("expire", n, max(total, n))  # a put racing us may add a few
         if len(batch) < 512:  # each batch left the ordering: it ends within len(ttl) / 512 + 1 rounds
             return n, nbytes
 
 
-def _plan_expiry(store: "EmbeddedStore", now: int) -> dict[bytes, int]:
-    """Dry run of step 2: entry key -> stored bytes of every entry ``_remove_expired(now)``
-    would remove. One read transaction over the ``ttl`` ordering up to ``now``; changes nothing.
-    (Deleting nothing, it cannot page in batches as the real pass does: it walks once.)"""
-    out: dict[bytes, int] = {}
-    with store.index.env.begin() as txn:
-        out.update((ek, m.stored_bytes) for ek, m in _expired_lost(store, txn, now))
-        for _t, ek in store.index.oldest(txn, "ttl", before_ns=now + 1):
-            m = store.index.get_meta(txn, ek)
-            if m is not None:
-                out[bytes(ek)] = m.stored_bytes
-    return out
-
-
-def _pending_touches(store: "EmbeddedStore") -> dict[bytes, int]:
-    """A copy of the access times the store batches in memory (step 1 writes them). Read
-    under the store's own lock, not flushed: a dry run writes nothing, yet must order the
-    LRU walk as the real pass will."""
-    with store._touch_lock:
-        return dict(store._touches)
-
-
-def _plan_eviction(store: "EmbeddedStore", used: int, goal: int, gone: Collection[bytes]) -> tuple[int, int]:
-    """Dry run of step 3: (entries, stored bytes) that ``EmbeddedStore.evict_to(goal)`` would
-    evict when ``used`` bytes are stored and the entries in ``gone`` were removed first (step 2).
-
-    Mirrors ``evict_to`` without deleting: takes the unpinned lost entries first, then walks
-    the ``lru`` ordering oldest first, as it will
-    stand once step 1 has written the pending access times (an entry read since the last flush
-    moves to its new time), skipping pinned entries (they are not in the ordering) and ``gone``,
-    until ``used`` would be at most ``goal``. Raises ``CapacityExceeded``, as the real pass
-    would, when the ordering runs out first. One read transaction; bounded by the ordering.
-    """
-    pending = _pending_touches(store)
-    n = nbytes = 0
-    with store.index.env.begin() as txn:
-        for _a, ek, m in sorted((m.access_ns, ek, m) for ek, m in store.index.lost_records(txn)
-                                if not m.pinned and ek not in gone):  # lost entries go first
-            if used - nbytes <= goal:
-                return n, nbytes
-            n += 1
-            nbytes += m.stored_bytes
-        moved: list[tuple[int, bytes]] = []  # (new access time, ek): where step 1 will put them
-        for ek, ts in pending.items():
-            m = store.index.get_meta(txn, ek)
-            if m is not None and not m.pinned and ts > m.access_ns:  # Index.touch_txn's rule
-                moved.append((ts, bytes(ek)))
-        moved.sort()
-        moved_keys = {ek for _, ek in moved}
-        stored = ((t, bytes(ek)) for t, ek in store.index.oldest(txn, "lru"))
-        # Both streams are sorted by (time, ek), the ``lru`` ordering's own key order.
-        order = heapq.merge((x for x in stored if x[1] not in moved_keys), moved)
-        for _t, ek in order:
-            if used - nbytes <= goal:
-                return n, nbytes
-            if ek in gone:
-                continue
-            m = store.index.get_meta(txn, ek)
-            if m is None:
-                continue
-            n += 1
-            nbytes += m.stored_bytes
-    if used - nbytes <= goal:
-        return n, nbytes
-    raise CapacityExceeded(
-        f"gc would fail: after evicting {n} entries the store would hold {used - nbytes} bytes, over the "
-        f"goal {goal}, and everything left is pinned; unpin entries or raise capacity_bytes")
-
-
-def _purge_grave(store: "EmbeddedStore", now: int, dry_run: bool) -> tuple[int, int]:
-    cutoff = now - int(store.config.delete_grace_s * 1e9)
-    with store.index.env.begin() as txn:
-        due = [(t, rest, store.index.unpack(txn, txn.get(_grave_key(t, rest), db=store.index.db["grave"])))
-               for t, rest in store.index.oldest(txn, "grave", before_ns=cutoff + 1)]
+def _purge_grave(store: "EmbeddedStore", due: Sequence[DueGrave], dry_run: bool,
+                 progress: Progress) -> tuple[int, int]:
+    """Step 4: purge ``due``, the graveyard records removed at least ``delete_grace_s`` ago
+    (``gc_plan.due_graves``); (records, bytes freed). Reports ``purge`` progress every
+    ``_PURGE_STEP`` records."""
+    total = len(due)
+    progress("purge", 0, total)
     if dry_run:  # what the real pass would free: own files, and each pack all of whose records are due
-        nbytes = sum(m.stored_bytes - packed_bytes(m) for _, _, m in due)
-        by_gen = Counter(m.gen for _, _, m in due if m.offsets)
-        with store.index.env.begin() as txn:
-            for gen, n in by_gen.items():
-                info = store.index.pack_info(txn, gen)
-                if info is not None and info[0] == n:
-                    nbytes += info[1]
-        return len(due), nbytes
+        nbytes = plan_purge(store, due)
+        progress("purge", total, total)
+        return total, nbytes
     nbytes = 0
-    for t, rest, m in due:
+    for done, (t, rest, m) in enumerate(due, 1):
         ek = rest[:17]
         for i, name in enumerate(m.targets):
             tgt = store.targets.get(name)
@@ -201,11 +141,13 @@ def _purge_grave(store: "EmbeddedStore", now: int, dry_run: bool) -> tuple[int, 
             _delete(tgt, fragment_path(ek[0], ek[1:], m.gen, i))
         nbytes += m.stored_bytes - packed_bytes(m)  # its own files; pack bytes go with the pack
         with store.index.env.begin(write=True) as txn:
-            pack_freed = store.index.purge_grave_txn(txn, _grave_key(t, rest), m)
+            pack_freed = store.index.purge_grave_txn(txn, grave_key(t, rest), m)
         if pack_freed is not None:
             store._discard_pack(m.gen, list(store.targets))  # every target the batch may have used
             nbytes += pack_freed
-    return len(due), nbytes
+        if done % _PURGE_STEP == 0 or done == total:
+            progress("purge", done, total)
+    return total, nbytes
 
 
 def _delete(tgt, rel: str) -> None:
@@ -215,26 +157,31 @@ def _delete(tgt, rel: str) -> None:
         log.warning("cannot delete %s on %s: %s", rel, tgt.name, exc)
 
 
-def _compact_packs(store: "EmbeddedStore", dry_run: bool, limit: int = 64) -> tuple[int, int]:
-    """Step 5 for up to ``limit`` queued packs: (packs, entries moved out)."""
+def _compact_packs(store: "EmbeddedStore", progress: Progress, limit: int = _COMPACT_LIMIT) -> tuple[int, int]:
+    """Step 5 for up to ``limit`` queued packs: (packs, entries moved out). Reports
+    ``compact`` progress per pack. A pack whose rewrite fails with a store error (not a
+    bug, not a closed store) is logged and stays queued for a later pass: one bad pack
+    never stops the rest of the pass."""
     with store.index.env.begin() as txn:
         queued = [bytes(g) for g, _ in itertools.islice(store.index.iter_db(txn, "compact"), limit)]
+    progress("compact", 0, len(queued))
     moved = 0
-    for gen in queued:
+    for done, gen in enumerate(queued, 1):
         with store.index.env.begin() as txn:
             live = [(ek, m) for ek in store.index.pack_members(txn, gen)
                     if (m := store.index.get_meta(txn, ek)) is not None and m.gen == gen]
-        if dry_run:
-            moved += len(live)
-            continue
-        moved += store._rewrite(live)
-        with store.index.env.begin(write=True) as txn:
-            txn.delete(gen, db=store.index.db["compact"])  # queued again if it gets deader still
+        try:
+            moved += store._rewrite(live)
+        except (StoreClosed, InternalError):
+            raise
+        except KVStoreError as exc:
+            log.warning("compaction of pack %s failed (%s: %s); it stays queued for a later gc",
+                        gen.hex(), type(exc).__name__, exc)
+        else:
+            with store.index.env.begin(write=True) as txn:
+                txn.delete(gen, db=store.index.db["compact"])  # queued again if it gets deader still
+        progress("compact", done, len(queued))
     return len(queued), moved
-
-
-def _grave_key(t: int, rest: bytes) -> bytes:
-    return t.to_bytes(8, "big") + rest
 
 
 def _known_generations(store: "EmbeddedStore") -> tuple[set[tuple[bytes, bytes]], set[bytes]]:
@@ -255,7 +202,9 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
                    progress: Progress, skip: Collection[str] = ()) -> tuple[int, int, list[Problem]]:
     """Step 6: (files, bytes, problems) of orphans on every target but those in ``skip``
     (targets the caller already reported down). A target that cannot be listed is one
-    ``TARGET_DOWN`` problem."""
+    ``TARGET_DOWN`` problem. An orphan that cannot be deleted (a read-only file or target)
+    is logged and reported as an unfixed ``ORPHAN_FRAGMENT`` problem, is not counted in the
+    files and bytes, and the sweep goes on with the next file and target."""
     known, packs = _known_generations(store)
     n = nbytes = 0
     problems: list[Problem] = []
@@ -285,12 +234,18 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
                 continue  # not ours: leave foreign files alone
             if now_s - mtime < grace_s:
                 continue  # may belong to a put still in flight
-            problems.append(Problem(ProblemKind.ORPHAN_FRAGMENT, key=parsed[1].hex() if parsed else "",
-                                    target=name, detail=rel, fixed=not dry_run))
+            orphan = Problem(ProblemKind.ORPHAN_FRAGMENT, key=parsed[1].hex() if parsed else "",
+                             target=name, detail=rel, fixed=not dry_run)
+            if not dry_run:
+                try:
+                    tgt.delete(rel)
+                except OSError as exc:
+                    log.warning("orphan sweep: cannot delete %s on %s: %s", rel, name, exc)
+                    problems.append(replace(orphan, detail=f"{rel} (cannot delete: {exc})", fixed=False))
+                    continue
+            problems.append(orphan)
             n += 1
             nbytes += size
-            if not dry_run:
-                tgt.delete(rel)
     progress("orphans", len(names), len(names))
     return n, nbytes, problems
 
@@ -299,28 +254,37 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
            progress: Progress | None = None) -> dict:
     """One GC pass (steps 1-6 above); returns its counts. ``evicted_bytes`` is the stored size
     of the evicted entries (in a real pass, measured from the used-bytes counter, so a put
-    running alongside shifts it). A dry run reports the counts and bytes of the real pass from
+    running alongside shifts it). ``orphans_kept`` counts orphans the sweep could not delete
+    (logged; ``check`` lists them). A dry run reports the counts and bytes of the real pass from
     the same state and changes nothing. Raises ``CapacityExceeded`` when step 3 cannot get
     under the low watermark because everything left is pinned (a dry run raises it too),
-    after steps 4-6 have run: deleted entries and orphans are reclaimed all the same."""
+    after steps 4-6 have run: deleted entries and orphans are reclaimed all the same.
+
+    ``progress(phase, done, total)`` is called at least at the start and end of each step:
+    ``expire`` (entries), ``evict`` (bytes to free: ``store.evict_to`` reports nothing in
+    between), ``purge`` (graveyard records), ``compact`` (packs) and ``orphans`` (targets);
+    a total of 0 means nothing to do."""
     progress = progress or _noop
     now = store.now_ns()
     if dry_run:
-        plan = _plan_expiry(store, now)
+        plan = plan_expiry(store, now)
         expired, expired_bytes = len(plan), sum(plan.values())
+        progress("expire", expired, expired)
     else:
         store.flush_touches()
         plan = {}
-        expired, expired_bytes = _remove_expired(store, now)
+        expired, expired_bytes = _remove_expired(store, now, progress)
     evicted = evicted_bytes = 0
+    evicted_keys: set[bytes] = set()
     used = store.used_bytes() - (expired_bytes if dry_run else 0)
     cap = store.config.capacity_bytes
     full: CapacityExceeded | None = None  # raised once steps 4-6 have reclaimed what they can
     if cap and used > cap * store.config.high_watermark:
         goal = int(cap * store.config.low_watermark)
+        progress("evict", 0, used - goal)
         try:
             if dry_run:
-                evicted, evicted_bytes = _plan_eviction(store, used, goal, plan)
+                evicted, evicted_bytes, evicted_keys = plan_eviction(store, used, goal, plan)
             else:
                 evicted = store.evict_to(goal)
                 evicted_bytes = max(0, used - store.used_bytes())
@@ -328,16 +292,25 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
             full = exc
             if not dry_run:
                 evicted_bytes = max(0, used - store.used_bytes())
-    purged, purged_bytes = _purge_grave(store, now, dry_run)
-    compacted, moved = _compact_packs(store, dry_run)
-    orphans = orphan_bytes = 0
+        progress("evict", min(evicted_bytes, used - goal), used - goal)
+    else:
+        progress("evict", 0, 0)
+    due = due_graves(store, now)
+    purged, purged_bytes = _purge_grave(store, due, dry_run, progress)
+    if dry_run:  # from the state step 4 leaves: its purge queues packs, or takes them out
+        compacted, moved = plan_compaction(store, due, set(plan) | evicted_keys, _COMPACT_LIMIT)
+        progress("compact", compacted, compacted)
+    else:
+        compacted, moved = _compact_packs(store, progress)
+    orphans = orphan_bytes = kept = 0
     if sweep_orphans:
-        orphans, orphan_bytes, _ = _sweep_orphans(store, store.clock(), dry_run,
-                                                  store.config.orphan_grace_s, progress)
+        orphans, orphan_bytes, found = _sweep_orphans(store, store.clock(), dry_run,
+                                                      store.config.orphan_grace_s, progress)
+        kept = sum(1 for p in found if p.kind is ProblemKind.ORPHAN_FRAGMENT and not p.fixed and not dry_run)
     out = {
         "dry_run": dry_run, "expired": expired, "evicted": evicted, "evicted_bytes": evicted_bytes,
         "purged": purged, "compacted_packs": compacted, "moved_entries": moved,
-        "orphans": orphans, "reclaimed_bytes": purged_bytes + orphan_bytes,
+        "orphans": orphans, "orphans_kept": kept, "reclaimed_bytes": purged_bytes + orphan_bytes,
         "used_bytes": store.used_bytes(),
     }
     log.info("gc: %s", out)
@@ -500,16 +473,18 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
 
 
 def repair(store: "EmbeddedStore", progress: Progress | None = None) -> dict:
-    """``check(fix=True)`` summarised: what was rebuilt, restored, and what stays lost."""
+    """``check(fix=True)`` summarised: what was rebuilt, restored, and what stays lost
+    (``orphans_kept``: orphans that could not be deleted)."""
     problems = check(store, fix=True, progress=progress)
-    out = {"rebuilt_fragments": 0, "restored_entries": 0, "still_lost": 0, "orphans_removed": 0, "unfixed": 0}
+    out = {"rebuilt_fragments": 0, "restored_entries": 0, "still_lost": 0, "orphans_removed": 0, "unfixed": 0,
+           "orphans_kept": 0}
     for p in problems:
         if p.kind in (ProblemKind.MISSING_FRAGMENT, ProblemKind.CORRUPT_FRAGMENT):
             out["rebuilt_fragments" if p.fixed else "unfixed"] += 1
         elif p.kind is ProblemKind.LOST_ENTRY:
             out["restored_entries" if p.fixed else "still_lost"] += 1
-        elif p.kind is ProblemKind.ORPHAN_FRAGMENT and p.fixed:
-            out["orphans_removed"] += 1
+        elif p.kind is ProblemKind.ORPHAN_FRAGMENT:  # kept: could not be deleted (logged)
+            out["orphans_removed" if p.fixed else "orphans_kept"] += 1
     return out
 
 

@@ -2,7 +2,7 @@
 and compaction of packs that are mostly dead.
 
 ``PackIO`` is a mixin of ``kvstore.store.EmbeddedStore`` beside ``FragmentIO`` (whose
-``_encode``, ``_fan_out_writes`` and ``_read_verified`` it uses, with the store's
+``_encode``, ``_encode_entry``, ``_fan_out_writes`` and ``_read_verified`` it uses, with the store's
 ``config``, ``targets``, ``target_specs``, ``index``, ``_pool``, ``_batch_pool``,
 ``_count``, ``_touch``, ``_index_new``, ``_check_open``, ``clock`` and ``now_ns``). The
 write half (``_put_packs`` and what it calls) is also the direct-writing client's
@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from kvstore import codec
-from kvstore.api import EntryKind, PutItem
-from kvstore.errors import InvalidRequest, StoreUnavailable, Unrecoverable
+from kvstore.api import EntryKind, PutItem, as_payload
+from kvstore.errors import CorruptData, InvalidRequest, StoreUnavailable, Unrecoverable
 from kvstore.fragments import _Encoded, expiry_ns, in_flight, run_now
 from kvstore.index import STANDALONE, Meta
 from kvstore.placement import place
@@ -247,7 +247,10 @@ class PackIO:
         the old records go to the graveyard (readers holding them finish within the grace)
         and the old pack goes with the last of them. Times, TTL and pin are kept. An entry
         that fails to read stays where it is (if lost, the read marked it; if its targets could
-        not be asked, ``StoreUnavailable``, it is moved by a later pass). Returns the count moved."""
+        not be asked, ``StoreUnavailable``, it is moved by a later pass); so does one that cannot
+        be encoded again (logged). Entries are moved, not put: a put's admission limits
+        (``max_value_bytes``, capacity), which may have been lowered since they were stored, do
+        not apply (``FragmentIO._encode_entry``; times are the old record's). Returns the count moved."""
         gen = os.urandom(8)
         encs = []
         for ek, m in members:
@@ -256,8 +259,12 @@ class PackIO:
             except (Unrecoverable, StoreUnavailable) as exc:
                 log.error("compaction: %s", exc)
                 continue
-            encs.append((ek, m, self._encode(ek[1:], bytes(plain), EntryKind.from_code(ek[0]), None, h.layout,
-                                             h.tokens, gen)))
+            try:
+                kind = EntryKind.from_code(ek[0])
+                payload, lay = as_payload(bytes(plain), h.layout)
+                encs.append((ek, m, self._encode_entry(ek[1:], kind, payload, lay, h.tokens, gen, 0, 0)))
+            except (InvalidRequest, CorruptData) as exc:  # a record this version cannot write back
+                log.warning("compaction: entry %s stays in pack %s: %s", ek[1:].hex(), m.gen.hex(), exc)
         if not encs:
             return 0
         try:

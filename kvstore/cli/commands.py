@@ -295,10 +295,17 @@ def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outc
     text = (f"gc{' (dry run)' if args.dry_run else ''}: expired {d.get('expired', 0)}, evicted "
             f"{d.get('evicted', 0)}{_evicted_bytes(d)}, purged {d.get('purged', 0)} deleted, "
             f"compacted {d.get('compacted_packs', 0)} packs ({d.get('moved_entries', 0)} entries moved), "
-            f"orphans {d.get('orphans', 0)}; "
+            f"orphans {d.get('orphans', 0)}{_kept(d)}; "
             f"{verb} {fmt_bytes(d.get('reclaimed_bytes', 0))} ({d.get('reclaimed_bytes', 0)} bytes); "
             f"used {fmt_bytes(d.get('used_bytes'))}")
-    return _with_down_shards(store, Outcome(ExitCode.OK, d, text), _down_in(d))
+    code = ExitCode.PROBLEMS if d.get("orphans_kept") else ExitCode.OK
+    return _with_down_shards(store, Outcome(code, d, text), _down_in(d))
+
+
+def _kept(d: dict) -> str:
+    """`` (N kept: could not delete)`` after the orphans swept, when some could not be (exit 1)."""
+    n = d.get("orphans_kept")
+    return f" ({n} kept: could not delete, see the log)" if n else ""
 
 
 # ----------------------------------------------------------------------------- verify / repair

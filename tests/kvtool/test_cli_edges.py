@@ -129,3 +129,22 @@ def test_full_disk_stdout_is_one_line_exit_2(small_dir):
         r = _kvtool_sub(["verify", str(small_dir)], stdout=full)
     line = _one_error_line(r.stderr)
     assert r.returncode == 2 and line == f"kvtool: error: cannot write the result: {os.strerror(errno.ENOSPC)}"
+
+
+def test_gc_that_could_not_delete_an_orphan_says_so_and_exits_1():
+    """``orphans_kept`` (an orphan the sweep could not delete: a read-only target) is named in
+    gc's line and is a problem found (exit 1), not a clean pass."""
+    import argparse
+
+    from kvstore.cli.commands import ExitCode, run_gc
+
+    class Store:
+        def gc(self, dry_run=False, progress=None):
+            return {"expired": 0, "evicted": 0, "purged": 0, "orphans": 2, "orphans_kept": 1,
+                    "reclaimed_bytes": 10, "used_bytes": 0}
+
+    out = run_gc(Store(), argparse.Namespace(dry_run=False), lambda *a: None)
+    assert out.code == ExitCode.PROBLEMS and "orphans 2 (1 kept: could not delete" in out.text
+    clean = run_gc(type("S", (), {"gc": lambda self, dry_run=False, progress=None: {"orphans": 0}})(),
+                   argparse.Namespace(dry_run=False), lambda *a: None)
+    assert clean.code == ExitCode.OK and "kept" not in clean.text

@@ -1,0 +1,214 @@
+"""A GC pass as a whole (``kvstore.maintenance.run_gc``, ``kvstore.gc_plan``): one file or
+pack that resists never stops the rest of the pass; the pass reports progress in every
+step; its dry run counts the compaction the real pass does from the same state; and
+compaction moves stored entries whatever today's put limits are. Time is the injected
+clock."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from kvstore import PutItem
+from kvstore.errors import CapacityExceeded, InvalidRequest
+from kvstore.index import ekey
+from kvstore.maintenance import ProblemKind
+from kvstore.targets import fragment_path, pack_path
+
+from .conftest import assert_clean, value_for
+from tests.fragments import assert_pack_refs_match_records
+
+
+def _stray_fragment(store, target: str) -> Path:
+    """An orphan fragment file (no index record names it) on ``target``."""
+    rel = fragment_path(1, os.urandom(16), os.urandom(8), 0)
+    store.targets[target].write(rel, [b"orphan bytes"], fsync=False)
+    return Path(store.targets[target].root) / rel
+
+
+def _stray_pack(store, target: str) -> Path:
+    rel = pack_path(os.urandom(8))
+    store.targets[target].write(rel, [b"x" * 100], fsync=False)
+    return Path(store.targets[target].root) / rel
+
+
+def _gen(store, key: bytes) -> bytes:
+    with store.index.env.begin() as txn:
+        return store.index.get_meta(txn, ekey(1, key)).gen
+
+
+# --------------------------------------------------------------------------- A: an undeletable orphan
+def test_an_undeletable_orphan_is_reported_and_the_sweep_goes_on(store, keys, monkeypatch, caplog):
+    store.put(keys[0], b"live")
+    first, last = list(store.targets)[0], list(store.targets)[-1]
+    stuck, swept = _stray_fragment(store, first), _stray_fragment(store, last)
+    tgt = store.targets[first]
+    delete = tgt.delete
+
+    def read_only(rel: str) -> None:
+        if rel.endswith(stuck.name):
+            raise PermissionError(1, "Operation not permitted", rel)
+        delete(rel)
+
+    monkeypatch.setattr(tgt, "delete", read_only)
+    with caplog.at_level(logging.WARNING, logger="kvstore.maintenance"):
+        out = store.gc()
+    assert out["orphans"] == 1 and out["orphans_kept"] == 1 and out["reclaimed_bytes"] == len(b"orphan bytes")
+    assert stuck.exists() and not swept.exists()
+    assert any(stuck.name in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+    swept = _stray_fragment(store, last)
+    problems = store.check(fix=True)  # repair's path: completes, the stuck file reported unfixed
+    orphans = {(p.target, p.fixed) for p in problems if p.kind is ProblemKind.ORPHAN_FRAGMENT}
+    assert orphans == {(first, False), (last, True)} and not swept.exists()
+    assert store.repair()["orphans_kept"] == 1
+    monkeypatch.undo()
+    assert store.gc()["orphans"] == 1 and not stuck.exists()
+    assert store.get(keys[0]) == b"live"
+    assert_clean(store)
+
+
+# --------------------------------------------------------------------------- B: progress in every step
+def test_gc_reports_progress_in_every_step(store, keys, clock, monkeypatch):
+    monkeypatch.setattr("kvstore.maintenance._PURGE_STEP", 2, raising=False)  # per-batch reports of 2
+    store.put_many([PutItem(k, value_for(k, 2000)) for k in keys[:8]])  # one pack
+    for k in keys[:6]:
+        store.delete(k)
+    for k in keys[8:11]:
+        store.put(k, b"short-lived", ttl_s=10)
+    clock.advance(11)
+    calls: list[tuple[str, int, int]] = []
+    out = store.gc(progress=lambda *a: calls.append(a))
+    assert (out["expired"], out["purged"], out["compacted_packs"], out["moved_entries"]) == (3, 9, 1, 2)
+    by_phase: dict[str, list[tuple[int, int]]] = {}
+    for phase, done, total in calls:
+        by_phase.setdefault(phase, []).append((done, total))
+    assert list(by_phase) == ["expire", "evict", "purge", "compact", "orphans"]  # in step order
+    assert by_phase["expire"][0] == (0, 3) and by_phase["expire"][-1] == (3, 3)
+    assert by_phase["evict"] == [(0, 0)]  # no capacity set: nothing to do
+    assert by_phase["purge"] == [(0, 9), (2, 9), (4, 9), (6, 9), (8, 9), (9, 9)]  # per batch
+    assert by_phase["compact"] == [(0, 1), (1, 1)]  # per pack
+    dry: list[tuple[str, int, int]] = []
+    store.gc(dry_run=True, progress=lambda *a: dry.append(a))
+    assert list(dict.fromkeys(p for p, _, _ in dry)) == ["expire", "evict", "purge", "compact", "orphans"]
+    assert_clean(store)
+
+
+def test_gc_reports_eviction_progress_in_bytes(data_dir, keys, clock):
+    opts = dict(fsync=False, clock=clock, compression="none", delete_grace_s=0, orphan_grace_s=0,
+                access_flush_s=0, high_watermark=0.9, low_watermark=0.5)
+    with kvstore.connect(str(data_dir), **opts) as s:
+        for k in keys[:6]:
+            s.put(k, value_for(k, 5000))
+            clock.advance(1)
+        used = s.used_bytes()
+    with kvstore.connect(str(data_dir), capacity_bytes=used, **opts) as s:
+        calls: list[tuple[str, int, int]] = []
+        out = s.gc(progress=lambda *a: calls.append(a))
+        evict = [(d, t) for p, d, t in calls if p == "evict"]
+        need = used - int(used * 0.5)
+        assert out["evicted"] == 3 and evict[0] == (0, need) and evict[-1] == (need, need)
+        assert_clean(s)
+
+
+# --------------------------------------------------------------------------- C: dry-run compaction
+def test_dry_run_counts_the_compaction_its_own_purge_queues(store, keys):
+    store.put_many([PutItem(k, value_for(k, 3000)) for k in keys[:6]])  # one pack
+    for k in keys[:4]:
+        store.delete(k)  # 4 of 6 dead once purged: over compact_ratio
+    with store.index.env.begin() as txn:
+        assert not list(store.index.iter_db(txn, "compact"))  # nothing queued before the pass
+    dry = store.gc(dry_run=True)
+    real = store.gc()
+    counts = ("purged", "compacted_packs", "moved_entries")
+    assert [real[c] for c in counts] == [4, 1, 2]
+    assert [dry[c] for c in counts] == [real[c] for c in counts]
+    assert store.get_many(keys[4:6]) == [value_for(k, 3000) for k in keys[4:6]]
+    assert_pack_refs_match_records(store)
+    assert_clean(store)
+
+
+def test_dry_run_compaction_leaves_out_entries_expired_first_and_packs_purged_whole(data_dir, keys, clock):
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=10, orphan_grace_s=0) as s:
+        s.put_many([PutItem(k, value_for(k, 3000), ttl_s=20 if i == 7 else None)
+                    for i, k in enumerate(keys[:8])])  # pack A; keys[7] expires at +20 s
+        s.put_many([PutItem(k, value_for(k, 3000)) for k in keys[8:11]])  # pack B
+        for k in keys[:5] + keys[8:11]:
+            s.delete(k)  # A: 5 of 8 dead once purged; B: every record purged, so no compaction
+        clock.advance(21)
+        dry = s.gc(dry_run=True)
+        real = s.gc()
+        counts = ("expired", "purged", "compacted_packs", "moved_entries")
+        assert [real[c] for c in counts] == [1, 8, 1, 2]  # keys[5:7] move; keys[7] expired first
+        assert [dry[c] for c in counts] == [real[c] for c in counts]
+        assert s.get_many(keys[5:7]) == [value_for(k, 3000) for k in keys[5:7]]
+        assert_clean(s)
+
+
+# --------------------------------------------------------------------------- D: compaction and put limits
+def test_compaction_moves_entries_over_a_lowered_max_value_bytes(data_dir, keys, clock):
+    vals = {k: os.urandom(20_000) for k in keys[:8]}
+    opts = dict(fsync=False, clock=clock, compression="none", delete_grace_s=0, orphan_grace_s=0)
+    with kvstore.connect(str(data_dir), **opts) as s:
+        s.put_many([PutItem(k, v) for k, v in vals.items()])  # one pack
+    with kvstore.connect(str(data_dir), max_value_bytes=10_000, **opts) as s:
+        with pytest.raises(InvalidRequest):
+            s.put(keys[9], os.urandom(20_000))  # new puts obey the new limit
+        old = _gen(s, keys[7])
+        for k in keys[:6]:
+            s.delete(k)
+        stray = _stray_pack(s, list(s.targets)[0])
+        out = s.gc()  # not InvalidRequest: moving a stored entry is not a put
+        assert out["compacted_packs"] == 1 and out["moved_entries"] == 2 and out["orphans"] == 1
+        assert not stray.exists() and _gen(s, keys[7]) != old
+        assert s.get_many(keys[6:8]) == [vals[k] for k in keys[6:8]]
+        assert_pack_refs_match_records(s)
+        assert_clean(s)
+
+
+def test_an_entry_that_cannot_be_moved_stays_and_the_pass_goes_on(store, keys, monkeypatch, caplog):
+    store.put_many([PutItem(k, value_for(k, 3000)) for k in keys[:6]])
+    for k in keys[:4]:
+        store.delete(k)  # 4 of 6 dead: over compact_ratio
+    old = _gen(store, keys[4])
+    encode = store._encode_entry
+
+    def refuse_one(key, *a):
+        if key == keys[4]:
+            raise InvalidRequest("cannot be written back")
+        return encode(key, *a)
+
+    monkeypatch.setattr(store, "_encode_entry", refuse_one)
+    stray = _stray_pack(store, list(store.targets)[-1])
+    with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+        out = store.gc()
+    assert out["compacted_packs"] == 1 and out["moved_entries"] == 1 and out["orphans"] == 1
+    assert _gen(store, keys[4]) == old and _gen(store, keys[5]) != old and not stray.exists()
+    assert any(keys[4].hex() in r.getMessage() for r in caplog.records)
+    assert store.get_many(keys[4:6]) == [value_for(k, 3000) for k in keys[4:6]]
+    assert_clean(store)
+
+
+def test_a_pack_whose_compaction_fails_stays_queued_and_the_pass_goes_on(store, keys, monkeypatch):
+    store.put_many([PutItem(k, value_for(k, 3000)) for k in keys[:6]])
+    for k in keys[:4]:
+        store.delete(k)  # 4 of 6 dead: over compact_ratio
+    old = _gen(store, keys[4])
+
+    def full(members):
+        raise CapacityExceeded("no room for the new pack")
+
+    monkeypatch.setattr(store, "_rewrite", full)
+    stray = _stray_pack(store, list(store.targets)[0])
+    out = store.gc()
+    assert out["purged"] == 4 and out["compacted_packs"] == 1 and out["moved_entries"] == 0
+    assert out["orphans"] == 1 and not stray.exists()
+    with store.index.env.begin() as txn:
+        assert txn.get(old, db=store.index.db["compact"]) is not None  # retried by a later pass
+    monkeypatch.undo()
+    assert store.gc()["moved_entries"] == 2 and _gen(store, keys[4]) != old
+    assert_clean(store)
