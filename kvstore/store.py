@@ -63,14 +63,7 @@ from kvstore.datadir import DataDir, file_url_path
 from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, in_flight, run_now
 from kvstore.packs import PackIO
 from kvstore.executors import DaemonExecutor
-from kvstore.errors import (
-    CapacityExceeded,
-    InvalidRequest,
-    NotFound,
-    StoreClosed,
-    StoreUnavailable,
-    Unrecoverable,
-)
+from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
 from kvstore.index import Meta, ekey, packed_bytes
 from kvstore.keys import check_key, check_keys
 from kvstore.tuning import tune_malloc
@@ -501,49 +494,11 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
     @in_flight
     def evict_to(self, goal_bytes: int, *, dry_run: bool = False) -> int:
-        """Evict until at most ``goal_bytes`` are used: first unpinned lost entries (no read
-        can use them until a repair; oldest access first), then least-recently-used unpinned
-        entries. ``CapacityExceeded`` when only pinned entries are left."""
-        self.flush_touches()
-        evicted = 0
-        now = self.now_ns()
-        with self.index.env.begin(write=not dry_run) as txn:
-            used = self.index.counter(txn, "used_bytes")
-            for ek, m in sorted(self.index.lost_records(txn), key=lambda r: r[1].access_ns):
-                if used <= goal_bytes:
-                    break
-                if not m.pinned:
-                    if not dry_run:
-                        self.index.drop_lost_txn(txn, ek, m, now, to_grave=True)
-                    used -= m.stored_bytes
-                    evicted += 1
-        while True:
-            with self.index.env.begin(write=not dry_run) as txn:
-                used = self.index.counter(txn, "used_bytes")
-                if used <= goal_bytes:
-                    break
-                batch = list(self.index.oldest(txn, "lru", limit=256))
-                if not batch:
-                    raise CapacityExceeded(
-                        f"store holds {used} bytes over the goal {goal_bytes} and everything left "
-                        "is pinned; unpin entries or raise capacity_bytes"
-                    )
-                for _t, ek in batch:
-                    m = self.index.get_meta(txn, ek)
-                    if m is None:
-                        continue
-                    if not dry_run:
-                        self.index.remove_txn(txn, ek, m, now)
-                    used -= m.stored_bytes
-                    evicted += 1
-                    if used <= goal_bytes:
-                        break
-                if dry_run:
-                    break
-        self._count("evicted", evicted if not dry_run else 0)
-        if evicted and not dry_run:
-            log.info("evicted %d entries to get under %d bytes", evicted, goal_bytes)
-        return evicted
+        """Evict until at most ``goal_bytes`` are used (``kvstore.maintenance.evict``: lost
+        entries first, then least recently used; never pinned ones). Returns the count."""
+        from kvstore.maintenance import evict
+
+        return evict(self, goal_bytes, dry_run=dry_run)
 
     # ------------------------------------------------------------------ maintenance, stats
     @in_flight
