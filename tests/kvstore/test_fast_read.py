@@ -62,6 +62,18 @@ def _entry_len(store, key: bytes) -> int:
         return store.index.get_meta(txn, ekey(EntryKind.BLOCK.code, key)).entry_len
 
 
+def _put_flipped(store, frag: int, off: int, mask: int, value, **put) -> bytes:
+    """A fresh entry's key, put with ``put`` and with byte ``off`` of its fragment ``frag``
+    XORed with ``mask``."""
+    key = os.urandom(16)
+    store.put(key, value, **put)
+    ref = fragment_refs(store, key)[frag]
+    raw = bytearray(ref.read_bytes())
+    raw[off] ^= mask
+    ref.write_bytes(bytes(raw))
+    return key
+
+
 def test_a_flipped_byte_anywhere_never_changes_the_result(tmp_path):
     s = kvstore.connect(str(tmp_path / "s"), fsync=False, compression="none")
     k = s.config.ec_k
@@ -76,12 +88,7 @@ def test_a_flipped_byte_anywhere_never_changes_the_result(tmp_path):
         offsets = [0, 8, lead - 4, lead + 2, lead + 85, lead + 100, lead + 150, size // 2, size - 1]
         for frag in range(k):
             for off in offsets:
-                key = os.urandom(16)
-                s.put(key, arr, tokens=77)
-                path = fragment_refs(s, key)[frag]
-                raw = bytearray(path.read_bytes())
-                raw[off] ^= 0x5A
-                path.write_bytes(bytes(raw))
+                key = _put_flipped(s, frag, off, 0x5A, arr, tokens=77)
                 before = s.counters["degraded_reads"]
                 e = s.get_entry(key)
                 assert e.data == arr.tobytes() and e.tokens == 77, (frag, off)
@@ -117,12 +124,7 @@ def test_a_small_entrys_header_in_later_fragments_is_verified(tmp_path, shape):
         for frag in range(1, s.config.ec_k):
             size = fragment_refs(s, probe)[frag].length
             for off in range(codec.FRAG_HEADER_LEN + 80, size):  # the fragment's share of the entry
-                key = os.urandom(16)
-                s.put(key, val, layout=layout, tokens=5)
-                ref = fragment_refs(s, key)[frag]
-                raw = bytearray(ref.read_bytes())
-                raw[off] ^= 0x01
-                ref.write_bytes(bytes(raw))
+                key = _put_flipped(s, frag, off, 0x01, val, layout=layout, tokens=5)
                 before = s.counters["degraded_reads"]
                 e = s.get_entry(key)
                 assert (e.data, e.layout, e.tokens) == (val, layout, 5), (frag, off)

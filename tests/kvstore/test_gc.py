@@ -56,15 +56,19 @@ def _capacity_store(data_dir, clock, cap):
                            orphan_grace_s=0)
 
 
-def test_capacity_evicts_lru_and_never_pinned(data_dir, keys, clock):
-    one = None
-    with _capacity_store(data_dir, clock, 10**9) as s:
-        s.put(keys[0], value_for(keys[0], 10_000))
-        one = s.used_bytes()
-    cap = one * 10
+def _one_entry(data_dir, clock, key) -> int:
+    """The stored bytes of one 10,000-byte entry (measured in ``data_dir``, then removed)."""
     import shutil
 
+    with _capacity_store(data_dir, clock, 10**9) as s:
+        s.put(key, value_for(key, 10_000))
+        one = s.used_bytes()
     shutil.rmtree(data_dir)
+    return one
+
+
+def test_capacity_evicts_lru_and_never_pinned(data_dir, keys, clock):
+    cap = _one_entry(data_dir, clock, keys[0]) * 10
     with _capacity_store(data_dir, clock, cap) as s:
         for i, k in enumerate(keys[:9]):
             s.put(k, value_for(k, 10_000))
@@ -86,12 +90,7 @@ def test_capacity_evicts_lru_and_never_pinned(data_dir, keys, clock):
 
 
 def test_everything_pinned_is_a_clear_error(data_dir, keys, clock):
-    with _capacity_store(data_dir, clock, 10**9) as s:
-        s.put(keys[0], value_for(keys[0], 10_000))
-        one = s.used_bytes()
-    import shutil
-
-    shutil.rmtree(data_dir)
+    one = _one_entry(data_dir, clock, keys[0])
     with _capacity_store(data_dir, clock, one * 3) as s:
         for k in keys[:2]:
             s.put(k, value_for(k, 10_000))
@@ -114,12 +113,7 @@ def test_lost_entries_are_evicted_first_not_a_wedged_store(data_dir, keys, clock
     read can use them: eviction takes them first, pinned ones excepted. Before, eviction
     walked only the LRU ordering, so once lost bytes alone were over the low watermark every
     put wrote, evicted itself and failed with "everything left is pinned" (nothing was)."""
-    with _capacity_store(data_dir, clock, 10**9) as s:
-        s.put(keys[0], value_for(keys[0], 10_000))
-        one = s.used_bytes()
-    import shutil
-
-    shutil.rmtree(data_dir)
+    one = _one_entry(data_dir, clock, keys[0])
     with _capacity_store(data_dir, clock, one * 6) as s:
         for k in keys[:5]:
             s.put(k, value_for(k, 10_000))
@@ -157,12 +151,7 @@ def test_gc_over_capacity_with_everything_pinned_still_reclaims(data_dir, keys, 
     """When step 3 cannot get under the low watermark (everything left pinned), the pass
     still purges deleted entries and sweeps orphans, then raises ``CapacityExceeded`` saying
     what it did. Before, it raised at step 3 and disk space was never reclaimed."""
-    with _capacity_store(data_dir, clock, 10**9) as s:
-        s.put(keys[0], value_for(keys[0], 10_000))
-        one = s.used_bytes()
-    import shutil
-
-    shutil.rmtree(data_dir)
+    one = _one_entry(data_dir, clock, keys[0])
     with _capacity_store(data_dir, clock, one * 4) as s:
         for k in keys[:2]:
             s.put(k, value_for(k, 10_000))
