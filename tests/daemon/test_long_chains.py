@@ -85,7 +85,7 @@ def test_sharded_lookup_many_reads_each_chain_to_its_first_miss(make_daemon, tmp
     import random
 
     from kvstore.sharded import ShardedStore
-    from tests.kvstore.test_store import CountingEnv
+    from tests.kvstore.test_lookup import CountingEnv
 
     stores = [kvstore.connect(str(tmp_path / f"s{i}"), fsync=False) for i in range(3)]
     daemons = [make_daemon(store=st) for st in stores]
