@@ -60,7 +60,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import lmdb
 
 from kvstore.config import strip_userinfo
-from kvstore.errors import CorruptData, IncompatibleFormat, InternalError, InvalidRequest
+from kvstore.errors import CorruptData, IncompatibleFormat, InternalError, InvalidRequest, StoreUnavailable
 
 INDEX_FORMAT = 1
 
@@ -128,6 +128,9 @@ class Index:
             if any(m in str(exc) for m in ("Permission denied", "Read-only file system")):
                 raise InvalidRequest(f"the index at {path} cannot be opened for writing ({exc}): the store "
                                      "needs write access to its data directory, even to read it") from exc
+            if "already open in this process" in str(exc):  # a store not yet closed (its last call still running)
+                raise StoreUnavailable(f"the index at {path} is still open in this process ({exc}): close the "
+                                       "store that holds it, or retry once its calls have ended") from exc
             raise CorruptData(f"the index at {path} cannot be opened ({exc}); restore it from a copy, or "
                               "move the data directory aside and start a fresh one") from exc
         try:

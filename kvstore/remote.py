@@ -485,7 +485,8 @@ class RemoteStore:
         block, swa = [], []
 
         def ask(p: slice) -> Any:
-            cut = None if ends is None else [e - p.start for e in ends if p.start < e < p.stop] + [p.stop - p.start]
+            # the distinct ends inside the piece (empty shares dropped): never more than its keys
+            cut = None if ends is None else sorted({e - p.start for e in ends if p.start < e < p.stop} | {p.stop - p.start})
             return self._call("Probe", pb.ProbeRequest(keys=keys[p], until_miss=until_miss, chain_ends=cut))
 
         for p, r in self._each_piece(len(keys), ask):

@@ -143,8 +143,7 @@ class Daemon(DirectRPC, AdminRPC):
             raise
         self._stop_gc = threading.Event()
         self._gc_thread: threading.Thread | None = None
-        self._stopped = False
-        self._stop_lock = threading.Lock()
+        self._stopped, self._stop_lock, self._stop_done = False, threading.Lock(), threading.Event()
 
     def _build(self, server_cfg: ServerConfig, store_cfg: StoreConfig, tls_files: dict[str, bytes]) -> None:
         """The rest of ``__init__`` once the store is open: quota, tokens, the gRPC server,
@@ -269,11 +268,12 @@ class Daemon(DirectRPC, AdminRPC):
         mount) is abandoned on its daemon thread, and the last call to return closes the
         index (``EmbeddedStore.close``); its client was already told UNAVAILABLE (a put may
         still commit: its outcome is unknown to the client, and a retry is safe)."""
-        with self._stop_lock:
-            if self._stopped:
-                return
-            self._stopped = True
         grace = self.cfg.drain_s if grace_s is None else grace_s
+        with self._stop_lock:
+            first, self._stopped = not self._stopped, True
+        if not first:  # another caller is stopping it: return when that stop has ended
+            self._stop_done.wait(grace + STOP_EXTRA_S + 1)
+            return
         end = time.monotonic() + grace + STOP_EXTRA_S
         left = lambda: max(0.0, end - time.monotonic())  # noqa: E731
         self.health.enter_graceful_shutdown()
@@ -287,6 +287,7 @@ class Daemon(DirectRPC, AdminRPC):
         self.store.close(wait_s=left())
         if self.quota is not None:
             self.quota.close()
+        self._stop_done.set()
         log.info("kvstore daemon %s stopped", self.address)
 
     def wait(self) -> None:

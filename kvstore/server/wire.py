@@ -157,15 +157,19 @@ def status_of(exc: KVStoreError) -> tuple[grpc.StatusCode, tuple[tuple[str, str]
     return STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN), tuple(md)
 
 
-MAX_DETAILS = 2000  # characters of an error message sent as a call's details
+MAX_DETAILS = 2000  # UTF-8 bytes of an error message sent as a call's details
 
 
 def details_of(exc: BaseException, prefix: str = "") -> str:
-    """``prefix + str(exc)``, cut to ``MAX_DETAILS``: a message may quote the request (a kind
-    or layout of 20,000 characters), and details over gRPC's 16 KiB metadata limit lose the
-    whole status, typed error code included."""
+    """``prefix + str(exc)``, cut to ``MAX_DETAILS`` UTF-8 bytes: a message may quote the
+    request (a kind or layout of 20,000 characters), and details over gRPC's 16 KiB metadata
+    limit lose the whole status, typed error code included. gRPC percent-encodes non-ASCII
+    bytes (3 characters each), so the bound is on bytes: at most 6,000 characters on the wire."""
     text = prefix + str(exc)
-    return text if len(text) <= MAX_DETAILS else text[: MAX_DETAILS - 25] + f"... ({len(text)} characters)"
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= MAX_DETAILS:
+        return text
+    return raw[: MAX_DETAILS - 40].decode("utf-8", "ignore") + f"... ({len(text)} characters)"
 
 
 def error_from_rpc(err: grpc.RpcError, where: str = "", timeout_s: float | None = None) -> KVStoreError:

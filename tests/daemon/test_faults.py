@@ -113,6 +113,7 @@ BAD_PUTS = {
     # messages that quote the field: details over gRPC's 16 KiB limit lost the whole status
     # (RESOURCE_EXHAUSTED without kvstore's code, so the client raised RequestTooLarge)
     "kind of 20,000 characters": pb.PutRequest(key=K(1), value=b"v", kind="x" * 20_000),
+    "kind of 20,000 non-ASCII characters": pb.PutRequest(key=K(1), value=b"v", kind="\u20ac" * 20_000),
     "layout of 100,000 dims": pb.PutRequest(key=K(1), value=b"v", layout=pb.Layout(dtype="uint8", shape=[1] * 100_000)),
 }
 
