@@ -95,46 +95,48 @@ _COMPACT_LIMIT = 64  # packs step 5 compacts per pass (the rest wait in the queu
 def evict(store: "EmbeddedStore", goal_bytes: int, *, dry_run: bool = False) -> int:
     """Evict until at most ``goal_bytes`` are used: first unpinned lost entries (no read
     can use them until a repair; oldest access first), then least-recently-used unpinned
-    entries. ``CapacityExceeded`` when only pinned entries are left."""
+    entries; returns the count. ``CapacityExceeded`` when only pinned entries are left
+    (what was evicted before is counted all the same). ``dry_run``: the count it would
+    evict (``gc_plan.plan_eviction``), nothing changed."""
+    if dry_run:
+        return plan_eviction(store, store.used_bytes(), goal_bytes, ())[0]
     store.flush_touches()
     evicted = 0
     now = store.now_ns()
-    with store.index.env.begin(write=not dry_run) as txn:
-        used = store.index.counter(txn, "used_bytes")
-        for ek, m in sorted(store.index.lost_records(txn), key=lambda r: r[1].access_ns):
-            if used <= goal_bytes:
-                break
-            if not m.pinned:
-                if not dry_run:
-                    store.index.drop_lost_txn(txn, ek, m, now, to_grave=True)
-                used -= m.stored_bytes
-                evicted += 1
-    while True:
-        with store.index.env.begin(write=not dry_run) as txn:
+    try:
+        with store.index.env.begin(write=True) as txn:
             used = store.index.counter(txn, "used_bytes")
-            if used <= goal_bytes:
-                break
-            batch = list(store.index.oldest(txn, "lru", limit=256))
-            if not batch:
-                raise CapacityExceeded(
-                    f"store holds {used} bytes over the goal {goal_bytes} and everything left "
-                    "is pinned; unpin entries or raise capacity_bytes"
-                )
-            for _t, ek in batch:
-                m = store.index.get_meta(txn, ek)
-                if m is None:
-                    continue
-                if not dry_run:
-                    store.index.remove_txn(txn, ek, m, now)
-                used -= m.stored_bytes
-                evicted += 1
+            for ek, m in sorted(store.index.lost_records(txn), key=lambda r: r[1].access_ns):
                 if used <= goal_bytes:
                     break
-            if dry_run:
-                break
-    store._count("evicted", evicted if not dry_run else 0)
-    if evicted and not dry_run:
-        log.info("evicted %d entries to get under %d bytes", evicted, goal_bytes)
+                if not m.pinned:
+                    store.index.drop_lost_txn(txn, ek, m, now, to_grave=True)
+                    used -= m.stored_bytes
+                    evicted += 1
+        while True:
+            with store.index.env.begin(write=True) as txn:
+                used = store.index.counter(txn, "used_bytes")
+                if used <= goal_bytes:
+                    break
+                batch = list(store.index.oldest(txn, "lru", limit=256))
+                if not batch:
+                    raise CapacityExceeded(
+                        f"store holds {used} bytes over the goal {goal_bytes} and everything left "
+                        "is pinned; unpin entries or raise capacity_bytes"
+                    )
+                for _t, ek in batch:
+                    m = store.index.get_meta(txn, ek)
+                    if m is None:
+                        continue
+                    store.index.remove_txn(txn, ek, m, now)
+                    used -= m.stored_bytes
+                    evicted += 1
+                    if used <= goal_bytes:
+                        break
+    finally:
+        store._count("evicted", evicted)
+        if evicted:
+            log.info("evicted %d entries to get under %d bytes", evicted, goal_bytes)
     return evicted
 
 

@@ -70,6 +70,9 @@ from kvstore.tuning import tune_malloc
 
 log = logging.getLogger(__name__)
 
+POOL_JOIN_S = 1.0  # close() waits this long for its I/O workers once no call is in flight
+
+
 class EmbeddedStore(DataDir, FragmentIO, PackIO):
     """In-process implementation of ``kvstore.api.KVStore``. See the module docstring."""
 
@@ -553,8 +556,9 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             with self.index.env.begin(write=True) as txn:
                 self._flush_touches_txn(txn)
         finally:
-            self._batch_pool.shutdown(wait=not deferred)
-            self._pool.shutdown(wait=not deferred)
+            # A read abandoned at read_timeout_s may still hold a worker: not waited for past a bound.
+            self._batch_pool.shutdown(wait=not deferred, timeout_s=POOL_JOIN_S)
+            self._pool.shutdown(wait=not deferred, timeout_s=POOL_JOIN_S)
             self.index.close()
 
     def __enter__(self) -> "EmbeddedStore":

@@ -348,9 +348,9 @@ def run_verify(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
 
 def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     d = _call_with_progress(store.repair, progress)
-    bad = int(d.get("unfixed", 0)) + int(d.get("still_lost", 0))
+    bad = int(d.get("unfixed", 0)) + int(d.get("still_lost", 0)) + int(d.get("orphans_kept", 0))
     text = (f"repair: rebuilt {d.get('rebuilt_fragments', 0)} fragments, restored {d.get('restored_entries', 0)} "
-            f"entries, removed {d.get('orphans_removed', 0)} orphans; unfixed {d.get('unfixed', 0)}, "
+            f"entries, removed {d.get('orphans_removed', 0)} orphans{_kept(d)}; unfixed {d.get('unfixed', 0)}, "
             f"still lost {d.get('still_lost', 0)}")
     if bad:
         text += "\nsome damage remains: bring missing targets back (or add spare targets) and run repair again"

@@ -268,6 +268,8 @@ def export_parquet(store: "EmbeddedStore", path: str, batch_rows: int = PARQUET_
     """
     if not path:
         raise InvalidRequest("the Parquet export needs a file name; give --parquet FILE")
+    if path.endswith(("/", os.sep)):  # Path() would drop the slash and name the file before it
+        raise InvalidRequest(f"--parquet {path!r} names a directory; give a file name")
     dest = Path(path)
     _refuse_special(dest, path)
     tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(6)}.tmp")

@@ -212,3 +212,60 @@ def test_a_pack_whose_compaction_fails_stays_queued_and_the_pass_goes_on(store, 
     monkeypatch.undo()
     assert store.gc()["moved_entries"] == 2 and _gen(store, keys[4]) != old
     assert_clean(store)
+
+
+# --------------------------------------------------------------------------- a QA pass of the above
+def test_close_does_not_wait_for_a_read_abandoned_at_its_timeout(tmp_path):
+    """A fragment read abandoned at ``read_timeout_s`` (a dead mount) keeps its worker; close
+    no longer joins that worker without a bound (it took as long as the hang: 30 s here)."""
+    import threading
+    import time
+
+    import kvstore
+
+    s = kvstore.connect(str(tmp_path / "s"), fsync=False, read_timeout_s=0.5)
+    s.put(b"a" * 16, os.urandom(5000))
+    stuck = threading.Event()
+    t = next(iter(s.targets.values()))
+    for meth in ("read", "read_into"):
+        orig = getattr(t, meth)
+        setattr(t, meth, lambda *a, _o=orig, **k: (stuck.wait(30), _o(*a, **k))[1])
+    try:
+        assert len(s.get(b"a" * 16)) == 5000  # degraded: the other fragments suffice
+        t0 = time.monotonic()
+        s.close()
+        assert time.monotonic() - t0 < 10  # POOL_JOIN_S per pool, not the hang
+    finally:
+        stuck.set()
+
+
+def test_evict_to_dry_run_counts_what_the_real_call_evicts(data_dir, clock):
+    """With lost entries, ``evict_to(dry_run=True)`` counted their bytes twice (7 where the
+    real call took 4); it is now ``gc_plan.plan_eviction``. And entries evicted before the
+    call ends in ``CapacityExceeded`` are counted (the counter stayed 0)."""
+    import kvstore
+    from kvstore import CapacityExceeded, Unrecoverable
+    from tests.fragments import fragment_refs
+
+    keys = [b"k%015d" % i for i in range(20)]
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, compression="none") as s:
+        for i, k in enumerate(keys):
+            s.put(k, bytes([i]) * 1000)
+        for k in (keys[3], keys[7], keys[11]):
+            for r in fragment_refs(s, k)[:3]:
+                r.remove()
+            with pytest.raises(Unrecoverable):
+                s.get(k)
+        used = s.used_bytes()
+        goal = used - 4 * (used // 20)
+        assert s.evict_to(goal, dry_run=True) == s.evict_to(goal) == 4
+        for r in fragment_refs(s, keys[19])[:3]:  # one more lost, unpinned; every live entry pinned
+            r.remove()
+        with pytest.raises(Unrecoverable):
+            s.get(keys[19])
+        for k in keys:
+            s.pin(k)
+        before = s.counters["evicted"]
+        with pytest.raises(CapacityExceeded):
+            s.evict_to(0)
+        assert s.counters["evicted"] == before + 1

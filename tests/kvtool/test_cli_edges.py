@@ -148,3 +148,34 @@ def test_gc_that_could_not_delete_an_orphan_says_so_and_exits_1():
     clean = run_gc(type("S", (), {"gc": lambda self, dry_run=False, progress=None: {"orphans": 0}})(),
                    argparse.Namespace(dry_run=False), lambda *a: None)
     assert clean.code == ExitCode.OK and "kept" not in clean.text
+
+
+def test_repair_that_kept_an_orphan_exits_1():
+    """``repair`` with an orphan it could not delete says so and exits 1, as gc and verify do."""
+    import argparse
+
+    from kvstore.cli.commands import ExitCode, run_repair
+
+    class Store:
+        def repair(self, progress=None):
+            return {"rebuilt_fragments": 0, "restored_entries": 0, "orphans_removed": 1, "orphans_kept": 1,
+                    "unfixed": 0, "still_lost": 0}
+
+    out = run_repair(Store(), argparse.Namespace(), lambda *a: None)
+    assert out.code == ExitCode.PROBLEMS and "removed 1 orphans (1 kept: could not delete" in out.text
+
+
+def test_parquet_path_with_a_trailing_slash_is_refused(tmp_path):
+    """``--parquet reg/`` overwrote the regular file ``reg`` (Path drops the slash); it names a
+    directory, so it is refused and the file is left alone."""
+    import kvstore
+    from kvstore.cli.index_view import export_parquet
+    from kvstore.errors import InvalidRequest
+
+    reg = tmp_path / "reg"
+    reg.write_bytes(b"keep")
+    with kvstore.connect(str(tmp_path / "d"), fsync=False) as s:
+        for dest in (f"{reg}/", f"{tmp_path}/new.parquet/"):
+            with pytest.raises(InvalidRequest, match="names a directory"):
+                export_parquet(s, dest)
+    assert reg.read_bytes() == b"keep" and not (tmp_path / "new.parquet").exists()
