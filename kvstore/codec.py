@@ -52,6 +52,8 @@ FORMAT_VERSION = 1
 _ENTRY_HEAD = struct.Struct("<4sHBBQQI16s16sBB")  # 62 bytes, then ndim * u64 dims
 _FRAG_HEAD = struct.Struct("<4sHBBBBH16s8sQQQ")  # 60 bytes
 ENTRY_HEADER_MIN = _ENTRY_HEAD.size
+ENTRY_HEADER_MAX = ENTRY_HEADER_MIN + 8 * 8  # with 8 dims
+MAX_SHARE_PADDING = 64  # zero bytes a code pads each data fragment's share of an entry with, at most
 FRAG_HEADER_LEN = _FRAG_HEAD.size
 
 CODEC_RAW = 0

@@ -279,6 +279,13 @@ class DataDir:
         self.config = config
         self.target_specs = config.resolved_targets()
         self.targets: dict[str, Target] = {s.name: open_target(s) for s in self.target_specs}
+        seen: dict[tuple, str] = {}
+        for spec in self.target_specs:  # distinct names may still be one place (a trailing slash, file://)
+            where = self.targets[spec.name].location()
+            if where in seen:
+                raise InvalidRequest(f"targets {seen[where]!r} and {spec.shown_url!r} are the same place; each "
+                                     "target must be its own directory, bucket or prefix")
+            seen[where] = spec.shown_url
         self._sync_mode()
 
     def _proposed_code(self, config: StoreConfig, marker: dict | None, txn: Any) -> dict:

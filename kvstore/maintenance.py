@@ -414,8 +414,9 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
 
     for i, body in rebuilt.items():
         frame = codec.frame_fragment(codec.FragmentHeader(i, m.k, m.m, ek[0], ek[1:], m.gen, m.entry_len, len(body)), body)
-        candidates = [targets[i]] + [n for n in place(ek[1:], store.target_specs, len(store.target_specs))
-                                     if n not in targets]
+        # its own target first, unless no longer configured (replaced by a new one): then a spare
+        candidates = [targets[i]] * (targets[i] in store.targets) + [
+            n for n in place(ek[1:], store.target_specs, len(store.target_specs)) if n not in targets]
         for name in candidates:
             try:
                 store.targets[name].write(fragment_path(ek[0], ek[1:], m.gen, i), frame, fsync=store.config.fsync)
@@ -522,10 +523,13 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
 
 def repair(store: "EmbeddedStore", progress: Progress | None = None) -> dict:
     """``check(fix=True)`` summarised: what was rebuilt, restored, and what stays lost
-    (``orphans_kept``: orphans that could not be deleted)."""
+    (``orphans_kept``: orphans that could not be deleted; ``targets_down``: targets that
+    could not be asked, so their fragments were not checked)."""
     problems = check(store, fix=True, progress=progress)
     out = {"rebuilt_fragments": 0, "restored_entries": 0, "still_lost": 0, "orphans_removed": 0, "unfixed": 0,
-           "orphans_kept": 0}
+           "orphans_kept": 0,
+           # targets that could not be asked: what they hold was neither checked nor repaired
+           "targets_down": len({p.target for p in problems if p.kind is ProblemKind.TARGET_DOWN})}
     for p in problems:
         if p.kind in (ProblemKind.MISSING_FRAGMENT, ProblemKind.CORRUPT_FRAGMENT):
             out["rebuilt_fragments" if p.fixed else "unfixed"] += 1

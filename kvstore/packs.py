@@ -199,7 +199,14 @@ class PackIO:
                 raise InvalidRequest(f"{what}: needs {n} distinct targets of this store, got {list(e.targets)}")
             if len(e.offsets) != n or STANDALONE in e.offsets or len(e.gen) != 8:
                 raise InvalidRequest(f"{what}: needs an 8-byte generation and {n} pack offsets")
-            if not (0 <= e.plain_len <= cfg.max_value_bytes and 0 < e.entry_len <= e.k * e.frag_len
+            # The bytes are not read, so the sizes a quota charges must follow from what is checked:
+            # the fragments (their packs' lengths are) hold at most padding beyond the entry, and
+            # the entry at most a header beyond its payload (compressed: less). Before, a writer
+            # could declare plain_len=0 for a megabyte of fragments and be charged nothing.
+            share = e.frag_len - codec.FRAG_HEADER_LEN - (self.code.data_lead or 0)
+            if not (0 <= e.plain_len <= cfg.max_value_bytes and 0 < e.entry_len <= e.k * share
+                    and e.k * share - e.entry_len <= e.k * codec.MAX_SHARE_PADDING
+                    and e.entry_len <= e.plain_len + codec.ENTRY_HEADER_MAX
                     and codec.FRAG_HEADER_LEN < e.frag_len and 0 <= e.tokens < 2**32):
                 raise InvalidRequest(f"{what}: inconsistent sizes (plain {e.plain_len}, entry {e.entry_len}, "
                                      f"fragment {e.frag_len}) or tokens {e.tokens}")

@@ -217,6 +217,13 @@ class Target:
         if scheme in _FS_RETRIES and hasattr(self.fs, "retries"):
             self.fs.retries = _FS_RETRIES[scheme]  # this instance is ours: fsspec caches it by our options
 
+    def location(self) -> tuple:
+        """Where this target's files live, as comparable as its filesystem allows: two targets
+        of one store at the same location would write each other's pack files over."""
+        opts = getattr(self.fs, "storage_options", {}) or {}
+        endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+        return type(self.fs).__name__, endpoint, self.root.rstrip("/")
+
     def _p(self, rel: str) -> str:
         return f"{self.root}/{_safe_rel(rel)}"
 
@@ -336,6 +343,9 @@ class LocalTarget(Target):
     def __init__(self, spec: TargetSpec):
         super().__init__(spec)
         self.root = os.path.abspath(self.root)
+
+    def location(self) -> tuple:
+        return "local", None, os.path.realpath(self.root)  # symlinks and `..` resolved
 
     def _p(self, rel: str) -> str:
         return os.path.join(self.root, _safe_rel(rel))

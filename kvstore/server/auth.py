@@ -126,6 +126,10 @@ class TokenTable:
         for tok, name in tokens.items():
             if not isinstance(name, str) or not name or len(tok) < 8:
                 raise InvalidRequest(f"{tokens_file}: each token needs >= 8 characters and a tenant name")
+            if not (tok.isascii() and tok.isprintable()) or tok != tok.strip():
+                # a client sends it in a gRPC header: such a token could never authenticate
+                raise InvalidRequest(f"{tokens_file}: the token of tenant {name!r} must be printable ASCII with no "
+                                     "leading or trailing spaces")
             secret = hashlib.blake2b(name.encode(), key=server_secret[:64], digest_size=32,
                                      person=b"kvstack-tsecret").digest()
             out[tok.encode()] = Tenant(name, secret, admin=name in admins)

@@ -33,7 +33,7 @@ from kvstore.index import ekey
 from kvstore.packs import WrittenEntry
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Tenant
-from kvstore.server.wire import PermissionDenied, kind_or_default
+from kvstore.server.wire import PermissionDenied, RequestTooLarge, kind_or_default
 
 log = logging.getLogger("kvstore.server.service")
 
@@ -94,13 +94,18 @@ class DirectRPC:
     def _commit(self, r: pb.CommitRequest, tenant: Tenant) -> pb.CommitReply:
         """The index half of a put whose packs the client wrote (``kvstore.direct_writes``):
         keys validated and translated as Put does, the records checked and indexed by
-        ``store.commit_written``, charged to the tenant's quota as a put is."""
+        ``store.commit_written``, charged to the tenant's quota as a put is (each entry at least
+        its stored entry bytes: the declared plain size is not trusted below that)."""
         if not self.cfg.allow_direct_writes:
             raise PermissionDenied("this daemon does not accept direct writes (allow_direct_writes = false); "
                                    "put through Put/PutStream")
         self._batch(len(r.entries), "commit")
         entries = []
+        most = self.cfg.max_message_bytes - 4096  # what a Get could send back (a put through gRPC: refused)
         for e in r.entries:
+            if e.plain_len > most:
+                raise RequestTooLarge(f"a written entry of {e.plain_len} bytes could not be read back within "
+                                      f"max_message_bytes={self.cfg.max_message_bytes}; put it through the daemon")
             kind = EntryKind.parse(kind_or_default(e.kind))
             entries.append(WrittenEntry(
                 ekey(kind.code, self._key(tenant, e.key)), e.k, e.m, e.tokens, e.plain_len, e.entry_len,
@@ -111,7 +116,10 @@ class DirectRPC:
             res.append(self.store.commit_written(entries))
             return res[0].created
 
-        created = self._charged(tenant, [w.ek for w in entries], [w.plain_len for w in entries], commit)
+        # Charged at least the entry's own bytes: plain_len is the writer's word, entry_len is bound
+        # to the fragments the daemon checked (commit_written), so a lie cannot go under what is stored.
+        created = self._charged(tenant, [w.ek for w in entries], [max(w.plain_len, w.entry_len) for w in entries],
+                                commit)
         self.metrics.bytes_in.inc(sum(w.plain_len for w, c in zip(entries, created) if c))
         return pb.CommitReply(created=created, rejected_packs=list(res[0].rejected),
                               reasons=list(res[0].rejected.values()))

@@ -492,10 +492,10 @@ class Daemon(DirectRPC, AdminRPC):
         key = self._key(tenant, r.key)
         try:
             e = self.store.get_entry(key, kind=kind)
-        except NotFound:
+        except NotFound as exc:  # named by the client's key, not the tenant's stored one
             self.metrics.hit("get", kind, False)
-            raise
-        except Unrecoverable as exc:  # named by the client's key, not the tenant's stored one
+            raise NotFound(str(exc).replace(key.hex(), r.key.hex())) from None
+        except Unrecoverable as exc:
             raise Unrecoverable(str(exc).replace(key.hex(), r.key.hex()), key=r.key,
                                 failed_targets=exc.failed_targets) from None
         self.metrics.hit("get", kind, True)

@@ -92,6 +92,46 @@ def test_tenants_keys_are_their_stored_keys(make_daemon, tokens_file) -> None:  
         c.close()
 
 
+def test_a_direct_writer_cannot_declare_its_way_under_the_quota(make_daemon, tokens_file) -> None:  # noqa: F811
+    """Commit charges the tenant at least each entry's stored bytes (bound to the fragments the
+    daemon checks), not the plain size the writer declares. Before, a writer declaring
+    plain_len=0 stored 1 MB under a 100 KB quota, charged 0; and Commit indexed an entry too
+    large for any Get within max_message_bytes (a put through gRPC is refused)."""
+    import kvstore.direct_writes as dw
+    from kvstore import CapacityExceeded
+
+    d = make_daemon(allow_direct_writes=True, tokens_file=tokens_file, tenant_quota_bytes=100_000)
+    b = kvstore.connect(d.address, token=TOK_B, direct_writes="on")
+    writer = next(v for v in vars(b).values() if isinstance(v, dw.DirectWrites))
+    real = writer._call
+
+    def lying(method, req):  # the only change: declare plain_len = 0
+        if method == "Commit":
+            for e in req.entries:
+                e.plain_len = 0
+        return real(method, req)
+
+    writer._call = lying
+    with pytest.raises(Exception, match="inconsistent sizes"):  # 30 KB of entry cannot hold 0 bytes of payload
+        b.put(K("q"), os.urandom(30_000))
+    assert b.lookup([K("q")]).hit_blocks == 0 and d.quota.used("tenant-b") == 0
+    for i in range(20):  # compressible: the lie passes the size checks, and is charged the entry bytes
+        assert b.put(K(f"q{i}"), b"x" * 30_000)
+    with d.store.index.env.begin() as txn:
+        entry_bytes = sum(d.store.index.unpack(txn, raw).entry_len for _, raw in d.store.index.iter_db(txn, "entries"))
+    assert d.quota.used("tenant-b") == entry_bytes > 20 * 62
+    with pytest.raises(CapacityExceeded):  # and the honest client is held to the quota as before
+        b_plain = kvstore.connect(d.address, token=TOK_B)
+        b_plain.put(K("honest"), os.urandom(150_000))
+    b_plain.close()
+    b.close()
+    d2 = make_daemon(allow_direct_writes=True, max_message_bytes=64 * 1024)
+    with kvstore.connect(d2.address, direct_writes="on") as c:
+        with pytest.raises(kvstore.errors.KVStoreError):
+            c.put(K("big"), os.urandom(200_000))
+        assert c.lookup([K("big")]).hit_blocks == 0  # not indexed: no Get could ever return it
+
+
 def test_a_daemon_that_does_not_allow_them_gets_puts_over_grpc(make_daemon) -> None:
     d = make_daemon()  # allow_direct_writes defaults to false
     with kvstore.connect(d.address, direct_writes="on") as s:
@@ -197,6 +237,9 @@ def test_commit_checks_everything_before_indexing_anything(make_daemon, tmp_path
         "distinct targets ": entry(targets=(*good.targets[:5], "t99")),
         "pack offsets": entry(offsets=(0,) * 5),
         "inconsistent sizes": entry(frag_len=10),
+        # sizes a quota charges must follow from the checked fragments (fragments far larger than
+        # the entry they hold): before, a megabyte of fragments could be declared a 1-byte entry
+        "inconsistent sizes ": entry(entry_len=1, plain_len=0, frag_len=good.frag_len + 1000),
         "already hold indexed entries": entry(gen=good.gen),
     }
     for why, e in invalid.items():

@@ -117,6 +117,9 @@ def test_unrecoverable_names_the_callers_key(make_daemon, tokens_file, tmp_path)
             shutil.rmtree(st.targets[t].root)
         with pytest.raises(kvstore.errors.Unrecoverable) as ei:
             a.get(K("doomed"))
+        with pytest.raises(kvstore.NotFound) as nf:  # NotFound as well names the caller's key
+            a.get(K("absent"))
+    assert K("absent").hex() in str(nf.value)
     assert ei.value.key == K("doomed") and K("doomed").hex() in str(ei.value)
     stored = [bytes(k[1:]) for k, _ in st.index.iter_db(st.index.env.begin(), "lost")]
     assert len(stored) == 1 and stored[0] != K("doomed") and stored[0].hex() not in str(ei.value)
@@ -208,13 +211,16 @@ def test_concurrency_limit_is_resource_exhausted(make_daemon, tmp_path) -> None:
     ('admin_tenants = "ops"\n', "admin_tenants must be a list"),  # would make tenants o, p and s admins
     ("admin_tenants = [1]\n", "admin_tenants must be a list"),
     ('admin_tenant = ["ops"]\n', "unknown key"),  # a typo: silently no admins
+    # tokens a client could never send in a gRPC header: before, loaded and never authenticating
+    ('[tokens]\n" padded-token-1 " = "p"\n', "printable ASCII"),
+    ('[tokens]\n"t\u00f6ken-\u00fcnicode" = "u"\n', "printable ASCII"),
 ])
 def test_a_malformed_tokens_file_is_refused(tmp_path, body, match) -> None:
     from kvstore.errors import InvalidRequest
     from kvstore.server.auth import TokenTable
 
     p = tmp_path / "tokens.toml"
-    p.write_text(body + f'[tokens]\n"{TOK_A}" = "o"\n"{TOK_OPS}" = "ops"\n')
+    p.write_text(body if "[tokens]" in body else body + f'[tokens]\n"{TOK_A}" = "o"\n"{TOK_OPS}" = "ops"\n')
     with pytest.raises(InvalidRequest, match=match):
         TokenTable.load(str(p), b"s" * 32)
     p.write_text(f'admin_tenants = ["ops"]\n[tokens]\n"{TOK_A}" = "o"\n"{TOK_OPS}" = "ops"\n')

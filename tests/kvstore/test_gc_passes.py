@@ -269,3 +269,62 @@ def test_evict_to_dry_run_counts_what_the_real_call_evicts(data_dir, clock):
         with pytest.raises(CapacityExceeded):
             s.evict_to(0)
         assert s.counters["evicted"] == before + 1
+
+
+# --------------------------------------------------------------------------- targets (a QA pass on S3/fsspec)
+@pytest.mark.parametrize("second", ["file://{a}", "{a}/", "{a}/../a"])
+def test_two_targets_at_one_place_are_refused(tmp_path, second):
+    """Distinct target names at one place (a trailing slash, ``file://``, ``..``) were accepted,
+    and each batch wrote its pack there twice: one fragment of every entry corrupt at once."""
+    import kvstore
+    from kvstore.errors import InvalidRequest
+
+    a = str(tmp_path / "a")
+    targets = [a, second.format(a=a)] + [str(tmp_path / f"t{i}") for i in range(4)]
+    with pytest.raises(InvalidRequest, match="same place"):
+        kvstore.connect(str(tmp_path / "d"), targets=targets, fsync=False)
+
+
+def test_repair_after_a_target_was_replaced_by_a_new_one(tmp_path):
+    """Records name a target no longer configured (replaced by a new one beside the rest):
+    repair rebuilds those fragments onto a configured target. Before: KeyError, and a traceback
+    from kvtool."""
+    import kvstore
+    from kvstore import PutItem
+
+    old = [str(tmp_path / f"t{i}") for i in range(6)]
+    vals = {os.urandom(16): os.urandom(3000) for _ in range(5)}
+    with kvstore.connect(str(tmp_path / "d"), targets=old, fsync=False) as s:
+        s.put_many([PutItem(k, v) for k, v in vals.items()])
+    new = old[:5] + [str(tmp_path / "t6")]
+    os.makedirs(new[5])  # a new disk, mounted (a missing root reads as a target down)
+    with kvstore.connect(str(tmp_path / "d"), targets=new, fsync=False, orphan_grace_s=0) as s:
+        assert s.get_many(list(vals)) == list(vals.values())  # degraded: one fragment each unreachable
+        out = s.repair()
+        assert out["rebuilt_fragments"] == 5 and out["still_lost"] == 0 and out["unfixed"] == 0
+        assert [p for p in s.check() if p.kind.value != "orphan_fragment"] == []
+        assert s.get_many(list(vals)) == list(vals.values())
+
+
+def test_repair_with_a_target_down_says_so_and_kvtool_exits_1(tmp_path):
+    """A target that cannot be asked leaves its fragments unchecked: repair counts it
+    (``targets_down``) and kvtool repair exits 1. Before: exit 0, "still lost 0"."""
+    import argparse
+
+    import kvstore
+    from kvstore.cli.commands import ExitCode, run_repair
+    from kvstore.faults import control, faulty_url
+
+    names = [f"rdown{i}" for i in range(6)]
+    with kvstore.connect(str(tmp_path / "d"), targets=[faulty_url(n, str(tmp_path / n)) for n in names],
+                         fsync=False) as s:
+        s.put(b"k" * 16, b"v" * 3000)
+        control(names[0]).down()
+        try:
+            out = s.repair()
+            assert out["targets_down"] == 1
+            got = run_repair(type("S", (), {"repair": lambda self, progress=None: out})(), argparse.Namespace(),
+                             lambda *a: None)
+            assert got.code == ExitCode.PROBLEMS and "1 targets could not be asked" in got.text
+        finally:
+            control(names[0]).up()
