@@ -50,7 +50,7 @@ def grave_key(t: int, rest: bytes) -> bytes:
 def expired_lost(store: "EmbeddedStore", txn, now: int) -> list[tuple[bytes, Meta]]:
     """The lost records whose TTL passed by ``now`` (lost records have no ``ttl`` ordering
     entry; they are few, so step 2 reads them all)."""
-    return [(ek, m) for ek, m in store.index.lost_records(txn) if m.expires_ns and m.expires_ns <= now]
+    return [(ek, m) for ek, m in store.index.lost_records(txn) if m.expired(now)]
 
 
 def count_expired(store: "EmbeddedStore", now: int) -> int:

@@ -100,6 +100,11 @@ class Meta:
     def stored_bytes(self) -> int:
         return self.frag_len * len(self.targets)
 
+    def expired(self, now_ns: int) -> bool:
+        """Past its TTL at ``now_ns``: absent to every read, lookup and pin, whether or not GC
+        has removed it yet (the one expiry rule; ``Index._live_iter`` applies it to raw records)."""
+        return bool(self.expires_ns) and self.expires_ns <= now_ns
+
 
 def packed_bytes(m: Meta) -> int:
     """Bytes of a record's fragments that sit in its pack (0 for fragment files)."""

@@ -154,7 +154,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                     continue
                 seen.add(ek)
                 m = self.index.get_meta(txn, ek)
-                if m is not None and not (m.expires_ns and m.expires_ns <= now):
+                if m is not None and not m.expired(now):
                     self._checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)  # refused all the same
                     self._touch(ek, now)
                     self._count("puts_deduplicated")
@@ -229,7 +229,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             for ek, meta in records:
                 old = self.index.get_meta(txn, ek)
                 if old is not None:
-                    if not (old.expires_ns and old.expires_ns <= now):
+                    if not old.expired(now):
                         created.append(False)
                         continue
                     self.index.remove_txn(txn, ek, old, now)
@@ -269,7 +269,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
     def _live_meta(self, ek: bytes, now: int) -> Meta | None:
         with self.index.env.begin() as txn:
             m = self.index.get_meta(txn, ek)
-        if m is None or (m.expires_ns and m.expires_ns <= now):
+        if m is None or m.expired(now):
             return None
         return m
 
@@ -311,7 +311,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
         def one(i: int) -> Entry | None:
             m = metas[i]
-            if m is None or (m.expires_ns and m.expires_ns <= now):
+            if m is None or m.expired(now):
                 self._count("get_misses")
                 return None
             try:
@@ -340,7 +340,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             metas = [self.index.get_meta(txn, ek) for ek in eks]
         out: list[Meta | None] = []
         for ek, m in zip(eks, metas):
-            if m is None or (m.expires_ns and m.expires_ns <= now):
+            if m is None or m.expired(now):
                 out.append(None)
                 continue
             self._touch(ek, now)  # a located entry is about to be read: a use, as a get is
@@ -367,8 +367,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         now = self.now_ns()
         with self.index.env.begin() as txn:
             metas = [self.index.get_meta(txn, ek) for ek in eks]
-        metas = [None if m is not None and m.expires_ns and m.expires_ns <= now else m
-                 for m in metas]  # an expired entry is absent, as in get_many
+        metas = [None if m is not None and m.expired(now) else m for m in metas]  # absent, as in get_many
         for i, m in enumerate(metas):
             if m is not None and m.plain_len > len(views[i]):
                 raise InvalidRequest(
@@ -379,7 +378,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
         def one(i: int) -> EntryInfo | None:
             m = metas[i]
-            if m is None or (m.expires_ns and m.expires_ns <= now):
+            if m is None:  # absent or expired (above)
                 self._count("get_misses")
                 return None
             try:
@@ -441,7 +440,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         ek = ekey(EntryKind.parse(kind).code, check_key(key))
         with self.index.env.begin(write=True) as txn:
             m = self.index.get_meta(txn, ek)
-            if m is None or (m.expires_ns and m.expires_ns <= self.now_ns()):  # expired: absent, as for get
+            if m is None or m.expired(self.now_ns()):  # expired: absent, as for get
                 return False
             if m.pinned != pinned:
                 self.index.update_txn(txn, ek, m, replace(m, pinned=pinned))

@@ -110,7 +110,7 @@ class KindSummary:
             self.lost += 1
             return
         self.entries += 1
-        self.expired += bool(m.expires_ns and m.expires_ns <= now_ns)
+        self.expired += m.expired(now_ns)
         self.degraded += any(t not in up for t in m.targets)
         self.pinned += m.pinned
         self.tokens += m.tokens
@@ -164,7 +164,7 @@ def row_dict(row: IndexRow, now_ns: int, up: set[str]) -> dict:
     m = row.meta
     return {
         "key": row.key.hex(), "kind": row.kind.value, "state": row.state.value,
-        "expired": bool(m.expires_ns and m.expires_ns <= now_ns),
+        "expired": m.expired(now_ns),
         # as KindSummary counts it: a live record with a fragment on a down (or unknown) target
         "degraded": row.state is EntryState.LIVE and any(t not in up for t in m.targets),
         "tokens": m.tokens, "plain_bytes": m.plain_len, "entry_bytes": m.entry_len,
@@ -237,7 +237,7 @@ def chain_view(store: "EmbeddedStore", chain: Sequence[bytes]) -> list[dict]:
         for kind in EntryKind:
             row = find(store, key, kind)
             state = EntryState.ABSENT.value if row is None else row.state.value
-            if row is not None and row.state is EntryState.LIVE and row.meta.expires_ns and row.meta.expires_ns <= now:
+            if row is not None and row.state is EntryState.LIVE and row.meta.expired(now):
                 state = "expired"
             pos[kind.value] = state
         out.append(pos)

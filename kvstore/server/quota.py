@@ -75,7 +75,7 @@ class TenantQuota:
         now = self.store.now_ns()
         with self.store.index.env.begin() as txn:
             metas = [self.store.index.get_meta(txn, ek) for ek in eks]
-        return [m is not None and not (m.expires_ns and m.expires_ns <= now) for m in metas]
+        return [m is not None and not m.expired(now) for m in metas]
 
     def prune(self, tenant: str) -> int:
         """Drop rows of entries that are no longer live; the recomputed total."""
