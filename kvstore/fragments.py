@@ -127,7 +127,7 @@ class FragmentIO(LocalFastReads):
                 f"value of {len(payload)} bytes is over max_value_bytes={self.config.max_value_bytes}; "
                 "split it or raise the limit in the store config"
             )
-        check_put_fields(ttl_s, tokens, MAX_TTL_S)
+        check_put_fields(None, tokens, MAX_TTL_S)  # ttl_s: expiry_ns checks it
         now = self.now_ns()
         return key, k, payload, lay, now, expiry_ns(ttl_s, self.config.default_ttl_s, now)
 
