@@ -77,8 +77,8 @@ from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server.wire import (BatchTooLarge, EncodedPut, RequestTooLarge, encode_item, error_from_rpc, layout_from_pb,
-                                 read_pem)
+from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, RequestTooLarge, encode_item,
+                                 error_from_rpc, layout_from_pb, read_pem)
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +266,11 @@ class RemoteStore:
         if self._streams:
             try:
                 # Each item is encoded as gRPC asks for it: the next one is built while this one is sent.
+                # The count declared, so a stream cut short (this process dies, the call is cancelled)
+                # stores nothing instead of its first items.
+                md = (*(self._md or ()), (MD_STREAM_ITEMS, str(len(encs))))
                 reply = self._stream_call("PutStream", lambda: self._put_stream(
-                    (e.message() for e in encs), timeout=self.options.timeout_s, metadata=self._md))
+                    (e.message() for e in encs), timeout=self.options.timeout_s, metadata=md))
             except _Unimplemented:
                 reply = None
             if reply is not None:

@@ -25,7 +25,8 @@ every key first, then reads the keys a window (``GET_STREAM_WINDOW``) at a
 time and sends each value as its own ``GetChunk`` (its admission slot held
 until the stream ends); ``PutStream`` receives and parses every item (bounded
 by ``max_batch_items`` and, in total bytes, by ``max_message_bytes``) before
-it is admitted, then stores them with one ``put_many`` exactly as PutMany does.
+it is admitted, then stores them with one ``put_many`` exactly as PutMany does; a
+stream short of the item count its client declared (``wire.MD_STREAM_ITEMS``) stores nothing.
 Why streaming: one 16 MiB reply cost ~35 ms of protobuf building and
 serializing plus ~28 ms in gRPC (one message, many slices) against ~10 ms for
 16 streamed 1 MiB messages (tools/bench_remote.py; profile in its docstring).
@@ -74,8 +75,8 @@ from kvstore.server.admin_rpc import AdminRPC
 from kvstore.server.direct_rpc import DirectRPC
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
-from kvstore.server.wire import (BatchTooLarge, RequestTooLarge, details_of, encode_get_chunk, encode_get_reply,
-                                 kind_or_default, layout_from_pb, status_of)
+from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, RequestTooLarge, details_of, encode_get_chunk,
+                                 encode_get_reply, kind_or_default, layout_from_pb, status_of)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,10 @@ STOP_EXTRA_S = 5.0  # ``Daemon.stop`` ends within this long after the drain grac
 def _serialize(msg: Any) -> bytes:
     """Reply serializer: hand-encoded replies (``wire.encode_*``) are bytes already."""
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+class _ClientGone(Exception):
+    """A request stream that ended short: fewer items than its client declared, or a cancelled call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,8 +322,9 @@ class Daemon(DirectRPC, AdminRPC):
             code = "CANCELLED"
             raise
         except Exception as exc:  # noqa: BLE001 - anything untyped is a bug; say so
-            if isinstance(exc, grpc.RpcError) and not context.is_active():  # a request stream's client went
-                code = "CANCELLED"  # away mid-call: nothing applied (PutStream parses all first), not a bug
+            if isinstance(exc, _ClientGone) or (isinstance(exc, grpc.RpcError) and not context.is_active()):
+                code = "CANCELLED"  # a request stream's client went away mid-call: nothing applied (PutStream
+                # receives and checks the whole stream first), not a bug
                 log.info("%s: the client went away before sending its whole request; nothing applied", name)
                 context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the call")
             log.exception("%s failed", name)
@@ -378,12 +384,19 @@ class Daemon(DirectRPC, AdminRPC):
 
     def _request_stream(self, name: str, m: _Method) -> Callable[[Iterator[bytes], grpc.ServicerContext], Any]:
         """Client streaming: every message is received and parsed (bounded in count and total bytes)
-        before the call is admitted and the handler sees the list, as for one unary batch."""
+        before the call is admitted and the handler sees the list, as for one unary batch.
+
+        A stream that ends with fewer items than its client declared (``MD_STREAM_ITEMS``), or
+        whose call is no longer active, is a client that went away: nothing of it is applied."""
         def behaviour(raws: Iterator[bytes], context: grpc.ServicerContext) -> Any:
             with self._guarded(name, context):
                 tenant = self._tenant(name, m, context)
+                declared = self._declared_items(name, context)
                 reqs, total = [], 0
                 for raw in raws:
+                    if declared is not None and len(reqs) == declared:
+                        raise InvalidRequest(f"{name} sent more items than the {declared} it declared "
+                                             f"in {MD_STREAM_ITEMS}; nothing stored")
                     total += len(raw)
                     if total > self.cfg.max_message_bytes:
                         raise RequestTooLarge(
@@ -392,6 +405,8 @@ class Daemon(DirectRPC, AdminRPC):
                             "or send smaller batches")
                     reqs.append(self._parse(name, m, raw))
                     self._batch(len(reqs), name)
+                if (declared is not None and len(reqs) != declared) or not context.is_active():
+                    raise _ClientGone(f"{len(reqs)} of {'?' if declared is None else declared} items received")
                 with self._admitted(tenant):
                     return m.handler(reqs, tenant)
 
@@ -407,6 +422,17 @@ class Daemon(DirectRPC, AdminRPC):
         if n > self.cfg.max_batch_items:
             raise BatchTooLarge(f"{what} of {n} items is over max_batch_items={self.cfg.max_batch_items}; split it",
                                 limit=self.cfg.max_batch_items)
+
+    def _declared_items(self, name: str, context: grpc.ServicerContext) -> int | None:
+        """The item count a stream's client declared (``MD_STREAM_ITEMS``), checked against
+        ``max_batch_items`` before any item is read; None when it declared none."""
+        raw = dict(context.invocation_metadata()).get(MD_STREAM_ITEMS)
+        if raw is None:
+            return None
+        if not (isinstance(raw, str) and raw.isascii() and raw.isdigit()):
+            raise InvalidRequest(f"{name}: metadata {MD_STREAM_ITEMS}={raw!r} is not a count of items")
+        self._batch(int(raw), name)
+        return int(raw)
 
     @staticmethod
     def _key(tenant: Tenant, key: bytes) -> bytes:

@@ -64,6 +64,11 @@ MD_CODE = "kvstore-error-code"
 MD_KEY = "kvstore-error-key"
 MD_TARGETS = "kvstore-failed-targets"
 MD_BATCH_LIMIT = "kvstore-max-batch-items"
+# Request metadata of a PutStream: how many items the client sends. gRPC's server cannot tell a
+# client's cancel from its end of stream when the cancel lands while the daemon waits for the next
+# message (both end the request iterator); with the count declared, a short stream is a client
+# that went away, and nothing of it is stored.
+MD_STREAM_ITEMS = "kvstore-stream-items"
 
 
 class RequestTooLarge(InvalidRequest):
