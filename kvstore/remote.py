@@ -77,8 +77,8 @@ from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, RequestTooLarge, encode_item,
-                                 error_from_rpc, layout_from_pb, read_pem)
+from kvstore.server.wire import (MD_INDEX_KEYS, MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, RequestTooLarge,
+                                 encode_item, error_from_rpc, layout_from_pb, read_pem)
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +144,12 @@ class RemoteStore:
         if self._closed:
             raise StoreClosed("this store is closed; open a new one with kvstore.connect")
 
-    def _call(self, method: str, req: Any, timeout_s: float | None = None, fn: Any = None) -> Any:
+    def _call(self, method: str, req: Any, timeout_s: float | None = None, fn: Any = None,
+              md: tuple[tuple[str, str], ...] = ()) -> Any:
         self._check_open()
         timeout = timeout_s or self.options.timeout_s
         try:
-            return (fn or getattr(self._stub, method))(req, timeout=timeout, metadata=self._md)
+            return (fn or getattr(self._stub, method))(req, timeout=timeout, metadata=(*(self._md or ()), *md) or None)
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"{method} on {self.url}", timeout) from err
 
@@ -392,14 +393,15 @@ class RemoteStore:
     def _one(self, method: str, key: bytes, kind: str) -> bool:
         return self._call(method, pb.KeyRequest(key=check_key(key), kind=EntryKind.parse(kind).value)).ok
 
-    def _many(self, method: str, keys: Sequence[bytes], kind: str) -> list[bool]:
+    def _many(self, method: str, keys: Sequence[bytes], kind: str, md: tuple[tuple[str, str], ...] = ()) -> list[bool]:
         """DeleteMany/PinMany/UnpinMany: every key validated, then pieces of at most
         ``max_batch_items`` in order (a failure in a later piece leaves earlier ones done)."""
         k = EntryKind.parse(kind).value
         reqs = [pb.KeyRequest(key=check_key(x), kind=k) for x in keys]
 
         def send(p: slice) -> list[bool]:
-            return self._check_count(method, list(self._call(method, pb.KeysRequest(keys=reqs[p])).ok), len(reqs[p]))
+            reply = self._call(method, pb.KeysRequest(keys=reqs[p]), md=md)
+            return self._check_count(method, list(reply.ok), len(reqs[p]))
 
         out: list[bool] = []
         for _, got in self._each_piece(len(reqs), send):
@@ -417,6 +419,12 @@ class RemoteStore:
 
     def delete_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
         return self._many("DeleteMany", keys, kind)
+
+    def delete_index_keys(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
+        """``kvtool delete``: ``delete_many`` of keys named as ``inspect_entries`` names them (an
+        admin tenant: index keys, as ``check`` and kvtool on a data directory print them; any
+        other tenant: its own keys), so it deletes what ``kvtool inspect`` shows."""
+        return self._many("DeleteMany", keys, kind, md=((MD_INDEX_KEYS, "1"),))
 
     def pin_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
         return self._many("PinMany", keys, kind)

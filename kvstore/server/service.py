@@ -53,7 +53,7 @@ import threading
 import time
 from concurrent.futures import wait
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -75,8 +75,9 @@ from kvstore.server.admin_rpc import AdminRPC
 from kvstore.server.direct_rpc import DirectRPC
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
-from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, RequestTooLarge, details_of, encode_get_chunk,
-                                 encode_get_reply, kind_or_default, layout_from_pb, status_of)
+from kvstore.server.wire import (INDEX_KEY_METHODS, MD_INDEX_KEYS, MD_STREAM_ITEMS, BatchTooLarge, RequestTooLarge,
+                                 details_of, encode_get_chunk, encode_get_reply, kind_or_default, layout_from_pb,
+                                 status_of)
 
 log = logging.getLogger(__name__)
 
@@ -336,10 +337,19 @@ class Daemon(DirectRPC, AdminRPC):
             self.metrics.observe(name, code, time.perf_counter() - t0)
 
     def _tenant(self, name: str, m: _Method, context: grpc.ServicerContext) -> Tenant:
-        """Step 1."""
-        tenant = self.tokens.authenticate(context.invocation_metadata())
+        """Step 1; and ``MD_INDEX_KEYS`` (only on ``INDEX_KEY_METHODS``): an admin's keys are
+        then index keys, stored as sent (``_inspect``'s rule)."""
+        md = context.invocation_metadata()
+        tenant = self.tokens.authenticate(md)
         if m.admin:
             require_admin(tenant, name)
+        flag = next((v for k, v in md or () if k == MD_INDEX_KEYS), None)
+        if flag is not None:
+            if name not in INDEX_KEY_METHODS or flag != "1":
+                raise InvalidRequest(f"metadata {MD_INDEX_KEYS}={flag!r} on {name}: only '1', and only on "
+                                     f"{', '.join(sorted(INDEX_KEY_METHODS))}")
+            if tenant.admin:
+                return replace(tenant, secret=b"")
         return tenant
 
     @staticmethod

@@ -69,6 +69,11 @@ MD_BATCH_LIMIT = "kvstore-max-batch-items"
 # message (both end the request iterator); with the count declared, a short stream is a client
 # that went away, and nothing of it is stored.
 MD_STREAM_ITEMS = "kvstore-stream-items"
+# Request metadata of Delete/DeleteMany ("1"): keys named as ``Inspect`` names them -- an admin
+# tenant's are index keys (as ``Check`` and kvtool on a data directory print them), any other
+# tenant's its own keys. ``kvtool delete`` sends it, so it deletes what ``kvtool inspect`` shows.
+MD_INDEX_KEYS = "kvstore-index-keys"
+INDEX_KEY_METHODS = frozenset({"Delete", "DeleteMany"})
 
 
 class RequestTooLarge(InvalidRequest):

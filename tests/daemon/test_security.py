@@ -102,6 +102,31 @@ def test_tenants_are_isolated(make_daemon, tokens_file) -> None:
         s.close()
 
 
+def test_kvtool_deletes_what_inspect_names(make_daemon, tokens_file) -> None:
+    """``delete_index_keys`` (kvtool delete) names keys as Inspect does: an admin's are index
+    keys, so it can delete the entry ``inspect``/``verify`` showed it (before, Delete mapped them
+    into the admin's own namespace: "no block entry"); another tenant's are its own keys, so
+    the flag gives it no reach into anyone else's entries."""
+    d = make_daemon(tokens_file=tokens_file)
+    a, b, ops = (kvstore.connect(d.address, token=t) for t in (TOK_A, TOK_B, TOK_OPS))
+    a.put_many([PutItem(K(i), b"A%d" % i) for i in range(3)])
+    with d.store.index.env.begin() as txn:
+        stored = sorted(bytes(k[1:]) for k, _ in d.store.index.iter_db(txn, "entries"))
+    assert len(stored) == 3 and K(0) not in stored
+    assert [v["state"] for v in ops.inspect_entries(stored)] == ["live"] * 3
+    assert b.delete_index_keys(stored + [K(0)]) == [False] * 4  # B reaches neither A's index keys nor A's keys
+    assert ops.delete(stored[0]) is False  # the plain API: the admin's own namespace, as its puts
+    assert ops.delete_index_keys([stored[0]]) == [True]
+    assert a.delete_index_keys([K(1), K(1)]) == [True, False]  # a tenant: its own keys
+    assert sum(v is not None for v in a.get_many([K(i) for i in range(3)])) == 1
+    with pytest.raises(kvstore.InvalidRequest, match="kvstore-index-keys"):  # only on Delete/DeleteMany
+        ops._call("Get", pb.KeyRequest(key=stored[2]), md=(("kvstore-index-keys", "1"),))
+    with pytest.raises(kvstore.InvalidRequest, match="kvstore-index-keys"):
+        ops._call("Delete", pb.KeyRequest(key=stored[2]), md=(("kvstore-index-keys", "yes"),))
+    for s in (a, b, ops):
+        s.close()
+
+
 def test_unrecoverable_names_the_callers_key(make_daemon, tokens_file, tmp_path) -> None:
     """A tenant's keys are stored hashed into its namespace; an ``Unrecoverable`` for one
     names the key the client asked for (in ``.key`` and the message), never the stored one."""
