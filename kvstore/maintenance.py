@@ -306,7 +306,8 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
     (logged; ``check`` lists them). A dry run reports the counts and bytes of the real pass from
     the same state and changes nothing. Raises ``CapacityExceeded`` when step 3 cannot get
     under the low watermark because everything left is pinned (a dry run raises it too),
-    after steps 4-6 have run: deleted entries and orphans are reclaimed all the same.
+    after steps 4-6 have run: deleted entries and orphans are reclaimed all the same, and the
+    error's ``result`` holds the counts this function would have returned.
 
     ``progress(phase, done, total)`` is called at least at the start and end of each step:
     ``expire`` (entries), ``evict`` (bytes to free: ``store.evict_to`` reports nothing in
@@ -364,7 +365,7 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
     log.info("gc: %s", out)
     if full is not None:
         raise CapacityExceeded(f"{full} (the rest of the gc pass ran: expired {expired}, purged {purged}, "
-                               f"orphans {orphans}, {out['reclaimed_bytes']} bytes reclaimed)") from full
+                               f"orphans {orphans}, {out['reclaimed_bytes']} bytes reclaimed)", result=out) from full
     return out
 
 
@@ -395,8 +396,11 @@ def _scan_entry(store: "EmbeddedStore", ek: bytes, m: Meta,
 
 
 def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
-             bad: dict[int, Problem]) -> Meta | None:
-    """Rewrite the bad fragments (same target if it is up, else a healthy spare); new Meta or None.
+             bad: dict[int, Problem]) -> tuple[Meta, set[int]] | None:
+    """Rewrite the bad fragments (same target if it is up, else a healthy spare): (new Meta, the
+    fragments rewritten), or None when the entry cannot be rebuilt (it does not decode). A
+    fragment no target takes stays as it was, the others are rewritten all the same (as much
+    redundancy as the healthy targets allow; every file written is in the returned Meta).
     A rebuilt fragment is always its own file: a packed one is marked ``STANDALONE``."""
     code = codec.erasure_code(m.k, m.m, store.config.ec_type)
     try:
@@ -412,6 +416,7 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
     offsets = list(m.offsets)
     from kvstore.placement import place
 
+    done: set[int] = set()
     for i, body in rebuilt.items():
         frame = codec.frame_fragment(codec.FragmentHeader(i, m.k, m.m, ek[0], ek[1:], m.gen, m.entry_len, len(body)), body)
         # its own target first, unless no longer configured (replaced by a new one): then a spare
@@ -423,13 +428,23 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
                 targets[i] = name
                 if offsets:
                     offsets[i] = STANDALONE
+                done.add(i)
                 break
             except OSError as exc:
                 log.warning("repair of %s fragment %d: target %s failed: %s", ek[1:].hex(), i, name, exc)
         else:
-            return None
-    store._count("fragment_rewrites", len(rebuilt))
-    return replace(m, targets=tuple(targets), offsets=tuple(offsets))
+            log.warning("repair of %s fragment %d: no healthy target took it; left as it was", ek[1:].hex(), i)
+    store._count("fragment_rewrites", len(done))
+    return replace(m, targets=tuple(targets), offsets=tuple(offsets)), done
+
+
+def _still_current(store: "EmbeddedStore", ek: bytes, m: Meta, where: str) -> bool:
+    """True when ``ek``'s record in ``where`` ("entries" or "lost") is still ``m``'s (same
+    generation and fragment places): ``check`` scans a snapshot of the records, and a GC,
+    delete, compaction or repair running alongside may have moved or removed one since."""
+    with store.index.env.begin() as txn:
+        cur = store.index.get_meta(txn, ek) if where == "entries" else store.index.get_lost(txn, ek)
+    return cur is not None and (cur.gen, cur.targets, cur.offsets) == (m.gen, m.targets, m.offsets)
 
 
 def _iter_records(store: "EmbeddedStore", db: str) -> list[tuple[bytes, Meta]]:
@@ -475,6 +490,8 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
             bad = {i: p for i, p in bad.items() if i not in unasked}
             if len(good) < m.k <= len(good) + len(unasked):
                 continue  # readable, for all we know: not lost, and nothing to rebuild from
+        if (bad or len(good) < m.k or where == "lost") and not _still_current(store, ek, m, where):
+            continue  # moved or removed while the scan ran: what it found is of a record gone
         if len(good) < m.k:
             # A scrub knows what a read would learn: mark it lost so lookups stop offering it
             # (``repair`` restores it if its targets come back).
@@ -485,20 +502,23 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
             continue
         if not bad and where == "entries":
             continue
-        fixed_meta = _rebuild(store, ek, m, good, bad) if (fix and bad) else (m if fix else None)
+        rebuilt = _rebuild(store, ek, m, good, bad) if (fix and bad) else ((m, set()) if fix else None)
+        fixed_meta, fixed = rebuilt if rebuilt is not None else (None, set())
+        if fixed_meta is not None and where == "entries" and not fixed:
+            fixed_meta = None  # nothing rewritten: the record stands as it is
         if fix and fixed_meta is not None:
             with store.index.env.begin(write=True) as txn:
                 if where == "entries":
                     cur = store.index.get_meta(txn, ek)
-                    if cur is not None and cur.gen == m.gen:
+                    if cur is not None and (cur.gen, cur.targets, cur.offsets) == (m.gen, m.targets, m.offsets):
                         store.index.update_txn(txn, ek, cur, replace(fixed_meta, access_ns=cur.access_ns,
                                                                         pinned=cur.pinned))
                 else:
                     cur = store.index.get_lost(txn, ek)
                     if cur is not None and cur.gen == m.gen and store.index.get_meta(txn, ek) is None:
                         store.index.drop_lost_txn(txn, ek, fixed_meta, store.now_ns(), to_grave=False)
-        for p in bad.values():
-            problems.append(replace(p, fixed=fix and fixed_meta is not None))
+        for i, p in bad.items():
+            problems.append(replace(p, fixed=fixed_meta is not None and i in fixed))
         if where == "lost":
             # Readable again (targets came back; any bad fragments listed above): with fix it is
             # live again, its bad fragments rebuilt first.
