@@ -156,8 +156,13 @@ class Layout:
 
     def validate(self, payload_len: int) -> None:
         self.dtype_code  # raises on an unknown dtype
-        if any(d < 0 for d in self.shape) or len(self.shape) > 8:
-            raise InvalidRequest(f"bad layout shape {self.shape}: at most 8 non-negative dims")
+        # Dims cross the wire as int64 and are stored as u64: each one an integer in [0, 2**63).
+        try:
+            dims = [operator.index(d) for d in self.shape]
+        except TypeError:
+            dims = [-1]
+        if len(dims) > 8 or not all(0 <= d < 2**63 for d in dims):
+            raise InvalidRequest(f"bad layout shape {self.shape}: at most 8 dims, each an integer in [0, 2**63)")
         if self.nbytes != payload_len:
             raise InvalidRequest(
                 f"layout {self.dtype}{list(self.shape)} describes {self.nbytes} bytes "

@@ -64,7 +64,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.api import EntryKind, LookupResult, PutItem
 from kvstore.config import StoreConfig
 from kvstore.executors import DaemonExecutor
-from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound, Unrecoverable
+from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound, StoreUnavailable, Unrecoverable
 from kvstore.fragments import MAX_TTL_S
 from kvstore.index import ekey
 from kvstore.keys import check_key, check_keys
@@ -532,8 +532,19 @@ class Daemon(DirectRPC, AdminRPC):
             self.metrics.hit("get", kind, False)
             raise NotFound(str(exc).replace(key.hex(), r.key.hex())) from None
         except Unrecoverable as exc:
-            raise Unrecoverable(str(exc).replace(key.hex(), r.key.hex()), key=r.key,
-                                failed_targets=exc.failed_targets) from None
+            if tenant.admin:
+                raise Unrecoverable(str(exc).replace(key.hex(), r.key.hex()), key=r.key,
+                                    failed_targets=exc.failed_targets) from None
+            # Target names may spell bucket and mount paths: an admin's to see (as in Inspect).
+            raise Unrecoverable(
+                f"entry {r.key.hex()} ({kind}) is lost: {len(exc.failed_targets)} of its fragments failed and "
+                "too few are left to rebuild it; an admin can bring the targets back and run `kvtool repair`",
+                key=r.key) from None
+        except StoreUnavailable:
+            if tenant.admin:
+                raise
+            raise StoreUnavailable(f"entry {r.key.hex()} ({kind}) cannot be read now: too many of its targets "
+                                   "are unavailable; nothing is marked lost, retry later") from None
         self.metrics.hit("get", kind, True)
         self.metrics.bytes_out.inc(len(e.data))
         return encode_get_reply(e.data, e.layout, e.tokens, e.kind.value)  # one copy of the value, not two

@@ -162,6 +162,13 @@ def test_errors_are_typed(store) -> None:
         store.put(K(7), b"x", ttl_s=-1)
     with pytest.raises(InvalidRequest):
         store.put(K(7), b"abc", layout=Layout("float32", (1,)))
+    # Dims past int64 (the wire's) or not integers: refused alike; before, the embedded store
+    # raised struct.error and the remote one stored shape (0, 0) (the varint wrapped).
+    for shape in ((2**64, 0), (2**63, 0), (0, 1.5)):
+        with pytest.raises(InvalidRequest, match="layout shape"):
+            store.put(K(7), b"", layout=Layout("float32", shape))
+    with pytest.raises(NotFound):
+        store.get(K(7))
     with pytest.raises(InvalidRequest):
         store.put_many([PutItem(K(8), b"ok"), PutItem(b"bad", b"x")])
     assert store.get_many([K(8)]) == [None]  # the bad batch stored nothing

@@ -129,25 +129,32 @@ def test_kvtool_deletes_what_inspect_names(make_daemon, tokens_file) -> None:
 
 def test_unrecoverable_names_the_callers_key(make_daemon, tokens_file, tmp_path) -> None:
     """A tenant's keys are stored hashed into its namespace; an ``Unrecoverable`` for one
-    names the key the client asked for (in ``.key`` and the message), never the stored one."""
+    names the key the client asked for (in ``.key`` and the message), never the stored one.
+    It names the failed targets to an admin only (target names may spell bucket and mount
+    paths; Inspect hides placement from other tenants the same way)."""
     import shutil
 
     import kvstore.errors
 
     st = kvstore.connect(str(tmp_path / "lose"), fsync=False)
     d = make_daemon(store=st, tokens_file=tokens_file)
-    with kvstore.connect(d.address, token=TOK_A) as a:
+    with kvstore.connect(d.address, token=TOK_A) as a, kvstore.connect(d.address, token=TOK_OPS) as ops:
         a.put(K("doomed"), b"v" * 5000)
+        ops.put(K("doomed"), b"o" * 5000)
         for t in ("t0", "t1", "t2"):  # m + 1 = 3 of the 4+2 fragments gone
             shutil.rmtree(st.targets[t].root)
         with pytest.raises(kvstore.errors.Unrecoverable) as ei:
             a.get(K("doomed"))
+        with pytest.raises(kvstore.errors.Unrecoverable) as admin_ei:
+            ops.get(K("doomed"))
         with pytest.raises(kvstore.NotFound) as nf:  # NotFound as well names the caller's key
             a.get(K("absent"))
     assert K("absent").hex() in str(nf.value)
     assert ei.value.key == K("doomed") and K("doomed").hex() in str(ei.value)
+    assert ei.value.failed_targets == () and not any(t in str(ei.value) for t in ("t0", "t1", "t2"))
+    assert set(admin_ei.value.failed_targets) == {"t0", "t1", "t2"} and "t0" in str(admin_ei.value)
     stored = [bytes(k[1:]) for k, _ in st.index.iter_db(st.index.env.begin(), "lost")]
-    assert len(stored) == 1 and stored[0] != K("doomed") and stored[0].hex() not in str(ei.value)
+    assert len(stored) == 2 and K("doomed") not in stored and not any(k.hex() in str(ei.value) for k in stored)
 
 
 def test_tenant_keys_are_stable_across_restart(make_daemon, tokens_file, tmp_path) -> None:
