@@ -8,11 +8,17 @@ Two ways in, two typing rules:
   (``fsync="false"``, ``ec_k=4.7``, ``targets="file:///x"`` are ``InvalidRequest``
   naming the field): nothing is guessed from a string.
 * ``load_config`` (``kvstore.connect``'s keyword arguments, ``KVSTORE_<FIELD>``
-  variables, TOML keys, the daemon's flags) parses text: ``"off"`` for a bool,
-  ``"4"`` for an int, ``URL[#DOMAIN[#NAME]],...`` for ``targets``. Only the value
-  that wins for a field has to parse; one that a higher source overrides is logged
-  as a warning and ignored (``merge_sources``), so a stale variable never blocks a
-  start that a flag has already corrected.
+  variables, the daemon's flags) parses text: ``"off"`` for a bool, ``"4"`` for an
+  int, ``URL[#DOMAIN[#NAME]],...`` for ``targets``. A TOML file is typed already: a
+  key of a number or bool field takes that TOML type only (``ec_k = "4"`` and
+  ``fsync = "off"`` are refused, as ``fsync = 0`` is; ``TomlValue``); ``targets``
+  may be text there too. Only the value that wins for a field has to parse; one that
+  a higher source overrides is logged as a warning and ignored (``merge_sources``),
+  so a stale variable never blocks a start that a flag has already corrected.
+* A ``KVSTORE_<FIELD>`` variable set to the empty string counts as unset (the file's
+  value or the default stands) and is logged as a warning naming it (``env_layer``):
+  ``KVSTORE_TOKENS_FILE=`` must not turn off the daemon's auth that its config file
+  turns on. An optional field (``default_ttl_s``, ``ec_k``) is cleared with ``none``.
 
 Every default works on a laptop with no external service: one local data
 directory holding ``ec_k + ec_m`` target subdirectories in a single failure
@@ -30,7 +36,7 @@ import tomllib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 from urllib.parse import unquote
 
 from kvstore.errors import InternalError, InvalidRequest
@@ -300,11 +306,33 @@ def _parse_targets(value: Any) -> tuple[TargetSpec, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class TomlValue:
+    """A value read from a TOML file. TOML is typed, so text is not parsed for a number or
+    bool field there (``port = "7071"`` is a slip, refused like ``fsync = 0``), while the
+    same text from a variable or a flag (text by nature) is."""
+
+    value: Any
+
+
+def _text_refused(typ: Any) -> str:
+    """What a number or bool field (``typ``, optional or not) wants, for refusing a TOML
+    string; ``""`` for a field that takes text."""
+    return {"int": "an integer", "float": "a number", "bool": "true or false"}.get(
+        str(getattr(typ, "__name__", typ)).removesuffix(" | None"), "")
+
+
 def _coerce(name: str, typ: Any, value: Any, source: str = "") -> Any:
     """Turn a TOML/env/flag value into the field's type, with a clear error naming the
-    field and, when given, ``source`` (where the value came from: ``KVSTORE_EC_K``, a file)."""
+    field and, when given, ``source`` (where the value came from: ``KVSTORE_EC_K``, a file).
+    A ``TomlValue`` is unwrapped; text in one is refused for a number or bool field."""
     origin = typing.get_origin(typ)
+    from_toml = isinstance(value, TomlValue)
+    if from_toml:
+        value = value.value
     try:
+        if from_toml and isinstance(value, str) and _text_refused(typ):
+            raise TypeError(f"expected {_text_refused(typ)}, got a TOML string; write it without quotes")
         if name == "targets":
             return _parse_targets(value)
         if typ is bool or typ == "bool":
@@ -369,6 +397,23 @@ def merge_sources(layers: Sequence[Layer], coerce: Callable[[str, Any, str], Any
     return out
 
 
+def env_layer(env: Mapping[str, str], names: Iterable[str]) -> dict[str, tuple[str, Any]]:
+    """The ``KVSTORE_<NAME>`` variables of ``env`` for ``names``, as a ``merge_sources``
+    layer. One set to the empty string counts as unset, so the file's value or the default
+    stands (as an empty ``KVSTORE_DATA_DIR`` in ``kvstore.connect``): ``KVSTORE_TLS_CERT=``
+    or ``KVSTORE_TOKENS_FILE=`` must not silently turn off TLS or auth that the daemon's
+    config file turns on. Each one ignored is logged as a warning naming it."""
+    out: dict[str, tuple[str, Any]] = {}
+    for name in names:
+        var = ENV_PREFIX + name.upper()
+        value = env.get(var)
+        if value == "":
+            log.warning("%s is set but empty; ignored (unset it, or give a value)", var)
+        elif value is not None:
+            out[name] = (var, value)
+    return out
+
+
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:
     """A TOML config file as a dict; an unreadable or malformed file (not UTF-8 text
     included) is ``InvalidRequest``."""
@@ -417,10 +462,8 @@ def store_config_from(
         for k, v in doc.items():
             if k not in fields:
                 raise InvalidRequest(f"unknown config field {k!r} in {toml_path}; known: {sorted(fields)}")
-            from_file[k] = (f"{toml_path}", v)
-    env = os.environ if env is None else env
-    from_env = {k: (ENV_PREFIX + k.upper(), env[ENV_PREFIX + k.upper()])
-                for k in fields if env.get(ENV_PREFIX + k.upper()) is not None}
+            from_file[k] = (f"{toml_path}", TomlValue(v))
+    from_env = env_layer(os.environ if env is None else env, fields)
     given: dict[str, tuple[str, Any]] = {}
     for k, v in overrides.items():
         if k not in fields:

@@ -11,7 +11,13 @@ a TOML file, the embedded defaults (127.0.0.1:7070, no TLS, no auth, data in
     gc_interval_s = 60
 
 Every listener binds to ``host`` (127.0.0.1 by default); nothing listens on
-all interfaces unless the operator says so.
+all interfaces unless the operator says so. A host that does not resolve, or is no
+address of this machine, is refused before gRPC sees it (``port_taken``).
+
+A ``KVSTORE_<FIELD>`` variable set to the empty string counts as unset: the file's
+value or the default stands, and a warning names it (``kvstore.config.env_layer``), so
+``KVSTORE_TOKENS_FILE=`` or ``KVSTORE_TLS_CERT=`` never silently turns off the auth or
+TLS that the file turns on.
 
 Only the value that wins for a field must be usable: a bad ``KVSTORE_PORT`` or
 file key that a flag (or, for a file key, a variable) overrides is logged as a
@@ -20,7 +26,8 @@ warning naming it, and the daemon starts (``kvstore.config.merge_sources``).
 Validation (all ``InvalidRequest``, so ``kvstore serve`` exits 2 with one line):
 a file with a ``[server]`` or ``[store]`` table may hold nothing else at the top
 level; an unknown key anywhere is refused; an integer field takes an integer
-only (``7070.9``, ``true`` are refused, never truncated); a float field takes a
+only (``7070.9``, ``true`` and, in the file, ``"7070"`` are refused, never truncated
+or parsed: text is parsed only from variables and flags); a float field takes a
 finite number no larger than ``MAX_SECONDS`` (``inf``/``nan`` would turn into an
 overflow in gRPC's stop or a silently disabled GC, so they are refused at load).
 """
@@ -35,7 +42,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvstore.config import ENV_PREFIX, StoreConfig, _coerce, merge_sources, read_toml, store_config_from
+from kvstore.config import StoreConfig, TomlValue, _coerce, env_layer, merge_sources, read_toml, store_config_from
 from kvstore.errors import InvalidRequest
 
 MiB = 1024 * 1024
@@ -139,13 +146,19 @@ def _check_types(cfg: "ServerConfig") -> None:
 
 
 def _coerce_server(name: str, value: Any, source: str) -> Any:
-    """A ServerConfig field's value from ``source`` (TOML file, env, option), strictly typed."""
+    """A ServerConfig field's value from ``source`` (TOML file, env, option), strictly typed:
+    text is parsed (by ``_coerce``) only from env and options; a file's value (a
+    ``TomlValue``) must already be of the field's type (``port = "7071"`` is refused)."""
     typ = SERVER_FIELDS[name].type
     kind = _field_kind(typ)
+    from_toml = isinstance(value, TomlValue)
+    if from_toml:
+        value = value.value
     if kind == "int" and isinstance(value, float) and value.is_integer():
         value = int(value)  # TOML's 7070.0 is 7070; 7070.9 is refused below, never truncated
-    if not isinstance(value, str) and not _fits(kind, value):  # text (env, flags) is parsed by _coerce
-        raise InvalidRequest(f"server option {name!r} in {source} must be {_WANT[kind]}, got {value!r}")
+    if (from_toml or not isinstance(value, str)) and not _fits(kind, value):
+        quoted = " (a TOML string: write it without quotes)" if isinstance(value, str) else ""
+        raise InvalidRequest(f"server option {name!r} in {source} must be {_WANT[kind]}, got {value!r}{quoted}")
     return _coerce(name, typ, value, source)
 
 
@@ -166,7 +179,9 @@ def load_server_config(
     ``overrides`` may mix server and store fields. Raises ``InvalidRequest`` for an
     unknown name (option, ``[server]`` key, top-level key or table of a file with
     ``[server]``/``[store]`` tables), a value of the wrong type (an integer field
-    given ``7070.9`` or ``true``) and a value out of range (see ``ServerConfig``).
+    given ``7070.9``, ``true`` or, in the file, ``"7070"``) and a value out of range (see
+    ``ServerConfig``). A ``KVSTORE_<FIELD>`` variable set to ``""`` counts as unset (a
+    logged warning names it; ``kvstore.config.env_layer``).
     A value that a higher source overrides is checked only to warn about it (logged,
     naming the variable or file and the value); it never stops the start.
     """
@@ -187,9 +202,8 @@ def load_server_config(
         for k, v in doc.get("server", {}).items():
             if k not in SERVER_FIELDS:
                 raise InvalidRequest(f"unknown [server] option {k!r} in {toml_path}; known: {sorted(SERVER_FIELDS)}")
-            from_file[k] = (str(toml_path), v)
-    from_env = {k: (ENV_PREFIX + k.upper(), env[ENV_PREFIX + k.upper()])
-                for k in SERVER_FIELDS if env.get(ENV_PREFIX + k.upper()) is not None}
+            from_file[k] = (str(toml_path), TomlValue(v))
+    from_env = env_layer(env, SERVER_FIELDS)
     flags: dict[str, tuple[str, Any]] = {}
     store_over: dict[str, Any] = {}
     for k, v in overrides.items():
@@ -217,21 +231,33 @@ def port_taken(host: str, port: int) -> bool:
     """True when something already listens on ``host:port`` (``port`` 0 never is): a bind
     with ``SO_REUSEADDR`` as gRPC's fails. Checked before gRPC binds, so a busy port is one
     clear line from the caller, not gRPC's C-core log line first; a race past this check
-    still fails in gRPC's bind, as before."""
-    if port == 0:
-        return False
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]  # "[::1]", as gRPC and daemon URLs write an IPv6 address
+    still fails in gRPC's bind, as before.
+
+    A ``host`` gRPC could not bind either is ``InvalidRequest`` naming ``--host``, for the
+    same reason: one that does not resolve, one that is no address of this machine (none
+    of its addresses can be bound), or one whose every address refuses the bind (a port
+    below 1024 without the privilege)."""
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # "[::1]", as in URLs
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError:
-        return False  # gRPC reports the bad host itself
+        infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a label IDNA cannot encode (too long, ...)
+        why = getattr(exc, "strerror", None) or exc
+        raise InvalidRequest(f"cannot listen on --host {host!r}: it does not resolve ({why}); "
+                             "give a local address, e.g. 127.0.0.1") from exc
+    errors: list[OSError] = []
     for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 sock.bind(addr)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return True
-    return False
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            errors.append(exc)
+    if len(errors) < len(infos):
+        return False  # some address binds: gRPC listens there
+    if all(e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) for e in errors):
+        raise InvalidRequest(f"cannot listen on --host {host!r}: not an address of this machine; "
+                             "give a local address, e.g. 127.0.0.1")
+    raise InvalidRequest(f"cannot listen on --host {host!r} --port {port}: {errors[0].strerror or errors[0]}; "
+                         "pick another --host/--port (--port 0: a free one)")

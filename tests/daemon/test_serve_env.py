@@ -30,10 +30,13 @@ def _default(f: dataclasses.Field):
 
 
 def _good_text(name: str, tmp_path: Path) -> str:
-    """A value for the field, as text (a flag, a variable), that loads on its own."""
+    """A value for the field, as text (a flag, a variable), that loads on its own; empty
+    (which a variable cannot give: it counts as unset) only for the TLS files, which load
+    only in pairs."""
     special = {"ec_k": "2", "ec_m": "1", "default_ttl_s": "60", "data_dir": str(tmp_path / "data"),
                "targets": ",".join(f"file://{tmp_path}/t{i}" for i in range(3)),
-               "tls_cert": "", "tls_key": "", "tls_client_ca": ""}
+               "tls_cert": "", "tls_key": "", "tls_client_ca": "", "ec_type": "isa_l_rs_cauchy",
+               "tokens_file": str(tmp_path / "tokens.toml"), "tenant_secret_file": str(tmp_path / "tenant.secret")}
     if name in special:
         return special[name]
     value = _default(FIELDS[name])
@@ -85,11 +88,16 @@ def test_a_bad_file_key_under_a_variable_or_flag_is_a_warning(name, tmp_path, ca
     base = {} if name == "data_dir" else {"data_dir": str(tmp_path / "data")}
     with pytest.raises(InvalidRequest, match=name):
         load_server_config(cfg, env={}, **base)
-    env = {f"KVSTORE_{name.upper()}": _good_text(name, tmp_path)}
+    good = _good_text(name, tmp_path)
+    env = {f"KVSTORE_{name.upper()}": good}
     with caplog.at_level(logging.WARNING, logger="kvstore.config"):
-        load_server_config(cfg, env=env, **base)  # the variable wins
-        load_server_config(cfg, env={}, **base, **{name: _good_text(name, tmp_path)})  # the flag wins
-    assert caplog.text.count(str(cfg)) == 2, caplog.text
+        if good:
+            load_server_config(cfg, env=env, **base)  # the variable wins
+        else:  # an empty variable is unset: it never hides the file's value
+            with pytest.raises(InvalidRequest, match=name):
+                load_server_config(cfg, env=env, **base)
+        load_server_config(cfg, env={}, **base, **{name: good})  # the flag wins
+    assert caplog.text.count(str(cfg)) == (2 if good else 1), caplog.text
 
 
 def test_a_precedence_chain_flag_over_env_over_file(tmp_path) -> None:
@@ -133,3 +141,107 @@ def test_serve_refuses_a_bad_variable_it_would_use_with_one_line(tmp_path) -> No
     assert len(lines) == 1 and "KVSTORE_PORT" in lines[0] and "'abc'" in lines[0], r.stderr[-3000:]
     assert "Traceback" not in r.stderr and r.stdout == ""
     assert not (tmp_path / "data").exists()
+
+
+# ---- an empty KVSTORE_* variable counts as unset (a warning names it) ---------------------
+
+@pytest.mark.parametrize("name", sorted(FIELDS))
+def test_an_empty_variable_is_unset_and_warned(name, tmp_path, caplog) -> None:
+    var = f"KVSTORE_{name.upper()}"
+    base = {} if name == "data_dir" else {"data_dir": str(tmp_path / "data")}
+    with caplog.at_level(logging.WARNING, logger="kvstore.config"):
+        scfg, stcfg = load_server_config(None, env={var: ""}, **base)
+    cfg = scfg if name in SERVER_FIELDS else stcfg
+    want = "./kvstack-data" if name == "data_dir" else _default(FIELDS[name])
+    assert getattr(cfg, name) == want
+    assert f"{var} is set but empty; ignored" in caplog.text, caplog.text
+
+
+def test_empty_variables_do_not_turn_off_the_files_auth_or_tls(tmp_path, caplog) -> None:
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text('[server]\ntokens_file = "/etc/kv/tokens.toml"\ntls_cert = "/etc/kv/c.pem"\n'
+                   'tls_key = "/etc/kv/k.pem"\nport = 7001\n')
+    env = {"KVSTORE_TOKENS_FILE": "", "KVSTORE_TLS_CERT": "", "KVSTORE_TLS_KEY": "", "KVSTORE_PORT": ""}
+    with caplog.at_level(logging.WARNING, logger="kvstore.config"):
+        scfg, _ = load_server_config(cfg, env=env, data_dir=str(tmp_path / "data"))
+    assert (scfg.tokens_file, scfg.tls_cert, scfg.tls_key, scfg.port) == (
+        "/etc/kv/tokens.toml", "/etc/kv/c.pem", "/etc/kv/k.pem", 7001)
+    for var in env:
+        assert f"{var} is set but empty; ignored" in caplog.text, caplog.text
+
+
+def test_serve_keeps_auth_on_under_an_empty_tokens_file_variable(tmp_path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('admin_tenants = ["ops"]\n[tokens]\n"secret-token-1" = "ops"\n')
+    cfg = tmp_path / "auth.toml"
+    cfg.write_text(f'[server]\ntokens_file = "{tokens}"\nhost = "127.0.0.1"\n')
+    p = _serve(tmp_path, "--config", str(cfg), "--port", "0", env={"KVSTORE_TOKENS_FILE": ""})
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("kvstore serving grpc://127.0.0.1:"), (line, p.stderr.read()[-3000:] if not line else "")
+        p.terminate()
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate(timeout=10)
+    assert "auth=True" in err, err[-3000:]
+    assert any("WARNING" in ln and "KVSTORE_TOKENS_FILE is set but empty" in ln for ln in err.splitlines()), err[-3000:]
+
+
+# ---- a host gRPC cannot bind: one line naming --host, no gRPC log line --------------------
+
+@pytest.mark.parametrize("host", ["nosuch.invalid", "192.0.2.1"])  # unresolvable; TEST-NET-1, not local
+def test_a_host_that_cannot_be_bound_is_refused_naming_it(host) -> None:
+    from kvstore.server.config import port_taken
+
+    for port in (0, 7070):
+        with pytest.raises(InvalidRequest, match=f"--host '{host}'"):
+            port_taken(host, port)
+    assert port_taken("127.0.0.1", 0) is False
+
+
+def test_serve_refuses_an_unresolvable_host_in_one_line(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "serve", "--log-level", "ERROR",
+                        "--data-dir", str(tmp_path / "data"), "--host", "nosuch.invalid", "--port", "0"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=subprocess_env())
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvstore serve:") and "--host 'nosuch.invalid'" in lines[0], lines
+    assert r.stdout == ""
+
+
+# ---- a TOML string is no number or bool (text is parsed from variables and flags only) -----
+
+def _typed_fields() -> list[str]:
+    return [n for n in sorted(FIELDS)
+            if str(FIELDS[n].type).removesuffix(" | None") in ("int", "float", "bool")]
+
+
+@pytest.mark.parametrize("name", _typed_fields())
+def test_a_quoted_number_or_bool_in_the_file_is_refused(name, tmp_path, caplog) -> None:
+    table = "server" if name in SERVER_FIELDS else "store"
+    good = _good_text(name, tmp_path)
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text(f'[{table}]\n{name} = "{good}"\n')
+    base = {"data_dir": str(tmp_path / "data")}
+    with pytest.raises(InvalidRequest, match=f"'{name}'.*{cfg}"):
+        load_server_config(cfg, env={}, **base)
+    cfg.write_text(f"[{table}]\n{name} = {good}\n")  # unquoted: the TOML type
+    load_server_config(cfg, env={}, **base)
+    cfg.write_text(f'[{table}]\n{name} = "{good}"\n')
+    with caplog.at_level(logging.WARNING, logger="kvstore.config"):
+        load_server_config(cfg, env={f"KVSTORE_{name.upper()}": good}, **base)  # the variable wins: a warning
+    assert str(cfg) in caplog.text, caplog.text
+
+
+def test_serve_refuses_a_quoted_port_in_the_file_in_one_line(tmp_path) -> None:
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text('[server]\nport = "7071"\n')
+    r = subprocess.run([sys.executable, "-m", "kvstore.server.cli", "serve", "--log-level", "ERROR",
+                        "--data-dir", str(tmp_path / "data"), "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=subprocess_env())
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'port'" in lines[0] and "an integer" in lines[0], lines
+    assert r.stdout == ""

@@ -254,3 +254,32 @@ def test_a_daemon_config_file_serves_connect_too(tmp_path) -> None:
     stray.write_text("zstd_level = 5\n[store]\nfsync = false\n")
     with pytest.raises(InvalidRequest, match="top level"):
         load_config(stray, env={})
+
+
+# ---- 7. an empty KVSTORE_* variable is unset; a TOML string is no number or bool ---------
+
+def test_an_empty_variable_counts_as_unset_with_a_warning(tmp_path, caplog) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('[store]\nzstd_level = 7\nfsync = false\ndefault_ttl_s = 60\nec_type = "isa_l_rs_vand"\n')
+    env = {"KVSTORE_ZSTD_LEVEL": "", "KVSTORE_FSYNC": "", "KVSTORE_DEFAULT_TTL_S": "", "KVSTORE_EC_TYPE": ""}
+    with caplog.at_level(logging.WARNING, logger="kvstore.config"):
+        cfg = load_config(toml, env=env)
+    assert (cfg.zstd_level, cfg.fsync, cfg.default_ttl_s, cfg.ec_type) == (7, False, 60.0, "isa_l_rs_vand")
+    for var in env:
+        assert f"{var} is set but empty; ignored" in caplog.text, caplog.text
+    assert load_config(toml, env={"KVSTORE_DEFAULT_TTL_S": "none"}).default_ttl_s is None  # how to clear it
+
+
+@pytest.mark.parametrize("line", ['ec_k = "4"', 'zstd_level = "3"', 'high_watermark = "0.9"', 'fsync = "off"',
+                                  'default_ttl_s = "60"', 'pack_batches = "true"'])
+def test_a_quoted_number_or_bool_in_a_config_file_is_refused(tmp_path, line) -> None:
+    name = line.split()[0]
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"[store]\n{line}\n")
+    with pytest.raises(InvalidRequest, match=f"'{name}' in {toml}.*(integer|number|true or false).*TOML string"):
+        load_config(toml, env={})
+    toml.write_text(f"{line}\n")  # the flat, store-only form too
+    with pytest.raises(InvalidRequest, match=f"'{name}'"):
+        load_config(toml, env={})
+    value = line.split("=", 1)[1].strip().strip('"')
+    assert load_config(None, env={f"KVSTORE_{name.upper()}": value}) is not None  # text from a variable parses
