@@ -67,9 +67,18 @@ class IncompatibleFormat(KVStoreError):
 
 
 class CapacityExceeded(KVStoreError):
-    """The store cannot make room: everything left is pinned or in use."""
+    """The store cannot make room: everything left is pinned or in use.
+
+    ``result`` is the counts dict of the GC pass that raised it (``kvstore.maintenance.run_gc``
+    runs its other steps first), so a caller can report what the pass did; ``None`` when the
+    error comes from anything else, or across the wire (the daemon sends the message only).
+    """
 
     code = "CAPACITY_EXCEEDED"
+
+    def __init__(self, message: str = "", *, result: dict | None = None):
+        super().__init__(message)
+        self.result = result
 
 
 class StoreUnavailable(KVStoreError):

@@ -20,10 +20,11 @@ What each plan mirrors, in the order the real pass runs:
                              pack, and its place in the queue), and the live entries each
                              queued pack holds once steps 2 and 3 have removed theirs.
 
-Bound of the plan: step 4 is planned over the records already in the graveyard. The
-entries steps 2 and 3 remove reach the graveyard only in the real pass (stamped with the
-time they were removed), so with ``delete_grace_s = 0`` the real pass may purge, and
-compact after, a few more than the plan says.
+Step 4 of the real pass also purges what steps 2 and 3 removed when they are due at once:
+each removal is stamped with the time it ran (step 2: the pass's ``now``; step 3: the clock
+when it evicts), and step 4 takes the records stamped at or before ``now - delete_grace_s``.
+``removed_graves`` gives the plan those records, so with ``delete_grace_s = 0`` the dry run
+counts the expired entries as purged too, as the real pass will.
 """
 
 from __future__ import annotations
@@ -141,6 +142,21 @@ def due_graves(store: "EmbeddedStore", now: int) -> list[DueGrave]:
     with store.index.env.begin() as txn:
         return [(t, bytes(rest), store.index.unpack(txn, txn.get(grave_key(t, rest), db=store.index.db["grave"])))
                 for t, rest in store.index.oldest(txn, "grave", before_ns=cutoff + 1)]
+
+
+def removed_graves(store: "EmbeddedStore", removed: Collection[bytes], stamp: int, now: int) -> list[DueGrave]:
+    """The graveyard records steps 2-3 will add for the entry keys ``removed``, stamped
+    ``stamp``, when step 4 at ``now`` will purge them too (``stamp <= now - delete_grace_s``;
+    module docstring); otherwise none. One read transaction."""
+    if not removed or stamp > now - int(store.config.delete_grace_s * 1e9):
+        return []
+    out = []
+    with store.index.env.begin() as txn:
+        for ek in removed:
+            m = store.index.get_meta(txn, ek) or store.index.get_lost(txn, ek)
+            if m is not None:
+                out.append((stamp, bytes(ek) + m.gen, m))
+    return out
 
 
 def _pack_effects(due: Sequence[DueGrave]) -> tuple[Counter, Counter]:

@@ -50,7 +50,7 @@ from kvstore import codec
 from kvstore.api import EntryKind
 from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStoreError, StoreClosed
 from kvstore.gc_plan import (DueGrave, count_expired, due_graves, expired_lost, grave_key, plan_compaction,
-                             plan_eviction, plan_expiry, plan_purge)
+                             plan_eviction, plan_expiry, plan_purge, removed_graves)
 from kvstore.index import STANDALONE, Meta, packed_bytes
 from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path, parse_fragment_path, parse_pack_path
 
@@ -345,6 +345,8 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
     else:
         progress("evict", 0, 0)
     due = due_graves(store, now)
+    if dry_run:  # what steps 2-3 will remove and step 4 then purges at once (gc_plan docstring)
+        due += removed_graves(store, plan, now, now) + removed_graves(store, evicted_keys, store.now_ns(), now)
     purged, purged_bytes = _purge_grave(store, due, dry_run, progress)
     if dry_run:  # from the state step 4 leaves: its purge queues packs, or takes them out
         compacted, moved = plan_compaction(store, due, set(plan) | evicted_keys, _COMPACT_LIMIT)

@@ -149,6 +149,30 @@ def test_dry_run_compaction_leaves_out_entries_expired_first_and_packs_purged_wh
         assert_clean(s)
 
 
+@pytest.mark.parametrize("real_clock", [False, True])
+def test_dry_run_with_no_delete_grace_counts_the_entries_it_expires_as_purged(data_dir, keys, clock, real_clock):
+    """With ``delete_grace_s = 0`` the real pass purges, in the same pass, the entries its
+    step 2 expires (stamped with the pass's ``now``); the dry run left them out (QA: "purged 14,
+    would reclaim 31936" against "purged 24, reclaimed 191416")."""
+    import time
+
+    opts = dict(fsync=False, delete_grace_s=0, orphan_grace_s=0, **({} if real_clock else {"clock": clock}))
+    with kvstore.connect(str(data_dir), **opts) as s:
+        s.put_many([PutItem(k, value_for(k, 3000), ttl_s=0.5 if i < 4 else None)
+                    for i, k in enumerate(keys[:8])])  # one pack; keys[:4] expire
+        s.put(keys[8], value_for(keys[8], 3000), ttl_s=0.5)  # its own files
+        s.delete(keys[7])
+        clock.advance(1)
+        if real_clock:
+            time.sleep(0.6)
+        dry = s.gc(dry_run=True)
+        real = s.gc()
+        counts = ("expired", "purged", "compacted_packs", "moved_entries", "reclaimed_bytes")
+        assert (real["expired"], real["purged"]) == (5, 6)
+        assert [dry[c] for c in counts] == [real[c] for c in counts]
+        assert_clean(s)
+
+
 # --------------------------------------------------------------------------- D: compaction and put limits
 def test_compaction_moves_entries_over_a_lowered_max_value_bytes(data_dir, keys, clock):
     vals = {k: os.urandom(20_000) for k in keys[:8]}
