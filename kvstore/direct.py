@@ -79,7 +79,7 @@ from typing import Any, Callable, Sequence
 from kvstore import codec
 from kvstore.api import Entry, EntryInfo, EntryKind
 from kvstore.config import StoreConfig, TargetSpec
-from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound, StoreUnavailable
+from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound, StoreClosed, StoreUnavailable
 from kvstore.fragments import FragmentIO
 from kvstore.index import Meta
 from kvstore.keys import KEY_LEN
@@ -253,23 +253,50 @@ class DirectReader(FragmentIO):
         self._pool.shutdown(wait=True)
 
 
+def check_into_sizes(keys: Sequence[bytes], sizes: Sequence[int | None], views: Sequence[memoryview],
+                     kind: EntryKind, labels: Sequence[int] | None = None) -> None:
+    """The embedded store's ``InvalidRequest`` (``EmbeddedStore.get_many_into``) for the first
+    ``i`` whose entry (plain size ``sizes[i]``; ``None``: absent) does not fit ``views[i]``;
+    the message names ``outs[labels[i]]`` (default ``outs[i]``), the caller's numbering."""
+    for i, n in enumerate(sizes):
+        if n is not None and n > len(views[i]):
+            raise InvalidRequest(
+                f"outs[{i if labels is None else labels[i]}] holds {len(views[i])} bytes but the {kind.value} "
+                f"entry {bytes(keys[i]).hex()} has {n}; size the buffers from the entry layout")
+
+
 def copy_into(keys: Sequence[bytes], datas: Sequence[bytes | None], views: Sequence[memoryview],
-              kind: EntryKind, positions: Sequence[int]) -> dict[int, EntryInfo | None]:
+              kind: EntryKind, positions: Sequence[int],
+              labels: Sequence[int] | None = None) -> dict[int, EntryInfo | None]:
     """Copy ``datas[j]`` (a verified payload from ``get_many``) into ``views[positions[j]]``,
-    as ``kvstore.api.read_into``'s fallback does; {position: EntryInfo or None}."""
+    as ``kvstore.api.read_into``'s fallback does; {position: EntryInfo or None}. Every size
+    is checked (``check_into_sizes``, ``labels`` as there) before anything is copied."""
+    positions = list(positions)
+    check_into_sizes([keys[i] for i in positions], [None if d is None else len(d) for d in datas],
+                     [views[i] for i in positions], kind, [i if labels is None else labels[i] for i in positions])
     out: dict[int, EntryInfo | None] = {}
     for i, data in zip(positions, datas):
         if data is None:
             out[i] = None
             continue
         n = len(data)
-        if n > len(views[i]):
-            raise InvalidRequest(
-                f"outs[{i}] holds {len(views[i])} bytes but the {kind.value} entry {bytes(keys[i]).hex()} has "
-                f"{n}; size the buffers from the entry layout")
         views[i][:n] = memoryview(data).cast("B")
         out[i] = EntryInfo(bytes(keys[i]), kind, n)
     return out
+
+
+@dataclass(slots=True)
+class StagedInto:
+    """The first half of one ``get_many_into`` piece (``RemoteStore.stage_into``), before any
+    buffer is written: ``sizes[i]``, key ``i``'s plain size to check its buffer against
+    (``None``: no live entry); ``fetched``, {i: payload or None} already read through the
+    daemon (to copy); ``reader`` and ``locs``, the located entries still to read directly
+    (``None``: read nothing directly)."""
+
+    sizes: list[int | None]
+    fetched: dict[int, bytes | None]
+    reader: DirectReader | None = None
+    locs: list[Located | None] | None = None
 
 
 GetMany = Callable[[list[bytes], EntryKind], list]  # the gRPC batched get of the client
@@ -356,6 +383,8 @@ class DirectReads(DirectPath):
             d = self._call("Describe", pb.DescribeRequest())
         except StoreUnavailable:
             return self._current  # unreachable or busy: try again on the next read
+        except StoreClosed:
+            raise  # this client was closed meanwhile: nothing to decide about the daemon
         except KVStoreError as exc:  # e.g. an older daemon without Describe (UNIMPLEMENTED)
             return self._turn_off(f"Describe failed: {exc}")
         self._described_at = time.monotonic()
@@ -452,22 +481,40 @@ class DirectReads(DirectPath):
                 out[i] = v
         return out
 
-    def get_many_into(self, keys: list[bytes], views: list[memoryview], kind: EntryKind,
-                      fallback: GetMany) -> list[EntryInfo | None] | None:
+    def stage_into(self, keys: list[bytes], kind: EntryKind, fallback: GetMany) -> StagedInto | None:
+        """``get_many_into``'s first half, nothing written: Locate (step 2) gives every entry's
+        plain size, so the caller checks every buffer before anything is read (``kvstore.api``);
+        a record this client cannot use is read through the daemon now, for its size. ``None``:
+        direct reads are not usable now (read over gRPC)."""
         r = self.reader()
         locs = self.locate(keys, kind, r) if r is not None else None
         if locs is None:
             return None
-        for i, loc in enumerate(locs):  # every buffer checked before anything is read (kvstore.api)
-            if loc is not None and loc.meta is not None and loc.meta.plain_len > len(views[i]):
-                raise InvalidRequest(
-                    f"outs[{i}] holds {len(views[i])} bytes but the {kind.value} entry {keys[i].hex()} has "
-                    f"{loc.meta.plain_len}; size the buffers from the entry layout")
-        read, retry = self._read_located(r, locs, views)
+        unusable = [i for i, loc in enumerate(locs) if loc is not None and loc.meta is None]
+        fetched: dict[int, bytes | None] = {}
+        if unusable:
+            r._count("fallbacks", len(unusable))
+            fetched = dict(zip(unusable, fallback([keys[i] for i in unusable], kind)))
+        sizes: list[int | None] = []
+        for i, loc in enumerate(locs):
+            if i in fetched:
+                sizes.append(None if fetched[i] is None else len(fetched[i]))
+            else:
+                sizes.append(None if loc is None else loc.meta.plain_len)
+        return StagedInto(sizes, fetched, r, [None if i in fetched else loc for i, loc in enumerate(locs)])
+
+    def finish_into(self, st: StagedInto, keys: list[bytes], views: list[memoryview], kind: EntryKind,
+                    fallback: GetMany, labels: Sequence[int]) -> list[EntryInfo | None]:
+        """``get_many_into``'s second half, once the caller checked every buffer against
+        ``st.sizes``: read the located entries into ``views`` (steps 3-4), copy those read
+        through the daemon (``copy_into``; ``labels`` name the buffers in its errors)."""
+        read, retry = self._read_located(st.reader, st.locs, views)
         out: list[EntryInfo | None] = [None] * len(keys)
         for i, (h, _) in read:
             out[i] = EntryInfo(keys[i], kind, h.plain_len, h.layout, h.tokens)
         if retry:
-            for i, info in copy_into(keys, fallback([keys[i] for i in retry], kind), views, kind, retry).items():
+            st.fetched.update(zip(retry, fallback([keys[i] for i in retry], kind)))
+        if st.fetched:
+            for i, info in copy_into(keys, list(st.fetched.values()), views, kind, list(st.fetched), labels).items():
                 out[i] = info
         return out

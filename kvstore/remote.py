@@ -3,7 +3,8 @@
 ``kvstore.connect("grpc://127.0.0.1:7070")`` returns one (``grpcs://`` for TLS);
 a comma-separated list of URLs returns a ``kvstore.sharded.ShardedStore``.
 
-TLS and options: ``kvstore.client_options`` (the URL scheme decides TLS).
+TLS and options: ``kvstore.client_options`` (the URL scheme decides TLS). Lookups:
+``kvstore.remote_lookup``; maintenance, inspect and kvtool's delete: ``kvstore.remote_admin``.
 
 Guarantees (same as the embedded store, see ``kvstore.api``):
   * Every method has the embedded store's semantics and raises the same
@@ -44,14 +45,28 @@ default) are validated whole, then sent as consecutive pieces of at most that
 many items, results concatenated in order, as ``lookup`` and ``probe`` do for
 long chains. Such a batch is not one unit on the daemon: see ``put_many``.
 
+Bad input stores nothing, also across pieces: a ``put_many`` that spans more than one
+piece (or, through ``ShardedStore``, more than one daemon) checks every value against the
+daemon's ``max_value_bytes`` before the first piece is sent, raising the embedded store's
+``InvalidRequest``. The limit is asked once per client (``Describe``), only when such a
+batch comes: a single put or a one-piece batch sends no extra call (the daemon refuses
+those whole). A daemon that does not say (one that predates it: ``Describe`` UNIMPLEMENTED,
+or no limit in its answer) is not asked again, and its batches are checked as before: an
+over-limit value then fails its own piece, after the earlier pieces were stored.
+``get_many_into`` likewise checks every buffer (writable, contiguous, then large enough
+for every value, in the caller's numbering) before it writes into any.
+
+Closing: ``close`` may race calls in flight on other threads. Such a call, and any call
+after it, raises ``StoreClosed``; never gRPC's own errors (a closed channel's
+``ValueError``, a cancelled call's ``StoreUnavailable``) nor those of the direct paths'
+stopped workers.
+
 The daemon's own limit is learned, not configured twice: a daemon refuses a batch
 over its ``max_batch_items`` with ``wire.BatchTooLarge`` carrying that limit, before
 any store work (``kvstore.server.service``: nothing of the refused call was applied).
-The client then lowers its piece size to that limit for good (this client, i.e. this
-daemon) and resends the refused piece and the rest in pieces, once per batch call (a
-second refusal is raised). So with the default option and a daemon at a lower limit the
-first over-limit batch costs one refused call and every later one none; the steady
-state sends no extra call. ``max_batch_items`` given to ``connect`` stays an upper
+The client then lowers its piece size to that limit for good and resends the refused
+piece and the rest in pieces, once per batch call (a second refusal is raised): the
+first over-limit batch costs one refused call, every later one none. ``max_batch_items`` given to ``connect`` stays an upper
 bound (pieces are never larger than it). ``lookup_many`` counts chains and keys in all
 chains against the limit, as the daemon does. A daemon that predates this sends no limit
 with its refusal: the ``InvalidRequest`` is raised as before (set ``max_batch_items``).
@@ -59,26 +74,25 @@ with its refusal: the ``InvalidRequest`` is raised as before (set ``max_batch_it
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import threading
-import dataclasses
 from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 
 from kvstore.client_options import ClientOptions, parse_address, refuse_tls_options, split_urls
-from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_chain_ends, check_put_items,
-                         writable_view)
-from kvstore.direct import DirectReads, copy_into
+from kvstore.api import Entry, EntryInfo, EntryKind, Layout, PutItem, check_put_items, writable_view
+from kvstore.direct import DirectReads, StagedInto, check_into_sizes, copy_into
 from kvstore.direct_writes import DirectWrites
-from kvstore.errors import InternalError, InvalidRequest, StoreClosed
+from kvstore.errors import InternalError, InvalidRequest, KVStoreError, StoreClosed, StoreUnavailable
 from kvstore.keys import check_key, check_keys
-from kvstore.maintenance import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server.wire import (MD_INDEX_KEYS, MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, RequestTooLarge,
-                                 encode_item, error_from_rpc, layout_from_pb, read_pem)
+from kvstore.remote_admin import RemoteAdmin
+from kvstore.remote_lookup import RemoteLookup
+from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, RequestTooLarge, encode_item,
+                                 error_from_rpc, layout_from_pb, read_pem)
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +102,19 @@ class _Unimplemented(Exception):
     """The daemon does not know a streaming method (it predates it); the caller falls back."""
 
 
-class RemoteStore:
+def check_value_sizes(encs: Sequence[EncodedPut], limit: int | None) -> None:
+    """The embedded store's ``InvalidRequest`` for the first value over ``limit`` (a daemon's
+    ``max_value_bytes``; ``None``: not known, nothing checked), word for word
+    (``FragmentIO._checked``)."""
+    if not limit:
+        return
+    for e in encs:
+        if e.value.nbytes > limit:
+            raise InvalidRequest(f"value of {e.value.nbytes} bytes is over max_value_bytes={limit}; "
+                                 "split it or raise the limit in the store config")
+
+
+class RemoteStore(RemoteLookup, RemoteAdmin):
     """``kvstore.api.KVStore`` over gRPC. Thread-safe (one channel, shared).
 
     ``url``'s scheme decides TLS (module docstring): ``InvalidRequest`` before any channel
@@ -132,6 +158,11 @@ class RemoteStore:
         # Items per batch call: the option, lowered to the daemon's max_batch_items once a
         # refusal told it (``_learn``); only ever lowered, so pieces never grow past the option.
         self._batch_items = o.max_batch_items
+        # The daemon's max_value_bytes (``daemon_max_value_bytes``): asked once, for the first batch
+        # that spans pieces or shards; None while not asked or when the daemon does not say.
+        self._value_limit: int | None = None
+        self._value_limit_asked = False
+        self._describe_lock = threading.Lock()
         # Direct reads (kvstore.direct): None when off; the daemon is first asked on the first read.
         self._direct = DirectReads(o.direct_reads, self._call, url) if o.direct_reads != "off" else None
         # Direct writes (kvstore.direct_writes): None when off; the daemon is first asked on the first put.
@@ -139,10 +170,21 @@ class RemoteStore:
                           if o.direct_writes != "off" else None)
 
     # ------------------------------------------------------------------ plumbing
+    @staticmethod
+    def _closed_error() -> StoreClosed:
+        return StoreClosed("this store is closed; open a new one with kvstore.connect")
+
     def _check_open(self) -> None:
         """``StoreClosed`` after ``close``: every call checks first, an empty batch included."""
         if self._closed:
-            raise StoreClosed("this store is closed; open a new one with kvstore.connect")
+            raise self._closed_error()
+
+    def _typed(self, err: grpc.RpcError, where: str, timeout: float | None = None) -> KVStoreError:
+        """``error_from_rpc``, except that a call cut off because this client was closed
+        (cancelled, or its channel gone: ``StoreUnavailable``) is ``StoreClosed``. An error the
+        daemon sent (typed in its metadata) stays what it is."""
+        exc = error_from_rpc(err, where, timeout)
+        return self._closed_error() if self._closed and isinstance(exc, StoreUnavailable) else exc
 
     def _call(self, method: str, req: Any, timeout_s: float | None = None, fn: Any = None,
               md: tuple[tuple[str, str], ...] = ()) -> Any:
@@ -151,7 +193,23 @@ class RemoteStore:
         try:
             return (fn or getattr(self._stub, method))(req, timeout=timeout, metadata=(*(self._md or ()), *md) or None)
         except grpc.RpcError as err:
-            raise error_from_rpc(err, f"{method} on {self.url}", timeout) from err
+            raise self._typed(err, f"{method} on {self.url}", timeout) from err
+        except ValueError as err:  # gRPC: "Cannot invoke RPC: Channel closed!" (close() raced this call)
+            if self._closed and not isinstance(err, KVStoreError):
+                raise self._closed_error() from err
+            raise
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, a direct-read or direct-write step: once this client is closed, a
+        failure there (its workers stopped under it, its channel gone) is ``StoreClosed``."""
+        try:
+            return fn(*args)
+        except StoreClosed:
+            raise
+        except Exception as exc:
+            if self._closed and (isinstance(exc, StoreUnavailable) or not isinstance(exc, KVStoreError)):
+                raise self._closed_error() from exc
+            raise
 
     def _unimplemented(self, err: grpc.RpcError) -> bool:
         """True (and streams off from now on) when the daemon does not know a streaming method."""
@@ -168,12 +226,17 @@ class RemoteStore:
             return self.put_many([item])[0]
         return self._call("Put", encode_item(item).message(), fn=self._put_raw).created
 
+    def _pieces(self, n: int, off: int = 0) -> list[slice]:
+        """Items ``off:n`` of a batch as consecutive pieces of at most ``_batch_items``."""
+        step = self._batch_items
+        return [slice(o, min(o + step, n)) for o in range(off, n, step)]
+
     def _each_piece(self, n: int, send: Callable[[slice], Any], *,
-                    check: Callable[[slice], None] | None = None) -> Iterator[tuple[slice, Any]]:
+                    check: Callable[[list[slice]], None] | None = None) -> Iterator[tuple[slice, Any]]:
         """A batch of ``n`` items as consecutive pieces of at most ``_batch_items``, in order:
         yields ``(piece, send(piece))``; the caller may stop early (``lookup``, ``probe``).
 
-        ``check(piece)`` runs on every piece before the first is sent (and again on the rest,
+        ``check(pieces)`` runs on the pieces before the first is sent (and again on the rest,
         re-split, after a refusal). A piece the daemon refuses as over its ``max_batch_items``
         (``BatchTooLarge``: nothing of it was applied) teaches this client the daemon's limit
         (``_learn``); that piece and the rest are then re-split and sent. Once per call: a
@@ -182,11 +245,9 @@ class RemoteStore:
         self._check_open()
         off, retried = 0, False
         while off < n:
-            step = self._batch_items
-            pieces = [slice(o, min(o + step, n)) for o in range(off, n, step)]
+            pieces = self._pieces(n, off)
             if check is not None:
-                for p in pieces:
-                    check(p)
+                check(pieces)
             for p in pieces:
                 try:
                     got = send(p)
@@ -214,34 +275,72 @@ class RemoteStore:
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         """``kvstore.api``'s batched put; one ``created`` flag per item, in order.
 
-        Every item is validated (and, without direct writes, every piece's size checked
-        against ``max_message_bytes``) before anything is sent. A batch of more than
-        ``max_batch_items`` items (the option, or the daemon's lower limit once learned:
-        module docstring) goes to the daemon as consecutive pieces of at most that many, so
-        unlike the embedded store's ``put_many`` (one index commit for the whole batch) it is
-        not one unit: a failure in a later piece (daemon down, quota, capacity) raises after
-        the earlier pieces were stored. A piece refused as over the daemon's limit stored
-        nothing and is resent in smaller pieces. Retrying the whole batch is safe: a put of a
-        live key stores nothing (it then answers ``created=False`` for those).
+        Every item is validated before anything is sent (``check_puts``: without direct
+        writes every piece's size against ``max_message_bytes``, and for a batch of several
+        pieces every value against the daemon's ``max_value_bytes``, so bad input stores
+        nothing). A batch of more than ``max_batch_items`` items (the option, or the daemon's
+        lower limit once learned: module docstring) goes to the daemon as consecutive pieces
+        of at most that many, so unlike the embedded store's ``put_many`` (one index commit
+        for the whole batch) it is not one unit: a failure in a later piece (daemon down,
+        quota, capacity) raises after the earlier pieces were stored. A piece refused as over
+        the daemon's limit stored nothing and is resent in smaller pieces. Retrying the whole
+        batch is safe: a put of a live key stores nothing (it then answers ``created=False``
+        for those).
         """
         self._check_open()
         items = check_put_items(items)
         if not items:
             return []
         encs = [encode_item(it) for it in items]  # validate every item before sending any
-        # Every piece fits in one call before the first is sent (``_each_piece``'s check).
-        check = None if self._direct_w is not None else (lambda p: self._check_bytes(encs[p], len(items)))
         out: list[bool] = []
-        for _, got in self._each_piece(len(items), lambda p: self._put_piece(items[p], encs[p]), check=check):
+        for _, got in self._each_piece(len(items), lambda p: self._put_piece(items[p], encs[p]),
+                                       check=lambda pieces: self.check_puts(encs, pieces)):
             out.extend(got)
         return out
+
+    def check_puts(self, encs: list[EncodedPut], pieces: list[slice] | None = None, *,
+                   spans: bool = False) -> None:
+        """What ``put_many`` checks of a validated batch (``encs``) before sending any of it, as
+        ``pieces`` (default: as it would be split now): for a batch of several pieces, or one
+        that ``spans`` other daemons too (``ShardedStore``), every value against this daemon's
+        ``max_value_bytes`` (``daemon_max_value_bytes``: asked once); without direct writes,
+        every piece against ``max_message_bytes``. A one-piece batch costs no call: the daemon
+        refuses it whole."""
+        pieces = self._pieces(len(encs)) if pieces is None else pieces
+        if spans or len(pieces) > 1:
+            check_value_sizes(encs, self.daemon_max_value_bytes())
+        if self._direct_w is None:
+            for p in pieces:
+                self._check_bytes(encs[p], len(encs))
+
+    def daemon_max_value_bytes(self) -> int | None:
+        """The daemon's ``max_value_bytes``, asked (``Describe``) on the first call and kept for
+        this client's life. ``None`` when the daemon does not say: one that predates
+        ``Describe`` (UNIMPLEMENTED) or that sends no limit (it is then not asked again).
+        ``StoreUnavailable`` and the like are raised and asked again next time."""
+        if self._value_limit_asked:
+            return self._value_limit
+        with self._describe_lock:
+            if not self._value_limit_asked:
+                try:
+                    d = self._call("Describe", pb.DescribeRequest())
+                except KVStoreError as exc:
+                    cause = exc.__cause__
+                    if not (isinstance(cause, grpc.RpcError) and cause.code() is grpc.StatusCode.UNIMPLEMENTED):
+                        raise
+                    log.info("%s does not answer Describe; batches spanning pieces are not checked against "
+                             "its max_value_bytes", self.url)
+                    d = None
+                self._value_limit = (d.max_value_bytes or None) if d is not None else None
+                self._value_limit_asked = True
+        return self._value_limit
 
     def _put_piece(self, items: list[PutItem], encs: list[EncodedPut]) -> list[bool]:
         """One piece of ``put_many`` (at most ``_batch_items``): direct writes, else gRPC.
         A ``BatchTooLarge`` from either (Commit or PutStream refused) stored nothing."""
         if self._direct_w is not None:
             self._check_open()
-            got = self._direct_w.put_many(items, self._put_many_rpc)
+            got = self._guarded(self._direct_w.put_many, items, self._put_many_rpc)
             if got is not None:
                 return got
         return self._send_puts(encs)
@@ -281,14 +380,19 @@ class RemoteStore:
                                  len(encs))
 
     def _stream_call(self, method: str, run: Any) -> Any:
-        """Run a streaming call; typed errors as ``_call``; ``_Unimplemented`` for an older daemon."""
+        """Run a streaming call (invoking it and reading its answer); typed errors as
+        ``_call``, ``StoreClosed`` included; ``_Unimplemented`` for an older daemon."""
         self._check_open()
         try:
             return run()
         except grpc.RpcError as err:
-            if self._unimplemented(err):
+            if not self._closed and self._unimplemented(err):
                 raise _Unimplemented(method) from err
-            raise error_from_rpc(err, f"{method} on {self.url}") from err
+            raise self._typed(err, f"{method} on {self.url}") from err
+        except ValueError as err:  # gRPC: "Cannot invoke RPC: Channel closed!" (close() raced this call)
+            if self._closed and not isinstance(err, KVStoreError):
+                raise self._closed_error() from err
+            raise
 
     @staticmethod
     def _check_count(method: str, got: list, want: int) -> list:
@@ -298,10 +402,10 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ reads
     def get_entry(self, key: bytes, *, kind: str = "block") -> Entry:
+        k = EntryKind.parse(kind)  # the kind first, as the embedded store
         key = check_key(key)
-        k = EntryKind.parse(kind)
         if self._direct is not None:
-            e = self._direct.get_entry(key, k)  # NotFound from Locate; None: read through the daemon
+            e = self._guarded(self._direct.get_entry, key, k)  # NotFound from Locate; None: through the daemon
             if e is not None:
                 return e
         r = self._call("Get", pb.KeyRequest(key=key, kind=k.value))
@@ -312,10 +416,10 @@ class RemoteStore:
 
     def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:
         self._check_open()
+        k = EntryKind.parse(kind)  # first, as the embedded store: an empty batch too
         keys = check_keys(keys)
         if not keys:
             return []
-        k = EntryKind.parse(kind)
         out: list[bytes | None] = []
         for _, got in self._each_piece(len(keys), lambda p: self._get_piece(keys[p], k)):  # in pieces, in order
             out.extend(got)
@@ -324,7 +428,7 @@ class RemoteStore:
     def _get_piece(self, keys: list[bytes], k: EntryKind) -> list[bytes | None]:
         """One piece of ``get_many`` (at most ``max_batch_items`` keys): direct reads, else gRPC."""
         if self._direct is not None:
-            got = self._direct.get_many(keys, k, self._get_many_rpc)
+            got = self._guarded(self._direct.get_many, keys, k, self._get_many_rpc)
             if got is not None:
                 return got
         return self._get_many_rpc(keys, k)
@@ -332,31 +436,61 @@ class RemoteStore:
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
                       kind: str = "block") -> list[EntryInfo | None]:
         """``kvstore.api``'s batched read into caller buffers. With direct reads the payloads
-        are decoded straight into ``outs`` (sizes checked against the located records before
-        anything is read); otherwise, and for keys read through the daemon, ``get_many`` plus
-        one copy (``EntryInfo.layout``/``tokens`` are then ``None``). Every key and buffer is
-        checked first; more than ``max_batch_items`` keys are read in pieces, in order."""
+        are decoded straight into ``outs``; otherwise, and for keys read through the daemon,
+        ``get_many`` plus one copy (``EntryInfo.layout``/``tokens`` are then ``None``).
+
+        As the embedded store, nothing is written into any buffer for a batch that raises
+        ``InvalidRequest``: the kind, every key and every buffer (writable, contiguous) are
+        checked before any call, then (``stage_into``) every key is located or read, in
+        pieces of at most ``max_batch_items``, and every buffer's size checked against it
+        before the first byte is written (``finish_into``). The errors name ``outs[i]`` as
+        the embedded store does."""
         self._check_open()
         if len(outs) != len(keys):
             raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
-        keys = [check_key(x) for x in keys]
         k = EntryKind.parse(kind)
+        keys = [check_key(x) for x in keys]
         views = [writable_view(o, f"outs[{i}]") for i, o in enumerate(outs)]
         if not keys:
             return []
-        out: list[EntryInfo | None] = []
-        for _, got in self._each_piece(len(keys), lambda p: self._get_into_piece(keys[p], views[p], k)):
-            out.extend(got)
-        return out
+        staged = self.stage_into(keys, k)
+        check_into_sizes(keys, [n for st in staged for n in st.sizes], views, k)
+        return self.finish_into(staged, keys, views, k)
 
-    def _get_into_piece(self, keys: list[bytes], views: list[memoryview], k: EntryKind) -> list[EntryInfo | None]:
-        """One piece of ``get_many_into``: direct reads, else gRPC plus one copy."""
+    def stage_into(self, keys: list[bytes], k: EntryKind) -> list[StagedInto]:
+        """The first half of ``get_many_into`` (validated ``keys``), nothing written yet: per
+        piece, in order, its keys located (direct reads) or read through the daemon, each
+        ``StagedInto.sizes`` the plain size to check the buffers against."""
+        return [got for _, got in self._each_piece(len(keys), lambda p: self._stage_piece(keys[p], k))]
+
+    def _stage_piece(self, keys: list[bytes], k: EntryKind) -> StagedInto:
         if self._direct is not None:
-            got = self._direct.get_many_into(keys, views, k, self._get_many_rpc)
-            if got is not None:
-                return got
-        done = copy_into(keys, self._get_many_rpc(keys, k), views, k, range(len(keys)))
-        return [done[i] for i in range(len(keys))]
+            st = self._guarded(self._direct.stage_into, keys, k, self._get_many_rpc)
+            if st is not None:
+                return st
+        datas = self._get_many_rpc(keys, k)
+        return StagedInto([None if d is None else len(d) for d in datas], dict(enumerate(datas)))
+
+    def finish_into(self, staged: list[StagedInto], keys: list[bytes], views: list[memoryview], k: EntryKind,
+                    labels: Sequence[int] | None = None) -> list[EntryInfo | None]:
+        """The second half of ``get_many_into``, once the caller checked every buffer against
+        ``stage_into``'s sizes: read (direct) or copy each staged piece into ``views``.
+        ``labels[i]`` is how the caller numbers ``views[i]`` (default ``i``), for the error of
+        an entry re-put larger meanwhile, which is checked again before its piece is written."""
+        labels = range(len(keys)) if labels is None else labels
+        out: list[EntryInfo | None] = []
+        at = 0
+        for st in staged:
+            p = slice(at, at + len(st.sizes))
+            at = p.stop
+            if st.reader is not None:
+                self._check_open()
+                out.extend(self._guarded(self._direct.finish_into, st, keys[p], views[p], k, self._get_many_rpc,
+                                         labels[p]))
+                continue
+            done = copy_into(keys[p], list(st.fetched.values()), views[p], k, list(st.fetched), labels[p])
+            out.extend(done[i] for i in range(len(st.sizes)))
+        return out
 
     def direct_write_stats(self) -> dict:
         """This client's direct writes: mode, active (or why not), counters (``kvstore.direct_writes``)."""
@@ -391,11 +525,13 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ delete, pin
     def _one(self, method: str, key: bytes, kind: str) -> bool:
-        return self._call(method, pb.KeyRequest(key=check_key(key), kind=EntryKind.parse(kind).value)).ok
+        k = EntryKind.parse(kind).value  # the kind first, as the embedded store
+        return self._call(method, pb.KeyRequest(key=check_key(key), kind=k)).ok
 
     def _many(self, method: str, keys: Sequence[bytes], kind: str, md: tuple[tuple[str, str], ...] = ()) -> list[bool]:
         """DeleteMany/PinMany/UnpinMany: every key validated, then pieces of at most
         ``max_batch_items`` in order (a failure in a later piece leaves earlier ones done)."""
+        self._check_open()
         k = EntryKind.parse(kind).value
         reqs = [pb.KeyRequest(key=check_key(x), kind=k) for x in keys]
 
@@ -420,157 +556,11 @@ class RemoteStore:
     def delete_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
         return self._many("DeleteMany", keys, kind)
 
-    def delete_index_keys(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
-        """``kvtool delete``: ``delete_many`` of keys named as ``inspect_entries`` names them (an
-        admin tenant: index keys, as ``check`` and kvtool on a data directory print them; any
-        other tenant: its own keys), so it deletes what ``kvtool inspect`` shows."""
-        return self._many("DeleteMany", keys, kind, md=((MD_INDEX_KEYS, "1"),))
-
     def pin_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
         return self._many("PinMany", keys, kind)
 
     def unpin_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
         return self._many("UnpinMany", keys, kind)
-
-    # ------------------------------------------------------------------ lookup
-    @staticmethod
-    def _result(r: pb.LookupReply) -> LookupResult:
-        return LookupResult(int(r.hit_blocks), int(r.swa_at) if r.HasField("swa_at") else None)
-
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest prefix; a chain longer than ``max_batch_items`` is looked up piece by piece,
-        each piece only while every key before it hit (a 100k-token prompt in 16-token blocks
-        is a 6,250-key chain)."""
-        keys = check_keys(keys)
-        hit, swa_at = 0, None
-        for p, r in self._each_piece(len(keys), lambda p: self._result(
-                self._call("Lookup", pb.LookupRequest(keys=keys[p])))):
-            hit = p.start + r.hit_blocks
-            if r.swa_at is not None:
-                swa_at = p.start + r.swa_at
-            if r.hit_blocks < p.stop - p.start:
-                break
-        return LookupResult(hit, swa_at)
-
-    def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
-        """One result per chain, in order. The daemon limits both the chains of one LookupMany
-        and the keys in all of them to its ``max_batch_items``: chains go in pieces of whole
-        chains within both (``_batch_items``), a chain longer than that alone through
-        ``lookup``. A piece refused as too large re-splits once with the learned limit, as
-        ``_each_piece`` does."""
-        self._check_open()
-        msgs = [check_keys(c) for c in chains]  # every chain validated before anything is sent
-        out: list[LookupResult] = []
-        i, retried = 0, False
-        while i < len(msgs):
-            limit = self._batch_items
-            if len(msgs[i]) > limit:
-                out.append(self.lookup(msgs[i]))
-                i += 1
-                continue
-            j, n_keys = i, 0
-            while j < len(msgs) and j - i < limit and n_keys + len(msgs[j]) <= limit:
-                n_keys += len(msgs[j])
-                j += 1
-            try:
-                reply = self._call("LookupMany", pb.LookupManyRequest(
-                    chains=[pb.LookupRequest(keys=c) for c in msgs[i:j]]))
-            except BatchTooLarge as exc:
-                if retried or not self._learn(exc, max(j - i, n_keys)):
-                    raise
-                retried = True
-                continue  # the same chains again, within the learned limit
-            out.extend(self._result(r) for r in self._check_count("LookupMany", list(reply.results), j - i))
-            i = j
-        return out
-
-    def probe(self, keys: Sequence[bytes], *, until_miss: bool = False,
-              chain_ends: Sequence[int] | None = None) -> tuple[bytes, bytes]:
-        """Per key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings.
-        ``until_miss`` (``keys`` are one chain's share, in chain order): the strings may end
-        at the first key without a live block (``EmbeddedStore.probe``); pieces after it are
-        not asked for. ``chain_ends`` (several chains' shares, ``Index.probe``): each piece
-        carries the ends of the shares within it, and the answer covers every key."""
-        keys = check_keys(keys)
-        ends = check_chain_ends(chain_ends, len(keys), until_miss=until_miss)
-        block, swa = [], []
-
-        def ask(p: slice) -> Any:
-            # the distinct ends inside the piece (empty shares dropped): never more than its keys
-            cut = None if ends is None else sorted({e - p.start for e in ends if p.start < e < p.stop} | {p.stop - p.start})
-            return self._call("Probe", pb.ProbeRequest(keys=keys[p], until_miss=until_miss, chain_ends=cut))
-
-        for p, r in self._each_piece(len(keys), ask):
-            n = p.stop - p.start
-            short = len(r.block) < n
-            if len(r.swa) != len(r.block) or len(r.block) > n or (
-                    short and (not until_miss or r.block[-1:] != b"\0")):
-                raise InternalError(f"Probe answered {len(r.block)}/{len(r.swa)} flags for {n} keys (a kvstore bug)")
-            block.append(r.block)
-            swa.append(r.swa)
-            if until_miss and 0 in r.block:
-                break
-        if ends is None:
-            return b"".join(block), b"".join(swa)
-        # A share cut by a piece boundary was read on in the next piece: after its first miss,
-        # answer 0 as one daemon does.
-        block_all, swa_all = bytearray(b"".join(block)), bytearray(b"".join(swa))
-        for a, b in zip([0] + ends, ends):
-            miss = block_all.find(0, a, b)
-            if miss >= 0:
-                block_all[miss:b] = swa_all[miss:b] = bytes(b - miss)
-        return bytes(block_all), bytes(swa_all)
-
-    # ------------------------------------------------------------------ maintenance
-    def stats(self) -> dict:
-        return json.loads(self._call("Stats", pb.StatsRequest()).json)
-
-    def gc(self, *, dry_run: bool = False) -> dict:
-        """The daemon's GC pass; waits up to ``maintenance_timeout_s`` (then ``DeadlineExceeded``)."""
-        return json.loads(self._call("Gc", pb.GcRequest(dry_run=dry_run),
-                                     timeout_s=self.options.maintenance_timeout_s).json)
-
-    def check(self, fix: bool = False) -> list:
-        """The daemon's consistency check; waits up to ``maintenance_timeout_s``."""
-        r = self._call("Check", pb.CheckRequest(fix=fix), timeout_s=self.options.maintenance_timeout_s)
-        return [Problem(ProblemKind(p.kind), p.key, p.entry_kind, p.target, p.detail, p.fixed) for p in r.problems]
-
-    def repair(self) -> dict:
-        """The daemon's repair pass; waits up to ``maintenance_timeout_s``."""
-        return json.loads(self._call("Repair", pb.RepairRequest(), timeout_s=self.options.maintenance_timeout_s).json)
-
-    # ------------------------------------------------------------------ inspect (read-only, kvtool)
-    def inspect_summary(self) -> dict:
-        """The store summary ``kvtool inspect`` shows (``kvstore.cli.index_view.summarize``,
-        computed by the daemon). Needs an admin tenant (``PermissionDenied`` otherwise)."""
-        return json.loads(self._call("Inspect", pb.InspectRequest()).json)
-
-    def inspect_entries(self, keys: Sequence[bytes], *, kind: str = "block") -> list[dict]:
-        """Per key, in order, its index view (``index_view.entry_view``: state live/lost/absent,
-        sizes, times, fragments). Read-only: nothing is read or refreshed. An admin tenant
-        names index keys; any other tenant its own keys (kvstore.proto's ``Inspect``)."""
-        keys = check_keys(keys)
-        k = EntryKind.parse(kind).value
-        out: list[dict] = []
-        for _, got in self._each_piece(len(keys), lambda p: self._inspect_piece(
-                pb.InspectRequest(keys=keys[p], kind=k), "entries", p.stop - p.start)):
-            out.extend(got)
-        return out
-
-    def inspect_chain(self, keys: Sequence[bytes]) -> list[dict]:
-        """Per position of a prefix chain, the state of its block and of its SWA entry
-        (``index_view.chain_view``); read-only, keys as for ``inspect_entries``."""
-        keys = check_keys(keys)
-        out: list[dict] = []
-        for p, got in self._each_piece(len(keys), lambda p: self._inspect_piece(
-                pb.InspectRequest(keys=keys[p], chain=True), "positions", p.stop - p.start)):
-            for row in got:
-                row["position"] += p.start  # each piece numbers its own positions from 0
-            out.extend(got)
-        return out
-
-    def _inspect_piece(self, req: pb.InspectRequest, field: str, n: int) -> list[dict]:
-        return self._check_count("Inspect", json.loads(self._call("Inspect", req).json)[field], n)
 
     def close(self) -> None:
         with self._lock:

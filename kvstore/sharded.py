@@ -23,11 +23,16 @@ a shard reads O(hit) keys of each chain.
 
 Failure semantics: a batch spanning shards is sent to each shard in
 parallel; every item is validated client-side first, so bad input stores
-nothing anywhere, but a shard that is *down* fails the call with
+nothing anywhere (a ``put_many`` spanning shards checks each value against its
+shard's ``max_value_bytes`` first, asked once per shard: ``RemoteStore.check_puts``;
+``get_many_into`` checks every buffer against every shard's sizes before writing
+any), but a shard that is *down* fails the call with
 ``StoreUnavailable`` while the other shards may already have stored their
 part (a retry is safe: puts are idempotent). Each shard's part goes through
 ``RemoteStore``, which sends more than ``max_batch_items`` items in pieces
-(not one unit on that daemon either).
+(not one unit on that daemon either). Keys may be any bytes-like objects, as for
+one store; errors are those of one store, numbering items as the caller does, and a
+call that ``close`` cuts off raises ``StoreClosed``.
 
 Maintenance (``stats``, ``gc``, ``check``, ``repair``, ``inspect_summary``) runs on
 every shard in parallel and waits for all of them. A shard that fails (down, refusing,
@@ -52,13 +57,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from kvstore.api import Entry, EntryInfo, Layout, LookupResult, PutItem, check_put_items
+from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_put_items, writable_view
+from kvstore.direct import check_into_sizes
 from kvstore.errors import InvalidRequest, KVStoreError, StoreClosed
 from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.client_options import ClientOptions, parse_address, shard_name
-from kvstore.remote import RemoteStore
-from kvstore.server.wire import normalize_item
+from kvstore.remote import RemoteStore, check_value_sizes
+from kvstore.server.wire import encode_item
 
 
 def _sum_into(acc: dict, d: dict) -> None:
@@ -124,7 +130,9 @@ class ShardedStore:
 
     # ------------------------------------------------------------------ placement
     def owner(self, key: bytes) -> int:
-        """Index of the shard that owns ``key`` (rendezvous hashing)."""
+        """Index of the shard that owns ``key`` (rendezvous hashing; any 16-byte bytes-like key,
+        else ``InvalidRequest``)."""
+        key = check_key(key)
         best, best_i = -1, 0
         for i, n in enumerate(self._names):
             s = xxhash.xxh3_64_intdigest(key + n)
@@ -133,7 +141,7 @@ class ShardedStore:
         return best_i
 
     def shard_for(self, key: bytes) -> RemoteStore:
-        return self.shards[self.owner(check_key(key))]
+        return self.shards[self.owner(key)]
 
     def _check_open(self) -> None:
         """``StoreClosed`` after ``close`` (the batch and maintenance calls; a single-key call
@@ -141,11 +149,21 @@ class ShardedStore:
         if self._closed:
             raise StoreClosed("this store is closed; open a new one with kvstore.connect")
 
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the pool; ``StoreClosed`` when ``close`` (which stops the pool)
+        raced this call."""
+        try:
+            return self._pool.submit(fn, *args)
+        except RuntimeError as exc:  # "cannot schedule new futures after shutdown"
+            if self._closed:
+                raise StoreClosed("this store is closed; open a new one with kvstore.connect") from exc
+            raise
+
     def _per_shard(self, positions: dict[int, list[int]],
                    fn: Callable[[RemoteStore, list[int]], Any]) -> dict[int, Any]:
         """Run ``fn(shard, positions)`` per shard in parallel; return {shard: its result}."""
         self._check_open()
-        futs = {s: self._pool.submit(fn, self.shards[s], pos) for s, pos in positions.items()}
+        futs = {s: self._submit(fn, self.shards[s], pos) for s, pos in positions.items()}
         out: dict[int, Any] = {}
         first_exc: BaseException | None = None
         for s, f in futs.items():
@@ -196,26 +214,53 @@ class ShardedStore:
 
     # ------------------------------------------------------------------ batches
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
+        """``kvstore.api``'s batched put, each item stored by its key's shard. Every item is
+        validated, and for a batch spanning shards every value checked against its shard's
+        ``max_value_bytes`` and every shard's pieces against ``max_message_bytes``
+        (``RemoteStore.check_puts``), before any shard is sent anything."""
+        self._check_open()
         items = check_put_items(items)
-        for it in items:
-            normalize_item(it)  # validate everything before any shard stores anything
-        groups = self._group([it.key for it in items])
+        encs = [encode_item(it) for it in items]  # validate everything before any shard stores anything
+        groups = self._group([check_key(it.key) for it in items])  # bytes, whatever bytes-like the caller gave
+        if len(groups) > 1:
+            limits = self._per_shard(groups, lambda sh, pos: sh.daemon_max_value_bytes())
+            shard_of = {i: s for s, pos in groups.items() for i in pos}
+            for i, e in enumerate(encs):  # the first bad item in the caller's order, as one store
+                check_value_sizes([e], limits[shard_of[i]])
+            for s, pos in groups.items():
+                self.shards[s].check_puts([encs[i] for i in pos], spans=True)
         got = self._scatter(groups, lambda sh, pos: sh.put_many([items[i] for i in pos]))
         return [got[i] for i in range(len(items))]
 
     def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:
+        self._check_open()
+        k = EntryKind.parse(kind).value  # first, as one store: an empty batch too
         keys = check_keys(keys)
-        got = self._scatter(self._group(keys), lambda sh, pos: sh.get_many([keys[i] for i in pos], kind=kind))
+        got = self._scatter(self._group(keys), lambda sh, pos: sh.get_many([keys[i] for i in pos], kind=k))
         return [got[i] for i in range(len(keys))]
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
                       kind: str = "block") -> list[EntryInfo | None]:
-        """``kvstore.api``'s read into caller buffers: each shard fills its keys' buffers."""
+        """``kvstore.api``'s read into caller buffers, each key read by its shard. As one
+        store, an ``InvalidRequest`` leaves every buffer unwritten and names ``outs[i]`` in
+        the caller's numbering: the kind, keys and every buffer are checked first, then every
+        shard locates or reads its keys (``RemoteStore.stage_into``), every buffer is checked
+        against those sizes, and only then does each shard fill its buffers (``finish_into``)."""
+        self._check_open()
         if len(outs) != len(keys):
             raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
+        k = EntryKind.parse(kind)
         keys = check_keys(keys)
-        got = self._scatter(self._group(keys), lambda sh, pos: sh.get_many_into(
-            [keys[i] for i in pos], [outs[i] for i in pos], kind=kind))
+        views = [writable_view(o, f"outs[{i}]") for i, o in enumerate(outs)]
+        groups = self._group(keys)
+        staged = self._per_shard(groups, lambda sh, pos: sh.stage_into([keys[i] for i in pos], k))
+        sizes: list[int | None] = [None] * len(keys)
+        for s, pieces in staged.items():
+            for i, n in zip(groups[s], [n for st in pieces for n in st.sizes]):
+                sizes[i] = n
+        check_into_sizes(keys, sizes, views, k)
+        got = self._scatter(groups, lambda sh, pos: sh.finish_into(
+            staged[self.shards.index(sh)], [keys[i] for i in pos], [views[i] for i in pos], k, pos))
         return [got[i] for i in range(len(keys))]
 
     def direct_write_stats(self) -> dict:
@@ -227,9 +272,11 @@ class ShardedStore:
         return {u: s.direct_stats() for u, s in zip(self.urls, self.shards)}
 
     def _by_key(self, op: str, keys: Sequence[bytes], kind: str) -> list[bool]:
+        self._check_open()
+        k = EntryKind.parse(kind).value  # first, as one store: an empty batch too
         keys = check_keys(keys)
         got = self._scatter(self._group(keys),
-                            lambda sh, pos: getattr(sh, op)([keys[i] for i in pos], kind=kind))
+                            lambda sh, pos: getattr(sh, op)([keys[i] for i in pos], kind=k))
         return [got[i] for i in range(len(keys))]
 
     def delete_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
@@ -301,7 +348,7 @@ class ShardedStore:
         answered: then nothing was done anywhere. Any other exception is a bug and is raised.
         """
         self._check_open()
-        futs = [self._pool.submit(fn, s) for s in self.shards]
+        futs = [self._submit(fn, s) for s in self.shards]
         ok: dict[str, Any] = {}
         failed: dict[str, KVStoreError] = {}
         for url, f in zip(self.urls, futs):
@@ -404,8 +451,9 @@ class ShardedStore:
         when no shard has it), and ``unanswered`` when a shard did not answer (``_ask_all``).
         Every shard is asked: an admin names index keys, whose owner the client cannot compute
         (a tenant's keys are hashed into its namespace first)."""
+        k = EntryKind.parse(kind).value
         keys = check_keys(keys)
-        answers, failed = self._ask_all(lambda s: s.inspect_entries(keys, kind=kind))
+        answers, failed = self._ask_all(lambda s: s.inspect_entries(keys, kind=k))
         out = []
         for i in range(len(keys)):
             found = [(u, views[i]) for u, views in answers if views[i]["state"] != "absent"]

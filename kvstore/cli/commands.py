@@ -15,12 +15,26 @@ daemon it calls the read-only ``Inspect`` RPC, which runs that same code there
 ``inspect --parquet FILE`` (a data directory only) exports the whole index; with ``--key``
 or ``--chain`` it is a usage error.
 
-``delete --json`` is one shape for any number of keys: ``{"kind": KIND, "deleted":
-{KEY_HEX: true|false, ...}}`` (a key given twice is deleted once).
+``delete`` names keys as ``inspect`` does (index keys; through a daemon, an admin's are index
+keys and any other tenant's its own: ``RemoteStore.delete_index_keys``), so it deletes what
+``inspect`` and ``verify`` show. ``delete --json`` is one shape for any number of keys:
+``{"kind": KIND, "deleted": {KEY_HEX: true|false|null, ...}}`` (a key given twice is deleted
+once; ``null``: unknown, a shard did not answer, below).
 
 Against several daemons (``grpc://A,grpc://B``) a shard that does not answer leaves the
 others' results standing (``kvstore.sharded``): the command prints them, names each such
-shard in one line on stderr (``Outcome.errors``) and exits 1.
+shard in one line on stderr (``Outcome.errors``) and exits 1. What only that shard could
+say is never guessed: a record carries ``unanswered`` (``{shard URL: its error}``), and
+``inspect --key``/``--chain`` shows a key no answering shard holds as ``unknown``, not
+``absent`` (a chain's ``hit_blocks``/``swa_at`` then ``null``, with ``hit_blocks_at_least``/
+``swa_at_at_least``: what the answers prove); ``delete`` asks every shard (an index key names
+no owner the client can compute), deletes where a shard held the key, and a key no answering
+shard held is ``null`` in ``deleted``. Only when no shard answers at all is it the store's
+error (exit 2).
+
+``gc`` that cannot get under the capacity (everything left pinned) still prints the pass's
+counts (its other steps ran) and exits 1, the reason in one stderr line; a daemon sends only
+the reason (``CapacityExceeded.result`` does not cross the wire), so there it is that line.
 
 Exit codes (``ExitCode``): 0 healthy / done; 1 problems found (verify saw a
 missing, corrupt or lost fragment, a down target or an orphan; repair left
@@ -40,7 +54,7 @@ from typing import Any, Callable
 
 from kvstore.api import EntryKind, KVStore
 from kvstore.cli import index_view
-from kvstore.errors import InvalidRequest
+from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError
 from kvstore.index import Index
 from kvstore.keys import KEY_LEN
 
@@ -164,6 +178,11 @@ def _down_in(data: dict) -> dict[str, str]:
     return {u: d["error"] for u, d in shards.items() if isinstance(d, dict) and "error" in d}
 
 
+def _silent(unanswered: dict) -> str:
+    """The shards that did not answer, for a line of text."""
+    return ", ".join(unanswered) or "?"
+
+
 def _kind_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", default=EntryKind.BLOCK.value, choices=[k.value for k in EntryKind],
                    help="entry kind (default: block)")
@@ -202,9 +221,29 @@ def _summary_text(d: dict) -> str:
     return "\n".join(lines)
 
 
+def _known(view: dict, field: str = "state") -> dict:
+    """``view`` with ``field`` "unknown" instead of "absent" when a shard did not answer
+    (``unanswered``): no shard that answered holds the record, and the silent one may."""
+    if view.get(field) == index_view.EntryState.ABSENT.value and view.get("unanswered"):
+        return dict(view, **{field: index_view.EntryState.UNKNOWN.value})
+    return view
+
+
+def _known_position(row: dict) -> dict:
+    """A chain row with ``_known`` applied to its block and SWA, only when neither was found: a
+    key's block and SWA entries live on the same shard (``kvstore.sharded``), so one found on a
+    shard that answered makes the other's ``absent`` definite."""
+    absent = index_view.EntryState.ABSENT.value
+    if row.get("block") == absent and row.get("swa") == absent:
+        return _known(_known(row, "block"), "swa")
+    return row
+
+
 def _entry_text(d: dict) -> str:
     if d["state"] == index_view.EntryState.ABSENT.value:
         return f"{d['kind']} {d['key']}: absent"
+    if d["state"] == index_view.EntryState.UNKNOWN.value:
+        return f"{d['kind']} {d['key']}: unknown (shard {_silent(d.get('unanswered', {}))} did not answer)"
     notes = ["expired, awaiting gc"] if d.get("expired") else []
     if d.get("degraded"):
         down = [t["target"] for t in d.get("targets", ()) if not t["up"]]
@@ -255,11 +294,12 @@ def run_inspect(store: KVStore, args: argparse.Namespace, progress: Progress) ->
         return Outcome(ExitCode.OK, {"parquet": args.parquet, "rows": n}, f"wrote {n} index rows to {args.parquet}")
     views = IndexViews.of(store)
     if args.key is not None:
-        d = views.entries([args.key], EntryKind.parse(args.kind))[0]
-        code = ExitCode.PROBLEMS if d["state"] == index_view.EntryState.ABSENT.value else ExitCode.OK
+        d = _known(views.entries([args.key], EntryKind.parse(args.kind))[0])
+        missing = (index_view.EntryState.ABSENT.value, index_view.EntryState.UNKNOWN.value)
+        code = ExitCode.PROBLEMS if d["state"] in missing else ExitCode.OK
         return _with_down_shards(store, Outcome(code, d, _entry_text(d)), d.get("unanswered", {}))
     if args.chain is not None:
-        rows = views.chain(args.chain)
+        rows = [_known_position(r) for r in views.chain(args.chain)]
         return _with_down_shards(store, _chain_outcome(args.chain, rows), rows[0].get("unanswered", {}) if rows else {})
     d = views.summary()
     return _with_down_shards(store, Outcome(ExitCode.OK, d, _summary_text(d)), _down_in(d))
@@ -267,11 +307,29 @@ def run_inspect(store: KVStore, args: argparse.Namespace, progress: Progress) ->
 
 def _chain_outcome(chain: list[bytes], rows: list[dict]) -> Outcome:
     """The chain's rows, with what ``lookup`` answers computed from them (the longest prefix of
-    live blocks, the last live SWA within it), so inspecting asks nothing else of the store."""
-    hit = next((i for i, r in enumerate(rows) if r["block"] != index_view.EntryState.LIVE.value), len(rows))
-    swa = [i + 1 for i, r in enumerate(rows[:hit]) if r["swa"] == index_view.EntryState.LIVE.value]
-    data = {"length": len(chain), "hit_blocks": hit, "swa_at": swa[-1] if swa else None, "positions": rows}
-    lines = [f"chain of {len(chain)}: hit_blocks={data['hit_blocks']} swa_at={data['swa_at']}",
+    live blocks, the last live SWA within it), so inspecting asks nothing else of the store.
+
+    A row "unknown" (its shard did not answer, ``_known``) where the walk needs it makes the
+    answer unknown, never a guess: the walk stopping at an unknown block leaves ``hit_blocks``
+    ``None`` with ``hit_blocks_at_least`` (the live blocks before it), and an unknown SWA
+    within the prefix (or an unknown prefix end) leaves ``swa_at`` ``None`` with
+    ``swa_at_at_least`` (the last live SWA before it, or ``None``)."""
+    live, unknown = index_view.EntryState.LIVE.value, index_view.EntryState.UNKNOWN.value
+    hit = next((i for i, r in enumerate(rows) if r["block"] != live), len(rows))
+    hit_known = hit == len(rows) or rows[hit]["block"] != unknown
+    swa_unknown = next((i for i, r in enumerate(rows[:hit]) if r["swa"] == unknown), None)
+    swa_end = hit if swa_unknown is None else swa_unknown
+    swa = [i + 1 for i, r in enumerate(rows[:swa_end]) if r["swa"] == live]
+    last_swa = swa[-1] if swa else None
+    data: dict[str, Any] = {"length": len(chain), "hit_blocks": hit, "swa_at": last_swa, "positions": rows}
+    hit_text, swa_text = str(hit), str(last_swa)
+    if not hit_known:
+        data.update(hit_blocks=None, hit_blocks_at_least=hit)
+        hit_text = f"unknown (at least {hit}: shard {_silent(rows[hit].get('unanswered', {}))} did not answer)"
+    if not hit_known or swa_unknown is not None:
+        data.update(swa_at=None, swa_at_at_least=last_swa)
+        swa_text = "unknown" + (f" (at least {last_swa})" if last_swa is not None else "")
+    lines = [f"chain of {len(chain)}: hit_blocks={hit_text} swa_at={swa_text}",
              f"{'pos':>4}  {'key':<32}  {'block':<7} swa"]
     lines += [f"{r['position']:>4}  {r['key']}  {r['block']:<7} {r['swa']}" for r in rows]
     return Outcome(ExitCode.OK, data, "\n".join(lines))
@@ -289,7 +347,16 @@ def _evicted_bytes(d: dict) -> str:
 
 
 def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
-    d = _call_with_progress(store.gc, progress, dry_run=args.dry_run)
+    """The pass's counts; exit 1 when orphans were kept or the store could not get under its
+    capacity (``CapacityExceeded``: its ``result`` is printed, the reason is the stderr line;
+    without a ``result``, from a daemon, the error is raised for kvtool to print)."""
+    full: CapacityExceeded | None = None
+    try:
+        d = _call_with_progress(store.gc, progress, dry_run=args.dry_run)
+    except CapacityExceeded as exc:
+        if exc.result is None:
+            raise
+        full, d = exc, dict(exc.result)
     d.setdefault("dry_run", args.dry_run)
     verb = "would reclaim" if args.dry_run else "reclaimed"
     text = (f"gc{' (dry run)' if args.dry_run else ''}: expired {d.get('expired', 0)}, evicted "
@@ -298,8 +365,9 @@ def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outc
             f"orphans {d.get('orphans', 0)}{_kept(d)}; "
             f"{verb} {fmt_bytes(d.get('reclaimed_bytes', 0))} ({d.get('reclaimed_bytes', 0)} bytes); "
             f"used {fmt_bytes(d.get('used_bytes'))}")
-    code = ExitCode.PROBLEMS if d.get("orphans_kept") else ExitCode.OK
-    return _with_down_shards(store, Outcome(code, d, text), _down_in(d))
+    code = ExitCode.PROBLEMS if d.get("orphans_kept") or full is not None else ExitCode.OK
+    errors = (_one_line(full),) if full is not None else ()
+    return _with_down_shards(store, Outcome(code, d, text, errors), _down_in(d))
 
 
 def _kept(d: dict) -> str:
@@ -388,16 +456,49 @@ def _configure_delete(p: argparse.ArgumentParser) -> None:
     _kind_arg(p)
 
 
+def _delete_named(store: Any, keys: list[bytes], kind: str) -> list[bool]:
+    """Delete ``keys`` named as ``inspect`` names them: index keys on a data directory; through
+    a daemon, ``RemoteStore.delete_index_keys`` (an admin's keys are index keys, any other
+    tenant's its own)."""
+    remote = getattr(store, "delete_index_keys", None)
+    return remote(keys, kind=kind) if remote is not None else [store.delete(k, kind=kind) for k in keys]
+
+
 def run_delete(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
-    """JSON: ``{"kind": KIND, "deleted": {KEY_HEX: bool}}`` for one key or many (module docstring)."""
+    """JSON: ``{"kind": KIND, "deleted": {KEY_HEX: bool | None}}`` for one key or many, plus
+    ``unanswered`` (``{shard URL: its error}``) when a shard of a sharded set did not answer.
+
+    Keys are named as ``inspect`` names them (``_delete_named``). On a sharded set every shard
+    is asked, as ``inspect`` asks them (an admin's index key names no owner the client can
+    compute): a key is deleted where a shard held it; one no answering shard held is ``None``
+    (unknown) while a shard did not answer. No shard answering raises the first one's error,
+    as does a single store's failure (kvtool prints it, exit 2)."""
     kind = EntryKind.parse(args.kind).value
-    done = {k.hex(): store.delete(k, kind=kind) for k in dict.fromkeys(args.key)}  # a repeated key once
-    n = sum(done.values())
-    d = {"kind": kind, "deleted": done}
-    text = "\n".join(f"deleted {kind} entry {k}" if ok else f"no {kind} entry {k}" for k, ok in done.items())
+    keys = list(dict.fromkeys(args.key))  # a repeated key once
+    shards: list[Any] = list(getattr(store, "shards", ()) or ())
+    down: dict[str, str] = {}  # shard URL -> its error
+    if not shards:
+        found = _delete_named(store, keys, kind)
+    else:
+        answers, first = [], None
+        for url, shard in zip(store.urls, shards):
+            try:
+                answers.append(_delete_named(shard, keys, kind))
+            except KVStoreError as exc:
+                first, down[url] = first or exc, str(exc)
+        if not answers:
+            raise first  # no shard answered: nothing was done anywhere
+        found = [any(a[i] for a in answers) for i in range(len(keys))]
+    done: dict[str, bool | None] = {k.hex(): True if ok else (None if down else False) for k, ok in zip(keys, found)}
+    n = sum(1 for ok in done.values() if ok)
+    d: dict[str, Any] = {"kind": kind, "deleted": done}
+    text = "\n".join(f"deleted {kind} entry {k}" if ok else f"no {kind} entry {k}" if ok is False
+                     else f"{kind} entry {k}: unknown (shard {_silent(down)} did not answer)" for k, ok in done.items())
     if n:
         text += "\n(fragments go at the next `kvtool gc` after delete_grace_s)"
-    return Outcome(ExitCode.OK if n == len(done) else ExitCode.PROBLEMS, d, text)
+    if down:
+        d["unanswered"] = down
+    return _with_down_shards(store, Outcome(ExitCode.OK if n == len(done) else ExitCode.PROBLEMS, d, text), down)
 
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (

@@ -19,7 +19,9 @@ and the daemon's ``Inspect`` RPC (``kvstore.server.service``) on its own store, 
 Record states (``EntryState``): ``live`` (in ``entries``; ``expired`` says
 whether its TTL already passed and GC has not removed it yet, ``degraded``
 whether a fragment sits on a target that is down), ``lost`` (in ``lost``: fewer
-than k good fragments were seen; ``repair`` may restore it) and ``absent``.
+than k good fragments were seen; ``repair`` may restore it) and ``absent``. ``unknown``
+is never computed here: ``kvstore.cli.commands`` shows it for a key of a sharded set that
+no shard that answered holds while another shard did not answer (it may hold it).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class EntryState(enum.Enum):
     LIVE = "live"
     LOST = "lost"
     ABSENT = "absent"
+    UNKNOWN = "unknown"  # a sharded set's shard did not answer (kvstore.cli.commands), never local
 
 
 # index sub-database -> the state of the records it holds

@@ -46,7 +46,10 @@ Contract:
   would read as problems found). A reader that left (``kvtool ... | head``) is not
   an error: the exit code is the command's.
 * Exit codes: 0 healthy, 1 problems found, 2 usage error, store unreachable or
-  result unwritable (see ``kvstore.cli.commands``).
+  result unwritable (see ``kvstore.cli.commands``), 130 interrupted (Ctrl-C: one line,
+  ``kvtool: interrupted``, no traceback).
+* One store per run: two different ones (``kvtool A verify --data-dir B``, ``--data-dir``
+  before and after the command, ``kvtool verify A --data-dir B``) are a usage error.
 * gRPC's own C-core log (e.g. a TLS "Handshake failed" line) is silenced: ``main``
   sets ``GRPC_VERBOSITY=NONE`` before gRPC is loaded, unless the caller set
   ``GRPC_VERBOSITY`` (set it to see those lines).
@@ -134,7 +137,7 @@ daemons:
   GRPC_VERBOSITY      unset: kvtool silences gRPC's own log lines; set it to see them
 
 exit codes: 0 healthy, 1 problems found (a shard of a sharded set did not answer; gc cannot get under capacity),
-2 usage error, the store could not be reached or the result could not be written
+2 usage error, the store could not be reached or the result could not be written, 130 interrupted (Ctrl-C)
 """
 
 
@@ -144,7 +147,11 @@ def _common_options(subcommand: bool) -> argparse.ArgumentParser:
         return argparse.SUPPRESS if subcommand else v
 
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--data-dir", dest="data_dir", metavar="DIR", default=dflt(None),
+    # Its own dest after the command: argparse copies a subcommand's values over the top
+    # level's, so one dest would let ``--data-dir B`` there silently replace ``--data-dir A``
+    # (or a hoisted ``A``) given before it; ``resolve_url`` compares every store given.
+    p.add_argument("--data-dir", dest=STORE_DESTS[1] if subcommand else STORE_DESTS[0], metavar="DIR",
+                   action=OneStore, default=dflt(None),
                    help="store path or URL (default: $KVSTORE_DATA_DIR, the config's data_dir, ./kvstack-data)")
     p.add_argument("--config", metavar="FILE.toml", default=dflt(None),
                    help="store config (TOML) of a data directory; not for a daemon URL")
@@ -163,6 +170,22 @@ def _common_options(subcommand: bool) -> argparse.ArgumentParser:
     d.add_argument("--timeout", metavar="SECONDS", type=seconds, default=dflt(None),
                    help="deadline of each call to the daemon (default: 60, and 3600 for verify, repair, gc)")
     return p
+
+
+# Where the parsed arguments keep a ``--data-dir`` given before / after the command.
+STORE_DESTS = ("data_dir", "data_dir_after_command")
+
+
+class OneStore(argparse.Action):
+    """``--data-dir``: a second, different store at the same place (``--data-dir A --data-dir
+    B``, or ``kvtool A --data-dir B verify``) is a usage error, exit 2, not the last one winning."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before != values:
+            raise argparse.ArgumentError(self, f"two stores given ({before!r} and {values!r}); give one")
+        setattr(namespace, self.dest, values)
 
 
 def given_file(text: str) -> str:
@@ -204,7 +227,8 @@ def hoist_leading_store(argv: Sequence[str]) -> list[str]:
     """Accept the store before the command too: ``kvtool STORE verify`` == ``kvtool verify STORE``.
 
     The first bare word that is not a command, when a command follows it, becomes
-    ``--data-dir WORD``; anything else is left for argparse to judge.
+    ``--data-dir WORD``; anything else is left for argparse to judge. A different store given
+    as well (``kvtool A verify --data-dir B``) is refused, not chosen (``resolve_url``).
     """
     argv = list(argv)
     i = 0
@@ -225,11 +249,15 @@ def hoist_leading_store(argv: Sequence[str]) -> list[str]:
 
 
 def resolve_url(args: argparse.Namespace) -> str:
-    if args.store and args.data_dir and args.store != args.data_dir:
-        raise InvalidRequest(f"two stores given ({args.store!r} and --data-dir {args.data_dir!r}); give one")
-    url = args.store or args.data_dir
-    if url:
-        return url
+    """The store to open: the one given (the ``STORE`` word, before or after the command, or
+    ``--data-dir`` before or after it; the same one any number of times), else the config's.
+    Raises ``InvalidRequest`` when two different stores are given (kvtool never guesses which)."""
+    given = [getattr(args, "store", None)] + [getattr(args, dest, None) for dest in STORE_DESTS]
+    stores = list(dict.fromkeys(g for g in given if g))
+    if len(stores) > 1:
+        raise InvalidRequest(f"two stores given ({' and '.join(repr(s) for s in stores)}); give one")
+    if stores:
+        return stores[0]
     return load_config(args.config).data_dir  # env KVSTORE_DATA_DIR > TOML data_dir > default
 
 
@@ -345,15 +373,25 @@ def quiet_grpc_core() -> Iterator[None]:
         os.environ.pop("GRPC_VERBOSITY", None)
 
 
+# Exit code of a run stopped by Ctrl-C (SIGINT): 128 + the signal's number, as a shell reports it.
+EXIT_INTERRUPTED = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run kvtool; returns the exit code (the console script exits with it)."""
-    parser = build_parser()
+    """Run kvtool; returns the exit code (the console script exits with it). Ctrl-C (SIGINT)
+    is one line, ``kvtool: interrupted``, and ``EXIT_INTERRUPTED``, never a traceback; the
+    store is closed first (``_run``), and what the pass did before it stays done."""
     try:
-        args = parser.parse_args(hoist_leading_store(sys.argv[1:] if argv is None else argv))
-    except SystemExit as exc:  # argparse: --help (0) or a usage error (2), message already printed
-        return int(exc.code or 0)
-    with store_logging(args.verbose), quiet_grpc_core():
-        return _run(COMMANDS[args.command], args)
+        parser = build_parser()
+        try:
+            args = parser.parse_args(hoist_leading_store(sys.argv[1:] if argv is None else argv))
+        except SystemExit as exc:  # argparse: --help (0) or a usage error (2), message already printed
+            return int(exc.code or 0)
+        with store_logging(args.verbose), quiet_grpc_core():
+            return _run(COMMANDS[args.command], args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _error_line(cmd: Command, exc: BaseException) -> str:

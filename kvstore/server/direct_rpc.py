@@ -43,18 +43,19 @@ class DirectRPC:
 
     def _describe(self, r: pb.DescribeRequest, tenant: Tenant) -> pb.DescribeReply:
         """What a direct-reading or -writing client needs, fetched once per client
-        (``kvstore.direct``, ``kvstore.direct_writes``)."""
+        (``kvstore.direct``, ``kvstore.direct_writes``). ``max_value_bytes`` is not sensitive
+        and goes to every client: ``kvstore.remote`` checks a batch that spans several calls
+        or daemons against it before sending any of it."""
+        st = self.store
+        cfg = st.config
         out = pb.DescribeReply(direct_reads=self.cfg.allow_direct_reads, auth=self.tokens.enabled,
-                               direct_writes=self.cfg.allow_direct_writes)
+                               direct_writes=self.cfg.allow_direct_writes, max_value_bytes=cfg.max_value_bytes)
         if not (self.cfg.allow_direct_reads or self.cfg.allow_direct_writes):
             return out  # no target table for a daemon that serves neither
         from kvstore.datadir import FORMAT_FILE
 
-        st = self.store
-        cfg = st.config
         out.ec_type, out.ec_k, out.ec_m = cfg.ec_type, cfg.ec_k, cfg.ec_m
-        out.max_value_bytes, out.read_timeout_s, out.parallel_reads = (
-            cfg.max_value_bytes, cfg.read_timeout_s, cfg.parallel_reads)
+        out.read_timeout_s, out.parallel_reads = cfg.read_timeout_s, cfg.parallel_reads
         for spec in st.target_specs:
             out.targets.add(name=spec.name, url=client_url(spec, st.targets.get(spec.name)), domain=spec.domain)
         out.data_dir = str(st.data_dir)

@@ -153,6 +153,41 @@ def test_inspect_key_per_tenant_namespace(make_daemon, run_tool, tokens_file, mo
     assert run_tool("inspect", d.address, "--token-file", tok)[0] == 0
 
 
+def test_delete_takes_the_keys_inspect_names(make_daemon, run_tool, tokens_file, monkeypatch, tmp_path) -> None:
+    """An admin's ``inspect --key`` names index keys; its ``delete --key`` of the same key said
+    "no block entry" (the daemon mapped it into the admin's own namespace), so an entry verify
+    or inspect showed could not be deleted through the daemon. A tenant deletes its own keys,
+    and only those; on a sharded set every shard is asked (an index key names no owner)."""
+    d, other = make_daemon("one", tokens_file=tokens_file), make_daemon("two", tokens_file=tokens_file)
+    url = f"{d.address},{other.address}"
+    with kvstore.connect(url, token=TOK_A) as a:
+        a.put_many([PutItem(K(f"d{i}"), b"a" * 300) for i in range(16)])
+        owners = [a.urls[a.owner(K(f"d{i}"))] for i in range(16)]
+    assert len(set(owners)) == 2  # both shards hold some
+    by_url = {x.address: x.tokens.tenants_by_token[TOK_A.encode()] for x in (d, other)}  # each its own secret
+    stored = [by_url[owners[i]].store_key(K(f"d{i}")) for i in range(16)]
+    tok = tmp_path / "ops.token"
+    tok.write_text(TOK_OPS + "\n")
+    on_d, on_other = owners.index(d.address), owners.index(other.address)
+    keys = [stored[on_d].hex(), stored[on_other].hex()]
+    # one daemon: the key it holds is deleted, the other is absent there; then the set: every
+    # shard asked, so the key on the other shard is found and deleted, the first is gone
+    for u, want in ((d.address, [True, False]), (url, [False, True])):
+        code, out, err = run_tool("delete", u, "--key", keys[0], "--key", keys[1], "--json", "--token-file", tok)
+        assert code == 1 and json.loads(out)["deleted"] == dict(zip(keys, want)), (out, err)
+    gone = {on_d, on_other}
+    monkeypatch.setenv("KVSTORE_TOKEN", TOK_B)  # another tenant: neither A's keys nor its index keys
+    left = [i for i in range(16) if i not in gone]
+    code, out, _ = run_tool("delete", url, "--key", K(f"d{left[0]}").hex(), "--key", stored[left[1]].hex(), "--json")
+    assert code == 1 and set(json.loads(out)["deleted"].values()) == {False}
+    monkeypatch.setenv("KVSTORE_TOKEN", TOK_A)  # the tenant itself: its own keys
+    code, out, _ = run_tool("delete", url, "--key", K(f"d{left[0]}").hex(), "--json")
+    assert code == 0 and json.loads(out)["deleted"] == {K(f"d{left[0]}").hex(): True}
+    gone.add(left[0])
+    with kvstore.connect(url, token=TOK_A) as a:
+        assert [v is None for v in a.get_many([K(f"d{i}") for i in range(16)])] == [i in gone for i in range(16)]
+
+
 def test_inspect_rpc_refuses_bad_requests_and_stays_read_only(make_daemon) -> None:
     d = make_daemon(max_batch_items=4)
     with kvstore.connect(d.address) as s:
@@ -323,3 +358,84 @@ def test_a_tls_failure_is_one_line_without_grpc_log_lines(make_daemon, certs) ->
     r = subprocess.run([sys.executable, "-m", "kvstore.cli.kvtool", "stats", d.address, "--ca-file", certs["ca"],
                         "--json"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert r.returncode == 0 and json.loads(r.stdout)["entries"] == 0, r.stderr  # the flag wins over the variable
+
+
+# ----------------------------------------------------------------------------- E: a shard down, key by key
+def _one_up_one_down(make_daemon, stored: int = 3) -> tuple[str, str, list[bytes], list[bytes]]:
+    """A set of a live daemon and a dead URL: (set URL, dead URL, keys the live shard owns, the
+    first ``stored`` of them put there, keys the dead shard owns: in no store)."""
+    a, down = make_daemon("a"), dead_url()
+    url = f"{a.address},{down}"
+    with kvstore.connect(url) as s:
+        owners = {K(f"e{i}"): s.urls[s.owner(K(f"e{i}"))] for i in range(40)}
+    up_keys = [k for k, u in owners.items() if u == a.address][:stored + 2]
+    down_keys = [k for k, u in owners.items() if u == down][:3]
+    assert len(up_keys) == stored + 2 and len(down_keys) == 3
+    with kvstore.connect(a.address) as s:
+        assert all(s.put_many([PutItem(k, b"e" * 800) for k in up_keys[:stored]]))
+    return url, down, up_keys, down_keys
+
+
+def test_sharded_delete_with_a_shard_down_deletes_and_reports_the_rest(make_daemon, run_tool) -> None:
+    """Before: the first key of the down shard ended the run (exit 2, nothing printed), keys
+    deleted before it went unreported and the healthy shard's keys after it were never tried.
+    Every shard is asked (an admin's index key names no owner the client can compute), so a
+    key no answering shard held is unknown (null), not absent, while a shard is down."""
+    url, down, up_keys, down_keys = _one_up_one_down(make_daemon, stored=3)
+    a_url = url.split(",")[0]
+    # a down key first, the live shard's keys after it (two stored, one never stored), another down key
+    order = [down_keys[0], up_keys[0], up_keys[1], up_keys[4], down_keys[1]]
+    argv = [x for k in order for x in ("--key", k.hex())]
+    code, out, err = run_tool("delete", url, *argv, "--json", "--timeout", "20")
+    d = json.loads(out)
+    assert code == 1, (out, err)
+    assert d["kind"] == "block" and d["deleted"] == {down_keys[0].hex(): None, up_keys[0].hex(): True,
+                                                     up_keys[1].hex(): True, up_keys[4].hex(): None,
+                                                     down_keys[1].hex(): None}
+    assert list(d["unanswered"]) == [down]
+    assert one_line(err).startswith(f"kvtool: error: delete: shard {down} did not answer")
+    with kvstore.connect(a_url) as s:  # really deleted on the shard that answered
+        assert s.probe([up_keys[0], up_keys[1], up_keys[2]])[0] == b"\x00\x00\x01"
+    code, out, err = run_tool("delete", url, "--key", down_keys[2].hex(), "--key", up_keys[2].hex(),
+                              "--timeout", "20")
+    assert code == 1 and one_line(err).startswith(f"kvtool: error: delete: shard {down} did not answer")
+    assert out.splitlines()[:2] == [f"block entry {down_keys[2].hex()}: unknown (shard {down} did not answer)",
+                                    f"deleted block entry {up_keys[2].hex()}"]
+    assert "no block entry" not in out
+    # no shard answering at all: nothing was done anywhere, the store's error (exit 2)
+    code, out, err = run_tool("delete", f"{down},{dead_url()}", "--key", down_keys[0].hex(), "--json",
+                              "--timeout", "20")
+    assert code == 2 and out == "" and down in one_line(err)
+
+
+def test_sharded_inspect_with_a_shard_down_says_unknown_not_absent(make_daemon, run_tool) -> None:
+    """Before: a key no answering shard holds printed ``absent`` (JSON "absent") and a chain
+    stopping at one claimed a definite ``hit_blocks``."""
+    url, down, up_keys, down_keys = _one_up_one_down(make_daemon, stored=2)
+    a_url = url.split(",")[0]
+    code, out, err = run_tool("inspect", url, "--key", down_keys[0].hex(), "--json", "--timeout", "20")
+    d = json.loads(out)
+    assert code == 1 and d["state"] == "unknown" and d["shard"] is None and down in d["unanswered"]
+    assert one_line(err).startswith(f"kvtool: error: inspect: shard {down} did not answer")
+    code, out, _ = run_tool("inspect", url, "--key", down_keys[0].hex(), "--timeout", "20")
+    assert code == 1 and out == f"block {down_keys[0].hex()}: unknown (shard {down} did not answer)\n"
+    chain = [down_keys[0], up_keys[0]]
+    code, out, _ = run_tool("inspect", url, "--chain", ",".join(k.hex() for k in chain), "--json", "--timeout", "20")
+    d = json.loads(out)
+    assert code == 1 and d["hit_blocks"] is None and d["hit_blocks_at_least"] == 0 and d["swa_at"] is None
+    # the live block's shard answered, and a key's SWA lives with its block: that absence is known
+    assert [(p["block"], p["swa"]) for p in d["positions"]] == [("unknown", "unknown"), ("live", "absent")]
+    code, out, _ = run_tool("inspect", url, "--chain", ",".join(k.hex() for k in chain), "--timeout", "20")
+    assert code == 1 and out.startswith(f"chain of 2: hit_blocks=unknown (at least 0: shard {down} did not answer)")
+    assert out.splitlines()[2].split()[2:] == ["unknown", "unknown"]  # position 0, not "absent"
+    chain = [up_keys[0], up_keys[1], down_keys[1]]
+    code, out, _ = run_tool("inspect", url, "--chain", ",".join(k.hex() for k in chain), "--json", "--timeout", "20")
+    d = json.loads(out)
+    assert code == 1 and (d["hit_blocks"], d["hit_blocks_at_least"]) == (None, 2)
+    # every shard answering: absent is absent, and the walk is definite
+    code, out, _ = run_tool("inspect", a_url, "--chain", ",".join(k.hex() for k in chain), "--json")
+    d = json.loads(out)
+    assert code == 0 and d["hit_blocks"] == 2 and d["positions"][2]["block"] == "absent"
+    assert "hit_blocks_at_least" not in d
+    code, out, _ = run_tool("inspect", a_url, "--key", down_keys[0].hex(), "--json")
+    assert code == 1 and json.loads(out)["state"] == "absent"

@@ -179,3 +179,49 @@ def test_parquet_path_with_a_trailing_slash_is_refused(tmp_path):
             with pytest.raises(InvalidRequest, match="names a directory"):
                 export_parquet(s, dest)
     assert reg.read_bytes() == b"keep" and not (tmp_path / "new.parquet").exists()
+
+
+@pytest.mark.parametrize("cmd", ["verify", "gc", "repair"])
+def test_ctrl_c_is_one_line_exit_130(small_dir, run_tool, monkeypatch, cmd):
+    """KeyboardInterrupt in a pass: ``kvtool: interrupted``, exit 130, no traceback, the store
+    closed. Before: the KeyboardInterrupt traceback."""
+    from kvstore.store import EmbeddedStore
+
+    closed = []
+    real_close = EmbeddedStore.close
+
+    def interrupted(self, *a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(EmbeddedStore, {"verify": "check"}.get(cmd, cmd), interrupted)
+    monkeypatch.setattr(EmbeddedStore, "close", lambda self, **kw: (closed.append(1), real_close(self, **kw)))
+    try:
+        code, out, err = run_tool(cmd, small_dir, "--json")
+    except KeyboardInterrupt:  # not re-raised: pytest would take it for the user's Ctrl-C and stop
+        pytest.fail("KeyboardInterrupt escaped kvtool's main")
+    assert (code, out, err) == (130, "", "kvtool: interrupted\n") and closed
+
+
+def test_sigint_in_a_subprocess_is_one_line_exit_130(small_dir):
+    """A real Ctrl-C (SIGINT) while verify runs: one line, exit 130."""
+    import signal
+
+    script = ("import sys, time\n"
+              "from kvstore.store import EmbeddedStore\n"
+              "def check(self, *a, **kw):\n"
+              "    sys.stderr.write('ready\\n'); sys.stderr.flush(); time.sleep(30)\n"
+              "EmbeddedStore.check = check\n"
+              "from kvstore.cli.kvtool import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([sys.executable, "-c", script, "verify", str(small_dir)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        assert p.stderr.readline() == "ready\n"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert (p.returncode, out, err) == (130, "", "kvtool: interrupted\n")

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import kvstore
+from tests.kvtool.conftest import populate
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_ENV = ("KVSTORE_TOKEN", "KVSTORE_CA_FILE", "KVSTORE_CERT_FILE", "KVSTORE_KEY_FILE")
@@ -71,3 +72,17 @@ def test_help_and_readme_name_the_client_environment(run_tool):
         assert name in out, name
         assert name in section, name
     assert re.search(r"admin tenant", out) and "delete --json" in section
+
+
+def test_two_stores_before_and_after_the_command_are_refused(run_tool, tmp_path):
+    """Before: ``kvtool A stats --data-dir B`` (and ``--data-dir A stats --data-dir B``) ran on B."""
+    a, b = populate(tmp_path / "a", n_blocks=1).path, populate(tmp_path / "b", n_blocks=1).path
+    for argv in ((a, "stats", "--data-dir", b), ("--data-dir", a, "stats", "--data-dir", b),
+                 ("stats", "--data-dir", a, "--data-dir", b), ("--data-dir", a, b, "stats"),
+                 ("stats", a, "--data-dir", b), (a, "stats", b)):
+        code, out, err = run_tool(*argv, "--json")
+        assert code == 2 and out == "" and "two stores given" in err and "Traceback" not in err, argv
+        assert err.strip().splitlines()[-1].startswith("kvtool"), err
+    for argv in ((a, "stats", "--data-dir", a), ("--data-dir", a, "stats", "--data-dir", a), (a, "stats", a)):
+        code, out, _ = run_tool(*argv, "--json")  # the same store twice is one store
+        assert code == 0 and json.loads(out)["data_dir"] == str(a), argv

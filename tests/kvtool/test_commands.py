@@ -256,3 +256,29 @@ def test_gc_dry_run_reports_the_whole_capacity_eviction(tmp_path, run_tool):
     real = json.loads(out)
     assert code == 0 and (real["evicted"], real["evicted_bytes"]) == (dry["evicted"], dry["evicted_bytes"])
     assert real["used_bytes"] <= 20000 * 0.85
+
+
+def test_gc_that_cannot_reach_capacity_prints_the_pass_and_exits_1(tmp_path, run_tool):
+    """Everything left pinned: gc still purges and sweeps, prints that pass's counts (text and
+    --json) and exits 1 with the reason in one stderr line. Before: nothing on stdout."""
+    path = tmp_path / "data"
+    with kvstore.connect(str(path), fsync=False) as s:
+        for i in range(5):
+            key = bytes([i + 1]) * 16
+            s.put(key, os.urandom(20_000))
+            assert s.pin(key)
+        s.put(b"\xee" * 16, os.urandom(2_000))
+        assert s.delete(b"\xee" * 16)
+    cfg = write_config(tmp_path / "cap.toml", capacity_bytes=50_000, delete_grace_s=0)
+    code, out, err = run_tool("gc", path, "--config", cfg, "--dry-run", "--json")
+    d = json.loads(out)
+    assert code == 1 and d["dry_run"] is True and d["purged"] == 1 and d["used_bytes"] > 50_000, err
+    code, out, err = run_tool("gc", path, "--config", cfg, "--json")
+    d = json.loads(out)
+    assert code == 1 and d["dry_run"] is False and d["purged"] == 1 and d["evicted"] == 0, err
+    assert d["reclaimed_bytes"] > 0 and d["used_bytes"] > 50_000
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kvtool: error: gc: ") and "everything left is pinned" in last
+    assert err.count("kvtool: error:") == 1 and "Traceback" not in err
+    code, out, err = run_tool("gc", path, "--config", cfg)  # text: the counts, then the reason
+    assert code == 1 and out.startswith("gc: expired 0, evicted 0, purged 0 deleted") and "pinned" in err
