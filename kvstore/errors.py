@@ -71,7 +71,7 @@ class CapacityExceeded(KVStoreError):
 
     ``result`` is the counts dict of the GC pass that raised it (``kvstore.maintenance.run_gc``
     runs its other steps first), so a caller can report what the pass did; ``None`` when the
-    error comes from anything else, or across the wire (the daemon sends the message only).
+    error comes from anything else (the daemon sends it along: ``kvstore.server.wire``).
     """
 
     code = "CAPACITY_EXCEEDED"

@@ -59,7 +59,7 @@ import xxhash
 
 from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_put_items, writable_view
 from kvstore.direct import check_into_sizes
-from kvstore.errors import InvalidRequest, KVStoreError, StoreClosed
+from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError, StoreClosed
 from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.client_options import ClientOptions, parse_address, shard_name
@@ -384,13 +384,28 @@ class ShardedStore:
         return out
 
     def gc(self, *, dry_run: bool = False) -> dict:
-        """Every shard's GC pass; the counts summed, ``dry_run`` as asked, ``shards`` as in ``stats``."""
-        ok, failed = self._each(lambda s: s.gc(dry_run=dry_run))
+        """Every shard's GC pass; the counts summed, ``dry_run`` as asked, ``shards`` as in ``stats``.
+        A shard that could not get under its capacity (``CapacityExceeded`` with its pass's
+        counts) answered: its counts are summed too, and once every shard is done that is
+        raised, as one store raises it, with the summed counts as ``result``."""
+        def one(s: RemoteStore) -> tuple[dict, CapacityExceeded | None]:
+            try:
+                return s.gc(dry_run=dry_run), None
+            except CapacityExceeded as exc:
+                if exc.result is None:  # a daemon that predates the counts: no answer to sum
+                    raise
+                return exc.result, exc
+
+        answers, failed = self._each(one)
+        ok = {u: g for u, (g, _) in answers.items()}
         out: dict[str, Any] = {}
         for g in ok.values():
             _sum_into(out, g)
         out["dry_run"] = dry_run
         out["shards"] = self._shards(ok, failed)
+        full = {u: exc for u, (_, exc) in answers.items() if exc is not None}
+        if full:
+            raise CapacityExceeded("; ".join(f"shard {u}: {exc}" for u, exc in full.items()), result=out)
         return out
 
     def check(self, fix: bool = False) -> list:

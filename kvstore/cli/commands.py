@@ -33,8 +33,9 @@ shard held is ``null`` in ``deleted``. Only when no shard answers at all is it t
 error (exit 2).
 
 ``gc`` that cannot get under the capacity (everything left pinned) still prints the pass's
-counts (its other steps ran) and exits 1, the reason in one stderr line; a daemon sends only
-the reason (``CapacityExceeded.result`` does not cross the wire), so there it is that line.
+counts (its other steps ran) and exits 1, the reason in one stderr line; through a daemon
+too (the counts cross the wire with the error: ``wire.MD_GC_RESULT``), and on a sharded set
+each full shard's counts are summed with the others'.
 
 Exit codes (``ExitCode``): 0 healthy / done; 1 problems found (verify saw a
 missing, corrupt or lost fragment, a down target or an orphan; repair left
@@ -349,7 +350,7 @@ def _evicted_bytes(d: dict) -> str:
 def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     """The pass's counts; exit 1 when orphans were kept or the store could not get under its
     capacity (``CapacityExceeded``: its ``result`` is printed, the reason is the stderr line;
-    without a ``result``, from a daemon, the error is raised for kvtool to print)."""
+    without a ``result``, from a daemon that predates it, the error is raised for kvtool to print)."""
     full: CapacityExceeded | None = None
     try:
         d = _call_with_progress(store.gc, progress, dry_run=args.dry_run)

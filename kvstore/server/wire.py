@@ -8,7 +8,8 @@ and trailing metadata ``kvstore-error-code`` (the class's ``code``); for
 ``kvstore-failed-targets`` (comma list); for ``BatchTooLarge`` (code
 ``INVALID_REQUEST``, so a client that predates it reads a plain
 ``InvalidRequest``) also ``kvstore-max-batch-items``, the daemon's limit, from
-which ``kvstore.remote`` learns how to split. ``error_from_rpc`` on the client
+which ``kvstore.remote`` learns how to split; for a ``CapacityExceeded`` raised by a GC
+pass also ``kvstore-gc-result``, the pass's counts (JSON). ``error_from_rpc`` on the client
 rebuilds the same class with the same message. A status without the metadata
 (the daemon is down, gRPC refused an oversized message, a deadline passed) is
 mapped by ``ERRORS_BY_STATUS``: UNAVAILABLE and DEADLINE_EXCEEDED become
@@ -41,6 +42,7 @@ validates it, then encoded this way, so a bad item is refused before anything is
 
 from __future__ import annotations
 
+import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +54,7 @@ from kvstore.api import EntryKind, Layout, PutItem, as_payload, check_put_fields
 from kvstore.config import MAX_TTL_S
 from kvstore.errors import (
     ERRORS_BY_CODE,
+    CapacityExceeded,
     InvalidRequest,
     KVStoreError,
     StoreUnavailable,
@@ -64,6 +67,7 @@ MD_CODE = "kvstore-error-code"
 MD_KEY = "kvstore-error-key"
 MD_TARGETS = "kvstore-failed-targets"
 MD_BATCH_LIMIT = "kvstore-max-batch-items"
+MD_GC_RESULT = "kvstore-gc-result"  # a CapacityExceeded's ``result`` (the GC pass's counts), as JSON
 # Request metadata of a PutStream: how many items the client sends. gRPC's server cannot tell a
 # client's cancel from its end of stream when the cancel lands while the daemon waits for the next
 # message (both end the request iterator); with the count declared, a short stream is a client
@@ -164,6 +168,8 @@ def status_of(exc: KVStoreError) -> tuple[grpc.StatusCode, tuple[tuple[str, str]
         md += [(MD_KEY, exc.key.hex()), (MD_TARGETS, ",".join(exc.failed_targets))]
     if isinstance(exc, BatchTooLarge) and exc.limit > 0:
         md.append((MD_BATCH_LIMIT, str(exc.limit)))
+    if isinstance(exc, CapacityExceeded) and exc.result is not None:
+        md.append((MD_GC_RESULT, json.dumps(exc.result, default=str)))
     return STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN), tuple(md)
 
 
@@ -197,6 +203,8 @@ def error_from_rpc(err: grpc.RpcError, where: str = "", timeout_s: float | None 
         return Unrecoverable(details, key=bytes.fromhex(md.get(MD_KEY, "")), failed_targets=targets)
     if cls is InvalidRequest and _batch_limit(md.get(MD_BATCH_LIMIT)):
         return BatchTooLarge(details, limit=_batch_limit(md.get(MD_BATCH_LIMIT)))
+    if cls is CapacityExceeded:
+        return CapacityExceeded(details, result=_gc_result(md.get(MD_GC_RESULT)))
     if cls is not None:
         return cls(details)
     status = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
@@ -229,6 +237,15 @@ CLOSED_HINT = ("; the daemon closed the connection: if it serves TLS use grpcs:/
                "client certificates give cert_file and key_file")
 TLS_HINT = ("; the TLS handshake failed: the daemon's certificate must be signed by ca_file (without ca_file, "
             "by a CA in the system roots), and grpcs:// is only for a TLS daemon")
+
+
+def _gc_result(raw: Any) -> dict | None:
+    """A ``MD_GC_RESULT`` value: the counts dict, or None when absent or not a JSON object."""
+    try:
+        got = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def _batch_limit(raw: Any) -> int:

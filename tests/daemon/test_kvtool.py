@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -439,3 +440,35 @@ def test_sharded_inspect_with_a_shard_down_says_unknown_not_absent(make_daemon, 
     assert "hit_blocks_at_least" not in d
     code, out, _ = run_tool("inspect", a_url, "--key", down_keys[0].hex(), "--json")
     assert code == 1 and json.loads(out)["state"] == "absent"
+
+
+def test_gc_past_capacity_through_a_daemon_and_a_set_prints_the_counts(make_daemon, run_tool, tmp_path) -> None:
+    """A daemon's gc that cannot get under its capacity (everything left pinned) sends the pass's
+    counts with the error (``kvstore-gc-result``): kvtool prints them and exits 1, as on a data
+    directory. Before: nothing on stdout, and on a sharded set that shard was reported as not
+    answering, its counts dropped."""
+    data = str(tmp_path / "full")
+    with kvstore.connect(data, fsync=False) as s:  # filled before the capacity is set
+        for i in range(5):
+            s.put(bytes([i + 1]) * 16, os.urandom(20_000))
+            assert s.pin(bytes([i + 1]) * 16)
+        s.put(b"\xee" * 16, b"x" * 2000)
+        assert s.delete(b"\xee" * 16)
+    full = make_daemon("full", data_dir=data, capacity_bytes=50_000, delete_grace_s=0)
+    other = make_daemon("other")
+    with kvstore.connect(full.address) as s:
+        with pytest.raises(kvstore.CapacityExceeded) as ei:
+            s.gc(dry_run=True)
+        assert ei.value.result["purged"] == 1 and ei.value.result["dry_run"] is True
+    code, out, err = run_tool("gc", full.address, "--json")
+    d = json.loads(out)
+    assert code == 1 and d["purged"] == 1 and d["used_bytes"] > 50_000, err
+    assert one_line(err).startswith("kvtool: error: gc: ") and "pinned" in err
+    with kvstore.connect(other.address) as s:
+        s.put(b"\xdd" * 16, b"y" * 2000)
+        assert s.delete(b"\xdd" * 16)
+    code, out, err = run_tool("gc", f"{full.address},{other.address}", "--json")
+    d = json.loads(out)
+    assert code == 1 and "pinned" in err and "did not answer" not in err, err
+    assert set(d["shards"]) == {full.address, other.address}
+    assert not any("error" in v for v in d["shards"].values())
