@@ -92,7 +92,7 @@ class LocalFastReads:
             pieces = codec.erasure_code(k, meta.m, self.config.ec_type).data_pieces(bodies)
             if pieces is None:
                 return None
-            limit = max(self.config.max_value_bytes, meta.plain_len)
+            limit = meta.plain_len  # the record's size (``FragmentIO._decode``)
             if out is None:
                 h, plain = codec.decode_entry_pieces(pieces, max_plain=limit)
             else:
@@ -100,7 +100,7 @@ class LocalFastReads:
                 plain = out[: h.plain_len]
         except (OSError, CorruptData, IncompatibleFormat):
             return None
-        if h.key != ek[1:] or h.kind.code != ek[0] or h.tokens != meta.tokens:
+        if h.key != ek[1:] or h.kind.code != ek[0] or h.tokens != meta.tokens or h.plain_len != meta.plain_len:
             return None
         # The entry checksum covers the payload, not the entry header: a small entry's header
         # runs on into data fragments past 0, which are then verified whole as well.

@@ -388,7 +388,9 @@ class FragmentIO(LocalFastReads):
         view of at least ``meta.plain_len`` bytes) the plain bytes are written there and
         verified in place, and the returned payload is the view ``out[:plain_len]``."""
         code = codec.erasure_code(meta.k, meta.m, self.config.ec_type)
-        limit = max(self.config.max_value_bytes, meta.plain_len)
+        # The record's plain size is the limit: a header claiming more (a forged direct-write
+        # record: a small plain_len charged, a large decompression) is refused before decoding.
+        limit = meta.plain_len
         try:
             pieces = code.data_pieces(good)
             try:
@@ -410,6 +412,8 @@ class FragmentIO(LocalFastReads):
                     plain = out[: h.plain_len]
             if h.key != ek[1:] or h.kind.code != ek[0]:
                 raise CorruptData("decoded entry names another key")
+            if h.plain_len != meta.plain_len:
+                raise CorruptData(f"decoded entry holds {h.plain_len} plain bytes, its record {meta.plain_len}")
             return h, plain
         except CorruptData as exc:
             raise Unrecoverable(

@@ -532,6 +532,7 @@ class Daemon(DirectRPC, AdminRPC):
             self.metrics.hit("get", kind, False)
             raise NotFound(str(exc).replace(key.hex(), r.key.hex())) from None
         except Unrecoverable as exc:
+            self.metrics.hit("get", kind, False)  # no value returned: a miss, as get_many counts it
             if tenant.admin:
                 raise Unrecoverable(str(exc).replace(key.hex(), r.key.hex()), key=r.key,
                                     failed_targets=exc.failed_targets) from None
@@ -541,6 +542,7 @@ class Daemon(DirectRPC, AdminRPC):
                 "too few are left to rebuild it; an admin can bring the targets back and run `kvtool repair`",
                 key=r.key) from None
         except StoreUnavailable:
+            self.metrics.hit("get", kind, False)
             if tenant.admin:
                 raise
             raise StoreUnavailable(f"entry {r.key.hex()} ({kind}) cannot be read now: too many of its targets "

@@ -231,3 +231,20 @@ def test_prometheus_metrics(make_daemon) -> None:
                    "kvstore_rejected_packs_total 0.0"):
         assert needle in body, needle
     s.close()
+
+
+def test_a_get_of_a_lost_entry_counts_a_miss(make_daemon, tmp_path) -> None:
+    """A Get that returns no value because the entry is lost counts a miss, as GetMany counts
+    the same read; before, neither a hit nor a miss was counted (QA)."""
+    import shutil
+
+    st = kvstore.connect(str(tmp_path / "lose"), fsync=False)
+    d = make_daemon(store=st, metrics_port=0)
+    with kvstore.connect(d.address) as s:
+        s.put(K(1), b"v" * 5000, kind="swa")
+        for t in ("t0", "t1", "t2"):  # m + 1 of the 4+2 fragments gone
+            shutil.rmtree(st.targets[t].root)
+        with pytest.raises(kvstore.Unrecoverable):
+            s.get(K(1), kind="swa")
+    body = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics.port}/metrics", timeout=5).read().decode()
+    assert 'kvstore_misses_total{kind="swa",op="get"} 1.0' in body

@@ -208,3 +208,29 @@ def test_check_reports_nothing_of_a_record_gc_moved_or_removed_during_the_scan(t
         assert ran and s.stats()["lost_entries"] == 0
         if change == "compact":
             assert s.get(keys[0]) == bytes([0]) * 5000
+
+
+def test_a_record_whose_plain_size_disagrees_with_the_entry_is_never_decoded(tmp_path):
+    """A direct writer commits the record (its plain_len) without the daemon reading the bytes;
+    a forged small plain_len over a zstd bomb was charged ~1 KiB and decoded to 32 MiB on every
+    get (QA). The read path now takes the record's plain size as the limit and requires the
+    entry to match it: never decoded, Unrecoverable, marked lost."""
+    from dataclasses import replace
+
+    from kvstore.index import ekey
+
+    key = b"z" * 16
+    with kvstore.connect(str(tmp_path / "s"), fsync=False, compression="zstd") as s:
+        s.put(key, bytes(4 << 20))
+        ek = ekey(1, key)
+        with s.index.env.begin(write=True) as txn:
+            m = s.index.get_meta(txn, ek)
+            assert m.entry_len < 4096  # compressed
+            s.index.update_txn(txn, ek, m, replace(m, plain_len=m.entry_len))
+        for read in (lambda: s.get(key), lambda: s.get_many([key])[0]):
+            try:
+                got = read()
+            except Unrecoverable:
+                got = None
+            assert got is None
+        assert s.stats()["lost_entries"] == 1
