@@ -183,3 +183,17 @@ def _metric_lines(d, method: str) -> str:
 
     return "\n".join(line for line in generate_latest(d.metrics.registry).decode().splitlines()
                      if f'method="{method}"' in line and "requests_total" in line)
+
+
+def test_get_many_over_the_message_limit_stops_reading_before_it_holds_every_value(make_daemon) -> None:
+    """A unary GetMany holds its values until the one reply is built: one key asked 100 times
+    decoded every copy before gRPC refused the reply (~800 MiB for 3 MiB x 100, QA). Now it
+    reads a window at a time and stops once the reply is over max_message_bytes."""
+    d = make_daemon(max_message_bytes=4 << 20)
+    with kvstore.connect(d.address) as s:
+        s.put(K(1), os.urandom(1 << 20))
+        before = d.store.counters["bytes_out"]
+        with pytest.raises(RequestTooLarge, match="GetMany reply"):
+            s._call("GetMany", pb.GetManyRequest(keys=[K(1)] * 100))
+        assert d.store.counters["bytes_out"] - before <= 16 << 20  # at most a few windows read, not 100 MiB
+        assert s.get_many([K(1)] * 3) == [s.get(K(1))] * 3  # the stream form serves repeats as before
