@@ -23,9 +23,9 @@ the limit learns it from the refusal and resends the batch in pieces (``kvstore.
 The two streaming batch forms take the same steps: ``GetStream`` validates
 every key first, then reads the keys a window (``GET_STREAM_WINDOW``) at a
 time and sends each value as its own ``GetChunk`` (its admission slot held
-until the stream ends); ``PutStream`` receives and parses every item (bounded
-by ``max_batch_items`` and, in total bytes, by ``max_message_bytes``) before
-it is admitted, then stores them with one ``put_many`` exactly as PutMany does; a
+until the stream ends); ``PutStream`` is admitted, then receives and parses every
+item (bounded by ``max_batch_items``, in total bytes by ``max_message_bytes``, and in
+time by ``stream_receive_s``), then stores them with one ``put_many`` exactly as PutMany does; a
 stream short of the item count its client declared (``wire.MD_STREAM_ITEMS``) stores nothing.
 Why streaming: one 16 MiB reply cost ~35 ms of protobuf building and
 serializing plus ~28 ms in gRPC (one message, many slices) against ~10 ms for
@@ -394,40 +394,66 @@ class Daemon(DirectRPC, AdminRPC):
 
     def _request_stream(self, name: str, m: _Method) -> Callable[[Iterator[bytes], grpc.ServicerContext], Any]:
         """Client streaming: every message is received and parsed (bounded in count and total bytes)
-        before the call is admitted and the handler sees the list, as for one unary batch.
+        before the handler sees the list, as for one unary batch.
 
         A stream that ends with fewer items than its client declared (``MD_STREAM_ITEMS``), or
-        whose call is no longer active, is a client that went away: nothing of it is applied."""
+        whose call is no longer active, is a client that went away: nothing of it is applied.
+
+        The call is admitted (its tenant's slot taken) before its items are received, and the
+        receiving is bounded by ``stream_receive_s`` (then the call is cancelled): a client
+        that sends slowly or not at all holds one of its own slots for that long at most,
+        never every handler thread of the daemon."""
         def behaviour(raws: Iterator[bytes], context: grpc.ServicerContext) -> Any:
             with self._guarded(name, context):
                 tenant = self._tenant(name, m, context)
                 declared = self._declared_items(name, context)
-                reqs, total = [], 0
-                for raw in raws:
-                    if declared is not None and len(reqs) == declared:
-                        raise InvalidRequest(f"{name} sent more items than the {declared} it declared "
-                                             f"in {MD_STREAM_ITEMS}; nothing stored")
-                    total += len(raw)
-                    if total > self.cfg.max_message_bytes:
-                        raise RequestTooLarge(
-                            f"{name} of more than {self.cfg.max_message_bytes} bytes is over the daemon's "
-                            "max_message_bytes; raise max_message_bytes on both the daemon and the client, "
-                            "or send smaller batches")
-                    reqs.append(self._parse(name, m, raw))
-                    self._batch(len(reqs), name)
-                if (declared is not None and len(reqs) != declared) or not context.is_active():
-                    raise _ClientGone(f"{len(reqs)} of {'?' if declared is None else declared} items received")
                 with self._admitted(tenant):
+                    with self._receive_bound(context):
+                        reqs = self._receive(name, m, raws, declared, context)
                     return m.handler(reqs, tenant)
 
         return behaviour
+
+    @contextmanager
+    def _receive_bound(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """Cancel the call if it is still receiving after ``stream_receive_s`` (0: no bound)."""
+        if not self.cfg.stream_receive_s:
+            yield
+            return
+        timer = threading.Timer(self.cfg.stream_receive_s, context.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def _receive(self, name: str, m: _Method, raws: Iterator[bytes], declared: int | None,
+                 context: grpc.ServicerContext) -> list[Any]:
+        """Every message of a request stream, parsed, bounded in count and total bytes."""
+        reqs, total = [], 0
+        for raw in raws:
+            if declared is not None and len(reqs) == declared:
+                raise InvalidRequest(f"{name} sent more items than the {declared} it declared "
+                                     f"in {MD_STREAM_ITEMS}; nothing stored")
+            total += len(raw)
+            if total > self.cfg.max_message_bytes:
+                raise RequestTooLarge(
+                    f"{name} of more than {self.cfg.max_message_bytes} bytes is over the daemon's "
+                    "max_message_bytes; raise max_message_bytes on both the daemon and the client, "
+                    "or send smaller batches")
+            reqs.append(self._parse(name, m, raw))
+            self._batch(len(reqs), name)
+        if (declared is not None and len(reqs) != declared) or not context.is_active():
+            raise _ClientGone(f"{len(reqs)} of {'?' if declared is None else declared} items received")
+        return reqs
 
     # ------------------------------------------------------------------ helpers
     def _batch(self, n: int, what: str) -> None:
         """``BatchTooLarge`` (carrying this daemon's limit) when ``n`` items are over ``max_batch_items``.
 
-        Contract: every handler calls it before any store work (and PutStream before the call
-        is admitted), so the refusal guarantees that nothing was applied; ``kvstore.remote``
+        Contract: every handler calls it before any store work (and PutStream before it reads
+        past the limit), so the refusal guarantees that nothing was applied; ``kvstore.remote``
         relies on that to learn the limit and resend the batch in pieces."""
         if n > self.cfg.max_batch_items:
             raise BatchTooLarge(f"{what} of {n} items is over max_batch_items={self.cfg.max_batch_items}; split it",

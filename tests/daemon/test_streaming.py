@@ -197,3 +197,42 @@ def test_get_many_over_the_message_limit_stops_reading_before_it_holds_every_val
             s._call("GetMany", pb.GetManyRequest(keys=[K(1)] * 100))
         assert d.store.counters["bytes_out"] - before <= 16 << 20  # at most a few windows read, not 100 MiB
         assert s.get_many([K(1)] * 3) == [s.get(K(1))] * 3  # the stream form serves repeats as before
+
+
+def test_idle_put_streams_hold_one_tenants_slots_for_a_bounded_time(make_daemon) -> None:
+    """PutStreams that send nothing held a handler thread each, outside the limiter, for ever:
+    a few of them stalled every tenant (QA). Now a stream is admitted before it is received
+    (beyond the tenant's limit: RESOURCE_EXHAUSTED at once) and cancelled when not wholly
+    received within stream_receive_s, so the daemon keeps serving."""
+    import threading
+    import time
+
+    d = make_daemon(workers=4, max_concurrent_per_tenant=2, stream_receive_s=1.0)
+    ch = grpc.insecure_channel(d.address.split("://")[1])
+    call = ch.stream_unary("/kvstore.v1.KVStore/PutStream")
+    release = threading.Event()
+
+    def nothing():
+        release.wait(20)
+        return
+        yield  # noqa: unreachable - a generator that sends nothing
+
+    futs = [call.future(nothing(), timeout=30) for _ in range(4)]
+    try:
+        t0 = time.monotonic()
+        codes = []
+        for f in futs:
+            try:
+                f.result(timeout=15)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as err:
+                codes.append(err.code())
+        assert time.monotonic() - t0 < 10
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 2  # over the tenant's two slots
+        assert codes.count(grpc.StatusCode.CANCELLED) == 2  # cut at stream_receive_s
+        with kvstore.connect(d.address, timeout_s=5) as s:
+            assert s.put(K(1), b"v") and s.get(K(1)) == b"v"
+            assert s.stats()["entries"] == 1
+    finally:
+        release.set()
+        ch.close()
