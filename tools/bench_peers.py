@@ -166,25 +166,28 @@ class RedisServer:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
+        import redis
+
         self.dir = tempfile.mkdtemp(prefix="redis-", dir=work)
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
              "--appendonly", "yes", "--appendfsync", "always", "--auto-aof-rewrite-percentage", "0",
              "--protected-mode", "yes", "--logfile", os.path.join(self.dir, "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        self.client = redis.Redis(host="127.0.0.1", port=self.port)
-        for _ in range(100):
-            try:
-                self.client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        else:
+        try:
+            self.client = redis.Redis(host="127.0.0.1", port=self.port)
+            for _ in range(100):
+                try:
+                    self.client.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            else:
+                raise RuntimeError("redis-server did not answer PING within 5 s")
+            self.version = self.client.info("server")["redis_version"]
+        except BaseException:
             self.close()
-            raise RuntimeError("redis-server did not answer PING within 5 s")
-        self.version = self.client.info("server")["redis_version"]
+            raise
 
     def close(self) -> None:
         self.proc.terminate()

@@ -258,7 +258,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run_remote(args: argparse.Namespace) -> dict:
     """The whole comparison; returns the JSON-able report."""
     import kvstore
-    from tools.daemon_util import start_daemon, stop_daemon
+    from tools.daemon_util import start_daemon, stop_all
 
     sizes = [int(s) for s in args.sizes.split(",")] if isinstance(args.sizes, str) else list(args.sizes)
     fs = args.fsync if isinstance(args.fsync, bool) else str(args.fsync).lower() in ("1", "true", "yes")
@@ -266,9 +266,12 @@ def run_remote(args: argparse.Namespace) -> dict:
                            "repeat": args.repeat, "unit": "MiB/s", "systems": {}, "rounds": []}
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
         opts = ["--fsync", str(fs).lower(), "--compression", "none", "--allow-direct-writes", "true"]
-        emb = kvstore.connect(str(Path(tmp) / "emb"), fsync=fs, compression="none")
-        daemons = [start_daemon(Path(tmp) / f"d{i}", opts) for i in range(4)]
+        emb = None
+        daemons = []  # filled one by one, so that a failure (or Ctrl-C) starting one stops those before
         try:
+            emb = kvstore.connect(str(Path(tmp) / "emb"), fsync=fs, compression="none")
+            for i in range(4):
+                daemons.append(start_daemon(Path(tmp) / f"d{i}", opts))
             rs = kvstore.connect(daemons[0].url)
             rd = kvstore.connect(daemons[0].url, direct_reads="on", direct_writes="on")
             # Rounds interleave the systems, so that a burst of load elsewhere hits all of them.
@@ -292,9 +295,11 @@ def run_remote(args: argparse.Namespace) -> dict:
             with kvstore.connect(",".join(d.url for d in daemons[1:])) as sh:
                 lk["sharded3"] = lookup_latency(sh, args.chain, args.lookup_reps, "s")
         finally:
-            emb.close()
-            for d in daemons:
-                stop_daemon(d)
+            try:
+                if emb is not None:
+                    emb.close()
+            finally:
+                stop_all(daemons)
     rep["systems"] = _medians(rep["rounds"])
     rep["lookup_ms"] = lk
     return rep

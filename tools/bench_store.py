@@ -152,7 +152,8 @@ def one_rep(peer: Peer, mode: str, keys: list[bytes], vals: list[bytes], batch: 
                     [(k, vals[(i + j) % len(vals)]) for j, k in enumerate(ks)])
             else:
                 got = [peer.get(ks[0])] if mode == "single" else peer.get_many(ks)
-                if got[0] != vals[i % len(vals)]:
+                want = [vals[(i + j) % len(vals)] for j in range(len(ks))]
+                if len(got) != len(want) or any(g != w for g, w in zip(got, want)):
                     raise RuntimeError(f"{type(peer).__name__} returned wrong bytes")
             lat.extend([(time.perf_counter() - t) / len(ks)] * len(ks))
         out[op] = (time.perf_counter() - t0, lat)

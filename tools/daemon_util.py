@@ -26,7 +26,12 @@ def start_daemon(data_dir: Path, extra: Sequence[str] = ()) -> DaemonProc:
     cmd = [sys.executable, "-m", "kvstore.server.cli", "serve", "--port", "0", "--data-dir", str(data_dir),
            "--gc-interval-s", "0", "--log-level", "WARNING", *extra]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = p.stdout.readline()
+    try:
+        line = p.stdout.readline()
+    except BaseException:  # interrupted (Ctrl-C) or failed: the daemon must not outlive us
+        p.kill()
+        p.wait()
+        raise
     m = re.search(r"(grpcs?://\S+)", line)
     if not m:
         p.kill()
@@ -43,3 +48,16 @@ def stop_daemon(d: DaemonProc, timeout: float = 30.0) -> int:
             d.proc.kill()
             return d.proc.wait(10)
     return d.proc.returncode
+
+
+def stop_all(daemons: Sequence[DaemonProc], timeout: float = 30.0) -> None:
+    """``stop_daemon`` each one; if stopping one fails (or is interrupted), the rest are killed."""
+    for i, d in enumerate(daemons):
+        try:
+            stop_daemon(d, timeout)
+        except BaseException:
+            for rest in daemons[i:]:
+                if rest.proc.poll() is None:
+                    rest.proc.kill()
+                    rest.proc.wait()
+            raise

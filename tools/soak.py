@@ -34,8 +34,9 @@ per shard, targets under a fault or holding unrepaired damage are at most m
 
 Final pass: all faults cleared, every shard repaired, then every acknowledged,
 undeleted, non-TTL key is read back: ``acked_lost`` (must be 0) and
-``wrong_bytes`` (must be 0, counted during the run too). Output: JSON to
-``--out``; exit 1 if either is non-zero.
+``wrong_bytes`` (must be 0, counted during the run too); also ``deleted_but_found``,
+``acked_missing_during_run`` (client counts) must be 0 and ``check_after_repair`` empty
+(``failures``). Output: JSON to ``--out``; exit 1 if any of them is not.
 
 Work directory: ``--workdir`` is yours and stays. Without it the soak makes a
 temporary one (daemon data, fault plans, ledgers: tens to hundreds of MiB) and
@@ -79,6 +80,7 @@ from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.errors import (CapacityExceeded, InvalidRequest, KVStoreError, NotFound, StoreUnavailable,  # noqa: E402
                             Unrecoverable)
 from tools.cli_args import check_output_dir, check_output_file, integer, number, one_line  # noqa: E402
+from tools.soak_report import Progress, failures, pct, progress_path, write_progress  # noqa: E402
 
 OPS = {"put": 22, "put_many": 8, "put_ttl": 8, "get": 30, "get_other": 8, "lookup": 12, "delete": 5, "get_many": 6,
        "gc": 1}
@@ -90,21 +92,6 @@ def key_for(seed: int, client: int, i: int) -> bytes:
 
 def value_for(key: bytes) -> bytes:
     return hashlib.shake_128(key).digest(256 + key[0] * 8)
-
-
-def progress_path(work: Path, client: int) -> Path:
-    return work / f"progress-{client}.json"
-
-
-def write_progress(path: Path, c: Counter) -> None:
-    """A client's running counts for the controller's progress line (replaced atomically)."""
-    doc = {"ops": sum(v for k, v in c.items() if k.startswith("op_")),
-           "refused": c["unavailable"] + c["capacity_refused"],
-           "errors": c["unrecoverable"] + sum(v for k, v in c.items() if k.startswith("error_")),
-           "wrong_bytes": c["wrong_bytes"]}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- client process
@@ -318,8 +305,10 @@ def corrupt_files(r: random.Random, d: Path, n: int) -> int:
     return hit
 
 
-def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float, tick=lambda: None) -> dict:
-    """The fault schedule until ``end``; ``tick()`` is called once per step (the progress line)."""
+def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float, tick=lambda: None,
+          stop=lambda: False) -> dict:
+    """The fault schedule until ``end`` or until ``stop()`` is true (checked once per step, as
+    ``tick()``, the progress line, is called)."""
     r = random.Random(a.seed)
     active: list[tuple[float, int, int, str]] = []  # (until, shard, target, kind)
     damaged: dict[int, set[int]] = defaultdict(set)
@@ -344,7 +333,7 @@ def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float, ti
         except KVStoreError:
             repairs["failed_runs"] += 1
 
-    while time.time() < end:
+    while time.time() < end and not stop():
         tick()
         now = time.time()
         for f in [f for f in active if f[0] <= now]:
@@ -395,14 +384,6 @@ def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float, ti
 
 
 # ----------------------------------------------------------------------------- report
-def pct(xs: list[float]) -> dict:
-    if not xs:
-        return {"n": 0}
-    xs = sorted(xs)
-    at = lambda q: round(xs[min(len(xs) - 1, int(q * len(xs)))], 2)  # noqa: E731
-    return {"n": len(xs), "p50_ms": at(0.5), "p90_ms": at(0.9), "p99_ms": at(0.99)}
-
-
 def verify(urls: str, seed: int, ledgers: list[dict]) -> Counter:
     out: Counter[str] = Counter()
     with kvstore.connect(urls, timeout_s=30) as s:
@@ -420,31 +401,6 @@ def verify(urls: str, seed: int, ledgers: list[dict]) -> Counter:
                         elif expect == "deleted" and v is not None:
                             out["deleted_but_found"] += 1
     return out
-
-
-class Progress:
-    """A line on stderr every ``every`` seconds: the clients' summed progress files."""
-
-    def __init__(self, work: Path, clients: int, t_start: float, duration: float) -> None:
-        self.work, self.clients, self.t_start, self.duration = work, clients, t_start, duration
-        self.every = min(5.0, max(1.0, duration / 10))
-        self.next = t_start + self.every
-
-    def line(self, what: str) -> str:
-        tot: Counter[str] = Counter()
-        for c in range(self.clients):
-            try:
-                tot.update(json.loads(progress_path(self.work, c).read_text()))
-            except (OSError, ValueError):
-                pass  # not written yet
-        return (f"soak: {time.time() - self.t_start:.0f} s of {self.duration:g} s{what}: {tot['ops']} ops, "
-                f"{tot['refused']} refused (daemon down or target full), {tot['errors']} errors, "
-                f"{tot['wrong_bytes']} wrong bytes")
-
-    def __call__(self) -> None:
-        if time.time() >= self.next:
-            self.next = time.time() + self.every
-            print(self.line(""), file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -525,7 +481,17 @@ def run(a: argparse.Namespace, argv: list[str] | None, work: Path, shards: list,
     print(f"soak: {a.shards} shard(s) of {a.targets} faulty targets (EC {a.k}+{a.m}), {a.clients} client(s), "
           f"{a.duration:g} s; work directory {work}", file=sys.stderr, flush=True)
     progress = Progress(work, a.clients, t_start, a.duration)
-    ch = chaos(shards, fdir, a, end, progress)
+
+    def failed_client() -> int | None:
+        return next((c for c, p in enumerate(clients) if p.poll()), None)
+
+    # chaos stops early once a client died (or all are done): no point faulting daemons nobody uses
+    ch = chaos(shards, fdir, a, end, progress,
+               stop=lambda: failed_client() is not None or all(p.poll() is not None for p in clients))
+    c = failed_client()
+    if c is not None:
+        raise RuntimeError(f"client {c} exited with status {clients[c].returncode} after "
+                           f"{time.time() - t_start:.0f} s of {a.duration:g} s")
     for c, p in enumerate(clients):
         if p.wait(timeout=a.duration + 120):
             raise RuntimeError(f"client {c} exited with status {p.returncode}")
@@ -575,13 +541,13 @@ def run(a: argparse.Namespace, argv: list[str] | None, work: Path, shards: list,
         "latency": {ph: {op: pct(v) for op, v in sorted(d.items())} for ph, d in lat.items()},
         "workdir": str(work),
     }
-    failed = bool(report["wrong_bytes"] or report["acked_lost"])
+    failed = failures(report)
     report["workdir_kept"] = bool(a.workdir or a.keep or failed)
     if not report["workdir_kept"]:
         shutil.rmtree(work, ignore_errors=True)
     elif failed:
-        print(f"soak.py: error: {report['wrong_bytes']} wrong bytes, {report['acked_lost']} acknowledged keys lost; "
-              f"work directory kept for the post-mortem: {work}", file=sys.stderr)
+        print(f"soak.py: error: {', '.join(failed)}; work directory kept for the post-mortem: {work}",
+              file=sys.stderr)
     else:
         print(f"soak: work directory kept: {work}", file=sys.stderr)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tools.soak_report import failures  # noqa: E402
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["daemon-writes", "direct-writes"])
@@ -30,6 +32,7 @@ def test_short_soak_loses_nothing_and_never_lies(tmp_path, direct):
     assert out.exists(), r.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert r.returncode == 0, (rep, r.stderr[-3000:])
+    assert failures(rep) == []  # the tool's own definition of a failed run (its exit status)
     assert rep["wrong_bytes"] == 0
     assert rep["acked_lost"] == 0 and rep["deleted_but_found"] == 0
     assert rep["max_faulty_targets_per_shard"] <= rep["m"]

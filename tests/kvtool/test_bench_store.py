@@ -73,3 +73,26 @@ def test_the_ec_floor_peer_returns_what_was_put(tmp_path):
         assert len({os.path.getsize(tmp_path / f"t{i}") for i in range(6)}) == 1  # one share per file per put
     finally:
         peer.close()
+
+
+def test_a_peer_returning_wrong_bytes_for_a_later_batch_item_fails_the_run():
+    """Every value of a batch read back is compared, not only the first one."""
+    sys.path.insert(0, str(ROOT))
+    import pytest
+
+    from tools.bench_store import one_rep
+
+    class Garbling:
+        def __init__(self):
+            self.d = {}
+
+        def put_many(self, items):
+            self.d.update(items)
+
+        def get_many(self, keys):
+            return [self.d[k] if j == 0 else b"garbage" for j, k in enumerate(keys)]
+
+    keys = [i.to_bytes(4, "big") for i in range(8)]
+    vals = [os.urandom(64) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="wrong bytes"):
+        one_rep(Garbling(), "batch", keys, vals, batch=4)
