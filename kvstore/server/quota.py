@@ -17,7 +17,10 @@ Accounting, persistent across restarts (LMDB at ``<data_dir>/server/quota``)::
 The store also removes entries on its own (TTL expiry, capacity eviction, an
 entry marked lost), so rows may be stale: ``prune`` recomputes a tenant's total
 from its rows whose entries are still live. It runs when a put would go over,
-so a tenant is refused only when its *live* bytes plus the put are over quota.
+at most once per ``PRUNE_EVERY_S`` per tenant (it reads every row of the tenant under
+the daemon-wide quota lock), so a tenant is refused only when its *live* bytes plus the
+put are over quota, as of its last prune: entries that expired since free their bytes
+for puts within ``PRUNE_EVERY_S``.
 
 Invariant: ``total + reserved <= quota`` after every successful ``reserve``;
 reservations make concurrent puts of one tenant unable to overshoot together.
@@ -35,6 +38,7 @@ import hashlib
 import logging
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -43,6 +47,7 @@ import lmdb
 from kvstore.errors import CapacityExceeded
 
 log = logging.getLogger(__name__)
+PRUNE_EVERY_S = 2.0  # a tenant's rows are re-read at most this often (module docstring)
 _U64 = struct.Struct("<Q")
 
 
@@ -60,6 +65,7 @@ class TenantQuota:
         self.env = lmdb.open(str(path), map_size=1 << 30, sync=sync, max_dbs=1)
         self._lock = threading.Lock()
         self._reserved: dict[str, int] = {}
+        self._pruned_at: dict[str, float] = {}  # tenant -> monotonic time of its last prune
 
     def close(self) -> None:
         self.env.close()
@@ -91,12 +97,13 @@ class TenantQuota:
                         rows.append((bytes(k), _U64.unpack(v)[0]))
         live = self.live([k[16:] for k, _ in rows])
         total = sum(n for (_, n), ok in zip(rows, live) if ok)
-        with self.env.begin(write=True) as txn:
-            for (k, _), ok in zip(rows, live):
-                if not ok:
-                    txn.delete(k)
-            txn.put(tid, _U64.pack(total))
         dropped = sum(not ok for ok in live)
+        if dropped or total != self.used(tenant):
+            with self.env.begin(write=True) as txn:
+                for (k, _), ok in zip(rows, live):
+                    if not ok:
+                        txn.delete(k)
+                txn.put(tid, _U64.pack(total))
         if dropped:
             log.info("quota: %d stale rows of a tenant dropped (expired, evicted or lost)", dropped)
         return total
@@ -107,12 +114,21 @@ class TenantQuota:
         with self._lock:
             held = self._reserved.get(tenant, 0)
             if self.used(tenant) + held + nbytes > self.quota:
-                if self.prune(tenant) + held + nbytes > self.quota:
+                # A prune reads every row of the tenant under this daemon-wide lock: at most one
+                # per PRUNE_EVERY_S per tenant, so a tenant hammering its full quota with refused
+                # puts does not stall every other tenant's puts (QA: 0.35 s per refusal at 40k rows).
+                last = self._pruned_at.get(tenant)
+                fresh = last is not None and time.monotonic() - last < PRUNE_EVERY_S
+                if fresh or self._prune_now(tenant) + held + nbytes > self.quota:
                     raise CapacityExceeded(
                         f"tenant quota exceeded: this put needs {nbytes} bytes and the tenant holds "
                         f"{self.used(tenant) + held} of its tenant_quota_bytes={self.quota}; delete "
                         "entries or ask the operator for a larger quota")
             self._reserved[tenant] = held + nbytes
+
+    def _prune_now(self, tenant: str) -> int:
+        self._pruned_at[tenant] = time.monotonic()
+        return self.prune(tenant)
 
     def cancel(self, tenant: str, nbytes: int) -> None:
         with self._lock:

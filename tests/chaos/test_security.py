@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvstore
+from kvstore.server.quota import PRUNE_EVERY_S
 from kvstore import CapacityExceeded, InvalidRequest, PutItem
 from kvstore.config import TargetSpec
 from kvstore.keys import BlockHasher, Namespace, check_key
@@ -225,9 +226,31 @@ def test_a_tenant_cannot_exhaust_another_tenants_capacity(tmp_path, tokens_file)
         with kvstore.connect(d.address, token=TOK_A) as a:
             with pytest.raises(CapacityExceeded):
                 a.put(K(60), V(60, 4000))
-            time.sleep(0.4)  # the TTL entry expired: the quota is recomputed from live entries
+            # The TTL entry expired: the quota is recomputed from live entries, at the next
+            # prune (at most one per PRUNE_EVERY_S per tenant; the refusal above pruned).
+            time.sleep(PRUNE_EVERY_S + 0.2)
             assert a.put(K(61), b"z" * 1000)
             assert [a.get(K(i)) for i in range(1, 7)] == [V(i, 4000) for i in range(1, 7)]
         assert d.store.check() == []
+    finally:
+        d.stop(grace_s=1)
+
+
+def test_refused_puts_of_a_full_tenant_do_not_rescan_its_rows_each_time(tmp_path, tokens_file, monkeypatch):
+    """Every put refused as over quota re-read all the tenant's rows under the daemon-wide
+    quota lock (QA: 0.35 s per refusal at 40k rows, other tenants' puts waiting seconds); now
+    at most one prune per PRUNE_EVERY_S per tenant."""
+    d = _daemon(tmp_path, tokens_file=tokens_file, tenant_quota_bytes=10_000)
+    calls = []
+    real = d.quota.prune
+    monkeypatch.setattr(d.quota, "prune", lambda tenant: calls.append(tenant) or real(tenant))
+    try:
+        with kvstore.connect(d.address, token=TOK_A) as a, kvstore.connect(d.address, token=TOK_B) as b:
+            assert a.put(K(1), V(1, 9000))
+            for i in range(20):
+                with pytest.raises(CapacityExceeded):
+                    a.put(K(100 + i), V(i, 4000))
+            assert len(calls) == 1
+            assert b.put(K(1), V(1, 4000))  # the other tenant is unaffected
     finally:
         d.stop(grace_s=1)
