@@ -319,8 +319,12 @@ class ObjectTarget(Target):
 
     @_asking
     def _root_exists(self) -> bool:
+        where = self.root.split("/", 1)[0] if self.spec.url.startswith(("s3", "gs")) else self.root
         try:
-            self.fs.ls(self.root.split("/", 1)[0] if self.spec.url.startswith(("s3", "gs")) else self.root)
+            # Asked of the store, not of fsspec's listing cache: a bucket deleted since a walk
+            # or listing still answered from the cache, so stats showed a gone target up (QA).
+            self.fs.invalidate_cache(where)
+            self.fs.ls(where)
             return True
         except FileNotFoundError:  # no such bucket
             return self.spec.url.startswith("memory")

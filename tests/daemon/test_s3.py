@@ -97,7 +97,10 @@ def test_s3_round_trip_lose_a_bucket_and_repair(s3_store) -> None:
     assert all(store.get(K(i)) == v for i, v in vals.items())
     assert store.check() == []
 
+    list(store.targets["kv-b-p0"].walk())  # fill fsspec's listing cache
     _drop_bucket(client, "kv-b")  # a whole bucket (2 of 6 targets) is gone
+    down = {t["name"] for t in store.stats()["targets"] if not t["up"]}
+    assert len(down) == 2, store.stats()["targets"]  # seen, not answered from a stale listing
     before = store.counters["degraded_reads"]
     assert all(store.get(K(i)) == v for i, v in vals.items())  # degraded reads, still correct
     assert store.counters["degraded_reads"] - before == len(vals)
