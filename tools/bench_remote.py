@@ -182,14 +182,16 @@ def run_mooncake(sizes: list[int], n: int, batch: int, python: str) -> dict:
     master = bindir / "mooncake_master"
     if not master.exists():
         return {"skipped": f"{master} missing"}
-    rpc, http = _free_port(), _free_port()
+    rpc, http, metrics = _free_port(), _free_port(), _free_port()
     meta, addr = f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"
     peer = str(Path(__file__).resolve().parent / "mooncake_peer.py")
     procs = []
     try:
         procs.append(subprocess.Popen([str(master), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
                                        "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
-                                       "--http_metadata_server_host=127.0.0.1"],
+                                       "--http_metadata_server_host=127.0.0.1",
+                                       # its metrics server listens on 0.0.0.0:9003 unless told
+                                       "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(1.5)
         st = subprocess.Popen([python, peer, "storage", meta, addr, "600"], stdout=subprocess.PIPE,
