@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from kvstore.server.service import Daemon
+    from kvstore.server.service import Daemon, host_port
 
     logging.basicConfig(level=_log_level(args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -89,7 +89,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     line = f"kvstore serving {daemon.address} data {store_cfg.data_dir}"
     if daemon.metrics.port is not None:
-        line += f" metrics http://{server_cfg.host}:{daemon.metrics.port}/metrics"
+        line += f" metrics http://{host_port(server_cfg.host, daemon.metrics.port)}/metrics"
     print(line, flush=True)
     while not stop.wait(1.0):
         pass

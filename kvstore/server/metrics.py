@@ -116,7 +116,9 @@ class DaemonMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint; returns the bound port (``port=0`` picks one)."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        # "[::1]" as in URLs and as gRPC takes it; the HTTP server wants the bare address
+        addr = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        server, thread = start_http_server(port, addr=addr, registry=self.registry)
         self._http = (server, thread)
         self.port = server.server_address[1]
         return self.port

@@ -90,6 +90,11 @@ GET_STREAM_CHUNK_BYTES = 1 << 20
 STOP_EXTRA_S = 5.0  # ``Daemon.stop`` ends within this long after the drain grace
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port``, a bare IPv6 address (``::1``) in brackets, as gRPC and URLs spell it."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def _serialize(msg: Any) -> bytes:
     """Reply serializer: hand-encoded replies (``wire.encode_*``) are bytes already."""
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
@@ -212,7 +217,7 @@ class Daemon(DirectRPC, AdminRPC):
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        bind = f"{server_cfg.host}:{server_cfg.port}"
+        bind = host_port(server_cfg.host, server_cfg.port)
         try:
             if port_taken(server_cfg.host, server_cfg.port):  # refused below, before gRPC logs its own line
                 self.port = 0
@@ -246,7 +251,7 @@ class Daemon(DirectRPC, AdminRPC):
     @property
     def address(self) -> str:
         scheme = "grpcs" if self.cfg.tls else "grpc"
-        return f"{scheme}://{self.cfg.host}:{self.port}"
+        return f"{scheme}://{host_port(self.cfg.host, self.port)}"
 
     def start(self) -> "Daemon":
         """Serve: gRPC, then metrics, then GC. If the metrics port cannot be bound, what was

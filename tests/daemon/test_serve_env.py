@@ -245,3 +245,41 @@ def test_serve_refuses_a_quoted_port_in_the_file_in_one_line(tmp_path) -> None:
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "'port'" in lines[0] and "an integer" in lines[0], lines
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize("host", ["[::1]", "::1"])
+def test_serve_on_ipv6_loopback_with_metrics(host) -> None:
+    """``--host [::1]`` failed to start the metrics endpoint (the brackets went to the HTTP
+    server) and ``--host ::1`` was refused ('::1:0' is no address); both now serve gRPC and
+    metrics on ::1 and print bracketed URLs."""
+    import socket as _socket
+    import subprocess
+    import sys
+    import tempfile
+    import urllib.request
+
+    import kvstore
+
+    if not _socket.has_ipv6:
+        pytest.skip("no IPv6")
+    try:
+        with _socket.socket(_socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with tempfile.TemporaryDirectory() as d:
+        p = subprocess.Popen([sys.executable, "-m", "kvstore.server.cli", "serve", "--data-dir", d, "--port", "0",
+                              "--metrics-port", "0", "--host", host, "--log-level", "WARNING"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = p.stdout.readline()
+            assert line.startswith("kvstore serving grpc://[::1]:"), (line, p.stderr.read() if p.poll() else "")
+            metrics = line.split(" metrics ")[1].strip()
+            assert metrics.startswith("http://[::1]:")
+            with kvstore.connect(line.split()[2]) as s:
+                assert s.put(b"6" * 16, b"v") and s.get(b"6" * 16) == b"v"
+            body = urllib.request.urlopen(metrics, timeout=10).read().decode()
+            assert 'kvstore_requests_total{code="OK",method="Put"} 1.0' in body
+        finally:
+            p.terminate()
+            p.wait(30)
