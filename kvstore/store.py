@@ -526,7 +526,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
     @in_flight
     def stats(self) -> dict:
-        from kvstore.maintenance import stats
+        from kvstore.store_stats import stats
 
         self._check_open()
         return stats(self)

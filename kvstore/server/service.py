@@ -32,6 +32,7 @@ serializing plus ~28 ms in gRPC (one message, many slices) against ~10 ms for
 16 streamed 1 MiB messages (tools/bench_remote.py; profile in its docstring).
 Values are hand-encoded (``wire.encode_*``): one copy each instead of two.
 
+The data calls' handlers (put, get, delete, pin, lookup, probe): ``kvstore.server.data_rpc``.
 Direct reads and writes (``Describe``, ``Locate``, ``Commit``): ``kvstore.server.direct_rpc``.
 
 Maintenance and inspection (``Stats``, ``Gc``, ``Check``, ``Repair``, ``Inspect``):
@@ -51,20 +52,19 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import wait
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.api import EntryKind, LookupResult, PutItem
+from kvstore.api import EntryKind, PutItem
 from kvstore.config import StoreConfig
 from kvstore.executors import DaemonExecutor
-from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound, StoreUnavailable, Unrecoverable
+from kvstore.errors import InternalError, InvalidRequest, KVStoreError
 from kvstore.fragments import MAX_TTL_S
 from kvstore.index import ekey
 from kvstore.keys import check_key, check_keys
@@ -72,21 +72,16 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
 from kvstore.server.config import ServerConfig, port_taken
 from kvstore.server.admin_rpc import AdminRPC
+from kvstore.server.data_rpc import DataRPC
 from kvstore.server.direct_rpc import DirectRPC
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
 from kvstore.server.wire import (INDEX_KEY_METHODS, MD_INDEX_KEYS, MD_STREAM_ITEMS, BatchTooLarge, RequestTooLarge,
-                                 details_of, encode_get_chunk, encode_get_reply, kind_or_default, layout_from_pb,
-                                 status_of)
+                                 details_of, kind_or_default, layout_from_pb, status_of)
 
 log = logging.getLogger(__name__)
 
 SERVICE = "kvstore.v1.KVStore"
-# GetStream: keys per store.get_many (a window; the next is read while this one is sent), and
-# the most value bytes packed into one GetChunk (per-message cost matters for small values;
-# one message per value for large ones). Measured with tools/bench_remote.py.
-GET_STREAM_WINDOW = 8
-GET_STREAM_CHUNK_BYTES = 1 << 20
 STOP_EXTRA_S = 5.0  # ``Daemon.stop`` ends within this long after the drain grace
 
 
@@ -111,14 +106,7 @@ class _Method:
     admin: bool = False
 
 
-def _lookup_pb(r: LookupResult) -> pb.LookupReply:
-    out = pb.LookupReply(hit_blocks=r.hit_blocks)
-    if r.swa_at is not None:
-        out.swa_at = r.swa_at
-    return out
-
-
-class Daemon(DirectRPC, AdminRPC):
+class Daemon(DataRPC, DirectRPC, AdminRPC):
     """One daemon: a gRPC server, its store, metrics and the GC thread. Thread-safe.
 
     The daemon owns its store (one passed as ``store`` too): ``stop()`` closes it, and so
@@ -533,161 +521,3 @@ class Daemon(DirectRPC, AdminRPC):
     def _forget(self, tenant: Tenant, deleted: list[tuple[bytes, str]]) -> None:
         if self.quota is not None and deleted:
             self.quota.forget(tenant.name, [ekey(EntryKind.parse(kind).code, key) for key, kind in deleted])
-
-    # ------------------------------------------------------------------ handlers
-    def _put(self, r: pb.PutRequest, tenant: Tenant) -> pb.PutReply:
-        created = self._store_put([self._item(r, tenant)], tenant)[0]
-        if created:
-            self.metrics.bytes_in.inc(len(r.value))
-        return pb.PutReply(created=created)
-
-    def _put_many(self, r: pb.PutManyRequest, tenant: Tenant) -> pb.PutManyReply:
-        return self._put_items(r.items, tenant)
-
-    def _put_stream(self, reqs: list[pb.PutRequest], tenant: Tenant) -> pb.PutManyReply:
-        return self._put_items(reqs, tenant)
-
-    def _put_items(self, reqs: Sequence[pb.PutRequest], tenant: Tenant) -> pb.PutManyReply:
-        """PutMany and PutStream: validate every item, then one store.put_many (a bad batch stores nothing)."""
-        self._batch(len(reqs), "put_many")
-        created = self._store_put([self._item(it, tenant) for it in reqs], tenant)
-        self.metrics.bytes_in.inc(sum(len(it.value) for it, c in zip(reqs, created) if c))
-        return pb.PutManyReply(created=created)
-
-    def _get(self, r: pb.KeyRequest, tenant: Tenant) -> bytes:
-        kind = kind_or_default(r.kind)
-        key = self._key(tenant, r.key)
-        try:
-            e = self.store.get_entry(key, kind=kind)
-        except NotFound as exc:  # named by the client's key, not the tenant's stored one
-            self.metrics.hit("get", kind, False)
-            raise NotFound(str(exc).replace(key.hex(), r.key.hex())) from None
-        except Unrecoverable as exc:
-            self.metrics.hit("get", kind, False)  # no value returned: a miss, as get_many counts it
-            if tenant.admin:
-                raise Unrecoverable(str(exc).replace(key.hex(), r.key.hex()), key=r.key,
-                                    failed_targets=exc.failed_targets) from None
-            # Target names may spell bucket and mount paths: an admin's to see (as in Inspect).
-            raise Unrecoverable(
-                f"entry {r.key.hex()} ({kind}) is lost: {len(exc.failed_targets)} of its fragments failed and "
-                "too few are left to rebuild it; an admin can bring the targets back and run `kvtool repair`",
-                key=r.key) from None
-        except StoreUnavailable:
-            self.metrics.hit("get", kind, False)
-            if tenant.admin:
-                raise
-            raise StoreUnavailable(f"entry {r.key.hex()} ({kind}) cannot be read now: too many of its targets "
-                                   "are unavailable; nothing is marked lost, retry later") from None
-        self.metrics.hit("get", kind, True)
-        self.metrics.bytes_out.inc(len(e.data))
-        return encode_get_reply(e.data, e.layout, e.tokens, e.kind.value)  # one copy of the value, not two
-
-    def _get_many(self, r: pb.GetManyRequest, tenant: Tenant) -> pb.GetManyReply:
-        self._batch(len(r.keys), "get_many")
-        kind = kind_or_default(r.kind)
-        keys = self._keys(tenant, r.keys)
-        # Read a window at a time and stop once the reply would be over max_message_bytes: the
-        # values are held until the one reply is built, so a key repeated 4096 times must not
-        # decode 4096 values first (QA: 100 x 3 MiB took ~800 MiB before gRPC refused the reply).
-        vals: list[bytes | None] = []
-        total = 0
-        for i in range(0, len(keys), GET_STREAM_WINDOW):
-            got = self.store.get_many(keys[i:i + GET_STREAM_WINDOW], kind=kind)
-            total += sum(len(v) for v in got if v is not None)
-            if total > self.cfg.max_message_bytes:
-                raise RequestTooLarge(
-                    f"GetMany reply of more than {self.cfg.max_message_bytes} bytes is over the daemon's "
-                    "max_message_bytes; read through GetStream (kvstore.remote does) or ask for fewer keys")
-            vals += got
-        hits = sum(v is not None for v in vals)
-        self.metrics.hit("get", kind, True, hits)
-        self.metrics.hit("get", kind, False, len(vals) - hits)
-        self.metrics.bytes_out.inc(sum(len(v) for v in vals if v is not None))
-        return pb.GetManyReply(values=[pb.MaybeValue(found=False) if v is None else pb.MaybeValue(found=True, value=v)
-                                       for v in vals])
-
-    def _get_stream(self, r: pb.GetManyRequest, tenant: Tenant) -> Iterator[bytes]:
-        """``get_many`` as a stream of ``GetChunk``: window k+1 is read while window k is sent.
-
-        Every key is validated before the first read. A window is one ``store.get_many``
-        (one index read, the store's own batch parallelism), run on ``_read_pool`` one
-        window ahead of the sender, so disk/decode work overlaps gRPC's sending; at most
-        two windows are held. A window's values go out in chunks of up to
-        ``GET_STREAM_CHUNK_BYTES`` and the message limit (one value per chunk when values are that large).
-        """
-        self._batch(len(r.keys), "get_many")
-        kind = kind_or_default(r.kind)
-        keys = self._keys(tenant, r.keys)
-        starts = list(range(0, len(keys), GET_STREAM_WINDOW))
-        # within the message limit too (a daemon may set it below a chunk; 4 KiB for framing)
-        chunk_bytes = min(GET_STREAM_CHUNK_BYTES, self.cfg.max_message_bytes - 4096)
-
-        def read(start: int) -> list[bytes | None]:
-            return self.store.get_many(keys[start:start + GET_STREAM_WINDOW], kind=kind)
-
-        pending = self._read_pool.submit(read, starts[0]) if starts else None
-        try:
-            for n, start in enumerate(starts):
-                vals = pending.result()
-                pending = self._read_pool.submit(read, starts[n + 1]) if n + 1 < len(starts) else None
-                hits = sum(v is not None for v in vals)
-                self.metrics.hit("get", kind, True, hits)
-                self.metrics.hit("get", kind, False, len(vals) - hits)
-                self.metrics.bytes_out.inc(sum(len(v) for v in vals if v is not None))
-                first, size = 0, 0
-                for j, v in enumerate(vals):
-                    n_bytes = 0 if v is None else len(v)
-                    if j > first and size + n_bytes > chunk_bytes:
-                        yield encode_get_chunk(start + first, vals[first:j])
-                        first, size = j, 0
-                    size += n_bytes
-                yield encode_get_chunk(start + first, vals[first:])
-        finally:
-            if pending is not None:  # the client went away: let the read in flight finish before releasing
-                wait([pending])
-
-    def _one(self, op: str) -> Callable[[pb.KeyRequest, Tenant], pb.BoolReply]:
-        def handler(r: pb.KeyRequest, tenant: Tenant) -> pb.BoolReply:
-            key, kind = self._key(tenant, r.key), kind_or_default(r.kind)
-            ok = getattr(self.store, op)(key, kind=kind)
-            if ok and op == "delete":
-                self._forget(tenant, [(key, kind)])
-            return pb.BoolReply(ok=ok)
-        return handler
-
-    def _many(self, op: str) -> Callable[[pb.KeysRequest, Tenant], pb.BoolsReply]:
-        def handler(r: pb.KeysRequest, tenant: Tenant) -> pb.BoolsReply:
-            self._batch(len(r.keys), f"{op}_many")
-            # Validate every key and kind before applying any: a bad item changes nothing.
-            args = [(self._key(tenant, k.key), EntryKind.parse(kind_or_default(k.kind)).value) for k in r.keys]
-            fn = getattr(self.store, op)
-            oks = [fn(key, kind=kind) for key, kind in args]
-            if op == "delete":
-                self._forget(tenant, [a for a, ok in zip(args, oks) if ok])
-            return pb.BoolsReply(ok=oks)
-        return handler
-
-    def _lookup_one(self, keys: Any, tenant: Tenant) -> LookupResult:
-        self._batch(len(keys), "lookup chain")
-        res = self.store.lookup(self._keys(tenant, keys))
-        self.metrics.hit("lookup", "block", res.hit_blocks > 0)
-        self.metrics.hit("lookup", "swa", res.swa_at is not None)
-        return res
-
-    def _lookup(self, r: pb.LookupRequest, tenant: Tenant) -> pb.LookupReply:
-        return _lookup_pb(self._lookup_one(r.keys, tenant))
-
-    def _lookup_many(self, r: pb.LookupManyRequest, tenant: Tenant) -> pb.LookupManyReply:
-        self._batch(len(r.chains), "lookup_many")
-        self._batch(sum(len(c.keys) for c in r.chains), "lookup_many (keys in all chains)")
-        return pb.LookupManyReply(results=[_lookup_pb(self._lookup_one(c.keys, tenant)) for c in r.chains])
-
-    def _probe(self, r: pb.ProbeRequest, tenant: Tenant) -> pb.ProbeReply:
-        self._batch(len(r.keys), "probe")
-        self._batch(len(r.chain_ends), "probe chains")
-        block, swa = self.store.probe(self._keys(tenant, r.keys), until_miss=r.until_miss,
-                                      chain_ends=list(r.chain_ends) if r.chain_ends else None)
-        self.metrics.hit("probe", "block", 1 in block, bool(block))
-        self.metrics.hit("probe", "swa", 1 in swa, bool(block))
-        return pb.ProbeReply(block=block, swa=swa)
-

@@ -17,7 +17,7 @@ import pytest
 import kvstore
 from kvstore import InvalidRequest, Layout, PutItem
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.server.service import GET_STREAM_CHUNK_BYTES, GET_STREAM_WINDOW
+from kvstore.server.data_rpc import GET_STREAM_CHUNK_BYTES, GET_STREAM_WINDOW
 from kvstore.server.wire import MD_STREAM_ITEMS, RequestTooLarge, encode_get_chunk, encode_get_reply, put_parts
 
 
