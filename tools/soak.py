@@ -36,7 +36,8 @@ Final pass: all faults cleared, every shard repaired, then every acknowledged,
 undeleted, non-TTL key is read back: ``acked_lost`` (must be 0) and
 ``wrong_bytes`` (must be 0, counted during the run too); also ``deleted_but_found``,
 ``acked_missing_during_run`` (client counts) must be 0 and ``check_after_repair`` hold
-nothing but orphan fragments (a killed daemon's in-flight puts; GC sweeps them) (``failures``). Output: JSON to ``--out``; exit 1 if any of them is not.
+nothing but orphan fragments (a killed daemon's in-flight puts; GC sweeps them)
+(``failures``). Output: JSON to ``--out``; exit 1 if any of them is not.
 
 Work directory: ``--workdir`` is yours and stays. Without it the soak makes a
 temporary one (daemon data, fault plans, ledgers: tens to hundreds of MiB) and
