@@ -53,13 +53,10 @@ batch comes: a single put or a one-piece batch sends no extra call (the daemon r
 those whole). A daemon that does not say (one that predates it: ``Describe`` UNIMPLEMENTED,
 or no limit in its answer) is not asked again, and its batches are checked as before: an
 over-limit value then fails its own piece, after the earlier pieces were stored.
-``get_many_into`` likewise checks every buffer (writable, contiguous, then large enough
-for every value, in the caller's numbering) before it writes into any.
+``get_many_into`` likewise checks every buffer (writable, contiguous, large enough) first.
 
-Closing: ``close`` may race calls in flight on other threads. Such a call, and any call
-after it, raises ``StoreClosed``; never gRPC's own errors (a closed channel's
-``ValueError``, a cancelled call's ``StoreUnavailable``) nor those of the direct paths'
-stopped workers.
+Closing: a call racing ``close`` on another thread, and any call after it, raises
+``StoreClosed``, never gRPC's own errors nor those of the direct paths' stopped workers.
 
 The daemon's own limit is learned, not configured twice: a daemon refuses a batch
 over its ``max_batch_items`` with ``wire.BatchTooLarge`` carrying that limit, before
@@ -179,6 +176,11 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
         if self._closed:
             raise self._closed_error()
 
+    def _raise_if_closed(self, err: Exception) -> None:
+        """``StoreClosed`` when closed under a call and ``err`` is not a typed error."""
+        if self._closed and not isinstance(err, KVStoreError):
+            raise self._closed_error() from err
+
     def _typed(self, err: grpc.RpcError, where: str, timeout: float | None = None) -> KVStoreError:
         """``error_from_rpc``, except that a call cut off because this client was closed
         (cancelled, or its channel gone: ``StoreUnavailable``) is ``StoreClosed``. An error the
@@ -195,8 +197,7 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
         except grpc.RpcError as err:
             raise self._typed(err, f"{method} on {self.url}", timeout) from err
         except ValueError as err:  # gRPC: "Cannot invoke RPC: Channel closed!" (close() raced this call)
-            if self._closed and not isinstance(err, KVStoreError):
-                raise self._closed_error() from err
+            self._raise_if_closed(err)
             raise
 
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -204,11 +205,12 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
         failure there (its workers stopped under it, its channel gone) is ``StoreClosed``."""
         try:
             return fn(*args)
-        except StoreClosed:
+        except StoreUnavailable as exc:
+            if self._closed:
+                raise self._closed_error() from exc
             raise
         except Exception as exc:
-            if self._closed and (isinstance(exc, StoreUnavailable) or not isinstance(exc, KVStoreError)):
-                raise self._closed_error() from exc
+            self._raise_if_closed(exc)  # StoreClosed and the other typed errors pass through
             raise
 
     def _unimplemented(self, err: grpc.RpcError) -> bool:
@@ -390,8 +392,7 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
                 raise _Unimplemented(method) from err
             raise self._typed(err, f"{method} on {self.url}") from err
         except ValueError as err:  # gRPC: "Cannot invoke RPC: Channel closed!" (close() raced this call)
-            if self._closed and not isinstance(err, KVStoreError):
-                raise self._closed_error() from err
+            self._raise_if_closed(err)
             raise
 
     @staticmethod
