@@ -110,9 +110,11 @@ def test_kvtool_deletes_what_inspect_names(make_daemon, tokens_file) -> None:
     d = make_daemon(tokens_file=tokens_file)
     a, b, ops = (kvstore.connect(d.address, token=t) for t in (TOK_A, TOK_B, TOK_OPS))
     a.put_many([PutItem(K(i), b"A%d" % i) for i in range(3)])
+    tenant = d.tokens.tenants_by_token[TOK_A.encode()]
+    stored = [tenant.store_key(K(i)) for i in range(3)]  # stored[i] is K(i)'s index key
     with d.store.index.env.begin() as txn:
-        stored = sorted(bytes(k[1:]) for k, _ in d.store.index.iter_db(txn, "entries"))
-    assert len(stored) == 3 and K(0) not in stored
+        assert sorted(bytes(k[1:]) for k, _ in d.store.index.iter_db(txn, "entries")) == sorted(stored)
+    assert K(0) not in stored
     assert [v["state"] for v in ops.inspect_entries(stored)] == ["live"] * 3
     assert b.delete_index_keys(stored + [K(0)]) == [False] * 4  # B reaches neither A's index keys nor A's keys
     assert ops.delete(stored[0]) is False  # the plain API: the admin's own namespace, as its puts
