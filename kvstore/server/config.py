@@ -72,6 +72,10 @@ class ServerConfig:
     # A PutStream not wholly received within this long is cancelled, freeing its handler thread
     # and admission slot (a client sending slowly, or not at all, holds neither for ever); 0: no bound.
     stream_receive_s: float = 60.0
+    # A GetStream whose client takes no message for this long is cancelled (gRPC holds the
+    # handler thread and admission slot until each message is taken: a client that stops
+    # reading would hold them for ever); time spent reading the store does not count. 0: no bound.
+    stream_send_s: float = 60.0
     tls_cert: str = ""  # PEM certificate chain of the daemon; empty: plaintext
     tls_key: str = ""
     tls_client_ca: str = ""  # set: mutual TLS, clients need a cert signed by this CA
@@ -92,7 +96,7 @@ class ServerConfig:
                                  "max_batch_items >= 1")
         if self.max_concurrent_requests < 1 or self.max_concurrent_per_tenant < 1 or self.workers < 1:
             raise InvalidRequest("concurrency limits and workers must be >= 1")
-        for name in ("gc_interval_s", "drain_s", "stream_receive_s"):
+        for name in ("gc_interval_s", "drain_s", "stream_receive_s", "stream_send_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and 0 <= v <= MAX_SECONDS):  # nan fails every comparison: check it
                 raise InvalidRequest(f"{name} must be a finite number of seconds in [0, {MAX_SECONDS:.0e}], "

@@ -76,6 +76,7 @@ from kvstore.server.data_rpc import DataRPC
 from kvstore.server.direct_rpc import DirectRPC
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
+from kvstore.server.watchdog import Watchdog
 from kvstore.server.wire import (INDEX_KEY_METHODS, MD_INDEX_KEYS, MD_STREAM_ITEMS, BatchTooLarge, RequestTooLarge,
                                  details_of, kind_or_default, layout_from_pb, status_of)
 
@@ -88,6 +89,14 @@ STOP_EXTRA_S = 5.0  # ``Daemon.stop`` ends within this long after the drain grac
 def host_port(host: str, port: int) -> str:
     """``host:port``, a bare IPv6 address (``::1``) in brackets, as gRPC and URLs spell it."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _cut(context: grpc.ServicerContext, why: str) -> Callable[[], None]:
+    """A stream bound's action (``Watchdog.arm``): say why, then cancel the call."""
+    def fire() -> None:
+        log.warning("%s: cancelling the call from %s", why, context.peer())
+        context.cancel()
+    return fire
 
 
 def _serialize(msg: Any) -> bytes:
@@ -130,6 +139,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         self.quota: TenantQuota | None = None
         self._pool: DaemonExecutor | None = None
         self._read_pool: DaemonExecutor | None = None
+        self._watchdog: Watchdog | None = None  # started by start(): the streams' time bounds
         self.server: grpc.Server | None = None
         try:
             self._build(server_cfg, store_cfg, tls_files)
@@ -244,6 +254,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
     def start(self) -> "Daemon":
         """Serve: gRPC, then metrics, then GC. If the metrics port cannot be bound, what was
         started is stopped and the store closed before ``InvalidRequest`` is raised."""
+        self._watchdog = Watchdog()
         self.server.start()
         if self.cfg.metrics_port >= 0:
             try:
@@ -283,6 +294,8 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         self.metrics.close()
         for pool in (self._pool, self._read_pool):
             pool.shutdown(wait=True, timeout_s=left())
+        if self._watchdog is not None:
+            self._watchdog.close()
         self.store.close(wait_s=left())
         if self.quota is not None:
             self.quota.close()
@@ -381,7 +394,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
                 tenant = self._tenant(name, m, context)
                 req = self._parse(name, m, raw)
                 with self._admitted(tenant):
-                    yield from m.handler(req, tenant)
+                    yield from self._send_bound(m.handler(req, tenant), context)
 
         return behaviour
 
@@ -413,13 +426,30 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         if not self.cfg.stream_receive_s:
             yield
             return
-        timer = threading.Timer(self.cfg.stream_receive_s, context.cancel)
-        timer.daemon = True
-        timer.start()
+        token = object()
+        self._watchdog.arm(token, self.cfg.stream_receive_s, _cut(
+            context, f"PutStream not wholly received within stream_receive_s = {self.cfg.stream_receive_s:g} s"))
         try:
             yield
         finally:
-            timer.cancel()
+            self._watchdog.disarm(token)
+
+    def _send_bound(self, msgs: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """``msgs``, the call cancelled when its client takes none of them for ``stream_send_s``
+        (0: no bound). gRPC resumes this generator only once the client has taken the message
+        it yielded, so the wait is armed over each ``yield`` alone: reading the store does not count."""
+        if not self.cfg.stream_send_s:
+            yield from msgs
+            return
+        token, cut = object(), _cut(context, f"GetStream's client took no message for stream_send_s = "
+                                             f"{self.cfg.stream_send_s:g} s")
+        try:
+            for msg in msgs:
+                self._watchdog.arm(token, self.cfg.stream_send_s, cut)
+                yield msg
+                self._watchdog.disarm(token)
+        finally:
+            self._watchdog.disarm(token)
 
     def _receive(self, name: str, m: _Method, raws: Iterator[bytes], declared: int | None,
                  context: grpc.ServicerContext) -> list[Any]:
