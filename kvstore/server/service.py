@@ -22,8 +22,9 @@ the limit learns it from the refusal and resends the batch in pieces (``kvstore.
 
 The two streaming batch forms take the same steps: ``GetStream`` validates
 every key first, then reads the keys a window (``GET_STREAM_WINDOW``) at a
-time and sends each value as its own ``GetChunk`` (its admission slot held
-until the stream ends); ``PutStream`` is admitted, then receives and parses every
+time and sends the values in ``GetChunk`` messages (its admission slot held
+until the stream ends; cut when its client takes no message for ``stream_send_s``,
+``Watchdog``); ``PutStream`` is admitted, then receives and parses every
 item (bounded by ``max_batch_items``, in total bytes by ``max_message_bytes``, and in
 time by ``stream_receive_s``), then stores them with one ``put_many`` exactly as PutMany does; a
 stream short of the item count its client declared (``wire.MD_STREAM_ITEMS``) stores nothing.
