@@ -56,7 +56,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -435,7 +435,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         finally:
             self._watchdog.disarm(token)
 
-    def _send_bound(self, msgs: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _send_bound(self, msgs: Generator[bytes, None, None], context: grpc.ServicerContext) -> Iterator[bytes]:
         """``msgs``, the call cancelled when its client takes none of them for ``stream_send_s``
         (0: no bound). gRPC resumes this generator only once the client has taken the message
         it yielded, so the wait is armed over each ``yield`` alone: reading the store does not count."""
@@ -451,6 +451,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
                 self._watchdog.disarm(token)
         finally:
             self._watchdog.disarm(token)
+            msgs.close()  # cut or gone: the handler's own cleanup runs now, as ``yield from`` would
 
     def _receive(self, name: str, m: _Method, raws: Iterator[bytes], declared: int | None,
                  context: grpc.ServicerContext) -> list[Any]:
