@@ -203,7 +203,9 @@ class DirectWrites(DirectPath):
         for i, it in enumerate(items):  # validated before anything is written (step 2)
             ek = bytes((EntryKind.parse(it.kind).code,)) + check_key(it.key)
             stored.append(PutItem(w.stored_key(ek[1:]), it.value, it.kind, it.ttl_s, it.layout, it.tokens))
-            if ek not in seen:
+            if ek in seen:  # stored once, but refused like any item (over max_value_bytes too), as put_many is
+                w._checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
+            else:
                 seen.add(ek)
                 todo.append(i)
         encs: dict[int, Any] = {}

@@ -223,6 +223,7 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
     # ------------------------------------------------------------------ writes
     def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
             layout: Layout | None = None, tokens: int = 0) -> bool:
+        self._check_open()  # first, as the embedded store: a closed store says so whatever the item
         item = PutItem(key, value, kind, ttl_s, layout, tokens)
         if self._direct_w is not None:
             return self.put_many([item])[0]
@@ -403,6 +404,7 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
 
     # ------------------------------------------------------------------ reads
     def get_entry(self, key: bytes, *, kind: str = "block") -> Entry:
+        self._check_open()
         k = EntryKind.parse(kind)  # the kind first, as the embedded store
         key = check_key(key)
         if self._direct is not None:
@@ -447,10 +449,10 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
         before the first byte is written (``finish_into``). The errors name ``outs[i]`` as
         the embedded store does."""
         self._check_open()
+        keys = check_keys(keys)
         if len(outs) != len(keys):
             raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
         k = EntryKind.parse(kind)
-        keys = [check_key(x) for x in keys]
         views = [writable_view(o, f"outs[{i}]") for i, o in enumerate(outs)]
         if not keys:
             return []
@@ -526,6 +528,7 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
 
     # ------------------------------------------------------------------ delete, pin
     def _one(self, method: str, key: bytes, kind: str) -> bool:
+        self._check_open()
         k = EntryKind.parse(kind).value  # the kind first, as the embedded store
         return self._call(method, pb.KeyRequest(key=check_key(key), kind=k)).ok
 

@@ -28,6 +28,7 @@ class RemoteLookup:
         """Longest prefix; a chain longer than ``max_batch_items`` is looked up piece by piece,
         each piece only while every key before it hit (a 100k-token prompt in 16-token blocks
         is a 6,250-key chain)."""
+        self._check_open()
         keys = check_keys(keys)
         hit, swa_at = 0, None
         for p, r in self._each_piece(len(keys), lambda p: self._result(

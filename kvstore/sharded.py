@@ -141,6 +141,8 @@ class ShardedStore:
         return best_i
 
     def shard_for(self, key: bytes) -> RemoteStore:
+        """The shard of a single-key call; ``StoreClosed`` first after ``close``, as the embedded store."""
+        self._check_open()
         return self.shards[self.owner(key)]
 
     def _check_open(self) -> None:
@@ -247,10 +249,10 @@ class ShardedStore:
         shard locates or reads its keys (``RemoteStore.stage_into``), every buffer is checked
         against those sizes, and only then does each shard fill its buffers (``finish_into``)."""
         self._check_open()
+        keys = check_keys(keys)
         if len(outs) != len(keys):
             raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
         k = EntryKind.parse(kind)
-        keys = check_keys(keys)
         views = [writable_view(o, f"outs[{i}]") for i, o in enumerate(outs)]
         groups = self._group(keys)
         staged = self._per_shard(groups, lambda sh, pos: sh.stage_into([keys[i] for i in pos], k))
@@ -329,6 +331,7 @@ class ShardedStore:
         return self.lookup_many([keys])[0]
 
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
+        self._check_open()
         flat: list[bytes] = []
         bounds: list[tuple[int, int]] = []
         for c in chains:

@@ -303,7 +303,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
     def get_entries(self, keys: Sequence[bytes], *, kind: str = "block") -> list[Entry | None]:
         self._check_open()
         k = EntryKind.parse(kind)
-        eks = [ekey(k.code, check_key(key)) for key in keys]
+        eks = [ekey(k.code, key) for key in check_keys(keys)]
         now = self.now_ns()
         with self.index.env.begin() as txn:
             metas = [self.index.get_meta(txn, ek) for ek in eks]
@@ -359,10 +359,11 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         read, so a too-small one raises ``InvalidRequest`` with nothing written.
         """
         self._check_open()
+        keys = check_keys(keys)
         if len(outs) != len(keys):
             raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
         k = EntryKind.parse(kind)
-        eks = [ekey(k.code, check_key(key)) for key in keys]
+        eks = [ekey(k.code, key) for key in keys]
         views = [writable_view(o, f"outs[{i}]") for i, o in enumerate(outs)]
         now = self.now_ns()
         with self.index.env.begin() as txn:

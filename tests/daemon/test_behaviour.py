@@ -231,3 +231,21 @@ def test_closed_store_refuses(tmp_path, store) -> None:
                  store.stats, store.gc, store.check, lambda: store.delete(K(1)), lambda: store.pin(K(1))):
         with pytest.raises(StoreClosed):
             call()
+    # Closed is said first, whatever else is wrong with the call (before, the clients checked
+    # the key first and raised InvalidRequest for a bad one; QA).
+    bad = b"short"
+    for call in (lambda: store.get(bad), lambda: store.get_entry(bad), lambda: store.put(bad, b"x"),
+                 lambda: store.put(K(1), "not bytes"), lambda: store.delete(bad), lambda: store.pin(bad),
+                 lambda: store.unpin(bad), lambda: store.lookup([bad]), lambda: store.lookup_many([[bad]]),
+                 lambda: store.get_many([bad]), lambda: store.get_many_into([bad], [bytearray(1)])):
+        with pytest.raises(StoreClosed):
+            call()
+
+
+@pytest.mark.parametrize("keys", [None, 5, b"k" * 16, "text"])
+def test_a_batch_that_is_not_a_sequence_of_keys_is_invalid(store, keys) -> None:
+    """Not a list of keys: ``InvalidRequest`` from every store (the embedded one raised
+    TypeError for None or an int; QA)."""
+    for call in (lambda: store.get_many(keys), lambda: store.get_many_into(keys, []), lambda: store.lookup(keys)):
+        with pytest.raises(InvalidRequest, match="sequence of 16-byte keys"):
+            call()

@@ -73,6 +73,22 @@ def test_a_re_put_is_false_and_its_unused_pack_is_removed(make_daemon) -> None:
     s.close()
 
 
+def test_a_repeated_key_over_the_size_limit_refuses_the_batch(make_daemon) -> None:
+    """A repeat of a key inside a batch stores nothing but is checked like any item, as the
+    embedded store does. Before, direct writes skipped the repeat unchecked, so a batch whose
+    repeat was over max_value_bytes was stored instead of refused (QA)."""
+    d = make_daemon(allow_direct_writes=True, max_value_bytes=65536)
+    s = kvstore.connect(d.address, direct_writes="on")
+    with pytest.raises(InvalidRequest, match="over max_value_bytes=65536"):
+        s.put_many([PutItem(K(1), b"small"), PutItem(K(1), b"x" * 65537)])
+    assert s.get_many([K(1)]) == [None] and pack_files(d) == []  # nothing stored, nothing left behind
+    with pytest.raises(InvalidRequest, match="ttl_s"):
+        s.put_many([PutItem(K(1), b"small"), PutItem(K(1), b"x", ttl_s=-1)])
+    assert s.put_many([PutItem(K(1), b"small"), PutItem(K(1), b"x" * 65536)]) == [True, False]
+    assert s.direct_write_stats()["counters"]["direct_writes"] == 1
+    s.close()
+
+
 def test_tenants_keys_are_their_stored_keys(make_daemon, tokens_file) -> None:  # noqa: F811
     d = make_daemon(allow_direct_writes=True, tokens_file=tokens_file)
     a = kvstore.connect(d.address, token=TOK_A, direct_writes="on")
