@@ -100,9 +100,8 @@ class _Unimplemented(Exception):
 
 
 def check_value_sizes(encs: Sequence[EncodedPut], limit: int | None) -> None:
-    """The embedded store's ``InvalidRequest`` for the first value over ``limit`` (a daemon's
-    ``max_value_bytes``; ``None``: not known, nothing checked), word for word
-    (``FragmentIO._checked``)."""
+    """The embedded store's ``InvalidRequest`` (``FragmentIO._checked``, word for word) for the
+    first value over ``limit`` (a daemon's ``max_value_bytes``; ``None``: unknown, no check)."""
     if not limit:
         return
     for e in encs:
@@ -223,7 +222,7 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
     # ------------------------------------------------------------------ writes
     def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
             layout: Layout | None = None, tokens: int = 0) -> bool:
-        self._check_open()  # first, as the embedded store: a closed store says so whatever the item
+        self._check_open()  # first, as the embedded store, whatever the item
         item = PutItem(key, value, kind, ttl_s, layout, tokens)
         if self._direct_w is not None:
             return self.put_many([item])[0]
@@ -231,8 +230,7 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
 
     def _pieces(self, n: int, off: int = 0) -> list[slice]:
         """Items ``off:n`` of a batch as consecutive pieces of at most ``_batch_items``."""
-        step = self._batch_items
-        return [slice(o, min(o + step, n)) for o in range(off, n, step)]
+        return [slice(o, min(o + self._batch_items, n)) for o in range(off, n, self._batch_items)]
 
     def _each_piece(self, n: int, send: Callable[[slice], Any], *,
                     check: Callable[[list[slice]], None] | None = None) -> Iterator[tuple[slice, Any]]:
@@ -303,12 +301,11 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
 
     def check_puts(self, encs: list[EncodedPut], pieces: list[slice] | None = None, *,
                    spans: bool = False) -> None:
-        """What ``put_many`` checks of a validated batch (``encs``) before sending any of it, as
-        ``pieces`` (default: as it would be split now): for a batch of several pieces, or one
-        that ``spans`` other daemons too (``ShardedStore``), every value against this daemon's
-        ``max_value_bytes`` (``daemon_max_value_bytes``: asked once); without direct writes,
-        every piece against ``max_message_bytes``. A one-piece batch costs no call: the daemon
-        refuses it whole."""
+        """What ``put_many`` checks of a validated batch (``encs``, split as ``pieces``; default:
+        as now) before sending any: for several pieces, or a batch that ``spans`` other daemons
+        (``ShardedStore``), each value against this daemon's ``max_value_bytes`` (asked once);
+        without direct writes, each piece against ``max_message_bytes``. One piece costs no
+        call: the daemon refuses it whole."""
         pieces = self._pieces(len(encs)) if pieces is None else pieces
         if spans or len(pieces) > 1:
             check_value_sizes(encs, self.daemon_max_value_bytes())
