@@ -93,6 +93,13 @@ def expiry_ns(ttl_s: float | None, default_ttl_s: float, now: int) -> int:
     return now + int(ttl_s * 1e9) if ttl_s else 0
 
 
+class WrittenTooLongAgo(StoreUnavailable):
+    """Files about to be indexed were written over ``orphan_grace_s / 2`` ago: an orphan sweep
+    (GC, ``check(fix=True)``, in this process or another) may be removing them, so they are
+    not indexed (``FragmentIO._check_in_time``). Raised inside the index transaction, which
+    it aborts; the writer removes its files and the put stores nothing."""
+
+
 class _Encoded:
     """One put, encoded: ``frames[i]`` is fragment ``i`` as ``codec.fragment_parts`` (header,
     body), ``meta_base`` its index record but for where the fragments land."""
@@ -114,6 +121,19 @@ class FragmentIO(LocalFastReads):
     """Write and read paths over the targets (see the module docstring)."""
 
     # ------------------------------------------------------------------ write path
+    def _check_in_time(self, written_at: float, what: str) -> None:
+        """``WrittenTooLongAgo`` when files written from ``written_at`` (``clock``) on are over
+        ``orphan_grace_s / 2`` old now. Called inside the write transaction that would index
+        them, so after any wait for LMDB's writer lock: a sweep takes its time before reading
+        which records exist, so files indexed within half the grace are never swept
+        (``kvstore.maintenance``). A grace of 0 protects no write: nothing to check."""
+        grace = self.config.orphan_grace_s
+        took = self.clock() - written_at
+        if grace and took > grace / 2:
+            raise WrittenTooLongAgo(f"{what} took {took:.0f} s to reach the index, over orphan_grace_s/2 = "
+                                    f"{grace / 2:.0f} s, so GC may be sweeping their files: nothing was stored; "
+                                    "retry (in smaller batches), or raise orphan_grace_s")
+
     def _checked(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
                  layout: Layout | None, tokens: int) -> tuple[bytes, EntryKind, memoryview, Layout, int, int]:
         """A put's arguments validated (``InvalidRequest`` for the first bad one): (key, kind,

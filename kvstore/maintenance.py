@@ -252,9 +252,15 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
     (targets the caller already reported down). A target that cannot be listed is one
     ``TARGET_DOWN`` problem. An orphan that cannot be deleted (a read-only file or target)
     is logged and reported as an unfixed ``ORPHAN_FRAGMENT`` problem, is not counted in the
-    files and bytes, and the sweep goes on with the next file and target."""
+    files and bytes, and the sweep goes on with the next file and target.
+
+    ``now_s`` is ``store.file_clock()`` (the clock of the files' mtimes), taken before the
+    records are read: a writer indexes its files only within ``orphan_grace_s / 2`` of
+    starting them, checked once it holds the index's write lock (``FragmentIO._check_in_time``),
+    so no file a writer is about to index is ever old enough here. A file of unknown age
+    (no mtime) is kept."""
     known, packs = _known_generations(store)
-    n = nbytes = 0
+    n = nbytes = unknown_age = 0
     problems: list[Problem] = []
     names = list(store.targets)
     for ti, name in enumerate(names):
@@ -280,8 +286,9 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
                     continue
             elif not base.startswith(".tmp."):
                 continue  # not ours: leave foreign files alone
-            if now_s - mtime < grace_s:
-                continue  # may belong to a put still in flight
+            if not mtime or now_s - mtime < grace_s:
+                unknown_age += not mtime
+                continue  # may belong to a put still in flight (of unknown age: never taken for an orphan)
             orphan = Problem(ProblemKind.ORPHAN_FRAGMENT, key=parsed[1].hex() if parsed else "",
                              target=name, detail=rel, fixed=not dry_run)
             if not dry_run:
@@ -295,6 +302,9 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
             n += 1
             nbytes += size
     progress("orphans", len(names), len(names))
+    if unknown_age:
+        log.warning("orphan sweep: %d unindexed files have no modification time on their target, so their "
+                    "age is unknown and they were kept", unknown_age)
     return n, nbytes, problems
 
 
@@ -355,7 +365,7 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
         compacted, moved = _compact_packs(store, progress)
     orphans = orphan_bytes = kept = 0
     if sweep_orphans:
-        orphans, orphan_bytes, found = _sweep_orphans(store, store.clock(), dry_run,
+        orphans, orphan_bytes, found = _sweep_orphans(store, store.file_clock(), dry_run,
                                                       store.config.orphan_grace_s, progress)
         kept = sum(1 for p in found if p.kind is ProblemKind.ORPHAN_FRAGMENT and not p.fixed and not dry_run)
     out = {
@@ -537,7 +547,7 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
             problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail=detail))
             down.append(name)
     # A target reported down above is not swept: its failed listing would report it down twice.
-    _, _, orphans = _sweep_orphans(store, store.clock(), not fix, store.config.orphan_grace_s, progress,
+    _, _, orphans = _sweep_orphans(store, store.file_clock(), not fix, store.config.orphan_grace_s, progress,
                                    skip=down)
     problems.extend(orphans)
     return problems

@@ -24,8 +24,8 @@ from typing import Sequence
 from kvstore import codec
 from kvstore.api import EntryKind, PutItem, as_payload
 from kvstore.errors import CorruptData, InvalidRequest, StoreUnavailable, Unrecoverable
-from kvstore.fragments import _Encoded, expiry_ns, in_flight, run_now
-from kvstore.index import STANDALONE, Meta
+from kvstore.fragments import WrittenTooLongAgo, _Encoded, expiry_ns, in_flight, run_now
+from kvstore.index import STANDALONE, Meta, packed_bytes
 from kvstore.placement import place
 from kvstore.targets import pack_path
 
@@ -220,7 +220,9 @@ class PackIO:
         if reused:
             raise InvalidRequest(f"pack generation(s) {reused} already hold indexed entries; each batch "
                                  "is written under a fresh random generation")
-        oldest = self.clock() - cfg.orphan_grace_s / 2
+        file_now, now_s = self.file_clock(), self.clock()
+        oldest = file_now - cfg.orphan_grace_s / 2
+        written_at = now_s  # of the oldest pack indexed, on ``clock`` (``_check_in_time``)
         rejected: dict[bytes, str] = {}
         for (gen, name), size in need.items():
             if gen in rejected:
@@ -235,8 +237,10 @@ class PackIO:
             elif mtime < oldest:
                 rejected[gen] = (f"pack {gen.hex()} on target {name} was written more than orphan_grace_s/2 = "
                                  f"{cfg.orphan_grace_s / 2:.0f} s ago; GC may be sweeping it as an orphan")
+            else:
+                written_at = min(written_at, now_s - (file_now - mtime))
         keep = [j for j, e in enumerate(entries) if e.gen not in rejected]
-        made = self._index_new([records[j] for j in keep], now)
+        made = self._index_new([records[j] for j in keep], now, written_at=(written_at, "committing written packs"))
         created = [False] * len(entries)
         for j, c in zip(keep, made):
             created[j] = c
@@ -257,7 +261,9 @@ class PackIO:
         not be asked, ``StoreUnavailable``, it is moved by a later pass); so does one that cannot
         be encoded again (logged). Entries are moved, not put: a put's admission limits
         (``max_value_bytes``, capacity), which may have been lowered since they were stored, do
-        not apply (``FragmentIO._encode_entry``; times are the old record's). Returns the count moved."""
+        not apply (``FragmentIO._encode_entry``; times are the old record's). Returns the count moved.
+        ``StoreUnavailable`` (nothing moved; the pack stays queued) when the new pack cannot be
+        written, or was written too long ago to be indexed safely (``_check_in_time``)."""
         gen = os.urandom(8)
         encs = []
         for ek, m in members:
@@ -274,23 +280,32 @@ class PackIO:
                 log.warning("compaction: entry %s stays in pack %s: %s", ek[1:].hex(), m.gen.hex(), exc)
         if not encs:
             return 0
+        started = self.clock()
         try:
             locs = self._write_pack([e for _, _, e in encs], gen)
-        except OSError as exc:
-            log.warning("compaction of %d entries postponed: %s", len(encs), exc)
-            return 0
+        except OSError as exc:  # the pack stays queued (``kvstore.maintenance``): a later pass retries
+            raise StoreUnavailable(f"compaction of {len(encs)} entries postponed: {exc}") from exc
         moved = 0
         now = self.now_ns()
-        with self.index.env.begin(write=True) as txn:
-            for (ek, old, enc), (names, offs) in zip(encs, locs):
-                cur = self.index.get_meta(txn, ek)
-                if cur is None or cur.gen != old.gen:
-                    continue  # deleted, evicted or re-put meanwhile: our copy is dead on arrival
-                self.index.remove_txn(txn, ek, cur, now)
-                self.index.insert_txn(txn, ek, replace(
-                    enc.meta_base, targets=names, offsets=offs, created_ns=cur.created_ns,
-                    access_ns=cur.access_ns, expires_ns=cur.expires_ns, pinned=cur.pinned))
-                moved += 1
+        try:
+            with self.index.env.begin(write=True) as txn:
+                self._check_in_time(started, f"compacting {len(encs)} entries")
+                dead = []
+                for (ek, old, enc), (names, offs) in zip(encs, locs):
+                    new = replace(enc.meta_base, targets=names, offsets=offs)
+                    cur = self.index.get_meta(txn, ek)
+                    if cur is None or cur.gen != old.gen:
+                        dead.append(new)  # deleted, evicted or re-put meanwhile: our copy is dead on arrival
+                        continue
+                    self.index.remove_txn(txn, ek, cur, now)
+                    self.index.insert_txn(txn, ek, replace(new, created_ns=cur.created_ns, access_ns=cur.access_ns,
+                                                           expires_ns=cur.expires_ns, pinned=cur.pinned))
+                    moved += 1
+                for m in dead:  # counted once the pack has records (index invariant 6), as _index_new does
+                    self.index.pack_dead_txn(txn, gen, packed_bytes(m))
+        except WrittenTooLongAgo:  # nothing indexed: the new pack goes, the old one stays queued
+            self._discard_pack(gen, sorted({n for names, _ in locs for n in names}))
+            raise
         if not moved:
             self._discard_pack(gen, sorted({n for names, _ in locs for n in names}))
         self._count("compacted_entries", moved)

@@ -60,7 +60,7 @@ from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutI
                          writable_view)
 from kvstore.config import StoreConfig, load_config
 from kvstore.datadir import DataDir, file_url_path
-from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, in_flight, run_now
+from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, WrittenTooLongAgo, in_flight, run_now
 from kvstore.packs import PackIO
 from kvstore.executors import DaemonExecutor
 from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
@@ -80,6 +80,10 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         self.config = config
         if config.tune_malloc:
             tune_malloc()
+        # Files' ages (orphan grace, a written pack's age) are measured on the clock that stamps
+        # their mtimes, this host's, never with clock_offset_s: a skewed store clock made a
+        # sweep take a put in flight for an old orphan (QA).
+        self.file_clock = clock
         if config.clock_offset_s:
             base, offset = clock, config.clock_offset_s
             clock = lambda: base() + offset  # noqa: E731 - a skewed node (TTLs, grace periods)
@@ -195,23 +199,21 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             for i, names in placed.items():
                 self._discard(encs[i], dict(enumerate(names)))
             raise
-        # The orphan sweep removes unindexed files older than orphan_grace_s: a write that took
-        # over half of it (slow targets, a huge batch) may be losing its first files to a GC
-        # right now, so it is not indexed (``commit_written`` refuses such packs the same way).
-        # A grace of 0 (tests, a store no GC runs beside) protects no write: nothing to check.
-        took = self.clock() - started
-        if self.config.orphan_grace_s and took > self.config.orphan_grace_s / 2:
+        # 5-6: one index transaction for the batch; then capacity. The orphan sweep removes
+        # unindexed files older than orphan_grace_s: a write that took over half of it (slow
+        # targets, a huge batch, a long wait for the index's writer lock) may be losing its
+        # first files to a GC right now, so it is not indexed (``_check_in_time``).
+        order = list(encs)
+        try:
+            created = self._index_new([(encs[i].ek, replace(encs[i].meta_base, targets=placed[i],
+                                                             offsets=offsets.get(i, ()))) for i in order], now,
+                                      written_at=(started, f"writing {len(encs)} entries"))
+        except WrittenTooLongAgo:
             self._discard_unused_packs(encs, placed, offsets, result)
             for i, names in placed.items():
                 if i not in offsets:
                     self._discard(encs[i], dict(enumerate(names)))
-            raise StoreUnavailable(f"writing {len(encs)} entries took {took:.0f} s, over orphan_grace_s/2 = "
-                                   f"{self.config.orphan_grace_s / 2:.0f} s, so GC may be sweeping their fragments: "
-                                   "nothing was stored; retry (in smaller batches), or raise orphan_grace_s")
-        # 5-6: one index transaction for the batch; then capacity.
-        order = list(encs)
-        created = self._index_new([(encs[i].ek, replace(encs[i].meta_base, targets=placed[i],
-                                                         offsets=offsets.get(i, ()))) for i in order], now)
+            raise
         for i, c in zip(order, created):
             result[i] = c
             if not c and i not in offsets:  # a concurrent writer won; a loser's share of a pack goes with the pack
@@ -219,13 +221,18 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         self._discard_unused_packs(encs, placed, offsets, result)
         return result
 
-    def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int) -> list[bool]:
+    def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int,
+                   written_at: tuple[float, str] | None = None) -> list[bool]:
         """Steps 5-6 for records whose fragments are durable: one transaction inserting each
         record whose key is free (absent or expired; a lost record of it goes to the
         graveyard), ``False`` where a live entry won the race (the caller removes or keeps the
-        loser's files); then the counters, and eviction above the high watermark."""
+        loser's files); then the counters, and eviction above the high watermark.
+        ``written_at`` (clock time the files were started, what they are): first, inside the
+        transaction, ``WrittenTooLongAgo`` (nothing indexed) when that was too long ago."""
         created: list[bool] = []
         with self.index.env.begin(write=True) as txn:
+            if written_at is not None:
+                self._check_in_time(*written_at)
             for ek, meta in records:
                 old = self.index.get_meta(txn, ek)
                 if old is not None:

@@ -266,3 +266,90 @@ def test_a_call_outliving_closes_wait_finishes_and_nested_calls_are_not_refused(
     with pytest.raises(StoreClosed):
         s.used_bytes()
     assert s._shut  # the GC, returning last, closed the index
+
+
+class _SlowWriterLock:
+    """``store.index.env`` whose next write transaction begins only after ``on_wait()``: a
+    long wait for LMDB's writer lock (another process's big batch, a stopped process), during
+    which another process's GC sweeps orphans."""
+
+    def __init__(self, env, on_wait):
+        self._env, self._on_wait = env, on_wait
+
+    def begin(self, write=False, **kw):
+        if write and self._on_wait is not None:
+            wait, self._on_wait = self._on_wait, None
+            wait()
+        return self._env.begin(write=write, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+def _sweep(store) -> int:
+    from kvstore.maintenance import _sweep_orphans
+
+    return _sweep_orphans(store, store.file_clock(), False, store.config.orphan_grace_s, lambda *a: None)[0]
+
+
+@pytest.mark.parametrize("n", [1, 6], ids=["put", "put_many"])
+def test_a_put_that_waited_long_for_the_index_lock_is_refused_not_lost(tmp_path, monkeypatch, n):
+    """The age of a put's files was checked before its index transaction waited for LMDB's
+    writer lock, so a put that waited past the orphan grace while another process swept was
+    acknowledged with its files gone: every entry Unrecoverable (QA). The age is now checked
+    inside the transaction: the put raises ``StoreUnavailable`` and stores nothing."""
+    from kvstore.errors import StoreUnavailable
+
+    from .conftest import FakeClock
+
+    clock = FakeClock(time.time())
+    s = kvstore.connect(str(tmp_path / "d"), fsync=False, clock=clock, orphan_grace_s=60, delete_grace_s=0)
+    swept = []
+
+    def wait() -> None:
+        clock.advance(100)
+        swept.append(_sweep(s))
+
+    monkeypatch.setattr(s.index, "env", _SlowWriterLock(s.index.env, wait))
+    try:
+        items = [PutItem(k, value(k)) for k in (os.urandom(16) for _ in range(n))]
+        with pytest.raises(StoreUnavailable, match="orphan_grace_s"):
+            s.put_many(items)
+        assert swept and swept[0] > 0  # the sweep did take the put's files
+        assert s.get_many([it.key for it in items]) == [None] * n and s.stats()["entries"] == 0
+        assert s.check() == []  # nothing indexed without its files, nothing left behind
+        assert s.put_many(items) == [True] * n  # no wait: indexed and readable
+        assert s.get_many([it.key for it in items]) == [it.value for it in items]
+    finally:
+        s.close()
+
+
+def test_a_sweeper_whose_clock_is_ahead_does_not_take_a_put_in_flight_for_an_orphan(tmp_path, monkeypatch):
+    """The orphan sweep measured files' ages on the store's clock, which includes
+    ``clock_offset_s``, against mtimes stamped by this host's clock: a process whose clock ran
+    ahead by more than the grace removed the files of every put in flight elsewhere, and those
+    puts were acknowledged, then Unrecoverable (QA). Ages are measured on ``file_clock``."""
+    d = str(tmp_path / "d")
+    writer = kvstore.connect(d, fsync=False, orphan_grace_s=60)
+    sweep = ("import kvstore, sys; s = kvstore.connect(sys.argv[1], fsync=False, orphan_grace_s=60, "
+             "clock_offset_s=3600); print(s.gc()['orphans']); s.close()")
+    swept = []
+    for name in ("_write_fragments", "_write_pack"):
+        def wrapped(*a, _orig=getattr(writer, name), **kw):
+            got = _orig(*a, **kw)
+            # Another process's GC while the put is in flight: its files are not indexed yet.
+            out = subprocess.run([sys.executable, "-c", sweep, d], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 0, out.stderr
+            swept.append(int(out.stdout.split()[-1]))
+            return got
+        monkeypatch.setattr(writer, name, wrapped)
+    try:
+        k1, k2, k3 = (os.urandom(16) for _ in range(3))
+        assert writer.put(k1, value(k1)) is True
+        assert writer.put_many([PutItem(k2, value(k2)), PutItem(k3, value(k3))]) == [True, True]
+        assert swept == [0, 0]
+        assert writer.get_many([k1, k2, k3]) == [value(k1), value(k2), value(k3)]
+        assert writer.check() == []
+    finally:
+        writer.close()
