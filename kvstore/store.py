@@ -29,7 +29,9 @@ Write path (``put``), in this order, each step for the reason given:
      orphan fragments that GC sweeps after ``orphan_grace_s``; never an index
      record without its fragments. If another writer committed the same key
      first, our fragments are removed (or stay in the pack until it goes) and
-     the put returns ``False``.
+     the put returns ``False``. Files started over ``orphan_grace_s / 2`` before the
+     transaction got the writer lock are not indexed: GC may be sweeping them
+     (``FragmentIO._check_in_time``); the put raises ``StoreUnavailable``, nothing stored.
   6. Above the capacity high watermark, evict LRU entries down to the low one.
 A direct-writing client of the daemon (``kvstore.direct_writes``) does 1-4 itself
 (as a batch: packs) and hands 5-6 to ``commit_written``, which checks its records first.
