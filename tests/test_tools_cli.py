@@ -353,3 +353,57 @@ def test_soak_prints_progress_lines(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if re.match(r"soak: \d+ s of 3 s.*: \d+ ops, ", ln)]
     assert len(lines) >= 2, r.stderr[-3000:]
     assert "error:" not in r.stderr and "Traceback" not in r.stderr
+
+
+# ----------------------------------------------------------------------------- --out that really can not be written
+def _proc_refuses_files() -> bool:
+    try:
+        with open("/proc/kvstack-probe", "w"):
+            pass
+    except OSError:
+        return True
+    return False
+
+
+needs_proc = pytest.mark.skipif(not (sys.platform.startswith("linux") and _proc_refuses_files()),
+                                reason="needs Linux /proc, which refuses new files even for root")
+
+
+@needs_proc
+def test_output_checks_try_for_real_even_as_root():
+    """os.access says yes to root for anything: the checks create (and remove) a file instead."""
+    sys.path.insert(0, str(ROOT))
+    from tools.cli_args import check_existing_dir, check_output_dir, check_output_file
+
+    for msg in (check_output_file("/proc/kvstack-test.json"), check_output_file("/proc/kvstack-new/x.json"),
+                check_output_dir("/proc/kvstack-test-dir"), check_output_dir("/proc"),
+                check_existing_dir("/proc", "--work-dir"), check_output_file("/proc/version")):
+        assert msg is not None and "not writable (" in msg and "\n" not in msg, msg
+
+
+def test_output_checks_leave_nothing_behind(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from tools.cli_args import check_existing_dir, check_output_dir, check_output_file
+
+    (tmp_path / "old.json").write_text("kept")
+    assert check_output_file(tmp_path / "new" / "x.json") is None
+    assert check_output_file(tmp_path / "old.json") is None
+    assert check_output_dir(tmp_path / "d") is None and check_output_dir(tmp_path) is None
+    assert check_existing_dir(tmp_path, "--work-dir") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
+    assert (tmp_path / "old.json").read_text() == "kept"
+
+
+@needs_proc
+@pytest.mark.parametrize("tool, args", [
+    ("replay_trace", ["--trace", "{T}", "--policies", "round_robin", "--quiet", "--out", "/proc/kvstack-test-dir"]),
+    ("bench_lb", ["--trace", "{T}", "--out", "/proc/kvstack-test.json", "--skip-eplb"]),
+    ("bench_store", ["--quick", "--no-install", "--out", "/proc/kvstack-test.json"]),
+    ("load_store", ["--procs", "1", "--seconds", "1", "--out", "/proc/kvstack-test.json"]),
+])
+def test_an_out_under_proc_is_refused_before_any_work(tool, args, files):
+    t0 = time.monotonic()
+    r = run_tool(tool, [a.format(**files) for a in args], timeout=30)
+    line = assert_one_error(r, tool)
+    assert "/proc/kvstack-test" in line and "not writable (" in line, line
+    assert time.monotonic() - t0 < 25

@@ -257,10 +257,11 @@ class Bench:
         rng = random.Random(7)
         res = {"preset": a.agree_preset, "exact_span": R, "window_span": W, "n": a.agree_n}
         tmp = Path(tempfile.mkdtemp(prefix="bench-agree-"))
-        store = kvstore.connect(str(tmp / "store"))
+        store = None
         sp = SamplingParams(max_new_tokens=a.agree_tokens)
         stats = {"exact": [], "window": []}
         try:
+            store = kvstore.connect(str(tmp / "store"))
             for i in range(a.agree_n):
                 n = rng.randint(2 * R, 4 * R) // B * B
                 prompt = [rng.randrange(model.cfg.vocab_size) for _ in range(n + rng.randint(1, 30))]
@@ -280,7 +281,8 @@ class Bench:
                              len(cold.output))
                     stats[pol].append(k)
         finally:
-            store.close()
+            if store is not None:
+                store.close()
             shutil.rmtree(tmp, ignore_errors=True)
         for pol, ks in stats.items():
             res[pol] = {"full_agreement": sum(k == a.agree_tokens for k in ks) / len(ks),
@@ -361,21 +363,17 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     tmp = Path(a.data_dir or tempfile.mkdtemp(prefix="bench-engine-"))
     stores: dict = {}
-    try:
-        stores["embedded"] = kvstore.connect(str(tmp / "store"))
-        if a.store_url:
-            stores["daemon"] = kvstore.connect(a.store_url)
-            stores["daemon"].stats()  # reachable, before any model is built
-    except kvstore.KVStoreError as exc:
-        for s in stores.values():
-            s.close()
-        if not a.data_dir:
-            shutil.rmtree(tmp, ignore_errors=True)
-        ap.error(f"{'--store-url' if 'embedded' in stores else '--data-dir'}: {one_line(exc)}")
-    bench = Bench(a)
-    results = {"args": vars(a), "model": bench.model.cfg.model_id, "sizes": [],
-               "persisted_model_bytes_per_token": persisted_model(bench.model.cfg, a.block_size)}
-    try:
+    try:  # from here on, whatever happens (Ctrl-C included): stores closed, temporary directory removed
+        try:
+            stores["embedded"] = kvstore.connect(str(tmp / "store"))
+            if a.store_url:
+                stores["daemon"] = kvstore.connect(a.store_url)
+                stores["daemon"].stats()  # reachable, before any model is built
+        except kvstore.KVStoreError as exc:
+            ap.error(f"{'--store-url' if 'embedded' in stores else '--data-dir'}: {one_line(exc)}")
+        bench = Bench(a)
+        results = {"args": vars(a), "model": bench.model.cfg.model_id, "sizes": [],
+                   "persisted_model_bytes_per_token": persisted_model(bench.model.cfg, a.block_size)}
         for N in a.sizes:
             print(f"bench_engine: {N} cached tokens ...", file=sys.stderr, flush=True)
             results["sizes"].append(bench.size(N, stores))
@@ -433,4 +431,6 @@ def print_tail(res: dict) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from tools.cli_args import run_main
+
+    run_main(main)

@@ -417,29 +417,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="bench_store-", dir=a.work_dir)
     notes: list[str] = []
     server = None
-    if "redis" in systems:
-        if shutil.which("redis-server") is None and not a.no_install:
-            log("redis-server missing: running tools/install_peers.sh")
-            subprocess.run(["bash", str(ROOT / "tools" / "install_peers.sh")], check=False)
-        try:
-            server = RedisPeer.server = RedisServer(work)
-        except (RuntimeError, ImportError) as exc:
-            notes.append(f"redis peer skipped: {exc}")
-            systems.remove("redis")
-            log(notes[-1])
-            if len(systems) < 2:  # nothing left to compare kvstore with
-                shutil.rmtree(work, ignore_errors=True)
-                ap.error(f"{notes[-1]}; no peer is left to compare kvstore with (add one to --systems)")
-    sample = payloads(1 * MiB, 1, seed=1)[0]
-    import zstandard
+    try:  # from here on, whatever happens (Ctrl-C included): redis-server stopped, work dir removed
+        if "redis" in systems:
+            if shutil.which("redis-server") is None and not a.no_install:
+                log("redis-server missing: running tools/install_peers.sh")
+                subprocess.run(["bash", str(ROOT / "tools" / "install_peers.sh")], check=False)
+            try:
+                server = RedisPeer.server = RedisServer(work)
+            except (RuntimeError, ImportError) as exc:
+                notes.append(f"redis peer skipped: {exc}")
+                systems.remove("redis")
+                log(notes[-1])
+                if len(systems) < 2:  # nothing left to compare kvstore with
+                    ap.error(f"{notes[-1]}; no peer is left to compare kvstore with (add one to --systems)")
+        sample = payloads(1 * MiB, 1, seed=1)[0]
+        import zstandard
 
-    zratio = len(sample) / len(zstandard.ZstdCompressor(level=3).compress(sample))
-    from kvstore.tuning import tune_malloc
+        zratio = len(sample) / len(zstandard.ZstdCompressor(level=3).compress(sample))
+        from kvstore.tuning import tune_malloc
 
-    malloc = tune_malloc()  # before any system runs: kvstore, raw files and LMDB share this process's allocator
-    log(f"payload: fp16 random-normal, zstd-3 ratio {zratio:.3f}; systems {systems}; sizes {sizes}; "
-        f"reps {reps}; {mib_per_rep} MiB per rep; malloc tuning {malloc}")
-    try:
+        malloc = tune_malloc()  # before any system runs: kvstore, raw files and LMDB share this process's allocator
+        log(f"payload: fp16 random-normal, zstd-3 ratio {zratio:.3f}; systems {systems}; sizes {sizes}; "
+            f"reps {reps}; {mib_per_rep} MiB per rep; malloc tuning {malloc}")
         rows = bench_io(systems, sizes, reps, mib_per_rep, a.batch, work, log)
         lookups = [] if a.no_lookup else bench_lookup(lookup_sizes, work, 50 if q else 200, log)
         ec = [] if a.no_ec else bench_ec([MiB] if q else [MiB, 4 * MiB], 10 if q else 40, log)
@@ -473,4 +472,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tools.cli_args import run_main
+
+    run_main(main)

@@ -17,6 +17,24 @@ The contract every tool in ``tools/`` keeps (stated once, here)
        same status as a run whose checks failed.
     4. Never a traceback. A benchmark left with nothing to compare against
        is a bad argument (rule 2), not an empty table.
+    5. Ctrl-C (SIGINT, ``KeyboardInterrupt``) during a run stops it with ONE
+       line ``TOOL: interrupted`` on stderr and exit status 130 (128 + SIGINT),
+       after the tool's own ``finally`` blocks stopped what it started
+       (daemons, redis-server, Mooncake processes, client processes) and
+       removed its temporary directories. Every tool's ``__main__`` block is
+       ``run_main(main)``, which does this; a tool that has more to say (where
+       its work directory was kept) prints its own ``TOOL: ...interrupted...``
+       line and returns 130 itself. A second Ctrl-C while that cleanup runs is
+       ignored, so that the cleanup finishes. Child processes that the tool
+       stops itself are started so that a Ctrl-C on the terminal (sent to the
+       whole process group) does not make each of them print a traceback.
+
+Paths
+    ``check_output_file`` / ``check_output_dir`` really try: they create and
+    remove a temporary file in the directory (or its nearest existing
+    ancestor), or open an existing file for appending without writing, so a
+    read-only place is refused before the work even for root, for whom
+    ``os.access`` says yes to everything.
 
 The converters raise ``argparse.ArgumentTypeError``: argparse then names the
 option in its one line (``argument --procs: must be an integer >= 1, got 0``).
@@ -25,10 +43,14 @@ option in its one line (``argument --procs: must be an integer >= 1, got 0``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import signal
+import sys
+import tempfile
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -110,22 +132,48 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
+def _os_text(exc: OSError) -> str:
+    return exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _try_create_in(d: Path) -> str | None:
+    """Create and remove a temporary file in directory ``d``: the OS error text if that fails."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".kvstack-write-check-", dir=d)
+    except OSError as exc:
+        return _os_text(exc)
+    os.close(fd)
+    try:
+        os.unlink(name)
+    except OSError:
+        pass
+    return None
+
+
 def _creatable_under(path: Path) -> str | None:
     anc = _nearest_existing(path)
     if not anc.is_dir():
         return f"{path}: {anc} is not a directory"
-    if not os.access(anc, os.W_OK | os.X_OK):
-        return f"{path}: {anc} is not writable"
+    if err := _try_create_in(anc):
+        return f"{path}: {anc} is not writable ({err})"
     return None
 
 
 def check_output_file(path: str | os.PathLike, option: str = "--out") -> str | None:
-    """Why ``path`` can not be written as a results file (None: it can): checked before the work."""
+    """Why ``path`` can not be written as a results file (None: it can): checked before the work.
+
+    An existing file is opened for appending (nothing is written); a new one is tried by creating
+    and removing a temporary file in its nearest existing directory."""
     p = Path(path)
     if p.exists():
         if not p.is_file():
             return f"{option} {p} exists and is not a regular file"
-        return None if os.access(p, os.W_OK) else f"{option} {p} is not writable"
+        try:
+            with open(p, "ab"):
+                pass
+        except OSError as exc:
+            return f"{option} {p} is not writable ({_os_text(exc)})"
+        return None
     msg = _creatable_under(p)
     return f"{option} {msg}" if msg else None
 
@@ -136,7 +184,8 @@ def check_output_dir(path: str | os.PathLike, option: str = "--out") -> str | No
     if p.exists():
         if not p.is_dir():
             return f"{option} {p} exists and is not a directory"
-        return None if os.access(p, os.W_OK | os.X_OK) else f"{option} {p} is not writable"
+        err = _try_create_in(p)
+        return f"{option} {p} is not writable ({err})" if err else None
     msg = _creatable_under(p)
     return f"{option} {msg}" if msg else None
 
@@ -146,7 +195,53 @@ def check_existing_dir(path: str | os.PathLike, option: str) -> str | None:
     p = Path(path)
     if not p.is_dir():
         return f"{option} {p} is not an existing directory"
-    return None if os.access(p, os.W_OK | os.X_OK) else f"{option} {p} is not writable"
+    err = _try_create_in(p)
+    return f"{option} {p} is not writable ({err})" if err else None
+
+
+def _interrupt_once(signum, frame) -> None:
+    """SIGINT: raise ``KeyboardInterrupt`` once; later ones are ignored so that cleanup finishes."""
+    signal.signal(signal.SIGINT, lambda *_: None)  # a Python handler: children started later get the default
+    raise KeyboardInterrupt
+
+
+def run_main(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
+    """Rule 5: run a tool's ``main()`` and exit with its status; Ctrl-C is one line and 130.
+
+    ``KeyboardInterrupt`` reaches here only after the tool's ``finally`` blocks ran (they stop
+    what the tool started); it becomes ``PROG: interrupted`` on stderr and exit status 130.
+    ``prog`` defaults to the script's file name."""
+    prog = prog or Path(sys.argv[0]).name
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _interrupt_once)
+    except ValueError:  # not the main thread: leave SIGINT as it is
+        pass
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # nothing left to clean up: a second Ctrl-C changes nothing
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        status = 130
+    sys.exit(status)
+
+
+@contextlib.contextmanager
+def sigint_ignored_in_children() -> Iterator[None]:
+    """Processes started inside this block ignore SIGINT (an inherited ``SIG_IGN``).
+
+    For child processes the tool stops itself in its ``finally``: a Ctrl-C on the terminal
+    reaches the whole process group, and each child would print its own ``KeyboardInterrupt``
+    traceback. The tool ignores SIGINT only while inside (the time to start the processes)."""
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to change
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def one_line(exc: BaseException) -> str:

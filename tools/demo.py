@@ -191,4 +191,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tools.cli_args import run_main
+
+    run_main(main, "tools/demo.py")

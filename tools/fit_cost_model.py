@@ -344,4 +344,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from tools.cli_args import run_main
+
+    run_main(main)

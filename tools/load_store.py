@@ -56,7 +56,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.cli_args import check_output_file, choice_bool, integer, number, one_line  # noqa: E402
+from tools.cli_args import (check_output_file, choice_bool, integer, number, one_line,  # noqa: E402
+                            sigint_ignored_in_children)
 
 MAX_VALUE_BYTES = 40 * 2**20  # values are 0.5x..1.5x --value-bytes; the store's default limit is 64 MiB
 PROGRESS_EVERY_S = 5.0
@@ -248,8 +249,9 @@ def run(args: argparse.Namespace) -> dict:
                   "direct_writes": args.direct_writes}
         ops_done = ctx.RawArray("q", args.procs)  # per client, for the progress line only
         procs = [ctx.Process(target=worker, args=(w, params, q, ops_done)) for w in range(args.procs)]
-        for p in procs:
-            p.start()
+        with sigint_ignored_in_children():  # Ctrl-C: this process stops them (finally below), quietly
+            for p in procs:
+                p.start()
         results = collect(procs, q, ops_done, args.seconds)
         for p in procs:
             p.join(30)
@@ -344,8 +346,6 @@ def main(argv: list[str] | None = None) -> int:
         rep = run(args)
     except (RuntimeError, OSError) as exc:  # a client that died (ClientFailed), a daemon that did not start
         ap.exit(1, f"{ap.prog}: error: {exc if isinstance(exc, ClientFailed) else one_line(exc)}\n")
-    except KeyboardInterrupt:
-        ap.exit(130, f"{ap.prog}: error: interrupted; daemons stopped, temporary files removed\n")
     text = json.dumps(rep, indent=2)
     print(text)
     if args.out:
@@ -355,4 +355,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tools.cli_args import run_main
+
+    run_main(main)

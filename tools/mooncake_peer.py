@@ -108,4 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # stdlib only
+    from tools.cli_args import run_main
+
+    run_main(main)

@@ -108,7 +108,10 @@ class Progress:
         sys.stderr.write(f"\r{self.label:<40.40s} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
         if done >= total:
             sys.stderr.write("\n")
+        Progress.open_bar = done < total
         sys.stderr.flush()
+
+    open_bar = False  # a bar is on stderr without its newline (ended by main on Ctrl-C)
 
 
 def _capacity(text: str) -> int | None:
@@ -411,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except LBInputError as exc:  # misuse found only once running: still one line
         ap.exit(2, f"{ap.prog}: error: {exc}\n")
+    except KeyboardInterrupt:  # the interrupted line (cli_args.run_main) starts on a line of its own
+        if Progress.open_bar:
+            sys.stderr.write("\n")
+            Progress.open_bar = False
+        raise
 
 
 def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: list[TraceRequest],
@@ -466,4 +474,6 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from tools.cli_args import run_main
+
+    run_main(main)

@@ -80,7 +80,8 @@ from kvstore import PutItem, faults  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.errors import (CapacityExceeded, InvalidRequest, KVStoreError, NotFound, StoreUnavailable,  # noqa: E402
                             Unrecoverable)
-from tools.cli_args import check_output_dir, check_output_file, integer, number, one_line  # noqa: E402
+from tools.cli_args import (check_output_dir, check_output_file, integer, number, one_line,  # noqa: E402
+                            sigint_ignored_in_children)
 from tools.soak_report import Progress, failures, pct, progress_path, write_progress  # noqa: E402
 
 OPS = {"put": 22, "put_many": 8, "put_ttl": 8, "get": 30, "get_other": 8, "lookup": 12, "delete": 5, "get_many": 6,
@@ -474,11 +475,12 @@ def run(a: argparse.Namespace, argv: list[str] | None, work: Path, shards: list,
     urls = ",".join(sh.url for sh in shards)
     t_start = time.time()
     end = t_start + a.duration
-    clients.extend(subprocess.Popen([sys.executable, __file__, "--client", str(c), "--clients", str(a.clients),
-                                     "--urls", urls, "--ledger", str(work / f"ledger-{c}.json"), "--seed", str(a.seed),
-                                     "--duration", str(a.duration), "--max-ops", str(a.max_ops),
-                                     *(["--direct-writes"] if a.direct_writes else [])], cwd=ROOT, env=env)
-                   for c in range(a.clients))
+    with sigint_ignored_in_children():  # Ctrl-C: the controller stops them (main's finally), quietly
+        clients.extend(subprocess.Popen([sys.executable, __file__, "--client", str(c), "--clients", str(a.clients),
+                                         "--urls", urls, "--ledger", str(work / f"ledger-{c}.json"), "--seed", str(a.seed),
+                                         "--duration", str(a.duration), "--max-ops", str(a.max_ops),
+                                         *(["--direct-writes"] if a.direct_writes else [])], cwd=ROOT, env=env)
+                       for c in range(a.clients))
     print(f"soak: {a.shards} shard(s) of {a.targets} faulty targets (EC {a.k}+{a.m}), {a.clients} client(s), "
           f"{a.duration:g} s; work directory {work}", file=sys.stderr, flush=True)
     progress = Progress(work, a.clients, t_start, a.duration)
@@ -559,4 +561,6 @@ def run(a: argparse.Namespace, argv: list[str] | None, work: Path, shards: list,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tools.cli_args import run_main
+
+    run_main(main)
