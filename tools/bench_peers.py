@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from kvstore.targets import fsync_dir, syncfs  # the store's own directory fsync and syncfs
+from tools.daemon_util import stop_process
 
 
 class Peer:
@@ -190,8 +191,7 @@ class RedisServer:
             raise
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
+        stop_process(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -71,6 +71,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # noqa: E402 - run as a script
 
 from tools.cli_args import check_output_file, choice_bool, csv_list, integer, one_line  # noqa: E402
+from tools.daemon_util import stop_process  # noqa: E402
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,8 +172,7 @@ def run_redis(sizes: list[int], n: int, batch: int) -> dict:
                 time.sleep(0.05)
         return {str(s): bench_redis(s, n, batch, port) for s in sizes}
     finally:
-        p.terminate()
-        p.wait(10)
+        stop_process(p)
 
 
 def run_mooncake(sizes: list[int], n: int, batch: int, python: str) -> dict:
@@ -210,11 +210,7 @@ def run_mooncake(sizes: list[int], n: int, batch: int, python: str) -> dict:
         return {k: {op: round(x, 1) for op, x in v.items()} for k, v in res.items()}
     finally:
         for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop_process(p)
 
 
 def lookup_latency(store: Any, chain_len: int, reps: int, tag: str) -> dict:

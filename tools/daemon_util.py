@@ -39,15 +39,20 @@ def start_daemon(data_dir: Path, extra: Sequence[str] = ()) -> DaemonProc:
     return DaemonProc(p, m.group(1))
 
 
-def stop_daemon(d: DaemonProc, timeout: float = 30.0) -> int:
-    if d.proc.poll() is None:
-        d.proc.send_signal(signal.SIGTERM)
+def stop_process(p: subprocess.Popen, timeout: float = 10.0) -> int:
+    """SIGTERM, then SIGKILL if ``p`` has not exited within ``timeout``: its exit status."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
         try:
-            return d.proc.wait(timeout)
+            return p.wait(timeout)
         except subprocess.TimeoutExpired:
-            d.proc.kill()
-            return d.proc.wait(10)
-    return d.proc.returncode
+            p.kill()
+            return p.wait(10)
+    return p.returncode
+
+
+def stop_daemon(d: DaemonProc, timeout: float = 30.0) -> int:
+    return stop_process(d.proc, timeout)
 
 
 def stop_all(daemons: Sequence[DaemonProc], timeout: float = 30.0) -> None:
