@@ -64,17 +64,22 @@ class ServerConfig:
     metrics_port: int = -1  # -1: no Prometheus endpoint; 0: pick a free port
     max_message_bytes: int = 96 * MiB  # gRPC send/receive limit, both directions
     max_batch_items: int = 4096  # more items in one batch call: INVALID_ARGUMENT
-    max_concurrent_requests: int = 64  # over this: RESOURCE_EXHAUSTED (code BUSY)
+    # Calls admitted at once, overall and per tenant; over either: RESOURCE_EXHAUSTED (code BUSY).
+    # A call is admitted or refused on a handler thread and a stream holds its thread while it
+    # runs, so the overall limit must stay below ``workers``: the threads left over answer the
+    # refusals (and health checks) at once, where they would otherwise queue.
+    max_concurrent_requests: int = 48
     max_concurrent_per_tenant: int = 32
-    workers: int = 32  # gRPC handler threads
+    workers: int = 64  # gRPC handler threads
     gc_interval_s: float = 60.0  # background GC period; 0: no background GC
     drain_s: float = 10.0  # on SIGTERM: how long in-flight calls may finish
     # A PutStream not wholly received within this long is cancelled, freeing its handler thread
     # and admission slot (a client sending slowly, or not at all, holds neither for ever); 0: no bound.
     stream_receive_s: float = 60.0
-    # A GetStream whose client takes no message for this long is cancelled (gRPC holds the
-    # handler thread and admission slot until each message is taken: a client that stops
-    # reading would hold them for ever); time spent reading the store does not count. 0: no bound.
+    # A GetStream that can send nothing for this long is cancelled (gRPC holds the handler thread
+    # and admission slot until HTTP/2 flow control lets each message out: a client that stops
+    # reading would hold them for ever). Flow control opens a window (~MiBs) at a time, so a client
+    # reading under about one window per stream_send_s is cut too. Store reads do not count. 0: no bound.
     stream_send_s: float = 60.0
     tls_cert: str = ""  # PEM certificate chain of the daemon; empty: plaintext
     tls_key: str = ""
@@ -96,6 +101,12 @@ class ServerConfig:
                                  "max_batch_items >= 1")
         if self.max_concurrent_requests < 1 or self.max_concurrent_per_tenant < 1 or self.workers < 1:
             raise InvalidRequest("concurrency limits and workers must be >= 1")
+        if self.max_concurrent_requests >= self.workers:
+            raise InvalidRequest(
+                f"max_concurrent_requests must be below workers (got {self.max_concurrent_requests} and "
+                f"{self.workers}): calls are admitted on handler threads, so with every thread held by "
+                "admitted calls the rest would queue instead of being refused; e.g. workers = "
+                f"{self.max_concurrent_requests + max(1, self.max_concurrent_requests // 3)}")
         for name in ("gc_interval_s", "drain_s", "stream_receive_s", "stream_send_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and 0 <= v <= MAX_SECONDS):  # nan fails every comparison: check it

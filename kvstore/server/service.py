@@ -9,7 +9,9 @@ Per call, in this order (each step for its reason):
   2. Parse the raw request bytes ourselves (``request_deserializer=None``), so a
      malformed message, bad UTF-8 included, is INVALID_ARGUMENT, not gRPC's
      generic "exception deserializing request".
-  3. Admit the call through the ``Limiter`` (RESOURCE_EXHAUSTED when full).
+  3. Admit the call through the ``Limiter`` (RESOURCE_EXHAUSTED when full). This runs on a
+     handler thread, so ``max_concurrent_requests < workers`` (checked) keeps threads free to
+     answer refusals and health checks while admitted calls (a stalled stream) hold theirs.
   4. Validate client keys (16 bytes) *before* mapping them to the tenant's
      stored keys, then call the store. The store validates everything else
      before writing anything, so a bad batch stores nothing.
@@ -23,7 +25,7 @@ the limit learns it from the refusal and resends the batch in pieces (``kvstore.
 The two streaming batch forms take the same steps: ``GetStream`` validates
 every key first, then reads the keys a window (``GET_STREAM_WINDOW``) at a
 time and sends the values in ``GetChunk`` messages (its admission slot held
-until the stream ends; cut when its client takes no message for ``stream_send_s``,
+until the stream ends; cut when nothing can be sent for ``stream_send_s``,
 ``Watchdog``); ``PutStream`` is admitted, then receives and parses every
 item (bounded by ``max_batch_items``, in total bytes by ``max_message_bytes``, and in
 time by ``stream_receive_s``), then stores them with one ``put_many`` exactly as PutMany does; a
@@ -436,14 +438,18 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
             self._watchdog.disarm(token)
 
     def _send_bound(self, msgs: Generator[bytes, None, None], context: grpc.ServicerContext) -> Iterator[bytes]:
-        """``msgs``, the call cancelled when its client takes none of them for ``stream_send_s``
-        (0: no bound). gRPC resumes this generator only once the client has taken the message
-        it yielded, so the wait is armed over each ``yield`` alone: reading the store does not count."""
+        """``msgs``, the call cancelled when none of them can be sent for ``stream_send_s`` (0: no
+        bound). gRPC resumes this generator once HTTP/2 flow control has let the message it yielded
+        out, so the wait is armed over each ``yield`` alone: reading the store does not count. Flow
+        control reopens a window (up to a few MiB) at a time, not per message the client takes: a
+        client reading less than that per ``stream_send_s`` is cut as well (QA: a 4 KiB-value
+        stream read at one 32 KiB message per 0.5 s waited 32 s on one send)."""
         if not self.cfg.stream_send_s:
             yield from msgs
             return
-        token, cut = object(), _cut(context, f"GetStream's client took no message for stream_send_s = "
-                                             f"{self.cfg.stream_send_s:g} s")
+        token, cut = object(), _cut(context, f"GetStream could send nothing for stream_send_s = "
+                                             f"{self.cfg.stream_send_s:g} s (its client stopped reading, or reads "
+                                             "less than one flow-control window in that time)")
         try:
             for msg in msgs:
                 self._watchdog.arm(token, self.cfg.stream_send_s, cut)

@@ -2,7 +2,7 @@
 
 Who uses it: ``kvstore.server.service.Daemon``, for the two bounds of its streaming calls:
 ``stream_receive_s`` (a PutStream must be wholly received within it) and ``stream_send_s``
-(a GetStream's client must take each message within it). Without them a client that sends
+(each message of a GetStream must get out within it). Without them a client that sends
 or reads nothing holds a handler thread and an admission slot for ever.
 
 Contract: ``arm(token, after_s, fire)`` calls ``fire()`` once, on the watchdog's thread,

@@ -10,7 +10,7 @@ import pytest
 
 import kvstore
 from kvstore import NotFound, PutItem
-from kvstore.errors import StoreUnavailable
+from kvstore.errors import InvalidRequest, StoreUnavailable
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.wire import PermissionDenied, RequestTooLarge, ServerBusy, Unauthenticated
 from kvstore.store import EmbeddedStore
@@ -260,3 +260,54 @@ def test_a_malformed_tokens_file_is_refused(tmp_path, body, match) -> None:
     p.write_text(f'admin_tenants = ["ops"]\n[tokens]\n"{TOK_A}" = "o"\n"{TOK_OPS}" = "ops"\n')
     table = TokenTable.load(str(p), b"s" * 32)
     assert {t.name: t.admin for t in table.tenants_by_token.values()} == {"o": False, "ops": True}
+
+
+def test_one_tenants_stalled_streams_cannot_take_every_handler_thread(make_daemon, tokens_file) -> None:
+    """A stream holds its handler thread while it receives (or sends), and admission runs on a
+    handler thread. With the old defaults (32 threads, 32 slots per tenant) one tenant's 32
+    stalled PutStreams held every thread: every other tenant's call queued until its deadline,
+    and even that tenant's 33rd was never refused (QA). Admission now always has threads left
+    (max_concurrent_requests < workers, checked): the others are served, the 33rd refused."""
+    import time
+
+    d = make_daemon(tokens_file=tokens_file, stream_receive_s=30.0)  # the default limits
+    cfg = d.cfg
+    assert cfg.max_concurrent_per_tenant < cfg.max_concurrent_requests < cfg.workers
+    ch = grpc.insecure_channel(d.address.split("://")[1])
+    stalled = threading.Event()
+
+    def nothing():
+        stalled.wait(30)
+        return
+        yield  # noqa: unreachable - a generator that sends nothing
+
+    call = ch.stream_unary("/kvstore.v1.KVStore/PutStream")
+    md = [("authorization", f"Bearer {TOK_A}")]
+    futs = [call.future(nothing(), metadata=md, timeout=60) for _ in range(cfg.max_concurrent_per_tenant)]
+    try:
+        with kvstore.connect(d.address, token=TOK_A, timeout_s=10) as a:
+            deadline = time.monotonic() + 20
+            with pytest.raises(ServerBusy, match="max_concurrent_per_tenant"):
+                while time.monotonic() < deadline:  # admitted until every stream holds its slot
+                    a.lookup([K("a")])
+                    time.sleep(0.05)
+        t0 = time.monotonic()
+        with kvstore.connect(d.address, token=TOK_B, timeout_s=10) as b:
+            assert b.put(K("b"), b"served") and b.get(K("b")) == b"served"
+        assert time.monotonic() - t0 < 10
+    finally:
+        stalled.set()
+        for f in futs:
+            try:
+                f.result(timeout=30)
+            except grpc.RpcError:
+                pass
+        ch.close()
+
+
+@pytest.mark.parametrize("over", [{"workers": 8}, {"workers": 64, "max_concurrent_requests": 64}])
+def test_admission_limits_must_leave_handler_threads_free(over) -> None:
+    from kvstore.server.config import ServerConfig
+
+    with pytest.raises(InvalidRequest, match="max_concurrent_requests must be below workers"):
+        ServerConfig(**over)
