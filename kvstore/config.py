@@ -358,7 +358,10 @@ def _coerce(name: str, typ: Any, value: Any, source: str = "") -> Any:
                 return int(value)
             return int(value)
         if typ in (float, "float"):
-            return float(value)
+            v = float(value)
+            if not math.isfinite(v):  # no knob takes one; an overridden one is then warned about too
+                raise ValueError("expected a finite number")
+            return v
         if isinstance(value, os.PathLike):
             value = os.fspath(value)
         if not isinstance(value, str):

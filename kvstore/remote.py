@@ -14,8 +14,8 @@ Guarantees (same as the embedded store, see ``kvstore.api``):
     is not 16 bytes, an unknown kind, a value that is not bytes-like) is
     rejected here too, before anything is sent.
   * A daemon that is down, restarting or too slow (``timeout_s``) raises
-    ``StoreUnavailable``; the channel reconnects by itself (backoff capped at
-    ``max_reconnect_backoff_ms``), so the next call after a restart succeeds.
+    ``StoreUnavailable``; the channel reconnects by itself (gRPC's backoff, capped
+    at 1 s here), so the next call after a restart succeeds.
   * Oversized messages raise ``RequestTooLarge`` (an ``InvalidRequest``)
     naming the limit, never a silent failure: both ends use
     ``max_message_bytes``.
