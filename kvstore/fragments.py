@@ -344,7 +344,10 @@ class FragmentIO(LocalFastReads):
         the next one is read instead, so one slow target does not stall a get while k
         others answer; if fewer than k arrive otherwise, the late reads are awaited after
         all (a slow target is not a lost one). Those late reads may still be writing into
-        their slots, so the buffer is a fresh one, never the reused per-thread scratch.
+        their slots, so the buffer is a fresh one, never the reused per-thread scratch. A
+        target that already holds ``STALLED_READS_LIMIT`` such reads is not asked at all
+        (``Target.stalled``; ``TargetUnreachable``): a frozen endpoint holds each read for
+        its client's whole timeout, and would otherwise take every thread of ``_pool``.
         """
         slot = meta.frag_len + 1
         timeout = self.config.read_timeout_s
@@ -364,11 +367,21 @@ class FragmentIO(LocalFastReads):
             views = {i: scratch[i * slot : (i + 1) * slot] for i in want}
             outs: list[tuple[int, memoryview | None, Exception | None]] = []
             if parallel and (len(want) > 1 or timeout):
-                futs = {self._pool.submit(self._read_fragment, meta, ek, i, views[i]): i for i in want}
-                done, slow = wait(futs, timeout=timeout or None)
+                futs = {}
+                for i in want:
+                    t = self.targets.get(meta.targets[i])
+                    why = t.stalled() if t is not None and timeout else ""
+                    if why:  # its stuck reads must not take the pool's last threads: parity instead
+                        outs.append((i, None, TargetUnreachable(errno.EHOSTUNREACH, why)))
+                    else:
+                        futs[self._pool.submit(self._read_fragment, meta, ek, i, views[i])] = i
+                done, slow = wait(futs, timeout=timeout or None) if futs else (set(), set())
                 for f in slow:
                     late[futs[f]] = f
                     self._count("read_timeouts")
+                    t = self.targets.get(meta.targets[futs[f]])
+                    if t is not None:
+                        t.read_stalled(f)
                     outs.append((futs[f], None, TimeoutError(f"no answer within read_timeout_s={timeout}")))
                 for f in done:
                     try:

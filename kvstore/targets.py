@@ -33,7 +33,9 @@ import os
 import re
 import secrets
 import sys
+import threading
 import time
+from concurrent.futures import Future
 
 from typing import Callable, Iterator, Sequence
 
@@ -105,6 +107,13 @@ def _asking(method):
             raise TargetUnreachable(errno.EHOSTUNREACH, f"target {where} could not be reached: "
                                     f"{self._unreachable_why}") from exc
     return call
+
+
+# Reads of one target that ran past their get's ``read_timeout_s`` and are still running (a
+# frozen endpoint holds each for the client's full timeout): once this many are, the target is
+# not asked for more until one returns (``Target.stalled``), so it cannot take every thread of a
+# store's bounded I/O pool and starve the reads of healthy targets queued behind it.
+STALLED_READS_LIMIT = 2
 
 
 # Client settings for remote targets, so that an endpoint that refuses or never answers costs a
@@ -200,6 +209,8 @@ class Target:
     local = False  # reads are worth fanning out over threads unless the target is local
     _unreachable_at = -math.inf  # monotonic time it last could not be asked (``_asking``)
     _unreachable_why = ""
+    _stalled = 0  # reads past their caller's timeout, still running (``stalled``)
+    _stalled_lock = threading.Lock()  # one for all targets: held for an increment
 
     def __init__(self, spec: TargetSpec):
         self.spec = spec
@@ -216,6 +227,25 @@ class Target:
         self.root = self.root.rstrip("/")
         if scheme in _FS_RETRIES and hasattr(self.fs, "retries"):
             self.fs.retries = _FS_RETRIES[scheme]  # this instance is ours: fsspec caches it by our options
+
+    def stalled(self) -> str:
+        """Why this target is not to be asked for more reads now ("": ask it): it holds
+        ``STALLED_READS_LIMIT`` reads that ran past their caller's timeout and still run."""
+        n = self._stalled
+        if n < STALLED_READS_LIMIT:
+            return ""
+        return f"target {self.name} not asked: {n} reads of it are still running past read_timeout_s"
+
+    def read_stalled(self, fut: Future) -> None:
+        """Count ``fut`` (a read of this target past its caller's timeout) until it ends."""
+        with self._stalled_lock:
+            self._stalled += 1
+
+        def ended(_f: Future) -> None:
+            with self._stalled_lock:
+                self._stalled -= 1
+
+        fut.add_done_callback(ended)
 
     def location(self) -> tuple:
         """Where this target's files live, as comparable as its filesystem allows: two targets

@@ -113,6 +113,27 @@ def test_read_timeout_skips_a_slow_target(faulty_store):
     assert_clean(fs.store)
 
 
+def test_a_frozen_target_cannot_take_every_read_thread(faulty_store):
+    """Reads abandoned at ``read_timeout_s`` keep their worker while the target hangs. Once
+    ``read_workers`` of them were stuck on one frozen target, every later read (healthy
+    targets' too) queued behind them, "timed out" in the queue, and the get waited for the
+    frozen ones: 43 s per get on a frozen S3 endpoint (QA). Now a target with
+    ``STALLED_READS_LIMIT`` reads still running past the timeout is not asked for more (parity
+    instead), so every get finishes in about the timeout with the right bytes."""
+    fs = faulty_store(n=4, k=2, m=2, read_timeout_s=0.2, read_workers=4)
+    _put_some(fs.store, 12)
+    frozen = fs.controls[0].set(latency_s=6.0, latency_p=1.0)
+    for i in range(12):
+        t0 = time.monotonic()
+        assert fs.store.get(K(i)) == V(i)
+        assert time.monotonic() - t0 < 2.0, i
+    assert frozen.counts["latency"] <= targets.STALLED_READS_LIMIT + 1  # not asked again and again
+    assert fs.store.counters["unrecoverable"] == 0 and fs.store.counters["degraded_reads"] > 0
+    fs.calm()
+    time.sleep(6.5)  # let the abandoned reads finish before check()
+    assert_clean(fs.store)
+
+
 def test_without_read_timeout_a_slow_target_stalls_the_get(faulty_store):
     fs = faulty_store(k=2, m=2, read_timeout_s=0)
     fs.store.put(K(1), V(1))
