@@ -286,7 +286,7 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
                     continue
             elif not base.startswith(".tmp."):
                 continue  # not ours: leave foreign files alone
-            if not mtime or now_s - mtime < grace_s:
+            if not mtime or now_s - mtime < grace_s + tgt.mtime_resolution_s:
                 unknown_age += not mtime
                 continue  # may belong to a put still in flight (of unknown age: never taken for an orphan)
             orphan = Problem(ProblemKind.ORPHAN_FRAGMENT, key=parsed[1].hex() if parsed else "",

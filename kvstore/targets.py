@@ -207,6 +207,9 @@ class Target:
 
     atomic_put = False
     local = False  # reads are worth fanning out over threads unless the target is local
+    # How much older than it is a file's mtime may look (S3's LastModified is whole seconds):
+    # the orphan sweep adds it to the grace, so a file written within the grace is never swept.
+    mtime_resolution_s = 1.0
     _unreachable_at = -math.inf  # monotonic time it last could not be asked (``_asking``)
     _unreachable_why = ""
     _stalled = 0  # reads past their caller's timeout, still running (``stalled``)
@@ -373,6 +376,7 @@ class LocalTarget(Target):
     """A local or mounted directory: os calls for real fsync and atomic rename."""
 
     local = True
+    mtime_resolution_s = 0.0  # nanosecond mtimes
 
     def __init__(self, spec: TargetSpec):
         super().__init__(spec)

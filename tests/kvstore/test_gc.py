@@ -259,3 +259,26 @@ def test_dry_run_reports_what_the_real_pass_evicts_and_expires(data_dir, hasher,
             s.pin(k)
         with pytest.raises(CapacityExceeded, match="pinned"):  # the real pass would fail: so does the dry run
             s.gc(dry_run=True)
+
+
+def test_a_file_whose_mtime_is_whole_seconds_is_kept_for_the_whole_grace(data_dir, keys, clock, monkeypatch):
+    """S3's LastModified is whole seconds: a file may look up to 1 s older than it is, so with
+    a grace under 2 s the sweep removed files of puts still in flight (QA). The sweep adds the
+    target's mtime resolution to the grace."""
+    import math
+    import time
+
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, orphan_grace_s=1.0) as s:
+        t0 = s.targets["t0"]
+        rel = f"1/ab/{keys[1].hex()}.{'00' * 8}.0"
+        t0.write(rel, b"a put in flight", fsync=False)
+        path = os.path.join(t0.root, rel)
+        written = math.floor(time.time()) + 0.9
+        os.utime(path, (written, written))
+        walk = t0.walk
+        monkeypatch.setattr(t0, "walk", lambda: ((r, n, math.floor(m)) for r, n, m in walk()))  # as S3 lists
+        monkeypatch.setattr(t0, "mtime_resolution_s", 1.0, raising=False)
+        clock.t = written + 0.2  # 0.2 s old, though it looks 1.1 s old
+        assert s.gc()["orphans"] == 0 and os.path.exists(path)
+        clock.t = written + 1.2  # over the grace by any reckoning
+        assert s.gc()["orphans"] == 1 and not os.path.exists(path)
