@@ -407,3 +407,17 @@ def test_an_out_under_proc_is_refused_before_any_work(tool, args, files):
     line = assert_one_error(r, tool)
     assert "/proc/kvstack-test" in line and "not writable (" in line, line
     assert time.monotonic() - t0 < 25
+
+
+def test_mooncake_runs_only_where_its_listeners_stay_on_loopback(monkeypatch, tmp_path):
+    """Mooncake's servers listen on 0.0.0.0 whatever their flags say, so bench_remote runs it in
+    a network namespace holding only loopback; where none can be made it is skipped, saying why,
+    never run in the open."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools import bench_remote
+
+    monkeypatch.setattr(bench_remote.shutil, "which", lambda tool: None)
+    started = []
+    monkeypatch.setattr(bench_remote, "run_mooncake", lambda *a: started.append(a) or {})
+    out = bench_remote.run_mooncake_isolated([4096], 4, 2, str(tmp_path / "python"))
+    assert "skipped" in out and "unshare" in out["skipped"] and started == []
