@@ -10,7 +10,7 @@
 # * redis-py + hiredis and py-lmdb into the active or the project venv (.venv),
 #   if one exists (else the `bench` extra brings them).
 # * --mooncake: the Debian libraries Mooncake's wheel links against (libibverbs1,
-#   librdmacm1, libnuma1) and its own venv (Mooncake pins its own deps, so not the
+#   librdmacm1, libnuma1), unshare and ip (it runs in a loopback-only network namespace) and its own venv (Mooncake pins its own deps, so not the
 #   project's .venv) at $KVSTACK_MOONCAKE_VENV, default <repo>/.bench/mooncake-venv,
 #   with `pip install mooncake-transfer-engine-non-cuda`. tools/bench_remote.py looks
 #   for it at the same place.
@@ -39,6 +39,11 @@ if [ "$mooncake" -eq 1 ]; then
     for lib in libibverbs1 librdmacm1 libnuma1; do
         if dpkg -s "$lib" 2>/dev/null | grep -q "^Status: install ok installed"; then echo "$lib: present"
         else missing+=("$lib"); fi
+    done
+    # bench_remote runs Mooncake in a loopback-only network namespace (unshare, ip).
+    declare -A NETNS=([unshare]=util-linux [ip]=iproute2)
+    for cmd in "${!NETNS[@]}"; do
+        if command -v "$cmd" >/dev/null 2>&1; then echo "$cmd: present"; else missing+=("${NETNS[$cmd]}"); fi
     done
 fi
 if [ ${#missing[@]} -gt 0 ]; then
