@@ -34,7 +34,8 @@ from collections import Counter
 from typing import TYPE_CHECKING, Collection, Sequence
 
 from kvstore.errors import CapacityExceeded
-from kvstore.index import Meta, packed_bytes
+from kvstore.index import STANDALONE, Meta, packed_bytes
+from kvstore.targets import fragment_path
 
 if TYPE_CHECKING:
     from kvstore.store import EmbeddedStore
@@ -157,6 +158,21 @@ def removed_graves(store: "EmbeddedStore", removed: Collection[bytes], stamp: in
             if m is not None:
                 out.append((stamp, bytes(ek) + m.gen, m))
     return out
+
+
+def purged_files(due: Sequence[DueGrave]) -> tuple[set[tuple[bytes, bytes]], set[tuple[str, str]]]:
+    """For a dry run's orphan sweep, what step 4's purge of ``due`` changes: the (entry key,
+    generation) pairs it forgets (their other files, e.g. a stale copy on a target that came
+    back, are orphans after it) and the (target, file) pairs it deletes itself (counted as
+    purged, not as orphans). Pack files are the purge's to count (``plan_purge``)."""
+    forget, files = set(), set()
+    for _t, rest, m in due:
+        ek = bytes(rest[:17])
+        forget.add((ek, m.gen))
+        for i, name in enumerate(m.targets):
+            if not m.offsets or m.offsets[i] == STANDALONE:
+                files.add((name, fragment_path(ek[0], ek[1:], m.gen, i)))
+    return forget, files
 
 
 def _pack_effects(due: Sequence[DueGrave]) -> tuple[Counter, Counter]:

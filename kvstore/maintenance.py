@@ -50,7 +50,7 @@ from kvstore import codec
 from kvstore.api import EntryKind
 from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStoreError, StoreClosed
 from kvstore.gc_plan import (DueGrave, count_expired, due_graves, expired_lost, grave_key, plan_compaction,
-                             plan_eviction, plan_expiry, plan_purge, removed_graves)
+                             plan_eviction, plan_expiry, plan_purge, purged_files, removed_graves)
 from kvstore.index import STANDALONE, Meta, packed_bytes
 from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path, parse_fragment_path, parse_pack_path
 
@@ -247,7 +247,8 @@ def _known_generations(store: "EmbeddedStore") -> tuple[set[tuple[bytes, bytes]]
 
 
 def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: float,
-                   progress: Progress, skip: Collection[str] = ()) -> tuple[int, int, list[Problem]]:
+                   progress: Progress, skip: Collection[str] = (),
+                   purging: Sequence[DueGrave] = ()) -> tuple[int, int, list[Problem]]:
     """Step 6: (files, bytes, problems) of orphans on every target but those in ``skip``
     (targets the caller already reported down). A target that cannot be listed is one
     ``TARGET_DOWN`` problem. An orphan that cannot be deleted (a read-only file or target)
@@ -258,8 +259,13 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
     records are read: a writer indexes its files only within ``orphan_grace_s / 2`` of
     starting them, checked once it holds the index's write lock (``FragmentIO._check_in_time``),
     so no file a writer is about to index is ever old enough here. A file of unknown age
-    (no mtime) is kept."""
+    (no mtime) is kept.
+
+    ``purging`` (a dry run): the graveyard records the real pass purges before it sweeps, so
+    the files they leave behind count as orphans and the files they delete do not."""
     known, packs = _known_generations(store)
+    forget, deleted = purged_files(purging)
+    known -= forget
     n = nbytes = unknown_age = 0
     problems: list[Problem] = []
     names = list(store.targets)
@@ -274,6 +280,8 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
             problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail=str(exc)))
             continue
         for rel, size, mtime in files:
+            if (name, rel) in deleted:
+                continue
             base = rel.rsplit("/", 1)[-1]
             parsed = parse_fragment_path(rel)
             pack = parse_pack_path(rel) if parsed is None else None
@@ -366,7 +374,8 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
     orphans = orphan_bytes = kept = 0
     if sweep_orphans:
         orphans, orphan_bytes, found = _sweep_orphans(store, store.file_clock(), dry_run,
-                                                      store.config.orphan_grace_s, progress)
+                                                      store.config.orphan_grace_s, progress,
+                                                      purging=due if dry_run else ())
         kept = sum(1 for p in found if p.kind is ProblemKind.ORPHAN_FRAGMENT and not p.fixed and not dry_run)
     out = {
         "dry_run": dry_run, "expired": expired, "evicted": evicted, "evicted_bytes": evicted_bytes,

@@ -173,6 +173,32 @@ def test_dry_run_with_no_delete_grace_counts_the_entries_it_expires_as_purged(da
         assert_clean(s)
 
 
+def test_dry_run_counts_the_stale_copies_its_purge_leaves_as_orphans(store, keys):
+    """A fragment's stale copy (a target that came back after repair rebuilt it elsewhere) is
+    named by its entry's key and generation: not an orphan while the entry's record exists, an
+    orphan once the pass purges it. The dry run swept with the records still there and counted
+    neither it nor its bytes (QA: "orphans 0; would reclaim 14232" against "orphans 1;
+    reclaimed 15418"); the files the purge deletes itself are not counted twice."""
+    store.put(keys[0], value_for(keys[0], 3000))  # its own fragment files
+    store.put_many([PutItem(k, value_for(k, 3000)) for k in keys[1:4]])  # a pack
+    gen = _gen(store, keys[0])
+    with store.index.env.begin() as txn:
+        names = store.index.get_meta(txn, ekey(1, keys[0])).targets
+    spare = next(t for t in store.targets if t != names[0])
+    rel = fragment_path(1, keys[0], gen, 0)
+    stale = Path(store.targets[spare].root) / rel
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes((Path(store.targets[names[0]].root) / rel).read_bytes())
+    store.delete(keys[0])
+    store.delete(keys[1])
+    dry = store.gc(dry_run=True)
+    real = store.gc()
+    assert real["orphans"] == 1 and not stale.exists()
+    counts = ("purged", "orphans", "reclaimed_bytes")
+    assert [dry[c] for c in counts] == [real[c] for c in counts]
+    assert_clean(store)
+
+
 # --------------------------------------------------------------------------- D: compaction and put limits
 def test_compaction_moves_entries_over_a_lowered_max_value_bytes(data_dir, keys, clock):
     vals = {k: os.urandom(20_000) for k in keys[:8]}
