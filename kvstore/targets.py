@@ -465,7 +465,7 @@ class LocalTarget(Target):
     def walk(self) -> Iterator[tuple[str, int, float]]:
         if not os.path.isdir(self.root):
             raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root)
-        for dirpath, _dirs, files in os.walk(self.root):
+        for dirpath, _dirs, files in os.walk(self.root, onerror=_unlisted):
             for f in files:
                 p = os.path.join(dirpath, f)
                 try:
@@ -473,6 +473,14 @@ class LocalTarget(Target):
                 except FileNotFoundError:
                     continue
                 yield os.path.relpath(p, self.root), st.st_size, st.st_mtime
+
+
+def _unlisted(exc: OSError) -> None:
+    """``os.walk``'s error hook: a directory that cannot be listed (permissions, I/O) fails the
+    walk, so a sweep or scrub reports the target instead of taking the part it skipped for
+    empty; one removed meanwhile (GC pruning it) is just gone."""
+    if not isinstance(exc, FileNotFoundError):
+        raise exc
 
 
 _IOV_MAX = 512  # well under the kernel's 1024 per writev

@@ -102,7 +102,12 @@ def parse_key(text: str) -> bytes:
 
 
 def parse_chain(text: str) -> list[bytes]:
-    return [parse_key(part) for part in text.split(",") if part.strip()]
+    """A prefix chain as comma-separated hex keys (argparse ``type``); an empty one is a usage error."""
+    chain = [parse_key(part) for part in text.split(",") if part.strip()]
+    if not chain:
+        raise argparse.ArgumentTypeError(f"{text!r} names no key; give one or more {2 * KEY_LEN}-digit hex keys, "
+                                         "comma separated")
+    return chain
 
 
 def non_negative_int(text: str) -> int:

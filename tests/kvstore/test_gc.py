@@ -282,3 +282,26 @@ def test_a_file_whose_mtime_is_whole_seconds_is_kept_for_the_whole_grace(data_di
         assert s.gc()["orphans"] == 0 and os.path.exists(path)
         clock.t = written + 1.2  # over the grace by any reckoning
         assert s.gc()["orphans"] == 1 and not os.path.exists(path)
+
+
+def test_a_directory_that_cannot_be_listed_is_reported_not_taken_for_empty(data_dir, keys, clock, monkeypatch):
+    """``os.walk`` skips a directory it cannot list without a word, so a sweep and a scrub took
+    an unreadable part of a target for empty: nothing reported, its orphans never reclaimed
+    (QA). The walk now fails and the target is reported down (a file removed meanwhile is not)."""
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, orphan_grace_s=0, delete_grace_s=0) as s:
+        s.put(keys[0], b"kept")
+        t0 = s.targets["t0"]
+        blocked = os.path.join(t0.root, "1")
+        real_scandir = os.scandir
+
+        def scandir(path="."):
+            if os.fspath(path) == blocked:
+                raise PermissionError(13, "Permission denied", blocked)
+            return real_scandir(path)
+
+        monkeypatch.setattr(os, "scandir", scandir)
+        down = [p for p in s.check() if p.kind is ProblemKind.TARGET_DOWN]
+        assert [p.target for p in down] == ["t0"] and "Permission denied" in down[0].detail
+        monkeypatch.undo()
+        assert s.get(keys[0]) == b"kept"
+        assert_clean(s)
