@@ -251,6 +251,7 @@ class DirectReader(FragmentIO):
     def close(self) -> None:
         self._batch_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        self._close_target_pools(wait=True, timeout_s=None)
 
 
 def check_into_sizes(keys: Sequence[bytes], sizes: Sequence[int | None], views: Sequence[memoryview],

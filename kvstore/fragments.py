@@ -3,7 +3,8 @@ reading, verifying and decoding an entry's fragments.
 
 ``FragmentIO`` is a mixin of ``kvstore.store.EmbeddedStore`` (kept apart so each file
 has one job): it uses the store's ``config``, ``targets``, ``target_specs``, ``code``,
-``_pool``, ``_tls``, ``_count``, ``_mark_lost`` and ``now_ns``. The write and read
+``_pool``, ``_tls``, ``_count``, ``_mark_lost`` and ``now_ns``; it keeps its per-target read
+pools itself (``_target_pool``; the host calls ``_close_target_pools`` when it closes). The write and read
 steps, and why they are ordered as they are, are in ``kvstore.store``'s docstring; the
 local read fast paths it tries first are in ``kvstore.fastread`` (its base class).
 """
@@ -22,6 +23,7 @@ from typing import Any, Callable, Sequence
 from kvstore import codec
 from kvstore.api import EntryKind, Layout, as_payload, check_put_fields
 from kvstore.config import MAX_TTL_S
+from kvstore.executors import DaemonExecutor
 from kvstore.errors import (CapacityExceeded, CorruptData, IncompatibleFormat, InvalidRequest, StoreClosed,
                             StoreUnavailable, Unrecoverable)
 from kvstore.fastread import LocalFastReads, frag_loc
@@ -91,6 +93,9 @@ def expiry_ns(ttl_s: float | None, default_ttl_s: float, now: int) -> int:
     else:
         check_put_fields(ttl_s, 0, MAX_TTL_S)
     return now + int(ttl_s * 1e9) if ttl_s else 0
+
+
+_TARGET_POOLS_LOCK = threading.Lock()  # creating a target's read pool (``FragmentIO._target_pool``)
 
 
 class WrittenTooLongAgo(StoreUnavailable):
@@ -347,7 +352,9 @@ class FragmentIO(LocalFastReads):
         their slots, so the buffer is a fresh one, never the reused per-thread scratch. A
         target that already holds ``STALLED_READS_LIMIT`` such reads is not asked at all
         (``Target.stalled``; ``TargetUnreachable``): a frozen endpoint holds each read for
-        its client's whole timeout, and would otherwise take every thread of ``_pool``.
+        its client's whole timeout. Reads run on their target's own pool (``_target_pool``),
+        so a frozen target's stuck reads never delay another target's; one still queued at
+        the timeout is cancelled, not left to start later and get stuck in turn.
         """
         slot = meta.frag_len + 1
         timeout = self.config.read_timeout_s
@@ -371,18 +378,21 @@ class FragmentIO(LocalFastReads):
                 for i in want:
                     t = self.targets.get(meta.targets[i])
                     why = t.stalled() if t is not None and timeout else ""
-                    if why:  # its stuck reads must not take the pool's last threads: parity instead
+                    if why:  # its stuck reads hold all they may: parity instead
                         outs.append((i, None, TargetUnreachable(errno.EHOSTUNREACH, why)))
                     else:
-                        futs[self._pool.submit(self._read_fragment, meta, ek, i, views[i])] = i
+                        futs[self._target_pool(meta.targets[i]).submit(
+                            self._read_fragment, meta, ek, i, views[i])] = i
                 done, slow = wait(futs, timeout=timeout or None) if futs else (set(), set())
                 for f in slow:
-                    late[futs[f]] = f
                     self._count("read_timeouts")
+                    outs.append((futs[f], None, TimeoutError(f"no answer within read_timeout_s={timeout}")))
+                    if f.cancel():
+                        continue  # still queued behind its target's other reads: never started
+                    late[futs[f]] = f
                     t = self.targets.get(meta.targets[futs[f]])
                     if t is not None:
                         t.read_stalled(f)
-                    outs.append((futs[f], None, TimeoutError(f"no answer within read_timeout_s={timeout}")))
                 for f in done:
                     try:
                         outs.append((futs[f], f.result(), None))
@@ -414,6 +424,23 @@ class FragmentIO(LocalFastReads):
                 continue
             failed.remove(meta.targets[i])
         return good, failed, unreachable
+
+    def _target_pool(self, name: str) -> DaemonExecutor:
+        """The pool that runs target ``name``'s fragment reads in ``_gather`` (``read_workers``
+        threads, started on demand): one per target, a bulkhead, so that reads stuck on one
+        target cannot hold the threads the others' reads need."""
+        pools = self.__dict__.setdefault("_target_pools", {})
+        pool = pools.get(name)
+        if pool is None:
+            with _TARGET_POOLS_LOCK:
+                pool = pools.get(name)
+                if pool is None:
+                    pool = pools[name] = DaemonExecutor(self.config.read_workers, f"kvstore-read-{name}")
+        return pool
+
+    def _close_target_pools(self, *, wait: bool, timeout_s: float | None) -> None:
+        for pool in list(self.__dict__.get("_target_pools", {}).values()):
+            pool.shutdown(wait=wait, timeout_s=timeout_s)
 
     def _decode(self, meta: Meta, ek: bytes, good: dict[int, memoryview], failed: list[str],
                 out: memoryview | None = None) -> tuple[codec.EntryHeader, bytes | memoryview]:

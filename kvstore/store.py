@@ -568,6 +568,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             # A read abandoned at read_timeout_s may still hold a worker: not waited for past a bound.
             self._batch_pool.shutdown(wait=not deferred, timeout_s=POOL_JOIN_S)
             self._pool.shutdown(wait=not deferred, timeout_s=POOL_JOIN_S)
+            self._close_target_pools(wait=not deferred, timeout_s=POOL_JOIN_S)
             self.index.close()
 
     def __enter__(self) -> "EmbeddedStore":

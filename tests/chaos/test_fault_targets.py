@@ -398,3 +398,29 @@ def test_unreachable_targets_make_batch_slots_misses_and_gc_finishes(faulty_stor
     fs.controls[0].schedule([(fs.controls[0].ops + 1, faults.FaultPlan(unreachable=True))])
     with pytest.raises(targets.TargetUnreachable):
         list(t.walk())
+
+
+def test_a_burst_of_gets_with_a_frozen_target_all_succeed_in_about_the_timeout(faulty_store):
+    """Concurrent gets while one target hangs: before its first read timed out, a burst sent it
+    enough reads to fill the shared I/O pool, reads of healthy targets queued behind them timed
+    out in the queue and were counted against those targets, which were then skipped: gets of
+    fully readable entries failed (review). Reads now run on their target's own pool and one
+    still queued at the timeout is cancelled, so only the frozen target's reads are held."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fs = faulty_store(n=4, k=2, m=2, read_timeout_s=0.2, read_workers=4)
+    _put_some(fs.store, 24)
+    frozen = fs.controls[0].set(latency_s=6.0, latency_p=1.0)
+
+    def get(i):
+        t0 = time.monotonic()
+        return fs.store.get(K(i)) == V(i), time.monotonic() - t0
+
+    with ThreadPoolExecutor(16) as ex:
+        res = list(ex.map(get, range(24)))
+    assert all(ok for ok, _ in res) and max(took for _, took in res) < 3.0, res
+    assert fs.store.counters["unrecoverable"] == 0
+    assert frozen.counts["latency"] <= 4  # its pool's threads at most: the rest cancelled or not sent
+    fs.calm()
+    time.sleep(6.5)
+    assert_clean(fs.store)
