@@ -130,3 +130,45 @@ def test_replay_trace_ctrl_c_is_one_line(tmp_path):
            "--max-wall-s", "120"]
     code, err, kids = interrupt_when(cmd, "round_robin", tmp_path)
     assert_interrupted(code, err, kids, "replay_trace.py")
+
+
+CLEANUP_TOOL = """
+import subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+from tools.cli_args import run_main, sigint_deferred
+from tools.daemon_util import stop_process
+
+def main():
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                 "signal.signal(signal.SIGINT, signal.SIG_IGN); print('ready', flush=True); "
+                                 "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    stubborn.stdout.readline()  # its handlers are in place
+    print(stubborn.pid, flush=True)
+    try:
+        return 0
+    finally:
+        with sigint_deferred():  # as the tools' own cleanups
+            print("cleanup: stopping", file=sys.stderr, flush=True)
+            stop_process(stubborn, timeout=3)
+            print("cleanup: done", file=sys.stderr, flush=True)
+
+run_main(main, "cleanup_tool")
+"""
+
+
+def test_a_ctrl_c_during_cleanup_waits_for_it(tmp_path):
+    """A first Ctrl-C that arrives while a tool's cleanup waits for a child (here one that
+    ignores SIGTERM) cut the cleanup short: the child was left running (review). It now waits
+    until the child is stopped, then the run ends with the one line and 130."""
+    script = tmp_path / "cleanup_tool.py"
+    script.write_text(CLEANUP_TOOL)
+    p = subprocess.Popen([sys.executable, str(script), str(ROOT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_env(), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    child = int(p.stdout.readline())
+    assert p.stderr.readline().strip() == "cleanup: stopping"
+    time.sleep(0.5)  # inside stop_process's wait for the stubborn child
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and "cleanup: done" in err and "cleanup_tool: interrupted" in err, err
+    assert "Traceback" not in err and not _alive(child)

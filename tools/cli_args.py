@@ -25,7 +25,9 @@ The contract every tool in ``tools/`` keeps (stated once, here)
        ``run_main(main)``, which does this; a tool that has more to say (where
        its work directory was kept) prints its own ``TOOL: ...interrupted...``
        line and returns 130 itself. A second Ctrl-C while that cleanup runs is
-       ignored, so that the cleanup finishes. Child processes that the tool
+       ignored, and a first one that arrives during a cleanup waits for it to end
+       (``sigint_deferred``, around the tools' ``finally`` blocks), so that the
+       cleanup finishes. Child processes that the tool
        stops itself are started so that a Ctrl-C on the terminal (sent to the
        whole process group) does not make each of them print a traceback.
 
@@ -242,6 +244,27 @@ def sigint_ignored_in_children() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """A tool's cleanup (rule 5): a Ctrl-C that arrives inside waits until the block is done,
+    then interrupts as usual (``KeyboardInterrupt``), so a cleanup is never cut short half way
+    (a child left running, a directory half removed). Blocks nest: an inner one hands the
+    Ctrl-C to the outer one. A Ctrl-C after the first (ignored by ``run_main``'s handler)
+    stays ignored. Outside the main thread: no change."""
+    got: list[int] = []
+    try:
+        old = signal.signal(signal.SIGINT, lambda *_: got.append(1))
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if got and callable(old):  # handed to the handler it deferred: an outer block's, or the raise
+            old(signal.SIGINT, None)
 
 
 def one_line(exc: BaseException) -> str:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from tools.cli_args import sigint_deferred
+
 
 @dataclass(frozen=True, slots=True)
 class DaemonProc:
@@ -40,15 +42,17 @@ def start_daemon(data_dir: Path, extra: Sequence[str] = ()) -> DaemonProc:
 
 
 def stop_process(p: subprocess.Popen, timeout: float = 10.0) -> int:
-    """SIGTERM, then SIGKILL if ``p`` has not exited within ``timeout``: its exit status."""
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            return p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            return p.wait(10)
-    return p.returncode
+    """SIGTERM, then SIGKILL if ``p`` has not exited within ``timeout``: its exit status. A
+    Ctrl-C meanwhile waits until it is stopped (``sigint_deferred``)."""
+    with sigint_deferred():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                return p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                return p.wait(10)
+        return p.returncode
 
 
 def stop_daemon(d: DaemonProc, timeout: float = 30.0) -> int:
@@ -56,13 +60,15 @@ def stop_daemon(d: DaemonProc, timeout: float = 30.0) -> int:
 
 
 def stop_all(daemons: Sequence[DaemonProc], timeout: float = 30.0) -> None:
-    """``stop_daemon`` each one; if stopping one fails (or is interrupted), the rest are killed."""
-    for i, d in enumerate(daemons):
-        try:
-            stop_daemon(d, timeout)
-        except BaseException:
-            for rest in daemons[i:]:
-                if rest.proc.poll() is None:
-                    rest.proc.kill()
-                    rest.proc.wait()
-            raise
+    """``stop_daemon`` each one; if stopping one fails, the rest are killed. A Ctrl-C meanwhile
+    waits until all are stopped (``sigint_deferred``)."""
+    with sigint_deferred():
+        for i, d in enumerate(daemons):
+            try:
+                stop_daemon(d, timeout)
+            except BaseException:
+                for rest in daemons[i:]:
+                    if rest.proc.poll() is None:
+                        rest.proc.kill()
+                        rest.proc.wait()
+                raise

@@ -57,7 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.cli_args import (check_output_file, choice_bool, integer, number, one_line,  # noqa: E402
-                            sigint_ignored_in_children)
+                            sigint_deferred, sigint_ignored_in_children)
 
 MAX_VALUE_BYTES = 40 * 2**20  # values are 0.5x..1.5x --value-bytes; the store's default limit is 64 MiB
 PROGRESS_EVERY_S = 5.0
@@ -260,19 +260,20 @@ def run(args: argparse.Namespace) -> dict:
         acked = {j for r in results for j in r["acked"]}
         final_wrong, final_missing = verify_all(url, args.seed, args.value_bytes, acked, args.direct_reads)
     finally:
-        for p in procs:  # still running only when the run stopped early: stop them first
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+        with sigint_deferred():  # a Ctrl-C now waits until everything below is stopped
+            for p in procs:  # still running only when the run stopped early: stop them first
                 if p.is_alive():
-                    p.kill()
+                    p.terminate()
                     p.join(5)
-        q.close()
-        q.cancel_join_thread()
-        for d in daemons:
-            stop_daemon(d)
-        if tmp is not None:
-            tmp.cleanup()
+                    if p.is_alive():
+                        p.kill()
+                        p.join(5)
+            q.close()
+            q.cancel_join_thread()
+            for d in daemons:
+                stop_daemon(d)
+            if tmp is not None:
+                tmp.cleanup()
     lat = {op: [x for r in results for x in r["lat"][op]] for op in ("put", "get", "lookup")}
     ops = sum(r["ops"] for r in results)
 

@@ -81,7 +81,7 @@ from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.errors import (CapacityExceeded, InvalidRequest, KVStoreError, NotFound, StoreUnavailable,  # noqa: E402
                             Unrecoverable)
 from tools.cli_args import (check_output_dir, check_output_file, integer, number, one_line,  # noqa: E402
-                            sigint_ignored_in_children)
+                            sigint_deferred, sigint_ignored_in_children)
 from tools.soak_report import Progress, failures, pct, progress_path, write_progress  # noqa: E402
 
 OPS = {"put": 22, "put_many": 8, "put_ttl": 8, "get": 30, "get_other": 8, "lookup": 12, "delete": 5, "get_many": 6,
@@ -452,15 +452,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{ap.prog}: error: interrupted; work directory kept for the post-mortem: {work}", file=sys.stderr)
         return 130
-    finally:  # whatever happened: nothing this run started is left running
-        for p in clients:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        for sh in shards:
-            if sh.proc is not None and sh.proc.poll() is None:
-                sh.proc.kill()
-                sh.proc.wait(10)
+    finally:  # whatever happened: nothing this run started is left running (a Ctrl-C waits for it)
+        with sigint_deferred():
+            for p in clients:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+            for sh in shards:
+                if sh.proc is not None and sh.proc.poll() is None:
+                    sh.proc.kill()
+                    sh.proc.wait(10)
 
 
 def run(a: argparse.Namespace, argv: list[str] | None, work: Path, shards: list, clients: list) -> int:
