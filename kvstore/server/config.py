@@ -67,10 +67,11 @@ class ServerConfig:
     # Calls admitted at once, overall and per tenant; over either: RESOURCE_EXHAUSTED (code BUSY).
     # A call is admitted or refused on a handler thread and a stream holds its thread while it
     # runs, so the overall limit must stay below ``workers``: the threads left over answer the
-    # refusals (and health checks) at once, where they would otherwise queue.
-    max_concurrent_requests: int = 48
+    # refusals (and health checks) at once, where they would otherwise queue. 0 (the default)
+    # derives one from the other: 48 and 64 when both are 0; else 3/4 of workers, or a third more.
+    max_concurrent_requests: int = 0
     max_concurrent_per_tenant: int = 32
-    workers: int = 64  # gRPC handler threads
+    workers: int = 0  # gRPC handler threads (0: see above)
     gc_interval_s: float = 60.0  # background GC period; 0: no background GC
     drain_s: float = 10.0  # on SIGTERM: how long in-flight calls may finish
     # A PutStream not wholly received within this long is cancelled, freeing its handler thread
@@ -99,8 +100,15 @@ class ServerConfig:
         if not 64 * 1024 <= self.max_message_bytes <= MAX_MESSAGE_BYTES or self.max_batch_items < 1:
             raise InvalidRequest(f"max_message_bytes must be in [64 KiB, {MAX_MESSAGE_BYTES}] and "
                                  "max_batch_items >= 1")
-        if self.max_concurrent_requests < 1 or self.max_concurrent_per_tenant < 1 or self.workers < 1:
-            raise InvalidRequest("concurrency limits and workers must be >= 1")
+        if self.max_concurrent_requests < 0 or self.max_concurrent_per_tenant < 1 or self.workers < 0:
+            raise InvalidRequest("max_concurrent_per_tenant must be >= 1; max_concurrent_requests and workers "
+                                 ">= 1 (0: derived)")
+        if not (self.max_concurrent_requests or self.workers):
+            object.__setattr__(self, "max_concurrent_requests", 48)
+        if not self.workers:
+            object.__setattr__(self, "workers", self.max_concurrent_requests + max(1, self.max_concurrent_requests // 3))
+        if not self.max_concurrent_requests:
+            object.__setattr__(self, "max_concurrent_requests", max(1, self.workers * 3 // 4))
         if self.max_concurrent_requests >= self.workers:
             raise InvalidRequest(
                 f"max_concurrent_requests must be below workers (got {self.max_concurrent_requests} and "

@@ -305,9 +305,22 @@ def test_one_tenants_stalled_streams_cannot_take_every_handler_thread(make_daemo
         ch.close()
 
 
-@pytest.mark.parametrize("over", [{"workers": 8}, {"workers": 64, "max_concurrent_requests": 64}])
+@pytest.mark.parametrize("over", [{"workers": 8, "max_concurrent_requests": 8}, {"workers": 1},
+                                  {"workers": 64, "max_concurrent_requests": 64}])
 def test_admission_limits_must_leave_handler_threads_free(over) -> None:
     from kvstore.server.config import ServerConfig
 
     with pytest.raises(InvalidRequest, match="max_concurrent_requests must be below workers"):
         ServerConfig(**over)
+
+
+@pytest.mark.parametrize("over, want", [({}, (48, 64)), ({"workers": 32}, (24, 32)),
+                                        ({"max_concurrent_requests": 64}, (64, 85)),
+                                        ({"workers": 10, "max_concurrent_requests": 9}, (9, 10))])
+def test_one_admission_limit_set_derives_the_other(over, want) -> None:
+    """A config that set only one of the two (the old defaults were 64 and 32, both fine alone)
+    still starts: the other is derived so that threads stay free for refusals."""
+    from kvstore.server.config import ServerConfig
+
+    cfg = ServerConfig(**over)
+    assert (cfg.max_concurrent_requests, cfg.workers) == want
