@@ -37,6 +37,8 @@ _DEFAULT_HELP = {"ec_k": "the data directory's (4 for a new one)", "ec_m": "the 
                  "ec_type": "the data directory's (isa_l_rs_cauchy for a new one)",
                  "metrics_port": "-1 (no Prometheus endpoint; 0: a free port)",
                  "port": "7070 (0: a free port, printed at start)",
+                 "max_concurrent_requests": "48, or 3/4 of --workers (must stay below it)",
+                 "workers": "64, or a third more than --max-concurrent-requests",
                  "targets": "the data directory's recorded targets, else k+m subdirectories of it; "
                             "URL[#DOMAIN[#NAME]],... e.g. file:///mnt/nvme0/kv#rack1,s3://bucket/kv#az1",
                  "tokens_file": "none (one anonymous tenant); a TOML file: admin_tenants = [...] "
