@@ -179,7 +179,8 @@ class PackIO:
         written less than half of ``orphan_grace_s`` ago (so the orphan sweep, which removes
         unindexed packs older than the grace, cannot be removing it). A pack failing that is
         ``rejected`` (generation -> why): none of its entries is indexed, the rest are, and
-        the writer puts them again another way. The bytes themselves are not read: every
+        the writer puts them again another way; all are, when the index's write lock came too
+        late for the oldest (``_check_in_time``). The bytes themselves are not read: every
         read checks each fragment's checksum and header (key, generation, index) against the
         record, so a wrong byte is never returned.
         """
@@ -240,7 +241,12 @@ class PackIO:
             else:
                 written_at = min(written_at, now_s - (file_now - mtime))
         keep = [j for j, e in enumerate(entries) if e.gen not in rejected]
-        made = self._index_new([records[j] for j in keep], now, written_at=(written_at, "committing written packs"))
+        try:
+            made = self._index_new([records[j] for j in keep], now,
+                                   written_at=(written_at, "committing written packs"))
+        except WrittenTooLongAgo as exc:  # the index lock came too late: every pack rejected, as above
+            rejected.update({entries[j].gen: str(exc) for j in keep})
+            keep, made = [], []
         created = [False] * len(entries)
         for j, c in zip(keep, made):
             created[j] = c

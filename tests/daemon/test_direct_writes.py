@@ -283,3 +283,45 @@ def test_commit_checks_everything_before_indexing_anything(make_daemon, tmp_path
             key=K("w"), k=4, m=2, gen=b"12345678", targets=["t0"] * 6, offsets=[0] * 6, entry_len=1,
             frag_len=100)]))
     s.close()
+
+
+def test_a_commit_that_waited_too_long_for_the_index_rejects_its_packs(make_daemon, tmp_path, monkeypatch) -> None:
+    """A Commit whose index transaction got LMDB's write lock over half the orphan grace after
+    its packs were written must not index them (GC may be sweeping them). Before, that was a
+    StoreUnavailable for the whole put; now every pack is rejected, so the client puts the
+    entries through the daemon and removes its packs, as for any rejected pack."""
+    import time as _time
+
+    from kvstore.config import load_config
+    from kvstore.store import EmbeddedStore
+    from tests.kvstore.conftest import FakeClock
+
+    clock = FakeClock(_time.time())
+    st = EmbeddedStore(load_config(None, env={}, data_dir=str(tmp_path / "d"), fsync=False, orphan_grace_s=60),
+                       clock=clock)
+    d = make_daemon(store=st, allow_direct_writes=True)
+    s = kvstore.connect(d.address, direct_writes="on")
+    real = st.index.env
+
+    class SlowLock:  # the next write transaction starts 100 s later (another process held the lock)
+        armed = True
+
+        def begin(self, write=False, **kw):
+            if write and SlowLock.armed:
+                SlowLock.armed = False
+                clock.advance(100)
+            return real.begin(write=write, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(st.index, "env", SlowLock())
+    vals = {K(i): os.urandom(5000) for i in range(4)}
+    assert s.put_many([PutItem(k, v) for k, v in vals.items()]) == [True] * 4
+    counters = s.direct_write_stats()["counters"]
+    assert counters["rejected_packs"] == 1 and counters["fallbacks"] == 4 and counters.get("direct_writes", 0) == 0
+    assert s.get_many(list(vals)) == list(vals.values())
+    assert len(set(pack_files(d))) == 1  # the client's pack went: only the daemon's own (the fallback) remains
+    monkeypatch.undo()
+    assert s.check() == []
+    s.close()
