@@ -258,7 +258,11 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         """Serve: gRPC, then metrics, then GC. If the metrics port cannot be bound, what was
         started is stopped and the store closed before ``InvalidRequest`` is raised."""
         self._watchdog = Watchdog()
-        self.server.start()
+        try:
+            self.server.start()
+        except BaseException:
+            self._watchdog.close()
+            raise
         if self.cfg.metrics_port >= 0:
             try:
                 self.metrics.serve(self.cfg.host, self.cfg.metrics_port)
