@@ -23,18 +23,21 @@ Write steps (``DirectWrites.put_many``), in order, each for its reason:
      ``pack_bytes``, one pack file per target per chunk, each published atomically and
      durable first when the daemon's store fsyncs.
   3. One ``Commit`` with the records of every chunk written. The daemon checks them
-     (erasure code, targets, sizes: else INVALID_ARGUMENT) and every pack (present on each
-     target, long enough, fresh: else that pack is *rejected*), and indexes the entries of
-     the packs it accepts in one transaction, charged to the tenant's quota. The put is
-     acknowledged only then: a key already live answers ``False``, as a put does.
-  4. A pack none of whose entries was indexed (every key was live, or the pack was
-     rejected) is removed; the entries of rejected packs go through ``PutStream``.
+     (erasure code, targets, sizes: else INVALID_ARGUMENT) and every pack (new, present on
+     each target, exactly as long as its fragments, fresh: else it is *rejected*, and with it
+     every pack of the commit), and indexes them all in one transaction, charged to the
+     tenant's quota. The put is acknowledged only then: a key already live answers
+     ``False``, as a put does.
+  4. A pack none of whose entries was indexed (every key was live, or the commit was
+     rejected) is removed; a rejected batch goes through ``PutStream`` whole.
 
-Failures, each kept apart:
-  * A chunk whose pack write fails on any target (its packs are removed at once), or whose
-    pack the daemon rejects (a silently short write, a target it cannot reach, a commit
-    stalled past half the orphan grace): its items go through ``PutStream``, where the
-    daemon replaces a failed target by a spare.
+Failures, each kept apart (a batch is all or nothing, as ``put_many``: never part of it
+committed here and the rest refused there):
+  * A chunk whose pack write fails on any target (a full or failing mount), or a commit the
+    daemon rejects (a silently short write, a target it cannot reach, a commit stalled past
+    half the orphan grace, a generation another writer took): every pack of the batch is
+    removed and the whole batch goes through ``PutStream``, where the daemon replaces a
+    failed target by a spare.
   * ``Commit`` refused with PERMISSION_DENIED (the daemon stopped allowing direct writes):
     they turn off for this client, the packs are removed, the batch goes through ``PutStream``.
   * ``Commit`` refused before indexing anything (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
@@ -73,7 +76,7 @@ from kvstore import codec
 from kvstore.api import EntryKind, PutItem
 from kvstore.config import StoreConfig, TargetSpec
 from kvstore.direct import DirectPath, auto_decision
-from kvstore.errors import InternalError, InvalidRequest, KVStoreError, StoreUnavailable
+from kvstore.errors import CapacityExceeded, InternalError, InvalidRequest, KVStoreError, StoreUnavailable
 from kvstore.fragments import FragmentIO
 from kvstore.keys import check_key, tenant_key
 from kvstore.packs import PackIO
@@ -85,7 +88,7 @@ from kvstore.tuning import tune_malloc
 log = logging.getLogger(__name__)
 
 # Commit errors that mean "nothing was indexed": the packs of the batch may go at once.
-REFUSED = (InvalidRequest, ServerBusy, Unauthenticated, PermissionDenied)
+REFUSED = (InvalidRequest, ServerBusy, Unauthenticated, PermissionDenied, CapacityExceeded)
 
 PutFallback = Callable[[Sequence[PutItem]], list]  # the gRPC put_many of the client
 
@@ -212,7 +215,11 @@ class DirectWrites(DirectPath):
         placed: dict[int, tuple[str, ...]] = {}
         offsets: dict[int, tuple[int, ...]] = {}
         w._put_packs(stored, todo, encs, placed, offsets)  # a bad item raises here, nothing left behind
-        written = [i for i in todo if i in offsets]
+        if any(i not in offsets for i in todo):  # a pack failed here: the whole batch goes another way
+            self._discard(w, encs, placed, offsets, len(items))
+            w._count("fallbacks", len(todo))
+            return fallback(items)
+        written = todo
         try:
             created, rejected = self._commit(items, written, encs, placed, offsets) if written else ([], {})
         except PermissionDenied as exc:
@@ -231,8 +238,8 @@ class DirectWrites(DirectPath):
         w._count("rejected_packs", len(rejected))
         w._count("direct_writes", sum(created))
         w._count("direct_write_bytes", sum(encs[i].meta_base.plain_len for i, c in zip(written, created) if c))
-        # Chunks whose packs failed here or were rejected there: the daemon writes them.
-        rest = [i for i in todo if i not in offsets or encs[i].meta_base.gen in rejected]
+        # Packs rejected there (then every one: a commit is all or nothing): the daemon writes them.
+        rest = [i for i in todo if encs[i].meta_base.gen in rejected]
         if rest:
             w._count("fallbacks", len(rest))
             for i, c in zip(rest, fallback([items[i] for i in rest])):

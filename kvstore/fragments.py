@@ -472,8 +472,9 @@ class FragmentIO(LocalFastReads):
                     plain = out[: h.plain_len]
             if h.key != ek[1:] or h.kind.code != ek[0]:
                 raise CorruptData("decoded entry names another key")
-            if h.plain_len != meta.plain_len:
-                raise CorruptData(f"decoded entry holds {h.plain_len} plain bytes, its record {meta.plain_len}")
+            if h.plain_len != meta.plain_len or h.tokens != meta.tokens:  # as the fast paths check
+                raise CorruptData(f"decoded entry holds {h.plain_len} plain bytes and {h.tokens} tokens, its record "
+                                  f"{meta.plain_len} and {meta.tokens}")
             return h, plain
         except CorruptData as exc:
             raise Unrecoverable(

@@ -173,14 +173,15 @@ class PackIO:
 
         Checked first, all or nothing (``InvalidRequest``, nothing indexed), what only a
         wrong or malicious writer sends: the erasure code is this store's; the targets are
-        k+m distinct known ones; sizes are consistent; every pack is new to the index (a
-        generation names one batch). Then per pack, what storage faults and stalls cause:
-        on every target it is present, long enough for the fragments placed in it, and
-        written less than half of ``orphan_grace_s`` ago (so the orphan sweep, which removes
-        unindexed packs older than the grace, cannot be removing it). A pack failing that is
-        ``rejected`` (generation -> why): none of its entries is indexed, the rest are, and
-        the writer puts them again another way; all are, when the index's write lock came too
-        late for the oldest (``_check_in_time``). The bytes themselves are not read: every
+        k+m distinct known ones; sizes are consistent. Then per pack: it is new to the index
+        (a generation names one batch; another writer may have claimed it first), and on
+        every target it is present, exactly as long as the fragments placed in it (no bytes
+        kept alive that no record counts or quota charges), and written less than half of
+        ``orphan_grace_s`` ago (so the orphan sweep, which removes unindexed packs older than
+        the grace, cannot be removing it). If any pack fails, or the index's write lock came
+        too late for the oldest (``_check_in_time``), every pack is ``rejected`` (generation
+        -> why) and nothing indexed: a commit is all or nothing, as ``put_many``, and the
+        writer puts the whole batch another way. The bytes themselves are not read: every
         read checks each fragment's checksum and header (key, generation, index) against the
         record, so a wrong byte is never returned.
         """
@@ -216,15 +217,15 @@ class PackIO:
                                        offsets=e.offsets)))
             for name, off in zip(e.targets, e.offsets):
                 need[(e.gen, name)] = max(need.get((e.gen, name), 0), off + e.frag_len)
+        rejected: dict[bytes, str] = {}
         with self.index.env.begin() as txn:
-            reused = sorted(g.hex() for g in {g for g, _ in need} if self.index.pack_info(txn, g) is not None)
-        if reused:
-            raise InvalidRequest(f"pack generation(s) {reused} already hold indexed entries; each batch "
-                                 "is written under a fresh random generation")
+            for g in {g for g, _ in need}:
+                if self.index.pack_info(txn, g) is not None:  # another commit (another writer's?) took it
+                    rejected[g] = (f"pack generation {g.hex()} already holds indexed entries; each batch is "
+                                   "written under a fresh random generation")
         file_now, now_s = self.file_clock(), self.clock()
         oldest = file_now - cfg.orphan_grace_s / 2
         written_at = now_s  # of the oldest pack indexed, on ``clock`` (``_check_in_time``)
-        rejected: dict[bytes, str] = {}
         for (gen, name), size in need.items():
             if gen in rejected:
                 continue
@@ -233,13 +234,17 @@ class PackIO:
             except OSError as exc:  # FileNotFoundError included
                 rejected[gen] = f"pack {gen.hex()} cannot be checked on target {name}: {exc}"
                 continue
-            if got < size:
-                rejected[gen] = f"pack {gen.hex()} on target {name} has {got} bytes; its entries need {size}"
+            if got != size:  # a writer's pack holds its entries' fragments and nothing else: no bytes unaccounted
+                rejected[gen] = f"pack {gen.hex()} on target {name} has {got} bytes; its entries make {size}"
             elif mtime < oldest:
                 rejected[gen] = (f"pack {gen.hex()} on target {name} was written more than orphan_grace_s/2 = "
                                  f"{cfg.orphan_grace_s / 2:.0f} s ago; GC may be sweeping it as an orphan")
             else:
                 written_at = min(written_at, now_s - (file_now - mtime))
+        if rejected:  # all or nothing, as put_many: the writer puts the whole batch another way
+            why = next(iter(rejected.values()))
+            for e in entries:
+                rejected.setdefault(e.gen, f"another pack of this commit was rejected ({why})")
         keep = [j for j, e in enumerate(entries) if e.gen not in rejected]
         try:
             made = self._index_new([records[j] for j in keep], now,

@@ -256,22 +256,29 @@ def test_commit_checks_everything_before_indexing_anything(make_daemon, tmp_path
         # sizes a quota charges must follow from the checked fragments (fragments far larger than
         # the entry they hold): before, a megabyte of fragments could be declared a 1-byte entry
         "inconsistent sizes ": entry(entry_len=1, plain_len=0, frag_len=good.frag_len + 1000),
-        "already hold indexed entries": entry(gen=good.gen),
     }
     for why, e in invalid.items():
         with pytest.raises(InvalidRequest, match=why.strip()):
             st.commit_written([entry(K("fine")), e])  # the fine one is not indexed either
     assert st.locate([ekey(1, K("fine")), ekey(1, K("new"))]) == [None, None]
-    # What storage faults cause is per pack: that pack's entries are not indexed, the others are.
+    # What storage faults (or another writer) cause is found per pack, and rejects the whole
+    # commit: nothing indexed, as put_many (before, the others were indexed: part of a batch
+    # stored while the rest could then be refused through the daemon; QA).
     missing, stale = os.urandom(8), copy_pack(age_s=3600)  # stale: the orphan sweep may be deleting it
+    fine, longer = copy_pack(), copy_pack()
+    for name in good.targets:  # bytes no record names: kept alive, counted and charged nowhere (QA)
+        with open(os.path.join(st.targets[name].root, pack_path(longer)), "ab") as f:
+            f.write(b"\0" * 50_000)
     short = entry(K("short"), offsets=(10,) * 6)  # fragments past the end of pack gen
-    r = st.commit_written([entry(K("fine"), gen=copy_pack()), entry(K("lost"), gen=missing), short,
-                           entry(K("late"), gen=stale)])
-    assert r.created == [True, False, False, False] and set(r.rejected) == {missing, gen, stale}
-    assert "cannot be checked" in r.rejected[missing] and "bytes; its entries need" in r.rejected[gen]
-    assert "orphan_grace_s" in r.rejected[stale]
-    assert st.locate([ekey(1, K(n)) for n in ("lost", "short", "late")]) == [None] * 3
-    assert st.locate([ekey(1, K("fine"))])[0] is not None
+    r = st.commit_written([entry(K("fine"), gen=fine), entry(K("lost"), gen=missing), short,
+                           entry(K("late"), gen=stale), entry(K("long"), gen=longer), entry(K("taken"), gen=good.gen)])
+    assert r.created == [False] * 6 and set(r.rejected) == {fine, missing, gen, stale, longer, good.gen}
+    assert "cannot be checked" in r.rejected[missing] and "bytes; its entries make" in r.rejected[gen]
+    assert "orphan_grace_s" in r.rejected[stale] and "bytes; its entries make" in r.rejected[longer]
+    assert "already holds indexed entries" in r.rejected[good.gen]
+    assert "another pack of this commit was rejected" in r.rejected[fine]
+    assert st.locate([ekey(1, K(n)) for n in ("fine", "lost", "short", "late", "long", "taken")]) == [None] * 6
+    assert st.commit_written([entry(K("fine"), gen=fine)]).created == [True]  # alone, it is fine
     gen = copy_pack()
     assert st.commit_written([entry(K(0)), entry()]).created == [False, True]  # K(0) is live: not again
     # The record is the daemon's truth; the read checks the fragments against it: these name K(0).
@@ -324,4 +331,66 @@ def test_a_commit_that_waited_too_long_for_the_index_rejects_its_packs(make_daem
     assert len(set(pack_files(d))) == 1  # the client's pack went: only the daemon's own (the fallback) remains
     monkeypatch.undo()
     assert s.check() == []
+    s.close()
+
+
+def test_a_batch_is_all_or_nothing_and_a_refused_commit_leaves_no_packs(make_daemon, tokens_file) -> None:  # noqa: F811
+    """Direct writes committed the chunks written here and sent only the failed one through the
+    daemon, so when that was refused (here: over the quota) part of the batch stayed stored.
+    And a Commit refused by the quota left its packs behind, unaccounted, until GC (QA). Now a
+    chunk that fails here sends the whole batch through the daemon, and a refused Commit
+    removes its packs."""
+    import kvstore.direct_writes as dw
+    from kvstore import CapacityExceeded
+
+    d = make_daemon(allow_direct_writes=True, tokens_file=tokens_file, tenant_quota_bytes=1_000_000,
+                    pack_bytes=65536)
+    a = kvstore.connect(d.address, token=TOK_A, direct_writes="on")
+    assert a.put(K("warm"), b"w")
+    w = next(v for v in vars(a).values() if isinstance(v, dw.DirectWrites))._current
+    t = next(iter(w.targets.values()))
+    real, calls = t.write, []
+
+    def second_fails(rel, parts, **kw):  # one pack write of the batch fails here (EIO on a mount)
+        calls.append(rel)
+        if len(calls) == 2:
+            raise OSError(5, "EIO")
+        return real(rel, parts, **kw)
+
+    t.write = second_fails
+    with pytest.raises(CapacityExceeded):  # 1.2 MB over a 1 MB quota: the whole batch, through the daemon
+        a.put_many([PutItem(K(i), os.urandom(600_000)) for i in range(2)])
+    t.write = real
+    assert a.get_many([K(0), K(1)]) == [None, None]  # nothing of it stored
+    before = pack_files(d)
+    with pytest.raises(CapacityExceeded):  # refused by the Commit itself
+        a.put_many([PutItem(K(10 + i), os.urandom(300_000)) for i in range(4)])
+    assert pack_files(d) == before  # its packs went with the refusal
+    a.close()
+
+
+def test_a_record_whose_tokens_are_not_the_entrys_is_never_read(make_daemon) -> None:
+    """Commit indexes the writer's record; the fast read paths refused one whose token count
+    is not the entry header's, the gRPC read path returned the header's while Locate and
+    Inspect showed the record's (QA). Every path now refuses it: it costs its writer the entry."""
+    import kvstore.direct_writes as dw
+
+    d = make_daemon(allow_direct_writes=True)
+    s = kvstore.connect(d.address, direct_writes="on")
+    writer = next(v for v in vars(s).values() if isinstance(v, dw.DirectWrites))
+    real = writer._call
+
+    def forged(method, req):
+        if method == "Commit":
+            for e in req.entries:
+                e.tokens = 12345
+        return real(method, req)
+
+    writer._call = forged
+    assert s.put(K("t"), b"v" * 5000, tokens=3)
+    with kvstore.connect(d.address) as plain:
+        with pytest.raises(kvstore.Unrecoverable):
+            plain.get(K("t"))
+        assert plain.put(K("t"), b"v" * 5000, tokens=3)  # lost: a re-put stores it right
+        assert plain.get_entry(K("t")).tokens == 3
     s.close()
