@@ -9,19 +9,18 @@ mounted distributed file system). The store calls exactly four operations:
   directory (rename is atomic on POSIX; the directory fsync makes the new name
   durable). Object stores (s3, gcs, memory) publish a whole object in one
   call, which is already atomic.
-* ``read(rel) -> bytes`` (``read_into(rel, buf, offset)`` for a range),
-  ``delete(rel)``, ``walk() -> (rel, size, mtime)``.
+* ``read(rel) -> bytes`` (``read_into(rel, buf, offset)`` for a range), ``delete(rel)``,
+  ``walk() -> (rel, size, mtime)``.
 
 Two kinds of file, both named from the entry's record (``kvstore.index.Meta``):
 a *fragment file* (one put's fragment ``i``: ``fragment_path``) and a *pack file*
 (``pack_path(gen)``: the fragments a batched put placed on this target, back to
 back, so a batch publishes one file per target instead of one per fragment).
 
-Implementations are chosen by URL scheme through ``TARGET_TYPES`` (a registry,
-as fsspec's own). A missing root is *never* recreated by a write: a vanished
-disk must look vanished (``TargetUnavailable``), not silently become an empty
-directory. Only ``create_root`` (called when a data directory is first made)
-creates it.
+Implementations are chosen by URL scheme through ``TARGET_TYPES`` (a registry, as
+fsspec's own). A missing root is *never* recreated by a write: a vanished disk must look
+vanished (``TargetUnavailable``), not silently become an empty directory. Only
+``create_root`` (called when a data directory is first made) creates it.
 """
 
 from __future__ import annotations
@@ -109,10 +108,9 @@ def _asking(method):
     return call
 
 
-# Reads of one target that ran past their get's ``read_timeout_s`` and are still running (a
-# frozen endpoint holds each for the client's full timeout): once this many are, the target is
-# not asked for more until one returns (``Target.stalled``), so it cannot take every thread of a
-# store's bounded I/O pool and starve the reads of healthy targets queued behind it.
+# Reads of one target started and still running past their get's ``read_timeout_s`` (a frozen
+# endpoint holds each for the client's whole timeout): with this many, the target is not asked
+# for more until one returns (``Target.stalled``): parity is read at once instead.
 STALLED_READS_LIMIT = 2
 
 
@@ -207,8 +205,8 @@ class Target:
 
     atomic_put = False
     local = False  # reads are worth fanning out over threads unless the target is local
-    # How much older than it is a file's mtime may look (S3's LastModified is whole seconds):
-    # the orphan sweep adds it to the grace, so a file written within the grace is never swept.
+    # How much older a file's mtime may look than it is (S3's LastModified is whole seconds):
+    # the orphan sweep adds it to the grace (``kvstore.maintenance``).
     mtime_resolution_s = 1.0
     _unreachable_at = -math.inf  # monotonic time it last could not be asked (``_asking``)
     _unreachable_why = ""
@@ -235,20 +233,18 @@ class Target:
         """Why this target is not to be asked for more reads now ("": ask it): it holds
         ``STALLED_READS_LIMIT`` reads that ran past their caller's timeout and still run."""
         n = self._stalled
-        if n < STALLED_READS_LIMIT:
-            return ""
-        return f"target {self.name} not asked: {n} reads of it are still running past read_timeout_s"
+        return f"target {self.name} not asked: {n} reads of it still run past read_timeout_s" if (
+            n >= STALLED_READS_LIMIT) else ""
 
     def read_stalled(self, fut: Future) -> None:
         """Count ``fut`` (a read of this target past its caller's timeout) until it ends."""
         with self._stalled_lock:
             self._stalled += 1
+        fut.add_done_callback(self._read_ended)
 
-        def ended(_f: Future) -> None:
-            with self._stalled_lock:
-                self._stalled -= 1
-
-        fut.add_done_callback(ended)
+    def _read_ended(self, _fut: Future) -> None:
+        with self._stalled_lock:
+            self._stalled -= 1
 
     def location(self) -> tuple:
         """Where this target's files live, as comparable as its filesystem allows: two targets
@@ -476,9 +472,8 @@ class LocalTarget(Target):
 
 
 def _unlisted(exc: OSError) -> None:
-    """``os.walk``'s error hook: a directory that cannot be listed (permissions, I/O) fails the
-    walk, so a sweep or scrub reports the target instead of taking the part it skipped for
-    empty; one removed meanwhile (GC pruning it) is just gone."""
+    """``os.walk``'s error hook: a directory that cannot be listed fails the walk (the target is
+    reported, not taken for empty there); one removed meanwhile (GC pruning it) is just gone."""
     if not isinstance(exc, FileNotFoundError):
         raise exc
 
