@@ -210,8 +210,7 @@ class Target:
     mtime_resolution_s = 1.0
     _unreachable_at = -math.inf  # monotonic time it last could not be asked (``_asking``)
     _unreachable_why = ""
-    _stalled = 0  # reads past their caller's timeout, still running (``stalled``)
-    _stalled_lock = threading.Lock()  # one for all targets: held for an increment
+    _stalled, _stalled_lock = 0, threading.Lock()  # reads past their caller's timeout, running; one lock for all
 
     def __init__(self, spec: TargetSpec):
         self.spec = spec
