@@ -52,7 +52,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -229,21 +229,29 @@ def run_main(main: Callable[[], int | None], prog: str | None = None) -> NoRetur
 
 
 @contextlib.contextmanager
+def _sigint_as(handler: Any) -> Iterator[Any]:
+    """SIGINT goes to ``handler`` inside the block; yields the handler it replaced (``None``
+    outside the main thread, where nothing is changed)."""
+    try:
+        old = signal.signal(signal.SIGINT, handler)
+    except ValueError:
+        yield None
+        return
+    try:
+        yield old
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+@contextlib.contextmanager
 def sigint_ignored_in_children() -> Iterator[None]:
     """Processes started inside this block ignore SIGINT (an inherited ``SIG_IGN``).
 
     For child processes the tool stops itself in its ``finally``: a Ctrl-C on the terminal
     reaches the whole process group, and each child would print its own ``KeyboardInterrupt``
     traceback. The tool ignores SIGINT only while inside (the time to start the processes)."""
-    try:
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: nothing to change
+    with _sigint_as(signal.SIG_IGN):
         yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 @contextlib.contextmanager
@@ -254,15 +262,11 @@ def sigint_deferred() -> Iterator[None]:
     Ctrl-C to the outer one. A Ctrl-C after the first (ignored by ``run_main``'s handler)
     stays ignored. Outside the main thread: no change."""
     got: list[int] = []
+    old = None
     try:
-        old = signal.signal(signal.SIGINT, lambda *_: got.append(1))
-    except ValueError:
-        yield
-        return
-    try:
-        yield
+        with _sigint_as(lambda *_: got.append(1)) as old:
+            yield
     finally:
-        signal.signal(signal.SIGINT, old)
         if got and callable(old):  # handed to the handler it deferred: an outer block's, or the raise
             old(signal.SIGINT, None)
 
