@@ -71,7 +71,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -80,6 +79,7 @@ from kvstore import codec
 from kvstore.api import Entry, EntryInfo, EntryKind
 from kvstore.config import StoreConfig, TargetSpec
 from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound, StoreClosed, StoreUnavailable
+from kvstore.executors import DaemonExecutor, shutdown_all
 from kvstore.fragments import FragmentIO
 from kvstore.index import Meta
 from kvstore.keys import KEY_LEN
@@ -93,6 +93,7 @@ MODES = ("off", "on", "auto")
 FORMAT_MARKER = "kvstore.json"  # kvstore.datadir.FORMAT_FILE: the data directory's format marker
 LOCAL_SCHEMES = ("", "file", "local")
 REDESCRIBE_S = 10.0  # at most one Describe per this many seconds after a record names an unknown target
+CLOSE_JOIN_S = 1.0  # close() waits this long for reads still running (a frozen target's are abandoned)
 
 
 def parse_mode(value: Any, option: str = "direct_reads") -> str:
@@ -185,10 +186,10 @@ class DirectReader(FragmentIO):
         self.target_specs = specs
         self.targets: dict[str, Target] = {s.name: open_target(s) for s in specs}
         self.code = codec.erasure_code(d.ec_k, d.ec_m, d.ec_type)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-direct-io")
+        self._pool = DaemonExecutor(workers, "kvstore-direct-io")
         self._tls = threading.local()
         # ---- end of the host interface.
-        self._batch_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-direct")
+        self._batch_pool = DaemonExecutor(workers, "kvstore-direct")
         self._flags = threading.local()  # per read: did the read path report a degraded read?
         self._lock = threading.Lock()
         self.counters: dict[str, int] = {
@@ -249,9 +250,8 @@ class DirectReader(FragmentIO):
         return list(self._batch_pool.map(self.read, locs, outs))
 
     def close(self) -> None:
-        self._batch_pool.shutdown(wait=True)
-        self._pool.shutdown(wait=True)
-        self._close_target_pools(wait=True, timeout_s=None)
+        # Bounded: a read stuck on a frozen target holds its thread for the target's own timeout.
+        shutdown_all([self._batch_pool, self._pool, *self._target_pools_all()], wait=True, timeout_s=CLOSE_JOIN_S)
 
 
 def check_into_sizes(keys: Sequence[bytes], sizes: Sequence[int | None], views: Sequence[memoryview],

@@ -20,7 +20,7 @@ import concurrent.futures as cf
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 
 class DaemonExecutor(cf.Executor):
@@ -83,3 +83,16 @@ class DaemonExecutor(cf.Executor):
             for t in self._threads:
                 if t is not me:
                     t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def shutdown_all(pools: Iterable[cf.Executor], *, wait: bool, timeout_s: float | None) -> None:
+    """Stop every pool, then (``wait``) join them within ONE ``timeout_s`` shared by all, not
+    one each: a close with stuck calls on many pools still ends within its bound."""
+    pools = list(pools)
+    for p in pools:
+        p.shutdown(wait=False)
+    if wait:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for p in pools:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            p.shutdown(wait=True, timeout_s=left) if isinstance(p, DaemonExecutor) else p.shutdown(wait=True)

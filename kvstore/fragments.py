@@ -4,7 +4,7 @@ reading, verifying and decoding an entry's fragments.
 ``FragmentIO`` is a mixin of ``kvstore.store.EmbeddedStore`` (kept apart so each file
 has one job): it uses the store's ``config``, ``targets``, ``target_specs``, ``code``,
 ``_pool``, ``_tls``, ``_count``, ``_mark_lost`` and ``now_ns``; it keeps its per-target read
-pools itself (``_target_pool``; the host calls ``_close_target_pools`` when it closes). The write and read
+pools itself (``_target_pool``; the host stops ``_target_pools_all()`` with its own when it closes). The write and read
 steps, and why they are ordered as they are, are in ``kvstore.store``'s docstring; the
 local read fast paths it tries first are in ``kvstore.fastread`` (its base class).
 """
@@ -354,7 +354,8 @@ class FragmentIO(LocalFastReads):
         (``Target.stalled``; ``TargetUnreachable``): a frozen endpoint holds each read for
         its client's whole timeout. Reads run on their target's own pool (``_target_pool``),
         so a frozen target's stuck reads never delay another target's; one still queued at
-        the timeout is cancelled, not left to start later and get stuck in turn.
+        the timeout is cancelled, not left to start later and get stuck in turn (and read
+        here after all if fewer than k arrive otherwise: a busy target is not a lost one).
         """
         slot = meta.frag_len + 1
         timeout = self.config.read_timeout_s
@@ -365,6 +366,7 @@ class FragmentIO(LocalFastReads):
         failed: list[str] = []
         unreachable: list[str] = []
         late: dict[int, Future] = {}
+        queued: list[int] = []  # reads cancelled at the timeout before they started
         n = len(meta.targets)
         parallel = self._parallel(meta) or timeout > 0
         nxt = 0
@@ -387,8 +389,9 @@ class FragmentIO(LocalFastReads):
                 for f in slow:
                     self._count("read_timeouts")
                     outs.append((futs[f], None, TimeoutError(f"no answer within read_timeout_s={timeout}")))
-                    if f.cancel():
-                        continue  # still queued behind its target's other reads: never started
+                    if f.cancel():  # still queued behind its target's other reads: never started
+                        queued.append(futs[f])
+                        continue
                     late[futs[f]] = f
                     t = self.targets.get(meta.targets[futs[f]])
                     if t is not None:
@@ -423,6 +426,17 @@ class FragmentIO(LocalFastReads):
             except (OSError, CorruptData):
                 continue
             failed.remove(meta.targets[i])
+        for i in queued:  # a busy target is not a lost one either: read them here after all
+            if len(good) >= meta.k:
+                break
+            try:
+                good[i] = self._read_fragment(meta, ek, i, scratch[i * slot:(i + 1) * slot])
+            except TargetUnreachable:
+                unreachable.append(meta.targets[i])
+                continue
+            except (OSError, CorruptData):
+                continue
+            failed.remove(meta.targets[i])
         return good, failed, unreachable
 
     def _target_pool(self, name: str) -> DaemonExecutor:
@@ -438,9 +452,8 @@ class FragmentIO(LocalFastReads):
                     pool = pools[name] = DaemonExecutor(self.config.read_workers, f"kvstore-read-{name}")
         return pool
 
-    def _close_target_pools(self, *, wait: bool, timeout_s: float | None) -> None:
-        for pool in list(self.__dict__.get("_target_pools", {}).values()):
-            pool.shutdown(wait=wait, timeout_s=timeout_s)
+    def _target_pools_all(self) -> list[DaemonExecutor]:
+        return list(self.__dict__.get("_target_pools", {}).values())
 
     def _decode(self, meta: Meta, ek: bytes, good: dict[int, memoryview], failed: list[str],
                 out: memoryview | None = None) -> tuple[codec.EntryHeader, bytes | memoryview]:

@@ -64,7 +64,7 @@ from kvstore.config import StoreConfig, load_config
 from kvstore.datadir import DataDir, file_url_path
 from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, WrittenTooLongAgo, in_flight, run_now
 from kvstore.packs import PackIO
-from kvstore.executors import DaemonExecutor
+from kvstore.executors import DaemonExecutor, shutdown_all
 from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
 from kvstore.index import Meta, ekey, packed_bytes
 from kvstore.keys import check_key, check_keys
@@ -566,9 +566,8 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                 self._flush_touches_txn(txn)
         finally:
             # A read abandoned at read_timeout_s may still hold a worker: not waited for past a bound.
-            self._batch_pool.shutdown(wait=not deferred, timeout_s=POOL_JOIN_S)
-            self._pool.shutdown(wait=not deferred, timeout_s=POOL_JOIN_S)
-            self._close_target_pools(wait=not deferred, timeout_s=POOL_JOIN_S)
+            shutdown_all([self._batch_pool, self._pool, *self._target_pools_all()], wait=not deferred,
+                         timeout_s=POOL_JOIN_S)
             self.index.close()
 
     def __enter__(self) -> "EmbeddedStore":
