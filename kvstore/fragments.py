@@ -415,22 +415,16 @@ class FragmentIO(LocalFastReads):
                     failed.append(meta.targets[i])
                     if isinstance(exc, TargetUnreachable):
                         unreachable.append(meta.targets[i])
-        for i, f in late.items():
+        # Fewer than k in time: the late reads are awaited (bounded by the target itself), then
+        # the cancelled ones read here: a slow or busy target is not a lost one.
+        second = [(i, f.result) for i, f in late.items()] + [
+            (i, functools.partial(self._read_fragment, meta, ek, i, scratch[i * slot:(i + 1) * slot]))
+            for i in queued]
+        for i, fetch in second:
             if len(good) >= meta.k:
                 break
             try:
-                good[i] = f.result()  # bounded by the target itself: better late than lost
-            except TargetUnreachable:
-                unreachable.append(meta.targets[i])
-                continue
-            except (OSError, CorruptData):
-                continue
-            failed.remove(meta.targets[i])
-        for i in queued:  # a busy target is not a lost one either: read them here after all
-            if len(good) >= meta.k:
-                break
-            try:
-                good[i] = self._read_fragment(meta, ek, i, scratch[i * slot:(i + 1) * slot])
+                good[i] = fetch()
             except TargetUnreachable:
                 unreachable.append(meta.targets[i])
                 continue
