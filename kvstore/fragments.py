@@ -4,9 +4,10 @@ reading, verifying and decoding an entry's fragments.
 ``FragmentIO`` is a mixin of ``kvstore.store.EmbeddedStore`` (kept apart so each file
 has one job): it uses the store's ``config``, ``targets``, ``target_specs``, ``code``,
 ``_pool``, ``_tls``, ``_count``, ``_mark_lost`` and ``now_ns``; it keeps its per-target read
-pools itself (``_target_pool``; the host stops ``_target_pools_all()`` with its own when it closes). The write and read
-steps, and why they are ordered as they are, are in ``kvstore.store``'s docstring; the
-local read fast paths it tries first are in ``kvstore.fastread`` (its base class).
+pools itself (``_target_pool``; the host stops ``_target_pools_all()`` with its own pools when
+it closes). The write and read steps, and why they are ordered as they are, are in
+``kvstore.store``'s docstring; the local read fast paths it tries first are in
+``kvstore.fastread`` (its base class).
 """
 
 from __future__ import annotations
