@@ -314,10 +314,9 @@ class PackIO:
                     moved += 1
                 for m in dead:  # counted once the pack has records (index invariant 6), as _index_new does
                     self.index.pack_dead_txn(txn, gen, packed_bytes(m))
-        except WrittenTooLongAgo:  # nothing indexed: the new pack goes, the old one stays queued
-            self._discard_pack(gen, sorted({n for names, _ in locs for n in names}))
-            raise
-        if not moved:
-            self._discard_pack(gen, sorted({n for names, _ in locs for n in names}))
+        finally:  # nothing indexed (every copy dead on arrival, or too late: WrittenTooLongAgo, the
+            # old pack stays queued): the new pack goes
+            if not moved:
+                self._discard_pack(gen, sorted({n for names, _ in locs for n in names}))
         self._count("compacted_entries", moved)
         return moved
