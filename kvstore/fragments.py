@@ -106,6 +106,16 @@ class WrittenTooLongAgo(StoreUnavailable):
     it aborts; the writer removes its files and the put stores nothing."""
 
 
+class GenerationTaken(StoreUnavailable):
+    """Pack generations about to be indexed (``gens``) already hold indexed entries: another
+    commit claimed them between this one's checks and its index transaction (``PackIO.commit_written``).
+    Raised inside that transaction, which it aborts: nothing of the commit is indexed."""
+
+    def __init__(self, gens: Sequence[bytes]):
+        super().__init__(f"pack generations {', '.join(g.hex() for g in gens)} already hold indexed entries")
+        self.gens = tuple(gens)
+
+
 class _Encoded:
     """One put, encoded: ``frames[i]`` is fragment ``i`` as ``codec.fragment_parts`` (header,
     body), ``meta_base`` its index record but for where the fragments land."""

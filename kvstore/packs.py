@@ -24,7 +24,7 @@ from typing import Sequence
 from kvstore import codec
 from kvstore.api import EntryKind, PutItem, as_payload
 from kvstore.errors import CorruptData, InvalidRequest, StoreUnavailable, Unrecoverable
-from kvstore.fragments import WrittenTooLongAgo, _Encoded, expiry_ns, in_flight, run_now
+from kvstore.fragments import GenerationTaken, WrittenTooLongAgo, _Encoded, expiry_ns, in_flight, run_now
 from kvstore.index import STANDALONE, Meta, packed_bytes
 from kvstore.placement import place
 from kvstore.targets import pack_path
@@ -247,9 +247,12 @@ class PackIO:
                 rejected.setdefault(e.gen, f"another pack of this commit was rejected ({why})")
         keep = [j for j, e in enumerate(entries) if e.gen not in rejected]
         try:
+            # The generations again, inside the index transaction: two commits naming one new
+            # generation both pass the read above; only the first to take the lock indexes.
             made = self._index_new([records[j] for j in keep], now,
-                                   written_at=(written_at, "committing written packs"))
-        except WrittenTooLongAgo as exc:  # the index lock came too late: every pack rejected, as above
+                                   written_at=(written_at, "committing written packs"),
+                                   fresh_gens=sorted({entries[j].gen for j in keep}))
+        except (WrittenTooLongAgo, GenerationTaken) as exc:  # too late, or taken: every pack rejected, as above
             rejected.update({entries[j].gen: str(exc) for j in keep})
             keep, made = [], []
         created = [False] * len(entries)

@@ -62,7 +62,7 @@ from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutI
                          writable_view)
 from kvstore.config import StoreConfig, load_config
 from kvstore.datadir import DataDir, file_url_path
-from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, WrittenTooLongAgo, in_flight, run_now
+from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, GenerationTaken, WrittenTooLongAgo, in_flight, run_now
 from kvstore.packs import PackIO
 from kvstore.executors import DaemonExecutor, shutdown_all
 from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
@@ -224,17 +224,21 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         return result
 
     def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int,
-                   written_at: tuple[float, str] | None = None) -> list[bool]:
+                   written_at: tuple[float, str] | None = None, fresh_gens: Sequence[bytes] = ()) -> list[bool]:
         """Steps 5-6 for records whose fragments are durable: one transaction inserting each
         record whose key is free (absent or expired; a lost record of it goes to the
         graveyard), ``False`` where a live entry won the race (the caller removes or keeps the
         loser's files); then the counters, and eviction above the high watermark.
         ``written_at`` (clock time the files were started, what they are): first, inside the
-        transaction, ``WrittenTooLongAgo`` (nothing indexed) when that was too long ago."""
+        transaction, ``WrittenTooLongAgo`` (nothing indexed) when that was too long ago;
+        ``fresh_gens``: ``GenerationTaken`` (nothing indexed) when a record already names one."""
         created: list[bool] = []
         with self.index.env.begin(write=True) as txn:
             if written_at is not None:
                 self._check_in_time(*written_at)
+            taken = [g for g in fresh_gens if self.index.pack_info(txn, g) is not None]
+            if taken:
+                raise GenerationTaken(taken)
             for ek, meta in records:
                 old = self.index.get_meta(txn, ek)
                 if old is not None:

@@ -292,6 +292,45 @@ def test_commit_checks_everything_before_indexing_anything(make_daemon, tmp_path
     s.close()
 
 
+def test_two_commits_of_one_new_generation_index_only_the_first(make_daemon, monkeypatch) -> None:
+    """Two Commits naming one new generation (a writer copying a name it saw on the shared
+    mount) both passed the "already taken" check, a read before the index transaction, and
+    both were indexed: the second's records named the first's pack. The generation is checked
+    again inside the transaction, so the commit that takes the lock second is rejected whole."""
+    d = make_daemon(allow_direct_writes=True)
+    s = kvstore.connect(d.address, direct_writes="on")
+    assert s.put_many([PutItem(K(0), b"x" * 1000)]) == [True]
+    st = d.store
+    good = st.locate([ekey(1, K(0))])[0]
+    gen = os.urandom(8)
+    for name, off in zip(good.targets, good.offsets):
+        st.targets[name].write(pack_path(gen), st.targets[name].read(pack_path(good.gen))[off:off + good.frag_len],
+                               fsync=False)
+
+    def entry(key: bytes) -> WrittenEntry:
+        return WrittenEntry(ek=ekey(1, key), k=good.k, m=good.m, tokens=0, plain_len=good.plain_len,
+                            entry_len=good.entry_len, frag_len=good.frag_len, gen=gen, targets=good.targets,
+                            offsets=(0,) * 6)
+
+    t0 = st.targets[good.targets[0]]
+    real_stat = type(t0).stat
+    first = {}
+
+    def stat(self, rel):  # the second commit has read the index; the first commits in between
+        if self is t0 and not first:
+            first["r"] = None
+            first["r"] = st.commit_written([entry(K("first"))])
+        return real_stat(self, rel)
+
+    monkeypatch.setattr(type(t0), "stat", stat)
+    second = st.commit_written([entry(K("second"))])
+    monkeypatch.undo()
+    assert first["r"].created == [True] and not first["r"].rejected
+    assert second.created == [False] and "already hold indexed entries" in second.rejected[gen]
+    assert st.locate([ekey(1, K("second"))]) == [None]
+    s.close()
+
+
 def test_a_commit_that_waited_too_long_for_the_index_rejects_its_packs(make_daemon, tmp_path, monkeypatch) -> None:
     """A Commit whose index transaction got LMDB's write lock over half the orphan grace after
     its packs were written must not index them (GC may be sweeping them). Before, that was a
