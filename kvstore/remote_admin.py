@@ -2,16 +2,21 @@
 ``check``, ``repair``), ``kvtool``'s read-only ``inspect_*`` views and its ``delete_index_keys``.
 
 ``RemoteAdmin`` is a base of ``RemoteStore`` (kept apart so each file has one job): it uses
-the store's ``_call``, ``_many``, ``_each_piece``, ``_check_count`` and ``options``.
-Maintenance calls wait up to ``maintenance_timeout_s`` (then ``DeadlineExceeded``).
+the store's ``_call``, ``_typed``, ``_raise_if_closed``, ``_check_open``, ``_stub``, ``_md``,
+``_many``, ``_each_piece``, ``_check_count``, ``url`` and ``options``. Maintenance calls wait up to ``maintenance_timeout_s``
+(then ``DeadlineExceeded``); given ``progress(phase, done, total)``, as the embedded store's
+take it, they go through the streaming ``Maintain`` and call it with the daemon's progress.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import Callable, Sequence
+
+import grpc
 
 from kvstore.api import EntryKind
+from kvstore.errors import InternalError
 from kvstore.keys import check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
@@ -31,19 +36,49 @@ class RemoteAdmin:
     def stats(self) -> dict:
         return json.loads(self._call("Stats", pb.StatsRequest()).json)
 
-    def gc(self, *, dry_run: bool = False) -> dict:
+    def gc(self, *, dry_run: bool = False, progress: Callable | None = None) -> dict:
         """The daemon's GC pass; waits up to ``maintenance_timeout_s`` (then ``DeadlineExceeded``)."""
+        r = self._maintain(pb.MaintainRequest(op="gc", dry_run=dry_run), progress)
+        if r is not None:
+            return json.loads(r.json)
         return json.loads(self._call("Gc", pb.GcRequest(dry_run=dry_run),
                                      timeout_s=self.options.maintenance_timeout_s).json)
 
-    def check(self, fix: bool = False) -> list:
+    def check(self, fix: bool = False, *, progress: Callable | None = None) -> list:
         """The daemon's consistency check; waits up to ``maintenance_timeout_s``."""
-        r = self._call("Check", pb.CheckRequest(fix=fix), timeout_s=self.options.maintenance_timeout_s)
+        r = self._maintain(pb.MaintainRequest(op="check", fix=fix), progress)
+        if r is None:
+            r = self._call("Check", pb.CheckRequest(fix=fix), timeout_s=self.options.maintenance_timeout_s)
         return [Problem(ProblemKind(p.kind), p.key, p.entry_kind, p.target, p.detail, p.fixed) for p in r.problems]
 
-    def repair(self) -> dict:
+    def repair(self, *, progress: Callable | None = None) -> dict:
         """The daemon's repair pass; waits up to ``maintenance_timeout_s``."""
+        r = self._maintain(pb.MaintainRequest(op="repair"), progress)
+        if r is not None:
+            return json.loads(r.json)
         return json.loads(self._call("Repair", pb.RepairRequest(), timeout_s=self.options.maintenance_timeout_s).json)
+
+    def _maintain(self, req: pb.MaintainRequest, progress: Callable | None) -> pb.MaintainUpdate | None:
+        """``Maintain``: ``progress`` called with each update, the final one (the result)
+        returned; ``None`` without ``progress``, or from a daemon older than ``Maintain``
+        (the caller then makes the unary call: the same result, no progress)."""
+        if progress is None:
+            return None
+        self._check_open()
+        timeout = self.options.maintenance_timeout_s
+        try:
+            for u in self._stub.Maintain(req, timeout=timeout, metadata=self._md):
+                if u.final:
+                    return u
+                progress(u.phase, u.done, u.total)
+        except grpc.RpcError as err:
+            if err.code() is grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise self._typed(err, f"{req.op.capitalize()} on {self.url}", timeout) from err  # as the unary call names it
+        except ValueError as err:  # gRPC: "Cannot invoke RPC: Channel closed!" (close() raced this call)
+            self._raise_if_closed(err)
+            raise
+        raise InternalError("Maintain ended without its result (a kvstore bug)")
 
     # ------------------------------------------------------------------ inspect (read-only, kvtool)
     def inspect_summary(self) -> dict:

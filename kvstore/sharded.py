@@ -49,6 +49,7 @@ that daemon's targets (``kvstore.direct``), each deciding "auto" for itself.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -386,14 +387,32 @@ class ShardedStore:
         out["shards"] = self._shards(ok, failed)
         return out
 
-    def gc(self, *, dry_run: bool = False) -> dict:
+    @staticmethod
+    def _shard_progress(progress: Callable | None) -> Callable[[RemoteStore], Callable | None]:
+        """Per shard, ``progress`` for its pass, each phase named ``URL phase``, the shards'
+        calls (from their threads) one at a time; ``None`` for each without ``progress``."""
+        lock = threading.Lock()
+
+        def for_shard(s: RemoteStore) -> Callable | None:
+            def report(phase: str, done: int, total: int) -> None:
+                with lock:
+                    progress(f"{s.url} {phase}", done, total)
+
+            return None if progress is None else report
+
+        return for_shard
+
+    def gc(self, *, dry_run: bool = False, progress: Callable | None = None) -> dict:
         """Every shard's GC pass; the counts summed, ``dry_run`` as asked, ``shards`` as in ``stats``.
         A shard that could not get under its capacity (``CapacityExceeded`` with its pass's
         counts) answered: its counts are summed too, and once every shard is done that is
-        raised, as one store raises it, with the summed counts as ``result``."""
+        raised, as one store raises it, with the summed counts as ``result``. ``progress``:
+        each shard's, as ``_shard_progress`` names it (for gc, check and repair)."""
+        shard_progress = self._shard_progress(progress)
+
         def one(s: RemoteStore) -> tuple[dict, CapacityExceeded | None]:
             try:
-                return s.gc(dry_run=dry_run), None
+                return s.gc(dry_run=dry_run, progress=shard_progress(s)), None
             except CapacityExceeded as exc:
                 if exc.result is None:  # a daemon that predates the counts: no answer to sum
                     raise
@@ -411,11 +430,12 @@ class ShardedStore:
             raise CapacityExceeded("; ".join(f"shard {u}: {exc}" for u, exc in full.items()), result=out)
         return out
 
-    def check(self, fix: bool = False) -> list:
+    def check(self, fix: bool = False, *, progress: Callable | None = None) -> list:
         """Every shard's problems, each target named ``URL/target`` (each name of a list, e.g.
         a lost entry's ``URL/t3,URL/t5``). A shard that does not answer is one
         ``TARGET_DOWN`` problem whose ``target`` is its URL; no shard answering is raised."""
-        ok, failed = self._each(lambda s: s.check(fix=fix))
+        shard_progress = self._shard_progress(progress)
+        ok, failed = self._each(lambda s: s.check(fix=fix, progress=shard_progress(s)))
         out = []
         for url in self.urls:
             if url in failed:
@@ -426,9 +446,10 @@ class ShardedStore:
                     for p in ok[url]]
         return out
 
-    def repair(self) -> dict:
+    def repair(self, *, progress: Callable | None = None) -> dict:
         """Every shard's repair; the counts summed, ``shards`` as in ``stats``."""
-        ok, failed = self._each(lambda s: s.repair())
+        shard_progress = self._shard_progress(progress)
+        ok, failed = self._each(lambda s: s.repair(progress=shard_progress(s)))
         out: dict[str, Any] = {}
         for r in ok.values():
             _sum_into(out, r)

@@ -39,7 +39,9 @@ Contract:
 * kvtool never creates a store: a local path without ``kvstore.json`` is a
   usage error (exit 2), so a typo cannot leave an empty store behind.
 * stdout carries the result (text, or one JSON document with ``--json``);
-  progress and errors go to stderr. A ``KVStoreError`` (or an OS error on the
+  progress and errors go to stderr (progress of verify, repair and gc through a
+  daemon too: its ``Maintain`` call; through a set of daemons each shard's phases are
+  named after its URL). A ``KVStoreError`` (or an OS error on the
   data directory) is one line on stderr, never a traceback.
 * A result that cannot be written (a full disk, stdout closed) is one line,
   ``kvtool: error: cannot write the result: REASON``, and exit 2, never 1 (which

@@ -144,6 +144,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.RepairRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.JsonReply.FromString,
                 _registered_method=True)
+        self.Maintain = channel.unary_stream(
+                '/kvstore.v1.KVStore/Maintain',
+                request_serializer=kvstore__pb2.MaintainRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.MaintainUpdate.FromString,
+                _registered_method=True)
         self.Inspect = channel.unary_unary(
                 '/kvstore.v1.KVStore/Inspect',
                 request_serializer=kvstore__pb2.InspectRequest.SerializeToString,
@@ -286,6 +291,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Maintain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Inspect(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -404,6 +415,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Repair,
                     request_deserializer=kvstore__pb2.RepairRequest.FromString,
                     response_serializer=kvstore__pb2.JsonReply.SerializeToString,
+            ),
+            'Maintain': grpc.unary_stream_rpc_method_handler(
+                    servicer.Maintain,
+                    request_deserializer=kvstore__pb2.MaintainRequest.FromString,
+                    response_serializer=kvstore__pb2.MaintainUpdate.SerializeToString,
             ),
             'Inspect': grpc.unary_unary_rpc_method_handler(
                     servicer.Inspect,
@@ -1005,6 +1021,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Repair',
             kvstore__pb2.RepairRequest.SerializeToString,
             kvstore__pb2.JsonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Maintain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Maintain',
+            kvstore__pb2.MaintainRequest.SerializeToString,
+            kvstore__pb2.MaintainUpdate.FromString,
             options,
             channel_credentials,
             insecure,

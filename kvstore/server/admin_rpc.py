@@ -1,5 +1,5 @@
-"""The daemon's maintenance and inspection calls: ``Stats``, ``Gc``, ``Check``, ``Repair``
-and ``Inspect``.
+"""The daemon's maintenance and inspection calls: ``Stats``, ``Gc``, ``Check``, ``Repair``,
+``Maintain`` (those three with progress) and ``Inspect``.
 
 ``AdminRPC`` is a mixin of ``kvstore.server.service.Daemon`` (kept apart so each file has
 one job): it uses the daemon's ``cfg``, ``store``, ``tokens``, ``limiter``, ``metrics``,
@@ -11,16 +11,25 @@ call. Who may call what is in ``kvstore.server``'s contract (point 5) and in ``_
 from __future__ import annotations
 
 import json
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable, Iterator
 
 from kvstore.api import EntryKind
+from kvstore.errors import InvalidRequest
 from kvstore.keys import check_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Tenant, require_admin
 from kvstore.server.wire import kind_or_default
 
 
+PROGRESS_EVERY_S = 0.5  # Maintain: at most one update a phase this often, besides its first and last step
+
+
 class AdminRPC:
-    """``Stats``, ``Gc``, ``Check``, ``Repair``, ``Inspect`` (module docstring)."""
+    """``Stats``, ``Gc``, ``Check``, ``Repair``, ``Maintain``, ``Inspect`` (module docstring)."""
 
     def _stats(self, r: pb.StatsRequest, tenant: Tenant) -> pb.JsonReply:
         s = dict(self.store.stats())
@@ -29,17 +38,61 @@ class AdminRPC:
         return pb.JsonReply(json=json.dumps(s, default=str))
 
     def _gc(self, r: pb.GcRequest, tenant: Tenant) -> pb.JsonReply:
-        out = self.store.gc(dry_run=r.dry_run)
-        if not r.dry_run:
-            self.metrics.gc_done(out)
-        return pb.JsonReply(json=json.dumps(out, default=str))
+        return pb.JsonReply(json=self._gc_json(r.dry_run))
 
     def _check(self, r: pb.CheckRequest, tenant: Tenant) -> pb.CheckReply:
-        problems = self.store.check(fix=r.fix)
-        return pb.CheckReply(problems=[pb.Problem(**p.as_dict()) for p in problems])
+        return pb.CheckReply(problems=self._problems(r.fix))
 
     def _repair(self, r: pb.RepairRequest, tenant: Tenant) -> pb.JsonReply:
-        return pb.JsonReply(json=json.dumps(self.store.repair(), default=str))
+        return pb.JsonReply(json=self._repair_json())
+
+    def _gc_json(self, dry_run: bool, progress: Callable | None = None) -> str:
+        out = self.store.gc(dry_run=dry_run, progress=progress)
+        if not dry_run:
+            self.metrics.gc_done(out)
+        return json.dumps(out, default=str)
+
+    def _problems(self, fix: bool, progress: Callable | None = None) -> list[pb.Problem]:
+        return [pb.Problem(**p.as_dict()) for p in self.store.check(fix=fix, progress=progress)]
+
+    def _repair_json(self, progress: Callable | None = None) -> str:
+        return json.dumps(self.store.repair(progress=progress), default=str)
+
+    def _maintain(self, r: pb.MaintainRequest, tenant: Tenant) -> Iterator[bytes]:
+        """``Maintain`` (kvstore.proto): the pass runs on a thread of its own, its progress
+        calls queued; this generator sends them (each phase's first and last step, else at
+        most one every ``PROGRESS_EVERY_S``), then the result as the final update. An error
+        of the pass is raised here, so the call ends with its status as the unary form would."""
+        ops: dict[str, Callable[[Callable], pb.MaintainUpdate]] = {
+            "gc": lambda p: pb.MaintainUpdate(json=self._gc_json(r.dry_run, p)),
+            "check": lambda p: pb.MaintainUpdate(problems=self._problems(r.fix, p)),
+            "repair": lambda p: pb.MaintainUpdate(json=self._repair_json(p)),
+        }
+        run = ops.get(r.op)
+        if run is None:
+            raise InvalidRequest(f"Maintain op must be one of {', '.join(sorted(ops))}, got {r.op!r}")
+        updates: queue.SimpleQueue = queue.SimpleQueue()
+        result: Future = Future()
+
+        def work() -> None:
+            try:
+                result.set_result(run(lambda phase, done, total: updates.put((str(phase), done, total))))
+            except BaseException as exc:  # re-raised by the sender below
+                result.set_exception(exc)
+            finally:
+                updates.put(None)
+
+        threading.Thread(target=work, name=f"kvstore-maintain-{r.op}", daemon=True).start()
+        sent: dict[str, float] = {}
+        while (u := updates.get()) is not None:
+            phase, done, total = u
+            now = time.monotonic()
+            if phase not in sent or done >= total or now - sent[phase] >= PROGRESS_EVERY_S:
+                sent[phase] = now
+                yield pb.MaintainUpdate(phase=phase, done=max(0, int(done)), total=max(0, int(total))).SerializeToString()
+        final = result.result()
+        final.final = True
+        yield final.SerializeToString()
 
     def _inspect(self, r: pb.InspectRequest, tenant: Tenant) -> pb.JsonReply:
         """``kvtool inspect`` against this daemon (kvstore.proto's ``Inspect``): the views

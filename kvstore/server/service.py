@@ -38,8 +38,8 @@ Values are hand-encoded (``wire.encode_*``): one copy each instead of two.
 The data calls' handlers (put, get, delete, pin, lookup, probe): ``kvstore.server.data_rpc``.
 Direct reads and writes (``Describe``, ``Locate``, ``Commit``): ``kvstore.server.direct_rpc``.
 
-Maintenance and inspection (``Stats``, ``Gc``, ``Check``, ``Repair``, ``Inspect``):
-``kvstore.server.admin_rpc``. ``Inspect`` answers ``kvtool inspect`` with the read-only
+Maintenance and inspection (``Stats``, ``Gc``, ``Check``, ``Repair``, ``Inspect``, and
+``Maintain``: those three with progress, streamed as ``GetStream`` is): ``kvstore.server.admin_rpc``. ``Inspect`` answers ``kvtool inspect`` with the read-only
 index views of ``kvstore.cli.index_view``, the code the tool runs on a data directory, so
 both print the same records; it touches nothing (no access time, no store counter).
 
@@ -205,13 +205,15 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         self.stream_methods: dict[str, _Method] = {
             "GetStream": _Method(pb.GetManyRequest, self._get_stream),
             "PutStream": _Method(pb.PutRequest, self._put_stream),
+            "Maintain": _Method(pb.MaintainRequest, self._maintain, admin=True),
         }
         handlers = {name: grpc.unary_unary_rpc_method_handler(
             self._behaviour(name, m), request_deserializer=None,
             response_serializer=_serialize) for name, m in self.methods.items()}
-        handlers["GetStream"] = grpc.unary_stream_rpc_method_handler(
-            self._reply_stream("GetStream", self.stream_methods["GetStream"]), request_deserializer=None,
-            response_serializer=None)  # the handler yields encoded GetChunk bytes
+        for name in ("GetStream", "Maintain"):  # the handlers yield encoded messages
+            handlers[name] = grpc.unary_stream_rpc_method_handler(
+                self._reply_stream(name, self.stream_methods[name]), request_deserializer=None,
+                response_serializer=None)
         handlers["PutStream"] = grpc.stream_unary_rpc_method_handler(
             self._request_stream("PutStream", self.stream_methods["PutStream"]), request_deserializer=None,
             response_serializer=_serialize)
@@ -401,7 +403,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
                 tenant = self._tenant(name, m, context)
                 req = self._parse(name, m, raw)
                 with self._admitted(tenant):
-                    yield from self._send_bound(m.handler(req, tenant), context)
+                    yield from self._send_bound(name, m.handler(req, tenant), context)
 
         return behaviour
 
@@ -441,7 +443,8 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         finally:
             self._watchdog.disarm(token)
 
-    def _send_bound(self, msgs: Generator[bytes, None, None], context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _send_bound(self, name: str, msgs: Generator[bytes, None, None],
+                    context: grpc.ServicerContext) -> Iterator[bytes]:
         """``msgs``, the call cancelled when none of them can be sent for ``stream_send_s`` (0: no
         bound). gRPC resumes this generator once HTTP/2 flow control has let the message it yielded
         out, so the wait is armed over each ``yield`` alone: reading the store does not count. Flow
@@ -451,7 +454,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         if not self.cfg.stream_send_s:
             yield from msgs
             return
-        token, cut = object(), _cut(context, f"GetStream could send nothing for stream_send_s = "
+        token, cut = object(), _cut(context, f"{name} could send nothing for stream_send_s = "
                                              f"{self.cfg.stream_send_s:g} s (its client stopped reading, or reads "
                                              "less than one flow-control window in that time)")
         try:

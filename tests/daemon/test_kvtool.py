@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -76,9 +77,19 @@ def away(data_dir: str, *names: str) -> list[tuple[Path, Path]]:
     return moved
 
 
+# A progress line of a maintenance pass (kvstore.cli.progress, not on a TTY): gc, verify and
+# repair through a daemon print them as on a data directory (the daemon's ``Maintain``); through
+# a set of daemons each phase is named after its shard (``grpc://H:P verify``).
+PROGRESS_LINE = re.compile(r"kvtool: (grpcs?://\S+ )?[a-z_]+: (\d+/\d+ \(\d+%\)|nothing to do)$")
+
+
 def one_line(err: str) -> str:
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
+    """The one message line of ``err`` (returned with its newline), the last one written;
+    before it only progress lines may come."""
+    lines = err.splitlines()
+    assert err.endswith("\n") and lines and "Traceback" not in err, err
+    assert all(PROGRESS_LINE.match(line) for line in lines[:-1]) and not PROGRESS_LINE.match(lines[-1]), err
+    return lines[-1] + "\n"
 
 
 # ----------------------------------------------------------------------------- A: inspect --key
@@ -257,7 +268,7 @@ def test_sharded_maintenance_with_a_shard_down_keeps_the_others_results(make_dae
     assert [(p["kind"], p["target"]) for p in d["problems"]] == [("target_down", down)]
     assert d["checked_entries"] == entries
     code, out, err = run_tool("gc", url, "--timeout", "20")  # text: the sums, then the line on stderr
-    assert code == 1 and out.startswith("gc: expired 0") and err.count("\n") == 1
+    assert code == 1 and out.startswith("gc: expired 0") and "did not answer" in one_line(err)  # after progress
     # inspect --key / --chain: the answering shards' views, the down one named (before: nothing, exit 2)
     code, out, err = run_tool("inspect", url, "--key", keys[0].hex(), "--json", "--timeout", "20")
     d = json.loads(out)
@@ -300,6 +311,53 @@ def test_sharded_results_keep_every_field(make_daemon, run_tool) -> None:
     for src, dst in moved:
         dst.rename(src)
     assert run_tool("repair", url)[0] == 0 and run_tool("verify", url)[0] == 0
+
+
+def test_verify_repair_and_gc_through_a_daemon_show_their_progress(make_daemon, run_tool) -> None:
+    """A pass through a daemon prints its progress on stderr as on a data directory (before,
+    nothing until the answer came back: the unary Gc/Check/Repair carry no progress), and
+    answers as the unary call does (the Python API takes ``progress=`` as the embedded store)."""
+    d = make_daemon()
+    keys = [K(i) for i in range(40)]
+    with kvstore.connect(d.address) as s:
+        assert all(s.put_many([PutItem(k, os.urandom(3000)) for k in keys]))
+        moved = away(str(d.store.data_dir), "t0", "t1", "t2")  # m+1 away: some entries lost
+        code, out, err = run_tool("verify", d.address, "--json")
+        lines = err.splitlines()
+        assert code == 1 and lines and all(PROGRESS_LINE.match(line) for line in lines), err
+        assert any(line.startswith("kvtool: verify: ") and line.endswith("(100%)") for line in lines), err
+        seen: list[tuple[str, int, int]] = []
+        got = s.check(progress=lambda *a: seen.append(a))
+        assert sorted(map(repr, got)) == sorted(map(repr, s.check())) == sorted(
+            map(repr, d.store.check())) and got
+        assert seen[0][:2] == ("verify", 0) and seen[-1][0] == "orphans" and seen[-1][1] == seen[-1][2]
+        for src, dst in moved:
+            dst.rename(src)
+        code, out, err = run_tool("repair", d.address)
+        assert code == 0 and "kvtool: verify: " in err, err
+        phases: set[str] = set()
+        assert s.gc(dry_run=True, progress=lambda p, done, total: phases.add(p)) == s.gc(dry_run=True)
+        assert {"expire", "evict", "purge", "orphans"} <= phases
+        assert s.repair(progress=lambda *a: None)["targets_down"] == 0
+        with pytest.raises(grpc.RpcError) as e:
+            list(s._stub.Maintain(pb.MaintainRequest(op="scrub"), timeout=10))
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "Maintain op must be one of check, gc, repair, got 'scrub'" in e.value.details()
+
+
+def test_a_pass_through_a_set_of_daemons_shows_each_shards_progress(make_daemon, run_tool) -> None:
+    a, b = make_daemon("a"), make_daemon("b")
+    url = f"{a.address},{b.address}"
+    with kvstore.connect(url) as s:
+        assert all(s.put_many([PutItem(K(i), os.urandom(2000)) for i in range(30)]))
+        code, out, err = run_tool("verify", url)
+        assert code == 0 and all(PROGRESS_LINE.match(line) for line in err.splitlines()), err
+        for d in (a, b):
+            assert f"kvtool: {d.address} verify: " in err and f"kvtool: {d.address} orphans: " in err, err
+        phases: set[str] = set()
+        assert s.gc(dry_run=True, progress=lambda p, done, total: phases.add(p))["dry_run"] is True
+        assert {f"{d.address} purge" for d in (a, b)} <= phases
+        assert s.repair(progress=lambda *x: None)["targets_down"] == 0
 
 
 # ----------------------------------------------------------------------------- F: tenants
