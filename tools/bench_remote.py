@@ -28,7 +28,8 @@ throughput, single calls and batches of ``--batch``, for
   runs in a private network namespace holding only loopback (``unshare --net``, util-linux);
   where one cannot be made, Mooncake is skipped with the reason.
 
-and the p50/p90/p99 of ``lookup`` on a chain of ``--chain`` blocks (default 1,000): embedded, over
+and the p50/p90/p99 of ``lookup`` on a chain of ``--chain`` blocks (default 1,000; all hit, an SWA
+snapshot at every boundary, so the answer is ``hit_blocks = swa_at = --chain``): embedded, over
 gRPC, and sharded over 3 daemons. Peers that cannot run are reported with the reason, never silently dropped.
 kvstore writes use ``fsync=false`` by default (page-cache durability, like Redis without AOF
 and Mooncake's memory pool); ``--fsync true`` measures durable puts. Prints a table with ratios
@@ -245,9 +246,11 @@ def lookup_latency(store: Any, chain_len: int, reps: int, tag: str) -> dict:
     from kvstore import PutItem
 
     chain = [_key(f"{tag}chain", i) for i in range(chain_len)]
-    for i in range(0, chain_len, 250):
-        store.put_many([PutItem(k, b"%d" % j) for j, k in enumerate(chain[i:i + 250])])
-    assert store.lookup(chain).hit_blocks == chain_len
+    for i in range(0, chain_len, 250):  # a block and an SWA snapshot at every boundary, as bench_store's chain
+        store.put_many([PutItem(k, b"%d" % j, kind=kind) for j, k in enumerate(chain[i:i + 250])
+                        for kind in ("block", "swa")])
+    got = store.lookup(chain)
+    assert (got.hit_blocks, got.swa_at) == (chain_len, chain_len), got
     # The throughput rounds leave GiBs in the page cache (fsync off); their writeback would run
     # on these two cores during the loop below. Lookup latency is measured without it.
     os.sync()
