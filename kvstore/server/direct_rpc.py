@@ -58,13 +58,18 @@ class DirectRPC:
         out.read_timeout_s, out.parallel_reads = cfg.read_timeout_s, cfg.parallel_reads
         for spec in st.target_specs:
             out.targets.add(name=spec.name, url=client_url(spec, st.targets.get(spec.name)), domain=spec.domain)
-        out.data_dir = str(st.data_dir)
         if self.cfg.allow_direct_writes:  # how to encode as this store does, and whose keys
             out.key_secret = tenant.secret
             out.compression, out.zstd_level, out.min_compress_ratio = (
                 cfg.compression, cfg.zstd_level, cfg.min_compress_ratio)
             out.pack_bytes, out.fsync, out.orphan_grace_s, out.parallel_writes = (
                 cfg.pack_bytes, cfg.fsync, cfg.orphan_grace_s, cfg.parallel_writes)
+        if not tenant.admin:
+            # The data directory (where tenant.secret lives by default) and its marker serve only
+            # mode "auto", which never turns on with tokens (kvstore.direct): a tenant's clients
+            # need the target table alone (QA: any tenant learnt the daemon's data_dir here).
+            return out
+        out.data_dir = str(st.data_dir)
         try:
             out.format_marker = (Path(st.data_dir) / FORMAT_FILE).read_bytes()
         except OSError as exc:  # the probe then fails on the client: "auto" stays off

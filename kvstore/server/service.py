@@ -67,7 +67,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.api import EntryKind, PutItem
 from kvstore.config import StoreConfig
 from kvstore.executors import DaemonExecutor
-from kvstore.errors import InternalError, InvalidRequest, KVStoreError
+from kvstore.errors import CapacityExceeded, InternalError, InvalidRequest, KVStoreError, StoreUnavailable
 from kvstore.fragments import MAX_TTL_S
 from kvstore.index import ekey
 from kvstore.keys import check_key, check_keys
@@ -105,6 +105,25 @@ def _cut(context: grpc.ServicerContext, why: str) -> Callable[[], None]:
 def _serialize(msg: Any) -> bytes:
     """Reply serializer: hand-encoded replies (``wire.encode_*``) are bytes already."""
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def _as_seen_by(tenant: Tenant, write: Callable[[], list[bool]]) -> list[bool]:
+    """``write()``, a put or commit for ``tenant``. A tenant that is not an admin gets its
+    capacity and storage errors without what they tell of the store as a whole: the bytes
+    every tenant holds, that the rest is pinned, target names, paths (an admin's to see, as
+    in ``_get``; QA). The error class, which says what to do, stays."""
+    try:
+        return write()
+    except CapacityExceeded:
+        if tenant.admin:
+            raise
+        raise CapacityExceeded("the store is full (what it holds cannot be evicted now, or its targets are out "
+                               "of space); retry later, or ask its operator") from None
+    except StoreUnavailable:
+        if tenant.admin:
+            raise
+        raise StoreUnavailable("the store cannot take this write now: too many of its targets are failing or "
+                               "too slow; retry later") from None
 
 
 class _ClientGone(Exception):
@@ -536,7 +555,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
     def _store_put(self, items: list[PutItem], tenant: Tenant) -> list[bool]:
         """``store.put_many`` charged to the tenant's quota."""
         if self.quota is None:
-            return self.store.put_many(items)
+            return _as_seen_by(tenant, lambda: self.store.put_many(items))
         return self._charged(tenant, [ekey(EntryKind.parse(it.kind).code, it.key) for it in items],
                              [len(it.value) for it in items], lambda: self.store.put_many(items))
 
@@ -549,14 +568,14 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         is reserved once, at the larger of its sizes: the reservation stays an upper bound
         of what the write can add, and ``settle`` records what was actually created."""
         if self.quota is None:
-            return write()
+            return _as_seen_by(tenant, write)
         want: dict[bytes, int] = {}
         for ek, size in zip(eks, sizes):
             want[ek] = max(size, want.get(ek, 0))
         n = sum(size for size, live in zip(want.values(), self.quota.live(list(want))) if not live)
         self.quota.reserve(tenant.name, n)
         try:
-            created = write()
+            created = _as_seen_by(tenant, write)
         except BaseException:
             self.quota.cancel(tenant.name, n)
             raise

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+import shutil
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -157,6 +161,44 @@ def test_unrecoverable_names_the_callers_key(make_daemon, tokens_file, tmp_path)
     assert set(admin_ei.value.failed_targets) == {"t0", "t1", "t2"} and "t0" in str(admin_ei.value)
     stored = [bytes(k[1:]) for k, _ in st.index.iter_db(st.index.env.begin(), "lost")]
     assert len(stored) == 2 and K("doomed") not in stored and not any(k.hex() in str(ei.value) for k in stored)
+
+
+def test_a_tenants_write_errors_say_nothing_of_the_store_as_a_whole(make_daemon, tokens_file, tmp_path) -> None:
+    """A put refused for capacity or failing targets: a tenant that is not an admin learns
+    neither the bytes the store holds (every tenant's), that the rest is pinned, nor target
+    names and paths (QA: both came back word for word); an admin gets the store's own message.
+    Describe shows a tenant no data directory (where tenant.secret lives by default)."""
+    import kvstore.errors
+
+    d = make_daemon(tokens_file=tokens_file, capacity_bytes=100_000, high_watermark=1.0, low_watermark=0.5,
+                    delete_grace_s=0)
+    with kvstore.connect(d.address, token=TOK_A) as a, kvstore.connect(d.address, token=TOK_OPS) as ops:
+        i = 0
+        while d.store.used_bytes() < 80_000:  # tenant A pins far over the goal (50 kB), under capacity
+            assert a.put(K(("pinned", i)), os.urandom(9_000)) and a.pin(K(("pinned", i)))
+            i += 1
+        errs = {}
+        with kvstore.connect(d.address, token=TOK_B) as b:
+            for who, s in (("b", b), ("ops", ops)):
+                with pytest.raises(kvstore.errors.CapacityExceeded) as ei:
+                    for i in range(10):
+                        s.put(K((who, i)), os.urandom(9_000))
+                errs[who] = str(ei.value)
+        assert "everything left is pinned" in errs["ops"] and "bytes" in errs["ops"], errs
+        assert "pinned" not in errs["b"] and not re.search(r"\d{4}", errs["b"]) and "store is full" in errs["b"]
+        assert a._call("Describe", pb.DescribeRequest()).data_dir == ""
+        assert ops._call("Describe", pb.DescribeRequest()).data_dir == str(d.store.data_dir)
+    for t in ("t0", "t1", "t2"):  # more targets failing than a put can replace
+        root = d.store.targets[t].root
+        shutil.rmtree(root)
+        Path(root).write_bytes(b"not a directory")
+    with kvstore.connect(d.address, token=TOK_B) as b, kvstore.connect(d.address, token=TOK_OPS) as ops:
+        with pytest.raises(kvstore.errors.StoreUnavailable) as tenant_err:
+            b.put(K("after"), b"x" * 1000)
+        with pytest.raises(kvstore.errors.StoreUnavailable) as admin_err:
+            ops.put(K("after"), b"x" * 1000)
+    assert "t0" in str(admin_err.value) and str(d.store.data_dir) in str(admin_err.value)
+    assert not re.search(r"\bt[0-5]\b|/", str(tenant_err.value)) and "retry later" in str(tenant_err.value)
 
 
 def test_tenant_keys_are_stable_across_restart(make_daemon, tokens_file, tmp_path) -> None:
