@@ -23,6 +23,10 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.wire import MD_INDEX_KEYS
 
 
+def _no_progress(phase: str, done: int, total: int) -> None:
+    pass
+
+
 class RemoteAdmin:
     """Maintenance, inspect and kvtool's delete over gRPC (module docstring)."""
 
@@ -45,8 +49,11 @@ class RemoteAdmin:
                                      timeout_s=self.options.maintenance_timeout_s).json)
 
     def check(self, fix: bool = False, *, progress: Callable | None = None) -> list:
-        """The daemon's consistency check; waits up to ``maintenance_timeout_s``."""
-        r = self._maintain(pb.MaintainRequest(op="check", fix=fix), progress)
+        """The daemon's consistency check; waits up to ``maintenance_timeout_s``. Through the
+        streaming ``Maintain`` with or without ``progress``: there, problems come in as many
+        messages as they need, where the unary ``Check`` (a daemon older than ``Maintain``)
+        answers in one, which a large store's problems can overflow."""
+        r = self._maintain(pb.MaintainRequest(op="check", fix=fix), progress or _no_progress)
         if r is None:
             r = self._call("Check", pb.CheckRequest(fix=fix), timeout_s=self.options.maintenance_timeout_s)
         return [Problem(ProblemKind(p.kind), p.key, p.entry_kind, p.target, p.detail, p.fixed) for p in r.problems]
@@ -66,11 +73,16 @@ class RemoteAdmin:
             return None
         self._check_open()
         timeout = self.options.maintenance_timeout_s
+        problems: list[pb.Problem] = []  # a check's come in pieces, the last in the final update
         try:
             for u in self._stub.Maintain(req, timeout=timeout, metadata=self._md):
+                problems.extend(u.problems)
                 if u.final:
+                    del u.problems[:]
+                    u.problems.extend(problems)
                     return u
-                progress(u.phase, u.done, u.total)
+                if u.phase:
+                    progress(u.phase, u.done, u.total)
         except grpc.RpcError as err:
             if err.code() is grpc.StatusCode.UNIMPLEMENTED:
                 return None

@@ -26,6 +26,7 @@ from kvstore.server.wire import kind_or_default
 
 
 PROGRESS_EVERY_S = 0.5  # Maintain: at most one update a phase this often, besides its first and last step
+RESULT_PIECE_BYTES = 1 << 20  # Maintain: a check's problems in messages of about this size (or half the limit)
 
 
 class AdminRPC:
@@ -90,9 +91,7 @@ class AdminRPC:
             if phase not in sent or done >= total or now - sent[phase] >= PROGRESS_EVERY_S:
                 sent[phase] = now
                 yield pb.MaintainUpdate(phase=phase, done=max(0, int(done)), total=max(0, int(total))).SerializeToString()
-        final = result.result()
-        final.final = True
-        yield final.SerializeToString()
+        yield from _result_pieces(result.result(), min(RESULT_PIECE_BYTES, self.cfg.max_message_bytes // 2))
 
     def _inspect(self, r: pb.InspectRequest, tenant: Tenant) -> pb.JsonReply:
         """``kvtool inspect`` against this daemon (kvstore.proto's ``Inspect``): the views
@@ -131,3 +130,24 @@ class AdminRPC:
         for view, key in zip(views, sent):
             view["key"] = key.hex()
         return pb.JsonReply(json=json.dumps({"positions" if r.chain else "entries": views}, default=str))
+
+
+def _result_pieces(final: pb.MaintainUpdate, limit: int) -> Iterator[bytes]:
+    """``Maintain``'s result as messages of at most about ``limit`` bytes, the last one
+    ``final``: a check's problems spread over as many as they need (QA: 40,000 problems made
+    one 6.7 MB CheckReply, over a 1 MiB max_message_bytes; a verify of a large store with a
+    target down then failed as a whole)."""
+    problems = list(final.problems)
+    del final.problems[:]
+    piece: list[pb.Problem] = []
+    size = 0
+    for p in problems:
+        n = p.ByteSize() + 16  # the field's tag and length
+        if piece and size + n > limit:
+            yield pb.MaintainUpdate(problems=piece).SerializeToString()
+            piece, size = [], 0
+        piece.append(p)
+        size += n
+    final.problems.extend(piece)
+    final.final = True
+    yield final.SerializeToString()

@@ -345,6 +345,22 @@ def test_verify_repair_and_gc_through_a_daemon_show_their_progress(make_daemon, 
         assert "Maintain op must be one of check, gc, repair, got 'scrub'" in e.value.details()
 
 
+def test_a_check_with_more_problems_than_one_message_holds(make_daemon, run_tool) -> None:
+    """A check's problems come in as many messages as they need (QA: 40,000 problems made one
+    6.7 MB reply, and a verify through a daemon with a 1 MiB message limit failed whole)."""
+    d = make_daemon(max_message_bytes=64 * 1024)
+    keys = [K(i) for i in range(800)]
+    with kvstore.connect(d.address) as s:
+        for i in range(0, len(keys), 200):
+            assert all(s.put_many([PutItem(k, b"v" * 100) for k in keys[i:i + 200]]))
+        away(str(d.store.data_dir), "t0")  # a fragment of every entry missing: 800 problems
+        want = d.store.check()
+        assert len(want) >= 800 and sum(len(repr(p)) for p in want) > 2 * 64 * 1024
+        assert sorted(map(repr, s.check())) == sorted(map(repr, want))
+        code, out, err = run_tool("verify", d.address, "--json")
+        assert code == 1 and len(json.loads(out)["problems"]) == len(want), err
+
+
 def test_a_pass_through_a_set_of_daemons_shows_each_shards_progress(make_daemon, run_tool) -> None:
     a, b = make_daemon("a"), make_daemon("b")
     url = f"{a.address},{b.address}"
