@@ -232,16 +232,24 @@ def _compact_packs(store: "EmbeddedStore", progress: Progress, limit: int = _COM
     return len(queued), moved
 
 
-def _known_generations(store: "EmbeddedStore") -> tuple[set[tuple[bytes, bytes]], set[bytes]]:
-    """(entry key, gen) of every live, lost and graveyard record, and the gens of the packs
-    they are stored in: the files that are not orphans."""
-    known: set[tuple[bytes, bytes]] = set()
+def _known_generations(store: "EmbeddedStore") -> tuple[dict[tuple[bytes, bytes], set[tuple[int, str]]], set[bytes]]:
+    """The files that are not orphans: per (entry key, gen) of every live, lost and graveyard
+    record, the (slot, target) of each fragment it holds in a file of its own; and the gens
+    of the packs records name. A fragment file of a known generation in another slot's place
+    is an orphan too: the copy a repair replaced while its target was away, found when the
+    target comes back (QA: such copies were kept for as long as their entry lived)."""
+    known: dict[tuple[bytes, bytes], set[tuple[int, str]]] = {}
+
+    def add(ek: bytes, m: Meta) -> None:
+        slots = known.setdefault((ek, m.gen), set())
+        slots.update((i, t) for i, t in enumerate(m.targets) if not m.offsets or m.offsets[i] == STANDALONE)
+
     with store.index.env.begin() as txn:
         for db in ("entries", "lost"):
             for ek, raw in store.index.iter_db(txn, db):
-                known.add((bytes(ek), store.index.unpack(txn, raw).gen))
+                add(bytes(ek), store.index.unpack(txn, raw))
         for k, raw in store.index.iter_db(txn, "grave"):
-            known.add((bytes(k[8:25]), bytes(k[25:33])))
+            add(bytes(k[8:25]), store.index.unpack(txn, raw))
         packs = {bytes(gen) for gen, _ in store.index.iter_db(txn, "packs")}
     return known, packs
 
@@ -265,7 +273,8 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
     the files they leave behind count as orphans and the files they delete do not."""
     known, packs = _known_generations(store)
     forget, deleted = purged_files(purging)
-    known -= forget
+    for gone in forget:
+        known.pop(gone, None)
     n = nbytes = unknown_age = 0
     problems: list[Problem] = []
     names = list(store.targets)
@@ -286,8 +295,8 @@ def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s:
             parsed = parse_fragment_path(rel)
             pack = parse_pack_path(rel) if parsed is None else None
             if parsed is not None:
-                kind_code, key, gen, _i = parsed
-                if (bytes((kind_code,)) + key, gen) in known:
+                kind_code, key, gen, slot = parsed
+                if (slot, name) in known.get((bytes((kind_code,)) + key, gen), ()):
                     continue
             elif pack is not None:
                 if pack in packs:

@@ -184,6 +184,30 @@ def test_repair_rebuilds_what_it_can_when_a_fragment_has_nowhere_to_go(tmp_path)
         assert [p.kind for p in problems if p.kind is not ProblemKind.TARGET_DOWN] == [ProblemKind.MISSING_FRAGMENT]
 
 
+def test_the_copies_a_repair_replaced_are_swept_when_their_target_comes_back(tmp_path):
+    """A target away, repair rebuilds its fragments onto the spares; the target comes back
+    holding the old copies. The record names the spare for that slot, so the old copy is an
+    orphan: swept by GC (QA: they were kept, invisible to verify, gc and stats, for as long
+    as their entry lived, since the sweep asked only whether an entry's generation was known)."""
+    base = tmp_path / "rt"
+    targets = ",".join(f"file://{base}/t{i}#d{i}" for i in range(8))  # 4+2 over 8: two spares
+    vals = {bytes([i]) * 16: os.urandom(3000 + i) for i in range(40)}
+    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, orphan_grace_s=0) as s:
+        for k, v in vals.items():
+            s.put(k, v)  # one file per fragment
+        (base / "t3").rename(base / "t3.away")
+        res = s.repair()
+        assert res["rebuilt_fragments"] > 0 and res["unfixed"] == 0
+        (base / "t3.away").rename(base / "t3")
+        stale = [f for f in (base / "t3").rglob("*") if f.is_file() and not f.name.startswith(".")]
+        assert len(stale) == res["rebuilt_fragments"]
+        problems = s.check()  # verify sees the stale copies (before: nothing)
+        assert {p.kind for p in problems} == {ProblemKind.ORPHAN_FRAGMENT} and len(problems) == len(stale)
+        assert s.gc()["orphans"] == len(stale)
+        assert not [f for f in (base / "t3").rglob("*") if f.is_file() and not f.name.startswith(".")]
+        assert all(s.get(k) == v for k, v in vals.items()) and s.check() == []
+
+
 @pytest.mark.parametrize("change", ["compact", "delete"])
 def test_check_reports_nothing_of_a_record_gc_moved_or_removed_during_the_scan(tmp_path, change):
     """``check`` scans a snapshot of the records; an entry compacted into a new pack (or deleted
