@@ -11,6 +11,7 @@ call. Who may call what is in ``kvstore.server``'s contract (point 5) and in ``_
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -27,6 +28,13 @@ from kvstore.server.wire import kind_or_default
 
 PROGRESS_EVERY_S = 0.5  # Maintain: at most one update a phase this often, besides its first and last step
 RESULT_PIECE_BYTES = 1 << 20  # Maintain: a check's problems in messages of about this size (or half the limit)
+HEARTBEAT_S = 1.0  # Maintain: an empty update after this long without one (how a client gone is noticed)
+
+log = logging.getLogger(__name__)
+
+
+class PassStopped(Exception):
+    """A ``Maintain`` pass stopped at a progress step because its client went away."""
 
 
 class AdminRPC:
@@ -63,7 +71,13 @@ class AdminRPC:
         """``Maintain`` (kvstore.proto): the pass runs on a thread of its own, its progress
         calls queued; this generator sends them (each phase's first and last step, else at
         most one every ``PROGRESS_EVERY_S``), then the result as the final update. An error
-        of the pass is raised here, so the call ends with its status as the unary form would."""
+        of the pass is raised here, so the call ends with its status as the unary form would.
+
+        A call its client gave up on (cancelled, past its deadline) stops its pass at the next
+        progress step (``PassStopped``; every step is between index transactions, where a
+        pass may stop as a crash would stop it): gRPC closes this generator once a message
+        cannot be sent, so with nothing to report it sends an empty update every
+        ``HEARTBEAT_S`` (QA: kvtool's retries after timeouts stacked up repairs on the daemon)."""
         ops: dict[str, Callable[[Callable], pb.MaintainUpdate]] = {
             "gc": lambda p: pb.MaintainUpdate(json=self._gc_json(r.dry_run, p)),
             "check": lambda p: pb.MaintainUpdate(problems=self._problems(r.fix, p)),
@@ -74,10 +88,19 @@ class AdminRPC:
             raise InvalidRequest(f"Maintain op must be one of {', '.join(sorted(ops))}, got {r.op!r}")
         updates: queue.SimpleQueue = queue.SimpleQueue()
         result: Future = Future()
+        stop = threading.Event()
+
+        def report(phase: str, done: int, total: int) -> None:
+            if stop.is_set():
+                raise PassStopped(f"Maintain {r.op}: its client went away; the pass stopped")
+            updates.put((str(phase), done, total))
 
         def work() -> None:
             try:
-                result.set_result(run(lambda phase, done, total: updates.put((str(phase), done, total))))
+                result.set_result(run(report))
+            except PassStopped as exc:
+                log.info("%s", exc)
+                result.set_exception(exc)
             except BaseException as exc:  # re-raised by the sender below
                 result.set_exception(exc)
             finally:
@@ -85,12 +108,23 @@ class AdminRPC:
 
         threading.Thread(target=work, name=f"kvstore-maintain-{r.op}", daemon=True).start()
         sent: dict[str, float] = {}
-        while (u := updates.get()) is not None:
-            phase, done, total = u
-            now = time.monotonic()
-            if phase not in sent or done >= total or now - sent[phase] >= PROGRESS_EVERY_S:
-                sent[phase] = now
-                yield pb.MaintainUpdate(phase=phase, done=max(0, int(done)), total=max(0, int(total))).SerializeToString()
+        try:
+            while True:
+                try:
+                    u = updates.get(timeout=HEARTBEAT_S)
+                except queue.Empty:
+                    yield pb.MaintainUpdate().SerializeToString()  # a client gone is found here
+                    continue
+                if u is None:
+                    break
+                phase, done, total = u
+                now = time.monotonic()
+                if phase not in sent or done >= total or now - sent[phase] >= PROGRESS_EVERY_S:
+                    sent[phase] = now
+                    yield pb.MaintainUpdate(phase=phase, done=max(0, int(done)),
+                                            total=max(0, int(total))).SerializeToString()
+        finally:
+            stop.set()  # closed early (the client gone): the pass stops at its next step
         yield from _result_pieces(result.result(), min(RESULT_PIECE_BYTES, self.cfg.max_message_bytes // 2))
 
     def _inspect(self, r: pb.InspectRequest, tenant: Tenant) -> pb.JsonReply:

@@ -345,6 +345,32 @@ def test_verify_repair_and_gc_through_a_daemon_show_their_progress(make_daemon, 
         assert "Maintain op must be one of check, gc, repair, got 'scrub'" in e.value.details()
 
 
+def test_a_pass_whose_client_gave_up_stops_on_the_daemon(make_daemon) -> None:
+    """A verify whose client timed out (or was interrupted) stops on the daemon at its next
+    progress step (QA: kvtool's retries after timeouts stacked up passes on the daemon)."""
+    d = make_daemon()
+    steps: list[int] = []
+    stopped = threading.Event()
+
+    def slow_check(fix=False, progress=None):  # 30 s of work in steps, unless stopped
+        try:
+            for n in range(300):
+                progress("verify", n, 300)
+                steps.append(n)
+                time.sleep(0.1)
+        except Exception:
+            stopped.set()
+            raise
+        return []
+
+    d.store.check = slow_check
+    with kvstore.connect(d.address, maintenance_timeout_s=1.0) as s:
+        with pytest.raises(DeadlineExceeded):
+            s.check(progress=lambda *a: None)
+    assert stopped.wait(10), f"the pass went on after its client left ({len(steps)} steps)"
+    assert len(steps) < 100
+
+
 def test_a_check_with_more_problems_than_one_message_holds(make_daemon, run_tool) -> None:
     """A check's problems come in as many messages as they need (QA: 40,000 problems made one
     6.7 MB reply, and a verify through a daemon with a 1 MiB message limit failed whole)."""
