@@ -301,14 +301,19 @@ def run_inspect(store: KVStore, args: argparse.Namespace, progress: Progress) ->
     views = IndexViews.of(store)
     if args.key is not None:
         d = _known(views.entries([args.key], EntryKind.parse(args.kind))[0])
-        missing = (index_view.EntryState.ABSENT.value, index_view.EntryState.UNKNOWN.value)
+        missing = (index_view.EntryState.ABSENT.value, index_view.EntryState.UNKNOWN.value,
+                   index_view.EntryState.LOST.value)  # lost too: no value to read (QA)
         code = ExitCode.PROBLEMS if d["state"] in missing else ExitCode.OK
         return _with_down_shards(store, Outcome(code, d, _entry_text(d)), d.get("unanswered", {}))
     if args.chain is not None:
         rows = [_known_position(r) for r in views.chain(args.chain)]
         return _with_down_shards(store, _chain_outcome(args.chain, rows), rows[0].get("unanswered", {}) if rows else {})
     d = views.summary()
-    return _with_down_shards(store, Outcome(ExitCode.OK, d, _summary_text(d)), _down_in(d))
+    # Lost entries or a target down are problems, as verify says (QA: a store with every
+    # target gone and every entry lost answered 0, healthy).
+    bad = d["total"]["lost"] or any(not t["up"] for t in d["targets"])
+    return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, _summary_text(d)),
+                             _down_in(d))
 
 
 def _chain_outcome(chain: list[bytes], rows: list[dict]) -> Outcome:
@@ -422,13 +427,15 @@ def run_verify(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
 
 def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     d = _call_with_progress(store.repair, progress)
-    bad = sum(int(d.get(k, 0)) for k in ("unfixed", "still_lost", "orphans_kept"))
+    # A target down is a problem too (verify says so; QA: repair answered 0 and verify 1 after it).
+    bad = sum(int(d.get(k, 0)) for k in ("unfixed", "still_lost", "orphans_kept", "targets_down"))
     text = (f"repair: rebuilt {d.get('rebuilt_fragments', 0)} fragments, restored {d.get('restored_entries', 0)} "
             f"entries, removed {d.get('orphans_removed', 0)} orphans{_kept(d)}; unfixed {d.get('unfixed', 0)}, "
             f"still lost {d.get('still_lost', 0)}"
             + (f"; {d['targets_down']} targets could not be asked" if d.get("targets_down") else ""))
     if bad:
-        text += "\nsome damage remains: bring missing targets back (or add spare targets) and run repair again"
+        text += ("\nsome damage remains, or could not be looked for: bring missing targets back (or add spare "
+                 "targets) and run repair again")
     return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, text), _down_in(d))
 
 

@@ -124,12 +124,12 @@ def test_inspect_key_on_a_daemon_is_read_only_and_as_on_the_data_directory(make_
     assert run_tool("verify", d.address)[0] == 1
     code, out, _ = run_tool("inspect", d.address, "--key", keys[2].hex(), "--json")
     lost = json.loads(out)
-    assert code == 0 and lost["state"] == "lost"
+    assert code == 1 and lost["state"] == "lost"  # no value to read: a problem (before: 0, as if healthy)
     code_text, lost_text, _ = run_tool("inspect", d.address, "--key", keys[2].hex())
     data_dir = str(d.store.data_dir)
     d.stop()
     code, out, _ = run_tool("inspect", data_dir, "--key", keys[2].hex(), "--json")
-    assert (code, json.loads(out)) == (0, lost)  # the data directory's answer, exit code included
+    assert (code, json.loads(out)) == (1, lost)  # the data directory's answer, exit code included
     assert run_tool("inspect", data_dir, "--key", keys[2].hex())[:2] == (code_text, lost_text)
 
 

@@ -34,6 +34,25 @@ def _verify_json(run_tool, *argv) -> tuple[int, dict]:
     return code, json.loads(out)
 
 
+def test_inspect_answers_1_while_a_target_is_down_or_entries_are_lost(store_dir, run_tool):
+    """inspect's summary exits as verify would: 1 with a target down or an entry lost (QA: a
+    store with every target gone and every entry lost answered 0, healthy), 0 once healthy."""
+    pop = store_dir
+    assert run_tool("inspect", pop.path)[0] == 0
+    moved = [_away(pop, "t1")]
+    code, out, _ = run_tool("inspect", pop.path, "--json")
+    assert code == 1 and json.loads(out)["total"]["lost"] == 0  # degraded, a target down
+    moved += [_away(pop, "t2"), _away(pop, "t4")]
+    assert run_tool("verify", pop.path)[0] == 1  # marks the entries lost
+    code, out, _ = run_tool("inspect", pop.path, "--json")
+    assert code == 1 and json.loads(out)["total"]["lost"] == len(pop.blocks) + len(pop.swa)
+    for src, dst in moved:
+        dst.rename(src)
+    code, out, _ = run_tool("inspect", pop.path, "--json")
+    assert code == 1 and json.loads(out)["total"]["lost"] > 0  # every target up; still lost until a repair
+    assert run_tool("repair", pop.path)[0] == 0 and run_tool("inspect", pop.path)[0] == 0
+
+
 def test_two_targets_down_reads_three_down_lost_then_repair(store_dir, run_tool):
     pop = store_dir
     moved = [_away(pop, "t1"), _away(pop, "t4")]
@@ -85,7 +104,8 @@ def test_eight_targets_exactly_the_lost_entries_and_rebuild_on_spares(tmp_path, 
     for n in ("t1", "t5"):
         _away(pop, n)
     code, out, _ = run_tool("repair", root, "--config", cfg, "--json")
-    assert code == 0 and json.loads(out)["rebuilt_fragments"] > 0
+    # Exit 1, as verify's below: the targets are still down (before, repair said 0 and verify 1).
+    assert code == 1 and json.loads(out)["rebuilt_fragments"] > 0 and json.loads(out)["targets_down"] == 2
     code, d = _verify_json(run_tool, root, "--config", cfg)
     assert code == 1 and set(d["counts"]) == {"target_down"}  # fully redundant; only the targets are reported
     code, out, _ = run_tool("inspect", root, "--config", cfg, "--json")
