@@ -89,6 +89,15 @@ class ClientOptions:
             # Checked here: gRPC aborts the whole process (SIGABRT) on a certificate without its key.
             raise InvalidRequest("mutual TLS needs both cert_file and key_file (the client certificate and its "
                                  f"private key); got cert_file={self.cert_file!r}, key_file={self.key_file!r}")
+        if not isinstance(self.token, str):
+            raise InvalidRequest(f"token must be a string, got {type(self.token).__name__}")
+        # As a token file's: surrounding whitespace is not the token (QA: KVSTORE_TOKEN="$(cat f)"
+        # style values with a newline failed as gRPC's "INTERNAL: Invalid metadata").
+        token = self.token.strip()
+        if any(not 0x20 < ord(c) < 0x7F for c in token):  # never echoed: it is a secret
+            raise InvalidRequest("token (KVSTORE_TOKEN or --token-file) holds a space, control or non-ASCII "
+                                 "character; a bearer token is printable ASCII: check how it was set")
+        object.__setattr__(self, "token", token)
         for name in ("timeout_s", "maintenance_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 < v <= 1e9):

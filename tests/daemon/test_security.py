@@ -201,6 +201,18 @@ def test_a_tenants_write_errors_say_nothing_of_the_store_as_a_whole(make_daemon,
     assert not re.search(r"\bt[0-5]\b|/", str(tenant_err.value)) and "retry later" in str(tenant_err.value)
 
 
+def test_a_token_with_a_trailing_newline_works_and_a_control_character_is_refused(make_daemon, tokens_file,
+                                                                                  monkeypatch) -> None:
+    d = make_daemon(tokens_file=tokens_file)
+    monkeypatch.setenv("KVSTORE_TOKEN", TOK_OPS + "\n")  # as `export KVSTORE_TOKEN="$(cat file)"` may leave it
+    with kvstore.connect(d.address) as s:
+        assert "daemon" in s.stats()  # before: INTERNAL "Invalid metadata"
+    for bad in ("tok\x01en", "tok en", "tokén"):
+        with pytest.raises(InvalidRequest, match="printable ASCII") as ei:
+            kvstore.connect(d.address, token=bad)
+        assert bad not in str(ei.value)  # a secret is never echoed
+
+
 def test_tenant_keys_are_stable_across_restart(make_daemon, tokens_file, tmp_path) -> None:
     d = make_daemon(tokens_file=tokens_file, data_dir=str(tmp_path / "stable"))
     with kvstore.connect(d.address, token=TOK_A) as a:
