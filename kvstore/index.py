@@ -338,15 +338,18 @@ class Index:
                 out.append(bytes(k[8:]))
         return out
 
-    def purge_grave_txn(self, txn: lmdb.Transaction, grave_key: bytes, m: Meta) -> int | None:
-        """Drop a graveyard record (its own fragment files are the caller's to delete).
-        When it was the last record of its pack, the pack's bytes (its files may go too);
-        else ``None``. A record another process purged first is not counted twice."""
-        if not txn.delete(grave_key, db=self.db["grave"]) or not m.offsets:
-            return None
+    def purge_grave_txn(self, txn: lmdb.Transaction, grave_key: bytes, m: Meta) -> tuple[bool, int | None]:
+        """Drop a graveyard record (its own fragment files are the caller's to delete): (dropped
+        here, not by another pass first; when it was the last record of its pack, the pack's
+        bytes, its files may go too, else ``None``). A record another process purged first is
+        not counted twice."""
+        if not txn.delete(grave_key, db=self.db["grave"]):
+            return False, None
+        if not m.offsets:
+            return True, None
         txn.delete(m.gen + grave_key[8:25], db=self.db["members"])
         info = self.pack_info(txn, m.gen)
-        return info[1] if self._pack_update(txn, m.gen, -1, 0, packed_bytes(m)) == 0 and info else None
+        return True, (info[1] if self._pack_update(txn, m.gen, -1, 0, packed_bytes(m)) == 0 and info else None)
 
     def _unlink_orderings(self, txn: lmdb.Transaction, ek: bytes, m: Meta) -> None:
         if not m.pinned:

@@ -179,7 +179,7 @@ def _purge_grave(store: "EmbeddedStore", due: Sequence[DueGrave], dry_run: bool,
         nbytes = plan_purge(store, due)
         progress("purge", total, total)
         return total, nbytes
-    nbytes = 0
+    nbytes = purged = 0
     for done, (t, rest, m) in enumerate(due, 1):
         ek = rest[:17]
         for i, name in enumerate(m.targets):
@@ -187,15 +187,17 @@ def _purge_grave(store: "EmbeddedStore", due: Sequence[DueGrave], dry_run: bool,
             if tgt is None or (m.offsets and m.offsets[i] != STANDALONE):
                 continue
             _delete(tgt, fragment_path(ek[0], ek[1:], m.gen, i))
-        nbytes += m.stored_bytes - packed_bytes(m)  # its own files; pack bytes go with the pack
         with store.index.env.begin(write=True) as txn:
-            pack_freed = store.index.purge_grave_txn(txn, grave_key(t, rest), m)
+            mine, pack_freed = store.index.purge_grave_txn(txn, grave_key(t, rest), m)
+        if mine:  # counted by the one pass that dropped it (QA: two at once both counted everything)
+            purged += 1
+            nbytes += m.stored_bytes - packed_bytes(m)  # its own files; pack bytes go with the pack
         if pack_freed is not None:
             store._discard_pack(m.gen, list(store.targets))  # every target the batch may have used
             nbytes += pack_freed
         if done % _PURGE_STEP == 0 or done == total:
             progress("purge", done, total)
-    return total, nbytes
+    return purged, nbytes
 
 
 def _delete(tgt, rel: str) -> None:
