@@ -14,6 +14,11 @@ to the store's (fsync before a put returns):
   k+m fragments on k+m targets behind a durable index can do (appends to open files, one
   syncfs, one durable LMDB commit; k preads back). kvstore / ec_floor says how far the store
   is from its own design's limit, beside how far it is from one plain copy (``raw_file``).
+* ``FileFloorPeer``: the same kind of bound for the write path issue #2 prescribes and the
+  store takes for single puts: each of the k+m fragments a file of its own, written under a
+  temporary name and renamed into place, one syncfs for them, one durable LMDB commit; a get
+  opens and reads k of them. file_floor / raw_file is the most that layout can reach on
+  this machine, whatever the code around it does.
 """
 
 from __future__ import annotations
@@ -154,6 +159,73 @@ class ECFloorPeer(Peer):
     def close(self):
         for fd in self.fds:
             os.close(fd)
+        self.env.close()
+
+
+class FileFloorPeer(Peer):
+    """The I/O floor of one file per fragment (module docstring), at kvstore's durability.
+
+    Put: per fragment (the data shares, the first share again standing in for each parity
+    one), ``<target>/<key[0]>/<key>.<i>`` written under a temporary name and renamed (the
+    fan-out directory made once, remembered); one ``syncfs``; one durable LMDB commit of the
+    entry's length. A batch writes every entry's files, then syncs and commits once. Get: one
+    LMDB read, then open, ``preadv`` and close of each of the k data files. Nothing encoded,
+    checksummed or verified: a bound, never a store to use."""
+
+    batch_api = True
+
+    def __init__(self, d: str, k: int = 4, m: int = 2):
+        import lmdb
+
+        self.d, self.k, self.n = d, k, k + m
+        self.made: set[str] = set()
+        self.env = lmdb.open(os.path.join(d, "index"), map_size=2**30, sync=True, metasync=True)
+
+    def _path(self, key: bytes, i: int) -> str:
+        sub = os.path.join(self.d, f"t{i}", key[:1].hex())
+        if sub not in self.made:
+            os.makedirs(sub, exist_ok=True)
+            self.made.add(sub)
+        return os.path.join(sub, f"{key.hex()}.{i}")
+
+    def _write(self, key: bytes, val: bytes) -> bytes:
+        share = -(-len(val) // self.k)
+        mv = memoryview(val)
+        for i in range(self.n):
+            piece = mv[i * share:(i + 1) * share] if i < self.k else mv[:share]
+            path = self._path(key, i)
+            fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, piece)
+            finally:
+                os.close(fd)
+            os.rename(path + ".tmp", path)
+        return struct.pack("<Q", len(val))
+
+    def put_many(self, kv):
+        recs = [(k, self._write(k, v)) for k, v in kv]
+        syncfs(self.d)
+        with self.env.begin(write=True) as txn:
+            for k, rec in recs:
+                txn.put(k, rec)
+
+    def put(self, key, val):
+        self.put_many([(key, val)])
+
+    def get(self, key):
+        with self.env.begin() as txn:
+            (n,) = struct.unpack("<Q", txn.get(key))
+        share = -(-n // self.k)
+        buf = bytearray(share * self.k)
+        for i in range(self.k):
+            fd = os.open(self._path(key, i), os.O_RDONLY)
+            try:
+                os.preadv(fd, [memoryview(buf)[i * share:(i + 1) * share]], 0)
+            finally:
+                os.close(fd)
+        return bytes(memoryview(buf)[:n])
+
+    def close(self):
         self.env.close()
 
 
