@@ -88,6 +88,7 @@ def _noop(phase: str, done: int, total: int) -> None:
 
 
 # --------------------------------------------------------------------------- GC
+UNFIXED_DETAIL_MAX = 20  # repair: fragments left as they were, listed with why (the rest counted)
 _PURGE_STEP = 256  # graveyard records between two progress reports of step 4
 _COMPACT_LIMIT = 64  # packs step 5 compacts per pass (the rest wait in the queue)
 
@@ -428,12 +429,13 @@ def _scan_entry(store: "EmbeddedStore", ek: bytes, m: Meta,
 
 
 def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
-             bad: dict[int, Problem]) -> tuple[Meta, set[int]] | None:
+             bad: dict[int, Problem], why: dict[int, str]) -> tuple[Meta, set[int]] | None:
     """Rewrite the bad fragments (same target if it is up, else a healthy spare): (new Meta, the
     fragments rewritten), or None when the entry cannot be rebuilt (it does not decode). A
     fragment no target takes stays as it was, the others are rewritten all the same (as much
     redundancy as the healthy targets allow; every file written is in the returned Meta).
-    A rebuilt fragment is always its own file: a packed one is marked ``STANDALONE``."""
+    A rebuilt fragment is always its own file: a packed one is marked ``STANDALONE``.
+    ``why`` gets, per fragment left as it was, the reason (what ``repair`` tells its caller)."""
     code = codec.erasure_code(m.k, m.m, store.config.ec_type)
     try:
         rebuilt = code.reconstruct(good, sorted(bad))
@@ -443,6 +445,7 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
         store._decode(m, ek, {i: full[i] for i in sorted(full)[: m.k + m.m]}, [])
     except Exception as exc:  # noqa: BLE001 - any failure here means "cannot rebuild now"
         log.error("cannot rebuild %s: %s", ek[1:].hex(), exc)
+        why.update({i: f"the entry does not decode from its good fragments: {exc}" for i in bad})
         return None
     targets = list(m.targets)
     offsets = list(m.offsets)
@@ -461,11 +464,14 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
                 if offsets:
                     offsets[i] = STANDALONE
                 done.add(i)
+                why.pop(i, None)  # an earlier candidate's failure no longer matters
                 break
             except OSError as exc:
                 log.warning("repair of %s fragment %d: target %s failed: %s", ek[1:].hex(), i, name, exc)
+                why[i] = f"target {name}: {exc}"
         else:
             log.warning("repair of %s fragment %d: no healthy target took it; left as it was", ek[1:].hex(), i)
+            why[i] = f"no target took it (last: {why[i]})" if i in why else "no other target to put it on"
     store._count("fragment_rewrites", len(done))
     return replace(m, targets=tuple(targets), offsets=tuple(offsets)), done
 
@@ -534,7 +540,8 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
             continue
         if not bad and where == "entries":
             continue
-        rebuilt = _rebuild(store, ek, m, good, bad) if (fix and bad) else ((m, set()) if fix else None)
+        why: dict[int, str] = {}
+        rebuilt = _rebuild(store, ek, m, good, bad, why) if (fix and bad) else ((m, set()) if fix else None)
         fixed_meta, fixed = rebuilt if rebuilt is not None else (None, set())
         if fixed_meta is not None and where == "entries" and not fixed:
             fixed_meta = None  # nothing rewritten: the record stands as it is
@@ -550,7 +557,8 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
                     if cur is not None and cur.gen == m.gen and store.index.get_meta(txn, ek) is None:
                         store.index.drop_lost_txn(txn, ek, fixed_meta, store.now_ns(), to_grave=False)
         for i, p in bad.items():
-            problems.append(replace(p, fixed=fixed_meta is not None and i in fixed))
+            problems.append(replace(p, fixed=fixed_meta is not None and i in fixed,
+                                    detail=f"{p.detail}; not rebuilt: {why[i]}" if i in why else p.detail))
         if where == "lost":
             # Readable again (targets came back; any bad fragments listed above): with fix it is
             # live again, its bad fragments rebuilt first.
@@ -576,15 +584,20 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
 def repair(store: "EmbeddedStore", progress: Progress | None = None) -> dict:
     """``check(fix=True)`` summarised: what was rebuilt, restored, and what stays lost
     (``orphans_kept``: orphans that could not be deleted; ``targets_down``: targets that
-    could not be asked; ``still_lost``: the lost records left in the index, examined or not)."""
+    could not be asked; ``still_lost``: the lost records left in the index, examined or not;
+    ``unfixed_detail``: the first ``UNFIXED_DETAIL_MAX`` fragments left as they were, each with
+    why, as ``check`` lists them: QA found "unfixed 1" with the reason only in the log)."""
     problems = check(store, fix=True, progress=progress)
     out = {"rebuilt_fragments": 0, "restored_entries": 0, "still_lost": 0, "orphans_removed": 0, "unfixed": 0,
            "orphans_kept": 0,
            # targets that could not be asked: what they hold was neither checked nor repaired
-           "targets_down": len({p.target for p in problems if p.kind is ProblemKind.TARGET_DOWN})}
+           "targets_down": len({p.target for p in problems if p.kind is ProblemKind.TARGET_DOWN}),
+           "unfixed_detail": []}
     for p in problems:
         if p.kind in (ProblemKind.MISSING_FRAGMENT, ProblemKind.CORRUPT_FRAGMENT):
             out["rebuilt_fragments" if p.fixed else "unfixed"] += 1
+            if not p.fixed and len(out["unfixed_detail"]) < UNFIXED_DETAIL_MAX:
+                out["unfixed_detail"].append(f"{p.entry_kind} {p.key} on {p.target}: {p.detail}")
         elif p.kind is ProblemKind.LOST_ENTRY:
             out["restored_entries" if p.fixed else "still_lost"] += 1
         elif p.kind is ProblemKind.ORPHAN_FRAGMENT:  # kept: could not be deleted (logged)

@@ -433,6 +433,8 @@ def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
             f"entries, removed {d.get('orphans_removed', 0)} orphans{_kept(d)}; unfixed {d.get('unfixed', 0)}, "
             f"still lost {d.get('still_lost', 0)}"
             + (f"; {d['targets_down']} targets could not be asked" if d.get("targets_down") else ""))
+    for line in d.get("unfixed_detail") or ():
+        text += f"\n  not rebuilt: {line}"
     if bad:
         text += ("\nsome damage remains, or could not be looked for: bring missing targets back (or add spare "
                  "targets) and run repair again")

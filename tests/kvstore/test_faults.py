@@ -176,6 +176,10 @@ def test_repair_rebuilds_what_it_can_when_a_fragment_has_nowhere_to_go(tmp_path)
     with kvstore.connect(str(base / "data"), targets=targets, fsync=False) as s:
         res = s.repair()
         assert (res["rebuilt_fragments"], res["unfixed"]) == (1, 1)
+        # and says which one and why (before: only the count; the reason was in the log)
+        (line,) = res["unfixed_detail"]
+        assert line.startswith(f"block {key.hex()} on ") and "not rebuilt: no target took it" in line
+        assert "root is missing" in line
         with s.index.env.begin() as txn:
             now = s.index.get_meta(txn, b"\x01" + key)
         assert len(set(now.targets)) == 6 and set(now.targets) - set(m.targets)  # the spare is recorded
