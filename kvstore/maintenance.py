@@ -19,7 +19,7 @@ GC steps, in order, with the reason for the order:
      the last of its records one ``delete_grace_s`` later, as a delete is.
   6. Sweep orphans: fragment and pack files no index record names (a put that
      crashed before its index commit), older than ``orphan_grace_s`` so that an
-     in-flight put's files are never taken.
+     in-flight put's files are never taken (``kvstore.orphans``).
 
 A dry run (``run_gc(dry_run=True)``) changes nothing, not even the batched
 access times, and reports what the real pass would do from the same state
@@ -44,15 +44,15 @@ import enum
 import itertools
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvstore import codec
 from kvstore.api import EntryKind
 from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStoreError, StoreClosed
 from kvstore.gc_plan import (DueGrave, count_expired, due_graves, expired_lost, grave_key, plan_compaction,
-                             plan_eviction, plan_expiry, plan_purge, purged_files, removed_graves)
+                             plan_eviction, plan_expiry, plan_purge, removed_graves)
 from kvstore.index import STANDALONE, Meta, packed_bytes
-from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path, parse_fragment_path, parse_pack_path
+from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path
 
 if TYPE_CHECKING:
     from kvstore.store import EmbeddedStore
@@ -237,99 +237,6 @@ def _compact_packs(store: "EmbeddedStore", progress: Progress, limit: int = _COM
     return compacted, moved
 
 
-def _known_generations(store: "EmbeddedStore") -> tuple[dict[tuple[bytes, bytes], set[tuple[int, str]]], set[bytes]]:
-    """The files that are not orphans: per (entry key, gen) of every live, lost and graveyard
-    record, the (slot, target) of each fragment it holds in a file of its own; and the gens
-    of the packs records name. A fragment file of a known generation in another slot's place
-    is an orphan too: the copy a repair replaced while its target was away, found when the
-    target comes back (QA: such copies were kept for as long as their entry lived)."""
-    known: dict[tuple[bytes, bytes], set[tuple[int, str]]] = {}
-
-    def add(ek: bytes, m: Meta) -> None:
-        slots = known.setdefault((ek, m.gen), set())
-        slots.update((i, t) for i, t in enumerate(m.targets) if not m.offsets or m.offsets[i] == STANDALONE)
-
-    with store.index.env.begin() as txn:
-        for db in ("entries", "lost"):
-            for ek, raw in store.index.iter_db(txn, db):
-                add(bytes(ek), store.index.unpack(txn, raw))
-        for k, raw in store.index.iter_db(txn, "grave"):
-            add(bytes(k[8:25]), store.index.unpack(txn, raw))
-        packs = {bytes(gen) for gen, _ in store.index.iter_db(txn, "packs")}
-    return known, packs
-
-
-def _sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: float,
-                   progress: Progress, skip: Collection[str] = (),
-                   purging: Sequence[DueGrave] = ()) -> tuple[int, int, list[Problem]]:
-    """Step 6: (files, bytes, problems) of orphans on every target but those in ``skip``
-    (targets the caller already reported down). A target that cannot be listed is one
-    ``TARGET_DOWN`` problem. An orphan that cannot be deleted (a read-only file or target)
-    is logged and reported as an unfixed ``ORPHAN_FRAGMENT`` problem, is not counted in the
-    files and bytes, and the sweep goes on with the next file and target.
-
-    ``now_s`` is ``store.file_clock()`` (the clock of the files' mtimes), taken before the
-    records are read: a writer indexes its files only within ``orphan_grace_s / 2`` of
-    starting them, checked once it holds the index's write lock (``FragmentIO._check_in_time``),
-    so no file a writer is about to index is ever old enough here. A file of unknown age
-    (no mtime) is kept.
-
-    ``purging`` (a dry run): the graveyard records the real pass purges before it sweeps, so
-    the files they leave behind count as orphans and the files they delete do not."""
-    known, packs = _known_generations(store)
-    forget, deleted = purged_files(purging)
-    for gone in forget:
-        known.pop(gone, None)
-    n = nbytes = unknown_age = 0
-    problems: list[Problem] = []
-    names = list(store.targets)
-    for ti, name in enumerate(names):
-        tgt = store.targets[name]
-        progress("orphans", ti, len(names))
-        if name in skip:
-            continue
-        try:
-            files = list(tgt.walk())
-        except OSError as exc:
-            problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail=str(exc)))
-            continue
-        for rel, size, mtime in files:
-            if (name, rel) in deleted:
-                continue
-            base = rel.rsplit("/", 1)[-1]
-            parsed = parse_fragment_path(rel)
-            pack = parse_pack_path(rel) if parsed is None else None
-            if parsed is not None:
-                kind_code, key, gen, slot = parsed
-                if (slot, name) in known.get((bytes((kind_code,)) + key, gen), ()):
-                    continue
-            elif pack is not None:
-                if pack in packs:
-                    continue
-            elif not base.startswith(".tmp."):
-                continue  # not ours: leave foreign files alone
-            if not mtime or now_s - mtime < grace_s + tgt.mtime_resolution_s:
-                unknown_age += not mtime
-                continue  # may belong to a put still in flight (of unknown age: never taken for an orphan)
-            orphan = Problem(ProblemKind.ORPHAN_FRAGMENT, key=parsed[1].hex() if parsed else "",
-                             target=name, detail=rel, fixed=not dry_run)
-            if not dry_run:
-                try:
-                    tgt.delete(rel)
-                except OSError as exc:
-                    log.warning("orphan sweep: cannot delete %s on %s: %s", rel, name, exc)
-                    problems.append(replace(orphan, detail=f"{rel} (cannot delete: {exc})", fixed=False))
-                    continue
-            problems.append(orphan)
-            n += 1
-            nbytes += size
-    progress("orphans", len(names), len(names))
-    if unknown_age:
-        log.warning("orphan sweep: %d unindexed files have no modification time on their target, so their "
-                    "age is unknown and they were kept", unknown_age)
-    return n, nbytes, problems
-
-
 def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool = True,
            progress: Progress | None = None) -> dict:
     """One GC pass (steps 1-6 above); returns its counts. ``evicted_bytes`` is the stored size
@@ -387,7 +294,9 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
         compacted, moved = _compact_packs(store, progress)
     orphans = orphan_bytes = kept = 0
     if sweep_orphans:
-        orphans, orphan_bytes, found = _sweep_orphans(store, store.file_clock(), dry_run,
+        from kvstore.orphans import sweep_orphans as sweep  # imports this module's Problem
+
+        orphans, orphan_bytes, found = sweep(store, store.file_clock(), dry_run,
                                                       store.config.orphan_grace_s, progress,
                                                       purging=due if dry_run else ())
         kept = sum(1 for p in found if p.kind is ProblemKind.ORPHAN_FRAGMENT and not p.fixed and not dry_run)
@@ -577,7 +486,9 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
             problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail=detail))
             down.append(name)
     # A target reported down above is not swept: its failed listing would report it down twice.
-    _, _, orphans = _sweep_orphans(store, store.file_clock(), not fix, store.config.orphan_grace_s, progress,
+    from kvstore.orphans import sweep_orphans
+
+    _, _, orphans = sweep_orphans(store, store.file_clock(), not fix, store.config.orphan_grace_s, progress,
                                    skip=down)
     problems.extend(orphans)
     return problems

@@ -23,7 +23,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.keys import check_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Tenant, require_admin
-from kvstore.server.wire import kind_or_default
+from kvstore.server.wire import ServerBusy, kind_or_default
 
 
 PROGRESS_EVERY_S = 0.5  # Maintain: at most one update a phase this often, besides its first and last step
@@ -86,6 +86,11 @@ class AdminRPC:
         run = ops.get(r.op)
         if run is None:
             raise InvalidRequest(f"Maintain op must be one of {', '.join(sorted(ops))}, got {r.op!r}")
+        # One pass at a time, held until its thread ends, not the call: a pass whose client left
+        # runs on to its next step, and retries must not stack up passes meanwhile (QA).
+        if not self._maintain_slot.acquire(blocking=False):
+            raise ServerBusy("a gc, check or repair pass is still running on this daemon (Maintain runs one at "
+                             "a time; one whose client left stops at its next step); retry shortly")
         updates: queue.SimpleQueue = queue.SimpleQueue()
         result: Future = Future()
         stop = threading.Event()
@@ -104,9 +109,14 @@ class AdminRPC:
             except BaseException as exc:  # re-raised by the sender below
                 result.set_exception(exc)
             finally:
+                self._maintain_slot.release()
                 updates.put(None)
 
-        threading.Thread(target=work, name=f"kvstore-maintain-{r.op}", daemon=True).start()
+        try:
+            threading.Thread(target=work, name=f"kvstore-maintain-{r.op}", daemon=True).start()
+        except BaseException:
+            self._maintain_slot.release()
+            raise
         sent: dict[str, float] = {}
         try:
             while True:

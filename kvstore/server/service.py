@@ -175,6 +175,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         self._stop_gc = threading.Event()
         self._gc_thread: threading.Thread | None = None
         self._stopped, self._stop_lock, self._stop_done = False, threading.Lock(), threading.Event()
+        self._maintain_slot = threading.Semaphore(1)  # one Maintain pass at a time (admin_rpc._maintain)
 
     def _build(self, server_cfg: ServerConfig, store_cfg: StoreConfig, tls_files: dict[str, bytes]) -> None:
         """The rest of ``__init__`` once the store is open: quota, tokens, the gRPC server,

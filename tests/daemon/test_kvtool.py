@@ -25,7 +25,7 @@ import kvstore
 from kvstore import PutItem
 from kvstore.cli.kvtool import main
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.server.wire import DeadlineExceeded
+from kvstore.server.wire import DeadlineExceeded, ServerBusy
 
 from .conftest import ROOT, subprocess_env
 
@@ -352,12 +352,12 @@ def test_a_pass_whose_client_gave_up_stops_on_the_daemon(make_daemon) -> None:
     steps: list[int] = []
     stopped = threading.Event()
 
-    def slow_check(fix=False, progress=None):  # 30 s of work in steps, unless stopped
+    def slow_check(fix=False, progress=None):  # 60 s of work in 1 s steps, unless stopped
         try:
-            for n in range(300):
-                progress("verify", n, 300)
+            for n in range(60):
+                progress("verify", n, 60)
                 steps.append(n)
-                time.sleep(0.1)
+                time.sleep(1.0)
         except Exception:
             stopped.set()
             raise
@@ -367,8 +367,21 @@ def test_a_pass_whose_client_gave_up_stops_on_the_daemon(make_daemon) -> None:
     with kvstore.connect(d.address, maintenance_timeout_s=1.0) as s:
         with pytest.raises(DeadlineExceeded):
             s.check(progress=lambda *a: None)
-    assert stopped.wait(10), f"the pass went on after its client left ({len(steps)} steps)"
-    assert len(steps) < 100
+        # Until it has stopped, another pass is refused, not started beside it (QA: retries
+        # stacked up passes past the admission limit, whose slot the call gave back at once).
+        with pytest.raises(ServerBusy, match="still running"):
+            s.check(progress=lambda *a: None)
+        assert stopped.wait(10), f"the pass went on after its client left ({len(steps)} steps)"
+        assert len(steps) < 10
+        d.store.check = lambda fix=False, progress=None: []
+        for _ in range(50):  # its thread gives the slot back as it ends
+            try:
+                assert s.check(progress=lambda *a: None) == []
+                break
+            except ServerBusy:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the slot of a stopped pass was never given back")
 
 
 def test_a_check_with_more_problems_than_one_message_holds(make_daemon, run_tool) -> None:
@@ -434,6 +447,17 @@ def test_a_hung_maintenance_call_times_out_in_one_line(make_daemon, run_tool) ->
         assert code == 2 and out == "" and time.monotonic() - t0 < 15
         assert "verify: Check on" in one_line(err) and "no answer from the kvstore daemon within 1.5 s" in err
         assert "--timeout SECONDS" in err
+    finally:
+        release.set()
+    # That pass runs on until released (it never reaches a step where it could stop), and
+    # Maintain runs one pass at a time: the next check waits for its slot to come back.
+    for _ in range(100):
+        if d._maintain_slot.acquire(blocking=False):
+            d._maintain_slot.release()
+            break
+        time.sleep(0.05)
+    release = threading.Event()
+    try:
         with kvstore.connect(d.address, maintenance_timeout_s=1) as s:
             with pytest.raises(DeadlineExceeded, match="within 1 s"):
                 s.check()

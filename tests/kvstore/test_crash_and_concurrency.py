@@ -287,9 +287,9 @@ class _SlowWriterLock:
 
 
 def _sweep(store) -> int:
-    from kvstore.maintenance import _sweep_orphans
+    from kvstore.orphans import sweep_orphans
 
-    return _sweep_orphans(store, store.file_clock(), False, store.config.orphan_grace_s, lambda *a: None)[0]
+    return sweep_orphans(store, store.file_clock(), False, store.config.orphan_grace_s, lambda *a: None)[0]
 
 
 @pytest.mark.parametrize("n", [1, 6], ids=["put", "put_many"])

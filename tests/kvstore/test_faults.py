@@ -212,6 +212,71 @@ def test_the_copies_a_repair_replaced_are_swept_when_their_target_comes_back(tmp
         assert all(s.get(k) == v for k, v in vals.items()) and s.check() == []
 
 
+def test_a_slot_rebuilt_onto_a_target_after_the_sweep_listed_it_is_not_deleted(tmp_path, monkeypatch):
+    """The sweep lists a target, then a repair rebuilds a slot onto it at the very path a stale
+    copy had (the target it replaced failed) and records it: the sweep checks the record and
+    the file's age again before deleting, so the fragment the record now names stays."""
+    from dataclasses import replace as dc_replace
+
+    from kvstore.index import STANDALONE
+
+    base = tmp_path / "s1"
+    targets = ",".join(f"file://{base}/t{i}#d{i}" for i in range(8))
+    key, value = b"q" * 16, os.urandom(5000)
+    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, orphan_grace_s=0) as s:
+        s.put(key, value)
+        ek = b"\x01" + key
+        with s.index.env.begin() as txn:
+            m = s.index.get_meta(txn, ek)
+        home = m.targets[0]
+        tgt = s.targets[home]
+        os.rename(tgt.root, tgt.root + ".away")
+        assert s.repair()["rebuilt_fragments"] == 1
+        os.rename(tgt.root + ".away", tgt.root)  # back, with its stale copy of slot 0
+        real_walk = type(tgt).walk
+
+        def walk(self):
+            listing = list(real_walk(self))
+            if self is tgt:  # listed; now a repair rebuilds slot 0 here again and records it
+                with s.index.env.begin(write=True) as txn:
+                    cur = s.index.get_meta(txn, ek)
+                    offsets = tuple(STANDALONE for _ in cur.targets) if cur.offsets else cur.offsets
+                    s.index.update_txn(txn, ek, cur, dc_replace(cur, targets=(home, *cur.targets[1:]),
+                                                               offsets=offsets))
+            return iter(listing)
+
+        monkeypatch.setattr(type(tgt), "walk", walk)
+        s.gc()
+        monkeypatch.undo()
+        assert s.get(key) == value  # slot 0 is where the record says
+        # what is an orphan now is the copy on the spare the first repair used
+        (p,) = s.check()
+        assert p.kind is ProblemKind.ORPHAN_FRAGMENT and p.target != home
+        assert s.gc()["orphans"] == 1 and s.check() == [] and s.get(key) == value
+
+
+def test_gc_keeps_the_fragments_of_targets_renamed_under_it(tmp_path):
+    """Three targets' directories moved and the store opened with the new URLs (their old
+    names not given): their files name slots the records put on targets no longer
+    configured, which may be these under new names, so they are kept (QA: the slot rule
+    alone made gc delete all of them, and every entry was lost once the names were back)."""
+    base = tmp_path / "mv"
+    old = [f"file://{base}/a{i}" for i in range(6)]
+    vals = {bytes([i]) * 16: os.urandom(2000 + i) for i in range(10)}
+    with kvstore.connect(str(base / "data"), targets=",".join(old), fsync=False, orphan_grace_s=0) as s:
+        for k, v in vals.items():
+            s.put(k, v)
+    for i in range(3):
+        (base / f"a{i}").rename(base / f"b{i}")
+    moved = [f"file://{base}/b{i}" for i in range(3)] + old[3:]
+    with kvstore.connect(str(base / "data"), targets=",".join(moved), fsync=False, orphan_grace_s=0) as s:
+        assert s.gc()["orphans"] == 0
+    for i in range(3):
+        (base / f"b{i}").rename(base / f"a{i}")
+    with kvstore.connect(str(base / "data"), targets=",".join(old), fsync=False) as s:
+        assert all(s.get(k) == v for k, v in vals.items()) and s.check() == []
+
+
 @pytest.mark.parametrize("change", ["compact", "delete"])
 def test_check_reports_nothing_of_a_record_gc_moved_or_removed_during_the_scan(tmp_path, change):
     """``check`` scans a snapshot of the records; an entry compacted into a new pack (or deleted

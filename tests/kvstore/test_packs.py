@@ -312,7 +312,7 @@ def test_a_compaction_that_waited_past_half_the_grace_is_postponed_not_lost(data
     inside the transaction: the compaction is postponed and the entries stay where they were."""
     import time
 
-    from kvstore.maintenance import _sweep_orphans
+    from kvstore.orphans import sweep_orphans
 
     from .conftest import FakeClock
 
@@ -325,7 +325,7 @@ def test_a_compaction_that_waited_past_half_the_grace_is_postponed_not_lost(data
         def slow_write_pack(encs, gen, _orig=s._write_pack):
             got = _orig(encs, gen)
             clock.advance(100)  # the wait for the writer lock, while another process sweeps
-            swept.append(_sweep_orphans(s, s.file_clock(), False, 60, lambda *a: None)[0])
+            swept.append(sweep_orphans(s, s.file_clock(), False, 60, lambda *a: None)[0])
             return got
 
         monkeypatch.setattr(s, "_write_pack", slow_write_pack)

@@ -1,0 +1,159 @@
+"""The orphan sweep of an embedded store (GC step 6, ``check``'s last step; ``kvstore.maintenance``).
+
+An orphan is a fragment or pack file no index record needs, older than ``orphan_grace_s``
+(plus the target's mtime resolution), so that an in-flight put's files are never taken:
+* a fragment file of an (entry key, generation) no live, lost or graveyard record has
+  (a put that crashed before its index commit, a purge that could not delete it);
+* a pack file no record is stored in;
+* a ``.tmp.`` file (a write that never got renamed into place);
+* a fragment file of a known generation in a slot or on a target no record holds it on
+  (``_slot_orphan``: the copy a repair replaced while its target was away), re-checked just
+  before it is deleted (``_still_an_orphan``).
+Anything else under a target (not named as ours) is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, Collection, Sequence
+
+from kvstore.gc_plan import DueGrave, purged_files
+from kvstore.index import STANDALONE, Meta
+from kvstore.maintenance import Problem, ProblemKind, Progress
+from kvstore.targets import parse_fragment_path, parse_pack_path
+
+if TYPE_CHECKING:
+    from kvstore.store import EmbeddedStore
+
+log = logging.getLogger(__name__)
+
+
+Claims = set[tuple[int, str, bool]]  # per record slot: (slot, target, in a file of its own)
+
+
+def known_generations(store: "EmbeddedStore") -> tuple[dict[tuple[bytes, bytes], Claims], set[bytes]]:
+    """What the records claim: per (entry key, gen) of every live, lost and graveyard record,
+    each slot's (slot, target, standalone); and the gens of the packs records name. A
+    fragment file of a known generation is an orphan only by ``_slot_orphan``."""
+    known: dict[tuple[bytes, bytes], Claims] = {}
+
+    def add(ek: bytes, m: Meta) -> None:
+        known.setdefault((ek, m.gen), set()).update(
+            (i, t, not m.offsets or m.offsets[i] == STANDALONE) for i, t in enumerate(m.targets))
+
+    with store.index.env.begin() as txn:
+        for db in ("entries", "lost"):
+            for ek, raw in store.index.iter_db(txn, db):
+                add(bytes(ek), store.index.unpack(txn, raw))
+        for k, raw in store.index.iter_db(txn, "grave"):
+            add(bytes(k[8:25]), store.index.unpack(txn, raw))
+        packs = {bytes(gen) for gen, _ in store.index.iter_db(txn, "packs")}
+    return known, packs
+
+
+def _slot_orphan(claims: Claims, slot: int, name: str, configured: Collection[str]) -> bool:
+    """Is the fragment file of ``slot`` on target ``name``, of a generation records know, an
+    orphan? Yes when no record holds that slot in a file on ``name`` and every target the
+    records name for the slot is configured: the copy a repair replaced while its target was
+    away, found when it comes back (QA: such copies were kept as long as their entry lived).
+    A slot recorded on a target that is not configured keeps the file: that target may be
+    this one under another name (a mount moved, its old name not given; QA: deleting by the
+    slot rule alone made gc remove every fragment on renamed targets)."""
+    mine = [(t, alone) for i, t, alone in claims if i == slot]
+    return bool(mine) and (name, True) not in mine and all(t in configured for t, _ in mine)
+
+
+def _still_an_orphan(store: "EmbeddedStore", tgt, rel: str, ek: bytes, gen: bytes, slot: int,
+                     now_s: float, grace_s: float) -> bool:
+    """Just before deleting a slot orphan: no live or lost record names it now, and it is
+    still old. A repair may have rebuilt that very slot onto this target since the records
+    were read (same path, a new file), then recorded it."""
+    with store.index.env.begin() as txn:
+        metas = [store.index.get_meta(txn, ek), store.index.get_lost(txn, ek)]
+    for m in metas:
+        if m is not None and m.gen == gen and m.targets[slot] == tgt.name and (
+                not m.offsets or m.offsets[slot] == STANDALONE):
+            return False
+    try:
+        _size, mtime = tgt.stat(rel)
+    except OSError:
+        return False  # gone already, or cannot tell: leave it
+    return bool(mtime) and now_s - mtime >= grace_s + tgt.mtime_resolution_s
+
+
+def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: float,
+                   progress: Progress, skip: Collection[str] = (),
+                   purging: Sequence[DueGrave] = ()) -> tuple[int, int, list[Problem]]:
+    """Step 6: (files, bytes, problems) of orphans on every target but those in ``skip``
+    (targets the caller already reported down). A target that cannot be listed is one
+    ``TARGET_DOWN`` problem. An orphan that cannot be deleted (a read-only file or target)
+    is logged and reported as an unfixed ``ORPHAN_FRAGMENT`` problem, is not counted in the
+    files and bytes, and the sweep goes on with the next file and target.
+
+    ``now_s`` is ``store.file_clock()`` (the clock of the files' mtimes), taken before the
+    records are read: a writer indexes its files only within ``orphan_grace_s / 2`` of
+    starting them, checked once it holds the index's write lock (``FragmentIO._check_in_time``),
+    so no file a writer is about to index is ever old enough here. A file of unknown age
+    (no mtime) is kept.
+
+    ``purging`` (a dry run): the graveyard records the real pass purges before it sweeps, so
+    the files they leave behind count as orphans and the files they delete do not."""
+    known, packs = known_generations(store)
+    forget, deleted = purged_files(purging)
+    for gone in forget:
+        known.pop(gone, None)
+    n = nbytes = unknown_age = 0
+    problems: list[Problem] = []
+    names = list(store.targets)
+    for ti, name in enumerate(names):
+        tgt = store.targets[name]
+        progress("orphans", ti, len(names))
+        if name in skip:
+            continue
+        try:
+            files = list(tgt.walk())
+        except OSError as exc:
+            problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail=str(exc)))
+            continue
+        for rel, size, mtime in files:
+            if (name, rel) in deleted:
+                continue
+            base = rel.rsplit("/", 1)[-1]
+            parsed = parse_fragment_path(rel)
+            pack = parse_pack_path(rel) if parsed is None else None
+            recheck = False
+            if parsed is not None:
+                kind_code, key, gen, slot = parsed
+                claims = known.get((bytes((kind_code,)) + key, gen))
+                if claims is not None and not _slot_orphan(claims, slot, name, store.targets):
+                    continue
+                recheck = claims is not None
+            elif pack is not None:
+                if pack in packs:
+                    continue
+            elif not base.startswith(".tmp."):
+                continue  # not ours: leave foreign files alone
+            if not mtime or now_s - mtime < grace_s + tgt.mtime_resolution_s:
+                unknown_age += not mtime
+                continue  # may belong to a put still in flight (of unknown age: never taken for an orphan)
+            if recheck and not dry_run and not _still_an_orphan(
+                    store, tgt, rel, bytes((parsed[0],)) + parsed[1], parsed[2], parsed[3], store.file_clock(), grace_s):
+                continue
+            orphan = Problem(ProblemKind.ORPHAN_FRAGMENT, key=parsed[1].hex() if parsed else "",
+                             target=name, detail=rel, fixed=not dry_run)
+            if not dry_run:
+                try:
+                    tgt.delete(rel)
+                except OSError as exc:
+                    log.warning("orphan sweep: cannot delete %s on %s: %s", rel, name, exc)
+                    problems.append(replace(orphan, detail=f"{rel} (cannot delete: {exc})", fixed=False))
+                    continue
+            problems.append(orphan)
+            n += 1
+            nbytes += size
+    progress("orphans", len(names), len(names))
+    if unknown_age:
+        log.warning("orphan sweep: %d unindexed files have no modification time on their target, so their "
+                    "age is unknown and they were kept", unknown_age)
+    return n, nbytes, problems
