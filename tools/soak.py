@@ -330,7 +330,8 @@ def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float, ti
                 out = rs.repair()
             repairs["runs"] += 1
             for k, v in out.items():
-                repairs[k] += v
+                if isinstance(v, (int, float)):  # the counts; not unfixed_detail (a list of lines)
+                    repairs[k] += v
             damaged[s].clear()
         except KVStoreError:
             repairs["failed_runs"] += 1
