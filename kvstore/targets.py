@@ -35,7 +35,6 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-
 from typing import Callable, Iterator, Sequence
 
 import fsspec
@@ -79,10 +78,10 @@ def _is_unreachable(exc: BaseException) -> bool:
     return type(exc).__module__.split(".", 1)[0] in _CLIENT_MODULES
 
 
-# After a target could not be asked, it is not asked again for this long: each operation fails
-# at once with ``TargetUnreachable`` (a circuit breaker), so an outage costs the client's
-# timeouts once per target and interval, not once per fragment of every get and scrub.
-UNREACHABLE_COOLDOWN_S = 5.0
+# After a target could not be asked, it is not asked again for this long, or twice what the
+# failed call took (up to the max: a hung endpoint costs ~45 s a probe; QA: with a fixed 5 s
+# nearly every get paid it again): each operation fails at once with ``TargetUnreachable``.
+UNREACHABLE_COOLDOWN_S, UNREACHABLE_COOLDOWN_MAX_S = 5.0, 300.0
 
 
 def _asking(method):
@@ -93,8 +92,8 @@ def _asking(method):
     def call(self: "Target", *args, **kwargs):
         shown = self.spec.shown_url
         where = self.name if self.name == shown else f"{self.name} ({shown})"
-        since = time.monotonic() - self._unreachable_at
-        if since < UNREACHABLE_COOLDOWN_S:
+        since = (started := time.monotonic()) - self._unreachable_at
+        if since < max(UNREACHABLE_COOLDOWN_S, self._unreachable_for):
             raise TargetUnreachable(errno.EHOSTUNREACH, f"target {where} not asked: it could not be reached "
                                     f"{since:.1f} s ago ({self._unreachable_why})")
         try:
@@ -102,7 +101,9 @@ def _asking(method):
         except Exception as exc:
             if not _is_unreachable(exc):
                 raise
-            self._unreachable_at, self._unreachable_why = time.monotonic(), f"{type(exc).__name__}: {exc}"
+            now = self._unreachable_at = time.monotonic()
+            self._unreachable_for = min(UNREACHABLE_COOLDOWN_MAX_S, 2 * (now - started))
+            self._unreachable_why = f"{type(exc).__name__}: {exc}"
             raise TargetUnreachable(errno.EHOSTUNREACH, f"target {where} could not be reached: "
                                     f"{self._unreachable_why}") from exc
     return call
@@ -118,7 +119,7 @@ STALLED_READS_LIMIT = 2
 # bounded time (by default botocore waits 60 s per read, up to 5 attempts, inside s3fs's own 5
 # tries: about 300 s for an endpoint that accepts and never answers): connect within 5 s, no
 # byte for TARGET_TIMEOUT_S fails a read, 3 attempts in all, s3fs adding none. Passed to fsspec
-# per URL scheme; with the breaker below, an outage costs at most ~45 s once per target.
+# per URL scheme; with the breaker above, an outage costs ~45 s once per target and interval.
 TARGET_TIMEOUT_S = 10.0
 _S3_CLIENT = {"config_kwargs": {"connect_timeout": 5, "read_timeout": TARGET_TIMEOUT_S,
                                 "retries": {"max_attempts": 3, "mode": "standard"}}}
@@ -206,10 +207,10 @@ class Target:
     atomic_put = False
     local = False  # reads are worth fanning out over threads unless the target is local
     # How much older a file's mtime may look than it is (S3's LastModified is whole seconds):
-    # the orphan sweep adds it to the grace (``kvstore.maintenance``).
+    # the orphan sweep adds it to the grace (``kvstore.orphans``).
     mtime_resolution_s = 1.0
-    _unreachable_at = -math.inf  # monotonic time it last could not be asked (``_asking``)
-    _unreachable_why = ""
+    # ``_asking``'s breaker: when it last could not be asked, why, for how long not to ask again
+    _unreachable_at, _unreachable_why, _unreachable_for = -math.inf, "", 0.0
     _stalled, _stalled_lock = 0, threading.Lock()  # reads past their caller's timeout, running; one lock for all
 
     def __init__(self, spec: TargetSpec):
@@ -591,7 +592,6 @@ TARGET_TYPES: dict[str, type[Target]] = {
 def open_target(spec: TargetSpec) -> Target:
     scheme = spec.url.split("://", 1)[0] if "://" in spec.url else ""
     return TARGET_TYPES.get(scheme, Target)(spec)
-
 
 
 # Fault-injecting wrapper for chaos tests and the soak (kvstore.faults): registered by

@@ -373,6 +373,39 @@ def test_a_target_that_could_not_be_asked_is_not_asked_again_for_a_while(faulty_
     assert [fs.store.get(K(i)) for i in range(4)] == [V(i) for i in range(4)]
 
 
+def test_the_breaker_waits_longer_after_a_probe_that_took_long(monkeypatch):
+    """A call that took 40 s to fail (an endpoint that accepts and never answers) keeps the
+    target from being asked for twice that, not for the 5 s a quick refusal gets (QA: with a
+    fixed 5 s nearly every get paid the 40 s again)."""
+    import math
+    from types import SimpleNamespace
+
+    clock = [1000.0]
+    monkeypatch.setattr(targets.time, "monotonic", lambda: clock[0])
+    asked = []
+
+    class Hung:
+        name, spec = "t9", SimpleNamespace(shown_url="t9")
+        _unreachable_at, _unreachable_why, _unreachable_for = -math.inf, "", 0.0
+
+        @targets._asking
+        def read(self):
+            asked.append(clock[0])
+            clock[0] += 40.0  # the client's timeouts and retries
+            raise ConnectionError("no answer")
+
+    t = Hung()
+    with pytest.raises(targets.TargetUnreachable, match="could not be reached"):
+        t.read()
+    clock[0] += 79.0
+    with pytest.raises(targets.TargetUnreachable, match="not asked"):
+        t.read()
+    clock[0] += 1.0
+    with pytest.raises(targets.TargetUnreachable, match="could not be reached"):
+        t.read()  # 80 s later: asked again
+    assert len(asked) == 2
+
+
 def test_unreachable_targets_make_batch_slots_misses_and_gc_finishes(faulty_store, monkeypatch):
     """More than m targets unreachable: get_many gives None in the slots it cannot read (not a
     failed batch), and GC finishes (compaction postpones the entries it cannot read) instead
