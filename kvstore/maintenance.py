@@ -242,7 +242,8 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
     """One GC pass (steps 1-6 above); returns its counts. ``evicted_bytes`` is the stored size
     of the evicted entries (in a real pass, measured from the used-bytes counter, so a put
     running alongside shifts it). ``orphans_kept`` counts orphans the sweep could not delete
-    (logged; ``check`` lists them). A dry run reports the counts and bytes of the real pass from
+    (logged; ``check`` lists them); ``targets_not_swept`` the targets the sweep could not list
+    (down: their orphans wait for a later pass). A dry run reports the counts and bytes of the real pass from
     the same state and changes nothing. Raises ``CapacityExceeded`` when step 3 cannot get
     under the low watermark because everything left is pinned (a dry run raises it too),
     after steps 4-6 have run: deleted entries and orphans are reclaimed all the same, and the
@@ -292,7 +293,7 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
         progress("compact", compacted, compacted)
     else:
         compacted, moved = _compact_packs(store, progress)
-    orphans = orphan_bytes = kept = 0
+    orphans = orphan_bytes = kept = unswept = 0
     if sweep_orphans:
         from kvstore.orphans import sweep_orphans as sweep  # imports this module's Problem
 
@@ -300,10 +301,12 @@ def run_gc(store: "EmbeddedStore", *, dry_run: bool = False, sweep_orphans: bool
                                                       store.config.orphan_grace_s, progress,
                                                       purging=due if dry_run else ())
         kept = sum(1 for p in found if p.kind is ProblemKind.ORPHAN_FRAGMENT and not p.fixed and not dry_run)
+        unswept = sum(1 for p in found if p.kind is ProblemKind.TARGET_DOWN)  # not listed: not swept
     out = {
         "dry_run": dry_run, "expired": expired, "evicted": evicted, "evicted_bytes": evicted_bytes,
         "purged": purged, "compacted_packs": compacted, "moved_entries": moved,
-        "orphans": orphans, "orphans_kept": kept, "reclaimed_bytes": purged_bytes + orphan_bytes,
+        "orphans": orphans, "orphans_kept": kept, "targets_not_swept": unswept,
+        "reclaimed_bytes": purged_bytes + orphan_bytes,
         "used_bytes": store.used_bytes(),
     }
     log.info("gc: %s", out)

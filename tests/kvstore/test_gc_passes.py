@@ -385,7 +385,7 @@ def test_repair_with_lost_entries_on_targets_down_says_still_lost_and_kvtool_exi
             assert out["targets_down"] >= 1
             got = run_repair(type("S", (), {"repair": lambda self, progress=None: out})(), argparse.Namespace(),
                              lambda *a: None)
-            assert got.code == ExitCode.PROBLEMS and "still lost 1" in got.text and "could not be asked" in got.text
+            assert got.code == ExitCode.PROBLEMS and "still lost 1" in got.text and "targets down (missing or unreachable)" in got.text
         finally:
             for n in names:
                 control(n).calm()

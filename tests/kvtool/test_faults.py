@@ -156,3 +156,17 @@ def test_a_deleted_target_is_reported_down_once(store_dir, run_tool):
     code, d = _verify_json(run_tool, pop.path)
     assert code == 0 and d["problems"] == []
     _all_read_back(pop)
+
+
+def test_gc_with_a_target_down_says_it_was_not_swept(store_dir, run_tool):
+    """gc cannot look for orphans on a target that is down: it says so and exits 1, as verify
+    would (QA: with most targets gone it said "orphans 0" and exited 0)."""
+    pop = store_dir
+    src, dst = _away(pop, "t3")
+    code, out, _ = run_tool("gc", pop.path, "--json")
+    assert code == 1 and json.loads(out)["targets_not_swept"] == 1
+    code, out, _ = run_tool("gc", pop.path)
+    assert code == 1 and "1 targets down, not swept for orphans" in out
+    dst.rename(src)
+    code, out, _ = run_tool("gc", pop.path, "--json")
+    assert code == 0 and json.loads(out)["targets_not_swept"] == 0
