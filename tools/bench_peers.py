@@ -105,7 +105,27 @@ class LMDBPeer(Peer):
         self.env.close()
 
 
-class ECFloorPeer(Peer):
+class _FloorPeer(Peer):
+    """A floor's put: every entry's bytes placed (``_record``: its index record), one
+    ``syncfs`` for them all, then one durable LMDB commit of the records."""
+
+    batch_api = True
+    d: str
+
+    def _record(self, key: bytes, val: bytes) -> bytes: ...
+
+    def put_many(self, kv):
+        recs = [(k, self._record(k, v)) for k, v in kv]
+        syncfs(self.d)
+        with self.env.begin(write=True) as txn:
+            for k, rec in recs:
+                txn.put(k, rec)
+
+    def put(self, key, val):
+        self.put_many([(key, val)])
+
+
+class ECFloorPeer(_FloorPeer):
     """The I/O floor of a k+m fragment store with a durable index, at kvstore's durability.
 
     Put: one append of ``ceil(len / k)`` bytes to each of k+m files held open (the data shares,
@@ -116,7 +136,6 @@ class ECFloorPeer(Peer):
     tear an append: a bound for the design, never a store to use.
     """
 
-    batch_api = True
     _REC = struct.Struct("<QQ")  # offset in every file, entry length
 
     def __init__(self, d: str, k: int = 4, m: int = 2):
@@ -128,7 +147,7 @@ class ECFloorPeer(Peer):
         self.end = 0  # every file has the same length: each put appends one share to each
         self.env = lmdb.open(os.path.join(d, "index"), map_size=2**30, sync=True, metasync=True)
 
-    def _append(self, val: bytes) -> bytes:
+    def _record(self, key: bytes, val: bytes) -> bytes:
         share = -(-len(val) // self.k)
         mv = memoryview(val)
         for i, fd in enumerate(self.fds):
@@ -136,16 +155,6 @@ class ECFloorPeer(Peer):
             os.write(fd, piece if len(piece) == share else bytes(piece) + bytes(share - len(piece)))
         rec, self.end = self._REC.pack(self.end, len(val)), self.end + share
         return rec
-
-    def put_many(self, kv):
-        recs = [(k, self._append(v)) for k, v in kv]
-        syncfs(self.d)
-        with self.env.begin(write=True) as txn:
-            for k, rec in recs:
-                txn.put(k, rec)
-
-    def put(self, key, val):
-        self.put_many([(key, val)])
 
     def get(self, key):
         with self.env.begin() as txn:
@@ -162,7 +171,7 @@ class ECFloorPeer(Peer):
         self.env.close()
 
 
-class FileFloorPeer(Peer):
+class FileFloorPeer(_FloorPeer):
     """The I/O floor of one file per fragment (module docstring), at kvstore's durability.
 
     Put: per fragment (the data shares, the first share again standing in for each parity
@@ -171,8 +180,6 @@ class FileFloorPeer(Peer):
     entry's length. A batch writes every entry's files, then syncs and commits once. Get: one
     LMDB read, then open, ``preadv`` and close of each of the k data files. Nothing encoded,
     checksummed or verified: a bound, never a store to use."""
-
-    batch_api = True
 
     def __init__(self, d: str, k: int = 4, m: int = 2):
         import lmdb
@@ -188,7 +195,7 @@ class FileFloorPeer(Peer):
             self.made.add(sub)
         return os.path.join(sub, f"{key.hex()}.{i}")
 
-    def _write(self, key: bytes, val: bytes) -> bytes:
+    def _record(self, key: bytes, val: bytes) -> bytes:
         share = -(-len(val) // self.k)
         mv = memoryview(val)
         for i in range(self.n):
@@ -201,16 +208,6 @@ class FileFloorPeer(Peer):
                 os.close(fd)
             os.rename(path + ".tmp", path)
         return struct.pack("<Q", len(val))
-
-    def put_many(self, kv):
-        recs = [(k, self._write(k, v)) for k, v in kv]
-        syncfs(self.d)
-        with self.env.begin(write=True) as txn:
-            for k, rec in recs:
-                txn.put(k, rec)
-
-    def put(self, key, val):
-        self.put_many([(key, val)])
 
     def get(self, key):
         with self.env.begin() as txn:
