@@ -3,8 +3,8 @@
 
 ``RemoteAdmin`` is a base of ``RemoteStore`` (kept apart so each file has one job): it uses
 the store's ``_call``, ``_typed``, ``_raise_if_closed``, ``_check_open``, ``_stub``, ``_md``,
-``_many``, ``_each_piece``, ``_check_count``, ``url`` and ``options``. Maintenance calls wait up to ``maintenance_timeout_s``
-(then ``DeadlineExceeded``); given ``progress(phase, done, total)``, as the embedded store's
+``_many``, ``_each_piece``, ``_check_count``, ``url`` and ``options``. Maintenance calls wait
+up to ``maintenance_timeout_s`` (then ``DeadlineExceeded``); given ``progress(phase, done, total)``, as the embedded store's
 take it, they go through the streaming ``Maintain`` and call it with the daemon's progress.
 """
 
@@ -86,7 +86,8 @@ class RemoteAdmin:
         except grpc.RpcError as err:
             if err.code() is grpc.StatusCode.UNIMPLEMENTED:
                 return None
-            raise self._typed(err, f"{req.op.capitalize()} on {self.url}", timeout) from err  # as the unary call names it
+            # named as the unary call is (Gc, Check, Repair)
+            raise self._typed(err, f"{req.op.capitalize()} on {self.url}", timeout) from err
         except ValueError as err:  # gRPC: "Cannot invoke RPC: Channel closed!" (close() raced this call)
             self._raise_if_closed(err)
             raise
