@@ -125,7 +125,8 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
             recheck = False
             if parsed is not None:
                 kind_code, key, gen, slot = parsed
-                claims = known.get((bytes((kind_code,)) + key, gen))
+                ek = bytes((kind_code,)) + key
+                claims = known.get((ek, gen))
                 if claims is not None and not _slot_orphan(claims, slot, name, store.targets):
                     continue
                 recheck = claims is not None
@@ -137,8 +138,8 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
             if not mtime or now_s - mtime < grace_s + tgt.mtime_resolution_s:
                 unknown_age += not mtime
                 continue  # may belong to a put still in flight (of unknown age: never taken for an orphan)
-            if recheck and not dry_run and not _still_an_orphan(store, tgt, rel, bytes((parsed[0],)) + parsed[1],
-                                                                parsed[2], parsed[3], store.file_clock(), grace_s):
+            if recheck and not dry_run and not _still_an_orphan(store, tgt, rel, ek, gen, slot, store.file_clock(),
+                                                                grace_s):
                 continue
             orphan = Problem(ProblemKind.ORPHAN_FRAGMENT, key=parsed[1].hex() if parsed else "",
                              target=name, detail=rel, fixed=not dry_run)
