@@ -8,7 +8,8 @@ An orphan is a fragment or pack file no index record needs, older than ``orphan_
 * a ``.tmp.`` file (a write that never got renamed into place);
 * a fragment file of a known generation in a slot or on a target no record holds it on
   (``_slot_orphan``: the copy a repair replaced while its target was away), re-checked just
-  before it is deleted (``_still_an_orphan``).
+  before it is deleted (``_still_an_orphan``: the record's own copy of the slot must read
+  back and verify, so a name that now means another directory never costs a fragment).
 Anything else under a target (not named as ours) is left alone.
 """
 
@@ -66,15 +67,27 @@ def _slot_orphan(claims: Claims, slot: int, name: str, configured: Collection[st
 
 def _still_an_orphan(store: "EmbeddedStore", tgt, rel: str, ek: bytes, gen: bytes, slot: int,
                      now_s: float, grace_s: float) -> bool:
-    """Just before deleting a slot orphan: no live or lost record names it now, and it is
-    still old. A repair may have rebuilt that very slot onto this target since the records
-    were read (same path, a new file), then recorded it."""
+    """Just before deleting a slot orphan: a live or lost record of its generation holds the
+    slot elsewhere, the copy there reads back and verifies, no record names this file now,
+    and it is still old. A repair may have rebuilt that very slot onto this target since the
+    records were read (same path, a new file), then recorded it. And a configured name may
+    no longer mean the directory it meant (mounts swapped or rotated, a name given to another
+    directory): then the recorded copy is not where the record says, so this one is kept
+    (QA: swapped names made one gc delete a fragment of every entry, a rotation all of them)."""
     with store.index.env.begin() as txn:
-        metas = [store.index.get_meta(txn, ek), store.index.get_lost(txn, ek)]
+        metas = [m for m in (store.index.get_meta(txn, ek), store.index.get_lost(txn, ek))
+                 if m is not None and m.gen == gen]
+    if not metas:
+        return False  # only the graveyard has it: its purge takes its files, the rest are orphans after
     for m in metas:
-        if m is not None and m.gen == gen and m.targets[slot] == tgt.name and (
-                not m.offsets or m.offsets[slot] == STANDALONE):
+        if m.targets[slot] == tgt.name and (not m.offsets or m.offsets[slot] == STANDALONE):
             return False
+    try:
+        store._read_fragment(metas[0], ek, slot)  # the recorded copy: present and verified, or keep this one
+    except Exception as exc:  # noqa: BLE001 - missing, corrupt, unreachable: all mean "keep"
+        log.info("orphan sweep: kept %s on %s: the copy its record names does not read back (%s)",
+                 rel, tgt.name, exc)
+        return False
     try:
         _size, mtime = tgt.stat(rel)
     except OSError:
