@@ -39,7 +39,8 @@ The data calls' handlers (put, get, delete, pin, lookup, probe): ``kvstore.serve
 Direct reads and writes (``Describe``, ``Locate``, ``Commit``): ``kvstore.server.direct_rpc``.
 
 Maintenance and inspection (``Stats``, ``Gc``, ``Check``, ``Repair``, ``Inspect``, and
-``Maintain``: those three with progress, streamed as ``GetStream`` is): ``kvstore.server.admin_rpc``. ``Inspect`` answers ``kvtool inspect`` with the read-only
+``Maintain``: those three with progress, streamed as ``GetStream`` is):
+``kvstore.server.admin_rpc``. ``Inspect`` answers ``kvtool inspect`` with the read-only
 index views of ``kvstore.cli.index_view``, the code the tool runs on a data directory, so
 both print the same records; it touches nothing (no access time, no store counter).
 
