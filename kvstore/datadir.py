@@ -221,7 +221,9 @@ class DataDir:
             exists = fmt.exists()
             if exists:
                 doc = json.loads(fmt.read_text())
-                ver = int(doc["format_version"])
+                ver = doc["format_version"]
+                if type(ver) is not int:  # "1", 1.5 and true are not versions this code wrote
+                    raise TypeError(f"format_version is {ver!r}")
                 for name, typ in (("ec_type", str), ("ec_k", int), ("ec_m", int), ("index_id", str),
                                   ("targets", list)):
                     if name in doc and type(doc[name]) is not typ:

@@ -107,6 +107,16 @@ def test_incompatible_format_version(data_dir, keys):
         kvstore.connect(str(data_dir))
 
 
+@pytest.mark.parametrize("version", ['"1"', "1.0", "true", "null"])
+def test_format_version_of_another_type_is_refused(data_dir, version):
+    kvstore.connect(str(data_dir), fsync=False).close()
+    marker = data_dir / "kvstore.json"
+    doc = json.loads(marker.read_text())
+    marker.write_text(json.dumps(doc).replace('"format_version": 1', f'"format_version": {version}'))
+    with pytest.raises(IncompatibleFormat, match="format_version is"):
+        kvstore.connect(str(data_dir))
+
+
 def test_the_directory_records_its_erasure_code(data_dir, keys):
     from kvstore.config import DEFAULT_EC_TYPE
 
