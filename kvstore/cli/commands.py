@@ -102,11 +102,21 @@ def parse_key(text: str) -> bytes:
 
 
 def parse_chain(text: str) -> list[bytes]:
-    """A prefix chain as comma-separated hex keys (argparse ``type``); an empty one is a usage error."""
-    chain = [parse_key(part) for part in text.split(",") if part.strip()]
+    """A prefix chain as comma-separated hex keys, or ``@FILE``: the keys read from FILE,
+    separated by commas, spaces or newlines (a chain too long for one argument), argparse
+    ``type``. An empty chain or an unreadable file is a usage error."""
+    source = text
+    if text.startswith("@"):
+        try:
+            with open(text[1:], encoding="ascii") as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read the chain from {text[1:]!r}: "
+                                             f"{getattr(exc, 'strerror', None) or exc}") from None
+    chain = [parse_key(part) for part in source.replace(",", " ").split()]
     if not chain:
         raise argparse.ArgumentTypeError(f"{text!r} names no key; give one or more {2 * KEY_LEN}-digit hex keys, "
-                                         "comma separated")
+                                         "comma separated, or @FILE")
     return chain
 
 
@@ -201,7 +211,8 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--key", type=parse_key, metavar="HEX", help="show one entry (with --kind)")
     g.add_argument("--chain", type=parse_chain, metavar="HEX,HEX,...",
-                   help="show which blocks and SWA snapshots of a prefix chain are present")
+                   help="show which blocks and SWA snapshots of a prefix chain are present; "
+                        "@FILE reads the keys from FILE (comma, space or newline separated)")
     g.add_argument("--parquet", metavar="FILE", type=output_file,
                    help="export the whole index to a Parquet file (pyarrow; not with --key or --chain); "
                         "FILE, if it exists, must be a regular file and is replaced only once the export "

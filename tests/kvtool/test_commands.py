@@ -48,6 +48,18 @@ def test_inspect_key_and_chain(store_dir, run_tool):
     assert [p["swa"] for p in d["positions"]][:6] == ["absent", "absent", "absent", "live", "absent", "absent"]
 
 
+def test_inspect_chain_from_a_file(store_dir, run_tool, tmp_path):
+    """``--chain @FILE``: a chain too long for one argument, one key per line or comma separated."""
+    chain = store_dir.chain[:6] + [b"\x00" * 16]
+    listed = tmp_path / "chain.txt"
+    listed.write_text("\n".join(k.hex() for k in chain[:3]) + "\n" + ", ".join(k.hex() for k in chain[3:]) + "\n")
+    code, out, _ = run_tool("inspect", store_dir.path, "--chain", f"@{listed}", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["hit_blocks"] == 6 and d["swa_at"] == 4 and len(d["positions"]) == 7
+    code, out, err = run_tool("inspect", store_dir.path, "--chain", f"@{tmp_path / 'missing.txt'}")
+    assert code == 2 and out == "" and "cannot read the chain from" in err and "Traceback" not in err
+
+
 def test_parquet_round_trip(store_dir, run_tool, tmp_path):
     out_file = tmp_path / "index.parquet"
     code, out, _ = run_tool("inspect", store_dir.path, "--parquet", out_file)
