@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from kvstore import codec
 from kvstore.api import EntryKind
 from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStoreError, StoreClosed
+from kvstore.fragments import WrittenTooLongAgo
 from kvstore.gc_plan import (DueGrave, count_expired, due_graves, expired_lost, grave_key, plan_compaction,
                              plan_eviction, plan_expiry, plan_purge, removed_graves)
 from kvstore.index import STANDALONE, Meta, packed_bytes
@@ -390,6 +391,28 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
     return replace(m, targets=tuple(targets), offsets=tuple(offsets)), done
 
 
+def _record_repair(store: "EmbeddedStore", ek: bytes, m: Meta, fixed_meta: Meta, where: str,
+                   written_at: float) -> bool:
+    """Index what ``_rebuild`` wrote for record ``m`` of ``where`` ("entries" or "lost"): False
+    when the record moved or went meanwhile (its new files are orphans). ``WrittenTooLongAgo``
+    (nothing indexed) when those files were written over half the orphan grace ago, as for a
+    put (``FragmentIO._check_in_time``): a sweep may be deleting them (before, a repair had no
+    such check)."""
+    with store.index.env.begin(write=True) as txn:
+        store._check_in_time(written_at, f"the repair of {ek[1:].hex()}")
+        if where == "entries":
+            cur = store.index.get_meta(txn, ek)
+            if cur is None or (cur.gen, cur.targets, cur.offsets) != (m.gen, m.targets, m.offsets):
+                return False
+            store.index.update_txn(txn, ek, cur, replace(fixed_meta, access_ns=cur.access_ns, pinned=cur.pinned))
+            return True
+        cur = store.index.get_lost(txn, ek)
+        if cur is None or cur.gen != m.gen or store.index.get_meta(txn, ek) is not None:
+            return False
+        store.index.drop_lost_txn(txn, ek, fixed_meta, store.now_ns(), to_grave=False)
+        return True
+
+
 def _still_current(store: "EmbeddedStore", ek: bytes, m: Meta, where: str) -> bool:
     """True when ``ek``'s record in ``where`` ("entries" or "lost") is still ``m``'s (same
     generation and fragment places): ``check`` scans a snapshot of the records, and a GC,
@@ -455,21 +478,19 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
         if not bad and where == "entries":
             continue
         why: dict[int, str] = {}
+        written_at = store.clock()  # of the files _rebuild writes (``_check_in_time``)
         rebuilt = _rebuild(store, ek, m, good, bad, why) if (fix and bad) else ((m, set()) if fix else None)
         fixed_meta, fixed = rebuilt if rebuilt is not None else (None, set())
         if fixed_meta is not None and where == "entries" and not fixed:
             fixed_meta = None  # nothing rewritten: the record stands as it is
         if fix and fixed_meta is not None:
-            with store.index.env.begin(write=True) as txn:
-                if where == "entries":
-                    cur = store.index.get_meta(txn, ek)
-                    if cur is not None and (cur.gen, cur.targets, cur.offsets) == (m.gen, m.targets, m.offsets):
-                        store.index.update_txn(txn, ek, cur, replace(fixed_meta, access_ns=cur.access_ns,
-                                                                        pinned=cur.pinned))
-                else:
-                    cur = store.index.get_lost(txn, ek)
-                    if cur is not None and cur.gen == m.gen and store.index.get_meta(txn, ek) is None:
-                        store.index.drop_lost_txn(txn, ek, fixed_meta, store.now_ns(), to_grave=False)
+            try:
+                if not _record_repair(store, ek, m, fixed_meta, where, written_at):
+                    why.update({i: "the entry changed while it was rebuilt" for i in fixed})
+                    fixed_meta = None
+            except WrittenTooLongAgo as exc:  # its new files may be swept as orphans: not recorded
+                why.update({i: f"rebuilt but not recorded: {exc}" for i in fixed})
+                fixed_meta = None
         for i, p in bad.items():
             problems.append(replace(p, fixed=fixed_meta is not None and i in fixed,
                                     detail=f"{p.detail}; not rebuilt: {why[i]}" if i in why else p.detail))

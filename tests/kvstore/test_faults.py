@@ -358,3 +358,40 @@ def test_a_record_whose_plain_size_disagrees_with_the_entry_is_never_decoded(tmp
                 got = None
             assert got is None
         assert s.stats()["lost_entries"] == 1
+
+
+def test_a_repair_that_took_over_half_the_orphan_grace_records_nothing(tmp_path, monkeypatch):
+    """A rebuilt fragment's file is new to the index until the repair records it; a sweep
+    (another process) may delete it once it is older than the orphan grace. A repair whose
+    writes took over half the grace records nothing, as a put would not (before, it recorded
+    a fragment the sweep could be removing) and says why; the next repair rebuilds it."""
+    import time
+
+    from .conftest import FakeClock
+
+    base = tmp_path / "rt"
+    targets = ",".join(f"file://{base}/t{i}#d{i}" for i in range(7))  # 4+2 over 7: one spare
+    clock = FakeClock(time.time())
+    vals = {bytes([i]) * 16: os.urandom(3000 + i) for i in range(6)}
+    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, clock=clock, orphan_grace_s=60) as s:
+        for k, v in vals.items():
+            s.put(k, v)
+        (base / "t3").rename(base / "t3.away")
+        slow = []
+
+        def slow_write(self, rel, data, **kw):
+            got = orig(self, rel, data, **kw)
+            clock.advance(40)  # over orphan_grace_s / 2 before the index hears of it
+            slow.append(rel)
+            return got
+
+        orig = type(next(iter(s.targets.values()))).write
+        monkeypatch.setattr(type(next(iter(s.targets.values()))), "write", slow_write)
+        res = s.repair()
+        assert slow and res["rebuilt_fragments"] == 0 and res["unfixed"] > 0
+        assert all("rebuilt but not recorded" in d and "orphan_grace_s/2" in d for d in res["unfixed_detail"])
+        monkeypatch.undo()
+        res = s.repair()  # in time: recorded
+        assert res["rebuilt_fragments"] > 0 and res["unfixed"] == 0
+        assert all(s.get(k) == v for k, v in vals.items())
+        assert {p.kind for p in s.check()} == {ProblemKind.TARGET_DOWN}  # t3, still away
