@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from kvstore.api import EntryKind
@@ -47,13 +48,36 @@ class AdminRPC:
         return pb.JsonReply(json=json.dumps(s, default=str))
 
     def _gc(self, r: pb.GcRequest, tenant: Tenant) -> pb.JsonReply:
-        return pb.JsonReply(json=self._gc_json(r.dry_run))
+        with self._one_pass():
+            return pb.JsonReply(json=self._gc_json(r.dry_run))
 
     def _check(self, r: pb.CheckRequest, tenant: Tenant) -> pb.CheckReply:
-        return pb.CheckReply(problems=self._problems(r.fix))
+        with self._one_pass():
+            return pb.CheckReply(problems=self._problems(r.fix))
 
     def _repair(self, r: pb.RepairRequest, tenant: Tenant) -> pb.JsonReply:
-        return pb.JsonReply(json=self._repair_json())
+        with self._one_pass():
+            return pb.JsonReply(json=self._repair_json())
+
+    def _take_pass_slot(self) -> None:
+        """Take the daemon's one maintenance slot (``_maintain_slot``) or raise ``ServerBusy``:
+        one gc, check or repair pass at a time, asked by ``Maintain`` or by the unary calls
+        (whose handler runs the pass to its end even after its client gave up), so retries
+        after client timeouts cannot stack passes up. Background GC skips a round while the
+        slot is taken (``Daemon._gc_loop``)."""
+        if not self._maintain_slot.acquire(blocking=False):
+            raise ServerBusy("a gc, check or repair pass is still running on this daemon (one runs at a time; "
+                             "one whose client left stops at its next step, or runs to its end if unary); "
+                             "retry shortly")
+
+    @contextmanager
+    def _one_pass(self) -> Iterator[None]:
+        """The slot (``_take_pass_slot``) for a unary pass, given back when it ends."""
+        self._take_pass_slot()
+        try:
+            yield
+        finally:
+            self._maintain_slot.release()
 
     def _gc_json(self, dry_run: bool, progress: Callable | None = None) -> str:
         out = self.store.gc(dry_run=dry_run, progress=progress)
@@ -88,9 +112,7 @@ class AdminRPC:
             raise InvalidRequest(f"Maintain op must be one of {', '.join(sorted(ops))}, got {r.op!r}")
         # One pass at a time, held until its thread ends, not the call: a pass whose client left
         # runs on to its next step, and retries must not stack up passes meanwhile (QA).
-        if not self._maintain_slot.acquire(blocking=False):
-            raise ServerBusy("a gc, check or repair pass is still running on this daemon (Maintain runs one at "
-                             "a time; one whose client left stops at its next step); retry shortly")
+        self._take_pass_slot()
         updates: queue.SimpleQueue = queue.SimpleQueue()
         result: Future = Future()
         stop = threading.Event()

@@ -44,8 +44,9 @@ Maintenance and inspection (``Stats``, ``Gc``, ``Check``, ``Repair``, ``Inspect`
 index views of ``kvstore.cli.index_view``, the code the tool runs on a data directory, so
 both print the same records; it touches nothing (no access time, no store counter).
 
-Background GC runs in its own thread every ``gc_interval_s``; the store's GC
-works in bounded index transactions, so requests are not stalled behind it.
+Background GC runs in its own thread every ``gc_interval_s`` (a round is skipped while an
+admin's gc, check or repair pass runs; those run one at a time); the store's GC works in
+bounded index transactions, so requests are not stalled behind it.
 ``stop()`` drains: health goes NOT_SERVING, gRPC stops accepting calls and
 gives in-flight ones ``drain_s`` to finish, GC stops, then the store closes.
 """
@@ -176,7 +177,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         self._stop_gc = threading.Event()
         self._gc_thread: threading.Thread | None = None
         self._stopped, self._stop_lock, self._stop_done = False, threading.Lock(), threading.Event()
-        self._maintain_slot = threading.Semaphore(1)  # one Maintain pass at a time (admin_rpc._maintain)
+        self._maintain_slot = threading.Semaphore(1)  # one admin pass at a time (AdminRPC._take_pass_slot)
 
     def _build(self, server_cfg: ServerConfig, store_cfg: StoreConfig, tls_files: dict[str, bytes]) -> None:
         """The rest of ``__init__`` once the store is open: quota, tokens, the gRPC server,
@@ -337,6 +338,13 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
 
     def _gc_loop(self) -> None:
         while not self._stop_gc.wait(self.cfg.gc_interval_s):
+            # An admin's gc, check or repair pass is running (``AdminRPC._take_pass_slot``): this
+            # round is skipped rather than run beside it. The slot is not held here: an admin's
+            # call is never refused because of a background round.
+            if not self._maintain_slot.acquire(blocking=False):
+                log.info("background gc: skipped, an admin's gc, check or repair pass is running")
+                continue
+            self._maintain_slot.release()
             try:
                 self.metrics.gc_done(self.store.gc())
             except Exception:  # noqa: BLE001 - a failed pass is logged; the next one retries
