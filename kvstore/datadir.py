@@ -173,6 +173,7 @@ class DataDir:
                     "fragment an orphan for GC to delete. Restore the directory's own index")
             if not fresh:
                 self._refuse_foreign_targets(rewrite)
+                self._refuse_renamed_targets(marker)
             if (any(marker.get(n) != v for n, v in code.items()) or marker.get("index_id") != identity.hex()
                     or marker.get("targets") != _targets_record(config)):
                 self._write_marker(config, identity, marker)
@@ -201,6 +202,24 @@ class DataDir:
             f"the entries of {self.data_dir} live on targets {', '.join(sorted(recorded))}, none of which is "
             f"configured ({', '.join(self.targets)}): {why}; give the directory's targets (targets=, "
             "KVSTORE_TARGETS, a config file's [store] targets)")
+
+    def _refuse_renamed_targets(self, marker: dict) -> None:
+        """``InvalidRequest`` when a configured target has the URL the marker records for
+        another name, that name is no longer configured, the index has recorded fragments
+        there and live entries remain: the target was renamed. Records name their targets, so
+        every fragment there would read as missing (degraded reads, repair rewriting them
+        beside themselves); the old name must be given back (``URL#DOMAIN#NAME``)."""
+        configured = {t.name for t in self.config.targets}
+        by_url = {_absolute(t.url): t.name for t in self.config.targets}
+        renamed = {r["name"]: by_url[r["url"]] for r in marker.get("targets") or []
+                   if r["name"] not in configured and by_url.get(r["url"], r["name"]) != r["name"]}
+        renamed = {old: new for old, new in renamed.items() if old in self.index.target_names()}
+        if not renamed or not self.index.has_live():
+            return
+        names = ", ".join(f"{old!r} is now configured as {new!r}" for old, new in sorted(renamed.items()))
+        raise InvalidRequest(
+            f"targets renamed: {names}; the entries of {self.data_dir} name their targets, so their "
+            "fragments there would read as missing. Give each target its recorded name (URL#DOMAIN#NAME)")
 
     def _read_marker(self) -> dict | None:
         """The directory's marker (``FORMAT_FILE``) as a dict, or ``None`` for a new directory.

@@ -197,3 +197,31 @@ def test_a_directory_whose_records_live_on_none_of_the_configured_targets_is_ref
         assert s.stats()["entries"] == 0 and s.stats()["lost_entries"] == 1
     with kvstore.connect(str(data), targets=other, fsync=False) as s:
         assert s.stats()["lost_entries"] == 1
+
+
+def test_a_renamed_target_is_refused_a_replaced_one_is_not(tmp_path, caplog):
+    """Records name their targets: a target given a new name at its old URL would read as
+    missing (every fragment there degraded, repair rewriting them beside themselves). Before,
+    the store opened with a warning; now it refuses and names the old name. A target replaced
+    by another (a new URL and name) still opens, for repair to rebuild onto."""
+    import logging
+
+    from kvstore.errors import InvalidRequest
+
+    data = tmp_path / "data"
+    spec = lambda i, name: f"{tmp_path / f'd{i}'}#default#{name}"  # noqa: E731
+    targets = [spec(i, f"t{i}") for i in range(6)]
+    with kvstore.connect(str(data), targets=",".join(targets), fsync=False) as s:
+        s.put(b"k" * 16, b"hello" * 100)
+    renamed = [*targets[:2], spec(2, "fast"), *targets[3:]]
+    with pytest.raises(InvalidRequest, match="'t2' is now configured as 'fast'.*recorded name"):
+        kvstore.connect(str(data), targets=",".join(renamed), fsync=False)
+    with kvstore.connect(str(data), targets=",".join(targets), fsync=False) as s:  # the marker is unchanged
+        assert s.get(b"k" * 16) == b"hello" * 100 and s.counters["degraded_reads"] == 0
+    replaced = [*targets[:2], spec(9, "t9"), *targets[3:]]
+    (tmp_path / "d9").mkdir()  # a new disk, mounted
+    with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+        with kvstore.connect(str(data), targets=",".join(replaced), fsync=False) as s:
+            assert s.get(b"k" * 16) == b"hello" * 100
+            assert s.repair()["unfixed"] == 0
+    assert "differ from those kvstore.json records" in caplog.text
