@@ -100,6 +100,23 @@ class ImageSpan:
         return self.start + self.length
 
 
+def check_image_spans(spans: Sequence[ImageSpan], n_tokens: int) -> tuple[ImageSpan, ...]:
+    """``spans`` for a prompt of ``n_tokens`` tokens, as a tuple; ``InvalidRequest`` unless it is a
+    list or tuple of ``ImageSpan`` each inside the prompt, no two overlapping (each position
+    holds at most one image's tokens)."""
+    if not isinstance(spans, (list, tuple)) or not all(isinstance(sp, ImageSpan) for sp in spans):
+        raise InvalidRequest(f"images must be a list of ImageSpan, got {spans!r:.200}")
+    ordered = sorted(spans, key=lambda sp: sp.start)
+    for sp in ordered:
+        if sp.end > n_tokens:
+            raise InvalidRequest(f"image span [{sp.start}, {sp.end}) lies outside the {n_tokens}-token prompt")
+    for a, b in zip(ordered, ordered[1:]):
+        if b.start < a.end:
+            raise InvalidRequest(f"image spans [{a.start}, {a.end}) and [{b.start}, {b.end}) overlap: each "
+                                 "prompt position may hold at most one image's tokens")
+    return tuple(spans)
+
+
 def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     # uint32 covers every real vocabulary; wider ids switch to uint64 with a marker so
     # the two encodings can never collide.

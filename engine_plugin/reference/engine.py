@@ -61,9 +61,11 @@ from engine_plugin.reference.config import EngineConfig
 from engine_plugin.reference.model import ReferenceModel, WindowState, snapshot_shape
 from engine_plugin.reference.pool import BlockPool
 from kvstore.errors import InternalError, InvalidRequest
-from kvstore.keys import BlockHasher, ImageSpan, Namespace
+from kvstore.keys import BlockHasher, ImageSpan, Namespace, check_image_spans
 
 log = logging.getLogger(__name__)
+
+_SEED_SPACE = 1 << 63  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +195,8 @@ class Engine:
         a prompt that is not a non-empty list/tuple of int token ids in ``[0, vocab_size)``
         (a str, a tensor or float ids are refused, never truncated); ``max_new_tokens < 1``;
         a request whose prompt plus output needs more blocks than the whole pool has (it
-        could never be admitted, and would block every request queued behind it).
+        could never be admitted, and would block every request queued behind it); ``images``
+        that are not ``ImageSpan``s inside the prompt, or overlap (``kvstore.keys.check_image_spans``).
         """
         self._check_model()
         if not isinstance(request_id, str) or not request_id:
@@ -204,6 +207,7 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         prompt = self._token_ids(prompt)
+        images = check_image_spans(images, len(prompt))
         if sampling.max_new_tokens < 1:
             raise InvalidRequest("max_new_tokens must be >= 1")
         total_blocks = -(-(len(prompt) + sampling.max_new_tokens) // self.cfg.block_size)
@@ -216,7 +220,7 @@ class Engine:
             req.hasher = BlockHasher(self.namespace, self.cfg.block_size, tenant_salt)
         else:
             req.hasher = self.hasher
-        req.images = tuple(images)
+        req.images = images
         self.waiting.append(req)
         return req
 
@@ -467,7 +471,8 @@ class Engine:
         sp = req.sampling
         if sp.temperature <= 0:
             return int(torch.argmax(logits))
-        gen = torch.Generator().manual_seed(sp.seed * 1_000_003 + sp.output_offset + len(req.output))
+        # torch seeds are 64-bit signed: any seed (the wire's is uint64) and offset fold into them
+        gen = torch.Generator().manual_seed((sp.seed * 1_000_003 + sp.output_offset + len(req.output)) % _SEED_SPACE)
         u = torch.rand(logits.shape, generator=gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
         gumbel = -torch.log(-torch.log(u))
         return int(torch.argmax(logits.double().cpu() / sp.temperature + gumbel))

@@ -17,6 +17,7 @@ from engine_plugin.reference.engine import Status
 from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.transfer import get_backend
 from kvstore.errors import InvalidRequest, StoreClosed
+from kvstore.keys import ImageSpan
 
 GREEDY = SamplingParams(max_new_tokens=3)
 
@@ -215,3 +216,38 @@ def test_close_is_idempotent_and_use_after_close_is_typed(rig, store):
         conn.persist_host_tier()
     assert not eng.running and not any(eng.pool.refcount)  # the refused admission gave its blocks back
     conn.close()  # and once more: still nothing
+
+
+# ----------------------------------------------------------------------------- sampling seeds and images
+
+
+@pytest.mark.parametrize("seed", [2**45, 2**63 - 1, 2**64 - 1])
+def test_any_wire_seed_samples_and_fails_no_other_request(rig, seed):
+    """The wire's seed is a uint64; seeds over about 1.8e13 overflowed torch's seed in the
+    sampler, failing the whole step: the request beside it too (and, through the entrypoint,
+    the prefill workers were marked down). Now every seed folds into torch's range."""
+    eng = rig.engine(connector=False)
+    ok = eng.add_request("ok", [1, 2, 3], GREEDY)
+    big = eng.add_request("big", [1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.5, seed=seed))
+    eng.run_until_done()
+    assert ok.status is Status.FINISHED and big.status is Status.FINISHED and len(big.output) == 4
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.5, seed=seed)
+    again = rig.engine(connector=False).generate([1, 2, 3], sampling)
+    assert again.output == big.output  # still a function of (seed, output index)
+
+
+@pytest.mark.parametrize("images, match", [
+    ([(b"img", 0, 4)], "list of ImageSpan"),
+    ("not spans", "list of ImageSpan"),
+    ([ImageSpan(b"h", 36, 8)], r"\[36, 44\) lies outside the 40-token prompt"),
+    ([ImageSpan(b"h", 0, 8), ImageSpan(b"g", 4, 8)], "overlap"),
+])
+def test_bad_image_spans_are_refused_and_never_block_the_queue(rig, images, match):
+    """Spans that were not ImageSpans got in and made every later step raise, so no request
+    queued behind ran; spans outside the prompt were taken silently."""
+    eng = rig.engine(connector=False)
+    with pytest.raises(InvalidRequest, match=match):
+        eng.add_request("bad", list(range(40)), GREEDY, images=images)
+    ok = eng.add_request("ok", [1, 2, 3, 4], GREEDY)
+    eng.run_until_done()
+    assert ok.status is Status.FINISHED
