@@ -64,6 +64,10 @@ Declared attributes (checked by the engine at construction)
 ``block_size`` and ``layout`` (a ``KVLayout``): the block size and KV layout
 the connector moves. The engine refuses (``InvalidRequest``) a connector
 whose values differ from its own; ``None`` means "not declared".
+``namespace_tag``: what the KV the engine computes depends on beyond the model
+(``""``: nothing). A connector whose restores are approximate (a replay span
+shorter than exact) declares one, and the engine folds it into its namespace, so
+that KV computed after such a replay never meets exact KV in a shared store.
 
 Lifetime: ``close()`` drains and stops; a second ``close()`` does nothing.
 A connector used after ``close()`` raises ``kvstore.errors.StoreClosed``.
@@ -155,6 +159,12 @@ class KVLayout:
             if name == policy:
                 return span
         raise InvalidRequest(f"unknown replay policy {policy!r}; known: {[n for n, _ in self.replay_spans]}")
+
+    def approximate(self, policy: str) -> bool:
+        """Does a replay under ``policy`` rebuild the windows only approximately? The longest
+        span the layout declares is the exact one (the full receptive field); a shorter one
+        is not, and so isn't the KV computed after it."""
+        return self.replay_span(policy) < max(span for _, span in self.replay_spans)
 
 
 class Tier(enum.Enum):
@@ -277,6 +287,7 @@ class KVConnectorBase(abc.ABC):
     #: What the engine checks at construction (module docstring); ``None``: not declared.
     block_size: int | None = None
     layout: KVLayout | None = None
+    namespace_tag: str = ""
 
     # ---- scheduler side
     @abc.abstractmethod

@@ -19,7 +19,10 @@ Choosing the hit boundary H (``get_num_new_matched_tokens``), with reasons:
      prefill of ``[S, H)`` costs no more than the replay it avoids.
   4. Else replay ``[H - span, H)``; ``span = layout.replay_span(replay_policy)``.
      As in the public V4.1 serving code, an external hit with ``H <= span``
-     is not adopted (the replay would cost as much as the recompute).
+     is not adopted (the replay would cost as much as the recompute). A span
+     shorter than exact (``KVLayout.approximate``) tags the engine's namespace
+     (``namespace_tag``): what it computes after such a replay is approximate
+     and never served to an engine that replays exactly.
 Block entries hold only the global KV (``[block_size, d_global]``); SWA
 entries are snapshots at chosen boundaries: end of the prompt, every
 ``snapshot_interval_blocks`` blocks, and the end of the output.
@@ -165,6 +168,9 @@ class KVStoreConnector(KVConnectorBase):
         self.layout, self.cfg = layout, config
         self.policy = SAVE_POLICIES[config.save_policy]
         self.span = layout.replay_span(config.replay_policy)
+        # KV computed after an approximate replay must not reach engines that replay exactly
+        # (the engine folds this into its namespace; connector.py, "Declared attributes").
+        self.namespace_tag = f"replay-{config.replay_policy}" if layout.approximate(config.replay_policy) else ""
         self.B = self.block_size = config.block_size
         self._closed = False
         dtype = getattr(torch, layout.dtype, None)

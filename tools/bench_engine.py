@@ -267,11 +267,13 @@ class Bench:
                 prompt = [rng.randrange(model.cfg.vocab_size) for _ in range(n + rng.randint(1, 30))]
                 cold = Engine(model, EngineConfig(block_size=B, chunk_size=4096,
                                                   num_blocks=len(prompt) // B + 16)).generate(prompt, sp)
-                seed = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=B), store)
-                Engine(model, EngineConfig(block_size=B, num_blocks=len(prompt) // B + 16),
-                       connector=seed).generate(prompt[:n], ONE)
-                seed.close()
                 for pol in stats:
+                    # Seeded by a cold prefill under the policy's own namespace (an approximate
+                    # policy's KV is kept apart from exact KV: Engine, namespace_tag).
+                    seed = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=B, replay_policy=pol), store)
+                    Engine(model, EngineConfig(block_size=B, num_blocks=len(prompt) // B + 16),
+                           connector=seed).generate(prompt[:n], ONE)
+                    seed.close()
                     c = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=B, replay_policy=pol,
                                                                     load_snapshots=False), store)
                     warm = Engine(model, EngineConfig(block_size=B, num_blocks=len(prompt) // B + 16),

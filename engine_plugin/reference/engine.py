@@ -36,7 +36,8 @@ needs more blocks than the whole pool has, a request id already waiting or
 running. ``abort_request`` takes a request out at any time (a worker whose
 step raised drops its requests with it) and frees its blocks. A connector
 whose block size or KV layout does not fit is refused by ``Engine(...)``.
-The engine's namespace covers the model's loaded weights (``ReferenceModel.model_id``);
+The engine's namespace covers the model's loaded weights (``ReferenceModel.model_id``)
+and its connector's ``namespace_tag`` (KV computed after an approximate replay);
 ``add_request`` and ``step`` refuse to run once ``load_weights`` changed them
 after the engine was built (build the engine after loading the weights).
 """
@@ -50,7 +51,7 @@ import math
 import numbers
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -168,6 +169,9 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size, mc.d_global,
                               dtype=model.embed.weight.dtype, device=model.device)
         self.namespace = namespace or default_namespace(model)
+        tag = getattr(connector, "namespace_tag", "")
+        if tag:  # approximate restores: this engine's KV is not exact KV (connector.py, "Declared attributes")
+            self.namespace = replace(self.namespace, kv_layout=f"{self.namespace.kv_layout}+{tag}")
         # The weights this engine's namespace, pool and prefix cache belong to (see _check_model).
         self._model_id = model.model_id
         self.hasher = BlockHasher(self.namespace, config.block_size, config.tenant_salt)

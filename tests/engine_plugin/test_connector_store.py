@@ -210,10 +210,44 @@ def test_window_only_span_runs_and_reports(rig, store):
     measured figure (tools/bench_engine.py), not asserted here."""
     rng = random.Random(96)
     prompt = rig.tokens(rng, 100)
-    a = rig.engine(store)
+    a = rig.engine(store, replay_policy="window")  # its KV is in the window policy's namespace
     a.generate(prompt, GREEDY)
     a.connector.flush()
     b = rig.engine(store, replay_policy="window", load_snapshots=False)
     warm = b.generate(prompt + [5, 6], GREEDY)
     assert warm.hit_tokens == 96 and warm.replayed_tokens == rig.model.cfg.window
     assert len(warm.output) == GREEDY.max_new_tokens
+
+
+def test_kv_computed_after_an_approximate_replay_never_reaches_an_exact_engine(tmp_path):
+    """An engine replaying only the window (``replay_policy="window"``, approximate) saved the
+    blocks and snapshots it computed after such a replay under the exact namespace, and an
+    exact engine loaded them: its tokens differed from a cold run (QA). Its KV now lives in a
+    namespace of its own; engines of one policy still share."""
+    import kvstore
+    from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, model_preset
+    from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
+
+    model = ReferenceModel(model_preset("tiny"))
+    store = kvstore.connect(str(tmp_path / "kv"), fsync=False)
+
+    def run(policy, prompt, n):
+        c = KVStoreConnector(model.kv_layout(), ConnectorConfig(replay_policy=policy, load_snapshots=False), store)
+        eng = Engine(model, EngineConfig(), connector=c)
+        out = eng.generate(prompt, SamplingParams(max_new_tokens=n)).output
+        c.flush()
+        hits = c.metrics.snapshot().get("hit_tokens_store", 0)
+        c.close()
+        return out, hits, eng.namespace
+
+    rng = random.Random(0)
+    p1 = [rng.randrange(128) for _ in range(97)]
+    p2 = p1 + [rng.randrange(128) for _ in range(80)]
+    p3 = p2 + [rng.randrange(128) for _ in range(5)]
+    run("exact", p1, 1)
+    _, window_hits, window_ns = run("window", p2, 1)  # approximate past p1's blocks
+    got, exact_hits, exact_ns = run("exact", p3, 8)
+    cold = Engine(model, EngineConfig()).generate(p3, SamplingParams(max_new_tokens=8)).output
+    assert got == cold and window_ns != exact_ns and exact_hits > 0  # p1's exact blocks still shared
+    assert run("window", p3, 8)[1] > window_hits  # window engines share what they computed
+    store.close()
