@@ -68,6 +68,11 @@ class EntryKind(enum.Enum):
     def code(self) -> int:
         return _KIND_CODES[self]
 
+    @staticmethod
+    def codes() -> frozenset[int]:
+        """Every kind's on-disk byte."""
+        return frozenset(_KIND_CODES.values())
+
     @classmethod
     def parse(cls, kind: "str | EntryKind") -> "EntryKind":
         if isinstance(kind, EntryKind):

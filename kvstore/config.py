@@ -163,7 +163,7 @@ class StoreConfig:
     min_compress_ratio: float = 1.1  # store raw unless zstd shrinks by at least this factor
     max_value_bytes: int = 64 * 1024 * 1024
     fsync: bool = True  # fragments and index durable before a put returns
-    # How fsync makes a put's files durable (kvstore.targets.sync_plan): "file" fsyncs each file
+    # How fsync makes a put's files durable (kvstore.durability.sync_plan): "file" fsyncs each file
     # and its directory; "fs" one syncfs per filesystem once the put's files are written;
     # "auto": "fs" where every target is a local ext4/xfs/btrfs directory on Linux >= 5.8, else "file".
     sync_mode: str = "auto"

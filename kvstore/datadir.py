@@ -30,7 +30,8 @@ from kvstore import codec
 from kvstore.config import DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, TargetSpec, split_userinfo
 from kvstore.errors import CorruptData, IncompatibleFormat, InvalidRequest
 from kvstore.index import Index
-from kvstore.targets import Target, fsync_dir, open_target
+from kvstore.durability import fsync_dir
+from kvstore.targets import Target, open_target
 
 DATA_FORMAT_VERSION = 1
 FORMAT_FILE = "kvstore.json"

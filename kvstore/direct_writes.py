@@ -138,9 +138,9 @@ class DirectWriter(FragmentIO, PackIO):
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
 
-    def _discard_pack(self, gen: bytes, names: Sequence[str]) -> None:
+    def _discard_pack(self, gen: bytes, names: Sequence[str]) -> int:
         self._count("discarded_packs")
-        PackIO._discard_pack(self, gen, names)
+        return PackIO._discard_pack(self, gen, names)
 
     def stored_key(self, key: bytes) -> bytes:
         return tenant_key(key, self.secret) if self.secret else key

@@ -31,7 +31,8 @@ from kvstore.fastread import LocalFastReads, frag_loc
 from kvstore.index import Meta, ekey
 from kvstore.keys import check_key
 from kvstore.placement import place
-from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path, sync_plan, syncfs
+from kvstore.durability import sync_plan, syncfs
+from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path
 
 log = logging.getLogger("kvstore.store")
 
@@ -198,7 +199,7 @@ class FragmentIO(LocalFastReads):
     def _sync_mode(self) -> str:
         """How this host makes writes durable: "file" (fsync each file and its directory),
         "fs" (``_sync_after``: one syncfs per filesystem) or "" (fsync off); resolved once
-        from ``config.sync_mode`` and the targets (``kvstore.targets.sync_plan``)."""
+        from ``config.sync_mode`` and the targets (``kvstore.durability.sync_plan``)."""
         mode = getattr(self, "_sync_resolved", None)
         if mode is None:
             mode, why = sync_plan(self.config.sync_mode, list(self.targets.values())) if self.config.fsync else ("", "")

@@ -52,7 +52,7 @@ from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStore
 from kvstore.fragments import WrittenTooLongAgo
 from kvstore.gc_plan import (DueGrave, count_expired, due_graves, expired_lost, grave_key, plan_compaction,
                              plan_eviction, plan_expiry, plan_purge, removed_graves)
-from kvstore.index import STANDALONE, Meta, packed_bytes
+from kvstore.index import STANDALONE, Meta
 from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path
 
 if TYPE_CHECKING:
@@ -184,29 +184,33 @@ def _purge_grave(store: "EmbeddedStore", due: Sequence[DueGrave], dry_run: bool,
     nbytes = purged = 0
     for done, (t, rest, m) in enumerate(due, 1):
         ek = rest[:17]
+        removed = 0  # its own files; pack bytes go with the pack
         for i, name in enumerate(m.targets):
             tgt = store.targets.get(name)
             if tgt is None or (m.offsets and m.offsets[i] != STANDALONE):
                 continue
-            _delete(tgt, fragment_path(ek[0], ek[1:], m.gen, i))
+            removed += m.frag_len * _delete(tgt, fragment_path(ek[0], ek[1:], m.gen, i))
         with store.index.env.begin(write=True) as txn:
             mine, pack_freed = store.index.purge_grave_txn(txn, grave_key(t, rest), m)
         if mine:  # counted by the one pass that dropped it (QA: two at once both counted everything)
             purged += 1
-            nbytes += m.stored_bytes - packed_bytes(m)  # its own files; pack bytes go with the pack
-        if pack_freed is not None:
-            store._discard_pack(m.gen, list(store.targets))  # every target the batch may have used
-            nbytes += pack_freed
+            nbytes += removed
+        if pack_freed is not None:  # every target the batch may have used; what it removed
+            nbytes += store._discard_pack(m.gen, list(store.targets))
         if done % _PURGE_STEP == 0 or done == total:
             progress("purge", done, total)
     return purged, nbytes
 
 
-def _delete(tgt, rel: str) -> None:
+def _delete(tgt, rel: str) -> bool:
+    """Delete ``rel`` on ``tgt``: False when it could not (logged; the bytes are not counted as
+    reclaimed until the orphan sweep removes the file: QA found them counted twice)."""
     try:
         tgt.delete(rel)
+        return True
     except OSError as exc:  # a down target keeps the file; the orphan sweep gets it later
         log.warning("cannot delete %s on %s: %s", rel, tgt.name, exc)
+        return False
 
 
 def _compact_packs(store: "EmbeddedStore", progress: Progress, limit: int = _COMPACT_LIMIT) -> tuple[int, int]:

@@ -107,15 +107,20 @@ class PackIO:
             raise exc
         return out
 
-    def _discard_pack(self, gen: bytes, names: Sequence[str]) -> None:
-        """Remove a pack that no index record names (best effort: else an orphan)."""
+    def _discard_pack(self, gen: bytes, names: Sequence[str]) -> int:
+        """Remove a pack that no index record names (best effort: else an orphan); the bytes
+        removed (a file not there, or not removed, counts nothing: GC's reclaimed bytes)."""
+        freed = 0
         for name in names:
             t = self.targets.get(name)
             if t is not None:
                 try:
+                    size = t.stat(pack_path(gen))[0]
                     t.delete(pack_path(gen))
+                    freed += size
                 except OSError:
-                    pass  # an orphan GC will sweep
+                    pass  # not on this target, or an orphan GC will sweep
+        return freed
 
     def _put_packs(self, items: Sequence[PutItem], todo: list[int], encs: dict, placed: dict,
                    offsets: dict) -> None:

@@ -17,6 +17,8 @@ a *fragment file* (one put's fragment ``i``: ``fragment_path``) and a *pack file
 (``pack_path(gen)``: the fragments a batched put placed on this target, back to
 back, so a batch publishes one file per target instead of one per fragment).
 
+How written files are made durable (fsync, syncfs): ``kvstore.durability``.
+
 Implementations are chosen by URL scheme through ``TARGET_TYPES`` (a registry, as
 fsspec's own). A missing root is *never* recreated by a write: a vanished disk must look
 vanished (``TargetUnavailable``), not silently become an empty directory. Only
@@ -29,18 +31,19 @@ import errno
 import functools
 import math
 import os
-import re
 import secrets
-import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import fsspec
 
+from kvstore.api import EntryKind
 from kvstore.config import TargetSpec, split_userinfo
+from kvstore.durability import fsync_dir
 from kvstore.errors import InvalidRequest
+from kvstore.keys import KEY_LEN
 
 
 class TargetUnavailable(OSError):
@@ -160,17 +163,18 @@ def fragment_prefix(kind_code: int, key: bytes, gen: bytes) -> str:
 
 
 def parse_fragment_path(rel: str) -> tuple[int, bytes, bytes, int] | None:
-    """Inverse of ``fragment_path``; ``None`` for anything that is not a fragment name."""
+    """Inverse of ``fragment_path``; ``None`` for any other name, one spelled another way
+    included (kind, key or generation length, fan-out directory, hex case): the sweep deletes
+    only what a store writes (QA: it deleted ``1/zz/abcd.ef.2``; ``300/...`` stopped it)."""
     parts = rel.replace("\\", "/").split("/")
-    if len(parts) != 3:
-        return None
-    name = parts[2].split(".")
-    if len(name) != 3 or name[0] == "" or parts[2].startswith("."):
-        return None
+    name = parts[-1].split(".")
     try:
-        return int(parts[0]), bytes.fromhex(name[0]), bytes.fromhex(name[1]), int(name[2])
-    except ValueError:
+        kind, key, gen, i = int(parts[0]), bytes.fromhex(name[0]), bytes.fromhex(name[1]), int(name[2])
+    except (ValueError, IndexError):
         return None
+    ours = (kind in EntryKind.codes() and len(key) == KEY_LEN and len(gen) == 8 and 0 <= i < 256
+            and fragment_path(kind, key, gen, i) == "/".join(parts))
+    return (kind, key, gen, i) if ours else None
 
 
 def pack_path(gen: bytes) -> str:
@@ -455,8 +459,9 @@ class LocalTarget(Target):
     def delete(self, rel: str) -> None:
         try:
             os.unlink(self._p(rel))
-        except FileNotFoundError:
-            pass
+        except FileNotFoundError:  # gone already; but a root away may hold it when it is back
+            if not os.path.isdir(self.root):
+                raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root) from None
 
     def walk(self) -> Iterator[tuple[str, int, float]]:
         if not os.path.isdir(self.root):
@@ -491,89 +496,6 @@ def _write_all(fd: int, data: bytes | list) -> None:
             parts.pop(0)
         if n:
             parts[0] = parts[0][n:]
-
-
-# ----------------------------------------------------------------------------- durability
-# Filesystems whose syncfs(2) writes back every dirty page and inode and commits the journal,
-# and (Linux >= 5.8) reports writeback errors: one call makes all of a put's files durable.
-# Not network or FUSE filesystems: there syncfs may not reach the servers.
-SYNCFS_FSTYPES = frozenset({"ext4", "xfs", "btrfs"})
-SYNCFS_MIN_KERNEL = (5, 8)
-
-
-def _libc_syncfs():
-    import ctypes
-    import ctypes.util
-
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    return fn
-
-
-_SYNCFS = _libc_syncfs() if sys.platform.startswith("linux") else None
-
-
-def syncfs(path: str) -> None:
-    """Make every written file and directory entry of ``path``'s filesystem durable."""
-    import ctypes
-
-    if _SYNCFS is None:
-        raise OSError(errno.ENOSYS, "syncfs is not available here", path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _SYNCFS(fd) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, os.strerror(e), path)
-    finally:
-        os.close(fd)
-
-
-def fs_type(path: str) -> str:
-    """The type of the filesystem ``path`` is on (``/proc/self/mountinfo``), "" if unknown."""
-    real = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                left, _, right = line.partition(" - ")
-                mnt = left.split(" ")[4].replace("\\040", " ")
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                    best, kind = mnt, right.split(" ", 1)[0]
-    except OSError:
-        return ""
-    return kind
-
-
-def sync_plan(mode: str, targets: Sequence[Target]) -> tuple[str, str]:
-    """Resolve ``StoreConfig.sync_mode`` for these targets: ("file" or "fs", why)."""
-    if mode == "file":
-        return "file", "sync_mode = file"
-    if mode == "fs":
-        if _SYNCFS is None or not all(t.local for t in targets):
-            raise InvalidRequest("sync_mode = fs needs Linux and local targets only; use auto or file")
-        return "fs", "sync_mode = fs"
-    if _SYNCFS is None:
-        return "file", "no syncfs on this platform"
-    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
-    if release < SYNCFS_MIN_KERNEL:
-        return "file", f"kernel {os.uname().release} < 5.8 (syncfs does not report write errors)"
-    for t in targets:
-        kind = fs_type(t.root) if t.local else ""
-        if kind not in SYNCFS_FSTYPES:
-            return "file", f"target {t.name} is on {kind or t.spec.url.split('://', 1)[0]}, not {sorted(SYNCFS_FSTYPES)}"
-    return "fs", "every target on a local " + "/".join(sorted({fs_type(t.root) for t in targets}))
-
-
-def fsync_dir(d: str) -> None:
-    """Make the entries of directory ``d`` (a new or renamed name in it) durable."""
-    dfd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 # URL scheme -> Target class. Anything else goes through the generic fsspec Target.

@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 import time
 
-from kvstore.targets import fsync_dir, syncfs  # the store's own directory fsync and syncfs
+from kvstore.durability import fsync_dir, syncfs  # the store's own directory fsync and syncfs
 from tools.daemon_util import stop_process
 
 

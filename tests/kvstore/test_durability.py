@@ -1,4 +1,4 @@
-"""How fsync=True makes a put durable (StoreConfig.sync_mode, kvstore.targets.sync_plan).
+"""How fsync=True makes a put durable (StoreConfig.sync_mode, kvstore.durability.sync_plan).
 
 "file": each file and its directory fsynced; "fs": the put's files written without fsync,
 then one syncfs per filesystem, before the index commit; "auto" picks "fs" only for local
@@ -16,11 +16,12 @@ import pytest
 import kvstore
 from kvstore import InvalidRequest, PutItem, StoreUnavailable
 from kvstore import fragments as F
+from kvstore import durability as D
 from kvstore import targets as T
 from kvstore.config import TargetSpec
 from kvstore.store import EmbeddedStore
 
-linux_only = pytest.mark.skipif(T._SYNCFS is None, reason="syncfs is Linux-only")
+linux_only = pytest.mark.skipif(D._SYNCFS is None, reason="syncfs is Linux-only")
 
 
 def K(i) -> bytes:
@@ -92,19 +93,19 @@ def test_auto_picks_syncfs_only_for_local_block_filesystems(tmp_path, monkeypatc
     spec = TargetSpec(f"file://{tmp_path}", "d", "a")
     t = T.open_target(spec)
     for kind, want in (("ext4", "fs"), ("xfs", "fs"), ("nfs4", "file"), ("fuse.3fs", "file"), ("tmpfs", "file")):
-        monkeypatch.setattr(T, "fs_type", lambda path, kind=kind: kind)
-        mode, why = T.sync_plan("auto", [t])
-        assert mode == (want if T._SYNCFS is not None else "file"), (kind, why)
-    assert T.sync_plan("file", [t])[0] == "file"
+        monkeypatch.setattr(D, "fs_type", lambda path, kind=kind: kind)
+        mode, why = D.sync_plan("auto", [t])
+        assert mode == (want if D._SYNCFS is not None else "file"), (kind, why)
+    assert D.sync_plan("file", [t])[0] == "file"
     mem = T.open_target(TargetSpec("memory://kvdur/x", "d", "m"))
-    assert T.sync_plan("auto", [t, mem])[0] == "file"  # an object store: per-object semantics
+    assert D.sync_plan("auto", [t, mem])[0] == "file"  # an object store: per-object semantics
     with pytest.raises(InvalidRequest, match="sync_mode"):
-        T.sync_plan("fs", [t, mem])
+        D.sync_plan("fs", [t, mem])
     with pytest.raises(InvalidRequest, match="sync_mode"):
         kvstore.connect(str(tmp_path / "s"), sync_mode="sometimes")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/mountinfo")
 def test_fs_type_reads_the_mount_table() -> None:
-    assert T.fs_type("/") != ""  # whatever the root filesystem is, it is named
-    assert T.fs_type("/proc/self") == "proc"
+    assert D.fs_type("/") != ""  # whatever the root filesystem is, it is named
+    assert D.fs_type("/proc/self") == "proc"

@@ -356,7 +356,7 @@ def test_unknown_scheme():
     ("auto", "fs", {"MainThread"}, {"MainThread"}, {"MainThread"}),
 ])
 def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch, mode, fsync, single, batch, pack):
-    from kvstore.targets import _SYNCFS
+    from kvstore.durability import _SYNCFS
 
     if fsync == "fs" and _SYNCFS is None:
         pytest.skip("syncfs is Linux-only")
