@@ -81,7 +81,7 @@ from kvstore.fragments import FragmentIO
 from kvstore.keys import check_key, tenant_key
 from kvstore.packs import PackIO
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.server.wire import PermissionDenied, ServerBusy, Unauthenticated
+from kvstore.server.wire import PermissionDenied, RequestTooLarge, ServerBusy, Unauthenticated
 from kvstore.targets import Target, open_target
 from kvstore.tuning import tune_malloc
 
@@ -226,6 +226,11 @@ class DirectWrites(DirectPath):
             self._discard(w, encs, placed, offsets, len(items))
             self._turn_off(f"Commit refused: {exc}", warn=True)
             return None
+        except RequestTooLarge as exc:  # over what the daemon's Commit takes: put as over gRPC, whose limits decide
+            self._discard(w, encs, placed, offsets, len(items))
+            log.info("direct write refused by %s (%s); putting the batch through the daemon", self.url, exc)
+            w._count("fallbacks", len(todo))
+            return fallback(items)
         except REFUSED:
             self._discard(w, encs, placed, offsets, len(items))
             raise

@@ -25,8 +25,8 @@ one message per value, so a batch is never one multi-MiB message, and values
 are hand-encoded (``kvstore.server.wire``: one copy, not protobuf's two). A
 daemon that predates them (UNIMPLEMENTED) is served with GetMany/PutMany from
 then on. A ``put_many`` (or one of its pieces, below) whose encoded items add
-up to more than ``max_message_bytes`` raises ``RequestTooLarge`` before
-anything is sent, as the one-message PutMany did.
+up to more than ``max_message_bytes`` (with direct writes: any one item) raises
+``RequestTooLarge`` before anything is sent, as the one-message PutMany did.
 
 Direct reads (``kvstore.direct``; opt-in, ``direct_reads="on"`` or ``"auto"``): ``get``,
 ``get_entry``, ``get_many`` and ``get_many_into`` ask the daemon where an entry's
@@ -276,18 +276,14 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         """``kvstore.api``'s batched put; one ``created`` flag per item, in order.
 
-        Every item is validated before anything is sent (``check_puts``: without direct
-        writes every piece's size against ``max_message_bytes``, and for a batch of several
-        pieces every value against the daemon's ``max_value_bytes``, so bad input stores
-        nothing). A batch of more than ``max_batch_items`` items (the option, or the daemon's
+        Every item is validated before anything is sent (``check_puts``), so bad input stores
+        nothing. A batch of more than ``max_batch_items`` items (the option, or the daemon's
         lower limit once learned: module docstring) goes to the daemon as consecutive pieces
         of at most that many, so unlike the embedded store's ``put_many`` (one index commit
         for the whole batch) it is not one unit: a failure in a later piece (daemon down,
         quota, capacity) raises after the earlier pieces were stored. A piece refused as over
         the daemon's limit stored nothing and is resent in smaller pieces. Retrying the whole
-        batch is safe: a put of a live key stores nothing (it then answers ``created=False``
-        for those).
-        """
+        batch is safe: a put of a live key stores nothing (it answers ``created=False``)."""
         self._check_open()
         items = check_put_items(items)
         if not items:
@@ -304,14 +300,17 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
         """What ``put_many`` checks of a validated batch (``encs``, split as ``pieces``; default:
         as now) before sending any: for several pieces, or a batch that ``spans`` other daemons
         (``ShardedStore``), each value against this daemon's ``max_value_bytes`` (asked once);
-        without direct writes, each piece against ``max_message_bytes``. One piece costs no
-        call: the daemon refuses it whole."""
+        each piece (with direct writes, each item) against ``max_message_bytes``. One piece
+        costs no call: the daemon refuses it whole."""
         pieces = self._pieces(len(encs)) if pieces is None else pieces
         if spans or len(pieces) > 1:
             check_value_sizes(encs, self.daemon_max_value_bytes())
         if self._direct_w is None:
             for p in pieces:
                 self._check_bytes(encs[p], len(encs))
+        else:  # written directly, but any piece may go through gRPC after all (a fallback), item by item
+            for e in encs:
+                self._check_bytes([e], len(encs))
 
     def daemon_max_value_bytes(self) -> int | None:
         """The daemon's ``max_value_bytes``, asked (``Describe``) on the first call and kept for

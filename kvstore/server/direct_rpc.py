@@ -35,6 +35,8 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Tenant
 from kvstore.server.wire import PermissionDenied, RequestTooLarge, kind_or_default
 
+PUT_FIELDS_BYTES = 256  # a PutRequest's bytes besides its value: key, kind, ttl, tokens, a layout
+
 log = logging.getLogger("kvstore.server.service")
 
 
@@ -65,9 +67,10 @@ class DirectRPC:
             out.pack_bytes, out.fsync, out.orphan_grace_s, out.parallel_writes = (
                 cfg.pack_bytes, cfg.fsync, cfg.orphan_grace_s, cfg.parallel_writes)
         if not tenant.admin:
-            # The data directory (where tenant.secret lives by default) and its marker serve only
-            # mode "auto", which never turns on with tokens (kvstore.direct): a tenant's clients
-            # need the target table alone (QA: any tenant learnt the daemon's data_dir here).
+            # The data directory and its marker serve only mode "auto", which never turns on with
+            # tokens (kvstore.direct): a tenant's clients need the target table alone. Not a secret
+            # kept: the default targets' URLs spell data_dir (QA), and direct I/O means file access
+            # to the targets anyway. tenant.secret (created 0600) is what needs the file mode.
             return out
         out.data_dir = str(st.data_dir)
         try:
@@ -107,7 +110,10 @@ class DirectRPC:
                                    "put through Put/PutStream")
         self._batch(len(r.entries), "commit")
         entries = []
-        most = self.cfg.max_message_bytes - 4096  # what a Get could send back (a put through gRPC: refused)
+        # What a Put could carry, so a Get can send it back (a GetReply holds fewer of a PutRequest's
+        # fields). Bigger: refused whole, and the client puts the batch through gRPC, whose own limits
+        # then decide as for any put (QA: values a Put stores were refused here, 4096 bytes short).
+        most = self.cfg.max_message_bytes - PUT_FIELDS_BYTES
         for e in r.entries:
             if e.plain_len > most:
                 raise RequestTooLarge(f"a written entry of {e.plain_len} bytes could not be read back within "

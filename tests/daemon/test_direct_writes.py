@@ -433,3 +433,30 @@ def test_a_record_whose_tokens_are_not_the_entrys_is_never_read(make_daemon) -> 
         assert plain.put(K("t"), b"v" * 5000, tokens=3)  # lost: a re-put stores it right
         assert plain.get_entry(K("t")).tokens == 3
     s.close()
+
+
+def test_direct_writes_take_what_a_put_over_grpc_takes(make_daemon) -> None:
+    """The same values, the same results with direct writes on or off (QA: a value within 4,096
+    bytes of max_message_bytes was refused by Commit though a Put stores it, and a batch holding
+    one was stored up to its piece). Commit takes what a Put could carry; an entry it refuses
+    goes through gRPC; a value no message can carry is refused before anything is stored."""
+    from kvstore.server.direct_rpc import PUT_FIELDS_BYTES
+    from kvstore.server.wire import RequestTooLarge
+
+    limit = 300_000
+    d = make_daemon(allow_direct_writes=True, max_message_bytes=limit, max_batch_items=4)
+    for mode in ("off", "on"):
+        with kvstore.connect(d.address, direct_writes=mode, max_message_bytes=limit) as s:
+            near = {K(f"{mode}{n}"): os.urandom(n) for n in (limit - PUT_FIELDS_BYTES, limit - 200)}
+            for k, v in near.items():
+                assert s.put(k, v) is True, (mode, len(v))
+            vals = {K(f"{mode}-b{n}"): os.urandom(n) for n in (10, 20, 30, 40, 50, 60, 70, 80, limit - 2000)}
+            assert s.put_many([PutItem(k, v) for k, v in vals.items()]) == [True] * 9, mode
+            assert s.get_many([*near, *vals]) == [*near.values(), *vals.values()], mode
+            over = {K(f"{mode}-o{n}"): os.urandom(n) for n in (10, 20, 30, 40, 50, 60, 70, 80, limit + 10)}
+            with pytest.raises(RequestTooLarge):
+                s.put_many([PutItem(k, v) for k, v in over.items()])
+            assert s.get_many(list(over)) == [None] * 9, mode  # nothing of it stored
+            if mode == "on":
+                st = s.direct_write_stats()["counters"]
+                assert st["direct_writes"] >= 9 and st["fallbacks"] >= 1, st
