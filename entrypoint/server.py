@@ -7,10 +7,12 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
      INVALID_ARGUMENT (``entrypoint.rpc``; so for every method here);
   1. validate (non-empty prompt, image spans inside the prompt and not
      overlapping, an ``image_hash`` that is the content hash of the
-     ``image_data`` sent, known tenant, a finite temperature >= 0, prompt +
+     ``image_data`` sent, known tenant, a finite temperature >= 0, SLOs
+     ``ttft_slo_ms``/``tbt_slo_ms`` >= 0 and not NaN (0 or inf: none), prompt +
      ``max_new_tokens`` within ``max_model_len`` when that is set): misuse is
      INVALID_ARGUMENT before any hop, so a request that could never be decoded
-     costs no prefill;
+     costs no prefill. An ``LBInputError`` that escapes a later hop all the same
+     is INVALID_ARGUMENT too, never UNKNOWN;
   2. ``ve``: each image goes to a vision-encoder worker picked by the VE LB
      (image-hash affinity vs load); its tokens are spliced into the prompt.
      The VE cache is shared by all tenants, so the call carries the tenant's
@@ -70,7 +72,8 @@ from entrypoint.vision import SCOPE_METADATA, check_image_hash, tenant_scope
 from kvstore.keys import BlockHasher, ImageSpan, Namespace
 from lb.cost_model import load_default
 from lb.registry import KINDS, get_policy
-from lb.types import DecodeInstance, DecodeRequest, PrefillInstance, PrefixHits, QueuedPrefill, RouteRequest, VEInstance, VERequest
+from lb.types import (DecodeInstance, DecodeRequest, LBInputError, PrefillInstance, PrefixHits, QueuedPrefill,
+                      RouteRequest, VEInstance, VERequest)
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +182,8 @@ class EntrypointService(pbg.EntrypointServicer):
             yield from self._generate(request, context)
         except Abort as exc:
             context.abort(exc.code, exc.message)
+        except LBInputError as exc:  # a request value the LB refuses is the caller's misuse, not UNKNOWN
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the load balancer refused the request: {exc}")
         finally:
             self._slots.release()
 
@@ -198,6 +203,11 @@ class EntrypointService(pbg.EntrypointServicer):
         if not math.isfinite(temp) or temp < 0:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"temperature must be a finite number >= 0 (0 = greedy), got {temp!r}")
+        for name in ("ttft_slo_ms", "tbt_slo_ms"):  # the LBs refuse these, but only at their hop (after a prefill)
+            slo = getattr(request, name)
+            if math.isnan(slo) or slo < 0:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{name} must be a number of ms >= 0 (0 or inf = no SLO), got {slo!r}")
         max_new = request.sampling.max_new_tokens or self.cfg.default_max_new_tokens
         bound = self.cfg.max_model_len
         if bound and len(toks) + max_new > bound:

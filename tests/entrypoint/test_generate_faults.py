@@ -1,0 +1,66 @@
+"""``Generate`` against misbehaving requests and workers, in process with fake workers (the
+helpers of ``test_service``): request values the LBs refuse are INVALID_ARGUMENT before any
+hop, a decode stream that ends early without an error is a failed attempt (bounded), the
+routing estimate reuses at most what the engine can, VE load spreads over the VE workers, and
+what a tenant is told about the VE cache never depends on other tenants."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.proto import serving_pb2_grpc as pbg
+from lb.types import LBInputError
+from tests.entrypoint.test_service import FIRST_TOKEN, FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
+
+
+def _register_fakes(svc, fakes) -> None:
+    for role, (fake, address) in fakes.items():
+        svc.registry.add(fake.worker_id, role, address)
+
+
+# ----------------------------------------------------------------------------- request values
+
+
+@pytest.mark.parametrize("field, value", [("ttft_slo_ms", -1.0), ("ttft_slo_ms", math.nan),
+                                          ("tbt_slo_ms", -1.0), ("tbt_slo_ms", math.nan)])
+def test_a_negative_or_nan_slo_is_invalid_argument_before_any_hop(stack, field, value):
+    """Before: UNKNOWN ("Exception iterating responses: RouteRequest.ttft_slo_ms must be ..."),
+    and for ``tbt_slo_ms`` only after the prefill ran and the first token was streamed."""
+    svc, ch, fakes, _ = stack()
+    _register_fakes(svc, fakes)
+    req = pb.GenerateRequest(token_ids=list(range(1, 41)), sampling=pb.Sampling(max_new_tokens=4),
+                             **{field: value})
+    events = []
+    with pytest.raises(grpc.RpcError) as ei:
+        for ev in pbg.EntrypointStub(ch).Generate(req, timeout=30):
+            events.append(ev)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+    assert field in ei.value.details()
+    assert events == [] and fakes["prefill"][0].prefills == []
+
+
+def test_inf_and_zero_slos_mean_none_and_are_served(stack):
+    svc, ch, fakes, _ = stack()
+    _register_fakes(svc, fakes)
+    req = pb.GenerateRequest(token_ids=list(range(1, 41)), sampling=pb.Sampling(max_new_tokens=3),
+                             ttft_slo_ms=math.inf, tbt_slo_ms=0.0)
+    events = list(pbg.EntrypointStub(ch).Generate(req, timeout=30))
+    assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2]
+
+
+def test_an_lb_input_error_escaping_a_hop_is_invalid_argument_not_unknown(stack, monkeypatch):
+    svc, ch, fakes, _ = stack()
+    _register_fakes(svc, fakes)
+
+    def refuse(req, instances):
+        raise LBInputError("DecodeRequest.tbt_slo_ms must be None or a number of ms >= 0, got -1")
+
+    monkeypatch.setattr(svc.decode_lb, "choose", refuse)
+    req = pb.GenerateRequest(token_ids=list(range(1, 41)), sampling=pb.Sampling(max_new_tokens=4))
+    with pytest.raises(grpc.RpcError) as ei:
+        list(pbg.EntrypointStub(ch).Generate(req, timeout=30))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tbt_slo_ms" in ei.value.details()
