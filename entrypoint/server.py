@@ -30,7 +30,9 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
 Failover: a worker that fails a call with a retryable status (``RETRYABLE``:
 UNAVAILABLE, a broken stream, a missed deadline) is marked down and the hop is re-dispatched to another instance of
 its role, at most ``max_attempts`` times. A decode stream that breaks midway
-resumes on another worker from the tokens already sent; the new worker loads
+resumes on another worker from the tokens already sent (a stream that ends
+early with no token and no error counts as a failed attempt too, so it cannot
+spin); the new worker loads
 the KV persisted so far and recomputes only the tail, and since sampling
 depends only on (seed, output index), the client sees one uninterrupted,
 identical stream. A non-retryable status (INVALID_ARGUMENT, FAILED_PRECONDITION,
@@ -284,16 +286,19 @@ class EntrypointService(pbg.EntrypointServicer):
         # 5. decode, with failover mid-stream
         attempts = 0
         failovers = []
+        last_failure = ""  # why the last attempt failed, for the error when no worker is left
         dstats: dict = {}
         while len(generated) < max_new:
             dreq = DecodeRequest(context_tokens=len(prompt) + len(generated), max_new_tokens=max_new - len(generated),
                                  tbt_slo_ms=request.tbt_slo_ms or None)
             live = self.registry.ready("decode")
             if not live:
-                raise Abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is up")
+                raise Abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is up" +
+                            (f" (after {attempts} failed attempts; last: {last_failure})" if attempts else ""))
             inst = self._pick(self.decode_lb.choose(dreq, [self._decode_snapshot(i) for i in live]), live, "decode")
             t = ms()
-            yield hop("decode_start", worker=inst.worker_id, resume_at=len(generated))
+            before = len(generated)
+            yield hop("decode_start", worker=inst.worker_id, resume_at=before)
             call = inst.stub.Decode(pb.DecodeRequest(request_id=rid, token_ids=prompt, generated=generated,
                                                      tenant_salt=salt, sampling=sampling, images=images),
                                     timeout=self._timeout(context))
@@ -308,20 +313,27 @@ class EntrypointService(pbg.EntrypointServicer):
                                     f"expected {len(generated)}: this is a bug")
                     generated.append(ev.token_id)
                     yield pb.GenerateEvent(kind="token", token_id=ev.token_id, index=ev.index, t_ms=ms())
-                yield hop("decode", worker=inst.worker_id, tokens=len(generated), ms=ms() - t, **dstats)
             except grpc.RpcError as exc:
                 if not context.is_active():
                     return
                 if exc.code() not in RETRYABLE:  # the request's fault, not the worker's: no failover
                     raise Abort(exc.code(), f"decode worker {inst.worker_id}: {exc.details()}") from exc
-                attempts += 1
-                self.registry.mark_down(inst.worker_id, f"decode stream broke: {exc.code()}")
-                failovers.append({"worker": inst.worker_id, "at_token": len(generated), "ms": ms()})
-                yield hop("failover", worker=inst.worker_id, code=str(exc.code()), resumed_at=len(generated),
-                          ms=ms() - t)
-                if attempts >= self.cfg.max_attempts:
-                    raise Abort(grpc.StatusCode.UNAVAILABLE,
-                                f"decode failed on {attempts} workers; last error {exc.code()}") from exc
+                code, last_failure = str(exc.code()), f"decode worker {inst.worker_id}: {exc.code()}"
+            else:
+                if len(generated) > before or len(generated) >= max_new:  # progress: resume (or done)
+                    yield hop("decode", worker=inst.worker_id, tokens=len(generated), ms=ms() - t, **dstats)
+                    continue
+                # A stream that ends without a token and without an error is a failed attempt, as a
+                # broken one is: retrying on the same footing would spin (and hold a slot) forever.
+                code = "ended without a token"
+                last_failure = (f"decode worker {inst.worker_id} ended its stream at token {len(generated)} of "
+                                f"{max_new} without a token or an error")
+            attempts += 1
+            self.registry.mark_down(inst.worker_id, f"decode stream failed: {code}")
+            failovers.append({"worker": inst.worker_id, "at_token": len(generated), "ms": ms()})
+            yield hop("failover", worker=inst.worker_id, code=code, resumed_at=len(generated), ms=ms() - t)
+            if attempts >= self.cfg.max_attempts:
+                raise Abort(grpc.StatusCode.UNAVAILABLE, f"decode failed on {attempts} attempts; last: {last_failure}")
         self.registry.routed(inst.worker_id, keys)
         summary = {"request_id": rid, "tokens": generated, "ttft_ms": ttft, "total_ms": ms(),
                    "prompt_tokens": len(prompt), "store_hit_blocks": hit.hit_blocks, "failovers": failovers}

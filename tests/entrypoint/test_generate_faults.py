@@ -64,3 +64,66 @@ def test_an_lb_input_error_escaping_a_hop_is_invalid_argument_not_unknown(stack,
     with pytest.raises(grpc.RpcError) as ei:
         list(pbg.EntrypointStub(ch).Generate(req, timeout=30))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tbt_slo_ms" in ei.value.details()
+
+
+# ----------------------------------------------------------------------------- decode streams
+
+
+class EmptyDecode(FakeWorker):
+    """A decode worker whose stream ends at once, with no token and no error."""
+
+    def Decode(self, request, context):
+        self._record("Decode", context)
+        return iter(())
+
+
+def _decode_calls(*fakes) -> int:
+    return sum(1 for f in fakes for m, _ in f.calls if m == "Decode")
+
+
+def test_a_decode_stream_that_ends_with_no_token_is_a_bounded_failed_attempt(stack):
+    """Before: the decode loop re-dispatched at once, forever (thousands of Decode calls until
+    the client's deadline; without one, for ever, holding a slot)."""
+    svc, ch, fakes, _ = stack(max_attempts=3)
+    svc.registry.add(fakes["prefill"][0].worker_id, "prefill", fakes["prefill"][1])
+    opened: list = []
+    try:
+        empties = [EmptyDecode(f"empty-{i}", "decode") for i in range(3)]
+        for e in empties:
+            svc.registry.add(e.worker_id, "decode", _serve_fake(e, opened))
+        req = pb.GenerateRequest(token_ids=list(range(1, 41)), sampling=pb.Sampling(max_new_tokens=4))
+        events = []
+        with pytest.raises(grpc.RpcError) as ei:
+            for ev in pbg.EntrypointStub(ch).Generate(req, timeout=10):
+                events.append(ev)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value.details()
+        assert "empty-" in ei.value.details() and "without a token" in ei.value.details()
+        assert _decode_calls(*empties) == 3  # max_attempts, one per worker
+        assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN]
+        assert sum(1 for e in events if e.kind == "hop" and '"failover"' in e.detail) == 3
+        # One worker only: down after its attempt, so the error says why none is left.
+        svc.registry.remove("empty-1"), svc.registry.remove("empty-2")
+        svc.registry.poll_once()  # empty-0 answers its heartbeat: up again
+        with pytest.raises(grpc.RpcError) as ei:
+            list(pbg.EntrypointStub(ch).Generate(req, timeout=10))
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "empty-0" in ei.value.details()
+        assert _decode_calls(*empties) == 4
+    finally:
+        for close in opened:
+            close(None)
+
+
+def test_after_an_empty_stream_the_request_resumes_on_another_decode_worker(stack):
+    svc, ch, fakes, _ = stack()
+    opened: list = []
+    try:
+        empty = EmptyDecode("empty-0", "decode")
+        svc.registry.add(empty.worker_id, "decode", _serve_fake(empty, opened))  # first in snapshot order
+        _register_fakes(svc, fakes)
+        req = pb.GenerateRequest(token_ids=list(range(1, 41)), sampling=pb.Sampling(max_new_tokens=4))
+        events = list(pbg.EntrypointStub(ch).Generate(req, timeout=10))
+        assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2, 3]
+        assert _decode_calls(empty) <= 1 and _decode_calls(fakes["decode"][0]) == 1
+    finally:
+        for close in opened:
+            close(None)
