@@ -20,7 +20,10 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
      sent by hash alone (empty ``image_data``) is found only if this tenant
      has sent its bytes before; otherwise the VE refuses it (INVALID_ARGUMENT);
   3. ``lookup``: block hashes through ``kvstore.keys`` (tenant-salted), and the
-     store's longest cached prefix (and SWA boundary);
+     store's longest cached prefix (and SWA boundary) among the blocks an engine
+     can reuse: at most ``(len(prompt) - 1) // block_size``, as the engine plugin
+     caps it (the last prompt token is always computed); the prefill route's
+     cached-token estimate uses the same cap;
   4. ``prefill``: the Prefill LB picks an instance (estimated TTFT per tier),
      or admission control rejects the request (RESOURCE_EXHAUSTED with the
      LB's reason); the worker prefills and saves KV to the store;
@@ -263,9 +266,10 @@ class EntrypointService(pbg.EntrypointServicer):
         # 3. prefix lookup
         hasher = BlockHasher(self.cfg.namespace, self.cfg.block_size, salt)
         keys = hasher.hash_blocks(prompt, spans)
+        usable = self._reusable_blocks(prompt, keys)
         t = ms()
         try:
-            hit = self.store.lookup(keys)
+            hit = self.store.lookup(keys[:usable]) if usable else kvstore.LookupResult(0, None)
         except kvstore.KVStoreError as exc:  # a store that is down means a cold prefill, not a failure
             log.warning("store lookup failed (%s): routing as a miss", exc)
             hit = kvstore.LookupResult(0, None)
@@ -371,9 +375,17 @@ class EntrypointService(pbg.EntrypointServicer):
                  for i in live]
         return self._pick(self.ve_lb.choose(VERequest((img.image_hash,)), snaps), live, "ve")
 
+    def _reusable_blocks(self, prompt, keys) -> int:
+        """Blocks of ``keys`` an engine can reuse for ``prompt``: at most ``(len(prompt) - 1) // block_size``,
+        since the last prompt token is always computed (its logits give the first output token). The
+        engine plugin caps its own lookup by the same rule (``KVStoreConnector.get_num_new_matched_tokens``),
+        so the lookup hop and the LB's cost see what the engine will load, not one block more."""
+        return min(len(keys), (len(prompt) - 1) // self.cfg.block_size)
+
     def _route_request(self, prompt, keys, store_hit: int, request) -> RouteRequest:
-        in_store = set(keys[:store_hit]).__contains__  # the store is shared: one answer for every instance
-        hits = {i.worker_id: PrefixHits.from_tiers(keys, device=i.holds, store=in_store)
+        usable = keys[:self._reusable_blocks(prompt, keys)]
+        in_store = set(usable[:store_hit]).__contains__  # the store is shared: one answer for every instance
+        hits = {i.worker_id: PrefixHits.from_tiers(usable, device=i.holds, store=in_store)
                 for i in self.registry.instances("prefill")}
         return RouteRequest(prompt_tokens=len(prompt), num_blocks=len(keys), hits=hits, block_hashes=tuple(keys),
                             ttft_slo_ms=request.ttft_slo_ms or None, block_tokens=self.cfg.block_size)
@@ -385,7 +397,7 @@ class EntrypointService(pbg.EntrypointServicer):
         return self._pick(self.prefill_lb.choose(route, snaps), live, "prefill")
 
     def _tracked_prefill(self, inst: Instance, rid: str, route: RouteRequest, preq, context):
-        cached = route.hit_of(inst.worker_id).total * route.block_tokens
+        cached = route.cached_tokens(route.hit_of(inst.worker_id).total)  # hits are capped: see _reusable_blocks
         with self._lock:
             inst.inflight[rid] = (max(0, route.prompt_tokens - cached), cached)
         try:

@@ -6,6 +6,7 @@ what a tenant is told about the VE cache never depends on other tenants."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import grpc
@@ -124,6 +125,60 @@ def test_after_an_empty_stream_the_request_resumes_on_another_decode_worker(stac
         events = list(pbg.EntrypointStub(ch).Generate(req, timeout=10))
         assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2, 3]
         assert _decode_calls(empty) <= 1 and _decode_calls(fakes["decode"][0]) == 1
+    finally:
+        for close in opened:
+            close(None)
+
+
+# ----------------------------------------------------------------------------- routing estimate
+
+
+class RecordingPrefill(FakeWorker):
+    """A prefill fake that records the entrypoint's in-flight estimate of each Prefill it gets."""
+
+    def __init__(self, worker_id: str, svc):
+        super().__init__(worker_id, "prefill")
+        self.svc = svc
+        self.inflight: list = []
+
+    def Prefill(self, request, context):
+        inst = next(i for i in self.svc.registry.instances("prefill") if i.worker_id == self.worker_id)
+        self.inflight.append(list(inst.inflight.values()))
+        return super().Prefill(request, context)
+
+
+def test_the_routing_estimate_reuses_at_most_len_minus_one_over_block_size_blocks(stack, monkeypatch):
+    """A 33-token prompt's 2 blocks are cached (device and store); its 32-token prefix is exactly
+    2 blocks, of which the engine reuses (32 - 1) // 16 = 1 (it must compute the last token).
+    Before: the lookup hop said 2 of 2 and the route counted 32 cached tokens, a suffix of 0."""
+    from kvstore.keys import BlockHasher
+
+    svc, ch, fakes, _ = stack()
+    opened: list = []
+    try:
+        prefill = RecordingPrefill("rec-prefill", svc)
+        svc.registry.add(prefill.worker_id, "prefill", _serve_fake(prefill, opened))
+        svc.registry.add(fakes["decode"][0].worker_id, "decode", fakes["decode"][1])
+        routes = []
+        choose = svc.prefill_lb.choose
+        monkeypatch.setattr(svc.prefill_lb, "choose",
+                            lambda route, snaps: routes.append(route) or choose(route, snaps))
+        stub = pbg.EntrypointStub(ch)
+        long = list(range(1, 34))
+        list(stub.Generate(pb.GenerateRequest(token_ids=long, sampling=pb.Sampling(max_new_tokens=2)), timeout=30))
+        keys = BlockHasher(svc.cfg.namespace, svc.cfg.block_size, b"").hash_blocks(long)
+        assert len(keys) == 2
+        for k in keys:  # the store holds both blocks too
+            svc.store.put(k, b"kv" * 8)
+        events = list(stub.Generate(pb.GenerateRequest(token_ids=long[:32], sampling=pb.Sampling(max_new_tokens=2)),
+                                    timeout=30))
+        lookup = next(json.loads(e.detail) for e in events if e.kind == "hop" and '"lookup"' in e.detail)
+        assert (lookup["blocks"], lookup["hit_blocks"]) == (2, 1)
+        assert routes[-1].hit_of(prefill.worker_id).total == 1
+        assert prefill.inflight[-1] == [(16, 16)]  # (suffix tokens, cached tokens), as the engine computes
+        # A prompt one token longer than 2 blocks reuses both.
+        list(stub.Generate(pb.GenerateRequest(token_ids=long, sampling=pb.Sampling(max_new_tokens=2)), timeout=30))
+        assert routes[-1].hit_of(prefill.worker_id).total == 2 and prefill.inflight[-1] == [(1, 32)]
     finally:
         for close in opened:
             close(None)
