@@ -51,6 +51,7 @@ class Instance:
     status: pb.WorkerStatus | None = None
     prefix: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU order
     inflight: dict = field(default_factory=dict)  # request id -> (suffix tokens, cached tokens)
+    encodes: int = 0  # VE: Encode calls this entrypoint has in flight there (under the entrypoint's lock)
 
     def holds(self, h: bytes) -> bool:
         return h in self.prefix

@@ -14,7 +14,8 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
      costs no prefill. An ``LBInputError`` that escapes a later hop all the same
      is INVALID_ARGUMENT too, never UNKNOWN;
   2. ``ve``: each image goes to a vision-encoder worker picked by the VE LB
-     (image-hash affinity vs load); its tokens are spliced into the prompt.
+     (image-hash affinity vs load: a worker's queue counts this entrypoint's Encode calls
+     in flight there, so concurrent images spread); its tokens are spliced into the prompt.
      The VE cache is shared by all tenants, so the call carries the tenant's
      cache scope (``entrypoint.vision.tenant_scope``, gRPC metadata): an image
      sent by hash alone (empty ``image_data``) is found only if this tenant
@@ -258,8 +259,8 @@ class EntrypointService(pbg.EntrypointServicer):
         for img in request.images:
             t = ms()
             inst, reply = self._call("ve", lambda i: self._ve_pick(img, i), context,
-                                     lambda i: i.stub.Encode(pb.EncodeRequest(request_id=rid, image=img),
-                                                             timeout=self._timeout(context), metadata=scope))
+                                     lambda i: self._tracked_encode(i, pb.EncodeRequest(request_id=rid, image=img),
+                                                                    context, scope))
             prompt[img.start:img.start + img.length] = list(reply.token_ids)
             yield hop("ve", worker=inst.worker_id, cache_hit=reply.cache_hit, tokens=img.length,
                       encode_ms=reply.encode_ms, ms=ms() - t)
@@ -370,10 +371,28 @@ class EntrypointService(pbg.EntrypointServicer):
         return next(i for i in live if i.worker_id == decision.chosen)
 
     def _ve_pick(self, img, live: list[Instance]) -> Instance:
-        snaps = [VEInstance(i.worker_id, queue_images=(i.status.waiting + i.status.running) if i.status else 0,
-                            cached_images=frozenset(i.status.cached_images) if i.status else frozenset())
-                 for i in live]
-        return self._pick(self.ve_lb.choose(VERequest((img.image_hash,)), snaps), live, "ve")
+        """The VE LB's pick, counted in flight there (``Instance.encodes``) before the lock is let go.
+
+        An instance's queue is the larger of what its last ``Status`` said (encodes in flight there,
+        from every entrypoint, as of the last heartbeat) and this entrypoint's own Encode calls in
+        flight there (current): without the latter, every uncached image picked between two
+        heartbeats saw the same queues and went to the first instance."""
+        with self._lock:  # snapshot, choice and count together: concurrent picks see each other
+            snaps = [VEInstance(i.worker_id, queue_images=max(i.encodes, (i.status.waiting + i.status.running)
+                                                              if i.status else 0),
+                                cached_images=frozenset(i.status.cached_images) if i.status else frozenset())
+                     for i in live]
+            inst = self._pick(self.ve_lb.choose(VERequest((img.image_hash,)), snaps), live, "ve")
+            inst.encodes += 1
+        return inst
+
+    def _tracked_encode(self, inst: Instance, ereq, context, scope):
+        """``Encode`` on ``inst`` (picked, and counted in flight, by ``_ve_pick``); uncounted when it ends."""
+        try:
+            return inst.stub.Encode(ereq, timeout=self._timeout(context), metadata=scope)
+        finally:
+            with self._lock:
+                inst.encodes -= 1
 
     def _reusable_blocks(self, prompt, keys) -> int:
         """Blocks of ``keys`` an engine can reuse for ``prompt``: at most ``(len(prompt) - 1) // block_size``,

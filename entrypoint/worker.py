@@ -2,7 +2,8 @@
 
 One process serves one role (``ve``, ``prefill`` or ``decode``; see
 ``entrypoint/proto/serving.proto``). The entrypoint dispatches to it and polls
-``Status`` as the heartbeat.
+``Status`` as the heartbeat. A VE worker (no engine runner) reports its
+``Encode`` calls in flight as ``running`` there, so the VE LB sees its load.
 
 Threads: gRPC handler threads only *submit* work and wait on per-request
 queues; one runner thread owns the engine and steps it, so requests submitted
@@ -254,6 +255,8 @@ class WorkerService(pbg.WorkerServicer):
     def __init__(self, cfg: WorkerConfig, runner: EngineRunner | None, encoder: VisionEncoder | None):
         self.cfg, self.runner, self.encoder = cfg, runner, encoder
         self.cache = EncoderCache()
+        self._encodes = 0  # Encode calls in flight (the VE's load in Status: it has no runner)
+        self._encodes_lock = threading.Lock()
         self.block_token_bytes = 0
         if runner is not None:
             pool = runner.engine.pool
@@ -266,6 +269,15 @@ class WorkerService(pbg.WorkerServicer):
 
     def Encode(self, request, context):
         self._need("ve", context)
+        with self._encodes_lock:
+            self._encodes += 1
+        try:
+            return self._encode(request, context)
+        finally:
+            with self._encodes_lock:
+                self._encodes -= 1
+
+    def _encode(self, request, context):
         img = request.image
         t0 = time.perf_counter()
         scope = dict(context.invocation_metadata() or ()).get(SCOPE_METADATA, "").encode()
@@ -344,7 +356,7 @@ class WorkerService(pbg.WorkerServicer):
     def Status(self, request, context):
         if self.runner is not None and self.runner.broken is not None:  # the heartbeat marks us down
             context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id} is down: {self.runner.broken}")
-        load = self.runner.load() if self.runner is not None else {"running": 0, "waiting": 0}
+        load = self.runner.load() if self.runner is not None else {"running": self._encodes, "waiting": 0}
         return pb.WorkerStatus(worker_id=self.cfg.worker_id, role=self.cfg.role,
                                cached_images=self.cache.keys(), **load)
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -179,6 +182,75 @@ def test_the_routing_estimate_reuses_at_most_len_minus_one_over_block_size_block
         # A prompt one token longer than 2 blocks reuses both.
         list(stub.Generate(pb.GenerateRequest(token_ids=long, sampling=pb.Sampling(max_new_tokens=2)), timeout=30))
         assert routes[-1].hit_of(prefill.worker_id).total == 2 and prefill.inflight[-1] == [(1, 32)]
+    finally:
+        for close in opened:
+            close(None)
+
+
+# ----------------------------------------------------------------------------- VE load
+
+
+def _ve_services(n: int, opened: list, delay_s: float = 0.0) -> list:
+    """``n`` real VE ``WorkerService``s served on loopback; each encode takes ``delay_s`` longer and
+    records the service's own ``Status().running`` while it runs (in ``svc.running_seen``)."""
+    from engine_plugin.reference import model_preset
+    from entrypoint.rpc import make_server
+    from entrypoint.vision import VisionEncoder
+    from entrypoint.worker import WorkerConfig, WorkerService
+
+    cfg = model_preset("tiny")
+    out = []
+    for i in range(n):
+        svc = WorkerService(WorkerConfig(role="ve", worker_id=f"ve{i}"), None,
+                            VisionEncoder(cfg.vocab_size, seed=cfg.seed))
+        svc.running_seen = []
+        real = svc.encoder.encode
+
+        def encode(data, length, _svc=svc, _real=real):
+            _svc.running_seen.append(_svc.Status(pb.StatusRequest(), None).running)
+            time.sleep(delay_s)
+            return _real(data, length)
+
+        svc.encoder.encode = encode
+        server, port = make_server(ThreadPoolExecutor(16), [(svc, pb.DESCRIPTOR.services_by_name["Worker"])],
+                                   "127.0.0.1", 0)
+        server.start()
+        opened.append(server.stop)
+        svc.address = f"127.0.0.1:{port}"
+        out.append(svc)
+    return out
+
+
+def test_concurrent_uncached_images_spread_over_the_ve_workers(stack):
+    """Before: a VE worker's Status said running=0, waiting=0 and the entrypoint kept no count of
+    its Encode calls in flight, so every uncached image went to the first VE worker (24 of 24)."""
+    from entrypoint.vision import image_hash
+
+    svc, ch, fakes, _ = stack()
+    _register_fakes(svc, fakes)
+    opened: list = []
+    try:
+        ves = _ve_services(3, opened, delay_s=0.2)
+        for v in ves:
+            svc.registry.add(v.cfg.worker_id, "ve", v.address)
+        stub = pbg.EntrypointStub(ch)
+
+        def one(i: int) -> str:
+            img = f"image number {i} ".encode() * 20
+            req = pb.GenerateRequest(token_ids=list(range(1, 41)), sampling=pb.Sampling(max_new_tokens=2),
+                                     images=[pb.ImageSegment(image_hash=image_hash(img), image_data=img,
+                                                             start=2, length=8)])
+            events = list(stub.Generate(req, timeout=60))
+            return next(json.loads(e.detail)["worker"] for e in events if e.kind == "hop" and '"ve"' in e.detail)
+
+        with ThreadPoolExecutor(12) as pool:
+            picked = list(pool.map(one, range(24)))
+        per_worker = {v.cfg.worker_id: len(v.running_seen) for v in ves}
+        assert sum(per_worker.values()) == 24 and Counter(per_worker) == Counter(picked)
+        assert all(n >= 4 for n in per_worker.values()), per_worker  # about 8 each; before: {ve0: 24}
+        assert max(n for v in ves for n in v.running_seen) >= 2  # Status reports the encodes in flight
+        assert all(v.Status(pb.StatusRequest(), None).running == 0 for v in ves)  # ...and only those
+        assert all(i.encodes == 0 for i in svc.registry.instances("ve"))  # every count taken back
     finally:
         for close in opened:
             close(None)
