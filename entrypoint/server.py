@@ -19,7 +19,10 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
      The VE cache is shared by all tenants, so the call carries the tenant's
      cache scope (``entrypoint.vision.tenant_scope``, gRPC metadata): an image
      sent by hash alone (empty ``image_data``) is found only if this tenant
-     has sent its bytes before; otherwise the VE refuses it (INVALID_ARGUMENT);
+     has sent its bytes before; otherwise the VE refuses it (INVALID_ARGUMENT).
+     The hop (worker, ``cache_hit``, timings) never depends on other tenants'
+     images: only this tenant's own entries hit, and the LB's affinity key is
+     scoped (``entrypoint.vision.scoped_image_key``);
   3. ``lookup``: block hashes through ``kvstore.keys`` (tenant-salted), and the
      store's longest cached prefix (and SWA boundary) among the blocks an engine
      can reuse: at most ``(len(prompt) - 1) // block_size``, as the engine plugin
@@ -74,7 +77,7 @@ from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import Instance, Registry
 from entrypoint.rpc import make_server
-from entrypoint.vision import SCOPE_METADATA, check_image_hash, tenant_scope
+from entrypoint.vision import SCOPE_METADATA, check_image_hash, scoped_image_key, tenant_scope
 from kvstore.keys import BlockHasher, ImageSpan, Namespace
 from lb.cost_model import load_default
 from lb.registry import KINDS, get_policy
@@ -255,10 +258,11 @@ class EntrypointService(pbg.EntrypointServicer):
         sampling = pb.Sampling(max_new_tokens=max_new, temperature=request.sampling.temperature,
                                seed=request.sampling.seed)
         prompt = list(request.token_ids)
+        scope_key = scope[0][1].encode()  # this tenant's VE cache scope: the LB's affinity is per scope
         # 2. vision encoding
         for img in request.images:
             t = ms()
-            inst, reply = self._call("ve", lambda i: self._ve_pick(img, i), context,
+            inst, reply = self._call("ve", lambda i: self._ve_pick(img, scope_key, i), context,
                                      lambda i: self._tracked_encode(i, pb.EncodeRequest(request_id=rid, image=img),
                                                                     context, scope))
             prompt[img.start:img.start + img.length] = list(reply.token_ids)
@@ -370,7 +374,7 @@ class EntrypointService(pbg.EntrypointServicer):
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{role} admission control: {decision.reason}")
         return next(i for i in live if i.worker_id == decision.chosen)
 
-    def _ve_pick(self, img, live: list[Instance]) -> Instance:
+    def _ve_pick(self, img, scope: bytes, live: list[Instance]) -> Instance:
         """The VE LB's pick, counted in flight there (``Instance.encodes``) before the lock is let go.
 
         An instance's queue is the larger of what its last ``Status`` said (encodes in flight there,
@@ -382,7 +386,8 @@ class EntrypointService(pbg.EntrypointServicer):
                                                               if i.status else 0),
                                 cached_images=frozenset(i.status.cached_images) if i.status else frozenset())
                      for i in live]
-            inst = self._pick(self.ve_lb.choose(VERequest((img.image_hash,)), snaps), live, "ve")
+            key = scoped_image_key(scope, img.image_hash)  # affinity to this tenant's own entries only
+            inst = self._pick(self.ve_lb.choose(VERequest((key,)), snaps), live, "ve")
             inst.encodes += 1
         return inst
 

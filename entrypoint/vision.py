@@ -7,16 +7,22 @@ vocabulary (vector quantisation, as discrete visual tokenizers do). The same
 bytes always give the same tokens, on any machine.
 
 ``EncoderCache`` is the VE output cache keyed by image hash; the VE load
-balancer routes an image to the instance whose cache holds it.
+balancer routes an image to the instance whose cache holds it for the
+request's scope (``scoped_image_key``, the keys a VE worker's ``Status``
+reports).
 
 Trust: the cache is shared by every tenant, so an entry is only ever written
 for a hash that was checked against the bytes that were encoded
-(``check_image_hash``), and a *hash-only* lookup (no bytes sent) is scoped:
-it hits only if the same scope (a tenant-derived namespace the entrypoint
-sends) has itself sent that image's bytes before. A tenant can therefore
-neither poison another's entry (a hash that does not match its bytes is
-refused) nor read an image it never had (another tenant's hash alone gets
-nothing).
+(``check_image_hash``), and every lookup is scoped: it hits only if the same
+scope (a tenant-derived namespace the entrypoint sends) has itself sent that
+image's bytes before. A tenant can therefore neither poison another's entry
+(a hash that does not match its bytes is refused), nor read an image it never
+had (another tenant's hash alone gets nothing), nor learn that another tenant
+sent an image: its bytes are a miss for it (``cache_hit`` false, encoded
+again, so the time taken is a miss's too) until it has sent them itself, and
+the VE LB's affinity follows scoped keys, so the worker picked does not tell
+either. (Other tenants' traffic still moves load and LRU evictions: that
+reveals how busy the VE is, not which images it saw.)
 """
 
 from __future__ import annotations
@@ -37,6 +43,12 @@ SCOPE_METADATA = "kvstack-image-scope"  # gRPC metadata on Encode: the caller's 
 def tenant_scope(tenant: str, salt: bytes) -> str:
     """The VE cache scope of a tenant (hex; sent as ``SCOPE_METADATA``): distinct per tenant."""
     return hashlib.blake2b(tenant.encode() + b"\0" + salt, digest_size=16, person=b"kvstack-vescope").hexdigest()
+
+
+def scoped_image_key(scope: bytes, h: bytes) -> bytes:
+    """The VE LB's affinity key of image hash ``h`` for cache scope ``scope`` (the bytes of a
+    ``tenant_scope``): what a VE worker's ``Status.cached_images`` lists, one per scope holding it."""
+    return hashlib.blake2b(scope + b"\0" + h, digest_size=16, person=b"kvstack-vekey").digest()
 
 
 def image_hash(data: bytes) -> bytes:
@@ -79,10 +91,10 @@ class EncoderCache:
 
     Invariants (module docstring, "Trust"):
       1. ``put`` is only called with a hash verified against the encoded bytes, so an entry's
-         tokens are the image's, whoever put it; a hit on ``get(h, scope, proven=True)`` (the
-         caller has just verified its bytes against ``h``) is safe for any scope.
-      2. Each entry records the scopes that proved they hold the bytes; a hash-only lookup
-         (``proven=False``) hits only for one of them, so a hash alone reveals nothing.
+         tokens are the image's, whoever put it.
+      2. Each entry records the scopes that proved they hold the bytes (by sending them); a
+         lookup hits only for one of them, with or without bytes, so neither a hash alone nor
+         the answer to one's own bytes says anything about other scopes.
     """
 
     def __init__(self, capacity: int = 256):
@@ -90,14 +102,11 @@ class EncoderCache:
         self._d: OrderedDict[bytes, tuple[list[int], set[bytes]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, h: bytes, scope: bytes, *, proven: bool) -> list[int] | None:
+    def get(self, h: bytes, scope: bytes) -> list[int] | None:
+        """The tokens of ``h`` if ``scope`` has put them (sent the bytes) and they are still cached."""
         with self._lock:
             e = self._d.get(h)
-            if e is None:
-                return None
-            if proven:
-                e[1].add(scope)
-            elif scope not in e[1]:
+            if e is None or scope not in e[1]:
                 return None
             self._d.move_to_end(h)
             return e[0]
@@ -111,5 +120,6 @@ class EncoderCache:
                 self._d.popitem(last=False)
 
     def keys(self) -> list[bytes]:
+        """The scoped keys (``scoped_image_key``) of every (entry, scope holding it)."""
         with self._lock:
-            return list(self._d)
+            return [scoped_image_key(sc, h) for h, (_, scopes) in self._d.items() for sc in sorted(scopes)]

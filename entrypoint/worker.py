@@ -20,9 +20,11 @@ stream continues exactly where the dead one stopped).
 
 VE cache trust: ``Encode`` refuses (INVALID_ARGUMENT) image bytes whose
 ``image_hash`` is not their content hash, before the cache is read or written;
-a hash-only ``Encode`` (no bytes) hits only entries its own cache scope (gRPC
-metadata ``kvstack-image-scope``, a tenant-derived namespace the entrypoint
-sends; empty when absent) has sent the bytes of. See ``entrypoint.vision``.
+an ``Encode`` hits (``cache_hit``; no encode) only entries its own cache scope
+(gRPC metadata ``kvstack-image-scope``, a tenant-derived namespace the
+entrypoint sends; empty when absent) has sent the bytes of, so nothing in the
+reply depends on other tenants; ``Status.cached_images`` lists scoped keys
+(``scoped_image_key``). See ``entrypoint.vision``.
 
 Failures: a request the engine refuses (``InvalidRequest`` from
 ``add_request``: a prompt too long for the pool, bad sampling) fails alone
@@ -281,13 +283,14 @@ class WorkerService(pbg.WorkerServicer):
         img = request.image
         t0 = time.perf_counter()
         scope = dict(context.invocation_metadata() or ()).get(SCOPE_METADATA, "").encode()
-        proven = bool(img.image_data)
-        if proven:  # never cache (or serve) tokens under a hash that is not these bytes' hash
+        if img.image_data:  # never cache (or serve) tokens under a hash that is not these bytes' hash
             try:
                 check_image_hash(img.image_hash, img.image_data)
             except InvalidRequest as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        toks = self.cache.get(img.image_hash, scope, proven=proven)
+        # Only this scope's own entries hit: a hit on bytes another tenant sent would tell this
+        # one (by cache_hit, or by the time saved) that someone else sent this image.
+        toks = self.cache.get(img.image_hash, scope)
         hit = toks is not None and len(toks) == img.length
         if not hit:
             try:

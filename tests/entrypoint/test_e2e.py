@@ -186,6 +186,7 @@ def test_workers_refuse_direct_calls_without_the_secret_and_do_nothing(cluster, 
     import kvstore
     from engine_plugin.reference import model_preset
     from entrypoint.proto import serving_pb2_grpc as pbg
+    from entrypoint.vision import scoped_image_key, tenant_scope
     from kvstore.keys import BlockHasher
 
     def refused(call):
@@ -213,8 +214,9 @@ def test_workers_refuse_direct_calls_without_the_secret_and_do_nothing(cluster, 
             timeout=60, metadata=md)))
         assert streamed == []  # not one token
         # Nothing was done: no image tokens cached, no KV written to the store under tenant a's salt.
-        assert image_hash(img) not in ve.Status(pb.StatusRequest(), timeout=10,
-                                                metadata=cluster.worker_metadata()).cached_images
+        cached = ve.Status(pb.StatusRequest(), timeout=10, metadata=cluster.worker_metadata()).cached_images
+        assert not {scoped_image_key(sc.encode(), image_hash(img))  # under no scope (cached_images are scoped)
+                    for sc in ("", tenant_scope("a", salt), tenant_scope("default", b""))} & set(cached)
         assert store.lookup(keys).hit_blocks == 0
         # The entrypoint's own calls carry the secret: the same prompt, as tenant a, is served.
         toks, _, _ = cluster.client().generate(prompt, max_new_tokens=4, tenant="a")

@@ -254,3 +254,48 @@ def test_concurrent_uncached_images_spread_over_the_ve_workers(stack):
     finally:
         for close in opened:
             close(None)
+
+
+# ----------------------------------------------------------------------------- VE cache across tenants
+
+
+def test_what_a_tenant_is_told_about_the_ve_cache_does_not_depend_on_other_tenants(stack):
+    """Tenants A and B send the same image bytes. Before: B's ``ve`` hop said cache_hit: true (and
+    went to the worker holding A's entry), so B learned that another tenant had sent this image."""
+    from entrypoint.vision import image_hash
+
+    svc, ch, fakes, _ = stack(tenants={"default": b"", "a": b"salt-a", "b": b"salt-b"})
+    _register_fakes(svc, fakes)
+    opened: list = []
+    try:
+        ves = _ve_services(2, opened)
+        for v in ves:
+            svc.registry.add(v.cfg.worker_id, "ve", v.address)
+        stub = pbg.EntrypointStub(ch)
+
+        def ve_hop(tenant: str, img: bytes) -> dict:
+            req = pb.GenerateRequest(token_ids=list(range(1, 41)), sampling=pb.Sampling(max_new_tokens=2),
+                                     tenant=tenant, images=[pb.ImageSegment(image_hash=image_hash(img),
+                                                                            image_data=img, start=2, length=8)])
+            events = list(stub.Generate(req, timeout=30))
+            return next(json.loads(e.detail) for e in events if e.kind == "hop" and '"ve"' in e.detail)
+
+        def encodes() -> int:
+            return sum(len(v.running_seen) for v in ves)
+
+        shared, fresh = b"the shared picture " * 30, b"a picture only B has " * 30
+        svc.registry.mark_down("ve0", "test: A's image goes to ve1")
+        a = ve_hop("a", shared)
+        svc.registry.poll_once()  # ve0 up again
+        assert a["worker"] == "ve1" and a["cache_hit"] is False
+        again = ve_hop("a", shared)
+        assert again["cache_hit"] is True and again["worker"] == "ve1"  # A's own entry: a hit, by affinity
+        n = encodes()
+        b = ve_hop("b", shared)
+        assert b["cache_hit"] is False  # before: True
+        assert encodes() == n + 1  # encoded for B (a miss's time), not served from A's entry
+        assert b["worker"] == ve_hop("b", fresh)["worker"]  # chosen as for an image nobody sent
+        assert ve_hop("b", shared)["cache_hit"] is True  # B's own entry from now on
+    finally:
+        for close in opened:
+            close(None)

@@ -246,7 +246,9 @@ def test_ve_hash_only_lookup_hits_only_for_a_scope_that_sent_the_bytes(ve):
     assert ei.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
     again = encode("tenant-a", h, b"")  # A's own image by hash: served from the cache
     assert again.cache_hit and list(again.token_ids) == list(first.token_ids)
-    assert encode("tenant-b", h, img).cache_hit  # B with the bytes: verified, then a (safe) hit
+    # B with the bytes: a miss for B (a hit would tell B that another tenant sent them), encoded.
+    b_first = encode("tenant-b", h, img)
+    assert not b_first.cache_hit and list(b_first.token_ids) == list(first.token_ids)
     assert encode("tenant-b", h, b"").cache_hit  # ...and now B has proven it holds the image
 
 
