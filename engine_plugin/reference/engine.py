@@ -25,8 +25,9 @@ One step (``step``), in order, and why:
 
 Batching loops over requests inside a step (the model runs one request's
 chunk at a time); the scheduler still runs several requests together.
-Sampling is greedy (``temperature == 0``) or Gumbel-max with noise seeded by
-``(seed, output index)``, so a request's tokens do not depend on how its
+Sampling is greedy (``temperature == 0``) or Gumbel-max with noise drawn from
+numpy's SeedSequence over ``(seed, output index)`` (every uint64 seed its own
+stream; torch's CPU generator would keep 32 bits of a seed), so a request's tokens do not depend on how its
 prefix was obtained or on which engine continues it.
 
 Misuse is refused by ``add_request`` (``InvalidRequest``) before anything is
@@ -54,6 +55,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from engine_plugin.connector import (ForwardContext, KVConnectorBase, KVLayout, RestorePlan, ScheduledChunk,
@@ -65,9 +67,6 @@ from kvstore.errors import InternalError, InvalidRequest
 from kvstore.keys import BlockHasher, ImageSpan, Namespace, check_image_spans
 
 log = logging.getLogger(__name__)
-
-_SEED_SPACE = 1 << 63  # what torch.Generator.manual_seed takes
-
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -475,9 +474,11 @@ class Engine:
         sp = req.sampling
         if sp.temperature <= 0:
             return int(torch.argmax(logits))
-        # torch seeds are 64-bit signed: any seed (the wire's is uint64) and offset fold into them
-        gen = torch.Generator().manual_seed((sp.seed * 1_000_003 + sp.output_offset + len(req.output)) % _SEED_SPACE)
-        u = torch.rand(logits.shape, generator=gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+        # numpy's SeedSequence hashes the whole (seed, index) pair, any size: torch's CPU generator
+        # keeps only 32 bits of its seed, so seeds 2**32 apart (or seed + index folded into one
+        # number) shared one noise stream
+        rng = np.random.default_rng((sp.seed, sp.output_offset + len(req.output)))
+        u = torch.from_numpy(rng.random(tuple(logits.shape))).clamp_(1e-12, 1 - 1e-12)
         gumbel = -torch.log(-torch.log(u))
         return int(torch.argmax(logits.double().cpu() / sp.temperature + gumbel))
 

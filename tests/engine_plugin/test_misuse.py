@@ -236,6 +236,19 @@ def test_any_wire_seed_samples_and_fails_no_other_request(rig, seed):
     assert again.output == big.output  # still a function of (seed, output index)
 
 
+@pytest.mark.parametrize("other", [5 + 2**32, 5 + 2**63, 6])
+def test_every_seed_has_a_noise_stream_of_its_own(rig, other):
+    """The sampler seeded torch's CPU generator, which keeps only the low 32 bits of a seed, with
+    ``seed * 1_000_003 + index``: wire seeds 2**32 apart sampled the same tokens (and seed 6's
+    stream was seed 5's, shifted by a million tokens). The noise now comes from the whole
+    (seed, index) pair, so none of these agree with seed 5."""
+    def sample(seed):
+        sampling = SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed)
+        return rig.engine(connector=False).generate([1, 2, 3], sampling).output
+    assert sample(5) == sample(5)  # still a function of (seed, output index) alone
+    assert sample(5) != sample(other)
+
+
 @pytest.mark.parametrize("images, match", [
     ([(b"img", 0, 4)], "list of ImageSpan"),
     ("not spans", "list of ImageSpan"),
