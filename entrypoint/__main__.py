@@ -12,6 +12,11 @@ Worker secret (``entrypoint.auth``): ``--worker-secret-file FILE``, else the
 (they send it to ``Register``, and require it of the entrypoint's calls).
 Without either, the entrypoint serves on loopback only and warns once.
 
+Client tokens (``entrypoint.clients``): ``--client-tokens FILE`` (the kvstore
+daemon's tokens-file format) makes every ``Generate`` act for its bearer
+token's tenant only. Without it the request's tenant field is trusted, and an
+entrypoint with several tenants serves on loopback only.
+
 ``--max-model-len N``: prompt + ``max_new_tokens`` over N is refused
 (INVALID_ARGUMENT) before any prefill; 0 is no bound. Default: the model
 preset's ``max_model_len`` when it has one, else 0. Set it to what a decode
@@ -32,6 +37,7 @@ from entrypoint._cli import OneLineParser, fail
 from entrypoint.auth import SECRET_ENV, load_worker_secret
 from entrypoint.server import EntrypointConfig, serve
 from kvstore.api import DTYPES
+from kvstore.server.auth import read_tokens_file
 from lb.registry import POLICIES
 from lb.types import LBError
 
@@ -57,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"file holding the secret shared with the workers: they send it to Register, and "
                          f"it is sent on every call to them (default: ${SECRET_ENV}; none: loopback only, "
                          "with a warning)")
+    ap.add_argument("--client-tokens", default="", metavar="FILE",
+                    help="TOML file of client bearer tokens ([tokens] \"TOKEN\" = \"TENANT\"): each Generate then "
+                         "acts for its token's tenant only (entrypoint.clients; default: none, the request's "
+                         "tenant field is trusted, and several tenants serve on loopback only)")
     try:
         a = ap.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2), its one line already printed
@@ -88,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                                worker_timeout_s=a.worker_timeout_s,
                                kv_bytes_per_token=mcfg.d_global * DTYPES[mcfg.dtype],
                                max_model_len=max_model_len,
-                               worker_secret=load_worker_secret(a.worker_secret_file))
+                               worker_secret=load_worker_secret(a.worker_secret_file),
+                               client_tokens=read_tokens_file(a.client_tokens)[0] if a.client_tokens else {})
         return serve(cfg, a.store, host=a.host, port=a.port, heartbeat_s=a.heartbeat_s, stop=stop,
                      ready=lambda addr: print("READY " + json.dumps({"address": addr}), flush=True))
     except (kvstore.KVStoreError, LBError, OSError) as exc:

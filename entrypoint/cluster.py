@@ -197,11 +197,13 @@ class Cluster:
 
 
 class Client:
-    """A small synchronous client of ``Entrypoint.Generate``."""
+    """A small synchronous client of ``Entrypoint.Generate``; ``token``: its client token, if the
+    entrypoint has client tokens (``entrypoint.clients``)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, token: str = ""):
         self.channel = grpc.insecure_channel(address)
         self.stub = pbg.EntrypointStub(self.channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
     def generate(self, token_ids: list[int], *, max_new_tokens: int = 8, images: list[pb.ImageSegment] = (),
                  tenant: str = "", temperature: float = 0.0, seed: int = 0, request_id: str = "",
@@ -211,7 +213,7 @@ class Client:
                                  sampling=pb.Sampling(max_new_tokens=max_new_tokens, temperature=temperature,
                                                       seed=seed))
         tokens, hops, summary = [], [], {}
-        for ev in self.stub.Generate(req, timeout=timeout):
+        for ev in self.stub.Generate(req, timeout=timeout, metadata=self._metadata):
             if on_event is not None:
                 on_event(ev)
             if ev.kind == "token":

@@ -46,9 +46,15 @@ identical stream. A non-retryable status (INVALID_ARGUMENT, FAILED_PRECONDITION,
 RESOURCE_EXHAUSTED, ...) from any hop is the request's, not the worker's: it is
 returned to the client and the worker stays up.
 
+Clients: with client tokens (``entrypoint.clients``), ``Generate`` acts for
+its bearer token's tenant only (UNAUTHENTICATED without a known token,
+PERMISSION_DENIED naming another tenant), checked before step 1; without
+them, the request's ``tenant`` field is taken as sent.
+
 Membership: ``Register`` and ``Deregister`` need the worker secret when one is
 configured (``entrypoint.auth``: UNAUTHENTICATED otherwise, and nothing
-changes); ``ListWorkers`` is open. Every call to a worker (every hop above, and
+changes); ``ListWorkers`` is open, unless there are client tokens: then it
+takes one of them or the worker secret. Every call to a worker (every hop above, and
 the heartbeat) carries the same secret, since the workers require it
 (``entrypoint.registry`` opens the channels).
 
@@ -73,6 +79,7 @@ import grpc
 
 import kvstore
 from entrypoint.auth import WorkerAuth, check_listen, check_secret
+from entrypoint.clients import ClientAuth, check_open_tenants
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import Instance, Registry
@@ -109,6 +116,9 @@ class EntrypointConfig:
     # Shared secret of the membership calls and of every call to a worker ("": none; see
     # entrypoint.auth). Not in repr: logs.
     worker_secret: str = field(default="", repr=False)
+    # Client bearer token -> tenant ({}: the request's tenant field is trusted; entrypoint.clients).
+    # Not in repr: logs.
+    client_tokens: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         """Checked here, before anything is started (``InvalidRequest`` naming the field)."""
@@ -139,6 +149,7 @@ class EntrypointConfig:
                 raise kvstore.InvalidRequest(f"tenants {seen[salt]!r} and {tenant!r} have the same salt: they would "
                                              "share every KV key; give each a distinct salt")
             seen[salt] = tenant
+        ClientAuth(self.client_tokens).check_tenants(self.tenants)
         for kind, name in (("prefill", self.prefill_policy), ("decode", self.decode_policy), ("ve", self.ve_policy)):
             if name not in KINDS[kind]:
                 raise kvstore.InvalidRequest(f"unknown {kind} policy {name!r}; known: {', '.join(sorted(KINDS[kind]))}")
@@ -163,6 +174,7 @@ class EntrypointService(pbg.EntrypointServicer):
         self._slots = threading.BoundedSemaphore(cfg.max_inflight)
         self._lock = threading.Lock()
         self.auth = WorkerAuth(cfg.worker_secret)
+        self.clients = ClientAuth(cfg.client_tokens)
 
     # ------------------------------------------------------------------ membership RPCs
     def Register(self, request, context):
@@ -179,6 +191,8 @@ class EntrypointService(pbg.EntrypointServicer):
         return pb.RegisterReply(ok=ok, message="removed" if ok else "unknown worker")
 
     def ListWorkers(self, request, context):
+        if self.clients.enabled and not (self.auth.enabled and self.auth.admits(context.invocation_metadata())):
+            self.clients.authenticate(context)  # a client token or the worker secret
         return pb.WorkerList(workers=[pb.WorkerInfo(worker_id=i.worker_id, role=i.role, address=i.address)
                                       for i in self.registry.ready()])
 
@@ -200,14 +214,14 @@ class EntrypointService(pbg.EntrypointServicer):
         rem = context.time_remaining()
         return self.cfg.worker_timeout_s if rem is None else max(0.001, min(rem, self.cfg.worker_timeout_s))
 
-    def _validate(self, request) -> tuple[bytes, list[ImageSpan], int]:
-        """Step 1: (tenant salt, image spans, max_new_tokens), or ``Abort`` with INVALID_ARGUMENT."""
+    def _validate(self, request, tenant: str) -> tuple[bytes, list[ImageSpan], int]:
+        """Step 1: (``tenant``'s salt, image spans, max_new_tokens), or ``Abort`` with INVALID_ARGUMENT."""
         toks = request.token_ids
         if not toks:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: send at least one token id")
-        salt = self.cfg.tenants.get(request.tenant or "default")
+        salt = self.cfg.tenants.get(tenant)
         if salt is None:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown tenant {request.tenant!r}")
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown tenant {tenant!r}")
         temp = request.sampling.temperature
         if not math.isfinite(temp) or temp < 0:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -253,8 +267,9 @@ class EntrypointService(pbg.EntrypointServicer):
             detail["hop"] = name
             return pb.GenerateEvent(kind="hop", detail=json.dumps(detail), t_ms=ms())
 
-        salt, spans, max_new = self._validate(request)
-        scope = ((SCOPE_METADATA, tenant_scope(request.tenant or "default", salt)),)
+        tenant = self.clients.tenant_of(context, request.tenant) or "default"
+        salt, spans, max_new = self._validate(request, tenant)
+        scope = ((SCOPE_METADATA, tenant_scope(tenant, salt)),)
         sampling = pb.Sampling(max_new_tokens=max_new, temperature=request.sampling.temperature,
                                seed=request.sampling.seed)
         prompt = list(request.token_ids)
@@ -444,14 +459,16 @@ def serve(cfg: EntrypointConfig, store_url: str, *, host: str = "127.0.0.1", por
           stop: threading.Event | None = None) -> int:
     """Run the entrypoint until ``stop`` is set (or forever). Calls ``ready(address)`` once listening.
 
-    A ``host`` beyond loopback without ``cfg.worker_secret`` is refused before anything is
-    opened (``entrypoint.auth.check_listen``). A failure while starting (a bad policy, a port
+    A ``host`` beyond loopback without ``cfg.worker_secret`` (``entrypoint.auth.check_listen``),
+    or with several tenants and no ``cfg.client_tokens`` (``entrypoint.clients.check_open_tenants``),
+    is refused before anything is opened. A failure while starting (a bad policy, a port
     that cannot be bound) raises after closing what was already opened (the store)."""
     from concurrent import futures
 
     if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
         raise kvstore.InvalidRequest(f"heartbeat_s must be a finite number > 0, got {heartbeat_s!r}")
     check_listen(host, cfg.worker_secret)
+    check_open_tenants(host, cfg.tenants, ClientAuth(cfg.client_tokens))
     store = kvstore.connect(store_url)
     registry = Registry(heartbeat_s=heartbeat_s, worker_secret=cfg.worker_secret)
     server = None

@@ -92,6 +92,37 @@ def load_server_secret(path: Path) -> bytes:
     return data
 
 
+def read_tokens_file(tokens_file: str) -> tuple[dict[str, str], set[str]]:
+    """(token -> tenant name, admin tenant names) of a tokens file (module docstring); its
+    misuse is ``InvalidRequest`` naming the file. The daemon (``TokenTable.load``) and the
+    entrypoint's client tokens (``entrypoint.clients``) read the one format."""
+    try:
+        with open(tokens_file, "rb") as fh:
+            doc = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidRequest(f"cannot read tokens file {tokens_file}: {exc}") from exc
+    unknown = sorted(set(doc) - {"tokens", "admin_tenants"})
+    if unknown:
+        raise InvalidRequest(f"{tokens_file}: unknown key(s) {unknown}; a tokens file has [tokens] and "
+                             "admin_tenants only")
+    tokens = doc.get("tokens")
+    if not isinstance(tokens, dict) or not tokens:
+        raise InvalidRequest(f"{tokens_file} needs a non-empty [tokens] table of token = \"tenant\"")
+    admin_list = doc.get("admin_tenants", [])
+    # A string here would be iterated letter by letter: "ops" would make tenants o, p and s admins.
+    if not isinstance(admin_list, list) or not all(isinstance(a, str) and a for a in admin_list):
+        raise InvalidRequest(f"{tokens_file}: admin_tenants must be a list of tenant names, e.g. "
+                             f"admin_tenants = [\"ops\"]; got {admin_list!r}")
+    for tok, name in tokens.items():
+        if not isinstance(name, str) or not name or len(tok) < 8:
+            raise InvalidRequest(f"{tokens_file}: each token needs >= 8 characters and a tenant name")
+        if not (tok.isascii() and tok.isprintable()) or tok != tok.strip():
+            # a client sends it in a gRPC header: such a token could never authenticate
+            raise InvalidRequest(f"{tokens_file}: the token of tenant {name!r} must be printable ASCII with no "
+                                 "leading or trailing spaces")
+    return dict(tokens), set(admin_list)
+
+
 @dataclass(frozen=True, slots=True)
 class TokenTable:
     """Bearer token -> tenant, from a tokens file. Empty table: auth disabled."""
@@ -104,32 +135,9 @@ class TokenTable:
 
     @classmethod
     def load(cls, tokens_file: str, server_secret: bytes) -> "TokenTable":
-        try:
-            with open(tokens_file, "rb") as fh:
-                doc = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise InvalidRequest(f"cannot read tokens file {tokens_file}: {exc}") from exc
-        unknown = sorted(set(doc) - {"tokens", "admin_tenants"})
-        if unknown:
-            raise InvalidRequest(f"{tokens_file}: unknown key(s) {unknown}; a tokens file has [tokens] and "
-                                 "admin_tenants only")
-        tokens = doc.get("tokens")
-        if not isinstance(tokens, dict) or not tokens:
-            raise InvalidRequest(f"{tokens_file} needs a non-empty [tokens] table of token = \"tenant\"")
-        admin_list = doc.get("admin_tenants", [])
-        # A string here would be iterated letter by letter: "ops" would make tenants o, p and s admins.
-        if not isinstance(admin_list, list) or not all(isinstance(a, str) and a for a in admin_list):
-            raise InvalidRequest(f"{tokens_file}: admin_tenants must be a list of tenant names, e.g. "
-                                 f"admin_tenants = [\"ops\"]; got {admin_list!r}")
-        admins = set(admin_list)
+        tokens, admins = read_tokens_file(tokens_file)
         out: dict[bytes, Tenant] = {}
         for tok, name in tokens.items():
-            if not isinstance(name, str) or not name or len(tok) < 8:
-                raise InvalidRequest(f"{tokens_file}: each token needs >= 8 characters and a tenant name")
-            if not (tok.isascii() and tok.isprintable()) or tok != tok.strip():
-                # a client sends it in a gRPC header: such a token could never authenticate
-                raise InvalidRequest(f"{tokens_file}: the token of tenant {name!r} must be printable ASCII with no "
-                                     "leading or trailing spaces")
             secret = hashlib.blake2b(name.encode(), key=server_secret[:64], digest_size=32,
                                      person=b"kvstack-tsecret").digest()
             out[tok.encode()] = Tenant(name, secret, admin=name in admins)

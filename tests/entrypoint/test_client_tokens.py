@@ -1,0 +1,132 @@
+"""Client tokens (``entrypoint.clients``): with a tokens file, a Generate acts for its token's
+tenant only. Before, the request's ``tenant`` field was trusted as sent, so any client could
+name another tenant and read which prompts it had cached (the lookup hop's cached tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+import kvstore
+from engine_plugin.reference import model_preset
+from entrypoint import auth
+from entrypoint.__main__ import main as entrypoint_main
+from entrypoint.clients import ClientAuth
+from entrypoint.cluster import Client
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.proto import serving_pb2_grpc as pbg
+from entrypoint.server import EntrypointConfig, serve
+from kvstore.keys import BlockHasher
+from tests.entrypoint.test_service import FIRST_TOKEN, SECRET, stack  # noqa: F401 - the fixture
+
+ACME, GLOBEX = "acme-token-0123456789", "globex-token-0123456789"
+TENANTS = {"default": b"", "acme": b"salt-a", "globex": b"salt-g"}
+TOKENS = {ACME: "acme", GLOBEX: "globex"}
+PROMPT = list(range(1, 50))  # 3 full blocks of 16, and one token more
+
+
+def _bearer(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+def _generate(stub, md, tenant: str = "") -> list:
+    req = pb.GenerateRequest(token_ids=PROMPT, tenant=tenant, sampling=pb.Sampling(max_new_tokens=2))
+    return list(stub.Generate(req, timeout=30, metadata=md))
+
+
+def _hit_blocks(events) -> int:
+    (lookup,) = [json.loads(e.detail) for e in events if e.kind == "hop" and json.loads(e.detail)["hop"] == "lookup"]
+    return lookup["hit_blocks"]
+
+
+def _seed_acme_prompt(svc) -> None:
+    """Acme's prompt cached in the store under acme's salt, as acme's own prefill leaves it."""
+    cfg = svc.cfg
+    hasher = BlockHasher(cfg.namespace, cfg.block_size, TENANTS["acme"])
+    for h in hasher.hash_blocks(PROMPT):
+        svc.store.put(h, b"kv" * 8)
+
+
+def test_a_token_acts_for_its_own_tenant_and_cannot_name_another(stack):  # noqa: F811
+    svc, ch, fakes, entry = stack(tenants=TENANTS, client_tokens=TOKENS)
+    for role, (fake, address) in fakes.items():
+        svc.registry.add(fake.worker_id, role, address)
+    _seed_acme_prompt(svc)
+    stub = pbg.EntrypointStub(ch)
+    mine = _generate(stub, _bearer(ACME))  # the field left empty: the token's tenant
+    assert _hit_blocks(mine) == 3 and [e.token_id for e in mine if e.kind == "token"][0] == FIRST_TOKEN
+    assert _hit_blocks(_generate(stub, _bearer(ACME), "acme")) == 3
+    assert _hit_blocks(_generate(stub, _bearer(GLOBEX))) == 0  # globex's own salt: a miss
+    for asked in ("acme", "no-such-tenant"):  # one answer either way: a token cannot probe tenant names
+        with pytest.raises(grpc.RpcError) as ei:
+            _generate(stub, _bearer(GLOBEX), asked)
+        assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert ei.value.details() == "this token acts for its own tenant only; send tenant 'globex' or leave it empty"
+    prefills = len(fakes["prefill"][0].prefills)
+    for md in ((), _bearer("not-a-token-at-all"), (("authorization", ACME),)):
+        with pytest.raises(grpc.RpcError) as ei:
+            _generate(stub, md, "acme")
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in ei.value.details()
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.ListWorkers(pb.Empty(), timeout=10, metadata=md)
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert len(fakes["prefill"][0].prefills) == prefills  # the refused calls reached no worker
+    assert len(stub.ListWorkers(pb.Empty(), timeout=10, metadata=_bearer(ACME)).workers) == 2
+    client = Client(entry, token=GLOBEX)  # the library's client sends its token
+    try:
+        assert client.generate(PROMPT, max_new_tokens=2)[0][0] == FIRST_TOKEN
+    finally:
+        client.close()
+
+
+def test_without_tokens_the_field_is_trusted_and_list_workers_stays_open(stack):  # noqa: F811
+    svc, ch, fakes, _ = stack(tenants=TENANTS, worker_secret=SECRET)
+    for role, (fake, address) in fakes.items():
+        svc.registry.add(fake.worker_id, role, address)
+    _seed_acme_prompt(svc)
+    stub = pbg.EntrypointStub(ch)
+    assert _hit_blocks(_generate(stub, (), "acme")) == 3
+    assert len(stub.ListWorkers(pb.Empty(), timeout=10).workers) == 2
+
+
+def test_with_tokens_list_workers_also_takes_the_worker_secret(stack):  # noqa: F811
+    svc, ch, fakes, _ = stack(tenants=TENANTS, client_tokens=TOKENS, worker_secret=SECRET)
+    svc.registry.add(fakes["decode"][0].worker_id, "decode", fakes["decode"][1])
+    stub = pbg.EntrypointStub(ch)
+    assert len(stub.ListWorkers(pb.Empty(), timeout=10, metadata=auth.metadata(SECRET)).workers) == 1
+    with pytest.raises(grpc.RpcError) as ei:  # the worker secret is no client token
+        _generate(stub, auth.metadata(SECRET), "acme")
+    assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_token_for_an_unconfigured_tenant_is_refused_at_start():
+    with pytest.raises(kvstore.InvalidRequest, match=r"tenant\(s\) \['initech'\] that are not configured"):
+        EntrypointConfig(namespace=model_preset("tiny").namespace(), tenants=TENANTS,
+                         client_tokens={**TOKENS, "initech-token-0123": "initech"})
+
+
+def test_several_tenants_beyond_loopback_need_client_tokens(tmp_path):
+    cfg = EntrypointConfig(namespace=model_preset("tiny").namespace(), tenants=TENANTS, worker_secret=SECRET)
+    with pytest.raises(kvstore.InvalidRequest, match="beyond loopback.*--client-tokens"):
+        serve(cfg, str(tmp_path / "refused"), host="0.0.0.0")
+    assert not (tmp_path / "refused").exists()  # refused before the store was opened
+
+
+def test_tokens_never_show_in_a_repr():
+    cfg = EntrypointConfig(namespace=model_preset("tiny").namespace(), tenants=TENANTS, client_tokens=TOKENS)
+    for text in (repr(cfg), repr(ClientAuth(TOKENS))):
+        assert ACME not in text and GLOBEX not in text
+
+
+def test_the_command_line_reads_the_tokens_file_and_refuses_a_bad_one(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[tokens]\n"short" = "acme"\n')
+    assert entrypoint_main(["--client-tokens", str(bad), "--tenant", "acme=salt-a", "--store",
+                            str(tmp_path / "s")]) == 2
+    assert ">= 8 characters" in capsys.readouterr().err
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text(f'[tokens]\n"{ACME}" = "acme"\n')
+    assert entrypoint_main(["--client-tokens", str(unknown), "--store", str(tmp_path / "s")]) == 2
+    assert "['acme'] that are not configured" in capsys.readouterr().err
