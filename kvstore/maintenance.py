@@ -203,11 +203,12 @@ def _purge_grave(store: "EmbeddedStore", due: Sequence[DueGrave], dry_run: bool,
 
 
 def _delete(tgt, rel: str) -> bool:
-    """Delete ``rel`` on ``tgt``: False when it could not (logged; the bytes are not counted as
-    reclaimed until the orphan sweep removes the file: QA found them counted twice)."""
+    """Delete ``rel`` on ``tgt``: True when this call removed it. False when it could not
+    (logged; the bytes are not counted as reclaimed until the orphan sweep removes the file:
+    QA found them counted twice) or when it was not there (a lost fragment, or one another
+    pass removed: nothing freed here)."""
     try:
-        tgt.delete(rel)
-        return True
+        return tgt.delete(rel)
     except OSError as exc:  # a down target keeps the file; the orphan sweep gets it later
         log.warning("cannot delete %s on %s: %s", rel, tgt.name, exc)
         return False

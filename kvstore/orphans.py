@@ -158,11 +158,13 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
                              target=name, detail=rel, fixed=not dry_run)
             if not dry_run:
                 try:
-                    tgt.delete(rel)
+                    removed = tgt.delete(rel)
                 except OSError as exc:
                     log.warning("orphan sweep: cannot delete %s on %s: %s", rel, name, exc)
                     problems.append(replace(orphan, detail=f"{rel} (cannot delete: {exc})", fixed=False))
                     continue
+                if not removed:
+                    continue  # gone since the listing (another pass swept it): not freed here
             problems.append(orphan)
             n += 1
             nbytes += size

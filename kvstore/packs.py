@@ -116,8 +116,7 @@ class PackIO:
             if t is not None:
                 try:
                     size = t.stat(pack_path(gen))[0]
-                    t.delete(pack_path(gen))
-                    freed += size
+                    freed += size * t.delete(pack_path(gen))  # not counted when removed meanwhile
                 except OSError:
                     pass  # not on this target, or an orphan GC will sweep
         return freed

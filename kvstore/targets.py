@@ -9,8 +9,9 @@ mounted distributed file system). The store calls exactly four operations:
   directory (rename is atomic on POSIX; the directory fsync makes the new name
   durable). Object stores (s3, gcs, memory) publish a whole object in one
   call, which is already atomic.
-* ``read(rel) -> bytes`` (``read_into(rel, buf, offset)`` for a range), ``delete(rel)``,
-  ``walk() -> (rel, size, mtime)``.
+* ``read(rel) -> bytes`` (``read_into(rel, buf, offset)`` for a range),
+  ``delete(rel) -> bool`` (True when this call removed the file, False when it was not
+  there; GC counts only what it removed), ``walk() -> (rel, size, mtime)``.
 
 Two kinds of file, both named from the entry's record (``kvstore.index.Meta``):
 a *fragment file* (one put's fragment ``i``: ``fragment_path``) and a *pack file*
@@ -314,11 +315,16 @@ class Target:
         return n
 
     @_asking
-    def delete(self, rel: str) -> None:
+    def delete(self, rel: str) -> bool:
+        """Remove ``rel``: True when this call removed it, False when it was not there (GC counts
+        only the bytes it freed). ``TargetUnavailable`` (or ``TargetUnreachable``) instead of
+        False when the root is gone or cannot be asked: it may hold the file when it is back."""
         try:
             self.fs.rm_file(self._p(rel))
+            return True
         except FileNotFoundError:
-            pass
+            self._check_up()
+            return False
 
     @_asking
     def stat(self, rel: str) -> tuple[int, float]:
@@ -361,6 +367,27 @@ class ObjectTarget(Target):
             return True
         except FileNotFoundError:  # no such bucket
             return self.spec.url.startswith("memory")
+
+    @_asking
+    def delete(self, rel: str) -> bool:
+        """As ``Target.delete``. An object store's delete succeeds whether or not the object was
+        there (S3's DeleteObject), so the object is asked for first, past fsspec's listing cache.
+        Two deletes of one object at once may both see it and both say True: the store's callers
+        count a purge once by its index record (``maintenance._purge_grave``)."""
+        path = self._p(rel)
+        self.fs.invalidate_cache(path)
+        try:
+            there = self.fs.info(path).get("type") == "file"
+        except FileNotFoundError:
+            there = False
+        if not there:
+            self._check_up()
+            return False
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:  # removed since it was asked for (a backend that says so)
+            return False
+        return True
 
     @_asking
     def create_root(self) -> None:
@@ -456,12 +483,14 @@ class LocalTarget(Target):
         st = os.stat(self._p(rel))
         return st.st_size, st.st_mtime
 
-    def delete(self, rel: str) -> None:
+    def delete(self, rel: str) -> bool:
         try:
             os.unlink(self._p(rel))
+            return True
         except FileNotFoundError:  # gone already; but a root away may hold it when it is back
             if not os.path.isdir(self.root):
                 raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root) from None
+            return False
 
     def walk(self) -> Iterator[tuple[str, int, float]]:
         if not os.path.isdir(self.root):

@@ -186,6 +186,31 @@ def test_s3_batch_is_one_pack_object_per_target_read_by_range(s3_store) -> None:
         assert client.list_objects_v2(Bucket=b, Prefix=run).get("Contents", []) == [], b
 
 
+def test_a_delete_on_s3_says_whether_it_removed_the_object(s3_store) -> None:
+    """S3's DeleteObject succeeds whether or not the object is there, so the target's delete
+    said "removed" for an object already gone, and a purge counted a lost fragment's bytes as
+    reclaimed. Now ``delete`` is False for an object not there, and GC counts what it freed."""
+    store, client, run = s3_store
+    t = store.targets["kv-a-p0"]
+    t.write("1/ab/x", b"bytes", fsync=False)
+    list(t.walk())  # fill fsspec's listing cache: the answer must not come from it
+    assert t.delete("1/ab/x") is True
+    assert t.delete("1/ab/x") is False
+    for i in range(3):
+        assert store.put(K(i), os.urandom(30_000 + i))
+    on_s3 = lambda: sum(o["Size"] for b in BUCKETS  # noqa: E731
+                        for o in client.list_objects_v2(Bucket=b, Prefix=run).get("Contents", []))
+    gone = client.list_objects_v2(Bucket="kv-b", Prefix=run)["Contents"][0]["Key"]
+    client.delete_object(Bucket="kv-b", Key=gone)  # a fragment lost behind the store's back
+    total = on_s3()
+    for i in range(3):
+        store.delete(K(i))
+    store.clock = lambda: time.time() + 3600  # past the delete grace
+    out = store.gc()
+    assert out["purged"] == 3 and on_s3() == 0
+    assert out["reclaimed_bytes"] == total, (out, total)
+
+
 def test_credentials_in_an_s3_url_are_used_and_never_recorded(s3_endpoint, tmp_path, monkeypatch) -> None:
     """``s3://KEY:SECRET@bucket/p`` (the form the README shows): before, s3fs took
     "KEY:SECRET@bucket" for the bucket name, so such a target never worked and its error

@@ -49,10 +49,10 @@ def test_an_undeletable_orphan_is_reported_and_the_sweep_goes_on(store, keys, mo
     tgt = store.targets[first]
     delete = tgt.delete
 
-    def read_only(rel: str) -> None:
+    def read_only(rel: str) -> bool:
         if rel.endswith(stuck.name):
             raise PermissionError(1, "Operation not permitted", rel)
-        delete(rel)
+        return delete(rel)
 
     monkeypatch.setattr(tgt, "delete", read_only)
     with caplog.at_level(logging.WARNING, logger="kvstore.maintenance"):
