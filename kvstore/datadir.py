@@ -73,6 +73,20 @@ def _absolute(url: str) -> str:
     return url
 
 
+_LOCAL_SCHEMES = ("file", "local")  # the URL schemes of a local directory (``kvstore.targets.TARGET_TYPES``)
+
+
+def _place(url: str) -> str:
+    """What two target URLs are compared by to tell "the same target": a local target's
+    absolute path however it is spelled (``/x``, ``file:///x``, ``local:///x``, relative),
+    other URLs as written. ``_absolute`` keeps the spelling the marker records; this is only
+    for comparing (QA: ``file:///x`` configured against a recorded ``/x`` hid a rename)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return os.path.abspath(url)
+    return os.path.abspath(rest) if scheme in _LOCAL_SCHEMES else url
+
+
 def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConfig:
     """``config`` with the marker's recorded targets when it names none itself: so ``kvtool``
     and a daemon started without ``KVSTORE_TARGETS`` open the targets the directory was
@@ -211,9 +225,9 @@ class DataDir:
         every fragment there would read as missing (degraded reads, repair rewriting them
         beside themselves); the old name must be given back (``URL#DOMAIN#NAME``)."""
         configured = {t.name for t in self.config.targets}
-        by_url = {_absolute(t.url): t.name for t in self.config.targets}
-        renamed = {r["name"]: by_url[r["url"]] for r in marker.get("targets") or []
-                   if r["name"] not in configured and by_url.get(r["url"], r["name"]) != r["name"]}
+        by_place = {_place(t.url): t.name for t in self.config.targets}
+        renamed = {r["name"]: by_place[_place(r["url"])] for r in marker.get("targets") or []
+                   if r["name"] not in configured and by_place.get(_place(r["url"]), r["name"]) != r["name"]}
         renamed = {old: new for old, new in renamed.items() if old in self.index.target_names()}
         if not renamed or not self.index.has_live():
             return

@@ -225,3 +225,22 @@ def test_a_renamed_target_is_refused_a_replaced_one_is_not(tmp_path, caplog):
             assert s.get(b"k" * 16) == b"hello" * 100
             assert s.repair()["unfixed"] == 0
     assert "differ from those kvstore.json records" in caplog.text
+
+
+@pytest.mark.parametrize("first, then", [("plain", "file"), ("file", "plain")])
+def test_a_rename_is_refused_however_the_local_url_is_spelled(tmp_path, first, then):
+    """A target renamed at its old directory, the directory spelled ``/x`` once and
+    ``file:///x`` the other time (either way round). Before, the URLs were compared as
+    written, so the rename opened and every fragment there read as missing."""
+    from kvstore.errors import InvalidRequest
+
+    data = tmp_path / "data"
+    url = lambda i, how: (f"file://{tmp_path / f'd{i}'}" if how == "file" else str(tmp_path / f"d{i}"))  # noqa: E731
+    targets = lambda how, names: ",".join(f"{url(i, how)}#default#{n}" for i, n in enumerate(names))  # noqa: E731
+    names = [f"t{i}" for i in range(6)]
+    with kvstore.connect(str(data), targets=targets(first, names), fsync=False) as s:
+        s.put(b"k" * 16, b"hello" * 100)
+    with pytest.raises(InvalidRequest, match="'t2' is now configured as 'fast'"):
+        kvstore.connect(str(data), targets=targets(then, [*names[:2], "fast", *names[3:]]), fsync=False)
+    with kvstore.connect(str(data), targets=targets(then, names), fsync=False) as s:  # the same names: fine
+        assert s.get(b"k" * 16) == b"hello" * 100 and s.counters["degraded_reads"] == 0
