@@ -64,11 +64,19 @@ class AdminRPC:
         one gc, check or repair pass at a time, asked by ``Maintain`` or by the unary calls
         (whose handler runs the pass to its end even after its client gave up), so retries
         after client timeouts cannot stack passes up. Background GC skips a round while the
-        slot is taken (``Daemon._gc_loop``)."""
+        slot is taken (``Daemon._gc_loop``): it looks at ``_pass_running``, set here while the
+        slot is held, and never takes the slot itself, so its look never makes a call BUSY."""
         if not self._maintain_slot.acquire(blocking=False):
             raise ServerBusy("a gc, check or repair pass is still running on this daemon (one runs at a time; "
                              "one whose client left stops at its next step, or runs to its end if unary); "
                              "retry shortly")
+        self._pass_running.set()
+
+    def _give_pass_slot(self) -> None:
+        """Give back the slot ``_take_pass_slot`` took. The flag is cleared first: once the slot is
+        free another call may take it and set the flag, which a later clear must not undo."""
+        self._pass_running.clear()
+        self._maintain_slot.release()
 
     @contextmanager
     def _one_pass(self) -> Iterator[None]:
@@ -77,7 +85,7 @@ class AdminRPC:
         try:
             yield
         finally:
-            self._maintain_slot.release()
+            self._give_pass_slot()
 
     def _gc_json(self, dry_run: bool, progress: Callable | None = None) -> str:
         out = self.store.gc(dry_run=dry_run, progress=progress)
@@ -131,13 +139,13 @@ class AdminRPC:
             except BaseException as exc:  # re-raised by the sender below
                 result.set_exception(exc)
             finally:
-                self._maintain_slot.release()
+                self._give_pass_slot()
                 updates.put(None)
 
         try:
             threading.Thread(target=work, name=f"kvstore-maintain-{r.op}", daemon=True).start()
         except BaseException:
-            self._maintain_slot.release()
+            self._give_pass_slot()
             raise
         sent: dict[str, float] = {}
         try:

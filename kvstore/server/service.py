@@ -178,6 +178,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         self._gc_thread: threading.Thread | None = None
         self._stopped, self._stop_lock, self._stop_done = False, threading.Lock(), threading.Event()
         self._maintain_slot = threading.Semaphore(1)  # one admin pass at a time (AdminRPC._take_pass_slot)
+        self._pass_running = threading.Event()  # set while an admin pass holds the slot: what background GC reads
 
     def _build(self, server_cfg: ServerConfig, store_cfg: StoreConfig, tls_files: dict[str, bytes]) -> None:
         """The rest of ``__init__`` once the store is open: quota, tokens, the gRPC server,
@@ -339,12 +340,12 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
     def _gc_loop(self) -> None:
         while not self._stop_gc.wait(self.cfg.gc_interval_s):
             # An admin's gc, check or repair pass is running (``AdminRPC._take_pass_slot``): this
-            # round is skipped rather than run beside it. The slot is not held here: an admin's
-            # call is never refused because of a background round.
-            if not self._maintain_slot.acquire(blocking=False):
+            # round is skipped rather than run beside it. The slot is neither held nor taken here,
+            # only its flag read: an admin's call is never refused because of a background round
+            # (before, a look that took and gave back the slot made a call arriving then BUSY).
+            if self._pass_running.is_set():
                 log.info("background gc: skipped, an admin's gc, check or repair pass is running")
                 continue
-            self._maintain_slot.release()
             try:
                 self.metrics.gc_done(self.store.gc())
             except Exception:  # noqa: BLE001 - a failed pass is logged; the next one retries

@@ -60,3 +60,47 @@ def test_one_pass_at_a_time_whether_unary_streamed_or_background(make_daemon) ->
         while not [t for t in gcs if t > busy_from] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [t for t in gcs if t > busy_from], "background gc never ran again"
+
+
+def test_a_background_round_never_makes_an_admin_call_busy(make_daemon) -> None:
+    """Background GC looked at the slot by taking it and giving it back: an admin's Gc arriving
+    in between was refused BUSY though no pass was running. The look is now a flag read: the
+    slot below stalls whoever takes it from the background thread, and the admin call still runs."""
+    d = make_daemon(gc_interval_s=0.05)
+    probing, admin_done = threading.Event(), threading.Event()
+    rounds: list[float] = []
+    real_gc = d.store.gc
+
+    def counted_gc(**kw):
+        if threading.current_thread().name == "kvstore-gc":
+            rounds.append(time.monotonic())
+        return real_gc(**kw)
+
+    class StallingSlot:
+        """The daemon's semaphore; a background-thread holder keeps it until the admin call is done."""
+
+        def __init__(self, sem: threading.Semaphore) -> None:
+            self.sem = sem
+
+        def acquire(self, blocking: bool = True) -> bool:
+            got = self.sem.acquire(blocking)
+            if got and threading.current_thread().name == "kvstore-gc":
+                probing.set()
+                admin_done.wait(10)
+            return got
+
+        def release(self) -> None:
+            self.sem.release()
+
+    d.store.gc = counted_gc
+    d._maintain_slot = StallingSlot(d._maintain_slot)
+    deadline = time.monotonic() + 10
+    while not (probing.is_set() or rounds) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert probing.is_set() or rounds, "no background round came due"
+    with kvstore.connect(d.address) as s:
+        try:
+            assert json.loads(s._stub.Gc(pb.GcRequest(dry_run=True), timeout=10).json)["dry_run"] is True
+        finally:
+            admin_done.set()
+    assert not probing.is_set(), "background gc took the admin pass slot"
