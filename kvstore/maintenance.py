@@ -418,6 +418,17 @@ def _record_repair(store: "EmbeddedStore", ek: bytes, m: Meta, fixed_meta: Meta,
         return True
 
 
+def _unrecorded_detail(m: Meta, fixed_meta: Meta, i: int, why: str) -> str:
+    """What ``check`` says of fragment ``i`` of record ``m``, rewritten by ``_rebuild`` (as in
+    ``fixed_meta``) but not recorded for ``why``: rebuilt in place (its own target, a file of its
+    own: the good file is at the path the record names) or on another target (a file no record
+    names, for the orphan sweep). Before, both read "not rebuilt", though a good file was written."""
+    name = fixed_meta.targets[i]
+    if name == m.targets[i] and (not m.offsets or m.offsets[i] == STANDALONE):
+        return f"rebuilt but not recorded (in place: the good file is at its recorded path on {name}): {why}"
+    return f"rebuilt but not recorded (its new file on {name} is named by no record; GC sweeps it): {why}"
+
+
 def _still_current(store: "EmbeddedStore", ek: bytes, m: Meta, where: str) -> bool:
     """True when ``ek``'s record in ``where`` ("entries" or "lost") is still ``m``'s (same
     generation and fragment places): ``check`` scans a snapshot of the records, and a GC,
@@ -488,17 +499,21 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
         fixed_meta, fixed = rebuilt if rebuilt is not None else (None, set())
         if fixed_meta is not None and where == "entries" and not fixed:
             fixed_meta = None  # nothing rewritten: the record stands as it is
+        unrecorded = ""  # why the fragments rewritten were not recorded (written, so not "not rebuilt")
         if fix and fixed_meta is not None:
             try:
                 if not _record_repair(store, ek, m, fixed_meta, where, written_at):
-                    why.update({i: "the entry changed while it was rebuilt" for i in fixed})
-                    fixed_meta = None
+                    unrecorded = "the entry changed while it was rebuilt"
             except WrittenTooLongAgo as exc:  # its new files may be swept as orphans: not recorded
-                why.update({i: f"rebuilt but not recorded: {exc}" for i in fixed})
-                fixed_meta = None
+                unrecorded = str(exc)
         for i, p in bad.items():
-            problems.append(replace(p, fixed=fixed_meta is not None and i in fixed,
-                                    detail=f"{p.detail}; not rebuilt: {why[i]}" if i in why else p.detail))
+            if unrecorded and i in fixed:
+                detail = f"{p.detail}; {_unrecorded_detail(m, fixed_meta, i, unrecorded)}"
+            else:
+                detail = f"{p.detail}; not rebuilt: {why[i]}" if i in why else p.detail
+            problems.append(replace(p, fixed=not unrecorded and fixed_meta is not None and i in fixed, detail=detail))
+        if unrecorded:
+            fixed_meta = None
         if where == "lost":
             # Readable again (targets came back; any bad fragments listed above): with fix it is
             # live again, its bad fragments rebuilt first.

@@ -450,7 +450,7 @@ def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
             + (f"; {d['targets_down']} targets down (missing or unreachable), not repaired"
                if d.get("targets_down") else ""))
     for line in d.get("unfixed_detail") or ():
-        text += f"\n  not rebuilt: {line}"
+        text += f"\n  unfixed: {line}"  # each line says why: not rebuilt, or rebuilt but not recorded
     if bad:
         text += ("\nsome damage remains, or could not be looked for: bring missing targets back (or add spare "
                  "targets) and run repair again")

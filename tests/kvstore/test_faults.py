@@ -395,3 +395,48 @@ def test_a_repair_that_took_over_half_the_orphan_grace_records_nothing(tmp_path,
         assert res["rebuilt_fragments"] > 0 and res["unfixed"] == 0
         assert all(s.get(k) == v for k, v in vals.items())
         assert {p.kind for p in s.check()} == {ProblemKind.TARGET_DOWN}  # t3, still away
+
+
+@pytest.mark.parametrize("why", ["late", "moved"])
+def test_a_fragment_rebuilt_in_place_but_not_recorded_is_not_called_not_rebuilt(tmp_path, monkeypatch, why):
+    """A missing fragment rebuilt on its own target (the good file written at its recorded
+    path) whose record was then not updated: written too long ago to be indexed, or the entry
+    changed meanwhile. Before, repair reported it "not rebuilt" ("not rebuilt: rebuilt but not
+    recorded", or "not rebuilt: the entry changed"), though the good file was on disk. Now it
+    says it was rebuilt in place and not recorded, and why."""
+    import time
+
+    from kvstore import maintenance
+
+    from .conftest import FakeClock
+
+    base = tmp_path / "ip"
+    targets = ",".join(f"file://{base}/t{i}#d{i}" for i in range(6))  # 4+2 over 6: rebuilt in place
+    clock = FakeClock(time.time())
+    key, value = b"q" * 16, os.urandom(5000)
+    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, clock=clock, orphan_grace_s=60) as s:
+        s.put(key, value)
+        ref = fragment_refs(s, key)[2]
+        good = ref.read_bytes()
+        ref.remove()
+        if why == "late":
+            orig = type(s.targets[ref.target]).write
+
+            def slow_write(self, rel, data, **kw):
+                got = orig(self, rel, data, **kw)
+                clock.advance(40)  # over orphan_grace_s / 2 before the index hears of it
+                return got
+
+            monkeypatch.setattr(type(s.targets[ref.target]), "write", slow_write)
+        else:
+            monkeypatch.setattr(maintenance, "_record_repair", lambda *a, **kw: False)
+        res = s.repair()
+        assert (res["rebuilt_fragments"], res["unfixed"]) == (0, 1), res
+        (line,) = res["unfixed_detail"]
+        assert "not rebuilt" not in line, line
+        assert f"rebuilt but not recorded (in place: the good file is at its recorded path on {ref.target})" in line
+        assert ("orphan_grace_s/2" if why == "late" else "the entry changed while it was rebuilt") in line
+        assert ref.read_bytes() == good  # the good file is there indeed
+        monkeypatch.undo()
+        assert s.get(key) == value
+        assert_clean(s)
