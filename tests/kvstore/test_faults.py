@@ -440,3 +440,25 @@ def test_a_fragment_rebuilt_in_place_but_not_recorded_is_not_called_not_rebuilt(
         monkeypatch.undo()
         assert s.get(key) == value
         assert_clean(s)
+
+
+@pytest.mark.parametrize("reads", [{}, {"parallel_reads": "always"}, {"read_timeout_s": 5.0}],
+                         ids=["fast-path", "parallel", "timeout"])
+def test_unrecoverable_names_the_key_and_every_failed_target(data_dir, reads):
+    """Short of k good fragments, the error names the key and every target whose fragment
+    failed (missing and corrupt alike), not just the first ones tried: the read goes on
+    through the parity fragments before it gives up, whichever read mode."""
+    key, value = b"u" * 16, os.urandom(20000)
+    with kvstore.connect(str(data_dir), fsync=False, **reads) as s:
+        s.put(key, value)
+        refs = fragment_refs(s, key)
+        refs[0].remove()
+        for i in (3, 5):  # corrupt: a bit flipped in the body
+            raw = bytearray(refs[i].read_bytes())
+            raw[-3] ^= 0xFF
+            refs[i].write_bytes(bytes(raw))
+        with pytest.raises(Unrecoverable) as ei:
+            s.get(key)
+    want = {refs[i].target for i in (0, 3, 5)}
+    assert ei.value.key == key and key.hex() in str(ei.value)
+    assert set(ei.value.failed_targets) == want and all(t in str(ei.value) for t in want)
