@@ -57,7 +57,7 @@ before it in the request also hit)
 
 Cost per event
     A snapshot of an instance is O(1): its ``queue`` and ``inflight_blocks``
-    are immutable views (:class:`_QueueView`, :class:`_InflightView`) over
+    are immutable views (:class:`QueueView`, :class:`InflightView`) over
     the instance's append-only job log, not copies of its queue, and its
     ``totals`` (``lb.types.QueueTotals``) come from the running sums each
     instance keeps (a ``QueueLoad``: + at enqueue, - at prefill start), so
@@ -74,11 +74,9 @@ import heapq
 import math
 import random
 import time
-from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Sequence, Set as AbstractSet
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Callable
 
 import numpy as np
@@ -88,6 +86,7 @@ from lb.trace import (  # the trace half (lb/trace.py), re-exported (``__all__``
     LRU, TraceRequest, cacheable_blocks, json_safe, parse_trace, prefix_hits_lru, prompts_beyond_fit,
     reference_hit_ratios,
 )
+from lb.sim_views import InflightView, QueueView
 from lb.types import (
     BLOCK_TOKENS, DecodeInstance, DecodeRequest, LBInputError, LBInternalError, PrefillInstance, PrefixHits,
     QueuedPrefill, QueueLoad, RouteRequest, TierBandwidth,
@@ -194,97 +193,6 @@ class _Job:
     actual: QueuedPrefill | None = None
 
 
-class _QueueView(Sequence):
-    """``PrefillInstance.queue`` of a snapshot, built in O(1): the running request (``head``,
-    if any) then ``items[lo:hi]``, the waiting requests' estimates, FIFO.
-
-    Immutable although it shares ``items`` with the simulator: ``items`` is append-only
-    (:class:`_Prefill` invariant 1), so the slice ``[lo, hi)`` fixed at snapshot time never
-    changes. Compares and hashes like the equivalent tuple.
-    """
-
-    __slots__ = ("_head", "_items", "_lo", "_hi")
-
-    def __init__(self, head: QueuedPrefill | None, items: list, lo: int, hi: int) -> None:
-        self._head, self._items, self._lo, self._hi = head, items, lo, hi
-
-    def __len__(self) -> int:
-        return (self._head is not None) + self._hi - self._lo
-
-    def __iter__(self):
-        rest = self._items[self._lo:self._hi]
-        return iter(rest) if self._head is None else chain((self._head,), rest)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self)[i]
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError("queue index out of range")
-        if self._head is not None:
-            if i == 0:
-                return self._head
-            i -= 1
-        return self._items[self._lo + i]
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (tuple, _QueueView)):
-            return tuple(self) == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return repr(tuple(self))
-
-
-class _InflightView(AbstractSet):
-    """``PrefillInstance.inflight_blocks`` of a snapshot, built in O(1): the cacheable blocks
-    of the jobs at positions ``[lo, hi)`` of an instance's log (queued or running).
-
-    ``b in view`` is a binary search in ``where[b]`` (ascending positions of the jobs holding
-    ``b``); ``bool(view)`` is one subtraction of running block counts (``cum``). Iteration
-    and ``len`` build the set once (O(blocks in flight)). Immutable for the same reason as
-    :class:`_QueueView`: every list it reads is append-only.
-    """
-
-    __slots__ = ("_where", "_blocks", "_cum", "_lo", "_hi", "_set")
-
-    def __init__(self, where: dict, blocks: list, cum: list, lo: int, hi: int) -> None:
-        self._where, self._blocks, self._cum, self._lo, self._hi = where, blocks, cum, lo, hi
-        self._set: frozenset | None = None
-
-    def __contains__(self, b: object) -> bool:
-        pos = self._where.get(b)
-        if not pos:
-            return False
-        i = bisect_left(pos, self._lo)
-        return i < len(pos) and pos[i] < self._hi
-
-    def __bool__(self) -> bool:
-        return self._cum[self._hi] - self._cum[self._lo] > 0
-
-    def _frozen(self) -> frozenset:
-        if self._set is None:
-            self._set = frozenset(chain.from_iterable(self._blocks[self._lo:self._hi]))
-        return self._set
-
-    def __len__(self) -> int:
-        return len(self._frozen())
-
-    def __iter__(self):
-        return iter(self._frozen())
-
-    def __hash__(self) -> int:
-        return hash(self._frozen())
-
-    def __repr__(self) -> str:
-        return f"_InflightView({set(self._frozen())!r})"
-
-
 class _Prefill:
     """Simulated prefill instance: an append-only job log (FIFO queue), device + host LRU.
 
@@ -343,11 +251,11 @@ class _Prefill:
     def waiting(self) -> bool:
         return self.started < len(self.jobs)
 
-    def queue_view(self, head: QueuedPrefill | None) -> _QueueView:
-        return _QueueView(head, self.ests, self.started, len(self.ests))
+    def queue_view(self, head: QueuedPrefill | None) -> QueueView:
+        return QueueView(head, self.ests, self.started, len(self.ests))
 
-    def inflight_view(self) -> _InflightView:
-        return _InflightView(self.where, self.blocks, self.cum, self.done, len(self.jobs))
+    def inflight_view(self) -> InflightView:
+        return InflightView(self.where, self.blocks, self.cum, self.done, len(self.jobs))
 
 
 class _Decode:
