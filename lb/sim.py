@@ -33,8 +33,9 @@ Model (one heap of timed events; ties: completions before arrivals)
        (evicted blocks spill to the host LRU) and the shared store LRU (saved
        after prefill). TTFT = end - arrival. A request with ``output_length``
        0 is then done (no decode, no TBT sample, not judged on the TBT SLO);
-       any other is placed by the decode policy (memory only; a request that
-       does not fit waits for a decode to finish).
+       any other is placed by the decode policy with its TBT SLO (as the entrypoint); one
+       that does not fit waits, FIFO, for a decode to finish (with every batch empty, a
+       request over the SLO alone is placed without it, so it never blocks the line).
     4. *Decode*: a fluid model per decode instance; steps advance at rate
        ``1 / DecodeCostModel.predict(batch tokens, batch requests)``, the
        batch changes on joins/leaves; TBT = decode time / output tokens.
@@ -412,8 +413,11 @@ def simulate(
     def place_decode(idx: int, now: float) -> bool:
         r = reqs[idx]
         snaps = [DecodeInstance(d.id, d.kv_used, d.cap, d.batch_tokens, len(d.active)) for d in dec]
-        dreq = DecodeRequest(r.input_length, r.output_length, None)
-        dd = decode_policy.choose(dreq, snaps)
+        slo = cfg.tbt_slo_ms if cfg.admission else None  # the request's own SLO, as the entrypoint passes it
+        dd = decode_policy.choose(DecodeRequest(r.input_length, r.output_length, slo), snaps)
+        if dd.chosen is None and slo is not None and not any(d.active for d in dec):
+            # no finish can ever bring its TBT under the SLO: placed without it (an SLO miss)
+            dd = decode_policy.choose(DecodeRequest(r.input_length, r.output_length, None), snaps)
         if dd.chosen is None:
             return False
         d = dec[dd.chosen]
