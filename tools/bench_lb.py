@@ -174,15 +174,18 @@ def derive_ttft_slo_ms(reqs: list[TraceRequest], multiple: float) -> tuple[float
 
 def tile_trace(reqs: list[TraceRequest], copies: int) -> list[TraceRequest]:
     """``copies`` back-to-back copies of ``reqs``: copy k is shifted by k spans (span = the trace's
-    duration + its mean gap) and has its own block ids (integer ids offset by k x (max id + 1),
-    other ids paired with k), so no copy reuses another's cache and each has the trace's load."""
+    duration + its mean gap) and has its own block ids (integer ids offset by k x (max id - min id + 1),
+    so copy k's ids lie in ``[min + k w, max + k w]`` with ``w`` >= 1, disjoint from every other copy's,
+    negative ids and a single repeated id included; other ids paired with k), so no copy reuses another's
+    cache and each has the trace's load."""
     if copies <= 1 or not reqs:
         return list(reqs)
     ts = [r.timestamp_ms for r in reqs]
     lo, hi = min(ts), max(ts)
     span = (hi - lo) + (hi - lo) / max(1, len(reqs) - 1)
     ints = all(isinstance(h, int) for r in reqs for h in r.hash_ids)
-    stride = 1 + max((h for r in reqs for h in r.hash_ids), default=0) if ints else 0
+    ids = [h for r in reqs for h in r.hash_ids]
+    stride = (max(ids) - min(ids) + 1 if ids else 1) if ints else 0  # the id range's width: never 0 or < 0
     out = list(reqs)
     for k in range(1, copies):
         for r in reqs:
