@@ -48,6 +48,10 @@ no ratio is printed between it and a complete run (``-``); the best baseline
 is chosen among complete runs. ``--find-load`` takes a truncated run that
 meets the target as a pass (a lower bound met it) and one that misses it as a
 miss, saying so in one line per load (raise ``--max-wall-s`` to decide it).
+When every load it tried met the target (it never found one that misses, so
+it never bracketed the boundary), it says so in one line instead of "load
+found", and ``results.json`` has ``find_load.bracketed: false`` (the speedup
+is only a lower bound).
 
 A trace may start with a UTF-8 byte-order mark (stripped from line 1 only).
 
@@ -75,6 +79,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -192,9 +197,23 @@ def best_baseline(results: dict[str, SimResult]) -> str | None:
     return max(pool, key=key)
 
 
+class LoadSearch(NamedTuple):
+    """What ``find_load`` found: ``speedup``, every load tried (``history``), and ``bracketed``: False
+    when every load tried met the target (none missed it), so ``speedup`` is only a lower bound on the
+    load the best baseline can take, not the boundary the search looks for."""
+
+    speedup: float
+    history: list
+    bracketed: bool
+
+
 def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
-              decode: str = "kvstack") -> tuple[float, list]:
+              decode: str = "kvstack") -> LoadSearch:
     """Largest speedup at which the best baseline's TTFT attainment is >= target (bisection, bounded).
+
+    Doubling from ``cfg.speedup`` brackets the boundary (one load that meets the target, one that
+    does not) in at most ``iters`` runs, then bisects it. No load meeting it raises
+    :class:`NoFeasibleLoad`; no load missing it returns ``bracketed=False`` (a lower bound).
 
     A run cut by ``--max-wall-s`` counts every request that never arrived as a miss, so its
     attainment is a lower bound: >= target is a pass; below it is taken as a miss, which may be
@@ -236,7 +255,7 @@ def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
         raise NoFeasibleLoad(f"--find-load: no baseline meets the TTFT SLO at {target:.0%} even at speedup "
                              f"{s * 2:.3g}; raise --ttft-slo-ms or add --prefill-instances{cut}")
     if hi is None:
-        return lo, history
+        return LoadSearch(lo, history, False)
     for _ in range(iters):
         mid = math.sqrt(lo * hi)
         if ok(mid):
@@ -245,7 +264,7 @@ def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
             hi = mid
         if hi / lo < 1.02:
             break
-    return lo, history
+    return LoadSearch(lo, history, True)
 
 
 def _num(v: float, spec: str) -> str:
@@ -430,12 +449,17 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
                  "cost_model": models.meta.get("command", "defaults")}
     if args.find_load:
         baselines = [n for n in names if n in BASELINES]  # at least one: checked in main()
-        s, hist = find_load(reqs, baselines, cfg, models, progress, args.find_load_target, args.find_load_iters,
-                            args.decode_policy)
+        s, hist, bracketed = find_load(reqs, baselines, cfg, models, progress, args.find_load_target,
+                                       args.find_load_iters, args.decode_policy)
         cfg = replace(cfg, speedup=s)
         out["find_load"] = {"speedup": s, "target_ttft_attainment": args.find_load_target,
-                            "ttft_slo_ms": args.ttft_slo_ms, "history": hist}
-        print(f"load found: speedup {s:.4g} (best baseline TTFT attainment >= {args.find_load_target})")
+                            "ttft_slo_ms": args.ttft_slo_ms, "bracketed": bracketed,
+                            "speedup_is": "boundary" if bracketed else "lower_bound", "history": hist}
+        if bracketed:
+            print(f"load found: speedup {s:.4g} (best baseline TTFT attainment >= {args.find_load_target})")
+        else:
+            print(f"load NOT bracketed: every load tried ({len(hist)}, up to speedup {s:.4g}) met the SLO, none "
+                  f"missed it, so {s:.4g} is only a lower bound; raise --find-load-iters or --speedup")
     sweep = {}
     main_results: dict[str, SimResult] = {}
     for i, cap in enumerate(caps):

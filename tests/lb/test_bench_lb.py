@@ -25,3 +25,23 @@ def test_tile_trace_copies_never_share_a_block_id(ids):
     for a in range(4):
         for b in range(a + 1, 4):
             assert not copies[a] & copies[b], (ids, a, b, copies)
+
+
+def test_find_load_says_when_it_never_bracketed_the_load(tmp_path, capsys):
+    """Every load tried meets the SLO: the search stops at its step bound without a failing load; the
+    line and the JSON say the speedup is only a lower bound, not "load found"."""
+    import json
+
+    import replay_trace
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i * 1e6, "input_length": 512, "output_length": 1,
+                                         "hash_ids": [i]}) + "\n" for i in range(3)))
+    rc = replay_trace.main(["--trace", str(trace), "--policies", "round_robin", "--prefill-instances", "2",
+                            "--find-load", "--find-load-iters", "2", "--ttft-slo-ms", "1e9", "--quiet",
+                            "--store-capacity-blocks", "10", "--out", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "load found" not in out and "NOT bracketed" in out and "lower bound" in out, out
+    fl = json.loads((tmp_path / "o" / "results.json").read_text())["find_load"]
+    assert fl["bracketed"] is False and fl["speedup_is"] == "lower_bound" and len(fl["history"]) == 2
