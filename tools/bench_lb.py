@@ -72,7 +72,10 @@ Exit status (the contract of ``tools/cli_args.py``)
     holds no requests (when the replay runs), an SLO that is not a positive
     number, an output path that can not be written. 1: the replay's
     ``--find-load`` found no load at which the best baseline meets the SLO
-    (``replay_trace.py`` says so in one line).
+    (``replay_trace.py`` says so in one line). Whenever a replay exits non-zero,
+    ``--out`` is still written with what ran so far and ``failed``: the part
+    (``find_load``, ``noise0.3``, ``no_admission``), its exit status and, where
+    the replay wrote one, its ``results.json`` (the loads ``--find-load`` tried).
 """
 
 from __future__ import annotations
@@ -262,6 +265,24 @@ def replay(argv: list[str]) -> int:
         return exc.code if isinstance(exc.code, int) else 2
 
 
+def write_out(path: Path, out: dict) -> None:
+    """``--out``: strict JSON (a figure with no sample, NaN, is null, never a bare NaN)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_safe(out), indent=2, default=str, allow_nan=False))
+    print(f"wrote {path}")
+
+
+def failed_replay(out: dict, path: Path, part: str, rc: int, rdir: Path) -> int:
+    """A replay exited ``rc`` (it said why in one line): ``--out`` gets what ran, with the failure."""
+    out["failed"] = {"part": part, "exit_status": rc, "replay_dir": str(rdir)}
+    try:
+        out["failed"]["replay"] = json.loads((rdir / "results.json").read_text())
+    except (OSError, ValueError):
+        pass  # the replay wrote nothing (refused before running, or interrupted)
+    write_out(path, out)
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench_lb.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -342,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             "--max-wall-s", repr(args.max_wall_s),
         ])
         if rc:
-            return rc
+            return failed_replay(out, args.out, "find_load", rc, rdir)
         out["replay_dir"] = str(rdir)
         out["replay"] = json.loads((rdir / "results.json").read_text())
         note_truncated(out["replay"], "find-load replay", args.max_wall_s)
@@ -359,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--max-wall-s", repr(args.max_wall_s), *extra,
             ])
             if rc:
-                return rc
+                return failed_replay(out, args.out, tag, rc, d)
             out[f"replay_{tag}"] = json.loads((d / "results.json").read_text())
             note_truncated(out[f"replay_{tag}"], f"{tag} replay", args.max_wall_s)
     if args.sim_cost:
@@ -378,10 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['wall_p50_s']:7.1f} {r['wall_p90_s']:8.1f} {r['wall_p50_vs_fastest']:9.2f}  {r['digest']}")
         if any(r["truncated"] for r in rows.values()):
             print(f"note: runs marked * were cut by --max-wall-s {args.max_wall_s:g} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    # strict JSON: a figure with no sample (NaN) is null, never a bare NaN
-    args.out.write_text(json.dumps(json_safe(out), indent=2, default=str, allow_nan=False))
-    print(f"wrote {args.out}")
+    write_out(args.out, out)
     return 0
 
 

@@ -66,7 +66,9 @@ Exit status (the contract of ``tools/cli_args.py``)
     without a baseline to compare with. 1: ``--find-load`` searched and no
     load lets the best baseline meet the SLO (one line says so; raise
     ``--ttft-slo-ms`` or add ``--prefill-instances``, and raise ``--max-wall-s``
-    when it says runs were cut by it); nothing is compared.
+    when it says runs were cut by it); nothing is compared, and ``--out`` gets a
+    ``results.json`` whose ``find_load`` has ``speedup: null``, the ``error`` and
+    the loads tried.
 """
 
 from __future__ import annotations
@@ -95,7 +97,12 @@ log = logging.getLogger("replay_trace")
 
 
 class NoFeasibleLoad(RuntimeError):
-    """``--find-load``: no load at which the best baseline meets the SLO (a result, exit status 1)."""
+    """``--find-load``: no load at which the best baseline meets the SLO (a result, exit status 1);
+    ``history`` holds every load tried, as ``results.json`` records it."""
+
+    def __init__(self, message: str, history: list | None = None) -> None:
+        super().__init__(message)
+        self.history = history or []
 
 
 class Progress:
@@ -253,7 +260,7 @@ def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
         cut = (f"; {len(unsure)} of these loads had runs cut by --max-wall-s {cfg.max_wall_s:g} s, "
                f"so the time bound, not the SLO, may be why: raise --max-wall-s") if unsure else ""
         raise NoFeasibleLoad(f"--find-load: no baseline meets the TTFT SLO at {target:.0%} even at speedup "
-                             f"{s * 2:.3g}; raise --ttft-slo-ms or add --prefill-instances{cut}")
+                             f"{s * 2:.3g}; raise --ttft-slo-ms or add --prefill-instances{cut}", history)
     if hi is None:
         return LoadSearch(lo, history, False)
     for _ in range(iters):
@@ -449,8 +456,18 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
                  "cost_model": models.meta.get("command", "defaults")}
     if args.find_load:
         baselines = [n for n in names if n in BASELINES]  # at least one: checked in main()
-        s, hist, bracketed = find_load(reqs, baselines, cfg, models, progress, args.find_load_target,
-                                       args.find_load_iters, args.decode_policy)
+        try:
+            s, hist, bracketed = find_load(reqs, baselines, cfg, models, progress, args.find_load_target,
+                                           args.find_load_iters, args.decode_policy)
+        except NoFeasibleLoad as exc:  # a result too: results.json records the loads tried, then exit 1
+            out["find_load"] = {"speedup": None, "target_ttft_attainment": args.find_load_target,
+                                "ttft_slo_ms": args.ttft_slo_ms, "bracketed": False, "error": str(exc),
+                                "history": exc.history}
+            if args.out:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "results.json").write_text(json.dumps(json_safe(out), indent=2, default=str,
+                                                                  allow_nan=False))
+            raise
         cfg = replace(cfg, speedup=s)
         out["find_load"] = {"speedup": s, "target_ttft_attainment": args.find_load_target,
                             "ttft_slo_ms": args.ttft_slo_ms, "bracketed": bracketed,

@@ -45,3 +45,31 @@ def test_find_load_says_when_it_never_bracketed_the_load(tmp_path, capsys):
     assert "load found" not in out and "NOT bracketed" in out and "lower bound" in out, out
     fl = json.loads((tmp_path / "o" / "results.json").read_text())["find_load"]
     assert fl["bracketed"] is False and fl["speedup_is"] == "lower_bound" and len(fl["history"]) == 2
+
+
+def _tiny_trace(path: Path, n: int = 3) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"timestamp": i * 1e6, "input_length": 512, "output_length": 1,
+                                        "hash_ids": [i]}) + "\n" for i in range(n)))
+    return path
+
+
+def test_bench_lb_writes_its_json_when_the_replay_fails(tmp_path, capsys):
+    """No load meets a 1 us SLO: exit status 1 (the replay's one line), and --out still holds what ran
+    (the SLO) with the failure recorded: the part, its status and the loads the search tried."""
+    import json
+
+    import bench_lb
+
+    out = tmp_path / "b.json"
+    rc = bench_lb.main(["--trace", str(_tiny_trace(tmp_path / "t.jsonl")), "--out", str(out), "--skip-eplb",
+                        "--ttft-slo-ms", "0.001", "--prefill-instances", "1", "--store-capacity-blocks", "10"])
+    assert rc == 1
+    assert "no baseline meets the TTFT SLO" in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["ttft_slo"]["ttft_slo_ms"] == 0.001 and "replay" not in data
+    failed = data["failed"]
+    assert failed["part"] == "find_load" and failed["exit_status"] == 1
+    fl = failed["replay"]["find_load"]
+    assert fl["speedup"] is None and fl["history"] and "no baseline meets" in fl["error"]
