@@ -57,6 +57,14 @@ TTFT SLO
     predicted cold prefill of a few ms) gets a 100 ms SLO, not 0. The value
     used is printed and recorded in the JSON (``ttft_slo``).
 
+Time bounds
+    The whole run is bounded by ``--max-total-s`` (default 1 h): each replay
+    gets what is left of it (``replay_trace.py --max-total-s``), every
+    simulation is cut at it, and once it is spent nothing more starts (one
+    line, ``--out`` written with ``failed``, exit status 1). Every loop is
+    bounded in count too (``--find-load-iters``, the sweep's capacities,
+    ``--sim-repeats``).
+
 Truncated runs
     Each replay run is bounded by ``--max-wall-s`` (passed to
     ``replay_trace.py``). A run cut by it is marked ``*`` in the replay's
@@ -70,7 +78,7 @@ Exit status (the contract of ``tools/cli_args.py``)
     refused in one line before any part runs: nothing to run (``--skip-eplb``
     and ``--skip-replay`` without ``--sim-cost``), a trace that is missing, unreadable, malformed or
     holds no requests (when the replay runs), an SLO that is not a positive
-    number, an output path that can not be written. 1: the replay's
+    number, an output path that can not be written. 1: ``--max-total-s`` was spent, or the replay's
     ``--find-load`` found no load at which the best baseline meets the SLO
     (``replay_trace.py`` says so in one line). Whenever a replay exits non-zero,
     ``--out`` is still written with what ran so far and ``failed``: the part
@@ -211,15 +219,26 @@ class _Recorder:
         return d
 
 
-def run_sim_cost(reqs: list[TraceRequest], names: list[str], cfg: SimConfig, repeats: int) -> dict:
-    """Wall time of ``simulate`` per policy (``repeats`` runs, sequential) and a digest of its outputs."""
-    out = {}
+def run_sim_cost(reqs: list[TraceRequest], names: list[str], cfg: SimConfig, repeats: int,
+                 deadline: float | None = None) -> dict:
+    """Wall time of ``simulate`` per policy (``repeats`` runs, sequential) and a digest of its outputs.
+
+    Each run is cut at what is left before ``deadline`` (``time.monotonic()``); once nothing is, no
+    run starts: the rows of the runs done are returned (a policy with no run has no row, a row may hold
+    fewer than ``repeats`` runs: :func:`sim_cost_cut` tells)."""
+    out: dict = {}
+    spent = False
     for name in names:
         walls, digests, last = [], set(), None
         for _ in range(repeats):
+            try:
+                run_cfg = replay_trace._run_cfg(cfg, deadline)
+            except replay_trace.TimeBudgetSpent:
+                spent = True
+                break
             rec = _Recorder(get_policy(name))
             t0 = time.perf_counter()
-            res = simulate(reqs, rec, cfg, name=name)
+            res = simulate(reqs, rec, run_cfg, name=name)
             walls.append(time.perf_counter() - t0)
             metrics = res.to_dict()
             metrics.pop("wall_s")
@@ -227,6 +246,8 @@ def run_sim_cost(reqs: list[TraceRequest], names: list[str], cfg: SimConfig, rep
                                     sorted(res.cached_tokens.items()))).encode())
             digests.add(rec.digest.hexdigest()[:16])
             last = (res, rec.decisions)
+        if last is None:
+            break
         res, decisions = last
         row = {"policy": name, "requests": len(reqs), "arrived": res.arrived, "decisions": decisions,
                "served": res.served, "rejected": res.rejected, "truncated": res.truncated,
@@ -237,10 +258,17 @@ def run_sim_cost(reqs: list[TraceRequest], names: list[str], cfg: SimConfig, rep
                  res.arrived, ", TRUNCATED" if res.truncated else "", row["wall_p50_s"],
                  " ".join(f"{w:.1f}" for w in walls), row["digest"])
         out[name] = row
-    best = min(out.values(), key=lambda r: r["wall_p50_s"])["wall_p50_s"]
+        if spent:
+            break
+    best = min((r["wall_p50_s"] for r in out.values()), default=math.nan)
     for row in out.values():
         row["wall_p50_vs_fastest"] = row["wall_p50_s"] / best if best > 0 else math.nan
     return out
+
+
+def sim_cost_cut(rows: dict, names: list[str], repeats: int) -> bool:
+    """Whether ``run_sim_cost`` stopped at its deadline: fewer runs than asked, its only reason."""
+    return len(rows) < len(names) or any(len(r["wall_s"]) < repeats for r in rows.values())
 
 
 def truncated_runs(results: dict) -> list[str]:
@@ -283,6 +311,16 @@ def failed_replay(out: dict, path: Path, part: str, rc: int, rdir: Path) -> int:
     return rc
 
 
+def spent_budget(out: dict, args: argparse.Namespace, part: str) -> int:
+    """``--max-total-s`` was spent before ``part`` (or some of its runs): one line, ``--out`` with what
+    ran and the failure, exit status 1."""
+    msg = f"--max-total-s {args.max_total_s:g} s was spent before {part} finished; raise --max-total-s"
+    print(f"bench_lb.py: error: {msg}", file=sys.stderr)
+    out["failed"] = {"part": part, "exit_status": 1, "error": msg}
+    write_out(args.out, out)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench_lb.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -298,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list for the replay's sweep ('inf' = unbounded)")
     ap.add_argument("--max-wall-s", type=number(1), default=300.0,
                     help="wall-clock bound per replay simulation run (>= 1), passed to replay_trace.py")
+    ap.add_argument("--max-total-s", type=number(1), default=3600.0,
+                    help="wall-clock bound on the whole run (>= 1): every replay and simulation is cut at what "
+                         "is left of it, and none starts once it is spent")
     ap.add_argument("--skip-eplb", action="store_true")
     ap.add_argument("--skip-replay", action="store_true")
     ap.add_argument("--sim-cost", action="store_true", help="also run part 3, the simulator's own cost")
@@ -308,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-policies", default="least_loaded,dynamo", help="part 3: comma list of prefill policies")
     ap.add_argument("--sim-repeats", type=integer(1, 100), default=3, help="part 3: runs per policy (median)")
     args = ap.parse_args(argv)
+    deadline = time.monotonic() + args.max_total_s
     # Every input is checked here, before the EPLB part runs for minutes: nothing is derived
     # from a trace that does not hold requests, and the replay never meets an argument it refuses.
     if args.skip_eplb and args.skip_replay and not args.sim_cost:
@@ -356,11 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_replay:
         print(f"\nTTFT SLO {args.ttft_slo_ms:.0f} ms ({out['ttft_slo']})")
         rdir = replay_dirs[0]
+        if (left := deadline - time.monotonic()) < 1:
+            return spent_budget(out, args, "find_load")
         rc = replay([
             "--trace", str(args.trace), "--find-load", "--ttft-slo-ms", str(args.ttft_slo_ms),
             "--prefill-instances", str(args.prefill_instances), "--speedup", "0.1",
             "--store-capacity-blocks", args.store_capacity_blocks, "--out", str(rdir), "--quiet",
-            "--max-wall-s", repr(args.max_wall_s),
+            "--max-wall-s", repr(args.max_wall_s), "--max-total-s", repr(left),
         ])
         if rc:
             return failed_replay(out, args.out, "find_load", rc, rdir)
@@ -373,11 +417,13 @@ def main(argv: list[str] | None = None) -> int:
         for (tag, extra), d in zip((("noise0.3", ["--noise", "0.3"]), ("no_admission", ["--no-admission"])),
                                    replay_dirs[1:]):
             print(f"\n-- same load, {tag} --")
+            if (left := deadline - time.monotonic()) < 1:
+                return spent_budget(out, args, tag)
             rc = replay([
                 "--trace", str(args.trace), "--ttft-slo-ms", str(args.ttft_slo_ms),
                 "--prefill-instances", str(args.prefill_instances), "--speedup", repr(speedup),
                 "--store-capacity-blocks", args.store_capacity_blocks.split(",")[0], "--out", str(d), "--quiet",
-                "--max-wall-s", repr(args.max_wall_s), *extra,
+                "--max-wall-s", repr(args.max_wall_s), "--max-total-s", repr(left), *extra,
             ])
             if rc:
                 return failed_replay(out, args.out, tag, rc, d)
@@ -389,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                         ttft_slo_ms=args.ttft_slo_ms, max_wall_s=args.max_wall_s, seed=args.seed)
         print(f"\n== simulator cost: {len(tiled)} requests ({args.sim_tile} x the trace), speedup "
               f"{args.sim_speedup:g}, {args.prefill_instances} prefill instances, {args.sim_repeats} runs each ==")
-        rows = run_sim_cost(tiled, sim_policies, cfg, args.sim_repeats)
+        rows = run_sim_cost(tiled, sim_policies, cfg, args.sim_repeats, deadline)
         out["sim_cost"] = {"tile": args.sim_tile, "speedup": args.sim_speedup, "requests": len(tiled),
                            "prefill_instances": args.prefill_instances, "max_wall_s": args.max_wall_s,
                            "results": rows}
@@ -398,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['policy']:13s} {r['requests']:8d} {r['arrived']:8d}{'*' if r['truncated'] else ' '}"
                   f"{r['wall_p50_s']:7.1f} {r['wall_p90_s']:8.1f} {r['wall_p50_vs_fastest']:9.2f}  {r['digest']}")
         if any(r["truncated"] for r in rows.values()):
-            print(f"note: runs marked * were cut by --max-wall-s {args.max_wall_s:g} s")
+            print(f"note: runs marked * were cut by --max-wall-s {args.max_wall_s:g} s (or --max-total-s)")
+        if sim_cost_cut(rows, sim_policies, args.sim_repeats):
+            return spent_budget(out, args, "sim_cost")
     write_out(args.out, out)
     return 0
 

@@ -36,7 +36,9 @@ time across instances). A figure with no sample (nothing served) prints as
 ``n/a`` and is ``null`` in ``results.json``. The first value of
 ``--store-capacity-blocks`` is the one used for the main table; the others
 only feed the sweep. Everything is bounded: ``--limit`` requests,
-``--max-wall-s`` per simulation run, ``--find-load-iters`` bisection steps.
+``--max-wall-s`` per simulation run, ``--find-load-iters`` bisection steps,
+and, with ``--max-total-s``, the whole run: each simulation is cut at what is
+left of it, and once it is spent no simulation starts (one line, exit 1).
 Service times come from ``lb/data/cost_model.json`` (``--cost-model`` to
 override; one warning says how many prompts are longer than any it was fitted
 on); ``--noise`` adds log-normal noise so policies' estimates are not exact.
@@ -63,7 +65,8 @@ Exit status (the contract of ``tools/cli_args.py``)
     missing field, a key twice in one object, nesting too deep, a value no trace
     can mean) or empty, a malformed
     ``--cost-model``, an ``--out`` that is not a directory, or ``--policies``
-    without a baseline to compare with. 1: ``--find-load`` searched and no
+    without a baseline to compare with. 1: ``--max-total-s`` was spent before the last
+    simulation (one line says so), or ``--find-load`` searched and no
     load lets the best baseline meet the SLO (one line says so; raise
     ``--ttft-slo-ms`` or add ``--prefill-instances``, and raise ``--max-wall-s``
     when it says runs were cut by it); nothing is compared, and ``--out`` gets a
@@ -176,16 +179,21 @@ def load_cost_model(path: Path) -> CostModels:
             from None
 
 
-def run_policies(reqs, names, cfg, models, progress: Progress, decode: str = "kvstack") -> dict[str, SimResult]:
+def run_policies(reqs, names, cfg, models, progress: Progress, decode: str = "kvstack",
+                 deadline: float | None = None) -> dict[str, SimResult]:
+    """One simulation per policy in ``names``; each is cut at what is left before ``deadline``."""
     res = {}
     for name in names:
         progress.label = f"{name} x{cfg.speedup:.3g} store={cfg.store_capacity_blocks}"
-        res[name] = simulate(reqs, get_policy(name, models), cfg, name=name, models=models, progress=progress,
-                             decode_policy=get_policy(decode, models, kind="decode"))
+        run_cfg = _run_cfg(cfg, deadline)
+        res[name] = simulate(reqs, get_policy(name, models), run_cfg, name=name, models=models,
+                             progress=progress, decode_policy=get_policy(decode, models, kind="decode"))
         r = res[name]
         if r.truncated:
-            log.warning("%s stopped at --max-wall-s %g s after %d of %d arrivals: its figures cover only that "
-                        "part of the trace", progress.label, cfg.max_wall_s, r.arrived, r.requests)
+            log.warning("%s stopped at --max-wall-s %g s%s after %d of %d arrivals: its figures cover only that "
+                        "part of the trace", progress.label, run_cfg.max_wall_s,
+                        " (what was left of --max-total-s)" if run_cfg.max_wall_s < cfg.max_wall_s else "",
+                        r.arrived, r.requests)
     return res
 
 
@@ -204,6 +212,21 @@ def best_baseline(results: dict[str, SimResult]) -> str | None:
     return max(pool, key=key)
 
 
+class TimeBudgetSpent(RuntimeError):
+    """``--max-total-s`` is spent: no further simulation starts (exit status 1, one line)."""
+
+
+def _run_cfg(cfg: SimConfig, deadline: float | None) -> SimConfig:
+    """``cfg`` for one simulation under the whole-run ``deadline`` (``time.monotonic()``; None: none):
+    cut at what is left of it; raises :class:`TimeBudgetSpent` when nothing is."""
+    if deadline is None:
+        return cfg
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeBudgetSpent("--max-total-s is spent: no further simulation starts; raise --max-total-s")
+    return replace(cfg, max_wall_s=min(cfg.max_wall_s, left))
+
+
 class LoadSearch(NamedTuple):
     """What ``find_load`` found: ``speedup``, every load tried (``history``), and ``bracketed``: False
     when every load tried met the target (none missed it), so ``speedup`` is only a lower bound on the
@@ -215,11 +238,12 @@ class LoadSearch(NamedTuple):
 
 
 def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
-              decode: str = "kvstack") -> LoadSearch:
+              decode: str = "kvstack", deadline: float | None = None) -> LoadSearch:
     """Largest speedup at which the best baseline's TTFT attainment is >= target (bisection, bounded).
 
     Doubling from ``cfg.speedup`` brackets the boundary (one load that meets the target, one that
-    does not) in at most ``iters`` runs, then bisects it. No load meeting it raises
+    does not) in at most ``iters`` loads, then bisects it in at most ``iters`` more; every run
+    is bounded by ``deadline`` (:func:`run_policies`). No load meeting it raises
     :class:`NoFeasibleLoad`; no load missing it returns ``bracketed=False`` (a lower bound).
 
     A run cut by ``--max-wall-s`` counts every request that never arrived as a miss, so its
@@ -230,7 +254,7 @@ def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
     unsure = []  # speedups judged a miss while some baseline run was truncated
 
     def ok(s: float) -> bool:
-        res = run_policies(reqs, baselines, replace(cfg, speedup=s), models, progress, decode)
+        res = run_policies(reqs, baselines, replace(cfg, speedup=s), models, progress, decode, deadline)
         best = max(r.ttft_attainment for r in res.values())
         cut = {n: r for n, r in res.items() if r.truncated}
         history.append({"speedup": s, "best_baseline_ttft_attainment": best,
@@ -391,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="required TTFT attainment (0.9 = p90)")
     ap.add_argument("--find-load-iters", type=integer(1, 64), default=8)
     ap.add_argument("--max-wall-s", type=number(1), default=300.0, help="wall-clock bound per simulation run (>= 1)")
+    ap.add_argument("--max-total-s", type=number(1), default=None,
+                    help="wall-clock bound on the whole run (>= 1; default: none): runs are cut at it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="directory for results.json and PNG plots")
     ap.add_argument("--quiet", action="store_true")
@@ -435,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     try:
         return _run(args, names, models, reqs, caps, cfg, argv)
-    except NoFeasibleLoad as exc:
+    except (NoFeasibleLoad, TimeBudgetSpent) as exc:
         print(f"{ap.prog}: error: {exc}", file=sys.stderr)
         return 1
     except LBInputError as exc:  # misuse found only once running: still one line
@@ -452,13 +478,14 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
     """The simulations, the table and ``--out``, once every input was checked."""
     progress = Progress(args.quiet)
     t0 = time.monotonic()
+    deadline = None if args.max_total_s is None else t0 + args.max_total_s
     out: dict = {"trace": str(args.trace), "requests": len(reqs), "argv": sys.argv[1:] if argv is None else argv,
                  "cost_model": models.meta.get("command", "defaults")}
     if args.find_load:
         baselines = [n for n in names if n in BASELINES]  # at least one: checked in main()
         try:
             s, hist, bracketed = find_load(reqs, baselines, cfg, models, progress, args.find_load_target,
-                                           args.find_load_iters, args.decode_policy)
+                                           args.find_load_iters, args.decode_policy, deadline)
         except NoFeasibleLoad as exc:  # a result too: results.json records the loads tried, then exit 1
             out["find_load"] = {"speedup": None, "target_ttft_attainment": args.find_load_target,
                                 "ttft_slo_ms": args.ttft_slo_ms, "bracketed": False, "error": str(exc),
@@ -482,7 +509,7 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
     for i, cap in enumerate(caps):
         c = replace(cfg, store_capacity_blocks=cap)
         refs = reference_hit_ratios(reqs, cap, block_tokens=c.block_tokens)
-        res = run_policies(reqs, names, c, models, progress, args.decode_policy)
+        res = run_policies(reqs, names, c, models, progress, args.decode_policy, deadline)
         key = "inf" if cap is None else str(cap)
         sweep[key] = {"refs": refs, "results": {n: r.to_dict() for n, r in res.items()}}
         if i == 0:

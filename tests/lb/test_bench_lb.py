@@ -73,3 +73,39 @@ def test_bench_lb_writes_its_json_when_the_replay_fails(tmp_path, capsys):
     assert failed["part"] == "find_load" and failed["exit_status"] == 1
     fl = failed["replay"]["find_load"]
     assert fl["speedup"] is None and fl["history"] and "no baseline meets" in fl["error"]
+
+
+def test_whole_run_time_bound_stops_every_load_loop(tmp_path, monkeypatch, capsys):
+    """--max-total-s: a spent budget starts no simulation (find_load, the sweep, the simulator-cost part);
+    bench_lb then exits 1 in one line with --out written and the part named."""
+    import json
+    import time
+
+    import bench_lb
+    import replay_trace
+    from lb.sim import SimConfig
+
+    reqs = [TraceRequest(float(i), 512, 1, (i,)) for i in range(3)]
+    cfg = SimConfig(prefill_instances=1, decode_instances=1, ttft_slo_ms=None)
+    with pytest.raises(replay_trace.TimeBudgetSpent):
+        replay_trace.find_load(reqs, ["round_robin"], cfg, None, replay_trace.Progress(True), 0.9, 8,
+                               deadline=time.monotonic() - 1)
+    assert replay_trace._run_cfg(cfg, time.monotonic() + 2).max_wall_s <= 2  # a run is cut at what is left
+    assert bench_lb.run_sim_cost(reqs, ["round_robin"], cfg, 2, deadline=time.monotonic() - 1) == {}
+    assert bench_lb.sim_cost_cut({}, ["round_robin"], 2)
+    rows = bench_lb.run_sim_cost(reqs, ["round_robin"], cfg, 2, deadline=time.monotonic() + 600)
+    assert not bench_lb.sim_cost_cut(rows, ["round_robin"], 2) and len(rows["round_robin"]["wall_s"]) == 2
+    trace = _tiny_trace(tmp_path / "t.jsonl")
+    assert replay_trace.main(["--trace", str(trace), "--policies", "round_robin", "--quiet",
+                              "--max-total-s", "600"]) == 0
+    out = tmp_path / "b.json"
+    argv = ["--trace", str(trace), "--out", str(out), "--skip-eplb", "--skip-replay", "--sim-cost",
+            "--sim-tile", "1", "--sim-repeats", "1", "--sim-policies", "round_robin", "--ttft-slo-ms", "1000"]
+
+    def spent(cfg, deadline):
+        raise replay_trace.TimeBudgetSpent("spent")
+
+    monkeypatch.setattr(replay_trace, "_run_cfg", spent)
+    assert bench_lb.main(argv + ["--max-total-s", "5"]) == 1
+    assert "--max-total-s 5 s was spent before sim_cost" in capsys.readouterr().err
+    assert json.loads(out.read_text())["failed"]["part"] == "sim_cost"
