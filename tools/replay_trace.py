@@ -140,7 +140,8 @@ parse_capacities = csv_list(_capacity)  # --store-capacity-blocks (bench_lb chec
 def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     """The requests of a Mooncake JSON-lines trace; any problem with the file is one ``LBInputError``
     that names the file (and the line, for a problem on one line). A UTF-8 byte-order mark at the
-    start of line 1 is skipped; anywhere else it is refused with its line."""
+    start of line 1 is skipped; anywhere else it is refused with its line. The file is read once,
+    front to back, so a pipe works (``--trace /dev/stdin``)."""
 
     def lines(fh):
         for n, raw in enumerate(fh, 1):
@@ -151,10 +152,9 @@ def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
                                    f"a trace is JSON lines") from None
 
     try:
-        with open(path, "rb") as fh:
-            if fh.read(2) == b"\x1f\x8b":
+        with open(path, "rb") as fh:  # buffered: peek, never seek (a pipe or /dev/stdin can not)
+            if fh.peek(2)[:2] == b"\x1f\x8b":
                 raise LBInputError(f"trace {path} is gzip-compressed: decompress it first (gunzip -k {path})")
-            fh.seek(0)
             return parse_trace(lines(fh), limit, source=f"trace {path}")
     except IsADirectoryError:
         raise LBInputError(f"trace {path} is a directory, not a JSON-lines file") from None

@@ -109,3 +109,28 @@ def test_whole_run_time_bound_stops_every_load_loop(tmp_path, monkeypatch, capsy
     assert bench_lb.main(argv + ["--max-total-s", "5"]) == 1
     assert "--max-total-s 5 s was spent before sim_cost" in capsys.readouterr().err
     assert json.loads(out.read_text())["failed"]["part"] == "sim_cost"
+
+
+def test_read_trace_reads_a_pipe(tmp_path):
+    """A non-seekable trace (a FIFO, as /dev/stdin from a pipe) is read; gzip is still told apart."""
+    import gzip
+    import os
+    import threading
+
+    import replay_trace
+    from lb.types import LBInputError
+
+    fifo = tmp_path / "fifo"
+    for payload in (_tiny_trace(tmp_path / "t.jsonl").read_bytes(), gzip.compress(b"{}\n")):
+        os.mkfifo(fifo)
+        writer = threading.Thread(target=fifo.write_bytes, args=(payload,))
+        writer.start()
+        try:
+            if payload[:2] == b"\x1f\x8b":
+                with pytest.raises(LBInputError, match="gzip-compressed"):
+                    replay_trace.read_trace(fifo)
+            else:
+                assert [r.hash_ids for r in replay_trace.read_trace(fifo)] == [(0,), (1,), (2,)]
+        finally:
+            writer.join(timeout=10)
+            fifo.unlink()
