@@ -27,6 +27,14 @@ Guarantees
     ``predict`` is monotone non-decreasing in every argument (coefficients
     are non-negative), returns 0 for zero work except the constant, and
     never raises on valid (non-negative) input.
+
+Validation (every construction: a fit, ``from_json``, a caller): a model that
+can not describe a machine is refused with ``LBInputError`` naming the field.
+Coefficients are finite real numbers >= 0 (not NaN, inf, a JSON ``true``);
+work costs time (a prefill has a per-token or attention cost, a decode step
+some cost: an all-zero model has infinite throughput); a prediction for
+:data:`SANE_MAX_TOKENS` tokens is finite; ``r2`` is a number <= 1 (NaN: not
+fitted); ``kv_bytes_per_token`` > 0 and ``block_tokens`` an integer > 0.
 """
 
 from __future__ import annotations
@@ -50,11 +58,13 @@ __all__ = [
     "DEFAULT_PATH",
     "load_default",
     "nonneg_lstsq",
+    "SANE_MAX_TOKENS",
 ]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = Path(__file__).with_name("data") / "cost_model.json"
+SANE_MAX_TOKENS = 10_000_000  # a prompt (prefill) or a batch (decode) any model must predict finitely
 
 
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tuple[np.ndarray, float]:
@@ -91,8 +101,22 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tupl
 
 
 def _all_nonneg(*values: float) -> bool:
-    """All finite and >= 0 (a NaN coefficient would pass a bare ``< 0`` check)."""
-    return all(math.isfinite(v) and v >= 0 for v in values)
+    """All real numbers (not bool), finite and >= 0 (a NaN coefficient would pass a bare ``< 0`` check)."""
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+               for v in values)
+
+
+def _check_model(name: str, coefs: tuple, r2: float, work: tuple, big: float) -> None:
+    """The shared checks of the module doc's *Validation*; ``work`` are the coefficients that make work
+    cost time (one must be > 0), ``big`` the prediction for :data:`SANE_MAX_TOKENS` tokens."""
+    if not _all_nonneg(*coefs):
+        raise LBInputError(f"{name} coefficients must be finite numbers >= 0, got {coefs}")
+    if not any(v > 0 for v in work):
+        raise LBInputError(f"{name} predicts no time for any work (coefficients {coefs}): infinite throughput")
+    if not math.isfinite(big):
+        raise LBInputError(f"{name} predicts a non-finite time for {SANE_MAX_TOKENS} tokens (coefficients {coefs})")
+    if not (isinstance(r2, (int, float)) and not isinstance(r2, bool) and (math.isnan(r2) or r2 <= 1)):
+        raise LBInputError(f"{name}.r2 must be a number <= 1 (NaN: not fitted), got {r2!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +129,9 @@ class PrefillCostModel:
     r2: float = float("nan")
 
     def __post_init__(self) -> None:
-        if not _all_nonneg(self.const_s, self.per_token_s, self.per_attn_pair_s):
-            raise LBInputError("PrefillCostModel coefficients must be finite numbers >= 0")
+        coefs = (self.const_s, self.per_token_s, self.per_attn_pair_s)
+        big = (self.predict(SANE_MAX_TOKENS) if _all_nonneg(*coefs) else math.nan)
+        _check_model("PrefillCostModel", coefs, self.r2, coefs[1:], big)
 
     @staticmethod
     def features(suffix: np.ndarray, cached: np.ndarray) -> np.ndarray:
@@ -152,8 +177,9 @@ class DecodeCostModel:
     r2: float = float("nan")
 
     def __post_init__(self) -> None:
-        if not _all_nonneg(self.const_s, self.per_token_s, self.per_request_s):
-            raise LBInputError("DecodeCostModel coefficients must be finite numbers >= 0")
+        coefs = (self.const_s, self.per_token_s, self.per_request_s)
+        big = (self.predict(SANE_MAX_TOKENS, SANE_MAX_TOKENS) if _all_nonneg(*coefs) else math.nan)
+        _check_model("DecodeCostModel", coefs, self.r2, coefs, big)
 
     @classmethod
     def fit(cls, samples: Iterable[Sequence[float]]) -> "DecodeCostModel":
@@ -179,9 +205,10 @@ class TransferModel:
     block_tokens: int = BLOCK_TOKENS
 
     def __post_init__(self) -> None:
-        if not (_all_nonneg(self.kv_bytes_per_token, self.block_tokens)
+        if not (_all_nonneg(self.kv_bytes_per_token, self.block_tokens) and isinstance(self.block_tokens, int)
                 and self.kv_bytes_per_token > 0 and self.block_tokens > 0):
-            raise LBInputError("TransferModel needs finite kv_bytes_per_token > 0 and block_tokens > 0")
+            raise LBInputError(f"TransferModel needs finite kv_bytes_per_token > 0 and an integer block_tokens > 0, "
+                               f"got {self.kv_bytes_per_token!r} and {self.block_tokens!r}")
 
     def block_bytes(self) -> float:
         return self.kv_bytes_per_token * self.block_tokens

@@ -55,3 +55,48 @@ def test_json_round_trip_and_committed_file():
     d = load_default()
     assert d.prefill.r2 > 0.9 and d.decode.r2 > 0.9
     assert "fit_cost_model.py" in d.meta["command"] and d.meta["prefill_samples"]
+
+
+@pytest.mark.parametrize("part,field,value,match", [
+    ("prefill", "const_s", -1.0, "finite numbers >= 0"),
+    ("decode", "per_token_s", float("nan"), "finite numbers >= 0"),
+    ("prefill", "per_token_s", float("inf"), "finite numbers >= 0"),
+    ("prefill", "const_s", True, "finite numbers >= 0"),
+    ("prefill", "per_token_s", 1e303, "non-finite time"),
+    ("prefill", "r2", "x", "r2 must be a number"),
+    ("decode", "r2", 5.0, "r2 must be a number"),
+    ("transfer", "kv_bytes_per_token", 0, "kv_bytes_per_token > 0"),
+    ("transfer", "block_tokens", 512.5, "integer block_tokens"),
+])
+def test_absurd_cost_models_are_refused_in_one_line(part, field, value, match):
+    import json
+
+    d = json.loads(CostModels().to_json())
+    d[part][field] = value
+    with pytest.raises(LBInputError, match=match):
+        CostModels.from_json(json.dumps(d))
+
+
+@pytest.mark.parametrize("part,zero", [("prefill", {"per_token_s": 0, "per_attn_pair_s": 0}),
+                                       ("decode", {"const_s": 0, "per_token_s": 0, "per_request_s": 0})])
+def test_a_cost_model_with_free_work_is_refused(part, zero, tmp_path):
+    """All-zero work coefficients: every prefill (or decode step) takes no time, an infinite throughput;
+    the replay tool says so in one line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    d = json.loads(CostModels().to_json())
+    d[part].update(zero)
+    with pytest.raises(LBInputError, match="infinite throughput"):
+        CostModels.from_json(json.dumps(d))
+    (tmp_path / "m.json").write_text(json.dumps(d))
+    (tmp_path / "t.jsonl").write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}\n')
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "tools" / "replay_trace.py"), "--trace", str(tmp_path / "t.jsonl"),
+                        "--cost-model", str(tmp_path / "m.json"), "--quiet"], capture_output=True, text=True,
+                       timeout=120, cwd=root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert line.startswith("replay_trace.py: error: --cost-model") and "infinite throughput" in line, line
