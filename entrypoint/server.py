@@ -165,9 +165,11 @@ class EntrypointService(pbg.EntrypointServicer):
     def __init__(self, cfg: EntrypointConfig, store: kvstore.KVStore, registry: Registry):
         self.cfg, self.store, self.registry = cfg, store, registry
         models = load_default()
-        if cfg.kv_bytes_per_token:  # the LBs must size KV as the served model does
-            models = dataclasses.replace(models, transfer=dataclasses.replace(
-                models.transfer, kv_bytes_per_token=cfg.kv_bytes_per_token, block_tokens=cfg.block_size))
+        # the LBs size a fetched block as the hits count it (block_size tokens, always) and its bytes per
+        # token as the served model does (when configured; 0: the cost model's own)
+        models = dataclasses.replace(models, transfer=dataclasses.replace(
+            models.transfer, kv_bytes_per_token=cfg.kv_bytes_per_token or models.transfer.kv_bytes_per_token,
+            block_tokens=cfg.block_size))
         self.prefill_lb = get_policy(cfg.prefill_policy, models, kind="prefill")
         self.decode_lb = get_policy(cfg.decode_policy, models, kind="decode")
         self.ve_lb = get_policy(cfg.ve_policy, models, kind="ve")

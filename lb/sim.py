@@ -334,6 +334,8 @@ def simulate(
 ) -> SimResult:
     """Replay ``reqs`` through ``policy`` (a prefill policy object) under ``cfg``; see the module docstring.
 
+    ``models.transfer.block_tokens`` must equal ``cfg.block_tokens`` (``LBInputError`` otherwise):
+    hits are counted in ``cfg``'s blocks and fetched at the transfer model's bytes per block.
     Deterministic for a given ``cfg.seed``. Stops early, with ``truncated`` set, once
     ``cfg.max_wall_s`` of wall time has passed (checked before each event). ``progress``
     is called with (arrivals handled, requests) every 50 arrivals and at the last one.
@@ -341,6 +343,10 @@ def simulate(
     from lb.decode import KVStackDecodePolicy
 
     models = models or load_default()
+    if models.transfer.block_tokens != cfg.block_tokens:  # hits count cfg's blocks; a fetch sizes transfer's
+        raise LBInputError(f"SimConfig.block_tokens {cfg.block_tokens} differs from the cost model's "
+                           f"transfer.block_tokens {models.transfer.block_tokens}: fetches would be sized for "
+                           f"another block; give both the same block size")
     decode_policy = decode_policy or KVStackDecodePolicy(models)
     rng = random.Random(cfg.seed)
     bt = cfg.block_tokens

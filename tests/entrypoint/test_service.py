@@ -319,3 +319,19 @@ def test_a_request_over_max_model_len_is_refused_before_any_prefill(stack):
 def test_max_model_len_must_be_an_int_of_at_least_zero(value):
     with pytest.raises(kvstore.InvalidRequest, match="max_model_len"):
         EntrypointConfig(namespace=model_preset("tiny").namespace(), max_model_len=value)
+
+
+def test_the_lbs_fetch_blocks_of_the_served_block_size(tmp_path):
+    """The prefill LB counts hits in block_size-token blocks, so its transfer model sizes a fetched block
+    the same, with or without a configured kv_bytes_per_token (before: 512-token blocks without one)."""
+    for kv in (0.0, 4096.0):
+        cfg = EntrypointConfig(namespace=model_preset("tiny").namespace(), block_size=16, kv_bytes_per_token=kv)
+        store = kvstore.connect(str(tmp_path / f"store{kv}"))
+        registry = Registry(worker_secret=cfg.worker_secret)
+        try:
+            transfer = EntrypointService(cfg, store, registry).prefill_lb.models.transfer
+            assert transfer.block_tokens == 16 and transfer.kv_bytes_per_token > 0
+            assert kv == 0.0 or transfer.kv_bytes_per_token == kv
+        finally:
+            registry.stop()
+            store.close()

@@ -550,3 +550,16 @@ def test_decode_placement_gets_the_tbt_slo():
     cfg = SimConfig(prefill_instances=4, decode_instances=1, ttft_slo_ms=None, tbt_slo_ms=1.5)
     r = simulate(reqs[:3], get_policy("round_robin", models), cfg, models=models)
     assert len(r.tbt_s) == 3 and r.slo_attainment == 0.0 and r.ttft_attainment == 1.0
+
+
+def test_transfer_block_size_must_be_the_simulated_block_size():
+    """Hits are counted in SimConfig.block_tokens blocks and fetched at transfer.block_tokens x bytes per
+    token: two sizes would misprice every fetch, so they are refused; one size runs."""
+    from dataclasses import replace
+
+    reqs = spaced([[1, 2], [1, 2]])
+    cfg = SimConfig(prefill_instances=1, decode_instances=1, block_tokens=256, ttft_slo_ms=None)
+    with pytest.raises(LBInputError, match="transfer.block_tokens 512"):
+        simulate(reqs, get_policy("round_robin", MODELS), cfg, models=MODELS)
+    models = replace(MODELS, transfer=replace(MODELS.transfer, block_tokens=256))
+    assert simulate(reqs, get_policy("round_robin", models), cfg, models=models).served == 2
