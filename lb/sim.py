@@ -137,7 +137,8 @@ class SimResult:
     run's attainment is a lower bound of the complete run's (the run is deterministic
     up to the point where it stopped). ``cached_tokens`` maps the index in ``reqs`` of
     every request whose prefill started to the prompt tokens it reused. Percentiles of an
-    empty sample (nothing served, no TBT sample) are NaN here and ``None`` in
+    empty sample (nothing served, no TBT sample) and hit ratios over no block (nothing served,
+    or only requests with empty ``hash_ids``) are NaN here and ``None`` in
     ``to_dict``, whose every non-finite figure is ``None``.
     """
 
@@ -505,8 +506,8 @@ def simulate(
     hb = sum(hit_blocks.values())
     return SimResult(
         policy=name, requests=n, served=len(ttft), rejected=sum(reasons.values()),
-        hit_ratio=hb / served_blocks if served_blocks else 0.0,
-        hit_tiers={k: v / served_blocks if served_blocks else 0.0 for k, v in hit_blocks.items()},
+        hit_ratio=hb / served_blocks if served_blocks else math.nan,  # no block listed: no ratio (n/a)
+        hit_tiers={k: v / served_blocks if served_blocks else math.nan for k, v in hit_blocks.items()},
         ttft_s=tuple(ttft.values()), tbt_s=tuple(tbt.values()),
         slo_attainment=ok_both / n if n else 1.0, ttft_attainment=ok_ttft / n if n else 1.0,
         busy_s=tuple(p.busy for p in pre), sim_end_s=now,

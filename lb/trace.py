@@ -215,8 +215,11 @@ def prefix_hits_lru(reqs: Sequence[TraceRequest], capacity: int | None, *, block
 
 def reference_hit_ratios(reqs: Sequence[TraceRequest], capacity: int | None, *,
                          block_tokens: int = BLOCK_TOKENS) -> dict:
-    """``{"ideal": ..., "lru_oracle": ...}``: prefix-hit full blocks / all listed blocks (see the module doc)."""
-    total = sum(len(r.hash_ids) for r in reqs) or 1
+    """``{"ideal": ..., "lru_oracle": ...}``: prefix-hit full blocks / all listed blocks (see the module doc);
+    NaN when the requests list no block (every ``hash_ids`` empty): no ratio, not 0."""
+    total = sum(len(r.hash_ids) for r in reqs)
+    if not total:
+        return {"ideal": math.nan, "lru_oracle": math.nan}
     return {"ideal": prefix_hits_lru(reqs, None, block_tokens=block_tokens) / total,
             "lru_oracle": prefix_hits_lru(reqs, capacity, block_tokens=block_tokens) / total}
 

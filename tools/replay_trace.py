@@ -303,6 +303,11 @@ def _num(v: float, spec: str) -> str:
     return format(v, spec) if math.isfinite(v) else "n/a"
 
 
+def _opt(v: float | None, spec: str) -> str:
+    """``_num`` of a figure read back from ``to_dict`` (where no sample is ``None``)."""
+    return _num(math.nan if v is None else v, spec)
+
+
 def _ratio(a: float, b: float) -> str:
     return _num(a / b, ".3f") if math.isfinite(a) and math.isfinite(b) and b else "-"
 
@@ -318,8 +323,8 @@ def format_table(results: dict[str, SimResult], refs: dict) -> str:
     for name, r in results.items():
         p90 = r.pct("ttft", 90)
         same_extent = b is not None and not r.truncated and not b.truncated
-        row = [name[:8] + "*" if r.truncated else name[:9], f"{r.hit_ratio:.3f}", f"{refs['ideal']:.3f}",
-               f"{refs['lru_oracle']:.3f}", _num(r.pct("ttft", 50), ".2f"), _num(p90, ".2f"),
+        row = [name[:8] + "*" if r.truncated else name[:9], _num(r.hit_ratio, ".3f"), _num(refs["ideal"], ".3f"),
+               _num(refs["lru_oracle"], ".3f"), _num(r.pct("ttft", 50), ".2f"), _num(p90, ".2f"),
                _num(r.pct("ttft", 99), ".2f"), _num(r.pct("tbt", 50) * 1e3, ".1f"), _num(r.pct("tbt", 90) * 1e3, ".1f"),
                f"{r.slo_attainment:.3f}", f"{r.ttft_attainment:.3f}", f"{r.rejected}", f"{r.imbalance:.2f}",
                _ratio(p90, b.pct("ttft", 90)) if same_extent else "-",
@@ -356,7 +361,8 @@ def write_plots(out: Path, sweep: dict, main: dict[str, SimResult]) -> list[str]
         fig, ax = plt.subplots(figsize=(7, 4.5))
         names = list(next(iter(sweep.values()))["results"])
         for n in names:
-            ax.plot(xplot, [sweep[c]["results"][n]["hit_ratio"] for c in caps], marker="o", label=n)
+            hits = [sweep[c]["results"][n]["hit_ratio"] for c in caps]  # None: no block listed (n/a)
+            ax.plot(xplot, [math.nan if h is None else h for h in hits], marker="o", label=n)
         ax.plot(xplot, [sweep[c]["refs"]["lru_oracle"] for c in caps], "k--", label="LRU oracle")
         ax.plot(xplot, [sweep[c]["refs"]["ideal"] for c in caps], "k:", label="ideal (infinite)")
         files.append(_save_log_x(plt, fig, ax, out / "hit_ratio_vs_store_capacity.png",
@@ -521,8 +527,9 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
         print("\n== hit ratio vs store capacity ==")
         print(f"{'capacity':>9s} {'ideal':>7s} {'lru_orc':>7s} " + " ".join(f"{n[:9]:>9s}" for n in names))
         for key, v in sweep.items():
-            print(f"{key:>9s} {v['refs']['ideal']:7.3f} {v['refs']['lru_oracle']:7.3f} "
-                  + " ".join(f"{v['results'][n]['hit_ratio']:8.3f}{'*' if v['results'][n]['truncated'] else ' '}"
+            print(f"{key:>9s} {_opt(v['refs']['ideal'], '.3f'):>7s} {_opt(v['refs']['lru_oracle'], '.3f'):>7s} "
+                  + " ".join(f"{_opt(v['results'][n]['hit_ratio'], '.3f'):>8s}"
+                             f"{'*' if v['results'][n]['truncated'] else ' '}"
                              for n in names))
         if any(r["truncated"] for v in sweep.values() for r in v["results"].values()):
             print("(* cut by --max-wall-s: that hit ratio covers only the requests served before it stopped)")

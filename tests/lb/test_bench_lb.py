@@ -134,3 +134,31 @@ def test_read_trace_reads_a_pipe(tmp_path):
         finally:
             writer.join(timeout=10)
             fifo.unlink()
+
+
+def test_a_trace_with_no_block_prints_hit_ratios_as_na(tmp_path, capsys):
+    """Every hash_ids empty: no block to hit, so the hit ratio and both references are n/a (null in
+    the JSON), in the main table and the sweep, not 0.000."""
+    import json
+
+    import replay_trace
+    from lb.registry import get_policy
+    from lb.sim import SimConfig, reference_hit_ratios, simulate
+
+    reqs = [TraceRequest(i * 1e6, 100, 1, ()) for i in range(3)]
+    r = simulate(reqs, get_policy("round_robin"), SimConfig(prefill_instances=1, decode_instances=1))
+    assert r.served == 3 and r.to_dict()["hit_ratio"] is None
+    refs = replay_trace.json_safe(reference_hit_ratios(reqs, 10))
+    assert refs == {"ideal": None, "lru_oracle": None}
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i * 1e6, "input_length": 100, "output_length": 1,
+                                         "hash_ids": []}) + "\n" for i in range(3)))
+    assert replay_trace.main(["--trace", str(trace), "--policies", "round_robin", "--quiet",
+                              "--store-capacity-blocks", "10,inf", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ln.split()[:1] == ["round_rob"])
+    assert row.split()[1:4] == ["n/a", "n/a", "n/a"], row
+    sweep = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["10"], ["inf"])]
+    assert sweep == [["10", "n/a", "n/a", "n/a"], ["inf", "n/a", "n/a", "n/a"]], out
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert res["sweep"]["10"]["refs"] == {"ideal": None, "lru_oracle": None}
