@@ -48,13 +48,15 @@ before it in the request also hit)
     ``k`` full blocks and one partial block reaches at most ``k / (k + 1)``.
     The policies' ratio is over the blocks of the requests served, taken at
     prefill start; the two references use the same definition over all
-    requests in arrival order: *ideal* (infinite cache) and an *LRU
-    oracle* (one independent LRU of the store's capacity, touched at
-    arrival). See :func:`reference_hit_ratios`. Neither is an upper bound
-    on a policy: a request that waits in a queue may reuse the blocks of a
-    request that arrived after it but finished its prefill first, which the
-    arrival-order references never count (a policy above "ideal" means
-    queueing, not a bug).
+    requests in arrival order: *ideal* (infinite cache) and *LRU*
+    (``lru_oracle``, printed ``lru_ref``: one independent LRU of the store's
+    capacity, touched at arrival; no oracle). See :func:`reference_hit_ratios`.
+    Neither bounds a policy: a request that waits in a queue may reuse the
+    blocks of a request that arrived after it but finished its prefill first,
+    which the arrival-order references never count (a policy above "ideal"
+    means queueing, not a bug), and a policy also hits in device and host
+    tiers the single LRU lacks (so it may beat "LRU"), or misses what another
+    instance holds (so it may trail it).
 
 Cost per event
     A snapshot of an instance is O(1): its ``queue`` and ``inflight_blocks``

@@ -26,7 +26,8 @@ Parts (each compares peers in the same run and reports ratios)
     2. Replay (``tools/replay_trace.py``): ``--find-load`` with the TTFT SLO
        (p90 = TTFT attainment >= 0.9) to find the offered load at which the
        best baseline just meets it, every policy compared at that load, and
-       the store-capacity sweep (hit ratio vs the LRU oracle and the ideal).
+       the store-capacity sweep (hit ratio vs one LRU of that capacity and the
+       ideal: references, not bounds).
        Its JSON and PNGs go next to ``--out`` (``<out stem>_replay/``).
        Then, at the same load: with log-normal service-time noise (sigma
        0.3) the policies' cost model does not know about, and with

@@ -9,7 +9,7 @@ Role
 
 Exact commands
     Comparison at one load, with a store-capacity sweep (hit ratio vs the
-    ideal and an LRU oracle of the same capacity), JSON + PNG plots::
+    ideal and one LRU of the same capacity), JSON + PNG plots::
 
         .venv/bin/python tools/replay_trace.py \\
             --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
@@ -25,10 +25,12 @@ Exact commands
 Metrics (per policy): prefix hit ratio = prefix-hit *full* blocks / all
 blocks the trace lists (the partial last block of a prompt is never cached,
 as in production, but is counted in the denominator; see ``lb/sim.py``),
-over served requests, plus the ideal infinite-cache ratio and the LRU-oracle
-ratio at the same store capacity, same definition, over all requests in
-arrival order (references, not bounds: a queued request may reuse blocks of
-a later arrival that finished first; see ``lb/sim.py``); TTFT p50/p90/p99 over served requests, TBT p50/p90 (requests
+over served requests, plus the ideal infinite-cache ratio and the ratio of one
+LRU of the store's capacity (column ``lru_ref``, key ``lru_oracle`` in the JSON),
+same definition, over all requests in arrival order. Both are references, not
+bounds (neither an oracle): a queued request may reuse blocks of a later arrival
+that finished first, and the policies also hit in device and host tiers the
+single LRU does not have; see ``lb/sim.py``; TTFT p50/p90/p99 over served requests, TBT p50/p90 (requests
 with ``output_length`` 0 have no TBT and are judged on TTFT alone), SLO
 attainment (TTFT and TBT both met, rejections count as misses), TTFT
 attainment, rejected requests, and load imbalance (max / mean prefill busy
@@ -317,7 +319,7 @@ def format_table(results: dict[str, SimResult], refs: dict) -> str:
     it covered a different extent of the trace than a complete run."""
     best = best_baseline(results)
     b = results.get(best) if best else None
-    cols = ["policy", "hit", "ideal", "lru_orc", "ttft50", "ttft90", "ttft99", "tbt50ms", "tbt90ms",
+    cols = ["policy", "hit", "ideal", "lru_ref", "ttft50", "ttft90", "ttft99", "tbt50ms", "tbt90ms",
             "slo_att", "ttft_att", "rej", "imbal", "p90/best", "att/best"]
     lines = [" ".join(f"{c:>9s}" for c in cols)]
     for name, r in results.items():
@@ -363,7 +365,8 @@ def write_plots(out: Path, sweep: dict, main: dict[str, SimResult]) -> list[str]
         for n in names:
             hits = [sweep[c]["results"][n]["hit_ratio"] for c in caps]  # None: no block listed (n/a)
             ax.plot(xplot, [math.nan if h is None else h for h in hits], marker="o", label=n)
-        ax.plot(xplot, [sweep[c]["refs"]["lru_oracle"] for c in caps], "k--", label="LRU oracle")
+        ax.plot(xplot, [sweep[c]["refs"]["lru_oracle"] for c in caps], "k--",
+                label="one LRU of that capacity (a reference, not a bound)")
         ax.plot(xplot, [sweep[c]["refs"]["ideal"] for c in caps], "k:", label="ideal (infinite)")
         files.append(_save_log_x(plt, fig, ax, out / "hit_ratio_vs_store_capacity.png",
                                  "shared store capacity (blocks; rightmost point = unbounded)",
@@ -525,7 +528,7 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
             print(format_table(res, refs))
     if len(caps) > 1:
         print("\n== hit ratio vs store capacity ==")
-        print(f"{'capacity':>9s} {'ideal':>7s} {'lru_orc':>7s} " + " ".join(f"{n[:9]:>9s}" for n in names))
+        print(f"{'capacity':>9s} {'ideal':>7s} {'lru_ref':>7s} " + " ".join(f"{n[:9]:>9s}" for n in names))
         for key, v in sweep.items():
             print(f"{key:>9s} {_opt(v['refs']['ideal'], '.3f'):>7s} {_opt(v['refs']['lru_oracle'], '.3f'):>7s} "
                   + " ".join(f"{_opt(v['results'][n]['hit_ratio'], '.3f'):>8s}"

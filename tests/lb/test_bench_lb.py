@@ -162,3 +162,18 @@ def test_a_trace_with_no_block_prints_hit_ratios_as_na(tmp_path, capsys):
     assert sweep == [["10", "n/a", "n/a", "n/a"], ["inf", "n/a", "n/a", "n/a"]], out
     res = json.loads((tmp_path / "o" / "results.json").read_text())
     assert res["sweep"]["10"]["refs"] == {"ideal": None, "lru_oracle": None}
+
+
+def test_the_single_lru_column_is_labelled_a_reference_not_an_oracle(tmp_path, capsys):
+    """The arrival-order LRU of the store's capacity bounds nothing (queueing, per-instance tiers): it
+    is printed as lru_ref, never as an oracle, in the main table and the sweep."""
+    import replay_trace
+
+    trace = _tiny_trace(tmp_path / "t.jsonl")
+    assert replay_trace.main(["--trace", str(trace), "--policies", "round_robin", "--quiet",
+                              "--store-capacity-blocks", "10,inf"]) == 0
+    out = capsys.readouterr().out
+    assert "orc" not in out.lower()
+    headers = [ln.split() for ln in out.splitlines() if "lru_ref" in ln]
+    assert [h[:4] for h in headers] == [["policy", "hit", "ideal", "lru_ref"], ["capacity", "ideal", "lru_ref",
+                                                                               "round_rob"]], out
