@@ -111,14 +111,27 @@ class NoFeasibleLoad(RuntimeError):
 
 
 class Progress:
-    """A one-line progress bar on stderr (no dependency); silent when ``quiet``."""
+    """Progress on stderr (no dependency); silent when ``quiet``. On a terminal, one bar redrawn in place
+    with ``\r``; otherwise (a file, a pipe, a CI log) plain lines, one per tenth of a run and one at its
+    end, so a log never holds carriage returns or thousands of redraws."""
 
     def __init__(self, quiet: bool = False) -> None:
         self.quiet = quiet
         self.label = ""
+        self._tenth = -1  # the last tenth of the current run written as a plain line
 
     def __call__(self, done: int, total: int) -> None:
         if self.quiet:
+            return
+        isatty = getattr(sys.stderr, "isatty", None)
+        if not (isatty and isatty()):
+            tenth = 10 * done // max(total, 1)
+            first = done <= 50  # lb.sim calls every 50 arrivals: a run's first call (after a cut one too)
+            if done < total and tenth <= self._tenth and not first:
+                return
+            self._tenth = -1 if done >= total else tenth
+            sys.stderr.write(f"{self.label}: {done}/{total} arrivals\n")
+            sys.stderr.flush()
             return
         width = 30
         fill = int(width * done / max(total, 1))

@@ -177,3 +177,31 @@ def test_the_single_lru_column_is_labelled_a_reference_not_an_oracle(tmp_path, c
     headers = [ln.split() for ln in out.splitlines() if "lru_ref" in ln]
     assert [h[:4] for h in headers] == [["policy", "hit", "ideal", "lru_ref"], ["capacity", "ideal", "lru_ref",
                                                                                "round_rob"]], out
+
+
+def test_progress_off_a_terminal_is_plain_periodic_lines(monkeypatch):
+    """stderr not a tty (a file, a pipe): no carriage return, one line per tenth of a run and one at its
+    end; on a tty the bar is redrawn in place."""
+    import io
+
+    import replay_trace
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, tty in ((io.StringIO(), False), (Tty(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        p = replay_trace.Progress()
+        for run in ("a", "b"):
+            p.label = run
+            for done in range(50, 1001, 50):
+                p(done, 1000)
+        text = stream.getvalue()
+        if tty:
+            assert text.count("\r") == 40 and text.count("\n") == 2
+        else:
+            lines = text.splitlines()
+            assert "\r" not in text and len(lines) == 22, lines  # 0/10 .. 9/10 and the end, per run
+            assert lines[0] == "a: 50/1000 arrivals" and lines[10] == "a: 1000/1000 arrivals", lines
+            assert lines[11] == "b: 50/1000 arrivals", lines
