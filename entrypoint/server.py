@@ -35,8 +35,9 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
      store and streams tokens.
 
 Failover: a worker that fails a call with a retryable status (``RETRYABLE``:
-UNAVAILABLE, a broken stream, a missed deadline) is marked down and the hop is re-dispatched to another instance of
-its role, at most ``max_attempts`` times. A decode stream that breaks midway
+UNAVAILABLE, a broken stream, a missed deadline: the worker, or the way to it, is
+gone) is marked down and the hop is re-dispatched to another instance of its
+role, at most ``max_attempts`` times. A decode stream that breaks midway
 resumes on another worker from the tokens already sent (a stream that ends
 early with no token and no error counts as a failed attempt too, so it cannot
 spin); the new worker loads
@@ -45,6 +46,16 @@ depends only on (seed, output index), the client sees one uninterrupted,
 identical stream. A non-retryable status (INVALID_ARGUMENT, FAILED_PRECONDITION,
 RESOURCE_EXHAUSTED, ...) from any hop is the request's, not the worker's: it is
 returned to the client and the worker stays up.
+
+INTERNAL and UNKNOWN are not retryable either. A worker answers INTERNAL when
+its engine failed on the request (``entrypoint.worker``: the failed step's
+requests are dropped and the engine goes on clean), UNKNOWN when its handler
+raised: a failure of this request on a worker that is still serving. A worker
+whose engine is broken says so itself (UNAVAILABLE, on its calls and its
+``Status``), and only that marks it down. Were INTERNAL retryable, one poison
+request (one every engine fails on) would mark each worker it reached down in
+turn, ``max_attempts`` of them, and fail the requests batched with it on each;
+instead it fails once, with the worker's message, and every worker stays up.
 
 Clients: with client tokens (``entrypoint.clients``), ``Generate`` acts for
 its bearer token's tenant only (UNAUTHENTICATED without a known token,
@@ -93,8 +104,10 @@ from lb.types import (DecodeInstance, DecodeRequest, LBInputError, PrefillInstan
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
+# The worker (or the way to it) failed, not this request: mark it down and fail over. INTERNAL and
+# UNKNOWN are the request's failure on a worker still serving (module docstring, "INTERNAL").
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
 
 
 @dataclass(frozen=True, slots=True)

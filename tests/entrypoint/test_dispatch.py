@@ -1,0 +1,93 @@
+"""Dispatch to prefill and decode workers, in process with fake workers (the helpers of
+``test_service``): a request every engine fails on (INTERNAL) fails alone and takes no worker
+down."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.proto import serving_pb2_grpc as pbg
+from tests.entrypoint.test_service import FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
+
+POISON = 666  # a prompt token every fake engine below fails on
+
+
+class PoisonWorker(FakeWorker):
+    """Fails (``code``) every Prefill and Decode whose prompt holds ``POISON``, as a worker does
+    when its engine step raises on that request (and then serves the next one); serves others."""
+
+    def __init__(self, worker_id: str, role: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL):
+        super().__init__(worker_id, role)
+        self.code = code
+
+    def Prefill(self, request, context):
+        if POISON in request.token_ids:
+            self._record("Prefill", context)
+            context.abort(self.code, "engine step failed: poisoned")
+        return super().Prefill(request, context)
+
+    def Decode(self, request, context):
+        if POISON in request.token_ids:
+            self._record("Decode", context)
+            context.abort(self.code, "engine step failed: poisoned")
+        yield from super().Decode(request, context)
+
+
+def _calls(fakes, method: str) -> int:
+    return sum(1 for f in fakes for m, _ in f.calls if m == method)
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_poison_request_fails_alone_and_every_worker_stays_up(stack, role, code):
+    """Before: INTERNAL (and UNKNOWN) counted as the worker's failure: the poison request marked
+    each worker it reached down in turn (3 of 3), failed UNAVAILABLE, and the next request found
+    no worker up. Now it fails once with the worker's status and message, on one worker."""
+    svc, ch, fakes, _ = stack(max_attempts=3)
+    opened: list = []
+    try:
+        poisoned = [PoisonWorker(f"{role}-{i}", role, code) for i in range(3)]
+        for p in poisoned:
+            svc.registry.add(p.worker_id, role, _serve_fake(p, opened))
+        other = "decode" if role == "prefill" else "prefill"
+        svc.registry.add(fakes[other][0].worker_id, other, fakes[other][1])
+        stub = pbg.EntrypointStub(ch)
+        method = role.capitalize()
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Generate(pb.GenerateRequest(token_ids=[1, 2, POISON, 4], sampling=pb.Sampling(max_new_tokens=3)),
+                               timeout=30))
+        assert ei.value.code() == code, ei.value.details()
+        assert "poisoned" in ei.value.details() and f"{role}-" in ei.value.details()
+        assert _calls(poisoned, method) == 1  # no failover: the next worker would fail on it too
+        assert sorted(i.worker_id for i in svc.registry.ready(role)) == [p.worker_id for p in poisoned]
+        events = list(stub.Generate(pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=3)),
+                                    timeout=30))
+        assert [e.token_id for e in events if e.kind == "token"][1:] == [1, 2]  # the next request is served
+        assert not any('"failover"' in e.detail for e in events if e.kind == "hop")
+    finally:
+        for close in opened:
+            close(None)
+
+
+def test_an_unavailable_worker_is_still_marked_down_and_failed_over(stack):
+    """The other side of the line: a worker that answers UNAVAILABLE (down, or unreachable) is
+    marked down and the hop goes to another worker."""
+    svc, ch, fakes, _ = stack(max_attempts=3)
+    opened: list = []
+    try:
+        down = PoisonWorker("prefill-down", "prefill", grpc.StatusCode.UNAVAILABLE)
+        svc.registry.add(down.worker_id, "prefill", _serve_fake(down, opened))  # first in snapshot order
+        for role in ("prefill", "decode"):
+            svc.registry.add(fakes[role][0].worker_id, role, fakes[role][1])
+        req = pb.GenerateRequest(token_ids=[1, 2, POISON, 4], sampling=pb.Sampling(max_new_tokens=2))
+        for _ in range(2):  # the first may or may not be routed to the down one
+            list(pbg.EntrypointStub(ch).Generate(req, timeout=30))
+            if _calls([down], "Prefill"):
+                break
+        assert _calls([down], "Prefill") == 1
+        assert "prefill-down" not in {i.worker_id for i in svc.registry.ready("prefill")}
+    finally:
+        for close in opened:
+            close(None)
