@@ -50,7 +50,7 @@ class Instance:
     last_seen: float = 0.0
     status: pb.WorkerStatus | None = None
     prefix: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU order
-    inflight: dict = field(default_factory=dict)  # request id -> (suffix tokens, cached tokens)
+    inflight: dict = field(default_factory=dict)  # prefill: slot -> (suffix tokens, cached tokens), as encodes
     encodes: int = 0  # VE: Encode calls this entrypoint has in flight there (under the entrypoint's lock)
 
     def holds(self, h: bytes) -> bool:

@@ -315,8 +315,9 @@ class EntrypointService(pbg.EntrypointServicer):
         preq = pb.PrefillRequest(request_id=rid, token_ids=prompt, tenant_salt=salt, sampling=sampling,
                                  images=images)
         route = self._route_request(prompt, keys, hit.hit_blocks, request)
-        inst, prep = self._call("prefill", lambda live: self._prefill_pick(route, live), context,
-                                lambda i: self._tracked_prefill(i, rid, route, preq, context))
+        slot = uuid.uuid4().hex  # this request's in-flight entry (request ids from clients may repeat)
+        inst, prep = self._call("prefill", lambda live: self._prefill_pick(route, slot, live), context,
+                                lambda i: self._tracked_prefill(i, slot, preq, context))
         self.registry.routed(inst.worker_id, keys)
         yield hop("prefill", worker=inst.worker_id, ms=ms() - t, **json.loads(prep.stats))
         generated = [prep.first_token]
@@ -444,21 +445,25 @@ class EntrypointService(pbg.EntrypointServicer):
         return RouteRequest(prompt_tokens=len(prompt), num_blocks=len(keys), hits=hits, block_hashes=tuple(keys),
                             ttft_slo_ms=request.ttft_slo_ms or None, block_tokens=self.cfg.block_size)
 
-    def _prefill_pick(self, route: RouteRequest, live: list[Instance]) -> Instance:
-        with self._lock:
+    def _prefill_pick(self, route: RouteRequest, slot: str, live: list[Instance]) -> Instance:
+        """The Prefill LB's pick, counted in flight there (``Instance.inflight[slot]``) before the lock
+        is let go, as ``_ve_pick`` does: were the queues read under the lock and the new entry added
+        after it, concurrent requests would all see the same queues and pick the same instance."""
+        with self._lock:  # snapshot, choice and count together: concurrent picks see each other
             snaps = [PrefillInstance(i.worker_id, queue=tuple(QueuedPrefill(s, c) for s, c in i.inflight.values()))
                      for i in live]
-        return self._pick(self.prefill_lb.choose(route, snaps), live, "prefill")
+            inst = self._pick(self.prefill_lb.choose(route, snaps), live, "prefill")
+            cached = route.cached_tokens(route.hit_of(inst.worker_id).total)  # capped: see _reusable_blocks
+            inst.inflight[slot] = (max(0, route.prompt_tokens - cached), cached)
+        return inst
 
-    def _tracked_prefill(self, inst: Instance, rid: str, route: RouteRequest, preq, context):
-        cached = route.cached_tokens(route.hit_of(inst.worker_id).total)  # hits are capped: see _reusable_blocks
-        with self._lock:
-            inst.inflight[rid] = (max(0, route.prompt_tokens - cached), cached)
+    def _tracked_prefill(self, inst: Instance, slot: str, preq, context):
+        """``Prefill`` on ``inst`` (picked, and counted in flight, by ``_prefill_pick``); uncounted when it ends."""
         try:
             return inst.stub.Prefill(preq, timeout=self._timeout(context))
         finally:
             with self._lock:
-                inst.inflight.pop(rid, None)
+                inst.inflight.pop(slot, None)
 
     @staticmethod
     def _decode_snapshot(i: Instance) -> DecodeInstance:

@@ -1,8 +1,14 @@
 """Dispatch to prefill and decode workers, in process with fake workers (the helpers of
 ``test_service``): a request every engine fails on (INTERNAL) fails alone and takes no worker
-down."""
+down; concurrent requests spread over the workers of a role (each pick is counted in flight
+before the next one reads the loads)."""
 
 from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -88,6 +94,68 @@ def test_an_unavailable_worker_is_still_marked_down_and_failed_over(stack):
                 break
         assert _calls([down], "Prefill") == 1
         assert "prefill-down" not in {i.worker_id for i in svc.registry.ready("prefill")}
+    finally:
+        for close in opened:
+            close(None)
+
+
+# ----------------------------------------------------------------------------- concurrent picks
+
+
+class SlowWorker(FakeWorker):
+    """A fake whose Prefill takes ``delay_s`` and whose Decode waits ``delay_s`` before each token."""
+
+    def __init__(self, worker_id: str, role: str, delay_s: float):
+        super().__init__(worker_id, role)
+        self.delay_s = delay_s
+
+    def Prefill(self, request, context):
+        time.sleep(self.delay_s)
+        return super().Prefill(request, context)
+
+    def Decode(self, request, context):
+        for ev in super().Decode(request, context):
+            time.sleep(self.delay_s)
+            yield ev
+
+
+def _slow_lb(lb, monkeypatch, delay_s: float = 0.03) -> None:
+    """Make ``lb.choose`` take ``delay_s``: the window between reading the loads and counting the pick."""
+    choose = lb.choose
+
+    def slow(*args):
+        time.sleep(delay_s)
+        return choose(*args)
+
+    monkeypatch.setattr(lb, "choose", slow)
+
+
+@pytest.mark.parametrize("role", ["prefill"])
+def test_concurrent_requests_spread_over_the_workers_of_a_role(stack, monkeypatch, role):
+    """12 requests at once, 3 workers of ``role``, distinct prompts (no prefix affinity). Before,
+    for prefill: the queues were read under the lock and the pick was counted after it, so the
+    requests whose picks overlapped all saw empty queues and went to the first worker (12 of 12)."""
+    svc, ch, fakes, _ = stack(max_inflight=32)
+    opened: list = []
+    try:
+        slow = [SlowWorker(f"{role}-{i}", role, 0.3 if role == "prefill" else 0.1) for i in range(3)]
+        for w in slow:
+            svc.registry.add(w.worker_id, role, _serve_fake(w, opened))
+        other = "decode" if role == "prefill" else "prefill"
+        svc.registry.add(fakes[other][0].worker_id, other, fakes[other][1])
+        _slow_lb(svc.prefill_lb if role == "prefill" else svc.decode_lb, monkeypatch)
+        stub = pbg.EntrypointStub(ch)
+
+        def one(i: int) -> str:
+            req = pb.GenerateRequest(token_ids=[1000 + i] * 40, sampling=pb.Sampling(max_new_tokens=4))
+            events = list(stub.Generate(req, timeout=60))
+            return next(json.loads(e.detail)["worker"] for e in events
+                        if e.kind == "hop" and json.loads(e.detail)["hop"] == role)
+
+        with ThreadPoolExecutor(12) as pool:
+            picked = Counter(pool.map(one, range(12)))
+        assert sum(picked.values()) == 12 and len(picked) == 3 and min(picked.values()) >= 2, picked
+        assert all(not i.inflight for i in svc.registry.instances())  # every count taken back
     finally:
         for close in opened:
             close(None)
