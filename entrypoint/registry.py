@@ -52,6 +52,7 @@ class Instance:
     prefix: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU order
     inflight: dict = field(default_factory=dict)  # prefill: slot -> (suffix tokens, cached tokens), as encodes
     encodes: int = 0  # VE: Encode calls this entrypoint has in flight there (under the entrypoint's lock)
+    decodes: dict = field(default_factory=dict)  # decode: slot -> context tokens of a stream open there
 
     def holds(self, h: bytes) -> bool:
         return h in self.prefix

@@ -34,6 +34,11 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
   5. ``decode``: the Decode LB picks an instance, which loads the KV from the
      store and streams tokens.
 
+  Each pick (VE, prefill, decode) reads the loads, chooses and counts the call
+  in flight on the chosen instance under one lock, and the count is taken back
+  when the call (or stream) ends: concurrent requests see each other's picks,
+  so they spread instead of all going where the last heartbeat said was idle.
+
 Failover: a worker that fails a call with a retryable status (``RETRYABLE``:
 UNAVAILABLE, a broken stream, a missed deadline: the worker, or the way to it, is
 gone) is marked down and the hop is re-dispatched to another instance of its
@@ -335,39 +340,43 @@ class EntrypointService(pbg.EntrypointServicer):
             if not live:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is up" +
                             (f" (after {attempts} failed attempts; last: {last_failure})" if attempts else ""))
-            inst = self._pick(self.decode_lb.choose(dreq, [self._decode_snapshot(i) for i in live]), live, "decode")
-            t = ms()
-            before = len(generated)
-            yield hop("decode_start", worker=inst.worker_id, resume_at=before)
-            call = inst.stub.Decode(pb.DecodeRequest(request_id=rid, token_ids=prompt, generated=generated,
-                                                     tenant_salt=salt, sampling=sampling, images=images),
-                                    timeout=self._timeout(context))
-            context.add_callback(call.cancel)
+            inst = self._decode_pick(dreq, slot, live)  # counted in flight there until its stream ends
             try:
-                for ev in call:
-                    if ev.stats:
-                        dstats = json.loads(ev.stats)
+                t = ms()
+                before = len(generated)
+                yield hop("decode_start", worker=inst.worker_id, resume_at=before)
+                call = inst.stub.Decode(pb.DecodeRequest(request_id=rid, token_ids=prompt, generated=generated,
+                                                         tenant_salt=salt, sampling=sampling, images=images),
+                                        timeout=self._timeout(context))
+                context.add_callback(call.cancel)
+                try:
+                    for ev in call:
+                        if ev.stats:
+                            dstats = json.loads(ev.stats)
+                            continue
+                        if ev.index != len(generated):
+                            raise Abort(grpc.StatusCode.INTERNAL, f"decode worker sent index {ev.index}, "
+                                        f"expected {len(generated)}: this is a bug")
+                        generated.append(ev.token_id)
+                        yield pb.GenerateEvent(kind="token", token_id=ev.token_id, index=ev.index, t_ms=ms())
+                except grpc.RpcError as exc:
+                    if not context.is_active():
+                        return
+                    if exc.code() not in RETRYABLE:  # the request's fault, not the worker's: no failover
+                        raise Abort(exc.code(), f"decode worker {inst.worker_id}: {exc.details()}") from exc
+                    code, last_failure = str(exc.code()), f"decode worker {inst.worker_id}: {exc.code()}"
+                else:
+                    if len(generated) > before or len(generated) >= max_new:  # progress: resume (or done)
+                        yield hop("decode", worker=inst.worker_id, tokens=len(generated), ms=ms() - t, **dstats)
                         continue
-                    if ev.index != len(generated):
-                        raise Abort(grpc.StatusCode.INTERNAL, f"decode worker sent index {ev.index}, "
-                                    f"expected {len(generated)}: this is a bug")
-                    generated.append(ev.token_id)
-                    yield pb.GenerateEvent(kind="token", token_id=ev.token_id, index=ev.index, t_ms=ms())
-            except grpc.RpcError as exc:
-                if not context.is_active():
-                    return
-                if exc.code() not in RETRYABLE:  # the request's fault, not the worker's: no failover
-                    raise Abort(exc.code(), f"decode worker {inst.worker_id}: {exc.details()}") from exc
-                code, last_failure = str(exc.code()), f"decode worker {inst.worker_id}: {exc.code()}"
-            else:
-                if len(generated) > before or len(generated) >= max_new:  # progress: resume (or done)
-                    yield hop("decode", worker=inst.worker_id, tokens=len(generated), ms=ms() - t, **dstats)
-                    continue
-                # A stream that ends without a token and without an error is a failed attempt, as a
-                # broken one is: retrying on the same footing would spin (and hold a slot) forever.
-                code = "ended without a token"
-                last_failure = (f"decode worker {inst.worker_id} ended its stream at token {len(generated)} of "
-                                f"{max_new} without a token or an error")
+                    # A stream that ends without a token and without an error is a failed attempt, as a
+                    # broken one is: retrying on the same footing would spin (and hold a slot) forever.
+                    code = "ended without a token"
+                    last_failure = (f"decode worker {inst.worker_id} ended its stream at token {len(generated)} of "
+                                    f"{max_new} without a token or an error")
+            finally:
+                with self._lock:
+                    inst.decodes.pop(slot, None)
             attempts += 1
             self.registry.mark_down(inst.worker_id, f"decode stream failed: {code}")
             failovers.append({"worker": inst.worker_id, "at_token": len(generated), "ms": ms()})
@@ -465,13 +474,28 @@ class EntrypointService(pbg.EntrypointServicer):
             with self._lock:
                 inst.inflight.pop(slot, None)
 
+    def _decode_pick(self, dreq: DecodeRequest, slot: str, live: list[Instance]) -> Instance:
+        """The Decode LB's pick, counted in flight there (``Instance.decodes[slot]``: its context
+        tokens) before the lock is let go; the caller takes the count back when the stream ends.
+
+        An instance's running requests and batch tokens are the larger of what its last ``Status``
+        said (every entrypoint's, as of the last heartbeat) and this entrypoint's own decode streams
+        open there (current): without the latter, every request picked between two heartbeats saw
+        the same figures and went to the same instance."""
+        with self._lock:  # snapshot, choice and count together: concurrent picks see each other
+            snaps = [self._decode_snapshot(i) for i in live]
+            inst = self._pick(self.decode_lb.choose(dreq, snaps), live, "decode")
+            inst.decodes[slot] = dreq.context_tokens
+        return inst
+
     @staticmethod
     def _decode_snapshot(i: Instance) -> DecodeInstance:
+        """``i`` as the Decode LB sees it (under the entrypoint's lock: ``i.decodes``)."""
         st = i.status
         return DecodeInstance(i.worker_id, kv_used_bytes=st.kv_used_bytes if st else 0,
                               kv_capacity_bytes=(st.kv_capacity_bytes or 1) if st else 1,
-                              batch_tokens=st.batch_tokens if st else 0,
-                              running_requests=st.running if st else 0)
+                              batch_tokens=max(sum(i.decodes.values()), st.batch_tokens if st else 0),
+                              running_requests=max(len(i.decodes), st.running if st else 0))
 
 
 def serve(cfg: EntrypointConfig, store_url: str, *, host: str = "127.0.0.1", port: int = 0,
