@@ -15,6 +15,13 @@ metadata. A worker that refuses the first ``Status`` as UNAUTHENTICATED (it
 has a secret the entrypoint lacks, or another one) is not added: ``add`` raises
 ``InvalidRequest``, so its ``Register`` fails and says why.
 
+KV compatibility: a prefill or decode worker declares, in ``Register``, the
+namespace and block size its KV keys are hashed with; ``check_kv_compat``
+refuses (``IncompatibleWorker``; FAILED_PRECONDITION on the wire) one whose
+are not the entrypoint's, or that declares none: the entrypoint's prefix
+lookups and routing would assume keys that worker never reads or writes. A VE
+worker holds no KV and declares none.
+
 The prefix view per prefill/decode instance is approximate, as in SGLang's
 router: the block hashes the entrypoint routed there recently (an LRU bounded
 in blocks), standing for that engine's device prefix cache.
@@ -33,9 +40,40 @@ import grpc
 from entrypoint import auth
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.keys import Namespace
 
 log = logging.getLogger(__name__)
+
+
+KV_ROLES = ("prefill", "decode")  # the roles whose KV keys must be the entrypoint's
+
+
+class IncompatibleWorker(KVStoreError):
+    """A worker whose KV namespace or block size is not the entrypoint's (``check_kv_compat``)."""
+
+
+def kv_namespace_pb(ns: Namespace) -> pb.KVNamespace:
+    """``ns`` as sent in ``WorkerInfo.kv_namespace``."""
+    return pb.KVNamespace(model_id=ns.model_id, kv_layout=ns.kv_layout, dtype=ns.dtype, rank=ns.rank)
+
+
+def check_kv_compat(info: pb.WorkerInfo, namespace: Namespace, block_size: int) -> None:
+    """Refuse (``IncompatibleWorker``) a prefill/decode ``info`` that declares no KV namespace or
+    block size, or others than ``namespace`` and ``block_size``; a VE worker passes. A declared
+    namespace without a model id is ``InvalidRequest`` (``Namespace``'s own check)."""
+    if info.role not in KV_ROLES:
+        return
+    who, ours = f"{info.role} worker {info.worker_id!r}", f"{namespace.label()} with {block_size}-token blocks"
+    if not info.HasField("kv_namespace") or info.block_size == 0:
+        raise IncompatibleWorker(f"{who} declares no KV namespace or block size (the entrypoint serves {ours}): "
+                                 "upgrade the worker, which sends both when it registers")
+    d = info.kv_namespace
+    theirs = Namespace(d.model_id, d.kv_layout, d.dtype, d.rank)
+    if theirs != namespace or info.block_size != block_size:
+        raise IncompatibleWorker(f"{who} hashes its KV as {theirs.label()} with {info.block_size}-token blocks, "
+                                 f"the entrypoint as {ours}: the entrypoint's prefix lookups would not be that "
+                                 "worker's keys; start it with the entrypoint's --model and --block-size")
 
 
 @dataclass(slots=True)
@@ -51,6 +89,8 @@ class Instance:
     status: pb.WorkerStatus | None = None
     prefix: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU order
     inflight: dict = field(default_factory=dict)  # prefill: slot -> (suffix tokens, cached tokens), as encodes
+    kv_namespace: pb.KVNamespace | None = None  # prefill/decode: as declared in Register (checked there)
+    block_size: int = 0
     encodes: int = 0  # VE: Encode calls this entrypoint has in flight there (under the entrypoint's lock)
     decodes: dict = field(default_factory=dict)  # decode: slot -> context tokens of a stream open there
 
@@ -72,14 +112,18 @@ class Registry:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ membership
-    def add(self, worker_id: str, role: str, address: str) -> Instance:
+    def add(self, worker_id: str, role: str, address: str, *, kv_namespace: pb.KVNamespace | None = None,
+            block_size: int = 0) -> Instance:
+        """Add (or replace) a worker, after one ``Status`` poll. ``kv_namespace``/``block_size``: what
+        it declared (``check_kv_compat`` is the caller's: ``Register``), kept for ``ListWorkers``."""
         if not worker_id or not address or role not in ("ve", "prefill", "decode"):
             raise InvalidRequest(f"a worker needs an id, an address and a role in ve/prefill/decode; got "
                                  f"{worker_id!r} {role!r} {address!r}")
         ch = grpc.insecure_channel(address)
         if self._send_secret is not None:
             ch = grpc.intercept_channel(ch, self._send_secret)
-        inst = Instance(worker_id, role, address, ch, pbg.WorkerStub(ch), last_seen=time.monotonic())
+        inst = Instance(worker_id, role, address, ch, pbg.WorkerStub(ch), last_seen=time.monotonic(),
+                        kv_namespace=kv_namespace, block_size=block_size)
         # The LBs need its load and memory figures before its first request. One that would
         # refuse every call is not added, and leaves the worker registered under its id in place.
         if self._poll(inst) == grpc.StatusCode.UNAUTHENTICATED:

@@ -69,8 +69,10 @@ them, the request's ``tenant`` field is taken as sent.
 
 Membership: ``Register`` and ``Deregister`` need the worker secret when one is
 configured (``entrypoint.auth``: UNAUTHENTICATED otherwise, and nothing
-changes); ``ListWorkers`` is open, unless there are client tokens: then it
-takes one of them or the worker secret. Every call to a worker (every hop above, and
+        if self.clients.enabled and not (self.auth.enabled and self.auth.admits(context.invocation_metadata())):
+            self.clients.authenticate(context)  # a client token or the worker secret
+        return pb.WorkerList(workers=[pb.WorkerInfo(worker_id=i.worker_id, role=i.role, address=i.address,
+                                                    kv_namespace=i.kv_namespace, block_size=i.block_size)
 the heartbeat) carries the same secret, since the workers require it
 (``entrypoint.registry`` opens the channels).
 
@@ -98,7 +100,7 @@ from entrypoint.auth import WorkerAuth, check_listen, check_secret
 from entrypoint.clients import ClientAuth, check_open_tenants
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.registry import Instance, Registry
+from entrypoint.registry import IncompatibleWorker, Instance, Registry, check_kv_compat
 from entrypoint.rpc import make_server
 from entrypoint.vision import SCOPE_METADATA, check_image_hash, scoped_image_key, tenant_scope
 from kvstore.keys import BlockHasher, ImageSpan, Namespace, check_image_spans
@@ -200,7 +202,11 @@ class EntrypointService(pbg.EntrypointServicer):
     def Register(self, request, context):
         self.auth.check(context, f"Register of worker {request.worker_id!r}")  # before any change
         try:
-            self.registry.add(request.worker_id, request.role, request.address)
+            check_kv_compat(request, self.cfg.namespace, self.cfg.block_size)  # before the worker is polled
+            self.registry.add(request.worker_id, request.role, request.address, block_size=request.block_size,
+                              kv_namespace=request.kv_namespace if request.HasField("kv_namespace") else None)
+        except IncompatibleWorker as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except kvstore.InvalidRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.RegisterReply(ok=True, message=f"{request.worker_id} registered")
@@ -213,7 +219,8 @@ class EntrypointService(pbg.EntrypointServicer):
     def ListWorkers(self, request, context):
         if self.clients.enabled and not (self.auth.enabled and self.auth.admits(context.invocation_metadata())):
             self.clients.authenticate(context)  # a client token or the worker secret
-        return pb.WorkerList(workers=[pb.WorkerInfo(worker_id=i.worker_id, role=i.role, address=i.address)
+        return pb.WorkerList(workers=[pb.WorkerInfo(worker_id=i.worker_id, role=i.role, address=i.address,
+                                                    kv_namespace=i.kv_namespace, block_size=i.block_size)
                                       for i in self.registry.ready()])
 
     # ------------------------------------------------------------------ Generate

@@ -47,9 +47,12 @@ it serves.
 
 Run: ``python -m entrypoint.worker --role decode --store ./kvstack-data``;
 the first line on stdout is ``READY <json>`` with the bound address. With
-``--entrypoint``, the worker registers there, sending the worker secret. A
-usage error (bad flag, unknown model, a bad or refused worker secret, a
-non-loopback ``--host`` without a secret) is one line on stderr and exit code
+``--entrypoint``, the worker registers there, sending the worker secret and,
+for prefill and decode, its engine's KV namespace and block size (which must
+be the entrypoint's: ``entrypoint.registry.check_kv_compat``). A usage error
+(bad flag, unknown model, a bad or refused worker secret, a registration
+refused as INVALID_ARGUMENT or FAILED_PRECONDITION, a non-loopback ``--host``
+without a secret) is one line on stderr and exit code
 2, an entrypoint that cannot be reached one line and exit code 1; never a
 traceback.
 """
@@ -75,6 +78,7 @@ from entrypoint import auth
 from entrypoint._cli import OneLineParser, fail
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
+from entrypoint.registry import kv_namespace_pb
 from entrypoint.rpc import make_server
 from entrypoint.vision import SCOPE_METADATA, EncoderCache, VisionEncoder, check_image_hash
 from kvstore.errors import InvalidRequest, StoreUnavailable
@@ -404,7 +408,7 @@ def _register(entrypoint: str, info: pb.WorkerInfo, secret: str = "") -> None:
             raise InvalidRequest(f"the entrypoint at {entrypoint} refused the registration: this worker sent "
                                  f"{given}; give it the entrypoint's ({auth.SECRET_ENV} or "
                                  "--worker-secret-file)") from None
-        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             raise InvalidRequest(f"the entrypoint at {entrypoint} refused the registration: "
                                  f"{exc.details()}") from None
         raise StoreUnavailable(f"the entrypoint at {entrypoint} is unreachable ({exc.code().name}); "
@@ -433,6 +437,10 @@ def serve(cfg: WorkerConfig, *, ready_out=sys.stdout) -> int:
         server.start()
         address = f"{cfg.host}:{port}"
         info = pb.WorkerInfo(worker_id=cfg.worker_id, role=cfg.role, address=address)
+        if svc.runner is not None:  # the KV namespace and block size its keys are hashed with (checked there)
+            eng = svc.runner.engine
+            info.kv_namespace.CopyFrom(kv_namespace_pb(eng.namespace))
+            info.block_size = eng.cfg.block_size
         if cfg.entrypoint:
             _register(cfg.entrypoint, info, cfg.worker_secret)
     except BaseException:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rserving.proto\x12\x0fkvstack.serving\"E\n\x08Sampling\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"U\n\x0cImageSegment\x12\x12\n\nimage_hash\x18\x01 \x01(\x0c\x12\x12\n\nimage_data\x18\x02 \x01(\x0c\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0e\n\x06length\x18\x04 \x01(\r\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x06images\x18\x03 \x03(\x0b\x32\x1d.kvstack.serving.ImageSegment\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvstack.serving.Sampling\x12\x13\n\x0bttft_slo_ms\x18\x06 \x01(\x01\x12\x12\n\ntbt_slo_ms\x18\x07 \x01(\x01\"\\\n\rGenerateEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x0c\n\x04t_ms\x18\x05 \x01(\x01\">\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\",\n\rRegisterReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x07\n\x05\x45mpty\":\n\nWorkerList\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.kvstack.serving.WorkerInfo\"Q\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05image\x18\x02 \x01(\x0b\x32\x1d.kvstack.serving.ImageSegment\"F\n\x0b\x45ncodeReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x11\n\tencode_ms\x18\x03 \x01(\x01\"\xa8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0btenant_salt\x18\x03 \x01(\x0c\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvstack.serving.Sampling\x12-\n\x06images\x18\x05 \x03(\x0b\x32\x1d.kvstack.serving.ImageSegment\"2\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\r\n\x05stats\x18\x02 \x01(\t\"\xba\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tgenerated\x18\x03 \x03(\r\x12\x13\n\x0btenant_salt\x18\x04 \x01(\x0c\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvstack.serving.Sampling\x12-\n\x06images\x18\x06 \x03(\x0b\x32\x1d.kvstack.serving.ImageSegment\"=\n\x0b\x44\x65\x63odeEvent\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05stats\x18\x03 \x01(\t\"\x0f\n\rStatusRequest\"\xc8\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0epending_tokens\x18\x05 \x01(\x04\x12\x15\n\rkv_used_bytes\x18\x06 \x01(\x04\x12\x19\n\x11kv_capacity_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62\x61tch_tokens\x18\x08 \x01(\x04\x12\x15\n\rcached_images\x18\t \x03(\x0c\x32\xb4\x02\n\nEntrypoint\x12N\n\x08Generate\x12 .kvstack.serving.GenerateRequest\x1a\x1e.kvstack.serving.GenerateEvent0\x01\x12G\n\x08Register\x12\x1b.kvstack.serving.WorkerInfo\x1a\x1e.kvstack.serving.RegisterReply\x12I\n\nDeregister\x12\x1b.kvstack.serving.WorkerInfo\x1a\x1e.kvstack.serving.RegisterReply\x12\x42\n\x0bListWorkers\x12\x16.kvstack.serving.Empty\x1a\x1b.kvstack.serving.WorkerList2\xae\x02\n\x06Worker\x12\x46\n\x06\x45ncode\x12\x1e.kvstack.serving.EncodeRequest\x1a\x1c.kvstack.serving.EncodeReply\x12I\n\x07Prefill\x12\x1f.kvstack.serving.PrefillRequest\x1a\x1d.kvstack.serving.PrefillReply\x12H\n\x06\x44\x65\x63ode\x12\x1e.kvstack.serving.DecodeRequest\x1a\x1c.kvstack.serving.DecodeEvent0\x01\x12G\n\x06Status\x12\x1e.kvstack.serving.StatusRequest\x1a\x1d.kvstack.serving.WorkerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rserving.proto\x12\x0fkvstack.serving\"E\n\x08Sampling\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"U\n\x0cImageSegment\x12\x12\n\nimage_hash\x18\x01 \x01(\x0c\x12\x12\n\nimage_data\x18\x02 \x01(\x0c\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0e\n\x06length\x18\x04 \x01(\r\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x06images\x18\x03 \x03(\x0b\x32\x1d.kvstack.serving.ImageSegment\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvstack.serving.Sampling\x12\x13\n\x0bttft_slo_ms\x18\x06 \x01(\x01\x12\x12\n\ntbt_slo_ms\x18\x07 \x01(\x01\"\\\n\rGenerateEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x0c\n\x04t_ms\x18\x05 \x01(\x01\"O\n\x0bKVNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tkv_layout\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\x86\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x32\n\x0ckv_namespace\x18\x04 \x01(\x0b\x32\x1c.kvstack.serving.KVNamespace\x12\x12\n\nblock_size\x18\x05 \x01(\r\",\n\rRegisterReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x07\n\x05\x45mpty\":\n\nWorkerList\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.kvstack.serving.WorkerInfo\"Q\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05image\x18\x02 \x01(\x0b\x32\x1d.kvstack.serving.ImageSegment\"F\n\x0b\x45ncodeReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x11\n\tencode_ms\x18\x03 \x01(\x01\"\xa8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0btenant_salt\x18\x03 \x01(\x0c\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvstack.serving.Sampling\x12-\n\x06images\x18\x05 \x03(\x0b\x32\x1d.kvstack.serving.ImageSegment\"2\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\r\n\x05stats\x18\x02 \x01(\t\"\xba\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tgenerated\x18\x03 \x03(\r\x12\x13\n\x0btenant_salt\x18\x04 \x01(\x0c\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvstack.serving.Sampling\x12-\n\x06images\x18\x06 \x03(\x0b\x32\x1d.kvstack.serving.ImageSegment\"=\n\x0b\x44\x65\x63odeEvent\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05stats\x18\x03 \x01(\t\"\x0f\n\rStatusRequest\"\xc8\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0epending_tokens\x18\x05 \x01(\x04\x12\x15\n\rkv_used_bytes\x18\x06 \x01(\x04\x12\x19\n\x11kv_capacity_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62\x61tch_tokens\x18\x08 \x01(\x04\x12\x15\n\rcached_images\x18\t \x03(\x0c\x32\xb4\x02\n\nEntrypoint\x12N\n\x08Generate\x12 .kvstack.serving.GenerateRequest\x1a\x1e.kvstack.serving.GenerateEvent0\x01\x12G\n\x08Register\x12\x1b.kvstack.serving.WorkerInfo\x1a\x1e.kvstack.serving.RegisterReply\x12I\n\nDeregister\x12\x1b.kvstack.serving.WorkerInfo\x1a\x1e.kvstack.serving.RegisterReply\x12\x42\n\x0bListWorkers\x12\x16.kvstack.serving.Empty\x1a\x1b.kvstack.serving.WorkerList2\xae\x02\n\x06Worker\x12\x46\n\x06\x45ncode\x12\x1e.kvstack.serving.EncodeRequest\x1a\x1c.kvstack.serving.EncodeReply\x12I\n\x07Prefill\x12\x1f.kvstack.serving.PrefillRequest\x1a\x1d.kvstack.serving.PrefillReply\x12H\n\x06\x44\x65\x63ode\x12\x1e.kvstack.serving.DecodeRequest\x1a\x1c.kvstack.serving.DecodeEvent0\x01\x12G\n\x06Status\x12\x1e.kvstack.serving.StatusRequest\x1a\x1d.kvstack.serving.WorkerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,32 +39,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=398
   _globals['_GENERATEEVENT']._serialized_start=400
   _globals['_GENERATEEVENT']._serialized_end=492
-  _globals['_WORKERINFO']._serialized_start=494
-  _globals['_WORKERINFO']._serialized_end=556
-  _globals['_REGISTERREPLY']._serialized_start=558
-  _globals['_REGISTERREPLY']._serialized_end=602
-  _globals['_EMPTY']._serialized_start=604
-  _globals['_EMPTY']._serialized_end=611
-  _globals['_WORKERLIST']._serialized_start=613
-  _globals['_WORKERLIST']._serialized_end=671
-  _globals['_ENCODEREQUEST']._serialized_start=673
-  _globals['_ENCODEREQUEST']._serialized_end=754
-  _globals['_ENCODEREPLY']._serialized_start=756
-  _globals['_ENCODEREPLY']._serialized_end=826
-  _globals['_PREFILLREQUEST']._serialized_start=829
-  _globals['_PREFILLREQUEST']._serialized_end=997
-  _globals['_PREFILLREPLY']._serialized_start=999
-  _globals['_PREFILLREPLY']._serialized_end=1049
-  _globals['_DECODEREQUEST']._serialized_start=1052
-  _globals['_DECODEREQUEST']._serialized_end=1238
-  _globals['_DECODEEVENT']._serialized_start=1240
-  _globals['_DECODEEVENT']._serialized_end=1301
-  _globals['_STATUSREQUEST']._serialized_start=1303
-  _globals['_STATUSREQUEST']._serialized_end=1318
-  _globals['_WORKERSTATUS']._serialized_start=1321
-  _globals['_WORKERSTATUS']._serialized_end=1521
-  _globals['_ENTRYPOINT']._serialized_start=1524
-  _globals['_ENTRYPOINT']._serialized_end=1832
-  _globals['_WORKER']._serialized_start=1835
-  _globals['_WORKER']._serialized_end=2137
+  _globals['_KVNAMESPACE']._serialized_start=494
+  _globals['_KVNAMESPACE']._serialized_end=573
+  _globals['_WORKERINFO']._serialized_start=576
+  _globals['_WORKERINFO']._serialized_end=710
+  _globals['_REGISTERREPLY']._serialized_start=712
+  _globals['_REGISTERREPLY']._serialized_end=756
+  _globals['_EMPTY']._serialized_start=758
+  _globals['_EMPTY']._serialized_end=765
+  _globals['_WORKERLIST']._serialized_start=767
+  _globals['_WORKERLIST']._serialized_end=825
+  _globals['_ENCODEREQUEST']._serialized_start=827
+  _globals['_ENCODEREQUEST']._serialized_end=908
+  _globals['_ENCODEREPLY']._serialized_start=910
+  _globals['_ENCODEREPLY']._serialized_end=980
+  _globals['_PREFILLREQUEST']._serialized_start=983
+  _globals['_PREFILLREQUEST']._serialized_end=1151
+  _globals['_PREFILLREPLY']._serialized_start=1153
+  _globals['_PREFILLREPLY']._serialized_end=1203
+  _globals['_DECODEREQUEST']._serialized_start=1206
+  _globals['_DECODEREQUEST']._serialized_end=1392
+  _globals['_DECODEEVENT']._serialized_start=1394
+  _globals['_DECODEEVENT']._serialized_end=1455
+  _globals['_STATUSREQUEST']._serialized_start=1457
+  _globals['_STATUSREQUEST']._serialized_end=1472
+  _globals['_WORKERSTATUS']._serialized_start=1475
+  _globals['_WORKERSTATUS']._serialized_end=1675
+  _globals['_ENTRYPOINT']._serialized_start=1678
+  _globals['_ENTRYPOINT']._serialized_end=1986
+  _globals['_WORKER']._serialized_start=1989
+  _globals['_WORKER']._serialized_end=2291
 # @@protoc_insertion_point(module_scope)

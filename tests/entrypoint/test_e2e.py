@@ -11,8 +11,10 @@ import signal
 import grpc
 import pytest
 
+from engine_plugin.reference import model_preset
 from entrypoint.cluster import Cluster
 from entrypoint.proto import serving_pb2 as pb
+from entrypoint.registry import kv_namespace_pb
 from entrypoint.vision import VisionEncoder, image_hash
 
 MODEL = "tiny"
@@ -314,7 +316,8 @@ def test_a_non_retryable_decode_error_reaches_the_client_without_failover(tmp_pa
     try:
         with Cluster(tmp_path, ve=0, prefill=1, decode=0, model=MODEL, store="embedded") as c:
             cl = c.client()
-            info = pb.WorkerInfo(worker_id="fake-decode", role="decode", address=f"127.0.0.1:{port}")
+            info = pb.WorkerInfo(worker_id="fake-decode", role="decode", address=f"127.0.0.1:{port}",
+                                 kv_namespace=kv_namespace_pb(model_preset(MODEL).namespace()), block_size=16)
             assert cl.stub.Register(info, timeout=10, metadata=c.worker_metadata()).ok
             deadline = time.monotonic() + 30
             while "fake-decode" not in {w.worker_id for w in cl.stub.ListWorkers(pb.Empty(), timeout=10).workers}:

@@ -19,12 +19,19 @@ from engine_plugin.reference import model_preset
 from entrypoint import auth
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.registry import Registry
+from entrypoint.registry import Registry, kv_namespace_pb
 from entrypoint.rpc import make_server
 from entrypoint.server import EntrypointConfig, EntrypointService, serve
 
 SECRET = "s3cret-for-the-tests-0123456789"
 FIRST_TOKEN = 7
+
+
+def kv_of(role: str, block_size: int = 16) -> dict:
+    """The ``WorkerInfo`` fields a ``role`` worker of the tiny model declares in ``Register``."""
+    if role == "ve":
+        return {}
+    return dict(kv_namespace=kv_namespace_pb(model_preset("tiny").namespace()), block_size=block_size)
 
 
 class FakeWorker(pbg.WorkerServicer):
@@ -122,7 +129,7 @@ def _addresses(svc) -> dict[str, str]:
 def test_membership_calls_need_the_worker_secret_and_a_refusal_changes_nothing(stack):
     svc, ch, fakes, _ = stack(worker_secret=SECRET)
     stub = pbg.EntrypointStub(ch)
-    real = pb.WorkerInfo(worker_id="decode-0", role="decode", address=fakes["decode"][1])
+    real = pb.WorkerInfo(worker_id="decode-0", role="decode", address=fakes["decode"][1], **kv_of("decode"))
     evil = pb.WorkerInfo(worker_id="decode-0", role="decode", address="127.0.0.1:9")
     good, bad = auth.metadata(SECRET), auth.metadata("not-the-secret-but-long-enough")
     for md in ((), bad, (("authorization", SECRET),)):  # no secret, a wrong one, not as a bearer token
@@ -141,7 +148,7 @@ def test_membership_calls_need_the_worker_secret_and_a_refusal_changes_nothing(s
     assert _addresses(svc) == {"decode-0": fakes["decode"][1]}
     assert [w.worker_id for w in stub.ListWorkers(pb.Empty(), timeout=10).workers] == ["decode-0"]  # open
     # The legitimate worker, restarted elsewhere after a failover, re-registers under its id.
-    moved = pb.WorkerInfo(worker_id="decode-0", role="decode", address=fakes["prefill"][1])
+    moved = pb.WorkerInfo(worker_id="decode-0", role="decode", address=fakes["prefill"][1], **kv_of("decode"))
     assert stub.Register(moved, timeout=10, metadata=good).ok
     assert _addresses(svc) == {"decode-0": fakes["prefill"][1]}
     assert stub.Deregister(moved, timeout=10, metadata=good).ok and _addresses(svc) == {}
@@ -151,7 +158,7 @@ def test_worker_register_sends_its_secret_and_says_what_to_fix_when_refused(stac
     from entrypoint.worker import _register
 
     svc, _, fakes, entry = stack(worker_secret=SECRET)
-    info = pb.WorkerInfo(worker_id="prefill-0", role="prefill", address=fakes["prefill"][1])
+    info = pb.WorkerInfo(worker_id="prefill-0", role="prefill", address=fakes["prefill"][1], **kv_of("prefill"))
     for given in ("", "not-the-secret-but-long-enough"):
         with pytest.raises(kvstore.InvalidRequest, match="refused the registration.*KVSTACK_WORKER_SECRET"):
             _register(entry, info, given)
@@ -187,7 +194,8 @@ def test_the_entrypoint_sends_the_secret_on_every_call_to_a_worker(tmp_path):
         with _serving(cfg, tmp_path / "store") as address, grpc.insecure_channel(address) as ch:
             stub = pbg.EntrypointStub(ch)
             for role, fake in fakes.items():
-                info = pb.WorkerInfo(worker_id=fake.worker_id, role=role, address=_serve_fake(fake, opened))
+                info = pb.WorkerInfo(worker_id=fake.worker_id, role=role, address=_serve_fake(fake, opened),
+                                     **kv_of(role))
                 assert stub.Register(info, timeout=10, metadata=auth.metadata(SECRET)).ok
             img = b"picture" * 20
             req = pb.GenerateRequest(token_ids=list(range(1, 41)), sampling=pb.Sampling(max_new_tokens=4),

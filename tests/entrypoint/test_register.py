@@ -1,0 +1,99 @@
+"""``Register`` checks that a prefill or decode worker hashes its KV keys as the entrypoint does
+(namespace and block size, ``entrypoint.registry.check_kv_compat``), in process with fake workers
+(the helpers of ``test_service``) and with a real worker's ``main``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import grpc
+import pytest
+
+import kvstore
+from engine_plugin.reference import model_preset
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.proto import serving_pb2_grpc as pbg
+from entrypoint.registry import kv_namespace_pb
+from tests.entrypoint.test_service import kv_of, stack  # noqa: F401 - fixture
+
+TINY = model_preset("tiny").namespace()
+
+
+def _refused(stub, info: pb.WorkerInfo) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Register(info, timeout=10)
+    return ei.value
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_with_another_namespace_or_block_size_or_none_is_refused(stack, role):
+    """Before: ``WorkerInfo`` carried neither, so any worker was registered and routed requests
+    whose prefix lookups and cost estimates assumed keys it never reads or writes."""
+    svc, ch, fakes, _ = stack()
+    stub = pbg.EntrypointStub(ch)
+    address = fakes[role][1]
+    other_model = replace(TINY, model_id=TINY.model_id + "-finetune")
+    cases = {
+        "block size": pb.WorkerInfo(worker_id="w", role=role, address=address, **kv_of(role, block_size=32)),
+        "namespace": pb.WorkerInfo(worker_id="w", role=role, address=address, block_size=16,
+                                   kv_namespace=kv_namespace_pb(other_model)),
+        "rank": pb.WorkerInfo(worker_id="w", role=role, address=address, block_size=16,
+                              kv_namespace=kv_namespace_pb(replace(TINY, rank=1))),
+        "none": pb.WorkerInfo(worker_id="w", role=role, address=address),
+    }
+    for case, info in cases.items():
+        err = _refused(stub, info)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, (case, err.details())
+        assert TINY.label() in err.details() and "16-token blocks" in err.details(), (case, err.details())
+        if case != "none":
+            theirs = other_model if case == "namespace" else replace(TINY, rank=1) if case == "rank" else TINY
+            assert theirs.label() in err.details(), (case, err.details())
+        assert svc.registry.instances() == [], case  # nothing changed
+    bad = pb.WorkerInfo(worker_id="w", role=role, address=address, block_size=16,
+                        kv_namespace=pb.KVNamespace(kv_layout="x"))  # no model id: malformed
+    assert _refused(stub, bad).code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The entrypoint's own namespace and block size: registered, and ListWorkers says what it declared.
+    assert stub.Register(pb.WorkerInfo(worker_id="w", role=role, address=address, **kv_of(role)), timeout=10).ok
+    svc.registry.poll_once()
+    [listed] = stub.ListWorkers(pb.Empty(), timeout=10).workers
+    assert listed.block_size == 16 and listed.kv_namespace == kv_namespace_pb(TINY)
+
+
+def test_a_ve_worker_declares_no_kv_and_is_registered(stack):
+    from tests.entrypoint.test_service import FakeWorker, _serve_fake
+
+    svc, ch, _, _ = stack()
+    opened: list = []
+    try:
+        address = _serve_fake(FakeWorker("ve-0", "ve"), opened)
+        assert pbg.EntrypointStub(ch).Register(pb.WorkerInfo(worker_id="ve-0", role="ve", address=address),
+                                               timeout=10).ok
+        assert [i.worker_id for i in svc.registry.instances("ve")] == ["ve-0"]
+    finally:
+        for close in opened:
+            close(None)
+
+
+def test_a_real_worker_with_another_block_size_is_refused_and_exits_2_saying_why(stack, tmp_path, capsys):
+    """The real worker declares its engine's namespace and block size (a matching one registers:
+    every ``Cluster`` in ``test_e2e``); refused, it stops with one line and exit code 2 (a usage
+    error), not 1 ("unreachable")."""
+    from entrypoint.worker import main
+
+    svc, _, _, entry = stack()
+    rc = main(["--role", "prefill", "--id", "p-32", "--store", str(tmp_path / "wstore"), "--block-size", "32",
+               "--num-blocks", "64", "--entrypoint", entry])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "refused the registration" in err and "32-token blocks" in err and "16-token blocks" in err
+    assert svc.registry.instances() == []
+
+
+def test_worker_register_maps_a_refusal_to_invalid_request(stack):
+    from entrypoint.worker import _register
+
+    svc, _, fakes, entry = stack()
+    info = pb.WorkerInfo(worker_id="d", role="decode", address=fakes["decode"][1], **kv_of("decode", 32))
+    with pytest.raises(kvstore.InvalidRequest, match="refused the registration.*32-token blocks"):
+        _register(entry, info)
+    assert svc.registry.instances() == []
