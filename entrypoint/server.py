@@ -52,15 +52,18 @@ identical stream. A non-retryable status (INVALID_ARGUMENT, FAILED_PRECONDITION,
 RESOURCE_EXHAUSTED, ...) from any hop is the request's, not the worker's: it is
 returned to the client and the worker stays up.
 
-INTERNAL and UNKNOWN are not retryable either. A worker answers INTERNAL when
-its engine failed on the request (``entrypoint.worker``: the failed step's
-requests are dropped and the engine goes on clean), UNKNOWN when its handler
-raised: a failure of this request on a worker that is still serving. A worker
-whose engine is broken says so itself (UNAVAILABLE, on its calls and its
-``Status``), and only that marks it down. Were INTERNAL retryable, one poison
-request (one every engine fails on) would mark each worker it reached down in
-turn, ``max_attempts`` of them, and fail the requests batched with it on each;
-instead it fails once, with the worker's message, and every worker stays up.
+INTERNAL and UNKNOWN (``FAILED_HERE``) are retried but take no worker down. A
+worker answers INTERNAL when an engine step failed (``entrypoint.worker``: the
+step's requests are dropped, every one batched in it, and the engine goes on
+clean), UNKNOWN when its handler raised: the worker still serves, and which
+request of the step was at fault is not known. So the hop is re-dispatched
+(the decode stream resumes) as above, within the same ``max_attempts``, and
+the worker stays up: a request that was only batched with a failing one is
+served, and one that every engine fails on (a poison request) fails after
+``max_attempts`` tries with the worker's own status and message, having taken
+no worker down. Before, these marked each worker down in turn, and the next
+request found none up. A worker whose engine is broken says so itself
+(UNAVAILABLE, on its calls and its ``Status``), and that marks it down.
 
 Clients: with client tokens (``entrypoint.clients``), ``Generate`` acts for
 its bearer token's tenant only (UNAUTHENTICATED without a known token,
@@ -111,10 +114,12 @@ from lb.types import (DecodeInstance, DecodeRequest, LBInputError, PrefillInstan
 
 log = logging.getLogger(__name__)
 
-# The worker (or the way to it) failed, not this request: mark it down and fail over. INTERNAL and
-# UNKNOWN are the request's failure on a worker still serving (module docstring, "INTERNAL").
+# The worker (or the way to it) failed, not this request: mark it down and fail over.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
+# A worker still serving failed this call (an engine step, or its handler): retry within max_attempts,
+# the worker stays up (module docstring, "INTERNAL and UNKNOWN").
+FAILED_HERE = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +347,7 @@ class EntrypointService(pbg.EntrypointServicer):
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is up" +
                             (f" (after {attempts} failed attempts; last: {last_failure})" if attempts else ""))
             inst = self._decode_pick(dreq, slot, live)  # counted in flight there until its stream ends
+            last_code = None  # this attempt's failure status, if it failed with one
             try:
                 t = ms()
                 before = len(generated)
@@ -363,9 +369,10 @@ class EntrypointService(pbg.EntrypointServicer):
                 except grpc.RpcError as exc:
                     if not context.is_active():
                         return
-                    if exc.code() not in RETRYABLE:  # the request's fault, not the worker's: no failover
+                    if exc.code() not in RETRYABLE | FAILED_HERE:  # the request's fault: no failover
                         raise Abort(exc.code(), f"decode worker {inst.worker_id}: {exc.details()}") from exc
-                    code, last_failure = str(exc.code()), f"decode worker {inst.worker_id}: {exc.code()}"
+                    code, last_failure = str(exc.code()), f"decode worker {inst.worker_id}: {exc.details()}"
+                    last_code = exc.code()
                 else:
                     if len(generated) > before or len(generated) >= max_new:  # progress: resume (or done)
                         yield hop("decode", worker=inst.worker_id, tokens=len(generated), ms=ms() - t, **dstats)
@@ -379,11 +386,13 @@ class EntrypointService(pbg.EntrypointServicer):
                 with self._lock:
                     inst.decodes.pop(slot, None)
             attempts += 1
-            self.registry.mark_down(inst.worker_id, f"decode stream failed: {code}")
+            if last_code not in FAILED_HERE:
+                self.registry.mark_down(inst.worker_id, f"decode stream failed: {code}")
             failovers.append({"worker": inst.worker_id, "at_token": len(generated), "ms": ms()})
             yield hop("failover", worker=inst.worker_id, code=code, resumed_at=len(generated), ms=ms() - t)
             if attempts >= self.cfg.max_attempts:
-                raise Abort(grpc.StatusCode.UNAVAILABLE, f"decode failed on {attempts} attempts; last: {last_failure}")
+                raise Abort(last_code if last_code in FAILED_HERE else grpc.StatusCode.UNAVAILABLE,
+                            f"decode failed on {attempts} attempts; last: {last_failure}")
         self.registry.routed(inst.worker_id, keys)
         summary = {"request_id": rid, "tokens": generated, "ttft_ms": ttft, "total_ms": ms(),
                    "prompt_tokens": len(prompt), "store_hit_blocks": hit.hit_blocks, "failovers": failovers}
@@ -402,12 +411,14 @@ class EntrypointService(pbg.EntrypointServicer):
             try:
                 return inst, fn(inst)
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or not context.is_active():
+                if exc.code() not in RETRYABLE | FAILED_HERE or not context.is_active():
                     raise Abort(exc.code(), f"{role} worker {inst.worker_id}: {exc.details()}") from exc
-                self.registry.mark_down(inst.worker_id, f"{role} call failed: {exc.code()}")
+                if exc.code() not in FAILED_HERE:
+                    self.registry.mark_down(inst.worker_id, f"{role} call failed: {exc.code()}")
                 last = exc
-        raise Abort(grpc.StatusCode.UNAVAILABLE, f"{role} failed on {self.cfg.max_attempts} workers: "
-                    f"{last.code() if last else '?'}")
+        code = last.code() if last is not None and last.code() in FAILED_HERE else grpc.StatusCode.UNAVAILABLE
+        raise Abort(code, f"{role} failed on {self.cfg.max_attempts} attempts; last: "
+                    f"{f'{inst.worker_id}: {last.code()}: {last.details()}' if last is not None else '?'}")
 
     @staticmethod
     def _pick(decision, live: list[Instance], role: str) -> Instance:

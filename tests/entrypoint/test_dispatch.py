@@ -1,6 +1,6 @@
 """Dispatch to prefill and decode workers, in process with fake workers (the helpers of
-``test_service``): a request every engine fails on (INTERNAL) fails alone and takes no worker
-down; concurrent requests spread over the workers of a role (each pick is counted in flight
+``test_service``): a request every engine fails on (INTERNAL) fails after max_attempts and takes
+no worker down, one that only shared its failed step is served on a retry; concurrent requests spread over the workers of a role (each pick is counted in flight
 before the next one reads the loads)."""
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ def _calls(fakes, method: str) -> int:
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_poison_request_fails_alone_and_every_worker_stays_up(stack, role, code):
+def test_a_poison_request_fails_after_max_attempts_and_every_worker_stays_up(stack, role, code):
     """Before: INTERNAL (and UNKNOWN) counted as the worker's failure: the poison request marked
     each worker it reached down in turn (3 of 3), failed UNAVAILABLE, and the next request found
-    no worker up. Now it fails once with the worker's status and message, on one worker."""
+    no worker up. Now it is tried max_attempts times, then fails with the worker's status and
+    message, and no worker is marked down."""
     svc, ch, fakes, _ = stack(max_attempts=3)
     opened: list = []
     try:
@@ -66,12 +67,56 @@ def test_a_poison_request_fails_alone_and_every_worker_stays_up(stack, role, cod
                                timeout=30))
         assert ei.value.code() == code, ei.value.details()
         assert "poisoned" in ei.value.details() and f"{role}-" in ei.value.details()
-        assert _calls(poisoned, method) == 1  # no failover: the next worker would fail on it too
+        assert _calls(poisoned, method) == 3  # max_attempts, and no more
         assert sorted(i.worker_id for i in svc.registry.ready(role)) == [p.worker_id for p in poisoned]
         events = list(stub.Generate(pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=3)),
                                     timeout=30))
         assert [e.token_id for e in events if e.kind == "token"][1:] == [1, 2]  # the next request is served
         assert not any('"failover"' in e.detail for e in events if e.kind == "hop")
+    finally:
+        for close in opened:
+            close(None)
+
+
+class FailsOnce(FakeWorker):
+    """Fails its first Prefill and its first Decode with INTERNAL, as a worker does for every
+    request batched in an engine step that raised on another one; then serves."""
+
+    def __init__(self, worker_id: str, role: str):
+        super().__init__(worker_id, role)
+        self.failed: set[str] = set()
+
+    def _first(self, method: str, context) -> None:
+        if method not in self.failed:
+            self.failed.add(method)
+            self._record(method, context)
+            context.abort(grpc.StatusCode.INTERNAL, "engine step failed (another request in the batch)")
+
+    def Prefill(self, request, context):
+        self._first("Prefill", context)
+        return super().Prefill(request, context)
+
+    def Decode(self, request, context):
+        self._first("Decode", context)
+        yield from super().Decode(request, context)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_request_failed_with_its_batch_is_retried_and_served(stack, role):
+    """A request dropped with a failed engine step (INTERNAL) that was not its own fault is
+    served on a retry, with the worker still up (the helper's first version failed it)."""
+    svc, ch, fakes, _ = stack(max_attempts=3)
+    opened: list = []
+    try:
+        flaky = FailsOnce(f"{role}-flaky", role)
+        svc.registry.add(flaky.worker_id, role, _serve_fake(flaky, opened))  # the only one of its role
+        other = "decode" if role == "prefill" else "prefill"
+        svc.registry.add(fakes[other][0].worker_id, other, fakes[other][1])
+        events = list(pbg.EntrypointStub(ch).Generate(
+            pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=3)), timeout=30))
+        assert [e.token_id for e in events if e.kind == "token"][1:] == [1, 2]
+        assert _calls([flaky], role.capitalize()) == 2  # failed once, served on the retry
+        assert [i.worker_id for i in svc.registry.ready(role)] == [flaky.worker_id]
     finally:
         for close in opened:
             close(None)
