@@ -90,7 +90,10 @@ log = logging.getLogger(__name__)
 # Commit errors that mean "nothing was indexed": the packs of the batch may go at once.
 REFUSED = (InvalidRequest, ServerBusy, Unauthenticated, PermissionDenied, CapacityExceeded)
 
-PutFallback = Callable[[Sequence[PutItem]], list]  # the gRPC put_many of the client
+# The gRPC put of the client. It must take whatever the client let through to this path (each item
+# within max_message_bytes, their total unbounded): it sends them in messages that fit, never refusing
+# a piece after earlier pieces of its batch were committed (``RemoteStore._send_fitting``).
+PutFallback = Callable[[Sequence[PutItem]], list]
 
 
 class DirectWriter(FragmentIO, PackIO):

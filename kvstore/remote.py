@@ -26,7 +26,8 @@ are hand-encoded (``kvstore.server.wire``: one copy, not protobuf's two). A
 daemon that predates them (UNIMPLEMENTED) is served with GetMany/PutMany from
 then on. A ``put_many`` (or one of its pieces, below) whose encoded items add
 up to more than ``max_message_bytes`` (with direct writes: any one item) raises
-``RequestTooLarge`` before anything is sent, as the one-message PutMany did.
+``RequestTooLarge`` before anything is sent, as the one-message PutMany did. With
+direct writes a piece that goes through gRPC after all is sent in messages that fit.
 
 Direct reads (``kvstore.direct``; opt-in, ``direct_reads="on"`` or ``"auto"``): ``get``,
 ``get_entry``, ``get_many`` and ``get_many_into`` ask the daemon where an entry's
@@ -88,26 +89,14 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.remote_admin import RemoteAdmin
 from kvstore.remote_lookup import RemoteLookup
-from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, RequestTooLarge, encode_item,
-                                 error_from_rpc, layout_from_pb, read_pem)
+from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, RequestTooLarge, check_value_sizes,
+                                 encode_item, error_from_rpc, fitting_runs, layout_from_pb, read_pem)
 
 log = logging.getLogger(__name__)
 
 
-
 class _Unimplemented(Exception):
     """The daemon does not know a streaming method (it predates it); the caller falls back."""
-
-
-def check_value_sizes(encs: Sequence[EncodedPut], limit: int | None) -> None:
-    """The embedded store's ``InvalidRequest`` (``FragmentIO._checked``, word for word) for the
-    first value over ``limit`` (a daemon's ``max_value_bytes``; ``None``: unknown, no check)."""
-    if not limit:
-        return
-    for e in encs:
-        if e.value.nbytes > limit:
-            raise InvalidRequest(f"value of {e.value.nbytes} bytes is over max_value_bytes={limit}; "
-                                 "split it or raise the limit in the store config")
 
 
 class RemoteStore(RemoteLookup, RemoteAdmin):
@@ -308,7 +297,7 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
         if self._direct_w is None:
             for p in pieces:
                 self._check_bytes(encs[p], len(encs))
-        else:  # written directly, but any piece may go through gRPC after all (a fallback), item by item
+        else:  # written directly; a piece that goes through gRPC after all is sent in runs that fit (_send_fitting)
             for e in encs:
                 self._check_bytes([e], len(encs))
 
@@ -342,7 +331,7 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
             got = self._guarded(self._direct_w.put_many, items, self._put_many_rpc)
             if got is not None:
                 return got
-        return self._send_puts(encs)
+        return self._send_fitting(encs)
 
     def _check_bytes(self, encs: list[EncodedPut], batch: int) -> None:
         """``RequestTooLarge`` when these encoded puts are over ``max_message_bytes`` together."""
@@ -356,8 +345,16 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
                 "or send smaller batches")
 
     def _put_many_rpc(self, items: Sequence[PutItem]) -> list[bool]:
-        """One piece over gRPC (also direct writes' fallback): validated, encoded, sent."""
-        return self._send_puts([encode_item(it) for it in items])
+        """Direct writes' fallback: (part of) one piece over gRPC, validated, encoded, ``_send_fitting``."""
+        return self._send_fitting([encode_item(it) for it in items])
+
+    def _send_fitting(self, encs: list[EncodedPut]) -> list[bool]:
+        """One piece over gRPC as ``_send_puts`` of consecutive runs of at most ``max_message_bytes``
+        (``wire.fitting_runs``). Without direct writes ``check_puts`` bounded the piece: one run. With
+        them it bounded each item only (a piece written directly may be any size), so a piece that
+        goes through gRPC after all (Commit refused an entry, a pack failed, direct writes turned
+        off) is never refused whole after the earlier pieces were stored (review)."""
+        return [c for r in fitting_runs(encs, self.options.max_message_bytes) for c in self._send_puts(encs[r])]
 
     def _send_puts(self, encs: list[EncodedPut]) -> list[bool]:
         """PutStream (PutMany for an older daemon) of at most ``max_batch_items`` encoded puts."""

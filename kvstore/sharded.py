@@ -64,8 +64,8 @@ from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError, Store
 from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.client_options import ClientOptions, parse_address, shard_name
-from kvstore.remote import RemoteStore, check_value_sizes
-from kvstore.server.wire import encode_item
+from kvstore.remote import RemoteStore
+from kvstore.server.wire import check_value_sizes, encode_item
 
 
 def _sum_into(acc: dict, d: dict) -> None:

@@ -377,6 +377,33 @@ def encode_item(it: PutItem) -> EncodedPut:
     return EncodedPut(head, mv, tail)
 
 
+def fitting_runs(encs: Sequence[EncodedPut], limit: int) -> list[slice]:
+    """``encs`` as consecutive runs whose ``nbytes`` add up to at most ``limit`` each, in order
+    (one run when they all fit together; an item over ``limit`` alone is a run of its own, for
+    the sender to refuse). ``kvstore.remote`` sends a direct-write piece that falls back to gRPC so."""
+    runs: list[slice] = []
+    start, total = 0, 0
+    for i, e in enumerate(encs):
+        if i > start and total + e.nbytes > limit:
+            runs.append(slice(start, i))
+            start, total = i, 0
+        total += e.nbytes
+    if start < len(encs):
+        runs.append(slice(start, len(encs)))
+    return runs
+
+
+def check_value_sizes(encs: Sequence[EncodedPut], limit: int | None) -> None:
+    """The embedded store's ``InvalidRequest`` (``FragmentIO._checked``, word for word) for the
+    first value over ``limit`` (a daemon's ``max_value_bytes``; ``None``: unknown, no check)."""
+    if not limit:
+        return
+    for e in encs:
+        if e.value.nbytes > limit:
+            raise InvalidRequest(f"value of {e.value.nbytes} bytes is over max_value_bytes={limit}; "
+                                 "split it or raise the limit in the store config")
+
+
 def normalize_item(it: PutItem) -> pb.PutRequest:
     """``encode_item`` as a ``PutRequest`` message (validation as there)."""
     return pb.PutRequest.FromString(encode_item(it).message())

@@ -460,3 +460,47 @@ def test_direct_writes_take_what_a_put_over_grpc_takes(make_daemon) -> None:
             if mode == "on":
                 st = s.direct_write_stats()["counters"]
                 assert st["direct_writes"] >= 9 and st["fallbacks"] >= 1, st
+
+
+@pytest.mark.parametrize("route", ["Commit refuses an entry", "a pack fails", "direct writes turned off"])
+def test_a_piece_that_falls_back_to_grpc_is_sent_in_messages_that_fit(make_daemon, monkeypatch, route) -> None:
+    """With direct writes ``check_puts`` bounds each item by max_message_bytes, not each piece (a
+    piece written directly may be any size). A piece that went through gRPC after all (Commit
+    refused an entry, a pack failed, direct writes turned off) was sent whole and refused as over
+    max_message_bytes after the earlier pieces were committed: part of the batch stored, the call
+    failed (review). Such a piece now goes through gRPC in messages that fit: all of it stored."""
+    from kvstore.server.direct_rpc import PUT_FIELDS_BYTES
+
+    limit = 300_000
+    d = make_daemon(allow_direct_writes=True, max_message_bytes=limit, max_batch_items=4)
+    s = kvstore.connect(d.address, direct_writes="on", max_message_bytes=limit, max_batch_items=4)
+    assert s.put(K("warm"), b"w")  # Describe done, the writer open
+    w = s._direct_w.writer()
+    if route == "a pack fails":  # the first piece's pack is written; the second piece's fails
+        t = w.targets["t2"]
+        real_write, writes = t.write, []
+
+        def second_fails(rel, parts, **kw):
+            writes.append(rel)
+            if len(writes) > 1:
+                raise OSError(5, "I/O error (injected)")
+            return real_write(rel, parts, **kw)
+
+        monkeypatch.setattr(t, "write", second_fails)
+    elif route == "direct writes turned off":  # the daemon stops allowing them: every later piece over gRPC
+        real_call = s._direct_w._call
+
+        def refused(method, req):
+            if method == "Commit":
+                raise PermissionDenied("allow_direct_writes = false (injected)")
+            return real_call(method, req)
+
+        monkeypatch.setattr(s._direct_w, "_call", refused)
+    big = limit - PUT_FIELDS_BYTES + 56 if route == "Commit refuses an entry" else 200_000
+    sizes = (10, 20, 30, 40, big, 200_000, 50)  # pieces of 4 and 3 items; the second is over the limit in total
+    vals = {K(f"v{i}"): os.urandom(n) for i, n in enumerate(sizes)}
+    assert s.put_many([PutItem(k, v) for k, v in vals.items()]) == [True] * len(vals), route
+    assert s.get_many(list(vals)) == list(vals.values()), route
+    assert s._direct_w.stats()["counters"]["fallbacks"] >= (3 if route != "direct writes turned off" else 0)
+    assert s.check() == []  # no pack of the fallen-back piece left behind
+    s.close()

@@ -18,7 +18,8 @@ import kvstore
 from kvstore import InvalidRequest, Layout, PutItem
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.data_rpc import GET_STREAM_CHUNK_BYTES, GET_STREAM_WINDOW
-from kvstore.server.wire import MD_STREAM_ITEMS, RequestTooLarge, encode_get_chunk, encode_get_reply, put_parts
+from kvstore.server.wire import (MD_STREAM_ITEMS, RequestTooLarge, encode_get_chunk, encode_get_reply, encode_item,
+                                 fitting_runs, put_parts)
 
 
 def K(i: int | str) -> bytes:
@@ -50,6 +51,19 @@ def test_get_chunk_encoding_is_protobufs(index) -> None:
         want = pb.GetChunk(index=index, values=[pb.MaybeValue(found=False) if v is None else
                                                 pb.MaybeValue(found=True, value=v) for v in vals])
         assert encode_get_chunk(index, vals) == want.SerializeToString()
+
+
+def test_fitting_runs_split_puts_in_order_into_messages_that_fit() -> None:
+    """What a direct-write piece that falls back to gRPC is sent as (kvstore.remote._send_fitting)."""
+    encs = [encode_item(PutItem(K(i), b"x" * n)) for i, n in enumerate((100, 100, 300, 50, 1000, 10))]
+    sizes = [e.nbytes for e in encs]
+    assert fitting_runs([], 500) == []
+    assert fitting_runs(encs, sum(sizes)) == [slice(0, 6)]  # all fit: one message, as before
+    limit = sum(sizes[:3])  # the first three exactly fit
+    assert sizes[4] > limit
+    runs = fitting_runs(encs, limit)
+    assert runs == [slice(0, 3), slice(3, 4), slice(4, 5), slice(5, 6)]  # the item over the limit alone
+    assert fitting_runs(encs, limit - 1) == [slice(0, 2), slice(2, 4), slice(4, 5), slice(5, 6)]
 
 
 def test_get_stream_keeps_order_across_windows_and_chunks(make_daemon) -> None:
