@@ -45,8 +45,9 @@ removes it after a clean run; after a failed run (or with ``--keep``) it stays f
 the post-mortem, and the report's ``workdir`` names it (stderr names it too).
 
 Progress: a line on stderr every few seconds (elapsed, operations, calls refused while a
-daemon was down or a target full, unexpected errors, wrong bytes), from small per-client
-progress files the clients rewrite every second.
+daemon was down or a target full or, for a client's gc, while another gc, check or repair
+pass ran on that daemon: BUSY, one pass at a time; unexpected errors, wrong bytes), from
+small per-client progress files the clients rewrite every second.
 
 Exit status (the contract of ``tools/cli_args.py``): 0 when nothing was lost and no byte
 was wrong; 1 when something was, or when the run itself failed (a daemon that does not
@@ -540,7 +541,9 @@ def run(a: argparse.Namespace, argv: list[str] | None, work: Path, shards: list,
         "acked_lost": final["acked_lost"], "acked_checked_at_end": final["acked_checked"],
         "deleted_but_found": final["deleted_but_found"],
         "client_counts": {k: v for k, v in counts.items() if not k.startswith("op_")},
-        "client_counts_note": "unavailable: calls to a shard while its daemon was killed (not acknowledged)",
+        "client_counts_note": ("unavailable: calls to a shard while its daemon was killed (not acknowledged), "
+                               "and gc calls it answered BUSY (ServerBusy) while another gc, check or repair "
+                               "pass ran there (one pass at a time per daemon)"),
         "client_error_samples": [e for led in ledgers for e in led.get("errors", [])][:10],
         "check_after_repair": dict(Counter(problems)),
         "latency": {ph: {op: pct(v) for op, v in sorted(d.items())} for ph, d in lat.items()},

@@ -18,7 +18,9 @@ def progress_path(work: Path, client: int) -> Path:
 
 
 def write_progress(path: Path, c: Counter) -> None:
-    """A client's running counts for the controller's progress line (replaced atomically)."""
+    """A client's running counts for the controller's progress line (replaced atomically).
+    ``refused``: ``StoreUnavailable`` (a daemon down, or a gc answered BUSY while another
+    maintenance pass ran there) and ``CapacityExceeded`` (a target full)."""
     doc = {"ops": sum(v for k, v in c.items() if k.startswith("op_")),
            "refused": c["unavailable"] + c["capacity_refused"],
            "errors": c["unrecoverable"] + sum(v for k, v in c.items() if k.startswith("error_")),

@@ -33,7 +33,11 @@ The service contract
    UTF-8, wrong types) is INVALID_ARGUMENT. A message over
    ``max_message_bytes`` is RESOURCE_EXHAUSTED (gRPC's own check, on both
    ends); a daemon or tenant at its concurrency limit is RESOURCE_EXHAUSTED
-   with code ``BUSY``. An unreachable daemon is ``StoreUnavailable``.
+   with code ``BUSY`` (``wire.ServerBusy``, a ``StoreUnavailable``: retry), and
+   so is a ``Gc``, ``Check``, ``Repair`` or ``Maintain`` call while another gc,
+   check or repair pass runs on the daemon (one pass at a time: ``admin_rpc``;
+   background GC skips its round instead). An unreachable daemon is
+   ``StoreUnavailable``.
 5. Security. Listeners bind 127.0.0.1 unless configured otherwise. Optional
    TLS and mutual TLS from PEM files. With a tokens file, every call needs
    ``authorization: Bearer <token>`` (else UNAUTHENTICATED), keys are stored
