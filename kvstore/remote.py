@@ -89,7 +89,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.remote_admin import RemoteAdmin
 from kvstore.remote_lookup import RemoteLookup
-from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, RequestTooLarge, check_value_sizes,
+from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, check_message_bytes, check_value_sizes,
                                  encode_item, error_from_rpc, fitting_runs, layout_from_pb, read_pem)
 
 log = logging.getLogger(__name__)
@@ -296,10 +296,10 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
             check_value_sizes(encs, self.daemon_max_value_bytes())
         if self._direct_w is None:
             for p in pieces:
-                self._check_bytes(encs[p], len(encs))
+                check_message_bytes(encs[p], len(encs), self.options.max_message_bytes)
         else:  # written directly; a piece that goes through gRPC after all is sent in runs that fit (_send_fitting)
             for e in encs:
-                self._check_bytes([e], len(encs))
+                check_message_bytes([e], len(encs), self.options.max_message_bytes)
 
     def daemon_max_value_bytes(self) -> int | None:
         """The daemon's ``max_value_bytes``, asked (``Describe``) on the first call and kept for
@@ -333,17 +333,6 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
                 return got
         return self._send_fitting(encs)
 
-    def _check_bytes(self, encs: list[EncodedPut], batch: int) -> None:
-        """``RequestTooLarge`` when these encoded puts are over ``max_message_bytes`` together."""
-        total = sum(e.nbytes for e in encs)
-        if total > self.options.max_message_bytes:
-            what = f"put_many of {len(encs)} items" if len(encs) == batch else (
-                f"a {len(encs)}-item piece of a put_many of {batch} items")
-            raise RequestTooLarge(
-                f"{what} ({total} bytes) is over this client's max_message_bytes="
-                f"{self.options.max_message_bytes}; raise max_message_bytes on both the daemon and the client, "
-                "or send smaller batches")
-
     def _put_many_rpc(self, items: Sequence[PutItem]) -> list[bool]:
         """Direct writes' fallback: (part of) one piece over gRPC, validated, encoded, ``_send_fitting``."""
         return self._send_fitting([encode_item(it) for it in items])
@@ -353,12 +342,24 @@ class RemoteStore(RemoteLookup, RemoteAdmin):
         (``wire.fitting_runs``). Without direct writes ``check_puts`` bounded the piece: one run. With
         them it bounded each item only (a piece written directly may be any size), so a piece that
         goes through gRPC after all (Commit refused an entry, a pack failed, direct writes turned
-        off) is never refused whole after the earlier pieces were stored (review)."""
-        return [c for r in fitting_runs(encs, self.options.max_message_bytes) for c in self._send_puts(encs[r])]
+        off) is never refused whole after the earlier pieces were stored (review). A run refused as
+        over the daemon's ``max_batch_items`` after an earlier one was stored teaches this client the
+        limit (``_learn``) and is sent in pieces of it: re-sending the whole piece would put the
+        earlier runs' items twice, answered ``created=False`` though this call stored them."""
+        out: list[bool] = []
+        for r in fitting_runs(encs, self.options.max_message_bytes):
+            try:
+                out.extend(self._send_puts(encs[r]))
+            except BatchTooLarge as exc:  # nothing of this run stored
+                if not out or not self._learn(exc, r.stop - r.start):
+                    raise  # nothing of this piece stored either: _each_piece learns and re-splits it
+                for p in self._pieces(r.stop, r.start):
+                    out.extend(self._send_puts(encs[p]))
+        return out
 
     def _send_puts(self, encs: list[EncodedPut]) -> list[bool]:
         """PutStream (PutMany for an older daemon) of at most ``max_batch_items`` encoded puts."""
-        self._check_bytes(encs, len(encs))
+        check_message_bytes(encs, len(encs), self.options.max_message_bytes)
         if self._streams:
             try:
                 # Each item is encoded as gRPC asks for it: the next one is built while this one is sent.

@@ -393,6 +393,17 @@ def fitting_runs(encs: Sequence[EncodedPut], limit: int) -> list[slice]:
     return runs
 
 
+def check_message_bytes(encs: Sequence[EncodedPut], batch: int, limit: int) -> None:
+    """``RequestTooLarge`` when these encoded puts (of a ``put_many`` of ``batch`` items) are over
+    a client's ``max_message_bytes`` (``limit``) together."""
+    total = sum(e.nbytes for e in encs)
+    if total > limit:
+        what = f"put_many of {len(encs)} items" if len(encs) == batch else (
+            f"a {len(encs)}-item piece of a put_many of {batch} items")
+        raise RequestTooLarge(f"{what} ({total} bytes) is over this client's max_message_bytes={limit}; "
+                              "raise max_message_bytes on both the daemon and the client, or send smaller batches")
+
+
 def check_value_sizes(encs: Sequence[EncodedPut], limit: int | None) -> None:
     """The embedded store's ``InvalidRequest`` (``FragmentIO._checked``, word for word) for the
     first value over ``limit`` (a daemon's ``max_value_bytes``; ``None``: unknown, no check)."""

@@ -504,3 +504,26 @@ def test_a_piece_that_falls_back_to_grpc_is_sent_in_messages_that_fit(make_daemo
     assert s._direct_w.stats()["counters"]["fallbacks"] >= (3 if route != "direct writes turned off" else 0)
     assert s.check() == []  # no pack of the fallen-back piece left behind
     s.close()
+
+
+def test_a_fallen_back_piece_over_the_daemons_batch_limit_puts_each_item_once(make_daemon, monkeypatch) -> None:
+    """A piece that falls back to gRPC is sent in messages that fit max_message_bytes. When the
+    daemon's max_batch_items is lower than this client has learned yet, a later message was refused
+    (BatchTooLarge) after an earlier one was stored, and the whole piece was re-sent in smaller
+    pieces: the earlier items put twice, answered created=False though this call stored them.
+    The refused message alone is now re-sent in pieces of the learned limit."""
+    limit = 300_000
+    d = make_daemon(allow_direct_writes=True, max_message_bytes=limit, max_batch_items=4)
+    s = kvstore.connect(d.address, direct_writes="on", max_message_bytes=limit)  # max_batch_items: 4096
+    assert s.put(K("warm"), b"w")
+    def broken(rel, parts, **kw):  # every pack fails here: each piece goes through gRPC
+        raise OSError(5, "I/O error (injected)")
+
+    monkeypatch.setattr(s._direct_w.writer().targets["t2"], "write", broken)
+    sizes = (299_000, 5_000, 10, 20, 30, 40)  # one piece of 6: messages of 1 item, then of 5 (over the daemon's 4)
+    vals = {K(f"b{i}"): os.urandom(n) for i, n in enumerate(sizes)}
+    assert s.put_many([PutItem(k, v) for k, v in vals.items()]) == [True] * len(vals)  # was [False, True, ...]
+    assert s.get_many(list(vals)) == list(vals.values())
+    assert s._batch_items == 4  # learned from the refusal
+    assert s.check() == []
+    s.close()
