@@ -30,7 +30,8 @@ target filling up (ENOSPC by capacity), latency, transient read errors, bits
 flipped in fragment files on disk, short writes. Invariant of the schedule:
 per shard, targets under a fault or holding unrepaired damage are at most m
 (``max_faulty_targets`` in the report proves it); damage is cleared by a
-``Repair`` of that shard before its budget is freed.
+``Repair`` of that shard before its budget is freed (asked again while the daemon
+answers BUSY because a client's gc pass runs there: ``repair_shard``).
 
 Final pass: all faults cleared, every shard repaired, then every acknowledged,
 undeleted, non-TTL key is read back: ``acked_lost`` (must be 0) and
@@ -83,8 +84,10 @@ from kvstore.errors import (CapacityExceeded, InvalidRequest, KVStoreError, NotF
                             Unrecoverable)
 from tools.cli_args import (check_output_dir, check_output_file, integer, number, one_line,  # noqa: E402
                             sigint_deferred, sigint_ignored_in_children)
+from kvstore.server.wire import ServerBusy  # noqa: E402
 from tools.soak_report import Progress, failures, pct, progress_path, write_progress  # noqa: E402
 
+REPAIR_BUSY_WAIT_S = 30.0  # how long the controller's Repair waits out another pass on its daemon
 OPS = {"put": 22, "put_many": 8, "put_ttl": 8, "get": 30, "get_other": 8, "lookup": 12, "delete": 5, "get_many": 6,
        "gc": 1}
 
@@ -308,6 +311,22 @@ def corrupt_files(r: random.Random, d: Path, n: int) -> int:
     return hit
 
 
+def repair_shard(url: str, busy_wait_s: float = REPAIR_BUSY_WAIT_S) -> dict:
+    """One shard's ``Repair`` for the controller. A daemon runs one gc, check or repair pass at a
+    time and answers another BUSY (``ServerBusy``): a client's ``gc`` may be running there, so
+    a refused Repair is asked again every 0.2 s for up to ``busy_wait_s`` (before, the final
+    repair failed so now and then, its shard's damage stayed, and the run failed)."""
+    deadline = time.monotonic() + busy_wait_s
+    with kvstore.connect(url, timeout_s=60) as rs:
+        while True:
+            try:
+                return rs.repair()
+            except ServerBusy:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+
+
 def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float, tick=lambda: None,
           stop=lambda: False) -> dict:
     """The fault schedule until ``end`` or until ``stop()`` is true (checked once per step, as
@@ -327,8 +346,7 @@ def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float, ti
 
     def repair(s: int) -> None:
         try:
-            with kvstore.connect(shards[s].url, timeout_s=60) as rs:
-                out = rs.repair()
+            out = repair_shard(shards[s].url)
             repairs["runs"] += 1
             for k, v in out.items():
                 if isinstance(v, (int, float)):  # the counts; not unfixed_detail (a list of lines)

@@ -104,3 +104,24 @@ def test_a_background_round_never_makes_an_admin_call_busy(make_daemon) -> None:
         finally:
             admin_done.set()
     assert not probing.is_set(), "background gc took the admin pass slot"
+
+
+def test_the_soaks_final_repair_waits_out_a_pass_that_holds_the_slot(make_daemon, tmp_path) -> None:
+    """tools/soak.py repairs every shard at the end; a client's gc still running on a daemon made
+    that Repair answer BUSY, the repair was counted as failed and its damage stayed, so the run
+    failed (check_after_repair: corrupt_fragment) now and then. The controller now asks again
+    while the daemon is busy with another pass."""
+    import argparse
+
+    from tools import soak
+
+    d = make_daemon()
+    assert d._maintain_slot.acquire(blocking=False)  # another pass (a client's gc) runs
+    releaser = threading.Timer(1.0, d._maintain_slot.release)
+    releaser.start()
+    try:
+        shard = argparse.Namespace(url=d.address, names=["t0"])
+        out = soak.chaos([shard], tmp_path, argparse.Namespace(seed=1), end=time.time())  # only the final repair
+    finally:
+        releaser.join()
+    assert out["repairs"].get("runs") == 1 and not out["repairs"].get("failed_runs"), out["repairs"]
