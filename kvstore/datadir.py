@@ -87,6 +87,18 @@ def _place(url: str) -> str:
     return os.path.abspath(rest) if scheme in _LOCAL_SCHEMES else url
 
 
+def _same_targets(a: Any, b: Any) -> bool:
+    """Do two target records (``_targets_record``'s form, or what a marker holds; ``None`` for
+    none) name the same targets, in the same order? URLs are compared by ``_place``, so one
+    local directory spelled ``/x`` once and ``file:///x`` the other time is the same target
+    (before, such a spelling logged "configured targets differ" and rewrote the marker)."""
+    def key(rec: Any) -> Any:
+        if not isinstance(rec, list) or not all(isinstance(t, dict) and isinstance(t.get("url"), str) for t in rec):
+            return rec  # none, or a hand-edited record: compared as written
+        return [(_place(t["url"]), t.get("domain"), t.get("name")) for t in rec]
+    return key(a) == key(b)
+
+
 def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConfig:
     """``config`` with the marker's recorded targets when it names none itself: so ``kvtool``
     and a daemon started without ``KVSTORE_TARGETS`` open the targets the directory was
@@ -96,7 +108,8 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
     if not recorded:
         return config
     if config.targets:
-        if _targets_record(config) not in (None, recorded):
+        mine = _targets_record(config)
+        if mine is not None and not _same_targets(mine, recorded):
             log.warning("the configured targets differ from those %s records; recording them instead: %s",
                         FORMAT_FILE, ", ".join(f"{t.name}={t.shown_url}" for t in config.targets))
         return config
@@ -190,7 +203,7 @@ class DataDir:
                 self._refuse_foreign_targets(rewrite)
                 self._refuse_renamed_targets(marker)
             if (any(marker.get(n) != v for n, v in code.items()) or marker.get("index_id") != identity.hex()
-                    or marker.get("targets") != _targets_record(config)):
+                    or not _same_targets(marker.get("targets"), _targets_record(config))):
                 self._write_marker(config, identity, marker)
             if rewrite:
                 for t in self.targets.values():

@@ -244,3 +244,24 @@ def test_a_rename_is_refused_however_the_local_url_is_spelled(tmp_path, first, t
         kvstore.connect(str(data), targets=targets(then, [*names[:2], "fast", *names[3:]]), fsync=False)
     with kvstore.connect(str(data), targets=targets(then, names), fsync=False) as s:  # the same names: fine
         assert s.get(b"k" * 16) == b"hello" * 100 and s.counters["degraded_reads"] == 0
+
+
+@pytest.mark.parametrize("first, then", [("plain", "file"), ("file", "plain"), ("file", "local")])
+def test_the_same_targets_spelled_otherwise_are_not_taken_for_others(tmp_path, caplog, first, then):
+    """The directory's own targets, a local one spelled ``/x`` once and ``file:///x`` (or
+    ``local:///x``) the next time: the same targets, so no "configured targets differ" warning
+    and the marker is left as it is. Before, the records were compared as written: a warning
+    on every open and the marker rewritten each time the spelling changed."""
+    import logging
+
+    data = tmp_path / "data"
+    url = lambda i, how: str(tmp_path / f"d{i}") if how == "plain" else f"{how}://{tmp_path / f'd{i}'}"  # noqa: E731
+    targets = lambda how: ",".join(f"{url(i, how)}#default#t{i}" for i in range(6))  # noqa: E731
+    with kvstore.connect(str(data), targets=targets(first), fsync=False) as s:
+        s.put(b"k" * 16, b"hello" * 100)
+    before = (data / "kvstore.json").read_bytes()
+    with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+        with kvstore.connect(str(data), targets=targets(then), fsync=False) as s:
+            assert s.get(b"k" * 16) == b"hello" * 100
+    assert "differ from those kvstore.json records" not in caplog.text
+    assert (data / "kvstore.json").read_bytes() == before
