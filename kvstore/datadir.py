@@ -62,18 +62,20 @@ def _targets_record(config: StoreConfig) -> list[dict] | None:
     return [{"url": _absolute(t.url), "domain": t.domain, "name": t.name} for t in config.targets]
 
 
+_LOCAL_SCHEMES = ("file", "local")  # the URL schemes of a local directory (``kvstore.targets.TARGET_TYPES``)
+
+
 def _absolute(url: str) -> str:
     """A local target's URL with its path made absolute, as the store resolved it when it
     opened it (a relative path means the opener's working directory, which the next opener
-    does not share); other URLs as written."""
-    if "://" not in url:
+    does not share), its scheme kept; other URLs as written. ``file://x`` and ``local://x``
+    are relative paths to the target that opens them (everything after ``://`` is the path),
+    so they are made absolute as plain ``x`` is: before, they were recorded as written and
+    the next opener, elsewhere, resolved them to another directory."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return os.path.abspath(url)
-    if url.startswith("file://") and url[len("file://"):].startswith("/"):
-        return "file://" + os.path.abspath(url[len("file://"):])
-    return url
-
-
-_LOCAL_SCHEMES = ("file", "local")  # the URL schemes of a local directory (``kvstore.targets.TARGET_TYPES``)
+    return f"{scheme}://{os.path.abspath(rest)}" if scheme in _LOCAL_SCHEMES else url
 
 
 def _place(url: str) -> str:

@@ -265,3 +265,23 @@ def test_the_same_targets_spelled_otherwise_are_not_taken_for_others(tmp_path, c
             assert s.get(b"k" * 16) == b"hello" * 100
     assert "differ from those kvstore.json records" not in caplog.text
     assert (data / "kvstore.json").read_bytes() == before
+
+
+def test_a_relative_file_url_is_recorded_absolute_as_a_relative_path_is(tmp_path, monkeypatch):
+    """``file://d0`` is the relative directory ``d0`` (fsspec reads everything after ``://`` as
+    the path): recorded as written, the next opener in another working directory opened other,
+    empty directories and every entry read as lost. Now recorded as absolute as ``d0`` is."""
+    import json
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    data = tmp_path / "data"
+    with kvstore.connect(str(data), targets="file://d0,file://d1,local://d2", ec_k=2, ec_m=1, fsync=False) as s:
+        assert s.put(b"k" * 16, b"hello" * 100)
+    rec = json.loads((data / "kvstore.json").read_text())["targets"]
+    assert [t["url"] for t in rec] == [f"{s}://{tmp_path / 'a' / f'd{i}'}" for i, s in
+                                       enumerate(["file", "file", "local"])]
+    monkeypatch.chdir(tmp_path / "b")
+    with kvstore.connect(str(data), fsync=False) as s:  # the targets as recorded
+        assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
