@@ -121,8 +121,10 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
     except InvalidRequest as exc:
         raise IncompatibleFormat(f"the targets recorded in {FORMAT_FILE} are unusable ({exc}); correct its "
                                  "'targets', or name the targets (KVSTORE_TARGETS, --targets)") from exc
-    local = [t for t in specs if "://" not in t.url or t.url.startswith("file://")]
-    if len(local) == len(specs) and not any(os.path.isdir(t.url.removeprefix("file://")) for t in local):
+    # Local by scheme as the targets are opened (``_LOCAL_SCHEMES``; before, only plain paths and
+    # file:// URLs: a moved set of local:// targets opened, and every entry read as lost).
+    local = [t for t in specs if "://" not in t.url or t.url.partition("://")[0] in _LOCAL_SCHEMES]
+    if len(local) == len(specs) and not any(os.path.isdir(_place(t.url)) for t in local):
         # Every recorded root gone at once is a directory moved or disks not mounted, not a loss:
         # opening on them would mark every entry lost on its first read.
         raise InvalidRequest(

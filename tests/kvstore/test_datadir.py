@@ -285,3 +285,23 @@ def test_a_relative_file_url_is_recorded_absolute_as_a_relative_path_is(tmp_path
     monkeypatch.chdir(tmp_path / "b")
     with kvstore.connect(str(data), fsync=False) as s:  # the targets as recorded
         assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
+
+
+def test_a_moved_set_of_local_scheme_targets_is_refused_not_lost(tmp_path):
+    """Recorded ``local:///x`` targets that are all gone refuse the open, as plain paths and
+    ``file://`` URLs do; before, only those two counted as local, so the store opened on the
+    missing roots and the first read marked the entry lost."""
+    import shutil
+
+    from kvstore.errors import InvalidRequest
+
+    data = tmp_path / "data"
+    targets = ",".join(f"local://{tmp_path / 'disks' / f'd{i}'}" for i in range(3))
+    with kvstore.connect(str(data), targets=targets, ec_k=2, ec_m=1, fsync=False) as s:
+        assert s.put(b"k" * 16, b"hello" * 100)
+    shutil.move(str(tmp_path / "disks"), str(tmp_path / "moved"))
+    with pytest.raises(InvalidRequest, match="moved"):
+        kvstore.connect(str(data), fsync=False)
+    shutil.move(str(tmp_path / "moved"), str(tmp_path / "disks"))
+    with kvstore.connect(str(data), fsync=False) as s:
+        assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
