@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvstore import codec
 from kvstore.api import EntryKind
-from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStoreError, StoreClosed
+from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStoreError, StoreClosed, StoreUnavailable
 from kvstore.fragments import WrittenTooLongAgo
 from kvstore.gc_plan import (DueGrave, count_expired, due_graves, expired_lost, grave_key, plan_compaction,
                              plan_eviction, plan_expiry, plan_purge, removed_graves)
@@ -396,24 +396,48 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
     return replace(m, targets=tuple(targets), offsets=tuple(offsets)), done
 
 
+class RebuiltFileGone(StoreUnavailable):
+    """A fragment file ``_rebuild`` wrote in a new place is gone when its record would name
+    it: an orphan sweep took the stale copy that sat at that path (``kvstore.orphans``).
+    Raised inside the index transaction, which it aborts: nothing recorded."""
+
+
+def _check_new_files(store: "EmbeddedStore", ek: bytes, m: Meta, fixed_meta: Meta) -> None:
+    """``RebuiltFileGone`` unless every fragment file ``fixed_meta`` names in a new place (a
+    target or file of its own that ``m`` did not have for the slot) is there. Called inside
+    the write transaction that records them: the sweep deletes a stale copy only inside one
+    too, after checking no record names it, so one of the two always sees the other."""
+    def own_file(meta: Meta, i: int) -> bool:
+        return not meta.offsets or meta.offsets[i] == STANDALONE
+    for i, name in enumerate(fixed_meta.targets):
+        if own_file(fixed_meta, i) and (name, True) != (m.targets[i], own_file(m, i)):
+            try:
+                store.targets[name].stat(fragment_path(ek[0], ek[1:], m.gen, i))
+            except (OSError, KeyError) as exc:
+                raise RebuiltFileGone(f"fragment {i} rebuilt on {name} is gone (swept as the stale copy that "
+                                      f"sat at its path): {exc}") from exc
+
+
 def _record_repair(store: "EmbeddedStore", ek: bytes, m: Meta, fixed_meta: Meta, where: str,
                    written_at: float) -> bool:
     """Index what ``_rebuild`` wrote for record ``m`` of ``where`` ("entries" or "lost"): False
     when the record moved or went meanwhile (its new files are orphans). ``WrittenTooLongAgo``
     (nothing indexed) when those files were written over half the orphan grace ago, as for a
     put (``FragmentIO._check_in_time``): a sweep may be deleting them (before, a repair had no
-    such check)."""
+    such check); ``RebuiltFileGone`` (nothing indexed) when one in a new place was swept."""
     with store.index.env.begin(write=True) as txn:
         store._check_in_time(written_at, f"the repair of {ek[1:].hex()}")
         if where == "entries":
             cur = store.index.get_meta(txn, ek)
             if cur is None or (cur.gen, cur.targets, cur.offsets) != (m.gen, m.targets, m.offsets):
                 return False
+            _check_new_files(store, ek, m, fixed_meta)
             store.index.update_txn(txn, ek, cur, replace(fixed_meta, access_ns=cur.access_ns, pinned=cur.pinned))
             return True
         cur = store.index.get_lost(txn, ek)
         if cur is None or cur.gen != m.gen or store.index.get_meta(txn, ek) is not None:
             return False
+        _check_new_files(store, ek, m, fixed_meta)
         store.index.drop_lost_txn(txn, ek, fixed_meta, store.now_ns(), to_grave=False)
         return True
 
@@ -504,7 +528,7 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
             try:
                 if not _record_repair(store, ek, m, fixed_meta, where, written_at):
                     unrecorded = "the entry changed while it was rebuilt"
-            except WrittenTooLongAgo as exc:  # its new files may be swept as orphans: not recorded
+            except (WrittenTooLongAgo, RebuiltFileGone) as exc:  # swept, or may be: not recorded
                 unrecorded = str(exc)
         for i, p in bad.items():
             if unrecorded and i in fixed:

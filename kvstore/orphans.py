@@ -11,6 +11,19 @@ An orphan is a fragment or pack file no index record needs, older than ``orphan_
   before it is deleted (``_still_an_orphan``: the record's own copy of the slot must read
   back and verify, so a name that now means another directory never costs a fragment).
 Anything else under a target (not named as ours) is left alone.
+
+Why nothing but a slot orphan is looked at again before its delete: no writer re-creates
+its name. Puts, compaction and direct writers name their files by a fresh random
+generation, ``.tmp.`` names are random too, and a file is indexed only within
+``orphan_grace_s / 2`` of its writing (``FragmentIO._check_in_time``; ``commit_written``
+also checks the pack's mtime), so a file old enough to be swept is never indexed after.
+A slot orphan's name is re-created by repair alone: it rebuilds a slot onto a spare at
+the path a stale copy there has. So the last look (the records, then the file's age) and
+the delete run inside one index write transaction (``_delete_slot_orphan``), and repair
+records a fragment in a new place only if its file is still there, checked inside its own
+write transaction (``kvstore.maintenance._record_repair``): whichever transaction comes
+first, the other sees it (before, a rebuild between the last look and the delete was
+deleted and then recorded).
 """
 
 from __future__ import annotations
@@ -25,6 +38,8 @@ from kvstore.maintenance import Problem, ProblemKind, Progress
 from kvstore.targets import parse_fragment_path, parse_pack_path
 
 if TYPE_CHECKING:
+    import lmdb
+
     from kvstore.store import EmbeddedStore
 
 log = logging.getLogger(__name__)
@@ -65,34 +80,60 @@ def _slot_orphan(claims: Claims, slot: int, name: str, configured: Collection[st
     return bool(mine) and (name, True) not in mine and all(t in configured for t, _ in mine)
 
 
-def _still_an_orphan(store: "EmbeddedStore", tgt, rel: str, ek: bytes, gen: bytes, slot: int,
-                     now_s: float, grace_s: float) -> bool:
-    """Just before deleting a slot orphan: a live or lost record of its generation holds the
-    slot elsewhere, the copy there reads back and verifies, no record names this file now,
-    and it is still old. A repair may have rebuilt that very slot onto this target since the
-    records were read (same path, a new file), then recorded it. And a configured name may
-    no longer mean the directory it meant (mounts swapped or rotated, a name given to another
-    directory): then the recorded copy is not where the record says, so this one is kept
-    (QA: swapped names made one gc delete a fragment of every entry, a rotation all of them)."""
+def _claims_slot_here(metas: Sequence[Meta], name: str, slot: int) -> bool:
+    """Does one of ``metas`` hold ``slot`` in a file of its own on target ``name``?"""
+    return any(m.targets[slot] == name and (not m.offsets or m.offsets[slot] == STANDALONE) for m in metas)
+
+
+def _live_metas(store: "EmbeddedStore", txn: "lmdb.Transaction", ek: bytes, gen: bytes) -> list[Meta]:
+    """The live and lost records of ``ek`` with generation ``gen``."""
+    return [m for m in (store.index.get_meta(txn, ek), store.index.get_lost(txn, ek)) if m is not None and m.gen == gen]
+
+
+def _still_an_orphan(store: "EmbeddedStore", tgt, rel: str, ek: bytes, gen: bytes, slot: int) -> bool:
+    """Before deleting a slot orphan: a live or lost record of its generation holds the
+    slot elsewhere, the copy there reads back and verifies, and no record names this file.
+    A repair may have rebuilt that very slot onto this target since the records were read
+    (same path, a new file), then recorded it. And a configured name may no longer mean the
+    directory it meant (mounts swapped or rotated, a name given to another directory): then
+    the recorded copy is not where the record says, so this one is kept (QA: swapped names
+    made one gc delete a fragment of every entry, a rotation all of them). The last look,
+    and the age, are ``_delete_slot_orphan``'s."""
     with store.index.env.begin() as txn:
-        metas = [m for m in (store.index.get_meta(txn, ek), store.index.get_lost(txn, ek))
-                 if m is not None and m.gen == gen]
+        metas = _live_metas(store, txn, ek, gen)
     if not metas:
         return False  # only the graveyard has it: its purge takes its files, the rest are orphans after
-    for m in metas:
-        if m.targets[slot] == tgt.name and (not m.offsets or m.offsets[slot] == STANDALONE):
-            return False
+    if _claims_slot_here(metas, tgt.name, slot):
+        return False
     try:
         store._read_fragment(metas[0], ek, slot)  # the recorded copy: present and verified, or keep this one
     except Exception as exc:  # noqa: BLE001 - missing, corrupt, unreachable: all mean "keep"
         log.info("orphan sweep: kept %s on %s: the copy its record names does not read back (%s)",
                  rel, tgt.name, exc)
         return False
-    try:
-        _size, mtime = tgt.stat(rel)
-    except OSError:
-        return False  # gone already, or cannot tell: leave it
-    return bool(mtime) and now_s - mtime >= grace_s + tgt.mtime_resolution_s
+    return True
+
+
+def _delete_slot_orphan(store: "EmbeddedStore", tgt, rel: str, ek: bytes, gen: bytes, slot: int,
+                        grace_s: float) -> bool | None:
+    """Delete a slot orphan ``_still_an_orphan`` passed, looking last inside an index write
+    transaction: ``None`` (kept) when a record of its generation now names this file or none
+    is live or lost any more, or the file is gone or young (rewritten since the listing);
+    else what ``tgt.delete`` says (``OSError`` raised). Held for one stat and one delete: a
+    repair that rebuilds the slot here records it only once its file is still there, checked
+    in its own write transaction, so it either comes first (recorded: kept here) or finds
+    the file this delete took (not recorded)."""
+    with store.index.env.begin(write=True) as txn:
+        metas = _live_metas(store, txn, ek, gen)
+        if not metas or _claims_slot_here(metas, tgt.name, slot):
+            return None
+        try:
+            _size, mtime = tgt.stat(rel)
+        except OSError:
+            return None  # gone already, or cannot tell: leave it
+        if not mtime or store.file_clock() - mtime < grace_s + tgt.mtime_resolution_s:
+            return None
+        return tgt.delete(rel)
 
 
 def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: float,
@@ -151,14 +192,18 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
             if not mtime or now_s - mtime < grace_s + tgt.mtime_resolution_s:
                 unknown_age += not mtime
                 continue  # may belong to a put still in flight (of unknown age: never taken for an orphan)
-            if recheck and not dry_run and not _still_an_orphan(store, tgt, rel, ek, gen, slot, store.file_clock(),
-                                                                grace_s):
+            if recheck and not dry_run and not _still_an_orphan(store, tgt, rel, ek, gen, slot):
                 continue
             orphan = Problem(ProblemKind.ORPHAN_FRAGMENT, key=parsed[1].hex() if parsed else "",
                              target=name, detail=rel, fixed=not dry_run)
             if not dry_run:
                 try:
-                    removed = tgt.delete(rel)
+                    if recheck:  # the last look and the delete in one index write transaction
+                        removed = _delete_slot_orphan(store, tgt, rel, ek, gen, slot, grace_s)
+                        if removed is None:
+                            continue  # claimed, rewritten or gone since: kept
+                    else:
+                        removed = tgt.delete(rel)
                 except OSError as exc:
                     log.warning("orphan sweep: cannot delete %s on %s: %s", rel, name, exc)
                     problems.append(replace(orphan, detail=f"{rel} (cannot delete: {exc})", fixed=False))

@@ -255,6 +255,66 @@ def test_a_slot_rebuilt_onto_a_target_after_the_sweep_listed_it_is_not_deleted(t
         assert s.gc()["orphans"] == 1 and s.check() == [] and s.get(key) == value
 
 
+def test_a_slot_rebuilt_onto_a_target_between_the_sweeps_last_look_and_its_delete_is_not_lost(tmp_path, monkeypatch):
+    """The sweep's last look at a stale copy (the record, then the file's age) and its delete
+    were two steps: a repair that rebuilt that slot at the very path in between (the target it
+    had replaced failed) and recorded it had its new file deleted, leaving a record that names
+    a missing fragment. Now the sweep looks and deletes inside one index write transaction,
+    and a repair records a file in a new place only if it is still there in its own."""
+    import threading
+    from dataclasses import replace as dc_replace
+    from pathlib import Path
+
+    from kvstore import maintenance
+    from kvstore.targets import fragment_path
+
+    base = tmp_path / "s2"
+    targets = ",".join(f"file://{base}/t{i}#d{i}" for i in range(8))
+    key, value = b"r" * 16, os.urandom(5000)
+    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, orphan_grace_s=0) as s:
+        s.put(key, value)
+        ek = b"\x01" + key
+        with s.index.env.begin() as txn:
+            home = s.index.get_meta(txn, ek).targets[0]
+        tgt = s.targets[home]
+        os.rename(tgt.root, tgt.root + ".away")
+        assert s.repair()["rebuilt_fragments"] == 1
+        os.rename(tgt.root + ".away", tgt.root)  # back, with its stale copy of slot 0
+        with s.index.env.begin() as txn:
+            cur = s.index.get_meta(txn, ek)
+        rel = fragment_path(ek[0], key, cur.gen, 0)
+        frame = s.targets[cur.targets[0]].read(rel)  # the good copy, on the spare the first repair used
+        real_stat, out = type(tgt).stat, []
+
+        def record() -> None:
+            try:
+                out.append(maintenance._record_repair(s, ek, cur, dc_replace(cur, targets=(home, *cur.targets[1:])),
+                                                      "entries", s.clock()))
+            except Exception as exc:  # noqa: BLE001 - looked at below
+                out.append(exc)
+
+        def stat(self, path):
+            got = real_stat(self, path)
+            if self is tgt and path == rel and not hasattr(stat, "fired"):  # the sweep's last look
+                stat.fired = True  # now a repair rebuilds slot 0 here, and records it
+                tgt.write(rel, frame, fsync=False)
+                stat.thread = threading.Thread(target=record)
+                stat.thread.start()
+                stat.thread.join(0.5)  # at once before; now it waits for the sweep's transaction
+            return got
+
+        monkeypatch.setattr(type(tgt), "stat", stat)
+        s.gc()
+        stat.thread.join()
+        monkeypatch.undo()
+        assert getattr(stat, "fired", False) and len(out) == 1
+        with s.index.env.begin() as txn:
+            now = s.index.get_meta(txn, ek)
+        assert now.targets[0] != home or (Path(tgt.root) / rel).exists()  # never a record of a deleted file
+        assert s.get(key) == value and s.counters.get("degraded_reads", 0) == 0
+        assert s.check() == []
+
+
 def test_gc_keeps_the_fragments_of_targets_renamed_under_it(tmp_path):
     """Three targets' directories moved and the store opened with the new URLs (their old
     names not given): their files name slots the records put on targets no longer
