@@ -21,7 +21,11 @@ Model (one heap of timed events; ties: completions before arrivals)
     1. *Arrival* at ``timestamp_ms / 1000 / speedup``: hits per instance are
        looked up (device LRU, host LRU of that instance; the shared store
        LRU), the prefill policy chooses; a rejection is final (counted as an
-       SLO miss). The request joins that instance's FIFO queue.
+       SLO miss). The request joins that instance's FIFO queue. Before that, a
+       request that needs more KV memory (``lb.decode.request_kv_bytes``: prompt +
+       output tokens) than an empty decode instance holds is refused, its reason
+       :data:`OVER_DECODE_KV`, as the entrypoint refuses one over ``max_model_len``:
+       no decode could ever take it, and it costs no prefill.
     2. *Prefill start*: hits are looked up again (the cache may have warmed
        meanwhile); the usable prefix is the longest run of cacheable blocks
        present in some tier, each loaded from its fastest tier; cached tokens
@@ -35,7 +39,14 @@ Model (one heap of timed events; ties: completions before arrivals)
        0 is then done (no decode, no TBT sample, not judged on the TBT SLO);
        any other is placed by the decode policy with its TBT SLO (as the entrypoint); one
        that does not fit waits, FIFO, for a decode to finish (with every batch empty, a
-       request over the SLO alone is placed without it, so it never blocks the line).
+       request over the SLO alone is placed without it, so it never blocks the line; one
+       that the decode policy refuses even then, SLO or not, is refused, its reason
+       :data:`REFUSED_BY_EMPTY_DECODE`, and leaves the line: no finish can ever free more,
+       so it would block every request behind it forever). Such a request fits the capacity
+       (step 1 refused the rest) but not the policy's own margin (``kvstack`` keeps 5 %
+       headroom): it holds the line only until every decode instance is empty. A request
+       refused after its prefill is rejected, not served: it leaves no TTFT sample (its
+       prefill still counts in busy time and hit ratios).
     4. *Decode*: a fluid model per decode instance; steps advance at rate
        ``1 / DecodeCostModel.predict(batch tokens, batch requests)``, the
        batch changes on joins/leaves; TBT = decode time / output tokens.
@@ -96,7 +107,12 @@ from lb.types import (
 )
 
 __all__ = ["TraceRequest", "cacheable_blocks", "parse_trace", "LRU", "SimConfig", "SimResult", "simulate",
-           "reference_hit_ratios", "prefix_hits_lru", "json_safe", "prompts_beyond_fit"]
+           "reference_hit_ratios", "prefix_hits_lru", "json_safe", "prompts_beyond_fit", "OVER_DECODE_KV",
+           "REFUSED_BY_EMPTY_DECODE"]
+
+# Reject reasons (``SimResult.reject_reasons`` keys) of requests no decode instance could ever take
+OVER_DECODE_KV = "needs more KV memory than an empty decode instance holds (over max_model_len)"
+REFUSED_BY_EMPTY_DECODE = "the decode policy refuses it with every decode instance empty"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +153,9 @@ class SimResult:
     Attainments are over all ``requests``: a rejected request, one that never
     arrived and one still in flight at a truncation count as misses, so a truncated
     run's attainment is a lower bound of the complete run's (the run is deterministic
-    up to the point where it stopped). ``cached_tokens`` maps the index in ``reqs`` of
+    up to the point where it stopped). ``reject_reasons`` counts rejections by reason: the
+    prefill policy's (its first clause), :data:`OVER_DECODE_KV` and :data:`REFUSED_BY_EMPTY_DECODE`
+    (requests no decode instance could ever take); ``rejected`` is their sum. ``cached_tokens`` maps the index in ``reqs`` of
     every request whose prefill started to the prompt tokens it reused. Percentiles of an
     empty sample (nothing served, no TBT sample) and hit ratios over no block (nothing served,
     or only requests with empty ``hash_ids``) are NaN here and ``None`` in
@@ -343,7 +361,7 @@ def simulate(
     ``cfg.max_wall_s`` of wall time has passed (checked before each event). ``progress``
     is called with (arrivals handled, requests) every 50 arrivals and at the last one.
     """
-    from lb.decode import KVStackDecodePolicy
+    from lb.decode import KVStackDecodePolicy, request_kv_bytes
 
     models = models or load_default()
     if models.transfer.block_tokens != cfg.block_tokens:  # hits count cfg's blocks; a fetch sizes transfer's
@@ -419,7 +437,8 @@ def simulate(
         served_blocks += len(r.hash_ids)
         push(job.end, 0, p.id)
 
-    def place_decode(idx: int, now: float) -> bool:
+    def place_decode(idx: int, now: float) -> bool | None:
+        """Place ``idx`` on a decode instance: True placed, False it waits, None it never can (refused)."""
         r = reqs[idx]
         snaps = [DecodeInstance(d.id, d.kv_used, d.cap, d.batch_tokens, len(d.active)) for d in dec]
         slo = cfg.tbt_slo_ms if cfg.admission else None  # the request's own SLO, as the entrypoint passes it
@@ -428,7 +447,13 @@ def simulate(
             # no finish can ever bring its TBT under the SLO: placed without it (an SLO miss)
             dd = decode_policy.choose(DecodeRequest(r.input_length, r.output_length, None), snaps)
         if dd.chosen is None:
-            return False
+            if any(d.active for d in dec):
+                return False  # a finish may free room: wait for it
+            # every instance is empty and the policy still refuses (without the SLO, when there is one):
+            # nothing can ever change that, so waiting would block the line forever
+            ttft.pop(idx, None)  # rejected, not served
+            reasons[REFUSED_BY_EMPTY_DECODE] += 1
+            return None
         d = dec[dd.chosen]
         d.advance(now)
         kv = int((r.input_length + r.output_length) * models.transfer.kv_bytes_per_token)
@@ -450,6 +475,10 @@ def simulate(
             done_arrivals += 1
             if progress is not None and (done_arrivals % 50 == 0 or done_arrivals == len(reqs)):
                 progress(done_arrivals, len(reqs))
+            if r.output_length > 0 and request_kv_bytes(DecodeRequest(r.input_length, r.output_length),
+                                                         models) > cfg.decode_kv_capacity_bytes:
+                reasons[OVER_DECODE_KV] += 1  # no decode instance could ever hold it: refused before its prefill
+                continue
             hits = {p.id: hits_on(p, idx) for p in pre}
             rr = RouteRequest(  # as production builds it: full blocks only (entrypoint/server.py)
                 r.input_length, len(full[idx]), hits, full[idx], (),
@@ -478,7 +507,7 @@ def simulate(
                 store.insert(b)
             ttft[job.idx] = now - job.arrival
             # output_length 0: nothing to decode, the request is done (no TBT sample)
-            if job.req.output_length > 0 and not place_decode(job.idx, now):
+            if job.req.output_length > 0 and place_decode(job.idx, now) is False:
                 decode_wait.append(job.idx)
             start_next(p, now)
         else:
@@ -495,8 +524,8 @@ def simulate(
             nf = d.next_finish()
             if nf is not None:
                 push(nf, 1, (d.id, d.version))
-            while decode_wait and place_decode(decode_wait[0], now):
-                decode_wait.popleft()
+            while decode_wait and place_decode(decode_wait[0], now) is not False:
+                decode_wait.popleft()  # placed, or refused for good: either way it leaves the line
 
     n = len(reqs)
     ttft_slo = math.inf if cfg.ttft_slo_ms is None else cfg.ttft_slo_ms / 1e3

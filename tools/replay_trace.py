@@ -33,7 +33,9 @@ that finished first, and the policies also hit in device and host tiers the
 single LRU does not have; see ``lb/sim.py``; TTFT p50/p90/p99 over served requests, TBT p50/p90 (requests
 with ``output_length`` 0 have no TBT and are judged on TTFT alone), SLO
 attainment (TTFT and TBT both met, rejections count as misses), TTFT
-attainment, rejected requests, and load imbalance (max / mean prefill busy
+attainment, rejected requests (under the table, per run, how many no decode
+instance could ever hold: refused as over ``max_model_len`` would be; every reason is
+in ``reject_reasons`` in ``results.json``), and load imbalance (max / mean prefill busy
 time across instances). A figure with no sample (nothing served) prints as
 ``n/a`` and is ``null`` in ``results.json``. The first value of
 ``--store-capacity-blocks`` is the one used for the main table; the others
@@ -93,7 +95,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lb.cost_model import CostModels, load_default  # noqa: E402
 from lb.registry import BASELINES, DECODE_POLICIES, POLICIES, get_policy  # noqa: E402
 from lb.sim import (  # noqa: E402
-    SimConfig, SimResult, TraceRequest, json_safe, parse_trace, prompts_beyond_fit, reference_hit_ratios, simulate,
+    OVER_DECODE_KV, REFUSED_BY_EMPTY_DECODE, SimConfig, SimResult, TraceRequest, json_safe, parse_trace,
+    prompts_beyond_fit, reference_hit_ratios, simulate,
 )
 from lb.types import LBInputError, TierBandwidth  # noqa: E402
 from tools.cli_args import check_output_dir, csv_list, integer, number, one_line  # noqa: E402
@@ -349,6 +352,11 @@ def format_table(results: dict[str, SimResult], refs: dict) -> str:
         lines.append("(TTFT in s over served requests; no ratios: every baseline run was cut by --max-wall-s)")
     else:
         lines.append(f"(TTFT in s over served requests; ratios vs best baseline = {best}; lower p90/best is better)")
+    for name, r in results.items():
+        never = sum(r.reject_reasons.get(k, 0) for k in (OVER_DECODE_KV, REFUSED_BY_EMPTY_DECODE))
+        if never:
+            lines.append(f"{name}: {never} of {r.rejected} rejected could never be decoded (more KV memory than an "
+                         f"empty decode instance holds, or refused by the decode policy on an empty pool)")
     for name, r in results.items():
         if r.truncated:
             lines.append(f"* {name}: cut by --max-wall-s after {r.arrived} of {r.requests} arrivals; its figures cover "

@@ -1,0 +1,69 @@
+"""lb.sim's decode side: requests no decode instance could ever hold are refused, never block the line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
+from lb.registry import get_policy
+from lb.sim import OVER_DECODE_KV, REFUSED_BY_EMPTY_DECODE, SimConfig, TraceRequest, simulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+KV_PER_TOKEN = 1024.0
+MODELS = CostModels(PrefillCostModel(1e-3, 1e-5, 0.0), DecodeCostModel(1e-3, 1e-8, 1e-4),
+                    TransferModel(KV_PER_TOKEN))
+CAP_TOKENS = 10_000  # one decode instance holds 10,000 tokens of KV
+CFG = SimConfig(prefill_instances=2, decode_instances=2, decode_kv_capacity_bytes=int(CAP_TOKENS * KV_PER_TOKEN),
+                ttft_slo_ms=None)
+
+
+def _small(t_ms: float, i: int) -> TraceRequest:
+    return TraceRequest(t_ms, 1024, 50, (1000 + 2 * i, 1001 + 2 * i))
+
+
+def test_a_request_over_the_decode_kv_capacity_is_refused_and_blocks_no_one():
+    """Prompt + output over what an empty decode instance holds: refused at arrival (as max_model_len), with
+    its reason, before any prefill; the requests behind it are all decoded. It used to wait in the decode
+    queue forever, and every request behind it with it."""
+    big = TraceRequest(0.0, 2 * CAP_TOKENS, 10, tuple(range(20)))
+    reqs = [big] + [_small(1.0 + i, i) for i in range(6)]
+    for decode in ("kvstack", "round_robin", "least_kv"):
+        r = simulate(reqs, get_policy("round_robin", MODELS), CFG, models=MODELS,
+                     decode_policy=get_policy(decode, MODELS, kind="decode"))
+        assert (r.served, r.rejected, r.reject_reasons) == (6, 1, {OVER_DECODE_KV: 1}), decode
+        assert len(r.tbt_s) == 6 and r.slo_attainment == 6 / 7, decode
+        assert 0 not in r.cached_tokens  # refused before its prefill: it cost none
+        assert r.to_dict()["reject_reasons"] == {OVER_DECODE_KV: 1}
+
+
+def test_a_request_that_exactly_fills_an_empty_instance_is_served():
+    """The bound is the capacity itself: a request that needs all of it fits an empty instance."""
+    exact = TraceRequest(0.0, CAP_TOKENS - 10, 10, (1,))
+    r = simulate([exact], get_policy("round_robin", MODELS), CFG, models=MODELS,
+                 decode_policy=get_policy("round_robin", MODELS, kind="decode"))
+    assert (r.served, r.rejected, len(r.tbt_s)) == (1, 0, 1)
+
+
+def test_a_request_the_decode_policy_refuses_on_an_empty_pool_leaves_the_line():
+    """Within the capacity but over kvstack's 95 % headroom: no finish can ever make room, so once every
+    decode instance is empty it is refused (not served: no TTFT sample) and the line moves on."""
+    over_headroom = TraceRequest(5.0, CAP_TOKENS - 300, 100, (1,))  # 98 % of an instance
+    early = [TraceRequest(0.0, 1024, 2000, (1000 + i,)) for i in range(2)]  # decoding still: it waits for them
+    late = [_small(6.0 + i, 10 + i) for i in range(4)]
+    for admission in (True, False):
+        cfg = SimConfig(prefill_instances=2, decode_instances=2, ttft_slo_ms=None, admission=admission,
+                        decode_kv_capacity_bytes=CFG.decode_kv_capacity_bytes)
+        r = simulate(early + [over_headroom] + late, get_policy("round_robin", MODELS), cfg, models=MODELS)
+        assert (r.served, r.rejected, r.reject_reasons) == (6, 1, {REFUSED_BY_EMPTY_DECODE: 1}), admission
+        assert len(r.ttft_s) == 6 and len(r.tbt_s) == 6, admission
+
+
+def test_replay_table_says_how_many_could_never_be_decoded():
+    import replay_trace
+
+    big = TraceRequest(0.0, 2 * CAP_TOKENS, 10, tuple(range(20)))
+    r = simulate([big, _small(1.0, 0)], get_policy("round_robin", MODELS), CFG, name="round_robin", models=MODELS)
+    table = replay_trace.format_table({"round_robin": r}, {"ideal": 0.0, "lru_oracle": 0.0})
+    assert "round_robin: 1 of 1 rejected could never be decoded" in table
