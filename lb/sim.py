@@ -49,7 +49,11 @@ Model (one heap of timed events; ties: completions before arrivals)
        prefill still counts in busy time and hit ratios).
     4. *Decode*: a fluid model per decode instance; steps advance at rate
        ``1 / DecodeCostModel.predict(batch tokens, batch requests)``, the
-       batch changes on joins/leaves; TBT = decode time / output tokens.
+       batch changes on joins/leaves; TBT = (decode end - prefill end) / output tokens:
+       the time spent waiting for a decode slot counts, as the client sees it (the first
+       token comes with the prefill, ``entrypoint/server.py``; the next only once the
+       request decodes), so a policy that queues at decode is not flattered by a TBT of
+       its decode batch alone. TTFT ends at prefill end for the same reason.
 
 Hit ratios (blocks, prefix semantics: a block counts only if every block
 before it in the request also hit)
@@ -179,6 +183,7 @@ class SimResult:
     reject_reasons: dict
     arrived: int = 0
     cached_tokens: dict = field(default_factory=dict)
+    decode_wait_s: tuple = ()  # per TBT sample, same order: the wait for a decode slot, included in it
 
     def pct(self, what: str, q: float) -> float:
         v = self.ttft_s if what == "ttft" else self.tbt_s
@@ -296,15 +301,16 @@ class _Decode:
 
     def __init__(self, iid: int, cfg: SimConfig, models: CostModels) -> None:
         self.id, self.cap, self.models = iid, cfg.decode_kv_capacity_bytes, models
-        self.active: dict[int, tuple[float, int, int, float]] = {}  # idx -> (target step, ctx, kv bytes, join t)
+        self.active: dict[int, tuple[float, int, int, float]] = {}  # idx -> (target step, ctx, kv bytes, ready t)
         self.targets: list[tuple[float, int, int]] = []  # heap of (target step, join number, idx)
         self.joins = 0
         self.steps, self.t, self.version = 0.0, 0.0, 0
         self.kv_used, self.batch_tokens = 0, 0
 
-    def join(self, idx: int, target: float, ctx: int, kv: int, now: float) -> None:
-        """Request ``idx`` joins the batch (the caller advanced ``steps`` to ``now``)."""
-        self.active[idx] = (target, ctx, kv, now)
+    def join(self, idx: int, target: float, ctx: int, kv: int, ready: float) -> None:
+        """Request ``idx`` joins the batch (the caller advanced ``steps`` to now); ``ready`` is when its
+        prefill ended (it waited for a decode slot since then), returned by :meth:`finish_due`."""
+        self.active[idx] = (target, ctx, kv, ready)
         heapq.heappush(self.targets, (target, self.joins, idx))
         self.joins += 1
         self.kv_used += kv
@@ -313,7 +319,7 @@ class _Decode:
     def finish_due(self) -> list[tuple[int, float]]:
         """Finish the requests due now: the smallest target unconditionally (so float error in
         ``steps`` can never re-schedule it forever) and any within 1e-6 steps of it, or of
-        ``steps``. Returns ``(idx, join time)`` of each, in join order."""
+        ``steps``. Returns ``(idx, ready time)`` of each, in join order."""
         due = max(self.steps, self.targets[0][0]) + 1e-6
         self.steps = max(self.steps, due - 1e-6)
         popped = []
@@ -322,10 +328,10 @@ class _Decode:
         popped.sort(key=lambda e: e[1])
         out = []
         for _, _, idx in popped:
-            _, ctx, kv, joined = self.active.pop(idx)
+            _, ctx, kv, ready = self.active.pop(idx)
             self.kv_used -= kv
             self.batch_tokens -= ctx
-            out.append((idx, joined))
+            out.append((idx, ready))
         return out
 
     def tbt(self) -> float:
@@ -391,6 +397,8 @@ def simulate(
 
     ttft: dict[int, float] = {}
     tbt: dict[int, float] = {}
+    ready_at: dict[int, float] = {}  # prefill end of each request that goes on to decode
+    dwait: dict[int, float] = {}  # its wait for a decode slot (prefill end to join)
     cached_tok: dict[int, int] = {}
     reasons: Counter = Counter()
     hit_blocks = Counter()
@@ -457,7 +465,8 @@ def simulate(
         d = dec[dd.chosen]
         d.advance(now)
         kv = int((r.input_length + r.output_length) * models.transfer.kv_bytes_per_token)
-        d.join(idx, d.steps + r.output_length, r.input_length, kv, now)
+        d.join(idx, d.steps + r.output_length, r.input_length, kv, ready_at[idx])
+        dwait[idx] = now - ready_at[idx]
         d.version += 1
         nf = d.next_finish()
         push(nf, 1, (d.id, d.version))
@@ -507,6 +516,7 @@ def simulate(
                 store.insert(b)
             ttft[job.idx] = now - job.arrival
             # output_length 0: nothing to decode, the request is done (no TBT sample)
+            ready_at[job.idx] = now
             if job.req.output_length > 0 and place_decode(job.idx, now) is False:
                 decode_wait.append(job.idx)
             start_next(p, now)
@@ -518,8 +528,9 @@ def simulate(
             d.advance(now)
             # this event was scheduled for the smallest target: finish_due ends it (and any within
             # rounding) unconditionally, so float error in `steps` can never re-schedule it forever
-            for idx, joined in d.finish_due():
-                tbt[idx] = (now - joined) / reqs[idx].output_length  # >= 1: 0 is never decoded
+            for idx, ready in d.finish_due():
+                # from prefill end (the first token), the decode-slot wait included; >= 1: 0 is never decoded
+                tbt[idx] = (now - ready) / reqs[idx].output_length
             d.version += 1
             nf = d.next_finish()
             if nf is not None:
@@ -543,5 +554,5 @@ def simulate(
         slo_attainment=ok_both / n if n else 1.0, ttft_attainment=ok_ttft / n if n else 1.0,
         busy_s=tuple(p.busy for p in pre), sim_end_s=now,
         wall_s=time.monotonic() - wall0, truncated=truncated, reject_reasons=dict(reasons),
-        arrived=done_arrivals, cached_tokens=cached_tok,
+        arrived=done_arrivals, cached_tokens=cached_tok, decode_wait_s=tuple(dwait[i] for i in tbt),
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
 from lb.registry import get_policy
 from lb.sim import OVER_DECODE_KV, REFUSED_BY_EMPTY_DECODE, SimConfig, TraceRequest, simulate
@@ -67,3 +69,22 @@ def test_replay_table_says_how_many_could_never_be_decoded():
     r = simulate([big, _small(1.0, 0)], get_policy("round_robin", MODELS), CFG, name="round_robin", models=MODELS)
     table = replay_trace.format_table({"round_robin": r}, {"ideal": 0.0, "lru_oracle": 0.0})
     assert "round_robin: 1 of 1 rejected could never be decoded" in table
+
+
+def test_the_wait_for_a_decode_slot_counts_in_tbt_and_its_slo():
+    """Two requests whose KV fits a decode instance only one at a time: the second gets its first token
+    with its prefill, then waits the first's whole decode before its next. Its TBT counts that wait
+    (from prefill end), so it misses a TBT SLO the decode pace alone meets; it used to count from
+    the join, as if it had never waited."""
+    reqs = [TraceRequest(0.0, 6000, 100, (1,)), TraceRequest(0.0, 6000, 100, (2,))]
+    cfg = SimConfig(prefill_instances=2, decode_instances=1, decode_kv_capacity_bytes=CFG.decode_kv_capacity_bytes,
+                    ttft_slo_ms=None, tbt_slo_ms=2.0)
+    r = simulate(reqs, get_policy("round_robin", MODELS), cfg, models=MODELS,
+                 decode_policy=get_policy("round_robin", MODELS, kind="decode"))
+    pace = MODELS.decode.predict(6000, 1)  # one request in the batch at a time
+    assert pace < 2e-3
+    assert (r.served, r.rejected, len(r.tbt_s)) == (2, 0, 2)
+    assert r.tbt_s[0] == pytest.approx(pace) and r.tbt_s[1] == pytest.approx(2 * pace)
+    assert r.decode_wait_s[0] == 0.0 and r.decode_wait_s[1] == pytest.approx(100 * pace)
+    assert r.ttft_s[0] == pytest.approx(r.ttft_s[1])  # the first token came with the prefill: no wait there
+    assert r.slo_attainment == 0.5 and r.ttft_attainment == 1.0
