@@ -1,6 +1,6 @@
 """Authentication, tenant namespacing and admission limits of the daemon.
 
-Tokens file (TOML), read once at start::
+Tokens file (TOML, so UTF-8), read once at start::
 
     admin_tenants = ["ops"]          # may call Stats, Gc, Check, Repair, Maintain, Inspect's summary
     [tokens]
@@ -99,7 +99,7 @@ def read_tokens_file(tokens_file: str) -> tuple[dict[str, str], set[str]]:
     try:
         with open(tokens_file, "rb") as fh:
             doc = tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:  # tomllib reads UTF-8 only
         raise InvalidRequest(f"cannot read tokens file {tokens_file}: {exc}") from exc
     unknown = sorted(set(doc) - {"tokens", "admin_tenants"})
     if unknown:

@@ -378,3 +378,17 @@ def test_one_admission_limit_set_derives_the_other(over, want) -> None:
 
     cfg = ServerConfig(**over)
     assert (cfg.max_concurrent_requests, cfg.workers) == want
+
+
+def test_a_tokens_file_that_is_not_utf8_is_one_line_not_a_traceback(tmp_path) -> None:
+    """tomllib raises UnicodeDecodeError (no TOMLDecodeError) for bytes that are not UTF-8;
+    before, it escaped ``read_tokens_file`` and ``kvstore serve`` died with a traceback, exit 1."""
+    from kvstore.server.auth import TokenTable
+
+    from .test_misuse import serve_fails
+
+    p = tmp_path / "tokens.toml"
+    p.write_bytes(f'[tokens]\n"{TOK_A}" = "tenant-\xe9"\n'.encode("latin-1"))
+    with pytest.raises(InvalidRequest, match=f"cannot read tokens file {re.escape(str(p))}.*utf-8"):
+        TokenTable.load(str(p), b"s" * 32)
+    assert str(p) in serve_fails(tmp_path, "--tokens-file", str(p))

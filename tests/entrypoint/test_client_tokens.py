@@ -130,3 +130,9 @@ def test_the_command_line_reads_the_tokens_file_and_refuses_a_bad_one(tmp_path, 
     unknown.write_text(f'[tokens]\n"{ACME}" = "acme"\n')
     assert entrypoint_main(["--client-tokens", str(unknown), "--store", str(tmp_path / "s")]) == 2
     assert "['acme'] that are not configured" in capsys.readouterr().err
+    latin1 = tmp_path / "latin1.toml"  # not UTF-8: before, a UnicodeDecodeError traceback, exit 1
+    latin1.write_bytes(f'[tokens]\n"{ACME}" = "acm\xe9"\n'.encode("latin-1"))
+    assert entrypoint_main(["--client-tokens", str(latin1), "--tenant", "acme=salt-a", "--store",
+                            str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read tokens file {latin1}" in err and "Traceback" not in err and len(err.splitlines()) == 1
