@@ -14,6 +14,14 @@ unless given one, and hands it to the entrypoint and to every worker it starts
 in their environment (``KVSTACK_WORKER_SECRET``, never on a command line, where
 ``ps`` would show it); the kvstore daemon does not get it. A test that calls
 ``Register``/``Deregister`` or a worker itself sends ``worker_metadata()``.
+
+Client tokens (``entrypoint.clients``): ``client_tokens={token: tenant}`` writes
+them to ``client-tokens.toml`` in the work directory (0600) and starts the
+entrypoint with ``--client-tokens`` on it; every tenant they name must be
+configured (``entrypoint_args=("--tenant", "NAME=SALT", ...)``). ``client(token)``
+then sends one, and ``wait_for_workers`` lists the workers with the worker
+secret (or, without one, the first client token), since ``ListWorkers`` is
+closed to anonymous callers there.
 """
 
 from __future__ import annotations
@@ -51,6 +59,12 @@ def _ready_kvstore(line: str) -> dict | None:
     return {"address": m.group(1)} if m else None
 
 
+def _toml_str(text: str) -> str:
+    """``text`` as a TOML basic string: a JSON string is one (non-ASCII kept as is, since TOML
+    has no escapes for the surrogate pairs ``json`` would write)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 @dataclass(slots=True)
 class Proc:
     name: str
@@ -69,7 +83,8 @@ class Cluster:
     def __init__(self, work_dir: str | Path, *, ve: int = 1, prefill: int = 1, decode: int = 2,
                  model: str = "tiny", block_size: int = 16, store: str = "daemon",
                  worker_args: tuple[str, ...] = (), entrypoint_args: tuple[str, ...] = (),
-                 start_timeout_s: float = 120.0, worker_secret: str | None = None):
+                 start_timeout_s: float = 120.0, worker_secret: str | None = None,
+                 client_tokens: dict[str, str] | None = None):
         self.work_dir = Path(work_dir)
         self.counts = {"ve": ve, "prefill": prefill, "decode": decode}
         self.model, self.block_size, self.store_mode = model, block_size, store
@@ -77,6 +92,7 @@ class Cluster:
         self.entrypoint_args = entrypoint_args
         self.start_timeout_s = start_timeout_s
         self.worker_secret = secrets.token_urlsafe(32) if worker_secret is None else worker_secret
+        self.client_tokens = dict(client_tokens or {})  # token -> tenant; empty: the entrypoint has none
         self.procs: dict[str, Proc] = {}
         self.store_url = ""
         self.entrypoint_address = ""
@@ -127,13 +143,34 @@ class Cluster:
             self.store_url = str(data_dir)
         ep = self._spawn("entrypoint", ["-m", "entrypoint", "--store", self.store_url, "--model", self.model,
                                         "--block-size", str(self.block_size), "--heartbeat-s", "0.2",
-                                        *self.entrypoint_args])
+                                        *self._client_tokens_args(), *self.entrypoint_args])
         self.entrypoint_address = ep.address
         for role, n in self.counts.items():
             for i in range(n):
                 self.start_worker(role, f"{role}-{i}")
         self.wait_for_workers(sum(self.counts.values()))
         return self
+
+    def _client_tokens_args(self) -> list[str]:
+        """``--client-tokens FILE`` for the entrypoint, the file written here (none without tokens)."""
+        if not self.client_tokens:
+            return []
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        path = self.work_dir / "client-tokens.toml"
+        body = "[tokens]\n" + "".join(f"{_toml_str(tok)} = {_toml_str(name)}\n"
+                                      for tok, name in self.client_tokens.items())
+        path.unlink(missing_ok=True)  # created afresh, so that its mode is 0600 whatever was there
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(fd, "w", encoding="utf-8") as fh:
+            fh.write(body)
+        return ["--client-tokens", str(path)]
+
+    def list_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata that ``ListWorkers`` on this stack's entrypoint accepts: the worker secret,
+        else a client token (with client tokens, it refuses a call that has neither)."""
+        if self.worker_secret or not self.client_tokens:
+            return self.worker_metadata()
+        return (("authorization", f"Bearer {next(iter(self.client_tokens))}"),)
 
     def start_worker(self, role: str, worker_id: str) -> Proc:
         return self._spawn(worker_id, ["-m", "entrypoint.worker", "--role", role, "--id", worker_id,
@@ -146,7 +183,7 @@ class Cluster:
         with grpc.insecure_channel(self.entrypoint_address) as ch:
             stub = pbg.EntrypointStub(ch)
             while time.monotonic() < deadline:
-                if len(stub.ListWorkers(pb.Empty(), timeout=5).workers) >= n:
+                if len(stub.ListWorkers(pb.Empty(), timeout=5, metadata=self.list_metadata()).workers) >= n:
                     return
                 time.sleep(0.1)
         raise StoreUnavailable(f"only some of {n} workers registered within {timeout_s} s")
@@ -186,8 +223,9 @@ class Cluster:
                 p.popen.wait(timeout=10)
 
     # ------------------------------------------------------------------ client
-    def client(self) -> "Client":
-        return Client(self.entrypoint_address)
+    def client(self, token: str = "") -> "Client":
+        """A client of this stack's entrypoint that sends ``token`` (a client token; none for "")."""
+        return Client(self.entrypoint_address, token=token)
 
     def __enter__(self) -> "Cluster":
         return self.start()

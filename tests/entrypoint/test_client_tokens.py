@@ -14,7 +14,7 @@ from engine_plugin.reference import model_preset
 from entrypoint import auth
 from entrypoint.__main__ import main as entrypoint_main
 from entrypoint.clients import ClientAuth
-from entrypoint.cluster import Client
+from entrypoint.cluster import Client, Cluster
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.server import EntrypointConfig, serve
@@ -136,3 +136,35 @@ def test_the_command_line_reads_the_tokens_file_and_refuses_a_bad_one(tmp_path, 
                             str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
     assert f"cannot read tokens file {latin1}" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("secret", [SECRET, ""])  # ListWorkers with the worker secret; without one, a client token
+def test_cluster_waits_for_workers_on_an_entrypoint_with_client_tokens(stack, tmp_path, secret):  # noqa: F811
+    """Before, ``Cluster.wait_for_workers`` called ``ListWorkers`` with no metadata, which an
+    entrypoint with client tokens refuses: a ``Cluster`` could not run one."""
+    svc, _, fakes, entry = stack(tenants=TENANTS, client_tokens=TOKENS, worker_secret=secret)
+    svc.registry.add(fakes["decode"][0].worker_id, "decode", fakes["decode"][1])
+    # with the secret it needs no tokens: as a Cluster that was handed an entrypoint it did not start
+    c = Cluster(tmp_path / "cluster", worker_secret=secret, **({} if secret else {"client_tokens": TOKENS}))
+    c.entrypoint_address = entry  # this in-process entrypoint instead of a started one
+    c.wait_for_workers(1, timeout_s=10)
+
+
+def test_a_real_cluster_runs_an_entrypoint_with_client_tokens(tmp_path):
+    """``Cluster(client_tokens=...)`` starts the entrypoint with ``--client-tokens`` (a 0600 file
+    in its work directory); ``client(token)`` sends the token, ``client()`` none."""
+    c = Cluster(tmp_path, ve=0, prefill=1, decode=1, store="dir", client_tokens=TOKENS,
+                entrypoint_args=("--tenant", "acme=salt-a", "--tenant", "globex=salt-g"))
+    with c:  # start() returns once both workers are listed
+        assert (tmp_path / "client-tokens.toml").stat().st_mode & 0o777 == 0o600
+        acme = c.client(ACME)
+        anonymous = c.client()
+        try:
+            tokens, _, summary = acme.generate(PROMPT, max_new_tokens=2, tenant="acme")
+            assert len(tokens) == 2, summary
+            with pytest.raises(grpc.RpcError) as ei:
+                anonymous.generate(PROMPT, max_new_tokens=2)
+            assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            acme.close()
+            anonymous.close()
