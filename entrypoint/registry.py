@@ -20,7 +20,19 @@ namespace and block size its KV keys are hashed with; ``check_kv_compat``
 refuses (``IncompatibleWorker``; FAILED_PRECONDITION on the wire) one whose
 are not the entrypoint's, or that declares none: the entrypoint's prefix
 lookups and routing would assume keys that worker never reads or writes. A VE
-worker holds no KV and declares none.
+worker holds no KV and declares none: ``add`` refuses (``InvalidRequest``;
+INVALID_ARGUMENT) a VE worker that declares a namespace or a block size, most
+likely a KV worker started with the wrong role, rather than list KV it lacks.
+
+Roles: a worker id keeps its role while it is up. ``add`` refuses
+(``IncompatibleWorker``) a worker whose id is registered, and healthy, under
+another role (the entrypoint would send a prefill engine ``Encode`` calls, or
+count a decode stream against a VE worker): deregister it first, or use a new
+id. A worker that is down (missed heartbeats, failed a dispatch) may be
+replaced under any role, since crashed workers never deregister. And a worker
+whose ``Status`` reports another role than it registered with is refused by
+``add`` (``IncompatibleWorker``) and, found by the heartbeat, marked down until
+it answers as its role again.
 
 The prefix view per prefill/decode instance is approximate, as in SGLang's
 router: the block hashes the entrypoint routed there recently (an LRU bounded
@@ -47,10 +59,12 @@ log = logging.getLogger(__name__)
 
 
 KV_ROLES = ("prefill", "decode")  # the roles whose KV keys must be the entrypoint's
+_WRONG_ROLE = grpc.StatusCode.FAILED_PRECONDITION  # what _poll returns for a worker that answers as another role
 
 
 class IncompatibleWorker(KVStoreError):
-    """A worker whose KV namespace or block size is not the entrypoint's (``check_kv_compat``)."""
+    """A worker whose KV namespace or block size is not the entrypoint's (``check_kv_compat``), or
+    whose role is not the one of its id (``Registry.add``; module docstring, Roles)."""
 
 
 def kv_namespace_pb(ns: Namespace) -> pb.KVNamespace:
@@ -119,6 +133,10 @@ class Registry:
         if not worker_id or not address or role not in ("ve", "prefill", "decode"):
             raise InvalidRequest(f"a worker needs an id, an address and a role in ve/prefill/decode; got "
                                  f"{worker_id!r} {role!r} {address!r}")
+        if role not in KV_ROLES and (kv_namespace is not None or block_size):
+            raise InvalidRequest(f"{role} worker {worker_id!r} declares a KV namespace or block size, but a {role} "
+                                 "worker holds no KV: start it with its own role (prefill or decode?), or send none")
+        self._check_role(worker_id, role)  # before the poll: a refused worker is not called
         ch = grpc.insecure_channel(address)
         if self._send_secret is not None:
             ch = grpc.intercept_channel(ch, self._send_secret)
@@ -126,18 +144,39 @@ class Registry:
                         kv_namespace=kv_namespace, block_size=block_size)
         # The LBs need its load and memory figures before its first request. One that would
         # refuse every call is not added, and leaves the worker registered under its id in place.
-        if self._poll(inst) == grpc.StatusCode.UNAUTHENTICATED:
+        polled = self._poll(inst)
+        if polled == grpc.StatusCode.UNAUTHENTICATED:
             ch.close()
             raise InvalidRequest(f"worker {worker_id} at {address} refused the entrypoint's Status call as "
                                  f"UNAUTHENTICATED: the worker has a worker secret and the entrypoint has none, or "
                                  f"another one; give both the same ({auth.SECRET_ENV} or --worker-secret-file)")
+        if polled == _WRONG_ROLE:
+            ch.close()
+            raise IncompatibleWorker(f"worker {worker_id} at {address} registers as {role} but its Status says "
+                                     f"{inst.status.role}: register it with the role it serves")
         with self._lock:
+            try:
+                self._check_role(worker_id, role, locked=True)  # again: another Register may have won the race
+            except IncompatibleWorker:
+                ch.close()
+                raise
             old = self._by_id.pop(worker_id, None)
             self._by_id[worker_id] = inst
         if old is not None:
             old.channel.close()
         log.info("worker %s (%s) joined at %s", worker_id, role, address)
         return inst
+
+    def _check_role(self, worker_id: str, role: str, *, locked: bool = False) -> None:
+        """``IncompatibleWorker`` when ``worker_id`` is registered, and healthy, under another role
+        (module docstring, Roles). ``locked``: the caller holds ``_lock``."""
+        if not locked:
+            with self._lock:
+                return self._check_role(worker_id, role, locked=True)
+        old = self._by_id.get(worker_id)
+        if old is not None and old.healthy and old.role != role:
+            raise IncompatibleWorker(f"worker {worker_id!r} is registered as a {old.role} worker and is up; it cannot "
+                                     f"re-register as {role}: deregister it first, or give the {role} worker a new id")
 
     def remove(self, worker_id: str) -> bool:
         with self._lock:
@@ -178,7 +217,8 @@ class Registry:
 
     # ------------------------------------------------------------------ heartbeat
     def _poll(self, inst: Instance) -> grpc.StatusCode | None:
-        """One heartbeat of ``inst``; the status code of a failed one (``None``: it answered)."""
+        """One heartbeat of ``inst``; the status code of a failed one (``None``: it answered;
+        ``_WRONG_ROLE``: it answered as another role, and is down)."""
         try:
             st = inst.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
         except grpc.RpcError as exc:
@@ -189,6 +229,13 @@ class Registry:
                     log.warning("worker %s missed %d heartbeats (%s): down", inst.worker_id,
                                 inst.misses, exc.code())
             return exc.code()
+        if st.role and st.role != inst.role:  # an empty role: a worker that does not say
+            with self._lock:
+                inst.status, inst.misses = st, self.miss_limit
+                if inst.healthy:
+                    inst.healthy = False
+                    log.warning("worker %s registered as %s answers as %s: down", inst.worker_id, inst.role, st.role)
+            return _WRONG_ROLE
         with self._lock:
             inst.status, inst.misses, inst.last_seen = st, 0, time.monotonic()
             if not inst.healthy:

@@ -97,3 +97,80 @@ def test_worker_register_maps_a_refusal_to_invalid_request(stack):
     with pytest.raises(kvstore.InvalidRequest, match="refused the registration.*32-token blocks"):
         _register(entry, info)
     assert svc.registry.instances() == []
+
+
+# ----------------------------------------------------------------------------- roles
+
+
+def _roles(svc) -> dict[str, tuple[str, str]]:
+    return {i.worker_id: (i.role, i.address) for i in svc.registry.instances()}
+
+
+def test_a_live_worker_id_keeps_its_role(stack):
+    """Before: re-registering a prefill worker's id as ``ve`` replaced it, and the entrypoint sent
+    that prefill engine ``Encode`` calls. Now a role change of a worker that is up is refused and
+    changes nothing; after ``Deregister``, or once the worker is down, the id may take any role."""
+    from tests.entrypoint.test_service import FakeWorker, _serve_fake
+
+    svc, ch, fakes, _ = stack()
+    stub = pbg.EntrypointStub(ch)
+    opened: list = []
+    try:
+        ve_address = _serve_fake(FakeWorker("p0", "ve"), opened)  # a VE worker, as its Status says
+        prefill = pb.WorkerInfo(worker_id="p0", role="prefill", address=fakes["prefill"][1], **kv_of("prefill"))
+        assert stub.Register(prefill, timeout=10).ok
+        for info in (pb.WorkerInfo(worker_id="p0", role="ve", address=ve_address),
+                     pb.WorkerInfo(worker_id="p0", role="decode", address=fakes["decode"][1], **kv_of("decode"))):
+            err = _refused(stub, info)
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+            assert "registered as a prefill worker" in err.details() and "deregister it first" in err.details()
+            assert _roles(svc) == {"p0": ("prefill", fakes["prefill"][1])}
+        assert stub.Register(prefill, timeout=10).ok  # the same role re-registers, as after a restart
+        assert stub.Deregister(prefill, timeout=10).ok
+        assert stub.Register(pb.WorkerInfo(worker_id="p0", role="ve", address=ve_address), timeout=10).ok
+        assert _roles(svc) == {"p0": ("ve", ve_address)}
+        svc.registry.mark_down("p0", "the test")  # crashed workers never deregister: a down id is free
+        assert stub.Register(prefill, timeout=10).ok
+        assert _roles(svc) == {"p0": ("prefill", fakes["prefill"][1])}
+    finally:
+        for close in opened:
+            close(None)
+
+
+def test_a_ve_worker_that_declares_kv_is_refused(stack):
+    """Before: accepted, and ``ListWorkers`` showed a VE worker with a KV namespace it does not hold."""
+    from tests.entrypoint.test_service import FakeWorker, _serve_fake
+
+    svc, ch, _, _ = stack()
+    stub = pbg.EntrypointStub(ch)
+    opened: list = []
+    try:
+        address = _serve_fake(FakeWorker("ve-0", "ve"), opened)
+        for kv in (kv_of("prefill"), dict(block_size=16), dict(kv_namespace=pb.KVNamespace(model_id="other"))):
+            err = _refused(stub, pb.WorkerInfo(worker_id="ve-0", role="ve", address=address, **kv))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds no KV" in err.details(), err.details()
+        assert svc.registry.instances() == []
+    finally:
+        for close in opened:
+            close(None)
+
+
+def test_a_worker_that_answers_as_another_role_is_refused_or_marked_down(stack):
+    """``Register`` with a role its ``Status`` contradicts is refused; a registered worker that starts
+    answering as another role is down (no requests) until it answers as its own again."""
+    svc, ch, fakes, _ = stack()
+    stub = pbg.EntrypointStub(ch)
+    err = _refused(stub, pb.WorkerInfo(worker_id="d1", role="decode", address=fakes["prefill"][1],
+                                       **kv_of("decode")))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "its Status says prefill" in err.details()
+    assert svc.registry.instances() == []
+    fake, address = fakes["decode"]
+    assert stub.Register(pb.WorkerInfo(worker_id="d0", role="decode", address=address, **kv_of("decode")),
+                         timeout=10).ok
+    assert [i.worker_id for i in svc.registry.ready("decode")] == ["d0"]
+    fake.role = "prefill"
+    svc.registry.poll_once()
+    assert svc.registry.ready() == [] and not svc.registry.instances("decode")[0].healthy
+    fake.role = "decode"
+    svc.registry.poll_once()
+    assert [i.worker_id for i in svc.registry.ready("decode")] == ["d0"]

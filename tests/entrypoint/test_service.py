@@ -148,10 +148,16 @@ def test_membership_calls_need_the_worker_secret_and_a_refusal_changes_nothing(s
     assert _addresses(svc) == {"decode-0": fakes["decode"][1]}
     assert [w.worker_id for w in stub.ListWorkers(pb.Empty(), timeout=10).workers] == ["decode-0"]  # open
     # The legitimate worker, restarted elsewhere after a failover, re-registers under its id.
-    moved = pb.WorkerInfo(worker_id="decode-0", role="decode", address=fakes["prefill"][1], **kv_of("decode"))
-    assert stub.Register(moved, timeout=10, metadata=good).ok
-    assert _addresses(svc) == {"decode-0": fakes["prefill"][1]}
-    assert stub.Deregister(moved, timeout=10, metadata=good).ok and _addresses(svc) == {}
+    opened: list = []
+    try:
+        elsewhere = _serve_fake(FakeWorker("decode-0", "decode"), opened)  # a decode worker: Status says so
+        moved = pb.WorkerInfo(worker_id="decode-0", role="decode", address=elsewhere, **kv_of("decode"))
+        assert stub.Register(moved, timeout=10, metadata=good).ok
+        assert _addresses(svc) == {"decode-0": elsewhere}
+        assert stub.Deregister(moved, timeout=10, metadata=good).ok and _addresses(svc) == {}
+    finally:
+        for close in opened:
+            close(None)
 
 
 def test_worker_register_sends_its_secret_and_says_what_to_fix_when_refused(stack):
