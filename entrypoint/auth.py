@@ -35,8 +35,10 @@ zero-configuration walkthrough runs authenticated.
 
 Scope, when a secret is configured:
   * entrypoint: ``Register`` and ``Deregister`` need it (``WorkerAuth.check``
-    in the handler, before any change); ``ListWorkers`` (read-only) and
-    ``Generate`` (the clients' call) stay open.
+    in the handler, before any change). ``ListWorkers`` (read-only) and
+    ``Generate`` (the clients' call) do not: without client tokens both are
+    open; with them (``--client-tokens``, ``entrypoint.clients``) ``Generate``
+    needs a client token and ``ListWorkers`` a client token or this secret.
   * worker: every method of its ``Worker`` service (``Prefill``, ``Decode``,
     ``Encode``, ``Status``, and any added later) needs it
     (``server_interceptors``: a server interceptor, so a refused call reaches
