@@ -385,7 +385,8 @@ class ObjectTarget(Target):
             return False
         try:
             self.fs.rm_file(path)
-        except FileNotFoundError:  # removed since it was asked for (a backend that says so)
+        except FileNotFoundError:  # removed since it was asked for (a backend that says so) ...
+            self._check_up()  # ... or its bucket gone since (s3fs: NoSuchBucket), which is no answer
             return False
         return True
 

@@ -493,3 +493,41 @@ def test_close_waits_once_for_stuck_reads_not_once_per_target(faulty_store):
     t0 = time.monotonic()
     fs.store.close()
     assert time.monotonic() - t0 < POOL_JOIN_S + 1.5
+
+
+def test_an_object_delete_whose_bucket_vanished_before_rm_is_no_answer():
+    """``ObjectTarget.delete``: ``rm_file`` raising ``FileNotFoundError`` after ``info`` found the
+    object is "removed since" only while the root is still there; s3fs raises the same for a
+    bucket deleted in between (NoSuchBucket), which must not read as "was not there" (QA)."""
+    from kvstore.config import TargetSpec
+
+    t = targets.open_target(TargetSpec("memory://qa-gone-bucket/root", "d", "m"))
+    assert type(t).__name__ == "ObjectTarget"
+    t.create_root()
+    t.write("a/f1", b"x" * 10, fsync=False)
+    t.write("a/f2", b"y" * 10, fsync=False)
+    real = t.fs
+
+    class RacedFS:  # s3fs as it answers once the object, or the whole bucket, went after info()
+        def __init__(self, bucket_gone: bool) -> None:
+            self.bucket_gone, self.removed = bucket_gone, False
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def rm_file(self, path):
+            real.rm_file(path)
+            self.removed = True
+            raise FileNotFoundError(errno.ENOENT, "The specified bucket does not exist", path)
+
+        def ls(self, path, **kw):
+            if self.bucket_gone and self.removed:
+                raise FileNotFoundError(errno.ENOENT, "NoSuchBucket", path)
+            return real.ls(path, **kw)
+
+    t.spec = TargetSpec("s3://qa-gone-bucket/root", "d", "m")  # a missing bucket is then a missing root
+    t.fs = RacedFS(bucket_gone=False)
+    assert t.delete("a/f1") is False  # an answer: removed since it was asked for
+    t.fs = RacedFS(bucket_gone=True)
+    with pytest.raises(targets.TargetUnavailable, match="root missing"):
+        t.delete("a/f2")
