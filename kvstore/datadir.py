@@ -101,6 +101,16 @@ def _same_targets(a: Any, b: Any) -> bool:
     return key(a) == key(b)
 
 
+def _respelled(rec: Any) -> bool:
+    """Does a marker's target record hold a URL other than as ``_absolute`` records it: a
+    relative local path (``file://d0``, as code before the absolute form wrote it) means the
+    opener's working directory, so it is rewritten, resolved, by an opener that configures the
+    same targets; compared by ``_place`` alone it equalled them and stayed relative, for an
+    opener elsewhere naming no targets to open other, empty directories (QA)."""
+    return isinstance(rec, list) and any(
+        isinstance(t, dict) and isinstance(t.get("url"), str) and _absolute(t["url"]) != t["url"] for t in rec)
+
+
 def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConfig:
     """``config`` with the marker's recorded targets when it names none itself: so ``kvtool``
     and a daemon started without ``KVSTORE_TARGETS`` open the targets the directory was
@@ -162,6 +172,7 @@ class DataDir:
     def _open_data_dir(self, config: StoreConfig) -> bool:
         """Check or create the directory, open its index; True when it was created now."""
         marker = self._read_marker()
+        named = bool(config.targets)  # by the opener, not taken from the marker
         config = self.config = _with_recorded_targets(config, marker)
         index_dir = self.data_dir / "index"
         # New: no marker and no index. A marker lost with its index in place (a crash between
@@ -207,7 +218,8 @@ class DataDir:
                 self._refuse_foreign_targets(rewrite)
                 self._refuse_renamed_targets(marker)
             if (any(marker.get(n) != v for n, v in code.items()) or marker.get("index_id") != identity.hex()
-                    or not _same_targets(marker.get("targets"), _targets_record(config))):
+                    or not _same_targets(marker.get("targets"), _targets_record(config))
+                    or (named and _respelled(marker.get("targets")))):  # named: resolved as meant
                 self._write_marker(config, identity, marker)
             if rewrite:
                 for t in self.targets.values():

@@ -305,3 +305,30 @@ def test_a_moved_set_of_local_scheme_targets_is_refused_not_lost(tmp_path):
     shutil.move(str(tmp_path / "moved"), str(tmp_path / "disks"))
     with kvstore.connect(str(data), fsync=False) as s:
         assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
+
+
+def test_an_old_marker_with_relative_urls_is_rewritten_absolute_by_an_opener_naming_them(tmp_path, monkeypatch):
+    """A marker written before relative ``file://d0`` URLs were recorded absolute holds them as
+    written (meaning the opener's working directory). An opener naming the same directories
+    absolutely rewrites the marker in absolute form; before, the records compared equal by
+    place, the marker stayed relative, and a later opener elsewhere naming no targets opened
+    other, empty directories and marked the entry lost."""
+    import json
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b" / "d1").mkdir(parents=True)  # an unrelated directory where the old URL points from b
+    monkeypatch.chdir(tmp_path / "a")
+    data = tmp_path / "data"
+    targets = ",".join(f"file://{tmp_path / 'a' / f'd{i}'}#default#t{i}" for i in range(3))
+    with kvstore.connect(str(data), targets=targets, ec_k=2, ec_m=1, fsync=False) as s:
+        assert s.put(b"k" * 16, b"hello" * 100)
+    marker = json.loads((data / "kvstore.json").read_text())
+    marker["targets"] = [dict(t, url=f"file://d{i}") for i, t in enumerate(marker["targets"])]  # the old form
+    (data / "kvstore.json").write_text(json.dumps(marker))
+    with kvstore.connect(str(data), targets=targets, fsync=False) as s:
+        assert s.get(b"k" * 16) == b"hello" * 100
+    rec = json.loads((data / "kvstore.json").read_text())["targets"]
+    assert [t["url"] for t in rec] == [f"file://{tmp_path / 'a' / f'd{i}'}" for i in range(3)]
+    monkeypatch.chdir(tmp_path / "b")
+    with kvstore.connect(str(data), fsync=False) as s:  # the targets as recorded
+        assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
