@@ -31,7 +31,7 @@ from kvstore.config import DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_E
 from kvstore.errors import CorruptData, IncompatibleFormat, InvalidRequest
 from kvstore.index import Index
 from kvstore.durability import fsync_dir
-from kvstore.targets import Target, open_target
+from kvstore.targets import TARGET_TYPES, LocalTarget, Target, open_target
 
 DATA_FORMAT_VERSION = 1
 FORMAT_FILE = "kvstore.json"
@@ -62,31 +62,40 @@ def _targets_record(config: StoreConfig) -> list[dict] | None:
     return [{"url": _absolute(t.url), "domain": t.domain, "name": t.name} for t in config.targets]
 
 
-_LOCAL_SCHEMES = ("file", "local")  # the URL schemes of a local directory (``kvstore.targets.TARGET_TYPES``)
+def _local_root(url: str) -> str | None:
+    """The directory a local target URL opens, parsed exactly as ``kvstore.targets.open_target``
+    parses it (``LocalTarget.root``: absolute, ``~`` expanded, ``file:/x`` and ``local:x`` read
+    as ``/x`` and ``x``); ``None`` for a URL that opens no local directory. Before, the path was
+    cut out of the URL here by hand: ``file:/x`` became ``<cwd>/file:/x`` and ``~/x``
+    ``<cwd>/~/x``, so the marker recorded a directory no target opens (QA)."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if TARGET_TYPES.get(scheme) is not LocalTarget:
+        return None
+    try:
+        return LocalTarget(TargetSpec(url)).root
+    except InvalidRequest:  # not a URL fsspec can open: compared and recorded as written
+        return None
 
 
 def _absolute(url: str) -> str:
-    """A local target's URL with its path made absolute, as the store resolved it when it
-    opened it (a relative path means the opener's working directory, which the next opener
-    does not share), its scheme kept; other URLs as written. ``file://x`` and ``local://x``
-    are relative paths to the target that opens them (everything after ``://`` is the path),
-    so they are made absolute as plain ``x`` is: before, they were recorded as written and
-    the next opener, elsewhere, resolved them to another directory."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return os.path.abspath(url)
-    return f"{scheme}://{os.path.abspath(rest)}" if scheme in _LOCAL_SCHEMES else url
+    """A local target's URL as the marker records it: the directory it opened (``_local_root``;
+    a relative path means the opener's working directory, which the next opener does not
+    share), its ``file://`` or ``local://`` scheme kept; other URLs as written."""
+    root = _local_root(url)
+    if root is None:
+        return url
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    return f"{scheme}://{root}" if scheme else root
 
 
 def _place(url: str) -> str:
-    """What two target URLs are compared by to tell "the same target": a local target's
-    absolute path however it is spelled (``/x``, ``file:///x``, ``local:///x``, relative),
-    other URLs as written. ``_absolute`` keeps the spelling the marker records; this is only
-    for comparing (QA: ``file:///x`` configured against a recorded ``/x`` hid a rename)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return os.path.abspath(url)
-    return os.path.abspath(rest) if scheme in _LOCAL_SCHEMES else url
+    """What two target URLs are compared by to tell "the same target": the real path of the
+    directory a local target opens (``_local_root``, symlinks and ``..`` resolved, as
+    ``LocalTarget.location``) however it is spelled; other URLs as written. ``_absolute`` keeps
+    the spelling the marker records; this is only for comparing (QA: a symlinked spelling of a
+    recorded directory, or ``file:/x`` for ``/x``, hid a rename)."""
+    root = _local_root(url)
+    return url if root is None else os.path.realpath(root)
 
 
 def _same_targets(a: Any, b: Any) -> bool:
@@ -131,9 +140,9 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
     except InvalidRequest as exc:
         raise IncompatibleFormat(f"the targets recorded in {FORMAT_FILE} are unusable ({exc}); correct its "
                                  "'targets', or name the targets (KVSTORE_TARGETS, --targets)") from exc
-    # Local by scheme as the targets are opened (``_LOCAL_SCHEMES``; before, only plain paths and
+    # Local as the targets are opened (``_local_root``; before, only plain paths and
     # file:// URLs: a moved set of local:// targets opened, and every entry read as lost).
-    local = [t for t in specs if "://" not in t.url or t.url.partition("://")[0] in _LOCAL_SCHEMES]
+    local = [t for t in specs if _local_root(t.url) is not None]
     if len(local) == len(specs) and not any(os.path.isdir(_place(t.url)) for t in local):
         # Every recorded root gone at once is a directory moved or disks not mounted, not a loss:
         # opening on them would mark every entry lost on its first read.

@@ -332,3 +332,42 @@ def test_an_old_marker_with_relative_urls_is_rewritten_absolute_by_an_opener_nam
     monkeypatch.chdir(tmp_path / "b")
     with kvstore.connect(str(data), fsync=False) as s:  # the targets as recorded
         assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
+
+
+@pytest.mark.parametrize("how", ["symlink", "file-single-slash", "local-no-slashes", "home"])
+def test_a_rename_is_refused_whatever_spelling_opens_the_same_directory(tmp_path, monkeypatch, how):
+    """The rename check compares what the targets open: a symlinked spelling of the recorded
+    directories, ``file:/x`` (one slash) and ``local:x`` (opened as ``/x`` and ``x``) and ``~/x``.
+    Before, the URLs were cut up by hand (``file:/x`` read as ``<cwd>/file:/x``, ``~`` kept) and
+    symlinks not resolved, so the rename opened and every fragment there read as missing."""
+    import json
+    import os
+
+    from kvstore.errors import InvalidRequest
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "disks").mkdir()
+    os.symlink(tmp_path / "disks", tmp_path / "link")
+    data = tmp_path / "data"
+    spell = {"symlink": lambda i: str(tmp_path / "link" / f"d{i}"),
+             "file-single-slash": lambda i: f"file:{tmp_path / 'disks' / f'd{i}'}",
+             "local-no-slashes": lambda i: f"local:disks/d{i}",
+             "home": lambda i: f"~/disks/d{i}"}[how]
+    names = [f"t{i}" for i in range(6)]
+    with kvstore.connect(str(data), targets=",".join(f"{tmp_path / 'disks' / f'd{i}'}#default#{n}"
+                                                     for i, n in enumerate(names)), fsync=False) as s:
+        s.put(b"k" * 16, b"hello" * 100)
+    targets = lambda names: ",".join(f"{spell(i)}#default#{n}" for i, n in enumerate(names))  # noqa: E731
+    with pytest.raises(InvalidRequest, match="'t2' is now configured as 'fast'"):
+        kvstore.connect(str(data), targets=targets([*names[:2], "fast", *names[3:]]), fsync=False)
+    with kvstore.connect(str(data), targets=targets(names), fsync=False) as s:  # the same names: fine
+        assert s.get(b"k" * 16) == b"hello" * 100 and s.counters["degraded_reads"] == 0
+    # recorded as the targets open, so an opener elsewhere naming none finds them
+    rec = [t["url"] for t in json.loads((data / "kvstore.json").read_text())["targets"]]
+    assert all(os.path.realpath(u.partition("://")[2] or u) == str(tmp_path / "disks" / f"d{i}")
+               for i, u in enumerate(rec)), rec
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with kvstore.connect(str(data), fsync=False) as s:
+        assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
