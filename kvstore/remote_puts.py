@@ -115,11 +115,14 @@ class RemotePuts:
         earlier runs' items twice, answered ``created=False`` though this call stored them."""
         out: list[bool] = []
         for r in fitting_runs(encs, self.options.max_message_bytes):
-            try:
-                out.extend(self._send_puts(encs[r]))
-            except BatchTooLarge as exc:  # nothing of this run stored
-                if not out or not self._learn(exc, r.stop - r.start):
-                    raise  # nothing of this piece stored either: _each_piece learns and re-splits it
-                for p in self._pieces(r.stop, r.start):
-                    out.extend(self._send_puts(encs[p]))
+            # Each run in pieces of the item limit known now: once a refusal taught a lower one,
+            # a later run longer than it is not sent whole to be refused once more (QA).
+            for q in self._pieces(r.stop, r.start):
+                try:
+                    out.extend(self._send_puts(encs[q]))
+                except BatchTooLarge as exc:  # nothing of this run stored
+                    if not out or not self._learn(exc, q.stop - q.start):
+                        raise  # nothing of this piece stored either: _each_piece learns and re-splits it
+                    for p in self._pieces(q.stop, q.start):
+                        out.extend(self._send_puts(encs[p]))
         return out

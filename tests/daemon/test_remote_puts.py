@@ -1,0 +1,76 @@
+"""How ``kvstore.remote_puts`` sends one piece of a ``put_many`` over gRPC (``_send_fitting``),
+against a fake transport: a daemon whose ``max_batch_items`` may change under the client.
+
+The fake stands in for ``RemoteStore._send_puts`` (one PutStream or PutMany call): it refuses
+a call over its current item limit with ``BatchTooLarge`` before storing anything (the
+daemon's contract, ``kvstore.server.wire.BatchTooLarge``), and otherwise stores each item,
+answering ``created`` as the daemon does. Every test checks that no item was sent twice and
+that every item this call stored answers ``created=True``.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+
+from kvstore.api import PutItem
+from kvstore.remote import RemoteStore
+from kvstore.server.wire import BatchTooLarge, encode_item
+
+
+class FakeDaemon:
+    """The calls a client made (item counts; refused ones too) and the keys it stored."""
+
+    def __init__(self, limits: list[int]) -> None:
+        self.limits = limits  # the item limit for each call in turn; the last one stays
+        self.calls: list[int] = []
+        self.refused: list[int] = []
+        self.stored: dict[bytes, int] = {}
+
+    def send(self, encs) -> list[bool]:
+        limit = self.limits[min(len(self.calls), len(self.limits) - 1)]
+        self.calls.append(len(encs))
+        if len(encs) > limit:
+            self.refused.append(len(encs))
+            raise BatchTooLarge(f"{len(encs)} items is over max_batch_items={limit}", limit=limit)
+        out = []
+        for e in encs:
+            key = e.message()
+            out.append(key not in self.stored)
+            self.stored[key] = self.stored.get(key, 0) + 1
+        return out
+
+
+def client(daemon: FakeDaemon, *, batch_items: int = 4096, message_bytes: int = 10**6) -> RemoteStore:
+    rs = RemoteStore.__new__(RemoteStore)  # no channel: only the piece logic runs
+    rs.options = types.SimpleNamespace(max_message_bytes=message_bytes)
+    rs._batch_items, rs._lock, rs.url = batch_items, threading.Lock(), "grpc://fake"
+    rs._send_puts = daemon.send
+    return rs
+
+
+def items(n: int, size: int = 10) -> list:
+    return [encode_item(PutItem(i.to_bytes(16, "big"), b"x" * size)) for i in range(n)]
+
+
+def test_a_run_longer_than_the_learned_item_limit_is_split_before_it_is_sent() -> None:
+    """Once a refusal taught the daemon's limit, each run is sent in pieces of it. Before, runs
+    were split by bytes only, so a run longer than the learned limit was sent whole and refused
+    once more (with nothing of the piece stored yet, the refusal escaped the call)."""
+    encs = items(20)
+    daemon = FakeDaemon([7])
+    rs = client(daemon, batch_items=7)  # learned by an earlier call
+    assert rs._send_fitting(encs) == [True] * 20
+    assert daemon.refused == [] and daemon.calls == [7, 7, 6]
+    assert sorted(daemon.stored.values()) == [1] * 20
+
+
+def test_a_limit_learned_mid_piece_splits_the_later_runs_too() -> None:
+    """The limit learned from a run refused after an earlier one was stored splits that run and
+    every later one: one refused call in all (before, the last run of 10 was refused again)."""
+    encs = items(50)
+    daemon = FakeDaemon([100, 7])
+    rs = client(daemon, message_bytes=20 * encs[0].nbytes)  # runs of 20, 20, 10 by bytes
+    assert rs._send_fitting(encs) == [True] * 50
+    assert daemon.refused == [20] and daemon.calls == [20, 20, 7, 7, 6, 7, 3]
+    assert sorted(daemon.stored.values()) == [1] * 50 and rs._batch_items == 7
