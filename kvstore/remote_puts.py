@@ -18,7 +18,7 @@ from typing import Sequence
 import grpc
 
 from kvstore.api import PutItem, check_put_items
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.wire import (BatchTooLarge, EncodedPut, check_message_bytes, check_value_sizes, encode_item,
                                  fitting_runs)
@@ -106,23 +106,38 @@ class RemotePuts:
 
     def _send_fitting(self, encs: list[EncodedPut]) -> list[bool]:
         """One piece over gRPC as ``_send_puts`` of consecutive runs of at most ``max_message_bytes``
-        (``wire.fitting_runs``). Without direct writes ``check_puts`` bounded the piece: one run. With
-        them it bounded each item only (a piece written directly may be any size), so a piece that
-        goes through gRPC after all (Commit refused an entry, a pack failed, direct writes turned
-        off) is never refused whole after the earlier pieces were stored (review). A run refused as
-        over the daemon's ``max_batch_items`` after an earlier one was stored teaches this client the
-        limit (``_learn``) and is sent in pieces of it: re-sending the whole piece would put the
-        earlier runs' items twice, answered ``created=False`` though this call stored them."""
+        (``wire.fitting_runs``), each in pieces of the item limit known now (``_pieces``). Without
+        direct writes ``check_puts`` bounded the piece: one run. With them it bounded each item only
+        (a piece written directly may be any size), so a piece that goes through gRPC after all
+        (Commit refused an entry, a pack failed, direct writes turned off) is never refused whole
+        after the earlier pieces were stored (review).
+
+        A refusal as over the daemon's ``max_batch_items`` (``BatchTooLarge``: nothing of that run
+        stored) with nothing of this piece stored yet is raised, for ``_each_piece`` to learn and
+        re-split the piece. Once anything of it is stored, none escapes (re-sending the whole piece
+        would put the stored items twice, answered ``created=False`` though this call stored them):
+        the rest is re-split from where it stopped, at the limit the refusal names (``_learn``), or
+        at half the refused run when it names none below it (an older daemon, a limit that rose
+        under us). Each refusal lowers the run length, so the loop ends; a one-item run refused is
+        ``InvalidRequest`` (QA: a limit that dropped twice in one call re-sent the piece)."""
         out: list[bool] = []
-        for r in fitting_runs(encs, self.options.max_message_bytes):
-            # Each run in pieces of the item limit known now: once a refusal taught a lower one,
-            # a later run longer than it is not sent whole to be refused once more (QA).
-            for q in self._pieces(r.stop, r.start):
-                try:
-                    out.extend(self._send_puts(encs[q]))
-                except BatchTooLarge as exc:  # nothing of this run stored
-                    if not out or not self._learn(exc, q.stop - q.start):
-                        raise  # nothing of this piece stored either: _each_piece learns and re-splits it
-                    for p in self._pieces(q.stop, q.start):
-                        out.extend(self._send_puts(encs[p]))
-        return out
+        cap = len(encs)  # items per call, lowered by refusals that teach no usable limit
+        while True:
+            off = len(out)
+            try:
+                for r in fitting_runs(encs[off:], self.options.max_message_bytes):
+                    for q in self._pieces(off + r.stop, off + r.start):
+                        for p in (slice(i, min(i + cap, q.stop)) for i in range(q.start, q.stop, cap)):
+                            out.extend(self._send_puts(encs[p]))
+                return out
+            except BatchTooLarge as exc:  # nothing of this run stored
+                if not out:
+                    raise  # nothing of this piece stored either: _each_piece learns and re-splits it
+                sent = p.stop - p.start
+                if not self._learn(exc, sent):
+                    if sent == 1:
+                        raise InvalidRequest(
+                            f"{self.url} refused a 1-item put as over its max_batch_items after {len(out)} items "
+                            f"of this {len(encs)}-item piece were stored; check the daemon's "
+                            "max_batch_items") from exc
+                    cap = sent // 2

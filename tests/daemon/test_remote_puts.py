@@ -33,6 +33,9 @@ class FakeDaemon:
         if len(encs) > limit:
             self.refused.append(len(encs))
             raise BatchTooLarge(f"{len(encs)} items is over max_batch_items={limit}", limit=limit)
+        return self.store(encs)
+
+    def store(self, encs) -> list[bool]:
         out = []
         for e in encs:
             key = e.message()
@@ -46,6 +49,7 @@ def client(daemon: FakeDaemon, *, batch_items: int = 4096, message_bytes: int = 
     rs.options = types.SimpleNamespace(max_message_bytes=message_bytes)
     rs._batch_items, rs._lock, rs.url = batch_items, threading.Lock(), "grpc://fake"
     rs._send_puts = daemon.send
+    rs._closed, rs._direct_w = False, None  # put_many: over gRPC only
     return rs
 
 
@@ -74,3 +78,50 @@ def test_a_limit_learned_mid_piece_splits_the_later_runs_too() -> None:
     assert rs._send_fitting(encs) == [True] * 50
     assert daemon.refused == [20] and daemon.calls == [20, 20, 7, 7, 6, 7, 3]
     assert sorted(daemon.stored.values()) == [1] * 50 and rs._batch_items == 7
+
+
+def test_a_limit_that_drops_twice_in_one_piece_never_escapes_once_items_are_stored() -> None:
+    """The daemon's limit drops while a piece is re-split after a first drop: the rest is
+    re-split again from where it stopped. Before, the second refusal escaped to ``put_many``'s
+    piece loop (``_each_piece``), which learned from it and re-sent the whole piece: the items
+    already stored answered ``created=False`` though this call stored them."""
+    encs = items(50)
+    daemon = FakeDaemon([100, 7, 3])
+    rs = client(daemon, message_bytes=20 * encs[0].nbytes)  # runs of 20, 20, 10 by bytes
+    assert rs._send_fitting(encs) == [True] * 50
+    assert daemon.refused == [20, 7] and sorted(daemon.stored.values()) == [1] * 50
+    assert rs._batch_items == 3 and daemon.calls[:3] == [20, 20, 7] and max(daemon.calls[3:]) == 3
+
+
+class NoLimitNamed(FakeDaemon):
+    """Lets its first call through whole, then refuses anything over ``limits[0]`` items
+    naming no limit (``limit=0``: an older daemon)."""
+
+    def send(self, encs) -> list[bool]:
+        self.calls.append(len(encs))
+        if len(self.calls) > 1 and len(encs) > self.limits[0]:
+            self.refused.append(len(encs))
+            raise BatchTooLarge("over max_batch_items", limit=0)
+        return self.store(encs)
+
+
+def test_refusals_that_name_no_lower_limit_halve_the_runs_and_end() -> None:
+    """A refusal after part of the piece was stored that names no limit below what was sent
+    halves the run, so the loop ends; a single item refused so is ``InvalidRequest``, not
+    ``BatchTooLarge`` (which would make the caller re-send the whole piece)."""
+    import pytest
+
+    from kvstore.errors import InvalidRequest
+
+    encs = items(40)
+    daemon = NoLimitNamed([5])
+    rs = client(daemon, message_bytes=10 * encs[0].nbytes)  # runs of 10
+    assert rs._send_fitting(encs) == [True] * 40
+    assert daemon.refused == [10] and sorted(daemon.stored.values()) == [1] * 40  # halved to 5, which fits
+
+    stubborn = NoLimitNamed([0])
+    rs = client(stubborn, message_bytes=10 * encs[0].nbytes)
+    with pytest.raises(InvalidRequest, match="refused a 1-item put") as exc:
+        rs._send_fitting(encs)
+    assert not isinstance(exc.value, BatchTooLarge)
+    assert stubborn.refused == [10, 5, 2, 1] and len(stubborn.stored) == 10
