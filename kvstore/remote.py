@@ -92,7 +92,7 @@ from kvstore.remote_admin import RemoteAdmin
 from kvstore.remote_lookup import RemoteLookup
 from kvstore.remote_puts import RemotePuts
 from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, check_message_bytes, encode_item,
-                                 error_from_rpc, layout_from_pb, read_pem)
+                                 error_from_rpc, fitting_runs, layout_from_pb, read_pem)
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +265,10 @@ class RemoteStore(RemotePuts, RemoteLookup, RemoteAdmin):
         return True
 
     def _send_puts(self, encs: list[EncodedPut]) -> list[bool]:
-        """PutStream (PutMany for an older daemon) of at most ``max_batch_items`` encoded puts."""
-        check_message_bytes(encs, len(encs), self.options.max_message_bytes)
+        """PutStream (PutMany for an older daemon) of at most ``max_batch_items`` encoded puts,
+        checked against ``max_message_bytes`` as the call they go in counts them (``wire.put_bytes``)."""
+        limit = self.options.max_message_bytes
+        check_message_bytes(encs, len(encs), limit, framed=not self._streams)
         if self._streams:
             try:
                 # Each item is encoded as gRPC asks for it: the next one is built while this one is sent.
@@ -279,9 +281,15 @@ class RemoteStore(RemotePuts, RemoteLookup, RemoteAdmin):
                 reply = None
             if reply is not None:
                 return self._check_count("PutStream", list(reply.created), len(encs))
-        reqs = [pb.PutRequest.FromString(e.message()) for e in encs]
-        return self._check_count("PutMany", list(self._call("PutMany", pb.PutManyRequest(items=reqs)).created),
-                                 len(encs))
+        out: list[bool] = []
+        # One call unless these were sized for a PutStream and the daemon just turned out older:
+        # then a PutManyRequest's framing may put them over the limit, so they go in runs that fit.
+        for r in fitting_runs(encs, limit, framed=True):
+            check_message_bytes(encs[r], len(encs), limit, framed=True)
+            reqs = [pb.PutRequest.FromString(e.message()) for e in encs[r]]
+            out.extend(self._check_count("PutMany", list(self._call("PutMany", pb.PutManyRequest(items=reqs)).created),
+                                         r.stop - r.start))
+        return out
 
     def _stream_call(self, method: str, run: Any) -> Any:
         """Run a streaming call (invoking it and reading its answer); typed errors as

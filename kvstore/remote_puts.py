@@ -63,10 +63,10 @@ class RemotePuts:
             check_value_sizes(encs, self.daemon_max_value_bytes())
         if self._direct_w is None:
             for p in pieces:
-                check_message_bytes(encs[p], len(encs), self.options.max_message_bytes)
+                check_message_bytes(encs[p], len(encs), self.options.max_message_bytes, framed=not self._streams)
         else:  # written directly; a piece that goes through gRPC after all is sent in runs that fit (_send_fitting)
             for e in encs:
-                check_message_bytes([e], len(encs), self.options.max_message_bytes)
+                check_message_bytes([e], len(encs), self.options.max_message_bytes, framed=not self._streams)
 
     def daemon_max_value_bytes(self) -> int | None:
         """The daemon's ``max_value_bytes``, asked (``Describe``) on the first call and kept for
@@ -106,7 +106,7 @@ class RemotePuts:
 
     def _send_fitting(self, encs: list[EncodedPut]) -> list[bool]:
         """One piece over gRPC as ``_send_puts`` of consecutive runs of at most ``max_message_bytes``
-        (``wire.fitting_runs``), each in pieces of the item limit known now (``_pieces``). Without
+        (``wire.fitting_runs``, framed as a ``PutManyRequest`` for an older daemon), each in pieces of the item limit known now (``_pieces``). Without
         direct writes ``check_puts`` bounded the piece: one run. With them it bounded each item only
         (a piece written directly may be any size), so a piece that goes through gRPC after all
         (Commit refused an entry, a pack failed, direct writes turned off) is never refused whole
@@ -125,7 +125,7 @@ class RemotePuts:
         while True:
             off = len(out)
             try:
-                for r in fitting_runs(encs[off:], self.options.max_message_bytes):
+                for r in fitting_runs(encs[off:], self.options.max_message_bytes, framed=not self._streams):
                     for q in self._pieces(off + r.stop, off + r.start):
                         for p in (slice(i, min(i + cap, q.stop)) for i in range(q.start, q.stop, cap)):
                             out.extend(self._send_puts(encs[p]))

@@ -35,6 +35,7 @@ any protobuf peer reads it. Decoding stays with upb, which validates::
                 [2a len Layout{0a len dtype, 12 len packed shape}] [30 varint tokens]
     GetReply:   [0a len value] [12 len Layout] [18 varint tokens] [22 len kind]
     GetChunk:   [08 varint index] then per value [12 len MaybeValue{08 01 found, 12 len value}]
+    PutManyRequest: per item [0a len PutRequest]  (an older daemon's batch: ``framed`` sizes)
 
 A client's put (``encode_item`` -> ``EncodedPut``) is validated as the embedded store
 validates it, then encoded this way, so a bad item is refused before anything is sent.
@@ -377,26 +378,37 @@ def encode_item(it: PutItem) -> EncodedPut:
     return EncodedPut(head, mv, tail)
 
 
-def fitting_runs(encs: Sequence[EncodedPut], limit: int) -> list[slice]:
-    """``encs`` as consecutive runs whose ``nbytes`` add up to at most ``limit`` each, in order
-    (one run when they all fit together; an item over ``limit`` alone is a run of its own, for
-    the sender to refuse). ``kvstore.remote`` sends a direct-write piece that falls back to gRPC so."""
+def put_bytes(e: EncodedPut, framed: bool = False) -> int:
+    """``e``'s bytes in a batch call: its ``nbytes`` in a PutStream (each item a message of its
+    own); ``framed``, in a ``PutManyRequest`` (an older daemon without PutStream), plus its
+    field's tag and length varint, so a batch's ``put_bytes`` add up to the request's size."""
+    return e.nbytes + 1 + len(_varint(e.nbytes)) if framed else e.nbytes
+
+
+def fitting_runs(encs: Sequence[EncodedPut], limit: int, *, framed: bool = False) -> list[slice]:
+    """``encs`` as consecutive runs whose ``put_bytes`` (``framed``: as a ``PutManyRequest``) add
+    up to at most ``limit`` each, in order (one run when they all fit together; an item over
+    ``limit`` alone is a run of its own, for the sender to refuse). ``kvstore.remote_puts`` sends a
+    direct-write piece that falls back to gRPC so. Before, runs were summed unframed only: sent as
+    a PutManyRequest, a run summed to the limit was over it by a few bytes an item (QA)."""
     runs: list[slice] = []
     start, total = 0, 0
     for i, e in enumerate(encs):
-        if i > start and total + e.nbytes > limit:
+        size = put_bytes(e, framed)
+        if i > start and total + size > limit:
             runs.append(slice(start, i))
             start, total = i, 0
-        total += e.nbytes
+        total += size
     if start < len(encs):
         runs.append(slice(start, len(encs)))
     return runs
 
 
-def check_message_bytes(encs: Sequence[EncodedPut], batch: int, limit: int) -> None:
+def check_message_bytes(encs: Sequence[EncodedPut], batch: int, limit: int, *, framed: bool = False) -> None:
     """``RequestTooLarge`` when these encoded puts (of a ``put_many`` of ``batch`` items) are over
-    a client's ``max_message_bytes`` (``limit``) together."""
-    total = sum(e.nbytes for e in encs)
+    a client's ``max_message_bytes`` (``limit``) together, counted as ``put_bytes`` (``framed``:
+    as one ``PutManyRequest``, for an older daemon)."""
+    total = sum(put_bytes(e, framed) for e in encs)
     if total > limit:
         what = f"put_many of {len(encs)} items" if len(encs) == batch else (
             f"a {len(encs)}-item piece of a put_many of {batch} items")

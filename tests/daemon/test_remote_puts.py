@@ -13,9 +13,13 @@ from __future__ import annotations
 import threading
 import types
 
+import pytest
+
 from kvstore.api import PutItem
+from kvstore.proto import kvstore_pb2 as pb
 from kvstore.remote import RemoteStore
-from kvstore.server.wire import BatchTooLarge, encode_item
+from kvstore.server.wire import (BatchTooLarge, RequestTooLarge, check_message_bytes, encode_item, fitting_runs,
+                                 put_bytes)
 
 
 class FakeDaemon:
@@ -49,7 +53,7 @@ def client(daemon: FakeDaemon, *, batch_items: int = 4096, message_bytes: int = 
     rs.options = types.SimpleNamespace(max_message_bytes=message_bytes)
     rs._batch_items, rs._lock, rs.url = batch_items, threading.Lock(), "grpc://fake"
     rs._send_puts = daemon.send
-    rs._closed, rs._direct_w = False, None  # put_many: over gRPC only
+    rs._closed, rs._direct_w, rs._streams = False, None, True  # put_many: over gRPC only, PutStream
     return rs
 
 
@@ -109,8 +113,6 @@ def test_refusals_that_name_no_lower_limit_halve_the_runs_and_end() -> None:
     """A refusal after part of the piece was stored that names no limit below what was sent
     halves the run, so the loop ends; a single item refused so is ``InvalidRequest``, not
     ``BatchTooLarge`` (which would make the caller re-send the whole piece)."""
-    import pytest
-
     from kvstore.errors import InvalidRequest
 
     encs = items(40)
@@ -125,3 +127,76 @@ def test_refusals_that_name_no_lower_limit_halve_the_runs_and_end() -> None:
         rs._send_fitting(encs)
     assert not isinstance(exc.value, BatchTooLarge)
     assert stubborn.refused == [10, 5, 2, 1] and len(stubborn.stored) == 10
+
+
+@pytest.mark.parametrize("size", [100, 1000, 16_000])
+def test_runs_for_an_older_daemon_count_each_items_putmany_framing(size) -> None:
+    """Without PutStream the client sends a ``PutManyRequest``, which frames every item (a tag and
+    a length varint). Runs are sized by that framed size, so each request is within
+    ``max_message_bytes`` however the batch falls. Before, they were summed unframed: a run of 64
+    items exactly at the limit was 192 bytes over it and refused after earlier runs were stored."""
+    encs = items(200, size)
+    limit = 64 * encs[0].nbytes
+    sent: list[int] = []
+
+    def call(method, req, *a, **kw):  # the channel's max_send_message_length, as gRPC enforces it
+        assert method == "PutMany"
+        if req.ByteSize() > limit:
+            raise RequestTooLarge(f"{req.ByteSize()} bytes over {limit}")
+        sent.append(req.ByteSize())
+        return pb.PutManyReply(created=[True] * len(req.items))
+
+    rs = client(FakeDaemon([10**6]), message_bytes=limit)
+    rs._send_puts = types.MethodType(RemoteStore._send_puts, rs)
+    rs._streams, rs._call = False, call
+    assert rs._send_fitting(encs) == [True] * 200
+    assert len(sent) > 1 and max(sent) <= limit
+    assert all(s + put_bytes(encs[0], framed=True) > limit for s in sent[:-1])  # each run as full as it fits
+    # the boundary: a run framed exactly at the limit fits, one byte over does not
+    run = fitting_runs(encs, limit, framed=True)[0]
+    exact = sum(put_bytes(e, framed=True) for e in encs[run])
+    assert pb.PutManyRequest(items=[pb.PutRequest.FromString(e.message()) for e in encs[run]]).ByteSize() == exact
+    check_message_bytes(encs[run], 200, exact, framed=True)
+    with pytest.raises(RequestTooLarge):
+        check_message_bytes(encs[run], 200, exact - 1, framed=True)
+    check_message_bytes(encs[:64], 200, limit)  # a PutStream carries no framing: exactly at the limit fits
+    with pytest.raises(RequestTooLarge):
+        check_message_bytes(encs[:64], 200, limit, framed=True)
+
+
+def test_a_piece_checked_for_an_older_daemon_counts_its_framing() -> None:
+    """``check_puts`` (no direct writes: the piece goes as one call) refuses, before sending
+    anything, a piece that fits as a PutStream but not as a ``PutManyRequest`` once the daemon
+    is known to lack PutStream."""
+    encs = items(64, 1000)
+    rs = client(FakeDaemon([10**6]), message_bytes=64 * encs[0].nbytes)
+    rs.check_puts(encs)
+    rs._streams = False
+    with pytest.raises(RequestTooLarge):
+        rs.check_puts(encs)
+
+
+def test_a_run_sized_for_putstream_that_meets_an_older_daemon_goes_in_framed_runs() -> None:
+    """The first PutStream of a client answered UNIMPLEMENTED: the run, sized for a stream, is
+    sent as PutMany in runs that fit framed, not as one request over the limit."""
+    from kvstore.remote import _Unimplemented
+
+    encs = items(64, 1000)
+    limit = 64 * encs[0].nbytes  # exactly at the limit as a stream
+    sent: list[int] = []
+
+    def call(method, req, *a, **kw):
+        if req.ByteSize() > limit:
+            raise RequestTooLarge(f"{req.ByteSize()} bytes over {limit}")
+        sent.append(len(req.items))
+        return pb.PutManyReply(created=[True] * len(req.items))
+
+    def older(method, run):
+        rs._streams = False
+        raise _Unimplemented(method)
+
+    rs = client(FakeDaemon([10**6]), message_bytes=limit)
+    rs._send_puts = types.MethodType(RemoteStore._send_puts, rs)
+    rs._call, rs._stream_call, rs._md = call, older, None
+    assert rs._send_fitting(encs) == [True] * 64
+    assert sum(sent) == 64 and len(sent) == 2 and rs._streams is False
