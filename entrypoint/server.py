@@ -72,10 +72,8 @@ them, the request's ``tenant`` field is taken as sent.
 
 Membership: ``Register`` and ``Deregister`` need the worker secret when one is
 configured (``entrypoint.auth``: UNAUTHENTICATED otherwise, and nothing
-        if self.clients.enabled and not (self.auth.enabled and self.auth.admits(context.invocation_metadata())):
-            self.clients.authenticate(context)  # a client token or the worker secret
-        return pb.WorkerList(workers=[pb.WorkerInfo(worker_id=i.worker_id, role=i.role, address=i.address,
-                                                    kv_namespace=i.kv_namespace, block_size=i.block_size)
+changes); ``ListWorkers`` is open, unless there are client tokens: then it
+takes one of them or the worker secret. Every call to a worker (every hop above, and
 the heartbeat) carries the same secret, since the workers require it
 (``entrypoint.registry`` opens the channels).
 
