@@ -34,7 +34,7 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
   5. ``decode``: the Decode LB picks an instance, which loads the KV from the
      store and streams tokens.
 
-  Each pick (VE, prefill, decode) reads the loads, chooses and counts the call
+  Each pick (VE, prefill, decode; ``entrypoint.dispatch``) reads the loads, chooses and counts the call
   in flight on the chosen instance under one lock, and the count is taken back
   when the call (or stream) ends: concurrent requests see each other's picks,
   so they spread instead of all going where the last heartbeat said was idle.
@@ -99,25 +99,18 @@ import grpc
 import kvstore
 from entrypoint.auth import WorkerAuth, check_listen, check_secret
 from entrypoint.clients import ClientAuth, check_open_tenants
+from entrypoint.dispatch import FAILED_HERE, RETRYABLE, Abort, Dispatch
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.registry import IncompatibleWorker, Instance, Registry, check_kv_compat
+from entrypoint.registry import IncompatibleWorker, Registry, check_kv_compat
 from entrypoint.rpc import make_server
-from entrypoint.vision import SCOPE_METADATA, check_image_hash, scoped_image_key, tenant_scope
+from entrypoint.vision import SCOPE_METADATA, check_image_hash, tenant_scope
 from kvstore.keys import BlockHasher, ImageSpan, Namespace, check_image_spans
 from lb.cost_model import load_default
 from lb.registry import KINDS, get_policy
-from lb.types import (DecodeInstance, DecodeRequest, LBInputError, PrefillInstance, PrefixHits, QueuedPrefill,
-                      RouteRequest, VEInstance, VERequest)
+from lb.types import DecodeRequest, LBInputError, PrefixHits, RouteRequest
 
 log = logging.getLogger(__name__)
-
-# The worker (or the way to it) failed, not this request: mark it down and fail over.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                       grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
-# A worker still serving failed this call (an engine step, or its handler): retry within max_attempts,
-# the worker stays up (module docstring, "INTERNAL and UNKNOWN").
-FAILED_HERE = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,13 +171,7 @@ class EntrypointConfig:
                 raise kvstore.InvalidRequest(f"unknown {kind} policy {name!r}; known: {', '.join(sorted(KINDS[kind]))}")
 
 
-class Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class EntrypointService(pbg.EntrypointServicer):
+class EntrypointService(Dispatch, pbg.EntrypointServicer):
     def __init__(self, cfg: EntrypointConfig, store: kvstore.KVStore, registry: Registry):
         self.cfg, self.store, self.registry = cfg, store, registry
         models = load_default()
@@ -239,10 +226,6 @@ class EntrypointService(pbg.EntrypointServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the load balancer refused the request: {exc}")
         finally:
             self._slots.release()
-
-    def _timeout(self, context) -> float:
-        rem = context.time_remaining()
-        return self.cfg.worker_timeout_s if rem is None else max(0.001, min(rem, self.cfg.worker_timeout_s))
 
     def _validate(self, request, tenant: str) -> tuple[bytes, list[ImageSpan], int]:
         """Step 1: (``tenant``'s salt, image spans, max_new_tokens), or ``Abort`` with INVALID_ARGUMENT."""
@@ -396,59 +379,6 @@ class EntrypointService(pbg.EntrypointServicer):
                    "prompt_tokens": len(prompt), "store_hit_blocks": hit.hit_blocks, "failovers": failovers}
         yield pb.GenerateEvent(kind="done", detail=json.dumps(summary), t_ms=ms())
 
-    # ------------------------------------------------------------------ dispatch helpers
-    def _call(self, role: str, pick: Callable[[list[Instance]], Instance], context,
-              fn: Callable[[Instance], Any]) -> tuple[Instance, Any]:
-        """Pick an instance of ``role`` and call it; on a retryable failure mark it down and retry."""
-        last = None
-        for _ in range(self.cfg.max_attempts):
-            live = self.registry.ready(role)
-            if not live:
-                raise Abort(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up")
-            inst = pick(live)
-            try:
-                return inst, fn(inst)
-            except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE | FAILED_HERE or not context.is_active():
-                    raise Abort(exc.code(), f"{role} worker {inst.worker_id}: {exc.details()}") from exc
-                if exc.code() not in FAILED_HERE:
-                    self.registry.mark_down(inst.worker_id, f"{role} call failed: {exc.code()}")
-                last = exc
-        code = last.code() if last is not None and last.code() in FAILED_HERE else grpc.StatusCode.UNAVAILABLE
-        raise Abort(code, f"{role} failed on {self.cfg.max_attempts} attempts; last: "
-                    f"{f'{inst.worker_id}: {last.code()}: {last.details()}' if last is not None else '?'}")
-
-    @staticmethod
-    def _pick(decision, live: list[Instance], role: str) -> Instance:
-        if decision.chosen is None:
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{role} admission control: {decision.reason}")
-        return next(i for i in live if i.worker_id == decision.chosen)
-
-    def _ve_pick(self, img, scope: bytes, live: list[Instance]) -> Instance:
-        """The VE LB's pick, counted in flight there (``Instance.encodes``) before the lock is let go.
-
-        An instance's queue is the larger of what its last ``Status`` said (encodes in flight there,
-        from every entrypoint, as of the last heartbeat) and this entrypoint's own Encode calls in
-        flight there (current): without the latter, every uncached image picked between two
-        heartbeats saw the same queues and went to the first instance."""
-        with self._lock:  # snapshot, choice and count together: concurrent picks see each other
-            snaps = [VEInstance(i.worker_id, queue_images=max(i.encodes, (i.status.waiting + i.status.running)
-                                                              if i.status else 0),
-                                cached_images=frozenset(i.status.cached_images) if i.status else frozenset())
-                     for i in live]
-            key = scoped_image_key(scope, img.image_hash)  # affinity to this tenant's own entries only
-            inst = self._pick(self.ve_lb.choose(VERequest((key,)), snaps), live, "ve")
-            inst.encodes += 1
-        return inst
-
-    def _tracked_encode(self, inst: Instance, ereq, context, scope):
-        """``Encode`` on ``inst`` (picked, and counted in flight, by ``_ve_pick``); uncounted when it ends."""
-        try:
-            return inst.stub.Encode(ereq, timeout=self._timeout(context), metadata=scope)
-        finally:
-            with self._lock:
-                inst.encodes -= 1
-
     def _reusable_blocks(self, prompt, keys) -> int:
         """Blocks of ``keys`` an engine can reuse for ``prompt``: at most ``(len(prompt) - 1) // block_size``,
         since the last prompt token is always computed (its logits give the first output token). The
@@ -463,49 +393,6 @@ class EntrypointService(pbg.EntrypointServicer):
                 for i in self.registry.instances("prefill")}
         return RouteRequest(prompt_tokens=len(prompt), num_blocks=len(keys), hits=hits, block_hashes=tuple(keys),
                             ttft_slo_ms=request.ttft_slo_ms or None, block_tokens=self.cfg.block_size)
-
-    def _prefill_pick(self, route: RouteRequest, slot: str, live: list[Instance]) -> Instance:
-        """The Prefill LB's pick, counted in flight there (``Instance.inflight[slot]``) before the lock
-        is let go, as ``_ve_pick`` does: were the queues read under the lock and the new entry added
-        after it, concurrent requests would all see the same queues and pick the same instance."""
-        with self._lock:  # snapshot, choice and count together: concurrent picks see each other
-            snaps = [PrefillInstance(i.worker_id, queue=tuple(QueuedPrefill(s, c) for s, c in i.inflight.values()))
-                     for i in live]
-            inst = self._pick(self.prefill_lb.choose(route, snaps), live, "prefill")
-            cached = route.cached_tokens(route.hit_of(inst.worker_id).total)  # capped: see _reusable_blocks
-            inst.inflight[slot] = (max(0, route.prompt_tokens - cached), cached)
-        return inst
-
-    def _tracked_prefill(self, inst: Instance, slot: str, preq, context):
-        """``Prefill`` on ``inst`` (picked, and counted in flight, by ``_prefill_pick``); uncounted when it ends."""
-        try:
-            return inst.stub.Prefill(preq, timeout=self._timeout(context))
-        finally:
-            with self._lock:
-                inst.inflight.pop(slot, None)
-
-    def _decode_pick(self, dreq: DecodeRequest, slot: str, live: list[Instance]) -> Instance:
-        """The Decode LB's pick, counted in flight there (``Instance.decodes[slot]``: its context
-        tokens) before the lock is let go; the caller takes the count back when the stream ends.
-
-        An instance's running requests and batch tokens are the larger of what its last ``Status``
-        said (every entrypoint's, as of the last heartbeat) and this entrypoint's own decode streams
-        open there (current): without the latter, every request picked between two heartbeats saw
-        the same figures and went to the same instance."""
-        with self._lock:  # snapshot, choice and count together: concurrent picks see each other
-            snaps = [self._decode_snapshot(i) for i in live]
-            inst = self._pick(self.decode_lb.choose(dreq, snaps), live, "decode")
-            inst.decodes[slot] = dreq.context_tokens
-        return inst
-
-    @staticmethod
-    def _decode_snapshot(i: Instance) -> DecodeInstance:
-        """``i`` as the Decode LB sees it (under the entrypoint's lock: ``i.decodes``)."""
-        st = i.status
-        return DecodeInstance(i.worker_id, kv_used_bytes=st.kv_used_bytes if st else 0,
-                              kv_capacity_bytes=(st.kv_capacity_bytes or 1) if st else 1,
-                              batch_tokens=max(sum(i.decodes.values()), st.batch_tokens if st else 0),
-                              running_requests=max(len(i.decodes), st.running if st else 0))
 
 
 def serve(cfg: EntrypointConfig, store_url: str, *, host: str = "127.0.0.1", port: int = 0,

@@ -1,0 +1,138 @@
+"""Dispatch of one hop to a worker of its role: the LB picks, counted in flight, and the calls.
+
+``entrypoint.server.EntrypointService`` mixes ``Dispatch`` in and calls these from ``Generate``;
+the mixin reads the service's ``cfg``, ``registry``, ``prefill_lb``/``decode_lb``/``ve_lb`` and
+``_lock``. The failover rules they follow (``RETRYABLE``, ``FAILED_HERE``) are stated in
+``entrypoint.server``'s module docstring ("Failover", "INTERNAL and UNKNOWN").
+
+Every pick reads the loads, chooses and counts the call in flight on the chosen instance under
+the service's one lock, and the count is taken back when the call (or stream) ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import grpc
+
+from entrypoint.registry import Instance
+from entrypoint.vision import scoped_image_key
+from lb.types import DecodeInstance, DecodeRequest, PrefillInstance, QueuedPrefill, RouteRequest, VEInstance, VERequest
+
+
+# The worker (or the way to it) failed, not this request: mark it down and fail over.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
+# A worker still serving failed this call (an engine step, or its handler): retry within max_attempts,
+# the worker stays up (module docstring, "INTERNAL and UNKNOWN").
+FAILED_HERE = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+
+
+class Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class Dispatch:
+    """The dispatch helpers of ``EntrypointService`` (see the module docstring)."""
+
+    def _timeout(self, context) -> float:
+        rem = context.time_remaining()
+        return self.cfg.worker_timeout_s if rem is None else max(0.001, min(rem, self.cfg.worker_timeout_s))
+
+    def _call(self, role: str, pick: Callable[[list[Instance]], Instance], context,
+              fn: Callable[[Instance], Any]) -> tuple[Instance, Any]:
+        """Pick an instance of ``role`` and call it; on a retryable failure mark it down and retry."""
+        last = None
+        for _ in range(self.cfg.max_attempts):
+            live = self.registry.ready(role)
+            if not live:
+                raise Abort(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up")
+            inst = pick(live)
+            try:
+                return inst, fn(inst)
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE | FAILED_HERE or not context.is_active():
+                    raise Abort(exc.code(), f"{role} worker {inst.worker_id}: {exc.details()}") from exc
+                if exc.code() not in FAILED_HERE:
+                    self.registry.mark_down(inst.worker_id, f"{role} call failed: {exc.code()}")
+                last = exc
+        code = last.code() if last is not None and last.code() in FAILED_HERE else grpc.StatusCode.UNAVAILABLE
+        raise Abort(code, f"{role} failed on {self.cfg.max_attempts} attempts; last: "
+                    f"{f'{inst.worker_id}: {last.code()}: {last.details()}' if last is not None else '?'}")
+
+    @staticmethod
+    def _pick(decision, live: list[Instance], role: str) -> Instance:
+        if decision.chosen is None:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{role} admission control: {decision.reason}")
+        return next(i for i in live if i.worker_id == decision.chosen)
+
+    def _ve_pick(self, img, scope: bytes, live: list[Instance]) -> Instance:
+        """The VE LB's pick, counted in flight there (``Instance.encodes``) before the lock is let go.
+
+        An instance's queue is the larger of what its last ``Status`` said (encodes in flight there,
+        from every entrypoint, as of the last heartbeat) and this entrypoint's own Encode calls in
+        flight there (current): without the latter, every uncached image picked between two
+        heartbeats saw the same queues and went to the first instance."""
+        with self._lock:  # snapshot, choice and count together: concurrent picks see each other
+            snaps = [VEInstance(i.worker_id, queue_images=max(i.encodes, (i.status.waiting + i.status.running)
+                                                              if i.status else 0),
+                                cached_images=frozenset(i.status.cached_images) if i.status else frozenset())
+                     for i in live]
+            key = scoped_image_key(scope, img.image_hash)  # affinity to this tenant's own entries only
+            inst = self._pick(self.ve_lb.choose(VERequest((key,)), snaps), live, "ve")
+            inst.encodes += 1
+        return inst
+
+    def _tracked_encode(self, inst: Instance, ereq, context, scope):
+        """``Encode`` on ``inst`` (picked, and counted in flight, by ``_ve_pick``); uncounted when it ends."""
+        try:
+            return inst.stub.Encode(ereq, timeout=self._timeout(context), metadata=scope)
+        finally:
+            with self._lock:
+                inst.encodes -= 1
+
+
+    def _prefill_pick(self, route: RouteRequest, slot: str, live: list[Instance]) -> Instance:
+        """The Prefill LB's pick, counted in flight there (``Instance.inflight[slot]``) before the lock
+        is let go, as ``_ve_pick`` does: were the queues read under the lock and the new entry added
+        after it, concurrent requests would all see the same queues and pick the same instance."""
+        with self._lock:  # snapshot, choice and count together: concurrent picks see each other
+            snaps = [PrefillInstance(i.worker_id, queue=tuple(QueuedPrefill(s, c) for s, c in i.inflight.values()))
+                     for i in live]
+            inst = self._pick(self.prefill_lb.choose(route, snaps), live, "prefill")
+            cached = route.cached_tokens(route.hit_of(inst.worker_id).total)  # capped: see _reusable_blocks
+            inst.inflight[slot] = (max(0, route.prompt_tokens - cached), cached)
+        return inst
+
+    def _tracked_prefill(self, inst: Instance, slot: str, preq, context):
+        """``Prefill`` on ``inst`` (picked, and counted in flight, by ``_prefill_pick``); uncounted when it ends."""
+        try:
+            return inst.stub.Prefill(preq, timeout=self._timeout(context))
+        finally:
+            with self._lock:
+                inst.inflight.pop(slot, None)
+
+    def _decode_pick(self, dreq: DecodeRequest, slot: str, live: list[Instance]) -> Instance:
+        """The Decode LB's pick, counted in flight there (``Instance.decodes[slot]``: its context
+        tokens) before the lock is let go; the caller takes the count back when the stream ends.
+
+        An instance's running requests and batch tokens are the larger of what its last ``Status``
+        said (every entrypoint's, as of the last heartbeat) and this entrypoint's own decode streams
+        open there (current): without the latter, every request picked between two heartbeats saw
+        the same figures and went to the same instance."""
+        with self._lock:  # snapshot, choice and count together: concurrent picks see each other
+            snaps = [self._decode_snapshot(i) for i in live]
+            inst = self._pick(self.decode_lb.choose(dreq, snaps), live, "decode")
+            inst.decodes[slot] = dreq.context_tokens
+        return inst
+
+    @staticmethod
+    def _decode_snapshot(i: Instance) -> DecodeInstance:
+        """``i`` as the Decode LB sees it (under the entrypoint's lock: ``i.decodes``)."""
+        st = i.status
+        return DecodeInstance(i.worker_id, kv_used_bytes=st.kv_used_bytes if st else 0,
+                              kv_capacity_bytes=(st.kv_capacity_bytes or 1) if st else 1,
+                              batch_tokens=max(sum(i.decodes.values()), st.batch_tokens if st else 0),
+                              running_requests=max(len(i.decodes), st.running if st else 0))
