@@ -56,7 +56,7 @@ class Dispatch:
                 if exc.code() not in RETRYABLE | FAILED_HERE or not context.is_active():
                     raise Abort(exc.code(), f"{role} worker {inst.worker_id}: {exc.details()}") from exc
                 if exc.code() not in FAILED_HERE:
-                    self.registry.mark_down(inst.worker_id, f"{role} call failed: {exc.code()}")
+                    self.registry.mark_down(inst, f"{role} call failed: {exc.code()}")
                 last = exc
         code = last.code() if last is not None and last.code() in FAILED_HERE else grpc.StatusCode.UNAVAILABLE
         raise Abort(code, f"{role} failed on {self.cfg.max_attempts} attempts; last: "

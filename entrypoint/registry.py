@@ -6,7 +6,8 @@ the registry's current snapshot on every decision, so nothing restarts.
 
 Heartbeat: a thread calls every instance's ``Status`` each ``heartbeat_s``;
 ``miss_limit`` misses in a row mark it down, and a success marks it up again.
-A dispatch failure (``mark_down``) takes effect at once.
+A dispatch failure (``mark_down``) takes effect at once, on the registration that
+failed only (not on one that replaced it under the same id since).
 
 Worker secret (``entrypoint.auth``): every channel ``add`` opens sends it on
 every call (``Status`` here, and ``Prefill``/``Decode``/``Encode`` from the
@@ -194,12 +195,19 @@ class Registry:
         """Healthy instances that have answered a heartbeat (their figures are known)."""
         return [i for i in self.instances(role) if i.healthy and i.status is not None]
 
-    def mark_down(self, worker_id: str, reason: str) -> None:
+    def mark_down(self, inst: Instance | str, reason: str) -> None:
+        """Mark ``inst`` down at once (a dispatch failure on it). Given an ``Instance``, only that
+        registration: if its id was registered again since (``add`` replaced it and closed its
+        channel, which is what failed the call), the new registration is left alone. Given an id,
+        whichever instance is registered under it now."""
+        worker_id = inst if isinstance(inst, str) else inst.worker_id
         with self._lock:
-            inst = self._by_id.get(worker_id)
-            if inst is not None and inst.healthy:
-                inst.healthy = False
-                inst.misses = self.miss_limit
+            cur = self._by_id.get(worker_id)
+            if cur is None or (not isinstance(inst, str) and cur is not inst):
+                return  # gone, or replaced: the failure was the old registration's
+            if cur.healthy:
+                cur.healthy = False
+                cur.misses = self.miss_limit
                 log.warning("worker %s marked down: %s", worker_id, reason)
 
     # ------------------------------------------------------------------ per-instance views

@@ -368,7 +368,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                     inst.decodes.pop(slot, None)
             attempts += 1
             if last_code not in FAILED_HERE:
-                self.registry.mark_down(inst.worker_id, f"decode stream failed: {code}")
+                self.registry.mark_down(inst, f"decode stream failed: {code}")
             failovers.append({"worker": inst.worker_id, "at_token": len(generated), "ms": ms()})
             yield hop("failover", worker=inst.worker_id, code=code, resumed_at=len(generated), ms=ms() - t)
             if attempts >= self.cfg.max_attempts:

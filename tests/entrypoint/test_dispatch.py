@@ -1,11 +1,13 @@
 """Dispatch to prefill and decode workers, in process with fake workers (the helpers of
 ``test_service``): a request every engine fails on (INTERNAL) fails after max_attempts and takes
-no worker down, one that only shared its failed step is served on a retry; concurrent requests spread over the workers of a role (each pick is counted in flight
-before the next one reads the loads)."""
+no worker down, one that only shared its failed step is served on a retry; concurrent requests
+spread over the workers of a role (each pick is counted in flight before the next one reads the
+loads); a failed call marks down only the registration it was made on."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +17,7 @@ import pytest
 
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from tests.entrypoint.test_service import FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
+from tests.entrypoint.test_service import FIRST_TOKEN, FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
 
 POISON = 666  # a prompt token every fake engine below fails on
 
@@ -203,6 +205,58 @@ def test_concurrent_requests_spread_over_the_workers_of_a_role(stack, monkeypatc
             picked = Counter(pool.map(one, range(12)))
         assert sum(picked.values()) == 12 and len(picked) == 3 and min(picked.values()) >= 2, picked
         assert all(not i.inflight and not i.decodes for i in svc.registry.instances())  # counts taken back
+    finally:
+        for close in opened:
+            close(None)
+
+
+# ----------------------------------------------------------------------------- re-registration
+
+
+class PacedDecode(FakeWorker):
+    """Decode streams 1, 2, 3, ... with ``delay_s`` before each token."""
+
+    def __init__(self, worker_id: str, role: str, delay_s: float):
+        super().__init__(worker_id, role)
+        self.delay_s = delay_s
+
+    def Decode(self, request, context):
+        self._record("Decode", context)
+        for i in range(len(request.generated), request.sampling.max_new_tokens):
+            time.sleep(self.delay_s)
+            yield pb.DecodeEvent(token_id=i, index=i)
+
+
+def test_a_worker_registered_again_mid_stream_is_not_marked_down_by_the_old_registration(stack):
+    """The decode worker registers again (same id, same address) while a stream is open on it:
+    ``add`` closes the old channel, the stream fails CANCELLED, and dispatch marks the failed
+    worker down. Before, ``mark_down`` went by id and took down the new registration, so the
+    request found no decode worker up; now only the failed registration is, and the stream
+    resumes on the new one."""
+    svc, ch, fakes, _ = stack(max_attempts=3)
+    opened: list = []
+    try:
+        svc.registry.add(fakes["prefill"][0].worker_id, "prefill", fakes["prefill"][1])
+        paced = PacedDecode("decode-0", "decode", 0.05)
+        address = _serve_fake(paced, opened)
+        svc.registry.add(paced.worker_id, "decode", address)
+        result: dict = {}
+
+        def run() -> None:
+            req = pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=12))
+            try:
+                result["events"] = list(pbg.EntrypointStub(ch).Generate(req, timeout=30))
+            except grpc.RpcError as exc:
+                result["error"] = (exc.code(), exc.details())
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.25)  # a few tokens in
+        svc.registry.add(paced.worker_id, "decode", address)  # e.g. its Register retried
+        t.join(timeout=30)
+        assert "error" not in result, result.get("error")
+        assert [e.token_id for e in result["events"] if e.kind == "token"] == [FIRST_TOKEN] + list(range(1, 12))
+        assert [i.worker_id for i in svc.registry.ready("decode")] == [paced.worker_id]
     finally:
         for close in opened:
             close(None)
