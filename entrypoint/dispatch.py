@@ -41,6 +41,12 @@ class Dispatch:
         rem = context.time_remaining()
         return self.cfg.worker_timeout_s if rem is None else max(0.001, min(rem, self.cfg.worker_timeout_s))
 
+    def _clients_deadline(self, context) -> bool:
+        """Whether a worker call made now has the client's remaining time as its timeout (shorter than
+        ``worker_timeout_s``): its DEADLINE_EXCEEDED is then the client's deadline, not the worker's."""
+        rem = context.time_remaining()
+        return rem is not None and rem < self.cfg.worker_timeout_s
+
     def _call(self, role: str, pick: Callable[[list[Instance]], Instance], context,
               fn: Callable[[Instance], Any]) -> tuple[Instance, Any]:
         """Pick an instance of ``role`` and call it; on a retryable failure mark it down and retry."""
@@ -50,9 +56,13 @@ class Dispatch:
             if not live:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up")
             inst = pick(live)
+            clients_deadline = self._clients_deadline(context)  # before fn takes its timeout
             try:
                 return inst, fn(inst)
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and clients_deadline:
+                    raise Abort(exc.code(), f"the client's deadline passed during the {role} call on worker "
+                                f"{inst.worker_id}") from exc
                 if exc.code() not in RETRYABLE | FAILED_HERE or not context.is_active():
                     raise Abort(exc.code(), f"{role} worker {inst.worker_id}: {exc.details()}") from exc
                 if exc.code() not in FAILED_HERE:

@@ -40,8 +40,8 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
   so they spread instead of all going where the last heartbeat said was idle.
 
 Failover: a worker that fails a call with a retryable status (``RETRYABLE``:
-UNAVAILABLE, a broken stream, a missed deadline: the worker, or the way to it, is
-gone) is marked down and the hop is re-dispatched to another instance of its
+UNAVAILABLE, a broken stream, a missed ``worker_timeout_s``: the worker, or the way
+to it, is gone) is marked down and the hop is re-dispatched to another instance of its
 role, at most ``max_attempts`` times. A decode stream that breaks midway
 resumes on another worker from the tokens already sent (a stream that ends
 early with no token and no error counts as a failed attempt too, so it cannot
@@ -78,7 +78,10 @@ the heartbeat) carries the same secret, since the workers require it
 (``entrypoint.registry`` opens the channels).
 
 Cancellation: a client that goes away cancels the in-flight worker call.
-Deadlines: worker calls get the client's remaining time. Backpressure: at most
+Deadlines: a worker call's timeout is the client's remaining time when that is
+shorter than ``worker_timeout_s``; such a call that runs out of time is the
+client's deadline passing, not the worker failing: DEADLINE_EXCEEDED goes back
+to the client and no worker is marked down. Backpressure: at most
 ``max_inflight`` requests at once; more get RESOURCE_EXHAUSTED.
 """
 
@@ -333,6 +336,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                 t = ms()
                 before = len(generated)
                 yield hop("decode_start", worker=inst.worker_id, resume_at=before)
+                clients_deadline = self._clients_deadline(context)  # before the call takes its timeout
                 call = inst.stub.Decode(pb.DecodeRequest(request_id=rid, token_ids=prompt, generated=generated,
                                                          tenant_salt=salt, sampling=sampling, images=images),
                                         timeout=self._timeout(context))
@@ -350,6 +354,9 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                 except grpc.RpcError as exc:
                     if not context.is_active():
                         return
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and clients_deadline:
+                        raise Abort(exc.code(), f"the client's deadline passed during the decode stream on "
+                                    f"worker {inst.worker_id}") from exc
                     if exc.code() not in RETRYABLE | FAILED_HERE:  # the request's fault: no failover
                         raise Abort(exc.code(), f"decode worker {inst.worker_id}: {exc.details()}") from exc
                     code, last_failure = str(exc.code()), f"decode worker {inst.worker_id}: {exc.details()}"

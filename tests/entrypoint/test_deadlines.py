@@ -1,0 +1,86 @@
+"""A client's deadline and a client that goes away, at each hop (fake workers of ``test_service``):
+a worker call that runs out of the client's time is DEADLINE_EXCEEDED to the client and takes no
+worker down; a client that goes away cancels the worker call in flight."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.server import Abort
+from tests.entrypoint.test_service import FIRST_TOKEN, FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
+
+
+class SlowWorker(FakeWorker):
+    """Prefill takes ``delay_s`` (or until cancelled); Decode waits ``delay_s`` before each token."""
+
+    def __init__(self, worker_id: str, role: str, delay_s: float):
+        super().__init__(worker_id, role)
+        self.delay_s = delay_s
+        self.cancelled: list[float] = []  # after how long each cancelled Prefill saw its cancellation
+
+    def Prefill(self, request, context):
+        self._record("Prefill", context)
+        t = time.monotonic()
+        while time.monotonic() - t < self.delay_s:
+            if not context.is_active():
+                self.cancelled.append(time.monotonic() - t)
+                break
+            time.sleep(0.01)
+        return pb.PrefillReply(first_token=FIRST_TOKEN, stats="{}")
+
+    def Decode(self, request, context):
+        self._record("Decode", context)
+        for i in range(len(request.generated), request.sampling.max_new_tokens):
+            time.sleep(self.delay_s)
+            yield pb.DecodeEvent(token_id=i, index=i)
+
+
+class ClientContext:
+    """The servicer context of a client with ``deadline_s`` left that, as a real context may for a
+    moment after its deadline, still reads as active (the race the entrypoint must not misread)."""
+
+    def __init__(self, deadline_s: float):
+        self.deadline = time.monotonic() + deadline_s
+        self.callbacks: list = []
+
+    def time_remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def is_active(self) -> bool:
+        return True
+
+    def add_callback(self, callback) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def invocation_metadata(self):
+        return ()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_short_client_deadline_is_the_clients_and_takes_no_worker_down(stack, role):
+    """The client has 0.3 s; the ``role`` worker is slower. Before: the worker call (timeout: the
+    client's remaining time) failed DEADLINE_EXCEEDED while the context still read as active, was
+    taken for the worker's failure, and the healthy worker was marked down (the request then failed
+    UNAVAILABLE, and so did the next ones until a heartbeat). Now: DEADLINE_EXCEEDED, worker up."""
+    svc, _, fakes, _ = stack(max_attempts=3)
+    opened: list = []
+    try:
+        slow = SlowWorker(f"slow-{role}", role, 1.0 if role == "prefill" else 0.1)
+        svc.registry.add(slow.worker_id, role, _serve_fake(slow, opened))
+        other = "decode" if role == "prefill" else "prefill"
+        svc.registry.add(fakes[other][0].worker_id, other, fakes[other][1])
+        req = pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=30))
+        with pytest.raises(Abort) as ei:
+            list(svc._generate(req, ClientContext(0.3)))
+        assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value.message
+        assert "client's deadline" in ei.value.message
+        assert [i.worker_id for i in svc.registry.ready(role)] == [slow.worker_id]
+        assert sum(1 for m, _ in slow.calls if m == role.capitalize()) == 1  # not retried
+    finally:
+        for close in opened:
+            close(None)
