@@ -73,6 +73,18 @@ class Dispatch:
                     f"{f'{inst.worker_id}: {last.code()}: {last.details()}' if last is not None else '?'}")
 
     @staticmethod
+    def _unary(fut: grpc.Future, context, inst: Instance, method: str) -> Any:
+        """The reply of the unary worker call ``fut``, which a client that goes away cancels (a
+        blocking call would go on, its worker computing and its counts held, until it ended). Its
+        cancellation is ``Abort`` with CANCELLED, the client's: no failover, no worker marked down."""
+        context.add_callback(fut.cancel)
+        try:
+            return fut.result()
+        except grpc.FutureCancelledError as exc:
+            raise Abort(grpc.StatusCode.CANCELLED, f"the client went away during {method} on worker "
+                        f"{inst.worker_id}") from exc
+
+    @staticmethod
     def _pick(decision, live: list[Instance], role: str) -> Instance:
         if decision.chosen is None:
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{role} admission control: {decision.reason}")
@@ -98,7 +110,8 @@ class Dispatch:
     def _tracked_encode(self, inst: Instance, ereq, context, scope):
         """``Encode`` on ``inst`` (picked, and counted in flight, by ``_ve_pick``); uncounted when it ends."""
         try:
-            return inst.stub.Encode(ereq, timeout=self._timeout(context), metadata=scope)
+            return self._unary(inst.stub.Encode.future(ereq, timeout=self._timeout(context), metadata=scope),
+                               context, inst, "Encode")
         finally:
             with self._lock:
                 inst.encodes -= 1
@@ -119,7 +132,7 @@ class Dispatch:
     def _tracked_prefill(self, inst: Instance, slot: str, preq, context):
         """``Prefill`` on ``inst`` (picked, and counted in flight, by ``_prefill_pick``); uncounted when it ends."""
         try:
-            return inst.stub.Prefill(preq, timeout=self._timeout(context))
+            return self._unary(inst.stub.Prefill.future(preq, timeout=self._timeout(context)), context, inst, "Prefill")
         finally:
             with self._lock:
                 inst.inflight.pop(slot, None)

@@ -77,7 +77,9 @@ takes one of them or the worker secret. Every call to a worker (every hop above,
 the heartbeat) carries the same secret, since the workers require it
 (``entrypoint.registry`` opens the channels).
 
-Cancellation: a client that goes away cancels the in-flight worker call.
+Cancellation: a client that goes away cancels the in-flight worker call, at
+every hop (``Encode``, ``Prefill``, the ``Decode`` stream): the worker stops
+computing for it, and its in-flight counts and slot are taken back at once.
 Deadlines: a worker call's timeout is the client's remaining time when that is
 shorter than ``worker_timeout_s``; such a call that runs out of time is the
 client's deadline passing, not the worker failing: DEADLINE_EXCEEDED goes back

@@ -4,18 +4,20 @@ worker down; a client that goes away cancels the worker call in flight."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 import pytest
 
 from entrypoint.proto import serving_pb2 as pb
+from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.server import Abort
 from tests.entrypoint.test_service import FIRST_TOKEN, FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
 
 
 class SlowWorker(FakeWorker):
-    """Prefill takes ``delay_s`` (or until cancelled); Decode waits ``delay_s`` before each token."""
+    """Prefill and Encode take ``delay_s`` (or until cancelled); Decode waits ``delay_s`` before each token."""
 
     def __init__(self, worker_id: str, role: str, delay_s: float):
         super().__init__(worker_id, role)
@@ -24,13 +26,21 @@ class SlowWorker(FakeWorker):
 
     def Prefill(self, request, context):
         self._record("Prefill", context)
+        self._wait(context)
+        return pb.PrefillReply(first_token=FIRST_TOKEN, stats="{}")
+
+    def _wait(self, context) -> None:
         t = time.monotonic()
         while time.monotonic() - t < self.delay_s:
             if not context.is_active():
                 self.cancelled.append(time.monotonic() - t)
                 break
             time.sleep(0.01)
-        return pb.PrefillReply(first_token=FIRST_TOKEN, stats="{}")
+
+    def Encode(self, request, context):
+        self._record("Encode", context)
+        self._wait(context)
+        return pb.EncodeReply(token_ids=[5] * request.image.length)
 
     def Decode(self, request, context):
         self._record("Decode", context)
@@ -84,3 +94,58 @@ def test_a_short_client_deadline_is_the_clients_and_takes_no_worker_down(stack, 
     finally:
         for close in opened:
             close(None)
+
+
+@pytest.mark.parametrize("role", ["ve", "prefill"])
+def test_a_client_that_goes_away_cancels_the_encode_or_prefill_in_flight(stack, role):
+    """The client cancels while its Encode (or Prefill) runs, 3 s long. Before: these were blocking
+    unary calls no one cancelled, so the worker computed on for 3 s and the entrypoint held the
+    request's slot and the worker's in-flight count as long; now the worker sees the cancellation
+    and both are taken back within a moment."""
+    from entrypoint.vision import image_hash
+
+    svc, ch, fakes, _ = stack(max_inflight=4)
+    opened: list = []
+    try:
+        slow = SlowWorker(f"slow-{role}", role, 3.0)
+        svc.registry.add(slow.worker_id, role, _serve_fake(slow, opened))
+        for other in ("prefill", "decode"):
+            if other != role:
+                svc.registry.add(fakes[other][0].worker_id, other, fakes[other][1])
+        img = b"an image" * 10
+        images = [pb.ImageSegment(image_hash=image_hash(img), image_data=img, start=2, length=4)]
+        req = pb.GenerateRequest(token_ids=list(range(1, 17)), sampling=pb.Sampling(max_new_tokens=4),
+                                 images=images if role == "ve" else [])
+        call = pbg.EntrypointStub(ch).Generate(req, timeout=30)
+        codes: list = []
+
+        def drain() -> None:
+            try:
+                for _ in call:
+                    pass
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+
+        drainer = threading.Thread(target=drain)
+        drainer.start()
+        method = "Encode" if role == "ve" else "Prefill"
+        for _ in range(200):  # until the worker call is in flight
+            if any(m == method for m, _ in slow.calls):
+                break
+            time.sleep(0.01)
+        time.sleep(0.2)
+        call.cancel()
+        drainer.join(timeout=5)
+        assert codes == [grpc.StatusCode.CANCELLED]
+        inst = svc.registry.instances(role)[0]
+        for _ in range(100):  # within 1 s, not after the worker's 3 s
+            if slow.cancelled and svc._slots._value == 4 and not inst.inflight and not inst.encodes:
+                break
+            time.sleep(0.01)
+        assert slow.cancelled, "the worker call was not cancelled"
+        assert (svc._slots._value, inst.inflight, inst.encodes) == (4, {}, 0)  # slot and counts taken back
+        assert [i.worker_id for i in svc.registry.ready(role)] == [slow.worker_id]
+    finally:
+        for close in opened:
+            close(None)
+
