@@ -34,6 +34,15 @@ class Abort(Exception):
         self.code, self.message = code, message
 
 
+def avoiding(live: list[Instance], failed_here: set[str]) -> list[Instance]:
+    """``live`` less the workers (ids) that already failed this request with ``FAILED_HERE``, unless
+    that leaves none. A worker whose handler fails every call still answers ``Status`` and is never
+    marked down; once its call ended it looks idle again, so a retry offered it would go back to it
+    (ties go to the first registered) while a healthy peer stayed idle."""
+    rest = [i for i in live if i.worker_id not in failed_here]
+    return rest or live
+
+
 class Dispatch:
     """The dispatch helpers of ``EntrypointService`` (see the module docstring)."""
 
@@ -51,11 +60,12 @@ class Dispatch:
               fn: Callable[[Instance], Any]) -> tuple[Instance, Any]:
         """Pick an instance of ``role`` and call it; on a retryable failure mark it down and retry."""
         last = None
+        failed_here: set[str] = set()  # workers that failed this call with FAILED_HERE: tried again last
         for _ in range(self.cfg.max_attempts):
             live = self.registry.ready(role)
             if not live:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up")
-            inst = pick(live)
+            inst = pick(avoiding(live, failed_here))
             clients_deadline = self._clients_deadline(context)  # before fn takes its timeout
             try:
                 return inst, fn(inst)
@@ -65,7 +75,9 @@ class Dispatch:
                                 f"{inst.worker_id}") from exc
                 if exc.code() not in RETRYABLE | FAILED_HERE or not context.is_active():
                     raise Abort(exc.code(), f"{role} worker {inst.worker_id}: {exc.details()}") from exc
-                if exc.code() not in FAILED_HERE:
+                if exc.code() in FAILED_HERE:
+                    failed_here.add(inst.worker_id)
+                else:
                     self.registry.mark_down(inst, f"{role} call failed: {exc.code()}")
                 last = exc
         code = last.code() if last is not None and last.code() in FAILED_HERE else grpc.StatusCode.UNAVAILABLE

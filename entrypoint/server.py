@@ -64,6 +64,12 @@ served, and one that every engine fails on (a poison request) fails after
 no worker down. Before, these marked each worker down in turn, and the next
 request found none up. A worker whose engine is broken says so itself
 (UNAVAILABLE, on its calls and its ``Status``), and that marks it down.
+The retry goes to another worker of the role: one that already failed this
+request with INTERNAL or UNKNOWN is left out of the pick while any other is up
+(``entrypoint.dispatch.avoiding``), so a worker whose handler fails every call
+(it still answers ``Status``, so it stays up, and looks idle once its call has
+ended) cannot take every retry while a healthy peer stays idle. With no other
+worker up, the same one is tried again.
 
 Clients: with client tokens (``entrypoint.clients``), ``Generate`` acts for
 its bearer token's tenant only (UNAUTHENTICATED without a known token,
@@ -104,7 +110,7 @@ import grpc
 import kvstore
 from entrypoint.auth import WorkerAuth, check_listen, check_secret
 from entrypoint.clients import ClientAuth, check_open_tenants
-from entrypoint.dispatch import FAILED_HERE, RETRYABLE, Abort, Dispatch
+from entrypoint.dispatch import FAILED_HERE, RETRYABLE, Abort, Dispatch, avoiding
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import IncompatibleWorker, Registry, check_kv_compat
@@ -324,6 +330,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
         attempts = 0
         failovers = []
         last_failure = ""  # why the last attempt failed, for the error when no worker is left
+        failed_here: set[str] = set()  # decode workers that failed this request with FAILED_HERE
         dstats: dict = {}
         while len(generated) < max_new:
             dreq = DecodeRequest(context_tokens=len(prompt) + len(generated), max_new_tokens=max_new - len(generated),
@@ -332,7 +339,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
             if not live:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is up" +
                             (f" (after {attempts} failed attempts; last: {last_failure})" if attempts else ""))
-            inst = self._decode_pick(dreq, slot, live)  # counted in flight there until its stream ends
+            inst = self._decode_pick(dreq, slot, avoiding(live, failed_here))  # counted in flight until it ends
             last_code = None  # this attempt's failure status, if it failed with one
             try:
                 t = ms()
@@ -376,7 +383,9 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                 with self._lock:
                     inst.decodes.pop(slot, None)
             attempts += 1
-            if last_code not in FAILED_HERE:
+            if last_code in FAILED_HERE:
+                failed_here.add(inst.worker_id)
+            else:
                 self.registry.mark_down(inst, f"decode stream failed: {code}")
             failovers.append({"worker": inst.worker_id, "at_token": len(generated), "ms": ms()})
             yield hop("failover", worker=inst.worker_id, code=code, resumed_at=len(generated), ms=ms() - t)

@@ -1,6 +1,7 @@
 """Dispatch to prefill and decode workers, in process with fake workers (the helpers of
 ``test_service``): a request every engine fails on (INTERNAL) fails after max_attempts and takes
-no worker down, one that only shared its failed step is served on a retry; concurrent requests
+no worker down, one that only shared its failed step is served on a retry, and a retry goes to
+another worker of the role than the one that failed it; concurrent requests
 spread over the workers of a role (each pick is counted in flight before the next one reads the
 loads); a failed call marks down only the registration it was made on."""
 
@@ -257,6 +258,49 @@ def test_a_worker_registered_again_mid_stream_is_not_marked_down_by_the_old_regi
         assert "error" not in result, result.get("error")
         assert [e.token_id for e in result["events"] if e.kind == "token"] == [FIRST_TOKEN] + list(range(1, 12))
         assert [i.worker_id for i in svc.registry.ready("decode")] == [paced.worker_id]
+    finally:
+        for close in opened:
+            close(None)
+
+
+# ----------------------------------------------------------------------------- FAILED_HERE retries
+
+
+class AlwaysFails(FakeWorker):
+    """Fails every Prefill and Decode with UNKNOWN, as a worker whose handler raises on every call
+    does; its Status still answers, so it stays up."""
+
+    def Prefill(self, request, context):
+        self._record("Prefill", context)
+        context.abort(grpc.StatusCode.UNKNOWN, "handler raised")
+
+    def Decode(self, request, context):
+        self._record("Decode", context)
+        context.abort(grpc.StatusCode.UNKNOWN, "handler raised")
+        yield  # a stream handler
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_retry_after_failed_here_goes_to_another_worker_of_the_role(stack, role):
+    """A ``role`` worker that answers UNKNOWN on every call, registered first, and a healthy peer.
+    Before: the retry went back to the same worker (its in-flight count was released, so it looked
+    idle, and ties go to the first registered): 15 calls to it, 0 to the peer, and every one of the
+    5 requests failed. Now each request tries it at most once and is served by the peer."""
+    svc, ch, fakes, _ = stack(max_attempts=3)
+    opened: list = []
+    try:
+        bad = AlwaysFails(f"{role}-bad", role)
+        svc.registry.add(bad.worker_id, role, _serve_fake(bad, opened))
+        for r in ("prefill", "decode"):
+            svc.registry.add(fakes[r][0].worker_id, r, fakes[r][1])
+        stub = pbg.EntrypointStub(ch)
+        method = role.capitalize()
+        for _ in range(5):
+            events = list(stub.Generate(pb.GenerateRequest(token_ids=[1, 2, 3, 4],
+                                                           sampling=pb.Sampling(max_new_tokens=3)), timeout=30))
+            assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2]
+        assert _calls([bad], method) <= 5 and _calls([fakes[role][0]], method) == 5
+        assert {i.worker_id for i in svc.registry.ready(role)} == {bad.worker_id, fakes[role][0].worker_id}
     finally:
         for close in opened:
             close(None)
