@@ -11,6 +11,8 @@ the service's one lock, and the count is taken back when the call (or stream) en
 
 from __future__ import annotations
 
+import random
+import time
 from typing import Any, Callable
 
 import grpc
@@ -50,6 +52,13 @@ class Dispatch:
         rem = context.time_remaining()
         return self.cfg.worker_timeout_s if rem is None else max(0.001, min(rem, self.cfg.worker_timeout_s))
 
+    def _backoff(self, context) -> None:
+        """Wait before a retry after ``FAILED_HERE``: a time drawn uniformly from ``cfg.retry_backoff_s``,
+        at most the client's remaining time (see ``entrypoint.server``, "INTERNAL and UNKNOWN")."""
+        delay = random.uniform(*self.cfg.retry_backoff_s)
+        rem = context.time_remaining()
+        time.sleep(delay if rem is None else max(0.0, min(delay, rem)))
+
     def _clients_deadline(self, context) -> bool:
         """Whether a worker call made now has the client's remaining time as its timeout (shorter than
         ``worker_timeout_s``): its DEADLINE_EXCEEDED is then the client's deadline, not the worker's."""
@@ -61,7 +70,7 @@ class Dispatch:
         """Pick an instance of ``role`` and call it; on a retryable failure mark it down and retry."""
         last = None
         failed_here: set[str] = set()  # workers that failed this call with FAILED_HERE: tried again last
-        for _ in range(self.cfg.max_attempts):
+        for attempt in range(self.cfg.max_attempts):
             live = self.registry.ready(role)
             if not live:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up")
@@ -77,6 +86,8 @@ class Dispatch:
                     raise Abort(exc.code(), f"{role} worker {inst.worker_id}: {exc.details()}") from exc
                 if exc.code() in FAILED_HERE:
                     failed_here.add(inst.worker_id)
+                    if attempt + 1 < self.cfg.max_attempts:
+                        self._backoff(context)
                 else:
                     self.registry.mark_down(inst, f"{role} call failed: {exc.code()}")
                 last = exc

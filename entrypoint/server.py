@@ -69,7 +69,11 @@ request with INTERNAL or UNKNOWN is left out of the pick while any other is up
 (``entrypoint.dispatch.avoiding``), so a worker whose handler fails every call
 (it still answers ``Status``, so it stays up, and looks idle once its call has
 ended) cannot take every retry while a healthy peer stays idle. With no other
-worker up, the same one is tried again.
+worker up, the same one is tried again. Such a retry first waits a time drawn
+uniformly from ``retry_backoff_s`` (20-100 ms; at most the client's remaining
+time): the requests of one failed step are all retried, and at the same
+instant they would land in one engine step again, a poison request taking its
+batch-mates with it on every attempt.
 
 Clients: with client tokens (``entrypoint.clients``), ``Generate`` acts for
 its bearer token's tenant only (UNAUTHENTICATED without a known token,
@@ -146,6 +150,9 @@ class EntrypointConfig:
     # Client bearer token -> tenant ({}: the request's tenant field is trusted; entrypoint.clients).
     # Not in repr: logs.
     client_tokens: dict[str, str] = field(default_factory=dict, repr=False)
+    # (low, high) s: a retry after INTERNAL/UNKNOWN waits a time drawn uniformly from it (at most the
+    # client's remaining time), so the requests of one failed engine step do not share a step again.
+    retry_backoff_s: tuple[float, float] = (0.02, 0.1)
 
     def __post_init__(self) -> None:
         """Checked here, before anything is started (``InvalidRequest`` naming the field)."""
@@ -156,6 +163,11 @@ class EntrypointConfig:
                 raise kvstore.InvalidRequest(f"EntrypointConfig.{name} must be an int >= {low}, got {v!r}")
         if not (math.isfinite(self.worker_timeout_s) and self.worker_timeout_s > 0):
             raise kvstore.InvalidRequest(f"worker_timeout_s must be a finite number > 0, got {self.worker_timeout_s!r}")
+        b = self.retry_backoff_s
+        if not (isinstance(b, tuple) and len(b) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                              and math.isfinite(x) for x in b) and 0 <= b[0] <= b[1]):
+            raise kvstore.InvalidRequest(f"retry_backoff_s must be a tuple (low, high) of finite numbers of seconds "
+                                         f"with 0 <= low <= high, got {b!r}")
         if not (math.isfinite(self.kv_bytes_per_token) and self.kv_bytes_per_token >= 0):
             raise kvstore.InvalidRequest(f"kv_bytes_per_token must be a finite number >= 0, "
                                          f"got {self.kv_bytes_per_token!r}")
@@ -392,6 +404,8 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
             if attempts >= self.cfg.max_attempts:
                 raise Abort(last_code if last_code in FAILED_HERE else grpc.StatusCode.UNAVAILABLE,
                             f"decode failed on {attempts} attempts; last: {last_failure}")
+            if last_code in FAILED_HERE:
+                self._backoff(context)
         self.registry.routed(inst.worker_id, keys)
         summary = {"request_id": rid, "tokens": generated, "ttft_ms": ttft, "total_ms": ms(),
                    "prompt_tokens": len(prompt), "store_hit_blocks": hit.hit_blocks, "failovers": failovers}

@@ -1,9 +1,10 @@
 """Dispatch to prefill and decode workers, in process with fake workers (the helpers of
 ``test_service``): a request every engine fails on (INTERNAL) fails after max_attempts and takes
 no worker down, one that only shared its failed step is served on a retry, and a retry goes to
-another worker of the role than the one that failed it; concurrent requests
-spread over the workers of a role (each pick is counted in flight before the next one reads the
-loads); a failed call marks down only the registration it was made on."""
+another worker of the role than the one that failed it, after a short wait (so the requests of
+one failed step do not share the next); concurrent requests spread over the workers of a role
+(each pick is counted in flight before the next one reads the loads); a failed call marks down
+only the registration it was made on."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+import kvstore
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
+from entrypoint.server import EntrypointConfig
 from tests.entrypoint.test_service import FIRST_TOKEN, FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
 
 POISON = 666  # a prompt token every fake engine below fails on
@@ -304,3 +307,124 @@ def test_a_retry_after_failed_here_goes_to_another_worker_of_the_role(stack, rol
     finally:
         for close in opened:
             close(None)
+
+
+class TimedFailsOnce(FailsOnce):
+    """``FailsOnce`` that notes when each Prefill and Decode call arrived."""
+
+    def __init__(self, worker_id: str, role: str):
+        super().__init__(worker_id, role)
+        self.arrived: list[float] = []
+
+    def _record(self, method: str, context) -> None:
+        super()._record(method, context)
+        if method != "Status":
+            self.arrived.append(time.monotonic())
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_retry_after_failed_here_waits_a_little_first(stack, role):
+    """Before: the retry after INTERNAL was immediate (a few ms after the failure), so the requests
+    of one failed engine step, all retried at once, shared an engine step again. Now it waits at
+    least the low end of ``retry_backoff_s`` (20 ms)."""
+    svc, ch, fakes, _ = stack(max_attempts=3)
+    opened: list = []
+    try:
+        flaky = TimedFailsOnce(f"{role}-flaky", role)
+        svc.registry.add(flaky.worker_id, role, _serve_fake(flaky, opened))
+        other = "decode" if role == "prefill" else "prefill"
+        svc.registry.add(fakes[other][0].worker_id, other, fakes[other][1])
+        events = list(pbg.EntrypointStub(ch).Generate(
+            pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=3)), timeout=30))
+        assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2]
+        assert len(flaky.arrived) == 2 and flaky.arrived[1] - flaky.arrived[0] >= 0.02, flaky.arrived
+    finally:
+        for close in opened:
+            close(None)
+
+
+class StepBatcher(FakeWorker):
+    """Prefills form engine steps: a step closes with 2 requests, or ``window_s`` after its first
+    (the very first step waits for 2); a step holding ``POISON`` fails all its requests with
+    INTERNAL, as ``entrypoint.worker`` does."""
+
+    def __init__(self, worker_id: str, role: str, window_s: float = 0.05):
+        super().__init__(worker_id, role)
+        self.window_s, self.cond, self.steps = window_s, threading.Condition(), []
+
+    def Prefill(self, request, context):
+        self._record("Prefill", context)
+        with self.cond:
+            now = time.monotonic()
+            step = self.steps[-1] if self.steps else None
+            if step is None or len(step["prompts"]) >= 2 or (len(self.steps) > 1 and now > step["t"] + self.window_s):
+                step = {"t": now, "prompts": []}
+                self.steps.append(step)
+            step["prompts"].append(list(request.token_ids))
+            self.cond.notify_all()
+            first = len(self.steps) == 1
+            self.cond.wait_for(lambda: len(step["prompts"]) >= 2, timeout=5 if first else self.window_s)
+        if any(POISON in p for p in step["prompts"]):
+            context.abort(grpc.StatusCode.INTERNAL, "engine step failed: poisoned")
+        return pb.PrefillReply(first_token=FIRST_TOKEN, stats="{}")
+
+
+def test_the_batch_mate_of_a_poison_request_is_served_on_its_retry(stack, monkeypatch):
+    """One prefill worker; a poison request and a good one share an engine step, which fails both.
+    Before: both were retried at once, shared the next step too, and the good one failed as well
+    (max_attempts 2). Now their retries wait different times (the draws are fixed here, 20 and
+    120 ms) and land in different steps: the good one is served."""
+    draws = iter([0.02, 0.12, 0.02, 0.12])
+    monkeypatch.setattr("random.uniform", lambda low, high: next(draws))
+    svc, ch, fakes, _ = stack(max_attempts=2)
+    opened: list = []
+    try:
+        batcher = StepBatcher("prefill-batching", "prefill")
+        svc.registry.add(batcher.worker_id, "prefill", _serve_fake(batcher, opened))
+        svc.registry.add(fakes["decode"][0].worker_id, "decode", fakes["decode"][1])
+        stub = pbg.EntrypointStub(ch)
+
+        def one(prompt: list[int]) -> str:
+            try:
+                list(stub.Generate(pb.GenerateRequest(token_ids=prompt, sampling=pb.Sampling(max_new_tokens=2)),
+                                   timeout=30))
+                return "OK"
+            except grpc.RpcError as exc:
+                return exc.code().name
+
+        with ThreadPoolExecutor(2) as pool:
+            poison, mate = pool.map(one, ([1, 2, POISON, 4], [1, 2, 3, 4]))
+        assert (poison, mate) == ("INTERNAL", "OK"), batcher.steps
+    finally:
+        for close in opened:
+            close(None)
+
+
+def test_the_wait_before_a_retry_is_bounded_by_the_clients_remaining_time(stack):
+    """With a 5 s backoff and a client that has 0.5 s, the request ends at the client's deadline,
+    not 5 s later."""
+    svc, ch, fakes, _ = stack(max_attempts=3, retry_backoff_s=(5.0, 5.0))
+    opened: list = []
+    try:
+        flaky = FailsOnce("prefill-flaky", "prefill")
+        svc.registry.add(flaky.worker_id, "prefill", _serve_fake(flaky, opened))
+        svc.registry.add(fakes["decode"][0].worker_id, "decode", fakes["decode"][1])
+        t = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ei:
+            list(pbg.EntrypointStub(ch).Generate(
+                pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=3)), timeout=0.5))
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.2)  # the service's own side of the request ends as soon as the client's time is up
+        assert time.monotonic() - t < 2.0 and svc._slots._value == svc.cfg.max_inflight
+        assert [i.worker_id for i in svc.registry.ready("prefill")] == [flaky.worker_id]
+    finally:
+        for close in opened:
+            close(None)
+
+
+@pytest.mark.parametrize("value", [(0.1, 0.05), (-0.01, 0.1), (0.0, float("inf")), (0.1,), [0.02, 0.1], (True, 1.0)])
+def test_retry_backoff_s_must_be_a_low_high_pair_of_seconds(value):
+    from engine_plugin.reference import model_preset
+
+    with pytest.raises(kvstore.InvalidRequest, match="retry_backoff_s"):
+        EntrypointConfig(namespace=model_preset("tiny").namespace(), retry_backoff_s=value)
