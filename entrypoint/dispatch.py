@@ -3,7 +3,8 @@
 ``entrypoint.server.EntrypointService`` mixes ``Dispatch`` in and calls these from ``Generate``;
 the mixin reads the service's ``cfg``, ``registry``, ``prefill_lb``/``decode_lb``/``ve_lb`` and
 ``_lock``. The failover rules they follow (``RETRYABLE``, ``FAILED_HERE``) are stated in
-``entrypoint.server``'s module docstring ("Failover", "INTERNAL and UNKNOWN").
+``entrypoint.server``'s module docstring ("Failover", "INTERNAL and UNKNOWN", "Cancellation",
+"Deadlines").
 
 Every pick reads the loads, chooses and counts the call in flight on the chosen instance under
 the service's one lock, and the count is taken back when the call (or stream) ends.
@@ -26,7 +27,7 @@ from lb.types import DecodeInstance, DecodeRequest, PrefillInstance, QueuedPrefi
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
 # A worker still serving failed this call (an engine step, or its handler): retry within max_attempts,
-# the worker stays up (module docstring, "INTERNAL and UNKNOWN").
+# the worker stays up (``entrypoint.server``'s module docstring, "INTERNAL and UNKNOWN").
 FAILED_HERE = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 

@@ -41,8 +41,9 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
 
 Failover: a worker that fails a call with a retryable status (``RETRYABLE``:
 UNAVAILABLE, a broken stream, a missed ``worker_timeout_s``: the worker, or the way
-to it, is gone) is marked down and the hop is re-dispatched to another instance of its
-role, at most ``max_attempts`` times. A decode stream that breaks midway
+to it, is gone) is marked down (that registration only: one that replaced it
+under the same id since is left up, ``Registry.mark_down``) and the hop is
+re-dispatched to another instance of its role, at most ``max_attempts`` times. A decode stream that breaks midway
 resumes on another worker from the tokens already sent (a stream that ends
 early with no token and no error counts as a failed attempt too, so it cannot
 spin); the new worker loads
