@@ -350,14 +350,20 @@ def test_a_pass_whose_client_gave_up_stops_on_the_daemon(make_daemon) -> None:
     progress step (QA: kvtool's retries after timeouts stacked up passes on the daemon)."""
     d = make_daemon()
     steps: list[int] = []
-    stopped = threading.Event()
+    stopped, second_asked = threading.Event(), threading.Event()
 
     def slow_check(fix=False, progress=None):  # 60 s of work in 1 s steps, unless stopped
         try:
             for n in range(60):
                 progress("verify", n, 60)
                 steps.append(n)
-                time.sleep(1.0)
+                # The first step lasts until the second call below was answered, so that call
+                # surely meets this pass running (before, on a loaded machine the pass could
+                # stop first and the second call start a slow pass of its own: a timeout).
+                if n == 0:
+                    second_asked.wait(10)
+                else:
+                    time.sleep(1.0)
         except Exception:
             stopped.set()
             raise
@@ -369,8 +375,11 @@ def test_a_pass_whose_client_gave_up_stops_on_the_daemon(make_daemon) -> None:
             s.check(progress=lambda *a: None)
         # Until it has stopped, another pass is refused, not started beside it (QA: retries
         # stacked up passes past the admission limit, whose slot the call gave back at once).
-        with pytest.raises(ServerBusy, match="still running"):
-            s.check(progress=lambda *a: None)
+        try:
+            with pytest.raises(ServerBusy, match="still running"):
+                s.check(progress=lambda *a: None)
+        finally:
+            second_asked.set()
         assert stopped.wait(10), f"the pass went on after its client left ({len(steps)} steps)"
         assert len(steps) < 10
         d.store.check = lambda fix=False, progress=None: []
