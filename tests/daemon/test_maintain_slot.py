@@ -12,7 +12,7 @@ import pytest
 
 import kvstore
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.server.wire import ServerBusy
+from kvstore.server.wire import DeadlineExceeded, ServerBusy
 
 
 def test_one_pass_at_a_time_whether_unary_streamed_or_background(make_daemon) -> None:
@@ -125,3 +125,51 @@ def test_the_soaks_final_repair_waits_out_a_pass_that_holds_the_slot(make_daemon
     finally:
         releaser.join()
     assert out["repairs"].get("runs") == 1 and not out["repairs"].get("failed_runs"), out["repairs"]
+
+
+def test_a_pass_whose_client_gave_up_stops_on_the_daemon(make_daemon) -> None:
+    """A verify whose client timed out (or was interrupted) stops on the daemon at its next
+    progress step (QA: kvtool's retries after timeouts stacked up passes on the daemon)."""
+    d = make_daemon()
+    steps: list[int] = []
+    stopped, second_asked = threading.Event(), threading.Event()
+
+    def slow_check(fix=False, progress=None):  # 60 s of work in 1 s steps, unless stopped
+        try:
+            for n in range(60):
+                progress("verify", n, 60)
+                steps.append(n)
+                # The first step lasts until the second call below was answered, so that call
+                # surely meets this pass running (before, on a loaded machine the pass could
+                # stop first and the second call start a slow pass of its own: a timeout).
+                if n == 0:
+                    second_asked.wait(10)
+                else:
+                    time.sleep(1.0)
+        except Exception:
+            stopped.set()
+            raise
+        return []
+
+    d.store.check = slow_check
+    with kvstore.connect(d.address, maintenance_timeout_s=1.0) as s:
+        with pytest.raises(DeadlineExceeded):
+            s.check(progress=lambda *a: None)
+        # Until it has stopped, another pass is refused, not started beside it (QA: retries
+        # stacked up passes past the admission limit, whose slot the call gave back at once).
+        try:
+            with pytest.raises(ServerBusy, match="still running"):
+                s.check(progress=lambda *a: None)
+        finally:
+            second_asked.set()
+        assert stopped.wait(10), f"the pass went on after its client left ({len(steps)} steps)"
+        assert len(steps) < 10
+        d.store.check = lambda fix=False, progress=None: []
+        for _ in range(50):  # its thread gives the slot back as it ends
+            try:
+                assert s.check(progress=lambda *a: None) == []
+                break
+            except ServerBusy:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the slot of a stopped pass was never given back")
