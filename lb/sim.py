@@ -159,8 +159,8 @@ class SimResult:
     run's attainment is a lower bound of the complete run's (the run is deterministic
     up to the point where it stopped). ``reject_reasons`` counts rejections by reason: the
     prefill policy's (its first clause), :data:`OVER_DECODE_KV` and :data:`REFUSED_BY_EMPTY_DECODE`
-    (requests no decode instance could ever take); ``rejected`` is their sum. ``cached_tokens`` maps the index in ``reqs`` of
-    every request whose prefill started to the prompt tokens it reused. Percentiles of an
+    (requests no decode instance could ever take); ``rejected`` is their sum. ``cached_tokens``
+    maps the index in ``reqs`` of every request whose prefill started to the prompt tokens it reused. Percentiles of an
     empty sample (nothing served, no TBT sample) and hit ratios over no block (nothing served,
     or only requests with empty ``hash_ids``) are NaN here and ``None`` in
     ``to_dict``, whose every non-finite figure is ``None``.
