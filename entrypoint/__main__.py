@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a tenant and its key salt (repeatable); default: one tenant 'default'")
     ap.add_argument("--prefill-policy", default="kvstack", choices=sorted(POLICIES),
                     help="prefill load-balancing policy (lb/registry.py)")
-    ap.add_argument("--heartbeat-s", type=float, default=0.5, help="seconds between worker Status checks (a worker missing 3 is dropped)")
+    ap.add_argument("--heartbeat-s", type=float, default=0.5,
+                    help="seconds between worker Status checks (a worker missing 3 is dropped)")
     ap.add_argument("--worker-timeout-s", type=float, default=3600.0, help="bound on one worker call")
     ap.add_argument("--max-inflight", type=int, default=64, help="requests served at once; more get RESOURCE_EXHAUSTED")
     ap.add_argument("--max-model-len", type=int, default=None, metavar="N",

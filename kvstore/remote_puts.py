@@ -107,10 +107,11 @@ class RemotePuts:
     def _send_fitting(self, encs: list[EncodedPut]) -> list[bool]:
         """One piece over gRPC as ``_send_puts`` of consecutive runs of at most ``max_message_bytes``
         (``wire.fitting_runs``, framed as a ``PutManyRequest`` for an older daemon), each in pieces
-        of the item limit known now (``_pieces``). Without direct writes ``check_puts`` bounded the piece: one run. With them it bounded each item only
-        (a piece written directly may be any size), so a piece that goes through gRPC after all
-        (Commit refused an entry, a pack failed, direct writes turned off) is never refused whole
-        after the earlier pieces were stored (review).
+        of the item limit known now (``_pieces``). Without direct writes ``check_puts`` bounded the
+        piece: one run. With them it bounded each item only (a piece written directly may be any
+        size), so a piece that goes through gRPC after all (Commit refused an entry, a pack
+        failed, direct writes turned off) is never refused whole after the earlier pieces were
+        stored (review).
 
         A refusal as over the daemon's ``max_batch_items`` (``BatchTooLarge``: nothing of that run
         stored) with nothing of this piece stored yet is raised, for ``_each_piece`` to learn and
