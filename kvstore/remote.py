@@ -90,7 +90,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.remote_admin import RemoteAdmin
 from kvstore.remote_lookup import RemoteLookup
-from kvstore.remote_puts import RemotePuts
+from kvstore.remote_puts import RemotePuts, Resplit
 from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, check_message_bytes, encode_item,
                                  error_from_rpc, fitting_runs, layout_from_pb, read_pem)
 
@@ -281,15 +281,16 @@ class RemoteStore(RemotePuts, RemoteLookup, RemoteAdmin):
                 reply = None
             if reply is not None:
                 return self._check_count("PutStream", list(reply.created), len(encs))
-        out: list[bool] = []
-        # One call unless these were sized for a PutStream and the daemon just turned out older:
-        # then a PutManyRequest's framing may put them over the limit, so they go in runs that fit.
-        for r in fitting_runs(encs, limit, framed=True):
-            check_message_bytes(encs[r], len(encs), limit, framed=True)
-            reqs = [pb.PutRequest.FromString(e.message()) for e in encs[r]]
-            out.extend(self._check_count("PutMany", list(self._call("PutMany", pb.PutManyRequest(items=reqs)).created),
-                                         r.stop - r.start))
-        return out
+        if len(fitting_runs(encs, limit, framed=True)) > 1:
+            # Sized for a PutStream, and the daemon just turned out older: with a PutManyRequest's
+            # framing they no longer fit one call. Nothing is sent: the caller re-splits from here
+            # with the framing counted (``_send_fitting``), so that a later run refused cannot make
+            # it send again runs already stored (QA: they came back created=False).
+            raise Resplit
+        check_message_bytes(encs, len(encs), limit, framed=True)
+        reqs = [pb.PutRequest.FromString(e.message()) for e in encs]
+        return self._check_count("PutMany", list(self._call("PutMany", pb.PutManyRequest(items=reqs)).created),
+                                 len(encs))
 
     def _stream_call(self, method: str, run: Any) -> Any:
         """Run a streaming call (invoking it and reading its answer); typed errors as

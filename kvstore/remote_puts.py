@@ -18,12 +18,18 @@ from typing import Sequence
 import grpc
 
 from kvstore.api import PutItem, check_put_items
-from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.errors import InternalError, InvalidRequest, KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.wire import (BatchTooLarge, EncodedPut, check_message_bytes, check_value_sizes, encode_item,
                                  fitting_runs)
 
 log = logging.getLogger("kvstore.remote")
+
+
+class Resplit(Exception):
+    """Raised by ``_send_puts`` before sending anything: the puts it was given were sized for a
+    PutStream and no longer fit one PutMany call (the daemon just turned out older); the caller
+    re-splits them, the framing counted now."""
 
 
 class RemotePuts:
@@ -131,6 +137,10 @@ class RemotePuts:
                         for p in (slice(i, min(i + cap, q.stop)) for i in range(q.start, q.stop, cap)):
                             out.extend(self._send_puts(encs[p]))
                 return out
+            except Resplit:  # nothing of this run sent; the runs from here are sized as PutMany now
+                if self._streams:  # only an older daemon's fallback raises it; never loop on it
+                    raise InternalError("_send_puts asked for a re-split while PutStream is on") from None
+                continue
             except BatchTooLarge as exc:  # nothing of this run stored
                 if not out:
                     raise  # nothing of this piece stored either: _each_piece learns and re-splits it

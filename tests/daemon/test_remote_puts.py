@@ -200,3 +200,31 @@ def test_a_run_sized_for_putstream_that_meets_an_older_daemon_goes_in_framed_run
     rs._call, rs._stream_call, rs._md = call, older, None
     assert rs._send_fitting(encs) == [True] * 64
     assert sum(sent) == 64 and len(sent) == 2 and rs._streams is False
+
+
+def test_an_older_daemons_limit_dropping_mid_piece_stores_nothing_twice():
+    """The real ``_send_puts`` against an older daemon (PutStream UNIMPLEMENTED) whose item limit
+    drops from 100 to 1 after its first PutMany. A piece sized for a PutStream that no longer fits
+    one PutMany was sent by ``_send_puts`` in framed runs of its own; when a later run was refused,
+    the runs it had stored were lost to the caller, which re-sent the whole piece: 38 items stored
+    twice and answered created=False (QA). Now ``_send_puts`` asks for a re-split before sending."""
+    from kvstore.remote import _Unimplemented
+
+    daemon = FakeDaemon([100, 1])
+    encs = items(40, size=5)
+    limit = sum(e.nbytes for e in encs)  # fits one PutStream, not one PutMany
+    assert len(fitting_runs(encs, limit, framed=True)) == 2
+    rs = client(daemon, message_bytes=limit)
+    del rs._send_puts  # the real one, over the fakes below
+    rs.options.timeout_s = 5
+
+    def older_stream(method, run):
+        rs._streams = False  # as _unimplemented does on UNIMPLEMENTED
+        raise _Unimplemented(method)
+
+    rs._stream_call = older_stream
+    sent = lambda req: types.SimpleNamespace(message=req.SerializeToString)  # noqa: E731 - as EncodedPut
+    rs._call = lambda method, req, *a, **k: pb.PutManyReply(created=daemon.send([sent(r) for r in req.items]))
+    rs._md = None
+    assert rs._send_fitting(encs) == [True] * 40
+    assert len(daemon.stored) == 40 and max(daemon.stored.values()) == 1
