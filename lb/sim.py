@@ -38,7 +38,9 @@ Model (one heap of timed events; ties: completions before arrivals)
        after prefill). TTFT = end - arrival. A request with ``output_length``
        0 is then done (no decode, no TBT sample, not judged on the TBT SLO);
        any other is placed by the decode policy with its TBT SLO (as the entrypoint); one
-       that does not fit waits, FIFO, for a decode to finish (with every batch empty, a
+       that does not fit waits, FIFO among the waiting, for a decode to finish (work-conserving:
+       a request whose prefill ends while others wait is placed at once if a batch takes it,
+       and only joins the line if none does; its TBT counts that wait). With every batch empty, a
        request over the SLO alone is placed without it, so it never blocks the line; one
        that the decode policy refuses even then, SLO or not, is refused, its reason
        :data:`REFUSED_BY_EMPTY_DECODE`, and leaves the line: no finish can ever free more,
