@@ -37,6 +37,34 @@ class Abort(Exception):
         self.code, self.message = code, message
 
 
+class RegistrationGone(grpc.RpcError):
+    """A worker call that could not start because its registration's channel was closed under it
+    (``Registry.add`` replaced it, ``remove`` took it out: grpc raises ``ValueError``). It reads
+    as UNAVAILABLE, so the hop fails over as for a worker gone; ``mark_down`` of that old
+    registration changes nothing (QA: such a request failed UNKNOWN)."""
+
+    def __init__(self, inst: Instance):
+        super().__init__(f"worker {inst.worker_id}'s registration was replaced or removed")
+        self._details = str(self)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
+def start_call(inst: Instance, start: Callable[[], Any]) -> Any:
+    """``start()`` (a call on ``inst``'s stub), with a closed registration's ``ValueError`` as
+    ``RegistrationGone``."""
+    try:
+        return start()
+    except ValueError as exc:
+        if not inst.closed:
+            raise
+        raise RegistrationGone(inst) from exc
+
+
 def avoiding(live: list[Instance], failed_here: set[str]) -> list[Instance]:
     """``live`` less the workers (ids) that already failed this request with ``FAILED_HERE``, unless
     that leaves none. A worker whose handler fails every call still answers ``Status`` and is never
@@ -59,6 +87,8 @@ class Dispatch:
         delay = random.uniform(*self.cfg.retry_backoff_s)
         rem = context.time_remaining()
         time.sleep(delay if rem is None else max(0.0, min(delay, rem)))
+        if not context.is_active():  # the client left during the wait: no retry for it (QA)
+            raise Abort(grpc.StatusCode.CANCELLED, "the client went away before the retry")
 
     def _clients_deadline(self, context) -> bool:
         """Whether a worker call made now has the client's remaining time as its timeout (shorter than
@@ -101,7 +131,8 @@ class Dispatch:
         """The reply of the unary worker call ``fut``, which a client that goes away cancels (a
         blocking call would go on, its worker computing and its counts held, until it ended). Its
         cancellation is ``Abort`` with CANCELLED, the client's: no failover, no worker marked down."""
-        context.add_callback(fut.cancel)
+        if not context.add_callback(fut.cancel):  # the client is already gone (grpc: no callback then)
+            fut.cancel()
         try:
             return fut.result()
         except grpc.FutureCancelledError as exc:
@@ -134,8 +165,9 @@ class Dispatch:
     def _tracked_encode(self, inst: Instance, ereq, context, scope):
         """``Encode`` on ``inst`` (picked, and counted in flight, by ``_ve_pick``); uncounted when it ends."""
         try:
-            return self._unary(inst.stub.Encode.future(ereq, timeout=self._timeout(context), metadata=scope),
-                               context, inst, "Encode")
+            fut = start_call(inst, lambda: inst.stub.Encode.future(ereq, timeout=self._timeout(context),
+                                                                   metadata=scope))
+            return self._unary(fut, context, inst, "Encode")
         finally:
             with self._lock:
                 inst.encodes -= 1
@@ -156,7 +188,8 @@ class Dispatch:
     def _tracked_prefill(self, inst: Instance, slot: str, preq, context):
         """``Prefill`` on ``inst`` (picked, and counted in flight, by ``_prefill_pick``); uncounted when it ends."""
         try:
-            return self._unary(inst.stub.Prefill.future(preq, timeout=self._timeout(context)), context, inst, "Prefill")
+            fut = start_call(inst, lambda: inst.stub.Prefill.future(preq, timeout=self._timeout(context)))
+            return self._unary(fut, context, inst, "Prefill")
         finally:
             with self._lock:
                 inst.inflight.pop(slot, None)

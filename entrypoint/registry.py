@@ -108,6 +108,7 @@ class Instance:
     block_size: int = 0
     encodes: int = 0  # VE: Encode calls this entrypoint has in flight there (under the entrypoint's lock)
     decodes: dict = field(default_factory=dict)  # decode: slot -> context tokens of a stream open there
+    closed: bool = False  # set before its channel is closed (replaced by add, taken out by remove)
 
     def holds(self, h: bytes) -> bool:
         return h in self.prefix
@@ -164,6 +165,7 @@ class Registry:
             old = self._by_id.pop(worker_id, None)
             self._by_id[worker_id] = inst
         if old is not None:
+            old.closed = True
             old.channel.close()
         log.info("worker %s (%s) joined at %s", worker_id, role, address)
         return inst
@@ -183,6 +185,7 @@ class Registry:
         with self._lock:
             inst = self._by_id.pop(worker_id, None)
         if inst is not None:
+            inst.closed = True
             inst.channel.close()
             log.info("worker %s left", worker_id)
         return inst is not None

@@ -115,7 +115,7 @@ import grpc
 import kvstore
 from entrypoint.auth import WorkerAuth, check_listen, check_secret
 from entrypoint.clients import ClientAuth, check_open_tenants
-from entrypoint.dispatch import FAILED_HERE, RETRYABLE, Abort, Dispatch, avoiding
+from entrypoint.dispatch import FAILED_HERE, RETRYABLE, Abort, Dispatch, avoiding, start_call
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import IncompatibleWorker, Registry, check_kv_compat
@@ -359,11 +359,12 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                 before = len(generated)
                 yield hop("decode_start", worker=inst.worker_id, resume_at=before)
                 clients_deadline = self._clients_deadline(context)  # before the call takes its timeout
-                call = inst.stub.Decode(pb.DecodeRequest(request_id=rid, token_ids=prompt, generated=generated,
-                                                         tenant_salt=salt, sampling=sampling, images=images),
-                                        timeout=self._timeout(context))
-                context.add_callback(call.cancel)
+                dreq_pb = pb.DecodeRequest(request_id=rid, token_ids=prompt, generated=generated,
+                                           tenant_salt=salt, sampling=sampling, images=images)
                 try:
+                    call = start_call(inst, lambda: inst.stub.Decode(dreq_pb, timeout=self._timeout(context)))
+                    if not context.add_callback(call.cancel):  # the client is already gone
+                        call.cancel()
                     for ev in call:
                         if ev.stats:
                             dstats = json.loads(ev.stats)
