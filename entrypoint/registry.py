@@ -29,8 +29,11 @@ Roles: a worker id keeps its role while it is up. ``add`` refuses
 (``IncompatibleWorker``) a worker whose id is registered, and healthy, under
 another role (the entrypoint would send a prefill engine ``Encode`` calls, or
 count a decode stream against a VE worker): deregister it first, or use a new
-id. A worker that is down (missed heartbeats, failed a dispatch) may be
-replaced under any role, since crashed workers never deregister. And a worker
+id. A worker that is down may be replaced under any role, since crashed
+workers never deregister; ``add`` asks the registered one for its ``Status``
+first, and one that fails to answer as its role (dead, or the same process
+restarted under the other role at its address) is down at once, not after
+``miss_limit`` heartbeats. And a worker
 whose ``Status`` reports another role than it registered with is refused by
 ``add`` (``IncompatibleWorker``) and, found by the heartbeat, marked down until
 it answers as its role again.
@@ -138,6 +141,12 @@ class Registry:
         if role not in KV_ROLES and (kv_namespace is not None or block_size):
             raise InvalidRequest(f"{role} worker {worker_id!r} declares a KV namespace or block size, but a {role} "
                                  "worker holds no KV: start it with its own role (prefill or decode?), or send none")
+        with self._lock:
+            old = self._by_id.get(worker_id)
+        if old is not None and old.healthy and old.role != role and self._poll(old) is not None:
+            # It no longer answers as its role (it crashed, or this is it restarted as another role
+            # at its address): down now, not after ``miss_limit`` heartbeats, so the restart joins.
+            self.mark_down(old, f"it no longer answers as a {old.role} worker; {worker_id} re-registers as {role}")
         self._check_role(worker_id, role)  # before the poll: a refused worker is not called
         ch = grpc.insecure_channel(address)
         if self._send_secret is not None:

@@ -174,3 +174,28 @@ def test_a_worker_that_answers_as_another_role_is_refused_or_marked_down(stack):
     fake.role = "decode"
     svc.registry.poll_once()
     assert [i.worker_id for i in svc.registry.ready("decode")] == ["d0"]
+
+
+def test_a_worker_restarted_under_its_id_with_another_role_joins_at_once(stack):  # noqa: F811
+    """The prefill worker ``p0`` crashed (nothing answers at its address any more) and is started
+    again as a VE worker under its id. Before, its Register was refused FAILED_PRECONDITION until
+    the old registration had missed 3 heartbeats, and a real worker exits on that refusal. Now
+    the entrypoint asks the old registration first, finds it gone, and takes the new one."""
+    from tests.entrypoint.test_service import FakeWorker, _serve_fake
+
+    svc, ch, fakes, _ = stack()
+    stub = pbg.EntrypointStub(ch)
+    opened: list = []
+    try:
+        crashed: list = []
+        old_address = _serve_fake(FakeWorker("p0", "prefill"), crashed)
+        assert stub.Register(pb.WorkerInfo(worker_id="p0", role="prefill", address=old_address,
+                                           **kv_of("prefill")), timeout=10).ok
+        for close in crashed:  # the crash
+            close(None)
+        ve_address = _serve_fake(FakeWorker("p0", "ve"), opened)
+        assert stub.Register(pb.WorkerInfo(worker_id="p0", role="ve", address=ve_address), timeout=10).ok
+        assert _roles(svc) == {"p0": ("ve", ve_address)}
+    finally:
+        for close in opened:
+            close(None)
