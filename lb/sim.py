@@ -150,6 +150,10 @@ class SimConfig:
             raise LBInputError("service_noise (sigma of log-normal noise) must be >= 0")
 
 
+# SimResult.pct's sample names -> fields (a registry: a new sample is one line here)
+_SAMPLES = {"ttft": "ttft_s", "tbt": "tbt_s", "decode_wait": "decode_wait_s"}
+
+
 @dataclass(frozen=True, slots=True)
 class SimResult:
     """Per-run metrics; ``to_dict`` is the JSON form written by the replay tool.
@@ -165,7 +169,8 @@ class SimResult:
     maps the index in ``reqs`` of every request whose prefill started to the prompt tokens it reused. Percentiles of an
     empty sample (nothing served, no TBT sample) and hit ratios over no block (nothing served,
     or only requests with empty ``hash_ids``) are NaN here and ``None`` in
-    ``to_dict``, whose every non-finite figure is ``None``.
+    ``to_dict``, whose every non-finite figure is ``None``. ``decode_wait_s`` (one per TBT sample)
+    is the part of each TBT spent waiting for a decode slot; ``to_dict`` gives its p50/p90/p99 in s.
     """
 
     policy: str
@@ -188,7 +193,8 @@ class SimResult:
     decode_wait_s: tuple = ()  # per TBT sample, same order: the wait for a decode slot, included in it
 
     def pct(self, what: str, q: float) -> float:
-        v = self.ttft_s if what == "ttft" else self.tbt_s
+        """Percentile ``q`` of a sample by name: ``ttft``, ``tbt`` or ``decode_wait`` (NaN when empty)."""
+        v = getattr(self, _SAMPLES[what])
         return float(np.percentile(v, q)) if v else math.nan
 
     @property
@@ -204,7 +210,8 @@ class SimResult:
             "rejected": self.rejected, "hit_ratio": self.hit_ratio, "hit_tiers": self.hit_tiers,
             "ttft_p50_s": self.pct("ttft", 50), "ttft_p90_s": self.pct("ttft", 90), "ttft_p99_s": self.pct("ttft", 99),
             "tbt_p50_ms": self.pct("tbt", 50) * 1e3, "tbt_p90_ms": self.pct("tbt", 90) * 1e3,
-            "tbt_p99_ms": self.pct("tbt", 99) * 1e3,
+            "tbt_p99_ms": self.pct("tbt", 99) * 1e3, "decode_wait_p50_s": self.pct("decode_wait", 50),
+            "decode_wait_p90_s": self.pct("decode_wait", 90), "decode_wait_p99_s": self.pct("decode_wait", 99),
             "slo_attainment": self.slo_attainment, "ttft_attainment": self.ttft_attainment,
             "imbalance": self.imbalance, "busy_s": list(self.busy_s), "sim_end_s": self.sim_end_s,
             "wall_s": self.wall_s, "truncated": self.truncated, "reject_reasons": self.reject_reasons,

@@ -32,7 +32,8 @@ bounds (neither an oracle): a queued request may reuse blocks of a later arrival
 that finished first, and the policies also hit in device and host tiers the
 single LRU does not have; see ``lb/sim.py``; TTFT p50/p90/p99 over served requests, TBT p50/p90 (from the
 first token, a wait for a decode slot included; requests
-with ``output_length`` 0 have no TBT and are judged on TTFT alone), SLO
+with ``output_length`` 0 have no TBT and are judged on TTFT alone; that wait's own
+p50/p90/p99 are ``decode_wait_p*_s`` in ``results.json``), SLO
 attainment (TTFT and TBT both met, rejections count as misses), TTFT
 attainment, rejected requests (under the table, per run, how many no decode
 instance could ever hold: refused as over ``max_model_len`` would be; every reason is

@@ -88,3 +88,33 @@ def test_the_wait_for_a_decode_slot_counts_in_tbt_and_its_slo():
     assert r.decode_wait_s[0] == 0.0 and r.decode_wait_s[1] == pytest.approx(100 * pace)
     assert r.ttft_s[0] == pytest.approx(r.ttft_s[1])  # the first token came with the prefill: no wait there
     assert r.slo_attainment == 0.5 and r.ttft_attainment == 1.0
+
+
+def test_the_decode_slot_wait_is_written_with_the_other_latencies(tmp_path, capsys):
+    """``decode_wait_s`` (the wait included in TBT) reaches ``to_dict``, so the replay's ``results.json``
+    (which ``tools/bench_lb.py`` embeds) carries its p50/p90/p99 next to TTFT's and TBT's; null with no
+    sample. It was computed but written nowhere."""
+    import json
+
+    import replay_trace
+
+    reqs = [TraceRequest(0.0, 6000, 100, (1,)), TraceRequest(0.0, 6000, 100, (2,))]
+    cfg = SimConfig(prefill_instances=2, decode_instances=1, decode_kv_capacity_bytes=CFG.decode_kv_capacity_bytes,
+                    ttft_slo_ms=None)
+    r = simulate(reqs, get_policy("round_robin", MODELS), cfg, models=MODELS,
+                 decode_policy=get_policy("round_robin", MODELS, kind="decode"))
+    d = r.to_dict()
+    wait = 100 * MODELS.decode.predict(6000, 1)  # the second waits the first's whole decode
+    assert d["decode_wait_p50_s"] == pytest.approx(wait / 2)
+    assert d["decode_wait_p90_s"] == pytest.approx(0.9 * wait) and d["decode_wait_p99_s"] == pytest.approx(0.99 * wait)
+    assert r.pct("decode_wait", 99) == d["decode_wait_p99_s"]
+    none = simulate([TraceRequest(0.0, 100, 0, (1,))], get_policy("round_robin", MODELS), cfg, models=MODELS).to_dict()
+    assert none["decode_wait_p50_s"] is None and none["decode_wait_p99_s"] is None  # no TBT sample
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [i]})
+                             + "\n" for i in range(3)))
+    assert replay_trace.main(["--trace", str(trace), "--policies", "round_robin", "--quiet",
+                              "--store-capacity-blocks", "10", "--out", str(tmp_path / "o")]) == 0
+    res = json.loads((tmp_path / "o" / "results.json").read_text())["sweep"]["10"]["results"]["round_robin"]
+    assert {"decode_wait_p50_s", "decode_wait_p90_s", "decode_wait_p99_s"} <= res.keys()
+    assert res["decode_wait_p50_s"] >= 0.0
