@@ -40,13 +40,17 @@ Model (one heap of timed events; ties: completions before arrivals)
        any other is placed by the decode policy with its TBT SLO (as the entrypoint); one
        that does not fit waits, FIFO among the waiting, for a decode to finish (work-conserving:
        a request whose prefill ends while others wait is placed at once if a batch takes it,
-       and only joins the line if none does; its TBT counts that wait). With every batch empty, a
-       request over the SLO alone is placed without it, so it never blocks the line; one
+       and only joins the line if none does; at each decode finish the line is offered the
+       freed room in order and *every* waiting request a batch now takes is placed, so one that
+       does not fit never holds up a smaller one behind it; its TBT counts that wait). The
+       price: a large request may be overtaken by smaller ones for as long as they keep coming
+       (the line drains once arrivals stop). With every batch empty, a
+       request over the SLO alone is placed without it; one
        that the decode policy refuses even then, SLO or not, is refused, its reason
        :data:`REFUSED_BY_EMPTY_DECODE`, and leaves the line: no finish can ever free more,
-       so it would block every request behind it forever). Such a request fits the capacity
+       so it would wait forever). Such a request fits the capacity
        (step 1 refused the rest) but not the policy's own margin (``kvstack`` keeps 5 %
-       headroom): it holds the line only until every decode instance is empty. A request
+       headroom). A request
        refused after its prefill is rejected, not served: it leaves no TTFT sample (its
        prefill still counts in busy time and hit ratios).
     4. *Decode*: a fluid model per decode instance; steps advance at rate
@@ -85,7 +89,8 @@ Cost per event
     are O(1) too. Policies that walk the queue (``queue_seconds``:
     ``mooncake``, ``kvstack``) still pay for its length. A decode finish is
     O(log batch): each decode instance keeps a heap of its requests' target
-    steps (:class:`_Decode`).
+    steps (:class:`_Decode`), plus one decode-policy call per request waiting in
+    the decode line (the work-conserving drain offers the freed room to each).
 """
 
 from __future__ import annotations
@@ -412,7 +417,7 @@ def simulate(
     reasons: Counter = Counter()
     hit_blocks = Counter()
     served_blocks = 0
-    decode_wait: deque = deque()
+    decode_line: deque = deque()  # prefilled requests waiting for a decode slot, in order
     wall0 = time.monotonic()
     truncated = False
     done_arrivals = 0
@@ -527,7 +532,7 @@ def simulate(
             # output_length 0: nothing to decode, the request is done (no TBT sample)
             ready_at[job.idx] = now
             if job.req.output_length > 0 and place_decode(job.idx, now) is False:
-                decode_wait.append(job.idx)
+                decode_line.append(job.idx)
             start_next(p, now)
         else:
             did, version = payload
@@ -544,8 +549,9 @@ def simulate(
             nf = d.next_finish()
             if nf is not None:
                 push(nf, 1, (d.id, d.version))
-            while decode_wait and place_decode(decode_wait[0], now) is not False:
-                decode_wait.popleft()  # placed, or refused for good: either way it leaves the line
+            # work-conserving: every waiting request a batch now takes is placed, in line order; one that
+            # does not fit holds no one behind it (placed, or refused for good: either way it leaves the line)
+            decode_line = deque(i for i in decode_line if place_decode(i, now) is False)
 
     n = len(reqs)
     ttft_slo = math.inf if cfg.ttft_slo_ms is None else cfg.ttft_slo_ms / 1e3

@@ -118,3 +118,22 @@ def test_the_decode_slot_wait_is_written_with_the_other_latencies(tmp_path, caps
     res = json.loads((tmp_path / "o" / "results.json").read_text())["sweep"]["10"]["results"]["round_robin"]
     assert {"decode_wait_p50_s", "decode_wait_p90_s", "decode_wait_p99_s"} <= res.keys()
     assert res["decode_wait_p50_s"] >= 0.0
+
+
+def test_a_waiting_request_that_fits_is_placed_even_when_the_head_of_the_line_does_not():
+    """The decode line is FIFO among the waiting and work-conserving: at a decode finish every waiting request
+    a batch now takes is placed, in line order, not only a prefix of the line. Here B (7000 tokens of KV)
+    waits ahead of C (2500); A2's finish frees 4000 of 10,000: B still does not fit, C does and is placed
+    then. It used to wait behind B until A1's long decode ended (3 s instead of 0.2 s)."""
+    a1, a2 = TraceRequest(0.0, 1000, 3000, (1,)), TraceRequest(0.0, 3800, 200, (2,))  # 4000 tokens each
+    b, c = TraceRequest(40.0, 6900, 100, (3,)), TraceRequest(90.0, 2400, 100, (4,))  # ready in this order
+    cfg = SimConfig(prefill_instances=4, decode_instances=1, decode_kv_capacity_bytes=CFG.decode_kv_capacity_bytes,
+                    ttft_slo_ms=None, tbt_slo_ms=None)
+    for decode in ("kvstack", "round_robin", "least_kv"):
+        r = simulate([a1, a2, b, c], get_policy("round_robin", MODELS), cfg, models=MODELS,
+                     decode_policy=get_policy(decode, MODELS, kind="decode"))
+        assert (r.served, r.rejected, len(r.tbt_s)) == (4, 0, 4), decode
+        a2_end = 0.039 + 200 * MODELS.decode.predict(4000 + 3800, 2)  # A2's prefill ends at ~39 ms
+        waits = sorted(r.decode_wait_s)  # A1, A2: none; C: until A2's finish; B: until A1's
+        assert waits[:2] == [0.0, 0.0] and waits[2] < a2_end and waits[3] > 3.0, (decode, waits)
+        assert waits[2] == pytest.approx(a2_end - (0.09 + MODELS.prefill.predict(2400, 0)), rel=0.05), decode
