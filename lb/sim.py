@@ -25,7 +25,9 @@ Model (one heap of timed events; ties: completions before arrivals)
        request that needs more KV memory (``lb.decode.request_kv_bytes``: prompt +
        output tokens) than an empty decode instance holds is refused, its reason
        :data:`OVER_DECODE_KV`, as the entrypoint refuses one over ``max_model_len``:
-       no decode could ever take it, and it costs no prefill.
+       no decode could ever take it, and it costs no prefill. The rule is the same for
+       a request with ``output_length`` 0 (its prompt alone over it), which needs no
+       decode: the entrypoint's bound counts the prompt too.
     2. *Prefill start*: hits are looked up again (the cache may have warmed
        meanwhile); the usable prefix is the longest run of cacheable blocks
        present in some tier, each loaded from its fastest tier; cached tokens
@@ -498,8 +500,8 @@ def simulate(
             done_arrivals += 1
             if progress is not None and (done_arrivals % 50 == 0 or done_arrivals == len(reqs)):
                 progress(done_arrivals, len(reqs))
-            if r.output_length > 0 and request_kv_bytes(DecodeRequest(r.input_length, r.output_length),
-                                                         models) > cfg.decode_kv_capacity_bytes:
+            # whatever its output length: the entrypoint's max_model_len bound is prompt + max_new_tokens
+            if request_kv_bytes(DecodeRequest(r.input_length, r.output_length), models) > cfg.decode_kv_capacity_bytes:
                 reasons[OVER_DECODE_KV] += 1  # no decode instance could ever hold it: refused before its prefill
                 continue
             hits = {p.id: hits_on(p, idx) for p in pre}

@@ -137,3 +137,14 @@ def test_a_waiting_request_that_fits_is_placed_even_when_the_head_of_the_line_do
         waits = sorted(r.decode_wait_s)  # A1, A2: none; C: until A2's finish; B: until A1's
         assert waits[:2] == [0.0, 0.0] and waits[2] < a2_end and waits[3] > 3.0, (decode, waits)
         assert waits[2] == pytest.approx(a2_end - (0.09 + MODELS.prefill.predict(2400, 0)), rel=0.05), decode
+
+
+def test_a_request_with_no_output_over_the_decode_kv_capacity_is_refused_like_any_other():
+    """The over-capacity rule is uniform: a prompt alone over what an empty decode instance holds is refused at
+    arrival, its reason OVER_DECODE_KV, whatever its output length (the entrypoint refuses prompt +
+    max_new_tokens over max_model_len alike). With 0 output tokens it used to be prefilled and served."""
+    for out in (0, 10):
+        big = TraceRequest(0.0, 2 * CAP_TOKENS, out, tuple(range(20)))
+        r = simulate([big, _small(1.0, 0)], get_policy("round_robin", MODELS), CFG, models=MODELS)
+        assert (r.served, r.rejected, r.reject_reasons) == (1, 1, {OVER_DECODE_KV: 1}), out
+        assert 0 not in r.cached_tokens and r.slo_attainment == 0.5, out  # no prefill spent on it
