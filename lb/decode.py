@@ -20,6 +20,15 @@ Rule, per healthy instance
 Baselines in the same module: :class:`DecodeRoundRobin` and
 :class:`DecodeLeastKV` (DeepSeek's V3 description: balance KV usage and
 request count), both memory-checked so that they never overcommit.
+
+Contract of a decode policy (every one here; ``lb.sim`` refuses one without both)
+    ``choose(req, instances) -> Decision``: as above; may keep state (round robin's counter).
+    ``kv_limit_bytes(capacity_bytes) -> float``: the most KV bytes
+    (:func:`request_kv_bytes`) one request may need and still be placed, for memory, on an
+    empty healthy instance of that capacity: ``choose`` refuses a request over it on an
+    empty pool and never refuses one within it for memory. Pure (no state touched), so a
+    caller can refuse a request no instance could ever take before spending its prefill
+    (``lb.sim``'s arrival check) by the very rule placement uses.
 """
 
 from __future__ import annotations
@@ -54,6 +63,10 @@ class KVStackDecodePolicy:
             raise LBInputError("KVStackDecodePolicy.memory_headroom must be in (0, 1]")
         self.models = models or load_default()
         self.headroom = memory_headroom
+
+    def kv_limit_bytes(self, capacity_bytes: int) -> float:
+        """The capacity less the headroom: rule 1 on an empty instance."""
+        return capacity_bytes * self.headroom
 
     def tbt_after(self, inst: DecodeInstance, req: DecodeRequest) -> float:
         return self.models.decode.predict(inst.batch_tokens + req.context_tokens, inst.running_requests + 1)
@@ -91,6 +104,10 @@ class DecodeRoundRobin:
         self.models = models or load_default()
         self._next = 0
 
+    def kv_limit_bytes(self, capacity_bytes: int) -> float:
+        """The whole capacity (no headroom)."""
+        return float(capacity_bytes)
+
     def choose(self, req: DecodeRequest, instances: Sequence[DecodeInstance]) -> Decision:
         live, why = _live(instances)
         if why:
@@ -111,6 +128,10 @@ class DecodeLeastKV:
 
     def __init__(self, models: CostModels | None = None) -> None:
         self.models = models or load_default()
+
+    def kv_limit_bytes(self, capacity_bytes: int) -> float:
+        """The whole capacity (no headroom)."""
+        return float(capacity_bytes)
 
     def choose(self, req: DecodeRequest, instances: Sequence[DecodeInstance]) -> Decision:
         live, why = _live(instances)

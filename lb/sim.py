@@ -23,7 +23,9 @@ Model (one heap of timed events; ties: completions before arrivals)
        LRU), the prefill policy chooses; a rejection is final (counted as an
        SLO miss). The request joins that instance's FIFO queue. Before that, a
        request that needs more KV memory (``lb.decode.request_kv_bytes``: prompt +
-       output tokens) than an empty decode instance holds is refused, its reason
+       output tokens) than the decode policy admits on an empty decode instance
+       (its ``kv_limit_bytes``: ``kvstack`` keeps 5 % headroom, the baselines none; the
+       very limit its placement applies, see ``lb.decode``) is refused, its reason
        :data:`OVER_DECODE_KV`, as the entrypoint refuses one over ``max_model_len``:
        no decode could ever take it, and it costs no prefill. The rule is the same for
        a request with ``output_length`` 0 (its prompt alone over it), which needs no
@@ -50,9 +52,8 @@ Model (one heap of timed events; ties: completions before arrivals)
        request over the SLO alone is placed without it; one
        that the decode policy refuses even then, SLO or not, is refused, its reason
        :data:`REFUSED_BY_EMPTY_DECODE`, and leaves the line: no finish can ever free more,
-       so it would wait forever). Such a request fits the capacity
-       (step 1 refused the rest) but not the policy's own margin (``kvstack`` keeps 5 %
-       headroom). A request
+       so it would wait forever). Step 1 already refused every request over the policy's
+       memory limit, so this takes a policy that refuses for another reason. A request
        refused after its prefill is rejected, not served: it leaves no TTFT sample (its
        prefill still counts in busy time and hit ratios).
     4. *Decode*: a fluid model per decode instance; steps advance at rate
@@ -124,7 +125,8 @@ __all__ = ["TraceRequest", "cacheable_blocks", "parse_trace", "LRU", "SimConfig"
            "REFUSED_BY_EMPTY_DECODE"]
 
 # Reject reasons (``SimResult.reject_reasons`` keys) of requests no decode instance could ever take
-OVER_DECODE_KV = "needs more KV memory than an empty decode instance holds (over max_model_len)"
+OVER_DECODE_KV = ("needs more KV memory than the decode policy admits on an empty decode instance "
+                  "(over max_model_len)")
 REFUSED_BY_EMPTY_DECODE = "the decode policy refuses it with every decode instance empty"
 
 
@@ -391,6 +393,10 @@ def simulate(
                            f"transfer.block_tokens {models.transfer.block_tokens}: fetches would be sized for "
                            f"another block; give both the same block size")
     decode_policy = decode_policy or KVStackDecodePolicy(models)
+    if not callable(getattr(decode_policy, "kv_limit_bytes", None)):
+        raise LBInputError(f"decode policy {decode_policy!r} has no kv_limit_bytes(capacity_bytes): the arrival "
+                           f"check needs its memory limit (see the contract in lb/decode.py)")
+    kv_limit = decode_policy.kv_limit_bytes(cfg.decode_kv_capacity_bytes)  # the limit its placement applies
     rng = random.Random(cfg.seed)
     bt = cfg.block_tokens
     pre = [_Prefill(i, cfg) for i in range(cfg.prefill_instances)]
@@ -501,7 +507,7 @@ def simulate(
             if progress is not None and (done_arrivals % 50 == 0 or done_arrivals == len(reqs)):
                 progress(done_arrivals, len(reqs))
             # whatever its output length: the entrypoint's max_model_len bound is prompt + max_new_tokens
-            if request_kv_bytes(DecodeRequest(r.input_length, r.output_length), models) > cfg.decode_kv_capacity_bytes:
+            if request_kv_bytes(DecodeRequest(r.input_length, r.output_length), models) > kv_limit:
                 reasons[OVER_DECODE_KV] += 1  # no decode instance could ever hold it: refused before its prefill
                 continue
             hits = {p.id: hits_on(p, idx) for p in pre}

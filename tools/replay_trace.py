@@ -357,8 +357,8 @@ def format_table(results: dict[str, SimResult], refs: dict) -> str:
     for name, r in results.items():
         never = sum(r.reject_reasons.get(k, 0) for k in (OVER_DECODE_KV, REFUSED_BY_EMPTY_DECODE))
         if never:
-            lines.append(f"{name}: {never} of {r.rejected} rejected could never be decoded (more KV memory than an "
-                         f"empty decode instance holds, or refused by the decode policy on an empty pool)")
+            lines.append(f"{name}: {never} of {r.rejected} rejected could never be decoded (more KV memory than the "
+                         f"decode policy admits on an empty decode instance, or refused by it on an empty pool)")
     for name, r in results.items():
         if r.truncated:
             lines.append(f"* {name}: cut by --max-wall-s after {r.arrived} of {r.requests} arrivals; its figures cover "

@@ -10,6 +10,7 @@ import pytest
 from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
 from lb.registry import get_policy
 from lb.sim import OVER_DECODE_KV, REFUSED_BY_EMPTY_DECODE, SimConfig, TraceRequest, simulate
+from lb.types import Decision, LBInputError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
@@ -48,18 +49,35 @@ def test_a_request_that_exactly_fills_an_empty_instance_is_served():
     assert (r.served, r.rejected, len(r.tbt_s)) == (1, 0, 1)
 
 
+class _RefusesOne:
+    """kvstack, except that it refuses any request of ``context`` tokens (with room or not): a policy that
+    refuses on an empty pool for a reason of its own, within its memory limit."""
+
+    def __init__(self, context: int) -> None:
+        self.inner, self.context = get_policy("kvstack", MODELS, kind="decode"), context
+
+    def kv_limit_bytes(self, capacity_bytes: int) -> float:
+        return self.inner.kv_limit_bytes(capacity_bytes)
+
+    def choose(self, req, instances):
+        if req.context_tokens == self.context:
+            return Decision(None, "refused by the test")
+        return self.inner.choose(req, instances)
+
+
 def test_a_request_the_decode_policy_refuses_on_an_empty_pool_leaves_the_line():
-    """Within the capacity but over kvstack's 95 % headroom: no finish can ever make room, so once every
+    """Within the policy's memory limit but refused even so: no finish can ever change that, so once every
     decode instance is empty it is refused (not served: no TTFT sample) and the line moves on."""
-    over_headroom = TraceRequest(5.0, CAP_TOKENS - 300, 100, (1,))  # 98 % of an instance
+    refused = TraceRequest(5.0, 777, 100, (1,))
     early = [TraceRequest(0.0, 1024, 2000, (1000 + i,)) for i in range(2)]  # decoding still: it waits for them
     late = [_small(6.0 + i, 10 + i) for i in range(4)]
     for admission in (True, False):
         cfg = SimConfig(prefill_instances=2, decode_instances=2, ttft_slo_ms=None, admission=admission,
                         decode_kv_capacity_bytes=CFG.decode_kv_capacity_bytes)
-        r = simulate(early + [over_headroom] + late, get_policy("round_robin", MODELS), cfg, models=MODELS)
+        r = simulate(early + [refused] + late, get_policy("round_robin", MODELS), cfg, models=MODELS,
+                     decode_policy=_RefusesOne(777))
         assert (r.served, r.rejected, r.reject_reasons) == (6, 1, {REFUSED_BY_EMPTY_DECODE: 1}), admission
-        assert len(r.ttft_s) == 6 and len(r.tbt_s) == 6, admission
+        assert len(r.ttft_s) == 6 and len(r.tbt_s) == 6 and 2 in r.cached_tokens, admission  # it was prefilled
 
 
 def test_replay_table_says_how_many_could_never_be_decoded():
@@ -148,3 +166,32 @@ def test_a_request_with_no_output_over_the_decode_kv_capacity_is_refused_like_an
         r = simulate([big, _small(1.0, 0)], get_policy("round_robin", MODELS), CFG, models=MODELS)
         assert (r.served, r.rejected, r.reject_reasons) == (1, 1, {OVER_DECODE_KV: 1}), out
         assert 0 not in r.cached_tokens and r.slo_attainment == 0.5, out  # no prefill spent on it
+
+
+@pytest.mark.parametrize("decode,limit_tokens",
+                         [("kvstack", 9500), ("round_robin", CAP_TOKENS), ("least_kv", CAP_TOKENS)])
+def test_the_arrival_check_and_placement_use_the_same_kv_limit(decode, limit_tokens):
+    """A request is refused at arrival (OVER_DECODE_KV, no prefill) iff the decode policy would refuse it on an
+    empty instance for memory: kvstack keeps 5 % headroom (9500 of 10,000 tokens here), the baselines none.
+    One at the limit is served; one token over it is refused before its prefill. The arrival check used the
+    raw capacity, so kvstack's 9501..10,000 passed it, cost a prefill, then were refused on an empty pool."""
+    pol = get_policy(decode, MODELS, kind="decode")
+    assert pol.kv_limit_bytes(CFG.decode_kv_capacity_bytes) == pytest.approx(limit_tokens * KV_PER_TOKEN)
+    for tokens, served in ((limit_tokens, True), (limit_tokens + 1, False)):
+        req = TraceRequest(0.0, tokens - 100, 100, (1,))
+        r = simulate([req], get_policy("round_robin", MODELS), CFG, models=MODELS,
+                     decode_policy=get_policy(decode, MODELS, kind="decode"))
+        if served:
+            assert (r.served, r.rejected, len(r.tbt_s)) == (1, 0, 1), (decode, tokens)
+        else:
+            assert (r.served, r.reject_reasons) == (0, {OVER_DECODE_KV: 1}), (decode, tokens)
+            assert r.cached_tokens == {}, (decode, tokens)  # refused before its prefill
+
+
+def test_a_decode_policy_without_a_kv_limit_is_refused_with_a_hint():
+    class NoLimit:
+        def choose(self, req, instances):
+            return get_policy("round_robin", MODELS, kind="decode").choose(req, instances)
+
+    with pytest.raises(LBInputError, match="kv_limit_bytes"):
+        simulate([_small(0.0, 0)], get_policy("round_robin", MODELS), CFG, models=MODELS, decode_policy=NoLimit())
