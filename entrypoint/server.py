@@ -54,11 +54,13 @@ RESOURCE_EXHAUSTED, ...) from any hop is the request's, not the worker's: it is
 returned to the client and the worker stays up.
 
 INTERNAL and UNKNOWN (``FAILED_HERE``) are retried but take no worker down. A
-worker answers INTERNAL when an engine step failed (``entrypoint.worker``: the
-step's requests are dropped, every one batched in it, and the engine goes on
-clean), UNKNOWN when its handler raised: the worker still serves, and which
-request of the step was at fault is not known. So the hop is re-dispatched
-(the decode stream resumes) as above, within the same ``max_attempts``, and
+worker answers INTERNAL when a request's engine step failed with it alone
+(``entrypoint.worker``: the requests of a failed step are dropped and the
+engine goes on clean; when the step held several, each is first retried there
+alone, so a batch-mate of a poison request is served by that worker and only
+the one that fails alone gets INTERNAL), UNKNOWN when its handler raised: the
+worker still serves, and why the request failed is not known. So the hop is
+re-dispatched (the decode stream resumes) as above, within the same ``max_attempts``, and
 the worker stays up: a request that was only batched with a failing one is
 served, and one that every engine fails on (a poison request) fails after
 ``max_attempts`` tries with the worker's own status and message, having taken
@@ -72,9 +74,10 @@ request with INTERNAL or UNKNOWN is left out of the pick while any other is up
 ended) cannot take every retry while a healthy peer stays idle. With no other
 worker up, the same one is tried again. Such a retry first waits a time drawn
 uniformly from ``retry_backoff_s`` (20-100 ms; at most the client's remaining
-time): the requests of one failed step are all retried, and at the same
-instant they would land in one engine step again, a poison request taking its
-batch-mates with it on every attempt.
+time): requests failed by one worker together (an UNKNOWN, or a worker
+without the retry alone) would otherwise be retried at the same instant and
+land in one engine step again, a poison request taking its batch-mates with
+it on every attempt.
 
 Clients: with client tokens (``entrypoint.clients``), ``Generate`` acts for
 its bearer token's tenant only (UNAUTHENTICATED without a known token,

@@ -1,11 +1,15 @@
 """The worker's engine runner and the command lines, without a cluster: a request that fails
-fails alone and leaves the engine clean; usage errors are one line and a non-zero exit."""
+fails alone and leaves the engine clean (the batch-mates of a failed engine step are retried
+alone, and only the one that fails alone gets the error); usage errors are one line and a
+non-zero exit."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -103,6 +107,104 @@ def test_an_engine_that_cannot_drop_its_requests_reports_the_worker_down(runner,
     assert runner.broken and "inconsistent" in runner.broken
     kind, code, msg = _outcome(_submit(runner, "b", [1, 2, 3]), timeout=5)
     assert kind == "error" and code == grpc.StatusCode.UNAVAILABLE and "down" in msg
+
+
+POISON = 99  # a prompt token (in the tiny vocabulary) that the engine steps below fail on
+
+
+def _poison_steps(runner, monkeypatch, before=None):
+    """Make every engine step that holds a request with ``POISON`` in its prompt raise (after the
+    step ran: the step's work is left half-done, as a real failure may leave it). ``before``
+    runs at the start of each step. Returns the list of (request ids of the step, failed)."""
+    eng, real_step, steps = runner.engine, runner.engine.step, []
+
+    def step():
+        if before is not None:
+            before()
+        ids = sorted(r.request_id for r in [*eng.waiting, *eng.running])
+        real_step()
+        poisoned = any(POISON in r.prompt_token_ids for r in eng.running)
+        steps.append((ids, poisoned))
+        if poisoned:
+            raise RuntimeError("injected: poisoned")
+    monkeypatch.setattr(eng, "step", step)
+    return steps
+
+
+def _engine_is_clean(eng):
+    return not eng.waiting and not eng.running and not any(eng.pool.refcount)
+
+
+def test_the_batch_mate_of_a_poison_request_is_served_and_only_the_poison_fails(runner, model, monkeypatch,
+                                                                                 caplog):
+    """One worker; a poison request and a good one are batched in one engine step, which raises.
+    Before: both failed INTERNAL (the entrypoint retried both on this same worker, where they
+    tended to share a step again, and the good one failed every attempt). Now the step's requests
+    are retried each alone first: only the one that fails alone gets the error."""
+    steps = _poison_steps(runner, monkeypatch)
+    gate, real_admit = threading.Event(), runner._admit
+    monkeypatch.setattr(runner, "_admit", lambda: (gate.wait(), real_admit()))  # both queued first
+    good_prompt = list(range(1, 41))
+    poison = _submit(runner, "poison", [POISON, 2, 3, 4] * 10)
+    good = _submit(runner, "good", good_prompt)
+    gate.set()
+    with caplog.at_level(logging.WARNING, logger="entrypoint.worker"):
+        kind, code, msg = _outcome(poison)
+        assert _outcome(good) == ("done", _cold(model, good_prompt)), steps
+    assert kind == "error" and code == grpc.StatusCode.INTERNAL and "poisoned" in msg
+    assert steps[0] == (["good", "poison"], True), steps  # they did share the failed step
+    assert all(ids == ["poison"] for ids, failed in steps if failed and ids != steps[0][0]), steps
+    assert len([s for s in steps if s[1]]) == 2, steps  # the shared step and the poison's own: no loop
+    assert any("alone" in r.getMessage() for r in caplog.records), caplog.text
+    assert _engine_is_clean(runner.engine) and runner.broken is None
+    prompt = list(range(5, 50))  # and the engine serves the next request as before
+    assert _outcome(_submit(runner, "next", prompt)) == ("done", _cold(model, prompt))
+
+
+def test_two_poison_requests_batched_together_each_fail_alone_once(runner, model, monkeypatch):
+    """Every retry alone fails: each request gets INTERNAL after its one turn (3 failed steps in
+    all, no retry loop), and the engine is clean and serves the next request."""
+    steps = _poison_steps(runner, monkeypatch)
+    gate, real_admit = threading.Event(), runner._admit
+    monkeypatch.setattr(runner, "_admit", lambda: (gate.wait(), real_admit()))
+    a, b = _submit(runner, "a", [POISON] * 20), _submit(runner, "b", [POISON, 1] * 10)
+    gate.set()
+    assert [_outcome(h)[:2] for h in (a, b)] == [("error", grpc.StatusCode.INTERNAL)] * 2, steps
+    assert [ids for ids, failed in steps if failed] == [["a", "b"], ["a"], ["b"]], steps
+    assert _engine_is_clean(runner.engine) and runner.broken is None
+    prompt = list(range(5, 50))
+    assert _outcome(_submit(runner, "next", prompt)) == ("done", _cold(model, prompt))
+
+
+def test_a_stream_whose_step_failed_midway_resumes_at_its_next_token(runner, model, monkeypatch):
+    """A good request that has already streamed tokens shares a step with a poison request that
+    arrived later: its retry alone continues at its next output index (no token sent twice, none
+    lost, the same tokens as a run alone), and it rejoins the batch after its turn."""
+    sampling = SamplingParams(max_new_tokens=30)
+    holding = threading.Event()
+    poison_queued = threading.Event()
+
+    def before():  # hold the runner once the stream has sent a few tokens, until the poison is queued
+        h = handles.get("stream")
+        if h is not None and not poison_queued.is_set() and h.events.qsize() >= 3:
+            holding.set()
+            poison_queued.wait(30)
+    handles: dict = {}
+    steps = _poison_steps(runner, monkeypatch, before)
+    prompt = list(range(1, 21))
+    handles["stream"] = runner.submit("stream", prompt, sampling, tenant_salt=b"", images=[])
+    assert holding.wait(60), steps
+    poison = _submit(runner, "poison", [POISON] * 20)
+    poison_queued.set()
+    events = []
+    while not events or events[-1][0] == "token":
+        events.append(handles["stream"].events.get(timeout=60))
+    assert _outcome(poison)[:2] == ("error", grpc.StatusCode.INTERNAL), steps
+    assert events[-1][0] == "done", events
+    cold = Engine(model, EngineConfig(block_size=16, num_blocks=64)).generate(prompt, sampling).output
+    assert [e[1:] for e in events[:-1]] == [(t, i) for i, t in enumerate(cold)], steps
+    assert sum(1 for _, failed in steps if failed) == 2, steps
+    assert _engine_is_clean(runner.engine) and runner.broken is None
 
 
 # ----------------------------------------------------------------------------- command lines
