@@ -55,7 +55,7 @@ returned to the client and the worker stays up.
 
 INTERNAL and UNKNOWN (``FAILED_HERE``) are retried but take no worker down. A
 worker answers INTERNAL when a request's engine step failed with it alone
-(``entrypoint.worker``: the requests of a failed step are dropped and the
+(``entrypoint.engine_runner``: the requests of a failed step are dropped and the
 engine goes on clean; when the step held several, each is first retried there
 alone, so a batch-mate of a poison request is served by that worker and only
 the one that fails alone gets INTERNAL), UNKNOWN when its handler raised: the

@@ -18,7 +18,7 @@ import torch
 
 from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, SamplingParams, model_preset
 from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
-from entrypoint.worker import EngineRunner
+from entrypoint.engine_runner import EngineRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_new_tokens=3)
@@ -148,7 +148,7 @@ def test_the_batch_mate_of_a_poison_request_is_served_and_only_the_poison_fails(
     poison = _submit(runner, "poison", [POISON, 2, 3, 4] * 10)
     good = _submit(runner, "good", good_prompt)
     gate.set()
-    with caplog.at_level(logging.WARNING, logger="entrypoint.worker"):
+    with caplog.at_level(logging.WARNING, logger="entrypoint.engine_runner"):
         kind, code, msg = _outcome(poison)
         assert _outcome(good) == ("done", _cold(model, good_prompt)), steps
     assert kind == "error" and code == grpc.StatusCode.INTERNAL and "poisoned" in msg

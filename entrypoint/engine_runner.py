@@ -1,0 +1,264 @@
+"""The engine side of a worker (``entrypoint.worker``): ``EngineRunner`` owns one engine and
+steps it on one thread; ``request_stats`` gives a finished request's figures.
+
+Threads: gRPC handler threads only *submit* work (``EngineRunner.submit``) and wait on
+per-request queues; one runner thread owns the engine and steps it, so requests submitted
+together are batched by the engine's scheduler and the engine is never touched from two
+threads.
+
+Failures: a request the engine refuses (``InvalidRequest`` from ``add_request``: a prompt
+too long for the pool, bad sampling) fails alone with INVALID_ARGUMENT. An engine step that
+raises takes the requests it held out of the engine (``Engine.abort_request``: blocks freed,
+the connector forgets them), so the next step starts from a clean engine. Which of them was
+at fault is not known, so none fails yet when it held two or more: each is retried alone,
+one after another (new requests wait meanwhile), until it has finished or sent one more
+token, then set aside; once every turn alone is over, those that passed rejoin the batch. A
+request continues after the tokens it has sent (prompt plus those tokens, at the next output
+index, as a re-dispatched ``Decode`` does), so none is sent twice. Only a request that fails
+alone (it held its step alone, or this was its turn) fails, with INTERNAL; so the batch-mate
+of a poison request is served here, not failed with it (before, both failed, and with one
+worker of the role the entrypoint's retries tended to batch them again until the good one
+ran out of attempts). This ends: a request is retried alone only after a step it shared
+failed, and each turn ends with it failed, finished or one token further. If the engine can
+not even drop a request, the worker reports itself down (``Status`` answers UNAVAILABLE)
+rather than failing every request while looking healthy.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from kvstore.errors import InvalidRequest
+from kvstore.keys import ImageSpan
+
+log = logging.getLogger(__name__)
+
+
+class Handle:
+    """One submitted request: what was submitted, its engine record, and the queue of events for
+    the RPC thread.
+
+    Invariant: ``out`` holds the output tokens already put on ``events``, in order, and ``req``
+    (the latest engine record) continues at output index ``base`` (``base <= len(out)``): a
+    request retried alone re-enters the engine with ``out`` appended to its prompt, so no token
+    is sent twice or skipped.
+    """
+
+    __slots__ = ("events", "args", "req", "metrics_before", "out", "base")
+
+    def __init__(self, args: tuple) -> None:
+        self.events: queue.Queue = queue.Queue()
+        self.args = args  # (rid, prompt, sampling, tenant_salt, images) as submitted
+        self.req: Any = None
+        self.metrics_before: dict[str, float] = {}
+        self.out: list[int] = []
+        self.base = 0
+
+
+class EngineRunner:
+    """Owns one engine; a single thread steps it. See the module docstring."""
+
+    def __init__(self, engine: Any, connector: Any):
+        self.engine, self.connector = engine, connector
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: dict[str, Handle] = {}  # in the engine
+        # Retry alone (see _step_failed): the requests of a failed step waiting for their turn, the
+        # one taking it (the only request in the engine meanwhile), and those that passed it.
+        self._retry: collections.deque[Handle] = collections.deque()
+        self._alone: Handle | None = None
+        self._passed: list[Handle] = []
+        self._wake = threading.Event()
+        self._stop = False
+        self.broken: str | None = None  # why the engine can not be used any more (Status: UNAVAILABLE)
+        self._thread = threading.Thread(target=self._loop, name="engine-runner", daemon=True)
+        self._thread.start()
+
+    def submit(self, rid: str, prompt: list[int], sampling: Any, *, tenant_salt: bytes,
+               images: list[ImageSpan]) -> Handle:
+        """Queue a request; its outcome arrives on the handle's ``events``: ``("token", id, i)``,
+        ``("done", request)`` or ``("error", grpc.StatusCode, message)``."""
+        h = Handle((rid, list(prompt), sampling, tenant_salt, list(images)))
+        self._inbox.put(h)
+        self._wake.set()
+        if self.broken is not None:  # checked after the put: no request waits on a stopped runner
+            self._fail_inbox()
+        return h
+
+    def _fail_inbox(self) -> None:
+        """Fail every queued request with UNAVAILABLE (the runner is down; each is taken once)."""
+        while True:
+            try:
+                h = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            h.events.put(("error", grpc.StatusCode.UNAVAILABLE, f"this worker is down: {self.broken}"))
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                h = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            h.metrics_before = self.connector.metrics.snapshot()
+            self._enter(h)
+
+    def _enter(self, h: Handle) -> bool:
+        """Add ``h`` to the engine, continuing after the tokens it has sent; on failure, fail it alone."""
+        rid, prompt, sampling, salt, images = h.args
+        if h.out:  # a retry: resume at the next output index, as a re-dispatched Decode does
+            sampling = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(h.out),
+                                           output_offset=sampling.output_offset + len(h.out))
+        try:
+            h.req = self.engine.add_request(rid, prompt + h.out, sampling, tenant_salt=salt, images=images)
+        except InvalidRequest as exc:
+            h.events.put(("error", grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            return False
+        except Exception as exc:  # noqa: BLE001 - a bug must fail this request, not the runner thread
+            log.exception("cannot admit %s", rid)
+            h.events.put(("error", grpc.StatusCode.INTERNAL, f"internal error admitting the request: {exc}"))
+            return False
+        h.base = len(h.out)
+        self._live[rid] = h
+        return True
+
+    def _publish(self) -> None:
+        for rid, h in list(self._live.items()):
+            req = h.req
+            for i in range(len(h.out) - h.base, len(req.output)):
+                h.events.put(("token", req.output[i], h.base + i))
+                h.out.append(req.output[i])
+            if req.status.value == "finished":
+                del self._live[rid]
+                h.events.put(("done", req))
+
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                if self._alone is None and self._retry:  # the next turn alone (nothing else is in the engine)
+                    self._alone = self._retry.popleft()
+                    if not self._enter(self._alone):
+                        self._alone = None
+                        continue
+                if self._alone is None:
+                    for h in self._passed:  # every turn alone is over: they rejoin the batch
+                        self._enter(h)
+                    self._passed.clear()
+                    self._admit()
+                if self.engine.has_work():
+                    self.engine.step()
+                    self._publish()
+                    if self._alone is not None:
+                        self._end_turn_alone()
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+            except Exception as exc:  # noqa: BLE001 - fail the waiting requests, keep serving others
+                log.exception("engine step failed")
+                self._step_failed(f"engine step failed: {exc}")
+
+    def _end_turn_alone(self) -> None:
+        """After a step of the request retried alone: its turn ends once it has finished or sent
+        a token (it passed the step that failed in the batch); one not finished leaves the engine
+        until every turn alone is over (``_passed``), then continues after the tokens it sent."""
+        h = self._alone
+        if h.req.request_id in self._live and len(h.out) == h.base:
+            return
+        self._alone = None
+        if h.req.request_id in self._live:
+            del self._live[h.req.request_id]
+            self._abort(h.req.request_id, "setting aside a request that passed its retry alone")
+            self._passed.append(h)
+        if self.broken is not None:  # h is in _passed: _go_down fails it
+            self._go_down(f"this worker is down: {self.broken}", [])
+
+    def _step_failed(self, reason: str) -> None:
+        """Take every live request out of the engine, so that the next step starts clean (a step
+        that raised may have left any of them half-advanced; ``abort_request`` frees their blocks
+        and makes the connector forget them). Then retry alone, one after another, each one that
+        shared the failed step with another: which one was at fault is not known, and failing
+        them all would fail the batch-mates of a poison request with it. One that fails alone
+        (it held the step alone, or this was its retry alone) fails with INTERNAL. No loop: a
+        request is retried alone only after a step it shared failed, and each retry alone ends
+        with it failed, finished or one token further. If the engine can not even drop them, it
+        is broken: the worker reports itself down from now on."""
+        failed = list(self._live.values())
+        for h in failed:
+            self._abort(h.req.request_id, reason)
+        self._live.clear()
+        alone, self._alone = self._alone, None
+        if self.broken is not None:
+            self._go_down(reason, failed)
+            return
+        if alone is not None or len(failed) < 2:
+            for h in failed:
+                log.warning("request %s failed alone in its engine step: %s", h.args[0], reason)
+                h.events.put(("error", grpc.StatusCode.INTERNAL, reason))
+            return
+        log.warning("%s; retrying its %d requests alone, one after another, before failing any: %s",
+                    reason, len(failed), ", ".join(h.args[0] for h in failed))
+        self._retry.extend(failed)
+
+    def _abort(self, rid: str, why: str) -> None:
+        try:
+            self.engine.abort_request(rid)
+        except Exception as exc:  # noqa: BLE001 - the engine's state is broken: stop using it
+            log.exception("cannot drop request %s from the engine; the worker goes down", rid)
+            self.broken = f"{why}; then dropping {rid} failed: {exc}"
+
+    def _go_down(self, reason: str, failed: list[Handle]) -> None:
+        """The engine is broken: fail every request this runner holds, and stop."""
+        for h in [*failed, *self._live.values(), *self._retry, *self._passed]:
+            h.events.put(("error", grpc.StatusCode.INTERNAL, reason))
+        self._live.clear()
+        self._retry.clear()
+        self._passed.clear()
+        self._stop = True
+        self._fail_inbox()
+
+    def load(self) -> dict[str, int]:
+        eng = self.engine
+        pending = sum(len(r.prompt_token_ids) - min(r.num_computed, len(r.prompt_token_ids))
+                      for r in list(eng.waiting) + list(eng.running))
+        used = eng.pool.num_blocks - eng.pool.num_available()
+        block_bytes = eng.pool.kv[0].numel() * eng.pool.kv.element_size()
+        waiting = len(eng.waiting) + self._inbox.qsize() + len(self._retry) + len(self._passed)
+        return {"running": len(eng.running), "waiting": waiting,
+                "pending_tokens": pending, "kv_used_bytes": used * block_bytes,
+                "kv_capacity_bytes": eng.pool.num_blocks * block_bytes,
+                "batch_tokens": sum(r.num_computed for r in eng.running)}
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+
+def request_stats(h: Handle, connector: Any, block_nbytes: int, started: float) -> dict[str, Any]:
+    """Per-request figures. Token counts come from the request (after a retry alone, from its
+    last pass through the engine, whose prompt held the tokens already sent: ``h.base``); the
+    per-tier split is the connector's counters over the request's lifetime (exact when it ran
+    alone, shared with requests batched beside it otherwise)."""
+    req = h.req
+    after = connector.metrics.snapshot()
+    d = {k: after.get(k, 0) - h.metrics_before.get(k, 0) for k in after}
+    B = block_nbytes
+    per_tier = {t: int(d.get(f"hit_tokens_{t}", 0)) for t in ("device", "host", "store")}
+    return {
+        "prompt_tokens": len(req.prompt_token_ids) - h.base,
+        "hit_tokens": req.hit_tokens,
+        "loaded_tokens_by_tier": per_tier,
+        "bytes_by_tier": {t: n * B for t, n in per_tier.items()},
+        "replayed_tokens": req.replayed_tokens,
+        "prefilled_tokens": len(req.prompt_token_ids) - req.hit_tokens,
+        "snapshot_hit": bool(d.get("snapshot_hits", 0)),
+        "load_errors": int(d.get("load_errors", 0)),
+        "elapsed_ms": (time.perf_counter() - started) * 1e3,
+    }
