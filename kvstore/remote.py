@@ -92,7 +92,8 @@ from kvstore.remote_admin import RemoteAdmin
 from kvstore.remote_lookup import RemoteLookup
 from kvstore.remote_puts import RemotePuts, Resplit
 from kvstore.server.wire import (MD_STREAM_ITEMS, BatchTooLarge, EncodedPut, check_message_bytes, encode_item,
-                                 error_from_rpc, fitting_runs, layout_from_pb, read_pem)
+                                 error_from_rpc, fitting_runs, layout_from_pb)
+from kvstore.tls import channel_credentials
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +123,7 @@ class RemoteStore(RemotePuts, RemoteLookup, RemoteAdmin):
         if tls and o.server_name:
             opts.append(("grpc.ssl_target_name_override", o.server_name))
         if tls:  # the scheme alone decides; without ca_file, gRPC verifies against the system roots
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=read_pem(o.ca_file, "ca_file", "CERTIFICATE") if o.ca_file else None,
-                private_key=read_pem(o.key_file, "key_file", "PRIVATE KEY") if o.key_file else None,
-                certificate_chain=read_pem(o.cert_file, "cert_file", "CERTIFICATE") if o.cert_file else None)
+            creds = channel_credentials(o.ca_file, o.cert_file, o.key_file)
             self._channel = grpc.secure_channel(self.address, creds, options=opts)
         else:
             self._channel = grpc.insecure_channel(self.address, options=opts)

@@ -44,6 +44,7 @@ from typing import Any, Mapping
 
 from kvstore.config import StoreConfig, TomlValue, _coerce, env_layer, merge_sources, read_toml, store_config_from
 from kvstore.errors import InvalidRequest
+from kvstore.tls import check_server_files, read_pem
 
 MiB = 1024 * 1024
 # The largest time a float option may hold: ~31 years, far beyond any useful drain or GC
@@ -123,10 +124,7 @@ class ServerConfig:
         if not 0 <= self.tenant_quota_bytes <= MAX_QUOTA_BYTES:
             raise InvalidRequest(f"tenant_quota_bytes must be in [0, 2**62] (0: no per-tenant quota), "
                                  f"got {self.tenant_quota_bytes}")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise InvalidRequest("TLS needs both tls_cert and tls_key")
-        if self.tls_client_ca and not self.tls_cert:
-            raise InvalidRequest("mutual TLS (tls_client_ca) needs tls_cert and tls_key as well")
+        check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     @property
     def tls(self) -> bool:
@@ -134,8 +132,6 @@ class ServerConfig:
 
     def read_tls_files(self) -> dict[str, bytes]:
         """The PEM files TLS needs, read and sanity-checked; ``InvalidRequest`` naming the problem."""
-        from kvstore.server.wire import read_pem
-
         want = {"tls_cert": "CERTIFICATE", "tls_key": "PRIVATE KEY", "tls_client_ca": "CERTIFICATE"}
         return {name: read_pem(getattr(self, name), f"{name} file", marker)
                 for name, marker in want.items() if getattr(self, name)}

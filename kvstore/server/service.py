@@ -82,6 +82,7 @@ from kvstore.server.direct_rpc import DirectRPC
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
 from kvstore.server.watchdog import Watchdog
+from kvstore.tls import server_credentials_from_pem
 from kvstore.server.wire import (INDEX_KEY_METHODS, MD_INDEX_KEYS, MD_STREAM_ITEMS, BatchTooLarge, RequestTooLarge,
                                  details_of, kind_or_default, layout_from_pb, status_of)
 
@@ -248,10 +249,8 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
             if port_taken(server_cfg.host, server_cfg.port):  # refused below, before gRPC logs its own line
                 self.port = 0
             elif server_cfg.tls:
-                creds = grpc.ssl_server_credentials(
-                    [(tls_files["tls_key"], tls_files["tls_cert"])],
-                    root_certificates=tls_files.get("tls_client_ca"),
-                    require_client_auth=bool(server_cfg.tls_client_ca))
+                creds = server_credentials_from_pem(tls_files["tls_cert"], tls_files["tls_key"],
+                                                    tls_files.get("tls_client_ca"))
                 self.port = self.server.add_secure_port(bind, creds)
             else:
                 self.port = self.server.add_insecure_port(bind)

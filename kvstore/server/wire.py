@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import grpc
@@ -63,6 +62,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import check_key
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.tls import failure_kind
 
 MD_CODE = "kvstore-error-code"
 MD_KEY = "kvstore-error-key"
@@ -216,9 +216,7 @@ def error_from_rpc(err: grpc.RpcError, where: str = "", timeout_s: float | None 
         return DeadlineExceeded(f"{prefix}no answer from the kvstore daemon {within} ({status.name}); "
                                 "it may be hung, overloaded or still working on the call")
     if cls is StoreUnavailable:
-        low = details.lower()
-        hint = (TLS_HINT if any(m in low for m in _TLS_FAILURE_MARKERS)
-                else CLOSED_HINT if "socket closed" in low else "")
+        hint = {"handshake": TLS_HINT, "closed": CLOSED_HINT}.get(failure_kind(details), "")
         return StoreUnavailable(f"{prefix}kvstore daemon unreachable ({status.name}: {details}){hint}")
     if cls is RequestTooLarge:
         return RequestTooLarge(
@@ -228,10 +226,6 @@ def error_from_rpc(err: grpc.RpcError, where: str = "", timeout_s: float | None 
     return cls(f"{prefix}{status.name}: {details}")
 
 
-# Substrings (lower case) of gRPC's details for a failed TLS handshake: an untrusted daemon
-# certificate (CERTIFICATE_VERIFY_FAILED) or grpcs:// to a plaintext daemon (WRONG_VERSION_NUMBER).
-# Not bare "tls"/"ssl": a host name in the details may contain them.
-_TLS_FAILURE_MARKERS = ("handshake failed", "certificate_verify_failed", "wrong_version_number", "ssl_error")
 # A daemon that closes the connection at once: most often TLS on one side only, or a
 # daemon requiring client certificates (mutual TLS) that got none; said as a possibility.
 CLOSED_HINT = ("; the daemon closed the connection: if it serves TLS use grpcs://, and if it requires "
@@ -337,19 +331,6 @@ def encode_get_chunk(index: int, values: Sequence[Any | None]) -> bytes:
     for v in values:
         parts += encode_maybe_value(v)
     return b"".join(parts)
-
-
-def read_pem(path: str, option: str, marker: str) -> bytes:
-    """A TLS file (the daemon's or a client's), read and sanity-checked: ``InvalidRequest``
-    naming ``option`` and the file when it cannot be read or holds no PEM ``marker`` block."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InvalidRequest(f"TLS setup: cannot read {option} {path!r} ({exc.strerror or exc}); "
-                             "fix the path or drop the option") from exc
-    if b"-----BEGIN" not in data or marker.encode() not in data:
-        raise InvalidRequest(f"TLS setup: {option} {path!r} is not a PEM {marker.lower()}")
-    return data
 
 
 @dataclass(frozen=True, slots=True)
