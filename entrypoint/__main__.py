@@ -4,7 +4,8 @@ The first line on stdout is ``READY <json>`` with the bound address; workers
 join with ``python -m entrypoint.worker --role ... --entrypoint ADDRESS``.
 A usage error (a bad flag value, an unknown model or policy, a tenant with
 an empty or shared salt or given twice, a store that cannot be opened, a bad or
-unreadable worker secret, a non-loopback ``--host`` without one) is one line on
+unreadable worker secret, a non-loopback ``--host`` without one, a TLS file
+that is missing, not PEM or not matching) is one line on
 stderr and exit code 2, never a traceback; it is found before anything listens.
 
 Worker secret (``entrypoint.auth``): ``--worker-secret-file FILE``, else the
@@ -16,6 +17,18 @@ Client tokens (``entrypoint.clients``): ``--client-tokens FILE`` (the kvstore
 daemon's tokens-file format) makes every ``Generate`` act for its bearer
 token's tenant only. Without it the request's tenant field is trusted, and an
 entrypoint with several tenants serves on loopback only.
+
+TLS (``entrypoint.tls``, which says which hop uses which file): ``--tls-cert C
+--tls-key K`` serve the entrypoint's port (clients' ``Generate`` and workers'
+``Register`` alike) over TLS, and READY then says ``grpcs://HOST:PORT``;
+``--tls-client-ca CA`` adds mutual TLS (every caller, client or worker, needs a
+certificate signed by CA). ``--worker-ca FILE`` dials the workers over TLS
+(they serve with their own ``--tls-cert``/``--tls-key``), verifying them with
+FILE, and refuses a worker that registers a plaintext address;
+``--worker-cert``/``--worker-key``: the certificate presented to workers that
+require one. A mix that cannot work (a cert without its key, ``--tls-client-ca``
+without both) or a file that is not the PEM it should be is one line and exit
+code 2, as is a key that does not match its certificate (found when binding).
 
 ``--max-model-len N``: prompt + ``max_new_tokens`` over N is refused
 (INVALID_ARGUMENT) before any prefill; 0 is no bound. Default: the model
@@ -36,6 +49,7 @@ import kvstore
 from entrypoint._cli import OneLineParser, fail
 from entrypoint.auth import SECRET_ENV, load_worker_secret
 from entrypoint.server import EntrypointConfig, serve
+from entrypoint.tls import ChannelTLS, ServerTLS
 from kvstore.api import DTYPES
 from kvstore.server.auth import read_tokens_file
 from lb.registry import POLICIES
@@ -68,6 +82,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="TOML file of client bearer tokens ([tokens] \"TOKEN\" = \"TENANT\"): each Generate then "
                          "acts for its token's tenant only (entrypoint.clients; default: none, the request's "
                          "tenant field is trusted, and several tenants serve on loopback only)")
+    t = ap.add_argument_group("TLS (entrypoint.tls; PEM files)")
+    t.add_argument("--tls-cert", default="", metavar="FILE", help="serve TLS with this certificate (chain)")
+    t.add_argument("--tls-key", default="", metavar="FILE", help="the private key of --tls-cert")
+    t.add_argument("--tls-client-ca", default="", metavar="FILE",
+                   help="mutual TLS: every caller (client or worker) needs a certificate signed by this CA")
+    t.add_argument("--worker-ca", default="", metavar="FILE",
+                   help="call the workers over TLS only, verifying their certificates with this CA")
+    t.add_argument("--worker-cert", default="", metavar="FILE",
+                   help="client certificate presented to workers started with --tls-client-ca")
+    t.add_argument("--worker-key", default="", metavar="FILE", help="the private key of --worker-cert")
     try:
         a = ap.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2), its one line already printed
@@ -91,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        tls = ServerTLS(a.tls_cert, a.tls_key, a.tls_client_ca)
+        worker_tls = (ChannelTLS(a.worker_ca, a.worker_cert, a.worker_key,
+                                 names=("--worker-ca", "--worker-cert", "--worker-key"))
+                      if a.worker_ca or a.worker_cert or a.worker_key else None)
         mcfg = model_preset(a.model)
         # The reference presets have no context length today (RoPE has no position limit): no bound.
         max_model_len = getattr(mcfg, "max_model_len", 0) if a.max_model_len is None else a.max_model_len
@@ -100,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                                kv_bytes_per_token=mcfg.d_global * DTYPES[mcfg.dtype],
                                max_model_len=max_model_len,
                                worker_secret=load_worker_secret(a.worker_secret_file),
-                               client_tokens=read_tokens_file(a.client_tokens)[0] if a.client_tokens else {})
-        return serve(cfg, a.store, host=a.host, port=a.port, heartbeat_s=a.heartbeat_s, stop=stop,
+                               client_tokens=read_tokens_file(a.client_tokens)[0] if a.client_tokens else {},
+                               worker_tls=worker_tls)
+        return serve(cfg, a.store, host=a.host, port=a.port, heartbeat_s=a.heartbeat_s, stop=stop, tls=tls,
                      ready=lambda addr: print("READY " + json.dumps({"address": addr}), flush=True))
     except (kvstore.KVStoreError, LBError, OSError) as exc:
         return fail(ap.prog, exc)

@@ -22,6 +22,14 @@ configured (``entrypoint_args=("--tenant", "NAME=SALT", ...)``). ``client(token)
 then sends one, and ``wait_for_workers`` lists the workers with the worker
 secret (or, without one, the first client token), since ``ListWorkers`` is
 closed to anonymous callers there.
+
+TLS (``entrypoint.tls``): ``tls=ClusterTLS(ca, cert, key)`` starts every server
+(the entrypoint and each worker) with ``--tls-cert cert --tls-key key`` (one
+certificate for 127.0.0.1) and every caller with ``ca``: the workers register
+with ``--entrypoint-ca``, the entrypoint dials them with ``--worker-ca``, and
+``client()`` verifies with ``ca_file``. With ``client_cert``/``client_key``
+every hop is mutual TLS (``--tls-client-ca ca`` on each server, that
+certificate on each caller). The kvstore daemon stays plaintext on loopback.
 """
 
 from __future__ import annotations
@@ -40,11 +48,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import grpc
-
 from entrypoint import auth
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
+from entrypoint.tls import ChannelTLS, open_channel
 from kvstore.errors import StoreUnavailable
 
 
@@ -63,6 +70,31 @@ def _toml_str(text: str) -> str:
     """``text`` as a TOML basic string: a JSON string is one (non-ASCII kept as is, since TOML
     has no escapes for the surrogate pairs ``json`` would write)."""
     return json.dumps(text, ensure_ascii=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterTLS:
+    """PEM files of a TLS stack (module docstring): the CA, the servers' certificate and key,
+    and optionally a client certificate and key (set: mutual TLS on every hop)."""
+
+    ca: str
+    cert: str
+    key: str
+    client_cert: str = ""
+    client_key: str = ""
+
+    def entrypoint_args(self) -> list[str]:
+        args = ["--tls-cert", self.cert, "--tls-key", self.key, "--worker-ca", self.ca]
+        if self.client_cert:
+            args += ["--tls-client-ca", self.ca, "--worker-cert", self.client_cert, "--worker-key", self.client_key]
+        return args
+
+    def worker_args(self) -> list[str]:
+        args = ["--tls-cert", self.cert, "--tls-key", self.key, "--entrypoint-ca", self.ca]
+        if self.client_cert:
+            args += ["--tls-client-ca", self.ca, "--entrypoint-cert", self.client_cert,
+                     "--entrypoint-key", self.client_key]
+        return args
 
 
 @dataclass(slots=True)
@@ -84,7 +116,7 @@ class Cluster:
                  model: str = "tiny", block_size: int = 16, store: str = "daemon",
                  worker_args: tuple[str, ...] = (), entrypoint_args: tuple[str, ...] = (),
                  start_timeout_s: float = 120.0, worker_secret: str | None = None,
-                 client_tokens: dict[str, str] | None = None):
+                 client_tokens: dict[str, str] | None = None, tls: ClusterTLS | None = None):
         self.work_dir = Path(work_dir)
         self.counts = {"ve": ve, "prefill": prefill, "decode": decode}
         self.model, self.block_size, self.store_mode = model, block_size, store
@@ -93,6 +125,7 @@ class Cluster:
         self.start_timeout_s = start_timeout_s
         self.worker_secret = secrets.token_urlsafe(32) if worker_secret is None else worker_secret
         self.client_tokens = dict(client_tokens or {})  # token -> tenant; empty: the entrypoint has none
+        self.tls = tls
         self.procs: dict[str, Proc] = {}
         self.store_url = ""
         self.entrypoint_address = ""
@@ -143,7 +176,8 @@ class Cluster:
             self.store_url = str(data_dir)
         ep = self._spawn("entrypoint", ["-m", "entrypoint", "--store", self.store_url, "--model", self.model,
                                         "--block-size", str(self.block_size), "--heartbeat-s", "0.2",
-                                        *self._client_tokens_args(), *self.entrypoint_args])
+                                        *self._client_tokens_args(), *(self.tls.entrypoint_args() if self.tls else ()),
+                                        *self.entrypoint_args])
         self.entrypoint_address = ep.address
         for role, n in self.counts.items():
             for i in range(n):
@@ -176,11 +210,12 @@ class Cluster:
         return self._spawn(worker_id, ["-m", "entrypoint.worker", "--role", role, "--id", worker_id,
                                        "--store", self.store_url, "--model", self.model,
                                        "--block-size", str(self.block_size),
-                                       "--entrypoint", self.entrypoint_address, *self.worker_args])
+                                       "--entrypoint", self.entrypoint_address,
+                                       *(self.tls.worker_args() if self.tls else ()), *self.worker_args])
 
     def wait_for_workers(self, n: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.entrypoint_address) as ch:
+        with open_channel(self.entrypoint_address, self._client_tls()) as ch:
             stub = pbg.EntrypointStub(ch)
             while time.monotonic() < deadline:
                 if len(stub.ListWorkers(pb.Empty(), timeout=5, metadata=self.list_metadata()).workers) >= n:
@@ -224,8 +259,16 @@ class Cluster:
 
     # ------------------------------------------------------------------ client
     def client(self, token: str = "") -> "Client":
-        """A client of this stack's entrypoint that sends ``token`` (a client token; none for "")."""
-        return Client(self.entrypoint_address, token=token)
+        """A client of this stack's entrypoint that sends ``token`` (a client token; none for ""),
+        with this stack's CA and client certificate when it serves TLS."""
+        t = self._client_tls()
+        return Client(self.entrypoint_address, token=token, ca_file=t.ca_file, cert_file=t.cert_file,
+                      key_file=t.key_file)
+
+    def _client_tls(self) -> ChannelTLS:
+        """The files a caller of this stack's entrypoint needs (none without TLS)."""
+        t = self.tls
+        return ChannelTLS(t.ca, t.client_cert, t.client_key) if t else ChannelTLS()
 
     def __enter__(self) -> "Cluster":
         return self.start()
@@ -236,10 +279,16 @@ class Cluster:
 
 class Client:
     """A small synchronous client of ``Entrypoint.Generate``; ``token``: its client token, if the
-    entrypoint has client tokens (``entrypoint.clients``)."""
+    entrypoint has client tokens (``entrypoint.clients``).
 
-    def __init__(self, address: str, token: str = ""):
-        self.channel = grpc.insecure_channel(address)
+    TLS (``entrypoint.tls``): ``address`` ``grpcs://HOST:PORT`` (what a TLS entrypoint's READY
+    says) is TLS, verified with ``ca_file`` (empty: the system roots); ``cert_file`` +
+    ``key_file``: the client certificate for an entrypoint with ``--tls-client-ca``. TLS files
+    with a plaintext address are ``InvalidRequest``, before any channel is opened."""
+
+    def __init__(self, address: str, token: str = "", *, ca_file: str = "", cert_file: str = "",
+                 key_file: str = ""):
+        self.channel = open_channel(address, ChannelTLS(ca_file, cert_file, key_file))
         self.stub = pbg.EntrypointStub(self.channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 

@@ -16,6 +16,14 @@ metadata. A worker that refuses the first ``Status`` as UNAUTHENTICATED (it
 has a secret the entrypoint lacks, or another one) is not added: ``add`` raises
 ``InvalidRequest``, so its ``Register`` fails and says why.
 
+TLS (``entrypoint.tls``, hop 2): a worker's registered address decides how ``add``
+dials it: ``grpcs://HOST:PORT`` over TLS, verified with ``worker_tls`` (``--worker-ca``;
+without it, the system roots), else plaintext. With ``worker_tls`` set, a plaintext
+address is refused (``InvalidRequest``), so the secret never crosses to a worker in
+clear; and a ``grpcs://`` worker whose first ``Status`` fails UNAVAILABLE (its
+certificate not signed by that CA, or it requires a client certificate the entrypoint
+lacks) is not added: its ``Register`` fails and says what to check.
+
 KV compatibility: a prefill or decode worker declares, in ``Register``, the
 namespace and block size its KV keys are hashed with; ``check_kv_compat``
 refuses (``IncompatibleWorker``; FAILED_PRECONDITION on the wire) one whose
@@ -56,6 +64,7 @@ import grpc
 from entrypoint import auth
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
+from entrypoint.tls import ChannelTLS, open_channel, split_address
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import Namespace
 
@@ -121,8 +130,9 @@ class Registry:
     """Thread-safe registry of workers by role. See the module docstring."""
 
     def __init__(self, *, heartbeat_s: float = 0.5, miss_limit: int = 3, rpc_timeout_s: float = 1.0,
-                 prefix_capacity_blocks: int = 4096, worker_secret: str = ""):
+                 prefix_capacity_blocks: int = 4096, worker_secret: str = "", worker_tls: ChannelTLS | None = None):
         self.heartbeat_s, self.miss_limit, self.rpc_timeout_s = heartbeat_s, miss_limit, rpc_timeout_s
+        self.worker_tls = worker_tls  # None: the address decides; set: TLS required (module docstring)
         self._send_secret = auth.client_interceptor(worker_secret)  # None: no secret (the secret is not kept here)
         self.prefix_capacity = prefix_capacity_blocks
         self._lock = threading.Lock()
@@ -148,7 +158,7 @@ class Registry:
             # at its address): down now, not after ``miss_limit`` heartbeats, so the restart joins.
             self.mark_down(old, f"it no longer answers as a {old.role} worker; {worker_id} re-registers as {role}")
         self._check_role(worker_id, role)  # before the poll: a refused worker is not called
-        ch = grpc.insecure_channel(address)
+        ch, secure = self._open(worker_id, address)
         if self._send_secret is not None:
             ch = grpc.intercept_channel(ch, self._send_secret)
         inst = Instance(worker_id, role, address, ch, pbg.WorkerStub(ch), last_seen=time.monotonic(),
@@ -161,6 +171,12 @@ class Registry:
             raise InvalidRequest(f"worker {worker_id} at {address} refused the entrypoint's Status call as "
                                  f"UNAUTHENTICATED: the worker has a worker secret and the entrypoint has none, or "
                                  f"another one; give both the same ({auth.SECRET_ENV} or --worker-secret-file)")
+        if polled == grpc.StatusCode.UNAVAILABLE and secure:
+            ch.close()
+            raise InvalidRequest(f"worker {worker_id} at {address} did not answer the entrypoint's Status over TLS: "
+                                 "its certificate must be signed by the entrypoint's --worker-ca, and if it has "
+                                 "--tls-client-ca the entrypoint needs --worker-cert and --worker-key signed by "
+                                 "that CA")
         if polled == _WRONG_ROLE:
             ch.close()
             raise IncompatibleWorker(f"worker {worker_id} at {address} registers as {role} but its Status says "
@@ -178,6 +194,15 @@ class Registry:
             old.channel.close()
         log.info("worker %s (%s) joined at %s", worker_id, role, address)
         return inst
+
+    def _open(self, worker_id: str, address: str) -> tuple[grpc.Channel, bool]:
+        """A channel to a worker at ``address`` and whether it is TLS (module docstring, TLS)."""
+        _, secure = split_address(address)
+        if self.worker_tls is not None and not secure:
+            raise InvalidRequest(f"worker {worker_id} registers the plaintext address {address!r}, but this entrypoint "
+                                 "calls workers over TLS only (--worker-ca): start the worker with --tls-cert and "
+                                 "--tls-key")
+        return open_channel(address, self.worker_tls if secure else None), secure
 
     def _check_role(self, worker_id: str, role: str, *, locked: bool = False) -> None:
         """``IncompatibleWorker`` when ``worker_id`` is registered, and healthy, under another role

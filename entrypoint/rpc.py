@@ -76,23 +76,32 @@ def add_service(server: grpc.Server, servicer: Any, service: ServiceDescriptor) 
 
 
 def make_server(executor: Any, services: Iterable[tuple[Any, ServiceDescriptor]], host: str,
-                port: int, *, interceptors: Iterable[grpc.ServerInterceptor] = ()) -> tuple[grpc.Server, int]:
+                port: int, *, interceptors: Iterable[grpc.ServerInterceptor] = (),
+                credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
     """A server (not started) with ``services`` added, bound to ``host:port``; returns it and the bound port.
 
     ``interceptors`` run before any handler, so before the request bytes are parsed (the
-    worker's secret check, ``entrypoint.auth.server_interceptors``). A port that cannot be
-    bound raises ``InvalidRequest`` (after stopping the server)."""
+    worker's secret check, ``entrypoint.auth.server_interceptors``). ``credentials``: serve
+    TLS (``entrypoint.tls.ServerTLS.credentials``); ``None``: plaintext. A port that cannot be
+    bound (or a TLS key that does not match its certificate) raises ``InvalidRequest`` (after
+    stopping the server)."""
     server = grpc.server(executor, interceptors=tuple(interceptors) or None,
                          options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     for servicer, service in services:
         add_service(server, servicer, service)
     try:
-        bound = 0 if port_taken(host, port) else server.add_insecure_port(f"{host}:{port}")
+        if port_taken(host, port):
+            bound = 0
+        elif credentials is not None:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # current grpcio raises ("Failed to bind"); older releases returned 0
         bound = 0
     if bound == 0:
         server.stop(None)
-        raise InvalidRequest(f"cannot bind {host}:{port} (in use, or not a local address); pick another "
+        hint = "; or the TLS key does not match the certificate" if credentials is not None else ""
+        raise InvalidRequest(f"cannot bind {host}:{port} (in use, or not a local address{hint}); pick another "
                              "--host/--port (--port 0: a free one)")
     return server, bound

@@ -123,6 +123,7 @@ from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import IncompatibleWorker, Registry, check_kv_compat
 from entrypoint.rpc import make_server
+from entrypoint.tls import ChannelTLS, ServerTLS, server_address
 from entrypoint.vision import SCOPE_METADATA, check_image_hash, tenant_scope
 from kvstore.keys import BlockHasher, ImageSpan, Namespace, check_image_spans
 from lb.cost_model import load_default
@@ -157,6 +158,10 @@ class EntrypointConfig:
     # (low, high) s: a retry after INTERNAL/UNKNOWN waits a time drawn uniformly from it (at most the
     # client's remaining time), so the requests of one failed engine step do not share a step again.
     retry_backoff_s: tuple[float, float] = (0.02, 0.1)
+    # How the entrypoint dials its workers (entrypoint.tls, hop 2): None: each worker's registered
+    # address decides (grpcs:// with the system roots); set: TLS with these files, and a worker
+    # that registers a plaintext address is refused.
+    worker_tls: ChannelTLS | None = None
 
     def __post_init__(self) -> None:
         """Checked here, before anything is started (``InvalidRequest`` naming the field)."""
@@ -179,6 +184,9 @@ class EntrypointConfig:
             raise kvstore.InvalidRequest(f"worker_secret must be a str, got {type(self.worker_secret).__name__}")
         if self.worker_secret:
             check_secret(self.worker_secret, "EntrypointConfig.worker_secret")
+        if self.worker_tls is not None and not isinstance(self.worker_tls, ChannelTLS):
+            raise kvstore.InvalidRequest(f"worker_tls must be an entrypoint.tls.ChannelTLS or None, "
+                                         f"got {type(self.worker_tls).__name__}")
         # Tenants are isolated only by their salt (it enters every block key): an empty salt
         # shares every key with ``default``, and two tenants with one salt share each other's.
         seen: dict[bytes, str] = {}
@@ -434,8 +442,9 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
 
 def serve(cfg: EntrypointConfig, store_url: str, *, host: str = "127.0.0.1", port: int = 0,
           heartbeat_s: float = 0.5, ready: Callable[[str], None] | None = None,
-          stop: threading.Event | None = None) -> int:
-    """Run the entrypoint until ``stop`` is set (or forever). Calls ``ready(address)`` once listening.
+          stop: threading.Event | None = None, tls: ServerTLS | None = None) -> int:
+    """Run the entrypoint until ``stop`` is set (or forever). Calls ``ready(address)`` once listening
+    (``grpcs://HOST:PORT`` when ``tls`` is enabled: ``entrypoint.tls``, hop 1).
 
     A ``host`` beyond loopback without ``cfg.worker_secret`` (``entrypoint.auth.check_listen``),
     or with several tenants and no ``cfg.client_tokens`` (``entrypoint.clients.check_open_tenants``),
@@ -447,17 +456,21 @@ def serve(cfg: EntrypointConfig, store_url: str, *, host: str = "127.0.0.1", por
         raise kvstore.InvalidRequest(f"heartbeat_s must be a finite number > 0, got {heartbeat_s!r}")
     check_listen(host, cfg.worker_secret)
     check_open_tenants(host, cfg.tenants, ClientAuth(cfg.client_tokens))
+    credentials = tls.credentials() if tls is not None else None  # the files read before anything is opened
+    if cfg.worker_tls is not None:
+        cfg.worker_tls.credentials()  # the same for the files it dials workers with
     store = kvstore.connect(store_url)
-    registry = Registry(heartbeat_s=heartbeat_s, worker_secret=cfg.worker_secret)
+    registry = Registry(heartbeat_s=heartbeat_s, worker_secret=cfg.worker_secret, worker_tls=cfg.worker_tls)
     server = None
     try:
         service = EntrypointService(cfg, store, registry)
         server, bound = make_server(futures.ThreadPoolExecutor(max_workers=cfg.max_inflight + 8),
-                                    [(service, pb.DESCRIPTOR.services_by_name["Entrypoint"])], host, port)
+                                    [(service, pb.DESCRIPTOR.services_by_name["Entrypoint"])], host, port,
+                                    credentials=credentials)
         server.start()
         registry.start()
         if ready is not None:
-            ready(f"{host}:{bound}")
+            ready(server_address(host, bound, credentials is not None))
         stop = stop or threading.Event()
         stop.wait()
     finally:

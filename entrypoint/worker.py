@@ -38,6 +38,18 @@ which sends it on every call, can reach the engine with a tenant's salt or an
 image scope. Without one the worker serves on loopback only, and warns once
 it serves.
 
+TLS (``entrypoint.tls``, which says which hop uses which file): ``--tls-cert C
+--tls-key K`` serve this worker's port over TLS; it then registers (and prints
+in READY) ``grpcs://HOST:PORT``, and the entrypoint verifies it with its
+``--worker-ca``. ``--tls-client-ca CA`` adds mutual TLS: the entrypoint must
+present a certificate signed by CA (its ``--worker-cert``). To register with
+a TLS entrypoint: ``--entrypoint grpcs://HOST:PORT --entrypoint-ca FILE`` (the
+CA of the entrypoint's ``--tls-cert``), plus ``--entrypoint-cert`` and
+``--entrypoint-key`` when it has ``--tls-client-ca``. TLS files for a
+plaintext ``--entrypoint`` address, a cert without its key (or the reverse),
+``--tls-client-ca`` without ``--tls-cert``/``--tls-key``, or a file that is
+not the PEM it should be are usage errors (exit code 2).
+
 Run: ``python -m entrypoint.worker --role decode --store ./kvstack-data``;
 the first line on stdout is ``READY <json>`` with the bound address. With
 ``--entrypoint``, the worker registers there, sending the worker secret and,
@@ -74,6 +86,7 @@ from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import kv_namespace_pb
 from entrypoint.rpc import make_server
+from entrypoint.tls import ChannelTLS, ServerTLS, open_channel, server_address, split_address, unreachable_hint
 from entrypoint.vision import SCOPE_METADATA, EncoderCache, VisionEncoder, check_image_hash
 from kvstore.errors import InvalidRequest, StoreUnavailable
 from kvstore.keys import ImageSpan
@@ -81,6 +94,7 @@ from kvstore.keys import ImageSpan
 log = logging.getLogger(__name__)
 
 ROLES = ("ve", "prefill", "decode")
+ENTRYPOINT_TLS_NONE = ChannelTLS(names=("--entrypoint-ca", "--entrypoint-cert", "--entrypoint-key"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +111,8 @@ class WorkerConfig:
     entrypoint: str = ""  # address to register with ("" = the entrypoint is told by whoever started us)
     # Sent with Register and required of every caller (entrypoint.auth); not in logs.
     worker_secret: str = field(default="", repr=False)
+    tls: ServerTLS = ServerTLS()  # this worker's port (entrypoint.tls, hop 2); empty: plaintext
+    entrypoint_tls: ChannelTLS = ENTRYPOINT_TLS_NONE  # how to reach --entrypoint over grpcs:// (hop 1)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -109,6 +125,14 @@ class WorkerConfig:
             raise InvalidRequest(f"WorkerConfig.port must be <= 65535, got {self.port}")
         if self.worker_secret:
             auth.check_secret(self.worker_secret, "WorkerConfig.worker_secret")
+        if self.entrypoint:  # a bad address, or TLS files for a plaintext one: refused before anything opens
+            _, secure = split_address(self.entrypoint)
+            if self.entrypoint_tls.given and not secure:
+                raise InvalidRequest(f"{self.entrypoint_tls.names[0]}/{self.entrypoint_tls.names[1]} given for the "
+                                     f"plaintext --entrypoint {self.entrypoint!r}: use grpcs://{self.entrypoint}"
+                                     " for a TLS entrypoint, or drop them")
+        elif self.entrypoint_tls.given:
+            raise InvalidRequest("--entrypoint-ca/--entrypoint-cert are for registering: give --entrypoint too")
 
 
 class WorkerService(pbg.WorkerServicer):
@@ -250,11 +274,11 @@ def build(cfg: WorkerConfig) -> tuple[WorkerService, Any]:
     return WorkerService(cfg, runner, None), (runner, conn, store)
 
 
-def _register(entrypoint: str, info: pb.WorkerInfo, secret: str = "") -> None:
-    """Register with the entrypoint, sending ``secret`` (if any); a failure is one typed error
-    that says what to do."""
+def _register(entrypoint: str, info: pb.WorkerInfo, secret: str = "", tls: ChannelTLS = ENTRYPOINT_TLS_NONE) -> None:
+    """Register with the entrypoint, sending ``secret`` (if any), over TLS for a ``grpcs://``
+    address (``tls``: its files); a failure is one typed error that says what to do."""
     try:
-        with grpc.insecure_channel(entrypoint) as ch:
+        with open_channel(entrypoint, tls) as ch:
             pbg.EntrypointStub(ch).Register(info, timeout=10, metadata=auth.metadata(secret))
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -265,7 +289,8 @@ def _register(entrypoint: str, info: pb.WorkerInfo, secret: str = "") -> None:
         if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             raise InvalidRequest(f"the entrypoint at {entrypoint} refused the registration: "
                                  f"{exc.details()}") from None
-        raise StoreUnavailable(f"the entrypoint at {entrypoint} is unreachable ({exc.code().name}); "
+        hint = unreachable_hint(exc.details() or "", tls, split_address(entrypoint)[1])
+        raise StoreUnavailable(f"the entrypoint at {entrypoint} is unreachable ({exc.code().name}){hint}; "
                                "start it first or fix --entrypoint") from None
 
 
@@ -282,21 +307,25 @@ def serve(cfg: WorkerConfig, *, ready_out=sys.stdout) -> int:
     secret, a port that cannot be bound, an entrypoint that cannot be reached or refuses us)
     raises a ``KVStoreError`` after closing what was opened."""
     auth.check_listen(cfg.host, cfg.worker_secret, server="worker", warn=False)  # before anything is opened
+    credentials = cfg.tls.credentials()  # the TLS files read and checked before anything is opened, too
+    if cfg.entrypoint and split_address(cfg.entrypoint)[1]:
+        cfg.entrypoint_tls.credentials()
     svc, closables = build(cfg)
     server = None
     try:
         server, port = make_server(futures.ThreadPoolExecutor(max_workers=16),
                                    [(svc, pb.DESCRIPTOR.services_by_name["Worker"])], cfg.host, cfg.port,
-                                   interceptors=auth.server_interceptors(cfg.worker_secret))
+                                   interceptors=auth.server_interceptors(cfg.worker_secret),
+                                   credentials=credentials)
         server.start()
-        address = f"{cfg.host}:{port}"
+        address = server_address(cfg.host, port, credentials is not None)
         info = pb.WorkerInfo(worker_id=cfg.worker_id, role=cfg.role, address=address)
         if svc.runner is not None:  # the KV namespace and block size its keys are hashed with (checked there)
             eng = svc.runner.engine
             info.kv_namespace.CopyFrom(kv_namespace_pb(eng.namespace))
             info.block_size = eng.cfg.block_size
         if cfg.entrypoint:
-            _register(cfg.entrypoint, info, cfg.worker_secret)
+            _register(cfg.entrypoint, info, cfg.worker_secret, cfg.entrypoint_tls)
     except BaseException:
         if server is not None:
             server.stop(grace=0).wait()
@@ -330,6 +359,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-secret-file", default="", metavar="FILE",
                     help=f"file holding the entrypoint's worker secret, sent with Register and required "
                          f"of every caller (default: ${auth.SECRET_ENV}; none: loopback only, with a warning)")
+    t = ap.add_argument_group("TLS (entrypoint.tls; PEM files)")
+    t.add_argument("--tls-cert", default="", metavar="FILE", help="serve TLS with this certificate (chain)")
+    t.add_argument("--tls-key", default="", metavar="FILE", help="the private key of --tls-cert")
+    t.add_argument("--tls-client-ca", default="", metavar="FILE",
+                   help="mutual TLS: the entrypoint needs a certificate signed by this CA (its --worker-cert)")
+    t.add_argument("--entrypoint-ca", default="", metavar="FILE",
+                   help="CA of a grpcs:// --entrypoint's certificate (default: the system roots)")
+    t.add_argument("--entrypoint-cert", default="", metavar="FILE",
+                   help="client certificate for an entrypoint with --tls-client-ca")
+    t.add_argument("--entrypoint-key", default="", metavar="FILE", help="the private key of --entrypoint-cert")
     try:
         a = ap.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2), its one line already printed
@@ -339,7 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = WorkerConfig(role=a.role, worker_id=a.id or f"{a.role}-{uuid.uuid4().hex[:6]}", host=a.host,
                            port=a.port, store_url=a.store, model_preset=a.model, block_size=a.block_size,
                            num_blocks=a.num_blocks, entrypoint=a.entrypoint,
-                           worker_secret=auth.load_worker_secret(a.worker_secret_file))
+                           worker_secret=auth.load_worker_secret(a.worker_secret_file),
+                           tls=ServerTLS(a.tls_cert, a.tls_key, a.tls_client_ca),
+                           entrypoint_tls=ChannelTLS(a.entrypoint_ca, a.entrypoint_cert, a.entrypoint_key,
+                                                     names=ENTRYPOINT_TLS_NONE.names))
         return serve(cfg)
     except StoreUnavailable as exc:  # not a usage error: the same command may work later
         return fail(ap.prog, exc, code=1)
