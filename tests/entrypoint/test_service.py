@@ -76,11 +76,12 @@ def _serve_fake(fake: FakeWorker, opened: list, secret: str = "") -> str:
 
 
 @contextlib.contextmanager
-def _serving(cfg: EntrypointConfig, store_dir):
-    """``entrypoint.server.serve`` in a thread; yields its address."""
+def _serving(cfg: EntrypointConfig, store_dir, **serve_kw):
+    """``entrypoint.server.serve`` in a thread (``serve_kw``: more of its arguments); yields its address."""
     stop, ready = threading.Event(), []
     t = threading.Thread(target=serve, args=(cfg, str(store_dir)),
-                         kwargs=dict(host="127.0.0.1", heartbeat_s=0.05, stop=stop, ready=ready.append), daemon=True)
+                         kwargs=dict(host="127.0.0.1", heartbeat_s=0.05, stop=stop, ready=ready.append, **serve_kw),
+                         daemon=True)
     t.start()
     try:
         for _ in range(200):

@@ -1,0 +1,5 @@
+"""Fixtures of the entrypoint tests."""
+
+# The daemon tests' certificate fixture (a CA, a server certificate for 127.0.0.1/localhost, a
+# client certificate, another CA), for the TLS tests (test_tls).
+from tests.daemon.conftest import certs  # noqa: F401
