@@ -47,6 +47,14 @@ Scope, when a secret is configured:
     (``client_interceptor``, on every channel ``entrypoint.registry`` opens),
     after the call's own metadata (the VE cache scope on ``Encode``); a worker
     sends it with ``Register`` (``metadata``).
+Transport: the secret (and a client's token) is plain call metadata, so over a
+plaintext connection it crosses the network in clear. Beyond loopback, serve
+TLS on both hops (``entrypoint.tls``, which says which hop takes which file):
+the entrypoint's ``--tls-cert``/``--tls-key`` protect ``Register`` (the worker
+dials ``--entrypoint grpcs://...`` with ``--entrypoint-ca``) and ``Generate``;
+each worker's ``--tls-cert``/``--tls-key`` with the entrypoint's ``--worker-ca``
+protect the calls that carry the secret to the workers. TLS does not replace the
+secret: a worker still requires it, and the entrypoint still checks it.
 A worker given a secret that its entrypoint lacks registers, but refuses the
 entrypoint's first ``Status``; the registry then drops it and refuses the
 ``Register`` (INVALID_ARGUMENT naming the mismatch), so the worker exits
