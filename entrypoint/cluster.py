@@ -215,7 +215,7 @@ class Cluster:
 
     def wait_for_workers(self, n: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
-        with open_channel(self.entrypoint_address, self._client_tls()) as ch:
+        with open_channel(self.entrypoint_address, self.client_tls()) as ch:
             stub = pbg.EntrypointStub(ch)
             while time.monotonic() < deadline:
                 if len(stub.ListWorkers(pb.Empty(), timeout=5, metadata=self.list_metadata()).workers) >= n:
@@ -261,11 +261,11 @@ class Cluster:
     def client(self, token: str = "") -> "Client":
         """A client of this stack's entrypoint that sends ``token`` (a client token; none for ""),
         with this stack's CA and client certificate when it serves TLS."""
-        t = self._client_tls()
+        t = self.client_tls()
         return Client(self.entrypoint_address, token=token, ca_file=t.ca_file, cert_file=t.cert_file,
                       key_file=t.key_file)
 
-    def _client_tls(self) -> ChannelTLS:
+    def client_tls(self) -> ChannelTLS:
         """The files a caller of this stack's entrypoint needs (none without TLS)."""
         t = self.tls
         return ChannelTLS(t.ca, t.client_cert, t.client_key) if t else ChannelTLS()

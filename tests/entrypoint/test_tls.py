@@ -187,7 +187,7 @@ def test_a_tls_stack_serves_a_request_end_to_end(certs, tmp_path, mutual):
     tls = ClusterTLS(certs["ca"], certs["server"], certs["server_key"], **client_files)
     with Cluster(tmp_path, ve=0, prefill=1, decode=1, store="dir", worker_secret=SECRET, tls=tls) as c:
         assert c.entrypoint_address.startswith("grpcs://127.0.0.1:")
-        workers = _list_workers(c.entrypoint_address, c._client_tls(), metadata=c.worker_metadata())
+        workers = _list_workers(c.entrypoint_address, c.client_tls(), metadata=c.worker_metadata())
         assert sorted(w.address.split(":")[0] for w in workers) == ["grpcs", "grpcs"]  # the worker hop is TLS
         client = c.client()
         try:
