@@ -11,11 +11,13 @@ message names what the user typed.
 Guarantees: a file that cannot be read, or holds no PEM block of the expected kind, is
 ``InvalidRequest`` naming the option and the path, before any port or channel is opened; a
 key that does not match its certificate is found by gRPC when the port is bound (the
-callers say so in their bind error), never silently served as plaintext.
+callers say so in their bind error; ``server_credentials`` checks it before, with
+``check_key_pair``), never silently served as plaintext.
 """
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 
 import grpc
@@ -59,8 +61,22 @@ def server_credentials(cert: str, key: str, client_ca: str = "",
     """gRPC server credentials from PEM files (checked: ``check_server_files``, ``read_pem``).
     With ``client_ca`` a client must present a certificate signed by it (mutual TLS)."""
     check_server_files(cert, key, client_ca, names)
-    return server_credentials_from_pem(read_pem(cert, names[0], "CERTIFICATE"), read_pem(key, names[1], "PRIVATE KEY"),
-                                       read_pem(client_ca, names[2], "CERTIFICATE") if client_ca else None)
+    pems = (read_pem(cert, names[0], "CERTIFICATE"), read_pem(key, names[1], "PRIVATE KEY"),
+            read_pem(client_ca, names[2], "CERTIFICATE") if client_ca else None)
+    check_key_pair(cert, key, names)
+    return server_credentials_from_pem(*pems)
+
+
+def check_key_pair(cert: str, key: str, names: tuple[str, ...] = SERVER_NAMES) -> None:
+    """``InvalidRequest`` unless ``key`` is the private key of ``cert`` (PEM files). Checked with
+    the standard ``ssl`` module, so a mismatch is one message before any port is bound, instead
+    of gRPC's own log lines and a failed bind."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
+    except (ssl.SSLError, OSError) as exc:
+        raise InvalidRequest(f"TLS setup: the TLS key does not match the certificate (or cannot be used: "
+                             f"{getattr(exc, 'reason', None) or exc}): {names[1]} {key!r}, {names[0]} {cert!r}"
+                             ) from exc
 
 
 def server_credentials_from_pem(cert: bytes, key: bytes, client_ca: bytes | None) -> grpc.ServerCredentials:

@@ -156,17 +156,20 @@ def _args(certs, tmp_path, args: list[str]) -> list[str]:
     (["--tls-cert", "{server_key}", "--tls-key", "{server_key}"], "--tls-cert '"),  # ... is not a PEM certificate
     (["--tls-cert", "{server}", "--tls-key", "{client_key}"], "the TLS key does not match the certificate"),
     (["--worker-cert", "{client}"], "mutual TLS needs both --worker-cert and --worker-key"),
+    (["--worker-ca", "{server_key}"], "--worker-ca '"),  # ... is not a PEM certificate
     (["--worker-ca", "{missing}"], "cannot read --worker-ca '"),
 ])
 def test_entrypoint_tls_misuse_is_one_line(certs, tmp_path, capsys, args, needle):
     assert entrypoint_main([*_args(certs, tmp_path, args), "--store", str(tmp_path / "store")]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.splitlines()) == 1 and err.startswith("python -m entrypoint: error: "), err
+    assert not (tmp_path / "store").exists()  # found before anything was opened
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--tls-client-ca", "{ca}"], "mutual TLS (--tls-client-ca) needs --tls-cert and --tls-key as well"),
     (["--tls-key", "{server_key}"], "TLS needs both --tls-cert and --tls-key"),
+    (["--tls-cert", "{server}", "--tls-key", "{client_key}"], "the TLS key does not match the certificate"),
     (["--entrypoint-ca", "{ca}"], "give --entrypoint too"),
     (["--entrypoint", "127.0.0.1:1", "--entrypoint-ca", "{ca}"], "use grpcs://127.0.0.1:1 for a TLS entrypoint"),
     (["--entrypoint", "grpcs://127.0.0.1:1", "--entrypoint-cert", "{client}"],
@@ -178,6 +181,7 @@ def test_worker_tls_misuse_is_one_line(certs, tmp_path, capsys, args, needle):
     assert worker_main(["--role", "ve", *_args(certs, tmp_path, args), "--store", str(tmp_path / "store")]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.splitlines()) == 1 and err.startswith("python -m entrypoint.worker: error: "), err
+    assert not (tmp_path / "store").exists()
 
 
 # ----------------------------------------------------------------------------- 4. a real stack
