@@ -152,6 +152,18 @@ def _fsspec_args(url: str, scheme: str) -> tuple[str, dict]:
     return (bare if scheme in _NO_CREDENTIALS else url), opts
 
 
+def localhost_file_url(url: str) -> str:
+    """``file://localhost/PATH`` as ``file:///PATH`` (RFC 8089: host ``localhost`` is this
+    machine); any other URL as written. fsspec reads everything after ``file://`` as the path,
+    so the target opened ``<cwd>/localhost/PATH`` and compared unequal to ``file:///PATH`` (QA).
+    Another word there stays a relative path (``file://d0`` is the directory ``d0``; see
+    ``kvstore.datadir._absolute``), not a host."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme == "file" and rest[:10].lower() == "localhost/":
+        return f"{scheme}://{rest[9:]}"
+    return url
+
+
 def fragment_path(kind_code: int, key: bytes, gen: bytes, index: int) -> str:
     """``<kind>/<key[0]>/<key hex>.<gen hex>.<index>``: unique per (entry, generation, fragment)."""
     return f"{fragment_prefix(kind_code, key, gen)}{index}"
@@ -224,6 +236,7 @@ class Target:
         self.domain = spec.domain
         scheme = spec.url.split("://", 1)[0] if "://" in spec.url else ""
         url, opts = _fsspec_args(spec.url, scheme)
+        url = localhost_file_url(url)
         try:
             self.fs, self.root = fsspec.core.url_to_fs(url, **opts)
         except (ImportError, ValueError) as exc:

@@ -371,3 +371,31 @@ def test_a_rename_is_refused_whatever_spelling_opens_the_same_directory(tmp_path
     monkeypatch.chdir(tmp_path / "elsewhere")
     with kvstore.connect(str(data), fsync=False) as s:
         assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
+
+
+def test_a_file_url_with_host_localhost_is_the_local_path(tmp_path, monkeypatch, caplog):
+    """``file://localhost/x`` (RFC 8089: host ``localhost`` is this machine) opens ``/x``, is
+    recorded as ``file:///x`` and equals ``file:///x`` when compared with the marker; before,
+    fsspec's reading made it ``<cwd>/localhost/x``: fragments went under the working directory,
+    and an opener spelling the same targets ``file:///x`` found none of them."""
+    import json
+    import logging
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    disks = tmp_path / "disks"
+    targets = ",".join(f"file://localhost{disks / f'd{i}'}#default#t{i}" for i in range(3))
+    with kvstore.connect(str(data), targets=targets, ec_k=2, ec_m=1, fsync=False) as s:
+        assert s.put(b"k" * 16, b"hello" * 100)
+    assert not (tmp_path / "localhost").exists()
+    assert all(any(p.is_file() for p in (disks / f"d{i}").rglob("*")) for i in range(3))
+    rec = json.loads((data / "kvstore.json").read_text())["targets"]
+    assert [t["url"] for t in rec] == [f"file://{disks / f'd{i}'}" for i in range(3)]
+    before = (data / "kvstore.json").read_bytes()
+    plain = ",".join(f"file://{disks / f'd{i}'}#default#t{i}" for i in range(3))
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        for spelled in (plain, targets):  # either spelling: the same targets, the marker as it was
+            with kvstore.connect(str(data), targets=spelled, fsync=False) as s:
+                assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
+    assert "differ from those kvstore.json records" not in caplog.text
+    assert (data / "kvstore.json").read_bytes() == before
