@@ -31,7 +31,7 @@ from kvstore.config import DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_E
 from kvstore.errors import CorruptData, IncompatibleFormat, InvalidRequest
 from kvstore.index import Index
 from kvstore.durability import fsync_dir
-from kvstore.targets import TARGET_TYPES, LocalTarget, Target, open_target
+from kvstore.targets import TARGET_TYPES, LocalTarget, Target, localhost_file_url, open_target
 
 DATA_FORMAT_VERSION = 1
 FORMAT_FILE = "kvstore.json"
@@ -120,6 +120,20 @@ def _respelled(rec: Any) -> bool:
         isinstance(t, dict) and isinstance(t.get("url"), str) and _absolute(t["url"]) != t["url"] for t in rec)
 
 
+def _cwd_relative(url: str) -> bool:
+    """Is ``url`` a local target given by a relative path (``d0``, ``file://d0``, ``local://d0``)?
+    Code before 7d7b241 recorded such URLs as written: they meant the working directory of
+    the process that wrote the marker, which no later opener knows."""
+    if _local_root(url) is None:
+        return False
+    bare = localhost_file_url(split_userinfo(url)[0])
+    if "://" in bare:
+        path = bare.split("://", 1)[1]
+    else:
+        path = bare.split(":", 1)[1] if bare.startswith(("file:", "local:")) else bare
+    return not os.path.isabs(os.path.expanduser(path))
+
+
 def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConfig:
     """``config`` with the marker's recorded targets when it names none itself: so ``kvtool``
     and a daemon started without ``KVSTORE_TARGETS`` open the targets the directory was
@@ -140,6 +154,15 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
     except InvalidRequest as exc:
         raise IncompatibleFormat(f"the targets recorded in {FORMAT_FILE} are unusable ({exc}); correct its "
                                  "'targets', or name the targets (KVSTORE_TARGETS, --targets)") from exc
+    relative = [t.url for t in specs if _cwd_relative(t.url)]
+    if relative:
+        # Resolved against this process's working directory they may be other directories (empty,
+        # or another store's, whose files the orphan sweep would take): every entry read as lost (QA).
+        raise InvalidRequest(
+            f"{FORMAT_FILE} records targets by relative paths ({', '.join(relative)}), as code before "
+            "absolute URLs were recorded wrote them: relative to the working directory of the process that "
+            f"wrote it, which is not known here (this one's is {os.getcwd()}). Name the targets once with "
+            "absolute paths (KVSTORE_TARGETS, --targets, targets=): the marker is then rewritten with them")
     # Local as the targets are opened (``_local_root``; before, only plain paths and
     # file:// URLs: a moved set of local:// targets opened, and every entry read as lost).
     local = [t for t in specs if _local_root(t.url) is not None]

@@ -399,3 +399,36 @@ def test_a_file_url_with_host_localhost_is_the_local_path(tmp_path, monkeypatch,
                 assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
     assert "differ from those kvstore.json records" not in caplog.text
     assert (data / "kvstore.json").read_bytes() == before
+
+
+def test_an_old_marker_with_relative_urls_is_refused_by_an_opener_naming_no_targets(tmp_path, monkeypatch):
+    """A marker written before relative URLs were recorded absolute holds ``file://d0``: the
+    working directory of the process that wrote it, which an opener naming no targets does not
+    know. Before, it opened them under its own working directory: there, other directories of
+    those names (empty, or another store's for the orphan sweep to empty) read every entry as
+    lost. Now it is refused, saying to name the targets, which rewrites the marker absolute."""
+    import json
+
+    from kvstore.errors import InvalidRequest
+
+    (tmp_path / "a").mkdir()
+    for i in range(3):
+        (tmp_path / "b" / f"d{i}").mkdir(parents=True)  # other directories of the recorded names
+    monkeypatch.chdir(tmp_path / "a")
+    data = tmp_path / "data"
+    targets = ",".join(f"file://{tmp_path / 'a' / f'd{i}'}#default#t{i}" for i in range(3))
+    with kvstore.connect(str(data), targets=targets, ec_k=2, ec_m=1, fsync=False) as s:
+        assert s.put(b"k" * 16, b"hello" * 100)
+    marker = json.loads((data / "kvstore.json").read_text())
+    marker["targets"] = [dict(t, url=f"file://d{i}") for i, t in enumerate(marker["targets"])]  # the old form
+    (data / "kvstore.json").write_text(json.dumps(marker))
+    for where in ("b", "a"):  # even the writer's own directory: nothing says it is
+        monkeypatch.chdir(tmp_path / where)
+        with pytest.raises(InvalidRequest, match="relative paths.*Name the targets"):
+            kvstore.connect(str(data), fsync=False)
+    assert not any(p.is_file() for p in (tmp_path / "b").rglob("*"))
+    with kvstore.connect(str(data), targets=targets, fsync=False) as s:  # named once: recorded absolute
+        assert s.get(b"k" * 16) == b"hello" * 100
+    monkeypatch.chdir(tmp_path / "b")
+    with kvstore.connect(str(data), fsync=False) as s:
+        assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
