@@ -23,6 +23,9 @@ Sub-databases (``ek`` is the 17-byte entry key ``kind code || block hash``)::
              b"code"                -> JSON {ec_type, ec_k, ec_m}: the directory's erasure code, set in
                                        the same transaction (the marker repeats it; this copy is the one
                                        creators racing each other agree on)
+             b"path\0"||target||b"\0"||rel -> who (b"s" sweep, b"r" repair) || pid (u64 BE): a fragment
+                                       path taken while its I/O runs outside any write transaction
+                                       (``Index.take_path_txn``)
 
 Invariants (each write transaction keeps them):
   1. An ``entries`` record exists only after all of its fragments were durably
@@ -109,6 +112,23 @@ class Meta:
 def packed_bytes(m: Meta) -> int:
     """Bytes of a record's fragments that sit in its pack (0 for fragment files)."""
     return m.frag_len * sum(1 for o in m.offsets if o != STANDALONE) if m.offsets else 0
+
+
+def _path_key(target: str, rel: str) -> bytes:
+    return b"path\0" + target.encode() + b"\0" + rel.encode()
+
+
+def _alive(pid: int) -> bool:
+    """Does process ``pid`` (of this host) run? Unsure (not ours to signal) counts as yes."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def ekey(kind_code: int, key: bytes) -> bytes:
@@ -278,6 +298,25 @@ class Index:
     def counter(self, txn: lmdb.Transaction, name: str) -> int:
         cur = txn.get(name.encode(), db=self.db["info"])
         return _U64.unpack(cur)[0] if cur else 0
+
+    # ------------------------------------------------------------------ taken paths
+    def take_path_txn(self, txn: lmdb.Transaction, target: str, rel: str, who: str) -> bool:
+        """Take fragment path ``rel`` on ``target`` for ``who`` ("sweep": deleting the stale copy
+        there; "repair": writing a rebuilt fragment there, to record it): False when a live
+        process (this one included) holds it, else held for this process until
+        ``release_path_txn``, and True. A holder whose process is gone (it crashed with the
+        path taken) holds nothing: it writes, deletes and records no more. Process ids are
+        what LMDB's own reader table is checked by, so one data directory is one host's."""
+        key = _path_key(target, rel)
+        raw = txn.get(key, db=self.db["info"])
+        if raw is not None and _alive(_U64.unpack_from(raw, 1)[0]):
+            return False
+        txn.put(key, who[:1].encode() + _U64.pack(os.getpid()), db=self.db["info"])
+        return True
+
+    def release_path_txn(self, txn: lmdb.Transaction, target: str, rel: str) -> None:
+        """Give back a path ``take_path_txn`` took (none held: nothing)."""
+        txn.delete(_path_key(target, rel), db=self.db["info"])
 
     # ------------------------------------------------------------------ live entries
     def get_meta(self, txn: lmdb.Transaction, ek: bytes) -> Meta | None:

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvstore import codec
 from kvstore.api import EntryKind
-from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStoreError, StoreClosed, StoreUnavailable
+from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStoreError, StoreClosed
 from kvstore.fragments import WrittenTooLongAgo
 from kvstore.gc_plan import (DueGrave, count_expired, due_graves, expired_lost, grave_key, plan_compaction,
                              plan_eviction, plan_expiry, plan_purge, removed_graves)
@@ -349,13 +349,18 @@ def _scan_entry(store: "EmbeddedStore", ek: bytes, m: Meta,
 
 
 def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
-             bad: dict[int, Problem], why: dict[int, str]) -> tuple[Meta, set[int]] | None:
+             bad: dict[int, Problem], why: dict[int, str],
+             taken: list[tuple[str, str]]) -> tuple[Meta, set[int]] | None:
     """Rewrite the bad fragments (same target if it is up, else a healthy spare): (new Meta, the
     fragments rewritten), or None when the entry cannot be rebuilt (it does not decode). A
     fragment no target takes stays as it was, the others are rewritten all the same (as much
     redundancy as the healthy targets allow; every file written is in the returned Meta).
     A rebuilt fragment is always its own file: a packed one is marked ``STANDALONE``.
-    ``why`` gets, per fragment left as it was, the reason (what ``repair`` tells its caller)."""
+    ``why`` gets, per fragment left as it was, the reason (what ``repair`` tells its caller).
+    A file in a new place (a target, or a file of its own, the record did not have for the
+    slot) is written only once its path is taken (``Index.take_path_txn``): an orphan sweep
+    may be deleting a stale copy there (``kvstore.orphans``). ``taken`` gets each path taken,
+    for the caller to give back once the record is written or given up."""
     code = codec.erasure_code(m.k, m.m, store.config.ec_type)
     try:
         rebuilt = code.reconstruct(good, sorted(bad))
@@ -377,9 +382,17 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
         # its own target first, unless no longer configured (replaced by a new one): then a spare
         candidates = [targets[i]] * (targets[i] in store.targets) + [
             n for n in place(ek[1:], store.target_specs, len(store.target_specs)) if n not in targets]
+        rel = fragment_path(ek[0], ek[1:], m.gen, i)
         for name in candidates:
+            if (name, True) != (m.targets[i], not m.offsets or m.offsets[i] == STANDALONE):  # a new place
+                with store.index.env.begin(write=True) as txn:
+                    mine = store.index.take_path_txn(txn, name, rel, "repair")
+                if not mine:
+                    why[i] = f"target {name}: an orphan sweep is deleting a stale copy at its path"
+                    continue
+                taken.append((name, rel))
             try:
-                store.targets[name].write(fragment_path(ek[0], ek[1:], m.gen, i), frame, fsync=store.config.fsync)
+                store.targets[name].write(rel, frame, fsync=store.config.fsync)
                 targets[i] = name
                 if offsets:
                     offsets[i] = STANDALONE
@@ -396,48 +409,26 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
     return replace(m, targets=tuple(targets), offsets=tuple(offsets)), done
 
 
-class RebuiltFileGone(StoreUnavailable):
-    """A fragment file ``_rebuild`` wrote in a new place is gone when its record would name
-    it: an orphan sweep took the stale copy that sat at that path (``kvstore.orphans``).
-    Raised inside the index transaction, which it aborts: nothing recorded."""
-
-
-def _check_new_files(store: "EmbeddedStore", ek: bytes, m: Meta, fixed_meta: Meta) -> None:
-    """``RebuiltFileGone`` unless every fragment file ``fixed_meta`` names in a new place (a
-    target or file of its own that ``m`` did not have for the slot) is there. Called inside
-    the write transaction that records them: the sweep deletes a stale copy only inside one
-    too, after checking no record names it, so one of the two always sees the other."""
-    def own_file(meta: Meta, i: int) -> bool:
-        return not meta.offsets or meta.offsets[i] == STANDALONE
-    for i, name in enumerate(fixed_meta.targets):
-        if own_file(fixed_meta, i) and (name, True) != (m.targets[i], own_file(m, i)):
-            try:
-                store.targets[name].stat(fragment_path(ek[0], ek[1:], m.gen, i))
-            except (OSError, KeyError) as exc:
-                raise RebuiltFileGone(f"fragment {i} rebuilt on {name} is gone (swept as the stale copy that "
-                                      f"sat at its path): {exc}") from exc
-
-
 def _record_repair(store: "EmbeddedStore", ek: bytes, m: Meta, fixed_meta: Meta, where: str,
                    written_at: float) -> bool:
     """Index what ``_rebuild`` wrote for record ``m`` of ``where`` ("entries" or "lost"): False
     when the record moved or went meanwhile (its new files are orphans). ``WrittenTooLongAgo``
     (nothing indexed) when those files were written over half the orphan grace ago, as for a
     put (``FragmentIO._check_in_time``): a sweep may be deleting them (before, a repair had no
-    such check); ``RebuiltFileGone`` (nothing indexed) when one in a new place was swept."""
+    such check). A file in a new place is safe from the sweep while ``_rebuild`` holds its path,
+    so nothing here asks a target (before, its presence was checked inside this transaction:
+    a target round trip every put waited on)."""
     with store.index.env.begin(write=True) as txn:
         store._check_in_time(written_at, f"the repair of {ek[1:].hex()}")
         if where == "entries":
             cur = store.index.get_meta(txn, ek)
             if cur is None or (cur.gen, cur.targets, cur.offsets) != (m.gen, m.targets, m.offsets):
                 return False
-            _check_new_files(store, ek, m, fixed_meta)
             store.index.update_txn(txn, ek, cur, replace(fixed_meta, access_ns=cur.access_ns, pinned=cur.pinned))
             return True
         cur = store.index.get_lost(txn, ek)
         if cur is None or cur.gen != m.gen or store.index.get_meta(txn, ek) is not None:
             return False
-        _check_new_files(store, ek, m, fixed_meta)
         store.index.drop_lost_txn(txn, ek, fixed_meta, store.now_ns(), to_grave=False)
         return True
 
@@ -519,17 +510,24 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
             continue
         why: dict[int, str] = {}
         written_at = store.clock()  # of the files _rebuild writes (``_check_in_time``)
-        rebuilt = _rebuild(store, ek, m, good, bad, why) if (fix and bad) else ((m, set()) if fix else None)
-        fixed_meta, fixed = rebuilt if rebuilt is not None else (None, set())
-        if fixed_meta is not None and where == "entries" and not fixed:
-            fixed_meta = None  # nothing rewritten: the record stands as it is
+        taken: list[tuple[str, str]] = []  # paths _rebuild took: held until recorded or given up
         unrecorded = ""  # why the fragments rewritten were not recorded (written, so not "not rebuilt")
-        if fix and fixed_meta is not None:
-            try:
-                if not _record_repair(store, ek, m, fixed_meta, where, written_at):
-                    unrecorded = "the entry changed while it was rebuilt"
-            except (WrittenTooLongAgo, RebuiltFileGone) as exc:  # swept, or may be: not recorded
-                unrecorded = str(exc)
+        try:
+            rebuilt = _rebuild(store, ek, m, good, bad, why, taken) if (fix and bad) else ((m, set()) if fix else None)
+            fixed_meta, fixed = rebuilt if rebuilt is not None else (None, set())
+            if fixed_meta is not None and where == "entries" and not fixed:
+                fixed_meta = None  # nothing rewritten: the record stands as it is
+            if fix and fixed_meta is not None:
+                try:
+                    if not _record_repair(store, ek, m, fixed_meta, where, written_at):
+                        unrecorded = "the entry changed while it was rebuilt"
+                except WrittenTooLongAgo as exc:  # a sweep may be deleting them: not recorded
+                    unrecorded = str(exc)
+        finally:
+            if taken:
+                with store.index.env.begin(write=True) as txn:
+                    for name, rel in taken:
+                        store.index.release_path_txn(txn, name, rel)
         for i, p in bad.items():
             if unrecorded and i in fixed:
                 detail = f"{p.detail}; {_unrecorded_detail(m, fixed_meta, i, unrecorded)}"

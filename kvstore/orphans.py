@@ -18,12 +18,15 @@ generation, ``.tmp.`` names are random too, and a file is indexed only within
 ``orphan_grace_s / 2`` of its writing (``FragmentIO._check_in_time``; ``commit_written``
 also checks the pack's mtime), so a file old enough to be swept is never indexed after.
 A slot orphan's name is re-created by repair alone: it rebuilds a slot onto a spare at
-the path a stale copy there has. So the last look (the records, then the file's age) and
-the delete run inside one index write transaction (``_delete_slot_orphan``), and repair
-records a fragment in a new place only if its file is still there, checked inside its own
-write transaction (``kvstore.maintenance._record_repair``): whichever transaction comes
-first, the other sees it (before, a rebuild between the last look and the delete was
-deleted and then recorded).
+the path a stale copy there has. So the sweep's last look at the records and repair's
+decision to write there each take the path in the index (``Index.take_path_txn``, one short
+write transaction): the sweep only when no record of the generation claims the file and no
+live process holds the path, repair only when none holds it; each keeps it until its
+delete, or its record, is done. Whichever takes it first, the other sees it: a sweep that
+took it first is never followed by a rebuild there until its delete is over, and a repair
+that took it first is recorded (the sweep then sees the record) or gave up (its file is an
+orphan) before the sweep looks. The stat and the delete, and repair's write, run outside
+any write transaction (before, they ran inside one: on S3 a round trip every put waited on).
 """
 
 from __future__ import annotations
@@ -116,17 +119,19 @@ def _still_an_orphan(store: "EmbeddedStore", tgt, rel: str, ek: bytes, gen: byte
 
 def _delete_slot_orphan(store: "EmbeddedStore", tgt, rel: str, ek: bytes, gen: bytes, slot: int,
                         grace_s: float) -> bool | None:
-    """Delete a slot orphan ``_still_an_orphan`` passed, looking last inside an index write
-    transaction: ``None`` (kept) when a record of its generation now names this file or none
-    is live or lost any more, or the file is gone or young (rewritten since the listing);
-    else what ``tgt.delete`` says (``OSError`` raised). Held for one stat and one delete: a
-    repair that rebuilds the slot here records it only once its file is still there, checked
-    in its own write transaction, so it either comes first (recorded: kept here) or finds
-    the file this delete took (not recorded)."""
+    """Delete a slot orphan ``_still_an_orphan`` passed: ``None`` (kept) when a record of its
+    generation now names this file or none is live or lost any more, a repair holds its path,
+    or the file is gone or young (rewritten since the listing); else what ``tgt.delete`` says
+    (``OSError`` raised). The last look at the records takes the path in one short write
+    transaction; the stat and the delete run after it, the path held until they are done, so
+    no repair rebuilds the slot here meanwhile (see the module docstring)."""
     with store.index.env.begin(write=True) as txn:
         metas = _live_metas(store, txn, ek, gen)
         if not metas or _claims_slot_here(metas, tgt.name, slot):
             return None
+        if not store.index.take_path_txn(txn, tgt.name, rel, "sweep"):
+            return None  # a repair is writing it (or another sweep deleting it)
+    try:
         try:
             _size, mtime = tgt.stat(rel)
         except OSError:
@@ -134,6 +139,9 @@ def _delete_slot_orphan(store: "EmbeddedStore", tgt, rel: str, ek: bytes, gen: b
         if not mtime or store.file_clock() - mtime < grace_s + tgt.mtime_resolution_s:
             return None
         return tgt.delete(rel)
+    finally:
+        with store.index.env.begin(write=True) as txn:
+            store.index.release_path_txn(txn, tgt.name, rel)
 
 
 def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: float,
@@ -198,7 +206,7 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
                              target=name, detail=rel, fixed=not dry_run)
             if not dry_run:
                 try:
-                    if recheck:  # the last look and the delete in one index write transaction
+                    if recheck:  # the last look takes the path; the delete holds it
                         removed = _delete_slot_orphan(store, tgt, rel, ek, gen, slot, grace_s)
                         if removed is None:
                             continue  # claimed, rewritten or gone since: kept

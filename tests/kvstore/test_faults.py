@@ -255,64 +255,135 @@ def test_a_slot_rebuilt_onto_a_target_after_the_sweep_listed_it_is_not_deleted(t
         assert s.gc()["orphans"] == 1 and s.check() == [] and s.get(key) == value
 
 
-def test_a_slot_rebuilt_onto_a_target_between_the_sweeps_last_look_and_its_delete_is_not_lost(tmp_path, monkeypatch):
-    """The sweep's last look at a stale copy (the record, then the file's age) and its delete
-    were two steps: a repair that rebuilt that slot at the very path in between (the target it
-    had replaced failed) and recorded it had its new file deleted, leaving a record that names
-    a missing fragment. Now the sweep looks and deletes inside one index write transaction,
-    and a repair records a file in a new place only if it is still there in its own."""
-    import threading
-    from dataclasses import replace as dc_replace
-    from pathlib import Path
+def _write_txn(s) -> bool:
+    """Open and commit an empty index write transaction (it waits for LMDB's writer lock)."""
+    with s.index.env.begin(write=True):
+        return True
 
-    from kvstore import maintenance
+
+def _slot_orphan_setup(tmp_path, **kw):
+    """A store whose slot 0 was rebuilt on a spare while its home target was away, the home
+    back with its stale copy: (store, entry key, key, value, home target, its record, path)."""
     from kvstore.targets import fragment_path
 
     base = tmp_path / "s2"
     targets = ",".join(f"file://{base}/t{i}#d{i}" for i in range(8))
     key, value = b"r" * 16, os.urandom(5000)
-    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, orphan_grace_s=0) as s:
-        s.put(key, value)
-        ek = b"\x01" + key
-        with s.index.env.begin() as txn:
-            home = s.index.get_meta(txn, ek).targets[0]
-        tgt = s.targets[home]
-        os.rename(tgt.root, tgt.root + ".away")
-        assert s.repair()["rebuilt_fragments"] == 1
-        os.rename(tgt.root + ".away", tgt.root)  # back, with its stale copy of slot 0
-        with s.index.env.begin() as txn:
-            cur = s.index.get_meta(txn, ek)
-        rel = fragment_path(ek[0], key, cur.gen, 0)
-        frame = s.targets[cur.targets[0]].read(rel)  # the good copy, on the spare the first repair used
-        real_stat, out = type(tgt).stat, []
+    s = kvstore.connect(str(base / "data"), targets=targets, fsync=False, orphan_grace_s=0, **kw)
+    s.put(key, value)
+    ek = b"\x01" + key
+    with s.index.env.begin() as txn:
+        home = s.index.get_meta(txn, ek).targets[0]
+    tgt = s.targets[home]
+    os.rename(tgt.root, tgt.root + ".away")
+    assert s.repair()["rebuilt_fragments"] == 1
+    os.rename(tgt.root + ".away", tgt.root)  # back, with its stale copy of slot 0
+    with s.index.env.begin() as txn:
+        cur = s.index.get_meta(txn, ek)
+    return s, ek, key, value, tgt, cur, fragment_path(ek[0], key, cur.gen, 0)
 
-        def record() -> None:
-            try:
-                out.append(maintenance._record_repair(s, ek, cur, dc_replace(cur, targets=(home, *cur.targets[1:])),
-                                                      "entries", s.clock()))
-            except Exception as exc:  # noqa: BLE001 - looked at below
-                out.append(exc)
+
+def test_a_slot_rebuilt_onto_a_target_between_the_sweeps_last_look_and_its_delete_is_not_lost(tmp_path, monkeypatch):
+    """The sweep's last look at a stale copy (the record, then the file's age) and its delete
+    were two steps: a repair that rebuilt that slot at the very path in between (the target it
+    had replaced failed) and recorded it had its new file deleted, leaving a record that names
+    a missing fragment. Then the look and the delete shared one index write transaction, which
+    held every put back for a target round trip. Now the sweep's last look takes the path and
+    holds it through the stat and the delete, outside the transaction: a repair takes the path
+    before it writes there, so it does not, and a put meanwhile is not held back."""
+    import threading
+    from pathlib import Path
+
+    s, ek, key, value, tgt, cur, rel = _slot_orphan_setup(tmp_path)
+    with s:
+        home = tgt.name
+        frame = s.targets[cur.targets[0]].read(rel)  # the good copy, on the spare the first repair used
+        real_stat, put_done = type(tgt).stat, []
 
         def stat(self, path):
             got = real_stat(self, path)
-            if self is tgt and path == rel and not hasattr(stat, "fired"):  # the sweep's last look
-                stat.fired = True  # now a repair rebuilds slot 0 here, and records it
-                tgt.write(rel, frame, fsync=False)
-                stat.thread = threading.Thread(target=record)
-                stat.thread.start()
-                stat.thread.join(0.5)  # at once before; now it waits for the sweep's transaction
+            if self is tgt and path == rel and not hasattr(stat, "took"):  # the sweep's last look
+                with s.index.env.begin(write=True) as txn:  # a repair about to rebuild slot 0 here
+                    stat.took = s.index.take_path_txn(txn, home, rel, "repair")
+                if stat.took:
+                    tgt.write(rel, frame, fsync=False)
+                put = threading.Thread(target=lambda: put_done.append(_write_txn(s)))  # as a put's commit
+                put.start()
+                put.join(10)  # at once: the sweep holds no write transaction while it asks the target
             return got
 
         monkeypatch.setattr(type(tgt), "stat", stat)
         s.gc()
-        stat.thread.join()
         monkeypatch.undo()
-        assert getattr(stat, "fired", False) and len(out) == 1
-        with s.index.env.begin() as txn:
-            now = s.index.get_meta(txn, ek)
-        assert now.targets[0] != home or (Path(tgt.root) / rel).exists()  # never a record of a deleted file
+        assert stat.took is False and put_done == [True]
+        assert not (Path(tgt.root) / rel).exists()  # the stale copy swept
+        assert s.repair()["rebuilt_fragments"] == 0
         assert s.get(key) == value and s.counters.get("degraded_reads", 0) == 0
         assert s.check() == []
+
+
+def test_repair_and_the_sweep_ask_no_target_inside_an_index_write_transaction(tmp_path, monkeypatch):
+    """Repair's check that a file it rebuilt in a new place is still there, and the sweep's
+    last stat and delete of a slot orphan, ran inside an index write transaction: on S3 a
+    round trip that every put's commit waited on. Now no target is asked while one is held."""
+    import threading
+
+    from kvstore.targets import LocalTarget
+
+    s, _ek, key, value, tgt, _cur, rel = _slot_orphan_setup(tmp_path)
+    probes: list[tuple[str, bool]] = []
+    waiting: list[threading.Thread] = []
+    real = {op: getattr(LocalTarget, op) for op in ("stat", "delete", "write")}
+
+    def probing(op):
+        def call(self, *a, **kw):
+            done: list[bool] = []
+            t = threading.Thread(target=lambda: done.append(_write_txn(s)))
+            t.start()
+            t.join(2)  # a put's commit: at once unless this thread holds the writer lock
+            probes.append((op, bool(done)))
+            waiting.append(t)  # joined at the end: it may wait for this very thread's transaction
+            return real[op](self, *a, **kw)
+        return call
+
+    with s:
+        for op in real:
+            monkeypatch.setattr(LocalTarget, op, probing(op))
+        os.rename(s.targets[_cur.targets[0]].root, s.targets[_cur.targets[0]].root + ".away")  # the spare gone
+        s.repair()  # slot 0 rebuilt elsewhere: a new place, checked before it is recorded
+        os.rename(s.targets[_cur.targets[0]].root + ".away", s.targets[_cur.targets[0]].root)
+        s.gc()  # the stale copies swept: a slot orphan's last stat and its delete
+        monkeypatch.undo()
+        for t in waiting:
+            t.join()
+        assert {op for op, _ in probes} >= {"stat", "delete", "write"}
+        assert all(ok for _, ok in probes), [op for op, ok in probes if not ok]
+        assert s.get(key) == value and s.check() == []
+
+
+def test_a_slot_path_a_repair_holds_is_not_swept(tmp_path, monkeypatch):
+    """The other order: a repair took the path (it is writing its rebuilt fragment there, to
+    record it) before the sweep's last look; the sweep keeps the file. Its delete is held back
+    until the repair gives the path back, and is then taken only if no record claims the file."""
+    from dataclasses import replace as dc_replace
+    from pathlib import Path
+
+    from kvstore import maintenance
+
+    s, ek, key, value, tgt, cur, rel = _slot_orphan_setup(tmp_path)
+    with s:
+        frame = s.targets[cur.targets[0]].read(rel)
+        with s.index.env.begin(write=True) as txn:
+            assert s.index.take_path_txn(txn, tgt.name, rel, "repair")
+        tgt.write(rel, frame, fsync=False)
+        assert s.gc()["orphans"] == 0 and (Path(tgt.root) / rel).exists()
+        assert maintenance._record_repair(s, ek, cur, dc_replace(cur, targets=(tgt.name, *cur.targets[1:])),
+                                          "entries", s.clock())
+        with s.index.env.begin(write=True) as txn:
+            s.index.release_path_txn(txn, tgt.name, rel)
+        assert s.gc()["orphans"] == 1  # the copy on the spare, no longer recorded
+        assert (Path(tgt.root) / rel).exists() and s.get(key) == value
+        assert s.counters.get("degraded_reads", 0) == 0 and s.check() == []
 
 
 def test_gc_keeps_the_fragments_of_targets_renamed_under_it(tmp_path):
