@@ -123,7 +123,7 @@ from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import IncompatibleWorker, Registry, check_kv_compat
 from entrypoint.rpc import make_server
-from entrypoint.tls import ChannelTLS, ServerTLS, server_address
+from entrypoint.tls import ChannelTLS, ServerTLS, server_address, warn_plaintext
 from entrypoint.vision import SCOPE_METADATA, check_image_hash, tenant_scope
 from kvstore.keys import BlockHasher, ImageSpan, Namespace, check_image_spans
 from lb.cost_model import load_default
@@ -469,6 +469,7 @@ def serve(cfg: EntrypointConfig, store_url: str, *, host: str = "127.0.0.1", por
                                     credentials=credentials)
         server.start()
         registry.start()
+        warn_plaintext("entrypoint", host, credentials is not None)
         if ready is not None:
             ready(server_address(host, bound, credentials is not None))
         stop = stop or threading.Event()

@@ -34,6 +34,8 @@ address are refused (``InvalidRequest``: "use grpcs://"), never silently
 ignored. A TLS server's ``READY`` line says ``grpcs://HOST:PORT``, the address
 to give its callers as is.
 
+A server listening beyond loopback without TLS warns at start (``warn_plaintext``).
+
 TLS replaces neither the worker secret nor the client tokens: they are still
 required as before (mutual TLS is one more gate, at the transport).
 """
@@ -43,8 +45,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import logging
+
 import grpc
 
+from entrypoint.auth import is_loopback
 from kvstore.errors import InvalidRequest
 from kvstore.tls import channel_credentials, check_server_files, failure_kind, server_credentials
 
@@ -106,6 +111,19 @@ def split_address(address: str) -> tuple[str, bool]:
     if scheme not in ("grpc", "grpcs") or not rest or ":" not in rest or "/" in rest:
         raise InvalidRequest(f"bad address {address!r}: expected {ADDRESS_FORM}")
     return rest, scheme == "grpcs"
+
+
+log = logging.getLogger(__name__)
+
+
+def warn_plaintext(server: str, host: str, tls: bool) -> None:
+    """Warn (once per call: at start) when ``server`` ("entrypoint" or "worker") listens beyond
+    loopback without TLS: the worker secret and the client tokens it is sent are then readable
+    by anyone on the path (the listen itself is allowed: a private network may be trusted)."""
+    if not tls and not is_loopback(host):
+        log.warning("the %s listens on %s, beyond loopback, without TLS: the worker secret and client tokens "
+                    "cross the network in clear text; give it --tls-cert and --tls-key (entrypoint.tls)",
+                    server, host)
 
 
 def server_address(host: str, port: int, tls: bool) -> str:

@@ -86,7 +86,8 @@ from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import kv_namespace_pb
 from entrypoint.rpc import make_server
-from entrypoint.tls import ChannelTLS, ServerTLS, open_channel, server_address, split_address, unreachable_hint
+from entrypoint.tls import (ChannelTLS, ServerTLS, open_channel, server_address, split_address, unreachable_hint,
+                            warn_plaintext)
 from entrypoint.vision import SCOPE_METADATA, EncoderCache, VisionEncoder, check_image_hash
 from kvstore.errors import InvalidRequest, StoreUnavailable
 from kvstore.keys import ImageSpan
@@ -333,6 +334,7 @@ def serve(cfg: WorkerConfig, *, ready_out=sys.stdout) -> int:
         raise
     if not cfg.worker_secret:  # only now: a start-up error stays one line on stderr
         auth.warn_no_secret("worker")
+    warn_plaintext("worker", cfg.host, credentials is not None)
     print("READY " + json.dumps({"worker_id": cfg.worker_id, "role": cfg.role, "address": address}),
           file=ready_out, flush=True)
     stop = threading.Event()

@@ -203,3 +203,17 @@ def test_a_tls_stack_serves_a_request_end_to_end(certs, tmp_path, mutual):
         _refused(c.entrypoint_address.removeprefix("grpcs://"))  # plaintext: refused
         if mutual:
             _refused(c.entrypoint_address, ChannelTLS(certs["ca"]))  # no client certificate: refused
+
+
+@pytest.mark.parametrize("server", ["entrypoint", "worker"])
+def test_listening_beyond_loopback_without_tls_warns_that_secrets_travel_in_clear(server, caplog):
+    from entrypoint.tls import warn_plaintext
+
+    with caplog.at_level("WARNING", logger="entrypoint.tls"):
+        warn_plaintext(server, "127.0.0.1", False)
+        warn_plaintext(server, "10.0.0.5", True)
+    assert not caplog.records  # loopback, or TLS on: nothing to say
+    with caplog.at_level("WARNING", logger="entrypoint.tls"):
+        warn_plaintext(server, "10.0.0.5", False)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert f"the {server} listens on 10.0.0.5" in caplog.text and "clear text" in caplog.text
