@@ -34,7 +34,8 @@ the last good block, and the recomputed blocks are saved again, which heals
 an entry the store marked lost); a store that is down or slow is skipped for ``store_backoff_s`` after a
 failure (``StoreGateway``); any exception a store call raises counts as a
 failed call there, never as an error of the step; saves never block the step
-(bounded queue, drop + count). Close the connector before its store (the
+(bounded queue, drop + count; a step with more blocks than ``staging_buffers`` is
+copied out in chunks that reuse the pool, ``_save_blocks``). Close the connector before its store (the
 saver may still be writing); ``close`` is idempotent, and any other hook
 after it raises ``StoreClosed``.
 
@@ -58,6 +59,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -462,18 +464,43 @@ class KVStoreConnector(KVConnectorBase):
 
     # ================================================================ internals: saves
     def _save_blocks(self, saves: Sequence[BlockSave], pool: torch.Tensor) -> None:
-        bufs, rids = [], []
-        for sv in saves:
-            buf = self.buffers.acquire(self.block_nbytes, timeout=self.cfg.save_enqueue_timeout_s)
-            if buf is None:
-                self.metrics.inc("saves_dropped")
-                continue
-            ev = self.backend.copy_async(buf.view(self.dtype).view(self.block_shape), pool[sv.block_id],
-                                         self.save_stream)
-            self._step_events.append(ev)
-            bufs.append((sv.key, buf))
-            rids.append(sv.request_id)
-        self._enqueue(bufs, rids, "block", self.block_shape, self.B)
+        """D2H the step's completed blocks in chunks bounded by the staging pool, then one submit.
+
+        Per chunk: as many staging buffers as the pool gives (waiting only for the first),
+        one copy each, a sync, the bytes taken out, the buffers released; then the next chunk
+        reuses them. A step with more blocks than ``staging_buffers`` (a long prefill chunk)
+        is thus saved whole, never dropped or stalled for lack of buffers. Buffers held
+        elsewhere (staged loads) are waited for at most ``save_enqueue_timeout_s`` per step in
+        all; what is left then is dropped (``saves_dropped``, logged): the step never waits
+        longer. A full save queue still drops the step's job (``SaveQueue``: backpressure).
+        """
+        if not saves:
+            return
+        layout = Layout(self.layout.dtype, self.block_shape)
+        items, rids = [], []
+        deadline = time.monotonic() + self.cfg.save_enqueue_timeout_s
+        i = 0
+        while i < len(saves):
+            bufs = self.buffers.acquire_some(self.block_nbytes, len(saves) - i,
+                                             timeout=max(0.0, deadline - time.monotonic()))
+            if not bufs:
+                self.metrics.inc("saves_dropped", len(saves) - i)
+                log.warning("no staging buffer free for %.3f s: %d block saves of this step dropped",
+                            self.cfg.save_enqueue_timeout_s, len(saves) - i)
+                break
+            chunk = saves[i:i + len(bufs)]
+            events = [self.backend.copy_async(buf.view(self.dtype).view(self.block_shape), pool[sv.block_id],
+                                              self.save_stream) for sv, buf in zip(chunk, bufs)]
+            for ev in events:  # the bytes are taken below: the copies must be complete
+                self.backend.sync_event(ev)
+            items += [PutItem(sv.key, buf.numpy().tobytes(), kind="block", ttl_s=self.cfg.ttl_s, layout=layout,
+                              tokens=self.B) for sv, buf in zip(chunk, bufs)]
+            rids += [sv.request_id for sv in chunk]
+            for buf in bufs:  # bytes copied out: the buffers serve the next chunk
+                self.buffers.release(buf)
+            i += len(chunk)
+        if items and self.gateway.store is not None:
+            self.saves.submit(items, rids)
 
     def _save_snapshots(self, snaps: list[WindowSnapshot]) -> None:
         if not snaps:
@@ -488,10 +515,10 @@ class KVStoreConnector(KVConnectorBase):
         self.metrics.inc("snapshots_saved", len(snaps))
         for s in snaps:
             self._snapped.setdefault(s.request_id, set()).add(s.boundary)
-        self._enqueue(bufs, rids, "swa", self.snap_shape, 0, pooled=False)
+        self._enqueue(bufs, rids, "swa", self.snap_shape, 0)
 
-    def _enqueue(self, bufs, rids, kind, shape, tokens, pooled: bool = True) -> None:
-        """Hand D2H'd buffers to the save queue; never blocks the step past the enqueue timeout."""
+    def _enqueue(self, bufs, rids, kind, shape, tokens) -> None:
+        """Hand D2H'd host tensors to the save queue; never blocks the step past the enqueue timeout."""
         if not bufs:
             return
         for ev in self._step_events:  # bytes are taken below: the copies must be complete
@@ -499,9 +526,6 @@ class KVStoreConnector(KVConnectorBase):
         layout = Layout(self.layout.dtype, tuple(shape))
         items = [PutItem(key, buf.numpy().tobytes(), kind=kind, ttl_s=self.cfg.ttl_s, layout=layout,
                          tokens=tokens) for key, buf in bufs]
-        if pooled:  # bytes copied out: the staging buffers can be reused at once
-            for _, buf in bufs:
-                self.buffers.release(buf)
         if self.gateway.store is not None:
             self.saves.submit(items, rids)
 

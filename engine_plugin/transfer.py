@@ -252,6 +252,16 @@ class BufferPool:
                     self._cv.wait(left)
         return out
 
+    def acquire_some(self, nbytes: int, n: int, timeout: float | None = None) -> list[torch.Tensor]:
+        """Between 1 and ``n`` buffers: waits at most ``timeout`` for the first, then takes what
+        is free (or may be allocated) at once, never waiting for more. ``[]`` when none came in
+        time. For a caller that works in chunks bounded by the pool (the save path) and would
+        rather start on what it can get than wait for a whole batch."""
+        first = self.acquire(nbytes, timeout=timeout) if n > 0 else None
+        if first is None:
+            return []
+        return [first] + self.acquire_many(nbytes, n - 1, timeout=0)
+
     def release(self, buf: torch.Tensor) -> None:
         with self._cv:
             self._free.setdefault(buf.numel(), []).append(buf)
