@@ -95,6 +95,8 @@ Worker side (called by the model runner during a step)
     Requests listed here computed with incomplete KV; the engine discards
     that step's results and recomputes from ``valid_tokens`` (a bounded
     replay then rebuilds the windows). Bad KV is never committed or saved.
+    Never raises: a load that raised is reported here like any failed load,
+    and is reported once (a later step does not see it again).
 ``save_kv_layer(layer_name, kv_layer, attn_metadata)``
     When: after the forward passes of a step, once per group (``"global"``
     with the paged pool, ``"swa"`` with the step's window snapshots).

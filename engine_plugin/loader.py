@@ -120,8 +120,13 @@ class Loader:
             self.c.metrics.inc("staging_exhausted")
         if not bufs:
             return [None] * len(keys)
-        res = self.c.gateway.read_into(keys[: len(bufs)], [b.numpy() for b in bufs], kind=kind, nbytes=nbytes,
-                                       layout=self._layout(kind))
+        try:
+            res = self.c.gateway.read_into(keys[: len(bufs)], [b.numpy() for b in bufs], kind=kind,
+                                           nbytes=nbytes, layout=self._layout(kind))
+        except BaseException:  # a bug past the gateway: the call ended, nothing writes into them
+            for b in bufs:
+                self.c.buffers.release(b)
+            raise
         if res.pending is not None:
             # The store may still be writing into every one of these buffers.
             res.pending.add_done_callback(lambda _f, held=bufs: [self.c.buffers.release(b) for b in held])

@@ -31,13 +31,16 @@ Failure handling: anything missing, lost, corrupt, wrong-sized or saved with
 another layout (the dtype/shape recorded with the entry, where the store
 reports it) at load time turns into a ``LoadError`` (engine recomputes from
 the last good block, and the recomputed blocks are saved again, which heals
-an entry the store marked lost); a store that is down or slow is skipped for ``store_backoff_s`` after a
-failure (``StoreGateway``); any exception a store call raises counts as a
-failed call there, never as an error of the step; saves never block the step
-(bounded queue, drop + count; a step with more blocks than ``staging_buffers`` is
-copied out in chunks that reuse the pool, ``_save_blocks``). Close the connector before its store (the
-saver may still be writing); ``close`` is idempotent, and any other hook
-after it raises ``StoreClosed``.
+an entry the store marked lost); so does a load whose loader thread raised (a
+bug, logged with its traceback, ``load_exceptions``: the load hooks never
+raise). A store that is down or slow is skipped for ``store_backoff_s`` after
+a failure (``StoreGateway``); any exception a store call raises, or a
+malformed answer, counts as a failed call there, never as an error of the
+step. Saves never block the step (bounded queue, drop + count; a step with
+more blocks than ``staging_buffers`` is copied out in chunks that reuse the
+pool, ``_save_blocks``). Close the connector before its store (the saver may
+still be writing); ``close`` is idempotent, and any other hook after it raises
+``StoreClosed``.
 
 P/D handoff: a prefill engine's ``request_finished`` returns transfer params;
 the decode engine loads the same blocks through its own connector (lookups
@@ -47,7 +50,7 @@ prefill side reported the request in ``get_finished``.
 Counters (``metrics.snapshot()``): ``hit_tokens_{device,host,store}``,
 ``snapshot_hits``, ``replays``, ``replay_tokens``, ``hits_not_adopted``,
 ``loaded_tokens``, ``bytes_loaded``, ``load_errors``, ``load_missing``,
-``load_bad_size``, ``snapshot_load_failed``, ``staging_exhausted``, ``direct_read_overruns``,
+``load_bad_size``, ``load_exceptions``, ``snapshot_load_failed``, ``staging_exhausted``, ``direct_read_overruns``,
 ``store_errors``, ``store_timeouts``, ``store_skipped``, ``saves_enqueued``,
 ``saves_done``, ``saves_failed``, ``saves_dropped``, ``bytes_saved``,
 ``snapshots_saved``, ``device_evictions_to_host``, ``host_evictions_{block,swa}``,
@@ -343,19 +346,40 @@ class KVStoreConnector(KVConnectorBase):
             self._jobs[spec.request_id] = _Job(spec, swa, glob)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Each future is bounded: the loader's store calls all have timeouts.
+        # Each future is bounded: the loader's store calls all have timeouts. A load that
+        # raised is not waited on here: get_load_errors reports it (the contract: never raises).
         attr = "glob" if layer_name == "global" else "swa"
         for job in self._jobs.values():
             fut = getattr(job, attr)
-            if fut is not None:
+            if fut is not None and fut.exception() is None:
                 self.backend.wait_event(fut.result()[1].get(layer_name))
 
+    def _job_result(self, rid: str, fut: cf.Future, what: str, failed: Any) -> Any:
+        """``fut``'s result, or ``failed`` when the loader raised: a bug or a store fault that got
+        past the gateway, logged with its traceback; the request recomputes instead of the step
+        raising (``wait_for_layer_load`` never raises, so neither does what reports its loads)."""
+        exc = fut.exception()
+        if exc is None:
+            return fut.result()
+        self.metrics.inc("load_exceptions")
+        log.error("loading the %s of request %s raised; it recomputes from the first block loaded",
+                  what, rid, exc_info=exc)
+        self.backend.synchronize()  # copies it started on the load stream end before the recompute
+        return failed
+
     def get_load_errors(self) -> dict[str, LoadError]:
+        try:
+            self._collect_loads()
+        finally:  # a job is reported once: a failure here must not make every later step fail
+            self._jobs.clear()
+        return dict(self._errors)
+
+    def _collect_loads(self) -> None:
         for rid, job in list(self._jobs.items()):
             spec = job.spec
             window_ok, good, reason = True, len(spec.blocks), ""
             if job.swa is not None:
-                ok, events = job.swa.result()
+                ok, events = self._job_result(rid, job.swa, "snapshot", (False, {}))
                 for ev in events.values():
                     self.backend.wait_event(ev)
                 if not ok:
@@ -363,7 +387,7 @@ class KVStoreConnector(KVConnectorBase):
             elif spec.snapshot_key is not None:
                 window_ok, reason = False, "no window buffer for the snapshot"
             if job.glob is not None:
-                good, events = job.glob.result()
+                good, events = self._job_result(rid, job.glob, "blocks", (0, {}))
                 self.backend.wait_event(events.get("global"))
                 if good < len(spec.blocks):
                     reason = f"block {spec.first_block + good} missing, lost or corrupt"
@@ -374,8 +398,6 @@ class KVStoreConnector(KVConnectorBase):
                 if rid in self._plans:  # the engine recomputes [valid, ...): save those blocks again,
                     self._plans[rid] = replace(self._plans[rid], hit_tokens=valid)  # healing the store
             self.metrics.inc("loaded_tokens", good * self.B)
-        self._jobs.clear()
-        return dict(self._errors)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
         self._check_open()

@@ -44,7 +44,11 @@ hangs on it and never uses bad bytes:
    lookup out of range (``_bad_lookup``: more hits than keys asked, a
    negative, float or bool count, a snapshot past the hit) is a failed
    call: logged (with the traceback when unexpected), counted
-   (``store_errors``) and handled as in 1-2, so the caller recomputes. Only
+   (``store_errors``) and handled as in 1-2, so the caller recomputes. So is an
+   answer with a malformed slot (``_bad_slots``: a ``get_many`` slot that is
+   neither ``None`` nor bytes-like, a ``get_many_into`` slot that is neither
+   ``None`` nor an ``EntryInfo`` with an int ``nbytes``): the whole batch is
+   then a miss, as no slot of a store that garbles its answers is trusted. Only
    the store call itself is guarded (``_guarded``): an exception in the
    plugin's own code around it is a bug and propagates.
 
@@ -99,6 +103,28 @@ def _bad_lookup(res, n_keys: int) -> str | None:
         return f"the store answered hit_blocks={res.hit_blocks!r} to a lookup of {n_keys} keys"
     if res.swa_at is not None and (not _is_int(res.swa_at) or not 0 <= res.swa_at <= res.hit_blocks):
         return f"the store answered swa_at={res.swa_at!r} with hit_blocks={res.hit_blocks}"
+    return None
+
+
+_BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
+def _bad_slots(res, n_keys: int, native: bool) -> str | None:
+    """Why a store's answer to a batched read of ``n_keys`` keys cannot be used, or ``None``:
+    not a list of ``n_keys`` slots, or a slot neither ``None`` nor what the read returns
+    (bytes-like for ``get_many``; ``native``: an ``EntryInfo`` with an int ``nbytes`` and a
+    ``Layout`` or ``None``, for ``get_many_into``)."""
+    if not isinstance(res, list) or len(res) != n_keys:
+        return f"the store answered {n_keys} keys with {len(res) if isinstance(res, list) else type(res).__name__}"
+    for v in res:
+        if v is None:
+            continue
+        if native:
+            if (not isinstance(v, EntryInfo) or not _is_int(v.nbytes)
+                    or not (v.layout is None or isinstance(v.layout, Layout))):
+                return f"the store answered a slot with {type(v).__name__} {v!r:.80}, not an EntryInfo"
+        elif not isinstance(v, _BYTES_LIKE):
+            return f"the store answered a slot with {type(v).__name__}, not bytes"
     return None
 
 
@@ -329,9 +355,9 @@ class StoreGateway:
         ok, res = self._call(f"get_many({kind})", _guarded(self.store.get_many), list(keys), kind=kind)
         if not ok:
             return [None] * len(keys)
-        if not isinstance(res, list) or len(res) != len(keys):
-            self._trip(f"get_many({kind})", f"the store answered {len(keys)} keys with "
-                       f"{len(res) if isinstance(res, list) else type(res).__name__}", "store_errors")
+        bad = _bad_slots(res, len(keys), native=False)
+        if bad:
+            self._trip(f"get_many({kind})", bad, "store_errors")
             return [None] * len(keys)
         out: list[bytes | None] = []
         for v in res:
@@ -377,9 +403,9 @@ class StoreGateway:
                                            kind, nbytes)
         if not ok:
             return IntoResult([False] * len(keys), abandoned)
-        if not isinstance(res, list) or len(res) != len(keys):
-            self._trip(f"read_into({kind})", f"the store answered {len(keys)} keys with "
-                       f"{len(res) if isinstance(res, list) else type(res).__name__}", "store_errors")
+        bad = _bad_slots(res, len(keys), native=True)
+        if bad:
+            self._trip(f"read_into({kind})", bad, "store_errors")
             return IntoResult([False] * len(keys), late=late)
         good = []
         for info in res:
@@ -407,9 +433,9 @@ class StoreGateway:
             return _guarded(self.store.get_many_into)(keys, outs, kind=kind)
         except InvalidRequest:
             datas = _guarded(self.store.get_many)(keys, kind=kind)  # a bad key raises again: a real error
-        if not isinstance(datas, list) or len(datas) != len(keys):
-            raise _StoreFault(f"get_many answered {len(keys)} keys with "
-                              f"{len(datas) if isinstance(datas, list) else type(datas).__name__}")
+        bad = _bad_slots(datas, len(keys), native=False)
+        if bad:
+            raise _StoreFault(f"get_many: {bad}")
         k = EntryKind.parse(kind)
         infos: list[EntryInfo | None] = []
         for key, data, out in zip(keys, datas, outs):

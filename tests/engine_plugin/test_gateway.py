@@ -1,0 +1,119 @@
+"""``StoreGateway`` and the loader against stores that answer garbage or hang.
+
+A malformed answer is a failed store call (the engine recomputes), never an exception
+out of a hook; an exception the loader lets escape anyway becomes a ``LoadError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import pytest
+
+from engine_plugin.loader import Loader
+from engine_plugin.reference import SamplingParams
+from engine_plugin.tiers import Metrics, StoreGateway
+from kvstore.api import EntryInfo, EntryKind
+
+GREEDY = SamplingParams(max_new_tokens=4)
+KEYS = [b"a" * 16, b"b" * 16]
+
+
+class Garbling:
+    """Delegates to a real store; while ``on``, every slot of a batched read is ``slot``.
+    Only the plain protocol unless ``native`` (then ``get_many_into`` too)."""
+
+    def __init__(self, inner, slot, native: bool):
+        self.inner, self.slot, self.native, self.on = inner, slot, native, False
+
+    def get_many(self, keys, *, kind="block"):
+        out = self.inner.get_many(keys, kind=kind)
+        return [self.slot] * len(out) if self.on else out
+
+    def __getattr__(self, name):
+        if name == "get_many_into" and not self.native:
+            raise AttributeError(name)
+        if name == "get_many_into":
+            def into(keys, outs, *, kind="block"):
+                infos = self.inner.get_many_into(keys, outs, kind=kind)
+                return [self.slot] * len(infos) if self.on else infos
+            return into
+        return getattr(self.inner, name)
+
+
+MALFORMED = {  # (slot, native)
+    "plain-int": (12345, False),
+    "plain-str": ("not bytes", False),
+    "native-tuple": (("not", "an", "EntryInfo"), True),
+    "native-bad-nbytes": (EntryInfo(b"k" * 16, EntryKind.BLOCK, "64"), True),
+    "native-bad-layout": (EntryInfo(b"k" * 16, EntryKind.BLOCK, 64, layout="f32"), True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_read_slot_is_a_failed_call_not_an_exception(case):
+    slot, native = MALFORMED[case]
+
+    class Store:
+        def get_many(self, keys, *, kind="block"):
+            return [slot] * len(keys)
+
+    if native:
+        Store.get_many_into = lambda self, keys, outs, *, kind="block": [slot] * len(keys)
+    m = Metrics()
+    gw = StoreGateway(Store(), m, timeout_s=5)
+    outs = [np.zeros(64, dtype=np.uint8) for _ in KEYS]
+    assert gw.read_into(KEYS, outs, kind="block", nbytes=64).ok == [False, False]
+    if not native:
+        assert gw.get_many(KEYS, kind="block", nbytes=64) == [None, None]  # breaker open: skipped
+    assert m.get("store_errors") == 1 and not gw.available
+    gw.close()
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_an_engine_over_a_store_answering_malformed_slots_recomputes(rig, store, case, direct):
+    """The hit was planned, the read came back garbled: recompute, same answer; the next
+    request runs (the failed job used to stay and make every later step raise)."""
+    slot, native = MALFORMED[case]
+    rng = random.Random(400)
+    prompt = rig.tokens(rng, 100)
+    seed = rig.engine(store)
+    seed.generate(prompt, GREEDY)
+    seed.connector.flush()
+    bad = Garbling(store, slot, native)
+    eng = rig.engine(bad, store_backoff_s=60, direct_reads=direct)
+    bad.on = True
+    warm = eng.generate(prompt, GREEDY)
+    rig.same(rig.cold(prompt, GREEDY), warm)
+    m = eng.connector.metrics.snapshot()
+    assert m["store_errors"] >= 1 and m["load_errors"] == 1 and eng.rollbacks == 1
+    other = rig.tokens(rng, 40)
+    rig.same(rig.cold(other, GREEDY), eng.generate(other, GREEDY))
+
+
+@pytest.mark.parametrize("which", ["load_blocks", "load_snapshot"])
+def test_an_exception_escaping_the_loader_is_a_load_error(rig, store, monkeypatch, caplog, which):
+    """Whatever the loader thread raises, ``wait_for_layer_load`` and ``get_load_errors`` do
+    not: the request recomputes (logged with the traceback), later steps run."""
+    rng = random.Random(401)
+    prompt = rig.tokens(rng, 100)
+    seed = rig.engine(store)
+    seed.generate(prompt, GREEDY)
+    seed.connector.flush()
+
+    def broken(*a, **kw):
+        raise RuntimeError("injected: a loader bug")
+
+    monkeypatch.setattr(Loader, which, broken)
+    eng = rig.engine(store)
+    with caplog.at_level(logging.ERROR, logger="engine_plugin.store_connector"):
+        warm = eng.generate(prompt, GREEDY)
+    rig.same(rig.cold(prompt, GREEDY), warm)
+    m = eng.connector.metrics.snapshot()
+    assert m["load_exceptions"] == 1 and m["load_errors"] == 1 and eng.rollbacks == 1
+    assert "injected: a loader bug" in caplog.text and "Traceback" in caplog.text
+    other = rig.tokens(rng, 40)
+    rig.same(rig.cold(other, GREEDY), eng.generate(other, GREEDY))
