@@ -60,6 +60,18 @@ endpoint), and ``concurrent.futures`` would join its non-daemon worker at interp
 exit, so the engine's process could never end (the embedded store's own I/O pools are
 daemon threads too). After ``close`` a call is a shortfall, never an exception: its
 future comes back cancelled.
+
+The rule for abandoned calls: a call never waits in a queue. An abandoned call keeps
+its thread until it returns, and the next call gets another thread, up to
+``max_calls`` (``MAX_STORE_CALLS``) calls running at once, abandoned ones included;
+the plugin itself runs at most three at a time (a lookup, a load, a put). A call
+that finds all ``max_calls`` running fails at once, counted ``store_busy``, and trips
+the breaker (2): with that many calls hung, the store is as good as down. So hung calls
+cost at most ``max_calls`` threads, never delay a later call (a lookup, a read
+holding staging buffers, a put) behind them, and once they end (or the store
+recovers for new connections while fewer than ``max_calls`` hang) calls reach the
+store again. Before, 4 workers were shared by every call: after 4 hung, every later
+call queued behind them, timed out and tripped the breaker, for good.
 """
 
 from __future__ import annotations
@@ -79,6 +91,8 @@ from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.executors import DaemonExecutor
 
 log = logging.getLogger(__name__)
+
+MAX_STORE_CALLS = 16  # store calls running at once, abandoned ones included (module docstring)
 
 
 class _StoreFault(Exception):
@@ -261,12 +275,15 @@ class StoreGateway:
 
     def __init__(self, store: KVStore | None, metrics: Metrics, *, timeout_s: float = 2.0,
                  put_timeout_s: float = 30.0, backoff_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_calls: int = MAX_STORE_CALLS):
         self.store, self.metrics = store, metrics
         self.timeout_s, self.put_timeout_s = timeout_s, put_timeout_s
         self.backoff_s, self.clock = backoff_s, clock
         self._open_until = 0.0
-        self._pool = DaemonExecutor(4, "kv-store")
+        self.max_calls = max_calls
+        self._pool = DaemonExecutor(max_calls, "kv-store")
+        self._running = 0  # calls submitted and not yet ended (abandoned ones included)
+        self._running_lock = threading.Lock()
         self.last_error = ""
         self._native_into = isinstance(store, ReadsInto)  # checked once: a Protocol isinstance is slow
 
@@ -288,7 +305,11 @@ class StoreGateway:
             self.metrics.inc("store_skipped")
             return False, None, None
         timeout = self.timeout_s if timeout is None else timeout
-        fut = self._pool.submit(fn, *args, **kw)
+        fut = self._submit(fn, *args, **kw)
+        if fut is None:
+            self._trip(what, f"all {self.max_calls} store call threads are held by calls that have not "
+                       "returned (abandoned at their timeout)", "store_busy")
+            return False, None, None
         try:
             return True, fut.result(timeout=timeout), None
         except cf.CancelledError:  # the gateway was closed meanwhile: no store any more
@@ -301,6 +322,29 @@ class StoreGateway:
         except _StoreFault as exc:
             self._trip(what, str(exc), "store_errors", exc=exc.__cause__)
         return False, None, None
+
+    def _submit(self, fn, *args, **kw) -> cf.Future | None:
+        """``fn`` on a thread of its own at once, or ``None`` when ``max_calls`` calls are
+        running: never queued behind calls that may never return (module docstring). The
+        executor has ``max_calls`` workers, so with fewer calls running one is free (or is
+        started): a call waits at most for a worker that just ended a call to take it."""
+        with self._running_lock:
+            if self._running >= self.max_calls:
+                return None
+            self._running += 1
+        fut = self._pool.submit(fn, *args, **kw)
+        fut.add_done_callback(self._ended)
+        return fut
+
+    def _ended(self, _fut: cf.Future) -> None:
+        with self._running_lock:
+            self._running -= 1
+
+    @property
+    def running_calls(self) -> int:
+        """Store calls running now, abandoned ones included."""
+        with self._running_lock:
+            return self._running
 
     def _run_inline(self, what: str, fn, *args, **kw):
         """``(ok, result, late)``: ``fn`` on the calling thread, for a caller that would wait

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from engine_plugin.loader import Loader
 from engine_plugin.reference import SamplingParams
 from engine_plugin.tiers import Metrics, StoreGateway
-from kvstore.api import EntryInfo, EntryKind
+from kvstore.api import EntryInfo, EntryKind, LookupResult
 
 GREEDY = SamplingParams(max_new_tokens=4)
 KEYS = [b"a" * 16, b"b" * 16]
@@ -117,3 +119,86 @@ def test_an_exception_escaping_the_loader_is_a_load_error(rig, store, monkeypatc
     assert "injected: a loader bug" in caplog.text and "Traceback" in caplog.text
     other = rig.tokens(rng, 40)
     rig.same(rig.cold(other, GREEDY), eng.generate(other, GREEDY))
+
+
+class Sticky:
+    """The first ``hang`` calls of each kind never return until ``release`` is set; later calls
+    answer at once. ``calls`` counts the calls that reached the store."""
+
+    def __init__(self, hang: int):
+        self.hang, self.calls = hang, 0
+        self.lock, self.release = threading.Lock(), threading.Event()
+
+    def _gate(self) -> None:
+        with self.lock:
+            self.calls += 1
+            stuck = self.calls <= self.hang
+        if stuck:
+            self.release.wait(60)
+
+    def lookup(self, keys):
+        self._gate()
+        return LookupResult(len(keys), None)
+
+    def get_many(self, keys, *, kind="block"):
+        self._gate()
+        return [None] * len(keys)
+
+    def put_many(self, items):
+        self._gate()
+        return [True] * len(items)
+
+
+def _wait_until(cond, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_calls_hung_past_their_timeout_do_not_wedge_the_gateway():
+    """6 calls hang for good (a dead connection each); the store answers new ones. Each later
+    call reaches the store and answers (it used to queue behind the 4 shared workers held by
+    the hung calls, time out and trip the breaker, so the store was never reached again)."""
+    clock = [0.0]
+    st, m = Sticky(hang=6), Metrics()
+    gw = StoreGateway(st, m, timeout_s=0.5, backoff_s=1.0, clock=lambda: clock[0])
+    try:
+        for _ in range(6):
+            clock[0] += 2.0  # past the backoff: the breaker lets the next call through
+            assert gw.lookup(KEYS) is None
+        assert m.get("store_timeouts") == 6 and gw.running_calls == 6
+        for _ in range(5):
+            clock[0] += 2.0
+            assert gw.lookup(KEYS) == LookupResult(2, None)
+            assert gw.put_many([]) is True  # puts do not queue behind the hung lookups either
+        assert st.calls == 16 and m.get("store_busy") == 0
+    finally:
+        st.release.set()
+        gw.close()
+
+
+def test_with_max_calls_hung_a_call_fails_at_once_and_recovers_when_they_end():
+    clock = [0.0]
+    st, m = Sticky(hang=3), Metrics()
+    gw = StoreGateway(st, m, timeout_s=0.5, backoff_s=1.0, clock=lambda: clock[0], max_calls=3)
+    try:
+        for _ in range(3):
+            clock[0] += 2.0
+            assert gw.lookup(KEYS) is None
+        clock[0] += 2.0
+        outs = [np.zeros(64, dtype=np.uint8) for _ in KEYS]
+        res = gw.read_into(KEYS, outs, kind="block", nbytes=64)  # plain store: get_many path
+        assert res.ok == [False, False] and res.pending is None  # staging buffers free at once
+        assert st.calls == 3 and m.get("store_busy") == 1 and not gw.available  # never sent
+        clock[0] += 2.0
+        assert gw.lookup(KEYS) is None and st.calls == 3 and m.get("store_busy") == 2
+        st.release.set()
+        assert _wait_until(lambda: gw.running_calls == 0)
+        clock[0] += 2.0
+        assert gw.lookup(KEYS) == LookupResult(2, None) and st.calls == 4
+    finally:
+        st.release.set()
+        gw.close()
