@@ -108,7 +108,17 @@ Worker side (called by the model runner during a step)
     device-to-host copies are complete, so the pool blocks may be reused.
 ``get_finished(finished_req_ids) -> (sending_done, receiving_done)``
     When: once per step. Request ids whose asynchronous saves (sending) or
-    loads (receiving) have completed since the last call.
+    loads (receiving) have completed since the last call, each reported once.
+    A request is in ``sending_done`` once all its saves *ended*, whether they
+    reached the store or not (as vLLM's ``finished_sending``): an engine that
+    holds blocks for it (``request_finished`` returned ``True``) frees them
+    then, so a failed save never leaks blocks.
+``get_failed_sends() -> set[str]``
+    When: right after ``get_finished``. Those of the requests it just reported
+    in ``sending_done`` with a save that did not reach the store (failed,
+    dropped, skipped): their KV is not all in the store, so a decode engine
+    must not be told it is (``Engine.kv_sent`` leaves them out and records them
+    in ``kv_send_failed``). Side-effect free. Default: none.
 """
 
 from __future__ import annotations
@@ -337,6 +347,11 @@ class KVConnectorBase(abc.ABC):
 
     @abc.abstractmethod
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]: ...
+
+    def get_failed_sends(self) -> set[str]:
+        """See the module docstring: of the last ``get_finished``'s ``sending_done``, those whose
+        KV did not all reach the store. Default: none."""
+        return set()
 
     def request_aborted(self, request: ConnectorRequest) -> None:
         """The engine drops ``request`` (see the module docstring). Default: nothing to forget."""

@@ -11,7 +11,12 @@ Guarantees:
      before ``submit``), so a put that outlives a gateway timeout can never
      read a buffer that was reused meanwhile.
   3. Per request, in-flight jobs are counted; a finished request whose jobs
-     are all done is reported once by ``take_sent`` (``get_finished``).
+     are all done is reported once by ``take_sent`` (``get_finished``), with the
+     subset whose KV did not all reach the store: a job dropped (queue full, exit,
+     or ``mark_failed`` by the connector for a save it could not copy out), failed
+     (the put returned a shortfall) or raised marks its requests failed until they
+     are reported. Both are told apart so that the engine can free what it holds
+     for a request either way and still know whether a decode may load it.
   4. The saver thread never dies on an error: it logs, counts, goes on.
   5. ``flush`` waits for the jobs submitted before it was called, not for an empty
      queue: jobs get a ticket in queue order (``submit`` holds ``_submit_lock`` across
@@ -93,6 +98,8 @@ class SaveQueue:
         self._inflight: dict[str, int] = {}
         self._finished: set[str] = set()
         self._sent: set[str] = set()
+        self._failed: set[str] = set()  # requests with a save that did not reach the store (guarantee 3)
+        self._aborted: set[str] = set()  # forgotten while jobs were in flight: drop their mark at the end
         self._closed = False
         self._submit_lock = threading.Lock()  # one put at a time: tickets follow queue order (guarantee 5)
         self._progress = threading.Condition()  # guards _submitted and _completed
@@ -120,7 +127,7 @@ class SaveQueue:
         except queue.Full:
             self.metrics.inc("saves_dropped", len(items))
             log.warning("save queue full: dropping %d entries (the store is too slow)", len(items))
-            self._done(request_ids)
+            self._done(request_ids, ok=False)
             return False
         finally:
             self.metrics.observe_max("save_enqueue_wait_max_s", time.perf_counter() - t0)
@@ -133,11 +140,30 @@ class SaveQueue:
             if not self._inflight.get(request_id):
                 self._sent.add(request_id)
 
-    def take_sent(self) -> set[str]:
+    def mark_failed(self, request_ids) -> None:
+        """Saves of these requests were dropped before ``submit`` (guarantee 3)."""
+        with self._lock:
+            self._failed.update(request_ids)
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request: it is never reported, so keep no mark for it."""
+        with self._lock:
+            self._finished.discard(request_id)
+            self._sent.discard(request_id)
+            if self._inflight.get(request_id):
+                self._aborted.add(request_id)
+            else:
+                self._failed.discard(request_id)
+
+    def take_sent(self) -> tuple[set[str], set[str]]:
+        """``(done, failed)``: finished requests whose saves all ended, reported once, and those
+        of them with a save that did not reach the store (guarantee 3)."""
         with self._lock:
             sent, self._sent = self._sent, set()
             self._finished -= sent
-        return sent
+            failed = sent & self._failed
+            self._failed -= sent
+        return sent, failed
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every job submitted before this call was attempted (guarantee 5: not
@@ -184,18 +210,24 @@ class SaveQueue:
                 left_jobs = self._submitted - self._completed
             log.warning("exit: %d queued KV save job(s) dropped (%s)", left_jobs, why)
 
-    def _done(self, request_ids) -> None:
+    def _done(self, request_ids, ok: bool) -> None:
         with self._lock:
+            if not ok:
+                self._failed.update(request_ids)
             for rid in request_ids:
                 self._inflight[rid] -= 1
                 if self._inflight[rid] == 0:
                     del self._inflight[rid]
-                    if rid in self._finished:
+                    if rid in self._aborted:
+                        self._aborted.discard(rid)
+                        self._failed.discard(rid)
+                    elif rid in self._finished:
                         self._sent.add(rid)
 
     def _loop(self) -> None:
         while True:
             job = self._q.get()
+            ok = False
             try:
                 if job is None:
                     return
@@ -204,14 +236,15 @@ class SaveQueue:
                 elif self.gateway.put_many(job.items):
                     self.metrics.inc("saves_done", len(job.items))
                     self.metrics.inc("bytes_saved", sum(len(it.value) for it in job.items))
+                    ok = True
                 else:
                     self.metrics.inc("saves_failed", len(job.items))
-                self._done(job.request_ids)
             except Exception:  # the saver must survive anything: log, count, go on
                 log.exception("save job failed")
                 self.metrics.inc("saves_failed", len(job.items) if job else 0)
             finally:
                 if job is not None:
+                    self._done(job.request_ids, ok)  # even after an exception: else never reported
                     with self._progress:
                         self._completed += 1
                         self._progress.notify_all()

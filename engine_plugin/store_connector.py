@@ -45,14 +45,16 @@ still be writing); ``close`` is idempotent, and any other hook after it raises
 P/D handoff: a prefill engine's ``request_finished`` returns transfer params;
 the decode engine loads the same blocks through its own connector (lookups
 verify against the store, the params are never trusted as proof) once the
-prefill side reported the request in ``get_finished``.
+prefill side reported the request in ``get_finished`` and not in the
+``get_failed_sends`` that follows it (a request with a save that failed or was
+dropped: its decode recomputes what is missing; ``requests_save_incomplete``).
 
 Counters (``metrics.snapshot()``): ``hit_tokens_{device,host,store}``,
 ``snapshot_hits``, ``replays``, ``replay_tokens``, ``hits_not_adopted``,
 ``loaded_tokens``, ``bytes_loaded``, ``load_errors``, ``load_missing``,
 ``load_bad_size``, ``load_exceptions``, ``snapshot_load_failed``, ``staging_exhausted``, ``direct_read_overruns``,
 ``store_errors``, ``store_timeouts``, ``store_skipped``, ``store_busy``, ``saves_enqueued``,
-``saves_done``, ``saves_failed``, ``saves_dropped``, ``bytes_saved``,
+``saves_done``, ``saves_failed``, ``saves_dropped``, ``requests_save_incomplete``, ``bytes_saved``,
 ``snapshots_saved``, ``device_evictions_to_host``, ``host_evictions_{block,swa}``,
 ``save_enqueue_wait_max_s``.
 """
@@ -210,6 +212,7 @@ class KVStoreConnector(KVConnectorBase):
         self._step_events: list[Any] = []
         self._host_inserts: list[tuple[str, bytes, torch.Tensor]] = []
         self._meta = ConnectorMetadata()
+        self._send_failed: set[str] = set()  # of the requests the last get_finished reported
         self.saves = SaveQueue(self.gateway, self.metrics, depth=config.save_queue_depth,
                                enqueue_timeout_s=config.save_enqueue_timeout_s)
 
@@ -418,7 +421,13 @@ class KVStoreConnector(KVConnectorBase):
         self._host_inserts.clear()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        return self.saves.take_sent(), set()
+        done, self._send_failed = self.saves.take_sent()
+        if self._send_failed:
+            self.metrics.inc("requests_save_incomplete", len(self._send_failed))
+        return done, set()
+
+    def get_failed_sends(self) -> set[str]:
+        return set(self._send_failed)
 
     def request_aborted(self, request) -> None:
         """See ``engine_plugin.connector``: waits for the request's loads still running (they
@@ -436,7 +445,8 @@ class KVStoreConnector(KVConnectorBase):
         self._errors.pop(rid, None)
         self._plans.pop(rid, None)
         self._reqs.pop(rid, None)
-        self._snapped.pop(rid, None)  # not ``saves.mark_finished``: get_finished never reports it
+        self._snapped.pop(rid, None)
+        self.saves.forget(rid)  # not ``saves.mark_finished``: get_finished never reports it
 
     def on_device_evict(self, key: bytes, block: torch.Tensor) -> None:
         self._check_open()
@@ -507,6 +517,7 @@ class KVStoreConnector(KVConnectorBase):
                                              timeout=max(0.0, deadline - time.monotonic()))
             if not bufs:
                 self.metrics.inc("saves_dropped", len(saves) - i)
+                self.saves.mark_failed({sv.request_id for sv in saves[i:]})
                 log.warning("no staging buffer free for %.3f s: %d block saves of this step dropped",
                             self.cfg.save_enqueue_timeout_s, len(saves) - i)
                 break

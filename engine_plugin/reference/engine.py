@@ -186,6 +186,7 @@ class Engine:
         self.steps = 0
         self.rollbacks = 0
         self.kv_sent: set[str] = set()  # finished requests whose KV reached the store
+        self.kv_send_failed: set[str] = set()  # finished requests with a save that failed (not sent)
 
     # ------------------------------------------------------------------ API
     def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(),
@@ -347,12 +348,15 @@ class Engine:
         self.collect_finished()
 
     def collect_finished(self) -> set[str]:
-        """Ask the connector which finished requests' saves completed; adds them to ``kv_sent``."""
+        """Ask the connector which finished requests' saves ended: those whose KV all reached
+        the store go to ``kv_sent`` (returned), the others to ``kv_send_failed``."""
         if self.connector is None:
             return set()
-        sent, _ = self.connector.get_finished(set(self.finished))
-        self.kv_sent |= sent
-        return sent
+        done, _ = self.connector.get_finished(set(self.finished))
+        failed = self.connector.get_failed_sends() & done
+        self.kv_sent |= done - failed
+        self.kv_send_failed |= failed
+        return done - failed
 
     # ------------------------------------------------------------- internals
     def _admit(self) -> list[str]:

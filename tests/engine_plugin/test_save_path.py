@@ -7,13 +7,20 @@ staging pool; ``SaveQueue`` reports per request whether its KV reached the store
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 from engine_plugin.reference import Engine, EngineConfig, SamplingParams
+from engine_plugin.saver import SaveQueue
 from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
+from engine_plugin.tiers import Metrics, StoreGateway
+from kvstore.api import PutItem
+from kvstore.errors import StoreUnavailable
 
 BLOCK = 16  # the block size of the fixtures (conftest.BLOCK)
 
 ONE = SamplingParams(max_new_tokens=1)
+GREEDY = SamplingParams(max_new_tokens=4)
 
 
 def _big_step_engine(rig, store, n_blocks: int, **conn_kw) -> Engine:
@@ -51,3 +58,84 @@ def test_block_saves_with_every_staging_buffer_held_elsewhere_are_dropped_not_st
         conn.buffers.release(b)
     assert conn.flush(timeout=60)
     assert conn.metrics.get("saves_dropped") == n
+    eng.collect_finished()  # its blocks never reached the store: not reported as sent
+    assert "r" in eng.kv_send_failed and "r" not in eng.kv_sent
+
+
+class FailingPuts:
+    """Delegates to a real store; while ``down``, every put fails."""
+
+    def __init__(self, inner):
+        self.inner, self.down = inner, False
+
+    def put_many(self, items):
+        if self.down:
+            raise StoreUnavailable("injected: puts fail")
+        return self.inner.put_many(items)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_request_whose_saves_failed_is_not_reported_as_sent(rig, store):
+    """``kv_sent`` (the P/D handoff signal) holds only requests whose KV reached the store; one
+    whose saves failed is reported as ended (``get_finished``: the engine frees what it holds)
+    and as failed (``get_failed_sends``): it used to be reported sent with nothing stored."""
+    rng = random.Random(302)
+    st = FailingPuts(store)
+    eng = rig.engine(st, store_backoff_s=0)
+    eng.generate(rig.tokens(rng, 100), GREEDY, request_id="ok")
+    assert eng.connector.flush(timeout=60)
+    st.down = True
+    bad = eng.generate(rig.tokens(rng, 100), GREEDY, request_id="bad")
+    assert eng.connector.flush(timeout=60)
+    eng.collect_finished()
+    assert eng.kv_sent == {"ok"} and eng.kv_send_failed == {"bad"}
+    assert store.lookup(bad.block_hashes).hit_blocks == 0
+    m = eng.connector.metrics.snapshot()
+    assert m["saves_failed"] > 0 and m["requests_save_incomplete"] == 1
+    eng.collect_finished()  # each request is reported once
+    assert eng.kv_sent == {"ok"} and eng.kv_send_failed == {"bad"}
+    assert eng.connector.metrics.get("requests_save_incomplete") == 1
+
+
+def test_a_save_queue_full_marks_its_requests_failed_and_an_abort_forgets_them():
+    class Stuck:  # the saver's first put waits until released: the queue fills behind it
+        def __init__(self):
+            self.go = threading.Event()
+
+        def put_many(self, items):
+            self.go.wait(60)
+            return [True] * len(items)
+
+    st = Stuck()
+    gw = StoreGateway(st, Metrics(), put_timeout_s=120)
+    q = SaveQueue(gw, Metrics(), depth=1, enqueue_timeout_s=0.01)
+    item = PutItem(b"k" * 16, b"v")
+    try:
+        assert q.submit([item], ["a"])  # taken by the saver, which hangs in put_many
+        assert _eventually(lambda: q._q.qsize() == 0)
+        assert q.submit([item], ["b"])  # queued behind it
+        assert not q.submit([item], ["c"])  # queue full: dropped
+        assert not q.submit([item], ["x"])
+        q.forget("x")  # aborted: never reported, no mark kept
+        for rid in "abc":
+            q.mark_finished(rid)
+        st.go.set()
+        assert q.flush(timeout=60)
+        done, failed = q.take_sent()
+        assert done == {"a", "b", "c"} and failed == {"c"}
+        assert not q._failed and not q._inflight
+    finally:
+        st.go.set()
+        q.close()
+        gw.close()
+
+
+def _eventually(cond, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
