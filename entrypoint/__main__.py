@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="prefill load-balancing policy (lb/registry.py)")
     ap.add_argument("--heartbeat-s", type=float, default=0.5,
                     help="seconds between worker Status checks (a worker missing 3 is dropped)")
-    ap.add_argument("--worker-timeout-s", type=float, default=3600.0, help="bound on one worker call")
+    ap.add_argument("--worker-timeout-s", type=float, default=3600.0,
+                    help="bound on one Encode/Prefill call, and on a Decode stream's wait for its next token "
+                         "(not on its length)")
     ap.add_argument("--max-inflight", type=int, default=64, help="requests served at once; more get RESOURCE_EXHAUSTED")
     ap.add_argument("--max-model-len", type=int, default=None, metavar="N",
                     help="refuse prompt + max_new_tokens over N before any prefill (0: no bound; default: the "

@@ -13,6 +13,7 @@ the service's one lock, and the count is taken back when the call (or stream) en
 from __future__ import annotations
 
 import random
+import threading
 import time
 from typing import Any, Callable
 
@@ -54,6 +55,22 @@ class RegistrationGone(grpc.RpcError):
         return self._details
 
 
+class StalledStream(grpc.RpcError):
+    """A Decode stream that ``StallWatch`` cancelled: no event for ``idle_s``. It reads as
+    DEADLINE_EXCEEDED (``RETRYABLE``): the worker missed ``worker_timeout_s``, is marked down, and
+    the stream resumes elsewhere, as for a unary call that missed it."""
+
+    def __init__(self, inst: Instance, idle_s: float):
+        super().__init__(f"worker {inst.worker_id} sent no decode event for {idle_s:g} s")
+        self._details = str(self)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._details
+
+
 def start_call(inst: Instance, start: Callable[[], Any]) -> Any:
     """``start()`` (a call on ``inst``'s stub), with a closed registration's ``ValueError`` as
     ``RegistrationGone``."""
@@ -63,6 +80,40 @@ def start_call(inst: Instance, start: Callable[[], Any]) -> Any:
         if not inst.closed:
             raise
         raise RegistrationGone(inst) from exc
+
+
+class StallWatch:
+    """Cancels a worker's stream (``call``) once ``idle_s`` pass without an event from it (its
+    first included): a Decode stream is bounded by inactivity, not by its total duration
+    (``entrypoint.server``, "Deadlines"). ``stalled`` is set before the cancel, so the
+    stream's CANCELLED reads as the worker's stall, not the client's. Use as a context manager
+    around the stream's iteration, calling ``progress()`` on each event; one thread, sleeping."""
+
+    def __init__(self, call: Any, idle_s: float):
+        self._call, self._idle_s = call, idle_s
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        self.stalled = False
+
+    def __enter__(self) -> "StallWatch":
+        threading.Thread(target=self._run, name="decode-stall-watch", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+
+    def progress(self) -> None:
+        self._last = time.monotonic()
+
+    def _run(self) -> None:
+        while True:
+            left = self._last + self._idle_s - time.monotonic()
+            if left <= 0:
+                self.stalled = True  # before the cancel: the stream's CANCELLED is read after it
+                self._call.cancel()
+                return
+            if self._done.wait(left):
+                return
 
 
 def avoiding(live: list[Instance], failed_here: set[str]) -> list[Instance]:
@@ -78,8 +129,16 @@ class Dispatch:
     """The dispatch helpers of ``EntrypointService`` (see the module docstring)."""
 
     def _timeout(self, context) -> float:
+        """A unary worker call's timeout: ``worker_timeout_s``, or the client's remaining time if shorter."""
         rem = context.time_remaining()
         return self.cfg.worker_timeout_s if rem is None else max(0.001, min(rem, self.cfg.worker_timeout_s))
+
+    @staticmethod
+    def _stream_timeout(context) -> float | None:
+        """A Decode stream's timeout: the client's remaining time (``None``: no client deadline). Its
+        inactivity is bounded by ``StallWatch``, not here (``entrypoint.server``, "Deadlines")."""
+        rem = context.time_remaining()
+        return None if rem is None else max(0.001, rem)
 
     def _backoff(self, context) -> None:
         """Wait before a retry after ``FAILED_HERE``: a time drawn uniformly from ``cfg.retry_backoff_s``,

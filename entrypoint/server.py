@@ -94,11 +94,20 @@ the heartbeat) carries the same secret, since the workers require it
 Cancellation: a client that goes away cancels the in-flight worker call, at
 every hop (``Encode``, ``Prefill``, the ``Decode`` stream): the worker stops
 computing for it, and its in-flight counts and slot are taken back at once.
-Deadlines: a worker call's timeout is the client's remaining time when that is
-shorter than ``worker_timeout_s``; such a call that runs out of time is the
-client's deadline passing, not the worker failing: DEADLINE_EXCEEDED goes back
-to the client and no worker is marked down. Backpressure: at most
-``max_inflight`` requests at once; more get RESOURCE_EXHAUSTED.
+Deadlines: a unary worker call's (``Encode``, ``Prefill``) timeout is
+``worker_timeout_s``, or the client's remaining time when that is shorter. A
+``Decode`` stream is bounded by inactivity, not by its length: its timeout is
+the client's remaining time alone (none without a client deadline), and it
+fails over as a missed ``worker_timeout_s`` (that worker marked down, the
+stream resumed elsewhere) only when ``worker_timeout_s`` pass without an event
+from it, its first included (``entrypoint.dispatch.StallWatch``; the time the
+client takes to read a token is not counted). A stream that produces tokens
+for longer than ``worker_timeout_s`` is served to its end (before, it was cut
+at ``worker_timeout_s`` and its worker marked down). A worker call that runs
+out of the client's time is the client's deadline passing, not the worker
+failing: DEADLINE_EXCEEDED goes back to the client and no worker is marked
+down. Backpressure: at most ``max_inflight`` requests at once; more get
+RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -118,7 +127,8 @@ import grpc
 import kvstore
 from entrypoint.auth import WorkerAuth, check_listen, check_secret
 from entrypoint.clients import ClientAuth, check_open_tenants
-from entrypoint.dispatch import FAILED_HERE, RETRYABLE, Abort, Dispatch, avoiding, start_call
+from entrypoint.dispatch import (FAILED_HERE, RETRYABLE, Abort, Dispatch, StallWatch, StalledStream, avoiding,
+                                 start_call)
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import IncompatibleWorker, Registry, check_kv_compat
@@ -143,7 +153,10 @@ class EntrypointConfig:
     ve_policy: str = "kvstack"
     max_attempts: int = 3
     max_inflight: int = 64
-    worker_timeout_s: float = 3600.0  # per worker call; a 100k-token cold prefill on a CPU takes minutes
+    # Bound on a unary worker call (Encode, Prefill: a 100k-token cold prefill on a CPU takes minutes), and on
+    # a Decode stream's wait for its next event (its first included), not on the stream's length (module
+    # docstring, Deadlines). A worker that misses it is marked down and the hop fails over.
+    worker_timeout_s: float = 3600.0
     default_max_new_tokens: int = 16
     kv_bytes_per_token: float = 0.0  # the served model's global KV per token (0: the LB cost model's own)
     # Bound on prompt + max_new_tokens of one request (0: none). A request over it could never be
@@ -369,26 +382,32 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                 t = ms()
                 before = len(generated)
                 yield hop("decode_start", worker=inst.worker_id, resume_at=before)
-                clients_deadline = self._clients_deadline(context)  # before the call takes its timeout
+                timeout = self._stream_timeout(context)  # the client's time only: see "Deadlines"
                 dreq_pb = pb.DecodeRequest(request_id=rid, token_ids=prompt, generated=generated,
                                            tenant_salt=salt, sampling=sampling, images=images)
+                watch = None
                 try:
-                    call = start_call(inst, lambda: inst.stub.Decode(dreq_pb, timeout=self._timeout(context)))
+                    call = start_call(inst, lambda: inst.stub.Decode(dreq_pb, timeout=timeout))
                     if not context.add_callback(call.cancel):  # the client is already gone
                         call.cancel()
-                    for ev in call:
-                        if ev.stats:
-                            dstats = json.loads(ev.stats)
-                            continue
-                        if ev.index != len(generated):
-                            raise Abort(grpc.StatusCode.INTERNAL, f"decode worker sent index {ev.index}, "
-                                        f"expected {len(generated)}: this is a bug")
-                        generated.append(ev.token_id)
-                        yield pb.GenerateEvent(kind="token", token_id=ev.token_id, index=ev.index, t_ms=ms())
+                    with StallWatch(call, self.cfg.worker_timeout_s) as watch:
+                        for ev in call:
+                            watch.progress()
+                            if ev.stats:
+                                dstats = json.loads(ev.stats)
+                                continue
+                            if ev.index != len(generated):
+                                raise Abort(grpc.StatusCode.INTERNAL, f"decode worker sent index {ev.index}, "
+                                            f"expected {len(generated)}: this is a bug")
+                            generated.append(ev.token_id)
+                            yield pb.GenerateEvent(kind="token", token_id=ev.token_id, index=ev.index, t_ms=ms())
+                            watch.progress()  # the time the client took to take the token is not the worker's
                 except grpc.RpcError as exc:
                     if not context.is_active():
                         return
-                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and clients_deadline:
+                    if watch is not None and watch.stalled:  # the worker's: down, and the stream resumes
+                        exc = StalledStream(inst, self.cfg.worker_timeout_s)
+                    elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
                         raise Abort(exc.code(), f"the client's deadline passed during the decode stream on "
                                     f"worker {inst.worker_id}") from exc
                     if exc.code() not in RETRYABLE | FAILED_HERE:  # the request's fault: no failover

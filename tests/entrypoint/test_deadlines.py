@@ -4,6 +4,7 @@ worker down; a client that goes away cancels the worker call in flight."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -149,3 +150,80 @@ def test_a_client_that_goes_away_cancels_the_encode_or_prefill_in_flight(stack, 
         for close in opened:
             close(None)
 
+
+
+# ----------------------------------------------------------------------------- decode: inactivity, not length
+
+
+class StallingDecode(FakeWorker):
+    """Decode streams ``stall_at`` tokens, ``delay_s`` apart, then sends nothing for 30 s (or until cancelled)."""
+
+    def __init__(self, worker_id: str, role: str, delay_s: float, stall_at: int = 10**9):
+        super().__init__(worker_id, role)
+        self.delay_s, self.stall_at = delay_s, stall_at
+        self.cancelled = threading.Event()
+
+    def Decode(self, request, context):
+        self._record("Decode", context)
+        for i in range(len(request.generated), request.sampling.max_new_tokens):
+            if i >= self.stall_at:
+                t = time.monotonic()
+                while time.monotonic() - t < 30 and context.is_active():
+                    time.sleep(0.01)
+                self.cancelled.set()
+                return
+            time.sleep(self.delay_s)
+            yield pb.DecodeEvent(token_id=i, index=i)
+
+
+def _hops(events, name: str) -> list[dict]:
+    return [d for d in (json.loads(e.detail) for e in events if e.kind == "hop") if d["hop"] == name]
+
+
+def test_a_decode_stream_longer_than_worker_timeout_that_keeps_producing_is_served(stack):
+    """worker_timeout_s 1 s; the stream takes about 3 s, a token every 0.1 s. Before: the Decode call's
+    timeout was worker_timeout_s, so the stream was cut at 1 s, its (working) worker marked down, and
+    with no other decode worker the request failed UNAVAILABLE."""
+    svc, ch, fakes, _ = stack(worker_timeout_s=1.0)
+    opened: list = []
+    try:
+        paced = StallingDecode("paced-d", "decode", 0.1)
+        svc.registry.add(paced.worker_id, "decode", _serve_fake(paced, opened))
+        svc.registry.add(fakes["prefill"][0].worker_id, "prefill", fakes["prefill"][1])
+        req = pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=30))
+        events = list(pbg.EntrypointStub(ch).Generate(req, timeout=120))
+        assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN] + list(range(1, 30))
+        assert _hops(events, "failover") == []
+        assert sum(1 for m, _ in paced.calls if m == "Decode") == 1
+        assert [i.worker_id for i in svc.registry.ready("decode")] == [paced.worker_id]
+    finally:
+        for close in opened:
+            close(None)
+
+
+def test_a_decode_stream_that_stalls_for_worker_timeout_fails_over_and_its_worker_is_down(stack):
+    """The first decode worker sends 3 tokens then nothing: after worker_timeout_s (0.5 s) without an
+    event its stream is cancelled, it is marked down, and the stream resumes on the other one; the
+    client's own deadline (120 s) is far away."""
+    svc, ch, fakes, _ = stack(worker_timeout_s=0.5, max_attempts=3)
+    opened: list = []
+    try:
+        stuck = StallingDecode("stuck-d", "decode", 0.0, stall_at=3)
+        good = StallingDecode("good-d", "decode", 0.0)
+        for w in (stuck, good):
+            svc.registry.add(w.worker_id, "decode", _serve_fake(w, opened))
+        svc.registry.add(fakes["prefill"][0].worker_id, "prefill", fakes["prefill"][1])
+        req = pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=8))
+        t = time.monotonic()
+        events = list(pbg.EntrypointStub(ch).Generate(req, timeout=120))
+        assert time.monotonic() - t < 20  # not the stuck worker's 30 s
+        assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN] + list(range(1, 8))
+        first = _hops(events, "decode_start")[0]["worker"]
+        assert first == stuck.worker_id  # ties go to the first registered
+        fo = _hops(events, "failover")
+        assert [f["worker"] for f in fo] == [stuck.worker_id] and "DEADLINE_EXCEEDED" in fo[0]["code"]
+        assert [i.worker_id for i in svc.registry.ready("decode")] == [good.worker_id]
+        assert stuck.cancelled.wait(10)  # the worker saw the cancel
+    finally:
+        for close in opened:
+            close(None)
