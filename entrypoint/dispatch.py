@@ -1,8 +1,9 @@
 """Dispatch of one hop to a worker of its role: the LB picks, counted in flight, and the calls.
 
 ``entrypoint.server.EntrypointService`` mixes ``Dispatch`` in and calls these from ``Generate``;
-the mixin reads the service's ``cfg``, ``registry``, ``prefill_lb``/``decode_lb``/``ve_lb`` and
-``_lock``. The failover rules they follow (``RETRYABLE``, ``FAILED_HERE``) are stated in
+the mixin reads the service's ``cfg``, ``registry``, ``prefill_lb``/``decode_lb``/``ve_lb``,
+``strikes`` (``entrypoint.health``: each call's outcome is recorded there, and picks prefer the
+workers it does not avoid) and ``_lock``. The failover rules they follow (``RETRYABLE``, ``FAILED_HERE``) are stated in
 ``entrypoint.server``'s module docstring ("Failover", "INTERNAL and UNKNOWN", "Cancellation",
 "Deadlines").
 
@@ -19,6 +20,7 @@ from typing import Any, Callable
 
 import grpc
 
+from entrypoint.health import Outcome
 from entrypoint.registry import Instance
 from entrypoint.vision import scoped_image_key
 from lb.types import DecodeInstance, DecodeRequest, PrefillInstance, QueuedPrefill, RouteRequest, VEInstance, VERequest
@@ -116,15 +118,6 @@ class StallWatch:
                 return
 
 
-def avoiding(live: list[Instance], failed_here: set[str]) -> list[Instance]:
-    """``live`` less the workers (ids) that already failed this request with ``FAILED_HERE``, unless
-    that leaves none. A worker whose handler fails every call still answers ``Status`` and is never
-    marked down; once its call ended it looks idle again, so a retry offered it would go back to it
-    (ties go to the first registered) while a healthy peer stayed idle."""
-    rest = [i for i in live if i.worker_id not in failed_here]
-    return rest or live
-
-
 class Dispatch:
     """The dispatch helpers of ``EntrypointService`` (see the module docstring)."""
 
@@ -164,10 +157,10 @@ class Dispatch:
             live = self.registry.ready(role)
             if not live:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up")
-            inst = pick(avoiding(live, failed_here))
+            inst = pick(self.strikes.prefer(live, failed_here))
             clients_deadline = self._clients_deadline(context)  # before fn takes its timeout
             try:
-                return inst, fn(inst)
+                reply = fn(inst)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and clients_deadline:
                     raise Abort(exc.code(), f"the client's deadline passed during the {role} call on worker "
@@ -175,12 +168,16 @@ class Dispatch:
                 if exc.code() not in RETRYABLE | FAILED_HERE or not context.is_active():
                     raise Abort(exc.code(), f"{role} worker {inst.worker_id}: {exc.details()}") from exc
                 if exc.code() in FAILED_HERE:
+                    self.strikes.record(inst, Outcome.FAILED_HERE)
                     failed_here.add(inst.worker_id)
                     if attempt + 1 < self.cfg.max_attempts:
                         self._backoff(context)
                 else:
                     self.registry.mark_down(inst, f"{role} call failed: {exc.code()}")
                 last = exc
+            else:
+                self.strikes.record(inst, Outcome.PROGRESS)
+                return inst, reply
         code = last.code() if last is not None and last.code() in FAILED_HERE else grpc.StatusCode.UNAVAILABLE
         raise Abort(code, f"{role} failed on {self.cfg.max_attempts} attempts; last: "
                     f"{f'{inst.worker_id}: {last.code()}: {last.details()}' if last is not None else '?'}")

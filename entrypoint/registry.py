@@ -121,6 +121,8 @@ class Instance:
     encodes: int = 0  # VE: Encode calls this entrypoint has in flight there (under the entrypoint's lock)
     decodes: dict = field(default_factory=dict)  # decode: slot -> context tokens of a stream open there
     closed: bool = False  # set before its channel is closed (replaced by add, taken out by remove)
+    strikes: int = 0  # calls in a row that ended without progress (entrypoint.health; the entrypoint's lock)
+    avoid_until: float = 0.0  # picks leave it out until then (entrypoint.health's clock), 0: not avoided
 
     def holds(self, h: bytes) -> bool:
         return h in self.prefix

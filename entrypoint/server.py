@@ -69,7 +69,7 @@ request found none up. A worker whose engine is broken says so itself
 (UNAVAILABLE, on its calls and its ``Status``), and that marks it down.
 The retry goes to another worker of the role: one that already failed this
 request with INTERNAL or UNKNOWN is left out of the pick while any other is up
-(``entrypoint.dispatch.avoiding``), so a worker whose handler fails every call
+(``entrypoint.health.Strikes.prefer``), so a worker whose handler fails every call
 (it still answers ``Status``, so it stays up, and looks idle once its call has
 ended) cannot take every retry while a healthy peer stays idle. With no other
 worker up, the same one is tried again. Such a retry first waits a time drawn
@@ -78,6 +78,17 @@ time): requests failed by one worker together (an UNKNOWN, or a worker
 without the retry alone) would otherwise be retried at the same instant and
 land in one engine step again, a poison request taking its batch-mates with
 it on every attempt.
+
+Avoided workers (``entrypoint.health``): a call that ends INTERNAL or UNKNOWN
+is a strike on its worker, and one with progress (a reply, a decode token)
+clears its strikes. After ``avoid_after`` (3) strikes in a row the worker is
+avoided for ``avoid_for_s`` (30 s): every pick of its role leaves it out while
+another worker of the role is up and not avoided, so new requests no longer pay
+a failed attempt and a backoff there first (before, such a worker looked idle
+and took the first attempt of every request). It stays up, and with no other
+worker it is picked all the same; after the cooldown it is tried again, and one
+more strike avoids it again at once while one success clears it. A single
+poison request costs each worker it tried one strike.
 
 Clients: with client tokens (``entrypoint.clients``), ``Generate`` acts for
 its bearer token's tenant only (UNAUTHENTICATED without a known token,
@@ -127,8 +138,8 @@ import grpc
 import kvstore
 from entrypoint.auth import WorkerAuth, check_listen, check_secret
 from entrypoint.clients import ClientAuth, check_open_tenants
-from entrypoint.dispatch import (FAILED_HERE, RETRYABLE, Abort, Dispatch, StallWatch, StalledStream, avoiding,
-                                 start_call)
+from entrypoint.dispatch import FAILED_HERE, RETRYABLE, Abort, Dispatch, StallWatch, StalledStream, start_call
+from entrypoint.health import Outcome, StrikePolicy, Strikes
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import IncompatibleWorker, Registry, check_kv_compat
@@ -175,16 +186,23 @@ class EntrypointConfig:
     # address decides (grpcs:// with the system roots); set: TLS with these files, and a worker
     # that registers a plaintext address is refused.
     worker_tls: ChannelTLS | None = None
+    # A worker whose last avoid_after calls all ended without progress (INTERNAL/UNKNOWN) is left out of
+    # the picks for avoid_for_s s while another worker of its role is up; it is never marked down for it
+    # (entrypoint.health; module docstring, Avoided workers).
+    avoid_after: int = 3
+    avoid_for_s: float = 30.0
 
     def __post_init__(self) -> None:
         """Checked here, before anything is started (``InvalidRequest`` naming the field)."""
         for name, low in (("block_size", 1), ("max_attempts", 1), ("max_inflight", 1),
-                          ("default_max_new_tokens", 1), ("max_model_len", 0)):
+                          ("default_max_new_tokens", 1), ("max_model_len", 0), ("avoid_after", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise kvstore.InvalidRequest(f"EntrypointConfig.{name} must be an int >= {low}, got {v!r}")
         if not (math.isfinite(self.worker_timeout_s) and self.worker_timeout_s > 0):
             raise kvstore.InvalidRequest(f"worker_timeout_s must be a finite number > 0, got {self.worker_timeout_s!r}")
+        if not (math.isfinite(self.avoid_for_s) and self.avoid_for_s >= 0):
+            raise kvstore.InvalidRequest(f"avoid_for_s must be a finite number >= 0, got {self.avoid_for_s!r}")
         b = self.retry_backoff_s
         if not (isinstance(b, tuple) and len(b) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                               and math.isfinite(x) for x in b) and 0 <= b[0] <= b[1]):
@@ -233,6 +251,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
         self.ve_lb = get_policy(cfg.ve_policy, models, kind="ve")
         self._slots = threading.BoundedSemaphore(cfg.max_inflight)
         self._lock = threading.Lock()
+        self.strikes = Strikes(StrikePolicy(cfg.avoid_after, cfg.avoid_for_s), self._lock)
         self.auth = WorkerAuth(cfg.worker_secret)
         self.clients = ClientAuth(cfg.client_tokens)
 
@@ -376,7 +395,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
             if not live:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is up" +
                             (f" (after {attempts} failed attempts; last: {last_failure})" if attempts else ""))
-            inst = self._decode_pick(dreq, slot, avoiding(live, failed_here))  # counted in flight until it ends
+            inst = self._decode_pick(dreq, slot, self.strikes.prefer(live, failed_here))  # in flight until it ends
             last_code = None  # this attempt's failure status, if it failed with one
             try:
                 t = ms()
@@ -416,6 +435,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                     last_code = exc.code()
                 else:
                     if len(generated) > before or len(generated) >= max_new:  # progress: resume (or done)
+                        self.strikes.record(inst, Outcome.PROGRESS)
                         yield hop("decode", worker=inst.worker_id, tokens=len(generated), ms=ms() - t, **dstats)
                         continue
                     # A stream that ends without a token and without an error is a failed attempt, as a
@@ -428,6 +448,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                     inst.decodes.pop(slot, None)
             attempts += 1
             if last_code in FAILED_HERE:
+                self.strikes.record(inst, Outcome.FAILED_HERE)
                 failed_here.add(inst.worker_id)
             else:
                 self.registry.mark_down(inst, f"decode stream failed: {code}")

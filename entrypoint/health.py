@@ -1,0 +1,98 @@
+"""Strikes: the workers a pick leaves out for a while though they are up, and why.
+
+``entrypoint.dispatch`` and the decode loop of ``entrypoint.server`` call ``Strikes.record`` when a
+worker call ends, and ``Strikes.prefer`` to narrow the live workers of a role before every pick.
+
+Some outcomes take no worker down, yet a worker that has only those is worth leaving alone
+(``entrypoint.server``'s module docstring, "Avoided workers"):
+
+  ``FAILED_HERE``  the call failed INTERNAL or UNKNOWN: retried elsewhere, the worker stays up.
+                   A worker whose handler fails every call still answers ``Status`` and looks idle
+                   in its load, so without strikes every new request tried it first and paid one
+                   failed attempt and a backoff there.
+
+Each is a strike on that registration (``Instance.strikes``); a call with ``PROGRESS`` (a unary
+reply, a decode stream that sent a token) sets the count back to 0. At ``avoid_after``
+strikes in a row the worker is avoided for ``avoid_for_s``: ``prefer`` leaves it out while any
+other worker of the role is up and not avoided. When that time is over it is picked as any other;
+its count is still ``avoid_after`` or more, so one more strike avoids it again at once (a broken
+worker costs one request per ``avoid_for_s``), and one success clears it.
+
+Invariants:
+  1. A strike never marks a worker down, and avoidance never empties a pick: with no other worker
+     up, an avoided one is picked all the same. So a single poison request (it fails wherever it
+     goes) costs each worker it tried one strike, and nothing more.
+  2. The other outcomes (a ``RETRYABLE`` status, which marks the worker down instead; a status that
+     is the request's fault; the client going away) neither count nor reset: they say nothing of
+     whether the worker serves.
+  3. A worker registered again is a new ``Instance``: its count starts at 0.
+
+``Instance.strikes``/``avoid_until`` are read and written under the lock given to ``Strikes``
+(the service's one lock).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from entrypoint.registry import Instance
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(enum.Enum):
+    """How a worker call ended, as far as its worker's standing goes (module docstring)."""
+
+    PROGRESS = "progress"  # a reply, or a decode token: clears the strikes
+    FAILED_HERE = "failed here"  # INTERNAL/UNKNOWN: a strike
+
+
+@dataclass(frozen=True, slots=True)
+class StrikePolicy:
+    """``avoid_after`` strikes in a row avoid a worker for ``avoid_for_s`` (``clock``'s seconds)."""
+
+    avoid_after: int
+    avoid_for_s: float
+    clock: Callable[[], float] = time.monotonic
+
+
+class Strikes:
+    """Counts strikes per registration and narrows picks (see the module docstring)."""
+
+    def __init__(self, policy: StrikePolicy, lock: threading.Lock):
+        self.policy, self._lock = policy, lock
+
+    def record(self, inst: Instance, outcome: Outcome) -> None:
+        """Count ``outcome`` of a call on ``inst`` that just ended."""
+        p = self.policy
+        with self._lock:
+            if outcome is Outcome.PROGRESS:
+                if inst.avoid_until:
+                    log.info("worker %s serves again: no longer avoided", inst.worker_id)
+                inst.strikes, inst.avoid_until = 0, 0.0
+                return
+            inst.strikes += 1
+            if inst.strikes >= p.avoid_after:
+                inst.avoid_until = p.clock() + p.avoid_for_s
+                log.warning("worker %s avoided for %g s: %d calls in a row without progress (last: %s)",
+                            inst.worker_id, p.avoid_for_s, inst.strikes, outcome.value)
+
+    def avoided(self, inst: Instance) -> bool:
+        """Whether picks leave ``inst`` out now, while another worker of its role is up."""
+        with self._lock:
+            return inst.avoid_until > self.policy.clock()
+
+    def prefer(self, live: list[Instance], failed_here: set[str]) -> list[Instance]:
+        """The workers of ``live`` a pick should choose among, by the first of these that is not empty:
+        those neither avoided nor among ``failed_here`` (the ids that failed this request with
+        ``FAILED_HERE``); those not among ``failed_here``; all of ``live``. A worker that failed this
+        very request is left out before one avoided for its recent calls, as the retry rule says
+        (``entrypoint.server``, "INTERNAL and UNKNOWN")."""
+        fresh = [i for i in live if i.worker_id not in failed_here]
+        good = [i for i in fresh if not self.avoided(i)]
+        return good or fresh or live

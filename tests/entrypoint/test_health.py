@@ -1,0 +1,140 @@
+"""Avoided workers (``entrypoint.health``): strikes counted per registration, cleared by progress,
+and picks that leave a worker with ``avoid_after`` strikes in a row out for ``avoid_for_s`` (a fake
+clock in the unit tests; fake workers of ``test_service`` in process for the rest)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import grpc
+import pytest
+
+from entrypoint.health import Outcome, StrikePolicy, Strikes
+from entrypoint.proto import serving_pb2 as pb
+from entrypoint.proto import serving_pb2_grpc as pbg
+from entrypoint.registry import Instance
+from tests.entrypoint.test_service import FIRST_TOKEN, FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _inst(worker_id: str) -> Instance:
+    return Instance(worker_id, "prefill", "127.0.0.1:9", channel=None, stub=None)
+
+
+def _strikes(clock: Clock, after: int = 3, for_s: float = 30.0) -> Strikes:
+    return Strikes(StrikePolicy(after, for_s, clock), threading.Lock())
+
+
+def test_strikes_in_a_row_avoid_a_worker_for_a_while_and_progress_clears_them():
+    clock = Clock()
+    s = _strikes(clock)
+    bad, good = _inst("bad"), _inst("good")
+    live = [bad, good]
+    for _ in range(2):
+        s.record(bad, Outcome.FAILED_HERE)
+    assert s.prefer(live, set()) == live  # 2 < avoid_after: not yet
+    s.record(bad, Outcome.PROGRESS)  # one success clears the count
+    for _ in range(2):
+        s.record(bad, Outcome.FAILED_HERE)
+    assert s.prefer(live, set()) == live
+    s.record(bad, Outcome.FAILED_HERE)  # the third in a row
+    assert s.prefer(live, set()) == [good]
+    assert s.prefer([bad], set()) == [bad]  # never an empty pick: alone, it is picked all the same
+    clock.t += 30.0  # the cooldown is over: picked as any other
+    assert s.prefer(live, set()) == live
+    s.record(bad, Outcome.FAILED_HERE)  # one more strike avoids it again at once
+    assert s.prefer(live, set()) == [good]
+    s.record(bad, Outcome.PROGRESS)
+    assert s.prefer(live, set()) == live and (bad.strikes, bad.avoid_until) == (0, 0.0)
+
+
+def test_a_worker_that_failed_this_request_is_left_out_before_an_avoided_one():
+    clock = Clock()
+    s = _strikes(clock, after=1)
+    a, b, c = _inst("a"), _inst("b"), _inst("c")
+    s.record(a, Outcome.FAILED_HERE)  # avoided
+    assert s.prefer([a, b, c], {"b"}) == [c]
+    assert s.prefer([a, b], {"b"}) == [a]  # b failed this very request: a, though avoided
+    assert s.prefer([a, b], {"a", "b"}) == [a, b]
+
+
+# ----------------------------------------------------------------------------- in process
+
+
+class FailsEveryPrefill(FakeWorker):
+    """Answers Status (up, idle), fails every Prefill INTERNAL at once."""
+
+    def Prefill(self, request, context):
+        self._record("Prefill", context)
+        context.abort(grpc.StatusCode.INTERNAL, "engine step failed")
+
+
+def _prefill_calls(fake) -> int:
+    return sum(1 for m, _ in fake.calls if m == "Prefill")
+
+
+def test_a_worker_that_fails_every_call_here_is_avoided_after_a_few_not_tried_first_for_ever(stack):
+    """``bad`` is registered first and looks idle, so every request tried it first. Before: each of
+    the 8 requests paid a failed Prefill there and a backoff (8 failed calls, for ever); now, after
+    ``avoid_after`` (3) in a row it is left out, and the later requests go to ``good`` at once. It
+    is never marked down (it answers Status)."""
+    svc, ch, fakes, _ = stack(retry_backoff_s=(0.0, 0.0))  # avoid_after 3, avoid_for_s 30: the defaults
+    opened: list = []
+    try:
+        bad = FailsEveryPrefill("bad-p", "prefill")
+        svc.registry.add(bad.worker_id, "prefill", _serve_fake(bad, opened))
+        svc.registry.add(fakes["prefill"][0].worker_id, "prefill", fakes["prefill"][1])
+        svc.registry.add(fakes["decode"][0].worker_id, "decode", fakes["decode"][1])
+        stub = pbg.EntrypointStub(ch)
+        for i in range(8):  # distinct prompts: no prefix affinity to the one that served
+            req = pb.GenerateRequest(token_ids=[100 + i] * 40, sampling=pb.Sampling(max_new_tokens=3))
+            events = list(stub.Generate(req, timeout=30))
+            assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2]
+            worker = next(json.loads(e.detail)["worker"] for e in events
+                          if e.kind == "hop" and json.loads(e.detail)["hop"] == "prefill")
+            assert worker == fakes["prefill"][0].worker_id
+        assert _prefill_calls(bad) == 3
+        assert {i.worker_id for i in svc.registry.ready("prefill")} == {bad.worker_id, fakes["prefill"][0].worker_id}
+    finally:
+        for close in opened:
+            close(None)
+
+
+def test_a_poison_request_takes_no_worker_down_and_avoids_none(stack):
+    """A request every prefill worker fails INTERNAL: it fails after max_attempts with the worker's own
+    status, having cost each worker one strike; the next request is served by the first one."""
+    svc, ch, fakes, _ = stack(retry_backoff_s=(0.0, 0.0), max_attempts=2)
+    opened: list = []
+    try:
+        class PoisonAware(FakeWorker):
+            def Prefill(self, request, context):
+                if request.token_ids[0] == 666:
+                    context.abort(grpc.StatusCode.INTERNAL, "engine step failed")
+                return super().Prefill(request, context)
+
+        workers = [PoisonAware(f"p-{i}", "prefill") for i in range(2)]
+        for w in workers:
+            svc.registry.add(w.worker_id, "prefill", _serve_fake(w, opened))
+        svc.registry.add(fakes["decode"][0].worker_id, "decode", fakes["decode"][1])
+        stub = pbg.EntrypointStub(ch)
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Generate(pb.GenerateRequest(token_ids=[666] * 40, sampling=pb.Sampling(max_new_tokens=3)),
+                               timeout=30))
+        assert ei.value.code() == grpc.StatusCode.INTERNAL
+        assert [i.strikes for i in svc.registry.instances("prefill")] == [1, 1]
+        assert not any(svc.strikes.avoided(i) for i in svc.registry.instances("prefill"))
+        events = list(stub.Generate(pb.GenerateRequest(token_ids=[1] * 40, sampling=pb.Sampling(max_new_tokens=3)),
+                                    timeout=30))
+        assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2]
+        assert len(svc.registry.ready("prefill")) == 2
+    finally:
+        for close in opened:
+            close(None)
