@@ -32,6 +32,9 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 # A worker still serving failed this call (an engine step, or its handler): retry within max_attempts,
 # the worker stays up (``entrypoint.server``'s module docstring, "INTERNAL and UNKNOWN").
 FAILED_HERE = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+# A client with at most this much time left when its worker call was cancelled was cancelled by grpc at its
+# deadline (it cancels the client's call, and so, by its callback, the worker call), not by a client that left.
+DEADLINE_SLACK_S = 0.01
 
 
 class Abort(Exception):
@@ -148,6 +151,12 @@ class Dispatch:
         rem = context.time_remaining()
         return rem is not None and rem < self.cfg.worker_timeout_s
 
+    @staticmethod
+    def _deadline_passed(context) -> bool:
+        """Whether the client's deadline has passed (a worker call cancelled now was cancelled by it)."""
+        rem = context.time_remaining()
+        return rem is not None and rem <= DEADLINE_SLACK_S
+
     def _call(self, role: str, pick: Callable[[list[Instance]], Instance], context,
               fn: Callable[[Instance], Any]) -> tuple[Instance, Any]:
         """Pick an instance of ``role`` and call it; on a retryable failure mark it down and retry."""
@@ -161,8 +170,13 @@ class Dispatch:
             clients_deadline = self._clients_deadline(context)  # before fn takes its timeout
             try:
                 reply = fn(inst)
+            except Abort as exc:  # the worker call cancelled: the client left, or its deadline passed
+                if exc.code == grpc.StatusCode.CANCELLED and self._deadline_passed(context):
+                    self.strikes.record(inst, Outcome.NO_PROGRESS)  # no reply in the client's time
+                raise
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and clients_deadline:
+                    self.strikes.record(inst, Outcome.NO_PROGRESS)  # no reply in the client's time
                     raise Abort(exc.code(), f"the client's deadline passed during the {role} call on worker "
                                 f"{inst.worker_id}") from exc
                 if exc.code() not in RETRYABLE | FAILED_HERE or not context.is_active():

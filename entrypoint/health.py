@@ -10,6 +10,14 @@ Some outcomes take no worker down, yet a worker that has only those is worth lea
                    A worker whose handler fails every call still answers ``Status`` and looks idle
                    in its load, so without strikes every new request tried it first and paid one
                    failed attempt and a backoff there.
+  ``NO_PROGRESS``  the call ran out of the client's deadline with no progress from the worker (a
+                   unary call with no reply; a decode stream that sent no token in that attempt),
+                   whether it failed DEADLINE_EXCEEDED or grpc cancelled it at that deadline.
+                   The deadline is the client's, so the worker is not marked down; but an engine
+                   that hangs while its ``Status`` still answers gets only these when clients send
+                   short deadlines, and without strikes it took every request for ever.
+
+One such call says little (a healthy but slow worker, one client in a hurry), many in a row do.
 
 Each is a strike on that registration (``Instance.strikes``); a call with ``PROGRESS`` (a unary
 reply, a decode stream that sent a token) sets the count back to 0. At ``avoid_after``
@@ -50,6 +58,7 @@ class Outcome(enum.Enum):
 
     PROGRESS = "progress"  # a reply, or a decode token: clears the strikes
     FAILED_HERE = "failed here"  # INTERNAL/UNKNOWN: a strike
+    NO_PROGRESS = "no progress by the client's deadline"  # neither a reply nor a token in the client's time: a strike
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,16 +79,21 @@ without the retry alone) would otherwise be retried at the same instant and
 land in one engine step again, a poison request taking its batch-mates with
 it on every attempt.
 
-Avoided workers (``entrypoint.health``): a call that ends INTERNAL or UNKNOWN
-is a strike on its worker, and one with progress (a reply, a decode token)
-clears its strikes. After ``avoid_after`` (3) strikes in a row the worker is
+Avoided workers (``entrypoint.health``): a call that ends INTERNAL or UNKNOWN,
+or that runs out of the client's deadline with no progress from its worker (no
+reply; no decode token in that attempt), is a strike on its worker, and one
+with progress (a reply, a decode token) clears its strikes. After ``avoid_after`` (3) strikes in a row the worker is
 avoided for ``avoid_for_s`` (30 s): every pick of its role leaves it out while
 another worker of the role is up and not avoided, so new requests no longer pay
 a failed attempt and a backoff there first (before, such a worker looked idle
 and took the first attempt of every request). It stays up, and with no other
 worker it is picked all the same; after the cooldown it is tried again, and one
 more strike avoids it again at once while one success clears it. A single
-poison request costs each worker it tried one strike.
+poison request costs each worker it tried one strike, and one client's short
+deadline on a healthy but slow worker costs it one strike. So an engine that
+hangs while its ``Status`` still answers is left out after a few requests even
+when every client's deadline ends before ``worker_timeout_s`` (before, each
+such call was the client's deadline only, and every request went on to it).
 
 Clients: with client tokens (``entrypoint.clients``), ``Generate`` acts for
 its bearer token's tenant only (UNAUTHENTICATED without a known token,
@@ -117,7 +122,8 @@ for longer than ``worker_timeout_s`` is served to its end (before, it was cut
 at ``worker_timeout_s`` and its worker marked down). A worker call that runs
 out of the client's time is the client's deadline passing, not the worker
 failing: DEADLINE_EXCEEDED goes back to the client and no worker is marked
-down. Backpressure: at most ``max_inflight`` requests at once; more get
+down (without progress from the worker it is a strike: "Avoided workers").
+Backpressure: at most ``max_inflight`` requests at once; more get
 RESOURCE_EXHAUSTED.
 """
 
@@ -186,9 +192,10 @@ class EntrypointConfig:
     # address decides (grpcs:// with the system roots); set: TLS with these files, and a worker
     # that registers a plaintext address is refused.
     worker_tls: ChannelTLS | None = None
-    # A worker whose last avoid_after calls all ended without progress (INTERNAL/UNKNOWN) is left out of
-    # the picks for avoid_for_s s while another worker of its role is up; it is never marked down for it
-    # (entrypoint.health; module docstring, Avoided workers).
+    # A worker whose last avoid_after calls all ended without progress (INTERNAL/UNKNOWN, or the client's
+    # deadline passing with neither a reply nor a token from it) is left out of the picks for avoid_for_s s
+    # while another worker of its role is up; it is never marked down for it (entrypoint.health; module
+    # docstring, Avoided workers).
     avoid_after: int = 3
     avoid_for_s: float = 30.0
 
@@ -422,11 +429,16 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                             yield pb.GenerateEvent(kind="token", token_id=ev.token_id, index=ev.index, t_ms=ms())
                             watch.progress()  # the time the client took to take the token is not the worker's
                 except grpc.RpcError as exc:
-                    if not context.is_active():
+                    if not context.is_active():  # the client left, or grpc cancelled the call at its deadline
+                        if self._deadline_passed(context):
+                            self.strikes.record(inst, Outcome.PROGRESS if len(generated) > before
+                                                else Outcome.NO_PROGRESS)
                         return
                     if watch is not None and watch.stalled:  # the worker's: down, and the stream resumes
                         exc = StalledStream(inst, self.cfg.worker_timeout_s)
                     elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+                        self.strikes.record(inst, Outcome.PROGRESS if len(generated) > before
+                                            else Outcome.NO_PROGRESS)
                         raise Abort(exc.code(), f"the client's deadline passed during the decode stream on "
                                     f"worker {inst.worker_id}") from exc
                     if exc.code() not in RETRYABLE | FAILED_HERE:  # the request's fault: no failover

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import grpc
 import pytest
@@ -135,6 +136,99 @@ def test_a_poison_request_takes_no_worker_down_and_avoids_none(stack):
                                     timeout=30))
         assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2]
         assert len(svc.registry.ready("prefill")) == 2
+    finally:
+        for close in opened:
+            close(None)
+
+
+class Hung(FakeWorker):
+    """Answers Status (up, idle); its Prefill, or its Decode stream, sends nothing until cancelled."""
+
+    def _hang(self, method: str, context) -> None:
+        self._record(method, context)
+        while context.is_active():
+            time.sleep(0.01)
+
+    def Prefill(self, request, context):
+        self._hang("Prefill", context)
+        return pb.PrefillReply(first_token=FIRST_TOKEN, stats="{}")
+
+    def Decode(self, request, context):
+        self._hang("Decode", context)
+        return iter(())
+
+
+def _wait_avoided(svc, worker_id: str) -> None:
+    """Until the entrypoint has counted the strikes of the calls the clients gave up on (it may see
+    a call's end a moment after its client did)."""
+    inst = next(i for i in svc.registry.instances() if i.worker_id == worker_id)
+    deadline = time.monotonic() + 10
+    while not svc.strikes.avoided(inst) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_hung_engine_whose_status_answers_is_avoided_when_clients_deadlines_end_first(stack, role):
+    """The ``role`` worker registered first hangs; its Status answers, so it stays up and looks idle.
+    Every client gives 1.5 s (far under worker_timeout_s). Before: each call ran out of the client's
+    deadline, was the client's, took nothing down, and every request went on to the hung worker for
+    ever; now, after 3 such calls in a row it is avoided, and the next requests are served by the
+    other worker. It is not marked down."""
+    svc, ch, fakes, _ = stack()
+    opened: list = []
+    try:
+        hung = Hung(f"hung-{role}", role)
+        svc.registry.add(hung.worker_id, role, _serve_fake(hung, opened))
+        for r in ("prefill", "decode"):
+            svc.registry.add(fakes[r][0].worker_id, r, fakes[r][1])
+        stub = pbg.EntrypointStub(ch)
+
+        def generate(i: int):
+            req = pb.GenerateRequest(token_ids=[100 + i] * 40, sampling=pb.Sampling(max_new_tokens=3))
+            return list(stub.Generate(req, timeout=1.5))
+
+        for i in range(3):
+            with pytest.raises(grpc.RpcError) as ei:
+                generate(i)
+            assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        _wait_avoided(svc, hung.worker_id)
+        for i in range(3, 6):
+            events = generate(i)
+            assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2]
+        assert sum(1 for m, _ in hung.calls if m == role.capitalize()) == 3
+        assert hung.worker_id in {i.worker_id for i in svc.registry.ready(role)}  # avoided, not down
+    finally:
+        for close in opened:
+            close(None)
+
+
+def test_one_short_client_deadline_on_a_slow_worker_costs_one_strike_and_progress_clears_it(stack):
+    """A slow but healthy decode worker: one client whose deadline ends before the first token costs
+    it one strike (not down, not avoided); a stream that then sends a token clears it."""
+    svc, ch, fakes, _ = stack()
+    opened: list = []
+    try:
+        class SlowFirstToken(FakeWorker):
+            def Decode(self, request, context):
+                time.sleep(0.8)
+                yield from super().Decode(request, context)
+
+        slow = SlowFirstToken("slow-d", "decode")
+        svc.registry.add(slow.worker_id, "decode", _serve_fake(slow, opened))
+        svc.registry.add(fakes["prefill"][0].worker_id, "prefill", fakes["prefill"][1])
+        stub = pbg.EntrypointStub(ch)
+        req = pb.GenerateRequest(token_ids=[1] * 40, sampling=pb.Sampling(max_new_tokens=3))
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Generate(req, timeout=0.4))
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        inst = svc.registry.instances("decode")[0]
+        deadline = time.monotonic() + 10
+        while inst.strikes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert inst.strikes == 1 and not svc.strikes.avoided(inst) and inst.healthy
+        events = list(stub.Generate(req, timeout=30))
+        assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2]
+        assert inst.strikes == 0
     finally:
         for close in opened:
             close(None)
