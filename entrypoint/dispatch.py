@@ -2,6 +2,7 @@
 
 ``entrypoint.server.EntrypointService`` mixes ``Dispatch`` in and calls these from ``Generate``;
 the mixin reads the service's ``cfg``, ``registry``, ``prefill_lb``/``decode_lb``/``ve_lb``,
+``lb_models`` (the cost models the LBs were built with: a decode's KV bytes),
 ``strikes`` (``entrypoint.health``: each call's outcome is recorded there, and picks prefer the
 workers it does not avoid) and ``_lock``. The failover rules they follow (``RETRYABLE``, ``FAILED_HERE``) are stated in
 ``entrypoint.server``'s module docstring ("Failover", "INTERNAL and UNKNOWN", "Cancellation",
@@ -13,6 +14,8 @@ the service's one lock, and the count is taken back when the call (or stream) en
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 import threading
 import time
@@ -21,8 +24,9 @@ from typing import Any, Callable
 import grpc
 
 from entrypoint.health import Outcome
-from entrypoint.registry import Instance
+from entrypoint.registry import Instance, OpenDecode
 from entrypoint.vision import scoped_image_key
+from lb.decode import request_kv_bytes
 from lb.types import DecodeInstance, DecodeRequest, PrefillInstance, QueuedPrefill, RouteRequest, VEInstance, VERequest
 
 
@@ -265,24 +269,44 @@ class Dispatch:
                 inst.inflight.pop(slot, None)
 
     def _decode_pick(self, dreq: DecodeRequest, slot: str, live: list[Instance]) -> Instance:
-        """The Decode LB's pick, counted in flight there (``Instance.decodes[slot]``: its context
-        tokens) before the lock is let go; the caller takes the count back when the stream ends.
+        """The Decode LB's pick, counted in flight there (``Instance.decodes[slot]``: an ``OpenDecode``
+        with its context tokens and the KV bytes the LB counted for it) before the lock is let go; the
+        caller marks it started on its first event (``_decode_started``) and takes it back when the
+        stream ends.
 
         An instance's running requests and batch tokens are the larger of what its last ``Status``
         said (every entrypoint's, as of the last heartbeat) and this entrypoint's own decode streams
         open there (current): without the latter, every request picked between two heartbeats saw
-        the same figures and went to the same instance."""
+        the same figures and went to the same instance. Its KV in use is what its last ``Status``
+        said plus the KV of this entrypoint's streams that ``Status`` did not count yet (see
+        ``_decode_snapshot``): without it, the requests picked between two heartbeats were all
+        placed on the same instance beyond its KV capacity (QA)."""
         with self._lock:  # snapshot, choice and count together: concurrent picks see each other
             snaps = [self._decode_snapshot(i) for i in live]
             inst = self._pick(self.decode_lb.choose(dreq, snaps), live, "decode")
-            inst.decodes[slot] = dreq.context_tokens
+            inst.decodes[slot] = OpenDecode(dreq.context_tokens, request_kv_bytes(dreq, self.lb_models))
         return inst
+
+    def _decode_started(self, inst: Instance, slot: str) -> None:
+        """The stream ``slot`` on ``inst`` sent its first event: a ``Status`` asked from now on counts its KV."""
+        with self._lock:
+            d = inst.decodes.get(slot)
+            if d is not None and d.started_at is None:
+                inst.decodes[slot] = dataclasses.replace(d, started_at=time.monotonic())
 
     @staticmethod
     def _decode_snapshot(i: Instance) -> DecodeInstance:
-        """``i`` as the Decode LB sees it (under the entrypoint's lock: ``i.decodes``)."""
+        """``i`` as the Decode LB sees it (under the entrypoint's lock: ``i.decodes``).
+
+        KV in use: the last ``Status``'s ``kv_used_bytes`` plus the ``kv_bytes`` of each stream of
+        ``i.decodes`` that ``Status`` may not count: one not started yet (the worker may not have
+        admitted it), or started after that ``Status`` was asked. Counted twice for a moment at
+        worst (a stream admitted but not yet started), never left out."""
         st = i.status
-        return DecodeInstance(i.worker_id, kv_used_bytes=st.kv_used_bytes if st else 0,
+        unreported = sum(d.kv_bytes for d in i.decodes.values()
+                         if d.started_at is None or d.started_at >= i.status_asked_at)
+        return DecodeInstance(i.worker_id, kv_used_bytes=(st.kv_used_bytes if st else 0) + math.ceil(unreported),
                               kv_capacity_bytes=(st.kv_capacity_bytes or 1) if st else 1,
-                              batch_tokens=max(sum(i.decodes.values()), st.batch_tokens if st else 0),
+                              batch_tokens=max(sum(d.context_tokens for d in i.decodes.values()),
+                                               st.batch_tokens if st else 0),
                               running_requests=max(len(i.decodes), st.running if st else 0))

@@ -103,6 +103,21 @@ def check_kv_compat(info: pb.WorkerInfo, namespace: Namespace, block_size: int) 
                                  "worker's keys; start it with the entrypoint's --model and --block-size")
 
 
+@dataclass(frozen=True, slots=True)
+class OpenDecode:
+    """A decode stream this entrypoint has open on an instance (``Instance.decodes``).
+
+    ``kv_bytes``: the KV the Decode LB counted for it when it was picked (context + max_new_tokens,
+    at the LB's bytes per token). ``started_at``: ``time.monotonic()`` when its first event arrived
+    (the worker had admitted it and allocated its KV by then); ``None`` before. A ``Status`` asked
+    after ``started_at`` counts the stream's KV in its ``kv_used_bytes``; until one has, the pick
+    counts ``kv_bytes`` on top of it (``entrypoint.dispatch.Dispatch._decode_snapshot``)."""
+
+    context_tokens: int
+    kv_bytes: float
+    started_at: float | None = None
+
+
 @dataclass(slots=True)
 class Instance:
     worker_id: str
@@ -119,7 +134,10 @@ class Instance:
     kv_namespace: pb.KVNamespace | None = None  # prefill/decode: as declared in Register (checked there)
     block_size: int = 0
     encodes: int = 0  # VE: Encode calls this entrypoint has in flight there (under the entrypoint's lock)
-    decodes: dict = field(default_factory=dict)  # decode: slot -> context tokens of a stream open there
+    decodes: dict = field(default_factory=dict)  # decode: slot -> OpenDecode, a stream open there
+    # When the Status call that answered ``status`` was sent (time.monotonic()). Written after ``status``:
+    # a reader between the two sees the new figures with the older time, and counts more KV, never less.
+    status_asked_at: float = 0.0
     closed: bool = False  # set before its channel is closed (replaced by add, taken out by remove)
     strikes: int = 0  # calls in a row that ended without progress (entrypoint.health; the entrypoint's lock)
     avoid_until: float = 0.0  # picks leave it out until then (entrypoint.health's clock), 0: not avoided
@@ -266,6 +284,7 @@ class Registry:
     def _poll(self, inst: Instance) -> grpc.StatusCode | None:
         """One heartbeat of ``inst``; the status code of a failed one (``None``: it answered;
         ``_WRONG_ROLE``: it answered as another role, and is down)."""
+        asked = time.monotonic()
         try:
             st = inst.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
         except grpc.RpcError as exc:
@@ -285,6 +304,7 @@ class Registry:
             return _WRONG_ROLE
         with self._lock:
             inst.status, inst.misses, inst.last_seen = st, 0, time.monotonic()
+            inst.status_asked_at = asked  # after status (see Instance.status_asked_at)
             if not inst.healthy:
                 log.info("worker %s answers again: up", inst.worker_id)
             inst.healthy = True

@@ -38,6 +38,10 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
   in flight on the chosen instance under one lock, and the count is taken back
   when the call (or stream) ends: concurrent requests see each other's picks,
   so they spread instead of all going where the last heartbeat said was idle.
+  A decode pick also counts the KV (context + ``max_new_tokens``) of this
+  entrypoint's streams on an instance that its last heartbeat did not count yet
+  (not started, or started after that ``Status`` was asked), so the requests picked
+  between two heartbeats cannot together overcommit its KV capacity.
 
 Failover: a worker that fails a call with a retryable status (``RETRYABLE``:
 UNAVAILABLE, a broken stream, a missed ``worker_timeout_s``: the worker, or the way
@@ -253,6 +257,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
         models = dataclasses.replace(models, transfer=dataclasses.replace(
             models.transfer, kv_bytes_per_token=cfg.kv_bytes_per_token or models.transfer.kv_bytes_per_token,
             block_tokens=cfg.block_size))
+        self.lb_models = models  # a decode's KV bytes, as the Decode LB counts them (entrypoint.dispatch)
         self.prefill_lb = get_policy(cfg.prefill_policy, models, kind="prefill")
         self.decode_lb = get_policy(cfg.decode_policy, models, kind="decode")
         self.ve_lb = get_policy(cfg.ve_policy, models, kind="ve")
@@ -411,7 +416,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                 timeout = self._stream_timeout(context)  # the client's time only: see "Deadlines"
                 dreq_pb = pb.DecodeRequest(request_id=rid, token_ids=prompt, generated=generated,
                                            tenant_salt=salt, sampling=sampling, images=images)
-                watch = None
+                watch, started = None, False
                 try:
                     call = start_call(inst, lambda: inst.stub.Decode(dreq_pb, timeout=timeout))
                     if not context.add_callback(call.cancel):  # the client is already gone
@@ -419,6 +424,9 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                     with StallWatch(call, self.cfg.worker_timeout_s) as watch:
                         for ev in call:
                             watch.progress()
+                            if not started:  # its KV is in the worker's Status from now on
+                                started = True
+                                self._decode_started(inst, slot)
                             if ev.stats:
                                 dstats = json.loads(ev.stats)
                                 continue
