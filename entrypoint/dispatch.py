@@ -39,6 +39,9 @@ FAILED_HERE = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # A client with at most this much time left when its worker call was cancelled was cancelled by grpc at its
 # deadline (it cancels the client's call, and so, by its callback, the worker call), not by a client that left.
 DEADLINE_SLACK_S = 0.01
+# A client's remaining time above this is no deadline: grpc's server context reads ~9.2e18 s then, which a
+# worker call cannot take as its timeout (grpc fails such a call DEADLINE_EXCEEDED at once).
+NO_DEADLINE_S = 1e8
 
 
 class Abort(Exception):
@@ -138,7 +141,7 @@ class Dispatch:
         """A Decode stream's timeout: the client's remaining time (``None``: no client deadline). Its
         inactivity is bounded by ``StallWatch``, not here (``entrypoint.server``, "Deadlines")."""
         rem = context.time_remaining()
-        return None if rem is None else max(0.001, rem)
+        return None if rem is None or rem > NO_DEADLINE_S else max(0.001, rem)
 
     def _backoff(self, context) -> None:
         """Wait before a retry after ``FAILED_HERE``: a time drawn uniformly from ``cfg.retry_backoff_s``,
