@@ -32,9 +32,11 @@ code 2, as is a key that does not match its certificate (found when binding).
 
 ``--max-model-len N``: prompt + ``max_new_tokens`` over N is refused
 (INVALID_ARGUMENT) before any prefill; 0 is no bound. Default: the model
-preset's ``max_model_len`` when it has one, else 0. Set it to what a decode
-worker's pool holds (``--num-blocks`` x ``--block-size``) so that a request no
-pool can hold is refused at once instead of after its prefill.
+preset's ``max_model_len`` when it has one, else 0. A request no decode
+worker up could hold even empty (its pool less the Decode LB's 5 % headroom)
+is refused before its prefill (RESOURCE_EXHAUSTED) whatever this bound;
+``--max-model-len`` states the limit to clients up front, also while no
+decode worker is up.
 """
 
 from __future__ import annotations

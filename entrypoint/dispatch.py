@@ -297,6 +297,25 @@ class Dispatch:
             if d is not None and d.started_at is None:
                 inst.decodes[slot] = dataclasses.replace(d, started_at=time.monotonic())
 
+    def _check_decode_fits(self, dreq: DecodeRequest) -> None:
+        """``Abort`` (RESOURCE_EXHAUSTED) before the prefill when no decode worker up could hold
+        ``dreq``'s KV even empty: its capacity less what the Decode LB keeps free
+        (``kv_limit_bytes``: kvstack's 5 % headroom). The decode hop would refuse it after the
+        prefill, which would then be paid for nothing. Nothing is checked while no decode worker
+        up has reported a capacity: the decode hop says what is wrong then."""
+        caps = [i.status.kv_capacity_bytes for i in self.registry.ready("decode")
+                if i.status is not None and i.status.kv_capacity_bytes > 0]
+        if not caps:
+            return
+        need = request_kv_bytes(dreq, self.lb_models)
+        most = max(self.decode_lb.kv_limit_bytes(c) for c in caps)
+        if need > most:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"decode admission control: the request needs {need / 2**20:.1f} MiB of KV "
+                        f"({dreq.context_tokens + dreq.max_new_tokens} tokens), more than any decode worker up "
+                        f"takes even when empty ({most / 2**20:.1f} MiB: its capacity less the decode "
+                        f"policy's reserve); ask for fewer new tokens or shorten the prompt")
+
     @staticmethod
     def _decode_snapshot(i: Instance) -> DecodeInstance:
         """``i`` as the Decode LB sees it (under the entrypoint's lock: ``i.decodes``).

@@ -28,7 +28,10 @@ hops, emitting a "hop" event for each so a client can draw the timeline:
      can reuse: at most ``(len(prompt) - 1) // block_size``, as the engine plugin
      caps it (the last prompt token is always computed); the prefill route's
      cached-token estimate uses the same cap;
-  4. ``prefill``: the Prefill LB picks an instance (estimated TTFT per tier),
+  4. ``prefill``: a request whose KV (prompt + ``max_new_tokens``) no decode
+     worker up could hold even empty (its capacity less the Decode LB's
+     reserve) is refused first (RESOURCE_EXHAUSTED), not after a prefill paid
+     for nothing; the Prefill LB picks an instance (estimated TTFT per tier),
      or admission control rejects the request (RESOURCE_EXHAUSTED with the
      LB's reason); the worker prefills and saves KV to the store;
   5. ``decode``: the Decode LB picks an instance, which loads the KV from the
@@ -382,6 +385,8 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
         yield hop("lookup", blocks=len(keys), hit_blocks=hit.hit_blocks, swa_at=hit.swa_at, ms=ms() - t)
         # 4. prefill
         t = ms()
+        if max_new > 1:  # a decode hop follows: refuse now what it would refuse after the prefill
+            self._check_decode_fits(DecodeRequest(context_tokens=len(prompt) + 1, max_new_tokens=max_new - 1))
         images = [pb.ImageSegment(image_hash=i.image_hash, start=i.start, length=i.length) for i in request.images]
         preq = pb.PrefillRequest(request_id=rid, token_ids=prompt, tenant_salt=salt, sampling=sampling,
                                  images=images)

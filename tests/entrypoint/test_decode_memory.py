@@ -81,3 +81,32 @@ def test_decodes_picked_between_two_heartbeats_cannot_overcommit_an_instance_s_k
     finally:
         for close in opened:
             close(None)
+
+
+@pytest.mark.parametrize("max_new, served", [(17, True), (18, False), (1, True)])
+def test_a_request_no_decode_worker_could_hold_even_empty_is_refused_before_its_prefill(stack, max_new, served):
+    """A decode pool of 60 MiB takes 57 MiB under kvstack's 5 % headroom; at 1 MiB a token, 40 prompt
+    tokens + 17 new (57 tokens of KV: 41 + 16) fit, + 18 (58) do not. Before, such a request was prefilled,
+    then refused at the decode hop; now it is refused first, and no prefill worker is called. A request
+    with max_new_tokens 1 has no decode hop: nothing to check."""
+    svc, ch, fakes, _ = stack(kv_bytes_per_token=float(MIB))
+    opened: list = []
+    try:
+        mem = MemDecode("mem-d", 60 * MIB, MIB, 0.0)
+        svc.registry.add(mem.worker_id, "decode", _serve_fake(mem, opened))
+        prefill = fakes["prefill"][0]
+        svc.registry.add(prefill.worker_id, "prefill", fakes["prefill"][1])
+        req = pb.GenerateRequest(token_ids=PROMPT, sampling=pb.Sampling(max_new_tokens=max_new))
+        stub = pbg.EntrypointStub(ch)
+        if served:
+            events = list(stub.Generate(req, timeout=60))
+            assert len([e for e in events if e.kind == "token"]) == max_new
+            return
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Generate(req, timeout=60))
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value.details()
+        assert "58 tokens" in ei.value.details() and "57.0 MiB" in ei.value.details()
+        assert prefill.prefills == []
+    finally:
+        for close in opened:
+            close(None)
