@@ -145,11 +145,16 @@ def test_an_image_hash_cannot_poison_or_read_another_tenants_image(cluster):
 def test_a_prompt_too_big_for_the_prefill_pool_fails_alone(cluster):
     """The prefill worker's pool (1024 blocks of 16) can never hold this prompt: that request
     is refused, and the worker keeps serving (before: it failed every later request while
-    its heartbeat still said it was up)."""
+    its heartbeat still said it was up). One new token: no decode hop, so the entrypoint's own
+    check that a decode worker could hold it (``Dispatch._check_decode_fits``) does not refuse
+    it first, and the prefill worker's refusal is what is tested."""
     cl = cluster.client()
     with pytest.raises(grpc.RpcError) as ei:
-        cl.generate(_prompt(8, 1024 * 16 + 1), max_new_tokens=2, timeout=120)
+        cl.generate(_prompt(8, 1024 * 16 + 1), max_new_tokens=1, timeout=120)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "blocks" in ei.value.details()
+    with pytest.raises(grpc.RpcError) as ei:  # with a decode hop: no decode pool could hold it, refused first
+        cl.generate(_prompt(8, 1024 * 16 + 1), max_new_tokens=2, timeout=120)
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "even when empty" in ei.value.details()
     prompt = _prompt(9, 60)
     for _ in range(2):
         toks, _, _ = cl.generate(prompt, max_new_tokens=4)
