@@ -31,10 +31,21 @@ Guarantees
 Validation (every construction: a fit, ``from_json``, a caller): a model that
 can not describe a machine is refused with ``LBInputError`` naming the field.
 Coefficients are finite real numbers >= 0 (not NaN, inf, a JSON ``true``);
-work costs time (a prefill has a per-token or attention cost, a decode step
-some cost: an all-zero model has infinite throughput); a prediction for
-:data:`SANE_MAX_TOKENS` tokens is finite; ``r2`` is a number <= 1 (NaN: not
-fitted); ``kv_bytes_per_token`` > 0 and ``block_tokens`` an integer > 0.
+work costs time: the reference workload (:data:`SANE_MAX_TOKENS` uncached
+prompt tokens, not counting the constant; a decode step of that many
+requests and tokens) takes at least ``SANE_MAX_TOKENS / MAX_TOKENS_PER_S``
+seconds (1 ms), so an all-zero model, or one whose only cost is 1e-23 s a
+token, is refused as an infinite throughput; a prediction for
+:data:`SANE_MAX_TOKENS` tokens is finite; ``r2`` is NaN (not fitted) or in
+[0, 1]; ``kv_bytes_per_token`` > 0 and ``block_tokens`` an integer > 0.
+
+Samples (``fit``): finite numbers >= 0, ``cached <= prompt``, and a time > 0
+(a real timing is never 0; with relative weights a 0 s row would outweigh
+all others by ~1e12). Each bad row is refused with ``LBInputError`` naming
+it. Rows the model predicts 0 s for (a prefill with ``prompt == cached``, a
+decode step of 0 requests) carry nothing to fit and are dropped with a
+logged warning. A fit with ``r2 < 0`` (worse than predicting the mean) is
+refused: the samples do not follow the model.
 """
 
 from __future__ import annotations
@@ -59,21 +70,34 @@ __all__ = [
     "load_default",
     "nonneg_lstsq",
     "SANE_MAX_TOKENS",
+    "MAX_TOKENS_PER_S",
+    "NNLS_MAX_FEATURES",
 ]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = Path(__file__).with_name("data") / "cost_model.json"
 SANE_MAX_TOKENS = 10_000_000  # a prompt (prefill) or a batch (decode) any model must predict finitely
+MAX_TOKENS_PER_S = 1e10  # no machine is faster: the reference workload must take >= SANE_MAX_TOKENS / this
+NNLS_MAX_FEATURES = 8  # nonneg_lstsq enumerates 2**k supports
 
 
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tuple[np.ndarray, float]:
-    """Least squares with coefficients forced >= 0 (active-set: drop negatives, refit).
+    """Least squares with coefficients forced >= 0 (exact NNLS by enumerating supports).
 
     ``relative`` minimises the squared *relative* error (rows weighted by
-    ``1 / y``): timings span orders of magnitude and a short prefill
-    mispredicted by 2x matters as much as a long one. Returns (coefficients,
-    r2 of the unweighted fit). Small problems only (a handful of features).
+    ``1 / y``, so every ``y`` must be > 0): timings span orders of magnitude
+    and a short prefill mispredicted by 2x matters as much as a long one.
+    Returns (coefficients, r2 of the unweighted fit).
+
+    Method: the optimum is a non-negative combination of linearly
+    independent columns with all weights > 0 (Caratheodory), so on that
+    support it is the unconstrained least-squares solution. Solving the
+    unconstrained problem on every subset of the columns (2**k of them),
+    keeping the feasible (all >= 0) solutions and taking the one of least
+    weighted SSE is therefore exact, and cheap for the handful of features
+    used here (at most :data:`NNLS_MAX_FEATURES`). Columns are scaled to
+    unit norm first (prefill features span ~1 to ~1e9).
     """
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
@@ -81,20 +105,29 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tupl
         raise LBInputError(f"fit expects X [n, k] and y [n]; got {x.shape} and {y.shape}")
     if x.shape[0] < x.shape[1]:
         raise LBInputError(f"fit needs at least {x.shape[1]} samples, got {x.shape[0]}")
-    wt = 1.0 / np.maximum(y, 1e-12) if relative else np.ones_like(y)
+    if not 1 <= x.shape[1] <= NNLS_MAX_FEATURES:
+        raise LBInputError(f"fit takes 1 to {NNLS_MAX_FEATURES} features, got {x.shape[1]}")
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise LBInputError("fit expects finite X and y")
+    if relative and not (y > 0).all():
+        raise LBInputError(f"a relative fit needs every y > 0; row {int(np.flatnonzero(~(y > 0))[0])} is not")
+    wt = 1.0 / y if relative else np.ones_like(y)
     xw, yw = x * wt[:, None], y * wt
-    active = np.ones(x.shape[1], dtype=bool)
-    coef = np.zeros(x.shape[1])
-    for _ in range(x.shape[1]):
-        sol, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
-        coef[:] = 0.0
-        coef[active] = sol
-        if (sol >= 0).all():
-            break
-        active[np.flatnonzero(active)[sol < 0]] = False
-        if not active.any():
-            break
-    coef = np.clip(coef, 0.0, None)
+    norms = np.linalg.norm(xw, axis=0)
+    norms[norms == 0] = 1.0
+    xs = xw / norms
+    k = x.shape[1]
+    coef, best = np.zeros(k), float((yw**2).sum())  # the empty support
+    for support in range(1, 1 << k):
+        cols = [j for j in range(k) if support >> j & 1]
+        sol, *_ = np.linalg.lstsq(xs[:, cols], yw, rcond=None)
+        if not (sol >= 0).all():
+            continue
+        sse = float(((xs[:, cols] @ sol - yw) ** 2).sum())
+        if sse < best:
+            best, coef = sse, np.zeros(k)
+            coef[cols] = sol
+    coef = coef / norms
     resid = y - x @ coef
     ss_tot = float(((y - y.mean()) ** 2).sum()) or 1.0
     return coef, 1.0 - float((resid**2).sum()) / ss_tot
@@ -106,17 +139,54 @@ def _all_nonneg(*values: float) -> bool:
                for v in values)
 
 
-def _check_model(name: str, coefs: tuple, r2: float, work: tuple, big: float) -> None:
-    """The shared checks of the module doc's *Validation*; ``work`` are the coefficients that make work
-    cost time (one must be > 0), ``big`` the prediction for :data:`SANE_MAX_TOKENS` tokens."""
+def _check_model(name: str, coefs: tuple, r2: float, work_s: float, big: float) -> None:
+    """The shared checks of the module doc's *Validation*; ``work_s`` is the predicted time of the
+    reference workload, ``big`` the prediction for :data:`SANE_MAX_TOKENS` tokens."""
     if not _all_nonneg(*coefs):
         raise LBInputError(f"{name} coefficients must be finite numbers >= 0, got {coefs}")
-    if not any(v > 0 for v in work):
-        raise LBInputError(f"{name} predicts no time for any work (coefficients {coefs}): infinite throughput")
+    if not work_s >= SANE_MAX_TOKENS / MAX_TOKENS_PER_S:
+        raise LBInputError(f"{name} predicts {work_s:.3g} s for the work of {SANE_MAX_TOKENS} tokens (coefficients "
+                           f"{coefs}): over {MAX_TOKENS_PER_S:.0e} tokens/s, an infinite throughput")
     if not math.isfinite(big):
         raise LBInputError(f"{name} predicts a non-finite time for {SANE_MAX_TOKENS} tokens (coefficients {coefs})")
-    if not (isinstance(r2, (int, float)) and not isinstance(r2, bool) and (math.isnan(r2) or r2 <= 1)):
-        raise LBInputError(f"{name}.r2 must be a number <= 1 (NaN: not fitted), got {r2!r}")
+    if not (isinstance(r2, (int, float)) and not isinstance(r2, bool) and (math.isnan(r2) or 0 <= r2 <= 1)):
+        raise LBInputError(f"{name}.r2 must be a number in [0, 1] (NaN: not fitted), got {r2!r}")
+
+
+def _fit_rows(name: str, samples: Iterable[Sequence[float]], columns: str) -> np.ndarray:
+    """``samples`` as an [n, 3] array after the row checks of the module doc's *Samples*; the
+    last column is seconds."""
+    try:
+        arr = np.asarray(list(samples), dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise LBInputError(f"{name}.fit expects ({columns}) rows of numbers: {exc}") from exc
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise LBInputError(f"{name}.fit expects ({columns}) rows, got an array of shape {arr.shape}")
+    bad = ~np.isfinite(arr).all(axis=1) | (arr < 0).any(axis=1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise LBInputError(f"{name}.fit: sample {i} {tuple(arr[i].tolist())} must be finite numbers >= 0 "
+                           f"({columns})")
+    zero = arr[:, 2] == 0
+    if zero.any():
+        i = int(np.flatnonzero(zero)[0])
+        raise LBInputError(f"{name}.fit: sample {i} {tuple(arr[i].tolist())} takes 0 s ({zero.sum()} such rows); "
+                           f"a real timing is never 0: re-time or drop these rows")
+    return arr
+
+
+def _drop_idle(name: str, arr: np.ndarray, idle: np.ndarray, what: str) -> np.ndarray:
+    """``arr`` without the ``idle`` rows (the model predicts 0 s for them), with a warning if any."""
+    if idle.any():
+        log.warning("%s.fit: dropped %d of %d samples with %s (the model predicts 0 s there)",
+                    name, int(idle.sum()), len(arr), what)
+    return arr[~idle]
+
+
+def _check_r2(name: str, r2: float) -> None:
+    if r2 < 0:
+        raise LBInputError(f"{name}.fit: R^2 = {r2:.3g} < 0, worse than predicting the mean: the samples do "
+                           f"not follow the model; check their units and timings")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +201,7 @@ class PrefillCostModel:
     def __post_init__(self) -> None:
         coefs = (self.const_s, self.per_token_s, self.per_attn_pair_s)
         big = (self.predict(SANE_MAX_TOKENS) if _all_nonneg(*coefs) else math.nan)
-        _check_model("PrefillCostModel", coefs, self.r2, coefs[1:], big)
+        _check_model("PrefillCostModel", coefs, self.r2, big - self.const_s, big)
 
     @staticmethod
     def features(suffix: np.ndarray, cached: np.ndarray) -> np.ndarray:
@@ -142,13 +212,17 @@ class PrefillCostModel:
     @classmethod
     def fit(cls, samples: Iterable[Sequence[float]]) -> "PrefillCostModel":
         """Fit on ``(prompt_tokens, cached_tokens, seconds)`` samples."""
-        arr = np.asarray(list(samples), dtype=np.float64)
-        if arr.ndim != 2 or arr.shape[1] != 3:
-            raise LBInputError("PrefillCostModel.fit expects (prompt_tokens, cached_tokens, seconds) rows")
-        if (arr[:, 1] > arr[:, 0]).any() or (arr < 0).any() or not np.isfinite(arr).all():
-            raise LBInputError("each sample needs 0 <= cached_tokens <= prompt_tokens and seconds >= 0")
+        name = "PrefillCostModel"
+        arr = _fit_rows(name, samples, "prompt_tokens, cached_tokens, seconds")
+        over = arr[:, 1] > arr[:, 0]
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise LBInputError(f"{name}.fit: sample {i} {tuple(arr[i].tolist())} needs "
+                               f"cached_tokens <= prompt_tokens")
+        arr = _drop_idle(name, arr, arr[:, 0] == arr[:, 1], "prompt_tokens == cached_tokens")
         suffix = arr[:, 0] - arr[:, 1]
         coef, r2 = nonneg_lstsq(cls.features(suffix, arr[:, 1]), arr[:, 2])
+        _check_r2(name, r2)
         return cls(float(coef[0]), float(coef[1]), float(coef[2]), r2)
 
     def predict(self, prompt_tokens: float, cached_tokens: float = 0.0) -> float:
@@ -179,16 +253,17 @@ class DecodeCostModel:
     def __post_init__(self) -> None:
         coefs = (self.const_s, self.per_token_s, self.per_request_s)
         big = (self.predict(SANE_MAX_TOKENS, SANE_MAX_TOKENS) if _all_nonneg(*coefs) else math.nan)
-        _check_model("DecodeCostModel", coefs, self.r2, coefs, big)
+        _check_model("DecodeCostModel", coefs, self.r2, big, big)
 
     @classmethod
     def fit(cls, samples: Iterable[Sequence[float]]) -> "DecodeCostModel":
         """Fit on ``(batch_tokens, batch_requests, seconds_per_step)`` samples."""
-        arr = np.asarray(list(samples), dtype=np.float64)
-        if arr.ndim != 2 or arr.shape[1] != 3 or (arr < 0).any() or not np.isfinite(arr).all():
-            raise LBInputError("DecodeCostModel.fit expects non-negative (batch_tokens, batch_requests, seconds) rows")
+        name = "DecodeCostModel"
+        arr = _fit_rows(name, samples, "batch_tokens, batch_requests, seconds")
+        arr = _drop_idle(name, arr, arr[:, 1] == 0, "batch_requests == 0")
         x = np.stack([np.ones(len(arr)), arr[:, 0], arr[:, 1]], axis=-1)
         coef, r2 = nonneg_lstsq(x, arr[:, 2])
+        _check_r2(name, r2)
         return cls(float(coef[0]), float(coef[1]), float(coef[2]), r2)
 
     def predict(self, batch_tokens: float, batch_requests: float) -> float:
