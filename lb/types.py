@@ -497,9 +497,28 @@ class DecodeRequest:
 
 @dataclass(frozen=True, slots=True)
 class VERequest:
-    """Images of one request to encode (hashes of the image bytes)."""
+    """Images of one request to encode (hashes of the image bytes).
+
+    ``image_hashes`` is a tuple (a list is copied into one) of hashes, each a
+    non-empty ``str`` or ``bytes`` or an ``int``; repeats are allowed (the
+    policies count an image once). A ``str`` or ``bytes`` as the container is
+    refused: ``VERequest("abc")`` would otherwise be the three images 'a',
+    'b', 'c'.
+    """
 
     image_hashes: tuple
+
+    def __post_init__(self) -> None:
+        hashes = self.image_hashes
+        if not isinstance(hashes, (tuple, list)):
+            raise LBInputError(f"VERequest.image_hashes must be a tuple or list of image hashes, got "
+                               f"{type(hashes).__name__} {hashes!r}; wrap a single hash: (h,)")
+        for i, h in enumerate(hashes):
+            ok = (isinstance(h, (str, bytes)) and len(h) > 0) or (isinstance(h, int) and not isinstance(h, bool))
+            if not ok:
+                raise LBInputError(f"VERequest.image_hashes[{i}] must be a non-empty str or bytes, or an int; "
+                                   f"got {h!r}")
+        object.__setattr__(self, "image_hashes", tuple(hashes))
 
 
 @dataclass(frozen=True, slots=True)

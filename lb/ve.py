@@ -7,8 +7,9 @@ Role
 Rule
     An image whose hash is in an instance's ``cached_images`` costs nothing
     there (its encoder output is cached); every other image costs one encode.
-    Estimated completion = (queued images + uncached images of this request)
-    x ``seconds_per_image``. Lowest wins; ties prefer more cache hits (keeps
+    Estimated completion = (queued images + uncached distinct images of this
+    request) x ``seconds_per_image`` (an image repeated in one request is
+    encoded once). Lowest wins; ties prefer more cache hits (keeps
     the cache warm), then snapshot order. So image-hash affinity wins until
     the affine instance's queue is longer than the encodes it saves.
     ``max_queue_images`` (optional) is admission control: instances at or
@@ -21,6 +22,7 @@ Baseline in the same module: :class:`VELeastQueue` (queue only).
 from __future__ import annotations
 
 import math
+from numbers import Integral, Real
 from typing import Sequence
 
 from lb.types import Decision, LBInputError, VEInstance, VERequest, check_unique_ids
@@ -42,10 +44,13 @@ class KVStackVEPolicy:
     name = "kvstack"
 
     def __init__(self, models=None, *, seconds_per_image: float = 0.05, max_queue_images: int | None = None) -> None:
-        if not math.isfinite(seconds_per_image) or seconds_per_image <= 0:
-            raise LBInputError("KVStackVEPolicy.seconds_per_image must be a finite number > 0")
-        if max_queue_images is not None and max_queue_images <= 0:
-            raise LBInputError("KVStackVEPolicy.max_queue_images must be > 0 or None")
+        spi = seconds_per_image
+        if isinstance(spi, bool) or not isinstance(spi, Real) or not math.isfinite(spi) or spi <= 0:
+            raise LBInputError(f"KVStackVEPolicy.seconds_per_image must be a finite number > 0, got {spi!r}")
+        mq = max_queue_images
+        if mq is not None and (isinstance(mq, bool) or not isinstance(mq, Integral) or mq <= 0):
+            # NaN would compare false with every queue and reject every request; "4" would raise TypeError
+            raise LBInputError(f"KVStackVEPolicy.max_queue_images must be None or an integer > 0, got {mq!r}")
         self.spi = seconds_per_image
         self.max_queue = max_queue_images
 
@@ -58,7 +63,7 @@ class KVStackVEPolicy:
             if not open_:
                 return Decision(None, f"all {len(live)} healthy VE instances have >= {self.max_queue} images queued")
             live = open_
-        imgs = tuple(req.image_hashes)
+        imgs = tuple(dict.fromkeys(req.image_hashes))  # distinct, in order: a repeated image is encoded once
         hits = {i.id: sum(1 for h in imgs if h in i.cached_images) for i in live}
         est = {i.id: (i.queue_images + len(imgs) - hits[i.id]) * self.spi for i in live}
         pick = min(live, key=lambda i: (est[i.id], -hits[i.id]))
