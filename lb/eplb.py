@@ -40,7 +40,8 @@ Algorithm
 
 Dead GPUs / nodes
     ``dead_gpus`` (GPU indices) and ``dead_nodes`` (node indices: all their
-    GPUs) are planned around: the problem is solved over the live GPUs
+    GPUs; each a list, tuple, set, range, numpy array or torch tensor of
+    integers in range, else :class:`lb.types.LBInputError`) are planned around: the problem is solved over the live GPUs
     only (hierarchical over the live nodes when the dead GPUs are whole
     nodes and the groups still divide evenly, global otherwise), and the
     dead GPUs' slots hold **-1** in ``phy2log`` (no expert; ``log2phy``
@@ -73,10 +74,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from numbers import Integral
 
 import numpy as np
 
-from lb.eplb_greedy import balanced_packing, build_log2phy, check_eplb_args, rebalance_hierarchical
+from lb.eplb_greedy import as_count, balanced_packing, build_log2phy, check_eplb_args, rebalance_hierarchical
 from lb.types import LBInputError, LBInternalError
 
 __all__ = ["rebalance_experts", "balancedness", "gpu_loads", "phy_ranks", "EPLBStats"]
@@ -287,8 +289,8 @@ def _repack_distinct(w: np.ndarray, phy2log: np.ndarray, num_gpus: int, domain: 
         for e in items:
             room = fill < k
             fresh = room & np.array([e not in h for h in held])
-            cand = np.where(fresh if fresh.any() else room, loads, np.inf)
-            j = int(np.argmin(cand))
+            cand = np.flatnonzero(fresh if fresh.any() else room)  # a mask, not an inf sentinel
+            j = int(cand[np.argmin(loads[cand])])
             out[gpus[j] * k + fill[j]] = e
             loads[j] += per[e]
             fill[j] += 1
@@ -357,17 +359,28 @@ def _plan(w: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num
     return greedy, ours, improved, moves
 
 
+def _indices(name: str, xs, hi: int) -> list[int]:
+    """``xs`` (None, a list/tuple/set/range, a numpy array or a torch tensor of indices) as Python ints
+    in ``[0, hi)``; anything else (a float, NaN, a bool mask, a string) is LBInputError."""
+    if xs is None:
+        return []
+    if isinstance(xs, (str, bytes)):
+        raise LBInputError(f"{name} must be a collection of integer indices, got {xs!r}")
+    try:
+        items = np.asarray(xs if hasattr(xs, "__array__") else list(xs)).ravel().tolist()
+    except (TypeError, ValueError) as exc:
+        raise LBInputError(f"{name} must be a collection of integer indices, got {xs!r}") from exc
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, Integral) or not 0 <= i < hi:
+            raise LBInputError(f"{name}: index {i!r} is not an integer in [0, {hi})")
+    return [int(i) for i in items]
+
+
 def _dead_set(num_gpus: int, num_nodes: int, dead_gpus, dead_nodes) -> set[int]:
-    dead = set()
     per_node = num_gpus // num_nodes
-    for g in dead_gpus or ():
-        if int(g) != g or not 0 <= g < num_gpus:
-            raise LBInputError(f"dead GPU index {g!r} is not in [0, {num_gpus})")
-        dead.add(int(g))
-    for nd in dead_nodes or ():
-        if int(nd) != nd or not 0 <= nd < num_nodes:
-            raise LBInputError(f"dead node index {nd!r} is not in [0, {num_nodes})")
-        dead.update(range(int(nd) * per_node, (int(nd) + 1) * per_node))
+    dead = set(_indices("dead_gpus", dead_gpus, num_gpus))
+    for nd in _indices("dead_nodes", dead_nodes, num_nodes):
+        dead.update(range(nd * per_node, (nd + 1) * per_node))
     return dead
 
 
@@ -390,7 +403,7 @@ def rebalance_experts(
     (default ``4 * num_replicas``).
     """
     w = np.asarray(weight, dtype=np.float64)
-    check_eplb_args(w, num_replicas, num_groups, num_nodes, num_gpus)
+    num_replicas, num_groups, num_nodes, num_gpus = check_eplb_args(w, num_replicas, num_groups, num_nodes, num_gpus)
     layers, n_log = w.shape
     per_gpu = num_replicas // num_gpus
     per_node = num_gpus // num_nodes
@@ -403,7 +416,8 @@ def rebalance_experts(
             f"every expert needs a replica: bring back at least {-(-(n_log - live_slots) // per_gpu)} GPU(s) "
             f"or raise num_replicas"
         )
-    max_moves = 4 * num_replicas if max_moves_per_layer is None else int(max_moves_per_layer)
+    max_moves = (4 * num_replicas if max_moves_per_layer is None
+                 else as_count("max_moves_per_layer", max_moves_per_layer, minimum=0))
 
     dead_nodes_whole = {g // per_node for g in dead}
     whole = all(set(range(nd * per_node, (nd + 1) * per_node)) <= dead for nd in dead_nodes_whole)

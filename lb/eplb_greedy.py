@@ -26,16 +26,38 @@ Shapes
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from lb.types import LBInputError
 
 __all__ = ["balanced_packing", "replicate_experts", "rebalance_hierarchical", "rebalance_experts_greedy",
-           "check_eplb_args"]
+           "check_eplb_args", "as_count"]
 
 
-def check_eplb_args(weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int) -> None:
-    """Raise LBInputError with what to fix if the EPLB arguments are inconsistent."""
+def as_count(name: str, v, *, minimum: int = 1) -> int:
+    """``v`` as a Python int if it is an integer (``int``, a numpy integer, a 0-d integer tensor:
+    anything with ``__index__``, not a bool) >= ``minimum``; else LBInputError. ``16.0`` is refused:
+    numpy would fail on it deep inside, and NaN or inf would raise ValueError / OverflowError."""
+    try:
+        if isinstance(v, (bool, np.bool_)):
+            raise TypeError("a bool is not a count")
+        iv = operator.index(v)
+    except TypeError as exc:
+        raise LBInputError(f"{name} must be an integer >= {minimum}, got {v!r}") from exc
+    if iv < minimum:
+        raise LBInputError(f"{name} must be an integer >= {minimum}, got {v!r}")
+    return iv
+
+
+def check_eplb_args(weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int,
+                    num_gpus: int) -> tuple[int, int, int, int]:
+    """Raise LBInputError with what to fix if the EPLB arguments are inconsistent; returns the four
+    counts as Python ints.
+
+    Besides each load being finite and >= 0, each layer's *sum* must be finite: the packers add loads
+    up, and a sum that overflows to inf would make every pack look equally (infinitely) full."""
     if weight.ndim != 2:
         raise LBInputError(f"weight must be [layers, num_logical_experts], got shape {weight.shape}")
     if not np.isfinite(weight).all() or (weight < 0).any():
@@ -43,10 +65,14 @@ def check_eplb_args(weight: np.ndarray, num_replicas: int, num_groups: int, num_
     layers, n_log = weight.shape
     if layers < 1 or n_log < 1:
         raise LBInputError(f"weight must have at least one layer and one logical expert, got shape {weight.shape}")
-    for name, v in (("num_replicas", num_replicas), ("num_groups", num_groups),
-                    ("num_nodes", num_nodes), ("num_gpus", num_gpus)):
-        if int(v) != v or v <= 0:
-            raise LBInputError(f"{name} must be a positive integer, got {v!r}")
+    with np.errstate(over="ignore"):
+        total = weight.sum(axis=-1)
+    if not np.isfinite(total).all():
+        li = int(np.flatnonzero(~np.isfinite(total))[0])
+        raise LBInputError(f"layer {li}'s expert loads sum to more than a float64 holds; rescale the weights")
+    num_replicas, num_groups, num_nodes, num_gpus = (
+        as_count(name, v) for name, v in (("num_replicas", num_replicas), ("num_groups", num_groups),
+                                          ("num_nodes", num_nodes), ("num_gpus", num_gpus)))
     if num_replicas < n_log:
         raise LBInputError(f"num_replicas ({num_replicas}) must be >= num_logical_experts ({n_log})")
     if num_replicas % num_gpus:
@@ -55,6 +81,7 @@ def check_eplb_args(weight: np.ndarray, num_replicas: int, num_groups: int, num_
         raise LBInputError(f"num_gpus ({num_gpus}) must be a multiple of num_nodes ({num_nodes})")
     if n_log % num_groups:
         raise LBInputError(f"num_logical_experts ({n_log}) must be a multiple of num_groups ({num_groups})")
+    return num_replicas, num_groups, num_nodes, num_gpus
 
 
 def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,8 +101,8 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
         loads = np.zeros(num_packs)
         counts = np.zeros(num_packs, dtype=np.int64)
         for item in np.argsort(-weight[li], kind="stable"):
-            masked = np.where(counts < per_pack, loads, np.inf)
-            p = int(np.argmin(masked))
+            open_ = np.flatnonzero(counts < per_pack)  # a mask, not an inf sentinel: loads may be huge
+            p = int(open_[np.argmin(loads[open_])])
             pack_index[li, item] = p
             rank[li, item] = counts[p]
             loads[p] += weight[li, item]
@@ -150,7 +177,7 @@ def rebalance_experts_greedy(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """DeepSeek's contract: returns (phy2log, log2phy, logcnt); see ``lb.eplb`` for shapes."""
     w = np.asarray(weight, dtype=np.float64)
-    check_eplb_args(w, num_replicas, num_groups, num_nodes, num_gpus)
+    num_replicas, num_groups, num_nodes, num_gpus = check_eplb_args(w, num_replicas, num_groups, num_nodes, num_gpus)
     if num_groups % num_nodes == 0:
         phy2log, phyrank, logcnt = rebalance_hierarchical(w, num_replicas, num_groups, num_nodes, num_gpus)
     else:

@@ -165,3 +165,70 @@ def test_lb_does_not_import_torch():
     code = ("import sys; import lb.registry, lb.eplb, lb.sim, lb.cost_model; "
             "assert 'torch' not in sys.modules, 'lb imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("dead", [np.array([3, 4]), [np.int64(3), 4], range(3, 5), (3, 4), {3, 4}])
+def test_dead_gpus_as_an_array_or_any_collection(dead):
+    """A numpy array (or torch tensor) crashed on its truth value (QA); every form gives the same plan."""
+    ref = rebalance_experts(README_W, 16, 4, 2, 8, dead_gpus={3, 4})[0]
+    p, l2p, cnt = rebalance_experts(README_W, 16, 4, 2, 8, dead_gpus=dead)
+    assert (p == ref).all()
+    check_contract(README_W, p, l2p, cnt, 16, 8, dead={3, 4})
+    p, _, _ = rebalance_experts(README_W, 24, 4, 2, 8, dead_nodes=np.array([1]))
+    assert (p[:, 12:] == -1).all() and (p[:, :12] >= 0).all()
+
+
+def test_dead_gpus_as_a_torch_tensor():
+    torch = pytest.importorskip("torch")
+    p, _, _ = rebalance_experts(README_W, 16, 4, 2, 8, dead_gpus=torch.tensor([3, 4]))
+    assert (p == rebalance_experts(README_W, 16, 4, 2, 8, dead_gpus={3, 4})[0]).all()
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"dead_gpus": [float("nan")]}, r"dead_gpus: index nan"),
+    ({"dead_gpus": [3.0]}, r"dead_gpus: index 3.0"),
+    ({"dead_gpus": np.array([True, False])}, r"dead_gpus: index True"),
+    ({"dead_gpus": [8]}, r"dead_gpus: index 8 is not an integer in \[0, 8\)"),
+    ({"dead_gpus": "3"}, "collection of integer indices"),
+    ({"dead_gpus": 3.5}, "collection of integer indices"),
+    ({"dead_nodes": [-1]}, r"dead_nodes: index -1 is not an integer in \[0, 2\)"),
+    ({"dead_nodes": [[0], [1, 1]]}, "collection of integer indices"),
+    ({"max_moves_per_layer": -5}, "max_moves_per_layer must be an integer >= 0"),
+])
+def test_bad_dead_indices_are_typed_misuse(kw, match):
+    with pytest.raises(LBInputError, match=match):
+        rebalance_experts(README_W, 16, 4, 2, 8, **kw)
+
+
+@pytest.mark.parametrize("fn", [rebalance_experts, rebalance_experts_greedy])
+@pytest.mark.parametrize("pos,bad", [(1, 16.0), (4, float("nan")), (4, float("inf")), (2, True), (3, "2"), (4, 0)])
+def test_counts_must_be_integers(fn, pos, bad):
+    """16.0 passed and crashed deep in numpy; NaN / inf raised ValueError / OverflowError (QA)."""
+    args = [README_W, 16, 4, 2, 8]
+    args[pos] = bad
+    name = ["weight", "num_replicas", "num_groups", "num_nodes", "num_gpus"][pos]
+    with pytest.raises(LBInputError, match=f"{name} must be an integer >= 1"):
+        fn(*args)
+    ok = fn(README_W, np.int64(16), np.int32(4), 2, 8)[0]
+    assert (ok == fn(README_W, 16, 4, 2, 8)[0]).all()
+
+
+@pytest.mark.parametrize("fn", [rebalance_experts, rebalance_experts_greedy])
+def test_loads_whose_sum_overflows_are_refused(fn):
+    """Finite loads of 1e308 sum to inf: every pack looked full and the plan read uninitialised memory."""
+    with pytest.raises(LBInputError, match="layer 2's expert loads sum to more than a float64"):
+        fn(np.vstack([README_W, np.full((1, 12), 1e308)]), 16, 4, 2, 8)
+    big = rebalance_experts(README_W * 1e300, 16, 4, 2, 8)[0]  # large but summable: the same plan
+    assert (big == rebalance_experts(README_W, 16, 4, 2, 8)[0]).all()
+
+
+def test_packers_never_pick_a_full_pack_when_loads_are_inf():
+    """Full packs were marked with an inf load; once open packs reached inf too, argmin took a full one."""
+    from lb.eplb import _repack_distinct
+    from lb.eplb_greedy import balanced_packing
+
+    with np.errstate(over="ignore"):
+        pack, rank = balanced_packing(np.full((1, 6), 1e308), 2)
+        out = _repack_distinct(np.full(6, 1e308), np.arange(6), 2, np.zeros(2, dtype=np.int64))
+    assert np.bincount(pack[0]).tolist() == [3, 3] and sorted(rank[0].tolist()) == [0, 0, 1, 1, 2, 2]
+    assert sorted(out.tolist()) == list(range(6))
