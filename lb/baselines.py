@@ -41,6 +41,7 @@ Role
 from __future__ import annotations
 
 import math
+from numbers import Real
 from typing import Sequence
 
 from lb.cost_model import CostModels, load_default
@@ -48,6 +49,15 @@ from lb.prefill import estimate_ttft, healthy_or_reason
 from lb.types import Decision, LBInputError, PrefillInstance, RouteRequest
 
 __all__ = ["RoundRobin", "LeastLoaded", "SGLangCacheAware", "DynamoCost", "Mooncake"]
+
+
+def _knob(owner: str, name: str, value, hi: float = math.inf) -> float:
+    """``value`` if it is a finite real number (not a bool) in ``[0, hi]``, else LBInputError: a NaN
+    threshold compares false with everything and would silently switch its rule off."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and 0 <= value <= hi):
+        bound = f"in [0, {hi:g}]" if math.isfinite(hi) else ">= 0"
+        raise LBInputError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+    return value
 
 
 class RoundRobin:
@@ -97,11 +107,9 @@ class SGLangCacheAware:
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
     ) -> None:
-        if not 0.0 <= cache_threshold <= 1.0:
-            raise LBInputError("SGLangCacheAware.cache_threshold must be in [0, 1]")
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
+        self.cache_threshold = _knob("SGLangCacheAware", "cache_threshold", cache_threshold, 1.0)
+        self.balance_abs_threshold = _knob("SGLangCacheAware", "balance_abs_threshold", balance_abs_threshold)
+        self.balance_rel_threshold = _knob("SGLangCacheAware", "balance_rel_threshold", balance_rel_threshold)
 
     def choose(self, req: RouteRequest, instances: Sequence[PrefillInstance]) -> Decision:
         live, why = healthy_or_reason(instances)
@@ -128,8 +136,7 @@ class DynamoCost:
     name = "dynamo"
 
     def __init__(self, models: CostModels | None = None, *, overlap_weight: float = 1.0) -> None:
-        if not math.isfinite(overlap_weight) or overlap_weight < 0:
-            raise LBInputError("DynamoCost.overlap_weight must be a finite number >= 0")
+        _knob("DynamoCost", "overlap_weight", overlap_weight)
         self.w = overlap_weight
 
     def choose(self, req: RouteRequest, instances: Sequence[PrefillInstance]) -> Decision:

@@ -301,3 +301,17 @@ def test_ve_repeated_image_is_encoded_once():
     p = get_policy("kvstack", kind="ve", seconds_per_image=1.0)
     d = p.choose(VERequest(("x", "x", "x")), [VEInstance(0, queue_images=2), VEInstance(1, queue_images=0)])
     assert d.chosen == 1 and d.estimates == {0: 3.0, 1: 1.0} and "0/1 images cached" in d.reason
+
+
+@pytest.mark.parametrize("knob,bad", [("balance_abs_threshold", float("nan")), ("balance_rel_threshold", float("nan")),
+                                      ("balance_abs_threshold", -1), ("balance_rel_threshold", float("inf")),
+                                      ("balance_abs_threshold", "64"), ("balance_rel_threshold", True),
+                                      ("cache_threshold", "0.3"), ("cache_threshold", 1.5)])
+def test_sglang_thresholds_are_checked(knob, bad):
+    """A NaN balance threshold silently switched the imbalance fallback off (QA)."""
+    with pytest.raises(LBInputError, match=f"SGLangCacheAware.{knob} must be a finite number"):
+        get_policy("sglang", MODELS, **{knob: bad})
+    with pytest.raises(LBInputError, match="DynamoCost.overlap_weight must be a finite number >= 0"):
+        get_policy("dynamo", MODELS, overlap_weight=str(bad))
+    p = get_policy("sglang", MODELS, balance_abs_threshold=0, balance_rel_threshold=0.0)
+    assert p.choose(req(), [inst(0, queue=[512]), inst(1)]).chosen == 1  # imbalanced: the shorter queue
