@@ -293,9 +293,11 @@ def test_targets_that_cannot_be_asked_never_lose_entries(faulty_store, monkeypat
     monkeypatch.setattr(targets, "UNREACHABLE_COOLDOWN_S", 0.0)  # ask every time (the breaker: below)
     fs = faulty_store(n=5, k=2, m=2)
     _put_some(fs.store, 12)
-    for c in fs.controls[:3]:  # m + 1
-        c.set(unreachable=True)
-    names = {s.name for s in fs.store.target_specs[:3]}
+    with fs.store.index.env.begin() as txn:  # m + 1 of K(0)'s own targets: at least K(0) is unreadable
+        down = list(fs.store.index.get_meta(txn, ekey(1, K(0))).targets[:3])
+    for name in down:
+        fs.control_of(name).set(unreachable=True)
+    names = set(down)
     failed = 0
     for i in range(12):
         try:
@@ -310,9 +312,9 @@ def test_targets_that_cannot_be_asked_never_lose_entries(faulty_store, monkeypat
     assert {p.target for p in problems} == names
     assert all("access denied" in p.detail and "not checked" in p.detail for p in problems), problems
     assert _lost(fs.store) == 0 and fs.store.lookup([K(0)]).hit_blocks == 1
-    for c in fs.controls[:3]:
-        c.set(unreachable=False)
-    fs.controls[0].set(unreachable=True)  # within m: degraded reads, nothing rebuilt elsewhere
+    for name in down:
+        fs.control_of(name).set(unreachable=False)
+    fs.control_of(down[0]).set(unreachable=True)  # within m: degraded reads, nothing rebuilt elsewhere
     assert [fs.store.get(K(i)) for i in range(12)] == [V(i) for i in range(12)]
     before = fs.store.stats()["counters"]["fragment_rewrites"]
     assert {p.kind.value for p in fs.store.check(fix=True)} == {"target_down"}
