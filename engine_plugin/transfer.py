@@ -223,9 +223,17 @@ class BufferPool:
             if free:
                 self.reuses += 1
                 return free.pop()
-            self._count[nbytes] = self._count.get(nbytes, 0) + 1
-            self.allocations += 1
-            return self.backend.empty_host(nbytes)
+            return self._allocate(nbytes)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        """A new buffer, counted only once it exists: a failed (pinned) allocation takes no slot.
+
+        The caller holds the lock and has checked that the size class has room.
+        """
+        buf = self.backend.empty_host(nbytes)
+        self._count[nbytes] = self._count.get(nbytes, 0) + 1
+        self.allocations += 1
+        return buf
 
     def acquire_many(self, nbytes: int, n: int, timeout: float | None = None) -> list[torch.Tensor]:
         """Up to ``n`` buffers under one lock; waits at most ``timeout`` in all (not per buffer).
@@ -237,19 +245,22 @@ class BufferPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             free = self._free.setdefault(nbytes, [])
-            while len(out) < n:
-                if free:
-                    self.reuses += 1
-                    out.append(free.pop())
-                elif self._count.get(nbytes, 0) < self.max_per_size:
-                    self._count[nbytes] = self._count.get(nbytes, 0) + 1
-                    self.allocations += 1
-                    out.append(self.backend.empty_host(nbytes))
-                else:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        break
-                    self._cv.wait(left)
+            try:
+                while len(out) < n:
+                    if free:
+                        self.reuses += 1
+                        out.append(free.pop())
+                    elif self._count.get(nbytes, 0) < self.max_per_size:
+                        out.append(self._allocate(nbytes))
+                    else:
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            break
+                        self._cv.wait(left)
+            except BaseException:  # an allocation failed: what was taken goes back, not lost
+                free.extend(out)
+                self._cv.notify_all()
+                raise
         return out
 
     def acquire_some(self, nbytes: int, n: int, timeout: float | None = None) -> list[torch.Tensor]:
@@ -260,7 +271,11 @@ class BufferPool:
         first = self.acquire(nbytes, timeout=timeout) if n > 0 else None
         if first is None:
             return []
-        return [first] + self.acquire_many(nbytes, n - 1, timeout=0)
+        try:
+            return [first] + self.acquire_many(nbytes, n - 1, timeout=0)
+        except BaseException:  # an allocation for the rest failed: the first one goes back too
+            self.release(first)
+            raise
 
     def release(self, buf: torch.Tensor) -> None:
         with self._cv:

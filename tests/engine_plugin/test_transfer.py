@@ -128,3 +128,39 @@ def test_host_copy_is_exact_for_any_dtype_and_layout(dtype):
     dst_t = torch.zeros(6, 4, dtype=dtype)
     host_copy(dst_t, src.t())  # non-contiguous source: falls back to Tensor.copy_
     assert torch.equal(dst_t, src.t())
+
+
+def outstanding(pool: BufferPool) -> int:
+    """Buffers the pool handed out that are neither back (released) nor given up (detached)."""
+    with pool._cv:
+        return sum(n - len(pool._free.get(size, [])) for size, n in pool._count.items())
+
+
+class FailingAllocations(DeviceBackend):
+    """``empty_host`` succeeds ``ok`` more times, then raises, as a pinned allocation can."""
+
+    def __init__(self, ok: int):
+        super().__init__()
+        self.ok = ok
+
+    def empty_host(self, nbytes: int) -> torch.Tensor:
+        if self.ok <= 0:
+            raise RuntimeError("injected: the pinned allocation failed")
+        self.ok -= 1
+        return super().empty_host(nbytes)
+
+
+def test_a_failed_allocation_loses_no_buffer_and_no_slot():
+    """What was taken before the failure goes back, and the failed allocation takes no slot:
+    the pool keeps its full size (it used to shrink by every buffer in flight, for good)."""
+    backend = FailingAllocations(ok=2)
+    pool = BufferPool(backend, max_buffers_per_size=4)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.acquire_some(64, 3)  # the first by acquire, the second by acquire_many, the third fails
+    assert outstanding(pool) == 0
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.acquire_many(64, 3, timeout=0)  # two free ones, then an allocation fails
+    assert outstanding(pool) == 0
+    backend.ok = 2
+    got = pool.acquire_many(64, 5, timeout=0)
+    assert len(got) == 4 and pool.allocations == 4 and outstanding(pool) == 4
