@@ -28,7 +28,10 @@ Per batch of ``load_batch_blocks`` blocks (numbered steps, with reasons):
   5. the batch's last event is synchronised *on this thread* before its
      remaining staging buffers go back to the pool, so a buffer is never
      reused while a copy may still read it; the compute stream only waits on
-     events.
+     events. An exception past step 3 (a bug, or the host tier's eviction
+     callback raising) gives them back too, after a device-wide sync
+     (``_give_back``): the request recomputes, and the pool, which saves share,
+     must not shrink with every such load.
 
 *Direct* (host-resident backends, ``cpu``: the pool *is* host memory, so a
 staging buffer would only add a second memcpy). Per batch:
@@ -139,12 +142,34 @@ class Loader:
                 self.c.buffers.release(buf)
         return out
 
-    def _promote(self, kind: str, key: bytes, buf: torch.Tensor, typed: torch.Tensor) -> bool:
-        """Staged step 4: hand the staging buffer itself to the host tier; True if it now owns it."""
-        if self.c.cfg.promote_to_host and self.c.host.put(kind, key, typed):
-            self.c.buffers.detach(buf)
-            return True
-        return False
+    def _promote(self, kind: str, key: bytes, buf: torch.Tensor, typed: torch.Tensor,
+                 held: dict[int, torch.Tensor]) -> None:
+        """Staged step 4: hand the staging buffer itself to the host tier, detached from the pool.
+
+        ``held``: the caller's buffers still to give back to the pool, by ``id``; ``buf`` leaves
+        it once the tier may own it. ``HostCache.put`` may raise from its eviction callback
+        *after* the entry went in, so a raising put detaches the buffer too: the pool must never
+        hand out a buffer the tier may serve (a lost buffer is only a new allocation).
+        """
+        if not self.c.cfg.promote_to_host:
+            return
+        kept = True  # stays True when put raises: the tier may hold the buffer
+        try:
+            kept = self.c.host.put(kind, key, typed)
+        finally:
+            if kept:
+                self.c.buffers.detach(held.pop(id(buf)))
+
+    def _give_back(self, held: dict[int, torch.Tensor]) -> None:
+        """After an exception past staging: release the buffers still ``held`` once no copy reads them.
+
+        The whole device is synchronised, not only the last event: a ``copy_async`` that raised
+        may have queued its copy without returning an event. A sync that raises leaves them out.
+        """
+        if held:
+            self.c.backend.synchronize()
+        while held:
+            self.c.buffers.release(held.popitem()[1])
 
     def _direct_ok(self, t: torch.Tensor, shape: tuple[int, ...]) -> bool:
         """Whether a store may write ``t`` (a pool, a window) directly: see the module docstring."""
@@ -164,20 +189,24 @@ class Loader:
                 return False, {}
             self.c.metrics.inc("bytes_loaded", self.c.snap_nbytes)
             return True, {f"swa.{l}": None for l in range(L)}
-        buf = None
-        if src is None:
-            buf = self._read_staged("swa", [key], self.c.snap_nbytes)[0]
-            if buf is None:
-                self.c.metrics.inc("snapshot_load_failed")
-                return False, {}
-            src = buf.view(self.c.dtype).view(self.c.snap_shape)
-            if self._promote("swa", key, buf, src):
-                buf = None
-        events = {f"swa.{l}": self.c.backend.copy_async(win[l], src[l], self.stream)
-                  for l in range(L)}  # layer by layer: layer 0 can start first
-        if buf is not None:
-            self.c.backend.sync_event(events[f"swa.{L - 1}"])
-            self.c.buffers.release(buf)
+        held: dict[int, torch.Tensor] = {}  # the staging buffer, until promoted or released
+        try:
+            if src is None:
+                buf = self._read_staged("swa", [key], self.c.snap_nbytes)[0]
+                if buf is None:
+                    self.c.metrics.inc("snapshot_load_failed")
+                    return False, {}
+                held[id(buf)] = buf
+                src = buf.view(self.c.dtype).view(self.c.snap_shape)
+                self._promote("swa", key, buf, src, held)
+            events = {f"swa.{l}": self.c.backend.copy_async(win[l], src[l], self.stream)
+                      for l in range(L)}  # layer by layer: layer 0 can start first
+            if held:
+                self.c.backend.sync_event(events[f"swa.{L - 1}"])
+                self.c.buffers.release(held.popitem()[1])
+        except BaseException:
+            self._give_back(held)
+            raise
         self.c.metrics.inc("bytes_loaded", self.c.snap_nbytes)
         return True, events
 
@@ -223,29 +252,32 @@ class Loader:
                 self.c.host.get("block", b.key) if b.tier is Tier.HOST else None for b in batch]
             need = [i for i, t in enumerate(srcs) if t is None]
             staged = self._read_staged("block", [batch[i].key for i in need], self.c.block_nbytes) if need else []
-            used, to_release = 0, []
-            for i, buf in zip(need, staged):
-                if buf is None:
-                    break  # blocks past the first bad one are useless (a hit is a prefix)
-                used += 1
-                srcs[i] = buf.view(self.c.dtype).view(self.c.block_shape)
-                if not self._promote("block", batch[i].key, buf, srcs[i]):
-                    to_release.append(buf)
-            for buf in staged[used + 1:]:  # verified but past the gap: no copy reads them
-                if buf is not None:
-                    self.c.buffers.release(buf)
-            stop = False
-            for b, src in zip(batch, srcs):
-                if src is None:
-                    stop = True
-                    break
-                ev = self.c.backend.copy_async(pool[b.block_id], src, self.stream)
-                good += 1
-            self.c.metrics.inc("bytes_loaded", used * self.c.block_nbytes)
-            if to_release:
-                self.c.backend.sync_event(ev)  # the staging buffers are free once the copies ran
-                for buf in to_release:
-                    self.c.buffers.release(buf)
+            held = {id(b): b for b in staged if b is not None}  # to give back: not promoted nor released
+            try:
+                used, stop = 0, False
+                for i, buf in zip(need, staged):
+                    if buf is None:
+                        break  # blocks past the first bad one are useless (a hit is a prefix)
+                    used += 1
+                    srcs[i] = buf.view(self.c.dtype).view(self.c.block_shape)
+                    self._promote("block", batch[i].key, buf, srcs[i], held)
+                for buf in staged[used + 1:]:  # verified but past the gap: no copy reads them
+                    if buf is not None:
+                        self.c.buffers.release(held.pop(id(buf)))
+                for b, src in zip(batch, srcs):
+                    if src is None:
+                        stop = True
+                        break
+                    ev = self.c.backend.copy_async(pool[b.block_id], src, self.stream)
+                    good += 1
+                self.c.metrics.inc("bytes_loaded", used * self.c.block_nbytes)
+                if held:
+                    self.c.backend.sync_event(ev)  # the staging buffers are free once the copies ran
+                    while held:
+                        self.c.buffers.release(held.popitem()[1])
+            except BaseException:  # a bug or a store fault past staging (the host tier's eviction)
+                self._give_back(held)
+                raise
             if stop:
                 break
         return good, {"global": ev}

@@ -17,7 +17,9 @@ import random
 import threading
 import time
 
+import pytest
 import torch
+from test_transfer import outstanding
 
 from engine_plugin.connector import BlockLoad, LoadSpec, Tier
 from engine_plugin.reference import SamplingParams
@@ -186,3 +188,63 @@ def test_slow_plain_store_never_writes_after_its_timeout(rig, store):
     assert slow.done.wait(5)
     time.sleep(0.05)  # the gateway thread has returned the bytes; nobody copies them anywhere
     assert bool((eng.pool.kv == 7.0).all())
+
+
+def _flaky_copies(monkeypatch, c, every: int) -> list:
+    """Every ``every``-th ``copy_async`` raises; returns the list ``synchronize`` calls append to."""
+    real, calls, synced = c.backend.copy_async, [], []
+
+    def copy_async(dst, src, stream):
+        calls.append(1)
+        if len(calls) % every == 0:
+            raise RuntimeError("injected: a copy into the engine failed")
+        return real(dst, src, stream)
+
+    monkeypatch.setattr(c.backend, "copy_async", copy_async)
+    monkeypatch.setattr(c.backend, "synchronize", lambda: synced.append(1))
+    return synced
+
+
+@pytest.mark.parametrize("what", ["blocks", "snapshot"])
+def test_an_exception_past_staging_gives_the_buffers_back(rig, store, monkeypatch, what):
+    """A load that raises after its staging read (here a copy into the engine) makes the request
+    recompute (``load_exceptions``); its staging buffers go back to the pool, which saves share,
+    after a device sync (a copy may still read them). They used to leak at every such load until
+    the pool was empty and every save was dropped."""
+    prompt, keys = _seeded(rig, store, 96, 8)
+    swa = next(k for (kind, k), _ in rig.connectors[-1].host.items() if kind == "swa")
+    eng = rig.engine(store, load_batch_blocks=4, staging_buffers=4, promote_to_host=False, direct_reads=False)
+    c = eng.connector
+    synced = _flaky_copies(monkeypatch, c, every=2)
+    win = torch.zeros(c.snap_shape, dtype=c.dtype)
+    for _ in range(3):  # more failures than the pool has buffers to lose
+        with pytest.raises(RuntimeError, match="injected"):
+            if what == "blocks":
+                c.loader.load_blocks(_spec(keys), eng.pool.kv)
+            else:
+                c.loader.load_snapshot(LoadSpec("r", (), 0, swa, Tier.STORE), win)
+        assert outstanding(c.buffers) == 0
+    assert len(synced) == 3
+
+
+def test_a_promotion_whose_eviction_raises_keeps_that_buffer_out_of_the_pool(rig, store):
+    """``HostCache.put`` runs its eviction callback (which queues a store write) after the entry
+    went in: when that raises, the host tier holds the staging buffer, so the pool must never
+    hand it out again (two owners of one buffer); the batch's other buffers go back."""
+    prompt, keys = _seeded(rig, store, 96, 9)
+    eng = rig.engine(store, load_batch_blocks=4, staging_buffers=4, direct_reads=False)
+    c = eng.connector
+    c.host.capacity = c.block_nbytes  # one block: the first promotion evicts the entry below
+    assert c.host.put("block", b"\0" * 16, torch.zeros(c.block_nbytes, dtype=torch.uint8))
+
+    def on_evict(kind, key, t):
+        raise RuntimeError("injected: the eviction's store write failed")
+
+    c.host.on_evict = on_evict
+    with pytest.raises(RuntimeError, match="injected"):
+        c.loader.load_blocks(_spec(keys[:4]), eng.pool.kv)
+    held = c.host.get("block", keys[0])
+    assert held is not None and held.numpy().tobytes() == store.get(keys[0])
+    assert outstanding(c.buffers) == 0  # detached (the tier's now), or back in the pool
+    free = c.buffers.acquire_many(c.block_nbytes, 4, timeout=0)
+    assert len(free) == 4 and held.data_ptr() not in {b.data_ptr() for b in free}
