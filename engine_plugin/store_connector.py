@@ -521,16 +521,21 @@ class KVStoreConnector(KVConnectorBase):
                 log.warning("no staging buffer free for %.3f s: %d block saves of this step dropped",
                             self.cfg.save_enqueue_timeout_s, len(saves) - i)
                 break
-            chunk = saves[i:i + len(bufs)]
-            events = [self.backend.copy_async(buf.view(self.dtype).view(self.block_shape), pool[sv.block_id],
-                                              self.save_stream) for sv, buf in zip(chunk, bufs)]
-            for ev in events:  # the bytes are taken below: the copies must be complete
-                self.backend.sync_event(ev)
-            items += [PutItem(sv.key, buf.numpy().tobytes(), kind="block", ttl_s=self.cfg.ttl_s, layout=layout,
-                              tokens=self.B) for sv, buf in zip(chunk, bufs)]
-            rids += [sv.request_id for sv in chunk]
-            for buf in bufs:  # bytes copied out: the buffers serve the next chunk
-                self.buffers.release(buf)
+            chunk, done = saves[i:i + len(bufs)], False
+            try:
+                events = [self.backend.copy_async(buf.view(self.dtype).view(self.block_shape), pool[sv.block_id],
+                                                  self.save_stream) for sv, buf in zip(chunk, bufs)]
+                for ev in events:  # the bytes are taken below: the copies must be complete
+                    self.backend.sync_event(ev)
+                items += [PutItem(sv.key, buf.numpy().tobytes(), kind="block", ttl_s=self.cfg.ttl_s,
+                                  layout=layout, tokens=self.B) for sv, buf in zip(chunk, bufs)]
+                rids += [sv.request_id for sv in chunk]
+                done = True
+            finally:  # bytes copied out (or the step fails): the buffers serve the next chunk or step
+                if not done:  # a copy started, even by a copy_async that raised, must end first;
+                    self.backend.synchronize()  # a sync that raises keeps them out of the pool
+                for buf in bufs:
+                    self.buffers.release(buf)
             i += len(chunk)
         if items and self.gateway.store is not None:
             self.saves.submit(items, rids)

@@ -10,6 +10,10 @@ import random
 import threading
 import time
 
+import pytest
+from test_transfer import outstanding
+
+from engine_plugin.connector import BlockSave
 from engine_plugin.reference import Engine, EngineConfig, SamplingParams
 from engine_plugin.saver import SaveQueue
 from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
@@ -139,3 +143,25 @@ def _eventually(cond, timeout: float = 30.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_a_save_chunk_that_raises_gives_its_buffers_back(rig, store, monkeypatch):
+    """An exception in a save chunk (here its third copy out of the pool) fails the step; the
+    chunk's staging buffers go back once the copies already started ended, so the pool that
+    later steps save and load through keeps its size (they used to leak, chunk by chunk)."""
+    eng = rig.engine(store, staging_buffers=4, load_batch_blocks=4)
+    c = eng.connector
+    copies, synced = [], []
+
+    def copy_async(dst, src, stream):
+        copies.append(1)
+        if len(copies) % 3 == 0:
+            raise RuntimeError("injected: a copy out of the pool failed")
+
+    monkeypatch.setattr(c.backend, "copy_async", copy_async)
+    monkeypatch.setattr(c.backend, "synchronize", lambda: synced.append(1))
+    saves = [BlockSave("r", i, i, bytes([i]) * 16) for i in range(6)]
+    for n in range(1, 4):  # more failures than the pool has buffers to lose
+        with pytest.raises(RuntimeError, match="injected"):
+            c._save_blocks(saves, eng.pool.kv)
+        assert outstanding(c.buffers) == 0 and len(synced) == n  # back once no copy can write into them
