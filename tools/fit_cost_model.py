@@ -63,7 +63,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferModel  # noqa: E402
-from lb.types import BLOCK_TOKENS  # noqa: E402
+from lb.types import BLOCK_TOKENS, LBInputError  # noqa: E402
 
 log = logging.getLogger("fit_cost_model")
 
@@ -316,8 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     for (b, c), t in zip(dgrid, t_dec):
         print(f"decode  batch={b:3d} context={c:5d} {t * 1e3:9.3f} ms", file=sys.stderr)
 
-    pm = PrefillCostModel.fit(pre)
-    dm = DecodeCostModel.fit(dec)
+    try:
+        pm = PrefillCostModel.fit(pre)
+        dm = DecodeCostModel.fit(dec)
+    except LBInputError as exc:  # a bad timing (0 s, a fit worse than a constant): the samples are above
+        print(f"fit_cost_model: cannot fit these timings ({exc}); nothing written to {args.out}", file=sys.stderr)
+        return 1
     models = CostModels(
         prefill=pm,
         decode=dm,

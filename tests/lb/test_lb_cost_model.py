@@ -195,3 +195,25 @@ def test_nonneg_lstsq_is_an_exact_nnls():
                 assert sse <= ((xw @ cand - yw) ** 2).sum() * (1 + 1e-9) + 1e-15
     with pytest.raises(LBInputError, match="every y > 0"):
         nonneg_lstsq(np.ones((3, 1)), np.array([1.0, 0.0, 1.0]))
+
+
+def test_fit_cost_model_reports_timings_it_cannot_fit_in_one_line(monkeypatch, tmp_path, capsys):
+    """A timing the fit refuses (here every one 0 s) ends ``tools/fit_cost_model.py`` with exit
+    code 1 and one line naming the cause, and writes nothing; before, a traceback."""
+    pytest.importorskip("torch")
+    from tools import fit_cost_model as tool
+
+    class Target:  # no model to time: the timings come from the patched timed_min
+        kv_bytes_per_token = 2
+        def __init__(self, *_): pass  # noqa: E301,E704
+        def prepare_prefill(self, *_): pass  # noqa: E301,E704
+        def prepare_decode(self, *_): pass  # noqa: E301,E704
+        def meta(self): return {}  # noqa: E301,E704
+
+    monkeypatch.setattr(tool, "ToyStack", Target)
+    monkeypatch.setattr(tool, "timed_min", lambda points, *_: [0.0] * len(points))
+    out = tmp_path / "model.json"
+    assert tool.main(["--target", "toy", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("fit_cost_model: cannot fit these timings") and "0 s" in err[-1], err[-1]
+    assert "Traceback" not in "\n".join(err) and not out.exists()
