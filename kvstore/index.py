@@ -23,9 +23,14 @@ Sub-databases (``ek`` is the 17-byte entry key ``kind code || block hash``)::
              b"code"                -> JSON {ec_type, ec_k, ec_m}: the directory's erasure code, set in
                                        the same transaction (the marker repeats it; this copy is the one
                                        creators racing each other agree on)
-             b"path\0"||target||b"\0"||rel -> who (b"s" sweep, b"r" repair) || pid (u64 BE): a fragment
-                                       path taken while its I/O runs outside any write transaction
-                                       (``Index.take_path_txn``)
+             b"path\0"||target||b"\0"||rel -> who (b"s" sweep, b"r" repair) || pid || start time (u64 BE
+                                       each): a fragment path taken while its I/O runs outside any write
+                                       transaction (``Index.take_path_txn``; ``kvstore.pathholds``). A hold
+                                       whose process is gone, or whose pid is this process's but that this
+                                       ``Index`` did not take (a daemon restarted as a container's pid 1
+                                       again), holds nothing and is dropped at open. Assumes one host and
+                                       one pid namespace for every process on the directory (a holder in
+                                       another namespace may look gone while it runs, or alive when gone)
 
 Invariants (each write transaction keeps them):
   1. An ``entries`` record exists only after all of its fragments were durably
@@ -64,6 +69,7 @@ import lmdb
 
 from kvstore.config import strip_userinfo
 from kvstore.errors import CorruptData, IncompatibleFormat, InternalError, InvalidRequest, StoreUnavailable
+from kvstore.pathholds import PathHolds
 
 INDEX_FORMAT = 1
 
@@ -114,23 +120,6 @@ def packed_bytes(m: Meta) -> int:
     return m.frag_len * sum(1 for o in m.offsets if o != STANDALONE) if m.offsets else 0
 
 
-def _path_key(target: str, rel: str) -> bytes:
-    return b"path\0" + target.encode() + b"\0" + rel.encode()
-
-
-def _alive(pid: int) -> bool:
-    """Does process ``pid`` (of this host) run? Unsure (not ours to signal) counts as yes."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def ekey(kind_code: int, key: bytes) -> bytes:
     return bytes((kind_code,)) + key
 
@@ -170,6 +159,8 @@ class Index:
                     raise IncompatibleFormat(
                         f"index at {path} has format {_U64.unpack(fmt)[0]}; this kvstore reads {INDEX_FORMAT}"
                     )
+                self.paths = PathHolds(self.db["info"])
+                self.paths.drop_stale_txn(txn)  # left by a crash, or by this pid's earlier process
             self._load_tids()
         except lmdb.Error as exc:
             self.env.close()
@@ -303,20 +294,21 @@ class Index:
     def take_path_txn(self, txn: lmdb.Transaction, target: str, rel: str, who: str) -> bool:
         """Take fragment path ``rel`` on ``target`` for ``who`` ("sweep": deleting the stale copy
         there; "repair": writing a rebuilt fragment there, to record it): False when a live
-        process (this one included) holds it, else held for this process until
-        ``release_path_txn``, and True. A holder whose process is gone (it crashed with the
-        path taken) holds nothing: it writes, deletes and records no more. Process ids are
-        what LMDB's own reader table is checked by, so one data directory is one host's."""
-        key = _path_key(target, rel)
-        raw = txn.get(key, db=self.db["info"])
-        if raw is not None and _alive(_U64.unpack_from(raw, 1)[0]):
-            return False
-        txn.put(key, who[:1].encode() + _U64.pack(os.getpid()), db=self.db["info"])
-        return True
+        process (this one included) holds it, else held for this process until given back
+        (``release_paths``), and True. A holder whose process is gone (it crashed with the
+        path taken; its pid now another process's) holds nothing: it writes, deletes and
+        records no more. One host, one pid namespace: see ``kvstore.pathholds``."""
+        return self.paths.take_txn(txn, target, rel, who)
 
     def release_path_txn(self, txn: lmdb.Transaction, target: str, rel: str) -> None:
-        """Give back a path ``take_path_txn`` took (none held: nothing)."""
-        txn.delete(_path_key(target, rel), db=self.db["info"])
+        """Give back a path ``take_path_txn`` took, inside ``txn`` (none held: nothing)."""
+        self.paths.release_txn(txn, target, rel)
+
+    def release_paths(self, paths: Iterable[tuple[str, str]]) -> None:
+        """Give back ``(target, rel)`` paths ``take_path_txn`` took, in a write transaction of
+        its own. Never raises an LMDB error (the map full, say): that is logged, and the holds
+        left hold nothing for this process and are retried (``kvstore.pathholds``)."""
+        self.paths.release(self.env, paths)
 
     # ------------------------------------------------------------------ live entries
     def get_meta(self, txn: lmdb.Transaction, ek: bytes) -> Meta | None:

@@ -525,9 +525,7 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
                     unrecorded = str(exc)
         finally:
             if taken:
-                with store.index.env.begin(write=True) as txn:
-                    for name, rel in taken:
-                        store.index.release_path_txn(txn, name, rel)
+                store.index.release_paths(taken)  # never raises an LMDB error: the check goes on
         for i, p in bad.items():
             if unrecorded and i in fixed:
                 detail = f"{p.detail}; {_unrecorded_detail(m, fixed_meta, i, unrecorded)}"

@@ -140,8 +140,7 @@ def _delete_slot_orphan(store: "EmbeddedStore", tgt, rel: str, ek: bytes, gen: b
             return None
         return tgt.delete(rel)
     finally:
-        with store.index.env.begin(write=True) as txn:
-            store.index.release_path_txn(txn, tgt.name, rel)
+        store.index.release_paths([(tgt.name, rel)])  # never raises an LMDB error: the sweep goes on
 
 
 def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: float,

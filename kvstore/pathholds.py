@@ -1,0 +1,157 @@
+"""Fragment paths taken in the index while their I/O runs outside any write transaction.
+
+Called through ``kvstore.index.Index`` (``take_path_txn``, ``release_paths``) by the orphan
+sweep (``kvstore.orphans``: deleting a stale copy of a slot) and by repair
+(``kvstore.maintenance._rebuild``: writing a rebuilt fragment in a new place). Whichever
+takes a path first, the other sees it and leaves the file alone.
+
+A hold is one record of the index's ``info`` database::
+
+    b"path\\0" || target || b"\\0" || rel  ->  who (1 byte: b"s" sweep, b"r" repair)
+                                              || pid (u64 BE)
+                                              || start (u64 BE: the process's start time,
+                                                 /proc/<pid>/stat field 22; 0 unknown)
+
+(A hold written before start times were recorded is 9 bytes: its start is unknown.)
+
+Who holds what, and why a crash never blocks a path for good:
+  1. This process holds a path only while its ``PathHolds`` has it in ``held`` (taken and
+     not given back). A record with this process's pid that is not in ``held`` holds
+     nothing: it is an earlier process's with the same pid (a daemon in a container is
+     pid 1 after every restart; QA: a crash inside the sweep's delete left a hold the
+     restarted daemon took for its own, so that orphan was never swept and that slot
+     never rebuilt there) or a give-back that failed. Records like that are dropped when
+     the index opens (``drop_stale_txn``) and taken over by ``take_txn``.
+  2. Another process's hold holds while its pid runs and, where /proc tells start times,
+     that process started when the hold says: a pid reused by a new process (the
+     restarted container's pid 1) holds nothing of the old one's.
+  3. Unsure (a pid not ours to signal, no /proc) counts as held: a path is never taken
+     from a live holder.
+  4. A give-back that fails (the index map full, say) is logged, never raised: the hold
+     left behind holds nothing for this process (1), is retried at its next give-back,
+     and for other processes holds until then or until this process ends (2).
+
+Assumption: every process that opens one data directory runs on one host and in one pid
+namespace, as for LMDB's own reader table, which is checked by pid the same way. A holder
+in another pid namespace (a daemon in a container, ``kvtool`` on the host, one volume
+shared) has a pid that means nothing here: it may look gone while it runs (its path then
+taken from under it: a sweep may delete a fragment repair has just rebuilt there) or alive
+when it is gone (until that pid ends). Do not run maintenance on one directory from two
+pid namespaces at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from typing import Iterable
+
+import lmdb
+
+log = logging.getLogger(__name__)
+
+PREFIX = b"path\0"
+_HOLD = struct.Struct(">cQQ")  # who, pid, start time (0 unknown)
+_PID = struct.Struct(">Q")
+
+
+def path_key(target: str, rel: str) -> bytes:
+    return PREFIX + target.encode() + b"\0" + rel.encode()
+
+
+def start_time(pid: int) -> int:
+    """When process ``pid`` started (clock ticks after boot: /proc/<pid>/stat field 22), or 0
+    when that cannot be told (no /proc, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])  # fields from 3 on follow the ")" of comm
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def holder(raw: bytes) -> tuple[int, int]:
+    """(pid, start time) of a hold record; start 0 when unknown (a 9-byte hold of old)."""
+    return _PID.unpack_from(raw, 1)[0], (_PID.unpack_from(raw, 9)[0] if len(raw) >= _HOLD.size else 0)
+
+
+def runs(pid: int, start: int) -> bool:
+    """Does the process that wrote a hold (``pid``, its ``start`` time) still run? Unsure (a
+    pid not ours to signal, a start time unknown) counts as yes."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # runs, as another user's process
+    now = start_time(pid) if start else 0
+    return not (now and now != start)  # another start: the pid was reused, the holder is gone
+
+
+class PathHolds:
+    """The holds of one process on one index (LMDB refuses a second ``Index`` on one
+    directory in a process, so ``held`` is all this process holds there)."""
+
+    def __init__(self, info_db) -> None:
+        self.db = info_db
+        self.held: set[bytes] = set()  # keys taken and not given back
+        self.unreleased: set[bytes] = set()  # keys given back whose record may still be there
+
+    def _holds(self, key: bytes, raw: bytes) -> bool:
+        pid, start = holder(raw)
+        if pid == os.getpid():
+            return key in self.held
+        return runs(pid, start)
+
+    def drop_stale_txn(self, txn: lmdb.Transaction) -> int:
+        """Delete every hold that holds nothing (see the module docstring); how many."""
+        cur = txn.cursor(db=self.db)
+        stale = []
+        if cur.set_range(PREFIX):
+            for key, raw in cur:
+                if not key.startswith(PREFIX):
+                    break
+                if not self._holds(key, raw):
+                    stale.append(key)
+        for key in stale:
+            txn.delete(key, db=self.db)
+        return len(stale)
+
+    def take_txn(self, txn: lmdb.Transaction, target: str, rel: str, who: str) -> bool:
+        key = path_key(target, rel)
+        raw = txn.get(key, db=self.db)
+        if raw is not None and self._holds(key, raw):
+            return False
+        pid = os.getpid()
+        txn.put(key, _HOLD.pack(who[:1].encode(), pid, start_time(pid)), db=self.db)
+        self.held.add(key)  # before the commit: a take that does not commit leaves no record to hold
+        return True
+
+    def release_txn(self, txn: lmdb.Transaction, target: str, rel: str) -> None:
+        key = path_key(target, rel)
+        self.held.discard(key)
+        raw = txn.get(key, db=self.db)
+        if raw is not None and holder(raw)[0] == os.getpid():
+            txn.delete(key, db=self.db)  # only ours: one taken over from a holder that looked gone stays
+
+    def release(self, env: lmdb.Environment, paths: Iterable[tuple[str, str]]) -> None:
+        """Give ``paths`` back in one write transaction of its own, with any an earlier call
+        could not; never raises an LMDB error (rule 4 of the module docstring)."""
+        keys = {path_key(t, r) for t, r in paths}
+        self.held -= keys
+        self.unreleased |= keys
+        attempt = set(self.unreleased)
+        try:
+            with env.begin(write=True) as txn:
+                for key in attempt:
+                    raw = txn.get(key, db=self.db)
+                    # taken again meanwhile (by this process: in held; by another: not our pid) stays
+                    if raw is not None and key not in self.held and holder(raw)[0] == os.getpid():
+                        txn.delete(key, db=self.db)
+        except lmdb.Error as exc:
+            log.warning("could not give back %d fragment path(s) held in the index (%s): they hold nothing "
+                        "for this process, are retried at its next give-back and dropped when the index "
+                        "is next opened; other processes wait for them until then", len(attempt), exc)
+            return
+        self.unreleased -= attempt

@@ -1,0 +1,133 @@
+"""Fragment paths held in the index (``kvstore.pathholds``): a hold whose process is gone,
+or whose pid came back as another process, never blocks its path; a give-back that fails
+neither stops GC nor holds the path for good."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+
+import kvstore
+from kvstore.pathholds import path_key, start_time
+
+from .test_faults import _slot_orphan_setup
+
+
+def _put_hold(s, target: str, rel: str, pid: int, start: int) -> None:
+    """A hold record as a process ``pid`` started at ``start`` left it (not taken by ``s``)."""
+    with s.index.env.begin(write=True) as txn:
+        txn.put(path_key(target, rel), b"s" + struct.pack(">QQ", pid, start), db=s.index.db["info"])
+
+
+def _hold(s, target: str, rel: str) -> bytes | None:
+    with s.index.env.begin() as txn:
+        raw = txn.get(path_key(target, rel), db=s.index.db["info"])
+    return None if raw is None else bytes(raw)
+
+
+def test_a_hold_left_under_this_processes_pid_holds_nothing(tmp_path):
+    """A daemon in a container is pid 1 after every restart: a crash inside the sweep's delete
+    left a hold with pid 1, which the restarted daemon took for its own live hold, and init
+    (pid 1) looked alive to everyone else, so that orphan was never swept and repair never
+    rebuilt that slot there (QA). A hold under this process's pid that this store did not
+    take is an earlier process's: taken over, and dropped when the index is next opened."""
+    s, _ek, key, value, tgt, _cur, rel = _slot_orphan_setup(tmp_path)
+    with s:
+        _put_hold(s, tgt.name, rel, os.getpid(), start_time(os.getpid()))
+        assert s.gc()["orphans"] == 1 and not (Path(tgt.root) / rel).exists()
+        _put_hold(s, tgt.name, rel, os.getpid(), 0)
+    with kvstore.connect(s.data_dir, fsync=False, orphan_grace_s=0) as s2:
+        assert _hold(s2, tgt.name, rel) is None  # dropped at open
+        _put_hold(s2, tgt.name, rel, os.getpid(), 0)
+        with s2.index.env.begin(write=True) as txn:
+            assert s2.index.take_path_txn(txn, tgt.name, rel, "repair")
+            assert not s2.index.take_path_txn(txn, tgt.name, rel, "sweep")  # now ours: held
+        s2.index.release_paths([(tgt.name, rel)])
+        assert _hold(s2, tgt.name, rel) is None
+        assert s2.get(key) == value and s2.check() == []
+
+
+def test_a_hold_of_a_pid_now_another_process_holds_nothing(tmp_path):
+    """The holder's pid runs, but as a process started at another time (the pid reused):
+    the hold is the old process's, and it is gone. A hold whose process runs still holds."""
+    s, _ek, key, value, tgt, _cur, rel = _slot_orphan_setup(tmp_path)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with s:
+            start = start_time(other.pid)
+            if not start:  # no /proc: the pid alone tells, which holds
+                _put_hold(s, tgt.name, rel, other.pid, 0)
+                assert s.gc()["orphans"] == 0
+                return
+            _put_hold(s, tgt.name, rel, other.pid, start)
+            assert s.gc()["orphans"] == 0 and (Path(tgt.root) / rel).exists()  # it runs: held
+            _put_hold(s, tgt.name, rel, other.pid, start + 1)
+            assert s.gc()["orphans"] == 1 and not (Path(tgt.root) / rel).exists()
+            assert _hold(s, tgt.name, rel) is None
+            assert s.get(key) == value and s.check() == []
+    finally:
+        other.kill()
+        other.wait()
+
+
+class _FailingWrites:
+    """An LMDB environment whose next write transaction, once armed, fails as a full map does."""
+
+    def __init__(self, env):
+        self.env, self.armed = env, False
+
+    def begin(self, write=False, **kw):
+        if write and self.armed:
+            self.armed = False
+            raise lmdb.MapFullError("mdb_txn_begin: MDB_MAP_FULL (injected)")
+        return self.env.begin(write=write, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+def test_a_give_back_that_fails_neither_stops_gc_nor_holds_the_path(tmp_path, monkeypatch, caplog):
+    """The sweep gives its path back in a write transaction of its own after the delete: when
+    that failed (the index map full, say), the LMDB error ended GC, and the hold left behind
+    looked like this live process's for as long as it ran. Now it is logged; the hold holds
+    nothing for this process and is retried at its next give-back."""
+    from kvstore.targets import LocalTarget
+
+    s, _ek, key, value, tgt, _cur, rel = _slot_orphan_setup(tmp_path)
+    with s:
+        real_env, wrapped = s.index.env, _FailingWrites(s.index.env)
+        real_delete = LocalTarget.delete
+
+        def delete(self, path):
+            wrapped.armed = self is tgt and path == rel  # the give-back that follows fails
+            return real_delete(self, path)
+
+        monkeypatch.setattr(LocalTarget, "delete", delete)
+        monkeypatch.setattr(s.index, "env", wrapped)
+        with caplog.at_level(logging.WARNING):
+            assert s.gc()["orphans"] == 1
+        monkeypatch.undo()
+        assert s.index.env is real_env
+        assert "could not give back 1 fragment path" in caplog.text
+        assert _hold(s, tgt.name, rel) is not None  # left behind
+        with s.index.env.begin(write=True) as txn:
+            assert s.index.take_path_txn(txn, tgt.name, rel, "repair")  # holds nothing for us
+        s.index.release_paths([(tgt.name, rel)])
+        assert _hold(s, tgt.name, rel) is None
+        # a failed give-back is retried by the next one
+        with s.index.env.begin(write=True) as txn:
+            assert s.index.take_path_txn(txn, tgt.name, rel, "repair")
+        monkeypatch.setattr(s.index, "env", wrapped)
+        wrapped.armed = True
+        s.index.release_paths([(tgt.name, rel)])
+        monkeypatch.undo()
+        assert _hold(s, tgt.name, rel) is not None
+        s.index.release_paths([])
+        assert _hold(s, tgt.name, rel) is None
+        assert s.get(key) == value and s.check() == []
