@@ -97,12 +97,33 @@ def strip_userinfo(url: str) -> str:
     return split_userinfo(url)[0]
 
 
+def localhost_file_url(url: str) -> str:
+    """``file://localhost/PATH`` as ``file:///PATH`` (RFC 8089: host ``localhost`` is this
+    machine); any other URL as written. fsspec reads everything after ``file://`` as the path,
+    so the target opened ``<cwd>/localhost/PATH`` and compared unequal to ``file:///PATH`` (QA).
+    Another word there stays a relative path (``file://d0`` is the directory ``d0``; see
+    ``kvstore.datadir._absolute``), not a host."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme == "file" and rest[:10].lower() == "localhost/":
+        return f"{scheme}://{rest[9:]}"
+    return url
+
+
+def target_name(name: str) -> str:
+    """A target name as configured, recorded and compared: without ``user:password@``
+    (``strip_userinfo``) and with ``file://localhost/`` spelled ``file:///``
+    (``localhost_file_url``), since a name defaults to its URL and those two URLs are one
+    directory (QA: a store created with ``file:///P`` was refused when reopened with
+    ``file://localhost/P``). Names recorded in either spelling mean the same target."""
+    return localhost_file_url(strip_userinfo(name))
+
+
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
     """A storage target: an fsspec URL plus a failure-domain label.
 
     ``name`` is the stable id the index records for every fragment placed here;
-    it defaults to the URL without credentials (``strip_userinfo``), so renaming a mount
+    it defaults to the URL without credentials (``target_name``), so renaming a mount
     point means giving the old name, and rotating a credential in the URL changes nothing.
     """
 
@@ -112,14 +133,15 @@ class TargetSpec:
 
     def __post_init__(self) -> None:
         """Every part a string (``TargetSpec(5)`` is ``InvalidRequest``), the URL non-empty;
-        an empty name becomes the URL; a name never carries ``user:password@``."""
+        an empty name becomes the URL; a name never carries ``user:password@`` and spells
+        ``file://localhost/`` as ``file:///`` (``target_name``)."""
         for part in ("url", "domain", "name"):
             if not isinstance(getattr(self, part), str):
                 raise InvalidRequest(f"a target's {part} must be a string, got {getattr(self, part)!r} "
                                      "(a target is TargetSpec(url, domain='default', name=''))")
         if not self.url:
             raise InvalidRequest("a target needs a non-empty URL")
-        object.__setattr__(self, "name", strip_userinfo(self.name or self.url))
+        object.__setattr__(self, "name", target_name(self.name or self.url))
 
     def __repr__(self) -> str:  # never the URL's credentials
         return f"TargetSpec(url={self.shown_url!r}, domain={self.domain!r}, name={self.name!r})"

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import codec
-from kvstore.config import DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, TargetSpec, split_userinfo
+from kvstore.config import (DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, TargetSpec,
+                            split_userinfo, target_name)
 from kvstore.errors import CorruptData, IncompatibleFormat, InvalidRequest
 from kvstore.index import Index
 from kvstore.durability import fsync_dir
@@ -102,12 +103,19 @@ def _same_targets(a: Any, b: Any) -> bool:
     """Do two target records (``_targets_record``'s form, or what a marker holds; ``None`` for
     none) name the same targets, in the same order? URLs are compared by ``_place``, so one
     local directory spelled ``/x`` once and ``file:///x`` the other time is the same target
-    (before, such a spelling logged "configured targets differ" and rewrote the marker)."""
+    (before, such a spelling logged "configured targets differ" and rewrote the marker); names
+    by ``target_name``, so a name recorded as ``file://localhost/P`` is ``file:///P``."""
     def key(rec: Any) -> Any:
         if not isinstance(rec, list) or not all(isinstance(t, dict) and isinstance(t.get("url"), str) for t in rec):
             return rec  # none, or a hand-edited record: compared as written
-        return [(_place(t["url"]), t.get("domain"), t.get("name")) for t in rec]
+        return [(_place(t["url"]), t.get("domain"), _name(t.get("name"))) for t in rec]
     return key(a) == key(b)
+
+
+def _name(name: Any) -> Any:
+    """A recorded target name as ``TargetSpec`` spells it (``target_name``); a hand-edited
+    non-string as written."""
+    return target_name(name) if isinstance(name, str) else name
 
 
 def _respelled(rec: Any) -> bool:
@@ -287,8 +295,9 @@ class DataDir:
         beside themselves); the old name must be given back (``URL#DOMAIN#NAME``)."""
         configured = {t.name for t in self.config.targets}
         by_place = {_place(t.url): t.name for t in self.config.targets}
-        renamed = {r["name"]: by_place[_place(r["url"])] for r in marker.get("targets") or []
-                   if r["name"] not in configured and by_place.get(_place(r["url"]), r["name"]) != r["name"]}
+        recorded = [(_name(r["name"]), _place(r["url"])) for r in marker.get("targets") or []]
+        renamed = {old: by_place[place] for old, place in recorded
+                   if old not in configured and by_place.get(place, old) != old}
         renamed = {old: new for old, new in renamed.items() if old in self.index.target_names()}
         if not renamed or not self.index.has_live():
             return

@@ -67,7 +67,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import lmdb
 
-from kvstore.config import strip_userinfo
+from kvstore.config import target_name
 from kvstore.errors import CorruptData, IncompatibleFormat, InternalError, InvalidRequest, StoreUnavailable
 from kvstore.pathholds import PathHolds
 
@@ -203,13 +203,14 @@ class Index:
     # ------------------------------------------------------------------ target ids
     def _load_tids(self) -> None:
         """Load the target table. A name recorded with credentials (an index written before
-        names dropped ``user:password@``, see ``TargetSpec``) is rewritten without them, so
-        its records name the target as configured today. (LMDB copies pages on write: the
+        names dropped ``user:password@``, see ``TargetSpec``) is rewritten without them, and one
+        spelled ``file://localhost/`` as ``file:///`` (``target_name``), so its records name
+        the target as configured today. (LMDB copies pages on write: the
         old page stays in the file as a free page until a later write reuses it, and
         ``mdb_copy -c`` drops it at once.)"""
         with self.env.begin(write=True) as txn:
             for k, v in list(txn.cursor(db=self.db["tids"])):
-                i, name = struct.unpack(">H", k)[0], strip_userinfo(v.decode())
+                i, name = struct.unpack(">H", k)[0], target_name(v.decode())
                 if name != v.decode():
                     txn.put(k, name.encode(), db=self.db["tids"])
                 self._tid.setdefault(name, i)
@@ -218,7 +219,7 @@ class Index:
     def target_names(self) -> set[str]:
         """Every target name the index has recorded (fragments of some record sat there)."""
         with self.env.begin() as txn:
-            return {strip_userinfo(v.decode()) for _, v in txn.cursor(db=self.db["tids"])}
+            return {target_name(v.decode()) for _, v in txn.cursor(db=self.db["tids"])}
 
     def has_live(self) -> bool:
         """True when ``entries`` holds a record."""
@@ -231,7 +232,7 @@ class Index:
             return i
         # Another process may have assigned it since we loaded: re-read inside the write txn.
         for k, v in txn.cursor(db=self.db["tids"]):
-            if strip_userinfo(v.decode()) == name:
+            if target_name(v.decode()) == name:
                 i = struct.unpack(">H", k)[0]
                 break
         else:
@@ -246,7 +247,7 @@ class Index:
             raw = txn.get(struct.pack(">H", i), db=self.db["tids"])
             if raw is None:
                 raise InternalError(f"index names target id {i} that has no name: this is a bug")
-            name = self._tname[i] = strip_userinfo(raw.decode())
+            name = self._tname[i] = target_name(raw.decode())
             self._tid.setdefault(name, i)
         return name
 

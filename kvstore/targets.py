@@ -41,7 +41,7 @@ from typing import Callable, Iterator
 import fsspec
 
 from kvstore.api import EntryKind
-from kvstore.config import TargetSpec, split_userinfo
+from kvstore.config import TargetSpec, localhost_file_url, split_userinfo
 from kvstore.durability import fsync_dir
 from kvstore.errors import InvalidRequest
 from kvstore.keys import KEY_LEN
@@ -150,18 +150,6 @@ def _fsspec_args(url: str, scheme: str) -> tuple[str, dict]:
     if scheme in _URL_CREDENTIALS:
         return bare, {**opts, **_URL_CREDENTIALS[scheme](user, password or "")}
     return (bare if scheme in _NO_CREDENTIALS else url), opts
-
-
-def localhost_file_url(url: str) -> str:
-    """``file://localhost/PATH`` as ``file:///PATH`` (RFC 8089: host ``localhost`` is this
-    machine); any other URL as written. fsspec reads everything after ``file://`` as the path,
-    so the target opened ``<cwd>/localhost/PATH`` and compared unequal to ``file:///PATH`` (QA).
-    Another word there stays a relative path (``file://d0`` is the directory ``d0``; see
-    ``kvstore.datadir._absolute``), not a host."""
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme == "file" and rest[:10].lower() == "localhost/":
-        return f"{scheme}://{rest[9:]}"
-    return url
 
 
 def fragment_path(kind_code: int, key: bytes, gen: bytes, index: int) -> str:

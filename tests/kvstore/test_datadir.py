@@ -432,3 +432,41 @@ def test_an_old_marker_with_relative_urls_is_refused_by_an_opener_naming_no_targ
     monkeypatch.chdir(tmp_path / "b")
     with kvstore.connect(str(data), fsync=False) as s:
         assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
+
+
+def test_a_default_target_name_spells_host_localhost_as_the_local_path(tmp_path, monkeypatch, caplog):
+    """A target's name defaults to its URL: ``file://localhost/x`` and ``file:///x`` open one
+    directory, but their default names differed, so a store created with one spelling was
+    refused when reopened with the other ("none of which is configured", after logging that
+    the targets differ). Now both name ``file:///x``; a name recorded as ``file://localhost/x``
+    (by code between the two fixes) is read, and rewritten in the index, as ``file:///x``."""
+    import json
+    import logging
+
+    monkeypatch.chdir(tmp_path)
+    data, disks = tmp_path / "data", tmp_path / "disks"
+    plain = ",".join(f"file://{disks / f'd{i}'}" for i in range(3))
+    local = ",".join(f"file://localhost{disks / f'd{i}'}" for i in range(3))
+    with kvstore.connect(str(data), targets=plain, ec_k=2, ec_m=1, fsync=False) as s:
+        assert s.put(b"k" * 16, b"hello" * 100)
+    before = (data / "kvstore.json").read_bytes()
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        with kvstore.connect(str(data), targets=local, fsync=False) as s:
+            assert sorted(s.targets) == [f"file://{disks / f'd{i}'}" for i in range(3)]
+            assert s.get(b"k" * 16) == b"hello" * 100 and s.check() == []
+    assert "differ from those kvstore.json records" not in caplog.text
+    assert (data / "kvstore.json").read_bytes() == before
+    # names recorded in the localhost spelling, in the marker and in the index's target table
+    doc = json.loads(before)
+    for t in doc["targets"]:
+        t["name"] = t["name"].replace("file://", "file://localhost", 1)
+    (data / "kvstore.json").write_text(json.dumps(doc))
+    with kvstore.connect(str(data), fsync=False) as s:
+        tids = s.index.db["tids"]
+        with s.index.env.begin(write=True) as txn:
+            for k, v in list(txn.cursor(db=tids)):
+                txn.put(k, v.replace(b"file://", b"file://localhost", 1), db=tids)
+    for spelled in (plain, local, None):
+        with kvstore.connect(str(data), targets=spelled, fsync=False) as s:
+            assert s.get(b"k" * 16) == b"hello" * 100 and s.check() == []
+            assert s.index.target_names() == set(s.targets)
