@@ -257,6 +257,7 @@ class DataDir:
             if not fresh:
                 self._refuse_foreign_targets(rewrite)
                 self._refuse_renamed_targets(marker)
+                self._refuse_moved_targets(marker)
             if (any(marker.get(n) != v for n, v in code.items()) or marker.get("index_id") != identity.hex()
                     or not _same_targets(marker.get("targets"), _targets_record(config))
                     or (named and _respelled(marker.get("targets")))):  # named: resolved as meant
@@ -305,6 +306,38 @@ class DataDir:
         raise InvalidRequest(
             f"targets renamed: {names}; the entries of {self.data_dir} name their targets, so their "
             "fragments there would read as missing. Give each target its recorded name (URL#DOMAIN#NAME)")
+
+    def _refuse_moved_targets(self, marker: dict) -> None:
+        """``InvalidRequest`` when a configured local target has a name the marker records for
+        another local directory, that directory still holds files, no configured target opens
+        it, the index has recorded fragments under the name and holds records: re-pointing the
+        name would make every fragment there read as missing (the first reads mark entries
+        lost) and the marker would forget where they are. QA: ``file://localhost/P`` opened
+        ``<cwd>/localhost/P`` before 8b1a1a1 and opens ``/P`` now, under the same name. Not
+        refused: one directory spelled otherwise (``_place``), a recorded relative URL (it is
+        rewritten absolute: ``_respelled``), names swapped among configured directories (the
+        sweep keeps what a record's own copy does not prove stray: ``kvstore.orphans``)."""
+        configured = {t.name: t for t in self.config.targets if _local_root(t.url) is not None}
+        opened = {_place(t.url) for t in self.config.targets}
+        moved = []
+        for r in marker.get("targets") or []:
+            name, was = _name(r["name"]), _local_root(r["url"])
+            if name not in configured or was is None or _cwd_relative(r["url"]) or _place(r["url"]) in opened:
+                continue
+            if _holds_files(Path(was)):
+                moved.append((name, r["url"], configured[name].shown_url))
+        moved = [m for m in moved if m[0] in self.index.target_names()]
+        if moved:
+            with self.index.env.begin() as txn:
+                if self.index.first_record(txn) is None:
+                    return
+            what = "; ".join(f"{name!r} is recorded at {was} but configured as {now}" for name, was, now in moved)
+            raise InvalidRequest(
+                f"targets moved: {what}. The recorded directories still hold fragments the entries of "
+                f"{self.data_dir} name, which would read as missing there, and {FORMAT_FILE} would forget them. "
+                "Move each recorded directory to its configured place (then open again), or configure the "
+                "recorded URL for that name (URL#DOMAIN#NAME). A file://localhost/PATH target meant "
+                "<working directory>/localhost/PATH before 8b1a1a1 and means /PATH now")
 
     def _read_marker(self) -> dict | None:
         """The directory's marker (``FORMAT_FILE``) as a dict, or ``None`` for a new directory.

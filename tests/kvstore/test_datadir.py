@@ -470,3 +470,36 @@ def test_a_default_target_name_spells_host_localhost_as_the_local_path(tmp_path,
         with kvstore.connect(str(data), targets=spelled, fsync=False) as s:
             assert s.get(b"k" * 16) == b"hello" * 100 and s.check() == []
             assert s.index.target_names() == set(s.targets)
+
+
+def test_a_name_recorded_for_a_directory_that_holds_fragments_is_not_re_pointed(tmp_path, monkeypatch):
+    """Before 8b1a1a1 a ``file://localhost/x`` target opened ``<cwd>/localhost/x``: the marker
+    recorded that directory under the name ``file://localhost/x``. Given the same URLs, this
+    code opens ``/x`` under the same name: the checks for renamed and foreign targets passed,
+    the marker was rewritten to ``/x`` and the first reads marked every entry lost, the old
+    place no longer recorded anywhere (QA). Refused now, with both places named; once the
+    directories are moved there, the store opens."""
+    import json
+
+    from kvstore.errors import InvalidRequest
+
+    run, disks, data = tmp_path / "run", tmp_path / "disks", tmp_path / "data"
+    run.mkdir()
+    monkeypatch.chdir(run)
+    old = ",".join(f"file://{run}/localhost{disks / f'd{i}'}#default#file://localhost{disks / f'd{i}'}"
+                   for i in range(3))  # as code before 8b1a1a1 opened and recorded them
+    local = ",".join(f"file://localhost{disks / f'd{i}'}" for i in range(3))
+    with kvstore.connect(str(data), targets=old, ec_k=2, ec_m=1, fsync=False) as s:
+        assert s.put(b"k" * 16, b"hello" * 100)
+    before = (data / "kvstore.json").read_bytes()
+    with pytest.raises(InvalidRequest, match="targets moved") as err:
+        kvstore.connect(str(data), targets=local, fsync=False)
+    assert f"{run}/localhost{disks / 'd0'}" in str(err.value) and "localhost/PATH" in str(err.value)
+    assert (data / "kvstore.json").read_bytes() == before
+    with kvstore.connect(str(data), fsync=False) as s:  # as recorded: all there
+        assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
+    (run / "localhost" / str(disks)[1:]).rename(disks)  # moved where the URLs now point
+    with kvstore.connect(str(data), targets=local, fsync=False) as s:
+        assert s.get(b"k" * 16) == b"hello" * 100 and s.check() == []
+    rec = json.loads((data / "kvstore.json").read_text())["targets"]
+    assert [t["url"] for t in rec] == [f"file://{disks / f'd{i}'}" for i in range(3)]
