@@ -99,11 +99,17 @@ class StallWatch:
     first included): a Decode stream is bounded by inactivity, not by its total duration
     (``entrypoint.server``, "Deadlines"). ``stalled`` is set before the cancel, so the
     stream's CANCELLED reads as the worker's stall, not the client's. Use as a context manager
-    around the stream's iteration, calling ``progress()`` on each event; one thread, sleeping."""
+    around the stream's iteration, calling ``progress()`` on each event; one thread, sleeping.
+
+    Only the time spent waiting on the worker counts: call ``pause()`` before handing an event
+    to the consumer (a generator's ``yield``: the client may take its time to read it, or grpc's
+    flow control may hold the write) and ``progress()`` when it is taken. While paused the watch
+    never fires; before, a slow client reader was taken for a stalled worker, and a healthy
+    decode worker was marked down (QA)."""
 
     def __init__(self, call: Any, idle_s: float):
         self._call, self._idle_s = call, idle_s
-        self._last = time.monotonic()
+        self._last: float | None = time.monotonic()  # None: paused (the consumer holds the event)
         self._done = threading.Event()
         self.stalled = False
 
@@ -115,11 +121,17 @@ class StallWatch:
         self._done.set()
 
     def progress(self) -> None:
+        """An event came from the worker (or the consumer took the last one): count ``idle_s`` from now."""
         self._last = time.monotonic()
+
+    def pause(self) -> None:
+        """The consumer holds an event: nothing is counted until the next ``progress()``."""
+        self._last = None
 
     def _run(self) -> None:
         while True:
-            left = self._last + self._idle_s - time.monotonic()
+            last = self._last  # read once: the other thread may pause or resume meanwhile
+            left = self._idle_s if last is None else last + self._idle_s - time.monotonic()
             if left <= 0:
                 self.stalled = True  # before the cancel: the stream's CANCELLED is read after it
                 self._call.cancel()

@@ -439,8 +439,9 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                                 raise Abort(grpc.StatusCode.INTERNAL, f"decode worker sent index {ev.index}, "
                                             f"expected {len(generated)}: this is a bug")
                             generated.append(ev.token_id)
+                            watch.pause()  # the time the client takes to take the token is not the worker's
                             yield pb.GenerateEvent(kind="token", token_id=ev.token_id, index=ev.index, t_ms=ms())
-                            watch.progress()  # the time the client took to take the token is not the worker's
+                            watch.progress()
                 except grpc.RpcError as exc:
                     if not context.is_active():  # the client left, or grpc cancelled the call at its deadline
                         if self._deadline_passed(context):

@@ -228,3 +228,46 @@ def test_a_decode_stream_that_stalls_for_worker_timeout_fails_over_and_its_worke
     finally:
         for close in opened:
             close(None)
+
+
+class _Cancellable:
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def test_the_stall_watch_does_not_count_while_paused_and_fires_once_resumed_and_idle():
+    """``StallWatch`` (idle 0.3 s) paused for 1.5 s does not cancel; once resumed, 0.3 s without an
+    event does (within a wide 10 s bound)."""
+    from entrypoint.dispatch import StallWatch
+
+    call = _Cancellable()
+    with StallWatch(call, 0.3) as watch:
+        watch.pause()
+        assert not call.cancelled.wait(1.5)
+        assert not watch.stalled
+        watch.progress()
+        assert call.cancelled.wait(10)
+        assert watch.stalled
+
+
+def test_a_slow_client_reader_is_not_a_stalled_decode_worker(stack):
+    """worker_timeout_s 1 s; the decode worker sends its tokens at once, but the client takes 3 s to
+    read one of them (a slow reader, or grpc's flow control holding the write). Before: the stall
+    watch counted the time the generator sat at its ``yield`` as the worker's, cancelled the stream
+    and marked the healthy worker down (with no other decode worker: UNAVAILABLE). Now: served, no
+    failover, the worker up."""
+    svc, _, fakes, _ = stack(worker_timeout_s=1.0, max_attempts=3)
+    for role in ("prefill", "decode"):
+        svc.registry.add(fakes[role][0].worker_id, role, fakes[role][1])
+    req = pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=6))
+    events = []
+    for ev in svc._generate(req, ClientContext(120)):
+        events.append(ev)
+        if ev.kind == "token" and ev.index == 2:
+            time.sleep(3.0)
+    assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN] + list(range(1, 6))
+    assert _hops(events, "failover") == []
+    assert [i.worker_id for i in svc.registry.ready("decode")] == [fakes["decode"][0].worker_id]
