@@ -176,16 +176,17 @@ class Dispatch:
         rem = context.time_remaining()
         return rem is not None and rem <= DEADLINE_SLACK_S
 
-    def _call(self, role: str, pick: Callable[[list[Instance]], Instance], context,
+    def _call(self, role: str, pick: Callable[[list[list[Instance]]], Instance], context,
               fn: Callable[[Instance], Any]) -> tuple[Instance, Any]:
-        """Pick an instance of ``role`` and call it; on a retryable failure mark it down and retry."""
+        """Pick an instance of ``role`` and call it; on a retryable failure mark it down and retry.
+        ``pick`` gets the live instances as ``Strikes.tiers`` orders them (see ``_choose``)."""
         last = None
         failed_here: set[str] = set()  # workers that failed this call with FAILED_HERE: tried again last
         for attempt in range(self.cfg.max_attempts):
             live = self.registry.ready(role)
             if not live:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up")
-            inst = pick(self.strikes.prefer(live, failed_here))
+            inst = pick(self.strikes.tiers(live, failed_here))
             clients_deadline = self._clients_deadline(context)  # before fn takes its timeout
             try:
                 reply = fn(inst)
@@ -229,25 +230,34 @@ class Dispatch:
                         f"{inst.worker_id}") from exc
 
     @staticmethod
-    def _pick(decision, live: list[Instance], role: str) -> Instance:
-        if decision.chosen is None:
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{role} admission control: {decision.reason}")
-        return next(i for i in live if i.worker_id == decision.chosen)
+    def _choose(tiers: list[list[Instance]], role: str, choose: Callable[[list[Instance]], Any]) -> Instance:
+        """The instance the LB chooses (``choose(tier)``: its ``Decision`` among ``tier``) in the first of
+        ``tiers`` (``Strikes.tiers``: the preferred workers first, all live ones last) where it chooses one;
+        ``Abort`` (RESOURCE_EXHAUSTED, the LB's reason over the widest tier) when it refuses in every tier.
+        The caller holds the lock. Before, only the preferred tier was offered: when every worker in it
+        failed admission (KV full, an SLO), the request was refused while an avoided worker, or one that
+        failed this request, was idle with room (QA)."""
+        for tier in tiers:
+            decision = choose(tier)
+            if decision.chosen is not None:
+                return next(i for i in tier if i.worker_id == decision.chosen)
+        raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{role} admission control: {decision.reason}")
 
-    def _ve_pick(self, img, scope: bytes, live: list[Instance]) -> Instance:
+    def _ve_pick(self, img, scope: bytes, tiers: list[list[Instance]]) -> Instance:
         """The VE LB's pick, counted in flight there (``Instance.encodes``) before the lock is let go.
 
         An instance's queue is the larger of what its last ``Status`` said (encodes in flight there,
         from every entrypoint, as of the last heartbeat) and this entrypoint's own Encode calls in
         flight there (current): without the latter, every uncached image picked between two
         heartbeats saw the same queues and went to the first instance."""
+        def snap(i: Instance) -> VEInstance:
+            return VEInstance(i.worker_id, queue_images=max(i.encodes, (i.status.waiting + i.status.running)
+                                                            if i.status else 0),
+                              cached_images=frozenset(i.status.cached_images) if i.status else frozenset())
+
+        req = VERequest((scoped_image_key(scope, img.image_hash),))  # affinity to this tenant's own entries only
         with self._lock:  # snapshot, choice and count together: concurrent picks see each other
-            snaps = [VEInstance(i.worker_id, queue_images=max(i.encodes, (i.status.waiting + i.status.running)
-                                                              if i.status else 0),
-                                cached_images=frozenset(i.status.cached_images) if i.status else frozenset())
-                     for i in live]
-            key = scoped_image_key(scope, img.image_hash)  # affinity to this tenant's own entries only
-            inst = self._pick(self.ve_lb.choose(VERequest((key,)), snaps), live, "ve")
+            inst = self._choose(tiers, "ve", lambda tier: self.ve_lb.choose(req, [snap(i) for i in tier]))
             inst.encodes += 1
         return inst
 
@@ -262,14 +272,15 @@ class Dispatch:
                 inst.encodes -= 1
 
 
-    def _prefill_pick(self, route: RouteRequest, slot: str, live: list[Instance]) -> Instance:
+    def _prefill_pick(self, route: RouteRequest, slot: str, tiers: list[list[Instance]]) -> Instance:
         """The Prefill LB's pick, counted in flight there (``Instance.inflight[slot]``) before the lock
         is let go, as ``_ve_pick`` does: were the queues read under the lock and the new entry added
         after it, concurrent requests would all see the same queues and pick the same instance."""
+        def snap(i: Instance) -> PrefillInstance:
+            return PrefillInstance(i.worker_id, queue=tuple(QueuedPrefill(s, c) for s, c in i.inflight.values()))
+
         with self._lock:  # snapshot, choice and count together: concurrent picks see each other
-            snaps = [PrefillInstance(i.worker_id, queue=tuple(QueuedPrefill(s, c) for s, c in i.inflight.values()))
-                     for i in live]
-            inst = self._pick(self.prefill_lb.choose(route, snaps), live, "prefill")
+            inst = self._choose(tiers, "prefill", lambda tier: self.prefill_lb.choose(route, [snap(i) for i in tier]))
             cached = route.cached_tokens(route.hit_of(inst.worker_id).total)  # capped: see _reusable_blocks
             inst.inflight[slot] = (max(0, route.prompt_tokens - cached), cached)
         return inst
@@ -283,7 +294,7 @@ class Dispatch:
             with self._lock:
                 inst.inflight.pop(slot, None)
 
-    def _decode_pick(self, dreq: DecodeRequest, slot: str, live: list[Instance]) -> Instance:
+    def _decode_pick(self, dreq: DecodeRequest, slot: str, tiers: list[list[Instance]]) -> Instance:
         """The Decode LB's pick, counted in flight there (``Instance.decodes[slot]``: an ``OpenDecode``
         with its context tokens and the KV bytes the LB counted for it) before the lock is let go; the
         caller marks it started on its first event (``_decode_started``) and takes it back when the
@@ -297,8 +308,8 @@ class Dispatch:
         ``_decode_snapshot``): without it, the requests picked between two heartbeats were all
         placed on the same instance beyond its KV capacity (QA)."""
         with self._lock:  # snapshot, choice and count together: concurrent picks see each other
-            snaps = [self._decode_snapshot(i) for i in live]
-            inst = self._pick(self.decode_lb.choose(dreq, snaps), live, "decode")
+            inst = self._choose(tiers, "decode",
+                                lambda tier: self.decode_lb.choose(dreq, [self._decode_snapshot(i) for i in tier]))
             inst.decodes[slot] = OpenDecode(dreq.context_tokens, request_kv_bytes(dreq, self.lb_models))
         return inst
 

@@ -1,7 +1,7 @@
 """Strikes: the workers a pick leaves out for a while though they are up, and why.
 
 ``entrypoint.dispatch`` and the decode loop of ``entrypoint.server`` call ``Strikes.record`` when a
-worker call ends, and ``Strikes.prefer`` to narrow the live workers of a role before every pick.
+worker call ends, and ``Strikes.tiers`` to order the live workers of a role before every pick.
 
 Some outcomes take no worker down, yet a worker that has only those is worth leaving alone
 (``entrypoint.server``'s module docstring, "Avoided workers"):
@@ -21,15 +21,19 @@ One such call says little (a healthy but slow worker, one client in a hurry), ma
 
 Each is a strike on that registration (``Instance.strikes``); a call with ``PROGRESS`` (a unary
 reply, a decode stream that sent a token) sets the count back to 0. At ``avoid_after``
-strikes in a row the worker is avoided for ``avoid_for_s``: ``prefer`` leaves it out while any
-other worker of the role is up and not avoided. When that time is over it is picked as any other;
+strikes in a row the worker is avoided for ``avoid_for_s``: a pick leaves it out while any
+other worker of the role is up, not avoided, and admitted by the LB. When that time is over it is picked as any other;
 its count is still ``avoid_after`` or more, so one more strike avoids it again at once (a broken
 worker costs one request per ``avoid_for_s``), and one success clears it.
 
 Invariants:
-  1. A strike never marks a worker down, and avoidance never empties a pick: with no other worker
-     up, an avoided one is picked all the same. So a single poison request (it fails wherever it
-     goes) costs each worker it tried one strike, and nothing more.
+  1. A strike never marks a worker down, and avoidance never refuses a request: the pick offers the
+     LB the preferred workers first (``tiers``) and, when it admits none of them (KV full, an SLO
+     missed), the wider tiers, so with no other worker up, or none other with room, an avoided one
+     (or one that failed this request) is picked all the same. Before, the preferred workers alone
+     were offered, and a request was refused RESOURCE_EXHAUSTED while an avoided worker was idle
+     with room (QA). So a single poison request (it fails wherever it goes) costs each worker it
+     tried one strike, and nothing more.
   2. The other outcomes (a ``RETRYABLE`` status, which marks the worker down instead; a status that
      is the request's fault; the client going away) neither count nor reset: they say nothing of
      whether the worker serves.
@@ -96,12 +100,21 @@ class Strikes:
         with self._lock:
             return inst.avoid_until > self.policy.clock()
 
-    def prefer(self, live: list[Instance], failed_here: set[str]) -> list[Instance]:
-        """The workers of ``live`` a pick should choose among, by the first of these that is not empty:
-        those neither avoided nor among ``failed_here`` (the ids that failed this request with
-        ``FAILED_HERE``); those not among ``failed_here``; all of ``live``. A worker that failed this
-        very request is left out before one avoided for its recent calls, as the retry rule says
-        (``entrypoint.server``, "INTERNAL and UNKNOWN")."""
+    def tiers(self, live: list[Instance], failed_here: set[str]) -> list[list[Instance]]:
+        """The workers of ``live`` a pick offers the LB, tier by tier, each wider than the one before
+        and none empty: those neither avoided nor among ``failed_here`` (the ids that failed this
+        request with ``FAILED_HERE``); those not among ``failed_here``; all of ``live``. The LB chooses
+        in the first tier where it admits one (``entrypoint.dispatch.Dispatch._choose``). A worker that
+        failed this very request is left out before one avoided for its recent calls, as the retry rule
+        says (``entrypoint.server``, "INTERNAL and UNKNOWN"). Takes the lock: call it without it."""
         fresh = [i for i in live if i.worker_id not in failed_here]
         good = [i for i in fresh if not self.avoided(i)]
-        return good or fresh or live
+        out: list[list[Instance]] = []
+        for tier in (good, fresh, live):
+            if tier and (not out or len(tier) > len(out[-1])):
+                out.append(tier)
+        return out
+
+    def prefer(self, live: list[Instance], failed_here: set[str]) -> list[Instance]:
+        """The first of ``tiers``: the workers a pick tries first (``live`` itself when it is empty)."""
+        return (self.tiers(live, failed_here) or [live])[0]

@@ -75,8 +75,8 @@ no worker down. Before, these marked each worker down in turn, and the next
 request found none up. A worker whose engine is broken says so itself
 (UNAVAILABLE, on its calls and its ``Status``), and that marks it down.
 The retry goes to another worker of the role: one that already failed this
-request with INTERNAL or UNKNOWN is left out of the pick while any other is up
-(``entrypoint.health.Strikes.prefer``), so a worker whose handler fails every call
+request with INTERNAL or UNKNOWN is left out of the pick while any other up is
+admitted by the LB (``entrypoint.health.Strikes.tiers``), so a worker whose handler fails every call
 (it still answers ``Status``, so it stays up, and looks idle once its call has
 ended) cannot take every retry while a healthy peer stays idle. With no other
 worker up, the same one is tried again. Such a retry first waits a time drawn
@@ -91,7 +91,9 @@ or that runs out of the client's deadline with no progress from its worker (no
 reply; no decode token in that attempt), is a strike on its worker, and one
 with progress (a reply, a decode token) clears its strikes. After ``avoid_after`` (3) strikes in a row the worker is
 avoided for ``avoid_for_s`` (30 s): every pick of its role leaves it out while
-another worker of the role is up and not avoided, so new requests no longer pay
+another worker of the role is up, not avoided, and admitted by the LB (when the
+LB admits none of those, KV full or an SLO missed, it chooses again among all
+the workers up: an avoided worker with room is never a refusal), so new requests no longer pay
 a failed attempt and a backoff there first (before, such a worker looked idle
 and took the first attempt of every request). It stays up, and with no other
 worker it is picked all the same; after the cooldown it is tried again, and one
@@ -392,7 +394,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                                  images=images)
         route = self._route_request(prompt, keys, hit.hit_blocks, request)
         slot = uuid.uuid4().hex  # this request's in-flight entry (request ids from clients may repeat)
-        inst, prep = self._call("prefill", lambda live: self._prefill_pick(route, slot, live), context,
+        inst, prep = self._call("prefill", lambda tiers: self._prefill_pick(route, slot, tiers), context,
                                 lambda i: self._tracked_prefill(i, slot, preq, context))
         self.registry.routed(inst.worker_id, keys)
         yield hop("prefill", worker=inst.worker_id, ms=ms() - t, **json.loads(prep.stats))
@@ -412,7 +414,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
             if not live:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is up" +
                             (f" (after {attempts} failed attempts; last: {last_failure})" if attempts else ""))
-            inst = self._decode_pick(dreq, slot, self.strikes.prefer(live, failed_here))  # in flight until it ends
+            inst = self._decode_pick(dreq, slot, self.strikes.tiers(live, failed_here))  # in flight until it ends
             last_code = None  # this attempt's failure status, if it failed with one
             try:
                 t = ms()

@@ -67,6 +67,19 @@ def test_a_worker_that_failed_this_request_is_left_out_before_an_avoided_one():
     assert s.prefer([a, b], {"a", "b"}) == [a, b]
 
 
+def test_tiers_widen_from_the_preferred_workers_to_all_live_ones_none_empty_or_repeated():
+    clock = Clock()
+    s = _strikes(clock, after=1)
+    a, b, c = _inst("a"), _inst("b"), _inst("c")
+    s.record(a, Outcome.FAILED_HERE)  # avoided
+    assert s.tiers([a, b, c], {"b"}) == [[c], [a, c], [a, b, c]]
+    assert s.tiers([a, b], {"b"}) == [[a], [a, b]]
+    assert s.tiers([a, c], set()) == [[c], [a, c]]
+    assert s.tiers([b, c], set()) == [[b, c]]
+    assert s.tiers([a, b], {"a", "b"}) == [[a, b]]
+    assert s.tiers([], set()) == []
+
+
 # ----------------------------------------------------------------------------- in process
 
 
@@ -229,6 +242,54 @@ def test_one_short_client_deadline_on_a_slow_worker_costs_one_strike_and_progres
         events = list(stub.Generate(req, timeout=30))
         assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2]
         assert inst.strikes == 0
+    finally:
+        for close in opened:
+            close(None)
+
+
+class FullDecode(FakeWorker):
+    """A decode worker whose Status says its KV is full: the Decode LB admits nothing there."""
+
+    def Status(self, request, context):
+        return pb.WorkerStatus(worker_id=self.worker_id, role=self.role, kv_capacity_bytes=1 << 30,
+                               kv_used_bytes=1 << 30)
+
+
+class FailsFirstDecode(FakeWorker):
+    """Its first Decode fails INTERNAL; the next ones are served."""
+
+    def Decode(self, request, context):
+        if not any(m == "Decode" for m, _ in self.calls):
+            self._record("Decode", context)
+            context.abort(grpc.StatusCode.INTERNAL, "an engine step failed")
+        yield from super().Decode(request, context)
+
+
+@pytest.mark.parametrize("why", ["avoided", "failed_here"])
+def test_a_left_out_decode_worker_is_picked_when_the_preferred_one_has_no_room(stack, why):
+    """Two decode workers: ``full-d``'s KV is full; the other is idle but avoided (3 strikes), or
+    has just failed this request with INTERNAL. Before: the pick offered the LB the preferred
+    worker alone (``full-d``), the LB refused it, and the request failed RESOURCE_EXHAUSTED while
+    the other could serve it. Now the LB chooses again among all the workers up: served there."""
+    svc, ch, fakes, _ = stack(max_attempts=3)
+    opened: list = []
+    try:
+        svc.registry.add(fakes["prefill"][0].worker_id, "prefill", fakes["prefill"][1])
+        other = FailsFirstDecode("other-d", "decode") if why == "failed_here" else FakeWorker("other-d", "decode")
+        inst = svc.registry.add(other.worker_id, "decode", _serve_fake(other, opened))
+        full = FullDecode("full-d", "decode")
+        svc.registry.add(full.worker_id, "decode", _serve_fake(full, opened))
+        if why == "avoided":
+            for _ in range(3):
+                svc.strikes.record(inst, Outcome.NO_PROGRESS)
+            assert svc.strikes.avoided(inst)
+        req = pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=4))
+        events = list(pbg.EntrypointStub(ch).Generate(req, timeout=30))
+        assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2, 3]
+        starts = [json.loads(e.detail)["worker"] for e in events
+                  if e.kind == "hop" and json.loads(e.detail)["hop"] == "decode_start"]
+        assert starts == ["other-d"] * (2 if why == "failed_here" else 1)
+        assert not any(m == "Decode" for m, _ in full.calls)
     finally:
         for close in opened:
             close(None)
