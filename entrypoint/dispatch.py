@@ -207,6 +207,8 @@ class Dispatch:
                     if attempt + 1 < self.cfg.max_attempts:
                         self._backoff(context)
                 else:
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # no reply in worker_timeout_s
+                        self.strikes.record(inst, Outcome.NO_PROGRESS)  # (entrypoint.health: hung engines)
                     self.registry.mark_down(inst, f"{role} call failed: {exc.code()}")
                 last = exc
             else:

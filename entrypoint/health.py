@@ -16,6 +16,13 @@ Some outcomes take no worker down, yet a worker that has only those is worth lea
                    The deadline is the client's, so the worker is not marked down; but an engine
                    that hangs while its ``Status`` still answers gets only these when clients send
                    short deadlines, and without strikes it took every request for ever.
+                   A call that misses ``worker_timeout_s`` with no progress (a unary call with no
+                   reply; a decode stream cancelled by its stall watch before a token in that
+                   attempt) is one too, besides marking the worker down: ``mark_down`` only sets
+                   the registration's ``healthy`` flag, and the next heartbeat that its ``Status``
+                   answers sets it back on the same ``Instance``, strikes kept. Before, such a hung
+                   engine was back up within a heartbeat, never avoided, and every new request
+                   paid a full ``worker_timeout_s`` there first (QA).
 
 One such call says little (a healthy but slow worker, one client in a hurry), many in a row do.
 
@@ -34,10 +41,11 @@ Invariants:
      were offered, and a request was refused RESOURCE_EXHAUSTED while an avoided worker was idle
      with room (QA). So a single poison request (it fails wherever it goes) costs each worker it
      tried one strike, and nothing more.
-  2. The other outcomes (a ``RETRYABLE`` status, which marks the worker down instead; a status that
-     is the request's fault; the client going away) neither count nor reset: they say nothing of
-     whether the worker serves.
-  3. A worker registered again is a new ``Instance``: its count starts at 0.
+  2. The other outcomes (a ``RETRYABLE`` status, which marks the worker down instead, but for a
+     missed ``worker_timeout_s`` without progress, above; a status that is the request's fault; the
+     client going away) neither count nor reset: they say nothing of whether the worker serves.
+  3. A worker registered again is a new ``Instance``: its count starts at 0. Marked down and back
+     up by the heartbeat, it is the same ``Instance``: its count and avoidance stay.
 
 ``Instance.strikes``/``avoid_until`` are read and written under the lock given to ``Strikes``
 (the service's one lock).
@@ -62,7 +70,8 @@ class Outcome(enum.Enum):
 
     PROGRESS = "progress"  # a reply, or a decode token: clears the strikes
     FAILED_HERE = "failed here"  # INTERNAL/UNKNOWN: a strike
-    NO_PROGRESS = "no progress by the client's deadline"  # neither a reply nor a token in the client's time: a strike
+    # neither a reply nor a token in the client's time, or in worker_timeout_s: a strike
+    NO_PROGRESS = "no progress by the client's deadline or worker_timeout_s"
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,8 +87,8 @@ land in one engine step again, a poison request taking its batch-mates with
 it on every attempt.
 
 Avoided workers (``entrypoint.health``): a call that ends INTERNAL or UNKNOWN,
-or that runs out of the client's deadline with no progress from its worker (no
-reply; no decode token in that attempt), is a strike on its worker, and one
+or that runs out of the client's deadline or misses ``worker_timeout_s`` with no
+progress from its worker (no reply; no decode token in that attempt), is a strike on its worker, and one
 with progress (a reply, a decode token) clears its strikes. After ``avoid_after`` (3) strikes in a row the worker is
 avoided for ``avoid_for_s`` (30 s): every pick of its role leaves it out while
 another worker of the role is up, not avoided, and admitted by the LB (when the
@@ -201,10 +201,10 @@ class EntrypointConfig:
     # address decides (grpcs:// with the system roots); set: TLS with these files, and a worker
     # that registers a plaintext address is refused.
     worker_tls: ChannelTLS | None = None
-    # A worker whose last avoid_after calls all ended without progress (INTERNAL/UNKNOWN, or the client's
-    # deadline passing with neither a reply nor a token from it) is left out of the picks for avoid_for_s s
-    # while another worker of its role is up; it is never marked down for it (entrypoint.health; module
-    # docstring, Avoided workers).
+    # A worker whose last avoid_after calls all ended without progress (INTERNAL/UNKNOWN, a missed
+    # worker_timeout_s, or the client's deadline passing with neither a reply nor a token from it) is left out
+    # of the picks for avoid_for_s s while another worker of its role is up; the strikes never mark it down
+    # (entrypoint.health; module docstring, Avoided workers).
     avoid_after: int = 3
     avoid_for_s: float = 30.0
 
@@ -451,6 +451,8 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                                                 else Outcome.NO_PROGRESS)
                         return
                     if watch is not None and watch.stalled:  # the worker's: down, and the stream resumes
+                        if len(generated) == before:  # a strike too: the heartbeat brings a hung engine back
+                            self.strikes.record(inst, Outcome.NO_PROGRESS)
                         exc = StalledStream(inst, self.cfg.worker_timeout_s)
                     elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
                         self.strikes.record(inst, Outcome.PROGRESS if len(generated) > before

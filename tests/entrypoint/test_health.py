@@ -293,3 +293,32 @@ def test_a_left_out_decode_worker_is_picked_when_the_preferred_one_has_no_room(s
     finally:
         for close in opened:
             close(None)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_hung_engine_that_misses_worker_timeout_is_avoided_though_the_heartbeat_brings_it_back(stack, role):
+    """The ``role`` worker registered first hangs (its Status answers); clients set no deadline, so each
+    call on it misses worker_timeout_s (1 s): it is marked down and the hop fails over to the other
+    worker; a heartbeat (``poll_once``) brings it back before each request. Before: that path recorded
+    no strike, so it was never avoided and every request paid worker_timeout_s there first (6 calls in
+    6 requests); now, after 3 it is avoided and the next requests go straight to the other worker."""
+    svc, ch, fakes, _ = stack(worker_timeout_s=1.0, max_attempts=3)
+    opened: list = []
+    try:
+        hung = Hung(f"hung-{role}", role)
+        svc.registry.add(hung.worker_id, role, _serve_fake(hung, opened))
+        for r in ("prefill", "decode"):
+            svc.registry.add(fakes[r][0].worker_id, r, fakes[r][1])
+        stub = pbg.EntrypointStub(ch)
+        inst = svc.registry.instances(role)[0]
+        for i in range(6):
+            svc.registry.poll_once()  # a heartbeat: the hung worker answers Status, so it is up again
+            assert inst.healthy
+            req = pb.GenerateRequest(token_ids=[100 + i] * 40, sampling=pb.Sampling(max_new_tokens=3))
+            events = list(stub.Generate(req, timeout=60))
+            assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2]
+        assert sum(1 for m, _ in hung.calls if m == role.capitalize()) == 3
+        assert inst is svc.registry.instances(role)[0] and inst.strikes == 3 and svc.strikes.avoided(inst)
+    finally:
+        for close in opened:
+            close(None)
