@@ -24,9 +24,10 @@ TLS (``entrypoint.tls``, which says which hop uses which file): ``--tls-cert C
 ``--tls-client-ca CA`` adds mutual TLS (every caller, client or worker, needs a
 certificate signed by CA). ``--worker-ca FILE`` dials the workers over TLS
 (they serve with their own ``--tls-cert``/``--tls-key``), verifying them with
-FILE, and refuses a worker that registers a plaintext address;
-``--worker-cert``/``--worker-key``: the certificate presented to workers that
-require one. A mix that cannot work (a cert without its key, ``--tls-client-ca``
+FILE; ``--worker-cert``/``--worker-key``: the certificate presented to workers
+that require one. Any of these three dials the workers over TLS only (with no
+``--worker-ca``, verified with the system roots) and refuses a worker that
+registers a plaintext address. A mix that cannot work (a cert without its key, ``--tls-client-ca``
 without both) or a file that is not the PEM it should be is one line and exit
 code 2, as is a key that does not match its certificate (found when binding).
 
@@ -92,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tls-client-ca", default="", metavar="FILE",
                    help="mutual TLS: every caller (client or worker) needs a certificate signed by this CA")
     t.add_argument("--worker-ca", default="", metavar="FILE",
-                   help="call the workers over TLS only, verifying their certificates with this CA")
+                   help="call the workers over TLS only, verifying their certificates with this CA "
+                        "(none but --worker-cert: TLS only all the same, verified with the system roots)")
     t.add_argument("--worker-cert", default="", metavar="FILE",
-                   help="client certificate presented to workers started with --tls-client-ca")
+                   help="client certificate presented to workers started with --tls-client-ca; it too makes "
+                        "the worker calls TLS only (a plaintext worker is refused)")
     t.add_argument("--worker-key", default="", metavar="FILE", help="the private key of --worker-cert")
     try:
         a = ap.parse_args(argv)

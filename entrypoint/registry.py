@@ -18,7 +18,8 @@ has a secret the entrypoint lacks, or another one) is not added: ``add`` raises
 
 TLS (``entrypoint.tls``, hop 2): a worker's registered address decides how ``add``
 dials it: ``grpcs://HOST:PORT`` over TLS, verified with ``worker_tls`` (``--worker-ca``;
-without it, the system roots), else plaintext. With ``worker_tls`` set, a plaintext
+without it, the system roots), else plaintext. With ``worker_tls`` set (any of
+``--worker-ca``, ``--worker-cert``/``--worker-key``), a plaintext
 address is refused (``InvalidRequest``), so the secret never crosses to a worker in
 clear; and a ``grpcs://`` worker whose first ``Status`` fails UNAVAILABLE (its
 certificate not signed by that CA, or it requires a client certificate the entrypoint
@@ -220,8 +221,8 @@ class Registry:
         _, secure = split_address(address)
         if self.worker_tls is not None and not secure:
             raise InvalidRequest(f"worker {worker_id} registers the plaintext address {address!r}, but this entrypoint "
-                                 "calls workers over TLS only (--worker-ca): start the worker with --tls-cert and "
-                                 "--tls-key")
+                                 f"calls workers over TLS only ({self.worker_tls.given_names() or 'worker_tls'}): "
+                                 "start the worker with --tls-cert and --tls-key")
         return open_channel(address, self.worker_tls if secure else None), secure
 
     def _check_role(self, worker_id: str, role: str, *, locked: bool = False) -> None:

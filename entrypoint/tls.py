@@ -21,11 +21,13 @@ other side's certificate; without a CA file, the system roots):
        * worker: ``--tls-cert C --tls-key K`` serve TLS, and the worker then
          registers its address as ``grpcs://HOST:PORT``; ``--tls-client-ca CA``
          adds mutual TLS (the entrypoint must present a certificate signed by CA).
-       * entrypoint: ``--worker-ca FILE`` verifies the workers' certificates,
-         and makes TLS to workers required: a worker that registers a
-         plaintext address is refused (INVALID_ARGUMENT), so the secret is never
-         sent in clear to it. ``--worker-cert`` + ``--worker-key``: the client
-         certificate it presents to workers with ``--tls-client-ca``.
+       * entrypoint: ``--worker-ca FILE`` verifies the workers' certificates
+         (without it, the system roots). ``--worker-cert`` + ``--worker-key``:
+         the client certificate it presents to workers with ``--tls-client-ca``.
+         Any of the three makes TLS to workers required: a worker that
+         registers a plaintext address is refused (INVALID_ARGUMENT), so the
+         secret is never sent in clear to it (a client certificate is for TLS
+         alone; with only it, the workers are verified with the system roots).
 
 The scheme decides, per address, as for the kvstore daemon's URLs
 (``kvstore.client_options``): ``grpcs://HOST:PORT`` is TLS; ``HOST:PORT`` or
@@ -98,6 +100,10 @@ class ChannelTLS:
     def given(self) -> bool:
         return bool(self.ca_file or self.cert_file)
 
+    def given_names(self) -> str:
+        """The ``names`` of the files given, comma-separated (for messages)."""
+        return ", ".join(n for n, v in zip(self.names, (self.ca_file, self.cert_file, self.key_file)) if v)
+
     def credentials(self) -> grpc.ChannelCredentials:
         return channel_credentials(self.ca_file, self.cert_file, self.key_file, self.names)
 
@@ -140,8 +146,7 @@ def open_channel(address: str, tls: ChannelTLS | None = None, *,
     if secure:
         return grpc.secure_channel(target, tls.credentials(), options=list(options))
     if tls.given:
-        given = ", ".join(n for n, v in zip(tls.names, (tls.ca_file, tls.cert_file, tls.key_file)) if v)
-        raise InvalidRequest(f"{given} given for the plaintext address {address!r}: use grpcs://{target} "
+        raise InvalidRequest(f"{tls.given_names()} given for the plaintext address {address!r}: use grpcs://{target} "
                              "for TLS, or drop them")
     return grpc.insecure_channel(target, options=list(options))
 

@@ -149,6 +149,21 @@ def _args(certs, tmp_path, args: list[str]) -> list[str]:
     return [a.format(**files) for a in args]
 
 
+def test_a_worker_client_certificate_alone_also_makes_tls_to_workers_required(certs, fake_workers, capsys):
+    """--worker-cert/--worker-key without --worker-ca: the workers are verified with the system roots,
+    and a plaintext worker is refused too. Before, the help and the refusal named --worker-ca alone."""
+    names = ("--worker-ca", "--worker-cert", "--worker-key")
+    registry = Registry(worker_tls=ChannelTLS("", certs["client"], certs["client_key"], names=names))
+    try:
+        with pytest.raises(InvalidRequest, match=r"over TLS only \(--worker-cert, --worker-key\)"):
+            registry.add("w", "prefill", fake_workers(ServerTLS()), **kv_of("prefill"))
+    finally:
+        registry.stop()
+    assert entrypoint_main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "it too makes the worker calls TLS only" in text
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--tls-client-ca", "{ca}"], "mutual TLS (--tls-client-ca) needs --tls-cert and --tls-key as well"),
     (["--tls-cert", "{server}"], "TLS needs both --tls-cert and --tls-key"),
