@@ -39,6 +39,10 @@ FAILED_HERE = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # A client with at most this much time left when its worker call was cancelled was cancelled by grpc at its
 # deadline (it cancels the client's call, and so, by its callback, the worker call), not by a client that left.
 DEADLINE_SLACK_S = 0.01
+# A worker call that fails DEADLINE_EXCEEDED while its client has more than this left did not run out of the
+# client's time (its timeout was that time: it ends at or after the client's deadline), whatever its clock: the
+# status is the worker's own (an internal deadline), a worker failure, not the client's deadline (QA).
+CLIENTS_DEADLINE_SLACK_S = 0.25
 # A client's remaining time above this is no deadline: grpc's server context reads ~9.2e18 s then, which a
 # worker call cannot take as its timeout (grpc fails such a call DEADLINE_EXCEEDED at once).
 NO_DEADLINE_S = 1e8
@@ -171,6 +175,13 @@ class Dispatch:
         return rem is not None and rem < self.cfg.worker_timeout_s
 
     @staticmethod
+    def _out_of_clients_time(context) -> bool:
+        """Whether a worker call that just failed DEADLINE_EXCEEDED, with the client's remaining time as its
+        timeout, ran out of it: the client has (almost) no time left (``CLIENTS_DEADLINE_SLACK_S``)."""
+        rem = context.time_remaining()
+        return rem is not None and rem <= CLIENTS_DEADLINE_SLACK_S
+
+    @staticmethod
     def _deadline_passed(context) -> bool:
         """Whether the client's deadline has passed (a worker call cancelled now was cancelled by it)."""
         rem = context.time_remaining()
@@ -195,7 +206,8 @@ class Dispatch:
                     self.strikes.record(inst, Outcome.NO_PROGRESS)  # no reply in the client's time
                 raise
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and clients_deadline:
+                if (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and clients_deadline
+                        and self._out_of_clients_time(context)):  # else the worker's own: RETRYABLE
                     self.strikes.record(inst, Outcome.NO_PROGRESS)  # no reply in the client's time
                     raise Abort(exc.code(), f"the client's deadline passed during the {role} call on worker "
                                 f"{inst.worker_id}") from exc

@@ -131,7 +131,8 @@ for longer than ``worker_timeout_s`` is served to its end (before, it was cut
 at ``worker_timeout_s`` and its worker marked down). A worker call that runs
 out of the client's time is the client's deadline passing, not the worker
 failing: DEADLINE_EXCEEDED goes back to the client and no worker is marked
-down (without progress from the worker it is a strike: "Avoided workers").
+down (without progress from the worker it is a strike: "Avoided workers"). A
+DEADLINE_EXCEEDED while the client still has time is the worker's own: RETRYABLE.
 Backpressure: at most ``max_inflight`` requests at once; more get
 RESOURCE_EXHAUSTED.
 """
@@ -454,7 +455,8 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                         if len(generated) == before:  # a strike too: the heartbeat brings a hung engine back
                             self.strikes.record(inst, Outcome.NO_PROGRESS)
                         exc = StalledStream(inst, self.cfg.worker_timeout_s)
-                    elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+                    elif (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None
+                          and self._out_of_clients_time(context)):  # else the worker's own: fail over
                         self.strikes.record(inst, Outcome.PROGRESS if len(generated) > before
                                             else Outcome.NO_PROGRESS)
                         raise Abort(exc.code(), f"the client's deadline passed during the decode stream on "

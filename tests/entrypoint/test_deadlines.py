@@ -271,3 +271,44 @@ def test_a_slow_client_reader_is_not_a_stalled_decode_worker(stack):
     assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN] + list(range(1, 6))
     assert _hops(events, "failover") == []
     assert [i.worker_id for i in svc.registry.ready("decode")] == [fakes["decode"][0].worker_id]
+
+
+class OwnDeadlineWorker(FakeWorker):
+    """Its first Prefill (or Decode) fails DEADLINE_EXCEEDED at once: a deadline of its own, not the
+    client's (the client has far more time left)."""
+
+    def _own_deadline_once(self, method: str, context) -> None:
+        first = not any(m == method for m, _ in self.calls)
+        self._record(method, context)
+        if first:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "an internal deadline of the worker passed")
+
+    def Prefill(self, request, context):
+        self._own_deadline_once("Prefill", context)
+        return pb.PrefillReply(first_token=FIRST_TOKEN, stats="{}")
+
+    def Decode(self, request, context):
+        self._own_deadline_once("Decode", context)
+        yield from super().Decode(request, context)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_workers_own_deadline_exceeded_is_not_taken_for_the_clients(stack, role):
+    """The client has 60 s (less than worker_timeout_s, so the worker call's timeout is the client's
+    time); the ``role`` worker fails its first call DEADLINE_EXCEEDED at once. Before: that was taken
+    for the client's deadline passing, and the request failed DEADLINE_EXCEEDED ("the client's
+    deadline passed") with 60 s left. Now it is the worker's failure: the hop fails over, served."""
+    svc, ch, fakes, _ = stack(max_attempts=3)
+    opened: list = []
+    try:
+        own = OwnDeadlineWorker(f"own-{role}", role)
+        svc.registry.add(own.worker_id, role, _serve_fake(own, opened))
+        svc.registry.add(fakes[role][0].worker_id, role, fakes[role][1])
+        other = "decode" if role == "prefill" else "prefill"
+        svc.registry.add(fakes[other][0].worker_id, other, fakes[other][1])
+        req = pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=4))
+        events = list(svc._generate(req, ClientContext(60)))
+        assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2, 3]
+    finally:
+        for close in opened:
+            close(None)
