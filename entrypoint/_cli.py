@@ -15,11 +15,21 @@ import sys
 from typing import NoReturn
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows an option's default, unless it has none to show (``""``, ``None``, ``[]``:
+    "(default: )" says nothing; the option's help says what its absence means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in ("", None, []):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose usage errors are one line (module docstring)."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)  # --help shows defaults
+        kwargs.setdefault("formatter_class", _DefaultsHelp)  # --help shows defaults
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:

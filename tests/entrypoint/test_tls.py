@@ -232,3 +232,13 @@ def test_listening_beyond_loopback_without_tls_warns_that_secrets_travel_in_clea
         warn_plaintext(server, "10.0.0.5", False)
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert f"the {server} listens on 10.0.0.5" in caplog.text and "clear text" in caplog.text
+
+
+def test_help_shows_no_empty_defaults(capsys):
+    """``--help`` gave every option without a default "(default: )"; an option with one still shows it."""
+    from entrypoint.worker import main as worker_main
+
+    for main in (entrypoint_main, worker_main):
+        assert main(["--help"]) == 0
+        out = capsys.readouterr().out
+        assert "(default: )" not in out and "(default: None)" not in out and "(default: 127.0.0.1)" in out
