@@ -22,6 +22,18 @@ ran out of attempts). This ends: a request is retried alone only after a step it
 failed, and each turn ends with it failed, finished or one token further. If the engine can
 not even drop a request, the worker reports itself down (``Status`` answers UNAVAILABLE)
 rather than failing every request while looking healthy.
+
+Cancellation: a request whose caller went away (the RPC was cancelled, or passed its
+deadline) is cancelled (``EngineRunner.cancel``, from any thread; the worker calls it when
+its RPC ends before the request did). The runner thread applies it before its next step:
+the request leaves the engine (``Engine.abort_request``: blocks freed, the connector forgets
+it), the inbox, the retry queue, the set-aside list and its turn alone, whichever holds it,
+so it takes no more steps, batch slots or turns alone (before, it was decoded to
+``max_new_tokens`` and even retried alone after a failed step, while new requests waited).
+The runner then holds no reference to it (its maps and queues do not leak it, and its handle
+gets no more tokens and no final event). A request that already ended (``done`` or an
+error) is not touched. Each one cancelled is
+logged (info) and counted (``EngineRunner.cancelled``).
 """
 
 from __future__ import annotations
@@ -50,9 +62,12 @@ class Handle:
     (the latest engine record) continues at output index ``base`` (``base <= len(out)``): a
     request retried alone re-enters the engine with ``out`` appended to its prompt, so no token
     is sent twice or skipped.
+
+    ``ended`` is set once its last event (``done`` or an error) is on ``events``, ``cancelled``
+    once ``EngineRunner.cancel`` was called for it; each is written once, from one thread.
     """
 
-    __slots__ = ("events", "args", "req", "metrics_before", "out", "base")
+    __slots__ = ("events", "args", "req", "metrics_before", "out", "base", "ended", "cancelled")
 
     def __init__(self, args: tuple) -> None:
         self.events: queue.Queue = queue.Queue()
@@ -61,6 +76,13 @@ class Handle:
         self.metrics_before: dict[str, float] = {}
         self.out: list[int] = []
         self.base = 0
+        self.ended = False
+        self.cancelled = False
+
+    def end(self, event: tuple) -> None:
+        """Put the last event (``("done", request)`` or ``("error", code, message)``)."""
+        self.ended = True
+        self.events.put(event)
 
 
 class EngineRunner:
@@ -69,6 +91,8 @@ class EngineRunner:
     def __init__(self, engine: Any, connector: Any):
         self.engine, self.connector = engine, connector
         self._inbox: queue.Queue = queue.Queue()
+        self._cancels: queue.Queue = queue.Queue()  # handles to cancel (EngineRunner.cancel), for the runner thread
+        self.cancelled = 0  # requests cancelled before they ended (their caller went away)
         self._live: dict[str, Handle] = {}  # in the engine
         # Retry alone (see _step_failed): the requests of a failed step waiting for their turn, the
         # one taking it (the only request in the engine meanwhile), and those that passed it.
@@ -92,6 +116,45 @@ class EngineRunner:
             self._fail_inbox()
         return h
 
+    def cancel(self, h: Handle) -> None:
+        """Cancel ``h``: its caller went away. Thread-safe; the runner thread applies it before
+        its next step (``_apply_cancels``). No-op for a request that already ended, or twice."""
+        if h.ended or h.cancelled:
+            return
+        h.cancelled = True  # read by the runner thread when it admits h (it may still be in the inbox)
+        self._cancels.put(h)
+        self._wake.set()
+
+    def _apply_cancels(self) -> None:
+        """Take each cancelled request out of whatever holds it here: the engine (its turn alone
+        included), the retry queue or the set-aside list. One still in the inbox is dropped when
+        admitted (``_enter``); one that ended is held by nothing, and is left alone."""
+        while True:
+            try:
+                h = self._cancels.get_nowait()
+            except queue.Empty:
+                return
+            rid = h.args[0]
+            if self._alone is h:
+                self._alone = None
+            if self._live.get(rid) is h:
+                del self._live[rid]
+                self._abort(rid, f"cancelling {rid}")
+                self._count_cancel(h, "in the engine")
+            elif h in self._retry:
+                self._retry.remove(h)
+                self._count_cancel(h, "waiting for its retry alone")
+            elif h in self._passed:
+                self._passed.remove(h)
+                self._count_cancel(h, "set aside after its retry alone")
+            if self.broken is not None:
+                self._go_down(f"this worker is down: {self.broken}", [])
+                return
+
+    def _count_cancel(self, h: Handle, where: str) -> None:
+        self.cancelled += 1
+        log.info("cancelled request %s %s after %d tokens: its caller went away", h.args[0], where, len(h.out))
+
     def _fail_inbox(self) -> None:
         """Fail every queued request with UNAVAILABLE (the runner is down; each is taken once)."""
         while True:
@@ -99,7 +162,7 @@ class EngineRunner:
                 h = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            h.events.put(("error", grpc.StatusCode.UNAVAILABLE, f"this worker is down: {self.broken}"))
+            h.end(("error", grpc.StatusCode.UNAVAILABLE, f"this worker is down: {self.broken}"))
 
     def _admit(self) -> None:
         while True:
@@ -113,17 +176,20 @@ class EngineRunner:
     def _enter(self, h: Handle) -> bool:
         """Add ``h`` to the engine, continuing after the tokens it has sent; on failure, fail it alone."""
         rid, prompt, sampling, salt, images = h.args
+        if h.cancelled:  # its caller went away while it waited (inbox, retry queue, set aside)
+            self._count_cancel(h, "before it entered the engine")
+            return False
         if h.out:  # a retry: resume at the next output index, as a re-dispatched Decode does
             sampling = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(h.out),
                                            output_offset=sampling.output_offset + len(h.out))
         try:
             h.req = self.engine.add_request(rid, prompt + h.out, sampling, tenant_salt=salt, images=images)
         except InvalidRequest as exc:
-            h.events.put(("error", grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            h.end(("error", grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             return False
         except Exception as exc:  # noqa: BLE001 - a bug must fail this request, not the runner thread
             log.exception("cannot admit %s", rid)
-            h.events.put(("error", grpc.StatusCode.INTERNAL, f"internal error admitting the request: {exc}"))
+            h.end(("error", grpc.StatusCode.INTERNAL, f"internal error admitting the request: {exc}"))
             return False
         h.base = len(h.out)
         self._live[rid] = h
@@ -137,11 +203,14 @@ class EngineRunner:
                 h.out.append(req.output[i])
             if req.status.value == "finished":
                 del self._live[rid]
-                h.events.put(("done", req))
+                h.end(("done", req))
 
     def _loop(self) -> None:
         while not self._stop:
             try:
+                self._apply_cancels()
+                if self._stop:  # the engine broke while dropping a cancelled request
+                    break
                 if self._alone is None and self._retry:  # the next turn alone (nothing else is in the engine)
                     self._alone = self._retry.popleft()
                     if not self._enter(self._alone):
@@ -200,7 +269,7 @@ class EngineRunner:
         if alone is not None or len(failed) < 2:
             for h in failed:
                 log.warning("request %s failed alone in its engine step: %s", h.args[0], reason)
-                h.events.put(("error", grpc.StatusCode.INTERNAL, reason))
+                h.end(("error", grpc.StatusCode.INTERNAL, reason))
             return
         log.warning("%s; retrying its %d requests alone, one after another, before failing any: %s",
                     reason, len(failed), ", ".join(h.args[0] for h in failed))
@@ -216,7 +285,7 @@ class EngineRunner:
     def _go_down(self, reason: str, failed: list[Handle]) -> None:
         """The engine is broken: fail every request this runner holds, and stop."""
         for h in [*failed, *self._live.values(), *self._retry, *self._passed]:
-            h.events.put(("error", grpc.StatusCode.INTERNAL, reason))
+            h.end(("error", grpc.StatusCode.INTERNAL, reason))
         self._live.clear()
         self._retry.clear()
         self._passed.clear()

@@ -26,6 +26,9 @@ reply depends on other tenants; ``Status.cached_images`` lists scoped keys
 
 Failures: a request the engine refuses fails alone with INVALID_ARGUMENT; the requests of an
 engine step that raised are retried alone before any fails (``entrypoint.engine_runner``).
+A ``Prefill`` or ``Decode`` whose caller goes away (the entrypoint cancels it when its client
+left, or its deadline passed) cancels its request in the runner: it leaves the engine at once,
+its blocks and batch slot freed, instead of being decoded to ``max_new_tokens``.
 
 Request bytes that do not parse as the method's message are INVALID_ARGUMENT
 before any handler runs (``entrypoint.rpc``).
@@ -193,22 +196,33 @@ class WorkerService(pbg.WorkerServicer):
             images = [ImageSpan(i.image_hash, i.start, i.length) for i in request.images]
         except InvalidRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return self.runner.submit(f"{request.request_id}/{uuid.uuid4().hex[:6]}", prompt, sampling,
-                                  tenant_salt=request.tenant_salt, images=images)
+        h = self.runner.submit(f"{request.request_id}/{uuid.uuid4().hex[:6]}", prompt, sampling,
+                               tenant_salt=request.tenant_salt, images=images)
+        # The RPC ends (its caller cancelled it, or its deadline passed) before the request did: cancel
+        # it, so that it takes no more engine steps (a no-op once it ended). grpc runs the callback
+        # when the call ends, even while this handler waits or is parked at a yield of a stream.
+        if not context.add_callback(lambda: self.runner.cancel(h)):  # already over: no callback then
+            self.runner.cancel(h)
+        return h
 
     def _events(self, h: Handle, context):
-        while True:
-            try:
-                ev = h.events.get(timeout=0.5)
-            except queue.Empty:
-                if not context.is_active():
+        """The request's events until its last; a request whose caller went away is cancelled
+        in the runner (``EngineRunner.cancel``) and the RPC ends CANCELLED."""
+        try:
+            while True:
+                try:
+                    ev = h.events.get(timeout=0.5)
+                except queue.Empty:
+                    if not context.is_active():
+                        context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
+                    continue
+                if ev[0] == "error":
+                    context.abort(ev[1], ev[2])
+                yield ev
+                if ev[0] == "done":
                     return
-                continue
-            if ev[0] == "error":
-                context.abort(ev[1], ev[2])
-            yield ev
-            if ev[0] == "done":
-                return
+        finally:  # also when the stream is closed at a yield; a no-op for a request that ended
+            self.runner.cancel(h)
 
     def Prefill(self, request, context):
         self._need("prefill", context)

@@ -10,6 +10,8 @@ import queue
 import subprocess
 import sys
 import threading
+import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -204,6 +206,107 @@ def test_a_stream_whose_step_failed_midway_resumes_at_its_next_token(runner, mod
     cold = Engine(model, EngineConfig(block_size=16, num_blocks=64)).generate(prompt, sampling).output
     assert [e[1:] for e in events[:-1]] == [(t, i) for i, t in enumerate(cold)], steps
     assert sum(1 for _, failed in steps if failed) == 2, steps
+    assert _engine_is_clean(runner.engine) and runner.broken is None
+
+
+# ----------------------------------------------------------------------------- cancelled requests
+
+
+@pytest.fixture
+def roomy_runner(model):
+    conn = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=16))
+    r = EngineRunner(Engine(model, EngineConfig(block_size=16, num_blocks=64), connector=conn), conn)
+    yield r
+    r.stop()
+    conn.close()
+
+
+@pytest.fixture
+def decode_worker(roomy_runner):
+    """A decode ``WorkerService`` over ``roomy_runner``, served on loopback; yields its stub."""
+    from entrypoint.proto import serving_pb2 as pb
+    from entrypoint.proto import serving_pb2_grpc as pbg
+    from entrypoint.rpc import make_server
+    from entrypoint.worker import WorkerConfig, WorkerService
+
+    svc = WorkerService(WorkerConfig(role="decode"), roomy_runner, None)
+    server, port = make_server(futures.ThreadPoolExecutor(max_workers=4),
+                               [(svc, pb.DESCRIPTOR.services_by_name["Worker"])], "127.0.0.1", 0)
+    server.start()
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield pbg.WorkerStub(ch)
+    ch.close()
+    server.stop(grace=0).wait()
+
+
+def _decode_request(rid, prompt, max_new):
+    from entrypoint.proto import serving_pb2 as pb
+
+    return pb.DecodeRequest(request_id=rid, token_ids=prompt, sampling=pb.Sampling(max_new_tokens=max_new))
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_decode_whose_caller_went_away_leaves_the_engine(roomy_runner, decode_worker, model, monkeypatch, how):
+    """The caller of a long Decode cancels it (or its deadline passes) after its first tokens:
+    the request leaves the engine at once, its blocks freed, and the next request is served.
+    Before: the runner decoded it to max_new_tokens (here about 20 s), holding its blocks."""
+    eng, real_step = roomy_runner.engine, roomy_runner.engine.step
+
+    def slow_step():  # about 20 ms a token: the whole stream would take 20 s or more
+        time.sleep(0.02)
+        real_step()
+    monkeypatch.setattr(eng, "step", slow_step)
+    prompt = list(range(1, 21))
+    call = decode_worker.Decode(_decode_request("long", prompt, 1000), timeout=120 if how == "cancel" else 1.5)
+    got = [next(call) for _ in range(3)]
+    assert [e.index for e in got] == [0, 1, 2]
+    if how == "cancel":
+        call.cancel()
+    with pytest.raises(grpc.RpcError) as ei:
+        for _ in call:
+            pass
+    assert ei.value.code() == (grpc.StatusCode.CANCELLED if how == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED)
+    deadline = time.monotonic() + 10
+    while not (_engine_is_clean(eng) and roomy_runner.cancelled) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _engine_is_clean(eng), [len(r.output) for r in eng.running]
+    assert roomy_runner.cancelled == 1 and not roomy_runner._live
+    events = list(decode_worker.Decode(_decode_request("next", prompt, 4), timeout=60))
+    cold = Engine(model, EngineConfig(block_size=16, num_blocks=64)).generate(prompt, SamplingParams(max_new_tokens=4))
+    assert [e.token_id for e in events[:-1]] == cold.output and events[-1].stats
+    assert roomy_runner.cancelled == 1  # the request that ended is not cancelled when its RPC ends
+    assert _engine_is_clean(eng) and not roomy_runner._live
+
+
+@pytest.mark.parametrize("when", ["waiting for its turn alone", "set aside after its turn alone"])
+def test_a_cancelled_request_is_not_retried_alone_nor_rejoins(runner, model, monkeypatch, when):
+    """A good request shares a failed step with a poison one, and its caller goes away while it
+    waits for its turn alone, or after that turn while set aside: it never enters the engine
+    again (before: it took a turn alone, a full re-prefill, while new requests waited, then
+    rejoined the batch and decoded to the end). The poison request still fails alone."""
+    handles: dict = {}
+
+    def before():
+        ids = sorted(r.request_id for r in [*runner.engine.waiting, *runner.engine.running])
+        if not handles.get("cancelled") and (ids == ["good", "poison"] if when.startswith("waiting")
+                                             else ids == ["poison"]):
+            handles["cancelled"] = True
+            runner.cancel(handles["good"])
+    steps = _poison_steps(runner, monkeypatch, before)
+    gate, real_admit = threading.Event(), runner._admit
+    monkeypatch.setattr(runner, "_admit", lambda: (gate.wait(), real_admit()))
+    handles["good"] = runner.submit("good", list(range(1, 21)), SamplingParams(max_new_tokens=40), tenant_salt=b"",
+                                    images=[])
+    poison = _submit(runner, "poison", [POISON] * 20)
+    gate.set()
+    assert _outcome(poison)[:2] == ("error", grpc.StatusCode.INTERNAL), steps
+    prompt = list(range(5, 50))
+    assert _outcome(_submit(runner, "next", prompt)) == ("done", _cold(model, prompt)), steps
+    turns = [ids for ids, _ in steps[1:] if "good" in ids]
+    assert turns == ([] if when.startswith("waiting") else [["good"]]), steps
+    left = [handles["good"].events.get_nowait()[0] for _ in range(handles["good"].events.qsize())]
+    assert "done" not in left and "error" not in left, left
+    assert runner.cancelled == 1 and not runner._live and not runner._retry and not runner._passed
     assert _engine_is_clean(runner.engine) and runner.broken is None
 
 
