@@ -4,7 +4,8 @@ Who calls it: ``engine_plugin.store_connector`` only.
 
 ``HostCache`` holds host tensors (pinned on accelerators) of block and SWA
 entries under ``(kind, key)`` with a byte capacity and LRU eviction; an
-evicted entry goes to ``on_evict`` (write-back to the store, per policy).
+evicted entry goes to ``on_evict`` (write-back to the store, per policy), every one of a
+``put`` even when the callback raised for another (``HostCache.put``).
 
 ``StoreGateway`` wraps any ``kvstore.KVStore`` so that the engine never
 hangs on it and never uses bad bytes:
@@ -218,7 +219,14 @@ class HostCache:
             return t
 
     def put(self, kind: str, key: bytes, t: torch.Tensor) -> bool:
-        """Insert (or refresh) an entry; evicts LRU entries to fit. False if it can never fit."""
+        """Insert (or refresh) an entry; evicts LRU entries to fit. False if it can never fit.
+
+        Every entry evicted here is handed to ``on_evict`` (after the lock is let go), even when
+        the callback raised for another: each may be a write-back save that would be lost. If any
+        raised, the first exception is raised once all were handed over (the others are logged,
+        with tracebacks, and noted on it); the tier is consistent then: the new entry is in,
+        the evicted ones are out, ``used_bytes`` counts what is held.
+        """
         n = self._nbytes(t)
         if n > self.capacity:
             return False
@@ -234,10 +242,29 @@ class HostCache:
                 evicted.append((hk, v))
             self._d[(kind, key)] = t
             self.used_bytes += n
-        for (k, kk), v in evicted:  # outside the lock: the callback may enqueue store work
-            if self.on_evict is not None:
-                self.on_evict(k, kk, v)
+        if self.on_evict is not None and evicted:
+            self._hand_over(evicted)
         return True
+
+    def _hand_over(self, evicted: list[tuple[HostKey, torch.Tensor]]) -> None:
+        """``on_evict`` for each evicted entry, outside the lock (it may enqueue store work); a
+        callback that raises does not keep the later entries from theirs (see ``put``)."""
+        first: Exception | None = None
+        failed = 0
+        for (kind, key), v in evicted:
+            try:
+                self.on_evict(kind, key, v)
+            except Exception as exc:  # noqa: BLE001 - raised below, once every entry was handed over
+                failed += 1
+                if first is None:
+                    first = exc
+                else:
+                    log.error("host tier: on_evict raised for %s %s (after an earlier one of the same put)",
+                              kind, key.hex()[:16], exc_info=True)
+        if first is not None:
+            if failed > 1:
+                first.add_note(f"{failed - 1} more on_evict calls of this HostCache.put raised (logged)")
+            raise first
 
     def items(self) -> list[tuple[HostKey, torch.Tensor]]:
         """A snapshot of the entries, least recently used first (no access-time side effect)."""

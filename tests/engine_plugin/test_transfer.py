@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import threading
 import time
 
@@ -73,6 +74,31 @@ def test_host_cache_lru_by_bytes():
     hc.put("block", bytes([3]) * 16, torch.zeros(16))
     assert evicted == [bytes([1]) * 16] and hc.used_bytes == 3 * 64 and len(hc) == 3
     assert not hc.put("block", b"x" * 16, torch.zeros(100))  # larger than the whole tier
+
+
+def test_host_cache_hands_every_evicted_entry_over_when_a_callback_raises(caplog):
+    """One put evicts three entries and ``on_evict`` raises for the first two: the third is
+    still handed over (before: it was not, and its write-back save was lost), the first error
+    is raised after that, the second is logged, and the tier holds exactly the new entry."""
+    handed = []
+
+    def on_evict(kind, key, t):
+        handed.append(key)
+        if len(handed) < 3:
+            raise RuntimeError(f"injected: write-back of {key[:1].hex()} failed")
+    hc = HostCache(3 * 64, on_evict=on_evict)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    for k in keys:
+        assert hc.put("block", k, torch.zeros(16))
+    with caplog.at_level(logging.ERROR, logger="engine_plugin.tiers"):
+        with pytest.raises(RuntimeError, match="write-back of 00 failed") as ei:
+            hc.put("block", b"n" * 16, torch.zeros(48))
+    assert handed == keys
+    assert any("1 more on_evict" in n for n in ei.value.__notes__)
+    logged = [r for r in caplog.records if r.exc_info and "write-back of 01" in str(r.exc_info[1])]
+    assert len(logged) == 1, caplog.text
+    assert [hk for hk, _ in hc.items()] == [("block", b"n" * 16)] and hc.used_bytes == 3 * 64
+    assert hc.evictions == 3 and all(("block", k) not in hc for k in keys)
 
 
 def test_gateway_without_store_is_a_shortfall():
