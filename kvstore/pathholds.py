@@ -11,13 +11,17 @@ A hold is one record of the index's ``info`` database::
                                               || pid (u64 BE)
                                               || start (u64 BE: the process's start time,
                                                  /proc/<pid>/stat field 22; 0 unknown)
+                                              || serial (u64 BE: which take of this process)
 
-(A hold written before start times were recorded is 9 bytes: its start is unknown.)
+(A hold written before start times were recorded is 9 bytes: its start is unknown; one
+before serials, 17. A record too short to name a pid is damaged and holds nothing.)
 
 Who holds what, and why a crash never blocks a path for good:
   1. This process holds a path only while its ``PathHolds`` has it in ``held`` (taken and
-     not given back). A record with this process's pid that is not in ``held`` holds
-     nothing: it is an earlier process's with the same pid (a daemon in a container is
+     not given back) with the serial the record carries. A record with this process's pid
+     that is not in ``held`` under its serial holds nothing (a take whose transaction did not
+     commit left the record as it was: QA, a take-over of a leftover hold that did not commit
+     blocked that path for the life of the process): it is an earlier process's with the same pid (a daemon in a container is
      pid 1 after every restart; QA: a crash inside the sweep's delete left a hold the
      restarted daemon took for its own, so that orphan was never swept and that slot
      never rebuilt there) or a give-back that failed. Records like that are dropped when
@@ -43,6 +47,7 @@ pid namespaces at once.
 from __future__ import annotations
 
 import logging
+import itertools
 import os
 import struct
 from typing import Iterable
@@ -52,8 +57,9 @@ import lmdb
 log = logging.getLogger(__name__)
 
 PREFIX = b"path\0"
-_HOLD = struct.Struct(">cQQ")  # who, pid, start time (0 unknown)
+_HOLD = struct.Struct(">cQQQ")  # who, pid, start time (0 unknown), serial
 _PID = struct.Struct(">Q")
+_serials = itertools.count(1)
 
 
 def path_key(target: str, rel: str) -> bytes:
@@ -72,8 +78,16 @@ def start_time(pid: int) -> int:
 
 
 def holder(raw: bytes) -> tuple[int, int]:
-    """(pid, start time) of a hold record; start 0 when unknown (a 9-byte hold of old)."""
-    return _PID.unpack_from(raw, 1)[0], (_PID.unpack_from(raw, 9)[0] if len(raw) >= _HOLD.size else 0)
+    """(pid, start time) of a hold record; start 0 when unknown (a 9-byte hold of old); pid 0
+    for a record too short to name one (damaged: it holds nothing)."""
+    if len(raw) < 9:
+        return 0, 0
+    return _PID.unpack_from(raw, 1)[0], (_PID.unpack_from(raw, 9)[0] if len(raw) >= 17 else 0)
+
+
+def serial(raw: bytes) -> int | None:
+    """Which take of its process wrote a hold record (``None``: a record of old, without one)."""
+    return _PID.unpack_from(raw, 17)[0] if len(raw) >= _HOLD.size else None
 
 
 def runs(pid: int, start: int) -> bool:
@@ -95,13 +109,19 @@ class PathHolds:
 
     def __init__(self, info_db) -> None:
         self.db = info_db
-        self.held: set[bytes] = set()  # keys taken and not given back
+        self.held: dict[bytes, int] = {}  # key taken and not given back -> the serial of that take
         self.unreleased: set[bytes] = set()  # keys given back whose record may still be there
+
+    def _mine(self, key: bytes, raw: bytes) -> bool:
+        """Is ``raw`` (the record at ``key``) a hold this process took and still holds?"""
+        return holder(raw)[0] == os.getpid() and self.held.get(key, -1) == serial(raw)
 
     def _holds(self, key: bytes, raw: bytes) -> bool:
         pid, start = holder(raw)
+        if pid == 0:
+            return False  # damaged
         if pid == os.getpid():
-            return key in self.held
+            return self._mine(key, raw)
         return runs(pid, start)
 
     def drop_stale_txn(self, txn: lmdb.Transaction) -> int:
@@ -123,14 +143,14 @@ class PathHolds:
         raw = txn.get(key, db=self.db)
         if raw is not None and self._holds(key, raw):
             return False
-        pid = os.getpid()
-        txn.put(key, _HOLD.pack(who[:1].encode(), pid, start_time(pid)), db=self.db)
-        self.held.add(key)  # before the commit: a take that does not commit leaves no record to hold
+        pid, n = os.getpid(), next(_serials)
+        txn.put(key, _HOLD.pack(who[:1].encode(), pid, start_time(pid), n), db=self.db)
+        self.held[key] = n  # a take that does not commit leaves the record as it was: not this serial
         return True
 
     def release_txn(self, txn: lmdb.Transaction, target: str, rel: str) -> None:
         key = path_key(target, rel)
-        self.held.discard(key)
+        self.held.pop(key, None)
         raw = txn.get(key, db=self.db)
         if raw is not None and holder(raw)[0] == os.getpid():
             txn.delete(key, db=self.db)  # only ours: one taken over from a holder that looked gone stays
@@ -139,7 +159,8 @@ class PathHolds:
         """Give ``paths`` back in one write transaction of its own, with any an earlier call
         could not; never raises an LMDB error (rule 4 of the module docstring)."""
         keys = {path_key(t, r) for t, r in paths}
-        self.held -= keys
+        for key in keys:
+            self.held.pop(key, None)
         self.unreleased |= keys
         attempt = set(self.unreleased)
         try:
@@ -147,7 +168,7 @@ class PathHolds:
                 for key in attempt:
                     raw = txn.get(key, db=self.db)
                     # taken again meanwhile (by this process: in held; by another: not our pid) stays
-                    if raw is not None and key not in self.held and holder(raw)[0] == os.getpid():
+                    if raw is not None and holder(raw)[0] == os.getpid() and not self._mine(key, raw):
                         txn.delete(key, db=self.db)
         except lmdb.Error as exc:
             log.warning("could not give back %d fragment path(s) held in the index (%s): they hold nothing "

@@ -131,3 +131,36 @@ def test_a_give_back_that_fails_neither_stops_gc_nor_holds_the_path(tmp_path, mo
         s.index.release_paths([])
         assert _hold(s, tgt.name, rel) is None
         assert s.get(key) == value and s.check() == []
+
+
+def test_a_take_over_that_does_not_commit_holds_nothing(tmp_path):
+    """A take-over of this process's own leftover hold (a failed give-back) inside a write
+    transaction that does not commit left the old record, which ``held`` then claimed: the
+    path was blocked for this process and, since the pid runs, for every other one (QA)."""
+    s, _ek, key, value, tgt, _cur, rel = _slot_orphan_setup(tmp_path)
+    with s:
+        _put_hold(s, tgt.name, rel, os.getpid(), start_time(os.getpid()))  # a leftover of ours
+        try:
+            with s.index.env.begin(write=True) as txn:
+                assert s.index.take_path_txn(txn, tgt.name, rel, "repair")
+                raise RuntimeError("the commit fails")
+        except RuntimeError:
+            pass
+        assert _hold(s, tgt.name, rel) is not None  # the old record, as it was
+        with s.index.env.begin(write=True) as txn:
+            assert s.index.take_path_txn(txn, tgt.name, rel, "sweep")  # not held: taken
+        s.index.release_paths([(tgt.name, rel)])
+        assert _hold(s, tgt.name, rel) is None
+        assert s.gc()["orphans"] == 1 and s.get(key) == value and s.check() == []
+
+
+def test_a_damaged_hold_record_does_not_stop_the_store_opening(tmp_path):
+    """A hold record too short to name its pid made every open fail with struct.error (the
+    stale holds are dropped at open): now it holds nothing and is dropped (QA)."""
+    s, _ek, key, value, tgt, _cur, rel = _slot_orphan_setup(tmp_path)
+    with s:
+        with s.index.env.begin(write=True) as txn:
+            txn.put(path_key(tgt.name, rel), b"s\x00\x01", db=s.index.db["info"])
+    with kvstore.connect(s.data_dir, fsync=False, orphan_grace_s=0) as s2:
+        assert _hold(s2, tgt.name, rel) is None
+        assert s2.gc()["orphans"] == 1 and s2.get(key) == value and s2.check() == []
