@@ -40,9 +40,25 @@ FORMAT_FILE = "kvstore.json"
 log = logging.getLogger("kvstore.store")
 
 
-def _holds_files(root: Path) -> bool:
-    """Is there any file below ``root`` (a directory that may not exist)?"""
-    return any(files for _d, _s, files in os.walk(root))
+def _holds_files(root: Path, skip: frozenset[str] = frozenset()) -> bool:
+    """Is there any file below ``root`` (a directory that may not exist), not counting those
+    under a directory whose real path is in ``skip``?"""
+    for d, subdirs, files in os.walk(root):
+        if os.path.realpath(d) in skip:
+            subdirs[:] = []
+            continue
+        if files:
+            return True
+    return False
+
+
+def _same_dir(a: str, b: str) -> bool:
+    """Are ``a`` and ``b`` one directory (one device and inode: a bind mount, an export mounted
+    twice), though their real paths differ?"""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _nonempty(path: Path) -> bool:
@@ -314,17 +330,24 @@ class DataDir:
         name would make every fragment there read as missing (the first reads mark entries
         lost) and the marker would forget where they are. QA: ``file://localhost/P`` opened
         ``<cwd>/localhost/P`` before 8b1a1a1 and opens ``/P`` now, under the same name. Not
-        refused: one directory spelled otherwise (``_place``), a recorded relative URL (it is
+        refused: one directory spelled otherwise (``_place``) or reached another way (a bind
+        mount: ``_same_dir``), a target moved into a subdirectory of its old place (files under a
+        configured target are not counted), a recorded relative URL (it is
         rewritten absolute: ``_respelled``), names swapped among configured directories (the
         sweep keeps what a record's own copy does not prove stray: ``kvstore.orphans``)."""
         configured = {t.name: t for t in self.config.targets if _local_root(t.url) is not None}
         opened = {_place(t.url) for t in self.config.targets}
+        roots = [root for t in self.config.targets if (root := _local_root(t.url)) is not None]
+        # a configured target or the data directory inside the recorded one: its files are not the old ones
+        skip = frozenset(os.path.realpath(d) for d in [*roots, str(self.data_dir)])
         moved = []
         for r in marker.get("targets") or []:
             name, was = _name(r["name"]), _local_root(r["url"])
             if name not in configured or was is None or _cwd_relative(r["url"]) or _place(r["url"]) in opened:
                 continue
-            if _holds_files(Path(was)):
+            if any(_same_dir(was, root) for root in roots):
+                continue  # the same directory reached another way (a bind mount)
+            if _holds_files(Path(was), skip):
                 moved.append((name, r["url"], configured[name].shown_url))
         moved = [m for m in moved if m[0] in self.index.target_names()]
         if moved:
@@ -335,8 +358,8 @@ class DataDir:
             raise InvalidRequest(
                 f"targets moved: {what}. The recorded directories still hold fragments the entries of "
                 f"{self.data_dir} name, which would read as missing there, and {FORMAT_FILE} would forget them. "
-                "Move each recorded directory to its configured place (then open again), or configure the "
-                "recorded URL for that name (URL#DOMAIN#NAME). A file://localhost/PATH target meant "
+                "Move each recorded directory to its configured place (then open again; a copy left at the "
+                "recorded place must be removed), or configure the recorded URL for that name (URL#DOMAIN#NAME). A file://localhost/PATH target meant "
                 "<working directory>/localhost/PATH before 8b1a1a1 and means /PATH now")
 
     def _read_marker(self) -> dict | None:
