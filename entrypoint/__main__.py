@@ -52,7 +52,7 @@ import kvstore
 from entrypoint._cli import OneLineParser, fail
 from entrypoint.auth import SECRET_ENV, load_worker_secret
 from entrypoint.server import EntrypointConfig, serve
-from entrypoint.tls import ChannelTLS, ServerTLS
+from entrypoint.tls import ChannelTLS, ServerTLS, add_serve_args
 from kvstore.api import DTYPES
 from kvstore.server.auth import read_tokens_file
 from lb.registry import POLICIES
@@ -87,11 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="TOML file of client bearer tokens ([tokens] \"TOKEN\" = \"TENANT\"): each Generate then "
                          "acts for its token's tenant only (entrypoint.clients; default: none, the request's "
                          "tenant field is trusted, and several tenants serve on loopback only)")
-    t = ap.add_argument_group("TLS (entrypoint.tls; PEM files)")
-    t.add_argument("--tls-cert", default="", metavar="FILE", help="serve TLS with this certificate (chain)")
-    t.add_argument("--tls-key", default="", metavar="FILE", help="the private key of --tls-cert")
-    t.add_argument("--tls-client-ca", default="", metavar="FILE",
-                   help="mutual TLS: every caller (client or worker) needs a certificate signed by this CA")
+    t = add_serve_args(ap, "mutual TLS: every caller (client or worker) needs a certificate signed by this CA")
     t.add_argument("--worker-ca", default="", metavar="FILE",
                    help="call the workers over TLS only, verifying their certificates with this CA "
                         "(none but --worker-cert: TLS only all the same, verified with the system roots)")

@@ -132,6 +132,17 @@ def warn_plaintext(server: str, host: str, tls: bool) -> None:
                     server, host)
 
 
+def add_serve_args(parser, client_ca_help: str):
+    """Add the "TLS" option group with the files a server serves TLS with (``--tls-cert``,
+    ``--tls-key``, ``--tls-client-ca``, whose help is ``client_ca_help``); returns the group,
+    for the program's other TLS options."""
+    t = parser.add_argument_group("TLS (entrypoint.tls; PEM files)")
+    t.add_argument("--tls-cert", default="", metavar="FILE", help="serve TLS with this certificate (chain)")
+    t.add_argument("--tls-key", default="", metavar="FILE", help="the private key of --tls-cert")
+    t.add_argument("--tls-client-ca", default="", metavar="FILE", help=client_ca_help)
+    return t
+
+
 def server_address(host: str, port: int, tls: bool) -> str:
     """The address a server announces (``READY``, ``Register``): ``grpcs://`` when it serves TLS."""
     return f"grpcs://{host}:{port}" if tls else f"{host}:{port}"

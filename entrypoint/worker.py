@@ -89,8 +89,8 @@ from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import kv_namespace_pb
 from entrypoint.rpc import make_server
-from entrypoint.tls import (ChannelTLS, ServerTLS, open_channel, server_address, split_address, unreachable_hint,
-                            warn_plaintext)
+from entrypoint.tls import (ChannelTLS, ServerTLS, add_serve_args, open_channel, server_address, split_address,
+                            unreachable_hint, warn_plaintext)
 from entrypoint.vision import SCOPE_METADATA, EncoderCache, VisionEncoder, check_image_hash
 from kvstore.errors import InvalidRequest, StoreUnavailable
 from kvstore.keys import ImageSpan
@@ -375,11 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-secret-file", default="", metavar="FILE",
                     help=f"file holding the entrypoint's worker secret, sent with Register and required "
                          f"of every caller (default: ${auth.SECRET_ENV}; none: loopback only, with a warning)")
-    t = ap.add_argument_group("TLS (entrypoint.tls; PEM files)")
-    t.add_argument("--tls-cert", default="", metavar="FILE", help="serve TLS with this certificate (chain)")
-    t.add_argument("--tls-key", default="", metavar="FILE", help="the private key of --tls-cert")
-    t.add_argument("--tls-client-ca", default="", metavar="FILE",
-                   help="mutual TLS: the entrypoint needs a certificate signed by this CA (its --worker-cert)")
+    t = add_serve_args(ap, "mutual TLS: the entrypoint needs a certificate signed by this CA (its --worker-cert)")
     t.add_argument("--entrypoint-ca", default="", metavar="FILE",
                    help="CA of a grpcs:// --entrypoint's certificate (default: the system roots)")
     t.add_argument("--entrypoint-cert", default="", metavar="FILE",
