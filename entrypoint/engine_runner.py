@@ -203,6 +203,7 @@ class EngineRunner:
                 h.out.append(req.output[i])
             if req.status.value == "finished":
                 del self._live[rid]
+                self.engine.take_finished(rid)  # else the engine keeps every request it served
                 h.end(("done", req))
 
     def _loop(self) -> None:
@@ -278,6 +279,9 @@ class EngineRunner:
     def _abort(self, rid: str, why: str) -> None:
         try:
             self.engine.abort_request(rid)
+            # one that finished in a step that then raised is not running (abort_request does
+            # nothing) but is recorded as finished: drop the record, nothing will take it
+            self.engine.take_finished(rid)
         except Exception as exc:  # noqa: BLE001 - the engine's state is broken: stop using it
             log.exception("cannot drop request %s from the engine; the worker goes down", rid)
             self.broken = f"{why}; then dropping {rid} failed: {exc}"

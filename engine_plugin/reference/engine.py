@@ -5,6 +5,7 @@ Who calls it: tests, ``tools/bench_engine.py`` and the walkthrough. Usage::
     eng = Engine(ReferenceModel(model_preset("tiny")), EngineConfig(block_size=16), connector=conn)
     eng.add_request("r1", prompt_ids, SamplingParams(max_new_tokens=8))
     outputs = eng.run_until_done()      # {request id: Request}
+    eng.take_finished("r1")             # a long-running owner takes each finished request
 
 One step (``step``), in order, and why:
   1. admit waiting requests: device prefix match, then the connector's match
@@ -182,7 +183,12 @@ class Engine:
             self.pool.on_evict.append(lambda h, b: connector.on_device_evict(h, self.pool.kv[b]))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Finished requests, kept until their consumer takes them (``take_finished``): a
+        # long-running owner (``entrypoint.engine_runner``) must take each one, or this grows
+        # with every request served. ``_newly_finished``: those not yet handed to
+        # ``connector.get_finished`` (it gets each request once, in the step it finished).
         self.finished: dict[str, Request] = {}
+        self._newly_finished: list[str] = []
         self.steps = 0
         self.rollbacks = 0
         self.kv_sent: set[str] = set()  # finished requests whose KV reached the store
@@ -280,6 +286,15 @@ class Engine:
         req.status = Status.ABORTED
         return True
 
+    def take_finished(self, request_id: str) -> Request | None:
+        """Remove a finished request from ``finished`` and return it; ``None`` if it is not there.
+
+        The engine keeps a finished request until its consumer takes it: an owner that runs
+        for long (a worker) takes each request once it has read its results, so the engine
+        holds O(1) finished records however many it has served.
+        """
+        return self.finished.pop(request_id, None)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -350,9 +365,15 @@ class Engine:
     def collect_finished(self) -> set[str]:
         """Ask the connector which finished requests' saves ended: those whose KV all reached
         the store go to ``kv_sent`` (returned), the others to ``kv_send_failed``."""
+        newly = set(self._newly_finished)
         if self.connector is None:
+            self._newly_finished.clear()
             return set()
-        done, _ = self.connector.get_finished(set(self.finished))
+        # only those finished since the last call (the contract: each reported once), not
+        # every record still in ``finished``: that set grew with every request served.
+        # Cleared after the call returned, so a call that raised hands them over again.
+        done, _ = self.connector.get_finished(newly)
+        self._newly_finished.clear()
         failed = self.connector.get_failed_sends() & done
         self.kv_sent |= done - failed
         self.kv_send_failed |= failed
@@ -493,6 +514,7 @@ class Engine:
             _, req.transfer_params_out = self.connector.request_finished(req, req.block_ids)
         self.pool.release(req.block_ids)
         self.finished[req.request_id] = req
+        self._newly_finished.append(req.request_id)
 
 
 def default_namespace(model: ReferenceModel) -> Namespace:

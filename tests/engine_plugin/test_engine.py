@@ -67,3 +67,28 @@ def test_misuse_raises(rig):
     with pytest.raises(InvalidRequest, match="needs 8 blocks"):  # can never fit in 4 blocks
         eng.add_request("c", list(range(100)), SamplingParams())
     assert not eng.has_work()  # refused before it was queued
+
+
+def test_finished_requests_are_pruned_once_taken_and_reach_the_connector_once(rig):
+    """A long-running owner takes each finished request (``take_finished``), so the engine holds
+    O(1) finished records; ``connector.get_finished`` is handed only the requests finished since
+    its last call (before: every request ever finished, on every step, and never pruned)."""
+    eng = rig.engine()
+    handed: list[set[str]] = []
+    real = eng.connector.get_finished
+
+    def get_finished(ids):
+        handed.append(set(ids))
+        return real(ids)
+
+    eng.connector.get_finished = get_finished
+    rng = random.Random(9)
+    for i in range(12):
+        eng.add_request(f"r{i}", rig.tokens(rng, 20), SamplingParams(max_new_tokens=2))
+        while f"r{i}" not in eng.finished:
+            eng.step()
+        assert eng.take_finished(f"r{i}").request_id == f"r{i}"
+        assert not eng.finished and eng.take_finished(f"r{i}") is None
+    seen = [rid for ids in handed for rid in ids]
+    assert sorted(seen) == sorted(f"r{i}" for i in range(12))  # each handed over once
+    assert max(len(ids) for ids in handed) == 1

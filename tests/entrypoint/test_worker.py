@@ -73,6 +73,7 @@ def test_a_prompt_too_big_for_the_pool_fails_alone(runner, model):
     for i in range(3):  # every later request is served (before the fix: each failed the same way)
         assert _outcome(_submit(runner, f"ok-{i}", prompt)) == ("done", _cold(model, prompt))
     assert not runner.engine.waiting and not runner.engine.running
+    assert not runner.engine.finished  # each taken once served (before: kept for ever)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -134,7 +135,7 @@ def _poison_steps(runner, monkeypatch, before=None):
 
 
 def _engine_is_clean(eng):
-    return not eng.waiting and not eng.running and not any(eng.pool.refcount)
+    return not eng.waiting and not eng.running and not any(eng.pool.refcount) and not eng.finished
 
 
 def test_the_batch_mate_of_a_poison_request_is_served_and_only_the_poison_fails(runner, model, monkeypatch,
