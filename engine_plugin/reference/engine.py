@@ -391,7 +391,11 @@ class Engine:
             dev = self.pool.match_prefix(req.block_hashes[:max_hit])
             total_blocks = -(-(len(prompt) + req.sampling.max_new_tokens) // B)  # <= num_blocks: add_request
             self.pool.acquire(dev)  # before allocate: the eviction must not take our own hits
-            fresh = self.pool.allocate(total_blocks - len(dev))
+            try:
+                fresh = self.pool.allocate(total_blocks - len(dev))
+            except BaseException:  # an on_evict callback raised: the request stays waiting, holding nothing
+                self.pool.release(dev)
+                raise
             if fresh is None:
                 self.pool.release(dev)
                 break  # wait for running requests to free blocks

@@ -16,16 +16,26 @@ Invariants (with reasons):
      a partial or unverified block.
   3. ``on_evict(hash, block_id)`` runs before an evicted block is reused, while
      its content is still intact, so the callback may copy it out.
+  4. A callback that raises (the connector's host tier may: ``HostCache.put``)
+     does not break 1-2: the block is unmapped before the callbacks run and
+     goes to the free list, every callback still runs, then the first
+     exception is raised; ``allocate`` hands back the blocks it had gathered.
+     The eviction is not undone: the callback may have copied the block out
+     already (``HostCache.put`` raises after storing), and a block that stayed
+     cached would raise again at every later allocation.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Callable
 
 import torch
 
 from kvstore.errors import InternalError, InvalidRequest
+
+log = logging.getLogger(__name__)
 
 EvictCallback = Callable[[bytes, int], None]
 
@@ -70,26 +80,50 @@ class BlockPool:
             self.refcount[b] += 1
 
     def allocate(self, n: int) -> list[int] | None:
-        """``n`` fresh blocks, evicting LRU cached blocks if needed; ``None`` if they do not fit."""
+        """``n`` fresh blocks, evicting LRU cached blocks if needed; ``None`` if they do not fit.
+
+        If an ``on_evict`` callback raises, its exception propagates and nothing is allocated:
+        the blocks gathered so far go back to the free list (invariant 4).
+        """
         if n > self.num_available():
             return None
-        out = []
-        for _ in range(n):
-            if self.free:
-                b = self.free.pop()
-            else:
-                b, _ = self.evictable.popitem(last=False)
-                h = self.block_hash[b]
-                if h is None:
-                    raise InternalError(f"bug: evictable block {b} has no hash")
-                for cb in self.on_evict:
-                    cb(h, b)
-                del self.by_hash[h]
-                self.block_hash[b] = None
-                self.evictions += 1
-            self.refcount[b] = 1
-            out.append(b)
+        out: list[int] = []
+        try:
+            for _ in range(n):
+                b = self.free.pop() if self.free else self._evict_oldest()
+                self.refcount[b] = 1
+                out.append(b)
+        except BaseException:
+            for b in reversed(out):  # reversed: the free list is as it was before the call
+                self.refcount[b] = 0
+                self.free.append(b)
+            raise
         return out
+
+    def _evict_oldest(self) -> int:
+        """Take the least recently used cached block out of the prefix cache, hand it to every
+        ``on_evict`` callback and return it (in no list: the caller owns it). If a callback
+        raised, the block goes to the free list and the first exception is raised (invariant 4)."""
+        b, _ = self.evictable.popitem(last=False)
+        h = self.block_hash[b]
+        if h is None:
+            raise InternalError(f"bug: evictable block {b} has no hash")
+        # unmapped first: whatever a callback raises, no hash maps to a block outside the LRU
+        del self.by_hash[h]
+        self.block_hash[b] = None
+        self.evictions += 1
+        errors: list[Exception] = []
+        for cb in self.on_evict:  # every callback, even after one raised (each may copy it out)
+            try:
+                cb(h, b)
+            except Exception as exc:  # noqa: BLE001 - raised below, after the pool is consistent
+                errors.append(exc)
+        if errors:
+            self.free.append(b)
+            for exc in errors[1:]:
+                log.error("another on_evict callback failed for block %d", b, exc_info=exc)
+            raise errors[0]
+        return b
 
     def register(self, block_id: int, h: bytes) -> int:
         """Publish ``block_id`` as holding hash ``h``; returns the block that holds it now.
@@ -121,16 +155,11 @@ class BlockPool:
                     self.free.append(b)
 
     def drop_cached(self) -> int:
-        """Evict every unused cached block (through ``on_evict``); returns how many."""
+        """Evict every unused cached block (through ``on_evict``); returns how many.
+
+        A callback that raises stops it there, the pool consistent (invariant 4)."""
         n = 0
         while self.evictable:
-            b, _ = self.evictable.popitem(last=False)
-            h = self.block_hash[b]
-            for cb in self.on_evict:
-                cb(h, b)
-            del self.by_hash[h]
-            self.block_hash[b] = None
-            self.free.append(b)
+            self.free.append(self._evict_oldest())
             n += 1
-        self.evictions += n
         return n
