@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from engine_plugin.loader import Loader
 from engine_plugin.reference import SamplingParams
 from engine_plugin.tiers import Metrics, StoreGateway
 from kvstore.api import EntryInfo, EntryKind, LookupResult
+from tests.daemon.conftest import wait_until
 
 GREEDY = SamplingParams(max_new_tokens=4)
 KEYS = [b"a" * 16, b"b" * 16]
@@ -149,14 +149,6 @@ class Sticky:
         return [True] * len(items)
 
 
-def _wait_until(cond, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
 
 def test_calls_hung_past_their_timeout_do_not_wedge_the_gateway():
     """6 calls hang for good (a dead connection each); the store answers new ones. Each later
@@ -196,7 +188,7 @@ def test_with_max_calls_hung_a_call_fails_at_once_and_recovers_when_they_end():
         clock[0] += 2.0
         assert gw.lookup(KEYS) is None and st.calls == 3 and m.get("store_busy") == 2
         st.release.set()
-        assert _wait_until(lambda: gw.running_calls == 0)
+        assert wait_until(lambda: gw.running_calls == 0, timeout=30.0, step=0.01)
         clock[0] += 2.0
         assert gw.lookup(KEYS) == LookupResult(2, None) and st.calls == 4
     finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 from test_transfer import outstanding
@@ -19,6 +18,7 @@ from engine_plugin.saver import SaveQueue
 from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.tiers import Metrics, StoreGateway
 from kvstore.api import PutItem
+from tests.daemon.conftest import wait_until
 from kvstore.errors import StoreUnavailable
 
 BLOCK = 16  # the block size of the fixtures (conftest.BLOCK)
@@ -118,7 +118,7 @@ def test_a_save_queue_full_marks_its_requests_failed_and_an_abort_forgets_them()
     item = PutItem(b"k" * 16, b"v")
     try:
         assert q.submit([item], ["a"])  # taken by the saver, which hangs in put_many
-        assert _eventually(lambda: q._q.qsize() == 0)
+        assert wait_until(lambda: q._q.qsize() == 0, timeout=30.0, step=0.01)
         assert q.submit([item], ["b"])  # queued behind it
         assert not q.submit([item], ["c"])  # queue full: dropped
         assert not q.submit([item], ["x"])
@@ -135,14 +135,6 @@ def test_a_save_queue_full_marks_its_requests_failed_and_an_abort_forgets_them()
         q.close()
         gw.close()
 
-
-def _eventually(cond, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_save_chunk_that_raises_gives_its_buffers_back(rig, store, monkeypatch):

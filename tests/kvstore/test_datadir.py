@@ -307,6 +307,23 @@ def test_a_moved_set_of_local_scheme_targets_is_refused_not_lost(tmp_path):
         assert s.get(b"k" * 16) == b"hello" * 100 and s.stats()["lost_entries"] == 0
 
 
+def _store_with_an_old_relative_marker(tmp_path, monkeypatch):
+    """A store written from ``tmp_path/a`` on targets ``a/d0..d2`` (one entry), its marker then
+    given the relative URLs older code recorded (``file://d0``); (data directory, the targets
+    as named absolutely). The working directory is left at ``a``."""
+    import json
+
+    monkeypatch.chdir(tmp_path / "a")
+    data = tmp_path / "data"
+    targets = ",".join(f"file://{tmp_path / 'a' / f'd{i}'}#default#t{i}" for i in range(3))
+    with kvstore.connect(str(data), targets=targets, ec_k=2, ec_m=1, fsync=False) as s:
+        assert s.put(b"k" * 16, b"hello" * 100)
+    marker = json.loads((data / "kvstore.json").read_text())
+    marker["targets"] = [dict(t, url=f"file://d{i}") for i, t in enumerate(marker["targets"])]  # the old form
+    (data / "kvstore.json").write_text(json.dumps(marker))
+    return data, targets
+
+
 def test_an_old_marker_with_relative_urls_is_rewritten_absolute_by_an_opener_naming_them(tmp_path, monkeypatch):
     """A marker written before relative ``file://d0`` URLs were recorded absolute holds them as
     written (meaning the opener's working directory). An opener naming the same directories
@@ -317,14 +334,7 @@ def test_an_old_marker_with_relative_urls_is_rewritten_absolute_by_an_opener_nam
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b" / "d1").mkdir(parents=True)  # an unrelated directory where the old URL points from b
-    monkeypatch.chdir(tmp_path / "a")
-    data = tmp_path / "data"
-    targets = ",".join(f"file://{tmp_path / 'a' / f'd{i}'}#default#t{i}" for i in range(3))
-    with kvstore.connect(str(data), targets=targets, ec_k=2, ec_m=1, fsync=False) as s:
-        assert s.put(b"k" * 16, b"hello" * 100)
-    marker = json.loads((data / "kvstore.json").read_text())
-    marker["targets"] = [dict(t, url=f"file://d{i}") for i, t in enumerate(marker["targets"])]  # the old form
-    (data / "kvstore.json").write_text(json.dumps(marker))
+    data, targets = _store_with_an_old_relative_marker(tmp_path, monkeypatch)
     with kvstore.connect(str(data), targets=targets, fsync=False) as s:
         assert s.get(b"k" * 16) == b"hello" * 100
     rec = json.loads((data / "kvstore.json").read_text())["targets"]
@@ -407,21 +417,12 @@ def test_an_old_marker_with_relative_urls_is_refused_by_an_opener_naming_no_targ
     know. Before, it opened them under its own working directory: there, other directories of
     those names (empty, or another store's for the orphan sweep to empty) read every entry as
     lost. Now it is refused, saying to name the targets, which rewrites the marker absolute."""
-    import json
-
     from kvstore.errors import InvalidRequest
 
     (tmp_path / "a").mkdir()
     for i in range(3):
         (tmp_path / "b" / f"d{i}").mkdir(parents=True)  # other directories of the recorded names
-    monkeypatch.chdir(tmp_path / "a")
-    data = tmp_path / "data"
-    targets = ",".join(f"file://{tmp_path / 'a' / f'd{i}'}#default#t{i}" for i in range(3))
-    with kvstore.connect(str(data), targets=targets, ec_k=2, ec_m=1, fsync=False) as s:
-        assert s.put(b"k" * 16, b"hello" * 100)
-    marker = json.loads((data / "kvstore.json").read_text())
-    marker["targets"] = [dict(t, url=f"file://d{i}") for i, t in enumerate(marker["targets"])]  # the old form
-    (data / "kvstore.json").write_text(json.dumps(marker))
+    data, targets = _store_with_an_old_relative_marker(tmp_path, monkeypatch)
     for where in ("b", "a"):  # even the writer's own directory: nothing says it is
         monkeypatch.chdir(tmp_path / where)
         with pytest.raises(InvalidRequest, match="relative paths.*Name the targets"):
