@@ -123,7 +123,3 @@ class Strikes:
             if tier and (not out or len(tier) > len(out[-1])):
                 out.append(tier)
         return out
-
-    def prefer(self, live: list[Instance], failed_here: set[str]) -> list[Instance]:
-        """The first of ``tiers``: the workers a pick tries first (``live`` itself when it is empty)."""
-        return (self.tiers(live, failed_here) or [live])[0]

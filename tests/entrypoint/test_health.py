@@ -41,20 +41,20 @@ def test_strikes_in_a_row_avoid_a_worker_for_a_while_and_progress_clears_them():
     live = [bad, good]
     for _ in range(2):
         s.record(bad, Outcome.FAILED_HERE)
-    assert s.prefer(live, set()) == live  # 2 < avoid_after: not yet
+    assert s.tiers(live, set())[0] == live  # 2 < avoid_after: not yet
     s.record(bad, Outcome.PROGRESS)  # one success clears the count
     for _ in range(2):
         s.record(bad, Outcome.FAILED_HERE)
-    assert s.prefer(live, set()) == live
+    assert s.tiers(live, set())[0] == live
     s.record(bad, Outcome.FAILED_HERE)  # the third in a row
-    assert s.prefer(live, set()) == [good]
-    assert s.prefer([bad], set()) == [bad]  # never an empty pick: alone, it is picked all the same
+    assert s.tiers(live, set())[0] == [good]
+    assert s.tiers([bad], set())[0] == [bad]  # never an empty pick: alone, it is picked all the same
     clock.t += 30.0  # the cooldown is over: picked as any other
-    assert s.prefer(live, set()) == live
+    assert s.tiers(live, set())[0] == live
     s.record(bad, Outcome.FAILED_HERE)  # one more strike avoids it again at once
-    assert s.prefer(live, set()) == [good]
+    assert s.tiers(live, set())[0] == [good]
     s.record(bad, Outcome.PROGRESS)
-    assert s.prefer(live, set()) == live and (bad.strikes, bad.avoid_until) == (0, 0.0)
+    assert s.tiers(live, set())[0] == live and (bad.strikes, bad.avoid_until) == (0, 0.0)
 
 
 def test_a_worker_that_failed_this_request_is_left_out_before_an_avoided_one():
@@ -62,9 +62,9 @@ def test_a_worker_that_failed_this_request_is_left_out_before_an_avoided_one():
     s = _strikes(clock, after=1)
     a, b, c = _inst("a"), _inst("b"), _inst("c")
     s.record(a, Outcome.FAILED_HERE)  # avoided
-    assert s.prefer([a, b, c], {"b"}) == [c]
-    assert s.prefer([a, b], {"b"}) == [a]  # b failed this very request: a, though avoided
-    assert s.prefer([a, b], {"a", "b"}) == [a, b]
+    assert s.tiers([a, b, c], {"b"})[0] == [c]
+    assert s.tiers([a, b], {"b"})[0] == [a]  # b failed this very request: a, though avoided
+    assert s.tiers([a, b], {"a", "b"})[0] == [a, b]
 
 
 def test_tiers_widen_from_the_preferred_workers_to_all_live_ones_none_empty_or_repeated():
