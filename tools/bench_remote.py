@@ -98,7 +98,9 @@ def _key(tag: str, i: int) -> bytes:
 
 
 def _mibs(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / MiB, 1)
+    """Throughput in MiB/s, unrounded: the per-round ratios are taken from these (``_medians``
+    rounds only the printed medians)."""
+    return nbytes / seconds / MiB
 
 
 def bench_kvstore(store: Any, size: int, n: int, batch: int, tag: str) -> dict:
@@ -211,7 +213,7 @@ def run_mooncake(sizes: list[int], n: int, batch: int, python: str) -> dict:
             return {"skipped": f"Mooncake bench failed (exit {out.returncode}): {out.stderr.strip()[-500:]}"}
         res = json.loads(last[-1])
         res.pop("setup", None)
-        return {k: {op: round(x, 1) for op, x in v.items()} for k, v in res.items()}
+        return {k: {op: float(x) for op, x in v.items()} for k, v in res.items()}
     finally:
         for p in reversed(procs):
             stop_process(p)

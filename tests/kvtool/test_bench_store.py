@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -96,3 +98,13 @@ def test_a_peer_returning_wrong_bytes_for_a_later_batch_item_fails_the_run():
     vals = [os.urandom(64) for _ in range(3)]
     with pytest.raises(RuntimeError, match="wrong bytes"):
         one_rep(Garbling(), "batch", keys, vals, batch=4)
+
+
+def test_remote_ratios_come_from_unrounded_rounds():
+    """The per-round ratios of bench_remote are taken before any rounding: two slow systems
+    (0.04 and 0.06 MiB/s, which round to 0.0 and 0.1) still give their true ratio, 2/3."""
+    sys.path.insert(0, str(ROOT))
+    from tools.bench_remote import _mibs, paired_ratio
+
+    rounds = [{"a": {"1": {"get": _mibs(4 << 20, 100.0)}}, "b": {"1": {"get": _mibs(6 << 20, 100.0)}}}]
+    assert paired_ratio(rounds, "a", "b", "1", "get") == pytest.approx(2 / 3)
