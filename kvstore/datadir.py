@@ -167,11 +167,7 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
     if not recorded:
         return config
     if config.targets:
-        mine = _targets_record(config)
-        if mine is not None and not _same_targets(mine, recorded):
-            log.warning("the configured targets differ from those %s records; recording them instead: %s",
-                        FORMAT_FILE, ", ".join(f"{t.name}={t.shown_url}" for t in config.targets))
-        return config
+        return config  # differing ones are logged once recorded (``_open_data_dir``), not before a refusal
     try:
         specs = tuple(TargetSpec(**t) for t in recorded)
         config = replace(config, targets=specs)
@@ -199,6 +195,17 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
             "(KVSTORE_TARGETS, --targets) or mount them")
     log.info("targets as recorded in %s: %s", FORMAT_FILE, ", ".join(f"{t.name}={t.url}" for t in specs))
     return config
+
+
+def _log_recorded(config: StoreConfig, before: Any) -> None:
+    """Warn that the marker now records ``config``'s targets in place of ``before`` (what it
+    recorded), when they differ. Logged only once the marker is written: an open refused for
+    renamed, moved or foreign targets records nothing (QA: the warning that they were recorded
+    came just before such a refusal)."""
+    mine = _targets_record(config)
+    if before and mine is not None and not _same_targets(mine, before):
+        log.warning("the configured targets differ from those %s records; recording them instead: %s",
+                    FORMAT_FILE, ", ".join(f"{t.name}={t.shown_url}" for t in config.targets))
 
 
 def file_url_path(url: str) -> str:
@@ -278,6 +285,7 @@ class DataDir:
                     or not _same_targets(marker.get("targets"), _targets_record(config))
                     or (named and _respelled(marker.get("targets")))):  # named: resolved as meant
                 self._write_marker(config, identity, marker)
+                _log_recorded(config, marker.get("targets"))
             if rewrite:
                 for t in self.targets.values():
                     t.create_root()

@@ -546,3 +546,32 @@ def test_the_same_directories_through_a_bind_mount_open(tmp_path):
             assert s.get(b"k" * 16) == b"v" * 500 and s.check() == []
     finally:
         subprocess.run(["umount", str(alias)], check=False)
+
+
+def test_targets_refused_as_moved_or_renamed_are_not_said_to_be_recorded(tmp_path, caplog):
+    """"The configured targets differ ... recording them instead" was logged before the checks
+    for renamed and moved targets, which then refused the open: the log said the new targets
+    were recorded, and the marker still held the old ones (QA). Logged once they are recorded."""
+    import logging
+
+    from kvstore.errors import InvalidRequest
+
+    disks, other = tmp_path / "disks", tmp_path / "other"
+    data = _moved_store(tmp_path, disks)
+    before = (data / "kvstore.json").read_bytes()
+    moved = ",".join(f"file://{other}/d{i}#default#t{i}" for i in range(3))
+    renamed = ",".join(f"file://{disks}/d{i}#default#{'x' if i == 2 else 't'}{i}" for i in range(3))
+    for urls, why in ((moved, "targets moved"), (renamed, "targets renamed")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvstore"):
+            with pytest.raises(InvalidRequest, match=why):
+                kvstore.connect(str(data), targets=urls, fsync=False)
+        assert "differ from those kvstore.json records" not in caplog.text
+        assert (data / "kvstore.json").read_bytes() == before
+    (other / "d0").mkdir(parents=True)  # a new disk, t3, beside the others: recorded, and said so
+    added = ",".join([f"file://{other}/d0#default#t3", *(f"file://{disks}/d{i}#default#t{i}" for i in range(3))])
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        with kvstore.connect(str(data), targets=added, fsync=False) as s:
+            assert s.get(b"k" * 16) == b"v" * 500
+    assert "differ from those kvstore.json records; recording them instead" in caplog.text
+    assert (data / "kvstore.json").read_bytes() != before
