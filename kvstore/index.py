@@ -198,6 +198,9 @@ class Index:
         return None
 
     def close(self) -> None:
+        """Give back the fragment paths this process still holds here (those whose give-back
+        failed: ``kvstore.pathholds`` rule 5; never raises an LMDB error), then close."""
+        self.paths.close(self.env)
         self.env.close()
 
     # ------------------------------------------------------------------ target ids

@@ -34,6 +34,10 @@ Who holds what, and why a crash never blocks a path for good:
   4. A give-back that fails (the index map full, say) is logged, never raised: the hold
      left behind holds nothing for this process (1), is retried at its next give-back,
      and for other processes holds until then or until this process ends (2).
+  5. Closing the index gives back what this process still has there (``close``, up to
+     ``CLOSE_TRIES`` attempts): no later give-back could, and a process that closes its
+     store and runs on would otherwise block those paths for other processes until it
+     ended (QA). What still fails is logged as an error naming the paths, never raised.
 
 Assumption: every process that opens one data directory runs on one host and in one pid
 namespace, as for LMDB's own reader table, which is checked by pid the same way. A holder
@@ -60,10 +64,17 @@ PREFIX = b"path\0"
 _HOLD = struct.Struct(">cQQQ")  # who, pid, start time (0 unknown), serial
 _PID = struct.Struct(">Q")
 _serials = itertools.count(1)
+CLOSE_TRIES = 3  # give-backs attempted at close (rule 5); a full map seldom frees itself sooner
+_CLOSE_NAMED = 10  # paths named in the error when a give-back at close fails (the rest counted)
 
 
 def path_key(target: str, rel: str) -> bytes:
     return PREFIX + target.encode() + b"\0" + rel.encode()
+
+
+def _shown(key: bytes) -> str:
+    """A hold's key as ``target:rel``, for a log line."""
+    return key[len(PREFIX):].decode(errors="replace").replace("\0", ":", 1)
 
 
 def start_time(pid: int) -> int:
@@ -162,6 +173,40 @@ class PathHolds:
         for key in keys:
             self.held.pop(key, None)
         self.unreleased |= keys
+        attempt = len(self.unreleased)
+        exc = self._give_back(env)
+        if exc is not None:
+            log.warning("could not give back %d fragment path(s) held in the index (%s): they hold nothing "
+                        "for this process, are retried at its next give-back and dropped when the index "
+                        "is next opened; other processes wait for them until then", attempt, exc)
+
+    def close(self, env: lmdb.Environment) -> None:
+        """Before ``env`` closes: give back every path this process still has in it, those
+        whose give-back failed and any still taken, in up to ``CLOSE_TRIES`` write
+        transactions (rule 5 of the module docstring). Never raises an LMDB error: what
+        stays is logged. Leaves nothing to give back, so a second call does nothing."""
+        self.unreleased |= set(self.held)
+        self.held.clear()
+        exc = None
+        for _ in range(CLOSE_TRIES):
+            if not self.unreleased:
+                return
+            exc = self._give_back(env)
+        if not self.unreleased:
+            return
+        left = sorted(self.unreleased)
+        named = ", ".join(_shown(k) for k in left[:_CLOSE_NAMED])
+        more = f" and {len(left) - _CLOSE_NAMED} more" if len(left) > _CLOSE_NAMED else ""
+        log.error("closing the index: could not give back %d fragment path(s) held there after %d tries (%s): "
+                  "%s%s. Other processes see them held (GC does not sweep them, repair does not rebuild there) "
+                  "until this process (pid %d) ends or opens this index again", len(left), CLOSE_TRIES, exc,
+                  named, more, os.getpid())
+        self.unreleased.clear()  # the environment closes: nothing here can give them back any more
+
+    def _give_back(self, env: lmdb.Environment) -> lmdb.Error | None:
+        """Delete the records of ``unreleased`` that are still this process's leftovers, in one
+        write transaction; ``None`` when it committed (``unreleased`` then empty), else the
+        LMDB error (``unreleased`` as it was)."""
         attempt = set(self.unreleased)
         try:
             with env.begin(write=True) as txn:
@@ -171,8 +216,6 @@ class PathHolds:
                     if raw is not None and holder(raw)[0] == os.getpid() and not self._mine(key, raw):
                         txn.delete(key, db=self.db)
         except lmdb.Error as exc:
-            log.warning("could not give back %d fragment path(s) held in the index (%s): they hold nothing "
-                        "for this process, are retried at its next give-back and dropped when the index "
-                        "is next opened; other processes wait for them until then", len(attempt), exc)
-            return
+            return exc
         self.unreleased -= attempt
+        return None
