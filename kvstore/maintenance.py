@@ -33,8 +33,9 @@ the real pass.
 
 Failures within a pass: a file that cannot be deleted (step 4, step 6) is
 logged and left for a later pass (step 6 also reports it: ``orphans_kept``,
-an unfixed ``ORPHAN_FRAGMENT`` problem in ``check``); a pack whose compaction
-fails is logged and stays queued. Neither stops the rest of the pass.
+an unfixed ``ORPHAN_FRAGMENT`` problem in ``check``), and so is a stale copy whose
+path the sweep cannot take because the index map is full; a pack whose compaction
+fails is logged and stays queued. None of these stops the rest of the pass.
 Progress: ``run_gc``'s docstring lists its phases.
 """
 

@@ -27,6 +27,12 @@ took it first is never followed by a rebuild there until its delete is over, and
 that took it first is recorded (the sweep then sees the record) or gave up (its file is an
 orphan) before the sweep looks. The stat and the delete, and repair's write, run outside
 any write transaction (before, they ran inside one: on S3 a round trip every put waited on).
+
+A take that fails because the index map is full (``lmdb.MapFullError``; the index never
+grows its map, ``lmdb_map_size`` is fixed at open) keeps that slot orphan for a later pass:
+it is counted as kept (an unfixed ``ORPHAN_FRAGMENT`` problem, ``run_gc``'s
+``orphans_kept``), logged once per sweep, and the sweep goes on. A full map is when GC is
+needed most, and the rest of the sweep needs no index write (QA: the error ended the pass).
 """
 
 from __future__ import annotations
@@ -35,14 +41,14 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Collection, Sequence
 
+import lmdb
+
 from kvstore.gc_plan import DueGrave, purged_files
 from kvstore.index import STANDALONE, Meta
 from kvstore.maintenance import Problem, ProblemKind, Progress
 from kvstore.targets import parse_fragment_path, parse_pack_path
 
 if TYPE_CHECKING:
-    import lmdb
-
     from kvstore.store import EmbeddedStore
 
 log = logging.getLogger(__name__)
@@ -150,7 +156,8 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
     (targets the caller already reported down). A target that cannot be listed is one
     ``TARGET_DOWN`` problem. An orphan that cannot be deleted (a read-only file or target)
     is logged and reported as an unfixed ``ORPHAN_FRAGMENT`` problem, is not counted in the
-    files and bytes, and the sweep goes on with the next file and target.
+    files and bytes, and the sweep goes on with the next file and target; so is a slot orphan
+    whose path cannot be taken because the index map is full (the module docstring).
 
     ``now_s`` is ``store.file_clock()`` (the clock of the files' mtimes), taken before the
     records are read: a writer indexes its files only within ``orphan_grace_s / 2`` of
@@ -165,6 +172,7 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
     for gone in forget:
         known.pop(gone, None)
     n = nbytes = unknown_age = 0
+    map_full: list[lmdb.MapFullError] = []  # slot orphans whose path the full index map could not take
     problems: list[Problem] = []
     names = list(store.targets)
     for ti, name in enumerate(names):
@@ -215,12 +223,21 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
                     log.warning("orphan sweep: cannot delete %s on %s: %s", rel, name, exc)
                     problems.append(replace(orphan, detail=f"{rel} (cannot delete: {exc})", fixed=False))
                     continue
+                except lmdb.MapFullError as exc:  # the take's write transaction: kept, the sweep goes on
+                    map_full.append(exc)
+                    problems.append(replace(orphan, detail=f"{rel} (kept: the index map is full, its path "
+                                                           f"cannot be taken: {exc})", fixed=False))
+                    continue
                 if not removed:
                     continue  # gone since the listing (another pass swept it): not freed here
             problems.append(orphan)
             n += 1
             nbytes += size
     progress("orphans", len(names), len(names))
+    if map_full:
+        log.warning("orphan sweep: kept %d stale fragment copies: the index map is full (%s), so their paths "
+                    "could not be taken for the delete; they are swept by a later pass once the index has room "
+                    "(raise lmdb_map_size, or free entries)", len(map_full), map_full[0])
     if unknown_age:
         log.warning("orphan sweep: %d unindexed files have no modification time on their target, so their "
                     "age is unknown and they were kept", unknown_age)

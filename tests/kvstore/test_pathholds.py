@@ -228,3 +228,36 @@ def test_close_gives_back_the_holds_whose_give_back_failed(tmp_path, monkeypatch
     index.close()  # nothing left to give back: no second attempt, no second error
     assert failing.tries == 1 + CLOSE_TRIES
     assert _raw_hold(where, "t0", "ab/frag.2") is not None  # stays, as logged
+
+
+def test_a_full_index_map_keeps_the_orphan_whose_path_it_cannot_take_and_the_sweep_goes_on(tmp_path, monkeypatch,
+                                                                                           caplog):
+    """Taking a stale copy's path is a write transaction: with the index map full it raised
+    ``MapFullError`` and ended the GC pass, when a full map is when GC is needed most (QA).
+    The index never grows its map, so that copy is kept (counted in ``orphans_kept``, listed
+    by ``check``) and the sweep goes on to the orphans that need no index write."""
+    from kvstore.pathholds import PathHolds
+
+    s, _ek, key, value, tgt, _cur, rel = _slot_orphan_setup(tmp_path)
+    with s:
+        other = next(t for n, t in s.targets.items() if n != tgt.name)
+        crashed = Path(other.root) / "ab" / ".tmp.crashed-put"  # a put that died: its delete takes no path
+        crashed.parent.mkdir(parents=True, exist_ok=True)
+        crashed.write_bytes(b"x" * 100)
+        old = crashed.stat().st_mtime - 3600  # long past the grace
+        os.utime(crashed, (old, old))
+
+        def take_txn(self, txn, target, rel, who):
+            raise lmdb.MapFullError("mdb_put: MDB_MAP_FULL (injected)")
+
+        monkeypatch.setattr(PathHolds, "take_txn", take_txn)
+        with caplog.at_level(logging.WARNING, logger="kvstore.orphans"):
+            out = s.gc()
+        assert out["orphans"] == 1 and out["orphans_kept"] == 1 and not crashed.exists()
+        assert (Path(tgt.root) / rel).exists() and "index map is full" in caplog.text
+        kept = [p for p in s.check() if not p.fixed]
+        assert [(p.target, p.detail.split(" ")[0]) for p in kept] == [(tgt.name, rel)]
+        monkeypatch.undo()  # room again: the next pass sweeps it
+        out = s.gc()
+        assert out["orphans"] == 1 and out["orphans_kept"] == 0 and not (Path(tgt.root) / rel).exists()
+        assert s.get(key) == value and s.check() == []
