@@ -5,8 +5,9 @@ Role
     entrypoint), with a snapshot of every decode instance. Pure; no I/O.
 
 Rule, per healthy instance
-    1. *Memory.* The request needs ``(context + max_new_tokens) x
-       kv_bytes_per_token`` bytes for its whole life; the instance must have
+    1. *Memory.* The request needs ``ceil((context + max_new_tokens) x
+       kv_bytes_per_token)`` bytes for its whole life (:func:`request_kv_bytes`,
+       whole bytes rounded up); the instance must have
        them below ``kv_capacity x memory_headroom`` (headroom keeps room for
        the running requests' growth).
     2. *Batch pressure.* TBT after admission is estimated with
@@ -33,6 +34,7 @@ Contract of a decode policy (every one here; ``lb.sim`` refuses one without both
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from lb.cost_model import CostModels, load_default
@@ -41,8 +43,15 @@ from lb.types import Decision, DecodeInstance, DecodeRequest, LBInputError, chec
 __all__ = ["KVStackDecodePolicy", "DecodeRoundRobin", "DecodeLeastKV", "request_kv_bytes"]
 
 
-def request_kv_bytes(req: DecodeRequest, models: CostModels) -> float:
-    return (req.context_tokens + req.max_new_tokens) * models.transfer.kv_bytes_per_token
+def request_kv_bytes(req: DecodeRequest, models: CostModels) -> int:
+    """Whole bytes of KV ``req`` holds for its life: ``ceil((context + max_new_tokens) x kv_bytes_per_token)``.
+
+    The one unit and rounding rule of decode KV (``lb.types.DecodeInstance``): every policy checks this
+    figure, and whoever keeps an instance's ``kv_used_bytes`` (``lb.sim``, the entrypoint) adds this very
+    integer, so the usage a policy reasoned about is the usage it sees next. Rounded up, never down: a
+    floor would count less than was checked and let a full instance overcommit one byte per request.
+    """
+    return math.ceil((req.context_tokens + req.max_new_tokens) * models.transfer.kv_bytes_per_token)
 
 
 def _live(instances: Sequence[DecodeInstance]) -> tuple[list[DecodeInstance], str | None]:

@@ -486,7 +486,7 @@ def simulate(
             return None
         d = dec[dd.chosen]
         d.advance(now)
-        kv = int((r.input_length + r.output_length) * models.transfer.kv_bytes_per_token)
+        kv = request_kv_bytes(DecodeRequest(r.input_length, r.output_length), models)  # what the policy checked
         d.join(idx, d.steps + r.output_length, r.input_length, kv, ready_at[idx])
         dwait[idx] = now - ready_at[idx]
         d.version += 1

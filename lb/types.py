@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from numbers import Real
+from numbers import Integral, Real
 from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 __all__ = [
@@ -404,7 +404,13 @@ class PrefillInstance:
 
 @dataclass(frozen=True, slots=True)
 class DecodeInstance:
-    """Snapshot of one decode engine: KV memory and batch pressure."""
+    """Snapshot of one decode engine: KV memory and batch pressure.
+
+    Unit: ``kv_used_bytes`` and ``kv_capacity_bytes`` are whole bytes (integers). A request's share is
+    ``lb.decode.request_kv_bytes`` (rounded up to a whole byte), the figure every decode policy checks;
+    whoever keeps ``kv_used_bytes`` adds and removes exactly that integer, so usage never drifts from
+    what the policy reasoned about (a floor there let instances overcommit).
+    """
 
     id: Hashable
     kv_used_bytes: int
@@ -417,6 +423,10 @@ class DecodeInstance:
         _nonneg(f"DecodeInstance {self.id!r}", kv_used_bytes=self.kv_used_bytes,
                 batch_tokens=self.batch_tokens, running_requests=self.running_requests)
         _positive(f"DecodeInstance {self.id!r}", kv_capacity_bytes=self.kv_capacity_bytes)
+        for name, value in (("kv_used_bytes", self.kv_used_bytes), ("kv_capacity_bytes", self.kv_capacity_bytes)):
+            if not isinstance(value, Integral):  # bool was refused above
+                raise LBInputError(f"DecodeInstance {self.id!r}.{name} must be an integer number of bytes, got "
+                                   f"{value!r}; round a byte count up (lb.decode.request_kv_bytes)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,14 @@ def test_input_validation():
         DecodeInstance(0, 0, 0)
 
 
+@pytest.mark.parametrize("used,cap", [(1.5, 10**9), (0, 1e9)])
+def test_decode_kv_bytes_are_whole_bytes(used, cap):
+    """The unit of decode KV is the whole byte (lb.decode.request_kv_bytes rounds up): a fractional
+    figure would drift from what the policy checked, so a snapshot refuses a non-integer."""
+    with pytest.raises(LBInputError, match="integer number of bytes"):
+        DecodeInstance(0, used, cap)
+
+
 NAN, INF = float("nan"), float("inf")
 
 

@@ -10,7 +10,8 @@ import pytest
 from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
 from lb.registry import get_policy
 from lb.sim import OVER_DECODE_KV, REFUSED_BY_EMPTY_DECODE, SimConfig, TraceRequest, simulate
-from lb.types import Decision, LBInputError
+from lb.decode import request_kv_bytes
+from lb.types import Decision, DecodeRequest, LBInputError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
@@ -195,3 +196,37 @@ def test_a_decode_policy_without_a_kv_limit_is_refused_with_a_hint():
 
     with pytest.raises(LBInputError, match="kv_limit_bytes"):
         simulate([_small(0.0, 0)], get_policy("round_robin", MODELS), CFG, models=MODELS, decode_policy=NoLimit())
+
+
+class _Recording:
+    """A decode policy that records, at each call, the snapshot's KV in use next to the requests running there."""
+
+    def __init__(self, models) -> None:
+        self.inner, self.models, self.seen = get_policy("round_robin", models, kind="decode"), models, []
+
+    def kv_limit_bytes(self, capacity_bytes: int) -> float:
+        return self.inner.kv_limit_bytes(capacity_bytes)
+
+    def choose(self, req, instances):
+        inst = instances[0]
+        self.seen.append((inst.kv_used_bytes, inst.running_requests, request_kv_bytes(req, self.models)))
+        return self.inner.choose(req, instances)
+
+
+def test_decode_kv_usage_is_the_figure_the_policy_checked():
+    """At 1.5 bytes per token a request of 1101 tokens needs 1651.5 bytes, 1652 in whole bytes (rounded up). The
+    simulator adds exactly that to an instance's usage, so the next snapshot shows what the policy reasoned
+    about; three such requests (4956 bytes) do not fit 4954 bytes at once, the third waits. The simulator used
+    to add int(1651.5) = 1651 per request: usage drifted below the checked figure and the third fit (an
+    overcommit of the policy's own 4954.5 bytes)."""
+    models = CostModels(MODELS.prefill, MODELS.decode, TransferModel(1.5))
+    assert request_kv_bytes(DecodeRequest(101, 1000), models) == 1652
+    cfg = SimConfig(prefill_instances=3, decode_instances=1, decode_kv_capacity_bytes=4954, ttft_slo_ms=None,
+                    tbt_slo_ms=None)
+    pol = _Recording(models)
+    reqs = [TraceRequest(float(i), 101, 1000, (10 + i,)) for i in range(3)]
+    r = simulate(reqs, get_policy("round_robin", models), cfg, models=models, decode_policy=pol)
+    assert (r.served, r.rejected, len(r.tbt_s)) == (3, 0, 3)
+    assert all(used == running * need for used, running, need in pol.seen), pol.seen
+    assert max(running for _, running, _ in pol.seen) == 2  # the third waited for a finish
+    assert sorted(r.decode_wait_s)[2] > 0.0
