@@ -39,13 +39,21 @@ token, is refused as an infinite throughput; a prediction for
 :data:`SANE_MAX_TOKENS` tokens is finite; ``r2`` is NaN (not fitted) or in
 [0, 1]; ``kv_bytes_per_token`` > 0 and ``block_tokens`` an integer > 0.
 
-Samples (``fit``): finite numbers >= 0, ``cached <= prompt``, and a time > 0
-(a real timing is never 0; with relative weights a 0 s row would outweigh
-all others by ~1e12). Each bad row is refused with ``LBInputError`` naming
-it. Rows the model predicts 0 s for (a prefill with ``prompt == cached``, a
+Samples (``fit``): finite numbers >= 0, ``cached <= prompt``, and a time of
+at least :data:`MIN_TIMING_S` (1 us). The fit weighs each row's squared error
+by ``1 / t**2`` (relative error), so a row's pull grows without bound as its
+time shrinks: a 0 s row would outweigh all others by ~1e12, a 1 ns one
+(clock noise, a unit slip) about as much. 1 us is the resolution we state for
+a timing: ``time.perf_counter`` around a call adds ~0.1 us of overhead and
+jitter, under 10 % of 1 us, while no prefill or decode step (one kernel
+launch is ~5 us) is shorter. Each bad row is refused with ``LBInputError``
+naming it, never floored (a floored row would still be a made-up figure).
+Rows the model predicts 0 s for (a prefill with ``prompt == cached``, a
 decode step of 0 requests) carry nothing to fit and are dropped with a
 logged warning. A fit with ``r2 < 0`` (worse than predicting the mean) is
-refused: the samples do not follow the model.
+refused: the samples do not follow the model. So is one whose times are all
+equal: R^2 is then undefined (nothing varies to be explained, ``0 / 0``), so
+the fit could not be judged at all (see :func:`nonneg_lstsq`).
 """
 
 from __future__ import annotations
@@ -72,6 +80,7 @@ __all__ = [
     "SANE_MAX_TOKENS",
     "MAX_TOKENS_PER_S",
     "NNLS_MAX_FEATURES",
+    "MIN_TIMING_S",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,6 +89,7 @@ DEFAULT_PATH = Path(__file__).with_name("data") / "cost_model.json"
 SANE_MAX_TOKENS = 10_000_000  # a prompt (prefill) or a batch (decode) any model must predict finitely
 MAX_TOKENS_PER_S = 1e10  # no machine is faster: the reference workload must take >= SANE_MAX_TOKENS / this
 NNLS_MAX_FEATURES = 8  # nonneg_lstsq enumerates 2**k supports
+MIN_TIMING_S = 1e-6  # the shortest sample time a fit takes: the timing resolution (module doc, *Samples*)
 
 
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tuple[np.ndarray, float]:
@@ -88,7 +98,10 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tupl
     ``relative`` minimises the squared *relative* error (rows weighted by
     ``1 / y``, so every ``y`` must be > 0): timings span orders of magnitude
     and a short prefill mispredicted by 2x matters as much as a long one.
-    Returns (coefficients, r2 of the unweighted fit).
+    Returns (coefficients, r2 of the unweighted fit). Every ``y`` equal is
+    refused with ``LBInputError``: R^2 = 1 - SSE / SS_tot is then 0 / 0,
+    undefined, and no figure (1 or anything else) would say whether the
+    model fits; samples must vary the work so that the time varies.
 
     Method: the optimum is a non-negative combination of linearly
     independent columns with all weights > 0 (Caratheodory), so on that
@@ -111,6 +124,10 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tupl
         raise LBInputError("fit expects finite X and y")
     if relative and not (y > 0).all():
         raise LBInputError(f"a relative fit needs every y > 0; row {int(np.flatnonzero(~(y > 0))[0])} is not")
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    if np.ptp(y) == 0 or not ss_tot > 0:  # ptp: the mean of equal floats may be off by an ulp, ss_tot not 0
+        raise LBInputError(f"all {len(y)} samples have the same y ({float(y[0]):g}): R^2 is undefined (no variance to "
+                           f"explain), so the fit can not be judged; time samples that vary the work")
     wt = 1.0 / y if relative else np.ones_like(y)
     xw, yw = x * wt[:, None], y * wt
     norms = np.linalg.norm(xw, axis=0)
@@ -129,7 +146,6 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tupl
             coef[cols] = sol
     coef = coef / norms
     resid = y - x @ coef
-    ss_tot = float(((y - y.mean()) ** 2).sum()) or 1.0
     return coef, 1.0 - float((resid**2).sum()) / ss_tot
 
 
@@ -167,11 +183,12 @@ def _fit_rows(name: str, samples: Iterable[Sequence[float]], columns: str) -> np
         i = int(np.flatnonzero(bad)[0])
         raise LBInputError(f"{name}.fit: sample {i} {tuple(arr[i].tolist())} must be finite numbers >= 0 "
                            f"({columns})")
-    zero = arr[:, 2] == 0
-    if zero.any():
-        i = int(np.flatnonzero(zero)[0])
-        raise LBInputError(f"{name}.fit: sample {i} {tuple(arr[i].tolist())} takes 0 s ({zero.sum()} such rows); "
-                           f"a real timing is never 0: re-time or drop these rows")
+    short = arr[:, 2] < MIN_TIMING_S
+    if short.any():
+        i = int(np.flatnonzero(short)[0])
+        raise LBInputError(f"{name}.fit: sample {i} {tuple(arr[i].tolist())} takes {arr[i, 2]:.3g} s "
+                           f"({short.sum()} such rows), below the timing resolution {MIN_TIMING_S:g} s: no real "
+                           f"prefill or decode step is that short (a clock or unit error); re-time or drop these rows")
     return arr
 
 

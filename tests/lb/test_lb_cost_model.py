@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lb.cost_model import DEFAULT_PATH, CostModels, DecodeCostModel, PrefillCostModel, TransferModel, load_default
+from lb.cost_model import (
+    DEFAULT_PATH, MIN_TIMING_S, CostModels, DecodeCostModel, PrefillCostModel, TransferModel, load_default,
+)
 from lb.types import LBInputError, TierBandwidth
 
 
@@ -119,6 +121,42 @@ def test_fit_refuses_a_zero_time_sample_and_names_it():
             PrefillCostModel.fit(samples + [bad])
     with pytest.raises(LBInputError, match=r"sample 12 .* cached_tokens <= prompt_tokens"):
         PrefillCostModel.fit(samples + [(10, 20, 1.0)])
+
+
+@pytest.mark.parametrize("t", [1e-9, 5e-7, MIN_TIMING_S * (1 - 1e-9)])
+def test_fit_refuses_a_timing_below_the_resolution_and_names_it(t):
+    """A positive but sub-microsecond time (clock noise, a unit slip) weighs ~1/t**2 in the relative fit:
+    one such row pulled the whole fit towards it and was caught, if at all, by the R^2 or throughput
+    checks with a message about the model, not the row. Refused at the row, like a 0 s one."""
+    samples = _grid_samples(PrefillCostModel(0.02, 1e-4, 5e-10))
+    with pytest.raises(LBInputError, match=r"sample 12 \(64.0, 0.0, .*\) takes .* s \(1 such rows\), below the "
+                                           r"timing resolution 1e-06 s"):
+        PrefillCostModel.fit(samples + [(64, 0, t)])
+    dec = [(t_, b, DecodeCostModel(1e-3, 1e-8, 1e-4).predict(t_, b)) for t_ in (1000, 10000) for b in (1, 8)]
+    with pytest.raises(LBInputError, match="sample 4 .* below the timing resolution"):
+        DecodeCostModel.fit(dec + [(10, 1, t)])
+
+
+def test_a_timing_at_the_resolution_is_fitted():
+    """The bound is inclusive: a 1 us row of a model that predicts it is a sample like any other."""
+    true = DecodeCostModel(MIN_TIMING_S / 2, 0.0, MIN_TIMING_S / 2)
+    fit = DecodeCostModel.fit([(0, b, true.predict(0, b)) for b in (1, 2, 4, 8)])
+    assert fit.predict(0, 1) == pytest.approx(MIN_TIMING_S) and fit.r2 == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("y", [0.5, 0.1])
+def test_a_fit_of_equal_times_is_refused_r2_is_undefined(y):
+    """All times equal: SS_tot is 0 (0.5: an exact mean) or an ulp-sized residue (0.1: the mean of equal
+    floats is off by an ulp), so R^2 = 1 - SSE / SS_tot is 0 / 0. SS_tot fell back to 1.0, which reported
+    R^2 ~ 1 for any model (0.5) or a huge negative R^2 (0.1); now refused, saying why."""
+    from lb.cost_model import nonneg_lstsq
+
+    with pytest.raises(LBInputError, match=r"all 4 samples have the same y .* R\^2 is undefined"):
+        nonneg_lstsq(np.c_[np.ones(4), np.arange(4.0)], np.full(4, y))
+    with pytest.raises(LBInputError, match=r"R\^2 is undefined"):
+        DecodeCostModel.fit([(1000 * k, k, y) for k in (1, 2, 3, 4)])
+    with pytest.raises(LBInputError, match=r"R\^2 is undefined"):
+        PrefillCostModel.fit([(1000 * k, 0, y) for k in (1, 2, 3, 4)])
 
 
 def test_fit_drops_rows_the_model_predicts_zero_for(caplog):
