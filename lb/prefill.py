@@ -133,7 +133,16 @@ def warm_hits(req: RouteRequest, inst: PrefillInstance) -> PrefixHits:
 def estimate_ttft(
     req: RouteRequest, inst: PrefillInstance, models: CostModels, *, hits: PrefixHits | None = None
 ) -> TTFTEstimate:
-    """Queue + fetch (host/store blocks) + prefill of the suffix, for one instance."""
+    """Queue + fetch (host/store blocks) + prefill of the suffix, for one instance.
+
+    ``req.block_tokens`` must equal ``models.transfer.block_tokens`` (:class:`LBInputError` otherwise):
+    hits count the request's blocks, a fetch is sized in the transfer model's, so a mismatch would
+    cost every hit at the wrong number of bytes (the entrypoint and ``lb.sim`` give both one size).
+    """
+    if req.block_tokens != models.transfer.block_tokens:
+        raise LBInputError(f"RouteRequest.block_tokens {req.block_tokens} differs from the cost model's "
+                           f"transfer.block_tokens {models.transfer.block_tokens}: fetches would be sized for "
+                           f"another block; give both the same block size")
     h = req.hit_of(inst.id) if hits is None else hits
     cached = req.cached_tokens(h.total)
     fetch = models.transfer.fetch_s(h.host, h.store, inst.bandwidth)

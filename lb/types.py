@@ -27,6 +27,7 @@ Invariants (checked in ``__post_init__``; misuse raises :class:`LBInputError`)
        capacity or bandwidth is positive. NaN is refused explicitly: every
        comparison with NaN is false, so a NaN load would otherwise pass a
        ``< 0`` check and then win every ``min`` it takes part in.
+       Token, block and byte counts are integers (``RouteRequest``, ``DecodeInstance``).
     2. ``PrefixHits.total <= RouteRequest.num_blocks``: a prefix hit can not
        be longer than the prompt.
     3. Instance ids are unique within one snapshot (checked by the policies,
@@ -49,24 +50,9 @@ from numbers import Integral, Real
 from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 __all__ = [
-    "BLOCK_TOKENS",
-    "LBError",
-    "LBInputError",
-    "LBInternalError",
-    "UnknownPolicyError",
-    "TierBandwidth",
-    "PrefixHits",
-    "QueuedPrefill",
-    "QueueTotals",
-    "QueueLoad",
-    "PrefillInstance",
-    "DecodeInstance",
-    "VEInstance",
-    "RouteRequest",
-    "DecodeRequest",
-    "VERequest",
-    "Decision",
-    "check_unique_ids",
+    "BLOCK_TOKENS", "LBError", "LBInputError", "LBInternalError", "UnknownPolicyError", "TierBandwidth",
+    "PrefixHits", "QueuedPrefill", "QueueTotals", "QueueLoad", "PrefillInstance", "DecodeInstance",
+    "VEInstance", "RouteRequest", "DecodeRequest", "VERequest", "Decision", "check_unique_ids",
 ]
 
 #: Tokens per prefix block in the Mooncake trace format (and the default here).
@@ -219,6 +205,26 @@ def _ceil_blocks(q: QueuedPrefill, block_tokens: int) -> int:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integers(owner: str, low: int, **values: object) -> None:
+    """Each value must be an integer (``int`` or numpy's, not a bool) >= ``low``: a count of blocks or tokens."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
+            raise LBInputError(f"{owner}.{name} must be an integer >= {low}, got {value!r}")
+
+
+def _image_hash_ok(h: object) -> bool:
+    """An image hash: a non-empty ``str`` or ``bytes``, or an ``int`` (not a bool)."""
+    return (isinstance(h, (str, bytes)) and len(h) > 0) or _is_int(h)
+
+
+def _sequence(owner: str, name: str, value: object, what: str) -> tuple:
+    """``value`` (a tuple or list) as a tuple; anything else (a ``str``: its characters) is refused."""
+    if not isinstance(value, (tuple, list)):
+        raise LBInputError(f"{owner}.{name} must be a tuple or list of {what}, got {type(value).__name__} "
+                           f"{value!r}; wrap a single one: (h,)")
+    return tuple(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,10 +412,9 @@ class PrefillInstance:
 class DecodeInstance:
     """Snapshot of one decode engine: KV memory and batch pressure.
 
-    Unit: ``kv_used_bytes`` and ``kv_capacity_bytes`` are whole bytes (integers). A request's share is
-    ``lb.decode.request_kv_bytes`` (rounded up to a whole byte), the figure every decode policy checks;
-    whoever keeps ``kv_used_bytes`` adds and removes exactly that integer, so usage never drifts from
-    what the policy reasoned about (a floor there let instances overcommit).
+    ``kv_used_bytes`` and ``kv_capacity_bytes`` are whole bytes (integers); a request's share is
+    ``lb.decode.request_kv_bytes`` (rounded up), the figure every decode policy checks, and whoever
+    keeps ``kv_used_bytes`` adds exactly it, so usage never drifts from what a policy checked.
     """
 
     id: Hashable
@@ -423,10 +428,8 @@ class DecodeInstance:
         _nonneg(f"DecodeInstance {self.id!r}", kv_used_bytes=self.kv_used_bytes,
                 batch_tokens=self.batch_tokens, running_requests=self.running_requests)
         _positive(f"DecodeInstance {self.id!r}", kv_capacity_bytes=self.kv_capacity_bytes)
-        for name, value in (("kv_used_bytes", self.kv_used_bytes), ("kv_capacity_bytes", self.kv_capacity_bytes)):
-            if not isinstance(value, Integral):  # bool was refused above
-                raise LBInputError(f"DecodeInstance {self.id!r}.{name} must be an integer number of bytes, got "
-                                   f"{value!r}; round a byte count up (lb.decode.request_kv_bytes)")
+        _integers(f"DecodeInstance {self.id!r}", 0, kv_used_bytes=self.kv_used_bytes,  # whole bytes: see above
+                  kv_capacity_bytes=self.kv_capacity_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,7 +437,9 @@ class VEInstance:
     """Snapshot of one vision-encoder engine.
 
     ``queue_images`` images are waiting to be encoded; ``cached_images`` are
-    image hashes whose encoder output this instance still caches.
+    image hashes whose encoder output this instance still caches: a frozenset
+    (a set, tuple or list is copied into one) of hashes as :class:`VERequest`
+    takes them; a ``str`` container is refused (``in`` would test substrings).
     """
 
     id: Hashable
@@ -443,7 +448,18 @@ class VEInstance:
     healthy: bool = True
 
     def __post_init__(self) -> None:
-        _nonneg(f"VEInstance {self.id!r}", queue_images=self.queue_images)
+        owner = f"VEInstance {self.id!r}"
+        _nonneg(owner, queue_images=self.queue_images)
+        cached = self.cached_images
+        if not isinstance(cached, (frozenset, set, tuple, list)):
+            raise LBInputError(f"{owner}.cached_images must be a frozenset of image hashes, got "
+                               f"{type(cached).__name__} {cached!r}")
+        for h in cached:
+            if not _image_hash_ok(h):
+                raise LBInputError(f"{owner}.cached_images holds {h!r}; an image hash is a non-empty str or "
+                                   f"bytes, or an int (as in VERequest.image_hashes)")
+        if not isinstance(cached, frozenset):
+            object.__setattr__(self, "cached_images", frozenset(cached))
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,6 +470,11 @@ class RouteRequest:
     hit). ``block_hashes`` (optional) lets policies compare the prefix with
     ``PrefillInstance.inflight_blocks``. SLOs are in milliseconds; ``None``
     means no SLO (admission control then never rejects).
+
+    Checked: token and block counts are integers, ``num_blocks <=
+    ceil(prompt_tokens / block_tokens)``; ``block_hashes`` is a tuple (a list
+    is copied) of hashables, empty (unknown) or one per block. A cost-based
+    policy also needs ``block_tokens == TransferModel.block_tokens``.
     """
 
     prompt_tokens: int
@@ -468,6 +489,23 @@ class RouteRequest:
     def __post_init__(self) -> None:
         _nonneg("RouteRequest", prompt_tokens=self.prompt_tokens, num_blocks=self.num_blocks)
         _positive("RouteRequest", block_tokens=self.block_tokens)
+        _integers("RouteRequest", 0, prompt_tokens=self.prompt_tokens, num_blocks=self.num_blocks)
+        _integers("RouteRequest", 1, block_tokens=self.block_tokens)
+        most = -(-self.prompt_tokens // self.block_tokens)
+        if self.num_blocks > most:
+            raise LBInputError(f"RouteRequest.num_blocks is {self.num_blocks} but {self.prompt_tokens} prompt tokens "
+                               f"fill at most {most} blocks of {self.block_tokens}; pass the count of blocks, "
+                               f"not of tokens")
+        hashes = _sequence("RouteRequest", "block_hashes", self.block_hashes, "block hashes")
+        if hashes and len(hashes) != self.num_blocks:
+            raise LBInputError(f"RouteRequest.block_hashes lists {len(hashes)} hashes for {self.num_blocks} blocks; "
+                               f"give one per block (the prefix, in order) or none")
+        for i, h in enumerate(hashes):
+            try:
+                hash(h)
+            except TypeError as exc:
+                raise LBInputError(f"RouteRequest.block_hashes[{i}] is not hashable: {h!r}") from exc
+        object.__setattr__(self, "block_hashes", hashes)
         _optional_slo("RouteRequest", ttft_slo_ms=self.ttft_slo_ms, tbt_slo_ms=self.tbt_slo_ms)
         for iid, h in self.hits.items():
             if h.total > self.num_blocks:
@@ -519,16 +557,12 @@ class VERequest:
     image_hashes: tuple
 
     def __post_init__(self) -> None:
-        hashes = self.image_hashes
-        if not isinstance(hashes, (tuple, list)):
-            raise LBInputError(f"VERequest.image_hashes must be a tuple or list of image hashes, got "
-                               f"{type(hashes).__name__} {hashes!r}; wrap a single hash: (h,)")
+        hashes = _sequence("VERequest", "image_hashes", self.image_hashes, "image hashes")
         for i, h in enumerate(hashes):
-            ok = (isinstance(h, (str, bytes)) and len(h) > 0) or (isinstance(h, int) and not isinstance(h, bool))
-            if not ok:
+            if not _image_hash_ok(h):
                 raise LBInputError(f"VERequest.image_hashes[{i}] must be a non-empty str or bytes, or an int; "
                                    f"got {h!r}")
-        object.__setattr__(self, "image_hashes", tuple(hashes))
+        object.__setattr__(self, "image_hashes", hashes)
 
 
 @dataclass(frozen=True, slots=True)

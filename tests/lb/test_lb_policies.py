@@ -59,7 +59,7 @@ def test_input_validation():
 def test_decode_kv_bytes_are_whole_bytes(used, cap):
     """The unit of decode KV is the whole byte (lb.decode.request_kv_bytes rounds up): a fractional
     figure would drift from what the policy checked, so a snapshot refuses a non-integer."""
-    with pytest.raises(LBInputError, match="integer number of bytes"):
+    with pytest.raises(LBInputError, match="kv_used_bytes must be an integer|kv_capacity_bytes must be an integer"):
         DecodeInstance(0, used, cap)
 
 
@@ -323,3 +323,47 @@ def test_sglang_thresholds_are_checked(knob, bad):
         get_policy("dynamo", MODELS, overlap_weight=str(bad))
     p = get_policy("sglang", MODELS, balance_abs_threshold=0, balance_rel_threshold=0.0)
     assert p.choose(req(), [inst(0, queue=[512]), inst(1)]).chosen == 1  # imbalanced: the shorter queue
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("abc", "frozenset of image hashes"), (b"ab", "frozenset of image hashes"), (None, "frozenset of image hashes"),
+    (frozenset({""}), "holds ''"), (frozenset({None}), "holds None"), ({True}, "holds True"), ((3.5,), "holds 3.5"),
+])
+def test_ve_instance_cached_images_are_validated(bad, match):
+    """cached_images was unchecked: a str cache made ``h in cached`` a substring test (the image 'a' a hit on an
+    instance caching 'abc'), and a hash of another kind could never match a request's."""
+    with pytest.raises(LBInputError, match=match):
+        VEInstance(0, cached_images=bad)
+    assert VEInstance(0, cached_images=["a", b"b", 3]).cached_images == frozenset({"a", b"b", 3})
+    assert isinstance(VEInstance(0, cached_images={"a"}).cached_images, frozenset)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"num_blocks": 1.5}, "num_blocks must be an integer"),
+    ({"num_blocks": 2**40}, "fill at most 8 blocks of 512"),
+    ({"prompt_tokens": 4096.5}, "prompt_tokens must be an integer"),
+    ({"block_tokens": 512.5}, "block_tokens must be an integer"),
+    ({"block_tokens": True}, "block_tokens must be a finite number"),
+    ({"block_hashes": "abcdefgh"}, "block_hashes must be a tuple or list"),
+    ({"block_hashes": range(8)}, "block_hashes must be a tuple or list"),
+    ({"block_hashes": (1, 2, 3)}, "lists 3 hashes for 8 blocks"),
+    ({"block_hashes": tuple(range(7)) + ([1],)}, r"block_hashes\[7\] is not hashable"),
+])
+def test_route_request_counts_and_block_hashes_are_validated(kw, match):
+    """num_blocks took any number (a count of tokens passed as blocks went through), block_tokens any
+    positive float, and block_hashes any object of any length: warm_hits walked it as the prefix."""
+    args = {"prompt_tokens": 4096, "num_blocks": 8, **kw}
+    with pytest.raises(LBInputError, match=match):
+        RouteRequest(**args)
+    assert RouteRequest(4096, 8, block_hashes=list(range(8))).block_hashes == tuple(range(8))
+    assert RouteRequest(4097, 9).num_blocks == 9  # a partial last block counts
+
+
+@pytest.mark.parametrize("name", ["kvstack", "mooncake"])
+def test_cost_based_policies_refuse_a_request_in_other_blocks_than_their_model(name):
+    """A request counted in 256-token blocks under a model that sizes a fetched block at 512 tokens: every
+    host/store hit was costed at twice its bytes. Refused, as lb.sim refuses the same mismatch."""
+    r = RouteRequest(4096, 16, {0: PrefixHits(0, 8)}, block_tokens=256)
+    with pytest.raises(LBInputError, match="block_tokens 256 differs from the cost model's transfer.block_tokens 512"):
+        get_policy(name, MODELS).choose(r, [inst(0), inst(1)])
+    assert get_policy(name, MODELS).choose(req(), [inst(0), inst(1)]).chosen is not None
