@@ -8,7 +8,7 @@ Role
     description says they read:
 
     ============== ===========================================================
-    round_robin    next healthy instance in id order, ignoring everything else
+    round_robin    next healthy instance in snapshot order, ignoring everything else
     least_loaded   fewest pending prefill tokens (queued + rest of running)
     sglang         SGLang router: if loads are imbalanced ((max - min) > 64
                    and max > 1.5 x min, load = queued requests) -> shortest
@@ -61,7 +61,11 @@ def _knob(owner: str, name: str, value, hi: float = math.inf) -> float:
 
 
 class RoundRobin:
-    """Cycle over healthy instances in snapshot order (the only state is a counter)."""
+    """Cycle over healthy instances in snapshot order (the only state is a counter).
+
+    Snapshot order, not id order: ids are any hashable (not always sortable), and every other
+    policy breaks ties in snapshot order too; a caller that wants id order passes the snapshot
+    sorted (``lb.sim`` lists instances by id)."""
 
     name = "round_robin"
 

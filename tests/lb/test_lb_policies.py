@@ -367,3 +367,10 @@ def test_cost_based_policies_refuse_a_request_in_other_blocks_than_their_model(n
     with pytest.raises(LBInputError, match="block_tokens 256 differs from the cost model's transfer.block_tokens 512"):
         get_policy(name, MODELS).choose(r, [inst(0), inst(1)])
     assert get_policy(name, MODELS).choose(req(), [inst(0), inst(1)]).chosen is not None
+
+
+def test_round_robin_cycles_in_snapshot_order_not_id_order():
+    """As its docstring says (the module table said "id order"): healthy ids 2, 0, 3 are picked in that order."""
+    p = get_policy("round_robin", MODELS)
+    snap = [inst(2), inst(0), inst(1, healthy=False), inst(3)]
+    assert [p.choose(req(), snap).chosen for _ in range(4)] == [2, 0, 3, 2]
