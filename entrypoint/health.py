@@ -23,11 +23,17 @@ Some outcomes take no worker down, yet a worker that has only those is worth lea
                    answers sets it back on the same ``Instance``, strikes kept. Before, such a hung
                    engine was back up within a heartbeat, never avoided, and every new request
                    paid a full ``worker_timeout_s`` there first (QA).
+  ``STALLED``      a decode stream that sent tokens in that attempt, then no event for
+                   ``worker_timeout_s``: its stall watch cancelled it, the worker is marked down and
+                   the stream resumes elsewhere after the tokens sent. Its tokens do not clear the
+                   strikes (a stream's progress is counted when it ends, and this one ended stalled).
+                   Before, such a stall counted nothing, so an engine that hangs a few tokens into
+                   every request was back at the next heartbeat and took (and stalled) every new one.
 
 One such call says little (a healthy but slow worker, one client in a hurry), many in a row do.
 
 Each is a strike on that registration (``Instance.strikes``); a call with ``PROGRESS`` (a unary
-reply, a decode stream that sent a token) sets the count back to 0. At ``avoid_after``
+reply, a decode stream that sent a token and did not end stalled) sets the count back to 0. At ``avoid_after``
 strikes in a row the worker is avoided for ``avoid_for_s``: a pick leaves it out while any
 other worker of the role is up, not avoided, and admitted by the LB. When that time is over it is picked as any other;
 its count is still ``avoid_after`` or more, so one more strike avoids it again at once (a broken
@@ -42,8 +48,9 @@ Invariants:
      with room (QA). So a single poison request (it fails wherever it goes) costs each worker it
      tried one strike, and nothing more.
   2. The other outcomes (a ``RETRYABLE`` status, which marks the worker down instead, but for a
-     missed ``worker_timeout_s`` without progress, above; a status that is the request's fault; the
-     client going away) neither count nor reset: they say nothing of whether the worker serves.
+     missed ``worker_timeout_s`` without progress and a decode stream stalled after tokens, above;
+     a status that is the request's fault; the client going away) neither count nor reset: they
+     say nothing of whether the worker serves.
   3. A worker registered again is a new ``Instance``: its count starts at 0. Marked down and back
      up by the heartbeat, it is the same ``Instance``: its count and avoidance stay.
 
@@ -72,6 +79,8 @@ class Outcome(enum.Enum):
     FAILED_HERE = "failed here"  # INTERNAL/UNKNOWN: a strike
     # neither a reply nor a token in the client's time, or in worker_timeout_s: a strike
     NO_PROGRESS = "no progress by the client's deadline or worker_timeout_s"
+    # a decode stream that sent tokens, then nothing for worker_timeout_s: a strike
+    STALLED = "a decode stream stalled for worker_timeout_s after tokens"
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,9 +88,10 @@ it on every attempt.
 
 Avoided workers (``entrypoint.health``): a call that ends INTERNAL or UNKNOWN,
 or that runs out of the client's deadline or misses ``worker_timeout_s`` with no
-progress from its worker (no reply; no decode token in that attempt), is a strike on its worker, and one
-with progress (a reply, a decode token) clears its strikes. After ``avoid_after`` (3) strikes in a row the worker is
-avoided for ``avoid_for_s`` (30 s): every pick of its role leaves it out while
+progress from its worker (no reply; no decode token in that attempt), is a strike on its worker, and so
+is a decode stream that stalls for ``worker_timeout_s`` after tokens; one with progress (a reply, a
+decode stream that sent a token and did not stall) clears its strikes. After ``avoid_after`` (3)
+strikes in a row the worker is avoided for ``avoid_for_s`` (30 s): every pick of its role leaves it out while
 another worker of the role is up, not avoided, and admitted by the LB (when the
 LB admits none of those, KV full or an SLO missed, it chooses again among all
 the workers up: an avoided worker with room is never a refusal), so new requests no longer pay
@@ -452,8 +453,9 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                                                 else Outcome.NO_PROGRESS)
                         return
                     if watch is not None and watch.stalled:  # the worker's: down, and the stream resumes
-                        if len(generated) == before:  # a strike too: the heartbeat brings a hung engine back
-                            self.strikes.record(inst, Outcome.NO_PROGRESS)
+                        # a strike too, tokens sent or not: the heartbeat brings a hung engine back
+                        self.strikes.record(inst, Outcome.NO_PROGRESS if len(generated) == before
+                                            else Outcome.STALLED)
                         exc = StalledStream(inst, self.cfg.worker_timeout_s)
                     elif (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None
                           and self._out_of_clients_time(context)):  # else the worker's own: fail over

@@ -322,3 +322,37 @@ def test_a_hung_engine_that_misses_worker_timeout_is_avoided_though_the_heartbea
     finally:
         for close in opened:
             close(None)
+
+
+def test_a_decode_engine_that_stalls_a_few_tokens_in_is_avoided_though_the_heartbeat_brings_it_back(stack):
+    """The decode worker registered first sends 2 tokens of every stream, then nothing (its Status
+    answers); worker_timeout_s 0.5 s, avoid_after 1. The first request's stream stalls there: it is
+    cancelled, the worker marked down, and the stream resumes on the other worker after the tokens
+    sent; a heartbeat (``poll_once``) brings the staller back. Before: a stall after tokens counted no
+    strike, so the second request went to it again (and stalled there too); now it is avoided."""
+    from tests.entrypoint.test_deadlines import StallingDecode
+
+    svc, ch, fakes, _ = stack(worker_timeout_s=0.5, max_attempts=3, avoid_after=1)
+    opened: list = []
+    try:
+        stuck = StallingDecode("stuck-d", "decode", 0.0, stall_at=3)  # sends indices 1 and 2, then stalls
+        svc.registry.add(stuck.worker_id, "decode", _serve_fake(stuck, opened))
+        for r in ("prefill", "decode"):
+            svc.registry.add(fakes[r][0].worker_id, r, fakes[r][1])
+        stub = pbg.EntrypointStub(ch)
+        inst = svc.registry.instances("decode")[0]
+        starts = []
+        for i in range(2):
+            svc.registry.poll_once()  # a heartbeat: the staller answers Status, so it is up again
+            assert inst.healthy
+            req = pb.GenerateRequest(token_ids=[100 + i] * 40, sampling=pb.Sampling(max_new_tokens=8))
+            events = list(stub.Generate(req, timeout=60))
+            assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN] + list(range(1, 8))
+            starts.append([json.loads(e.detail)["worker"] for e in events
+                           if e.kind == "hop" and json.loads(e.detail)["hop"] == "decode_start"])
+        assert starts == [[stuck.worker_id, "fake-decode"], ["fake-decode"]]
+        assert sum(1 for m, _ in stuck.calls if m == "Decode") == 1
+        assert inst is svc.registry.instances("decode")[0] and inst.strikes == 1 and svc.strikes.avoided(inst)
+    finally:
+        for close in opened:
+            close(None)
