@@ -36,12 +36,19 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 # A worker still serving failed this call (an engine step, or its handler): retry within max_attempts,
 # the worker stays up (``entrypoint.server``'s module docstring, "INTERNAL and UNKNOWN").
 FAILED_HERE = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
-# A client with at most this much time left when its worker call was cancelled was cancelled by grpc at its
-# deadline (it cancels the client's call, and so, by its callback, the worker call), not by a client that left.
-DEADLINE_SLACK_S = 0.01
-# A worker call that fails DEADLINE_EXCEEDED while its client has more than this left did not run out of the
-# client's time (its timeout was that time: it ends at or after the client's deadline), whatever its clock: the
-# status is the worker's own (an internal deadline), a worker failure, not the client's deadline (QA).
+# How far this server's reckoning of a client's deadline may lag the client's own: the server's deadline is set
+# from grpc-timeout when the call's headers arrive, so it falls after the client's by the time they took to get
+# here (the send, scheduling on a loaded host, grpc-timeout rounded up). Two readings use it:
+#   - a worker call that fails DEADLINE_EXCEEDED while its client has more than this left did not run out of the
+#     client's time (its timeout was that time: it ends at or after the client's deadline), whatever its clock: the
+#     status is the worker's own (an internal deadline), a worker failure, not the client's deadline (QA);
+#   - a client call cancelled with at most this left was cancelled at its deadline (grpc cancels the client's call,
+#     and so, by its callback, the worker call), not by a client that left. The client's own grpc cancels it when
+#     ITS deadline passes, and that cancel reaches this server before the server's deadline timer fires, the lag
+#     above still left. grpc tells the handler nothing else (a cancel is a cancel), so the lag decides. Before, 10 ms:
+#     on a loaded host the lag was more, the cancel read as the client leaving, and the strike for a worker that
+#     made no progress in the client's whole time was missed (QA). A client that does leave within this of its
+#     deadline is taken for its deadline: one strike at most, and only for a worker that made no progress.
 CLIENTS_DEADLINE_SLACK_S = 0.25
 # A client's remaining time above this is no deadline: grpc's server context reads ~9.2e18 s then, which a
 # worker call cannot take as its timeout (grpc fails such a call DEADLINE_EXCEEDED at once).
@@ -183,9 +190,11 @@ class Dispatch:
 
     @staticmethod
     def _deadline_passed(context) -> bool:
-        """Whether the client's deadline has passed (a worker call cancelled now was cancelled by it)."""
+        """Whether the client's call, just cancelled, was cancelled at its deadline rather than by a client that
+        left: at most ``CLIENTS_DEADLINE_SLACK_S`` of it is left (the client's own cancel at its deadline arrives
+        with that lag still left here). A client without a deadline reads ~9.2e18 s left: never."""
         rem = context.time_remaining()
-        return rem is not None and rem <= DEADLINE_SLACK_S
+        return rem is not None and rem <= CLIENTS_DEADLINE_SLACK_S
 
     def _call(self, role: str, pick: Callable[[list[list[Instance]]], Instance], context,
               fn: Callable[[Instance], Any]) -> tuple[Instance, Any]:

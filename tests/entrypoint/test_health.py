@@ -15,6 +15,7 @@ from entrypoint.health import Outcome, StrikePolicy, Strikes
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import Instance
+from entrypoint.server import Abort
 from tests.entrypoint.test_service import FIRST_TOKEN, FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
 
 
@@ -353,6 +354,79 @@ def test_a_decode_engine_that_stalls_a_few_tokens_in_is_avoided_though_the_heart
         assert starts == [[stuck.worker_id, "fake-decode"], ["fake-decode"]]
         assert sum(1 for m, _ in stuck.calls if m == "Decode") == 1
         assert inst is svc.registry.instances("decode")[0] and inst.strikes == 1 and svc.strikes.avoided(inst)
+    finally:
+        for close in opened:
+            close(None)
+
+
+class EndingContext:
+    """The servicer context of a client whose call grpc ends at ``end(left_s)``, as it ends one that the
+    client cancelled or whose deadline passed: from then it reads inactive with ``left_s`` of the deadline
+    left by this server's reckoning (given, not read from a clock), and its callbacks (the worker call's
+    cancel) run."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.left_s, self.active, self.callbacks = 100.0, True, []
+
+    def time_remaining(self) -> float:
+        return self.left_s
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def add_callback(self, callback) -> bool:
+        with self._lock:
+            if not self.active:
+                return False
+            self.callbacks.append(callback)
+            return True
+
+    def invocation_metadata(self):
+        return ()
+
+    def end(self, left_s: float) -> None:
+        with self._lock:
+            self.left_s, self.active = left_s, False
+        for callback in self.callbacks:
+            callback()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("left_s, strikes", [(0.05, 1), (5.0, 0)])
+def test_a_cancel_at_the_clients_deadline_is_a_strike_though_some_of_it_is_left_here(stack, role, left_s, strikes):
+    """The ``role`` worker hangs; the client's call is cancelled while its worker call is in flight, with
+    ``left_s`` of its deadline left by this server's reckoning. 50 ms left: the client's own grpc cancelled
+    it at ITS deadline, which this server's (set when the headers arrived) lags; a strike, as for a call
+    that ran out of the client's time without progress. Before: more than 10 ms left read as the client
+    leaving, and the strike was missed. 5 s left: a client that left, no strike. Worker up either way."""
+    svc, _, fakes, _ = stack()
+    opened: list = []
+    try:
+        hung = Hung(f"hung-{role}", role)
+        svc.registry.add(hung.worker_id, role, _serve_fake(hung, opened))
+        other = "decode" if role == "prefill" else "prefill"
+        svc.registry.add(fakes[other][0].worker_id, other, fakes[other][1])
+        ctx, ended = EndingContext(), []
+        req = pb.GenerateRequest(token_ids=[1] * 40, sampling=pb.Sampling(max_new_tokens=3))
+
+        def run() -> None:
+            try:
+                list(svc._generate(req, ctx))
+                ended.append("returned")
+            except Abort as exc:
+                ended.append(exc.code)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not any(m == role.capitalize() for m, _ in hung.calls) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ctx.end(left_s)
+        t.join(timeout=30)
+        assert ended == ([grpc.StatusCode.CANCELLED] if role == "prefill" else ["returned"])
+        inst = svc.registry.instances(role)[0]
+        assert (inst.strikes, inst.healthy) == (strikes, True)
     finally:
         for close in opened:
             close(None)
