@@ -34,6 +34,14 @@ The runner then holds no reference to it (its maps and queues do not leak it, an
 gets no more tokens and no final event). A request that already ended (``done`` or an
 error) is not touched. Each one cancelled is
 logged (info) and counted (``EngineRunner.cancelled``).
+
+Stopping (``EngineRunner.stop``, at the worker's shutdown): the runner thread ends after its
+current step, then every request it still holds (in the engine, waiting for or set aside after
+a retry alone, in the inbox) ends with UNAVAILABLE "this worker is down: it is shutting down",
+and so does each one submitted later, at once; ``Status`` answers UNAVAILABLE too. The RPC waiting on each
+so ends with a status the entrypoint fails over on (the worker is marked down; a decode stream
+resumes elsewhere after the tokens it sent). Before, they got no final event: their RPCs waited
+until grpc cut them at the end of the server's grace, and the entrypoint saw a bare CANCELLED.
 """
 
 from __future__ import annotations
@@ -308,10 +316,32 @@ class EngineRunner:
                 "kv_capacity_bytes": eng.pool.num_blocks * block_bytes,
                 "batch_tokens": sum(r.num_computed for r in eng.running)}
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "it is shutting down") -> None:
+        """Stop the runner thread (after its current step) and end every request it holds, and each
+        submitted from now on, with UNAVAILABLE ``reason`` (module docstring, "Stopping"). Call it
+        once the server takes no new calls; calling it again does nothing more.
+
+        A thread still in an engine step after 5 s (one that never returns) is left to it, logged;
+        its requests are ended all the same, from here: the process is going away, and a final
+        event then matters more than the runner's one-thread rule (should that step return, the
+        thread publishes what it made, which no one reads after the error, and stops)."""
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            log.error("the engine runner did not stop within 5 s (an engine step that does not return); "
+                      "ending its requests anyway")
+        if self.broken is None:  # after the join: the thread would read it as a broken engine (_go_down)
+            self.broken = reason
+        held = [*self._live.values(), *self._retry, *self._passed]
+        self._live.clear()
+        self._retry.clear()
+        self._passed.clear()
+        self._alone = None
+        for h in held:
+            if not h.ended:
+                h.end(("error", grpc.StatusCode.UNAVAILABLE, f"this worker is down: {self.broken}"))
+        self._fail_inbox()  # after broken is set: a submit from now on fails itself (submit)
 
 
 def request_stats(h: Handle, connector: Any, block_nbytes: int, started: float) -> dict[str, Any]:

@@ -28,7 +28,10 @@ Failures: a request the engine refuses fails alone with INVALID_ARGUMENT; the re
 engine step that raised are retried alone before any fails (``entrypoint.engine_runner``).
 A ``Prefill`` or ``Decode`` whose caller goes away (the entrypoint cancels it when its client
 left, or its deadline passed) cancels its request in the runner: it leaves the engine at once,
-its blocks and batch slot freed, instead of being decoded to ``max_new_tokens``.
+its blocks and batch slot freed, instead of being decoded to ``max_new_tokens``. At shutdown
+(SIGTERM/SIGINT) new calls are refused and each request in flight ends UNAVAILABLE "this worker
+is down: it is shutting down" at once (``entrypoint.engine_runner``, "Stopping"): the entrypoint
+marks the worker down and fails the hop over (a decode stream resumes after the tokens sent).
 
 Request bytes that do not parse as the method's message are INVALID_ARGUMENT
 before any handler runs (``entrypoint.rpc``).
@@ -355,7 +358,14 @@ def serve(cfg: WorkerConfig, *, ready_out=sys.stdout) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    server.stop(grace=5).wait()
+    # Shutdown, in this order: grpc refuses new calls from now (the calls in flight have 5 s); the runner
+    # then ends each request it holds UNAVAILABLE, so their calls end at once with a status the entrypoint
+    # fails over on (engine_runner, "Stopping"), not cut CANCELLED at the end of the grace; the store is
+    # closed last, once no handler can flush to it.
+    stopped = server.stop(grace=5)
+    if svc.runner is not None:
+        svc.runner.stop()
+    stopped.wait()
     _close(closables)
     return 0
 
