@@ -267,6 +267,7 @@ class DataDir:
             # each other agree there (a loser adopts the winner's code, or is refused if it asked for
             # another), and the code is known even where the marker is lost.
             identity, code = self.index.settle(os.urandom(16), lambda txn: self._proposed_code(config, None if fresh else marker, txn))
+            self.index_id = identity  # this store's identity (a recreated directory has another: direct writers see it)
             # Settled here unless settled above with this very code (a config that already names the
             # directory's code, e.g. another store's resolved config, is settled here too).
             if not fresh or code != {n: getattr(self.config, n, None) for n in ("ec_type", "ec_k", "ec_m")}:

@@ -16,7 +16,8 @@ Write steps (``DirectWrites.put_many``), in order, each for its reason:
   1. Once per client, on the first put: ``Describe`` -> the target table, the erasure
      code and the daemon store's encoding knobs (compression, pack size, fsync), and the
      caller's tenant secret, so fragment headers name the key the daemon stores the entry
-     under (``kvstore.keys.tenant_key``; empty for the anonymous tenant: keys as sent).
+     under (``kvstore.keys.tenant_key``; empty for the anonymous tenant: keys as sent), and
+     ``writer_view``, a digest of all that, which every ``Commit`` carries back.
   2. Validate every item as the embedded store does (same errors, nothing written for a
      bad batch), drop repeats of a key within the batch, then encode and write it with
      the embedded store's own batch code (``PackIO._put_packs``): chunks of about
@@ -38,6 +39,12 @@ committed here and the rest refused there):
     half the orphan grace, a generation another writer took): every pack of the batch is
     removed and the whole batch goes through ``PutStream``, where the daemon replaces a
     failed target by a spare.
+  * ``Commit`` refused as stale (``StaleDescribe``: the daemon restarted since ``Describe`` on
+    another data directory, tenant secret or erasure code, or the token now names another
+    tenant, so fragment headers would name keys the daemon does not index under and the
+    acknowledged entries would read as lost): nothing was indexed; the packs are removed,
+    the writer is replaced after a fresh ``Describe`` and the batch written again, once; stale
+    again, the batch goes through ``PutStream``. Never an acknowledged put that reads back lost.
   * ``Commit`` refused with PERMISSION_DENIED (the daemon stopped allowing direct writes):
     they turn off for this client, the packs are removed, the batch goes through ``PutStream``.
   * ``Commit`` refused before indexing anything (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
@@ -81,7 +88,7 @@ from kvstore.fragments import FragmentIO
 from kvstore.keys import check_key, tenant_key
 from kvstore.packs import PackIO
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.server.wire import PermissionDenied, RequestTooLarge, ServerBusy, Unauthenticated
+from kvstore.server.wire import PermissionDenied, RequestTooLarge, ServerBusy, StaleDescribe, Unauthenticated
 from kvstore.targets import Target, open_target
 from kvstore.tuning import tune_malloc
 
@@ -127,6 +134,7 @@ class DirectWriter(FragmentIO, PackIO):
         self._batch_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-dwrite")
         # ---- end of the host interface.
         self.secret = bytes(d.key_secret)
+        self.view = bytes(d.writer_view)  # sent with every Commit: the daemon refuses it once out of date
         self._lock = threading.Lock()
         self.counters: dict[str, int] = {"direct_writes": 0, "direct_write_bytes": 0, "fallbacks": 0,
                                          "commits": 0, "rejected_packs": 0, "discarded_packs": 0}
@@ -195,13 +203,36 @@ class DirectWrites(DirectPath):
             log.info("direct writes on for %s (%d targets)", self.url, len(self._current.targets))
             return self._current
 
+    def _retire(self, w: DirectWriter, why: str) -> None:
+        """Replace ``w`` (out of date) on the next ``writer()``: a fresh Describe, a new writer.
+        Other threads may still be using ``w``: it closes last, with this object."""
+        with self._lock:
+            if self._current is w:
+                self._retired.append(w)
+                self._current = None
+                self.reason = f"describing again ({why})"
+
     def put_many(self, items: Sequence[PutItem], fallback: PutFallback) -> list[bool] | None:
-        """Steps 2-4 (module docstring); ``None``: put these over gRPC instead."""
+        """Steps 2-4 (module docstring); ``None``: put these over gRPC instead. A Commit refused
+        as stale (``StaleDescribe``) wrote nothing that stays: described again and rewritten
+        once, then through ``fallback``."""
         if len(items) > self.max_items:
             return None  # the daemon refuses such a batch; its error comes from the gRPC path
-        w = self.writer()
-        if w is None:
-            return None
+        for attempt in (1, 2):
+            w = self.writer()
+            if w is None:
+                return None
+            try:
+                return self._put_with(w, items, fallback)
+            except StaleDescribe as exc:
+                self._retire(w, str(exc))
+                log.info("direct write to %s refused as stale (%s)%s", self.url, exc,
+                         "; describing again" if attempt == 1 else "; putting the batch through the daemon")
+        w._count("fallbacks", len(items))
+        return fallback(items)
+
+    def _put_with(self, w: DirectWriter, items: Sequence[PutItem], fallback: PutFallback) -> list[bool] | None:
+        """One attempt of ``put_many`` with writer ``w``; ``StaleDescribe`` raised with its packs removed."""
         result = [False] * len(items)
         todo: list[int] = []
         seen: set[bytes] = set()
@@ -224,7 +255,7 @@ class DirectWrites(DirectPath):
             return fallback(items)
         written = todo
         try:
-            created, rejected = self._commit(items, written, encs, placed, offsets) if written else ([], {})
+            created, rejected = self._commit(w, items, written, encs, placed, offsets) if written else ([], {})
         except PermissionDenied as exc:
             self._discard(w, encs, placed, offsets, len(items))
             self._turn_off(f"Commit refused: {exc}", warn=True)
@@ -234,7 +265,7 @@ class DirectWrites(DirectPath):
             log.info("direct write refused by %s (%s); putting the batch through the daemon", self.url, exc)
             w._count("fallbacks", len(todo))
             return fallback(items)
-        except REFUSED:
+        except (StaleDescribe, *REFUSED):  # nothing indexed: the packs go; put_many describes again on a stale one
             self._discard(w, encs, placed, offsets, len(items))
             raise
         for i, c in zip(written, created):
@@ -254,7 +285,7 @@ class DirectWrites(DirectPath):
                 result[i] = c
         return result
 
-    def _commit(self, items: Sequence[PutItem], written: list[int], encs: dict, placed: dict,
+    def _commit(self, w: DirectWriter, items: Sequence[PutItem], written: list[int], encs: dict, placed: dict,
                 offsets: dict) -> tuple[list[bool], dict[bytes, str]]:
         """One Commit for the written entries: (created per entry, rejected pack -> why)."""
         entries = []
@@ -266,7 +297,7 @@ class DirectWrites(DirectPath):
             if it.ttl_s is not None:
                 e.ttl_s = it.ttl_s
             entries.append(e)
-        reply = self._call("Commit", pb.CommitRequest(entries=entries))
+        reply = self._call("Commit", pb.CommitRequest(entries=entries, view=w.view))
         created = list(reply.created)
         if len(created) != len(entries) or len(reply.rejected_packs) != len(reply.reasons):
             raise InternalError(f"Commit answered {len(created)} results for {len(entries)} entries (a kvstore bug)")

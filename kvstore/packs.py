@@ -168,7 +168,7 @@ class PackIO:
                 self._discard_pack(gen, sorted({n for i in members for n in placed[i]}))
 
     @in_flight
-    def commit_written(self, entries: Sequence[WrittenEntry]) -> CommitResult:
+    def commit_written(self, entries: Sequence[WrittenEntry], *, shown: Sequence[bytes] = ()) -> CommitResult:
         """Index entries a client wrote into pack files itself (the daemon's ``Commit``;
         ``kvstore.direct_writes``): steps 5-6 of a put, after checking what the index will
         rely on. Per entry, ``created`` is ``False`` where a live entry of the key already
@@ -187,7 +187,8 @@ class PackIO:
         -> why) and nothing indexed: a commit is all or nothing, as ``put_many``, and the
         writer puts the whole batch another way. The bytes themselves are not read: every
         read checks each fragment's checksum and header (key, generation, index) against the
-        record, so a wrong byte is never returned.
+        record, so a wrong byte is never returned. ``shown``: the keys as the caller sent them,
+        one per entry, which the messages name (default: the stored keys).
         """
         self._check_open()
         if not entries:
@@ -197,8 +198,8 @@ class PackIO:
         n = cfg.ec_k + cfg.ec_m
         need: dict[tuple[bytes, str], int] = {}
         records = []
-        for e in entries:
-            what = f"written entry {e.ek[1:].hex()}"
+        for j, e in enumerate(entries):
+            what = f"written entry {(shown[j] if j < len(shown) else e.ek[1:]).hex()}"
             if (e.k, e.m) != (cfg.ec_k, cfg.ec_m):
                 raise InvalidRequest(f"{what}: erasure code {e.k}+{e.m}; this store uses {cfg.ec_k}+{cfg.ec_m}")
             if len(e.targets) != n or len(set(e.targets)) != n or any(t not in self.targets for t in e.targets):

@@ -20,10 +20,21 @@ Direct writes (``kvstore.direct_writes``; ``allow_direct_writes``, off by defaul
 ``Commit`` is the index half of a put whose pack files the client wrote: keys validated
 and translated as Put does, the records checked and indexed by
 ``PackIO.commit_written``, charged to the tenant's quota. Off: PERMISSION_DENIED.
+
+A writer encodes fragment headers under the stored keys its ``Describe`` gave it, while
+``Commit`` indexes the entries under the keys of the tenant calling now. The two differ when
+the daemon restarted in between on another data directory (a new server secret) or tokens
+file (the token now names another tenant): indexed anyway, every such entry would read as
+lost though its put was acknowledged (QA). So ``Describe`` hands out ``writer_view``, a digest
+of what a writer keys and encodes by (``_writer_view``), every ``Commit`` carries it back, and
+the daemon refuses, before anything is checked or indexed, a Commit whose view is not the
+current one (``StaleDescribe``: the writer describes again) or that has none (a client that
+predates it: PERMISSION_DENIED, on which such a client puts through PutStream).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -33,7 +44,7 @@ from kvstore.index import ekey
 from kvstore.packs import WrittenEntry
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.auth import Tenant
-from kvstore.server.wire import PermissionDenied, RequestTooLarge, kind_or_default
+from kvstore.server.wire import PermissionDenied, RequestTooLarge, StaleDescribe, kind_or_default
 
 PUT_FIELDS_BYTES = 256  # a PutRequest's bytes besides its value: key, kind, ttl, tokens, a layout
 
@@ -66,6 +77,7 @@ class DirectRPC:
                 cfg.compression, cfg.zstd_level, cfg.min_compress_ratio)
             out.pack_bytes, out.fsync, out.orphan_grace_s, out.parallel_writes = (
                 cfg.pack_bytes, cfg.fsync, cfg.orphan_grace_s, cfg.parallel_writes)
+            out.writer_view = self._writer_view(tenant)
         if not tenant.admin:
             # The data directory and its marker serve only mode "auto", which never turns on with
             # tokens (kvstore.direct): a tenant's clients need the target table alone. Not a secret
@@ -78,6 +90,16 @@ class DirectRPC:
         except OSError as exc:  # the probe then fails on the client: "auto" stays off
             log.warning("describe: cannot read the data-dir marker: %s", exc)
         return out
+
+    def _writer_view(self, tenant: Tenant) -> bytes:
+        """``DescribeReply.writer_view`` for ``tenant``: a digest of everything a direct writer keys
+        and encodes by (the tenant secret, the store's identity, erasure code, targets, encoding
+        knobs). Computed per call, so a tokens file reloaded under a running daemon counts too."""
+        st, cfg = self.store, self.store.config
+        parts = (tenant.secret, st.index_id, cfg.ec_type, cfg.ec_k, cfg.ec_m, cfg.compression, cfg.zstd_level,
+                 cfg.min_compress_ratio, cfg.pack_bytes, cfg.fsync, cfg.max_value_bytes,
+                 tuple((s.name, s.url, s.domain) for s in st.target_specs))
+        return hashlib.blake2b(repr(parts).encode(), digest_size=16, person=b"kvstack-wview").digest()
 
     def _locate(self, r: pb.LocateRequest, tenant: Tenant) -> pb.LocateReply:
         """The index half of a get (module docstring): validate every key, then read the
@@ -109,6 +131,16 @@ class DirectRPC:
             raise PermissionDenied("this daemon does not accept direct writes (allow_direct_writes = false); "
                                    "put through Put/PutStream")
         self._batch(len(r.entries), "commit")
+        # Before anything else: the fragment headers name the stored keys of the writer's view, and
+        # only entries whose view is the current one read back (module docstring).
+        if not r.view:
+            raise PermissionDenied("a Commit without writer_view (a client older than this daemon) cannot be "
+                                   "checked against this daemon's keys; put through Put/PutStream, or upgrade "
+                                   "the client")
+        if r.view != self._writer_view(tenant):
+            raise StaleDescribe("this writer's Describe is out of date (the daemon restarted on another data "
+                                "directory, tenant secret or erasure code, or the token names another tenant); "
+                                "call Describe again and rewrite the batch")
         entries = []
         # What a Put could carry, so a Get can send it back (a GetReply holds fewer of a PutRequest's
         # fields). Bigger: refused whole, and the client puts the batch through gRPC, whose own limits
@@ -125,7 +157,7 @@ class DirectRPC:
         res: list = []
 
         def commit() -> list[bool]:
-            res.append(self.store.commit_written(entries))
+            res.append(self.store.commit_written(entries, shown=[bytes(e.key) for e in r.entries]))
             return res[0].created
 
         # Charged at least the entry's own bytes: plain_len is the writer's word, entry_len is bound

@@ -126,10 +126,18 @@ class PermissionDenied(KVStoreError):
     code = "PERMISSION_DENIED"
 
 
+class StaleDescribe(KVStoreError):
+    """``Commit`` refused, nothing indexed: the writer's ``Describe`` (``writer_view``) is not what
+    the daemon would answer now (it restarted on another data directory, tenant secret or erasure
+    code, or the token now names another tenant). The writer describes again and rewrites."""
+
+    code = "STALE_DESCRIBE"
+
+
 # code -> class, the store's errors plus the wire's own.
 WIRE_ERRORS: dict[str, type[KVStoreError]] = {
     **ERRORS_BY_CODE,
-    **{c.code: c for c in (RequestTooLarge, ServerBusy, Unauthenticated, PermissionDenied)},
+    **{c.code: c for c in (RequestTooLarge, ServerBusy, Unauthenticated, PermissionDenied, StaleDescribe)},
 }
 
 STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
@@ -147,6 +155,7 @@ STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
     "BUSY": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "UNAUTHENTICATED": grpc.StatusCode.UNAUTHENTICATED,
     "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,
+    "STALE_DESCRIBE": grpc.StatusCode.ABORTED,
 }
 
 # gRPC status without kvstore metadata -> the class the client raises.

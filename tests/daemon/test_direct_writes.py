@@ -285,9 +285,10 @@ def test_commit_checks_everything_before_indexing_anything(make_daemon, tmp_path
     with pytest.raises(kvstore.Unrecoverable):
         st.get(K("new"))
     assert st.get(K(0)) == b"x" * 1000
-    with pytest.raises(InvalidRequest):  # over the wire too, before anything is indexed
-        s._call("Commit", pb.CommitRequest(entries=[pb.WrittenEntry(
-            key=K("w"), k=4, m=2, gen=b"12345678", targets=["t0"] * 6, offsets=[0] * 6, entry_len=1,
+    view = s._call("Describe", pb.DescribeRequest()).writer_view
+    with pytest.raises(InvalidRequest, match=f"written entry {K('w').hex()}: needs 6"):  # over the wire
+        s._call("Commit", pb.CommitRequest(view=view, entries=[pb.WrittenEntry(  # too, nothing indexed; the
+            key=K("w"), k=4, m=2, gen=b"12345678", targets=["t0"] * 6, offsets=[0] * 6, entry_len=1,  # key as sent
             frag_len=100)]))
     s.close()
 
