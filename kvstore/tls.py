@@ -103,8 +103,10 @@ def failure_kind(details: str) -> str:
     """What gRPC's ``details`` of an UNAVAILABLE call say about TLS: ``"handshake"`` (a failed
     handshake: an untrusted certificate, TLS to a plaintext server), ``"closed"`` (the server
     closed the connection at once: most often plaintext to a TLS server, or no client
-    certificate for a server requiring one) or ``""`` (nothing about TLS)."""
+    certificate for a server requiring one) or ``""`` (nothing about TLS). "Closed" is a
+    connect failure only: gRPC says "Stream removed (Socket closed)" for a call whose stream was
+    running when the server went away (a daemon killed mid-call), which says nothing about TLS."""
     low = details.lower()
     if any(m in low for m in _HANDSHAKE_MARKERS):
         return "handshake"
-    return "closed" if "socket closed" in low else ""
+    return "closed" if "socket closed" in low and "stream removed" not in low else ""

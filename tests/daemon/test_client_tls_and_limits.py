@@ -281,3 +281,30 @@ def test_the_refusal_carries_the_limit_and_is_retried_once(make_daemon) -> None:
     with pytest.raises(BatchTooLarge):  # a refusal naming no lower limit is raised at once
         list(s._each_piece(5, lambda p: (_ for _ in ()).throw(BatchTooLarge("refused", limit=8))))
     s.close()
+
+
+class _Unavailable(grpc.RpcError):
+    """A failed call as gRPC reports it without kvstore metadata (the daemon never answered)."""
+
+    def __init__(self, details: str):
+        self._details = details
+
+    def trailing_metadata(self):
+        return ()
+
+    def details(self) -> str:
+        return self._details
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_closed_connection_hint_is_for_connect_failures_only() -> None:
+    """A daemon killed under a running call ("Stream removed (Socket closed)") got the TLS hint of a
+    connection closed at once ("if it serves TLS use grpcs://") on a plaintext setup that had
+    worked until then (QA). The hint stays for a connection refused at connect (TLS on one side)."""
+    at_connect = ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:7070: "
+                  "Socket closed")
+    assert "closed the connection" in str(error_from_rpc(_Unavailable(at_connect), "Get"))
+    mid_call = str(error_from_rpc(_Unavailable("Stream removed (Socket closed)"), "PutStream"))
+    assert "unreachable" in mid_call and "grpcs://" not in mid_call and "closed the connection" not in mid_call
