@@ -16,7 +16,10 @@ Guarantees (same as the embedded store, see ``kvstore.api``):
     rejected here too, before anything is sent.
   * A daemon that is down, restarting or too slow (``timeout_s``) raises
     ``StoreUnavailable``; the channel reconnects by itself (gRPC's backoff, capped
-    at 1 s here), so the next call after a restart succeeds.
+    at 1 s here), so a call made more than about a second after the daemon is back
+    succeeds. One made sooner may still raise ``StoreUnavailable`` ("Connection
+    refused": the channel waits out its backoff and fails fast meanwhile, rather than
+    delay every call to a daemon that is really down); retry it after a short wait.
   * Oversized messages raise ``RequestTooLarge`` (an ``InvalidRequest``)
     naming the limit, never a silent failure: both ends use
     ``max_message_bytes``.
