@@ -10,9 +10,9 @@ message names what the user typed.
 
 Guarantees: a file that cannot be read, or holds no PEM block of the expected kind, is
 ``InvalidRequest`` naming the option and the path, before any port or channel is opened; a
-key that does not match its certificate is found by gRPC when the port is bound (the
-callers say so in their bind error; ``server_credentials`` checks it before, with
-``check_key_pair``), never silently served as plaintext.
+key that does not match its certificate is refused before any port is bound
+(``server_credentials``) or channel opened (``channel_credentials``), with
+``check_key_pair``, never silently served as plaintext.
 """
 
 from __future__ import annotations
@@ -89,14 +89,18 @@ def channel_credentials(ca_file: str = "", cert_file: str = "", key_file: str = 
                         names: tuple[str, str, str] = CLIENT_NAMES) -> grpc.ChannelCredentials:
     """gRPC channel credentials: the server's certificate must be signed by ``ca_file`` (none:
     the system roots); ``cert_file`` + ``key_file`` (both or neither) are a client certificate
-    for a server that requires one (mutual TLS)."""
+    for a server that requires one (mutual TLS). A key that is not the certificate's is
+    ``InvalidRequest`` here (``check_key_pair``), not gRPC's "Failed to create security
+    handshaker" at the first call."""
     if bool(cert_file) != bool(key_file):
         raise InvalidRequest(f"mutual TLS needs both {names[1]} and {names[2]} (the client certificate and its "
                              f"private key); got {names[1]}={cert_file!r}, {names[2]}={key_file!r}")
-    return grpc.ssl_channel_credentials(
-        root_certificates=read_pem(ca_file, names[0], "CERTIFICATE") if ca_file else None,
-        private_key=read_pem(key_file, names[2], "PRIVATE KEY") if key_file else None,
-        certificate_chain=read_pem(cert_file, names[1], "CERTIFICATE") if cert_file else None)
+    root = read_pem(ca_file, names[0], "CERTIFICATE") if ca_file else None
+    key = read_pem(key_file, names[2], "PRIVATE KEY") if key_file else None
+    chain = read_pem(cert_file, names[1], "CERTIFICATE") if cert_file else None
+    if cert_file:  # each file readable and PEM (said first), then whether they go together
+        check_key_pair(cert_file, key_file, (names[1], names[2]))
+    return grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=chain)
 
 
 def failure_kind(details: str) -> str:

@@ -10,8 +10,9 @@ and trailing metadata ``kvstore-error-code`` (the class's ``code``); for
 ``InvalidRequest``) also ``kvstore-max-batch-items``, the daemon's limit, from
 which ``kvstore.remote`` learns how to split; for a ``CapacityExceeded`` raised by a GC
 pass also ``kvstore-gc-result``, the pass's counts (JSON). ``error_from_rpc`` on the client
-rebuilds the same class with the same message. A status without the metadata
-(the daemon is down, gRPC refused an oversized message, a deadline passed) is
+rebuilds the same class with the same message (the wire's own refusals, ``Unauthenticated``,
+``ServerBusy`` and ``PermissionDenied``, with the call and daemon URL appended: which shard).
+A status without the metadata (the daemon is down, gRPC refused an oversized message, a deadline passed) is
 mapped by ``ERRORS_BY_STATUS``: UNAVAILABLE and DEADLINE_EXCEEDED become
 ``StoreUnavailable``, so "daemon down" is one retryable type for callers (a
 failed TLS handshake too: gRPC reports it as UNAVAILABLE; the message then
@@ -215,6 +216,8 @@ def error_from_rpc(err: grpc.RpcError, where: str = "", timeout_s: float | None 
         return BatchTooLarge(details, limit=_batch_limit(md.get(MD_BATCH_LIMIT)))
     if cls is CapacityExceeded:
         return CapacityExceeded(details, result=_gc_result(md.get(MD_GC_RESULT)))
+    if cls in (Unauthenticated, ServerBusy, PermissionDenied) and where:  # no store message to keep word for
+        return cls(f"{details} ({where})")  # word: say which daemon refused (one shard of a set)
     if cls is not None:
         return cls(details)
     status = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN

@@ -308,3 +308,27 @@ def test_the_closed_connection_hint_is_for_connect_failures_only() -> None:
     assert "closed the connection" in str(error_from_rpc(_Unavailable(at_connect), "Get"))
     mid_call = str(error_from_rpc(_Unavailable("Stream removed (Socket closed)"), "PutStream"))
     assert "unreachable" in mid_call and "grpcs://" not in mid_call and "closed the connection" not in mid_call
+
+
+def test_a_client_key_that_is_not_the_certificates_is_refused_at_connect(certs) -> None:
+    """Accepted at connect before, it failed every call with gRPC's "Failed to create security
+    handshaker." and no hint (QA)."""
+    url = "grpcs://127.0.0.1:7070"  # nothing is dialled: refused before the channel opens
+    with pytest.raises(InvalidRequest, match="key does not match the certificate.*key_file"):
+        kvstore.connect(url, ca_file=certs["ca"], cert_file=certs["client"], key_file=certs["server_key"])
+
+
+def test_an_error_the_daemon_sends_names_the_daemon(make_daemon, tmp_path) -> None:
+    """Unauthenticated, ServerBusy and PermissionDenied said nothing of which daemon sent them: in a
+    sharded set one cannot tell which shard refused (QA)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[tokens]\n"good-token-1" = "t"\n')
+    d = make_daemon(tokens_file=str(tokens))
+    with kvstore.connect(d.address, token="wrong-token-1") as s:
+        with pytest.raises(kvstore.errors.KVStoreError, match=f"on {d.address}") as ei:
+            s.get(K(1))
+        assert type(ei.value).__name__ == "Unauthenticated"
+    with kvstore.connect(d.address, token="good-token-1") as s:
+        with pytest.raises(kvstore.errors.KVStoreError, match=f"on {d.address}") as ei:
+            s.stats()  # admin only
+        assert type(ei.value).__name__ == "PermissionDenied"
