@@ -6,7 +6,9 @@ Modules, in the order a request meets them:
   often / what it guarantees) and the records that cross it.
 * ``store_connector``: ``KVStoreConnector``, the implementation over the tiers
   (device pool prefix cache -> ``tiers.HostCache`` -> any ``kvstore`` store),
-  with SWA bounded replay and snapshot policy.
+  with SWA bounded replay and snapshot policy; ``connector_config``: its
+  ``ConnectorConfig`` record (every knob, checked at construction) and the
+  save policies.
 * ``transfer``: device backends (cpu / cuda / npu, a registry) and pinned
   staging buffers; ``loader``: tiers -> staging -> device on the loader
   thread (straight into the pool on a host-resident backend); ``saver``: the
