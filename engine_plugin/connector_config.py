@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine_plugin.tiers import MAX_STORE_CALLS
 from kvstore.errors import InvalidRequest
 
 
@@ -36,6 +37,11 @@ SAVE_POLICIES: dict[str, SavePolicy] = {
     "write_through": SavePolicy(save_on_compute=True, store_on_host_evict=False),
     "write_back": SavePolicy(save_on_compute=False, store_on_host_evict=True),
 }
+
+
+# The fewest ``store_max_calls``: a lookup (engine thread), a load (loader thread) and a put
+# (saver thread) may run at once; with fewer threads a healthy store would be seen as busy.
+MIN_STORE_CALLS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +63,10 @@ class ConnectorConfig:
     store_timeout_s: float = 2.0  # reads (lookup, get_many): on the critical path of a request
     store_put_timeout_s: float = 30.0  # background puts
     store_backoff_s: float = 5.0
+    # Store calls running at once, abandoned (timed-out, maybe hung) ones included: each holds
+    # a thread; past it a call fails at once (``store_busy``) and trips the breaker. At least
+    # MIN_STORE_CALLS: the connector runs a lookup, a load and a put at once (``engine_plugin.tiers``).
+    store_max_calls: int = MAX_STORE_CALLS
     save_queue_depth: int = 32
     save_enqueue_timeout_s: float = 0.05
     staging_buffers: int = 256  # per size class
@@ -68,7 +78,8 @@ class ConnectorConfig:
         if self.save_policy not in SAVE_POLICIES:
             raise InvalidRequest(f"unknown save_policy {self.save_policy!r}; known: {sorted(SAVE_POLICIES)}")
         for name, low in (("block_size", 1), ("host_capacity_bytes", 0), ("snapshot_interval_blocks", 0),
-                          ("save_queue_depth", 1), ("staging_buffers", 1), ("load_batch_blocks", 1)):
+                          ("save_queue_depth", 1), ("staging_buffers", 1), ("load_batch_blocks", 1),
+                          ("store_max_calls", MIN_STORE_CALLS)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InvalidRequest(f"ConnectorConfig.{name} must be an int >= {low}, got {v!r}")

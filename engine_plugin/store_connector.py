@@ -137,7 +137,7 @@ class KVStoreConnector(KVConnectorBase):
         self.host = HostCache(config.host_capacity_bytes, on_evict=self._host_evicted)
         self.gateway = StoreGateway(store, self.metrics, timeout_s=config.store_timeout_s,
                                     put_timeout_s=config.store_put_timeout_s,
-                                    backoff_s=config.store_backoff_s)
+                                    backoff_s=config.store_backoff_s, max_calls=config.store_max_calls)
         self.buffers = BufferPool(self.backend, config.staging_buffers)
         self.load_stream, self.save_stream = self.backend.new_stream(), self.backend.new_stream()
         self.loader = Loader(self, self.load_stream)

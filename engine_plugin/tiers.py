@@ -64,8 +64,9 @@ future comes back cancelled.
 
 The rule for abandoned calls: a call never waits in a queue. An abandoned call keeps
 its thread until it returns, and the next call gets another thread, up to
-``max_calls`` (``MAX_STORE_CALLS``) calls running at once, abandoned ones included;
-the plugin itself runs at most three at a time (a lookup, a load, a put). A call
+``max_calls`` (default ``MAX_STORE_CALLS``; a connector passes ``ConnectorConfig.store_max_calls``)
+calls running at once, abandoned ones included; the plugin itself runs at most three at a time
+(a lookup, a load, a put). A call
 that finds all ``max_calls`` running fails at once, counted ``store_busy``, and trips
 the breaker (2): with that many calls hung, the store is as good as down. So hung calls
 cost at most ``max_calls`` threads, never delay a later call (a lookup, a read
