@@ -352,12 +352,33 @@ class KVStoreConnector(KVConnectorBase):
             raise InvalidRequest(f"unknown layer group {layer_name!r}; use 'global' or 'swa'")
 
     def wait_for_save(self) -> None:
+        """Sync the step's D2H copies, then insert the snapshots they filled into the host tier.
+
+        Each insert is done once and independently: the list is taken before the first one (a
+        later call never repeats it), and one whose ``host.put`` raises (its write-back
+        ``on_evict``) does not keep the others out. As in ``HostCache.put``: every insert runs,
+        then the first exception is raised, the others logged and noted on it.
+        """
         for ev in self._step_events:
             self.backend.sync_event(ev)
         self._step_events.clear()
-        for kind, key, t in self._host_inserts:  # only now: the D2H copies are complete
-            self.host.put(kind, key, t)
-        self._host_inserts.clear()
+        inserts, self._host_inserts = self._host_inserts, []  # only now: the D2H copies are complete
+        first: Exception | None = None
+        failed = 0
+        for kind, key, t in inserts:
+            try:
+                self.host.put(kind, key, t)
+            except Exception as exc:  # noqa: BLE001 - raised below, once every insert was done
+                failed += 1
+                if first is None:
+                    first = exc
+                else:
+                    log.error("host tier insert of %s %s raised (after an earlier one of this step)",
+                              kind, key.hex()[:16], exc_info=True)
+        if first is not None:
+            if failed > 1:
+                first.add_note(f"{failed - 1} more host tier inserts of this wait_for_save raised (logged)")
+            raise first
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         done, self._send_failed = self.saves.take_sent()

@@ -10,9 +10,10 @@ import random
 import threading
 
 import pytest
+import torch
 from test_transfer import outstanding
 
-from engine_plugin.connector import BlockSave
+from engine_plugin.connector import BlockSave, WindowSnapshot
 from engine_plugin.reference import Engine, EngineConfig, SamplingParams
 from engine_plugin.saver import SaveQueue
 from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
@@ -157,3 +158,29 @@ def test_a_save_chunk_that_raises_gives_its_buffers_back(rig, store, monkeypatch
         with pytest.raises(RuntimeError, match="injected"):
             c._save_blocks(saves, eng.pool.kv)
         assert outstanding(c.buffers) == 0 and len(synced) == n  # back once no copy can write into them
+
+
+def test_a_host_insert_that_raises_does_not_stop_the_others_nor_runs_again(rig):
+    """``wait_for_save`` inserts the step's snapshots into the host tier: one whose ``host.put``
+    raises (a write-back ``on_evict``) leaves the others inserted, the error is raised once all
+    ran, and no insert runs twice (before: the rest were skipped, then all put again next step)."""
+    conn = KVStoreConnector(rig.model.kv_layout(), ConnectorConfig(block_size=BLOCK))
+    rig.connectors.append(conn)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    win = torch.zeros(conn.snap_shape, dtype=conn.dtype)
+    conn.save_kv_layer("swa", [WindowSnapshot("r", (i + 1) * BLOCK, k, win) for i, k in enumerate(keys)], None)
+    real, calls = conn.host.put, []
+
+    def put(kind, key, t):
+        calls.append(key)
+        if key == keys[1]:
+            raise RuntimeError("injected: on_evict failed")
+        return real(kind, key, t)
+
+    conn.host.put = put
+    with pytest.raises(RuntimeError, match="injected"):
+        conn.wait_for_save()
+    assert calls == keys
+    assert ("swa", keys[0]) in conn.host and ("swa", keys[2]) in conn.host
+    conn.wait_for_save()  # the next step: nothing of the last one is inserted again
+    assert calls == keys
