@@ -116,9 +116,10 @@ Worker side (called by the model runner during a step)
 ``get_failed_sends() -> set[str]``
     When: right after ``get_finished``. Those of the requests it just reported
     in ``sending_done`` with a save that did not reach the store (failed,
-    dropped, skipped): their KV is not all in the store, so a decode engine
-    must not be told it is (``Engine.kv_sent`` leaves them out and records them
-    in ``kv_send_failed``). Side-effect free. Default: none.
+    dropped, skipped), or whose KV the connector does not send at all (no
+    store; a write-back policy): their KV is not all in the store, so a decode
+    engine must not be told it is (``Engine.kv_sent`` leaves them out and records
+    them in ``kv_send_failed``). Side-effect free. Default: none.
 """
 
 from __future__ import annotations

@@ -49,6 +49,9 @@ verify against the store, the params are never trusted as proof) once the
 prefill side reported the request in ``get_finished`` and not in the
 ``get_failed_sends`` that follows it (a request with a save that failed or was
 dropped: its decode recomputes what is missing; ``requests_save_incomplete``).
+Without a store, or under ``write_back`` (blocks reach the store only when the
+host tier evicts them), no request's blocks are sent on its behalf: every
+request is in ``get_failed_sends``, and none is told to a decode as sent.
 
 Counters (``metrics.snapshot()``): ``hit_tokens_{device,host,store}``,
 ``snapshot_hits``, ``replays``, ``replay_tokens``, ``hits_not_adopted``,
@@ -152,6 +155,8 @@ class KVStoreConnector(KVConnectorBase):
         self._host_inserts: list[tuple[str, bytes, torch.Tensor]] = []
         self._meta = ConnectorMetadata()
         self._send_failed: set[str] = set()  # of the requests the last get_finished reported
+        # whether a request's blocks reach the store on its behalf (else none is reported sent)
+        self._sends_blocks = store is not None and self.policy.save_on_compute
         self.saves = SaveQueue(self.gateway, self.metrics, depth=config.save_queue_depth,
                                enqueue_timeout_s=config.save_enqueue_timeout_s)
 
@@ -381,9 +386,13 @@ class KVStoreConnector(KVConnectorBase):
             raise first
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        done, self._send_failed = self.saves.take_sent()
-        if self._send_failed:
-            self.metrics.inc("requests_save_incomplete", len(self._send_failed))
+        done, failed = self.saves.take_sent()
+        if failed:
+            self.metrics.inc("requests_save_incomplete", len(failed))
+        # No store, or write-back: no request's blocks are saved on its behalf (write-back puts
+        # a block only when the host tier evicts it), so none is reported sent, even one that
+        # had no save at all (it used to be): a decode told "sent" would find its KV missing.
+        self._send_failed = failed if self._sends_blocks else set(done)
         return done, set()
 
     def get_failed_sends(self) -> set[str]:

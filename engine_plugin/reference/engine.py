@@ -192,7 +192,7 @@ class Engine:
         self.steps = 0
         self.rollbacks = 0
         self.kv_sent: set[str] = set()  # finished requests whose KV reached the store
-        self.kv_send_failed: set[str] = set()  # finished requests with a save that failed (not sent)
+        self.kv_send_failed: set[str] = set()  # finished requests whose KV is not all in the store
 
     # ------------------------------------------------------------------ API
     def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(),

@@ -184,3 +184,20 @@ def test_a_host_insert_that_raises_does_not_stop_the_others_nor_runs_again(rig):
     assert ("swa", keys[0]) in conn.host and ("swa", keys[2]) in conn.host
     conn.wait_for_save()  # the next step: nothing of the last one is inserted again
     assert calls == keys
+
+
+@pytest.mark.parametrize("with_store, policy", [(False, "write_through"), (True, "write_back")])
+def test_a_request_whose_blocks_are_not_sent_is_not_reported_as_sent(rig, store, with_store, policy):
+    """Without a store, or under write-back (a block reaches the store only when the host tier
+    evicts it), nothing of a request is sent on its behalf: ``kv_sent`` (the P/D handoff signal)
+    must not name it, whether it had saves of its own (snapshots) or none. It used to."""
+    rng = random.Random(303)
+    eng = rig.engine(store if with_store else None, save_policy=policy)
+    eng.generate(rig.tokens(rng, 100), GREEDY, request_id="snap")  # an end-of-input snapshot save
+    eng.connector.flush(timeout=60)
+    eng.generate(rig.tokens(rng, 100), GREEDY, request_id="plain")
+    eng.generate(rig.tokens(rng, 5), GREEDY, request_id="short")  # not one block: no save of its own
+    assert eng.connector.flush(timeout=60)
+    eng.collect_finished()
+    assert not eng.kv_sent and eng.kv_send_failed == {"snap", "plain", "short"}
+    assert not eng.connector.metrics.get("requests_save_incomplete")  # none failed: none was sent
