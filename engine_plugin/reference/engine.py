@@ -6,6 +6,7 @@ Who calls it: tests, ``tools/bench_engine.py`` and the walkthrough. Usage::
     eng.add_request("r1", prompt_ids, SamplingParams(max_new_tokens=8))
     outputs = eng.run_until_done()      # {request id: Request}
     eng.take_finished("r1")             # a long-running owner takes each finished request
+    eng.kv_sent                         # P/D handoff: finished requests whose KV reached the store
 
 One step (``step``), in order, and why:
   1. admit waiting requests: device prefix match, then the connector's match
@@ -42,6 +43,18 @@ The engine's namespace covers the model's loaded weights (``ReferenceModel.model
 and its connector's ``namespace_tag`` (KV computed after an approximate replay);
 ``add_request`` and ``step`` refuse to run once ``load_weights`` changed them
 after the engine was built (build the engine after loading the weights).
+
+P/D handoff signal: each finished request carries ``Request.send_state``
+(``SendState``), PENDING until the connector reports its saves ended
+(``get_finished``, read by ``collect_finished`` at the end of each step), then
+SENT (all its KV reached the store: a decode engine may load it) or NOT_SENT.
+A save may end after the request was taken (``take_finished``): the engine
+keeps such a request in ``_sending`` until the connector reports it, and sets
+the state on the record its owner took. ``kv_sent`` / ``kv_send_failed`` are
+views over the requests still in ``finished``. So the engine holds the signal of
+a request only while it holds its record or its saves are in flight: bounded,
+however many requests a worker serves (before, two sets gained an id per
+request for the worker's life).
 """
 
 from __future__ import annotations
@@ -102,6 +115,14 @@ class Status(enum.Enum):
     ABORTED = "aborted"  # taken out by ``Engine.abort_request``; never in ``finished``
 
 
+class SendState(enum.Enum):
+    """The P/D handoff signal of a finished request (``Request.send_state``; module docstring)."""
+
+    PENDING = "pending"  # finished; the connector has not reported that its saves ended
+    SENT = "sent"  # all its KV reached the store: a decode engine may be told to load it
+    NOT_SENT = "not_sent"  # a save failed, was dropped or skipped, or none is sent (no store, write-back)
+
+
 class Request:
     """One request's state. ``num_computed`` positions have global KV in ``block_ids``."""
 
@@ -125,6 +146,7 @@ class Request:
         self.snapshot_boundaries: set[int] = set()
         self.last_window: tuple[int, torch.Tensor] | None = None  # latest block-boundary window
         self.status = Status.WAITING
+        self.send_state: SendState | None = None  # set when it finishes, with a connector
         self.transfer_params_out: dict | None = None
         self.first_token_step: int | None = None
         self.published = 0  # leading blocks already published in the device prefix cache
@@ -189,10 +211,13 @@ class Engine:
         # ``connector.get_finished`` (it gets each request once, in the step it finished).
         self.finished: dict[str, Request] = {}
         self._newly_finished: list[str] = []
+        # Finished requests whose saves the connector has not yet reported ended (``send_state``
+        # PENDING), taken or not: the connector reports each one once (its ``get_finished``
+        # contract), so this holds only requests with saves in flight. Keyed by id, as the
+        # connector's saves are: an id reused while its earlier request's saves run takes over.
+        self._sending: dict[str, Request] = {}
         self.steps = 0
         self.rollbacks = 0
-        self.kv_sent: set[str] = set()  # finished requests whose KV reached the store
-        self.kv_send_failed: set[str] = set()  # finished requests whose KV is not all in the store
 
     # ------------------------------------------------------------------ API
     def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(),
@@ -291,9 +316,21 @@ class Engine:
 
         The engine keeps a finished request until its consumer takes it: an owner that runs
         for long (a worker) takes each request once it has read its results, so the engine
-        holds O(1) finished records however many it has served.
+        holds O(1) finished records however many it has served. A request taken while its
+        saves run still gets its ``send_state`` from a later ``collect_finished``.
         """
         return self.finished.pop(request_id, None)
+
+    @property
+    def kv_sent(self) -> set[str]:
+        """Ids in ``finished`` whose KV all reached the store (``SendState.SENT``): the P/D
+        handoff signal. A request taken before its saves ended gets it on its record."""
+        return {rid for rid, r in self.finished.items() if r.send_state is SendState.SENT}
+
+    @property
+    def kv_send_failed(self) -> set[str]:
+        """Ids in ``finished`` whose KV is not all in the store (``SendState.NOT_SENT``)."""
+        return {rid for rid, r in self.finished.items() if r.send_state is SendState.NOT_SENT}
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -363,8 +400,8 @@ class Engine:
         self.collect_finished()
 
     def collect_finished(self) -> set[str]:
-        """Ask the connector which finished requests' saves ended: those whose KV all reached
-        the store go to ``kv_sent`` (returned), the others to ``kv_send_failed``."""
+        """Ask the connector which finished requests' saves ended and set their ``send_state``:
+        SENT for those whose KV all reached the store (returned), NOT_SENT for the others."""
         newly = set(self._newly_finished)
         if self.connector is None:
             self._newly_finished.clear()
@@ -375,8 +412,10 @@ class Engine:
         done, _ = self.connector.get_finished(newly)
         self._newly_finished.clear()
         failed = self.connector.get_failed_sends() & done
-        self.kv_sent |= done - failed
-        self.kv_send_failed |= failed
+        for rid in done:
+            req = self._sending.pop(rid, None)  # None: not finished here (a connector's bug); ignored
+            if req is not None:
+                req.send_state = SendState.NOT_SENT if rid in failed else SendState.SENT
         return done - failed
 
     # ------------------------------------------------------------- internals
@@ -516,6 +555,8 @@ class Engine:
         self.running.remove(req)
         if self.connector is not None:
             _, req.transfer_params_out = self.connector.request_finished(req, req.block_ids)
+            req.send_state = SendState.PENDING
+            self._sending[req.request_id] = req
         self.pool.release(req.block_ids)
         self.finished[req.request_id] = req
         self._newly_finished.append(req.request_id)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
 from engine_plugin.reference import SamplingParams
+from engine_plugin.reference.engine import SendState
 from kvstore.errors import InvalidRequest
 
 
@@ -92,3 +94,52 @@ def test_finished_requests_are_pruned_once_taken_and_reach_the_connector_once(ri
     seen = [rid for ids in handed for rid in ids]
     assert sorted(seen) == sorted(f"r{i}" for i in range(12))  # each handed over once
     assert max(len(ids) for ids in handed) == 1
+
+
+class HeldPuts:
+    """Delegates to a real store; while ``hold`` is clear, every put waits for it."""
+
+    def __init__(self, inner):
+        self.inner, self.hold = inner, threading.Event()
+
+    def put_many(self, items):
+        self.hold.wait(60)
+        return self.inner.put_many(items)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_handoff_signal_is_held_only_while_the_request_or_its_saves_are(rig, store):
+    """A worker takes each request as soon as it finished, often before its saves ended: the
+    engine keeps its P/D handoff signal only until the connector reports them, then sets it
+    on the record taken (``send_state``) and holds nothing more of it. Before, ``kv_sent``
+    and ``kv_send_failed`` gained one id per request for the worker's life."""
+    st = HeldPuts(store)
+    eng = rig.engine(st)
+    rng = random.Random(10)
+    for i in range(6):
+        st.hold.clear()
+        eng.add_request(f"r{i}", rig.tokens(rng, 40), SamplingParams(max_new_tokens=2))
+        while f"r{i}" not in eng.finished:
+            eng.step()
+        req = eng.take_finished(f"r{i}")  # its block saves are still held in put_many
+        eng.collect_finished()
+        assert req.send_state is SendState.PENDING
+        st.hold.set()
+        assert eng.connector.flush(timeout=60)
+        eng.collect_finished()
+        assert req.send_state is SendState.SENT
+        assert not eng.kv_sent and not eng.kv_send_failed and not eng._sending
+    assert store.lookup(req.block_hashes[:2]).hit_blocks == 2
+
+
+def test_kv_sent_names_the_finished_requests_still_held(rig, store):
+    """``kv_sent`` is a view over ``finished``: a request taken leaves it."""
+    eng = rig.engine(store)
+    out = eng.generate(rig.tokens(random.Random(11), 40), SamplingParams(max_new_tokens=2), request_id="x")
+    assert eng.connector.flush(timeout=60)
+    eng.collect_finished()
+    assert eng.kv_sent == {"x"} and out.send_state is SendState.SENT
+    eng.take_finished("x")
+    assert not eng.kv_sent
