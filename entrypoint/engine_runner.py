@@ -4,7 +4,9 @@ steps it on one thread; ``request_stats`` gives a finished request's figures.
 Threads: gRPC handler threads only *submit* work (``EngineRunner.submit``) and wait on
 per-request queues; one runner thread owns the engine and steps it, so requests submitted
 together are batched by the engine's scheduler and the engine is never touched from two
-threads.
+threads. Two others may end its requests, never touching the engine: ``stop`` and the step
+watchdog; a lock, which the runner thread holds for all but the step itself, keeps them from
+publishing to a request at the same time (``EngineRunner``, invariants).
 
 Failures: a request the engine refuses (``InvalidRequest`` from ``add_request``: a prompt
 too long for the pool, bad sampling) fails alone with INVALID_ARGUMENT. An engine step that
@@ -38,10 +40,25 @@ logged (info) and counted (``EngineRunner.cancelled``).
 Stopping (``EngineRunner.stop``, at the worker's shutdown): the runner thread ends after its
 current step, then every request it still holds (in the engine, waiting for or set aside after
 a retry alone, in the inbox) ends with UNAVAILABLE "this worker is down: it is shutting down",
-and so does each one submitted later, at once; ``Status`` answers UNAVAILABLE too. The RPC waiting on each
-so ends with a status the entrypoint fails over on (the worker is marked down; a decode stream
-resumes elsewhere after the tokens it sent). Before, they got no final event: their RPCs waited
-until grpc cut them at the end of the server's grace, and the entrypoint saw a bare CANCELLED.
+and so does each one submitted later, at once; ``Status`` answers UNAVAILABLE too. The RPC waiting
+on each so ends with a status the entrypoint fails over on (the worker is marked down; a decode
+stream resumes elsewhere after the tokens it sent). Before, they got no final event: their RPCs
+waited until grpc cut them at the end of the server's grace, and the entrypoint saw a bare
+CANCELLED.
+
+Stuck steps (``step_timeout_s`` > 0; the worker's ``--step-timeout-s``, default
+``DEFAULT_STEP_TIMEOUT_S``): an ``engine.step()`` that never returns (a hung kernel, a deadlock)
+blocks the runner thread, so nothing in the engine advances, new requests wait in the inbox and
+cancels are never applied. A watchdog thread sees a step running for longer than
+``step_timeout_s`` and takes the worker down for good, as ``stop`` does: ``broken`` is "engine
+step stuck for N s" (``Status`` answers UNAVAILABLE with it, so the entrypoint's heartbeat keeps
+the worker down; before, it answered OK and the worker kept being brought back and eating
+requests), one error is logged, and every request held or waiting ends UNAVAILABLE "this worker is
+down: engine step stuck for N s", as does each one submitted later, at once. It stays down until
+the process is restarted, even if the step returns later: an engine whose step hung once can not
+be trusted (its state, its device), and a worker that came back would only hang its next batch.
+Should the step return, the runner thread publishes nothing of it and ends. Only ``step`` is
+watched: the engine's bookkeeping calls (``add_request``, ``abort_request``) are not.
 """
 
 from __future__ import annotations
@@ -49,9 +66,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -60,6 +79,13 @@ from kvstore.errors import InvalidRequest
 from kvstore.keys import ImageSpan
 
 log = logging.getLogger(__name__)
+
+# A step running longer than this takes the worker down for good (module docstring, "Stuck
+# steps"). Generous: on CPU one step of a large model (prefill chunks across a batch, a window
+# replay, loads from a slow store) can take minutes, and a false alarm loses a healthy worker
+# until it is restarted; a merely slow worker is left out by the entrypoint's strikes meanwhile
+# (entrypoint.health).
+DEFAULT_STEP_TIMEOUT_S = 600.0
 
 
 class Handle:
@@ -72,7 +98,9 @@ class Handle:
     is sent twice or skipped.
 
     ``ended`` is set once its last event (``done`` or an error) is on ``events``, ``cancelled``
-    once ``EngineRunner.cancel`` was called for it; each is written once, from one thread.
+    once ``EngineRunner.cancel`` was called for it. Events are put by one thread at a time: the
+    runner's lock is held (the runner thread, or ``stop`` or the step watchdog ending it), or the
+    handle was just taken from the inbox (``get_nowait`` hands each to one thread only).
     """
 
     __slots__ = ("events", "args", "req", "metrics_before", "out", "base", "ended", "cancelled")
@@ -88,16 +116,34 @@ class Handle:
         self.cancelled = False
 
     def end(self, event: tuple) -> None:
-        """Put the last event (``("done", request)`` or ``("error", code, message)``)."""
+        """Put the last event (``("done", request)`` or ``("error", code, message)``); a handle
+        that already ended gets nothing more (one last event, never two)."""
+        if self.ended:
+            return
         self.ended = True
         self.events.put(event)
 
 
 class EngineRunner:
-    """Owns one engine; a single thread steps it. See the module docstring."""
+    """Owns one engine; a single thread steps it. See the module docstring.
 
-    def __init__(self, engine: Any, connector: Any):
+    Invariants:
+    1. ``_lock`` is held by the runner thread for all it does but ``engine.step()``, and by
+       ``stop`` and the step watchdog while they end requests: so a handle is never published to
+       by two threads at once, and none gets a token after its last event.
+    2. Once ``broken`` is set outside the runner thread (``stop``, the watchdog), every request
+       held here has ended and the runner thread publishes nothing more: it stops at its next
+       look under the lock (after a stuck step that returns, too). Set by the runner thread
+       itself (an engine that can not drop a request), the thread ends them (``_go_down``).
+    """
+
+    def __init__(self, engine: Any, connector: Any, *, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S):
+        if isinstance(step_timeout_s, bool) or not isinstance(step_timeout_s, (int, float)) \
+                or not math.isfinite(step_timeout_s) or step_timeout_s < 0:
+            raise InvalidRequest(f"step_timeout_s must be a finite number of seconds >= 0 (0: no step watchdog), "
+                                 f"got {step_timeout_s!r}")
         self.engine, self.connector = engine, connector
+        self.step_timeout_s = float(step_timeout_s)
         self._inbox: queue.Queue = queue.Queue()
         self._cancels: queue.Queue = queue.Queue()  # handles to cancel (EngineRunner.cancel), for the runner thread
         self.cancelled = 0  # requests cancelled before they ended (their caller went away)
@@ -108,10 +154,16 @@ class EngineRunner:
         self._alone: Handle | None = None
         self._passed: list[Handle] = []
         self._wake = threading.Event()
-        self._stop = False
+        self._stop = threading.Event()  # the runner thread ends at its next look (and the watchdog)
+        self._lock = threading.Lock()  # see the class docstring, invariant 1
+        self._step_started: float | None = None  # time.monotonic() at the start of the step running now
         self.broken: str | None = None  # why the engine can not be used any more (Status: UNAVAILABLE)
         self._thread = threading.Thread(target=self._loop, name="engine-runner", daemon=True)
         self._thread.start()
+        self._watchdog: threading.Thread | None = None
+        if self.step_timeout_s > 0:
+            self._watchdog = threading.Thread(target=self._watch_steps, name="engine-step-watchdog", daemon=True)
+            self._watchdog.start()
 
     def submit(self, rid: str, prompt: list[int], sampling: Any, *, tenant_salt: bytes,
                images: list[ImageSpan]) -> Handle:
@@ -215,32 +267,64 @@ class EngineRunner:
                 h.end(("done", req))
 
     def _loop(self) -> None:
-        while not self._stop:
+        """Apply cancels, admit, step, publish; all under the lock but the step itself (which the
+        watchdog must be able to see stuck and act on meanwhile). A step that raises, or anything
+        around it, fails its requests as ``_step_failed`` says, and the thread goes on."""
+        while True:
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                stepping = self._guarded(self._before_step)
+                if stepping:
+                    self._step_started = time.monotonic()
+            if not stepping:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            failure = None
             try:
-                self._apply_cancels()
-                if self._stop:  # the engine broke while dropping a cancelled request
-                    break
-                if self._alone is None and self._retry:  # the next turn alone (nothing else is in the engine)
-                    self._alone = self._retry.popleft()
-                    if not self._enter(self._alone):
-                        self._alone = None
-                        continue
-                if self._alone is None:
-                    for h in self._passed:  # every turn alone is over: they rejoin the batch
-                        self._enter(h)
-                    self._passed.clear()
-                    self._admit()
-                if self.engine.has_work():
-                    self.engine.step()
-                    self._publish()
-                    if self._alone is not None:
-                        self._end_turn_alone()
-                else:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                self.engine.step()
             except Exception as exc:  # noqa: BLE001 - fail the waiting requests, keep serving others
-                log.exception("engine step failed")
-                self._step_failed(f"engine step failed: {exc}")
+                failure = exc
+            with self._lock:
+                self._step_started = None
+                if self.broken is not None:  # stop() or the watchdog ended every request meanwhile
+                    return  # (invariant 2): publish nothing of this step
+                if failure is not None:
+                    log.error("engine step failed", exc_info=failure)
+                    self._step_failed(f"engine step failed: {failure}")
+                else:
+                    self._guarded(self._after_step)
+
+    def _guarded(self, fn: Callable[[], bool | None]) -> bool:
+        """``fn()``; one that raises fails the requests held as a failed step does. Lock held."""
+        try:
+            return bool(fn())
+        except Exception as exc:  # noqa: BLE001 - fail the waiting requests, keep serving others
+            log.exception("engine step failed")
+            self._step_failed(f"engine step failed: {exc}")
+            return False
+
+    def _before_step(self) -> bool:
+        """Apply cancels and fill the engine (the next turn alone, or the batch); whether to step."""
+        self._apply_cancels()
+        if self._stop.is_set():  # the engine broke while dropping a cancelled request
+            return False
+        while self._alone is None and self._retry:  # the next turn alone (nothing else is in the engine)
+            self._alone = self._retry.popleft()
+            if not self._enter(self._alone):
+                self._alone = None
+        if self._alone is None:
+            for h in self._passed:  # every turn alone is over: they rejoin the batch
+                self._enter(h)
+            self._passed.clear()
+            self._admit()
+        return self.engine.has_work()
+
+    def _after_step(self) -> None:
+        self._publish()
+        if self._alone is not None:
+            self._end_turn_alone()
 
     def _end_turn_alone(self) -> None:
         """After a step of the request retried alone: its turn ends once it has finished or sent
@@ -295,14 +379,59 @@ class EngineRunner:
             self.broken = f"{why}; then dropping {rid} failed: {exc}"
 
     def _go_down(self, reason: str, failed: list[Handle]) -> None:
-        """The engine is broken: fail every request this runner holds, and stop."""
-        for h in [*failed, *self._live.values(), *self._retry, *self._passed]:
-            h.end(("error", grpc.StatusCode.INTERNAL, reason))
+        """The engine is broken: fail every request this runner holds, and stop. Lock held."""
+        self._end_held(grpc.StatusCode.INTERNAL, reason, failed)
+        self._stop.set()
+        self._fail_inbox()
+
+    def _end_held(self, code: grpc.StatusCode, message: str, also: Iterable[Handle] = ()) -> None:
+        """End ``also`` and every request held here (in the engine, waiting for or taking its turn
+        alone, set aside after it) with ``code`` and ``message``, and forget them. Lock held (or
+        the runner thread gone); one that already ended is left as it is (``Handle.end``)."""
+        held = [*also, *self._live.values(), *self._retry, *self._passed]
+        if self._alone is not None:
+            held.append(self._alone)
         self._live.clear()
         self._retry.clear()
         self._passed.clear()
-        self._stop = True
-        self._fail_inbox()
+        self._alone = None
+        for h in held:
+            h.end(("error", code, message))
+
+    def _down(self, reason: str) -> None:
+        """Go down for good from outside the runner thread (``stop``, the watchdog): ``broken``
+        (the first reason given wins; ``Status`` answers UNAVAILABLE with it), the runner thread
+        told to stop, and every request held, in the inbox, or submitted from now on ended
+        UNAVAILABLE "this worker is down: ...". Lock held (or the runner thread gone)."""
+        if self.broken is None:
+            self.broken = reason
+        self._stop.set()
+        self._end_held(grpc.StatusCode.UNAVAILABLE, f"this worker is down: {self.broken}")
+        self._fail_inbox()  # after broken is set: a submit from now on fails itself (submit)
+
+    def _watch_steps(self) -> None:
+        """The step watchdog (``step_timeout_s`` > 0): a step running for longer takes the worker
+        down for good (module docstring, "Stuck steps"). Looks a few times per timeout, at least
+        once a second; ends with the runner.
+
+        It ends the requests itself, from this thread, against the runner's one-thread rule: the
+        runner thread is the one stuck, so no one else can, and their callers would wait for ever.
+        That is safe: it touches no engine, only the handles and the runner's own lists, under the
+        lock the runner thread holds for everything but the step (class docstring, invariants)."""
+        every = min(1.0, self.step_timeout_s / 4)
+        while not self._stop.wait(every):
+            with self._lock:
+                started = self._step_started
+                if started is None or self._stop.is_set():
+                    continue
+                stuck = time.monotonic() - started
+                if stuck < self.step_timeout_s:
+                    continue
+                reason = f"engine step stuck for {stuck:.1f} s (step_timeout_s={self.step_timeout_s:g})"
+                held = len(self._live) + len(self._retry) + len(self._passed) + self._inbox.qsize()
+                log.error("%s; this worker goes down until it is restarted, ending its %d requests", reason, held)
+                self._down(reason)
+                return
 
     def load(self) -> dict[str, int]:
         eng = self.engine
@@ -321,27 +450,22 @@ class EngineRunner:
         submitted from now on, with UNAVAILABLE ``reason`` (module docstring, "Stopping"). Call it
         once the server takes no new calls; calling it again does nothing more.
 
-        A thread still in an engine step after 5 s (one that never returns) is left to it, logged;
-        its requests are ended all the same, from here: the process is going away, and a final
-        event then matters more than the runner's one-thread rule (should that step return, the
-        thread publishes what it made, which no one reads after the error, and stops)."""
-        self._stop = True
+        A thread still in an engine step after 5 s (one that never returns) is left to it, logged
+        (not waited for when the watchdog already found it stuck); its requests are ended all the
+        same, from here, under the lock: the process is going away, and a final event then matters
+        more than the runner's one-thread rule. Should that step return, the thread publishes
+        nothing and stops (class docstring, invariant 2)."""
+        stuck = self.broken is not None and self._step_started is not None  # the watchdog's doing
+        self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=5)
-        if self._thread.is_alive():
+        self._thread.join(timeout=0 if stuck else 5)
+        if self._thread.is_alive() and not stuck:
             log.error("the engine runner did not stop within 5 s (an engine step that does not return); "
                       "ending its requests anyway")
-        if self.broken is None:  # after the join: the thread would read it as a broken engine (_go_down)
-            self.broken = reason
-        held = [*self._live.values(), *self._retry, *self._passed]
-        self._live.clear()
-        self._retry.clear()
-        self._passed.clear()
-        self._alone = None
-        for h in held:
-            if not h.ended:
-                h.end(("error", grpc.StatusCode.UNAVAILABLE, f"this worker is down: {self.broken}"))
-        self._fail_inbox()  # after broken is set: a submit from now on fails itself (submit)
+        with self._lock:
+            self._down(reason)
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
 
 
 def request_stats(h: Handle, connector: Any, block_nbytes: int, started: float) -> dict[str, Any]:

@@ -32,6 +32,10 @@ its blocks and batch slot freed, instead of being decoded to ``max_new_tokens``.
 (SIGTERM/SIGINT) new calls are refused and each request in flight ends UNAVAILABLE "this worker
 is down: it is shutting down" at once (``entrypoint.engine_runner``, "Stopping"): the entrypoint
 marks the worker down and fails the hop over (a decode stream resumes after the tokens sent).
+An engine step that runs longer than ``--step-timeout-s`` (default 600 s; 0: off) is taken as
+hung: the worker goes down until it is restarted, its requests end UNAVAILABLE "this worker is
+down: engine step stuck for N s" and ``Status`` answers UNAVAILABLE, so the entrypoint's heartbeat
+keeps it down (``entrypoint.engine_runner``, "Stuck steps").
 
 Request bytes that do not parse as the method's message are INVALID_ARGUMENT
 before any handler runs (``entrypoint.rpc``).
@@ -72,6 +76,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import signal
 import sys
@@ -87,7 +92,7 @@ import grpc
 import kvstore
 from entrypoint import auth
 from entrypoint._cli import OneLineParser, fail
-from entrypoint.engine_runner import EngineRunner, Handle, request_stats
+from entrypoint.engine_runner import DEFAULT_STEP_TIMEOUT_S, EngineRunner, Handle, request_stats
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.registry import kv_namespace_pb
@@ -115,6 +120,10 @@ class WorkerConfig:
     block_size: int = 16
     num_blocks: int = 1024
     host_capacity_bytes: int = 64 * 1024 * 1024
+    # An engine step running longer takes the worker down until it is restarted (entrypoint.engine_runner,
+    # "Stuck steps"); 0: no watchdog. The default is generous: on CPU one step of a large model (prefill chunks,
+    # a window replay, loads from a slow store) can take minutes, and a false alarm loses a healthy worker.
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     entrypoint: str = ""  # address to register with ("" = the entrypoint is told by whoever started us)
     # Sent with Register and required of every caller (entrypoint.auth); not in logs.
     worker_secret: str = field(default="", repr=False)
@@ -130,6 +139,10 @@ class WorkerConfig:
                 raise InvalidRequest(f"WorkerConfig.{name} must be an int >= {low}, got {v!r}")
         if self.port > 65535:
             raise InvalidRequest(f"WorkerConfig.port must be <= 65535, got {self.port}")
+        t = self.step_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise InvalidRequest(f"WorkerConfig.step_timeout_s must be a finite number of seconds >= 0 "
+                                 f"(0: no step watchdog), got {t!r}")
         if self.worker_secret:
             auth.check_secret(self.worker_secret, "WorkerConfig.worker_secret")
         if self.entrypoint:  # a bad address, or TLS files for a plaintext one: refused before anything opens
@@ -283,7 +296,7 @@ def build(cfg: WorkerConfig) -> tuple[WorkerService, Any]:
         model = ReferenceModel(mcfg)
         conn = KVStoreConnector(model.kv_layout(), ccfg, store)
         engine = Engine(model, ecfg, connector=conn)
-        runner = EngineRunner(engine, conn)
+        runner = EngineRunner(engine, conn, step_timeout_s=cfg.step_timeout_s)
     except BaseException:
         if conn is not None:
             conn.close()
@@ -381,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny", help="reference model preset")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the entrypoint's)")
     ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the engine's device pool")
+    ap.add_argument("--step-timeout-s", type=float, default=DEFAULT_STEP_TIMEOUT_S, metavar="S",
+                    help="an engine step running longer than S seconds (hung) takes this worker down until it is "
+                         "restarted; 0: never (default: %(default)g, generous: on CPU one step of a large model "
+                         "can take minutes)")
     ap.add_argument("--entrypoint", default="", help="entrypoint address to register with")
     ap.add_argument("--worker-secret-file", default="", metavar="FILE",
                     help=f"file holding the entrypoint's worker secret, sent with Register and required "
@@ -399,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = WorkerConfig(role=a.role, worker_id=a.id or f"{a.role}-{uuid.uuid4().hex[:6]}", host=a.host,
                            port=a.port, store_url=a.store, model_preset=a.model, block_size=a.block_size,
-                           num_blocks=a.num_blocks, entrypoint=a.entrypoint,
+                           num_blocks=a.num_blocks, step_timeout_s=a.step_timeout_s, entrypoint=a.entrypoint,
                            worker_secret=auth.load_worker_secret(a.worker_secret_file),
                            tls=ServerTLS(a.tls_cert, a.tls_key, a.tls_client_ca),
                            entrypoint_tls=ChannelTLS(a.entrypoint_ca, a.entrypoint_cert, a.entrypoint_key,

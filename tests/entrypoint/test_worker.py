@@ -357,6 +357,9 @@ def test_worker_with_an_unreachable_entrypoint_says_so_in_one_line(tmp_path):
 @pytest.mark.parametrize("args, needles", [
     (["--role", "prefill", "--block-size", "0"], ["block_size"]),
     (["--role", "decode", "--num-blocks", "0"], ["num_blocks"]),
+    (["--role", "decode", "--step-timeout-s", "-1"], ["step_timeout_s", ">= 0"]),
+    (["--role", "decode", "--step-timeout-s", "nan"], ["step_timeout_s", "finite"]),
+    (["--role", "decode", "--step-timeout-s", "soon"], ["--step-timeout-s"]),
     (["--role", "prefill", "--model", "nope"], ["unknown model preset"]),
     (["--role", "nope"], ["--role"]),
     (["--role", "prefill", "--worker-secret-file", "no-such-file"], ["cannot read --worker-secret-file"]),
