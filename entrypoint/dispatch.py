@@ -204,8 +204,10 @@ class Dispatch:
         failed_here: set[str] = set()  # workers that failed this call with FAILED_HERE: tried again last
         for attempt in range(self.cfg.max_attempts):
             live = self.registry.ready(role)
-            if not live:
-                raise Abort(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up")
+            if not live:  # after a failed attempt, say why it failed (as the decode hop does)
+                raise Abort(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is up" + (
+                    f" (after {attempt} failed attempts; last: {role} worker {inst.worker_id}: {last.code()}: "
+                    f"{last.details()})" if last is not None else ""))
             inst = pick(self.strikes.tiers(live, failed_here))
             clients_deadline = self._clients_deadline(context)  # before fn takes its timeout
             try:

@@ -150,6 +150,29 @@ def test_an_unavailable_worker_is_still_marked_down_and_failed_over(stack):
             close(None)
 
 
+def test_a_prefill_with_no_worker_left_says_why_the_last_one_failed(stack):
+    """The only prefill worker answers UNAVAILABLE: it is marked down, and the next attempt finds no
+    prefill worker up. Before: the error said only "no prefill worker is up" (the decode hop's says
+    why its last attempt failed); now it names the worker, its status and its message too."""
+    svc, ch, fakes, _ = stack(max_attempts=3)
+    opened: list = []
+    try:
+        down = PoisonWorker("prefill-down", "prefill", grpc.StatusCode.UNAVAILABLE)
+        svc.registry.add(down.worker_id, "prefill", _serve_fake(down, opened))
+        svc.registry.add(fakes["decode"][0].worker_id, "decode", fakes["decode"][1])
+        req = pb.GenerateRequest(token_ids=[1, 2, POISON, 4], sampling=pb.Sampling(max_new_tokens=2))
+        with pytest.raises(grpc.RpcError) as ei:
+            list(pbg.EntrypointStub(ch).Generate(req, timeout=30))
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        details = ei.value.details()
+        assert details.startswith("no prefill worker is up (after 1 failed attempts; last: prefill worker "
+                                  "prefill-down: StatusCode.UNAVAILABLE: engine step failed: poisoned)"), details
+        assert _calls([down], "Prefill") == 1
+    finally:
+        for close in opened:
+            close(None)
+
+
 # ----------------------------------------------------------------------------- concurrent picks
 
 
