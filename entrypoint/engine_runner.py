@@ -454,7 +454,9 @@ class EngineRunner:
         (not waited for when the watchdog already found it stuck); its requests are ended all the
         same, from here, under the lock: the process is going away, and a final event then matters
         more than the runner's one-thread rule. Should that step return, the thread publishes
-        nothing and stops (class docstring, invariant 2)."""
+        nothing and stops (class docstring, invariant 2). A thread stuck in another engine call
+        holds the lock: after 5 s more the requests are ended without it (a race with a thread
+        that may never run again, accepted at shutdown)."""
         stuck = self.broken is not None and self._step_started is not None  # the watchdog's doing
         self._stop.set()
         self._wake.set()
@@ -462,8 +464,15 @@ class EngineRunner:
         if self._thread.is_alive() and not stuck:
             log.error("the engine runner did not stop within 5 s (an engine step that does not return); "
                       "ending its requests anyway")
-        with self._lock:
+        locked = self._lock.acquire(timeout=5)  # not had: the thread hangs in an engine call other than step
+        try:
+            if not locked:
+                log.error("the engine runner holds its lock after 5 s (an engine call that does not return); "
+                          "ending its requests without it")
             self._down(reason)
+        finally:
+            if locked:
+                self._lock.release()
         if self._watchdog is not None:
             self._watchdog.join(timeout=5)
 
