@@ -44,7 +44,10 @@ committed here and the rest refused there):
     tenant, so fragment headers would name keys the daemon does not index under and the
     acknowledged entries would read as lost): nothing was indexed; the packs are removed,
     the writer is replaced after a fresh ``Describe`` and the batch written again, once; stale
-    again, the batch goes through ``PutStream``. Never an acknowledged put that reads back lost.
+    again (the views keep differing: two daemons behind one address, say), the batch goes
+    through ``PutStream`` and direct writes turn off for this client. Never an acknowledged
+    put that reads back lost. A daemon whose ``Describe`` has no ``writer_view`` (older than
+    this client) cannot refuse a stale writer: direct writes stay off against it.
   * ``Commit`` refused with PERMISSION_DENIED (the daemon stopped allowing direct writes):
     they turn off for this client, the packs are removed, the batch goes through ``PutStream``.
   * ``Commit`` refused before indexing anything (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
@@ -191,6 +194,9 @@ class DirectWrites(DirectPath):
             except KVStoreError as exc:  # e.g. an older daemon without Describe
                 return self._turn_off(f"Describe failed: {exc}")
             why = "" if d.direct_writes else "the daemon does not accept direct writes (allow_direct_writes = false)"
+            if not why and not d.writer_view:  # its Commit could not refuse a stale writer (module docstring)
+                why = ("the daemon's Describe has no writer_view (a daemon older than this client), so it could "
+                       "index entries under keys other than those written; upgrade the daemon")
             if not why and self.mode == "auto":
                 why = auto_decision(d)
             if why:
@@ -225,9 +231,12 @@ class DirectWrites(DirectPath):
             try:
                 return self._put_with(w, items, fallback)
             except StaleDescribe as exc:
-                self._retire(w, str(exc))
-                log.info("direct write to %s refused as stale (%s)%s", self.url, exc,
-                         "; describing again" if attempt == 1 else "; putting the batch through the daemon")
+                if attempt == 1:
+                    self._retire(w, str(exc))
+                    log.info("direct write to %s refused as stale (%s); describing again", self.url, exc)
+                else:  # stale right after a fresh Describe: the views keep differing (two daemons behind one
+                    # address, say); off, rather than two Describes and two discarded batches per put
+                    self._turn_off(f"Commit refused as stale right after a fresh Describe ({exc})", warn=True)
         w._count("fallbacks", len(items))
         return fallback(items)
 

@@ -138,9 +138,9 @@ class DirectRPC:
                                    "checked against this daemon's keys; put through Put/PutStream, or upgrade "
                                    "the client")
         if r.view != self._writer_view(tenant):
-            raise StaleDescribe("this writer's Describe is out of date (the daemon restarted on another data "
-                                "directory, tenant secret or erasure code, or the token names another tenant); "
-                                "call Describe again and rewrite the batch")
+            raise StaleDescribe("this writer's Describe is out of date (since it, the daemon's data directory, "
+                                "tenant secret, erasure code, targets or encoding settings changed, or the token "
+                                "names another tenant); call Describe again and rewrite the batch")
         entries = []
         # What a Put could carry, so a Get can send it back (a GetReply holds fewer of a PutRequest's
         # fields). Bigger: refused whole, and the client puts the batch through gRPC, whose own limits

@@ -129,8 +129,9 @@ class PermissionDenied(KVStoreError):
 
 class StaleDescribe(KVStoreError):
     """``Commit`` refused, nothing indexed: the writer's ``Describe`` (``writer_view``) is not what
-    the daemon would answer now (it restarted on another data directory, tenant secret or erasure
-    code, or the token now names another tenant). The writer describes again and rewrites."""
+    the daemon would answer now (since it, the data directory, tenant secret, erasure code, targets
+    or encoding settings changed, or the token now names another tenant). The writer describes
+    again and rewrites."""
 
     code = "STALE_DESCRIBE"
 
@@ -216,8 +217,8 @@ def error_from_rpc(err: grpc.RpcError, where: str = "", timeout_s: float | None 
         return BatchTooLarge(details, limit=_batch_limit(md.get(MD_BATCH_LIMIT)))
     if cls is CapacityExceeded:
         return CapacityExceeded(details, result=_gc_result(md.get(MD_GC_RESULT)))
-    if cls in (Unauthenticated, ServerBusy, PermissionDenied) and where:  # no store message to keep word for
-        return cls(f"{details} ({where})")  # word: say which daemon refused (one shard of a set)
+    if cls in (Unauthenticated, ServerBusy, PermissionDenied, StaleDescribe) and where:  # no store message to keep
+        return cls(f"{details} ({where})")  # word for word: say which daemon refused (one shard of a set)
     if cls is not None:
         return cls(details)
     status = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
