@@ -17,6 +17,14 @@ Guarantees:
      (the put returned a shortfall) or raised marks its requests failed until they
      are reported. Both are told apart so that the engine can free what it holds
      for a request either way and still know whether a decode may load it.
+     Counts are kept per *incarnation* of an id (a tag taken at its first job in flight):
+     ``forget`` (an abort) ends the current one, and its jobs still in flight keep
+     counting under their old tag, apart from those of a request re-added under the same
+     id (``EngineRunner`` retries a request alone under its id; clients reuse ids). So the
+     new request is reported once *its* jobs end, whatever the aborted one's do, and an
+     aborted job that fails marks nothing. Before, one count per id was shared: the aborted
+     jobs ending cleared the id's marks and the new request was never reported (it stayed
+     PENDING in the engine's ``_sending`` for ever).
   4. The saver thread never dies on an error: it logs, counts, goes on.
   5. ``flush`` waits for the jobs submitted before it was called, not for an empty
      queue: jobs get a ticket in queue order (``submit`` holds ``_submit_lock`` across
@@ -87,6 +95,7 @@ def _flush_at_exit(q: "SaveQueue") -> None:
 class SaveJob:
     items: tuple[PutItem, ...]
     request_ids: tuple[str, ...]
+    tags: tuple[int, ...]  # per request id, the incarnation it was submitted for (guarantee 3)
 
 
 class SaveQueue:
@@ -95,11 +104,19 @@ class SaveQueue:
         self.enqueue_timeout_s = enqueue_timeout_s
         self._q: queue.Queue[SaveJob | None] = queue.Queue(maxsize=depth)
         self._lock = threading.Lock()
-        self._inflight: dict[str, int] = {}
+        # Invariants (guarantee 3), all under ``_lock``:
+        #  1. ``_tag[rid]`` exists iff the current incarnation of ``rid`` has jobs in flight; their
+        #     count is ``_inflight[_tag[rid]]`` (> 0). Tags are never reused (``_next_tag``).
+        #  2. A tag in ``_inflight`` that is no id's ``_tag`` belongs to an aborted incarnation:
+        #     its count only runs down to its removal; it touches no mark of the id.
+        #  3. ``_finished``, ``_sent`` and ``_failed`` are about current incarnations only, so each
+        #     holds an id until ``take_sent`` reports it or ``forget`` drops it, never for ever.
+        self._next_tag = 0
+        self._tag: dict[str, int] = {}  # request id -> tag of its current incarnation's jobs in flight
+        self._inflight: dict[int, int] = {}  # tag -> jobs in flight
         self._finished: set[str] = set()
         self._sent: set[str] = set()
         self._failed: set[str] = set()  # requests with a save that did not reach the store (guarantee 3)
-        self._aborted: set[str] = set()  # forgotten while jobs were in flight: drop their mark at the end
         self._closed = False
         self._submit_lock = threading.Lock()  # one put at a time: tickets follow queue order (guarantee 5)
         self._progress = threading.Condition()  # guards _submitted and _completed
@@ -116,18 +133,25 @@ class SaveQueue:
         if not items:
             return True
         with self._lock:
+            tags = []
             for rid in request_ids:
-                self._inflight[rid] = self._inflight.get(rid, 0) + 1
+                tag = self._tag.get(rid)
+                if tag is None:  # the first job in flight of this incarnation
+                    tag = self._tag[rid] = self._next_tag
+                    self._next_tag += 1
+                self._inflight[tag] = self._inflight.get(tag, 0) + 1
+                tags.append(tag)
+        job = SaveJob(tuple(items), tuple(request_ids), tuple(tags))
         t0 = time.perf_counter()
         try:
             with self._submit_lock:
-                self._q.put(SaveJob(tuple(items), tuple(request_ids)), timeout=self.enqueue_timeout_s)
+                self._q.put(job, timeout=self.enqueue_timeout_s)
                 with self._progress:
                     self._submitted += 1
         except queue.Full:
             self.metrics.inc("saves_dropped", len(items))
             log.warning("save queue full: dropping %d entries (the store is too slow)", len(items))
-            self._done(request_ids, ok=False)
+            self._done(job, ok=False)
             return False
         finally:
             self.metrics.observe_max("save_enqueue_wait_max_s", time.perf_counter() - t0)
@@ -137,7 +161,7 @@ class SaveQueue:
     def mark_finished(self, request_id: str) -> None:
         with self._lock:
             self._finished.add(request_id)
-            if not self._inflight.get(request_id):
+            if request_id not in self._tag:  # no job of this incarnation in flight (invariant 1)
                 self._sent.add(request_id)
 
     def mark_failed(self, request_ids) -> None:
@@ -146,14 +170,14 @@ class SaveQueue:
             self._failed.update(request_ids)
 
     def forget(self, request_id: str) -> None:
-        """An aborted request: it is never reported, so keep no mark for it."""
+        """An aborted request: it is never reported, so keep no mark for it. Its jobs still in
+        flight run down under their tag (invariant 2); a request re-added under the same id
+        starts a new incarnation, counted apart."""
         with self._lock:
             self._finished.discard(request_id)
             self._sent.discard(request_id)
-            if self._inflight.get(request_id):
-                self._aborted.add(request_id)
-            else:
-                self._failed.discard(request_id)
+            self._failed.discard(request_id)
+            self._tag.pop(request_id, None)
 
     def take_sent(self) -> tuple[set[str], set[str]]:
         """``(done, failed)``: finished requests whose saves all ended, reported once, and those
@@ -210,18 +234,21 @@ class SaveQueue:
                 left_jobs = self._submitted - self._completed
             log.warning("exit: %d queued KV save job(s) dropped (%s)", left_jobs, why)
 
-    def _done(self, request_ids, ok: bool) -> None:
+    def _done(self, job: SaveJob, ok: bool) -> None:
+        """``job`` ended (``ok``: all of it reached the store); its requests' counts go down."""
         with self._lock:
-            if not ok:
-                self._failed.update(request_ids)
-            for rid in request_ids:
-                self._inflight[rid] -= 1
-                if self._inflight[rid] == 0:
-                    del self._inflight[rid]
-                    if rid in self._aborted:
-                        self._aborted.discard(rid)
-                        self._failed.discard(rid)
-                    elif rid in self._finished:
+            for rid, tag in zip(job.request_ids, job.tags):
+                current = self._tag.get(rid) == tag  # else an aborted incarnation (invariant 2)
+                if current and not ok:
+                    self._failed.add(rid)
+                left = self._inflight[tag] - 1
+                if left:
+                    self._inflight[tag] = left
+                    continue
+                del self._inflight[tag]
+                if current:
+                    del self._tag[rid]
+                    if rid in self._finished:
                         self._sent.add(rid)
 
     def _loop(self) -> None:
@@ -244,7 +271,7 @@ class SaveQueue:
                 self.metrics.inc("saves_failed", len(job.items) if job else 0)
             finally:
                 if job is not None:
-                    self._done(job.request_ids, ok)  # even after an exception: else never reported
+                    self._done(job, ok)  # even after an exception: else never reported
                     with self._progress:
                         self._completed += 1
                         self._progress.notify_all()

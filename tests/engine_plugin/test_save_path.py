@@ -15,6 +15,7 @@ from test_transfer import outstanding
 
 from engine_plugin.connector import BlockSave, WindowSnapshot
 from engine_plugin.reference import Engine, EngineConfig, SamplingParams
+from engine_plugin.reference.engine import SendState
 from engine_plugin.saver import SaveQueue
 from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.tiers import Metrics, StoreGateway
@@ -201,3 +202,81 @@ def test_a_request_whose_blocks_are_not_sent_is_not_reported_as_sent(rig, store,
     eng.collect_finished()
     assert not eng.kv_sent and eng.kv_send_failed == {"snap", "plain", "short"}
     assert not eng.connector.metrics.get("requests_save_incomplete")  # none failed: none was sent
+
+
+class _HeldPuts:
+    """A store whose ``put_many`` waits until ``go`` is set (bounded); ``entered`` once one waits."""
+
+    def __init__(self, inner=None):
+        self.inner, self.go, self.entered = inner, threading.Event(), threading.Event()
+        self.fail_first = False
+
+    def put_many(self, items):
+        self.entered.set()
+        self.go.wait(60)
+        if self.fail_first:
+            self.fail_first = False
+            raise StoreUnavailable("injected: this put failed")
+        return self.inner.put_many(items) if self.inner is not None else [True] * len(items)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_an_aborted_requests_saves_are_counted_apart_from_a_new_request_under_its_id():
+    """``forget`` ends an id's incarnation: a request re-added under that id (a retry alone, a
+    reused client id) is reported once *its own* saves ended, whatever the aborted one's do, and
+    an aborted save that fails marks it nothing. Before, the counts were shared: the new request
+    was never reported (its engine record stayed PENDING, held in ``_sending`` for ever)."""
+    st = _HeldPuts()
+    gw = StoreGateway(st, Metrics(), put_timeout_s=120, backoff_s=0.0)  # no breaker: one failure alone
+    q = SaveQueue(gw, Metrics(), depth=8, enqueue_timeout_s=5.0)
+    item = PutItem(b"k" * 16, b"v")
+    try:
+        st.fail_first = True  # the aborted requests' save fails
+        assert q.submit([item], ["r", "s"])
+        assert st.entered.wait(30)  # held in put_many
+        q.forget("r")
+        q.forget("s")
+        assert q.submit([item], ["r"])  # the new "r" saves; the new "s" has no save of its own
+        q.mark_finished("r")
+        q.mark_finished("s")
+        assert q.take_sent() == ({"s"}, set())  # not held up by the aborted one's save
+        st.go.set()
+        assert q.flush(timeout=60)
+        assert q.take_sent() == ({"r"}, set())  # its own save reached the store
+        assert q.take_sent() == (set(), set())  # reported once
+        assert not q._inflight and not q._tag and not q._finished and not q._failed
+    finally:
+        st.go.set()
+        q.close()
+        gw.close()
+
+
+def test_a_request_aborted_mid_save_then_re_added_under_its_id_leaves_pending(rig, store):
+    """The engine side of the test above (QA's repro): abort a request while its block saves are
+    in flight, re-add it under the same id (``EngineRunner`` retries a request alone so) and run
+    it to the end: once the saves ended, its ``send_state`` is set and the engine keeps nothing
+    of it (before: PENDING for ever, its record and logits held in ``Engine._sending``)."""
+    st = _HeldPuts(store)
+    eng = rig.engine(st)
+    prompt = rig.tokens(random.Random(3), 64)
+    eng.add_request("r", prompt, SamplingParams(max_new_tokens=50))
+    for _ in range(8):  # prefill chunks, until a block save waits in put_many
+        if st.entered.is_set():
+            break
+        eng.step()
+    assert st.entered.wait(30), "no save in flight"
+    assert eng.abort_request("r")
+    eng.add_request("r", prompt, SamplingParams(max_new_tokens=2))
+    for _ in range(1000):
+        if "r" in eng.finished:
+            break
+        eng.step()
+    req = eng.take_finished("r")
+    assert req is not None
+    st.go.set()
+    assert eng.connector.flush(timeout=60)
+    eng.collect_finished()
+    assert req.send_state is SendState.SENT
+    assert not eng._sending and not eng.connector.saves._finished
