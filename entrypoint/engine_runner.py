@@ -59,6 +59,12 @@ the process is restarted, even if the step returns later: an engine whose step h
 be trusted (its state, its device), and a worker that came back would only hang its next batch.
 Should the step return, the runner thread publishes nothing of it and ends. Only ``step`` is
 watched: the engine's bookkeeping calls (``add_request``, ``abort_request``) are not.
+
+Idle: with no request to step, the runner thread still collects the connector's reports of
+saves that ended (``Engine.collect_finished``, each ``_wake`` wait, only while the engine has
+one unreported: ``Engine.has_pending_sends``), so the last requests' records (logits included)
+leave the engine and get their ``send_state`` when their saves end, not when the next request
+arrives (a step collects them otherwise).
 """
 
 from __future__ import annotations
@@ -319,7 +325,11 @@ class EngineRunner:
                 self._enter(h)
             self._passed.clear()
             self._admit()
-        return self.engine.has_work()
+        if self.engine.has_work():
+            return True
+        if self.engine.has_pending_sends():  # idle: no step collects them (module docstring, "Idle")
+            self.engine.collect_finished()
+        return False
 
     def _after_step(self) -> None:
         self._publish()

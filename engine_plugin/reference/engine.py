@@ -335,6 +335,12 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_pending_sends(self) -> bool:
+        """Whether a finished request's saves are still unreported (``send_state`` PENDING): an
+        owner that stops stepping when idle calls ``collect_finished`` while this holds, else the
+        engine keeps those records until the next step."""
+        return bool(self._sending)
+
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, Request]:
         for _ in range(max_steps):
             if not self.has_work():

@@ -97,6 +97,46 @@ def test_a_failed_step_drops_its_requests_from_the_engine(runner, model, monkeyp
     assert code == grpc.StatusCode.INTERNAL and runner.broken is None
 
 
+def test_an_idle_runner_collects_the_saves_that_ended(model, tmp_path):
+    """The last request's saves end after it was served and nothing else arrives: the idle runner
+    still collects them, so its record (logits included) leaves the engine with its ``send_state``
+    set (before: only the next request's step collected them; an idle worker kept them)."""
+    import kvstore
+
+    class HeldPuts:  # the store's puts wait until released (bounded)
+        def __init__(self, inner):
+            self.inner, self.go = inner, threading.Event()
+
+        def put_many(self, items):
+            self.go.wait(60)
+            return self.inner.put_many(items)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    store = kvstore.connect(str(tmp_path / "store"))
+    st = HeldPuts(store)
+    conn = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=16), st)
+    r = EngineRunner(Engine(model, EngineConfig(block_size=16, num_blocks=64), connector=conn), conn)
+    try:
+        prompt = list(range(1, 41))  # two full blocks: saved to the store, held there
+        h = _submit(r, "last", prompt)
+        assert _outcome(h) == ("done", _cold(model, prompt))
+        assert r.engine.has_pending_sends()  # its saves are still held
+        st.go.set()
+        assert conn.flush(timeout=60)
+        deadline = time.monotonic() + 30.0
+        while r.engine.has_pending_sends() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not r.engine.has_pending_sends()
+        assert h.req.send_state.value == "sent"
+    finally:
+        st.go.set()
+        r.stop()
+        conn.close()
+        store.close()
+
+
 def test_an_engine_that_cannot_drop_its_requests_reports_the_worker_down(runner, monkeypatch):
     def step_fails():
         raise RuntimeError("injected step failure")
