@@ -90,7 +90,11 @@ Avoided workers (``entrypoint.health``): a call that ends INTERNAL or UNKNOWN,
 or that runs out of the client's deadline or misses ``worker_timeout_s`` with no
 progress from its worker (no reply; no decode token in that attempt), is a strike on its worker, and so
 is a decode stream that stalls for ``worker_timeout_s`` after tokens; one with progress (a reply, a
-decode stream that sent a token and did not stall) clears its strikes. After ``avoid_after`` (3)
+decode stream that sent a token and did not stall) clears its strikes. A stream that stalls only
+after its last token (every token delivered; its worker's final stats event late, as when it
+flushes its saves) is progress: the request is complete, so its worker is neither struck nor
+marked down, and the client's stream ends as usual, its decode hop without the worker's stats
+(``stats_lost``; logged). Before, it was struck and marked down for a request it had served. After ``avoid_after`` (3)
 strikes in a row the worker is avoided for ``avoid_for_s`` (30 s): every pick of its role leaves it out while
 another worker of the role is up, not avoided, and admitted by the LB (when the
 LB admits none of those, KV full or an SLO missed, it chooses again among all
@@ -452,6 +456,17 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                             self.strikes.record(inst, Outcome.PROGRESS if len(generated) > before
                                                 else Outcome.NO_PROGRESS)
                         return
+                    if watch is not None and watch.stalled and len(generated) >= max_new:
+                        # every token delivered, only its final stats event is late (the worker flushes
+                        # its saves after the last token): the request is complete. Not the worker's
+                        # fault to strike, mark down or fail over; the client's stream ends without them.
+                        log.warning("decode worker %s sent all %d tokens of %s, then nothing for %.1f s: ending "
+                                    "the stream without its stats", inst.worker_id, max_new, rid,
+                                    self.cfg.worker_timeout_s)
+                        self.strikes.record(inst, Outcome.PROGRESS)
+                        yield hop("decode", worker=inst.worker_id, tokens=len(generated), ms=ms() - t,
+                                  stats_lost=f"none within worker_timeout_s ({self.cfg.worker_timeout_s} s)")
+                        continue
                     if watch is not None and watch.stalled:  # the worker's: down, and the stream resumes
                         # a strike too, tokens sent or not: the heartbeat brings a hung engine back
                         self.strikes.record(inst, Outcome.NO_PROGRESS if len(generated) == before

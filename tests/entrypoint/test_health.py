@@ -359,6 +359,49 @@ def test_a_decode_engine_that_stalls_a_few_tokens_in_is_avoided_though_the_heart
             close(None)
 
 
+class LateStatsDecode(FakeWorker):
+    """A decode worker that sends every token of a stream, then holds its final stats event until
+    ``release`` is set (bounded), as the real worker does while it flushes its saves after the last
+    token."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.release = threading.Event()
+
+    def Decode(self, request, context):
+        self._record("Decode", context)
+        for i in range(len(request.generated), request.sampling.max_new_tokens):
+            yield pb.DecodeEvent(token_id=i, index=i)
+        self.release.wait(60)  # far past worker_timeout_s: the entrypoint gives up on it first
+        yield pb.DecodeEvent(token_id=0, index=0, stats=json.dumps({"late": True}))
+
+
+def test_a_decode_stream_that_stalls_after_its_last_token_is_served_and_not_struck(stack):
+    """The decode worker sends every token, then nothing for worker_timeout_s (its stats event is late):
+    the request is complete, so the client's stream ends as usual (its decode hop says the stats were
+    lost), with no failover, and the worker is neither struck nor marked down. Before: STALLED, a
+    strike, marked down, a failover hop, and (avoid_after 1) avoided for a request it had served."""
+    svc, ch, fakes, _ = stack(worker_timeout_s=0.5, max_attempts=3, avoid_after=1)
+    opened: list = []
+    late = LateStatsDecode("late-d", "decode")
+    try:
+        svc.registry.add(late.worker_id, "decode", _serve_fake(late, opened))
+        svc.registry.add(fakes["prefill"][0].worker_id, "prefill", fakes["prefill"][1])
+        inst = svc.registry.instances("decode")[0]
+        req = pb.GenerateRequest(token_ids=[100] * 40, sampling=pb.Sampling(max_new_tokens=8))
+        events = list(pbg.EntrypointStub(ch).Generate(req, timeout=60))
+        assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN] + list(range(1, 8))
+        hops = [json.loads(e.detail) for e in events if e.kind == "hop"]
+        assert [h["hop"] for h in hops if h["hop"].startswith("decode") or h["hop"] == "failover"] == [
+            "decode_start", "decode"]
+        assert "stats_lost" in hops[-1] and events[-1].kind == "done"
+        assert inst.strikes == 0 and inst.healthy and not svc.strikes.avoided(inst)
+    finally:
+        late.release.set()
+        for close in opened:
+            close(None)
+
+
 class EndingContext:
     """The servicer context of a client whose call grpc ends at ``end(left_s)``, as it ends one that the
     client cancelled or whose deadline passed: from then it reads inactive with ``left_s`` of the deadline
