@@ -40,8 +40,12 @@ SAVE_POLICIES: dict[str, SavePolicy] = {
 
 
 # The fewest ``store_max_calls``: a lookup (engine thread), a load (loader thread) and a put
-# (saver thread) may run at once; with fewer threads a healthy store would be seen as busy.
-MIN_STORE_CALLS = 3
+# (saver thread) may run at once, and the gateway counts an abandoned call (timed out, still
+# running: ``engine_plugin.tiers``) against the bound until it returns. So each path gets one
+# call abandoned by a slow moment of the store and still room for its next: 3 running + 3
+# abandoned. At 3, one lookup that timed out plus a put and a load filled every slot, and the
+# next call failed ``store_busy`` and tripped the breaker on a store that had merely been slow.
+MIN_STORE_CALLS = 6
 
 
 @dataclass(frozen=True, slots=True)

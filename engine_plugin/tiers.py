@@ -66,7 +66,8 @@ The rule for abandoned calls: a call never waits in a queue. An abandoned call k
 its thread until it returns, and the next call gets another thread, up to
 ``max_calls`` (default ``MAX_STORE_CALLS``; a connector passes ``ConnectorConfig.store_max_calls``)
 calls running at once, abandoned ones included; the plugin itself runs at most three at a time
-(a lookup, a load, a put). A call
+(a lookup, a load, a put), so a connector's floor is twice that (``MIN_STORE_CALLS``: room for one
+abandoned call per path). A call
 that finds all ``max_calls`` running fails at once, counted ``store_busy``, and trips
 the breaker (2): with that many calls hung, the store is as good as down. So hung calls
 cost at most ``max_calls`` threads, never delay a later call (a lookup, a read

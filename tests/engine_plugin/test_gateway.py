@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from engine_plugin.loader import Loader
+from engine_plugin.connector_config import MIN_STORE_CALLS
 from engine_plugin.reference import SamplingParams
 from engine_plugin.tiers import Metrics, StoreGateway
-from kvstore.api import EntryInfo, EntryKind, LookupResult
+from kvstore.api import EntryInfo, EntryKind, LookupResult, PutItem
 from tests.daemon.conftest import wait_until
 
 GREEDY = SamplingParams(max_new_tokens=4)
@@ -191,6 +192,33 @@ def test_with_max_calls_hung_a_call_fails_at_once_and_recovers_when_they_end():
         assert wait_until(lambda: gw.running_calls == 0, timeout=30.0, step=0.01)
         clock[0] += 2.0
         assert gw.lookup(KEYS) == LookupResult(2, None) and st.calls == 4
+    finally:
+        st.release.set()
+        gw.close()
+
+
+def test_at_the_fewest_max_calls_one_abandoned_call_per_path_leaves_room_for_each():
+    """``ConnectorConfig``'s floor on ``store_max_calls``: with a lookup, a load and a put each
+    abandoned (timed out, still running), the three paths still reach the store, none refused as
+    ``store_busy`` (at the old floor, 3, the first of them failed and tripped the breaker)."""
+    clock = [0.0]
+    st, m = Sticky(hang=3), Metrics()
+    gw = StoreGateway(st, m, timeout_s=0.5, put_timeout_s=0.5, backoff_s=1.0, clock=lambda: clock[0],
+                      max_calls=MIN_STORE_CALLS)
+    outs = [np.zeros(64, dtype=np.uint8) for _ in KEYS]
+    try:
+        clock[0] += 2.0
+        assert gw.lookup(KEYS) is None  # abandoned after timeout_s, still running
+        clock[0] += 2.0
+        assert gw.read_into(KEYS, outs, kind="block", nbytes=64).ok == [False, False]
+        clock[0] += 2.0
+        assert not gw.put_many([PutItem(KEYS[0], b"v")])
+        assert gw.running_calls == 3
+        clock[0] += 2.0  # past the breaker the timeouts opened
+        assert gw.lookup(KEYS) == LookupResult(2, None)
+        gw.read_into(KEYS, outs, kind="block", nbytes=64)
+        assert gw.put_many([PutItem(KEYS[0], b"v")])
+        assert st.calls == 6 and not m.get("store_busy") and gw.available
     finally:
         st.release.set()
         gw.close()

@@ -158,7 +158,7 @@ def test_a_layout_that_does_not_fit_the_model_is_refused_at_construction(rig, ch
     {"block_size": 0}, {"block_size": -16}, {"host_capacity_bytes": -1}, {"save_queue_depth": 0},
     {"store_timeout_s": 0}, {"store_timeout_s": math.nan}, {"store_backoff_s": -1}, {"ttl_s": 0},
     {"snapshot_interval_blocks": -1}, {"load_batch_blocks": 0},
-    {"store_max_calls": 2}, {"store_max_calls": 0}, {"store_max_calls": 4.0}, {"store_max_calls": True},
+    {"store_max_calls": 5}, {"store_max_calls": 2}, {"store_max_calls": 0}, {"store_max_calls": 4.0}, {"store_max_calls": True},
 ])
 def test_connector_config_refuses_bad_values(kw):
     with pytest.raises(InvalidRequest, match=next(iter(kw))):
@@ -168,9 +168,9 @@ def test_connector_config_refuses_bad_values(kw):
 def test_store_max_calls_reaches_the_store_gateway(rig):
     """``ConnectorConfig.store_max_calls`` bounds the gateway's store call threads (it was only
     settable by building a ``StoreGateway`` by hand: the connector always used 16)."""
-    conn = KVStoreConnector(rig.model.kv_layout(), ConnectorConfig(block_size=16, store_max_calls=5))
+    conn = KVStoreConnector(rig.model.kv_layout(), ConnectorConfig(block_size=16, store_max_calls=7))
     rig.connectors.append(conn)
-    assert conn.gateway.max_calls == 5
+    assert conn.gateway.max_calls == 7
     assert ConnectorConfig().store_max_calls == MAX_STORE_CALLS
 
 
