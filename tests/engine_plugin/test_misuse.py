@@ -158,7 +158,8 @@ def test_a_layout_that_does_not_fit_the_model_is_refused_at_construction(rig, ch
     {"block_size": 0}, {"block_size": -16}, {"host_capacity_bytes": -1}, {"save_queue_depth": 0},
     {"store_timeout_s": 0}, {"store_timeout_s": math.nan}, {"store_backoff_s": -1}, {"ttl_s": 0},
     {"snapshot_interval_blocks": -1}, {"load_batch_blocks": 0},
-    {"store_max_calls": 5}, {"store_max_calls": 2}, {"store_max_calls": 0}, {"store_max_calls": 4.0}, {"store_max_calls": True},
+    {"store_max_calls": 5}, {"store_max_calls": 2}, {"store_max_calls": 0},
+    {"store_max_calls": 4.0}, {"store_max_calls": True},
 ])
 def test_connector_config_refuses_bad_values(kw):
     with pytest.raises(InvalidRequest, match=next(iter(kw))):
