@@ -478,7 +478,11 @@ def _stats_text(d: dict) -> str:
 
 def run_stats(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     d = store.stats()
-    return _with_down_shards(store, Outcome(ExitCode.OK, d, _stats_text(d)), _down_in(d))
+    # Lost entries or a target down are problems, as inspect and verify say (QA: stats printed
+    # them and answered 0, healthy, while inspect on the same store answered 1).
+    bad = d.get("lost_entries", 0) or any(not t.get("up", True) for t in d.get("targets", ()))
+    return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, _stats_text(d)),
+                             _down_in(d))
 
 
 def _configure_delete(p: argparse.ArgumentParser) -> None:

@@ -34,14 +34,22 @@ def _verify_json(run_tool, *argv) -> tuple[int, dict]:
     return code, json.loads(out)
 
 
-def test_inspect_answers_1_while_a_target_is_down_or_entries_are_lost(store_dir, run_tool):
-    """inspect's summary exits as verify would: 1 with a target down or an entry lost (QA: a
-    store with every target gone and every entry lost answered 0, healthy), 0 once healthy."""
+def _stats_json(run_tool, path) -> tuple[int, dict]:
+    code, out, _ = run_tool("stats", path, "--json")
+    return code, json.loads(out)
+
+
+def test_inspect_and_stats_answer_1_while_a_target_is_down_or_entries_are_lost(store_dir, run_tool):
+    """inspect's summary and stats exit as verify would: 1 with a target down or an entry lost
+    (QA: a store with every target gone and every entry lost answered 0, healthy; stats still
+    did after inspect was fixed), 0 once healthy."""
     pop = store_dir
-    assert run_tool("inspect", pop.path)[0] == 0
+    assert run_tool("inspect", pop.path)[0] == 0 and run_tool("stats", pop.path)[0] == 0
     moved = [_away(pop, "t1")]
     code, out, _ = run_tool("inspect", pop.path, "--json")
     assert code == 1 and json.loads(out)["total"]["lost"] == 0  # degraded, a target down
+    code, d = _stats_json(run_tool, pop.path)
+    assert code == 1 and d["lost_entries"] == 0 and [t["name"] for t in d["targets"] if not t["up"]] == ["t1"]
     moved += [_away(pop, "t2"), _away(pop, "t4")]
     assert run_tool("verify", pop.path)[0] == 1  # marks the entries lost
     code, out, _ = run_tool("inspect", pop.path, "--json")
@@ -50,7 +58,10 @@ def test_inspect_answers_1_while_a_target_is_down_or_entries_are_lost(store_dir,
         dst.rename(src)
     code, out, _ = run_tool("inspect", pop.path, "--json")
     assert code == 1 and json.loads(out)["total"]["lost"] > 0  # every target up; still lost until a repair
+    code, d = _stats_json(run_tool, pop.path)
+    assert code == 1 and d["lost_entries"] > 0 and all(t["up"] for t in d["targets"])
     assert run_tool("repair", pop.path)[0] == 0 and run_tool("inspect", pop.path)[0] == 0
+    assert run_tool("stats", pop.path)[0] == 0
 
 
 def test_two_targets_down_reads_three_down_lost_then_repair(store_dir, run_tool):
