@@ -190,7 +190,7 @@ class ReferenceTarget:
         self._table = list(range(self.pool.num_blocks))
 
     def prefill(self, suffix: int, cached: int) -> float:
-        from engine_plugin.reference.engine import _PagedKV  # the engine's block-table accessor
+        from engine_plugin.reference.pool import PagedKV  # the engine's block-table accessor
 
         table = self._table[: -(-(cached + suffix) // self.B)]  # the request's blocks (prompt only)
         toks = self._tokens(suffix)
@@ -201,7 +201,7 @@ class ReferenceTarget:
         while pos < end:
             n = min(self.ecfg.chunk_size, end - pos)
             chunk = torch.tensor(toks[pos - cached:pos - cached + n], dtype=torch.long)
-            self.model.forward_chunk(chunk, pos, win, _PagedKV(self.pool, table))
+            self.model.forward_chunk(chunk, pos, win, PagedKV(self.pool, table))
             pos += n
         self._sync()
         return time.perf_counter() - t0
@@ -214,7 +214,7 @@ class ReferenceTarget:
         self._wins = [self._window(0) for _ in range(max_batch)]
 
     def decode_step(self, batch: int, context: int) -> float:
-        from engine_plugin.reference.engine import _PagedKV
+        from engine_plugin.reference.pool import PagedKV
 
         nb = -(-(context + 1) // self.B)
         tables = [list(range(r * self._per_req, r * self._per_req + nb)) for r in range(batch)]
@@ -225,7 +225,7 @@ class ReferenceTarget:
         t0 = time.perf_counter()
         for r in range(batch):  # the engine runs each decoding request's 1-token chunk in turn
             self.model.forward_chunk(torch.tensor([toks[r]], dtype=torch.long), context, self._wins[r],
-                                     _PagedKV(self.pool, tables[r]))
+                                     PagedKV(self.pool, tables[r]))
         self._sync()
         return time.perf_counter() - t0
 

@@ -76,7 +76,7 @@ from engine_plugin.connector import (ForwardContext, KVConnectorBase, KVLayout, 
                                      SchedulerOutput, WindowSnapshot)
 from engine_plugin.reference.config import EngineConfig
 from engine_plugin.reference.model import ReferenceModel, WindowState, snapshot_shape
-from engine_plugin.reference.pool import BlockPool
+from engine_plugin.reference.pool import BlockPool, PagedKV
 from kvstore.errors import InternalError, InvalidRequest
 from kvstore.keys import BlockHasher, ImageSpan, Namespace, check_image_spans
 
@@ -156,24 +156,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output
-
-
-class _PagedKV:
-    """``GlobalKVAccess`` over one request's block table."""
-
-    __slots__ = ("pool", "table", "B")
-
-    def __init__(self, pool: BlockPool, block_ids: list[int]):
-        self.pool, self.B = pool, pool.block_size
-        self.table = torch.tensor(block_ids, dtype=torch.long, device=pool.kv.device)
-
-    def read(self, end: int) -> torch.Tensor:
-        nb = -(-end // self.B)
-        return self.pool.kv[self.table[:nb]].reshape(-1, self.pool.kv.shape[-1])[:end]
-
-    def write(self, start: int, g: torch.Tensor) -> None:
-        pos = torch.arange(start, start + g.shape[0], device=g.device)
-        self.pool.kv[self.table[pos // self.B], pos % self.B] = g
 
 
 class Engine:
@@ -377,7 +359,7 @@ class Engine:
                 self._replay(req, hook)
             toks = torch.tensor(req.all_token_ids[ch.start:ch.start + ch.num_tokens], dtype=torch.long)
             results[req.request_id] = self.model.forward_chunk(
-                toks, ch.start, req.window, _PagedKV(self.pool, req.block_ids), hook=hook)
+                toks, ch.start, req.window, PagedKV(self.pool, req.block_ids), hook=hook)
         errors = conn.get_load_errors() if conn is not None else {}
         for rid, err in errors.items():
             if rid not in reqs:
@@ -483,7 +465,7 @@ class Engine:
         start, end = req.plan.replay_start, req.plan.hit_tokens
         toks = torch.tensor(req.all_token_ids[start:end], dtype=torch.long)
         t0 = time.perf_counter()
-        self.model.forward_chunk(toks, start, req.window, _PagedKV(self.pool, req.block_ids),
+        self.model.forward_chunk(toks, start, req.window, PagedKV(self.pool, req.block_ids),
                                  replay=True, hook=hook)
         if self.cfg.sync_timing and self.model.device.type != "cpu":
             torch.cuda.synchronize(self.model.device)  # timing only: costs the overlap

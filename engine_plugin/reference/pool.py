@@ -163,3 +163,22 @@ class BlockPool:
             self.free.append(self._evict_oldest())
             n += 1
         return n
+
+
+class PagedKV:
+    """``GlobalKVAccess`` (``engine_plugin.reference.model``) over one request's block table in
+    ``pool``: the engine's accessor, also used by ``tools/fit_cost_model.py``."""
+
+    __slots__ = ("pool", "table", "B")
+
+    def __init__(self, pool: BlockPool, block_ids: list[int]):
+        self.pool, self.B = pool, pool.block_size
+        self.table = torch.tensor(block_ids, dtype=torch.long, device=pool.kv.device)
+
+    def read(self, end: int) -> torch.Tensor:
+        nb = -(-end // self.B)
+        return self.pool.kv[self.table[:nb]].reshape(-1, self.pool.kv.shape[-1])[:end]
+
+    def write(self, start: int, g: torch.Tensor) -> None:
+        pos = torch.arange(start, start + g.shape[0], device=g.device)
+        self.pool.kv[self.table[pos // self.B], pos % self.B] = g
