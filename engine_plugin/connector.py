@@ -112,7 +112,10 @@ Worker side (called by the model runner during a step)
     A request is in ``sending_done`` once all its saves *ended*, whether they
     reached the store or not (as vLLM's ``finished_sending``): an engine that
     holds blocks for it (``request_finished`` returned ``True``) frees them
-    then, so a failed save never leaks blocks.
+    then, so a failed save never leaks blocks. An id added again after its
+    request finished (no abort between) is another request: each is reported
+    once its own saves ended, an id's requests in the order they finished, at
+    most one of them per call (the engine pairs a report with the id's oldest).
 ``get_failed_sends() -> set[str]``
     When: right after ``get_finished``. Those of the requests it just reported
     in ``sending_done`` with a save that did not reach the store (failed,

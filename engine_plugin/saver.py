@@ -24,7 +24,16 @@ Guarantees:
      new request is reported once *its* jobs end, whatever the aborted one's do, and an
      aborted job that fails marks nothing. Before, one count per id was shared: the aborted
      jobs ending cleared the id's marks and the new request was never reported (it stayed
-     PENDING in the engine's ``_sending`` for ever).
+     PENDING in the engine's ``_sending`` for ever). ``mark_finished`` ends the current
+     incarnation too: a request re-added under the id of a finished one whose saves still
+     run (no abort between) counts its own jobs and marks apart, and ``take_sent`` reports
+     an id's finished incarnations one at a time, oldest first, each once its own jobs
+     ended, with its own outcome (at most once per id per call, so an owner that pairs each
+     report of an id with its oldest record waiting, as ``Engine.collect_finished`` does,
+     gives each record its own). Before, the new request's jobs joined the finished one's
+     count: the finished one was reported with the new one's failures (or the new one's
+     finish was folded into its report), and the new one was reported sent for saves it
+     never made, or the engine's record of the finished one stayed PENDING for ever.
   4. The saver thread never dies on an error: it logs, counts, goes on.
   5. ``flush`` waits for the jobs submitted before it was called, not for an empty
      queue: jobs get a ticket in queue order (``submit`` holds ``_submit_lock`` across
@@ -57,6 +66,7 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
 from engine_plugin.tiers import Metrics, StoreGateway
@@ -98,6 +108,14 @@ class SaveJob:
     tags: tuple[int, ...]  # per request id, the incarnation it was submitted for (guarantee 3)
 
 
+@dataclass(slots=True)
+class _Ended:
+    """A finished incarnation of a request id, not yet reported by ``take_sent`` (guarantee 3)."""
+
+    tag: int | None  # the tag of its jobs while some are in flight; None once all ended
+    failed: bool  # one of its saves did not reach the store
+
+
 class SaveQueue:
     def __init__(self, gateway: StoreGateway, metrics: Metrics, *, depth: int, enqueue_timeout_s: float):
         self.gateway, self.metrics = gateway, metrics
@@ -105,18 +123,21 @@ class SaveQueue:
         self._q: queue.Queue[SaveJob | None] = queue.Queue(maxsize=depth)
         self._lock = threading.Lock()
         # Invariants (guarantee 3), all under ``_lock``:
-        #  1. ``_tag[rid]`` exists iff the current incarnation of ``rid`` has jobs in flight; their
-        #     count is ``_inflight[_tag[rid]]`` (> 0). Tags are never reused (``_next_tag``).
-        #  2. A tag in ``_inflight`` that is no id's ``_tag`` belongs to an aborted incarnation:
-        #     its count only runs down to its removal; it touches no mark of the id.
-        #  3. ``_finished``, ``_sent`` and ``_failed`` are about current incarnations only, so each
-        #     holds an id until ``take_sent`` reports it or ``forget`` drops it, never for ever.
+        #  1. ``_tag[rid]`` exists iff the current (running) incarnation of ``rid`` has jobs in
+        #     flight; their count is ``_inflight[_tag[rid]]`` (> 0). Tags are never reused.
+        #  2. A tag in ``_inflight`` that is neither an id's ``_tag`` nor in ``_ending`` belongs to
+        #     an aborted incarnation: its count only runs down to its removal; it marks nothing.
+        #  3. ``_ending[tag]`` is the finished incarnation whose jobs in flight carry ``tag``; it
+        #     is also in ``_ended`` until reported, its ``tag`` set to None once they all ended.
+        #  4. ``_failed`` is about current incarnations only (``mark_finished`` moves the mark to
+        #     the ``_Ended``); ``_ended`` holds an id until ``take_sent`` reported all of its
+        #     finished incarnations, never for ever (``forget`` touches only the current one).
         self._next_tag = 0
         self._tag: dict[str, int] = {}  # request id -> tag of its current incarnation's jobs in flight
         self._inflight: dict[int, int] = {}  # tag -> jobs in flight
-        self._finished: set[str] = set()
-        self._sent: set[str] = set()
-        self._failed: set[str] = set()  # requests with a save that did not reach the store (guarantee 3)
+        self._ending: dict[int, _Ended] = {}  # tag -> the finished incarnation whose jobs carry it
+        self._ended: dict[str, deque[_Ended]] = {}  # request id -> finished, unreported; oldest first
+        self._failed: set[str] = set()  # current requests with a save that did not reach the store
         self._closed = False
         self._submit_lock = threading.Lock()  # one put at a time: tickets follow queue order (guarantee 5)
         self._progress = threading.Condition()  # guards _submitted and _completed
@@ -159,10 +180,15 @@ class SaveQueue:
         return True
 
     def mark_finished(self, request_id: str) -> None:
+        """The current incarnation of ``request_id`` finished: it is reported by ``take_sent``
+        once its jobs in flight ended, after the id's earlier finished ones; a job submitted
+        under the id from now on is a new incarnation's (guarantee 3)."""
         with self._lock:
-            self._finished.add(request_id)
-            if request_id not in self._tag:  # no job of this incarnation in flight (invariant 1)
-                self._sent.add(request_id)
+            end = _Ended(self._tag.pop(request_id, None), request_id in self._failed)
+            self._failed.discard(request_id)
+            if end.tag is not None:  # jobs of it in flight (invariant 1)
+                self._ending[end.tag] = end
+            self._ended.setdefault(request_id, deque()).append(end)
 
     def mark_failed(self, request_ids) -> None:
         """Saves of these requests were dropped before ``submit`` (guarantee 3)."""
@@ -172,21 +198,28 @@ class SaveQueue:
     def forget(self, request_id: str) -> None:
         """An aborted request: it is never reported, so keep no mark for it. Its jobs still in
         flight run down under their tag (invariant 2); a request re-added under the same id
-        starts a new incarnation, counted apart."""
+        starts a new incarnation, counted apart. The id's finished incarnations not yet
+        reported are not this one: they are still reported (invariant 4)."""
         with self._lock:
-            self._finished.discard(request_id)
-            self._sent.discard(request_id)
             self._failed.discard(request_id)
             self._tag.pop(request_id, None)
 
     def take_sent(self) -> tuple[set[str], set[str]]:
         """``(done, failed)``: finished requests whose saves all ended, reported once, and those
-        of them with a save that did not reach the store (guarantee 3)."""
+        of them with a save that did not reach the store (guarantee 3). Per id, its oldest finished
+        incarnation not yet reported, once that one's jobs all ended: at most one per call."""
+        sent: set[str] = set()
+        failed: set[str] = set()
         with self._lock:
-            sent, self._sent = self._sent, set()
-            self._finished -= sent
-            failed = sent & self._failed
-            self._failed -= sent
+            for rid, ends in list(self._ended.items()):
+                if ends[0].tag is not None:  # its jobs still run; the id's later ones wait behind it
+                    continue
+                end = ends.popleft()
+                if not ends:
+                    del self._ended[rid]
+                sent.add(rid)
+                if end.failed:
+                    failed.add(rid)
         return sent, failed
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -238,9 +271,13 @@ class SaveQueue:
         """``job`` ended (``ok``: all of it reached the store); its requests' counts go down."""
         with self._lock:
             for rid, tag in zip(job.request_ids, job.tags):
-                current = self._tag.get(rid) == tag  # else an aborted incarnation (invariant 2)
-                if current and not ok:
-                    self._failed.add(rid)
+                current = self._tag.get(rid) == tag
+                end = self._ending.get(tag)  # neither: an aborted incarnation (invariant 2)
+                if not ok:
+                    if current:
+                        self._failed.add(rid)
+                    elif end is not None:
+                        end.failed = True
                 left = self._inflight[tag] - 1
                 if left:
                     self._inflight[tag] = left
@@ -248,8 +285,9 @@ class SaveQueue:
                 del self._inflight[tag]
                 if current:
                     del self._tag[rid]
-                    if rid in self._finished:
-                        self._sent.add(rid)
+                elif end is not None:  # a finished incarnation's last job: take_sent may report it
+                    del self._ending[tag]
+                    end.tag = None
 
     def _loop(self) -> None:
         while True:

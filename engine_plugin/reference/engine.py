@@ -50,7 +50,9 @@ P/D handoff signal: each finished request carries ``Request.send_state``
 SENT (all its KV reached the store: a decode engine may load it) or NOT_SENT.
 A save may end after the request was taken (``take_finished``): the engine
 keeps such a request in ``_sending`` until the connector reports it, and sets
-the state on the record its owner took. ``kv_sent`` / ``kv_send_failed`` are
+the state on the record its owner took; a request added again under its id
+meanwhile waits behind it and gets the state of its own saves (the connector
+reports an id's requests in the order they finished). ``kv_sent`` / ``kv_send_failed`` are
 views over the requests still in ``finished``. So the engine holds the signal of
 a request only while it holds its record or its saves are in flight: bounded,
 however many requests a worker serves (before, two sets gained an id per
@@ -195,9 +197,10 @@ class Engine:
         self._newly_finished: list[str] = []
         # Finished requests whose saves the connector has not yet reported ended (``send_state``
         # PENDING), taken or not: the connector reports each one once (its ``get_finished``
-        # contract), so this holds only requests with saves in flight. Keyed by id, as the
-        # connector's saves are: an id reused while its earlier request's saves run takes over.
-        self._sending: dict[str, Request] = {}
+        # contract), so this holds only requests with saves in flight. Per id, oldest first: an id
+        # reused while its earlier request's saves run does not take over; the connector reports
+        # an id's requests in the order they finished (``engine_plugin.saver``, guarantee 3).
+        self._sending: dict[str, deque[Request]] = {}
         self.steps = 0
         self.rollbacks = 0
 
@@ -401,8 +404,11 @@ class Engine:
         self._newly_finished.clear()
         failed = self.connector.get_failed_sends() & done
         for rid in done:
-            req = self._sending.pop(rid, None)  # None: not finished here (a connector's bug); ignored
-            if req is not None:
+            reqs = self._sending.get(rid)  # None: not finished here (a connector's bug); ignored
+            if reqs:  # the oldest of the id: the connector reports them in the order they finished
+                req = reqs.popleft()
+                if not reqs:
+                    del self._sending[rid]
                 req.send_state = SendState.NOT_SENT if rid in failed else SendState.SENT
         return done - failed
 
@@ -544,7 +550,7 @@ class Engine:
         if self.connector is not None:
             _, req.transfer_params_out = self.connector.request_finished(req, req.block_ids)
             req.send_state = SendState.PENDING
-            self._sending[req.request_id] = req
+            self._sending.setdefault(req.request_id, deque()).append(req)
         self.pool.release(req.block_ids)
         self.finished[req.request_id] = req
         self._newly_finished.append(req.request_id)

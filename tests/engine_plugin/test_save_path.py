@@ -246,7 +246,7 @@ def test_an_aborted_requests_saves_are_counted_apart_from_a_new_request_under_it
         assert q.flush(timeout=60)
         assert q.take_sent() == ({"r"}, set())  # its own save reached the store
         assert q.take_sent() == (set(), set())  # reported once
-        assert not q._inflight and not q._tag and not q._finished and not q._failed
+        assert not q._inflight and not q._tag and not q._ended and not q._failed
     finally:
         st.go.set()
         q.close()
@@ -279,4 +279,104 @@ def test_a_request_aborted_mid_save_then_re_added_under_its_id_leaves_pending(ri
     assert eng.connector.flush(timeout=60)
     eng.collect_finished()
     assert req.send_state is SendState.SENT
-    assert not eng._sending and not eng.connector.saves._finished
+    assert not eng._sending and not eng.connector.saves._ended
+
+
+class _HeldOutcomes:
+    """A store whose ``put_many`` waits until ``go`` is set (bounded), then takes the next of
+    ``outcomes`` (True: every item stored; False: the put raises), True once they run out."""
+
+    def __init__(self, *outcomes: bool):
+        self.outcomes, self.go, self.entered = list(outcomes), threading.Event(), threading.Event()
+
+    def put_many(self, items):
+        self.entered.set()
+        self.go.wait(60)
+        if self.outcomes and not self.outcomes.pop(0):
+            raise StoreUnavailable("injected: this put failed")
+        return [True] * len(items)
+
+
+def test_a_finished_request_re_added_under_its_id_is_reported_apart_from_its_saves_in_flight():
+    """A request finishes with a save in flight, and a new one is added under its id without an
+    abort between (a reused client id): each incarnation is reported once its *own* saves ended,
+    with its *own* outcome, oldest first. Before, the new one's saves joined the old one's count:
+    the old one was reported failed for the new one's failed save, and the new one then sent."""
+    st = _HeldOutcomes(True, False)  # the old request's save reaches the store; the new one's fails
+    gw = StoreGateway(st, Metrics(), put_timeout_s=120, backoff_s=0.0)
+    q = SaveQueue(gw, Metrics(), depth=8, enqueue_timeout_s=5.0)
+    item = PutItem(b"k" * 16, b"v")
+    try:
+        assert q.submit([item], ["r"])
+        assert st.entered.wait(30)  # held in put_many
+        q.mark_finished("r")
+        assert q.take_sent() == (set(), set())
+        assert q.submit([item], ["r"])  # the new "r" (no abort between) saves too
+        st.go.set()
+        assert q.flush(timeout=60)
+        assert q.take_sent() == ({"r"}, set())  # the old one: its own save reached the store
+        assert q.take_sent() == (set(), set())  # the new one still runs: nothing to report
+        q.mark_finished("r")
+        assert q.take_sent() == ({"r"}, {"r"})  # the new one: its own save failed
+        assert q.take_sent() == (set(), set())
+        assert not q._inflight and not q._tag and not q._ended and not q._ending and not q._failed
+    finally:
+        st.go.set()
+        q.close()
+        gw.close()
+
+
+def test_two_finished_incarnations_of_an_id_are_reported_in_the_order_they_finished():
+    """The new request under the id finishes while the old one's save is still in flight (it has
+    no save of its own, or a dropped one): it waits behind the old one, so the engine, which pairs
+    each report of an id with its oldest record, gives each record its own outcome, one per call."""
+    st = _HeldOutcomes(True)
+    gw = StoreGateway(st, Metrics(), put_timeout_s=120, backoff_s=0.0)
+    q = SaveQueue(gw, Metrics(), depth=8, enqueue_timeout_s=5.0)
+    try:
+        assert q.submit([PutItem(b"k" * 16, b"v")], ["r"])
+        assert st.entered.wait(30)
+        q.mark_finished("r")
+        q.mark_failed(["r"])  # the new "r": a save dropped before submit
+        q.mark_finished("r")
+        assert q.take_sent() == (set(), set())  # the new one waits behind the old one's save
+        st.go.set()
+        assert q.flush(timeout=60)
+        assert q.take_sent() == ({"r"}, set())  # the old one, not marked by the new one's drop
+        assert q.take_sent() == ({"r"}, {"r"})  # then the new one
+        assert q.take_sent() == (set(), set()) and not q._ended
+    finally:
+        st.go.set()
+        q.close()
+        gw.close()
+
+
+def test_a_request_re_added_under_its_id_while_its_saves_run_does_not_take_over_its_signal(rig, store):
+    """The engine side (no abort between): the first request finishes, is taken while its saves
+    are held, and a new request under its id runs to the end. Each record gets its own
+    ``send_state`` once its own saves ended, and the engine then holds nothing of either. Before,
+    the new record took over ``Engine._sending`` and the connector's count: the first stayed
+    PENDING for ever."""
+    st = _HeldPuts(store)
+    eng = rig.engine(st)
+    rng = random.Random(12)
+    eng.add_request("r", rig.tokens(rng, 40), SamplingParams(max_new_tokens=2))
+    while "r" not in eng.finished:
+        eng.step()
+    first = eng.take_finished("r")
+    assert st.entered.wait(30), "no save in flight"
+    eng.add_request("r", rig.tokens(rng, 40), SamplingParams(max_new_tokens=2))
+    while "r" not in eng.finished:
+        eng.step()
+    second = eng.take_finished("r")
+    eng.collect_finished()
+    assert first.send_state is SendState.PENDING and second.send_state is SendState.PENDING
+    st.go.set()
+    assert eng.connector.flush(timeout=60)
+    eng.collect_finished()
+    assert first.send_state is SendState.SENT and second.send_state is SendState.PENDING
+    assert eng.has_pending_sends()
+    eng.collect_finished()
+    assert second.send_state is SendState.SENT
+    assert not eng._sending and not eng.has_pending_sends() and not eng.connector.saves._ended
+    assert store.lookup(second.block_hashes[:2]).hit_blocks == 2
