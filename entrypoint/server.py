@@ -94,7 +94,10 @@ decode stream that sent a token and did not stall) clears its strikes. A stream 
 after its last token (every token delivered; its worker's final stats event late, as when it
 flushes its saves) is progress: the request is complete, so its worker is neither struck nor
 marked down, and the client's stream ends as usual, its decode hop without the worker's stats
-(``stats_lost``; logged). Before, it was struck and marked down for a request it had served. After ``avoid_after`` (3)
+(``stats_lost``; logged). Before, it was struck and marked down for a request it had served. Its last
+token is always the ``max_new_tokens``-th: generation has no end-of-sequence token (none in ``Sampling``
+or ``DecodeEvent``; the engine finishes a request only at ``max_new_tokens``, and a stream that ends
+short is resumed elsewhere), so one that stalls with fewer delivered stalled mid-generation. After ``avoid_after`` (3)
 strikes in a row the worker is avoided for ``avoid_for_s`` (30 s): every pick of its role leaves it out while
 another worker of the role is up, not avoided, and admitted by the LB (when the
 LB admits none of those, KV full or an SLO missed, it chooses again among all
@@ -460,6 +463,7 @@ class EntrypointService(Dispatch, pbg.EntrypointServicer):
                         # every token delivered, only its final stats event is late (the worker flushes
                         # its saves after the last token): the request is complete. Not the worker's
                         # fault to strike, mark down or fail over; the client's stream ends without them.
+                        # (No early end: there is no EOS, a stream's last token is the max_new-th.)
                         log.warning("decode worker %s sent all %d tokens of %s, then nothing for %.1f s: ending "
                                     "the stream without its stats", inst.worker_id, max_new, rid,
                                     self.cfg.worker_timeout_s)
