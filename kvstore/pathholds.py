@@ -34,10 +34,14 @@ Who holds what, and why a crash never blocks a path for good:
   4. A give-back that fails (the index map full, say) is logged, never raised: the hold
      left behind holds nothing for this process (1), is retried at its next give-back,
      and for other processes holds until then or until this process ends (2).
-  5. Closing the index gives back what this process still has there (``close``, up to
-     ``CLOSE_TRIES`` attempts): no later give-back could, and a process that closes its
-     store and runs on would otherwise block those paths for other processes until it
-     ended (QA). What still fails is logged as an error naming the paths, never raised.
+  5. Closing the index gives back what this process still has there (``close``): no later
+     give-back could, and a process that closes its store and runs on would otherwise block
+     those paths for other processes until it ended (QA). All of them in one write
+     transaction first; when that fails, each in a transaction of its own, up to
+     ``CLOSE_TRIES`` attempts in all per path, so one path whose give-back keeps failing
+     keeps only itself (QA: the one transaction for all of them was retried, and one failing
+     path kept every other). What still fails is logged as one error naming those paths and
+     counting those kept and given back, never raised.
 
 Assumption: every process that opens one data directory runs on one host and in one pid
 namespace, as for LMDB's own reader table, which is checked by pid the same way. A holder
@@ -182,32 +186,42 @@ class PathHolds:
 
     def close(self, env: lmdb.Environment) -> None:
         """Before ``env`` closes: give back every path this process still has in it, those
-        whose give-back failed and any still taken, in up to ``CLOSE_TRIES`` write
-        transactions (rule 5 of the module docstring). Never raises an LMDB error: what
-        stays is logged. Leaves nothing to give back, so a second call does nothing."""
+        whose give-back failed and any still taken (rule 5 of the module docstring): all in one
+        write transaction, then, for what that left, each path in a transaction of its own, up to
+        ``CLOSE_TRIES`` attempts per path in all. Never raises an LMDB error: what stays is
+        logged. Leaves nothing to give back, so a second call does nothing."""
         self.unreleased |= set(self.held)
         self.held.clear()
-        exc = None
-        for _ in range(CLOSE_TRIES):
+        if not self.unreleased:
+            return
+        before = len(self.unreleased)
+        exc = self._give_back(env)  # the common case: one transaction for all
+        for _ in range(CLOSE_TRIES - 1):
             if not self.unreleased:
                 return
-            exc = self._give_back(env)
+            failed: set[bytes] = set()
+            for key in sorted(self.unreleased):  # one path's failure keeps only that path
+                err = self._give_back(env, {key})
+                if err is not None:
+                    exc = err
+                    failed.add(key)
+            self.unreleased = failed
         if not self.unreleased:
             return
         left = sorted(self.unreleased)
         named = ", ".join(_shown(k) for k in left[:_CLOSE_NAMED])
         more = f" and {len(left) - _CLOSE_NAMED} more" if len(left) > _CLOSE_NAMED else ""
-        log.error("closing the index: could not give back %d fragment path(s) held there after %d tries (%s): "
-                  "%s%s. Other processes see them held (GC does not sweep them, repair does not rebuild there) "
-                  "until this process (pid %d) ends or opens this index again", len(left), CLOSE_TRIES, exc,
-                  named, more, os.getpid())
+        log.error("closing the index: kept %d fragment path hold(s) whose give-back failed %d times (last: %s), "
+                  "gave back the other %d: %s%s. Other processes see them held (GC does not sweep them, repair "
+                  "does not rebuild there) until this process (pid %d) ends or opens this index again",
+                  len(left), CLOSE_TRIES, exc, before - len(left), named, more, os.getpid())
         self.unreleased.clear()  # the environment closes: nothing here can give them back any more
 
-    def _give_back(self, env: lmdb.Environment) -> lmdb.Error | None:
-        """Delete the records of ``unreleased`` that are still this process's leftovers, in one
-        write transaction; ``None`` when it committed (``unreleased`` then empty), else the
-        LMDB error (``unreleased`` as it was)."""
-        attempt = set(self.unreleased)
+    def _give_back(self, env: lmdb.Environment, keys: set[bytes] | None = None) -> lmdb.Error | None:
+        """Delete the records of ``keys`` (default: all of ``unreleased``) that are still this
+        process's leftovers, in one write transaction; ``None`` when it committed (those keys
+        then out of ``unreleased``), else the LMDB error (``unreleased`` as it was)."""
+        attempt = set(self.unreleased if keys is None else keys)
         try:
             with env.begin(write=True) as txn:
                 for key in attempt:

@@ -261,3 +261,71 @@ def test_a_full_index_map_keeps_the_orphan_whose_path_it_cannot_take_and_the_swe
         out = s.gc()
         assert out["orphans"] == 1 and out["orphans_kept"] == 0 and not (Path(tgt.root) / rel).exists()
         assert s.get(key) == value and s.check() == []
+
+
+class _DeleteFailsOn:
+    """A write transaction whose delete of one key fails as a full map does; the rest passes through."""
+
+    def __init__(self, txn, bad: bytes):
+        self.txn, self.bad = txn, bad
+
+    def __enter__(self):
+        self.txn.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.txn.__exit__(*exc)
+
+    def delete(self, key, *args, **kw):
+        if bytes(key) == self.bad:
+            raise lmdb.MapFullError("mdb_del: MDB_MAP_FULL (injected)")
+        return self.txn.delete(key, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.txn, name)
+
+
+class _OneKeyFails:
+    """An LMDB environment whose write transactions cannot delete ``bad`` (counted)."""
+
+    def __init__(self, env, bad: bytes):
+        self.env, self.bad, self.tries = env, bad, 0
+
+    def begin(self, write=False, **kw):
+        txn = self.env.begin(write=write, **kw)
+        if write:
+            self.tries += 1
+            return _DeleteFailsOn(txn, self.bad)
+        return txn
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+def test_close_gives_back_every_hold_but_the_one_whose_give_back_keeps_failing(tmp_path, monkeypatch, caplog):
+    """Close gave back every hold left in one write transaction, retried as a whole: one path
+    whose give-back kept failing kept every other one too, and other processes saw them all
+    held until this process ended (QA). Now what the one transaction leaves is given back path
+    by path: only the failing one is kept, and the error counts it and names it."""
+    from kvstore.index import Index
+    from kvstore.pathholds import CLOSE_TRIES
+
+    where = str(tmp_path / "index")
+    index = Index(where, map_size=1 << 20, sync=False)
+    paths = [("t0", "ab/frag.0"), ("t1", "ab/frag.1"), ("t2", "ab/frag.2")]
+    with index.env.begin(write=True) as txn:
+        for t, rel in paths:
+            assert index.take_path_txn(txn, t, rel, "repair")
+    failing = _OneKeyFails(index.env, path_key("t1", "ab/frag.1"))
+    monkeypatch.setattr(index, "env", failing)
+    with caplog.at_level(logging.WARNING, logger="kvstore.pathholds"):
+        index.close()
+    assert _raw_hold(where, "t0", "ab/frag.0") is None and _raw_hold(where, "t2", "ab/frag.2") is None
+    assert _raw_hold(where, "t1", "ab/frag.1") is not None  # the failing one stays, as logged
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    text = errors[0].getMessage()
+    assert "kept 1 " in text and "gave back the other 2" in text and "t1:ab/frag.1" in text
+    assert "t0:ab/frag.0" not in text and "t2:ab/frag.2" not in text
+    # all at once, then each of the three on its own, then the failing one until its tries are spent
+    assert failing.tries == 1 + 3 + (CLOSE_TRIES - 2)
