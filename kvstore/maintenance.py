@@ -1,6 +1,7 @@
 """Maintenance of an embedded store: GC, consistency check, repair (stats: ``kvstore.store_stats``).
 
-Called through ``EmbeddedStore.gc / check / repair`` and by ``kvtool``.
+Called through ``EmbeddedStore.gc / check / repair`` and by ``kvtool``. Rebuilding one record's
+fragments, and recording it, is ``kvstore.rebuild``'s.
 Every pass here works from the index orderings (``ttl``, ``lru``, ``grave``)
 and never scans the whole index, except ``check``/``repair`` (and stats), whose
 job is to look at everything (they report progress through a callback).
@@ -47,13 +48,13 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from kvstore import codec
 from kvstore.api import EntryKind
 from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStoreError, StoreClosed
 from kvstore.fragments import WrittenTooLongAgo
 from kvstore.gc_plan import (DueGrave, count_expired, due_graves, expired_lost, grave_key, plan_compaction,
                              plan_eviction, plan_expiry, plan_purge, removed_graves)
 from kvstore.index import STANDALONE, Meta
+from kvstore.rebuild import _rebuild, _record_repair, _unrecorded_detail
 from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path
 
 if TYPE_CHECKING:
@@ -347,102 +348,6 @@ def _scan_entry(store: "EmbeddedStore", ek: bytes, m: Meta,
         except CorruptData as exc:
             bad[i] = Problem(ProblemKind.CORRUPT_FRAGMENT, ek[1:].hex(), kind, name, f"fragment {i}: {exc}")
     return good, bad
-
-
-def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
-             bad: dict[int, Problem], why: dict[int, str],
-             taken: list[tuple[str, str]]) -> tuple[Meta, set[int]] | None:
-    """Rewrite the bad fragments (same target if it is up, else a healthy spare): (new Meta, the
-    fragments rewritten), or None when the entry cannot be rebuilt (it does not decode). A
-    fragment no target takes stays as it was, the others are rewritten all the same (as much
-    redundancy as the healthy targets allow; every file written is in the returned Meta).
-    A rebuilt fragment is always its own file: a packed one is marked ``STANDALONE``.
-    ``why`` gets, per fragment left as it was, the reason (what ``repair`` tells its caller).
-    A file in a new place (a target, or a file of its own, the record did not have for the
-    slot) is written only once its path is taken (``Index.take_path_txn``): an orphan sweep
-    may be deleting a stale copy there (``kvstore.orphans``). ``taken`` gets each path taken,
-    for the caller to give back once the record is written or given up."""
-    code = codec.erasure_code(m.k, m.m, store.config.ec_type)
-    try:
-        rebuilt = code.reconstruct(good, sorted(bad))
-        # Verify before writing anything: the whole entry must decode and check out.
-        full = dict(good)
-        full.update(rebuilt)
-        store._decode(m, ek, {i: full[i] for i in sorted(full)[: m.k + m.m]}, [])
-    except Exception as exc:  # noqa: BLE001 - any failure here means "cannot rebuild now"
-        log.error("cannot rebuild %s: %s", ek[1:].hex(), exc)
-        why.update({i: f"the entry does not decode from its good fragments: {exc}" for i in bad})
-        return None
-    targets = list(m.targets)
-    offsets = list(m.offsets)
-    from kvstore.placement import place
-
-    done: set[int] = set()
-    for i, body in rebuilt.items():
-        frame = codec.frame_fragment(codec.FragmentHeader(i, m.k, m.m, ek[0], ek[1:], m.gen, m.entry_len, len(body)), body)
-        # its own target first, unless no longer configured (replaced by a new one): then a spare
-        candidates = [targets[i]] * (targets[i] in store.targets) + [
-            n for n in place(ek[1:], store.target_specs, len(store.target_specs)) if n not in targets]
-        rel = fragment_path(ek[0], ek[1:], m.gen, i)
-        for name in candidates:
-            if (name, True) != (m.targets[i], not m.offsets or m.offsets[i] == STANDALONE):  # a new place
-                with store.index.env.begin(write=True) as txn:
-                    mine = store.index.take_path_txn(txn, name, rel, "repair")
-                if not mine:
-                    why[i] = f"target {name}: an orphan sweep is deleting a stale copy at its path"
-                    continue
-                taken.append((name, rel))
-            try:
-                store.targets[name].write(rel, frame, fsync=store.config.fsync)
-                targets[i] = name
-                if offsets:
-                    offsets[i] = STANDALONE
-                done.add(i)
-                why.pop(i, None)  # an earlier candidate's failure no longer matters
-                break
-            except OSError as exc:
-                log.warning("repair of %s fragment %d: target %s failed: %s", ek[1:].hex(), i, name, exc)
-                why[i] = f"target {name}: {exc}"
-        else:
-            log.warning("repair of %s fragment %d: no healthy target took it; left as it was", ek[1:].hex(), i)
-            why[i] = f"no target took it (last: {why[i]})" if i in why else "no other target to put it on"
-    store._count("fragment_rewrites", len(done))
-    return replace(m, targets=tuple(targets), offsets=tuple(offsets)), done
-
-
-def _record_repair(store: "EmbeddedStore", ek: bytes, m: Meta, fixed_meta: Meta, where: str,
-                   written_at: float) -> bool:
-    """Index what ``_rebuild`` wrote for record ``m`` of ``where`` ("entries" or "lost"): False
-    when the record moved or went meanwhile (its new files are orphans). ``WrittenTooLongAgo``
-    (nothing indexed) when those files were written over half the orphan grace ago, as for a
-    put (``FragmentIO._check_in_time``): a sweep may be deleting them (before, a repair had no
-    such check). A file in a new place is safe from the sweep while ``_rebuild`` holds its path,
-    so nothing here asks a target (before, its presence was checked inside this transaction:
-    a target round trip every put waited on)."""
-    with store.index.env.begin(write=True) as txn:
-        store._check_in_time(written_at, f"the repair of {ek[1:].hex()}")
-        if where == "entries":
-            cur = store.index.get_meta(txn, ek)
-            if cur is None or (cur.gen, cur.targets, cur.offsets) != (m.gen, m.targets, m.offsets):
-                return False
-            store.index.update_txn(txn, ek, cur, replace(fixed_meta, access_ns=cur.access_ns, pinned=cur.pinned))
-            return True
-        cur = store.index.get_lost(txn, ek)
-        if cur is None or cur.gen != m.gen or store.index.get_meta(txn, ek) is not None:
-            return False
-        store.index.drop_lost_txn(txn, ek, fixed_meta, store.now_ns(), to_grave=False)
-        return True
-
-
-def _unrecorded_detail(m: Meta, fixed_meta: Meta, i: int, why: str) -> str:
-    """What ``check`` says of fragment ``i`` of record ``m``, rewritten by ``_rebuild`` (as in
-    ``fixed_meta``) but not recorded for ``why``: rebuilt in place (its own target, a file of its
-    own: the good file is at the path the record names) or on another target (a file no record
-    names, for the orphan sweep). Before, both read "not rebuilt", though a good file was written."""
-    name = fixed_meta.targets[i]
-    if name == m.targets[i] and (not m.offsets or m.offsets[i] == STANDALONE):
-        return f"rebuilt but not recorded (in place: the good file is at its recorded path on {name}): {why}"
-    return f"rebuilt but not recorded (its new file on {name} is named by no record; GC sweeps it): {why}"
 
 
 def _still_current(store: "EmbeddedStore", ek: bytes, m: Meta, where: str) -> bool:

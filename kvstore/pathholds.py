@@ -2,7 +2,7 @@
 
 Called through ``kvstore.index.Index`` (``take_path_txn``, ``release_paths``) by the orphan
 sweep (``kvstore.orphans``: deleting a stale copy of a slot) and by repair
-(``kvstore.maintenance._rebuild``: writing a rebuilt fragment in a new place). Whichever
+(``kvstore.rebuild._rebuild``: writing a rebuilt fragment in a new place). Whichever
 takes a path first, the other sees it and leaves the file alone.
 
 A hold is one record of the index's ``info`` database::
