@@ -37,6 +37,9 @@ logged and left for a later pass (step 6 also reports it: ``orphans_kept``,
 an unfixed ``ORPHAN_FRAGMENT`` problem in ``check``), and so is a stale copy whose
 path the sweep cannot take because the index map is full; a pack whose compaction
 fails is logged and stays queued. None of these stops the rest of the pass.
+In ``check``/``repair``, an index write that finds the map full (``lmdb.MapFullError``)
+ends rebuilding, not the pass: what was not recorded stays unfixed, saying why, and
+``repair`` then raises ``CapacityExceeded`` with its counts (``_check``, ``repair``).
 Progress: ``run_gc``'s docstring lists its phases.
 """
 
@@ -48,7 +51,10 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import lmdb
+
 from kvstore.api import EntryKind
+from kvstore.config import ENV_PREFIX
 from kvstore.errors import CapacityExceeded, CorruptData, InternalError, KVStoreError, StoreClosed
 from kvstore.fragments import WrittenTooLongAgo
 from kvstore.gc_plan import (DueGrave, count_expired, due_graves, expired_lost, grave_key, plan_compaction,
@@ -94,6 +100,8 @@ def _noop(phase: str, done: int, total: int) -> None:
 UNFIXED_DETAIL_MAX = 20  # repair: fragments left as they were, listed with why (the rest counted)
 _PURGE_STEP = 256  # graveyard records between two progress reports of step 4
 _COMPACT_LIMIT = 64  # packs step 5 compacts per pass (the rest wait in the queue)
+# why check/repair left a fragment or entry as it was when an index write found the map full
+MAP_FULL_WHY = "the index map is full, so nothing was recorded (raise lmdb_map_size, or free entries)"
 
 
 def evict(store: "EmbeddedStore", goal_bytes: int, *, dry_run: bool = False) -> int:
@@ -365,6 +373,12 @@ def _iter_records(store: "EmbeddedStore", db: str) -> list[tuple[bytes, Meta]]:
 
 
 def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None = None) -> list[Problem]:
+    """``_check``'s problems (its docstring)."""
+    return _check(store, fix, progress)[0]
+
+
+def _check(store: "EmbeddedStore", fix: bool = False,
+           progress: Progress | None = None) -> tuple[list[Problem], lmdb.MapFullError | None]:
     """Compare the index with the fragments on every target (python-diskcache's ``check``).
 
     Reads and verifies every fragment of every live and lost entry, then lists
@@ -374,8 +388,15 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
     older than ``orphan_grace_s``. Returns the problems found (``fixed`` says
     which were mended); a down target is one ``TARGET_DOWN`` problem, whichever
     step noticed it.
+
+    The index map full (``lmdb.MapFullError`` from an index write: marking lost, taking a path,
+    recording a rebuild) stops nothing but rebuilding: that entry's problems stay unfixed and
+    say why (its record as it was; a file written in a new place is an orphan GC sweeps), and so
+    do those of every entry after it (checked, not rebuilt: the map does not grow). Returns the
+    problems and the first such error (``None``: the map never was full), logged once.
     """
     progress = progress or _noop
+    map_full: lmdb.MapFullError | None = None  # the first index write the full map refused
     problems: list[Problem] = []
     states = dict(zip(store.targets, store._pool.map(lambda t: t.state(), store.targets.values())))  # at once
     down = [name for name, (state, _) in states.items() if state != "up"]
@@ -407,28 +428,42 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
         if len(good) < m.k:
             # A scrub knows what a read would learn: mark it lost so lookups stop offering it
             # (``repair`` restores it if its targets come back).
+            unmarked = ""
             if where == "entries":
-                store._mark_lost(ek, m)
+                try:
+                    store._mark_lost(ek, m)
+                except lmdb.MapFullError as exc:  # reported all the same; a lookup marks it when it reads it
+                    map_full, unmarked = map_full or exc, f"; not marked lost: {MAP_FULL_WHY}"
             problems.append(Problem(ProblemKind.LOST_ENTRY, ek[1:].hex(), kind, ",".join(
-                p.target for p in bad.values()), f"{len(good)} of {m.k} needed fragments are good"))
+                p.target for p in bad.values()), f"{len(good)} of {m.k} needed fragments are good{unmarked}"))
             continue
         if not bad and where == "entries":
             continue
         why: dict[int, str] = {}
+        fixing = fix and map_full is None  # once the index map is full, nothing more is rebuilt
+        if fix and not fixing:
+            why.update({i: f"repair stopped: {MAP_FULL_WHY}" for i in bad})
         written_at = store.clock()  # of the files _rebuild writes (``_check_in_time``)
         taken: list[tuple[str, str]] = []  # paths _rebuild took: held until recorded or given up
         unrecorded = ""  # why the fragments rewritten were not recorded (written, so not "not rebuilt")
         try:
-            rebuilt = _rebuild(store, ek, m, good, bad, why, taken) if (fix and bad) else ((m, set()) if fix else None)
+            try:
+                rebuilt = _rebuild(store, ek, m, good, bad, why, taken) if (fixing and bad) else (
+                    (m, set()) if fixing else None)
+            except lmdb.MapFullError as exc:  # a path take: nothing indexed; files in new places are orphans
+                map_full, rebuilt = exc, None
+                why.update({i: MAP_FULL_WHY for i in bad})
             fixed_meta, fixed = rebuilt if rebuilt is not None else (None, set())
             if fixed_meta is not None and where == "entries" and not fixed:
                 fixed_meta = None  # nothing rewritten: the record stands as it is
-            if fix and fixed_meta is not None:
+            if fixing and fixed_meta is not None:
                 try:
                     if not _record_repair(store, ek, m, fixed_meta, where, written_at):
                         unrecorded = "the entry changed while it was rebuilt"
                 except WrittenTooLongAgo as exc:  # a sweep may be deleting them: not recorded
                     unrecorded = str(exc)
+                except lmdb.MapFullError as exc:  # its one transaction aborted: the record as it was
+                    map_full, unrecorded = exc, MAP_FULL_WHY
         finally:
             if taken:
                 store.index.release_paths(taken)  # never raises an LMDB error: the check goes on
@@ -444,7 +479,9 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
             # Readable again (targets came back; any bad fragments listed above): with fix it is
             # live again, its bad fragments rebuilt first.
             problems.append(Problem(ProblemKind.LOST_ENTRY, ek[1:].hex(), kind, "",
-                                    "marked lost but readable again", fixed=fix and fixed_meta is not None))
+                                    "marked lost but readable again" + (f"; not restored: {MAP_FULL_WHY}"
+                                                                        if fix and not fixing else ""),
+                                    fixed=fixing and fixed_meta is not None))
     progress("verify", total, total)
     for name, n in unchecked.items():
         detail = f"could not be reached; {n} entries with fragments on it were not checked"
@@ -461,7 +498,9 @@ def check(store: "EmbeddedStore", fix: bool = False, progress: Progress | None =
     _, _, orphans = sweep_orphans(store, store.file_clock(), not fix, store.config.orphan_grace_s, progress,
                                    skip=down)
     problems.extend(orphans)
-    return problems
+    if map_full is not None:
+        log.error("%s: the index map is full (%s); %s", "repair" if fix else "check", map_full, MAP_FULL_WHY)
+    return problems, map_full
 
 
 def repair(store: "EmbeddedStore", progress: Progress | None = None) -> dict:
@@ -469,8 +508,11 @@ def repair(store: "EmbeddedStore", progress: Progress | None = None) -> dict:
     (``orphans_kept``: orphans that could not be deleted; ``targets_down``: targets that
     could not be asked; ``still_lost``: the lost records left in the index, examined or not;
     ``unfixed_detail``: the first ``UNFIXED_DETAIL_MAX`` fragments left as they were, each with
-    why, as ``check`` lists them: QA found "unfixed 1" with the reason only in the log)."""
-    problems = check(store, fix=True, progress=progress)
+    why, as ``check`` lists them: QA found "unfixed 1" with the reason only in the log).
+    Raises ``CapacityExceeded`` (its ``result`` the counts above) when the index map was full
+    (``_check``): the pass ran to its end, rebuilding nothing after that (QA: a raw
+    ``lmdb.MapFullError`` ended it, and kvtool printed a traceback)."""
+    problems, map_full = _check(store, fix=True, progress=progress)
     out = {"rebuilt_fragments": 0, "restored_entries": 0, "still_lost": 0, "orphans_removed": 0, "unfixed": 0,
            "orphans_kept": 0,
            # targets that could not be asked: what they hold was neither checked nor repaired
@@ -487,4 +529,10 @@ def repair(store: "EmbeddedStore", progress: Progress | None = None) -> dict:
             out["orphans_removed" if p.fixed else "orphans_kept"] += 1
     with store.index.env.begin() as txn:  # also those not examined (their targets could not be asked)
         out["still_lost"] = max(out["still_lost"], txn.stat(store.index.db["lost"])["entries"])
+    if map_full is not None:
+        raise CapacityExceeded(
+            f"the index map is full ({map_full}): repair stopped rebuilding; nothing half-recorded, the rest of "
+            f"the pass ran. Raise lmdb_map_size (now {store.config.lmdb_map_size} bytes) in the store config "
+            f"([store] lmdb_map_size, or {ENV_PREFIX}LMDB_MAP_SIZE), or free entries, and run repair again",
+            result=out) from map_full
     return out

@@ -441,7 +441,16 @@ def run_verify(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
 
 
 def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
-    d = _call_with_progress(store.repair, progress)
+    """The pass's counts; exit 1 when damage remains. The index map full (``CapacityExceeded``
+    with a ``result``: the counts, the pass having run to its end without rebuilding more) is
+    those counts and the reason as one stderr line, exit 1, as for gc (``run_gc``)."""
+    full: CapacityExceeded | None = None
+    try:
+        d = _call_with_progress(store.repair, progress)
+    except CapacityExceeded as exc:
+        if exc.result is None:
+            raise
+        full, d = exc, dict(exc.result)
     # A target down is a problem too (verify says so; QA: repair answered 0 and verify 1 after it).
     bad = sum(int(d.get(k, 0)) for k in ("unfixed", "still_lost", "orphans_kept", "targets_down"))
     text = (f"repair: rebuilt {d.get('rebuilt_fragments', 0)} fragments, restored {d.get('restored_entries', 0)} "
@@ -454,7 +463,9 @@ def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
     if bad:
         text += ("\nsome damage remains, or could not be looked for: bring missing targets back (or add spare "
                  "targets) and run repair again")
-    return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, text), _down_in(d))
+    errors = (_one_line(full),) if full is not None else ()
+    code = ExitCode.PROBLEMS if bad or full is not None else ExitCode.OK
+    return _with_down_shards(store, Outcome(code, d, text, errors), _down_in(d))
 
 
 # ----------------------------------------------------------------------------- stats / delete

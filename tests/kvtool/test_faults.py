@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 import kvstore
 from kvstore.cli import index_view
 from tests.kvtool.conftest import Populated, populate, write_config
@@ -181,3 +183,59 @@ def test_gc_with_a_target_down_says_it_was_not_swept(store_dir, run_tool):
     dst.rename(src)
     code, out, _ = run_tool("gc", pop.path, "--json")
     assert code == 0 and json.loads(out)["targets_not_swept"] == 0
+
+
+def _rot(pop: Populated, run_tool, key: bytes, n: int) -> dict:
+    """Flip bytes of fragment ``n`` of ``key``'s block; its ``inspect`` row."""
+    frag = json.loads(run_tool("inspect", pop.path, "--key", key.hex(), "--json")[1])["targets"][n]
+    path = pop.path / "targets" / frag["target"] / frag["file"]
+    at = (frag["offset"] or 0) + 100
+    raw = bytearray(path.read_bytes())
+    raw[at:at + 8] = bytes(b ^ 0xFF for b in raw[at:at + 8])
+    path.write_bytes(bytes(raw))
+    return frag
+
+
+@pytest.mark.parametrize("write", ["take_path_txn", "update_txn"])
+def test_repair_with_the_index_map_full_is_one_error_line_and_indexes_nothing(store_dir, run_tool, monkeypatch,
+                                                                              write):
+    """An index write of repair (taking a rebuilt fragment's new path, recording the rebuild)
+    that found the LMDB map full raised ``lmdb.MapFullError`` out of kvtool as a traceback (QA).
+    Now the pass runs to its end without rebuilding more, kvtool prints its counts and one line
+    saying the map is full and how to raise it, exit 1; the index is as it was, no path hold is
+    left, and a repair once the map has room mends everything."""
+    import lmdb
+
+    from kvstore.index import Index
+    from kvstore.pathholds import PREFIX
+
+    pop = store_dir
+    frags = [_rot(pop, run_tool, pop.chain[i], 2) for i in (2, 7)]
+    assert all(f["offset"] is not None for f in frags)  # packed: rebuilt as a file of its own, a new place
+    calls = []
+
+    def full(self, *args, **kw):
+        calls.append(args)
+        raise lmdb.MapFullError("mdb_put: MDB_MAP_FULL: Environment mapsize limit reached (injected)")
+
+    monkeypatch.setattr(Index, write, full)
+    code, out, err = run_tool("repair", pop.path, "--json")
+    assert code == 1 and "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("kvtool: error:")]
+    assert len(lines) == 1 and "index map is full" in lines[0] and "lmdb_map_size" in lines[0], err
+    d = json.loads(out)
+    assert d["rebuilt_fragments"] == 0 and d["unfixed"] == 2
+    assert any("index map is full" in x for x in d["unfixed_detail"])
+    assert any("repair stopped" in x for x in d["unfixed_detail"])  # the second entry: not rebuilt
+    assert len(calls) == 1  # no index write tried after the map was found full
+    monkeypatch.undo()
+    code, d = _verify_json(run_tool, pop.path)
+    assert code == 1 and d["counts"] == {"corrupt_fragment": 2}  # nothing recorded
+    with kvstore.connect(str(pop.path)) as store:
+        with store.index.env.begin() as txn:
+            cur = txn.cursor(db=store.index.db["info"])
+            assert not (cur.set_range(PREFIX) and bytes(cur.key()).startswith(PREFIX))  # every hold given back
+    code, out, _ = run_tool("repair", pop.path, "--json")
+    assert code == 0 and json.loads(out)["rebuilt_fragments"] == 2
+    assert _verify_json(run_tool, pop.path)[0] == 0
+    _all_read_back(pop)
