@@ -49,7 +49,8 @@ Contract:
   an error: the exit code is the command's.
 * Exit codes: 0 healthy, 1 problems found, 2 usage error, store unreachable or
   result unwritable (see ``kvstore.cli.commands``), 130 interrupted (Ctrl-C: one line,
-  ``kvtool: interrupted``, no traceback).
+  ``kvtool: interrupted``, no traceback; while kvstore is still being imported too: the
+  console script's entry is ``kvtool_entry.main``, which imports this module inside it).
 * One store per run: two different ones (``kvtool A verify --data-dir B``, ``--data-dir``
   before and after the command, ``kvtool verify A --data-dir B``) are a usage error.
 * gRPC's own C-core log (e.g. a TLS "Handshake failed" line) is silenced: ``main``

@@ -232,3 +232,28 @@ def test_sigint_in_a_subprocess_is_one_line_exit_130(small_dir):
             p.kill()
             p.wait()
     assert (p.returncode, out, err) == (130, "", "kvtool: interrupted\n")
+
+
+_INTERRUPTED_IMPORT = """
+import sys, tomllib
+class CtrlC:  # a Ctrl-C that lands while kvstore is being imported, every time
+    def find_spec(self, name, path=None, target=None):
+        if name == "kvstore":
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, CtrlC())
+with open("pyproject.toml", "rb") as f:
+    module, func = tomllib.load(f)["project"]["scripts"]["kvtool"].split(":")
+sys.argv = ["kvtool", "--help"]
+sys.exit(getattr(__import__(module, fromlist=[func]), func)())  # what the console script does
+"""
+
+
+def test_ctrl_c_while_the_console_script_imports_kvstore_is_one_line_exit_130():
+    """The console script imported ``kvstore.cli.kvtool`` (and so all of ``kvstore``) before
+    ``main``'s ``try``: a Ctrl-C during that import, most of a short run's time, printed a
+    traceback. The entry (pyproject's ``[project.scripts]``) now imports kvstore inside it."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert (p.returncode, p.stderr, p.stdout) == (130, "kvtool: interrupted\n", "")
