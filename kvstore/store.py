@@ -296,6 +296,13 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         self._count("gets")
         if meta is None:
             self._count("get_misses")
+            with self.index.env.begin() as txn:
+                lost = self.index.get_lost(txn, ek)
+            if lost is not None and not lost.expired(now):  # a retry is told what the first read was
+                raise Unrecoverable(f"{k.value} entry {ek[1:].hex()} is lost: fewer than k of its fragments "
+                                    f"were good when it was read (targets {', '.join(lost.targets)}); kvtool "
+                                    "verify names the failed ones, kvtool repair rebuilds it once they are back",
+                                    key=ek[1:])
             raise NotFound(f"no {k.value} entry for key {ek[1:].hex()}")
         h, plain = self._read_verified(ek, meta)
         self._count("bytes_out", len(plain))

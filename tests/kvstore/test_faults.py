@@ -62,6 +62,10 @@ def test_m_plus_one_gone_only_the_overexposed_are_lost_then_repair(data_dir, key
             assert ei.value.key == k and set(ei.value.failed_targets) <= set(gone)
         else:
             assert full.get(k) == value_for(k, 6000)
+    for k in expected_lost:  # a second read is told the same, not NotFound (QA)
+        with pytest.raises(Unrecoverable, match="is lost") as ei:
+            full.get(k)
+        assert ei.value.key == k
     # Lost entries are no longer matched by lookup.
     first_lost = min(keys.index(k) for k in expected_lost)
     assert full.lookup(keys[:N]).hit_blocks == first_lost
