@@ -260,7 +260,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         self._count("puts", n_new)
         self._count("bytes_in", sum(m.plain_len for (_, m), c in zip(records, created) if c))
         if n_new and self.config.capacity_bytes:
-            self._evict_if_needed()
+            self._evict_if_needed(frozenset(ek for (ek, _), c in zip(records, created) if c))
         return created
 
     def _mark_lost(self, ek: bytes, meta: Meta) -> None:
@@ -504,14 +504,18 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         with self.index.env.begin() as txn:
             return self.index.counter(txn, "used_bytes")
 
-    def _evict_if_needed(self) -> int:
+    def _evict_if_needed(self, put: frozenset[bytes]) -> int:
+        """Above the high watermark, evict down to the low one; the entries the put just
+        indexed (``put``) stay while they fit under the capacity (``maintenance.evict``)."""
         cap = self.config.capacity_bytes
         if not cap or self.used_bytes() <= cap * self.config.high_watermark:
             return 0
         if not self._evict_lock.acquire(blocking=False):
             return 0  # another thread of this process is evicting
         try:
-            return self.evict_to(int(cap * self.config.low_watermark))
+            from kvstore.maintenance import evict
+
+            return evict(self, int(cap * self.config.low_watermark), keep=put, keep_within=cap)
         finally:
             self._evict_lock.release()
 

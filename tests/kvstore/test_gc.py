@@ -91,14 +91,43 @@ def test_capacity_evicts_lru_and_never_pinned(data_dir, keys, clock):
 
 
 def test_everything_pinned_is_a_clear_error(data_dir, keys, clock):
+    """Pinned entries fill the capacity: the next put raises (its entry did not fit and was
+    evicted again), whatever it is. (Before, two puts sat in one ``pytest.raises``, two pinned
+    entries of a three-entry capacity: the put that fitted raised too, see the next test.)"""
     one = _one_entry(data_dir, clock, keys[0])
     with _capacity_store(data_dir, clock, one * 3) as s:
-        for k in keys[:2]:
-            s.put(k, value_for(k, 10_000))
-            s.pin(k)
+        for k in keys[:3]:
+            assert s.put(k, value_for(k, 10_000))
+            assert s.pin(k)  # each fitted: kept by its own put's eviction pass
+        for k in keys[3:5]:
+            with pytest.raises(CapacityExceeded, match="pinned"):
+                s.put(k, value_for(k, 10_000))
+            assert not s.lookup([k]).hit_blocks
+        assert [s.get(k) for k in keys[:3]] == [value_for(k, 10_000) for k in keys[:3]]
         with pytest.raises(CapacityExceeded, match="pinned"):
-            s.put(keys[2], value_for(keys[2], 10_000))
-            s.put(keys[3], value_for(keys[3], 10_000))
+            s.gc()  # over the high watermark, nothing it may evict
+        assert_clean(s)
+
+
+def test_a_put_that_fits_is_kept_with_pinned_entries_just_under_the_low_watermark(data_dir, keys, clock):
+    """QA: pinned entries just under the low watermark left room for one more entry under the
+    capacity, yet every put was acknowledged and then evicted by its own pass (the only
+    unpinned entry; the low watermark unreachable otherwise), and ``pin`` after it answered
+    False. Now a put's own entries stay while they fit under the capacity: the newest one is
+    kept, the one before it goes (LRU), and it can be pinned."""
+    one = _one_entry(data_dir, clock, keys[0])
+    with _capacity_store(data_dir, clock, int(one * 2.5)) as s:  # low watermark 1.25 entries
+        assert s.put(keys[0], value_for(keys[0], 10_000)) and s.pin(keys[0])
+        clock.advance(1)
+        for i, k in enumerate(keys[1:6], start=1):
+            assert s.put(k, value_for(k, 10_000))
+            assert s.get(k) == value_for(k, 10_000)  # kept: 2 entries fit under 2.5
+            assert [bool(s.lookup([o]).hit_blocks) for o in keys[1:i]] == [False] * (i - 1)  # LRU went
+            clock.advance(1)
+        assert s.used_bytes() == 2 * one
+        assert s.pin(keys[5])
+        s.gc()
+        assert_clean(s)
 
 
 def _lose(s, key) -> None:
