@@ -3,12 +3,15 @@
 Two callers, one code path, so a data directory and a daemon print the same JSON:
 ``kvstore.cli.commands`` on a data directory (an ``EmbeddedStore`` opened by kvtool),
 and the daemon's ``Inspect`` RPC (``kvstore.server.service``) on its own store, which
-``kvtool inspect grpc://...`` calls. Guarantees:
+``kvtool inspect grpc://...`` calls. The Parquet export likewise: ``iter_batches`` builds its
+rows (columns: ``parquet_schema``) on a data directory, or in the daemon's ``ExportIndex``
+(sent as ``ipc_pieces``, read back by ``read_ipc``), and ``publish_parquet`` writes the
+file on kvtool's machine in both cases. Guarantees:
 
 * Nothing here writes to the store: every view runs in LMDB *read* transactions,
   so it sees a consistent snapshot and never blocks a writer. No access time is
   refreshed (LRU order is unchanged) and no store counter moves. The one file
-  written is the Parquet export, published atomically (see ``export_parquet``);
+  written is the Parquet export, published atomically (see ``publish_parquet``);
   it replaces only a regular file, never a symlink, FIFO, device or socket.
 * Nothing here reads fragment files (``kvtool verify`` does that): "degraded"
   means *placed on a target that is down now*, judged from the index alone.
@@ -34,14 +37,16 @@ import stat
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from kvstore.api import EntryKind
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InternalError, InvalidRequest
 from kvstore.fragments import frag_loc
 from kvstore.index import Meta, ekey
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from kvstore.store import EmbeddedStore
 
 PARQUET_BATCH_ROWS = 65536
@@ -250,10 +255,20 @@ def chain_view(store: "EmbeddedStore", chain: Sequence[bytes]) -> list[dict]:
 def export_parquet(store: "EmbeddedStore", path: str, batch_rows: int = PARQUET_BATCH_ROWS) -> int:
     """Write the whole index (live and lost) to a Parquet file; returns the row count.
 
-    Columns: key (hex), kind, state, tokens, plain/entry/fragment/stored bytes,
-    k, m, created, last_access, expires (UTC timestamps, null when none),
-    pinned, targets (list of target names, fragment i at position i).
-    Written in row groups of ``batch_rows``, so memory stays bounded.
+    The rows of ``iter_batches`` (columns: ``parquet_schema``), written and published by
+    ``publish_parquet`` (its path checks, atomic publication and errors). Written in row
+    groups of ``batch_rows``, so memory stays bounded.
+    """
+    return publish_parquet(path, iter_batches(store, batch_rows))
+
+
+def publish_parquet(path: str, batches: Iterable["pa.RecordBatch"]) -> int:
+    """Write ``batches`` (of ``parquet_schema``; each one row group) to the Parquet file
+    ``path``; returns the row count. The one writer of an index export: a data directory's
+    (``export_parquet``) and a daemon's (``RemoteStore.export_index_batches``, rows computed
+    there by ``iter_batches``), so both files are the same. ``batches`` is iterated only once
+    ``path`` passed its checks; an error it raises (a daemon's, a store's) removes the
+    temporary as a failed write does and is raised as it is.
 
     Atomic publish: the rows go to a temporary file beside ``path`` (the same
     directory, so the rename never crosses a filesystem), which is fsynced and
@@ -282,12 +297,15 @@ def export_parquet(store: "EmbeddedStore", path: str, batch_rows: int = PARQUET_
     except OSError as exc:
         raise OSError(f"cannot write Parquet file {path}: {exc.strerror or exc}") from exc
     try:
-        n = _write_parquet(store, str(tmp), batch_rows)
+        n = _write_batches(str(tmp), batches)
         with open(tmp, "rb") as f:  # durable before it is published: a crash never leaves a torn FILE
             os.fsync(f.fileno())
         _refuse_special(dest, path)  # again: the export may take long, and DEST may have been replaced meanwhile
         os.replace(tmp, dest)
     except BaseException as exc:
+        close = getattr(batches, "close", None)
+        if close is not None:  # a generator: ends its store's transaction or its daemon's call now
+            close()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(exc, OSError):
@@ -330,40 +348,101 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def _write_parquet(store: "EmbeddedStore", path: str, batch_rows: int) -> int:
-    """``export_parquet``'s writer: the index into the (temporary) file ``path``."""
+def parquet_schema() -> "pa.Schema":
+    """The columns of an index export, local or through a daemon: key (hex), kind, state,
+    tokens, plain/entry/fragment/stored bytes, k, m, created, last_access, expires (UTC
+    timestamps, null when none), pinned, targets (target names, fragment i at position i)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     ts = pa.timestamp("us", tz="UTC")  # microseconds: what datetime (and most readers) hold
-    schema = pa.schema([
+    return pa.schema([
         ("key", pa.string()), ("kind", pa.string()), ("state", pa.string()), ("tokens", pa.int64()),
         ("plain_bytes", pa.int64()), ("entry_bytes", pa.int64()), ("fragment_bytes", pa.int64()),
         ("stored_bytes", pa.int64()), ("k", pa.int16()), ("m", pa.int16()), ("created", ts),
         ("last_access", ts), ("expires", ts), ("pinned", pa.bool_()), ("targets", pa.list_(pa.string())),
     ])
+
+
+def iter_batches(store: "EmbeddedStore", batch_rows: int = PARQUET_BATCH_ROWS) -> Iterator["pa.RecordBatch"]:
+    """Every live and lost record (``iter_rows``: one read transaction, held until the last
+    batch is taken) as record batches of ``parquet_schema``, ``batch_rows`` rows at most."""
+    import pyarrow as pa
+
+    schema = parquet_schema()
     cols: dict[str, list] = {f.name: [] for f in schema}
+
+    def batch() -> "pa.RecordBatch":
+        out = pa.record_batch([pa.array(v, type=schema.field(k).type) for k, v in cols.items()], schema=schema)
+        for v in cols.values():
+            v.clear()
+        return out
+
+    for row in iter_rows(store):
+        m = row.meta
+        for name, val in (("key", row.key.hex()), ("kind", row.kind.value), ("state", row.state.value),
+                          ("tokens", m.tokens), ("plain_bytes", m.plain_len), ("entry_bytes", m.entry_len),
+                          ("fragment_bytes", m.frag_len), ("stored_bytes", m.stored_bytes), ("k", m.k),
+                          ("m", m.m), ("created", m.created_ns // 1000),
+                          ("last_access", m.access_ns // 1000), ("expires", m.expires_ns // 1000 or None),
+                          ("pinned", m.pinned),
+                          ("targets", list(m.targets))):
+            cols[name].append(val)
+        if len(cols["key"]) >= batch_rows:
+            yield batch()
+    if cols["key"]:
+        yield batch()
+
+
+def _write_batches(path: str, batches: Iterable["pa.RecordBatch"]) -> int:
+    """``publish_parquet``'s writer: ``batches`` into the (temporary) file ``path``, one row
+    group each (an empty export is a file of the schema and no rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = parquet_schema()
     n = 0
     with pq.ParquetWriter(path, schema) as writer:
-        def flush() -> None:
-            if cols["key"]:
-                writer.write_table(pa.table({k: pa.array(v, type=schema.field(k).type) for k, v in cols.items()},
-                                            schema=schema))
-                for v in cols.values():
-                    v.clear()
-
-        for row in iter_rows(store):
-            m = row.meta
-            for name, val in (("key", row.key.hex()), ("kind", row.kind.value), ("state", row.state.value),
-                              ("tokens", m.tokens), ("plain_bytes", m.plain_len), ("entry_bytes", m.entry_len),
-                              ("fragment_bytes", m.frag_len), ("stored_bytes", m.stored_bytes), ("k", m.k),
-                              ("m", m.m), ("created", m.created_ns // 1000),
-                              ("last_access", m.access_ns // 1000), ("expires", m.expires_ns // 1000 or None),
-                              ("pinned", m.pinned),
-                              ("targets", list(m.targets))):
-                cols[name].append(val)
-            n += 1
-            if len(cols["key"]) >= batch_rows:
-                flush()
-        flush()
+        for b in batches:
+            if b.num_rows:
+                writer.write_table(pa.Table.from_batches([b], schema=schema))
+                n += b.num_rows
     return n
+
+
+# ----------------------------------------------------------------------------- through a daemon
+def ipc_pieces(batch: "pa.RecordBatch", limit: int) -> Iterator[tuple[bytes, int]]:
+    """``batch`` as Arrow IPC streams (schema and one batch each) of at most about ``limit``
+    bytes, with their row counts: split in halves until each fits (one row always goes).
+    What the daemon's ``ExportIndex`` sends; ``read_ipc`` reads them."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    data = sink.getvalue().to_pybytes()
+    if len(data) <= limit or batch.num_rows <= 1:
+        yield data, batch.num_rows
+        return
+    half = batch.num_rows // 2
+    yield from ipc_pieces(batch.slice(0, half), limit)
+    yield from ipc_pieces(batch.slice(half), limit)
+
+
+def read_ipc(data: bytes, rows: int) -> list["pa.RecordBatch"]:
+    """The batches of one ``ipc_pieces`` stream; ``InternalError`` unless they are ``rows``
+    rows of ``parquet_schema`` (a daemon of another version, or a kvstore bug)."""
+    import pyarrow as pa
+
+    try:
+        reader = pa.ipc.open_stream(data)
+        batches = list(reader)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InternalError(f"ExportIndex sent a chunk that is not Arrow IPC ({exc})") from exc
+    schema = parquet_schema()
+    if not reader.schema.equals(schema):
+        raise InternalError(f"ExportIndex sent columns {reader.schema.names} of other types than the export's "
+                            f"{schema.names} (a daemon of another kvstore version?)")
+    if sum(b.num_rows for b in batches) != rows:
+        raise InternalError(f"ExportIndex sent a chunk of {sum(b.num_rows for b in batches)} rows that says "
+                            f"{rows} (a kvstore bug)")
+    return batches

@@ -154,6 +154,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.InspectRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.JsonReply.FromString,
                 _registered_method=True)
+        self.ExportIndex = channel.unary_stream(
+                '/kvstore.v1.KVStore/ExportIndex',
+                request_serializer=kvstore__pb2.ExportIndexRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ExportChunk.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -303,6 +308,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportIndex(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -425,6 +436,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Inspect,
                     request_deserializer=kvstore__pb2.InspectRequest.FromString,
                     response_serializer=kvstore__pb2.JsonReply.SerializeToString,
+            ),
+            'ExportIndex': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportIndex,
+                    request_deserializer=kvstore__pb2.ExportIndexRequest.FromString,
+                    response_serializer=kvstore__pb2.ExportChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1075,6 +1091,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Inspect',
             kvstore__pb2.InspectRequest.SerializeToString,
             kvstore__pb2.JsonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ExportIndex',
+            kvstore__pb2.ExportIndexRequest.SerializeToString,
+            kvstore__pb2.ExportChunk.FromString,
             options,
             channel_credentials,
             insecure,

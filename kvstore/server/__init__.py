@@ -43,7 +43,7 @@ The service contract
    ``authorization: Bearer <token>`` (else UNAUTHENTICATED), keys are stored
    under a per-tenant keyed hash (``kvstore.server.auth``): tenants cannot
    read, delete, look up, or detect each other's entries. ``Stats``, ``Gc``,
-   ``Check``, ``Repair``, ``Maintain`` and ``Inspect``'s store summary need an admin tenant
+   ``Check``, ``Repair``, ``Maintain``, ``ExportIndex`` and ``Inspect``'s store summary need an admin tenant
    (PERMISSION_DENIED); ``Inspect`` of keys (read-only: nothing touched) shows
    a non-admin tenant its own keys only, mapped into its namespace as by a get.
 6. Direct reads (``kvstore.direct``): ``Describe`` returns the target table

@@ -1,5 +1,6 @@
 """The daemon's maintenance and inspection calls: ``Stats``, ``Gc``, ``Check``, ``Repair``,
-``Maintain`` (those three with progress) and ``Inspect``.
+``Maintain`` (those three with progress), ``Inspect`` and ``ExportIndex`` (the index rows of
+``kvtool inspect --parquet``, streamed: ``_export_index``).
 
 ``AdminRPC`` is a mixin of ``kvstore.server.service.Daemon`` (kept apart so each file has
 one job): it uses the daemon's ``cfg``, ``store``, ``tokens``, ``limiter``, ``metrics``,
@@ -30,6 +31,7 @@ from kvstore.server.wire import ServerBusy, kind_or_default
 PROGRESS_EVERY_S = 0.5  # Maintain: at most one update a phase this often, besides its first and last step
 RESULT_PIECE_BYTES = 1 << 20  # Maintain: a check's problems in messages of about this size (or half the limit)
 HEARTBEAT_S = 1.0  # Maintain: an empty update after this long without one (how a client gone is noticed)
+EXPORT_BATCH_ROWS = 4096  # ExportIndex: index rows per record batch (then split to fit half of max_message_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class PassStopped(Exception):
 
 
 class AdminRPC:
-    """``Stats``, ``Gc``, ``Check``, ``Repair``, ``Maintain``, ``Inspect`` (module docstring)."""
+    """``Stats``, ``Gc``, ``Check``, ``Repair``, ``Maintain``, ``Inspect``, ``ExportIndex`` (module docstring)."""
 
     def _stats(self, r: pb.StatsRequest, tenant: Tenant) -> pb.JsonReply:
         s = dict(self.store.stats())
@@ -204,6 +206,27 @@ class AdminRPC:
         for view, key in zip(views, sent):
             view["key"] = key.hex()
         return pb.JsonReply(json=json.dumps({"positions" if r.chain else "entries": views}, default=str))
+
+
+    def _export_index(self, r: pb.ExportIndexRequest, tenant: Tenant) -> Iterator[bytes]:
+        """``ExportIndex`` (kvstore.proto; admin tenants only, checked before this runs): every
+        index row, built by ``index_view.iter_batches`` (the code of the local export, so the
+        columns are the same), as ``ExportChunk`` messages of at most about half of
+        ``max_message_bytes`` (``index_view.ipc_pieces``), then a final one with the total.
+
+        Read-only as ``_inspect``: one index read transaction for the whole stream (a
+        consistent snapshot, as the local export takes), no fragment read, no access time, no
+        store counter. A client that stops reading is cut after ``stream_send_s``
+        (``Daemon._send_bound``), which closes this generator and so ends the transaction."""
+        from kvstore.cli import index_view  # the same code kvtool runs on a data directory
+
+        limit = max(1, self.cfg.max_message_bytes // 2)
+        total = 0
+        for batch in index_view.iter_batches(self.store, EXPORT_BATCH_ROWS):
+            for data, rows in index_view.ipc_pieces(batch, limit):
+                yield pb.ExportChunk(arrow_ipc=data, rows=rows).SerializeToString()
+                total += rows
+        yield pb.ExportChunk(rows=total, final=True).SerializeToString()
 
 
 def _result_pieces(final: pb.MaintainUpdate, limit: int) -> Iterator[bytes]:

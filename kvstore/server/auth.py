@@ -2,7 +2,7 @@
 
 Tokens file (TOML, so UTF-8), read once at start::
 
-    admin_tenants = ["ops"]          # may call Stats, Gc, Check, Repair, Maintain, Inspect's summary
+    admin_tenants = ["ops"]          # may call Stats, Gc, Check, Repair, Maintain, ExportIndex, Inspect's summary
     [tokens]
     "b64-random-token-1" = "tenant-a"
     "b64-random-token-2" = "tenant-a"  # several tokens may map to one tenant

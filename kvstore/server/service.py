@@ -38,8 +38,9 @@ Values are hand-encoded (``wire.encode_*``): one copy each instead of two.
 The data calls' handlers (put, get, delete, pin, lookup, probe): ``kvstore.server.data_rpc``.
 Direct reads and writes (``Describe``, ``Locate``, ``Commit``): ``kvstore.server.direct_rpc``.
 
-Maintenance and inspection (``Stats``, ``Gc``, ``Check``, ``Repair``, ``Inspect``, and
-``Maintain``: those three with progress, streamed as ``GetStream`` is):
+Maintenance and inspection (``Stats``, ``Gc``, ``Check``, ``Repair``, ``Inspect``,
+``Maintain``: those three with progress, and ``ExportIndex``: the index rows of ``kvtool
+inspect --parquet``; the last two streamed as ``GetStream`` is):
 ``kvstore.server.admin_rpc``. ``Inspect`` answers ``kvtool inspect`` with the read-only
 index views of ``kvstore.cli.index_view``, the code the tool runs on a data directory, so
 both print the same records; it touches nothing (no access time, no store counter).
@@ -230,11 +231,12 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
             "GetStream": _Method(pb.GetManyRequest, self._get_stream),
             "PutStream": _Method(pb.PutRequest, self._put_stream),
             "Maintain": _Method(pb.MaintainRequest, self._maintain, admin=True),
+            "ExportIndex": _Method(pb.ExportIndexRequest, self._export_index, admin=True),
         }
         handlers = {name: grpc.unary_unary_rpc_method_handler(
             self._behaviour(name, m), request_deserializer=None,
             response_serializer=_serialize) for name, m in self.methods.items()}
-        for name in ("GetStream", "Maintain"):  # the handlers yield encoded messages
+        for name in ("GetStream", "Maintain", "ExportIndex"):  # the handlers yield encoded messages
             handlers[name] = grpc.unary_stream_rpc_method_handler(
                 self._reply_stream(name, self.stream_methods[name]), request_deserializer=None,
                 response_serializer=None)
