@@ -1,26 +1,31 @@
 """The admin surface of ``kvstore.remote.RemoteStore``: maintenance (``stats``, ``gc``,
-``check``, ``repair``), ``kvtool``'s read-only ``inspect_*`` views and its ``delete_index_keys``.
+``check``, ``repair``), ``kvtool``'s read-only ``inspect_*`` views and index export
+(``export_index_batches``), and its ``delete_index_keys``.
 
 ``RemoteAdmin`` is a base of ``RemoteStore`` (kept apart so each file has one job): it uses
 the store's ``_call``, ``_typed``, ``_raise_if_closed``, ``_check_open``, ``_stub``, ``_md``,
 ``_many``, ``_each_piece``, ``_check_count``, ``url`` and ``options``. Maintenance calls wait
 up to ``maintenance_timeout_s`` (then ``DeadlineExceeded``); given ``progress(phase, done, total)``, as the embedded store's
 take it, they go through the streaming ``Maintain`` and call it with the daemon's progress.
+The index export (a whole-index scan too) has the same deadline for its whole stream.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import grpc
 
 from kvstore.api import EntryKind
-from kvstore.errors import InternalError
+from kvstore.errors import InternalError, InvalidRequest
 from kvstore.keys import check_keys
 from kvstore.maintenance import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.wire import MD_INDEX_KEYS
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 def _no_progress(phase: str, done: int, total: int) -> None:
@@ -125,3 +130,44 @@ class RemoteAdmin:
 
     def _inspect_piece(self, req: pb.InspectRequest, field: str, n: int) -> list[dict]:
         return self._check_count("Inspect", json.loads(self._call("Inspect", req).json)[field], n)
+
+    def export_index_batches(self) -> Iterator["pa.RecordBatch"]:
+        """Every index record of the daemon (live and lost), as record batches of
+        ``index_view.parquet_schema``: what ``kvtool inspect --parquet`` writes
+        (``index_view.publish_parquet``), computed there by the code of the local export
+        (kvstore.proto's ``ExportIndex``). Needs an admin tenant (``PermissionDenied``).
+
+        A generator: the call starts at the first batch taken and its deadline,
+        ``maintenance_timeout_s``, covers the whole stream. Errors are typed as ``_call``'s;
+        a stream that ends without its final message, or whose row counts disagree, is
+        ``InternalError`` (batches taken before an error were the daemon's rows)."""
+        from kvstore.cli import index_view
+
+        self._check_open()
+        timeout = self.options.maintenance_timeout_s
+        sent = 0
+        call = None
+        try:
+            call = self._stub.ExportIndex(pb.ExportIndexRequest(), timeout=timeout, metadata=self._md)
+            for chunk in call:
+                if chunk.final:
+                    if chunk.rows != sent:
+                        raise InternalError(f"ExportIndex on {self.url} sent {sent} rows and says {chunk.rows} "
+                                            "(a kvstore bug)")
+                    return
+                if chunk.arrow_ipc:
+                    yield from index_view.read_ipc(chunk.arrow_ipc, chunk.rows)
+                    sent += chunk.rows
+        except grpc.RpcError as err:
+            if err.code() is grpc.StatusCode.UNIMPLEMENTED:
+                raise InvalidRequest(f"the daemon at {self.url} predates ExportIndex (inspect --parquet through a "
+                                     "daemon): upgrade it, or export on its data directory") from err
+            raise self._typed(err, f"ExportIndex on {self.url}", timeout) from err
+        except ValueError as err:  # gRPC: "Cannot invoke RPC: Channel closed!" (close() raced this call)
+            self._raise_if_closed(err)
+            raise
+        finally:
+            if call is not None:
+                call.cancel()  # a no-op once the stream ended; else (the caller stopped taking) ends it
+        raise InternalError(f"ExportIndex on {self.url} ended without its final message after {sent} rows "
+                            "(a kvstore bug)")

@@ -41,6 +41,8 @@ the sums cover the shards that answered, ``shards`` holds per URL that shard's o
 or ``{"error": message, "code": KVStoreError.code}``, and ``check`` reports the shard as
 one ``TARGET_DOWN`` problem whose ``target`` is its URL. Only when no shard answers is
 the (first) error raised. Target names are prefixed with their shard, ``URL/t3``.
+The index export (``export_index_batches``, ``kvtool inspect --parquet``) asks the shards in
+turn, a shard that fails named apart and the others' rows kept, as for maintenance.
 
 Client options (``kvstore.client_options.ClientOptions``) apply to every shard, so
 ``direct_reads="on"``/``"auto"`` makes each shard's client read directly from
@@ -53,7 +55,7 @@ import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -66,6 +68,9 @@ from kvstore.maintenance import Problem, ProblemKind
 from kvstore.client_options import ClientOptions, parse_address, shard_name
 from kvstore.remote import RemoteStore
 from kvstore.server.wire import check_value_sizes, encode_item
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 def _sum_into(acc: dict, d: dict) -> None:
@@ -104,6 +109,17 @@ def _merge_summaries(parts: list[dict]) -> dict:
             elif isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[k] = out.get(k, 0) + v
     return out
+
+
+def _prefix_targets(batch: "pa.RecordBatch", url: str) -> "pa.RecordBatch":
+    """An index export batch (``index_view.parquet_schema``) with every target named ``URL/target``."""
+    import pyarrow as pa
+
+    i = batch.schema.get_field_index("targets")
+    field = batch.schema.field(i)
+    named = pa.array([[f"{url}/{t}" for t in ts] for ts in batch.column(i).to_pylist()], type=field.type)
+    cols = [named if j == i else c for j, c in enumerate(batch.columns)]
+    return pa.RecordBatch.from_arrays(cols, schema=batch.schema)
 
 
 class ShardedStore:
@@ -514,6 +530,30 @@ class ShardedStore:
                         row[kind] = rows[i][kind]
             out.append(row)
         return out
+
+    def export_index_batches(self, unanswered: dict[str, str] | None = None) -> Iterator["pa.RecordBatch"]:
+        """``RemoteStore.export_index_batches`` of each shard in turn, in URL order: the rows of
+        the shards concatenated, in the one schema, each record's targets named ``URL/target``
+        (as ``inspect_summary`` and ``check`` name them), which says which shard holds it.
+
+        A shard that fails (down, refusing, timed out) is put in ``unanswered`` (``{url: its
+        error}``) and the next shard is asked: the others' rows still come. Rows it sent before
+        failing were taken (its error says how many). No shard answering to its end raises the
+        first one's error."""
+        self._check_open()
+        errors: dict[str, KVStoreError] = {}
+        for url, shard in zip(self.urls, self.shards):
+            n = 0
+            try:
+                for batch in shard.export_index_batches():
+                    n += batch.num_rows
+                    yield _prefix_targets(batch, url)
+            except KVStoreError as exc:
+                errors[url] = exc
+                if unanswered is not None:
+                    unanswered[url] = str(exc) + (f" (after {n} of its rows, which were kept)" if n else "")
+        if len(errors) == len(self.urls):
+            raise next(iter(errors.values()))
 
     def close(self) -> None:
         self._closed = True

@@ -12,8 +12,13 @@ daemon: on a data directory it reads the index through ``kvstore.cli.index_view`
 daemon it calls the read-only ``Inspect`` RPC, which runs that same code there
 (``inspect_summary`` / ``inspect_entries`` / ``inspect_chain`` of ``RemoteStore`` and
 ``ShardedStore``). Neither reads a fragment, refreshes an access time or moves a counter.
-``inspect --parquet FILE`` (a data directory only) exports the whole index; with ``--key``
-or ``--chain`` it is a usage error.
+``inspect --parquet FILE`` exports the whole index, in the same columns from either: on a
+data directory from ``index_view.iter_batches``, on a daemon from its admin-only
+``ExportIndex`` (which runs that code there: ``export_index_batches``); kvtool writes FILE
+(``index_view.publish_parquet``: atomic, a regular file only). A sharded set's file holds
+every shard's rows, targets named ``URL/target``; a shard that does not answer is named as
+below (JSON ``unanswered``), the others' rows written. With ``--key`` or ``--chain`` it is a
+usage error.
 
 ``delete`` names keys as ``inspect`` does (index keys; through a daemon, an admin's are index
 keys and any other tenant's its own: ``RemoteStore.delete_index_keys``), so it deletes what
@@ -214,7 +219,8 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
                    help="show which blocks and SWA snapshots of a prefix chain are present; "
                         "@FILE reads the keys from FILE (comma, space or newline separated)")
     g.add_argument("--parquet", metavar="FILE", type=output_file,
-                   help="export the whole index to a Parquet file (pyarrow; not with --key or --chain); "
+                   help="export the whole index to a Parquet file (pyarrow; not with --key or --chain), "
+                        "from a data directory or a daemon (an admin tenant's token), written here; "
                         "FILE, if it exists, must be a regular file and is replaced only once the export "
                         "is complete")
     _kind_arg(p)  # after the group, so the usage line shows [--key | --chain | --parquet]
@@ -305,10 +311,7 @@ def run_inspect(store: KVStore, args: argparse.Namespace, progress: Progress) ->
     if args.parquet is not None:
         if args.key is not None or args.chain is not None:  # the parser refuses it; a built Namespace may not
             raise InvalidRequest("--parquet exports the whole index; it does not combine with --key or --chain")
-        if not _is_embedded(store):
-            raise InvalidRequest("--parquet needs an embedded store (a data directory), not a daemon URL")
-        n = index_view.export_parquet(store, args.parquet)
-        return Outcome(ExitCode.OK, {"parquet": args.parquet, "rows": n}, f"wrote {n} index rows to {args.parquet}")
+        return _export_parquet(store, args.parquet)
     views = IndexViews.of(store)
     if args.key is not None:
         d = _known(views.entries([args.key], EntryKind.parse(args.kind))[0])
@@ -325,6 +328,25 @@ def run_inspect(store: KVStore, args: argparse.Namespace, progress: Progress) ->
     bad = d["total"]["lost"] or any(not t["up"] for t in d["targets"])
     return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, _summary_text(d)),
                              _down_in(d))
+
+
+def _export_parquet(store: KVStore, path: str) -> Outcome:
+    """``inspect --parquet``: the index of a data directory or of a daemon (its ``ExportIndex``)
+    written to ``path``; a sharded set's shards that did not answer under ``unanswered``, exit 1."""
+    down: dict[str, str] = {}  # shard URL -> its error
+    if _is_embedded(store):
+        n = index_view.export_parquet(store, path)
+    elif getattr(store, "shards", None):
+        n = index_view.publish_parquet(path, store.export_index_batches(down))
+    elif hasattr(store, "export_index_batches"):
+        n = index_view.publish_parquet(path, store.export_index_batches())
+    else:
+        raise InvalidRequest(f"--parquet needs a data directory or a daemon URL; {type(store).__name__} has no "
+                             "index export")
+    d: dict[str, Any] = {"parquet": path, "rows": n}
+    if down:
+        d["unanswered"] = down
+    return _with_down_shards(store, Outcome(ExitCode.OK, d, f"wrote {n} index rows to {path}"), down)
 
 
 def _chain_outcome(chain: list[bytes], rows: list[dict]) -> Outcome:
