@@ -207,7 +207,6 @@ class AdminRPC:
             view["key"] = key.hex()
         return pb.JsonReply(json=json.dumps({"positions" if r.chain else "entries": views}, default=str))
 
-
     def _export_index(self, r: pb.ExportIndexRequest, tenant: Tenant) -> Iterator[bytes]:
         """``ExportIndex`` (kvstore.proto; admin tenants only, checked before this runs): every
         index row, built by ``index_view.iter_batches`` (the code of the local export, so the
