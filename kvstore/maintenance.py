@@ -49,7 +49,7 @@ import enum
 import itertools
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import lmdb
 
@@ -105,20 +105,23 @@ MAP_FULL_WHY = "the index map is full, so nothing was recorded (raise lmdb_map_s
 
 
 def evict(store: "EmbeddedStore", goal_bytes: int, *, dry_run: bool = False,
-          keep: Collection[bytes] = (), keep_within: int = 0) -> int:
+          keep: Sequence[bytes] = (), keep_within: int = 0) -> int:
     """Evict until at most ``goal_bytes`` are used: first unpinned lost entries (no read
     can use them until a repair; oldest access first), then least-recently-used unpinned
     entries; returns the count. ``CapacityExceeded`` when only pinned entries are left
     (what was evicted before is counted all the same). ``dry_run``: the count it would
     evict (``gc_plan.plan_eviction``), nothing changed.
 
-    ``keep`` (entry keys: those the put that triggered this pass just indexed) are taken
-    last, and only while more than ``keep_within`` bytes (the capacity) would stay used
-    without them: otherwise the pass stops above ``goal_bytes``, and a put that fits under
-    the capacity is never acknowledged and then evicted by its own pass (QA: with pinned
-    entries just under the low watermark, every put was). When they do not fit, they go
-    too, as any other entry, and the pass raises ``CapacityExceeded`` saying how many of
-    them it evicted: the put is not acknowledged for entries it no longer holds."""
+    ``keep`` (entry keys, in the order of the put that triggered this pass: all of its
+    entries, new or already stored) are taken last, and only while more than ``keep_within``
+    bytes (the capacity) would stay used with them: otherwise the pass stops above
+    ``goal_bytes``, and a put that fits under the capacity is never acknowledged and then
+    evicted by its own pass (QA: with pinned entries just under the low watermark, every put
+    was). When they do not fit, they go from the put's last entry back (a chain keeps its
+    prefix) until the rest fit, and the pass raises ``CapacityExceeded`` saying how many it
+    evicted. This covers the triggering put only: another thread's or process's put may see
+    its entries evicted as plain LRU (``EmbeddedStore._evict_if_needed`` runs one pass at a
+    time per process and skips, rather than waits, while one runs)."""
     if dry_run:
         return plan_eviction(store, store.used_bytes(), goal_bytes, ())[0]
     store.flush_touches()
@@ -134,20 +137,28 @@ def evict(store: "EmbeddedStore", goal_bytes: int, *, dry_run: bool = False,
                     store.index.drop_lost_txn(txn, ek, m, now, to_grave=True)
                     used -= m.stored_bytes
                     evicted += 1
-        own, dropped = frozenset(keep), 0
-        protect = bool(own)
+        own = list(dict.fromkeys(keep))  # the put's entries, in its order
+        protected, dropped = frozenset(own), 0
         while True:
             with store.index.env.begin(write=True) as txn:
                 used = store.index.counter(txn, "used_bytes")
                 if used <= goal_bytes:
                     break
                 batch = [(t, ek) for t, ek in store.index.oldest(txn, "lru", limit=256 + len(own))
-                         if not (protect and ek in own)]
-                if not batch and protect:
+                         if ek not in protected]
+                if not batch and own:  # only pinned entries and the put's own are left
+                    for ek in reversed(own):  # those that do not fit go, the put's last first
+                        m = store.index.get_meta(txn, ek)
+                        if used <= keep_within:
+                            break
+                        if m is not None and not m.pinned:
+                            store.index.remove_txn(txn, ek, m, now)
+                            used -= m.stored_bytes
+                            evicted += 1
+                            dropped += 1
                     if used <= keep_within:
-                        break  # only pinned entries and the put's own are left, and they fit
-                    protect = False  # they do not fit: they go too, as any other entry
-                    batch = list(store.index.oldest(txn, "lru", limit=256))
+                        break
+                    batch = []  # the put's own all gone, the pinned ones alone are over the capacity
                 if not batch:
                     raise CapacityExceeded(
                         f"store holds {used} bytes over the goal {goal_bytes} and everything left "
@@ -160,13 +171,13 @@ def evict(store: "EmbeddedStore", goal_bytes: int, *, dry_run: bool = False,
                     store.index.remove_txn(txn, ek, m, now)
                     used -= m.stored_bytes
                     evicted += 1
-                    dropped += ek in own
                     if used <= goal_bytes:
                         break
         if dropped:
             raise CapacityExceeded(
                 f"{dropped} of the {len(own)} entries just put did not fit under capacity_bytes {keep_within} "
-                "beside the pinned ones and were evicted again; unpin entries or raise capacity_bytes")
+                f"beside the pinned ones and were evicted again (the put's last ones; the first {len(own) - dropped} "
+                "were kept); unpin entries or raise capacity_bytes")
     finally:
         store._count("evicted", evicted)
         if evicted:

@@ -151,14 +151,14 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         # 1-2: skip live keys (and duplicates inside the batch) before doing any work.
         result = [False] * len(items)
         todo: list[int] = []
-        seen: set[bytes] = set()
+        seen: dict[bytes, None] = {}  # the put's entry keys, in its order
         with self.index.env.begin() as txn:
             for i, it in enumerate(items):
                 ek = ekey(EntryKind.parse(it.kind).code, check_key(it.key))
                 if ek in seen:
                     self._checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
                     continue
-                seen.add(ek)
+                seen[ek] = None  # what its eviction pass keeps (_index_new)
                 m = self.index.get_meta(txn, ek)
                 if m is not None and not m.expired(now):
                     self._checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)  # refused all the same
@@ -209,7 +209,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         try:
             created = self._index_new([(encs[i].ek, replace(encs[i].meta_base, targets=placed[i],
                                                              offsets=offsets.get(i, ()))) for i in order], now,
-                                      written_at=(started, f"writing {len(encs)} entries"))
+                                      written_at=(started, f"writing {len(encs)} entries"), put_keys=list(seen))
         except WrittenTooLongAgo:
             self._discard_unused_packs(encs, placed, offsets, result)
             for i, names in placed.items():
@@ -224,14 +224,17 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         return result
 
     def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int,
-                   written_at: tuple[float, str] | None = None, fresh_gens: Sequence[bytes] = ()) -> list[bool]:
+                   written_at: tuple[float, str] | None = None, fresh_gens: Sequence[bytes] = (),
+                   put_keys: Sequence[bytes] | None = None) -> list[bool]:
         """Steps 5-6 for records whose fragments are durable: one transaction inserting each
         record whose key is free (absent or expired; a lost record of it goes to the
         graveyard), ``False`` where a live entry won the race (the caller removes or keeps the
         loser's files); then the counters, and eviction above the high watermark.
         ``written_at`` (clock time the files were started, what they are): first, inside the
         transaction, ``WrittenTooLongAgo`` (nothing indexed) when that was too long ago;
-        ``fresh_gens``: ``GenerationTaken`` (nothing indexed) when a record already names one."""
+        ``fresh_gens``: ``GenerationTaken`` (nothing indexed) when a record already names one.
+        ``put_keys``: every entry key of the put, in its order, those found already stored
+        before any work included (default: the records'), which its eviction pass keeps."""
         created: list[bool] = []
         with self.index.env.begin(write=True) as txn:
             if written_at is not None:
@@ -260,7 +263,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         self._count("puts", n_new)
         self._count("bytes_in", sum(m.plain_len for (_, m), c in zip(records, created) if c))
         if n_new and self.config.capacity_bytes:
-            self._evict_if_needed(frozenset(ek for (ek, _), c in zip(records, created) if c))
+            self._evict_if_needed([ek for ek, _ in records] if put_keys is None else put_keys)
         return created
 
     def _mark_lost(self, ek: bytes, meta: Meta) -> None:
@@ -504,9 +507,9 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         with self.index.env.begin() as txn:
             return self.index.counter(txn, "used_bytes")
 
-    def _evict_if_needed(self, put: frozenset[bytes]) -> int:
-        """Above the high watermark, evict down to the low one; the entries the put just
-        indexed (``put``) stay while they fit under the capacity (``maintenance.evict``)."""
+    def _evict_if_needed(self, put: Sequence[bytes]) -> int:
+        """Above the high watermark, evict down to the low one; the put's entries (``put``, in
+        its order) stay while they fit under the capacity (``maintenance.evict``)."""
         cap = self.config.capacity_bytes
         if not cap or self.used_bytes() <= cap * self.config.high_watermark:
             return 0

@@ -9,7 +9,7 @@ import os
 import pytest
 
 import kvstore
-from kvstore import CapacityExceeded, NotFound
+from kvstore import CapacityExceeded, NotFound, PutItem
 from kvstore.index import ekey
 from kvstore.maintenance import ProblemKind
 from kvstore.targets import fragment_path
@@ -126,6 +126,42 @@ def test_a_put_that_fits_is_kept_with_pinned_entries_just_under_the_low_watermar
             clock.advance(1)
         assert s.used_bytes() == 2 * one
         assert s.pin(keys[5])
+        s.gc()
+        assert_clean(s)
+
+
+def test_a_put_keeps_its_already_stored_entries_too(data_dir, keys, clock):
+    """QA: only the entries a put_many created were kept by its own pass; one it found already
+    stored (``False``) was evicted though everything fit, and a chain lost its head block."""
+    one = _one_entry(data_dir, clock, keys[0])
+    with _capacity_store(data_dir, clock, int(one * 3.2)) as s:
+        assert s.put(keys[0], value_for(keys[0], 10_000)) and s.pin(keys[0])
+        assert s.put(keys[1], value_for(keys[1], 10_000))
+        clock.advance(1)
+        assert s.put_many([PutItem(k, value_for(k, 10_000)) for k in keys[1:3]]) == [False, True]
+        assert s.lookup(keys[1:3]).hit_blocks == 2 and s.used_bytes() == 3 * one
+        s.gc()  # over the high watermark: gc evicts LRU down to the low one, as before
+        assert_clean(s)
+
+
+def test_a_put_that_does_not_fit_keeps_its_first_entries_and_says_so(data_dir, keys, clock):
+    """QA: when a put's entries did not all fit beside the pinned ones, all of them went (down
+    to the low watermark, in key-hash order). Now its last ones go until the rest fit under
+    the capacity, a chain keeps its prefix, and the put raises naming how many it lost."""
+    one = _one_entry(data_dir, clock, keys[0])
+    with _capacity_store(data_dir, clock, int(one * 2.2)) as s:
+        assert s.put(keys[0], value_for(keys[0], 10_000)) and s.pin(keys[0])
+        with pytest.raises(CapacityExceeded, match="1 of the 2 entries just put did not fit"):
+            s.put_many([PutItem(k, value_for(k, 10_000)) for k in keys[1:3]])
+        assert s.lookup(keys[1:3]).hit_blocks == 1 and s.get(keys[1]) == value_for(keys[1], 10_000)
+
+
+def test_a_chain_over_the_capacity_keeps_its_prefix(data_dir, keys, clock):
+    one = _one_entry(data_dir, clock, keys[0])
+    with _capacity_store(data_dir, clock, int(one * 5.5)) as s:  # no pinned entry, a chain over the capacity
+        with pytest.raises(CapacityExceeded, match="3 of the 8 entries"):
+            s.put_many([PutItem(k, value_for(k, 10_000)) for k in keys[3:11]])
+        assert s.lookup(keys[3:11]).hit_blocks == 5 and s.used_bytes() == 5 * one
         s.gc()
         assert_clean(s)
 
