@@ -57,7 +57,7 @@ Counters (``metrics.snapshot()``): ``hit_tokens_{device,host,store}``,
 ``snapshot_hits``, ``replays``, ``replay_tokens``, ``hits_not_adopted``,
 ``loaded_tokens``, ``bytes_loaded``, ``load_errors``, ``load_missing``,
 ``load_bad_size``, ``load_exceptions``, ``snapshot_load_failed``, ``staging_exhausted``, ``direct_read_overruns``,
-``store_errors``, ``store_timeouts``, ``store_skipped``, ``store_busy``, ``saves_enqueued``,
+``store_errors``, ``store_timeouts``, ``store_skipped``, ``store_busy``, ``store_refused``, ``saves_enqueued``,
 ``saves_done``, ``saves_failed``, ``saves_dropped``, ``requests_save_incomplete``, ``bytes_saved``,
 ``snapshots_saved``, ``device_evictions_to_host``, ``host_evictions_{block,swa}``,
 ``save_enqueue_wait_max_s``.

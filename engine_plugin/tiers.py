@@ -15,7 +15,11 @@ hangs on it and never uses bad bytes:
    (background puts); a timeout is counted and treated like an outage;
 2. after an outage the gateway is *open* for ``backoff_s``: calls return a
    shortfall at once (counted as ``store_skipped``) instead of paying the
-   timeout again on every request;
+   timeout again on every request. A store that answers and refuses a call for
+   want of room (``CapacityExceeded``: a save that does not fit beside pinned
+   entries, a tenant's quota) is not an outage: that call fails, counted
+   ``store_refused``, and the breaker stays closed, so reads go on (QA: a save
+   over the capacity cut the engine off from the store, its reads included);
 3. a read returns ``None`` for an entry that is missing, lost, corrupt, of
    the wrong size, or saved with another layout than the caller expects (the
    store checks checksums; the gateway checks lengths and, where the store
@@ -90,7 +94,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvstore.api import EntryInfo, EntryKind, KVStore, Layout, LookupResult, PutItem, ReadsInto, writable_view
-from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError
 from kvstore.executors import DaemonExecutor
 
 log = logging.getLogger(__name__)
@@ -346,6 +350,8 @@ class StoreGateway:
         except cf.TimeoutError:
             self._trip(what, f"timed out after {timeout}s", "store_timeouts")
             return False, None, fut
+        except CapacityExceeded as exc:
+            self._refused(what, exc)
         except (KVStoreError, OSError) as exc:
             self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
         except _StoreFault as exc:
@@ -387,6 +393,9 @@ class StoreGateway:
         t0 = time.monotonic()
         try:
             res = fn(*args, **kw)
+        except CapacityExceeded as exc:
+            self._refused(what, exc)
+            return False, None, False
         except (KVStoreError, OSError) as exc:
             self._trip(what, f"{type(exc).__name__}: {exc}", "store_errors")
             return False, None, False
@@ -397,6 +406,13 @@ class StoreGateway:
         if took > self.timeout_s:
             self._trip(what, f"took {took:.2f}s, over the {self.timeout_s}s timeout", "store_timeouts")
         return True, res, took > self.timeout_s
+
+    def _refused(self, what: str, exc: CapacityExceeded) -> None:
+        """A call the store answered by refusing it for want of room: counted, the breaker left
+        closed (module docstring, 2)."""
+        self.metrics.inc("store_refused")
+        self.last_error = f"{what}: {type(exc).__name__}: {exc}"
+        log.warning("kv store %s refused (%s); the store stays in use", what, exc)
 
     def _trip(self, what: str, reason: str, counter: str, exc: BaseException | None = None) -> None:
         """Count a failed call and open the breaker; ``exc``: an unexpected exception, logged

@@ -222,3 +222,35 @@ def test_at_the_fewest_max_calls_one_abandoned_call_per_path_leaves_room_for_eac
     finally:
         st.release.set()
         gw.close()
+
+
+def test_a_save_the_store_refuses_for_room_does_not_cut_off_its_reads(tmp_path):
+    """QA: a put_many the store refused with CapacityExceeded (its entries do not fit beside
+    the pinned ones) tripped the breaker like an outage, so for backoff_s the engine skipped
+    every lookup and load, the pinned entries' too. Now it is a failed save, counted
+    ``store_refused``, and the store stays in use; an outage still trips the breaker."""
+    import kvstore
+    from kvstore.errors import StoreUnavailable
+
+    one = b"p" * 10_000
+    with kvstore.connect(str(tmp_path / "probe"), fsync=False, compression="none") as s:
+        s.put(KEYS[0], one)
+        size = s.used_bytes()
+    store = kvstore.connect(str(tmp_path / "d"), fsync=False, compression="none", capacity_bytes=int(size * 1.5))
+    store.put(KEYS[0], one)
+    assert store.pin(KEYS[0])
+    m = Metrics()
+    gw = StoreGateway(store, m, timeout_s=5, backoff_s=60)
+    assert not gw.put_many([PutItem(b"c" * 16, one)])  # does not fit beside the pinned entry: refused
+    assert m.get("store_refused") == 1 and m.get("store_errors") == 0 and gw.available
+    assert gw.lookup(KEYS[:1]) == LookupResult(1, None)  # reads go on
+    assert "CapacityExceeded" in gw.last_error
+
+    def down(items):
+        raise StoreUnavailable("the daemon is down")
+
+    store.put_many = down
+    assert not gw.put_many([PutItem(b"d" * 16, one)])
+    assert m.get("store_errors") == 1 and not gw.available  # an outage still opens the breaker
+    gw.close()
+    store.close()
