@@ -418,17 +418,15 @@ class ShardedStore:
 
         return for_shard
 
-    def gc(self, *, dry_run: bool = False, progress: Callable | None = None) -> dict:
-        """Every shard's GC pass; the counts summed, ``dry_run`` as asked, ``shards`` as in ``stats``.
-        A shard that could not get under its capacity (``CapacityExceeded`` with its pass's
-        counts) answered: its counts are summed too, and once every shard is done that is
-        raised, as one store raises it, with the summed counts as ``result``. ``progress``:
-        each shard's, as ``_shard_progress`` names it (for gc, check and repair)."""
-        shard_progress = self._shard_progress(progress)
-
+    def _counted_pass(self, run: Callable[[RemoteStore], dict]) -> tuple[dict, dict[str, CapacityExceeded]]:
+        """``run`` (a gc or repair pass) on every shard: (the counts summed, with ``shards`` as in
+        ``stats``; ``{url: error}`` of the shards whose pass raised ``CapacityExceeded`` with its
+        counts: gc that could not get under the capacity, repair that found the index map full).
+        Those answered: their counts are summed too, for the caller to raise once every shard
+        is done, as one store raises it (before, a full map's repair counted as a shard down)."""
         def one(s: RemoteStore) -> tuple[dict, CapacityExceeded | None]:
             try:
-                return s.gc(dry_run=dry_run, progress=shard_progress(s)), None
+                return run(s), None
             except CapacityExceeded as exc:
                 if exc.result is None:  # a daemon that predates the counts: no answer to sum
                     raise
@@ -439,12 +437,26 @@ class ShardedStore:
         out: dict[str, Any] = {}
         for g in ok.values():
             _sum_into(out, g)
-        out["dry_run"] = dry_run
         out["shards"] = self._shards(ok, failed)
-        full = {u: exc for u, (_, exc) in answers.items() if exc is not None}
+        return out, {u: exc for u, (_, exc) in answers.items() if exc is not None}
+
+    @staticmethod
+    def _raise_full(out: dict, full: dict[str, CapacityExceeded]) -> dict:
         if full:
             raise CapacityExceeded("; ".join(f"shard {u}: {exc}" for u, exc in full.items()), result=out)
         return out
+
+    def gc(self, *, dry_run: bool = False, progress: Callable | None = None) -> dict:
+        """Every shard's GC pass; the counts summed, ``dry_run`` as asked, ``shards`` as in ``stats``.
+        A shard that could not get under its capacity (``CapacityExceeded`` with its pass's
+        counts) answered: its counts are summed too, and once every shard is done that is
+        raised, as one store raises it, with the summed counts as ``result``
+        (``_counted_pass``). ``progress``: each shard's, as ``_shard_progress`` names it (for
+        gc, check and repair)."""
+        shard_progress = self._shard_progress(progress)
+        out, full = self._counted_pass(lambda s: s.gc(dry_run=dry_run, progress=shard_progress(s)))
+        out["dry_run"] = dry_run
+        return self._raise_full(out, full)
 
     def check(self, fix: bool = False, *, progress: Callable | None = None) -> list:
         """Every shard's problems, each target named ``URL/target`` (each name of a list, e.g.
@@ -463,14 +475,10 @@ class ShardedStore:
         return out
 
     def repair(self, *, progress: Callable | None = None) -> dict:
-        """Every shard's repair; the counts summed, ``shards`` as in ``stats``."""
+        """Every shard's repair; the counts summed, ``shards`` as in ``stats``; a shard whose
+        index map was full answered, and is raised as ``gc`` raises (``_counted_pass``)."""
         shard_progress = self._shard_progress(progress)
-        ok, failed = self._each(lambda s: s.repair(progress=shard_progress(s)))
-        out: dict[str, Any] = {}
-        for r in ok.values():
-            _sum_into(out, r)
-        out["shards"] = self._shards(ok, failed)
-        return out
+        return self._raise_full(*self._counted_pass(lambda s: s.repair(progress=shard_progress(s))))
 
     # ------------------------------------------------------------------ inspect (read-only, kvtool)
     def inspect_summary(self) -> dict:
