@@ -33,7 +33,9 @@ Read steps (``DirectReads.get_many``), in order, each for its reason:
      daemon's state stays the only truth.
 
 Guarantees: the results and errors of the gRPC path (``kvstore.api``): the same bytes,
-``NotFound`` for an absent key, ``None`` slots in batches. A record that goes stale
+``NotFound`` for an absent key (a single ``get`` that Locate finds nothing for asks the
+daemon's ``Get``, which also says ``Unrecoverable`` for a lost one), ``None`` slots in
+batches. A record that goes stale
 between Locate and the read (the entry deleted, evicted or re-put) finds its files gone
 (step 4) or, within ``delete_grace_s``, still whole and verified against its own
 generation; either way no unverified byte is returned.
@@ -78,7 +80,7 @@ from typing import Any, Callable, Sequence
 from kvstore import codec
 from kvstore.api import Entry, EntryInfo, EntryKind
 from kvstore.config import StoreConfig, TargetSpec
-from kvstore.errors import InternalError, InvalidRequest, KVStoreError, NotFound, StoreClosed, StoreUnavailable
+from kvstore.errors import InternalError, InvalidRequest, KVStoreError, StoreClosed, StoreUnavailable
 from kvstore.executors import DaemonExecutor, shutdown_all
 from kvstore.fragments import FragmentIO
 from kvstore.index import Meta
@@ -445,8 +447,8 @@ class DirectReads(DirectPath):
         locs = self.locate([key], kind, r) if r is not None else None
         if locs is None:
             return None
-        if locs[0] is None:
-            raise NotFound(f"no {kind.value} entry for key {key.hex()}")
+        if locs[0] is None:  # absent, expired or lost: the caller's Get says which, as the daemon
+            return None      # (a lost entry is Unrecoverable there on every read, not NotFound)
         got = r.read(locs[0])
         if got is None:
             self._retried(r, locs[0])
