@@ -175,9 +175,9 @@ def evict(store: "EmbeddedStore", goal_bytes: int, *, dry_run: bool = False,
                         break
         if dropped:
             raise CapacityExceeded(
-                f"{dropped} of the {len(own)} entries just put did not fit under capacity_bytes {keep_within} "
-                f"beside the pinned ones and were evicted again (the put's last ones; the first {len(own) - dropped} "
-                "were kept); unpin entries or raise capacity_bytes")
+                f"{dropped} of the {len(own)} entries just put did not fit under capacity_bytes ({keep_within} "
+                f"bytes) and were evicted again, the put's last ones (the first {len(own) - dropped} were kept): "
+                "everything left is pinned; unpin entries or raise capacity_bytes")
     finally:
         store._count("evicted", evicted)
         if evicted:
