@@ -64,13 +64,6 @@ class Conversation:
     screenshot: Image  # position relative to the start of turn2_added
     vocab_size: int
 
-    def prompt_lengths(self, max_new: int) -> tuple[int, int]:
-        """(turn 2's, turn 3's) prompt lengths when each reply has ``max_new`` tokens, as
-        ``kvstack walkthrough`` builds them (each prompt: the one before, its reply, the turn's
-        added tokens); every request generates exactly its ``max_new_tokens`` (no EOS)."""
-        turn2 = len(self.turn1) + max_new + len(self.turn2_added)
-        return turn2, turn2 + max_new + len(self.turn3_added)
-
 
 def build(context_tokens: int, vocab_size: int, *, image_tokens: int = 64) -> Conversation:
     """A conversation whose turn 3 has about ``context_tokens`` tokens of prompt."""

@@ -25,7 +25,6 @@ class VariantResult:
     summary: dict
     cold_tokens: list[int] = field(default_factory=list)
     note: str = ""
-    restreamed: int | None = None  # failover: tokens streamed after the serving worker was killed
 
     @property
     def prefill(self) -> dict:
@@ -54,7 +53,6 @@ class VariantResult:
             "failover_ms": sum(h.get("ms", 0.0) for h in fo),
             "failovers": len(fo),
             "prefill_worker": p.get("worker", ""),
-            **({} if self.restreamed is None else {"restreamed": self.restreamed}),
         }
 
 

@@ -72,7 +72,6 @@ def test_all_variants_match_the_cold_run(run):
     assert hit["loaded"] > 0.8 * hit["prompt_tokens"] and hit["replayed"] == 0 and hit["snapshot_hit"]
     assert miss["replayed"] > 0 and miss["loaded_by_tier"]["store"] > 0
     assert fail["failovers"] == 1
-    assert 0 < fail["restreamed"] <= 24 - 2  # killed after its second token: the rest came after the kill
     assert "report: " in res.stdout
 
 
