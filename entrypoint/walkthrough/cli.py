@@ -17,6 +17,11 @@ What it does, in order:
   4. prints a per-hop timeline and writes a self-contained HTML report.
 
 Everything it started is stopped when it ends, on Ctrl-C and on error.
+The first SIGINT (Ctrl-C) or SIGTERM interrupts the run; from then on, and
+while the stack is being stopped, further ones are only noted (``_Signals``),
+so a second Ctrl-C never cuts the stop short: the run ends with the one line
+``interrupted: stopping everything`` and exit code 130 (also when the signal
+came while a finished run was stopping).
 Exit code 0 when every variant produced the cold run's tokens, 1 otherwise,
 2 on a usage or start-up error. Usage errors (a bad flag value, an unknown
 model, an ``--out`` where no directory can be made) are one line on stderr,
@@ -31,6 +36,7 @@ shared store and log set.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import signal
 import subprocess
@@ -128,6 +134,41 @@ def _spliced(conv: Conversation, prompt: list[int], seg: pb.ImageSegment, vocab:
     return out
 
 
+class _Signals:
+    """SIGINT and SIGTERM during one walkthrough (module docstring).
+
+    ``interrupting()``: the next one raises ``KeyboardInterrupt`` in the main thread, and switches
+    both to ``deferring()`` first, so that a second one can not interrupt the handling of the first.
+    ``deferring()``: each one is only appended to ``noted``. ``restore()``: the handlers from before.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.saved = {s: signal.getsignal(s) for s in self.SIGNALS}
+        self.noted: list[int] = []
+
+    def interrupting(self) -> None:
+        for s in self.SIGNALS:
+            signal.signal(s, self._interrupt)
+
+    def deferring(self) -> None:
+        for s in self.SIGNALS:
+            signal.signal(s, self._note)
+
+    def restore(self) -> None:
+        for s, handler in self.saved.items():
+            signal.signal(s, handler)
+
+    def _interrupt(self, signum, _frame) -> None:
+        self.deferring()
+        self.noted.append(signum)
+        raise KeyboardInterrupt
+
+    def _note(self, signum, _frame) -> None:
+        self.noted.append(signum)
+
+
 def walkthrough(args: argparse.Namespace) -> int:
     """Run the walkthrough with checked ``args`` (``main`` checks them); returns the exit code."""
     from engine_plugin.reference.config import model_preset
@@ -149,10 +190,7 @@ def walkthrough(args: argparse.Namespace) -> int:
                                                        "--max-model-len", str(args.num_blocks * args.block_size)),
                       worker_args=("--num-blocks", str(args.num_blocks)))
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    signals = _Signals()
     outcome: dict = {}
 
     def play() -> int:
@@ -240,28 +278,41 @@ def walkthrough(args: argparse.Namespace) -> int:
     # The stack is driven from a worker thread; the main thread only waits for it. Ctrl-C and
     # SIGTERM raise KeyboardInterrupt in the main thread, and never inside gRPC's own calls
     # and locks (an interrupted stream left its channel unclosable, so the process hung at exit).
+    # Once interrupted, and while stopping, SIGINT/SIGTERM are only noted (_Signals): a second
+    # Ctrl-C must not cut the stop short (it ended the process with a traceback, children left).
     worker = threading.Thread(target=play_here, name="walkthrough", daemon=True)
+    code = 2
     try:
-        worker.start()
-        while worker.is_alive():
-            worker.join(0.2)
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["code"]
-    except KeyboardInterrupt:
-        _say("\ninterrupted: stopping everything")
-        return 130
-    except KVStoreError as exc:
-        _say(f"walkthrough failed: {exc}")
-        return 2
-    except grpc.RpcError as exc:
-        _say(f"walkthrough failed: the entrypoint answered {exc.code().name}: {exc.details()} "
-             f"(logs in {run_dir})")
-        return 2
+        try:
+            signals.interrupting()
+            worker.start()
+            while worker.is_alive():
+                worker.join(0.2)
+            if "error" in outcome:
+                raise outcome["error"]
+            code = outcome["code"]
+        except KeyboardInterrupt:
+            signals.deferring()
+            _say("\ninterrupted: stopping everything")
+            code = 130
+        except KVStoreError as exc:
+            _say(f"walkthrough failed: {exc}")
+        except grpc.RpcError as exc:
+            _say(f"walkthrough failed: the entrypoint answered {exc.code().name}: {exc.details()} "
+                 f"(logs in {run_dir})")
     finally:
-        cluster.stop()  # its processes gone, a worker still inside a call gets an error and ends
-        if worker.is_alive():
-            worker.join(timeout=10)
+        signals.deferring()
+        try:
+            cluster.stop()  # its processes gone, a worker still inside a call gets an error and ends
+            atexit.unregister(cluster.stop)  # stopped: nothing left for interpreter exit to do
+            if worker.is_alive():
+                worker.join(timeout=10)
+        finally:
+            signals.restore()
+    if signals.noted and code != 130:  # a signal while a finished (or failed) run was stopping
+        _say("\ninterrupted: stopping everything")
+        code = 130
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

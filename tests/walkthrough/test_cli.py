@@ -3,6 +3,7 @@ before anything starts, and every run gets a directory of its own."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -89,3 +90,63 @@ def test_a_long_request_prints_a_heartbeat(capsys):
     beats = out.count("... working")
     assert 2 <= beats <= 4, out
     assert out.rstrip().splitlines()[-1].strip().endswith("TTFT 750.0 ms")  # nothing after the end
+
+
+# A stand-in for the stack whose stop is slow (a child that takes its time to exit): it waits for a
+# line on stdin, which the test sends only after its signals. Started by main() as the real one is.
+SLOW_STOP = """
+import sys, threading
+from entrypoint.walkthrough import cli
+from kvstore.errors import StoreUnavailable
+
+class SlowStop:
+    def __init__(self, *args, **kwargs):
+        self.stopped = threading.Event()
+
+    def start(self):
+        print("STUB started", flush=True)
+        self.stopped.wait()
+        raise StoreUnavailable("the stub was stopped")
+
+    def stop(self):
+        print("STUB stopping", flush=True)
+        sys.stdin.readline()
+        self.stopped.set()
+        print("STUB stopped", flush=True)
+
+cli.Cluster = SlowStop
+sys.exit(cli.main(["walkthrough", "--out", sys.argv[1]]))
+"""
+
+
+def _read_until(p: subprocess.Popen, needle: str, seen: list[str]) -> None:
+    for line in p.stdout:
+        seen.append(line)
+        if needle in line:
+            return
+    raise AssertionError(f"no {needle!r} in {''.join(seen)}")
+
+
+@pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM])
+def test_signals_during_stop_are_deferred(tmp_path, first):
+    """A second Ctrl-C (or a SIGTERM) while the stack is stopping does not cut the stop short:
+    the stop finishes, then one line and exit 130, no traceback."""
+    p = subprocess.Popen([sys.executable, "-c", SLOW_STOP, str(tmp_path / "out")], cwd=ROOT, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen: list[str] = []
+    try:
+        _read_until(p, "STUB started", seen)
+        p.send_signal(first)
+        _read_until(p, "STUB stopping", seen)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+            p.send_signal(sig)
+        time.sleep(0.3)  # handled while the stop is still waiting
+        rest, _ = p.communicate("go\n", timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = "".join(seen) + rest
+    assert p.returncode == 130, text
+    assert "Traceback" not in text and "STUB stopped" in text, text
+    assert text.count("interrupted: stopping everything") == 1, text
