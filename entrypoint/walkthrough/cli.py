@@ -25,7 +25,10 @@ came while a finished run was stopping).
 Exit code 0 when every variant produced the cold run's tokens, 1 otherwise,
 2 on a usage or start-up error. Usage errors (a bad flag value, an unknown
 model, an ``--out`` where no directory can be made) are one line on stderr,
-found before anything is started.
+found before anything is started. Among them: a ``--num-blocks`` whose pool
+(``--num-blocks`` x ``--block-size`` tokens, of which the decode policy admits
+``DECODE_ADMITS_PCT`` %) can not hold turn 3 (its prompt plus
+``--max-new-tokens``; ``request_sizes``); the message names the least that does.
 
 Each run gets its own directory under ``--out``, ``run-YYYYmmdd-HHMMSS``, made
 exclusively (``make_run_dir``): two walkthroughs started in the same second
@@ -51,12 +54,15 @@ from entrypoint._cli import OneLineParser, fail
 from entrypoint.cluster import Cluster
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.vision import VisionEncoder
-from entrypoint.walkthrough.conversation import Conversation, build
+from entrypoint.walkthrough.conversation import Conversation, RequestSizes, build
 from entrypoint.walkthrough.report import VariantResult, hop_line, render_html
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import BlockHasher, ImageSpan
 
 COLD_TENANT = "cold"
+# The share of a decode worker's pool its decode policy admits (lb.decode.KVStackDecodePolicy's
+# memory_headroom; the entrypoint's default policy): a longer request is refused at the decode hop.
+DECODE_ADMITS_PCT = 95
 PROG = "kvstack walkthrough"
 MAX_RUN_DIRS_PER_SECOND = 1000  # bound on the suffix search of make_run_dir
 
@@ -81,6 +87,21 @@ def make_run_dir(out_dir: Path, now: time.struct_time | None = None) -> Path:
         return candidate
     raise InvalidRequest(f"{MAX_RUN_DIRS_PER_SECOND} run directories {stamp}* already exist in {out_dir}; "
                          "remove old runs or pick another --out")
+
+
+def request_sizes(args: argparse.Namespace) -> RequestSizes:
+    """The prompt lengths the walkthrough with ``args`` will send (``walkthrough`` builds its prompts
+    with the same ``Conversation`` methods), for the checks in ``main``. ``args.model`` must be known."""
+    from engine_plugin.reference.config import model_preset
+
+    conv = build(args.context_tokens, model_preset(args.model).vocab_size)
+    return conv.request_sizes(args.max_new_tokens)
+
+
+def min_num_blocks(sizes: RequestSizes, block_size: int) -> int:
+    """The fewest pool blocks of ``block_size`` whose admitted share (``DECODE_ADMITS_PCT``) holds the
+    longest request. Strictly more than the share, so that no float rounding at the boundary refuses it."""
+    return 100 * sizes.longest // (DECODE_ADMITS_PCT * block_size) + 1
 
 
 def _say(msg: str) -> None:
@@ -202,12 +223,11 @@ def walkthrough(args: argparse.Namespace) -> int:
         n = args.max_new_tokens
         # Turn 1 and turn 2 fill the caches and the store.
         t1 = _run(client, "turn 1", conv.turn1, [], n)
-        p2 = conv.turn1 + t1.tokens + conv.turn2_added
-        start = len(conv.turn1) + len(t1.tokens) + conv.screenshot.start
-        seg = pb.ImageSegment(image_hash=conv.screenshot.hash, image_data=conv.screenshot.data, start=start,
-                              length=conv.screenshot.length)
+        p2 = conv.turn2_prompt(t1.tokens)  # as request_sizes counts them, which main checked
+        seg = pb.ImageSegment(image_hash=conv.screenshot.hash, image_data=conv.screenshot.data,
+                              start=conv.screenshot_start(t1.tokens), length=conv.screenshot.length)
         t2 = _run(client, "turn 2", p2, [seg], n)
-        p3 = p2 + t2.tokens + conv.turn3_added
+        p3 = conv.turn3_prompt(p2, t2.tokens)
         # Turn 3, cold, then the three variants.
         cold = _run(client, "turn 3, cold (no cache for this tenant)", p3, [seg], n, tenant=COLD_TENANT)
         cold.note = "A tenant with its own salt: none of its blocks are cached, every token is prefilled."
@@ -342,8 +362,15 @@ def main(argv: list[str] | None = None) -> int:
         model_preset(args.model)
     except KVStoreError as exc:
         return fail(PROG, f"--model: {exc}")
+    sizes = request_sizes(args)
+    least = min_num_blocks(sizes, args.block_size)
     if not args.num_blocks:
-        args.num_blocks = 2 * (args.context_tokens + 4 * args.max_new_tokens) // args.block_size + 64
+        args.num_blocks = max(least, 2 * (args.context_tokens + 4 * args.max_new_tokens) // args.block_size + 64)
+    if args.num_blocks < least:
+        return fail(PROG, f"--num-blocks {args.num_blocks} x --block-size {args.block_size} = "
+                          f"{args.num_blocks * args.block_size} tokens can not hold turn 3 ({sizes.turn3} prompt + "
+                          f"{sizes.max_new_tokens} new tokens = {sizes.longest}; the decode policy admits at most "
+                          f"{DECODE_ADMITS_PCT}% of the pool): use --num-blocks >= {least} (0: fit the context)")
     return walkthrough(args)
 
 

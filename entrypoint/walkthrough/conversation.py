@@ -12,6 +12,11 @@ into the model's vocabulary), which keeps the example readable without a
 tokenizer download. ``context_tokens`` scales the example: the tool
 definitions and the tool result grow to fill it, as they do in real agent
 traffic.
+
+The prompts of turns 2 and 3 hold the model's earlier replies: ``turn2_prompt``
+and ``turn3_prompt`` build them (the walkthrough sends nothing else), and
+``request_sizes`` gives their lengths before anything runs, with replies of
+``max_new_tokens`` tokens each (the entrypoint streams exactly that many).
 """
 
 from __future__ import annotations
@@ -63,6 +68,39 @@ class Conversation:
     turn3_added: list[int]  # the new user message, after turn 2's reply
     screenshot: Image  # position relative to the start of turn2_added
     vocab_size: int
+
+    def turn2_prompt(self, reply1: list[int]) -> list[int]:
+        """Turn 2's prompt after turn 1's reply ``reply1``."""
+        return self.turn1 + reply1 + self.turn2_added
+
+    def screenshot_start(self, reply1: list[int]) -> int:
+        """Where the screenshot starts in ``turn2_prompt(reply1)`` (and in turn 3's prompt)."""
+        return len(self.turn1) + len(reply1) + self.screenshot.start
+
+    def turn3_prompt(self, turn2_prompt: list[int], reply2: list[int]) -> list[int]:
+        """Turn 3's prompt after turn 2's prompt and its reply ``reply2``."""
+        return turn2_prompt + reply2 + self.turn3_added
+
+    def request_sizes(self, max_new_tokens: int) -> "RequestSizes":
+        """The prompt lengths the walkthrough sends, each reply ``max_new_tokens`` tokens long."""
+        reply = [0] * max_new_tokens
+        p2 = self.turn2_prompt(reply)
+        return RequestSizes(len(self.turn1), len(p2), len(self.turn3_prompt(p2, reply)), max_new_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSizes:
+    """Prompt lengths (tokens) of the walkthrough's three turns, and the new tokens each asks for."""
+
+    turn1: int
+    turn2: int
+    turn3: int
+    max_new_tokens: int
+
+    @property
+    def longest(self) -> int:
+        """Prompt plus new tokens of the longest request (turn 3): what one engine must hold."""
+        return self.turn3 + self.max_new_tokens
 
 
 def build(context_tokens: int, vocab_size: int, *, image_tokens: int = 64) -> Conversation:

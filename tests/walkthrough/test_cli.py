@@ -3,6 +3,7 @@ before anything starts, and every run gets a directory of its own."""
 
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from entrypoint.walkthrough.conversation import build
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +38,44 @@ def test_usage_errors_are_one_line_and_start_nothing(tmp_path, args, needle):
     assert err.startswith("kvstack") and needle in err, err
     assert "starting" not in res.stdout  # refused before the stack was started
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_too_small_pool_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """--num-blocks x --block-size that can not hold turn 3 (prompt + new tokens, within the decode
+    policy's share) is one line naming the least --num-blocks that does; that least is accepted."""
+    from entrypoint.walkthrough import cli
+
+    started = []
+    monkeypatch.setattr(cli, "walkthrough", lambda args: started.append(args.num_blocks) or 0)
+    base = ["walkthrough", "--context-tokens", "700", "--max-new-tokens", "24", "--out", str(tmp_path / "out")]
+    assert cli.main([*base, "--num-blocks", "1"]) == 2 and started == []
+    assert "use --num-blocks >= " in capsys.readouterr().err
+    sizes = cli.request_sizes(argparse.Namespace(context_tokens=700, max_new_tokens=24, model="tiny", block_size=16))
+    assert sizes.longest == sizes.turn3 + 24 and sizes.turn3 > sizes.turn2 > sizes.turn1
+    least = cli.min_num_blocks(sizes, 16)
+    assert cli.DECODE_ADMITS_PCT * least * 16 > 100 * sizes.longest >= cli.DECODE_ADMITS_PCT * (least - 1) * 16
+    for too_few in (1, least - 1):
+        assert cli.main([*base, "--num-blocks", str(too_few)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"use --num-blocks >= {least}" in err, err
+        assert f"{sizes.turn3} prompt + 24 new tokens" in err, err
+    assert started == [] and not (tmp_path / "out").exists()
+    assert cli.main([*base, "--num-blocks", str(least)]) == 0 and started == [least]
+    assert cli.main([*base, "--num-blocks", "0"]) == 0 and started[-1] >= least  # the default fits
+
+
+def test_the_default_pool_fits_small_blocks(monkeypatch):
+    """--num-blocks 0 sizes the pool from the requests: also a small context with tiny blocks."""
+    from entrypoint.walkthrough import cli
+
+    started = []
+    monkeypatch.setattr(cli, "walkthrough", lambda args: started.append(args) or 0)
+    assert cli.main(["walkthrough", "--context-tokens", "100", "--block-size", "1"]) == 0
+    conv = build(100, 128)
+    n = started[0].max_new_tokens  # turn 3: turn 1, its reply, turn 2's messages, its reply, the new message
+    longest = len(conv.turn1) + n + len(conv.turn2_added) + n + len(conv.turn3_added) + n
+    assert started[0].num_blocks * 0.95 > longest
+    assert cli.request_sizes(started[0]).longest == longest
 
 
 def test_run_directories_are_unique_within_one_second(tmp_path):
