@@ -12,8 +12,11 @@ What it does, in order:
        SWA snapshot is present, only the new message is prefilled;
      - SWA miss: a fresh prefill engine, and the SWA snapshots deleted with
        ``kvtool delete --kind swa``: the plugin replays the bounded span;
-     - engine failover: the decode worker serving the stream is killed with
-       SIGKILL mid-stream; the entrypoint re-dispatches and the stream completes;
+     - engine failover: the decode worker picked to stream the rest is killed
+       with SIGKILL after the first token (``FailoverKiller``); the entrypoint
+       re-dispatches and the stream completes: the summary's ``re-streamed`` (the
+       ``restreamed`` figure in results.json) counts the tokens sent after the
+       failover. ``--max-new-tokens`` >= ``MIN_NEW_TOKENS`` leaves at least 7;
   4. prints a per-hop timeline and writes a self-contained HTML report.
 
 Everything it started is stopped when it ends, on Ctrl-C and on error.
@@ -63,6 +66,12 @@ COLD_TENANT = "cold"
 # The share of a decode worker's pool its decode policy admits (lb.decode.KVStackDecodePolicy's
 # memory_headroom; the entrypoint's default policy): a longer request is refused at the decode hop.
 DECODE_ADMITS_PCT = 95
+# The failover variant kills the decode worker once KILL_AFTER_TOKENS tokens arrived and the worker that
+# streams the rest is known (its decode_start hop, right after token 0, which the prefill makes). Not later:
+# a decode worker streams tokens faster than the client takes them, and a kill at the second token came
+# after the last one of a short answer. MIN_NEW_TOKENS leaves tokens to re-stream after the failover.
+KILL_AFTER_TOKENS = 1
+MIN_NEW_TOKENS = 8
 PROG = "kvstack walkthrough"
 MAX_RUN_DIRS_PER_SECOND = 1000  # bound on the suffix search of make_run_dir
 
@@ -102,6 +111,32 @@ def min_num_blocks(sizes: RequestSizes, block_size: int) -> int:
     """The fewest pool blocks of ``block_size`` whose admitted share (``DECODE_ADMITS_PCT``) holds the
     longest request. Strictly more than the share, so that no float rounding at the boundary refuses it."""
     return 100 * sizes.longest // (DECODE_ADMITS_PCT * block_size) + 1
+
+
+class FailoverKiller:
+    """``on_event`` of the failover variant: calls ``kill(worker)`` once, for the decode worker serving
+    the stream (its ``decode_start`` hop), at the first event that finds ``KILL_AFTER_TOKENS`` tokens
+    arrived and that worker known. ``killed``: whom; ``tokens``: the tokens that had arrived then."""
+
+    def __init__(self, kill) -> None:
+        self.kill = kill
+        self.serving: list[str] = []
+        self.killed: list[str] = []
+        self.seen = 0  # tokens arrived
+        self.tokens = 0
+
+    def __call__(self, ev) -> None:
+        if ev.kind == "hop":
+            d = json.loads(ev.detail)
+            if d["hop"] == "decode_start":
+                self.serving.append(d["worker"])
+        elif ev.kind == "token":
+            self.seen += 1
+        if self.seen >= KILL_AFTER_TOKENS and not self.killed and self.serving:
+            self.tokens = self.seen
+            _say(f"  -- SIGKILL {self.serving[-1]} mid-stream --")
+            self.killed.append(self.serving[-1])
+            self.kill(self.serving[-1])
 
 
 def _say(msg: str) -> None:
@@ -250,21 +285,10 @@ def walkthrough(args: argparse.Namespace) -> int:
         miss.note = (f"A fresh prefill engine and {deleted} SWA snapshots deleted with kvtool: the blocks come "
                      "from the store and the plugin replays the bounded span to rebuild the windows.")
         # Failover: kill the decode worker serving the stream, mid-stream.
-        serving: list[str] = []
-        killed: list[str] = []
-
-        def killer(ev):
-            if ev.kind == "hop":
-                d = json.loads(ev.detail)
-                if d["hop"] == "decode_start":
-                    serving.append(d["worker"])
-            if ev.kind == "token" and ev.index == 2 and not killed and serving:
-                _say(f"  -- SIGKILL {serving[-1]} mid-stream --")
-                killed.append(serving[-1])
-                cluster.kill(serving[-1], signal.SIGKILL)
-
+        killer = FailoverKiller(lambda worker: cluster.kill(worker, signal.SIGKILL))
         fail = _run(client, "turn 3, engine failover", p3, [seg], n, on_event=killer)
-        fail.note = f"The decode worker {killed[0] if killed else '?'} was killed with SIGKILL mid-stream."
+        fail.note = (f"The decode worker {killer.killed[0] if killer.killed else '?'} was killed with SIGKILL "
+                     f"mid-stream; {fail.figures()['restreamed']} tokens were streamed after the failover.")
         variants = [hit, miss, fail]
         for v in variants:
             v.cold_tokens = cold.tokens
@@ -277,7 +301,8 @@ def walkthrough(args: argparse.Namespace) -> int:
             ok &= same
             _say(f"  {v.name:<36} TTFT {f['ttft_ms']:8.1f} ms ({f['ttft_ms'] / (cold.figures()['ttft_ms'] or 1):.2f}x cold)"
                  f"  prefilled {f['prefilled']:>7,}  loaded {f['loaded']:>7,}  replayed {f['replayed']:>5,}"
-                 f"  tokens {'== cold' if same else '!= COLD'}")
+                 f"  tokens {'== cold' if same else '!= COLD'}"
+                 + (f"  re-streamed {f['restreamed']}" if v is fail else ""))
         report = run_dir / "report.html"
         report.write_text(render_html(
             "kvstack walkthrough: a coding agent's third turn",
@@ -340,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     w = sub.add_parser("walkthrough", help="run the coding-agent walkthrough through the whole stack")
     w.add_argument("--context-tokens", type=int, default=3000, help="turn 3 context size (full size: 100000)")
-    w.add_argument("--max-new-tokens", type=int, default=24)
+    w.add_argument("--max-new-tokens", type=int, default=24, help=f"tokens per reply (>= {MIN_NEW_TOKENS})")
     w.add_argument("--model", default="tiny", help="reference model preset")
     w.add_argument("--block-size", type=int, default=16)
     w.add_argument("--num-blocks", type=int, default=0, help="device pool blocks per engine (0: fit the context)")
@@ -350,8 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2), its one line already printed
         return int(exc.code or 0)
     # Every check before anything is started (no daemon, no directory for a bad flag).
-    if args.context_tokens < 100 or args.max_new_tokens < 3:
-        return fail(PROG, "--context-tokens must be >= 100 and --max-new-tokens >= 3")
+    if args.context_tokens < 100:
+        return fail(PROG, f"--context-tokens must be >= 100, got {args.context_tokens}")
+    if args.max_new_tokens < MIN_NEW_TOKENS:
+        return fail(PROG, f"--max-new-tokens must be >= {MIN_NEW_TOKENS} (the failover variant kills the decode "
+                          f"worker after {KILL_AFTER_TOKENS} token and re-streams the rest), got {args.max_new_tokens}")
     if args.block_size < 1:
         return fail(PROG, f"--block-size must be >= 1, got {args.block_size}")
     if args.num_blocks < 0:

@@ -52,6 +52,8 @@ class VariantResult:
             "ve_cache_hit": all(h.get("cache_hit") for h in ve) if ve else None,
             "failover_ms": sum(h.get("ms", 0.0) for h in fo),
             "failovers": len(fo),
+            # tokens streamed after the (first) failover, by the worker(s) it re-dispatched to
+            "restreamed": len(self.tokens) - fo[0]["resumed_at"] if fo else 0,
             "prefill_worker": p.get("worker", ""),
         }
 

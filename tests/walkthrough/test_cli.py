@@ -4,6 +4,7 @@ before anything starts, and every run gets a directory of its own."""
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import subprocess
 import sys
@@ -191,3 +192,56 @@ def test_signals_during_stop_are_deferred(tmp_path, first):
     assert p.returncode == 130, text
     assert "Traceback" not in text and "STUB stopped" in text, text
     assert text.count("interrupted: stopping everything") == 1, text
+
+
+def test_max_new_tokens_leaves_tokens_to_re_stream(tmp_path, capsys, monkeypatch):
+    """--max-new-tokens below 8 is refused (one line, nothing started): with 3 the failover variant
+    killed the decode worker at the last token, and nothing was left to re-stream."""
+    from entrypoint.walkthrough import cli
+
+    started = []
+    monkeypatch.setattr(cli, "walkthrough", lambda args: started.append(args.max_new_tokens) or 0)
+    for n in ("3", "7"):
+        assert cli.main(["walkthrough", "--max-new-tokens", n, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--max-new-tokens must be >= 8" in err and f"got {n}" in err, err
+    assert started == [] and not (tmp_path / "out").exists()
+    assert cli.main(["walkthrough", "--max-new-tokens", "8", "--out", str(tmp_path / "out")]) == 0
+    assert started == [8]
+
+
+class _Ev:
+    def __init__(self, kind, index=0, detail=""):
+        self.kind, self.index, self.detail, self.token_id, self.t_ms = kind, index, detail, 7, 0.0
+
+
+def _stream(n: int, worker: str = "decode-1"):
+    """The events of a request as the entrypoint sends them: token 0 from the prefill, then the decode."""
+    yield _Ev("token", 0)
+    yield _Ev("hop", detail=json.dumps({"hop": "decode_start", "worker": worker, "resume_at": 1}))
+    for i in range(1, n):
+        yield _Ev("token", i)
+
+
+def test_the_failover_killer_fires_after_the_first_token(capsys):
+    """The killer SIGKILLs the decode worker picked to stream the rest once, right after token 0 (the
+    prefill's), so that even at the least --max-new-tokens all but one token are left to re-stream."""
+    from entrypoint.walkthrough import cli
+
+    killed: list[tuple[str, int]] = []
+    got = [0]
+    killer = cli.FailoverKiller(lambda worker: killed.append((worker, got[0])))
+    for ev in _stream(cli.MIN_NEW_TOKENS):
+        killer(ev)
+        got[0] += ev.kind == "token"
+    assert killed == [("decode-1", 1)] and killer.killed == ["decode-1"] and killer.tokens == 1
+    assert cli.MIN_NEW_TOKENS - killer.tokens >= 7  # tokens still to come when the kill came
+    assert "SIGKILL decode-1" in capsys.readouterr().out
+
+
+def test_restreamed_counts_the_tokens_after_the_failover():
+    from entrypoint.walkthrough.report import VariantResult
+
+    fo = {"hop": "failover", "worker": "decode-1", "code": "UNAVAILABLE", "resumed_at": 2, "ms": 5.0, "t_ms": 9.0}
+    assert VariantResult("failover", list(range(8)), [fo], {}).figures()["restreamed"] == 6
+    assert VariantResult("hit", list(range(8)), [], {}).figures()["restreamed"] == 0

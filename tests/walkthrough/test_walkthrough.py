@@ -71,7 +71,7 @@ def test_all_variants_match_the_cold_run(run):
     assert cold["loaded"] == 0 and cold["prefilled"] == cold["prompt_tokens"]
     assert hit["loaded"] > 0.8 * hit["prompt_tokens"] and hit["replayed"] == 0 and hit["snapshot_hit"]
     assert miss["replayed"] > 0 and miss["loaded_by_tier"]["store"] > 0
-    assert fail["failovers"] == 1
+    assert fail["failovers"] == 1 and 0 < fail["restreamed"] <= 23  # killed after token 0 of 24 arrived
     assert "report: " in res.stdout
 
 
