@@ -32,6 +32,9 @@ found before anything is started. Among them: a ``--num-blocks`` whose pool
 (``--num-blocks`` x ``--block-size`` tokens, of which the decode policy admits
 ``DECODE_ADMITS_PCT`` %) can not hold turn 3 (its prompt plus
 ``--max-new-tokens``; ``request_sizes``); the message names the least that does.
+And a ``--block-size`` over turn 2's prompt, which turn 3 shares: only whole
+blocks are cached, so none would be and the cache hit would show nothing; the
+message names the largest that works.
 
 Each run gets its own directory under ``--out``, ``run-YYYYmmdd-HHMMSS``, made
 exclusively (``make_run_dir``): two walkthroughs started in the same second
@@ -391,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     except KVStoreError as exc:
         return fail(PROG, f"--model: {exc}")
     sizes = request_sizes(args)
+    if args.block_size > sizes.turn2:  # only whole blocks are cached and shared
+        return fail(PROG, f"--block-size {args.block_size} is larger than turn 2's prompt ({sizes.turn2} tokens), "
+                          f"the prefix turn 3 shares: no block would be cached and the cache hit would show "
+                          f"nothing; use --block-size <= {sizes.turn2}")
     least = min_num_blocks(sizes, args.block_size)
     if not args.num_blocks:
         args.num_blocks = max(least, 2 * (args.context_tokens + 4 * args.max_new_tokens) // args.block_size + 64)

@@ -79,6 +79,24 @@ def test_the_default_pool_fits_small_blocks(monkeypatch):
     assert cli.request_sizes(started[0]).longest == longest
 
 
+def test_a_block_size_over_the_shared_prefix_is_refused(tmp_path, capsys, monkeypatch):
+    """A block larger than turn 2's prompt (all turn 3 shares with it) is never cached: refused with
+    one line naming the largest block size that works, which is accepted."""
+    from entrypoint.walkthrough import cli
+
+    started = []
+    monkeypatch.setattr(cli, "walkthrough", lambda args: started.append(args.block_size) or 0)
+    conv = build(700, 128)
+    turn2 = len(conv.turn1) + 24 + len(conv.turn2_added)  # turn 1, its 24-token reply, turn 2's messages
+    base = ["walkthrough", "--context-tokens", "700", "--max-new-tokens", "24", "--out", str(tmp_path / "out")]
+    for too_big in (turn2 + 1, 100_000):
+        assert cli.main([*base, "--block-size", str(too_big)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"use --block-size <= {turn2}" in err, err
+    assert started == [] and not (tmp_path / "out").exists()
+    assert cli.main([*base, "--block-size", str(turn2)]) == 0 and started == [turn2]
+
+
 def test_run_directories_are_unique_within_one_second(tmp_path):
     from entrypoint.walkthrough.cli import make_run_dir
 
