@@ -104,6 +104,22 @@ _COMPACT_LIMIT = 64  # packs step 5 compacts per pass (the rest wait in the queu
 MAP_FULL_WHY = "the index map is full, so nothing was recorded (raise lmdb_map_size, or free entries)"
 
 
+def evict_after_put(store: "EmbeddedStore", put: Sequence[bytes]) -> int:
+    """After a put (``EmbeddedStore._index_new``): above the high watermark, evict down to the
+    low one; the put's entries (``put``, in its order) stay while they fit under the capacity
+    (``evict``). One pass at a time per process (``store._evict_lock``); a put that finds one
+    running skips its own. Returns the count."""
+    cap = store.config.capacity_bytes
+    if not cap or store.used_bytes() <= cap * store.config.high_watermark:
+        return 0
+    if not store._evict_lock.acquire(blocking=False):
+        return 0  # another thread of this process is evicting
+    try:
+        return evict(store, int(cap * store.config.low_watermark), keep=put, keep_within=cap)
+    finally:
+        store._evict_lock.release()
+
+
 def evict(store: "EmbeddedStore", goal_bytes: int, *, dry_run: bool = False,
           keep: Sequence[bytes] = (), keep_within: int = 0) -> int:
     """Evict until at most ``goal_bytes`` are used: first unpinned lost entries (no read
@@ -120,7 +136,7 @@ def evict(store: "EmbeddedStore", goal_bytes: int, *, dry_run: bool = False,
     was). When they do not fit, they go from the put's last entry back (a chain keeps its
     prefix) until the rest fit, and the pass raises ``CapacityExceeded`` saying how many it
     evicted. This covers the triggering put only: another thread's or process's put may see
-    its entries evicted as plain LRU (``EmbeddedStore._evict_if_needed`` runs one pass at a
+    its entries evicted as plain LRU (``evict_after_put`` runs one pass at a
     time per process and skips, rather than waits, while one runs)."""
     if dry_run:
         return plan_eviction(store, store.used_bytes(), goal_bytes, ())[0]

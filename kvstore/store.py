@@ -263,7 +263,9 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         self._count("puts", n_new)
         self._count("bytes_in", sum(m.plain_len for (_, m), c in zip(records, created) if c))
         if n_new and self.config.capacity_bytes:
-            self._evict_if_needed([ek for ek, _ in records] if put_keys is None else put_keys)
+            from kvstore.maintenance import evict_after_put
+
+            evict_after_put(self, [ek for ek, _ in records] if put_keys is None else put_keys)
         return created
 
     def _mark_lost(self, ek: bytes, meta: Meta) -> None:
@@ -506,21 +508,6 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
     def used_bytes(self) -> int:
         with self.index.env.begin() as txn:
             return self.index.counter(txn, "used_bytes")
-
-    def _evict_if_needed(self, put: Sequence[bytes]) -> int:
-        """Above the high watermark, evict down to the low one; the put's entries (``put``, in
-        its order) stay while they fit under the capacity (``maintenance.evict``)."""
-        cap = self.config.capacity_bytes
-        if not cap or self.used_bytes() <= cap * self.config.high_watermark:
-            return 0
-        if not self._evict_lock.acquire(blocking=False):
-            return 0  # another thread of this process is evicting
-        try:
-            from kvstore.maintenance import evict
-
-            return evict(self, int(cap * self.config.low_watermark), keep=put, keep_within=cap)
-        finally:
-            self._evict_lock.release()
 
     @in_flight
     def evict_to(self, goal_bytes: int, *, dry_run: bool = False) -> int:
