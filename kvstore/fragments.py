@@ -27,7 +27,7 @@ from kvstore.config import MAX_TTL_S
 from kvstore.executors import DaemonExecutor
 from kvstore.errors import (CapacityExceeded, CorruptData, IncompatibleFormat, InvalidRequest, StoreClosed,
                             StoreUnavailable, Unrecoverable)
-from kvstore.fastread import LocalFastReads, frag_loc
+from kvstore.fastread import LocalFastReads, frag_loc, fresh_bytes
 from kvstore.index import Meta, ekey
 from kvstore.keys import check_key
 from kvstore.placement import place
@@ -508,6 +508,10 @@ class FragmentIO(LocalFastReads):
             got = self._read_scatter(ek, meta, roots, out)
             if got is not None:
                 return got
+        elif roots is not None and meta.entry_len - meta.plain_len >= codec.ENTRY_HEADER_MIN:  # raw: a direct read
+            fresh = fresh_bytes(meta.plain_len)
+            if fresh is not None and (got := self._read_scatter(ek, meta, roots, fresh[1])) is not None:
+                return got[0], fresh[0]  # filled whole (``_read_scatter``), so ``fresh_bytes``'s contract holds
         if roots is not None:
             got = self._read_fast(ek, meta, roots, out)
             if got is not None:

@@ -45,7 +45,8 @@ holds the entry header; with any other holding part of a small entry's) verified
 and the rest trusted only through the entry checksum over the assembled payload; anything unexpected falls back to the path above. Fewer than k good
 fragments: mark the entry lost and raise ``Unrecoverable``. ``get_many_into``
 is the same path, except that the decode writes the payload into the caller's
-buffer (one copy from the fragment bodies) and the checksum is verified there.
+buffer (one copy from the fragment bodies) and the checksum is verified there; a ``get``
+of a large raw entry does the same into the ``bytes`` it returns (``fastread.fresh_bytes``).
 """
 
 from __future__ import annotations

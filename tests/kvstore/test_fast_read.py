@@ -48,8 +48,11 @@ def test_round_trip_over_sizes(tmp_path, spy, ec):
             out = bytearray(size + 7)
             info = s.get_many_into([key], [out])[0]
             assert info is not None and bytes(out[:size]) == val and info.tokens == size % 97
-        assert spy["fast"] >= 9  # every get_entry
-        assert spy["scatter"] >= 4  # every large enough get_many_into
+        # Every get_entry took a fast path: ``_read_fast``, or ``_read_scatter`` straight into the
+        # returned bytes from ``fastread.FRESH_BYTES_MIN`` on (131075 and 1 MiB; and 65536 at 1+0,
+        # whose entry header needs no padding share); every large enough get_many_into the latter.
+        assert spy["fast"] + spy["scatter"] >= 9 + 4
+        assert spy["scatter"] >= 4 + 2
     finally:
         s.close()
 
@@ -134,3 +137,35 @@ def test_a_small_entrys_header_in_later_fragments_is_verified(tmp_path, shape):
                 assert s.counters["degraded_reads"] > before, (frag, off, "damage must be seen")
     finally:
         s.close()
+
+
+def test_a_large_get_is_read_straight_into_the_bytes_it_returns(tmp_path, spy):
+    """From ``fastread.FRESH_BYTES_MIN`` on, a get of a raw entry is read by ``_read_scatter``
+    into a new ``bytes`` (no joined copy). What it returns is an ordinary, independent bytes
+    object; a byte flipped in any data fragment is seen (a degraded read) and never returned,
+    and a compressed entry still reads through the other path."""
+    from kvstore.fastread import FRESH_BYTES_MIN
+
+    s = kvstore.connect(str(tmp_path / "s"), fsync=False, compression="none")
+    z = kvstore.connect(str(tmp_path / "z"), fsync=False, compression="zstd", min_compress_ratio=1.0)
+    val = np.random.default_rng(1).standard_normal(FRESH_BYTES_MIN).astype(np.float16).tobytes()
+    try:
+        key = os.urandom(16)
+        s.put(key, val)
+        a, b = s.get(key), s.get(key)
+        assert type(a) is bytes and a == val and b == val and a is not b and hash(a) == hash(val)
+        assert spy["scatter"] == 2 and spy["fast"] == 0
+        for frag in range(s.config.ec_k):
+            size = fragment_refs(s, key)[frag].length
+            last = size - 1 if frag < s.config.ec_k - 1 else size - 64  # (the code's zero padding ends the last)
+            for off in (0, codec.FRAG_HEADER_LEN + 100, size // 2, last):
+                bad = _put_flipped(s, frag, off, 0xFF, val)
+                before = s.counters["degraded_reads"]
+                assert s.get(bad) == val, (frag, off)
+                assert s.counters["degraded_reads"] > before, (frag, off, "damage must be seen")
+        zkey = os.urandom(16)
+        z.put(zkey, bytes(len(val)))
+        assert z.get(zkey) == bytes(len(val)) and spy["fast"] == 1
+    finally:
+        s.close()
+        z.close()
