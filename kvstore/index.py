@@ -454,8 +454,19 @@ class Index:
                 txn.put(_U64.pack(m.expires_ns) + ek, b"", db=self.db["ttl"])
 
     # ------------------------------------------------------------------ scans for GC and tools
-    def iter_db(self, txn: lmdb.Transaction, name: str) -> Iterator[tuple[bytes, bytes]]:
-        yield from txn.cursor(db=self.db[name])
+    def iter_db(self, txn: lmdb.Transaction, name: str, after: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """(key, value) of sub-database ``name`` in key order; with ``after``, from the first key
+        past it (a walk resumed in a new transaction)."""
+        cur = txn.cursor(db=self.db[name])
+        if after is None:
+            yield from cur
+            return
+        if not cur.set_range(after):
+            return
+        if cur.key() == after:
+            if not cur.next():
+                return
+        yield from cur.iternext()
 
     def oldest(self, txn: lmdb.Transaction, name: str, before_ns: int | None = None,
                limit: int | None = None) -> Iterator[tuple[int, bytes]]:

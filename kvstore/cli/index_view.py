@@ -80,14 +80,32 @@ def iso(ns: int) -> str | None:
     return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat(timespec="seconds")
 
 
-def iter_rows(store: "EmbeddedStore") -> Iterator[IndexRow]:
-    """Every live and lost record, in one read transaction (keys in LMDB order)."""
+ROWS_PER_TXN = 4096  # iter_rows: records read per read transaction
+
+
+def iter_rows(store: "EmbeddedStore", rows_per_txn: int = ROWS_PER_TXN) -> Iterator[IndexRow]:
+    """Every live and lost record (keys in LMDB order), read ``rows_per_txn`` at a time, each
+    lot in a read transaction of its own that is closed before its rows are yielded. A slow
+    consumer (a daemon's ``ExportIndex`` streaming to a slow client, a Parquet writer) so
+    never holds one open, which would keep LMDB from reusing any page freed meanwhile: the
+    map of a busy store would grow for as long as the walk lasted. The rows are therefore not
+    one snapshot: each is a record as it was, but one put or removed during the walk may be
+    there or not, and one marked lost during it may show in both states or in neither."""
     idx = store.index
-    with idx.env.begin() as txn:
-        for db, state in STATE_OF_DB.items():
-            for ek, raw in idx.iter_db(txn, db):
-                ek = bytes(ek)
-                yield IndexRow(ek[1:], EntryKind.from_code(ek[0]), state, idx.unpack(txn, raw))
+    for db, state in STATE_OF_DB.items():
+        after = None
+        while True:
+            with idx.env.begin() as txn:
+                lot = []
+                for ek, raw in idx.iter_db(txn, db, after):
+                    lot.append((bytes(ek), idx.unpack(txn, raw)))
+                    if len(lot) >= rows_per_txn:
+                        break
+            for ek, meta in lot:
+                yield IndexRow(ek[1:], EntryKind.from_code(ek[0]), state, meta)
+            if len(lot) < rows_per_txn:
+                break
+            after = lot[-1][0]
 
 
 def targets_up(store: "EmbeddedStore") -> set[str]:
@@ -364,8 +382,8 @@ def parquet_schema() -> "pa.Schema":
 
 
 def iter_batches(store: "EmbeddedStore", batch_rows: int = PARQUET_BATCH_ROWS) -> Iterator["pa.RecordBatch"]:
-    """Every live and lost record (``iter_rows``: one read transaction, held until the last
-    batch is taken) as record batches of ``parquet_schema``, ``batch_rows`` rows at most."""
+    """Every live and lost record (``iter_rows``: short read transactions, none held while a
+    batch waits to be taken) as record batches of ``parquet_schema``, ``batch_rows`` rows at most."""
     import pyarrow as pa
 
     schema = parquet_schema()
