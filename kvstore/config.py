@@ -193,7 +193,9 @@ class StoreConfig:
     fragment_read_retries: int = 1  # extra tries of a fragment read that failed transiently (EIO, checksum)
     read_timeout_s: float = 0.0  # >0: a fragment not read in time is skipped for parity (if k others are good)
     parallel_reads: str = "auto"  # "auto": fan out for remote targets only; "always"; "never"
-    parallel_writes: str = "auto"  # "auto": fan out only writes that wait (fsync, remote targets); "always"; "never"
+    # "auto": fan out only writes that wait (fsync, remote targets, a single put's large fragments);
+    # "always"; "never"
+    parallel_writes: str = "auto"
     pack_batches: bool = True  # put_many writes one pack file per target, not one file per fragment
     pack_bytes: int = 4 * 1024 * 1024  # a batch is cut into packs of about this many payload bytes
     pack_compact_ratio: float = 0.5  # GC moves a pack's live entries out once this share of it is dead

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import numpy as np
@@ -462,3 +463,35 @@ def test_an_expired_entry_is_absent_to_pin_and_get_many_into(store, keys, clock)
     got = store.get_many_into([keys[0], keys[1]], outs)
     assert got[0] is None and got[1] is not None and bytes(outs[1]) == b"y" * 10
     assert store.pin(keys[1]) is True
+
+
+def test_a_single_puts_large_fragments_are_written_on_threads(data_dir, keys, monkeypatch):
+    """With one syncfs after the writes (nothing waits for the device per file), a single put
+    still writes on threads once its fragments reach ``PARALLEL_WRITE_MIN_BYTES`` (the kernel
+    then waits for the device to take dirty pages); smaller ones, and batches, stay inline."""
+    from kvstore.durability import _SYNCFS
+    from kvstore.fragments import PARALLEL_WRITE_MIN_BYTES
+    from kvstore.targets import LocalTarget
+
+    if _SYNCFS is None:
+        pytest.skip("syncfs is Linux-only")
+    seen: list[str] = []
+    real = LocalTarget.write
+
+    def write(self, rel, data, *, fsync):
+        seen.append(threading.current_thread().name)
+        return real(self, rel, data, fsync=fsync)
+
+    monkeypatch.setattr(LocalTarget, "write", write)
+    big = os.urandom(4 * PARALLEL_WRITE_MIN_BYTES)  # 4+2: fragments just over the bound
+    small = big[: 4 * PARALLEL_WRITE_MIN_BYTES - 4096]  # just under it
+    with kvstore.connect(str(data_dir), fsync=True, sync_mode="fs", compression="none") as s:
+        assert s.put(keys[0], big)
+        assert len(seen) == 6 and "MainThread" not in seen
+        seen.clear()
+        assert s.put(keys[1], small)
+        assert seen == ["MainThread"] * 6
+        seen.clear()
+        assert s.put_many([PutItem(k, big) for k in keys[2:4]]) == [True, True]
+        assert set(seen) == {"MainThread"}
+        assert s.get(keys[0]) == big and s.get(keys[1]) == small and s.get(keys[3]) == big
