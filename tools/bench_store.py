@@ -27,8 +27,14 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
    ``sync=True``, one transaction per put or per batch); Redis (``redis-server`` started here on
    loopback with ``appendonly yes, appendfsync always``, RDB off, AOF rewrite off; redis-py +
    hiredis; a batch is a pipeline). Every rep writes fresh keys into a fresh directory, then
-   reads them back (page cache warm for every system alike); each rep runs every system, in
-   an order that rotates from rep to rep. Throughput: median over reps; latency: p50/p90/p99
+   reads them back (page cache warm for every system alike). Each rep runs every system
+   together, interleaved step by step: one op (or batch) of each system in turn, the order
+   rotating from step to step, so every system meets the same disk. (Run one after the other,
+   ``--sequential``, the systems met different ones: this VM's disk writes at about 1.4 GB/s
+   until a burst allowance runs out, then at about 0.3 GB/s, so a system's put figure
+   depended on how much the systems before it had written: 4 MiB single puts measured
+   0.19x raw one way and 0.71x the other, on the same code, minutes apart.) Throughput:
+   median over reps, from the time each system spent in its own steps; latency: p50/p90/p99
    per op (a batch's time divided by its size).
 2. Ratios kvstore(zstd off) / peer, each the median of the per-rep ratios (the two systems ran
    in the same rep; the JSON has the lowest and highest too), and the issue's goals: get >=
@@ -143,33 +149,52 @@ def payloads(size: int, n: int, seed: int) -> list[bytes]:
     return [rng.standard_normal(size // 2, dtype=np.float32).astype(np.float16).tobytes() for _ in range(n)]
 
 
-def one_rep(peer: Peer, mode: str, keys: list[bytes], vals: list[bytes], batch: int) -> dict[str, tuple]:
-    """Put all keys then get them all; (seconds, per-op latencies) per op."""
-    out = {}
+def interleaved_rep(peers: dict[str, Peer], mode: str, keys: list[bytes], vals: list[bytes],
+                    batch: int) -> dict[str, dict[str, tuple]]:
+    """Every peer through one rep together: put all keys, then get them all back, one step (a
+    key, or a batch of keys) at a time, each step run by every peer in turn, in an order that
+    rotates from step to step. A change of the machine's state within the rep (a cloud disk's
+    burst allowance running out, another tenant's load) so lands on every system alike, where
+    systems run one after the other met different disks. Per peer and op: (seconds summed over
+    its steps, per-op latencies). Every value read back is compared with what was put."""
+    names = list(peers)
+    out: dict[str, dict[str, tuple]] = {name: {} for name in names}
+    step = 1 if mode == "single" else batch
     for op in ("put", "get"):
-        lat: list[float] = []
-        t0 = time.perf_counter()
-        step = 1 if mode == "single" else batch
-        for i in range(0, len(keys), step):
-            ks, t = keys[i:i + step], time.perf_counter()
-            if op == "put":
-                peer.put(ks[0], vals[i % len(vals)]) if mode == "single" else peer.put_many(
-                    [(k, vals[(i + j) % len(vals)]) for j, k in enumerate(ks)])
-            else:
-                got = [peer.get(ks[0])] if mode == "single" else peer.get_many(ks)
-                want = [vals[(i + j) % len(vals)] for j in range(len(ks))]
-                if len(got) != len(want) or any(g != w for g, w in zip(got, want)):
+        secs = dict.fromkeys(names, 0.0)
+        lats: dict[str, list[float]] = {name: [] for name in names}
+        for n, i in enumerate(range(0, len(keys), step)):
+            ks = keys[i:i + step]
+            want = [vals[(i + j) % len(vals)] for j in range(len(ks))]
+            first = n % len(names)
+            for name in names[first:] + names[:first]:
+                peer, t = peers[name], time.perf_counter()
+                if op == "put":
+                    peer.put(ks[0], want[0]) if mode == "single" else peer.put_many(list(zip(ks, want)))
+                else:
+                    got = [peer.get(ks[0])] if mode == "single" else peer.get_many(ks)
+                dt = time.perf_counter() - t
+                if op == "get" and (len(got) != len(want) or any(g != w for g, w in zip(got, want))):
                     raise RuntimeError(f"{type(peer).__name__} returned wrong bytes")
-            lat.extend([(time.perf_counter() - t) / len(ks)] * len(ks))
-        out[op] = (time.perf_counter() - t0, lat)
+                secs[name] += dt
+                lats[name].extend([dt / len(ks)] * len(ks))
+        for name in names:
+            out[name][op] = (secs[name], lats[name])
     return out
 
 
+def one_rep(peer: Peer, mode: str, keys: list[bytes], vals: list[bytes], batch: int) -> dict[str, tuple]:
+    """One peer alone through a rep (``interleaved_rep``): put all keys then get them all."""
+    return interleaved_rep({"peer": peer}, mode, keys, vals, batch)["peer"]
+
+
 def bench_io(systems: list[str], sizes: list[int], reps: int, mib_per_rep: float, batch: int,
-             work: str, log: Callable[[str], None]) -> list[Row]:
-    """Every system once per rep, in an order that rotates from rep to rep, so that a burst
-    of load on this shared machine lands on all systems of a rep alike (``ratios`` pairs
-    the systems rep by rep)."""
+             work: str, log: Callable[[str], None], interleave: bool = True) -> list[Row]:
+    """Every system once per rep, on fresh keys in fresh directories. ``interleave``: the
+    systems of a rep run together, step by step (``interleaved_rep``); else one after the
+    other, in an order that rotates from rep to rep, so that a burst of load on this shared
+    machine lands on all systems of a rep alike only when it outlasts the rep (``ratios``
+    pairs the systems rep by rep either way)."""
     rows = []
     for size in sizes:
         n = max(batch, int(mib_per_rep * MiB // size) // batch * batch)
@@ -179,18 +204,25 @@ def bench_io(systems: list[str], sizes: list[int], reps: int, mib_per_rep: float
             lats: dict[tuple[str, str], list[float]] = {key: [] for key in tput}
             for rep in range(reps):
                 first = rep % len(systems)
-                for name in systems[first:] + systems[:first]:
-                    d = tempfile.mkdtemp(prefix=f"{name}-", dir=work)
+                order = systems[first:] + systems[:first]
+                groups = [order] if interleave else [[name] for name in order]
+                for group in groups:
+                    dirs = {name: tempfile.mkdtemp(prefix=f"{name}-", dir=work) for name in group}
                     keys = [os.urandom(16) for _ in range(n)]
-                    peer = SYSTEMS[name](d)
+                    peers: dict[str, Peer] = {}
                     try:
-                        res = one_rep(peer, mode, keys, vals, min(batch, n))
+                        for name in group:
+                            peers[name] = SYSTEMS[name](dirs[name])
+                        res = interleaved_rep(peers, mode, keys, vals, min(batch, n))
                     finally:
-                        peer.close()
-                        shutil.rmtree(d, ignore_errors=True)
-                    for op, (secs, lat) in res.items():
-                        tput[(name, op)].append(n * size / MiB / secs)
-                        lats[(name, op)].extend(lat)
+                        for peer in peers.values():
+                            peer.close()
+                        for d in dirs.values():
+                            shutil.rmtree(d, ignore_errors=True)
+                    for name, by_op in res.items():
+                        for op, (secs, lat) in by_op.items():
+                            tput[(name, op)].append(n * size / MiB / secs)
+                            lats[(name, op)].extend(lat)
             for name in systems:
                 for op in ("put", "get"):
                     lat, per_rep = lats[(name, op)], tput[(name, op)]
@@ -409,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     default=None, help="index sizes (default 10k,100k,1000k; quick 10k,100k)")
     ap.add_argument("--no-lookup", action="store_true")
     ap.add_argument("--no-ec", action="store_true")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run a rep's systems one after the other, not interleaved step by step")
     ap.add_argument("--work-dir", default=None, help="where the stores live (default: a temp dir)")
     ap.add_argument("--no-install", action="store_true", help="do not run tools/install_peers.sh if redis is missing")
     ap.add_argument("--out", default="results/bench_store.json")
@@ -450,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         malloc = tune_malloc()  # before any system runs: kvstore, raw files and LMDB share this process's allocator
         log(f"payload: fp16 random-normal, zstd-3 ratio {zratio:.3f}; systems {systems}; sizes {sizes}; "
             f"reps {reps}; {mib_per_rep} MiB per rep; malloc tuning {malloc}")
-        rows = bench_io(systems, sizes, reps, mib_per_rep, a.batch, work, log)
+        rows = bench_io(systems, sizes, reps, mib_per_rep, a.batch, work, log, interleave=not a.sequential)
         lookups = [] if a.no_lookup else bench_lookup(lookup_sizes, work, 50 if q else 200, log)
         ec = [] if a.no_ec else bench_ec([MiB] if q else [MiB, 4 * MiB], 10 if q else 40, log)
     finally:
@@ -470,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "payload": "fp16 random-normal", "zstd3_ratio": zratio, "ec": f"{DEFAULT_EC_TYPE} 4+2", "fsync": True,
         "redis": getattr(server, "version", None), "redis_persistence": "appendonly yes, appendfsync always",
         "lmdb": "sync=True, one txn per put or batch", "raw_file": "tmp write + fsync + rename + dir fsync",
-        "reps": reps, "mib_per_rep": mib_per_rep, "batch": a.batch, "elapsed_s": elapsed, "notes": notes,
+        "reps": reps, "mib_per_rep": mib_per_rep, "interleaved": not a.sequential, "batch": a.batch, "elapsed_s": elapsed, "notes": notes,
         "malloc_tuning": malloc,
         "lookup_index": "filled with fake metas through kvstore.index.Index (lookup reads only the index)",
     }

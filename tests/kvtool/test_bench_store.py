@@ -108,3 +108,33 @@ def test_remote_ratios_come_from_unrounded_rounds():
 
     rounds = [{"a": {"1": {"get": _mibs(4 << 20, 100.0)}}, "b": {"1": {"get": _mibs(6 << 20, 100.0)}}}]
     assert paired_ratio(rounds, "a", "b", "1", "get") == pytest.approx(2 / 3)
+
+
+def test_a_reps_systems_run_interleaved_step_by_step():
+    """``interleaved_rep``: each step (a key, or a batch) is run by every system in turn, the
+    order rotating from step to step, puts before gets; each system's time is its own steps'."""
+    sys.path.insert(0, str(ROOT))
+    from tools.bench_store import interleaved_rep
+
+    calls: list[tuple[str, str, int]] = []
+
+    class Logged:
+        def __init__(self, name):
+            self.name, self.d = name, {}
+
+        def put_many(self, items):
+            calls.append((self.name, "put", len(items)))
+            self.d.update(items)
+
+        def get_many(self, keys):
+            calls.append((self.name, "get", len(keys)))
+            return [self.d[k] for k in keys]
+
+    keys = [i.to_bytes(4, "big") for i in range(12)]
+    vals = [os.urandom(64) for _ in range(5)]
+    res = interleaved_rep({"a": Logged("a"), "b": Logged("b"), "c": Logged("c")}, "batch", keys, vals, batch=4)
+    order = [name for name, _, _ in calls]
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"] * 2
+    assert [op for _, op, _ in calls] == ["put"] * 9 + ["get"] * 9 and {n for _, _, n in calls} == {4}
+    for name in "abc":
+        assert set(res[name]) == {"put", "get"} and len(res[name]["get"][1]) == 12 and res[name]["put"][0] > 0
