@@ -504,7 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "payload": "fp16 random-normal", "zstd3_ratio": zratio, "ec": f"{DEFAULT_EC_TYPE} 4+2", "fsync": True,
         "redis": getattr(server, "version", None), "redis_persistence": "appendonly yes, appendfsync always",
         "lmdb": "sync=True, one txn per put or batch", "raw_file": "tmp write + fsync + rename + dir fsync",
-        "reps": reps, "mib_per_rep": mib_per_rep, "interleaved": not a.sequential, "batch": a.batch, "elapsed_s": elapsed, "notes": notes,
+        "reps": reps, "mib_per_rep": mib_per_rep, "interleaved": not a.sequential, "batch": a.batch,
+        "elapsed_s": elapsed, "notes": notes,
         "malloc_tuning": malloc,
         "lookup_index": "filled with fake metas through kvstore.index.Index (lookup reads only the index)",
     }
