@@ -213,10 +213,11 @@ class AdminRPC:
         columns are the same), as ``ExportChunk`` messages of at most about half of
         ``max_message_bytes`` (``index_view.ipc_pieces``), then a final one with the total.
 
-        Read-only as ``_inspect``: one index read transaction for the whole stream (a
-        consistent snapshot, as the local export takes), no fragment read, no access time, no
-        store counter. A client that stops reading is cut after ``stream_send_s``
-        (``Daemon._send_bound``), which closes this generator and so ends the transaction."""
+        Read-only as ``_inspect``: short index read transactions (``index_view.iter_rows``:
+        none is held while a chunk waits for the client, so the rows are not one snapshot, as
+        in the local export), no fragment read, no access time, no store counter. A client that
+        stops reading is cut after ``stream_send_s`` (``Daemon._send_bound``), which closes
+        this generator."""
         from kvstore.cli import index_view  # the same code kvtool runs on a data directory
 
         limit = max(1, self.cfg.max_message_bytes // 2)
