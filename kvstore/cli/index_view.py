@@ -91,6 +91,8 @@ def iter_rows(store: "EmbeddedStore", rows_per_txn: int = ROWS_PER_TXN) -> Itera
     map of a busy store would grow for as long as the walk lasted. The rows are therefore not
     one snapshot: each is a record as it was, but one put or removed during the walk may be
     there or not, and one marked lost during it may show in both states or in neither."""
+    if rows_per_txn < 1:
+        raise ValueError(f"iter_rows: rows_per_txn must be at least 1, got {rows_per_txn}")
     idx = store.index
     for db, state in STATE_OF_DB.items():
         after = None

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 import kvstore
 from kvstore.cli import index_view
 from kvstore.index import ekey
@@ -54,5 +56,15 @@ def test_no_read_transaction_is_held_while_the_consumer_waits(tmp_path):
         next(batches)
         assert _active_readers(s) == 0
         assert sum(b.num_rows for b in batches) + 2 == 10
+    finally:
+        s.close()
+
+
+def test_a_walk_of_no_rows_per_transaction_is_refused(tmp_path):
+    s = kvstore.connect(str(tmp_path / "s"), fsync=False)
+    try:
+        s.put(os.urandom(16), b"v")
+        with pytest.raises(ValueError, match="rows_per_txn"):
+            next(index_view.iter_rows(s, rows_per_txn=0))
     finally:
         s.close()
