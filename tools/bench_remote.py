@@ -35,7 +35,10 @@ kvstore writes use ``fsync=false`` by default (page-cache durability, like Redis
 and Mooncake's memory pool); ``--fsync true`` measures durable puts. Prints a table with ratios
 (``remote`` and ``remote_direct`` / each peer); ``--out`` writes the JSON. Issue #3's goals for
 batched gets: ``remote_direct`` >= 1.0x ``mooncake`` and >= 2x ``redis``. Every throughput is
-the median of ``--repeat`` rounds (each round: ``--n`` entries per size and mode, all systems);
+the median of ``--repeat`` rounds (each round: ``--n`` entries per size and mode, all systems;
+the three kvstore clients interleaved op by op, ``bench_kvstores``, so each meets the page
+cache and the disk in the same state: run one after the other, the last one met the
+writeback of the others' puts);
 each ratio is the median of the per-round ratios; the per-round values are kept in the JSON
 under ``rounds``. Loopback on a shared 2-core machine is noisy: compare ratios from one run,
 not absolute figures across runs.
@@ -103,29 +106,37 @@ def _mibs(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / MiB
 
 
-def bench_kvstore(store: Any, size: int, n: int, batch: int, tag: str) -> dict:
+def bench_kvstores(stores: dict[str, Any], size: int, n: int, batch: int, tag: str) -> dict[str, dict]:
+    """put, get, put_batch, get_batch of ``n`` entries of ``size`` bytes on each store,
+    interleaved: each step (one entry, or one batch of ``batch``) is run by every store in
+    turn, the order rotating from step to step, so that the page cache's writeback and the
+    disk's state (a burst allowance running out) land on every store alike, where stores run
+    one after the other met different ones. Per store: op -> MiB/s, from the time it spent in
+    its own steps. Every value read back is compared with what was put."""
     from kvstore import PutItem
 
     v = os.urandom(size)
-    keys = [_key(f"{tag}{size}s", i) for i in range(n)]
-    t = time.perf_counter()
-    for k in keys:
-        store.put(k, v)
-    r = {"put": _mibs(n * size, time.perf_counter() - t)}
-    t = time.perf_counter()
-    for k in keys:
-        assert store.get(k) == v
-    r["get"] = _mibs(n * size, time.perf_counter() - t)
-    keys = [_key(f"{tag}{size}b", i) for i in range(n)]
-    t = time.perf_counter()
-    for i in range(0, n, batch):
-        store.put_many([PutItem(k, v) for k in keys[i:i + batch]])
-    r["put_batch"] = _mibs(n * size, time.perf_counter() - t)
-    t = time.perf_counter()
-    for i in range(0, n, batch):
-        assert all(x == v for x in store.get_many(keys[i:i + batch]))
-    r["get_batch"] = _mibs(n * size, time.perf_counter() - t)
-    return r
+    names = list(stores)
+    out: dict[str, dict] = {name: {} for name in names}
+    for mode, step in (("", 1), ("_batch", batch)):
+        keys = {name: [_key(f"{tag}{name}{size}{mode}", i) for i in range(n)] for name in names}
+        for op in ("put", "get"):
+            secs = dict.fromkeys(names, 0.0)
+            for j, i in enumerate(range(0, n, step)):
+                first = j % len(names)
+                for name in names[first:] + names[:first]:
+                    store, ks, t = stores[name], keys[name][i:i + step], time.perf_counter()
+                    if op == "put":
+                        store.put(ks[0], v) if step == 1 else store.put_many([PutItem(k, v) for k in ks])
+                        secs[name] += time.perf_counter() - t
+                    else:
+                        got = [store.get(ks[0])] if step == 1 else store.get_many(ks)
+                        secs[name] += time.perf_counter() - t
+                        if len(got) != len(ks) or any(x != v for x in got):
+                            raise RuntimeError(f"{name} returned wrong bytes")
+            for name in names:
+                out[name][op + mode] = _mibs(n * size, secs[name])
+    return out
 
 
 def bench_redis(size: int, n: int, batch: int, port: int) -> dict:
@@ -305,13 +316,16 @@ def run_remote(args: argparse.Namespace) -> dict:
                 daemons.append(start_daemon(Path(tmp) / f"d{i}", opts))
             rs = kvstore.connect(daemons[0].url)
             rd = kvstore.connect(daemons[0].url, direct_reads="on", direct_writes="on")
-            # Rounds interleave the systems, so that a burst of load elsewhere hits all of them.
+            # Each round runs every system; the three kvstore clients interleaved step by step
+            # (bench_kvstores), the peers (other processes) after them.
             for rnd in range(args.repeat):
                 _log(f"round {rnd + 1} of {args.repeat}: sizes {sizes}, {args.n} entries each")
-                one: dict[str, Any] = {
-                    "embedded": {str(s): bench_kvstore(emb, s, args.n, args.batch, f"e{rnd}") for s in sizes},
-                    "remote": {str(s): bench_kvstore(rs, s, args.n, args.batch, f"r{rnd}") for s in sizes},
-                    "remote_direct": {str(s): bench_kvstore(rd, s, args.n, args.batch, f"x{rnd}") for s in sizes}}
+                one: dict[str, Any] = {name: {} for name in ("embedded", "remote", "remote_direct")}
+                for s in sizes:
+                    got = bench_kvstores({"embedded": emb, "remote": rs, "remote_direct": rd}, s, args.n,
+                                         args.batch, f"{rnd}.")
+                    for name, ops in got.items():
+                        one[name][str(s)] = ops
                 if not args.no_peers:
                     one["redis"] = run_redis(sizes, args.n, args.batch)
                     one["mooncake"] = run_mooncake_isolated(sizes, args.n, args.batch, args.mooncake_python)
