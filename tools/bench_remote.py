@@ -77,6 +77,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # noqa: E402 - run as a script
 
+from tools.bench_peers import Peer  # noqa: E402
+from tools.bench_store import interleaved_rep  # noqa: E402
 from tools.cli_args import check_output_file, choice_bool, csv_list, integer, one_line  # noqa: E402
 from tools.daemon_util import stop_process  # noqa: E402
 
@@ -106,36 +108,47 @@ def _mibs(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / MiB
 
 
+class _Client(Peer):
+    """A kvstore client behind ``bench_store``'s ``Peer`` interface, with keys of its own
+    (``tag`` hashed in), so that two clients of one daemon never put the same key."""
+
+    batch_api = True
+
+    def __init__(self, store: Any, tag: str):
+        self.store, self.tag = store, tag.encode()
+
+    def _k(self, key: bytes) -> bytes:
+        return hashlib.blake2b(self.tag + key, digest_size=16).digest()
+
+    def put(self, key, val):
+        self.store.put(self._k(key), val)
+
+    def get(self, key):
+        return self.store.get(self._k(key))
+
+    def put_many(self, kv):
+        from kvstore import PutItem
+
+        self.store.put_many([PutItem(self._k(k), v) for k, v in kv])
+
+    def get_many(self, keys):
+        return self.store.get_many([self._k(k) for k in keys])
+
+
 def bench_kvstores(stores: dict[str, Any], size: int, n: int, batch: int, tag: str) -> dict[str, dict]:
     """put, get, put_batch, get_batch of ``n`` entries of ``size`` bytes on each store,
-    interleaved: each step (one entry, or one batch of ``batch``) is run by every store in
-    turn, the order rotating from step to step, so that the page cache's writeback and the
-    disk's state (a burst allowance running out) land on every store alike, where stores run
-    one after the other met different ones. Per store: op -> MiB/s, from the time it spent in
-    its own steps. Every value read back is compared with what was put."""
-    from kvstore import PutItem
-
-    v = os.urandom(size)
-    names = list(stores)
-    out: dict[str, dict] = {name: {} for name in names}
-    for mode, step in (("", 1), ("_batch", batch)):
-        keys = {name: [_key(f"{tag}{name}{size}{mode}", i) for i in range(n)] for name in names}
-        for op in ("put", "get"):
-            secs = dict.fromkeys(names, 0.0)
-            for j, i in enumerate(range(0, n, step)):
-                first = j % len(names)
-                for name in names[first:] + names[:first]:
-                    store, ks, t = stores[name], keys[name][i:i + step], time.perf_counter()
-                    if op == "put":
-                        store.put(ks[0], v) if step == 1 else store.put_many([PutItem(k, v) for k in ks])
-                        secs[name] += time.perf_counter() - t
-                    else:
-                        got = [store.get(ks[0])] if step == 1 else store.get_many(ks)
-                        secs[name] += time.perf_counter() - t
-                        if len(got) != len(ks) or any(x != v for x in got):
-                            raise RuntimeError(f"{name} returned wrong bytes")
-            for name in names:
-                out[name][op + mode] = _mibs(n * size, secs[name])
+    interleaved step by step as ``bench_store``'s systems are (``interleaved_rep``: each entry,
+    or batch of ``batch``, run by every store in turn), so that the page cache's writeback and
+    the disk's state land on every store alike, where stores run one after the other met
+    different ones. Per store: op -> MiB/s, from the time it spent in its own steps."""
+    peers = {name: _Client(store, f"{tag}{name}") for name, store in stores.items()}
+    vals = [os.urandom(size)]
+    out: dict[str, dict] = {name: {} for name in stores}
+    for mode, suffix in (("single", ""), ("batch", "_batch")):
+        keys = [_key(f"{tag}{size}{mode}", i) for i in range(n)]
+        for name, by_op in interleaved_rep(peers, mode, keys, vals, batch).items():
+            for op, (secs, _lat) in by_op.items():
+                out[name][op + suffix] = _mibs(n * size, secs)
     return out
 
 

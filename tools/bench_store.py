@@ -175,7 +175,7 @@ def interleaved_rep(peers: dict[str, Peer], mode: str, keys: list[bytes], vals: 
                     got = [peer.get(ks[0])] if mode == "single" else peer.get_many(ks)
                 dt = time.perf_counter() - t
                 if op == "get" and (len(got) != len(want) or any(g != w for g, w in zip(got, want))):
-                    raise RuntimeError(f"{type(peer).__name__} returned wrong bytes")
+                    raise RuntimeError(f"{name} ({type(peer).__name__}) returned wrong bytes")
                 secs[name] += dt
                 lats[name].extend([dt / len(ks)] * len(ks))
         for name in names:
