@@ -33,7 +33,8 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
    ``--sequential``, the systems met different ones: this VM's disk writes at about 1.4 GB/s
    until a burst allowance runs out, then at about 0.3 GB/s, so a system's put figure
    depended on how much the systems before it had written: 4 MiB single puts measured
-   0.19x raw one way and 0.71x the other, on the same code, minutes apart.) Throughput:
+   0.19x raw one way and 0.71x the other, 15 minutes apart, with a change worth at most
+   1.3x in between.) Throughput:
    median over reps, from the time each system spent in its own steps; latency: p50/p90/p99
    per op (a batch's time divided by its size).
 2. Ratios kvstore(zstd off) / peer, each the median of the per-rep ratios (the two systems ran
@@ -181,11 +182,6 @@ def interleaved_rep(peers: dict[str, Peer], mode: str, keys: list[bytes], vals: 
         for name in names:
             out[name][op] = (secs[name], lats[name])
     return out
-
-
-def one_rep(peer: Peer, mode: str, keys: list[bytes], vals: list[bytes], batch: int) -> dict[str, tuple]:
-    """One peer alone through a rep (``interleaved_rep``): put all keys then get them all."""
-    return interleaved_rep({"peer": peer}, mode, keys, vals, batch)["peer"]
 
 
 def bench_io(systems: list[str], sizes: list[int], reps: int, mib_per_rep: float, batch: int,

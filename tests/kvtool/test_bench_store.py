@@ -82,7 +82,7 @@ def test_a_peer_returning_wrong_bytes_for_a_later_batch_item_fails_the_run():
     sys.path.insert(0, str(ROOT))
     import pytest
 
-    from tools.bench_store import one_rep
+    from tools.bench_store import interleaved_rep
 
     class Garbling:
         def __init__(self):
@@ -97,7 +97,7 @@ def test_a_peer_returning_wrong_bytes_for_a_later_batch_item_fails_the_run():
     keys = [i.to_bytes(4, "big") for i in range(8)]
     vals = [os.urandom(64) for _ in range(3)]
     with pytest.raises(RuntimeError, match="wrong bytes"):
-        one_rep(Garbling(), "batch", keys, vals, batch=4)
+        interleaved_rep({"garbling": Garbling()}, "batch", keys, vals, batch=4)
 
 
 def test_remote_ratios_come_from_unrounded_rounds():
