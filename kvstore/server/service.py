@@ -479,9 +479,10 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         """``msgs``, the call cancelled when none of them can be sent for ``stream_send_s`` (0: no
         bound). gRPC resumes this generator once HTTP/2 flow control has let the message it yielded
         out, so the wait is armed over each ``yield`` alone: reading the store does not count. Flow
-        control reopens a window (up to a few MiB) at a time, not per message the client takes: a
-        client reading less than that per ``stream_send_s`` is cut as well (QA: a 4 KiB-value
-        stream read at one 32 KiB message per 0.5 s waited 32 s on one send)."""
+        control reopens a window at a time, not per message the client takes: a client reading
+        less than that per ``stream_send_s`` is cut as well (QA: a 4 KiB-value stream read at one
+        32 KiB message per 0.5 s waited 32 s on one send). The window is the client's (64 KiB, or
+        grown by BDP probing, 33 MiB seen on loopback): a stream that fits in it just ends."""
         if not self.cfg.stream_send_s:
             yield from msgs
             return
