@@ -414,10 +414,14 @@ def test_mooncake_runs_only_where_its_listeners_stay_on_loopback(monkeypatch, tm
     a network namespace holding only loopback; where none can be made it is skipped, saying why,
     never run in the open."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tools import bench_remote
+    from tools import bench_peers
 
-    monkeypatch.setattr(bench_remote.shutil, "which", lambda tool: None)
+    (tmp_path / "bin").mkdir()
+    for name in ("python", "mooncake_master"):
+        (tmp_path / "bin" / name).write_text("")
+    monkeypatch.setattr(bench_peers.shutil, "which", lambda tool: None)
     started = []
-    monkeypatch.setattr(bench_remote, "run_mooncake", lambda *a: started.append(a) or {})
-    out = bench_remote.run_mooncake_isolated([4096], 4, 2, str(tmp_path / "python"))
-    assert "skipped" in out and "unshare" in out["skipped"] and started == []
+    monkeypatch.setattr(bench_peers.subprocess, "Popen", lambda *a, **kw: started.append(a))
+    with pytest.raises(bench_peers.PeerUnavailable, match="unshare") as err:
+        bench_peers.start_mooncake(str(tmp_path / "bin" / "python"), str(tmp_path))
+    assert "loopback" in str(err.value) and started == []

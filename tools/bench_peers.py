@@ -19,17 +19,25 @@ to the store's (fsync before a put returns):
   temporary name and renamed into place, one syncfs for them, one durable LMDB commit; a get
   opens and reads k of them. file_floor / raw_file is the most that layout can reach on
   this machine, whatever the code around it does.
+* ``MooncakePeer`` (``tools/bench_remote.py``): the Mooncake Store, from its own venv and in a
+  network namespace of its own (``start_mooncake``), driven step by step over a pipe; it
+  times its own calls (``Peer.last_s``), so the pipe is not counted against it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import selectors
 import shutil
+import signal
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 from kvstore.durability import fsync_dir, syncfs  # the store's own directory fsync and syncfs
 from tools.daemon_util import stop_process
@@ -39,6 +47,10 @@ class Peer:
     """put/get over bytes; ``*_many`` default to loops (systems without a batch API)."""
 
     batch_api = False
+    # A peer that runs its steps in another process sets this after each call to its own time
+    # of that call; ``bench_store.interleaved_rep`` then counts it instead of the wall time
+    # around the call (which would charge the peer for the pipe to it). ``None``: wall time.
+    last_s: float | None = None
 
     def put(self, key: bytes, val: bytes) -> None: ...
     def get(self, key: bytes) -> bytes: ...
@@ -227,9 +239,10 @@ class FileFloorPeer(_FloorPeer):
 
 
 class RedisServer:
-    """A private redis-server on a loopback port, AOF fsync on every write; stopped by ``close``."""
+    """A private redis-server on a loopback port, AOF fsync on every write (``aof=False``: no
+    persistence at all, for puts compared at page-cache durability); stopped by ``close``."""
 
-    def __init__(self, work: str):
+    def __init__(self, work: str, aof: bool = True):
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found (run: bash tools/install_peers.sh)")
@@ -241,7 +254,7 @@ class RedisServer:
         self.dir = tempfile.mkdtemp(prefix="redis-", dir=work)
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--auto-aof-rewrite-percentage", "0",
+             "--appendonly", "yes" if aof else "no", "--appendfsync", "always", "--auto-aof-rewrite-percentage", "0",
              "--protected-mode", "yes", "--logfile", os.path.join(self.dir, "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -268,8 +281,8 @@ class RedisPeer(Peer):
     batch_api = True
     server: RedisServer | None = None
 
-    def __init__(self, d: str):
-        self.r = self.server.client
+    def __init__(self, d: str = "", server: RedisServer | None = None):
+        self.r = (server or self.server).client
         self.r.flushall()
 
     def put(self, key, val):
@@ -292,3 +305,171 @@ class RedisPeer(Peer):
 
     def close(self):
         self.r.flushall()
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer that cannot run here; the message says why (the benchmark reports it as skipped)."""
+
+
+# Run inside the network namespace (argv: repository root, Mooncake python): loopback up, the
+# master and one storage process started, then ``mooncake_peer.py serve`` on this process's own
+# stdin and stdout, so the caller outside talks to it directly. The transfer engine wants a LAN
+# address, which the namespace lacks: it is told loopback's.
+_IN_NETNS = ("import os, subprocess, sys; subprocess.run(['ip', 'link', 'set', 'lo', 'up'], check=True); "
+             "os.environ['MC_TCP_BIND_ADDRESS'] = '127.0.0.1'; "
+             "sys.path.insert(0, sys.argv[1]); from tools.bench_peers import serve_mooncake_here; "
+             "sys.exit(serve_mooncake_here(sys.argv[2]))")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_mooncake_here(python: str) -> int:
+    """Mooncake's master and storage process, then the ``serve`` client on this process's
+    stdin and stdout until they close; everything stopped after. A failure before the client
+    runs is one ``{"skipped": ...}`` line on stdout. SIGTERM (``MooncakePeer.close`` giving up
+    on the client) stops them too, not only this process."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    bindir = Path(python).parent
+    master = bindir / "mooncake_master"
+    peer = str(Path(__file__).resolve().parent / "mooncake_peer.py")
+    rpc, http, metrics = _free_port(), _free_port(), _free_port()
+    meta, addr = f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"
+    procs = []
+    try:
+        procs.append(subprocess.Popen([str(master), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+                                       "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
+                                       "--http_metadata_server_host=127.0.0.1",
+                                       # its metrics server listens on 0.0.0.0:9003 unless told
+                                       "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(1.5)
+        st = subprocess.Popen([python, peer, "storage", meta, addr, "3600"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        procs.append(st)
+        line = st.stdout.readline()
+        if '"setup": 0' not in line:
+            print(json.dumps({"skipped": f"Mooncake storage process failed to set up: {line.strip() or st.poll()}"}),
+                  flush=True)
+            return 1
+        return subprocess.run([python, peer, "serve", meta, addr], stderr=subprocess.DEVNULL).returncode
+    finally:
+        for p in reversed(procs):
+            stop_process(p)
+
+
+def start_mooncake(python: str, work: str, timeout_s: float = 60.0) -> "MooncakePeer":
+    """A ``MooncakePeer`` on a fresh Mooncake (master, one storage process with a 2 GiB segment,
+    the ``serve`` client), all in a private network namespace holding only loopback: Mooncake's
+    metadata server and transfer engine listen on 0.0.0.0 whatever their flags say, and nothing
+    of a benchmark may listen beyond loopback. ``PeerUnavailable`` says why it cannot run."""
+    if not python or not Path(python).exists():
+        raise PeerUnavailable(f"no Mooncake venv at {python!r} (bash tools/install_peers.sh --mooncake)")
+    if not (Path(python).parent / "mooncake_master").exists():
+        raise PeerUnavailable(f"{Path(python).parent / 'mooncake_master'} missing")
+    missing = [tool for tool in ("unshare", "ip") if shutil.which(tool) is None]
+    if missing:
+        raise PeerUnavailable(f"no {' or '.join(missing)} here to isolate Mooncake's 0.0.0.0 listeners on loopback")
+    root = str(Path(__file__).resolve().parent.parent)
+    log_path = Path(tempfile.mkdtemp(prefix="mooncake-", dir=work)) / "stderr.log"
+    with open(log_path, "wb") as log:  # a file, not a pipe nobody reads: it never blocks the writer
+        proc = subprocess.Popen(["unshare", "--net", "--map-root-user", "--", sys.executable, "-c", _IN_NETNS, root,
+                                 python], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+    peer = MooncakePeer(proc, str(log_path.parent), timeout_s)
+    try:
+        first = peer.read_reply()
+    except PeerUnavailable as exc:
+        why = " ".join(log_path.read_text(errors="replace").strip().splitlines()[-2:])[-300:]
+        peer.close()
+        raise PeerUnavailable(f"Mooncake in a loopback-only network namespace did not start: {exc} {why}".strip())
+    if first.get("setup") != 0:
+        peer.close()
+        raise PeerUnavailable(first.get("skipped") or f"Mooncake's bench client failed to set up: {first}")
+    return peer
+
+
+class MooncakePeer(Peer):
+    """The Mooncake Store through ``mooncake_peer.py serve`` (its protocol there): each step
+    one JSON line each way; values go over once, as files in ``work`` (this peer's own
+    directory, removed by ``close``). Every answer is awaited for at most ``timeout_s``;
+    lines that are not JSON objects (a library's log on stdout) are skipped. ``last_s`` is
+    Mooncake's own time of the call."""
+
+    batch_api = True
+
+    def __init__(self, proc: subprocess.Popen, work: str, timeout_s: float):
+        self.proc, self.timeout_s, self.dir = proc, timeout_s, work
+        self._ids: dict[bytes, int] = {}
+        self._vals: list[bytes] = []
+        self._buf = b""
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(proc.stdout, selectors.EVENT_READ)
+
+    def read_reply(self) -> dict:
+        end = time.monotonic() + self.timeout_s
+        while True:
+            while b"\n" not in self._buf:
+                if not self._sel.select(max(0.0, end - time.monotonic())):
+                    raise PeerUnavailable(f"no answer from Mooncake's client within {self.timeout_s:g} s")
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    raise PeerUnavailable(f"Mooncake's client exited (status {self.proc.poll()})")
+                self._buf += chunk
+            line, _, self._buf = self._buf.partition(b"\n")
+            if line.startswith(b"{"):
+                return json.loads(line)
+
+    def _ask(self, cmd: dict) -> dict:
+        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+        self.proc.stdin.flush()
+        reply = self.read_reply()
+        if "error" in reply:
+            raise RuntimeError(f"mooncake {cmd['op']}: {reply['error']}")
+        self.last_s = reply.get("s")
+        return reply
+
+    def _id(self, val: bytes) -> int:
+        i = self._ids.get(val)
+        if i is None:
+            i = self._ids[val] = len(self._vals)
+            self._vals.append(val)
+            path = os.path.join(self.dir, str(i))
+            with open(path, "wb") as f:
+                f.write(val)
+            self._ask({"op": "value", "id": i, "path": path})
+        return i
+
+    def _put(self, op: str, kv: list[tuple[bytes, bytes]]) -> None:
+        ids = [self._id(v) for _, v in kv]  # before the step: a new value's file is not timed
+        self._ask({"op": op, "keys": [k.hex() for k, _ in kv], "vals": ids})
+
+    def _get(self, op: str, keys: list[bytes]) -> list[bytes | None]:
+        got = self._ask({"op": op, "keys": [k.hex() for k in keys]})["got"]
+        return [self._vals[i] if i >= 0 else None for i in got]
+
+    def put(self, key, val):
+        self._put("put", [(key, val)])
+
+    def get(self, key):
+        return self._get("get", [key])[0]
+
+    def put_many(self, kv):
+        self._put("put_batch", kv)
+
+    def get_many(self, keys):
+        return self._get("get_batch", keys)
+
+    def close(self):
+        try:
+            if self.proc.stdin and not self.proc.stdin.closed:
+                self.proc.stdin.close()  # the client's loop ends; the namespace's processes are stopped
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            stop_process(self.proc)
+            self._sel.close()
+            shutil.rmtree(self.dir, ignore_errors=True)

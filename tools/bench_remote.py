@@ -19,14 +19,17 @@ throughput, single calls and batches of ``--batch``, for
   the pack files in this process and ask the daemon to index them (``Commit``).
   Its client's counters go to the JSON under ``direct_stats`` and ``direct_write_stats``
   (fallbacks must be 0),
-* ``redis``:    ``redis-server`` on 127.0.0.1 (no persistence), SET/GET, MSET/MGET pipelines,
+* ``redis``:    ``redis-server`` on 127.0.0.1 with the kvstore puts' durability (no persistence;
+  AOF fsync always with ``--fsync true``), SET/GET, pipelined batches (``bench_peers.RedisPeer``),
 * ``mooncake``: Mooncake Store over TCP on loopback (master with its HTTP metadata server +
-  one storage process with a 2 GiB segment; the bench client mounts no memory), from its own
-  venv: ``$KVSTACK_MOONCAKE_VENV``, default ``.bench/mooncake-venv`` in the repository, as
-  ``tools/install_peers.sh --mooncake`` creates it (``--mooncake-python`` overrides). Its
-  metadata server and transfer engine listen on 0.0.0.0 whatever their flags say, so all of it
-  runs in a private network namespace holding only loopback (``unshare --net``, util-linux);
-  where one cannot be made, Mooncake is skipped with the reason.
+  one storage process with a 2 GiB segment, fresh each round; the bench client mounts no
+  memory), from its own venv: ``$KVSTACK_MOONCAKE_VENV``, default ``.bench/mooncake-venv`` in
+  the repository, as ``tools/install_peers.sh --mooncake`` creates it (``--mooncake-python``
+  overrides). Its metadata server and transfer engine listen on 0.0.0.0 whatever their flags
+  say, so all of it runs in a private network namespace holding only loopback (``unshare
+  --net``, util-linux); where one cannot be made, Mooncake is skipped with the reason. Its
+  client runs each step this process asks for over a pipe (``bench_peers.MooncakePeer``,
+  ``mooncake_peer.py serve``) and times its own calls: the pipe is not counted against it.
 
 and the p50/p90/p99 of ``lookup`` on a chain of ``--chain`` blocks (default 1,000; all hit, an SWA
 snapshot at every boundary, so the answer is ``hit_blocks = swa_at = --chain``): embedded, over
@@ -35,10 +38,10 @@ kvstore writes use ``fsync=false`` by default (page-cache durability, like Redis
 and Mooncake's memory pool); ``--fsync true`` measures durable puts. Prints a table with ratios
 (``remote`` and ``remote_direct`` / each peer); ``--out`` writes the JSON. Issue #3's goals for
 batched gets: ``remote_direct`` >= 1.0x ``mooncake`` and >= 2x ``redis``. Every throughput is
-the median of ``--repeat`` rounds (each round: ``--n`` entries per size and mode, all systems;
-the three kvstore clients interleaved op by op, ``bench_kvstores``, so each meets the page
-cache and the disk in the same state: run one after the other, the last one met the
-writeback of the others' puts);
+the median of ``--repeat`` rounds (each round: ``--n`` entries per size and mode, all five
+systems interleaved op by op, ``bench_systems``, so each meets the page cache, the disk and
+this machine's other load in the same state: run one after the other, the last kvstore client
+met the writeback of the others' puts, and Redis and Mooncake, run after all three, met it too);
 each ratio is the median of the per-round ratios; the per-round values are kept in the JSON
 under ``rounds``. Loopback on a shared 2-core machine is noisy: compare ratios from one run,
 not absolute figures across runs.
@@ -63,12 +66,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -77,10 +78,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # noqa: E402 - run as a script
 
-from tools.bench_peers import Peer  # noqa: E402
+from tools.bench_peers import Peer, PeerUnavailable, RedisPeer, RedisServer, start_mooncake  # noqa: E402
 from tools.bench_store import interleaved_rep  # noqa: E402
 from tools.cli_args import check_output_file, choice_bool, csv_list, integer, one_line  # noqa: E402
-from tools.daemon_util import stop_process  # noqa: E402
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,12 +90,6 @@ def mooncake_python() -> str:
     """The Mooncake venv's python, found as tools/install_peers.sh --mooncake places it."""
     venv = os.environ.get("KVSTACK_MOONCAKE_VENV") or str(ROOT / ".bench" / "mooncake-venv")
     return str(Path(venv) / "bin" / "python")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _key(tag: str, i: int) -> bytes:
@@ -135,137 +129,46 @@ class _Client(Peer):
         return self.store.get_many([self._k(k) for k in keys])
 
 
-def bench_kvstores(stores: dict[str, Any], size: int, n: int, batch: int, tag: str) -> dict[str, dict]:
-    """put, get, put_batch, get_batch of ``n`` entries of ``size`` bytes on each store,
+def bench_systems(systems: dict[str, Peer], size: int, n: int, batch: int, tag: str) -> dict[str, dict]:
+    """put, get, put_batch, get_batch of ``n`` entries of ``size`` bytes on each system,
     interleaved step by step as ``bench_store``'s systems are (``interleaved_rep``: each entry,
-    or batch of ``batch``, run by every store in turn), so that the page cache's writeback and
-    the disk's state land on every store alike, where stores run one after the other met
-    different ones. Per store: op -> MiB/s, from the time it spent in its own steps."""
-    peers = {name: _Client(store, f"{tag}{name}") for name, store in stores.items()}
+    or batch of ``batch``, run by every system in turn), so that the page cache's writeback,
+    the disk's state and the other tenants of this machine land on every system alike, where
+    systems run one after the other met different ones. Per system: op -> MiB/s, from the
+    time it spent in its own steps (a peer in another process times itself: ``Peer.last_s``)."""
     vals = [os.urandom(size)]
-    out: dict[str, dict] = {name: {} for name in stores}
+    out: dict[str, dict] = {name: {} for name in systems}
     for mode, suffix in (("single", ""), ("batch", "_batch")):
         keys = [_key(f"{tag}{size}{mode}", i) for i in range(n)]
-        for name, by_op in interleaved_rep(peers, mode, keys, vals, batch).items():
+        for name, by_op in interleaved_rep(systems, mode, keys, vals, batch).items():
             for op, (secs, _lat) in by_op.items():
                 out[name][op + suffix] = _mibs(n * size, secs)
     return out
 
 
-def bench_redis(size: int, n: int, batch: int, port: int) -> dict:
-    import redis
-
-    c = redis.Redis(host="127.0.0.1", port=port)
-    v = os.urandom(size)
-    keys = [_key(f"r{size}s", i) for i in range(n)]
-    t = time.perf_counter()
-    for k in keys:
-        c.set(k, v)
-    r = {"put": _mibs(n * size, time.perf_counter() - t)}
-    t = time.perf_counter()
-    for k in keys:
-        assert c.get(k) == v
-    r["get"] = _mibs(n * size, time.perf_counter() - t)
-    keys = [_key(f"r{size}b", i) for i in range(n)]
-    t = time.perf_counter()
-    for i in range(0, n, batch):
-        c.mset({k: v for k in keys[i:i + batch]})
-    r["put_batch"] = _mibs(n * size, time.perf_counter() - t)
-    t = time.perf_counter()
-    for i in range(0, n, batch):
-        assert all(x == v for x in c.mget(keys[i:i + batch]))
-    r["get_batch"] = _mibs(n * size, time.perf_counter() - t)
-    c.close()
-    return r
-
-
-def run_redis(sizes: list[int], n: int, batch: int) -> dict:
-    exe = shutil.which("redis-server")
-    if not exe:
-        return {"skipped": "redis-server not installed (bash tools/install_peers.sh)"}
+def start_peers(work: str, redis: Any, mooncake_python: str) -> tuple[dict[str, Peer], dict[str, str]]:
+    """This round's Redis and Mooncake peers, and the reason for each that cannot run."""
+    peers: dict[str, Peer] = {}
+    skipped: dict[str, str] = {}
+    if isinstance(redis, str):
+        skipped["redis"] = redis
+    else:
+        peers["redis"] = RedisPeer(server=redis)
     try:
-        import redis
-    except ImportError:
-        return {"skipped": "redis-py not installed (pip install -e '.[bench]')"}
-    port = _free_port()
-    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                          "--protected-mode", "yes"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        peers["mooncake"] = start_mooncake(mooncake_python, work)
+    except PeerUnavailable as exc:
+        skipped["mooncake"] = str(exc)
+    return peers, skipped
+
+
+def start_redis(work: str, fsync: bool) -> Any:
+    """A ``RedisServer`` with the kvstore puts' durability (AOF fsync always, or none), or why not."""
+    if importlib.util.find_spec("redis") is None:
+        return "redis-py not installed (pip install -e '.[bench]')"
     try:
-        end = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(host="127.0.0.1", port=port).ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > end:
-                    return {"skipped": "redis-server did not start"}
-                time.sleep(0.05)
-        return {str(s): bench_redis(s, n, batch, port) for s in sizes}
-    finally:
-        stop_process(p)
-
-
-def run_mooncake(sizes: list[int], n: int, batch: int, python: str) -> dict:
-    if not python or not Path(python).exists():
-        return {"skipped": f"no Mooncake venv at {python!r} (bash tools/install_peers.sh --mooncake)"}
-    bindir = Path(python).parent
-    master = bindir / "mooncake_master"
-    if not master.exists():
-        return {"skipped": f"{master} missing"}
-    rpc, http, metrics = _free_port(), _free_port(), _free_port()
-    meta, addr = f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"
-    peer = str(Path(__file__).resolve().parent / "mooncake_peer.py")
-    procs = []
-    try:
-        procs.append(subprocess.Popen([str(master), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-                                       "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
-                                       "--http_metadata_server_host=127.0.0.1",
-                                       # its metrics server listens on 0.0.0.0:9003 unless told
-                                       "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        time.sleep(1.5)
-        st = subprocess.Popen([python, peer, "storage", meta, addr, "600"], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
-        procs.append(st)
-        line = st.stdout.readline()
-        if '"setup": 0' not in line:
-            return {"skipped": f"Mooncake storage process failed to set up: {line.strip() or st.poll()}"}
-        out = subprocess.run([python, peer, "bench", meta, addr, ",".join(map(str, sizes)), str(n), str(batch)],
-                             capture_output=True, text=True, timeout=300)
-        last = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-        if out.returncode or not last:
-            return {"skipped": f"Mooncake bench failed (exit {out.returncode}): {out.stderr.strip()[-500:]}"}
-        res = json.loads(last[-1])
-        res.pop("setup", None)
-        return {k: {op: float(x) for op, x in v.items()} for k, v in res.items()}
-    finally:
-        for p in reversed(procs):
-            stop_process(p)
-
-
-# Run inside the namespace: loopback up, then ``run_mooncake`` (argv: repo root, sizes, n, batch, python).
-# The transfer engine wants a LAN address, which the namespace lacks: it is told loopback's.
-_IN_NETNS = ("import json, os, subprocess, sys; subprocess.run(['ip', 'link', 'set', 'lo', 'up'], check=True); "
-             "os.environ['MC_TCP_BIND_ADDRESS'] = '127.0.0.1'; "
-             "sys.path.insert(0, sys.argv[1]); from tools.bench_remote import run_mooncake; "
-             "print(json.dumps(run_mooncake(json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), "
-             "sys.argv[5])), flush=True)")
-
-
-def run_mooncake_isolated(sizes: list[int], n: int, batch: int, python: str) -> dict:
-    """``run_mooncake`` in a private network namespace with only loopback: Mooncake's servers
-    listen on 0.0.0.0 (the master's HTTP metadata server ignores its host flag; the transfer
-    engine's ports have none), and nothing of a benchmark may listen beyond loopback."""
-    missing = [tool for tool in ("unshare", "ip") if shutil.which(tool) is None]
-    if missing:
-        return {"skipped": f"no {' or '.join(missing)} here to isolate Mooncake's 0.0.0.0 listeners on loopback"}
-    out = subprocess.run(["unshare", "--net", "--map-root-user", "--", sys.executable, "-c", _IN_NETNS, str(ROOT),
-                          json.dumps(sizes), str(n), str(batch), python], capture_output=True, text=True, timeout=900)
-    last = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode or not last:
-        why = " ".join(out.stderr.strip().splitlines()[-2:])[-300:]
-        return {"skipped": f"Mooncake in a loopback-only network namespace failed (exit {out.returncode}): {why}"}
-    return json.loads(last[-1])
+        return RedisServer(work, aof=fsync)
+    except RuntimeError as exc:
+        return str(exc)
 
 
 def lookup_latency(store: Any, chain_len: int, reps: int, tag: str) -> dict:
@@ -321,7 +224,7 @@ def run_remote(args: argparse.Namespace) -> dict:
                            "repeat": args.repeat, "unit": "MiB/s", "systems": {}, "rounds": []}
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
         opts = ["--fsync", str(fs).lower(), "--compression", "none", "--allow-direct-writes", "true"]
-        emb = None
+        emb = redis = None
         daemons = []  # filled one by one, so that a failure (or Ctrl-C) starting one stops those before
         try:
             emb = kvstore.connect(str(Path(tmp) / "emb"), fsync=fs, compression="none")
@@ -329,19 +232,23 @@ def run_remote(args: argparse.Namespace) -> dict:
                 daemons.append(start_daemon(Path(tmp) / f"d{i}", opts))
             rs = kvstore.connect(daemons[0].url)
             rd = kvstore.connect(daemons[0].url, direct_reads="on", direct_writes="on")
-            # Each round runs every system; the three kvstore clients interleaved step by step
-            # (bench_kvstores), the peers (other processes) after them.
+            redis = start_redis(tmp, fs) if not args.no_peers else None
+            # Each round runs every system, all interleaved step by step (bench_systems).
             for rnd in range(args.repeat):
                 _log(f"round {rnd + 1} of {args.repeat}: sizes {sizes}, {args.n} entries each")
-                one: dict[str, Any] = {name: {} for name in ("embedded", "remote", "remote_direct")}
-                for s in sizes:
-                    got = bench_kvstores({"embedded": emb, "remote": rs, "remote_direct": rd}, s, args.n,
-                                         args.batch, f"{rnd}.")
-                    for name, ops in got.items():
-                        one[name][str(s)] = ops
-                if not args.no_peers:
-                    one["redis"] = run_redis(sizes, args.n, args.batch)
-                    one["mooncake"] = run_mooncake_isolated(sizes, args.n, args.batch, args.mooncake_python)
+                systems: dict[str, Peer] = {name: _Client(st, f"{rnd}.{name}") for name, st in
+                                            (("embedded", emb), ("remote", rs), ("remote_direct", rd))}
+                peers, skipped = start_peers(tmp, redis, args.mooncake_python) if not args.no_peers else ({}, {})
+                one: dict[str, Any] = {name: {} for name in [*systems, *peers]}
+                one.update((name, {"skipped": why}) for name, why in skipped.items())
+                try:
+                    for s in sizes:
+                        for name, ops in bench_systems({**systems, **peers}, s, args.n, args.batch,
+                                                       f"{rnd}.").items():
+                            one[name][str(s)] = ops
+                finally:
+                    for p in peers.values():
+                        p.close()
                 rep["rounds"].append(one)
             _log(f"lookup latency of a {args.chain}-block chain, {args.lookup_reps} reps")
             lk = {"embedded": lookup_latency(emb, args.chain, args.lookup_reps, "e"),
@@ -356,6 +263,8 @@ def run_remote(args: argparse.Namespace) -> dict:
             try:
                 if emb is not None:
                     emb.close()
+                if isinstance(redis, RedisServer):
+                    redis.close()
             finally:
                 stop_all(daemons)
     rep["systems"] = _medians(rep["rounds"])

@@ -157,7 +157,8 @@ def interleaved_rep(peers: dict[str, Peer], mode: str, keys: list[bytes], vals: 
     rotates from step to step. A change of the machine's state within the rep (a cloud disk's
     burst allowance running out, another tenant's load) so lands on every system alike, where
     systems run one after the other met different disks. Per peer and op: (seconds summed over
-    its steps, per-op latencies). Every value read back is compared with what was put."""
+    its steps, per-op latencies; a peer's own ``last_s`` when it sets one). Every value read
+    back is compared with what was put."""
     names = list(peers)
     out: dict[str, dict[str, tuple]] = {name: {} for name in names}
     step = 1 if mode == "single" else batch
@@ -174,7 +175,8 @@ def interleaved_rep(peers: dict[str, Peer], mode: str, keys: list[bytes], vals: 
                     peer.put(ks[0], want[0]) if mode == "single" else peer.put_many(list(zip(ks, want)))
                 else:
                     got = [peer.get(ks[0])] if mode == "single" else peer.get_many(ks)
-                dt = time.perf_counter() - t
+                own = getattr(peer, "last_s", None)
+                dt = time.perf_counter() - t if own is None else own
                 if op == "get" and (len(got) != len(want) or any(g != w for g, w in zip(got, want))):
                     raise RuntimeError(f"{name} ({type(peer).__name__}) returned wrong bytes")
                 secs[name] += dt

@@ -2,10 +2,23 @@
 
     /tmp/mcvenv/bin/python tools/mooncake_peer.py storage METADATA_URL MASTER SECONDS
     /tmp/mcvenv/bin/python tools/mooncake_peer.py bench METADATA_URL MASTER SIZES N BATCH
+    /tmp/mcvenv/bin/python tools/mooncake_peer.py serve METADATA_URL MASTER
 
 ``storage`` mounts a 2 GiB segment and stays up (the storage process);
 ``bench`` mounts none (every byte goes over TCP to the storage process) and
 prints one JSON line of MiB/s for put/get, single and batched, per size.
+``serve`` mounts none either and runs the steps another process asks for, so that
+``tools/bench_peers.MooncakePeer`` can interleave Mooncake with other systems step by step.
+It prints ``{"setup": RC}``, then answers each JSON line read from stdin with one on
+stdout, until stdin closes:
+
+  ``{"op": "value", "id": I, "path": P}``   value ``I`` is the bytes of file ``P``
+  ``{"op": "put" | "put_batch", "keys": [...], "vals": [I, ...]}``  -> ``{"s": SECONDS}``
+  ``{"op": "get" | "get_batch", "keys": [...]}``  -> ``{"s": SECONDS, "got": [I or -1, ...]}``
+
+``s`` is the time of the Mooncake call alone (the pipe is not counted); ``got`` names the
+value each key read back as (-1: none of them, or nothing), compared after the timing; a
+failed call answers ``{"error": TEXT}``. ``put`` and ``get`` take one key.
 Only the standard library and ``mooncake`` are imported here, and ``mooncake``
 only once the arguments are checked: ``--help`` works in any Python, and a
 Python without it gets one line naming the venv to use (exit status 2, as for
@@ -51,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="role", required=True)
     st = sub.add_parser("storage", help="mount a 2 GiB segment and stay up for SECONDS")
     be = sub.add_parser("bench", help="time put/get against the storage process; one JSON line")
-    for p in (st, be):
+    sv = sub.add_parser("serve", help="run the put/get steps asked on stdin, one JSON line each")
+    for p in (st, be, sv):
         p.add_argument("meta", metavar="METADATA_URL", help="http://127.0.0.1:PORT/metadata")
         p.add_argument("master", metavar="MASTER", help="the master's 127.0.0.1:PORT")
     st.add_argument("seconds", metavar="SECONDS", type=_seconds, help="how long to stay up (> 0)")
@@ -59,6 +73,44 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("n", metavar="N", type=_count, help="values per size and mode (>= 1)")
     be.add_argument("batch", metavar="BATCH", type=_count, help="values per batch (>= 1)")
     return ap
+
+
+def _step(s, cmd: dict, vals: dict[int, bytes], ids: dict[bytes, int]) -> dict:
+    """One command of ``serve`` (module docstring) on the Mooncake client ``s``."""
+    op, keys = cmd["op"], cmd.get("keys", [])
+    if op == "value":
+        with open(cmd["path"], "rb") as f:
+            vals[cmd["id"]] = v = f.read()
+        ids.setdefault(v, cmd["id"])
+        return {}
+    if op in ("put", "put_batch"):
+        vs = [vals[i] for i in cmd["vals"]]
+        t = time.perf_counter()
+        rcs = [s.put(keys[0], vs[0])] if op == "put" else s.put_batch(keys, vs)
+        dt = time.perf_counter() - t
+        if any(rc != 0 for rc in rcs or [0]):
+            return {"error": f"{op} of {len(keys)} keys returned {list(rcs)}"}
+        return {"s": dt}
+    if op in ("get", "get_batch"):
+        t = time.perf_counter()
+        got = [s.get(keys[0])] if op == "get" else s.get_batch(keys)
+        dt = time.perf_counter() - t
+        return {"s": dt, "got": [ids.get(bytes(g), -1) if g else -1 for g in got]}
+    return {"error": f"unknown op {op!r}"}
+
+
+def serve(s, inp, out) -> int:
+    """``serve``'s loop: one answer per command line, until ``inp`` closes."""
+    vals: dict[int, bytes] = {}
+    ids: dict[bytes, int] = {}
+    for line in inp:
+        try:
+            reply = _step(s, json.loads(line), vals, ids)
+        except Exception as exc:  # noqa: BLE001 - any failure is this step's answer, not a dead pipe
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,8 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"setup": rc}), flush=True)
         time.sleep(args.seconds)
         return 0
-    sizes, n, batch = args.sizes, args.n, args.batch
     rc = s.setup("127.0.0.1:17812", meta, 0, 512 << 20, "tcp", "", master)
+    if args.role == "serve":
+        print(json.dumps({"setup": rc}), flush=True)
+        return serve(s, sys.stdin, sys.stdout) if rc == 0 else 1
+    sizes, n, batch = args.sizes, args.n, args.batch
     out: dict = {"setup": rc}
     for size in sizes:
         v = os.urandom(size)

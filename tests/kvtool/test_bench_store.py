@@ -140,15 +140,17 @@ def test_a_reps_systems_run_interleaved_step_by_step():
         assert set(res[name]) == {"put", "get"} and len(res[name]["get"][1]) == 12 and res[name]["put"][0] > 0
 
 
-def test_bench_remotes_kvstore_clients_run_interleaved_step_by_step():
-    """``bench_remote.bench_kvstores``: every step (one entry, or one batch) is run by each
-    client in turn, the order rotating per step; a wrong value read back fails the run."""
+def test_bench_remotes_systems_run_interleaved_step_by_step():
+    """``bench_remote.bench_systems``: every step (one entry, or one batch) is run by each
+    system (the kvstore clients, Redis, Mooncake) in turn, the order rotating per step; a
+    wrong value read back fails the run."""
     sys.path.insert(0, str(ROOT))
-    from tools.bench_remote import bench_kvstores
+    from tools.bench_peers import Peer
+    from tools.bench_remote import bench_systems
 
     calls: list[tuple[str, str]] = []
 
-    class Logged:
+    class Logged(Peer):
         def __init__(self, name, garble=False):
             self.name, self.d, self.garble = name, {}, garble
 
@@ -160,17 +162,17 @@ def test_bench_remotes_kvstore_clients_run_interleaved_step_by_step():
             calls.append((self.name, "get"))
             return b"garbage" if self.garble else self.d[k]
 
-        def put_many(self, items):
+        def put_many(self, kv):
             calls.append((self.name, "put_many"))
-            self.d.update((i.key, i.value) for i in items)
+            self.d.update(kv)
 
         def get_many(self, keys):
             calls.append((self.name, "get_many"))
             return [self.d[k] for k in keys]
 
-    res = bench_kvstores({"a": Logged("a"), "b": Logged("b")}, 64, 4, 2, "t")
+    res = bench_systems({"a": Logged("a"), "b": Logged("b")}, 64, 4, 2, "t")
     assert [n for n, _ in calls] == ["a", "b", "b", "a"] * 6  # 4 single steps, put then get; 2 batch steps
     assert [op for _, op in calls] == ["put"] * 8 + ["get"] * 8 + ["put_many"] * 4 + ["get_many"] * 4
     assert set(res["a"]) == {"put", "get", "put_batch", "get_batch"} and all(x > 0 for x in res["b"].values())
     with pytest.raises(RuntimeError, match="wrong bytes"):
-        bench_kvstores({"a": Logged("a"), "g": Logged("g", garble=True)}, 64, 2, 2, "t")
+        bench_systems({"a": Logged("a"), "g": Logged("g", garble=True)}, 64, 2, 2, "t")
