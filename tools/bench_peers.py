@@ -9,7 +9,9 @@ to the store's (fsync before a put returns):
 * ``LMDBPeer``: py-lmdb with ``sync=True``; one write transaction per put or per batch.
 * ``RedisPeer`` on a ``RedisServer``: a private ``redis-server`` on a loopback port with
   ``appendonly yes``, ``appendfsync always``, RDB snapshots and AOF rewrites off; redis-py
-  (hiredis parser when installed); a batch is one non-transactional pipeline.
+  (hiredis parser when installed); a batch put is one non-transactional pipeline of SETs, a
+  batch get one MGET: the faster of the two forms for each here (MSET took about twice a
+  pipeline's time at 128 KiB and 3x at 1 MiB; a pipeline of GETs about twice MGET's at 1 MiB).
 * ``ECFloorPeer``: not a store but a bound: the least I/O any store that keeps an entry as
   k+m fragments on k+m targets behind a durable index can do (appends to open files, one
   syncfs, one durable LMDB commit; k preads back). kvstore / ec_floor says how far the store
@@ -298,10 +300,7 @@ class RedisPeer(Peer):
         p.execute()
 
     def get_many(self, keys):
-        p = self.r.pipeline(transaction=False)
-        for k in keys:
-            p.get(k)
-        return p.execute()
+        return self.r.mget(keys)  # 1 MiB x 16: ~5 ms, a pipeline of GETs ~10 ms (MSET is the slow one)
 
     def close(self):
         self.r.flushall()

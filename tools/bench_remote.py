@@ -20,7 +20,8 @@ throughput, single calls and batches of ``--batch``, for
   Its client's counters go to the JSON under ``direct_stats`` and ``direct_write_stats``
   (fallbacks must be 0),
 * ``redis``:    ``redis-server`` on 127.0.0.1 with the kvstore puts' durability (no persistence;
-  AOF fsync always with ``--fsync true``), SET/GET, pipelined batches (``bench_peers.RedisPeer``),
+  AOF fsync always with ``--fsync true``), SET/GET, batches as SET pipelines and MGET
+  (``bench_peers.RedisPeer``),
 * ``mooncake``: Mooncake Store over TCP on loopback (master with its HTTP metadata server +
   one storage process with a 2 GiB segment, fresh each round; the bench client mounts no
   memory), from its own venv: ``$KVSTACK_MOONCAKE_VENV``, default ``.bench/mooncake-venv`` in

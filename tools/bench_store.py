@@ -26,9 +26,10 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
    prints file_floor / raw_file beside it, the most that layout reaches here); LMDB (py-lmdb,
    ``sync=True``, one transaction per put or per batch); Redis (``redis-server`` started here on
    loopback with ``appendonly yes, appendfsync always``, RDB off, AOF rewrite off; redis-py +
-   hiredis; a batch is a pipeline). Every rep writes fresh keys into a fresh directory, then
-   reads them back (page cache warm for every system alike). Each rep runs every system
-   together, interleaved step by step: one op (or batch) of each system in turn, the order
+   hiredis; a batch put is a pipeline of SETs, a batch get one MGET). Every rep writes fresh
+   keys into a fresh directory, then reads them back (page cache warm for every system
+   alike). Each rep runs every system together, interleaved step by step: one op (or batch)
+   of each system in turn, the order
    rotating from step to step, so every system meets the same disk. (Run one after the other,
    ``--sequential``, the systems met different ones: this VM's disk writes at about 1.4 GB/s
    until a burst allowance runs out, then at about 0.3 GB/s, so a system's put figure
