@@ -45,7 +45,11 @@ this machine's other load in the same state: run one after the other, the last k
 met the writeback of the others' puts, and Redis and Mooncake, run after all three, met it too);
 each ratio is the median of the per-round ratios; the per-round values are kept in the JSON
 under ``rounds``. Loopback on a shared 2-core machine is noisy: compare ratios from one run,
-not absolute figures across runs.
+not absolute figures across runs. Interleaving has a cost of its own, and not the same for
+every system: each step finds the caches and the other processes' threads as the four other
+systems left them. Measured alone (one system per run, 3 rounds), Mooncake's get_batch was
+1.1-1.3 GiB/s at 128 KiB against ~0.84 interleaved, remote_direct's ~1.0 against ~0.99.
+``--sequential`` runs each system's steps together (the order rotating per round): quote both.
 
 Profile of the remote batch path (16 x 1 MiB, fsync off), before the streaming RPCs:
 GetMany was ~65 ms per batch against 4.7 ms embedded. Server: building the 16 MiB
@@ -130,20 +134,24 @@ class _Client(Peer):
         return self.store.get_many([self._k(k) for k in keys])
 
 
-def bench_systems(systems: dict[str, Peer], size: int, n: int, batch: int, tag: str) -> dict[str, dict]:
+def bench_systems(systems: dict[str, Peer], size: int, n: int, batch: int, tag: str,
+                  interleave: bool = True) -> dict[str, dict]:
     """put, get, put_batch, get_batch of ``n`` entries of ``size`` bytes on each system,
     interleaved step by step as ``bench_store``'s systems are (``interleaved_rep``: each entry,
     or batch of ``batch``, run by every system in turn), so that the page cache's writeback,
     the disk's state and the other tenants of this machine land on every system alike, where
-    systems run one after the other met different ones. Per system: op -> MiB/s, from the
-    time it spent in its own steps (a peer in another process times itself: ``Peer.last_s``)."""
+    systems run one after the other met different ones. ``interleave=False``: one system after
+    the other, in the order given. Per system: op -> MiB/s, from the time it spent in its own
+    steps (a peer in another process times itself: ``Peer.last_s``)."""
     vals = [os.urandom(size)]
     out: dict[str, dict] = {name: {} for name in systems}
+    groups = [systems] if interleave else [{name: peer} for name, peer in systems.items()]
     for mode, suffix in (("single", ""), ("batch", "_batch")):
         keys = [_key(f"{tag}{size}{mode}", i) for i in range(n)]
-        for name, by_op in interleaved_rep(systems, mode, keys, vals, batch).items():
-            for op, (secs, _lat) in by_op.items():
-                out[name][op + suffix] = _mibs(n * size, secs)
+        for group in groups:
+            for name, by_op in interleaved_rep(group, mode, keys, vals, batch).items():
+                for op, (secs, _lat) in by_op.items():
+                    out[name][op + suffix] = _mibs(n * size, secs)
     return out
 
 
@@ -211,6 +219,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeat", type=integer(1, 1000), default=3,
                     help="rounds; each throughput is the median over them")
     ap.add_argument("--no-peers", action="store_true", help="skip Redis and Mooncake")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run the systems one after the other in each round (the order rotating from round "
+                         "to round), not interleaved step by step")
     ap.add_argument("--out", default="")
 
 
@@ -222,7 +233,7 @@ def run_remote(args: argparse.Namespace) -> dict:
     sizes = [int(s) for s in args.sizes.split(",")] if isinstance(args.sizes, str) else list(args.sizes)
     fs = args.fsync if isinstance(args.fsync, bool) else str(args.fsync).lower() in ("1", "true", "yes")
     rep: dict[str, Any] = {"sizes": sizes, "n": args.n, "batch": args.batch, "chain": args.chain, "fsync": fs,
-                           "repeat": args.repeat, "unit": "MiB/s", "systems": {}, "rounds": []}
+                           "repeat": args.repeat, "interleaved": not args.sequential, "unit": "MiB/s", "systems": {}, "rounds": []}
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
         opts = ["--fsync", str(fs).lower(), "--compression", "none", "--allow-direct-writes", "true"]
         emb = redis = None
@@ -242,10 +253,12 @@ def run_remote(args: argparse.Namespace) -> dict:
                 peers, skipped = start_peers(tmp, redis, args.mooncake_python) if not args.no_peers else ({}, {})
                 one: dict[str, Any] = {name: {} for name in [*systems, *peers]}
                 one.update((name, {"skipped": why}) for name, why in skipped.items())
+                every = {**systems, **peers}
+                order = list(every)[rnd % len(every):] + list(every)[:rnd % len(every)]  # --sequential
                 try:
                     for s in sizes:
-                        for name, ops in bench_systems({**systems, **peers}, s, args.n, args.batch,
-                                                       f"{rnd}.").items():
+                        for name, ops in bench_systems({name: every[name] for name in order}, s, args.n, args.batch,
+                                                       f"{rnd}.", interleave=not args.sequential).items():
                             one[name][str(s)] = ops
                 finally:
                     for p in peers.values():
@@ -304,7 +317,8 @@ def table(rep: dict) -> str:
     systems = rep["systems"]
     names = list(systems)
     pairs = [(a, b) for a, b in RATIOS if a in systems and b in systems]
-    rows = [f"MiB/s, median of {rep['repeat']} rounds", f"{'op':<10}{'size':>9} " + "".join(f"{n:>14}" for n in names),
+    how = "interleaved step by step" if rep.get("interleaved", True) else "one after the other"
+    rows = [f"MiB/s, median of {rep['repeat']} rounds, systems {how}", f"{'op':<10}{'size':>9} " + "".join(f"{n:>14}" for n in names),
             ]
     ratio_rows = ["ratios (median of the per-round ratios)", f"{'op':<10}{'size':>9} " + "".join(
         f"{SHORT.get(a, a) + '/' + SHORT.get(b, b):>16}" for a, b in pairs)]

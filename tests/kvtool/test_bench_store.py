@@ -176,3 +176,8 @@ def test_bench_remotes_systems_run_interleaved_step_by_step():
     assert set(res["a"]) == {"put", "get", "put_batch", "get_batch"} and all(x > 0 for x in res["b"].values())
     with pytest.raises(RuntimeError, match="wrong bytes"):
         bench_systems({"a": Logged("a"), "g": Logged("g", garble=True)}, 64, 2, 2, "t")
+    calls.clear()  # --sequential: each mode's steps by one system, then by the next
+    bench_systems({"b": Logged("b"), "a": Logged("a")}, 64, 4, 2, "t", interleave=False)
+    assert calls == ([("b", "put")] * 4 + [("b", "get")] * 4 + [("a", "put")] * 4 + [("a", "get")] * 4
+                     + [("b", "put_many"), ("b", "put_many"), ("b", "get_many"), ("b", "get_many")]
+                     + [("a", "put_many"), ("a", "put_many"), ("a", "get_many"), ("a", "get_many")])
