@@ -1,13 +1,11 @@
 """Mooncake Store peer for tools/bench_remote.py; runs inside Mooncake's own venv.
 
     /tmp/mcvenv/bin/python tools/mooncake_peer.py storage METADATA_URL MASTER SECONDS
-    /tmp/mcvenv/bin/python tools/mooncake_peer.py bench METADATA_URL MASTER SIZES N BATCH
     /tmp/mcvenv/bin/python tools/mooncake_peer.py serve METADATA_URL MASTER
 
 ``storage`` mounts a 2 GiB segment and stays up (the storage process);
-``bench`` mounts none (every byte goes over TCP to the storage process) and
-prints one JSON line of MiB/s for put/get, single and batched, per size.
-``serve`` mounts none either and runs the steps another process asks for, so that
+``serve`` mounts none (every byte goes over TCP to the storage process) and runs the put and
+get steps another process asks for, so that
 ``tools/bench_peers.MooncakePeer`` can interleave Mooncake with other systems step by step.
 It prints ``{"setup": RC}``, then answers each JSON line read from stdin with one on
 stdout, until stdin closes:
@@ -35,16 +33,6 @@ import sys
 import time
 
 
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
-
-
 def _seconds(text: str) -> float:
     try:
         v = float(text)
@@ -55,23 +43,15 @@ def _seconds(text: str) -> float:
     return v
 
 
-def _sizes(text: str) -> list[int]:
-    return [_count(x) for x in text.split(",")]
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mooncake_peer.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="role", required=True)
     st = sub.add_parser("storage", help="mount a 2 GiB segment and stay up for SECONDS")
-    be = sub.add_parser("bench", help="time put/get against the storage process; one JSON line")
     sv = sub.add_parser("serve", help="run the put/get steps asked on stdin, one JSON line each")
-    for p in (st, be, sv):
+    for p in (st, sv):
         p.add_argument("meta", metavar="METADATA_URL", help="http://127.0.0.1:PORT/metadata")
         p.add_argument("master", metavar="MASTER", help="the master's 127.0.0.1:PORT")
     st.add_argument("seconds", metavar="SECONDS", type=_seconds, help="how long to stay up (> 0)")
-    be.add_argument("sizes", metavar="SIZES", type=_sizes, help="comma list of value sizes in bytes (>= 1)")
-    be.add_argument("n", metavar="N", type=_count, help="values per size and mode (>= 1)")
-    be.add_argument("batch", metavar="BATCH", type=_count, help="values per batch (>= 1)")
     return ap
 
 
@@ -130,36 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(args.seconds)
         return 0
     rc = s.setup("127.0.0.1:17812", meta, 0, 512 << 20, "tcp", "", master)
-    if args.role == "serve":
-        print(json.dumps({"setup": rc}), flush=True)
-        return serve(s, sys.stdin, sys.stdout) if rc == 0 else 1
-    sizes, n, batch = args.sizes, args.n, args.batch
-    out: dict = {"setup": rc}
-    for size in sizes:
-        v = os.urandom(size)
-        r: dict = {}
-        keys = [f"s{size}-{i}" for i in range(n)]
-        t = time.perf_counter()
-        for k in keys:
-            assert s.put(k, v) == 0
-        r["put"] = n * size / (time.perf_counter() - t) / 2**20
-        t = time.perf_counter()
-        for k in keys:
-            assert s.get(k) == v
-        r["get"] = n * size / (time.perf_counter() - t) / 2**20
-        keys = [f"b{size}-{i}" for i in range(n)]
-        t = time.perf_counter()
-        for i in range(0, n, batch):
-            assert all(x == 0 for x in s.put_batch(keys[i:i + batch], [v] * len(keys[i:i + batch])) or [0])
-        r["put_batch"] = n * size / (time.perf_counter() - t) / 2**20
-        t = time.perf_counter()
-        for i in range(0, n, batch):
-            got = s.get_batch(keys[i:i + batch])
-            assert all(g == v for g in got)
-        r["get_batch"] = n * size / (time.perf_counter() - t) / 2**20
-        out[str(size)] = r
-    print(json.dumps(out), flush=True)
-    return 0
+    print(json.dumps({"setup": rc}), flush=True)
+    return serve(s, sys.stdin, sys.stdout) if rc == 0 else 1
 
 
 if __name__ == "__main__":
