@@ -240,6 +240,12 @@ class FileFloorPeer(_FloorPeer):
         self.env.close()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class RedisServer:
     """A private redis-server on a loopback port, AOF fsync on every write (``aof=False``: no
     persistence at all, for puts compared at page-cache durability); stopped by ``close``."""
@@ -248,9 +254,7 @@ class RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found (run: bash tools/install_peers.sh)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = _free_port()
         import redis
 
         self.dir = tempfile.mkdtemp(prefix="redis-", dir=work)
@@ -318,12 +322,6 @@ _IN_NETNS = ("import os, subprocess, sys; subprocess.run(['ip', 'link', 'set', '
              "os.environ['MC_TCP_BIND_ADDRESS'] = '127.0.0.1'; "
              "sys.path.insert(0, sys.argv[1]); from tools.bench_peers import serve_mooncake_here; "
              "sys.exit(serve_mooncake_here(sys.argv[2]))")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_mooncake_here(python: str) -> int:
