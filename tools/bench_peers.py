@@ -402,6 +402,7 @@ class MooncakePeer(Peer):
         self._ids: dict[bytes, int] = {}
         self._vals: list[bytes] = []
         self._buf = b""
+        self._stuck = False
         self._sel = selectors.DefaultSelector()
         self._sel.register(proc.stdout, selectors.EVENT_READ)
 
@@ -410,6 +411,7 @@ class MooncakePeer(Peer):
         while True:
             while b"\n" not in self._buf:
                 if not self._sel.select(max(0.0, end - time.monotonic())):
+                    self._stuck = True  # close() stops it at once: it would not exit when asked
                     raise PeerUnavailable(f"no answer from Mooncake's client within {self.timeout_s:g} s")
                 chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
                 if not chunk:
@@ -463,7 +465,8 @@ class MooncakePeer(Peer):
         try:
             if self.proc.stdin and not self.proc.stdin.closed:
                 self.proc.stdin.close()  # the client's loop ends; the namespace's processes are stopped
-            self.proc.wait(timeout=5)
+            if not self._stuck:
+                self.proc.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
             pass
         finally:

@@ -100,7 +100,7 @@ def test_a_client_that_stops_answering_is_given_up_on_within_its_timeout(tmp_pat
             peer.put(b"k" * 16, b"v")
     finally:
         peer.close()
-    assert time.monotonic() - t0 < 30 and proc.returncode is not None  # stopped, not left running
+    assert time.monotonic() - t0 < 4 and proc.returncode is not None  # stopped at once, not left running
 
 
 def test_a_self_timed_peers_own_time_is_what_counts():
