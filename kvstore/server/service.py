@@ -482,7 +482,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         control reopens a window at a time, not per message the client takes: a client reading
         less than that per ``stream_send_s`` is cut as well (QA: a 4 KiB-value stream read at one
         32 KiB message per 0.5 s waited 32 s on one send). The window is the client's (64 KiB, or
-        grown by BDP probing, 33 MiB seen on loopback): a stream that fits in it just ends."""
+        grown by BDP probing, 32 MiB seen on loopback): a stream that fits in it just ends."""
         if not self.cfg.stream_send_s:
             yield from msgs
             return

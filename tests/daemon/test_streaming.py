@@ -266,7 +266,7 @@ def test_get_streams_nobody_reads_hold_the_daemon_for_a_bounded_time(make_daemon
     with kvstore.connect(d.address, timeout_s=30) as s:
         s.put_many([PutItem(k, v) for k, v in vals.items()])
     # BDP probing off: with it, the client's receive window grows with the loopback's measured
-    # bandwidth (up to 33 MiB seen here, the whole 128 MiB stream once on CI, which then ended
+    # bandwidth (up to 32 MiB seen here, the whole 128 MiB stream once on CI, which then ended
     # normally), so "stopped reading" would depend on timing. Off, the window stays at 64 KiB.
     ch = grpc.insecure_channel(d.address.split("://")[1], options=[("grpc.max_receive_message_length", 64 << 20),
                                                                    ("grpc.http2.bdp_probe", 0)])
