@@ -29,15 +29,14 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
    hiredis; a batch put is a pipeline of SETs, a batch get one MGET). Every rep writes fresh
    keys into a fresh directory, then reads them back (page cache warm for every system
    alike). Each rep runs every system together, interleaved step by step: one op (or batch)
-   of each system in turn, the order
-   rotating from step to step, so every system meets the same disk. (Run one after the other,
-   ``--sequential``, the systems met different ones: this VM's disk writes at about 1.4 GB/s
-   until a burst allowance runs out, then at about 0.3 GB/s, so a system's put figure
-   depended on how much the systems before it had written: 4 MiB single puts measured
-   0.19x raw one way and 0.71x the other, 15 minutes apart, with a change worth at most
-   1.3x in between.) Throughput:
-   median over reps, from the time each system spent in its own steps; latency: p50/p90/p99
-   per op (a batch's time divided by its size).
+   of each system in turn, the order rotating from step to step, so every system meets the
+   same disk. (Run one after the other, ``--sequential``, the systems met different ones:
+   this VM's disk writes at about 1.4 GB/s until a burst allowance runs out, then at about
+   0.3 GB/s, so a system's put figure depended on how much the systems before it had
+   written: 4 MiB single puts measured 0.19x raw one way and 0.71x the other, 15 minutes
+   apart, with a change worth at most 1.3x in between.) Throughput: median over reps, from
+   the time each system spent in its own steps; latency: p50/p90/p99 per op (a batch's time
+   divided by its size).
 2. Ratios kvstore(zstd off) / peer, each the median of the per-rep ratios (the two systems ran
    in the same rep; the JSON has the lowest and highest too), and the issue's goals: get >=
    0.5x raw read, get >= 2x Redis GET, put >= 0.5x raw write at the same durability.
