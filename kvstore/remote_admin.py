@@ -5,9 +5,17 @@
 ``RemoteAdmin`` is a base of ``RemoteStore`` (kept apart so each file has one job): it uses
 the store's ``_call``, ``_typed``, ``_raise_if_closed``, ``_check_open``, ``_stub``, ``_md``,
 ``_many``, ``_each_piece``, ``_check_count``, ``url`` and ``options``. Maintenance calls wait
-up to ``maintenance_timeout_s`` (then ``DeadlineExceeded``); given ``progress(phase, done, total)``, as the embedded store's
-take it, they go through the streaming ``Maintain`` and call it with the daemon's progress.
+up to ``maintenance_timeout_s`` (then ``DeadlineExceeded``); given ``progress(phase, done,
+total)``, as the embedded store's take it, they go through the streaming ``Maintain`` and call
+it with the daemon's progress.
 The index export (a whole-index scan too) has the same deadline for its whole stream.
+
+Both streams end with a message marked ``final``, and the client reads on past it to the
+stream's end, the daemon's OK status, which the daemon sends only after its handler has
+finished and counted the call. A client that cancelled at the final message instead could
+close that handler before it finished: the daemon then counted a complete call as CANCELLED in
+``kvstore_requests_total``, or counted it only after the client had returned (a stress run of
+the suite caught it).
 """
 
 from __future__ import annotations
@@ -79,15 +87,20 @@ class RemoteAdmin:
         self._check_open()
         timeout = self.options.maintenance_timeout_s
         problems: list[pb.Problem] = []  # a check's come in pieces, the last in the final update
+        result: pb.MaintainUpdate | None = None
         try:
             for u in self._stub.Maintain(req, timeout=timeout, metadata=self._md):
+                if result is not None:
+                    raise InternalError("Maintain sent an update after its result (a kvstore bug)")
                 problems.extend(u.problems)
                 if u.final:
                     del u.problems[:]
                     u.problems.extend(problems)
-                    return u
-                if u.phase:
+                    result = u  # read on to the stream's end (module docstring)
+                elif u.phase:
                     progress(u.phase, u.done, u.total)
+            if result is not None:
+                return result
         except grpc.RpcError as err:
             if err.code() is grpc.StatusCode.UNIMPLEMENTED:
                 return None
@@ -149,15 +162,20 @@ class RemoteAdmin:
         call = None
         try:
             call = self._stub.ExportIndex(pb.ExportIndexRequest(), timeout=timeout, metadata=self._md)
+            final = False
             for chunk in call:
+                if final:
+                    raise InternalError(f"ExportIndex on {self.url} sent a message after its final one (a kvstore bug)")
                 if chunk.final:
                     if chunk.rows != sent:
                         raise InternalError(f"ExportIndex on {self.url} sent {sent} rows and says {chunk.rows} "
                                             "(a kvstore bug)")
-                    return
-                if chunk.arrow_ipc:
+                    final = True  # read on to the stream's end (module docstring)
+                elif chunk.arrow_ipc:
                     yield from index_view.read_ipc(chunk.arrow_ipc, chunk.rows)
                     sent += chunk.rows
+            if final:
+                return
         except grpc.RpcError as err:
             if err.code() is grpc.StatusCode.UNIMPLEMENTED:
                 raise InvalidRequest(f"the daemon at {self.url} predates ExportIndex (inspect --parquet through a "
