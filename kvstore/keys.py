@@ -188,6 +188,17 @@ class BlockHasher:
             out.append(prev)
         return out
 
+    def keys_for_engine_hashes(self, engine_hashes: Sequence[bytes]) -> list[BlockHash]:
+        """Keys for blocks whose chained prefix hashes an engine computed itself (vLLM's
+        ``request.block_hashes``, which already fold in the cache salt, image hashes and LoRA).
+
+        Key ``i`` digests this hasher's root and engine hash ``i``. An engine's chained hash
+        ``i`` depends on every token of blocks ``0..i``, so key ``i`` does too; the root adds
+        what the engine's hash leaves out (namespace, block size, tenant salt), so two engines
+        whose KV bytes differ never share a key. Invariant 2 holds for these keys as well.
+        """
+        return [BlockHash(_digest(self.root, b"engine-hash", bytes(h))) for h in engine_hashes]
+
 
 def check_key(key: bytes) -> bytes:
     """Validate a store key (misuse raises ``InvalidRequest``)."""

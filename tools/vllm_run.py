@@ -1,0 +1,95 @@
+"""Run one real vLLM engine over a list of prompts in a fresh process; write what it produced.
+
+Who calls it: ``tests/vllm`` and ``tools/bench_vllm.py``, each run in its own process
+(``python -m tools.vllm_run SPEC.json OUT.json``), so that a second engine's hit comes
+from the store, never from the first engine's own prefix cache.
+
+SPEC (JSON): ``model`` (folder), ``block_size``, ``max_model_len``, ``prompts`` (a list of
+``{"ids": [...], "cache_salt": str | null}``), ``max_tokens``, optional ``kv_transfer_config``
+(vLLM's, as given on its command line), ``enable_prefix_caching`` (default true),
+``rounds`` (default 1: the prompts again, with ``reset_prefix_cache`` between rounds so
+that each round's hits come from the connector), ``one_by_one`` (time each prompt alone),
+``kill_after_round`` (a pid to SIGKILL after that round index), ``logprobs``.
+
+OUT (JSON): per round, per prompt: ``tokens``, ``logprobs`` (the chosen token's, per
+step), ``num_cached_tokens`` (vLLM's count of prompt tokens not computed: local and
+external hits) and ``seconds`` (wall time of its ``generate`` call when ``one_by_one``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+       "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+"""The environment a CPU vLLM run needs here (``../shared/docs/VLLM.md``); callers merge it in."""
+
+
+def _outputs(results) -> list[dict]:
+    out = []
+    for r in results:
+        c = r.outputs[0]
+        lps = [lp[tid].logprob if lp and tid in lp else None for tid, lp in zip(c.token_ids, c.logprobs or [])]
+        out.append({"tokens": list(c.token_ids), "logprobs": lps, "num_cached_tokens": r.num_cached_tokens})
+    return out
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kw = {}
+    if spec.get("kv_transfer_config"):
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], enforce_eager=True, block_size=spec["block_size"], dtype="bfloat16",
+              max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_model_len"],
+              enable_prefix_caching=spec.get("enable_prefix_caching", True), seed=0, **kw)
+    start_s = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=spec.get("logprobs", 1),
+                        ignore_eos=True)
+    prompts = [{"prompt_token_ids": p["ids"], **({"cache_salt": p["cache_salt"]} if p.get("cache_salt") else {})}
+               for p in spec["prompts"]]
+    rounds = []
+    for rnd in range(spec.get("rounds", 1)):
+        if rnd:
+            llm.reset_prefix_cache()
+        if spec.get("one_by_one"):
+            outs = []
+            for p in prompts:
+                t = time.perf_counter()
+                res = llm.generate([p], sp, use_tqdm=False)
+                outs += [dict(o, seconds=time.perf_counter() - t) for o in _outputs(res)]
+        else:
+            outs = _outputs(llm.generate(prompts, sp, use_tqdm=False))
+        rounds.append(outs)
+        kill = spec.get("kill_after_round")
+        if kill and kill[0] == rnd:
+            os.kill(kill[1], signal.SIGKILL)
+            time.sleep(0.5)
+    return {"rounds": rounds, "start_s": start_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        sys.stderr.write("usage: python -m tools.vllm_run SPEC.json OUT.json\n")
+        return 2
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    with open(argv[0], encoding="utf-8") as f:
+        spec = json.load(f)
+    out = run(spec)
+    with open(argv[1], "w", encoding="utf-8") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
