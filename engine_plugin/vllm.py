@@ -19,7 +19,7 @@ What is stored (``vllm_layout`` has the table): per block, one *block* entry
 holding that block of every full-attention layer; for sliding-window groups
 (hybrid models with vLLM's hybrid KV manager), one *swa* entry per snapshot
 boundary ``H`` holding the window blocks the token at ``H`` attends to. Boundaries:
-the end of each prompt (its last full block), every ``snapshot_interval_blocks``
+the end of each prompt (its last block boundary before its last token), every ``snapshot_interval_blocks``
 blocks of a prompt, and the end of the output when the request finishes.
 
 Scheduler side (the scheduler process; one ``KvstackConnector`` with role SCHEDULER)
@@ -76,6 +76,7 @@ import concurrent.futures as cf
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -107,6 +108,44 @@ log = logging.getLogger(__name__)
 
 _SKIP = -1  # a block id slot the load must not write (a local prefix-cache hit already holds it)
 _LOG_EVERY_S = 30.0
+
+
+class _StoreRegistry:
+    """One open store per (URL, options) per process, shared by the connectors in it.
+
+    vLLM may run the scheduler and the worker connector in one process (one engine core
+    without multiprocessing); an embedded store's LMDB index can be opened only once per
+    process, and one client is cheaper than two anyway. Closed when its last user shuts down.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, list] = {}  # ident -> [store, users]
+
+    def acquire(self, url: str, options: dict[str, Any]) -> Any:
+        ident = json.dumps([url, sorted(options.items())], default=str)
+        with self._lock:
+            entry = self._open.get(ident)
+            if entry is None:
+                entry = self._open[ident] = [kvstore.connect(url, **options), 0]
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, store: Any) -> None:
+        with self._lock:
+            for ident, entry in list(self._open.items()):
+                if entry[0] is store:
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        del self._open[ident]
+                        try:
+                            store.close()
+                        except Exception:  # noqa: BLE001 - closing at shutdown: nothing left to save
+                            log.debug("closing the store raised", exc_info=True)
+                    return
+
+
+_SHARED_STORES = _StoreRegistry()
 
 
 # ---------------------------------------------------------------------------- metadata records
@@ -141,6 +180,7 @@ class BlockSave:
 class WindowSave:
     request_id: str
     key: bytes
+    boundary: int  # tokens before the snapshot: recorded as the entry's ``tokens``
     block_ids: tuple[tuple[int, ...], ...]  # per snapshot block, one id per window group
     finishing: bool = False  # the end-of-output snapshot: the request's blocks wait for it
 
@@ -206,7 +246,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         self._reported: dict[str, float] = {}
         self._last_log = time.monotonic()
         self._hasher = BlockHasher(self._namespace(vllm_config), self.B)
-        self.store = kvstore.connect(self.opts.store_url, **self._connect_options())
+        self.store = _SHARED_STORES.acquire(self.opts.store_url, self._connect_options())
         worker = role == KVConnectorRole.WORKER
         self.gateway = StoreGateway(self.store, self.metrics,
                                     timeout_s=self.opts.load_timeout_s if worker else self.opts.lookup_timeout_s,
@@ -280,9 +320,9 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         return st
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)  # saves need it too (a producer's)
         if not self.loads_enabled:
             return 0, False
-        st = self._state(request)
         B = self.B
         max_blocks = min(len(st.keys), (request.num_tokens - 1) // B)  # never the last token
         local = num_computed_tokens // B
@@ -368,7 +408,10 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         if not self.plan.window:
             return
         prompt = st.request.num_prompt_tokens
-        bounds = {prompt // B * B}
+        # The prompt's last boundary that leaves a token to compute: the one the same prompt
+        # sent again can hit (a hit never covers the last token), and within a block of the
+        # end for a longer prompt that extends it.
+        bounds = {(prompt - 1) // B * B}
         if self.opts.snapshot_interval_blocks:
             step = self.opts.snapshot_interval_blocks * B
             bounds.update(range(step, prompt + 1, step))
@@ -388,7 +431,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
                 return False
             rows.append(row)
         st.snapped.add(boundary)
-        out.append(WindowSave(st.request.request_id, st.keys[last - 1], tuple(rows), finishing))
+        out.append(WindowSave(st.request.request_id, st.keys[last - 1], boundary, tuple(rows), finishing))
         return True
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -480,7 +523,8 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
             pairs = [p for row in sv.block_ids for p in self._ids_by_layer(self.plan.window, row)]
             host = self._gather(pairs, copies)
             items.append(PutItem(sv.key, host.numpy(), kind="swa", ttl_s=self.opts.ttl_s,
-                                 layout=self._entry_layout(len(self._window_layers), len(sv.block_ids)), tokens=0))
+                                 layout=self._entry_layout(len(self._window_layers), len(sv.block_ids)),
+                                 tokens=sv.boundary))
         for ev in copies:
             self.backend.sync_event(ev)
         # the blocks of a finishing request may be freed once copied: get_transfer_results says so
@@ -642,7 +686,4 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         self._maybe_report()
         log.info("kvstack connector %s counters at shutdown: %s", self.role.name.lower(), self.metrics.snapshot())
         self.gateway.close()
-        try:
-            self.store.close()
-        except Exception:  # noqa: BLE001 - closing at shutdown: nothing left to save
-            log.debug("closing the store raised", exc_info=True)
+        _SHARED_STORES.release(self.store)

@@ -9,7 +9,8 @@ SPEC (JSON): ``model`` (folder), ``block_size``, ``max_model_len``, ``prompts`` 
 (vLLM's, as given on its command line), ``enable_prefix_caching`` (default true),
 ``rounds`` (default 1: the prompts again, with ``reset_prefix_cache`` between rounds so
 that each round's hits come from the connector), ``one_by_one`` (time each prompt alone),
-``kill_after_round`` (a pid to SIGKILL after that round index), ``logprobs``.
+``pause_dir`` (after each round but the last, write ``done.<round>`` there with that round's
+outputs and wait for ``go.<round>``: a test changes the store between rounds), ``logprobs``.
 
 OUT (JSON): per round, per prompt: ``tokens``, ``logprobs`` (the chosen token's, per
 step), ``num_cached_tokens`` (vLLM's count of prompt tokens not computed: local and
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 
@@ -37,6 +37,21 @@ def _outputs(results) -> list[dict]:
         lps = [lp[tid].logprob if lp and tid in lp else None for tid, lp in zip(c.token_ids, c.logprobs or [])]
         out.append({"tokens": list(c.token_ids), "logprobs": lps, "num_cached_tokens": r.num_cached_tokens})
     return out
+
+
+PAUSE_LIMIT_S = 600.0
+
+
+def _pause(folder: str, rnd: int, outs: list[dict]) -> None:
+    done = os.path.join(folder, f"done.{rnd}")
+    with open(done + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(outs, f)
+    os.replace(done + ".tmp", done)
+    deadline = time.monotonic() + PAUSE_LIMIT_S
+    while not os.path.exists(os.path.join(folder, f"go.{rnd}")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no go.{rnd} in {folder} within {PAUSE_LIMIT_S:.0f} s")
+        time.sleep(0.05)
 
 
 def run(spec: dict) -> dict:
@@ -69,10 +84,9 @@ def run(spec: dict) -> dict:
         else:
             outs = _outputs(llm.generate(prompts, sp, use_tqdm=False))
         rounds.append(outs)
-        kill = spec.get("kill_after_round")
-        if kill and kill[0] == rnd:
-            os.kill(kill[1], signal.SIGKILL)
-            time.sleep(0.5)
+        pause = spec.get("pause_dir")
+        if pause and rnd < spec.get("rounds", 1) - 1:
+            _pause(pause, rnd, outs)
     return {"rounds": rounds, "start_s": start_s}
 
 
