@@ -31,9 +31,16 @@ whose snapshot is stored (``LookupResult.swa_at``), since vLLM cannot rebuild a
 window it was never given: a hit whose windows cannot be restored is never
 claimed. Side-effect free but for caching its answer per request; a store that is
 down or slower than ``lookup_timeout_s`` gives 0 (counted ``store_unavailable``),
-never an exception. Loads are always *asynchronous* (vLLM's ``load_kv_async``):
-the request waits in WAITING_FOR_REMOTE_KVS while other requests' steps go on, so
-a remote daemon never stalls them.
+never an exception. How a hit is loaded (``load_mode``, default ``auto``):
+
+* *asynchronous* (vLLM's ``load_kv_async``) where the store is remote (a daemon) or
+  the model has several KV cache groups: the request waits in WAITING_FOR_REMOTE_KVS
+  while other requests' steps go on, so a remote daemon never stalls them;
+* *synchronous* for the embedded store and one group: the load runs on the loader
+  thread from ``start_load_kv``, before the step's forward, and the first
+  ``wait_for_layer_load`` waits for it; a local read costs less than the scheduler
+  steps an asynchronous load adds. (vLLM can take a failed synchronous load back
+  only as block ids, which are per group: hybrid models always load asynchronously.)
 ``update_state_after_alloc``: turns the cached answer into a load job naming the
 allocated block ids per group (only blocks past the local hit are written).
 ``build_connector_meta``: this step's loads, and the saves of every block the step
@@ -65,7 +72,7 @@ Roles: ``kv_producer`` never loads (0 hit tokens), ``kv_consumer`` never saves;
 Counters (``tiers.Metrics``; in vLLM's connector stats, the log, and ``stats_file``):
 ``lookups``, ``hit_tokens``, ``hits_limited_by_window`` (a block hit cut back to a
 restorable boundary), ``store_unavailable``, ``loads``, ``loaded_blocks``,
-``bytes_loaded``, ``load_errors``, ``saves_enqueued``, ``saves_done``,
+``bytes_loaded``, ``load_seconds`` (loader thread time: reads and copies), ``load_errors``, ``saves_enqueued``, ``saves_done``,
 ``saves_failed``, ``saves_dropped``, ``bytes_saved``, ``snapshots_saved``,
 ``snapshots_skipped`` plus the gateway's ``store_*`` counters.
 """
@@ -167,6 +174,7 @@ class LoadJob:
     request_id: str
     blocks: tuple[BlockLoad, ...]
     window: WindowLoad | None
+    sync: bool = False  # loaded within the step that computes the request (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +245,12 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         self.B = vllm_config.cache_config.block_size
         self.plan = GroupPlan.from_kv_cache_config(kv_cache_config, self.B)
         self.loads_enabled = tc.kv_role != "kv_producer"
+        embedded = "://" not in self.opts.store_url or self.opts.store_url.lower().startswith("file:")
+        self.sync_loads = {"auto": embedded and len(self.plan.groups) == 1, "sync": True,
+                           "async": False}[self.opts.load_mode]
+        if self.sync_loads and len(self.plan.groups) > 1:
+            raise InvalidRequest("load_mode sync needs a model with one KV cache group: vLLM takes a failed "
+                                 "synchronous load back only as block ids, which are per group; use auto or async")
         self.saves_enabled = tc.kv_role != "kv_consumer"
         if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is %r: a kvstack load that fails will fail its request "
@@ -343,7 +357,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         if hit <= local:
             return 0, False
         self._matches[request.request_id] = _Match(local, hit)
-        return (hit - local) * B, True
+        return (hit - local) * B, not self.sync_loads
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -357,7 +371,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
             # matches, so the (empty) job fails and vLLM recomputes the request.
             log.warning("request %s: vLLM asked for %d external tokens, kvstack offered %s; recomputing",
                         rid, num_external_tokens, m and (m.hit_blocks - m.local_blocks) * self.B)
-            self._pending_loads.append(LoadJob(rid, (), WindowLoad(b"", 0, ())))
+            self._pending_loads.append(LoadJob(rid, (), WindowLoad(b"", 0, ()), self.sync_loads))
             return
         ids = blocks.get_block_ids()
         loads = tuple(BlockLoad(st.keys[i], tuple(ids[g.index][i] for g in self.plan.full))
@@ -372,7 +386,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
             st.snapped.add(H)
         st.hit_blocks = st.next_save = m.hit_blocks
         self.metrics.inc("hit_tokens", num_external_tokens)
-        self._pending_loads.append(LoadJob(rid, loads, window))
+        self._pending_loads.append(LoadJob(rid, loads, window, self.sync_loads))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvstackMetadata:
         meta = KvstackMetadata(loads=self._pending_loads, window_saves=self._finishing)
@@ -503,7 +517,12 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
             self._jobs[job.request_id] = (job, self._loader.submit(self._load, job))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: a request runs only after its load completed
+        # Synchronous loads land before the first layer reads them (an entry holds every
+        # layer of its block, so the read is the whole wait); asynchronous ones are not
+        # this step's: their requests run only after get_transfer_results reported them.
+        for job, fut in self._jobs.values():
+            if job.sync:
+                cf.wait([fut])
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # the step's blocks are copied out together in wait_for_save
@@ -575,6 +594,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         """``(blocks loaded, window loaded)``: a prefix of the job's blocks, then its window."""
         good, events = 0, []
         window_ok = job.window is None
+        t0 = time.perf_counter()
         try:
             if job.window is not None and not job.window.key:
                 return 0, False  # an admission kvstack could not match (update_state_after_alloc)
@@ -615,6 +635,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         finally:
             for ev in events:  # copies started must end before the blocks are handed back
                 self.backend.sync_event(ev)
+        self.metrics.inc("load_seconds", time.perf_counter() - t0)
         self.metrics.inc("loaded_blocks", good)
         self.metrics.inc("bytes_loaded", good * self._full_nbytes
                          + (len(job.window.block_ids) * self._window_row_nbytes if job.window and window_ok else 0))
@@ -623,10 +644,13 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
         for rid, (job, fut) in list(self._jobs.items()):
-            if not fut.done():
+            if job.sync:
+                cf.wait([fut])  # normally already waited for by the forward's first layer
+            elif not fut.done():
                 continue
             del self._jobs[rid]
-            out.finished_recving.add(rid)
+            if not job.sync:
+                out.finished_recving.add(rid)
             try:
                 good, window_ok = fut.result()
             except Exception:  # noqa: BLE001 - a bug in the load path: logged, and the request recomputes
@@ -634,7 +658,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
                 good, window_ok = 0, False
             if good < len(job.blocks) or not window_ok:
                 self.metrics.inc("load_errors")
-                if len(self.plan.groups) == 1:  # one group: vLLM recomputes from the first bad block
+                if len(self.plan.groups) == 1 and window_ok:  # one group: recompute from the first bad block
                     for bl in job.blocks[good:]:
                         self._invalid.update(bl.block_ids)
                 else:  # block ids are per group: only the whole request can be named

@@ -154,6 +154,7 @@ class ConnectorOptions:
     load_timeout_s: float = 30.0  # worker side, per store read (async: off the step's path)
     put_timeout_s: float = 30.0
     backoff_s: float = 5.0  # a failed store is skipped this long
+    load_mode: str = "auto"  # auto | sync | async (engine_plugin.vllm: how a hit is loaded)
     save_queue_depth: int = 64
     load_batch_blocks: int = 64
     snapshot_interval_blocks: int = 0  # window snapshots every N blocks of a prompt (0: none)
@@ -172,6 +173,9 @@ class ConnectorOptions:
         if not isinstance(url, str) or not url.strip():
             raise InvalidRequest("kv_connector_extra_config.store_url is required: a data directory, "
                                  "grpc://HOST:PORT, grpcs://HOST:PORT or a comma list of daemons")
+        if extra.get("load_mode", "auto") not in ("auto", "sync", "async"):
+            raise InvalidRequest(f"kv_connector_extra_config.load_mode is auto, sync or async, "
+                                 f"got {extra['load_mode']!r}")
         if extra.get("direct_reads", "off") not in ("off", "on", "auto"):
             raise InvalidRequest(f"kv_connector_extra_config.direct_reads is off, on or auto, "
                                  f"got {extra['direct_reads']!r}")

@@ -9,7 +9,8 @@ SPEC (JSON): ``model`` (folder), ``block_size``, ``max_model_len``, ``prompts`` 
 (vLLM's, as given on its command line), ``enable_prefix_caching`` (default true),
 ``rounds`` (default 1: the prompts again, with ``reset_prefix_cache`` between rounds so
 that each round's hits come from the connector), ``one_by_one`` (time each prompt alone),
-``pause_dir`` (after each round but the last, write ``done.<round>`` there with that round's
+``reset_between_rounds`` (default true; false: a round's hits may come from vLLM's own
+prefix cache), ``pause_dir`` (after each round but the last, write ``done.<round>`` there with that round's
 outputs and wait for ``go.<round>``: a test changes the store between rounds), ``logprobs``.
 
 OUT (JSON): per round, per prompt: ``tokens``, ``logprobs`` (the chosen token's, per
@@ -40,6 +41,19 @@ def _outputs(results) -> list[dict]:
 
 
 PAUSE_LIMIT_S = 600.0
+RESET_LIMIT_S = 60.0
+
+
+def _reset_prefix_cache(llm) -> None:
+    """vLLM's prefix cache emptied, so that the next round's hits come from the connector. It
+    refuses while blocks are held (a finished request whose end-of-output snapshot is still
+    being copied out, until the engine core's next steps): retried, then an error, never a
+    round that could hit the old cache."""
+    deadline = time.monotonic() + RESET_LIMIT_S
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM refused to reset its prefix cache for {RESET_LIMIT_S:.0f} s")
+        time.sleep(0.1)
 
 
 def _pause(folder: str, rnd: int, outs: list[dict]) -> None:
@@ -73,8 +87,8 @@ def run(spec: dict) -> dict:
                for p in spec["prompts"]]
     rounds = []
     for rnd in range(spec.get("rounds", 1)):
-        if rnd:
-            llm.reset_prefix_cache()
+        if rnd and spec.get("reset_between_rounds", True):
+            _reset_prefix_cache(llm)
         if spec.get("one_by_one"):
             outs = []
             for p in prompts:

@@ -33,13 +33,18 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 
-def engine_env() -> dict[str, str]:
+def engine_env(inproc: bool = True) -> dict[str, str]:
     env = dict(os.environ)
     for k, v in ENV.items():
         env.setdefault(k, v)
-    # One process per engine: the scheduler and worker connectors are still two objects
-    # with two roles; the vllm serve test runs vLLM's default multi-process layout.
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # inproc: the engine core in the test's engine process (faster to start): the scheduler
+    # and worker connectors are still two objects with two roles. Else vLLM's default layout,
+    # an engine core process that keeps stepping while a finished request's end-of-output
+    # snapshot is copied out (the in-process core stops stepping when its outputs are done).
+    if inproc:
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    else:
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -53,7 +58,7 @@ def connector_config(store_url: str, role: str = "kv_both", **extra: Any) -> dic
 class Engine:
     """One ``tools.vllm_run`` process; ``next_round`` steps through its paused rounds."""
 
-    def __init__(self, workdir: Path, name: str, spec: dict):
+    def __init__(self, workdir: Path, name: str, spec: dict, inproc: bool = True):
         self.dir = workdir / name
         self.dir.mkdir(parents=True)
         self.rounds = spec.get("rounds", 1)
@@ -62,7 +67,7 @@ class Engine:
         (self.dir / "spec.json").write_text(json.dumps(spec))
         self.log = open(self.dir / "log.txt", "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "tools.vllm_run", str(self.dir / "spec.json"),
-                                      str(self.dir / "out.json")], cwd=ROOT, env=engine_env(),
+                                      str(self.dir / "out.json")], cwd=ROOT, env=engine_env(inproc),
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.deadline = time.monotonic() + ENGINE_LIMIT_S
         self.round = 0
@@ -110,8 +115,8 @@ class Engine:
 def engines(tmp_path: Path) -> Iterator[Any]:
     started: list[Engine] = []
 
-    def start(name: str, spec: dict) -> Engine:
-        e = Engine(tmp_path, name, spec)
+    def start(name: str, spec: dict, inproc: bool = True) -> Engine:
+        e = Engine(tmp_path, name, spec, inproc)
         started.append(e)
         return e
 

@@ -81,8 +81,11 @@ def test_plain_model_pd_through_a_daemon_with_tokens_faults_and_salts(models, en
         cold = engines("cold", spec(models["plain"], prompts))
         producer = engines("producer", spec(models["plain"], alpha, max_tokens=1, kv_transfer_config=connector_config(
             daemon.url, "kv_producer", token_file=str(token_file), stats_file=f"{st}-p")))
+        embedded = connector_config(str(tmp_path / "kv-embedded"), stats_file=f"{st}-e")
+        sync_save = engines("sync-save", spec(models["plain"], prompts, kv_transfer_config=embedded))
         want = cold.finish()["rounds"][0]
         producer.finish()
+        assert_same_output(sync_save.finish()["rounds"][0], want, "saving to the embedded store")
         assert stats(f"{st}-p", "worker").get("saves_enqueued", 0) > 0
         assert stats(f"{st}-p", "scheduler").get("lookups", 0) == 0, "a producer never loads"
 
@@ -118,53 +121,74 @@ def test_plain_model_pd_through_a_daemon_with_tokens_faults_and_salts(models, en
         assert [out[0]["num_cached_tokens"], out[2]["num_cached_tokens"]] == [0, 0]
         assert out[1]["num_cached_tokens"] <= 300 // BLOCK * BLOCK
         assert stats(f"{st}-c", "scheduler")["store_unavailable"] > unavailable
+
+        # The embedded store and one KV cache group: loads run within the step (synchronous);
+        # a damaged block is reported by block id in the same step and recomputed from there.
+        sync_hit = engines("sync-hit", spec(models["plain"], prompts, rounds=2, kv_transfer_config=embedded))
+        out = sync_hit.wait_round()
+        assert_same_output(out, want, "synchronous hit")
+        assert out[0]["num_cached_tokens"] == _hit_tokens(800)
+        assert _corrupt_all_blocks(tmp_path / "kv-embedded") > 0
+        errors = stats(f"{st}-e", "worker").get("load_errors", 0)
+        sync_hit.resume()
+        out = sync_hit.wait_round()
+        assert_same_output(out, want, "synchronous load of damaged blocks")
+        assert stats(f"{st}-e", "worker")["load_errors"] > errors
     finally:
         stop_daemon(daemon)
 
 
 def test_hybrid_model_hits_only_where_windows_restore(models, engines, tmp_path):
     """Gemma3-style model (sliding window 64 << prompt 900) with vLLM's hybrid KV manager on
-    and the embedded store. A fresh engine hits through the end-of-prompt window snapshot;
-    with that snapshot deleted the hit falls back to the last interval snapshot; with damaged
-    blocks the request is recomputed whole; with no snapshot no hit is claimed. The output
-    always equals the cold run's."""
+    and the embedded store. A fresh engine hits through the end-of-prompt window snapshot,
+    and the next turn of the conversation (prompt + output + a new message) through the
+    end-of-output one; with the end-of-prompt snapshot deleted the hit falls back to the
+    last interval snapshot; with damaged blocks the request is recomputed whole; with no
+    snapshot no hit is claimed. The output always equals the cold run's."""
     data = tmp_path / "kv"
     st = tmp_path / "stats"
-    prompts = prompts_for((900, 3))
+    first = prompts_for((900, 3))
     conf = connector_config(str(data), stats_file=str(st), snapshot_interval_blocks=8)
-    cold = engines("cold", spec(models["hybrid"], prompts))
-    saver = engines("save", spec(models["hybrid"], prompts, kv_transfer_config=conf))
+    cold = engines("cold", spec(models["hybrid"], first, max_tokens=40))
+    saver = engines("save", spec(models["hybrid"], first, max_tokens=40, kv_transfer_config=conf), inproc=False)
     want = cold.finish()["rounds"][0]
     assert_same_output(saver.finish()["rounds"][0], want, "saving run")
     swa = _rows(data, "swa")
-    assert sorted(r.meta.tokens for r in swa) == [256, 512, 768, 896]
+    # end of prompt 896, every 8 blocks, end of output: 939 computed tokens -> 928
+    assert sorted(r.meta.tokens for r in swa) == [256, 512, 768, 896, 928]
     blocks = _rows(data, "block")
-    # Persisted per token: full-attention layers per block, the windows only at boundaries.
     assert sum(r.meta.plain_len for r in swa) < sum(r.meta.plain_len for r in blocks)
 
-    hit = engines("hit", spec(models["hybrid"], prompts, rounds=4, kv_transfer_config=conf))
-    out = hit.wait_round()
-    assert_same_output(out, want, "hit at the prompt's snapshot")
-    assert out[0]["num_cached_tokens"] == 896
+    turn2 = [{"ids": first[0]["ids"] + want[0]["tokens"] + prompts_for((100, 4))[0]["ids"]}]
+    hit = engines("hit", spec(models["hybrid"], first + turn2, max_tokens=40, rounds=4, kv_transfer_config=conf),
+                  inproc=False)
+    outs = [hit.wait_round()]
+    assert_same_output(outs[0][:1], want, "hit at the prompt's snapshot")
+    assert [o["num_cached_tokens"] for o in outs[0]] == [896, 928]
 
     assert _delete(data, "swa", keep=lambda r: r.meta.tokens != 896) == 1
     hit.resume()
-    out = hit.wait_round()
-    assert_same_output(out, want, "end-of-prompt snapshot deleted")
-    assert out[0]["num_cached_tokens"] == 768, "the hit must fall back to the last restorable boundary"
+    outs.append(hit.wait_round())
+    assert_same_output(outs[1][:1], want, "end-of-prompt snapshot deleted")
+    assert outs[1][0]["num_cached_tokens"] == 768, "the hit must fall back to the last restorable boundary"
     assert stats(st, "scheduler")["hits_limited_by_window"] >= 1
 
     assert _corrupt_all_blocks(data) > 0
     hit.resume()
-    out = hit.wait_round()
-    assert_same_output(out, want, "damaged blocks (hybrid: the request is recomputed whole)")
+    outs.append(hit.wait_round())
+    assert_same_output(outs[2][:1], want, "damaged blocks (hybrid: the request is recomputed whole)")
     assert stats(st, "worker")["load_errors"] >= 1
 
     assert _delete(data, "swa") >= 1
+    claimed = stats(st, "scheduler")["hit_tokens"]
     hit.resume()
-    out = hit.wait_round()
-    assert_same_output(out, want, "no snapshot")
-    assert out[0]["num_cached_tokens"] == 0, "a hit whose windows cannot be restored was claimed"
+    outs.append(hit.wait_round())
+    assert stats(st, "scheduler")["hit_tokens"] == claimed, "a hit whose windows cannot be restored was claimed"
+    # nothing from the store: the second turn may reuse only what the first computed in this round
+    assert outs[3][0]["num_cached_tokens"] == 0 and outs[3][1]["num_cached_tokens"] <= 896
+    assert_same_output(outs[3][:1], want, "no snapshot")
+    for i, out in enumerate(outs[:3]):  # the second turn, against its computation with nothing loaded
+        assert_same_output(out[1:], outs[3][1:], f"second turn, round {i}")
 
 
 def _free_port() -> int:
@@ -182,8 +206,7 @@ def _serve_once(model: Path, kv_config: dict, ids: list[int], workdir: Path) -> 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
            "--block-size", str(BLOCK), "--max-model-len", "4096", "--enable-prompt-tokens-details",
            "--kv-transfer-config", json.dumps(kv_config)]
-    env = engine_env()
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vllm serve as users run it
+    env = engine_env(inproc=False)  # vllm serve as users run it
     with open(workdir / f"serve-{port}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:

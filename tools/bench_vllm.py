@@ -1,0 +1,228 @@
+"""TTFT and load throughput of prefix hits in a real vLLM: kvstack against vLLM's own hits and
+its shipped storage connector, same engine build, same prompts, one run.
+
+    python tools/bench_vllm.py --out results/bench_vllm.json            # about 10 minutes on 2 cores
+    python tools/bench_vllm.py --tokens 4096 --prompts 3 --out /tmp/b.json   # a quick look
+
+Systems, each engine a fresh process (``tools.vllm_run``), greedy, one output token per
+prompt (TTFT = the wall time of a one-token ``generate``, prompts one at a time):
+
+=================  =====================================================================
+cold               no connector, empty prefix cache: every token prefilled
+vllm-prefix-cache  the same engine, the same prompts again: vLLM's in-engine prefix cache
+                   (nothing is loaded; the upper bound a store can approach)
+kvstack-embedded   a fresh engine loading what another engine saved, embedded store
+kvstack-daemon     the same through ``kvstore serve`` on loopback (gRPC)
+example-connector  vLLM's ``ExampleConnector`` (safetensors files per prompt), the storage
+                   peer a vLLM user has today; on vLLM's CPU backend it mis-reads the
+                   KV layout, and a run whose tokens differ from cold is reported as such
+=================  =====================================================================
+
+Load throughput: ``hit KV bytes / (TTFT hit - TTFT vllm-prefix-cache)``: the time a hit
+costs beyond an in-engine hit is the time spent bringing the KV in; the same formula for
+every system. kvstack also reports its loader's own figure (bytes / loader seconds).
+Hybrid: a Gemma3-style model (sliding and full layers alternating) saves its prompts with
+kvstack; persisted bytes per prompt token against storing every layer's KV per block.
+
+The goals (README, benchmarks): kvstack hit TTFT <= 0.15x cold and within 1.5x of vLLM's
+in-engine hit; load throughput >= 2x the example connector's; hybrid persisted bytes per
+token <= 1.1x the full-attention share of store-everything; 0 wrong tokens anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the project's modules are beside it
+    sys.path.insert(0, str(ROOT))
+
+from tools.daemon_util import start_daemon, stop_daemon  # noqa: E402
+from tools.vllm_models import ModelSpec, build_model, prompt_ids  # noqa: E402
+from tools.vllm_run import ENV  # noqa: E402
+
+
+def _engine(workdir: Path, name: str, spec: dict, limit_s: float) -> dict:
+    import os
+
+    d = workdir / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, **{k: v for k, v in ENV.items() if k not in os.environ})
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    with open(d / "log.txt", "w") as log:
+        rc = subprocess.call([sys.executable, "-m", "tools.vllm_run", str(d / "spec.json"), str(d / "out.json")],
+                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit_s)
+    print(f"  {name}: exit {rc} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    if rc != 0:
+        tail = (d / "log.txt").read_text()[-1500:]
+        return {"error": f"exit {rc}: ...{tail.strip().splitlines()[-1] if tail.strip() else ''}"}
+    return json.loads((d / "out.json").read_text())
+
+
+def _stats(prefix: Path, role: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for f in prefix.parent.glob(f"{prefix.name}.{role}.*.json"):
+        for k, v in json.loads(f.read_text()).items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _kv(url: str, role: str = "kv_both", **extra: Any) -> dict:
+    return {"kv_connector": "KvstackConnector", "kv_connector_module_path": "engine_plugin.vllm",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store_url": url, **extra}}
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _summary(name: str, rnd: list[dict] | None, want: list[dict], kv_bytes_per_token: float,
+             bound_s: list[float] | None) -> dict:
+    if rnd is None:
+        return {"system": name, "error": "did not run"}
+    ttft = [o["seconds"] for o in rnd]
+    wrong = sum(o["tokens"] != w["tokens"] for o, w in zip(rnd, want))
+    hit = [o["num_cached_tokens"] for o in rnd]
+    out = {"system": name, "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": _pct(ttft, 0.9),
+           "hit_tokens_mean": statistics.mean(hit), "wrong_outputs": wrong, "prompts": len(rnd)}
+    if bound_s is not None:
+        extra = [t - b for t, b in zip(ttft, bound_s)]
+        gbps = [h * kv_bytes_per_token / e / 1e9 for h, e in zip(hit, extra) if e > 0 and h > 0]
+        out["load_gbps_p50"] = statistics.median(gbps) if gbps else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=16384, help="prompt length (default 16384)")
+    ap.add_argument("--prompts", type=int, default=5, help="distinct prompts per system (default 5)")
+    ap.add_argument("--block-size", type=int, default=128, help="vLLM block size (default 128, vLLM's on CPU)")
+    ap.add_argument("--hidden", type=int, default=256, help="plain model width (default 256)")
+    ap.add_argument("--layers", type=int, default=4, help="plain model layers (default 4)")
+    ap.add_argument("--hybrid-tokens", type=int, default=4096, help="hybrid model prompt length")
+    ap.add_argument("--engine-limit-s", type=float, default=900.0, help="bound on one engine process")
+    ap.add_argument("--work", help="work folder (default: a temporary one)")
+    ap.add_argument("--out", help="write the results JSON here")
+    args = ap.parse_args(argv)
+
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    mspec = ModelSpec(kind="plain", hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2, head_dim=64,
+                      intermediate=3 * args.hidden, max_positions=args.tokens + 1024)
+    model = build_model(work / "model-plain", mspec)
+    kv_bytes_per_token = 2 * mspec.layers * mspec.kv_heads * mspec.head_dim * 2  # K and V, bf16
+    prompts = [{"ids": prompt_ids(args.tokens, 100 + i)} for i in range(args.prompts)]
+    base = {"model": str(model), "block_size": args.block_size, "max_model_len": args.tokens + 64,
+            "prompts": prompts, "max_tokens": 1, "one_by_one": True, "logprobs": 1}
+    limit = args.engine_limit_s
+    print(f"bench_vllm: {args.prompts} prompts of {args.tokens} tokens, work folder {work}", file=sys.stderr)
+
+    cold = _engine(work, "cold", dict(base, rounds=2, reset_between_rounds=False), limit)
+    want = cold["rounds"][0]
+    cold_s = [o["seconds"] for o in want]
+    bound_s = [o["seconds"] for o in cold["rounds"][1]]
+    rows = [_summary("cold", want, want, kv_bytes_per_token, None),
+            _summary("vllm-prefix-cache", cold["rounds"][1], want, kv_bytes_per_token, None)]
+
+    def kvstack(name: str, url: str) -> None:
+        st = work / f"stats-{name}"
+        save = _engine(work, f"{name}-save", dict(base, kv_transfer_config=_kv(url, stats_file=str(st) + "-s")), limit)
+        hit = _engine(work, f"{name}-hit", dict(base, kv_transfer_config=_kv(url, stats_file=str(st) + "-h")), limit)
+        rnd = hit["rounds"][0] if "rounds" in hit else None
+        row = _summary(name, rnd, want, kv_bytes_per_token, bound_s)
+        w = _stats(Path(str(st) + "-h"), "worker")
+        if w.get("load_seconds"):
+            row["loader_gbps"] = w["bytes_loaded"] / w["load_seconds"] / 1e9
+        row["errors"] = [r["error"] for r in (save, hit) if "error" in r]
+        rows.append(row)
+
+    kvstack("kvstack-embedded", str(work / "kv-embedded"))
+    daemon = start_daemon(work / "kv-daemon")
+    try:
+        kvstack("kvstack-daemon", daemon.url)
+    finally:
+        stop_daemon(daemon)
+
+    ex = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+          "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
+    _engine(work, "example-save", dict(base, kv_transfer_config=ex), limit)
+    ex_hit = _engine(work, "example-hit", dict(base, kv_transfer_config=ex), limit)
+    row = _summary("example-connector", ex_hit.get("rounds", [None])[0], want, kv_bytes_per_token, bound_s)
+    if "error" in ex_hit:
+        row["error"] = ex_hit["error"]
+    rows.append(row)
+
+    # Hybrid: persisted bytes per token against storing every layer's KV for every block.
+    hspec = ModelSpec(kind="hybrid", max_positions=args.hybrid_tokens + 1024)
+    hmodel = build_model(work / "model-hybrid", hspec)
+    hdir = work / "kv-hybrid"
+    hprompts = [{"ids": prompt_ids(args.hybrid_tokens, 200 + i)} for i in range(2)]
+    hout = _engine(work, "hybrid-save", {"model": str(hmodel), "block_size": 32, "max_model_len": args.hybrid_tokens + 64,
+                                         "prompts": hprompts, "max_tokens": 16, "kv_transfer_config": _kv(str(hdir))},
+                   limit)
+    import kvstore
+    from kvstore.cli.index_view import iter_rows
+
+    store = kvstore.connect(hdir)
+    try:
+        stored = {"block": 0, "swa": 0}
+        for r in iter_rows(store):
+            stored[r.kind.value] = stored.get(r.kind.value, 0) + r.meta.plain_len
+    finally:
+        store.close()
+    tokens_saved = sum(len(p["ids"]) + 16 for p in hprompts)
+    per_token_all = 2 * hspec.layers * hspec.kv_heads * hspec.head_dim * 2
+    full_share = (hspec.layers // 2) / hspec.layers
+    persisted = (stored["block"] + stored["swa"]) / tokens_saved
+    hybrid = {"persisted_bytes_per_token": persisted, "store_everything_bytes_per_token": per_token_all,
+              "ratio_to_store_everything": persisted / per_token_all, "full_attention_share": full_share,
+              "ratio_to_full_share": persisted / per_token_all / full_share, "block_bytes": stored["block"],
+              "swa_bytes": stored["swa"], "errors": [hout["error"]] if "error" in hout else []}
+
+    by = {r["system"]: r for r in rows}
+    c50, b50 = by["cold"]["ttft_p50_s"], by["vllm-prefix-cache"]["ttft_p50_s"]
+    ex_gbps = by["example-connector"].get("load_gbps_p50") if not by["example-connector"].get("wrong_outputs") else None
+    print(f"\n{'system':20} {'TTFT p50':>9} {'p90':>8} {'x cold':>7} {'x vLLM hit':>10} {'hit tok':>8} "
+          f"{'GB/s':>6} {'wrong':>5}")
+    for r in rows:
+        if "ttft_p50_s" not in r:
+            print(f"{r['system']:20} error: {r.get('error')}")
+            continue
+        gb = r.get("load_gbps_p50")
+        print(f"{r['system']:20} {r['ttft_p50_s']:9.3f} {r['ttft_p90_s']:8.3f} {r['ttft_p50_s'] / c50:7.3f} "
+              f"{r['ttft_p50_s'] / b50:10.2f} {r['hit_tokens_mean']:8.0f} {gb if gb is None else round(gb, 2)!s:>6} "
+              f"{r['wrong_outputs']:5d}")
+    for name in ("kvstack-embedded", "kvstack-daemon"):
+        r = by[name]
+        if "ttft_p50_s" in r:
+            ratio = (r.get("load_gbps_p50") or 0) / ex_gbps if ex_gbps else None
+            print(f"{name}: loader {r.get('loader_gbps', 0):.2f} GB/s; load throughput vs example connector: "
+                  f"{'n/a (the example connector gave wrong tokens or no hit)' if ratio is None else f'{ratio:.2f}x'}")
+    print(f"hybrid: {hybrid['persisted_bytes_per_token']:.0f} B/token persisted, store-everything "
+          f"{per_token_all} B/token: {hybrid['ratio_to_store_everything']:.3f}x "
+          f"(full-attention share {full_share:.2f}: {hybrid['ratio_to_full_share']:.3f}x of it)")
+    result = {"args": vars(args), "kv_bytes_per_token": kv_bytes_per_token, "systems": rows, "hybrid": hybrid,
+              "cold_s": cold_s, "vllm_hit_s": bound_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
