@@ -32,7 +32,7 @@ from kvstore.index import Meta, ekey
 from kvstore.keys import check_key
 from kvstore.placement import place
 from kvstore.durability import sync_plan, syncfs
-from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path
+from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path, pack_path
 
 log = logging.getLogger("kvstore.store")
 
@@ -113,6 +113,14 @@ class WrittenTooLongAgo(StoreUnavailable):
     it aborts; the writer removes its files and the put stores nothing."""
 
 
+class FilesSwept(StoreUnavailable):
+    """Files about to be indexed were taken by an orphan sweep (``kvstore.orphans``: a hold
+    record sits on the path of one, or, the sweep count having moved since the writer read it,
+    one is gone or cannot be asked): ``FragmentIO._check_unswept_txn``. Raised inside the index
+    transaction, which it aborts; the writer removes its files and stores nothing (a put
+    writes them again, under a new generation)."""
+
+
 class GenerationTaken(StoreUnavailable):
     """Pack generations about to be indexed (``gens``) already hold indexed entries: another
     commit claimed them between this one's checks and its index transaction (``PackIO.commit_written``).
@@ -156,6 +164,41 @@ class FragmentIO(LocalFastReads):
             raise WrittenTooLongAgo(f"{what} took {took:.0f} s to reach the index, over orphan_grace_s/2 = "
                                     f"{grace / 2:.0f} s, so GC may be sweeping their files: nothing was stored; "
                                     "retry (in smaller batches), or raise orphan_grace_s")
+
+    def _check_unswept_txn(self, txn: Any, since: int, paths: Sequence[tuple[str, str]]) -> None:
+        """``FilesSwept`` unless every file of ``paths`` (``(target, rel)``, all written after
+        ``since`` was read from ``Index.sweep_decisions``) is safe from the orphan sweep. Called
+        inside the write transaction that would index them, so no sweep decides meanwhile: a
+        hold record on a path means a sweep is deleting it (whoever holds it, live or not); and
+        a sweep count other than ``since`` means a sweep decided since, so each file must still
+        be there (one stat per file, only then). See ``kvstore.orphans`` for why that suffices."""
+        for name, rel in paths:
+            if self.index.path_recorded_txn(txn, name, rel):
+                raise FilesSwept(f"{rel} on target {name} is being deleted by an orphan sweep (a GC with an "
+                                 "orphan_grace_s shorter than this write took): nothing was stored")
+        if self.index.sweep_decisions(txn) == since:
+            return
+        for name, rel in paths:
+            try:
+                self.targets[name].stat(rel)
+            except OSError as exc:
+                raise FilesSwept(f"{rel} on target {name} is gone since it was written ({exc}): an orphan sweep "
+                                 "took it; nothing was stored") from exc
+
+    @staticmethod
+    def _paths_of(encs: dict[int, _Encoded], placed: dict[int, tuple[str, ...]],
+                  offsets: dict[int, tuple[int, ...]]) -> list[tuple[str, str]]:
+        """``(target, rel)`` of every file the placed entries sit in: each fragment file, and
+        each pack file once."""
+        out: set[tuple[str, str]] = set()
+        for i, names in placed.items():
+            enc = encs[i]
+            if offsets.get(i):
+                out.update((name, pack_path(enc.meta_base.gen)) for name in names)
+            else:
+                out.update((name, fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, j))
+                           for j, name in enumerate(names))
+        return sorted(out)
 
     def _checked(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
                  layout: Layout | None, tokens: int) -> tuple[bytes, EntryKind, memoryview, Layout, int, int]:

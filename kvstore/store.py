@@ -63,10 +63,11 @@ from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutI
                          writable_view)
 from kvstore.config import StoreConfig, load_config
 from kvstore.datadir import DataDir, file_url_path
-from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, GenerationTaken, WrittenTooLongAgo, in_flight, run_now
+from kvstore.fragments import (CLOSE_WAIT_S, FilesSwept, FragmentIO, GenerationTaken, WrittenTooLongAgo, in_flight,
+                               run_now)
 from kvstore.packs import PackIO
 from kvstore.executors import DaemonExecutor, shutdown_all
-from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
+from kvstore.errors import InternalError, InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
 from kvstore.index import Meta, ekey, packed_bytes
 from kvstore.keys import check_key, check_keys
 from kvstore.tuning import tune_malloc
@@ -74,6 +75,7 @@ from kvstore.tuning import tune_malloc
 log = logging.getLogger(__name__)
 
 POOL_JOIN_S = 1.0  # close() waits this long for its I/O workers once no call is in flight
+SWEPT_RETRIES = 2  # a put whose files an orphan sweep took before its index commit writes them again this often
 
 
 class EmbeddedStore(DataDir, FragmentIO, PackIO):
@@ -167,6 +169,22 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                     self._count("puts_deduplicated")
                     continue
                 todo.append(i)
+        for attempt in range(1 + SWEPT_RETRIES):
+            try:
+                return self._write_and_index(items, todo, list(seen), now, result)
+            except FilesSwept as exc:  # nothing indexed, its files removed: again, under new generations
+                if attempt == SWEPT_RETRIES:
+                    raise
+                log.info("put: %s; writing it again", exc)
+        raise InternalError("put_many: the retry loop ended without a result (a kvstore bug)")
+
+    def _write_and_index(self, items: Sequence[PutItem], todo: list[int], put_keys: list[bytes], now: int,
+                         result: list[bool]) -> list[bool]:
+        """Steps 3-6 of ``put_many`` for ``items[i]`` of each ``i`` in ``todo``, filling ``result``.
+        ``FilesSwept`` (nothing indexed, the files written removed) when an orphan sweep took one
+        of them before the index commit (``FragmentIO._check_unswept_txn``)."""
+        with self.index.env.begin() as txn:  # before the first file: see kvstore.orphans
+            since = self.index.sweep_decisions(txn)
         # 3-4: fragments durable first. A batch (``pack_batches``) is encoded whole under one
         # generation and published as one pack file per target (``_write_pack``); if that
         # fails, or for a single put, fragment by fragment: where writes wait (see
@@ -202,16 +220,17 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             for i, names in placed.items():
                 self._discard(encs[i], dict(enumerate(names)))
             raise
-        # 5-6: one index transaction for the batch; then capacity. The orphan sweep removes
-        # unindexed files older than orphan_grace_s: a write that took over half of it (slow
-        # targets, a huge batch, a long wait for the index's writer lock) may be losing its
-        # first files to a GC right now, so it is not indexed (``_check_in_time``).
+        # 5-6: one index transaction for the batch; then capacity. Inside it, files an orphan
+        # sweep took since ``since`` was read are not indexed (``_check_unswept_txn``), nor
+        # files a write took over half of orphan_grace_s to reach it with (``_check_in_time``:
+        # for sweeps of versions that do not record their decisions in the index).
         order = list(encs)
         try:
             created = self._index_new([(encs[i].ek, replace(encs[i].meta_base, targets=placed[i],
                                                              offsets=offsets.get(i, ()))) for i in order], now,
-                                      written_at=(started, f"writing {len(encs)} entries"), put_keys=list(seen))
-        except WrittenTooLongAgo:
+                                      written_at=(started, f"writing {len(encs)} entries"), put_keys=put_keys,
+                                      unswept=(since, self._paths_of(encs, placed, offsets)))
+        except (WrittenTooLongAgo, FilesSwept):
             self._discard_unused_packs(encs, placed, offsets, result)
             for i, names in placed.items():
                 if i not in offsets:
@@ -226,7 +245,8 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
     def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int,
                    written_at: tuple[float, str] | None = None, fresh_gens: Sequence[bytes] = (),
-                   put_keys: Sequence[bytes] | None = None) -> list[bool]:
+                   put_keys: Sequence[bytes] | None = None,
+                   unswept: tuple[int, Sequence[tuple[str, str]]] | None = None) -> list[bool]:
         """Steps 5-6 for records whose fragments are durable: one transaction inserting each
         record whose key is free (absent or expired; a lost record of it goes to the
         graveyard), ``False`` where a live entry won the race (the caller removes or keeps the
@@ -235,11 +255,16 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         transaction, ``WrittenTooLongAgo`` (nothing indexed) when that was too long ago;
         ``fresh_gens``: ``GenerationTaken`` (nothing indexed) when a record already names one.
         ``put_keys``: every entry key of the put, in its order, those found already stored
-        before any work included (default: the records'), which its eviction pass keeps."""
+        before any work included (default: the records'), which its eviction pass keeps.
+        ``unswept`` (the sweep count read before the first file was written, and the files'
+        ``(target, rel)``): ``FilesSwept`` (nothing indexed) when an orphan sweep took one of
+        them (``FragmentIO._check_unswept_txn``)."""
         created: list[bool] = []
         with self.index.env.begin(write=True) as txn:
             if written_at is not None:
                 self._check_in_time(*written_at)
+            if unswept is not None:
+                self._check_unswept_txn(txn, *unswept)
             taken = [g for g in fresh_gens if self.index.pack_info(txn, g) is not None]
             if taken:
                 raise GenerationTaken(taken)
