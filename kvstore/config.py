@@ -192,6 +192,9 @@ class StoreConfig:
     read_workers: int = 8  # threads reading and writing fragments in parallel
     fragment_read_retries: int = 1  # extra tries of a fragment read that failed transiently (EIO, checksum)
     read_timeout_s: float = 0.0  # >0: a fragment not read in time is skipped for parity (if k others are good)
+    # >0: a fragment or pack write not done in time fails (a spare target takes it, or the put fails
+    # with StoreUnavailable); each write then runs on its target's own threads. 0: wait for every write
+    write_timeout_s: float = 0.0
     parallel_reads: str = "auto"  # "auto": fan out for remote targets only; "always"; "never"
     # "auto": fan out only writes that wait (fsync, remote targets, a single put's large fragments);
     # "always"; "never"
@@ -245,7 +248,7 @@ class StoreConfig:
             raise InvalidRequest(f"max_readers must be in [1, {1 << 20}], got {self.max_readers}")
         if not 1 << 20 <= self.lmdb_map_size <= 1 << 46:
             raise InvalidRequest(f"lmdb_map_size must be in [1 MiB, 64 TiB], got {self.lmdb_map_size}")
-        for knob in ("read_timeout_s", "orphan_grace_s", "delete_grace_s", "access_flush_s"):
+        for knob in ("read_timeout_s", "write_timeout_s", "orphan_grace_s", "delete_grace_s", "access_flush_s"):
             if not 0 <= getattr(self, knob) <= MAX_DURATION_S:
                 raise InvalidRequest(f"{knob} must be in [0, {MAX_DURATION_S:.0f}] seconds, got {getattr(self, knob)}")
         if not abs(self.clock_offset_s) <= MAX_DURATION_S:

@@ -301,25 +301,15 @@ class FragmentIO(LocalFastReads):
         pending = list(range(n))
         while pending:
             fan_out = self._fan_out_writes(chosen, in_batch=in_batch, file_bytes=enc.meta_base.frag_len)
-            submit = self._pool.submit if fan_out else run_now
-            futs = {
-                i: submit(
-                    self.targets[chosen[i]].write,
-                    fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, i),
-                    enc.frames[i], fsync=self._sync_mode() == "file",
-                )
-                for i in pending
-            }
+            errors = self._run_writes({i: (chosen[i], fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, i),
+                                           enc.frames[i]) for i in pending}, fan_out=fan_out)
             pending = []
             last_exc: OSError | None = None
-            for i, f in futs.items():
-                try:
-                    f.result()
-                except OSError as exc:
-                    log.warning("fragment %d of %s failed on target %s: %s", i, enc.key.hex(), chosen[i], exc)
-                    failed.append(chosen[i])
-                    last_exc = exc
-                    pending.append(i)
+            for i, exc in sorted(errors.items()):
+                log.warning("fragment %d of %s failed on target %s: %s", i, enc.key.hex(), chosen[i], exc)
+                failed.append(chosen[i])
+                last_exc = exc
+                pending.append(i)
             if pending and len(spare) < len(pending):
                 self._discard(enc, {i: c for i, c in enumerate(chosen) if i not in pending})
                 cls = CapacityExceeded if getattr(last_exc, "errno", None) == errno.ENOSPC else StoreUnavailable
@@ -335,6 +325,43 @@ class FragmentIO(LocalFastReads):
             self._discard(enc, dict(enumerate(chosen)))
             raise StoreUnavailable(f"fragments of {enc.key.hex()} could not be made durable: {exc}") from exc
         return tuple(chosen)
+
+    def _run_writes(self, jobs: dict[Any, tuple[str, str, Any]], *, fan_out: bool) -> dict[Any, OSError]:
+        """Publish each job's data (``key -> (target name, rel, data)``) with ``Target.write``;
+        the errors by key (empty: all written). ``fan_out``: the writes run on ``_pool``, else
+        inline, one after the other. With ``write_timeout_s`` > 0 each write runs on its target's
+        own write pool instead (a bulkhead: a hung target holds only its own threads), and one
+        not done in time fails with ``TimeoutError`` (ETIMEDOUT) while its thread runs on: the
+        caller treats it as any failed write (a spare target, or the put fails). A target with
+        a write still running past its timeout is not asked for more (``Target.writes_stalled``)
+        until that write ends. The file a late write publishes is one no record names for that
+        place: the orphan sweep removes it (``kvstore.orphans``)."""
+        timeout = self.config.write_timeout_s
+        fsync = self._sync_mode() == "file"
+        errors: dict[Any, OSError] = {}
+        futs: dict[Any, Future] = {}
+        for key, (name, rel, data) in jobs.items():
+            tgt = self.targets[name]
+            if not timeout:
+                futs[key] = (self._pool.submit if fan_out else run_now)(tgt.write, rel, data, fsync=fsync)
+            elif why := tgt.writes_stalled():
+                errors[key] = TimeoutError(errno.ETIMEDOUT, why)
+            else:
+                futs[key] = self._target_pool(name, "write").submit(tgt.write, rel, data, fsync=fsync)
+        late = wait(futs.values(), timeout=timeout)[1] if timeout and futs else set()
+        for key, f in futs.items():
+            name, rel, _data = jobs[key]
+            if f in late:
+                self._count("write_timeouts")
+                self.targets[name].write_stalled(f)
+                errors[key] = TimeoutError(errno.ETIMEDOUT, f"writing {rel} on target {name} took over "
+                                                            f"write_timeout_s={timeout} s")
+                continue
+            try:
+                f.result()
+            except OSError as exc:
+                errors[key] = exc
+        return errors
 
     def _discard(self, enc: _Encoded, placed: dict[int, str]) -> None:
         """Remove fragments of a put that will never be indexed (best effort: else orphans)."""
@@ -498,17 +525,18 @@ class FragmentIO(LocalFastReads):
             failed.remove(meta.targets[i])
         return good, failed, unreachable
 
-    def _target_pool(self, name: str) -> DaemonExecutor:
-        """The pool that runs target ``name``'s fragment reads in ``_gather`` (``read_workers``
-        threads, started on demand): one per target, a bulkhead, so that reads stuck on one
-        target cannot hold the threads the others' reads need."""
+    def _target_pool(self, name: str, op: str = "read") -> DaemonExecutor:
+        """The pool that runs target ``name``'s fragment reads in ``_gather`` (``op`` "read"), or
+        its writes under ``write_timeout_s`` (``op`` "write"; ``_run_writes``): ``read_workers``
+        threads, started on demand, one pool per target and op, a bulkhead, so that I/O stuck
+        on one target cannot hold the threads the others' need."""
         pools = self.__dict__.setdefault("_target_pools", {})
-        pool = pools.get(name)
+        pool = pools.get((name, op))
         if pool is None:
             with _TARGET_POOLS_LOCK:
-                pool = pools.get(name)
+                pool = pools.get((name, op))
                 if pool is None:
-                    pool = pools[name] = DaemonExecutor(self.config.read_workers, f"kvstore-read-{name}")
+                    pool = pools[name, op] = DaemonExecutor(self.config.read_workers, f"kvstore-{op}-{name}")
         return pool
 
     def _target_pools_all(self) -> list[DaemonExecutor]:

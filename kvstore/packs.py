@@ -85,22 +85,15 @@ class PackIO:
                 sizes[name] = offsets[-1] + flen
             out.append((tuple(chosen), tuple(offsets)))
         rel = pack_path(gen)
-        submit = self._pool.submit if self._fan_out_writes(list(shares), in_batch=False) else run_now
-        futs = {name: submit(self.targets[name].write, rel, parts, fsync=self._sync_mode() == "file")
-                for name, parts in shares.items()}
-        errors = {}
-        for name, f in futs.items():
-            try:
-                f.result()
-            except OSError as exc:
-                errors[name] = exc
+        errors: dict[str, OSError] = self._run_writes({name: (name, rel, parts) for name, parts in shares.items()},
+                                                      fan_out=self._fan_out_writes(list(shares), in_batch=False))
         if not errors:
             try:
                 self._sync_after(list(shares))
             except OSError as exc:
                 errors["(syncfs)"] = exc
         if errors:
-            self._discard_pack(gen, [n for n in futs if n not in errors])
+            self._discard_pack(gen, [n for n in shares if n not in errors])
             name, exc = next(iter(errors.items()))
             log.warning("pack %s: target %s failed (%s); its entries go the fallback way (fragment by "
                         "fragment here, or through the daemon for a direct writer)",

@@ -116,7 +116,8 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         self.counters: dict[str, int] = {
             "puts": 0, "puts_deduplicated": 0, "gets": 0, "get_misses": 0, "degraded_reads": 0,
             "unrecoverable": 0, "bytes_in": 0, "bytes_out": 0, "evicted": 0, "fragment_rewrites": 0,
-            "compacted_entries": 0, "read_retries": 0, "read_timeouts": 0, "rejected_packs": 0,
+            "compacted_entries": 0, "read_retries": 0, "read_timeouts": 0, "write_timeouts": 0,
+            "rejected_packs": 0,
         }
         if not fresh:
             # Asked at once: a remote target that does not answer costs its timeouts once, not per target.
