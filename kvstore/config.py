@@ -207,6 +207,9 @@ class StoreConfig:
     delete_grace_s: float = 30.0  # deleted entries' fragments outlive the delete by this much
     access_flush_s: float = 1.0  # LRU access times are batched into one index write per interval
     lmdb_map_size: int = 8 * 1024**3
+    # Kept free for the index on its filesystem (kvstore.diskroom): a spare file deletions and gc
+    # release when the filesystem is full, so that they can commit; puts never spend it. 0: none
+    index_reserve_bytes: int = 4 * 1024**2
     max_readers: int = 256
     clock_offset_s: float = 0.0  # added to the wall clock (a node whose clock is off; chaos tests of TTLs)
 
@@ -246,6 +249,8 @@ class StoreConfig:
             raise InvalidRequest(f"read_workers must be in [1, 1024], got {self.read_workers}")
         if not 1 <= self.max_readers <= 1 << 20:
             raise InvalidRequest(f"max_readers must be in [1, {1 << 20}], got {self.max_readers}")
+        if not 0 <= self.index_reserve_bytes <= 1 << 40:
+            raise InvalidRequest(f"index_reserve_bytes must be in [0, 1 TiB], got {self.index_reserve_bytes}")
         if not 1 << 20 <= self.lmdb_map_size <= 1 << 46:
             raise InvalidRequest(f"lmdb_map_size must be in [1 MiB, 64 TiB], got {self.lmdb_map_size}")
         for knob in ("read_timeout_s", "write_timeout_s", "orphan_grace_s", "delete_grace_s", "access_flush_s"):

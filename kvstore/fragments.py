@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Sequence
 
+import lmdb
 
 from kvstore import codec
 from kvstore.api import EntryKind, Layout, as_payload, check_put_fields
@@ -69,7 +70,9 @@ def in_flight(fn: Callable) -> Callable:
     call still running to shut it as it returns. So a call racing a close gets
     ``StoreClosed`` or its result, never an error from a closed LMDB. A call made from within
     one in flight on the same thread (a put's eviction, GC's stats) is part of it, never
-    refused. Needs the store's ``_calls``, ``_closed``, ``_in_flight`` and ``_finish_close``."""
+    refused. An index write that finds its filesystem full raises ``CapacityExceeded``
+    naming ENOSPC (``kvstore.diskroom``), not LMDB's error. Needs the store's ``_calls``,
+    ``_closed``, ``_in_flight``, ``_finish_close`` and ``room``."""
 
     @functools.wraps(fn)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -81,6 +84,10 @@ def in_flight(fn: Callable) -> Callable:
         _CALL_DEPTH.n = depth + 1
         try:
             return fn(self, *args, **kwargs)
+        except lmdb.Error as exc:  # the outermost call types a full filesystem (inner ones: ``frees_space``)
+            if not depth and self.room.no_space(exc):
+                raise self.room.full_error(exc, fn.__name__) from exc
+            raise
         finally:
             _CALL_DEPTH.n = depth
             with self._calls:
@@ -90,6 +97,25 @@ def in_flight(fn: Callable) -> Callable:
                     self._calls.notify_all()
             if last and self._closed:
                 self._finish_close(deferred=True)
+
+    return call
+
+
+def frees_space(fn: Callable) -> Callable:
+    """A deletion of the embedded store (``delete``, ``gc``, ``evict_to``), inside ``in_flight``:
+    when an index write of it finds no room on a full filesystem, the index's spare file is
+    released and the call runs once more (``kvstore.diskroom``, step 2); a second failure
+    ``in_flight`` raises as ``CapacityExceeded``. A transaction that failed changed nothing,
+    and what committed before it stays done, so running the call again is safe."""
+
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except lmdb.Error as exc:
+            if not self.room.no_space(exc) or not self.room.release():
+                raise
+        return fn(self, *args, **kwargs)
 
     return call
 
@@ -111,6 +137,11 @@ class WrittenTooLongAgo(StoreUnavailable):
     (GC, ``check(fix=True)``, in this process or another) may be removing them, so they are
     not indexed (``FragmentIO._check_in_time``). Raised inside the index transaction, which
     it aborts; the writer removes its files and the put stores nothing."""
+
+
+class IndexFull(CapacityExceeded):
+    """The index commit of new records found no room on the index's filesystem (ENOSPC;
+    ``kvstore.diskroom``): nothing was indexed, and the writer removes its files."""
 
 
 class FilesSwept(StoreUnavailable):

@@ -24,8 +24,8 @@ from typing import Sequence
 from kvstore import codec
 from kvstore.api import EntryKind, PutItem, as_payload
 from kvstore.errors import CorruptData, InvalidRequest, StoreUnavailable, Unrecoverable
-from kvstore.fragments import (FilesSwept, GenerationTaken, WrittenTooLongAgo, _Encoded, expiry_ns, in_flight,
-                               run_now)
+from kvstore.fragments import (FilesSwept, GenerationTaken, IndexFull, WrittenTooLongAgo, _Encoded, expiry_ns,
+                               in_flight, run_now)
 from kvstore.index import STANDALONE, Meta, packed_bytes
 from kvstore.placement import place
 from kvstore.targets import pack_path
@@ -256,7 +256,7 @@ class PackIO:
                                    fresh_gens=sorted({entries[j].gen for j in keep}),
                                    unswept=(since, sorted((name, pack_path(g)) for g, name in need
                                                           if g not in rejected)))
-        except (WrittenTooLongAgo, GenerationTaken, FilesSwept) as exc:  # every pack rejected, as above
+        except (WrittenTooLongAgo, GenerationTaken, FilesSwept, IndexFull) as exc:  # all rejected, as above
             rejected.update({entries[j].gen: str(exc) for j in keep})
             keep, made = [], []
         created = [False] * len(entries)

@@ -58,13 +58,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import lmdb
+
 from kvstore import codec
 from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_chain_ends, check_put_items,
                          writable_view)
 from kvstore.config import StoreConfig, load_config
 from kvstore.datadir import DataDir, file_url_path
-from kvstore.fragments import (CLOSE_WAIT_S, FilesSwept, FragmentIO, GenerationTaken, WrittenTooLongAgo, in_flight,
-                               run_now)
+from kvstore.diskroom import IndexRoom
+from kvstore.fragments import (CLOSE_WAIT_S, FilesSwept, FragmentIO, GenerationTaken, IndexFull, WrittenTooLongAgo,
+                               frees_space, in_flight, run_now)
 from kvstore.packs import PackIO
 from kvstore.executors import DaemonExecutor, shutdown_all
 from kvstore.errors import InternalError, InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
@@ -98,8 +101,13 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         self._calls = threading.Condition()  # guards _closed, _in_flight and _shut (``in_flight``)
         self._in_flight = 0
         self._shut = False  # the index closed (``_finish_close``)
+        self.room = IndexRoom(self.data_dir / "index", config.index_reserve_bytes)
+        self.room.release_if_full()
         fresh = self._open_data_dir(config)
         config = self.config
+        if not self.room.ensure():
+            log.warning("no room for the index's spare file (%d bytes) on a full filesystem: puts are refused "
+                        "until deletions or gc free space", config.index_reserve_bytes)
         self.code = codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
         # Two pools, so that no task ever waits on a task queued behind it in its own pool:
         # ``_pool`` runs single fragment reads/writes (leaf work); ``_batch_pool`` runs one
@@ -170,6 +178,8 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                     self._count("puts_deduplicated")
                     continue
                 todo.append(i)
+        if todo:
+            self.room.check_put()  # the index's spare room is never spent on a put (kvstore.diskroom)
         for attempt in range(1 + SWEPT_RETRIES):
             try:
                 return self._write_and_index(items, todo, list(seen), now, result)
@@ -231,7 +241,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                                                              offsets=offsets.get(i, ()))) for i in order], now,
                                       written_at=(started, f"writing {len(encs)} entries"), put_keys=put_keys,
                                       unswept=(since, self._paths_of(encs, placed, offsets)))
-        except (WrittenTooLongAgo, FilesSwept):
+        except (WrittenTooLongAgo, FilesSwept, IndexFull):
             self._discard_unused_packs(encs, placed, offsets, result)
             for i, names in placed.items():
                 if i not in offsets:
@@ -259,33 +269,39 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         before any work included (default: the records'), which its eviction pass keeps.
         ``unswept`` (the sweep count read before the first file was written, and the files'
         ``(target, rel)``): ``FilesSwept`` (nothing indexed) when an orphan sweep took one of
-        them (``FragmentIO._check_unswept_txn``)."""
+        them (``FragmentIO._check_unswept_txn``). ``IndexFull`` (nothing indexed) when the
+        index's filesystem has no room for the commit (``kvstore.diskroom``)."""
         created: list[bool] = []
-        with self.index.env.begin(write=True) as txn:
-            if written_at is not None:
-                self._check_in_time(*written_at)
-            if unswept is not None:
-                self._check_unswept_txn(txn, *unswept)
-            taken = [g for g in fresh_gens if self.index.pack_info(txn, g) is not None]
-            if taken:
-                raise GenerationTaken(taken)
-            for ek, meta in records:
-                old = self.index.get_meta(txn, ek)
-                if old is not None:
-                    if not old.expired(now):
-                        created.append(False)
-                        continue
-                    self.index.remove_txn(txn, ek, old, now)
-                lost = self.index.get_lost(txn, ek)
-                if lost is not None:
-                    self.index.drop_lost_txn(txn, ek, lost, now, to_grave=True)
-                self.index.insert_txn(txn, ek, meta)
-                created.append(True)
-            # A loser's share of a pack stays in it: dead from the start (index invariant 6).
-            for (ek, meta), c in zip(records, created):
-                if not c and meta.offsets:
-                    self.index.pack_dead_txn(txn, meta.gen, packed_bytes(meta))
-            self._flush_touches_txn(txn)
+        try:
+            with self.index.env.begin(write=True) as txn:
+                if written_at is not None:
+                    self._check_in_time(*written_at)
+                if unswept is not None:
+                    self._check_unswept_txn(txn, *unswept)
+                taken = [g for g in fresh_gens if self.index.pack_info(txn, g) is not None]
+                if taken:
+                    raise GenerationTaken(taken)
+                for ek, meta in records:
+                    old = self.index.get_meta(txn, ek)
+                    if old is not None:
+                        if not old.expired(now):
+                            created.append(False)
+                            continue
+                        self.index.remove_txn(txn, ek, old, now)
+                    lost = self.index.get_lost(txn, ek)
+                    if lost is not None:
+                        self.index.drop_lost_txn(txn, ek, lost, now, to_grave=True)
+                    self.index.insert_txn(txn, ek, meta)
+                    created.append(True)
+                # A loser's share of a pack stays in it: dead from the start (index invariant 6).
+                for (ek, meta), c in zip(records, created):
+                    if not c and meta.offsets:
+                        self.index.pack_dead_txn(txn, meta.gen, packed_bytes(meta))
+                self._flush_touches_txn(txn)
+        except lmdb.Error as exc:  # nothing indexed: the caller removes the files
+            if self.room.no_space(exc):
+                raise IndexFull(str(self.room.full_error(exc, f"indexing {len(records)} entries"))) from exc
+            raise
         n_new = sum(created)
         self._count("puts", n_new)
         self._count("bytes_in", sum(m.plain_len for (_, m), c in zip(records, created) if c))
@@ -454,8 +470,18 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             self._touches[ek] = now
             due = self.clock() - self._last_flush >= self.config.access_flush_s
         if due:  # on whatever thread reads (a batch worker too): not a public call of its own
+            self._flush_touches_or_drop()
+
+    def _flush_touches_or_drop(self) -> None:
+        """Write the batched access times; on a full index filesystem they are dropped and
+        logged instead (access times are approximate: a read or a close never fails for them)."""
+        try:
             with self.index.env.begin(write=True) as txn:
                 self._flush_touches_txn(txn)
+        except lmdb.Error as exc:
+            if not self.room.no_space(exc):
+                raise
+            log.warning("access times not written, the index's filesystem is full: %s", exc)
 
     def _flush_touches_txn(self, txn) -> None:
         with self._touch_lock:
@@ -472,6 +498,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
     # ------------------------------------------------------------------ delete, pin
     @in_flight
+    @frees_space
     def delete(self, key: bytes, *, kind: str = "block") -> bool:
         self._check_open()
         ek = ekey(EntryKind.parse(kind).code, check_key(key))
@@ -537,6 +564,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             return self.index.counter(txn, "used_bytes")
 
     @in_flight
+    @frees_space
     def evict_to(self, goal_bytes: int, *, dry_run: bool = False) -> int:
         """Evict until at most ``goal_bytes`` are used (``kvstore.maintenance.evict``: lost
         entries first, then least recently used; never pinned ones). Returns the count."""
@@ -546,6 +574,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
     # ------------------------------------------------------------------ maintenance, stats
     @in_flight
+    @frees_space
     def gc(self, *, dry_run: bool = False, orphans: bool = True, progress: Callable | None = None) -> dict:
         from kvstore.maintenance import run_gc
 
@@ -594,8 +623,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                 return
             self._shut = True
         try:
-            with self.index.env.begin(write=True) as txn:
-                self._flush_touches_txn(txn)
+            self._flush_touches_or_drop()
         finally:
             # A read abandoned at read_timeout_s may still hold a worker: not waited for past a bound.
             shutdown_all([self._batch_pool, self._pool, *self._target_pools_all()], wait=not deferred,
