@@ -193,7 +193,8 @@ class StoreConfig:
     fragment_read_retries: int = 1  # extra tries of a fragment read that failed transiently (EIO, checksum)
     read_timeout_s: float = 0.0  # >0: a fragment not read in time is skipped for parity (if k others are good)
     # >0: a fragment or pack write not done in time fails (a spare target takes it, or the put fails
-    # with StoreUnavailable); each write then runs on its target's own threads. 0: wait for every write
+    # with StoreUnavailable); each write then runs on its target's own threads, whatever parallel_writes
+    # says (a write inline cannot be given up on). 0: wait for every write
     write_timeout_s: float = 0.0
     parallel_reads: str = "auto"  # "auto": fan out for remote targets only; "always"; "never"
     # "auto": fan out only writes that wait (fsync, remote targets, a single put's large fragments);

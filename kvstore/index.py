@@ -31,8 +31,8 @@ Sub-databases (``ek`` is the 17-byte entry key ``kind code || block hash``)::
                                        again), holds nothing and is dropped at open. Assumes one host and
                                        one pid namespace for every process on the directory (a holder in
                                        another namespace may look gone while it runs, or alive when gone)
-             b"sweep_decisions"     -> u64: orphan sweeps' decisions to delete unindexed files, each made in
-                                       the write transaction that takes their paths (``kvstore.orphans``); a
+             b"sweep_decisions"     -> u64: counts each orphan sweep's taking the paths of unindexed files to
+                                       delete them, and its having deleted them (``kvstore.orphans``); a
                                        writer's index transaction compares it with the value it read before
                                        writing its first file
 
@@ -313,9 +313,9 @@ class Index:
         return self.paths.recorded_txn(txn, target, rel)
 
     def sweep_decisions(self, txn: lmdb.Transaction) -> int:
-        """How many times an orphan sweep has decided to delete unindexed files (``info``
-        ``sweep_decisions``; ``kvstore.orphans``): a writer that reads it before its first
-        file and finds it unchanged in its index transaction knows none of its files was
+        """The orphan sweeps' count of decisions to delete unindexed files, and of deletes done
+        (``info`` ``sweep_decisions``; ``kvstore.orphans``): a writer that reads it before its
+        first file and finds it unchanged in its index transaction knows none of its files was
         taken for an orphan."""
         return self.counter(txn, "sweep_decisions")
 

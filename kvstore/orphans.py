@@ -20,7 +20,7 @@ unindexed fragment or pack file is made in the index, serialised with every inde
      records (up to ``_DECIDE_BATCH`` in one write transaction, ``_take_unindexed``): it
      counts a decision (``info`` ``sweep_decisions``), looks at the records again, and takes
      the path of each file still unindexed (``Index.take_path_txn``). It deletes those files
-     after that transaction, and gives their paths back once they are gone.
+     after that transaction, then counts once more and gives their paths back.
   2. A writer reads ``sweep_decisions`` before it writes its first file, and in the write
      transaction that indexes its files (``FragmentIO._check_unswept_txn``) refuses to index
      any whose path a hold record sits on, and, when the count has moved, any it cannot
@@ -30,7 +30,10 @@ unindexed fragment or pack file is made in the index, serialised with every inde
      writer's index transaction moved the count (the writer's files are new names, so the
      sweep listed them after the writer's first read): the writer sees the hold until the
      file is deleted, and the missing file after. A decision after it reads the record (1)
-     and leaves the file alone.
+     and leaves the file alone. A direct writer's files (``PackIO.commit_written``) are
+     older than the count it compares with, read before it stats them: a decision before
+     that read either shows as a hold, or its delete is done and counted after it, before
+     the hold goes (1), so the count has moved and the file is looked at again.
 The age rule (older than ``orphan_grace_s``) only keeps the sweep from deciding on files a
 put is still writing, which would make that put write again; a ``.tmp.`` file is never
 indexed, so it is deleted without a decision (a write whose ``.tmp.`` file goes fails,
@@ -228,6 +231,11 @@ def _delete_unindexed(store: "EmbeddedStore", tgt, files: Sequence[_Unindexed],
                 out.append((f.problem, f.size))
     finally:
         if taken:
+            try:  # counted again once the files are gone, before their holds go (module docstring, step 1)
+                with store.index.env.begin(write=True) as txn:
+                    store.index.add_counter(txn, "sweep_decisions", 1)
+            except lmdb.Error as exc:  # the give-back below then fails too, or the holds stay: either way safe
+                log.warning("orphan sweep: could not count its deletes in the index (%s)", exc)
             store.index.release_paths([(tgt.name, f.rel) for f in taken])  # never raises an LMDB error
     return out
 
