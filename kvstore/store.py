@@ -7,7 +7,8 @@ processes); within a process the store is thread-safe.
 Data directory::
 
     <data_dir>/kvstore.json     format version, creation time, erasure code, index identity (kvstore.datadir)
-    <data_dir>/index/           LMDB environment (see kvstore.index)
+    <data_dir>/index/           LMDB environment (see kvstore.index), and its spare file
+                                space.reserve (kvstore.diskroom: room for deletions on a full disk)
     <data_dir>/targets/t0..tN   the embedded default targets (k+m, one failure domain)
 
 Write path (``put``), in this order, each step for the reason given:
@@ -24,14 +25,20 @@ Write path (``put``), in this order, each step for the reason given:
      target holding that target's fragments of every entry, each published the
      same atomic way, so a batch costs one fsync pair per target, not per fragment.
      Writes that wait (fsync, remote targets) run on threads, per fragment or, in a
-     batch, per entry; page-cache writes run inline (``parallel_writes``).
+     batch, per entry; page-cache writes run inline (``parallel_writes``). With
+     ``write_timeout_s`` every write runs on its target's own threads, and one that
+     hangs past it fails as a failing target does (``FragmentIO._run_writes``).
   5. Only then commit the index record (LMDB, fsync). A crash before 5 leaves
      orphan fragments that GC sweeps after ``orphan_grace_s``; never an index
      record without its fragments. If another writer committed the same key
      first, our fragments are removed (or stay in the pack until it goes) and
-     the put returns ``False``. Files started over ``orphan_grace_s / 2`` before the
-     transaction got the writer lock are not indexed: GC may be sweeping them
-     (``FragmentIO._check_in_time``); the put raises ``StoreUnavailable``, nothing stored.
+     the put returns ``False``. Files an orphan sweep took meanwhile (any process, any
+     ``orphan_grace_s``) are not indexed (``FragmentIO._check_unswept_txn``): the put writes
+     them again under a new generation, up to ``SWEPT_RETRIES`` times. Files started over
+     ``orphan_grace_s / 2`` before the transaction got the writer lock are not indexed
+     either (``FragmentIO._check_in_time``: for sweeps that do not record their decisions);
+     the put raises ``StoreUnavailable``, nothing stored. Before step 3, a put whose index
+     filesystem has no room for its spare file is refused (``kvstore.diskroom``).
   6. Above the capacity high watermark, evict LRU entries down to the low one.
 A direct-writing client of the daemon (``kvstore.direct_writes``) does 1-4 itself
 (as a batch: packs) and hands 5-6 to ``commit_written``, which checks its records first.
