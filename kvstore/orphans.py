@@ -36,8 +36,9 @@ unindexed fragment or pack file is made in the index, serialised with every inde
      the hold goes (1), so the count has moved and the file is looked at again.
 The age rule (older than ``orphan_grace_s``) only keeps the sweep from deciding on files a
 put is still writing, which would make that put write again; a ``.tmp.`` file is never
-indexed, so it is deleted without a decision (a write whose ``.tmp.`` file goes fails,
-and that fragment goes to a spare target). The writer's own time check
+indexed, so it is deleted without a decision, once older than the grace and at least
+``TMP_MIN_AGE_S`` (a write whose ``.tmp.`` file goes fails, and that fragment goes to a
+spare target, or the put fails). The writer's own time check
 (``FragmentIO._check_in_time``: files indexed within ``orphan_grace_s / 2`` of their
 writing) stays for sweeps of versions without the decision step.
 
@@ -175,6 +176,9 @@ def _delete_slot_orphan(store: "EmbeddedStore", tgt, rel: str, ek: bytes, gen: b
 
 
 _DECIDE_BATCH = 256  # unindexed files decided on in one write transaction (module docstring, step 1)
+# A ``.tmp.`` file younger than this is a write in progress whatever the grace: deleting it can
+# only fail that write (a crashed write's file waits this much longer at most).
+TMP_MIN_AGE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +309,8 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
                     continue
             elif not base.startswith(".tmp."):
                 continue  # not ours: leave foreign files alone
-            if not mtime or now_s - mtime < grace_s + tgt.mtime_resolution_s:
+            wait_s = grace_s if parsed is not None or pack is not None else max(grace_s, TMP_MIN_AGE_S)
+            if not mtime or now_s - mtime < wait_s + tgt.mtime_resolution_s:
                 unknown_age += not mtime
                 continue  # may belong to a put still in flight (of unknown age: never taken for an orphan)
             if recheck and not dry_run and not _still_an_orphan(store, tgt, rel, ek, gen, slot):
