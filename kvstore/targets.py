@@ -245,13 +245,16 @@ class Target:
 
     def read_stalled(self, fut: Future) -> None:
         """Count ``fut`` (a read of this target past its caller's timeout) until it ends."""
-        with self._stalled_lock:
-            self._stalled += 1
-        fut.add_done_callback(self._read_ended)
+        self._count_until_done("_stalled", fut)
 
-    def _read_ended(self, _fut: Future) -> None:
-        with self._stalled_lock:
-            self._stalled -= 1
+    def _count_until_done(self, counter: str, fut: Future) -> None:
+        """Add one to the counter attribute ``counter`` now and take it off when ``fut`` ends."""
+        def bump(delta: int) -> None:
+            with self._stalled_lock:
+                setattr(self, counter, getattr(self, counter) + delta)
+
+        bump(1)
+        fut.add_done_callback(lambda _fut: bump(-1))
 
     def writes_stalled(self) -> str:
         """Why this target is not to be asked for more writes now ("": ask it): a write of it ran
@@ -262,13 +265,7 @@ class Target:
 
     def write_stalled(self, fut: Future) -> None:
         """Count ``fut`` (a write of this target past its caller's timeout) until it ends."""
-        with self._stalled_lock:
-            self._writes_stalled += 1
-        fut.add_done_callback(self._write_ended)
-
-    def _write_ended(self, _fut: Future) -> None:
-        with self._stalled_lock:
-            self._writes_stalled -= 1
+        self._count_until_done("_writes_stalled", fut)
 
     def location(self) -> tuple:
         """Where this target's files live, as comparable as its filesystem allows: two targets
