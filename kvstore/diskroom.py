@@ -105,9 +105,10 @@ class IndexRoom:
                     pass
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     return False
-                log.warning("cannot make the index's spare file %s (%s): deletions may not commit on a full "
-                            "filesystem", self.path, exc)
-                return True  # not for want of space: puts are not refused for it
+                log.warning("cannot make the index's spare file %s (%s): this process keeps none, so deletions "
+                            "may not commit on a full filesystem", self.path, exc)
+                self.nbytes = 0  # not for want of space: puts are not refused for it, nor is it tried again
+                return True
             log.info("index spare file %s in place (%d bytes)", self.path, self.nbytes)
             return True
 

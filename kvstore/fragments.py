@@ -343,10 +343,10 @@ class FragmentIO(LocalFastReads):
                 pending.append(i)
             if pending and len(spare) < len(pending):
                 self._discard(enc, {i: c for i, c in enumerate(chosen) if i not in pending})
-                cls = CapacityExceeded if getattr(last_exc, "errno", None) == errno.ENOSPC else StoreUnavailable
-                raise cls(
+                full = getattr(last_exc, "errno", None) == errno.ENOSPC
+                raise (CapacityExceeded if full else StoreUnavailable)(
                     f"cannot place {n} fragments of {enc.key.hex()} on distinct targets; failed: "
-                    f"{', '.join(failed)} (last error: {last_exc})"
+                    f"{', '.join(failed)} (last error{' ENOSPC, the targets are full' if full else ''}: {last_exc})"
                 ) from last_exc
             for i in pending:
                 chosen[i] = spare.pop(0)
