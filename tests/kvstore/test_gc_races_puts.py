@@ -132,3 +132,55 @@ def test_gc_from_another_process_at_grace_zero_loses_no_acknowledged_put(tmp_pat
         assert lost == []
         s.gc()
         assert s.check() == []
+
+
+def test_direct_commits_racing_gc_from_another_process_lose_nothing(tmp_path, monkeypatch):
+    """A daemon (default grace) indexes batches a direct-writing client wrote into its targets
+    (``PackIO.commit_written``) while another process sweeps at grace 0. The client's packs are
+    older than anything the commit reads, so its check in the index transaction must also see
+    sweeps decided before it started (their holds, or their counted deletes). The commit is
+    made to wait 20 ms before it looks at the packs (a slow network), which is when a sweep
+    would take them."""
+    from kvstore.server.config import load_server_config
+    from kvstore.server.service import Daemon
+
+    data = tmp_path / "d"
+    scfg, stcfg = load_server_config(None, env={}, port=0, gc_interval_s=0, data_dir=str(data), fsync=False,
+                                     allow_direct_writes=True)
+    daemon = Daemon(scfg, stcfg).start()
+    real = daemon.store.commit_written
+
+    def slow_commit(*a, **kw):
+        time.sleep(0.02)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(daemon.store, "commit_written", slow_commit)
+    client = kvstore.connect(daemon.address, direct_writes="on")
+    try:
+        assert client.put_many([PutItem(b"\0" * 16, b"first" * 100), PutItem(b"\1" * 16, b"second" * 100)])
+        child = subprocess.Popen([sys.executable, "-c", _SWEEPER, str(data), str(RUN_S + 1)],
+                                 stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+        try:
+            assert child.stdout.readline().strip() == "READY"
+            acked: list[bytes] = []
+            deadline = time.monotonic() + RUN_S
+            while time.monotonic() < deadline and len(acked) < MAX_PUTS:
+                batch = [os.urandom(16) for _ in range(4)]
+                got = client.put_many([PutItem(k, value_for(k, 3000)) for k in batch])
+                acked += [k for k, ok in zip(batch, got) if ok]
+            out, _ = child.communicate(timeout=120)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        counters = client.direct_write_stats()["counters"]
+        lost = _lost(client, acked)
+        print(f"direct commits: {len(acked)} acknowledged, {len(acked) - len(lost)} readable, {len(lost)} lost, "
+              f"{counters.get('direct_writes', 0)} written directly, {counters.get('rejected_packs', 0)} packs "
+              f"rejected, {out.split()[-1]} gc passes in the other process")
+        assert child.returncode == 0 and counters.get("direct_writes", 0) > 0
+        assert lost == []
+    finally:
+        client.close()
+        daemon.stop(grace_s=1)
