@@ -4,7 +4,7 @@ in its index transaction).
 
 Each test puts for a bounded time while a sweep at grace 0 runs as often as it can, in this
 process or in another one, then reads every acknowledged entry back: lost must be 0. Before
-the sweep recorded its decisions in the index, both lost entries in every run (the age rule
+the sweep recorded its decisions in the index, each of these lost entries in every run (the age rule
 alone protected a put only from sweeps whose grace was longer than the put took).
 """
 
