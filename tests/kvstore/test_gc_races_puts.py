@@ -4,8 +4,8 @@ in its index transaction).
 
 Each test puts for a bounded time while a sweep at grace 0 runs as often as it can, in this
 process or in another one, then reads every acknowledged entry back: lost must be 0. Before
-the sweep recorded its decisions in the index, each of these lost entries in every run (the age rule
-alone protected a put only from sweeps whose grace was longer than the put took).
+the sweep recorded its decisions in the index, each of these lost entries in every run (the
+age rule alone protected a put only from sweeps whose grace was longer than the put took).
 """
 
 from __future__ import annotations
