@@ -96,3 +96,31 @@ def test_a_full_filesystem_is_typed_and_gc_delete_and_kvtool_free_it(small_fs, m
         assert all(s.get(k) == value_for(k, VALUE) for k in keys[30:40] + more[2:10])
         s.gc()
         assert s.check() == []
+
+
+def test_a_full_index_filesystem_with_targets_elsewhere(small_fs, tmp_path):
+    """The index's filesystem fills up while the targets have room: a put's index commit finds
+    no room (its fragments removed, ``CapacityExceeded``), a delete releases the spare file and
+    commits, puts are refused while it cannot be made again, and go on once there is room."""
+    roots = ",".join(f"file://{tmp_path}/t{i}" for i in range(6))
+    data = small_fs / "d"
+    with kvstore.connect(str(data), targets=roots, **STORE) as s:
+        keys = [i.to_bytes(16, "big") for i in range(40)]
+        assert all(s.put(k, value_for(k, 3000)) for k in keys)
+        filler = small_fs / "filler"
+        with open(filler, "wb") as f:  # everything but a few pages: the index cannot grow
+            os.posix_fallocate(f.fileno(), 0, max(free_bytes(small_fs) - 8192, 4096))
+        with pytest.raises(CapacityExceeded, match="indexing 1 entries: no space left .* index .ENOSPC"):
+            for i in range(40, 4000):
+                k = i.to_bytes(16, "big")
+                assert s.put(k, value_for(k, 3000))
+        assert all(s.get(k) == value_for(k, 3000) for k in keys)  # reads go on
+        assert s.delete(keys[0]) and s.delete(keys[1])  # committed: the spare file gave its room
+        assert not (data / "index" / RESERVE_NAME).exists()
+        with pytest.raises(CapacityExceeded, match="ENOSPC"):
+            s.put(b"\xfc" * 16, b"refused: the spare file cannot be made again")
+        filler.unlink()
+        assert s.put(b"\xfc" * 16, b"room again") and s.get(b"\xfc" * 16) == b"room again"
+        assert (data / "index" / RESERVE_NAME).exists()
+        s.gc()
+        assert s.check() == []  # the refused puts left no files behind
