@@ -21,9 +21,11 @@ Mechanism:
      deletes the spare file and runs once more (``frees_space``): the index grows into the
      space it held, and the deletion's files are then freed by the same pass (GC) or the next.
   3. A put never spends that space: before writing anything it makes sure the spare file is
-     there (``check_put``: one ``stat``), re-making it if another process released it; when
-     it cannot (the filesystem is still full) the put is refused with ``CapacityExceeded``
-     naming ENOSPC, and so is an index commit of a put that finds no room (its files removed).
+     there (``check_put``: one ``stat``), re-making it if it was released, but only while the
+     filesystem has twice its size free (so a put racing a deletion that has just released
+     it does not take the room back before the deletion commits); when it cannot, the put is
+     refused with ``CapacityExceeded`` naming ENOSPC, and so is an index commit of a put that
+     finds no room (its files removed).
   4. Recovery needs nobody: once deletions and GC have freed space, the next put re-makes
      the spare file and goes on.
 
@@ -84,12 +86,19 @@ class IndexRoom:
 
     def ensure(self) -> bool:
         """The spare file in place, made now if it is missing: False when there is no room for
-        it (the filesystem is full), else True (also with no reserve configured)."""
+        it, else True (also with no reserve configured). Made only while the filesystem has
+        twice its size free: a deletion that has just released it needs that room to commit,
+        and a put racing it must not take it back first."""
         if not self.nbytes or self._present():
             return True
         with self._lock:
             if self._present():
                 return True
+            try:
+                if self.free_bytes() < 2 * self.nbytes:
+                    return False
+            except OSError:
+                pass  # cannot tell: try to make it
             tmp = self.path.with_name(f".{RESERVE_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
