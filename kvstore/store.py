@@ -58,6 +58,7 @@ of a large raw entry does the same into the ``bytes`` it returns (``fastread.fre
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -77,7 +78,7 @@ from kvstore.fragments import (CLOSE_WAIT_S, FilesSwept, FragmentIO, GenerationT
                                frees_space, in_flight, run_now)
 from kvstore.packs import PackIO
 from kvstore.executors import DaemonExecutor, shutdown_all
-from kvstore.errors import InternalError, InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
+from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
 from kvstore.index import Meta, ekey, packed_bytes
 from kvstore.keys import check_key, check_keys
 from kvstore.tuning import tune_malloc
@@ -187,14 +188,13 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                 todo.append(i)
         if todo:
             self.room.check_put()  # the index's spare room is never spent on a put (kvstore.diskroom)
-        for attempt in range(1 + SWEPT_RETRIES):
+        for attempt in itertools.count():
             try:
                 return self._write_and_index(items, todo, list(seen), now, result)
             except FilesSwept as exc:  # nothing indexed, its files removed: again, under new generations
                 if attempt == SWEPT_RETRIES:
                     raise
                 log.info("put: %s; writing it again", exc)
-        raise InternalError("put_many: the retry loop ended without a result (a kvstore bug)")
 
     def _write_and_index(self, items: Sequence[PutItem], todo: list[int], put_keys: list[bytes], now: int,
                          result: list[bool]) -> list[bool]:
