@@ -192,6 +192,10 @@ class StoreConfig:
     read_workers: int = 8  # threads reading and writing fragments in parallel
     fragment_read_retries: int = 1  # extra tries of a fragment read that failed transiently (EIO, checksum)
     read_timeout_s: float = 0.0  # >0: a fragment not read in time is skipped for parity (if k others are good)
+    # >0: a fragment or pack write not done in time fails (a spare target takes it, or the put fails
+    # with StoreUnavailable); each write then runs on its target's own threads, whatever parallel_writes
+    # says (a write inline cannot be given up on). 0: wait for every write
+    write_timeout_s: float = 0.0
     parallel_reads: str = "auto"  # "auto": fan out for remote targets only; "always"; "never"
     # "auto": fan out only writes that wait (fsync, remote targets, a single put's large fragments);
     # "always"; "never"
@@ -204,6 +208,9 @@ class StoreConfig:
     delete_grace_s: float = 30.0  # deleted entries' fragments outlive the delete by this much
     access_flush_s: float = 1.0  # LRU access times are batched into one index write per interval
     lmdb_map_size: int = 8 * 1024**3
+    # Kept free for the index on its filesystem (kvstore.diskroom): a spare file deletions and gc
+    # release when the filesystem is full, so that they can commit; puts never spend it. 0: none
+    index_reserve_bytes: int = 4 * 1024**2
     max_readers: int = 256
     clock_offset_s: float = 0.0  # added to the wall clock (a node whose clock is off; chaos tests of TTLs)
 
@@ -243,9 +250,11 @@ class StoreConfig:
             raise InvalidRequest(f"read_workers must be in [1, 1024], got {self.read_workers}")
         if not 1 <= self.max_readers <= 1 << 20:
             raise InvalidRequest(f"max_readers must be in [1, {1 << 20}], got {self.max_readers}")
+        if not 0 <= self.index_reserve_bytes <= 1 << 40:
+            raise InvalidRequest(f"index_reserve_bytes must be in [0, 1 TiB], got {self.index_reserve_bytes}")
         if not 1 << 20 <= self.lmdb_map_size <= 1 << 46:
             raise InvalidRequest(f"lmdb_map_size must be in [1 MiB, 64 TiB], got {self.lmdb_map_size}")
-        for knob in ("read_timeout_s", "orphan_grace_s", "delete_grace_s", "access_flush_s"):
+        for knob in ("read_timeout_s", "write_timeout_s", "orphan_grace_s", "delete_grace_s", "access_flush_s"):
             if not 0 <= getattr(self, knob) <= MAX_DURATION_S:
                 raise InvalidRequest(f"{knob} must be in [0, {MAX_DURATION_S:.0f}] seconds, got {getattr(self, knob)}")
         if not abs(self.clock_offset_s) <= MAX_DURATION_S:

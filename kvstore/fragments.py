@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Sequence
 
+import lmdb
 
 from kvstore import codec
 from kvstore.api import EntryKind, Layout, as_payload, check_put_fields
@@ -32,7 +33,7 @@ from kvstore.index import Meta, ekey
 from kvstore.keys import check_key
 from kvstore.placement import place
 from kvstore.durability import sync_plan, syncfs
-from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path
+from kvstore.targets import TargetUnavailable, TargetUnreachable, fragment_path, pack_path
 
 log = logging.getLogger("kvstore.store")
 
@@ -69,7 +70,9 @@ def in_flight(fn: Callable) -> Callable:
     call still running to shut it as it returns. So a call racing a close gets
     ``StoreClosed`` or its result, never an error from a closed LMDB. A call made from within
     one in flight on the same thread (a put's eviction, GC's stats) is part of it, never
-    refused. Needs the store's ``_calls``, ``_closed``, ``_in_flight`` and ``_finish_close``."""
+    refused. An index write that finds its filesystem full raises ``CapacityExceeded``
+    naming ENOSPC (``kvstore.diskroom``), not LMDB's error. Needs the store's ``_calls``,
+    ``_closed``, ``_in_flight``, ``_finish_close`` and ``room``."""
 
     @functools.wraps(fn)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -81,6 +84,10 @@ def in_flight(fn: Callable) -> Callable:
         _CALL_DEPTH.n = depth + 1
         try:
             return fn(self, *args, **kwargs)
+        except lmdb.Error as exc:  # the outermost call types a full filesystem (inner ones: ``frees_space``)
+            if not depth and self.room.no_space(exc):
+                raise self.room.full_error(exc, fn.__name__) from exc
+            raise
         finally:
             _CALL_DEPTH.n = depth
             with self._calls:
@@ -90,6 +97,25 @@ def in_flight(fn: Callable) -> Callable:
                     self._calls.notify_all()
             if last and self._closed:
                 self._finish_close(deferred=True)
+
+    return call
+
+
+def frees_space(fn: Callable) -> Callable:
+    """A deletion of the embedded store (``delete``, ``gc``, ``evict_to``), inside ``in_flight``:
+    when an index write of it finds no room on a full filesystem, the index's spare file is
+    released and the call runs once more (``kvstore.diskroom``, step 2); a second failure
+    ``in_flight`` raises as ``CapacityExceeded``. A transaction that failed changed nothing,
+    and what committed before it stays done, so running the call again is safe."""
+
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except lmdb.Error as exc:
+            if not self.room.no_space(exc) or not self.room.release():
+                raise
+        return fn(self, *args, **kwargs)
 
     return call
 
@@ -111,6 +137,19 @@ class WrittenTooLongAgo(StoreUnavailable):
     (GC, ``check(fix=True)``, in this process or another) may be removing them, so they are
     not indexed (``FragmentIO._check_in_time``). Raised inside the index transaction, which
     it aborts; the writer removes its files and the put stores nothing."""
+
+
+class IndexFull(CapacityExceeded):
+    """The index commit of new records found no room on the index's filesystem (ENOSPC;
+    ``kvstore.diskroom``): nothing was indexed, and the writer removes its files."""
+
+
+class FilesSwept(StoreUnavailable):
+    """Files about to be indexed were taken by an orphan sweep (``kvstore.orphans``: a hold
+    record sits on the path of one, or, the sweep count having moved since the writer read it,
+    one is gone or cannot be asked): ``FragmentIO._check_unswept_txn``. Raised inside the index
+    transaction, which it aborts; the writer removes its files and stores nothing (a put
+    writes them again, under a new generation)."""
 
 
 class GenerationTaken(StoreUnavailable):
@@ -156,6 +195,41 @@ class FragmentIO(LocalFastReads):
             raise WrittenTooLongAgo(f"{what} took {took:.0f} s to reach the index, over orphan_grace_s/2 = "
                                     f"{grace / 2:.0f} s, so GC may be sweeping their files: nothing was stored; "
                                     "retry (in smaller batches), or raise orphan_grace_s")
+
+    def _check_unswept_txn(self, txn: Any, since: int, paths: Sequence[tuple[str, str]]) -> None:
+        """``FilesSwept`` unless every file of ``paths`` (``(target, rel)``, all written after
+        ``since`` was read from ``Index.sweep_decisions``) is safe from the orphan sweep. Called
+        inside the write transaction that would index them, so no sweep decides meanwhile: a
+        hold record on a path means a sweep is deleting it (whoever holds it, live or not); and
+        a sweep count other than ``since`` means a sweep decided since, so each file must still
+        be there (one stat per file, only then). See ``kvstore.orphans`` for why that suffices."""
+        for name, rel in paths:
+            if self.index.path_recorded_txn(txn, name, rel):
+                raise FilesSwept(f"{rel} on target {name} is being deleted by an orphan sweep (a GC with an "
+                                 "orphan_grace_s shorter than this write took): nothing was stored")
+        if self.index.sweep_decisions(txn) == since:
+            return
+        for name, rel in paths:
+            try:
+                self.targets[name].stat(rel)
+            except OSError as exc:
+                raise FilesSwept(f"{rel} on target {name} is gone since it was written ({exc}): an orphan sweep "
+                                 "took it; nothing was stored") from exc
+
+    @staticmethod
+    def _paths_of(encs: dict[int, _Encoded], placed: dict[int, tuple[str, ...]],
+                  offsets: dict[int, tuple[int, ...]]) -> list[tuple[str, str]]:
+        """``(target, rel)`` of every file the placed entries sit in: each fragment file, and
+        each pack file once."""
+        out: set[tuple[str, str]] = set()
+        for i, names in placed.items():
+            enc = encs[i]
+            if offsets.get(i):
+                out.update((name, pack_path(enc.meta_base.gen)) for name in names)
+            else:
+                out.update((name, fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, j))
+                           for j, name in enumerate(names))
+        return sorted(out)
 
     def _checked(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
                  layout: Layout | None, tokens: int) -> tuple[bytes, EntryKind, memoryview, Layout, int, int]:
@@ -258,31 +332,21 @@ class FragmentIO(LocalFastReads):
         pending = list(range(n))
         while pending:
             fan_out = self._fan_out_writes(chosen, in_batch=in_batch, file_bytes=enc.meta_base.frag_len)
-            submit = self._pool.submit if fan_out else run_now
-            futs = {
-                i: submit(
-                    self.targets[chosen[i]].write,
-                    fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, i),
-                    enc.frames[i], fsync=self._sync_mode() == "file",
-                )
-                for i in pending
-            }
+            errors = self._run_writes({i: (chosen[i], fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, i),
+                                           enc.frames[i]) for i in pending}, fan_out=fan_out)
             pending = []
             last_exc: OSError | None = None
-            for i, f in futs.items():
-                try:
-                    f.result()
-                except OSError as exc:
-                    log.warning("fragment %d of %s failed on target %s: %s", i, enc.key.hex(), chosen[i], exc)
-                    failed.append(chosen[i])
-                    last_exc = exc
-                    pending.append(i)
+            for i, exc in sorted(errors.items()):
+                log.warning("fragment %d of %s failed on target %s: %s", i, enc.key.hex(), chosen[i], exc)
+                failed.append(chosen[i])
+                last_exc = exc
+                pending.append(i)
             if pending and len(spare) < len(pending):
                 self._discard(enc, {i: c for i, c in enumerate(chosen) if i not in pending})
-                cls = CapacityExceeded if getattr(last_exc, "errno", None) == errno.ENOSPC else StoreUnavailable
-                raise cls(
+                full = getattr(last_exc, "errno", None) == errno.ENOSPC
+                raise (CapacityExceeded if full else StoreUnavailable)(
                     f"cannot place {n} fragments of {enc.key.hex()} on distinct targets; failed: "
-                    f"{', '.join(failed)} (last error: {last_exc})"
+                    f"{', '.join(failed)} (last error{' ENOSPC, the targets are full' if full else ''}: {last_exc})"
                 ) from last_exc
             for i in pending:
                 chosen[i] = spare.pop(0)
@@ -292,6 +356,43 @@ class FragmentIO(LocalFastReads):
             self._discard(enc, dict(enumerate(chosen)))
             raise StoreUnavailable(f"fragments of {enc.key.hex()} could not be made durable: {exc}") from exc
         return tuple(chosen)
+
+    def _run_writes(self, jobs: dict[Any, tuple[str, str, Any]], *, fan_out: bool) -> dict[Any, OSError]:
+        """Publish each job's data (``key -> (target name, rel, data)``) with ``Target.write``;
+        the errors by key (empty: all written). ``fan_out``: the writes run on ``_pool``, else
+        inline, one after the other. With ``write_timeout_s`` > 0 each write runs on its target's
+        own write pool instead (a bulkhead: a hung target holds only its own threads), and one
+        not done in time fails with ``TimeoutError`` (ETIMEDOUT) while its thread runs on: the
+        caller treats it as any failed write (a spare target, or the put fails). A target with
+        a write still running past its timeout is not asked for more (``Target.writes_stalled``)
+        until that write ends. The file a late write publishes is one no record names for that
+        place: the orphan sweep removes it (``kvstore.orphans``)."""
+        timeout = self.config.write_timeout_s
+        fsync = self._sync_mode() == "file"
+        errors: dict[Any, OSError] = {}
+        futs: dict[Any, Future] = {}
+        for key, (name, rel, data) in jobs.items():
+            tgt = self.targets[name]
+            if not timeout:
+                futs[key] = (self._pool.submit if fan_out else run_now)(tgt.write, rel, data, fsync=fsync)
+            elif why := tgt.writes_stalled():
+                errors[key] = TimeoutError(errno.ETIMEDOUT, why)
+            else:
+                futs[key] = self._target_pool(name, "write").submit(tgt.write, rel, data, fsync=fsync)
+        late = wait(futs.values(), timeout=timeout)[1] if timeout and futs else set()
+        for key, f in futs.items():
+            name, rel, _data = jobs[key]
+            if f in late:
+                self._count("write_timeouts")
+                self.targets[name].write_stalled(f)
+                errors[key] = TimeoutError(errno.ETIMEDOUT, f"writing {rel} on target {name} took over "
+                                                            f"write_timeout_s={timeout} s")
+                continue
+            try:
+                f.result()
+            except OSError as exc:
+                errors[key] = exc
+        return errors
 
     def _discard(self, enc: _Encoded, placed: dict[int, str]) -> None:
         """Remove fragments of a put that will never be indexed (best effort: else orphans)."""
@@ -455,17 +556,18 @@ class FragmentIO(LocalFastReads):
             failed.remove(meta.targets[i])
         return good, failed, unreachable
 
-    def _target_pool(self, name: str) -> DaemonExecutor:
-        """The pool that runs target ``name``'s fragment reads in ``_gather`` (``read_workers``
-        threads, started on demand): one per target, a bulkhead, so that reads stuck on one
-        target cannot hold the threads the others' reads need."""
+    def _target_pool(self, name: str, op: str = "read") -> DaemonExecutor:
+        """The pool that runs target ``name``'s fragment reads in ``_gather`` (``op`` "read"), or
+        its writes under ``write_timeout_s`` (``op`` "write"; ``_run_writes``): ``read_workers``
+        threads, started on demand, one pool per target and op, a bulkhead, so that I/O stuck
+        on one target cannot hold the threads the others' need."""
         pools = self.__dict__.setdefault("_target_pools", {})
-        pool = pools.get(name)
+        pool = pools.get((name, op))
         if pool is None:
             with _TARGET_POOLS_LOCK:
-                pool = pools.get(name)
+                pool = pools.get((name, op))
                 if pool is None:
-                    pool = pools[name] = DaemonExecutor(self.config.read_workers, f"kvstore-read-{name}")
+                    pool = pools[name, op] = DaemonExecutor(self.config.read_workers, f"kvstore-{op}-{name}")
         return pool
 
     def _target_pools_all(self) -> list[DaemonExecutor]:

@@ -31,6 +31,10 @@ Sub-databases (``ek`` is the 17-byte entry key ``kind code || block hash``)::
                                        again), holds nothing and is dropped at open. Assumes one host and
                                        one pid namespace for every process on the directory (a holder in
                                        another namespace may look gone while it runs, or alive when gone)
+             b"sweep_decisions"     -> u64: counts each orphan sweep's taking the paths of unindexed files to
+                                       delete them, and its having deleted them (``kvstore.orphans``); a
+                                       writer's index transaction compares it with the value it read before
+                                       writing its first file
 
 Invariants (each write transaction keeps them):
   1. An ``entries`` record exists only after all of its fragments were durably
@@ -303,6 +307,17 @@ class Index:
         path taken; its pid now another process's) holds nothing: it writes, deletes and
         records no more. One host, one pid namespace: see ``kvstore.pathholds``."""
         return self.paths.take_txn(txn, target, rel, who)
+
+    def path_recorded_txn(self, txn: lmdb.Transaction, target: str, rel: str) -> bool:
+        """Does any hold record sit at this path (live holder or not; ``PathHolds.recorded_txn``)?"""
+        return self.paths.recorded_txn(txn, target, rel)
+
+    def sweep_decisions(self, txn: lmdb.Transaction) -> int:
+        """The orphan sweeps' count of decisions to delete unindexed files, and of deletes done
+        (``info`` ``sweep_decisions``; ``kvstore.orphans``): a writer that reads it before its
+        first file and finds it unchanged in its index transaction knows none of its files was
+        taken for an orphan."""
+        return self.counter(txn, "sweep_decisions")
 
     def release_path_txn(self, txn: lmdb.Transaction, target: str, rel: str) -> None:
         """Give back a path ``take_path_txn`` took, inside ``txn`` (none held: nothing)."""

@@ -19,8 +19,12 @@ GC steps, in order, with the reason for the order:
      live entries are rewritten into a new pack, and the old one is purged with
      the last of its records one ``delete_grace_s`` later, as a delete is.
   6. Sweep orphans: fragment and pack files no index record names (a put that
-     crashed before its index commit), older than ``orphan_grace_s`` so that an
-     in-flight put's files are never taken (``kvstore.orphans``).
+     crashed before its index commit), older than ``orphan_grace_s``; the decision
+     to delete is made in the index, so a put about to be acknowledged never loses
+     a file to it, whatever the grace (``kvstore.orphans``).
+
+On a full filesystem, an index write of the pass that finds no room releases the
+index's spare file and the pass runs again (``EmbeddedStore.gc``, ``kvstore.diskroom``).
 
 A dry run (``run_gc(dry_run=True)``) changes nothing, not even the batched
 access times, and reports what the real pass would do from the same state

@@ -1,7 +1,8 @@
 """The orphan sweep of an embedded store (GC step 6, ``check``'s last step; ``kvstore.maintenance``).
 
 An orphan is a fragment or pack file no index record needs, older than ``orphan_grace_s``
-(plus the target's mtime resolution), so that an in-flight put's files are never taken:
+(plus the target's mtime resolution), so that a put still writing its files is seldom
+made to write them again (what keeps an indexed file safe is the decision below, not the age):
 * a fragment file of an (entry key, generation) no live, lost or graveyard record has
   (a put that crashed before its index commit, a purge that could not delete it);
 * a pack file no record is stored in;
@@ -12,11 +13,35 @@ An orphan is a fragment or pack file no index record needs, older than ``orphan_
   back and verify, so a name that now means another directory never costs a fragment).
 Anything else under a target (not named as ours) is left alone.
 
-Why nothing but a slot orphan is looked at again before its delete: no writer re-creates
-its name. Puts, compaction and direct writers name their files by a fresh random
-generation, ``.tmp.`` names are random too, and a file is indexed only within
-``orphan_grace_s / 2`` of its writing (``FragmentIO._check_in_time``; ``commit_written``
-also checks the pack's mtime), so a file old enough to be swept is never indexed after.
+Why no acknowledged put ever loses a file to the sweep, whatever ``orphan_grace_s`` any
+process on the directory uses and whatever its clock says: the decision to delete an
+unindexed fragment or pack file is made in the index, serialised with every index commit.
+  1. A sweep lists a target, then decides on the files no record named when it read the
+     records (up to ``_DECIDE_BATCH`` in one write transaction, ``_take_unindexed``): it
+     counts a decision (``info`` ``sweep_decisions``), looks at the records again, and takes
+     the path of each file still unindexed (``Index.take_path_txn``). It deletes those files
+     after that transaction, then counts once more and gives their paths back.
+  2. A writer reads ``sweep_decisions`` before it writes its first file, and in the write
+     transaction that indexes its files (``FragmentIO._check_unswept_txn``) refuses to index
+     any whose path a hold record sits on, and, when the count has moved, any it cannot
+     stat any more: ``FilesSwept``, nothing indexed, the put writes again under a new
+     generation.
+  3. LMDB runs one write transaction at a time. A decision that commits before the
+     writer's index transaction moved the count (the writer's files are new names, so the
+     sweep listed them after the writer's first read): the writer sees the hold until the
+     file is deleted, and the missing file after. A decision after it reads the record (1)
+     and leaves the file alone. A direct writer's files (``PackIO.commit_written``) are
+     older than the count it compares with, read before it stats them: a decision before
+     that read either shows as a hold, or its delete is done and counted after it, before
+     the hold goes (1), so the count has moved and the file is looked at again.
+The age rule (older than ``orphan_grace_s``) only keeps the sweep from deciding on files a
+put is still writing, which would make that put write again; a ``.tmp.`` file is never
+indexed, so it is deleted without a decision, once older than the grace and at least
+``TMP_MIN_AGE_S`` (a write whose ``.tmp.`` file goes fails, and that fragment goes to a
+spare target, or the put fails). The writer's own time check
+(``FragmentIO._check_in_time``: files indexed within ``orphan_grace_s / 2`` of their
+writing) stays for sweeps of versions without the decision step.
+
 A slot orphan's name is re-created by repair alone: it rebuilds a slot onto a spare at
 the path a stale copy there has. So the sweep's last look at the records and repair's
 decision to write there each take the path in the index (``Index.take_path_txn``, one short
@@ -29,16 +54,17 @@ orphan) before the sweep looks. The stat and the delete, and repair's write, run
 any write transaction (before, they ran inside one: on S3 a round trip every put waited on).
 
 A take that fails because the index map is full (``lmdb.MapFullError``; the index never
-grows its map, ``lmdb_map_size`` is fixed at open) keeps that slot orphan for a later pass:
-it is counted as kept (an unfixed ``ORPHAN_FRAGMENT`` problem, ``run_gc``'s
-``orphans_kept``), logged once per sweep, and the sweep goes on. A full map is when GC is
+grows its map, ``lmdb_map_size`` is fixed at open) keeps those orphans (a slot orphan, or a
+batch of unindexed files) for a later pass: each is counted as kept (an unfixed
+``ORPHAN_FRAGMENT`` problem, ``run_gc``'s ``orphans_kept``), logged once per sweep, and the
+sweep goes on. A full map is when GC is
 needed most, and the rest of the sweep needs no index write (QA: the error ended the pass).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Collection, Sequence
 
 import lmdb
@@ -149,6 +175,75 @@ def _delete_slot_orphan(store: "EmbeddedStore", tgt, rel: str, ek: bytes, gen: b
         store.index.release_paths([(tgt.name, rel)])  # never raises an LMDB error: the sweep goes on
 
 
+_DECIDE_BATCH = 256  # unindexed files decided on in one write transaction (module docstring, step 1)
+# A ``.tmp.`` file younger than this is a write in progress whatever the grace: deleting it can
+# only fail that write (a crashed write's file waits this much longer at most).
+TMP_MIN_AGE_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Unindexed:
+    """A file of a generation no record named when the sweep read the records: a fragment
+    file (``ek`` its entry key) or a pack file (``ek`` ``None``), and its problem as reported."""
+
+    rel: str
+    size: int
+    ek: bytes | None
+    gen: bytes
+    problem: Problem
+
+
+def _take_unindexed(store: "EmbeddedStore", name: str, files: Sequence[_Unindexed]) -> list[_Unindexed]:
+    """Step 1 of the module docstring for ``files`` on target ``name``: in one write
+    transaction, count a decision and take the path of each that no record names now (a
+    put may have indexed it since the listing); those taken, for the caller to delete and
+    give back. A record indexed and deleted again since the listing sits in the graveyard
+    only, which is not looked at here: its files go now rather than ``delete_grace_s`` after
+    its delete (no live entry loses anything)."""
+    taken = []
+    with store.index.env.begin(write=True) as txn:
+        store.index.add_counter(txn, "sweep_decisions", 1)
+        for f in files:
+            named = (store.index.pack_info(txn, f.gen) is not None if f.ek is None
+                     else bool(_live_metas(store, txn, f.ek, f.gen)))
+            if not named and store.index.take_path_txn(txn, name, f.rel, "sweep"):
+                taken.append(f)
+    return taken
+
+
+def _delete_unindexed(store: "EmbeddedStore", tgt, files: Sequence[_Unindexed],
+                      map_full: list[lmdb.MapFullError]) -> list[tuple[Problem, int]]:
+    """Decide on ``files`` (``_take_unindexed``), delete those taken, give their paths back:
+    (problem, bytes freed) per file deleted (fixed) or kept because it could not be (unfixed,
+    0 bytes: a delete that failed, or the index map full, appended to ``map_full``)."""
+    try:
+        taken = _take_unindexed(store, tgt.name, files)
+    except lmdb.MapFullError as exc:
+        map_full.append(exc)
+        return [(replace(f.problem, detail=f"{f.rel} (kept: the index map is full, its path cannot be taken: "
+                                           f"{exc})", fixed=False), 0) for f in files]
+    out = []
+    try:
+        for f in taken:
+            try:
+                removed = tgt.delete(f.rel)
+            except OSError as exc:
+                log.warning("orphan sweep: cannot delete %s on %s: %s", f.rel, tgt.name, exc)
+                out.append((replace(f.problem, detail=f"{f.rel} (cannot delete: {exc})", fixed=False), 0))
+                continue
+            if removed:  # else gone since the listing (another pass swept it): not freed here
+                out.append((f.problem, f.size))
+    finally:
+        if taken:
+            try:  # counted again once the files are gone, before their holds go (module docstring, step 1)
+                with store.index.env.begin(write=True) as txn:
+                    store.index.add_counter(txn, "sweep_decisions", 1)
+            except lmdb.Error as exc:  # the give-back below then fails too, or the holds stay: either way safe
+                log.warning("orphan sweep: could not count its deletes in the index (%s)", exc)
+            store.index.release_paths([(tgt.name, f.rel) for f in taken])  # never raises an LMDB error
+    return out
+
+
 def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: float,
                    progress: Progress, skip: Collection[str] = (),
                    purging: Sequence[DueGrave] = ()) -> tuple[int, int, list[Problem]]:
@@ -172,7 +267,7 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
     for gone in forget:
         known.pop(gone, None)
     n = nbytes = unknown_age = 0
-    map_full: list[lmdb.MapFullError] = []  # slot orphans whose path the full index map could not take
+    map_full: list[lmdb.MapFullError] = []  # orphans whose path the full index map could not take
     problems: list[Problem] = []
     names = list(store.targets)
     for ti, name in enumerate(names):
@@ -185,6 +280,16 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
         except OSError as exc:
             problems.append(Problem(ProblemKind.TARGET_DOWN, target=name, detail=str(exc)))
             continue
+        unindexed: list[_Unindexed] = []  # decided on in batches (module docstring, step 1)
+
+        def decide() -> None:
+            nonlocal n, nbytes
+            for problem, freed in _delete_unindexed(store, tgt, unindexed, map_full):
+                problems.append(problem)
+                n += problem.fixed
+                nbytes += freed
+            unindexed.clear()
+
         for rel, size, mtime in files:
             if (name, rel) in deleted:
                 continue
@@ -204,20 +309,26 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
                     continue
             elif not base.startswith(".tmp."):
                 continue  # not ours: leave foreign files alone
-            if not mtime or now_s - mtime < grace_s + tgt.mtime_resolution_s:
+            wait_s = grace_s if parsed is not None or pack is not None else max(grace_s, TMP_MIN_AGE_S)
+            if not mtime or now_s - mtime < wait_s + tgt.mtime_resolution_s:
                 unknown_age += not mtime
                 continue  # may belong to a put still in flight (of unknown age: never taken for an orphan)
             if recheck and not dry_run and not _still_an_orphan(store, tgt, rel, ek, gen, slot):
                 continue
             orphan = Problem(ProblemKind.ORPHAN_FRAGMENT, key=parsed[1].hex() if parsed else "",
                              target=name, detail=rel, fixed=not dry_run)
+            if not dry_run and not recheck and (parsed is not None or pack is not None):
+                unindexed.append(_Unindexed(rel, size, ek if parsed else None, gen if parsed else pack, orphan))
+                if len(unindexed) >= _DECIDE_BATCH:
+                    decide()
+                continue
             if not dry_run:
                 try:
                     if recheck:  # the last look takes the path; the delete holds it
                         removed = _delete_slot_orphan(store, tgt, rel, ek, gen, slot, grace_s)
                         if removed is None:
                             continue  # claimed, rewritten or gone since: kept
-                    else:
+                    else:  # a .tmp. file: never indexed
                         removed = tgt.delete(rel)
                 except OSError as exc:
                     log.warning("orphan sweep: cannot delete %s on %s: %s", rel, name, exc)
@@ -233,10 +344,12 @@ def sweep_orphans(store: "EmbeddedStore", now_s: float, dry_run: bool, grace_s: 
             problems.append(orphan)
             n += 1
             nbytes += size
+        if unindexed:
+            decide()
     progress("orphans", len(names), len(names))
     if map_full:
-        log.warning("orphan sweep: kept %d stale fragment copies: the index map is full (%s), so their paths "
-                    "could not be taken for the delete; they are swept by a later pass once the index has room "
+        log.warning("orphan sweep: kept orphans (%d takes refused): the index map is full (%s), so their "
+                    "paths could not be taken for the delete; they are swept by a later pass once the index has room "
                     "(raise lmdb_map_size, or free entries)", len(map_full), map_full[0])
     if unknown_age:
         log.warning("orphan sweep: %d unindexed files have no modification time on their target, so their "

@@ -24,7 +24,8 @@ from typing import Sequence
 from kvstore import codec
 from kvstore.api import EntryKind, PutItem, as_payload
 from kvstore.errors import CorruptData, InvalidRequest, StoreUnavailable, Unrecoverable
-from kvstore.fragments import GenerationTaken, WrittenTooLongAgo, _Encoded, expiry_ns, in_flight, run_now
+from kvstore.fragments import (FilesSwept, GenerationTaken, IndexFull, WrittenTooLongAgo, _Encoded, expiry_ns,
+                               in_flight, run_now)
 from kvstore.index import STANDALONE, Meta, packed_bytes
 from kvstore.placement import place
 from kvstore.targets import pack_path
@@ -84,22 +85,15 @@ class PackIO:
                 sizes[name] = offsets[-1] + flen
             out.append((tuple(chosen), tuple(offsets)))
         rel = pack_path(gen)
-        submit = self._pool.submit if self._fan_out_writes(list(shares), in_batch=False) else run_now
-        futs = {name: submit(self.targets[name].write, rel, parts, fsync=self._sync_mode() == "file")
-                for name, parts in shares.items()}
-        errors = {}
-        for name, f in futs.items():
-            try:
-                f.result()
-            except OSError as exc:
-                errors[name] = exc
+        errors: dict[str, OSError] = self._run_writes({name: (name, rel, parts) for name, parts in shares.items()},
+                                                      fan_out=self._fan_out_writes(list(shares), in_batch=False))
         if not errors:
             try:
                 self._sync_after(list(shares))
             except OSError as exc:
                 errors["(syncfs)"] = exc
         if errors:
-            self._discard_pack(gen, [n for n in futs if n not in errors])
+            self._discard_pack(gen, [n for n in shares if n not in errors])
             name, exc = next(iter(errors.items()))
             log.warning("pack %s: target %s failed (%s); its entries go the fallback way (fragment by "
                         "fragment here, or through the daemon for a direct writer)",
@@ -181,9 +175,11 @@ class PackIO:
         (a generation names one batch; another writer may have claimed it first), and on
         every target it is present, exactly as long as the fragments placed in it (no bytes
         kept alive that no record counts or quota charges), and written less than half of
-        ``orphan_grace_s`` ago (so the orphan sweep, which removes unindexed packs older than
-        the grace, cannot be removing it). If any pack fails, or the index's write lock came
-        too late for the oldest (``_check_in_time``), every pack is ``rejected`` (generation
+        ``orphan_grace_s`` ago (for sweeps of versions that do not record their decisions);
+        and inside the index transaction, no orphan sweep has taken it (``_check_unswept_txn``:
+        no hold on its path; and, if a sweep decided since the stats, still there). If any pack
+        fails, or the index's write lock came too late for the oldest (``_check_in_time``), or a
+        sweep took one (``FilesSwept``), every pack is ``rejected`` (generation
         -> why) and nothing indexed: a commit is all or nothing, as ``put_many``, and the
         writer puts the whole batch another way. The bytes themselves are not read: every
         read checks each fragment's checksum and header (key, generation, index) against the
@@ -224,6 +220,7 @@ class PackIO:
                 need[(e.gen, name)] = max(need.get((e.gen, name), 0), off + e.frag_len)
         rejected: dict[bytes, str] = {}
         with self.index.env.begin() as txn:
+            since = self.index.sweep_decisions(txn)  # before the stats below (``_check_unswept_txn``)
             for g in {g for g, _ in need}:
                 if self.index.pack_info(txn, g) is not None:  # another commit (another writer's?) took it
                     rejected[g] = (f"pack generation {g.hex()} already holds indexed entries; each batch is "
@@ -256,8 +253,10 @@ class PackIO:
             # generation both pass the read above; only the first to take the lock indexes.
             made = self._index_new([records[j] for j in keep], now,
                                    written_at=(written_at, "committing written packs"),
-                                   fresh_gens=sorted({entries[j].gen for j in keep}))
-        except (WrittenTooLongAgo, GenerationTaken) as exc:  # too late, or taken: every pack rejected, as above
+                                   fresh_gens=sorted({entries[j].gen for j in keep}),
+                                   unswept=(since, sorted((name, pack_path(g)) for g, name in need
+                                                          if g not in rejected)))
+        except (WrittenTooLongAgo, GenerationTaken, FilesSwept, IndexFull) as exc:  # all rejected, as above
             rejected.update({entries[j].gen: str(exc) for j in keep})
             keep, made = [], []
         created = [False] * len(entries)
@@ -282,8 +281,11 @@ class PackIO:
         (``max_value_bytes``, capacity), which may have been lowered since they were stored, do
         not apply (``FragmentIO._encode_entry``; times are the old record's). Returns the count moved.
         ``StoreUnavailable`` (nothing moved; the pack stays queued) when the new pack cannot be
-        written, or was written too long ago to be indexed safely (``_check_in_time``)."""
+        written, or was written too long ago to be indexed safely (``_check_in_time``), or an orphan
+        sweep took it before it was indexed (``FilesSwept``, ``_check_unswept_txn``)."""
         gen = os.urandom(8)
+        with self.index.env.begin() as txn:  # before the new pack is written (``_check_unswept_txn``)
+            since = self.index.sweep_decisions(txn)
         encs = []
         for ek, m in members:
             try:
@@ -309,6 +311,7 @@ class PackIO:
         try:
             with self.index.env.begin(write=True) as txn:
                 self._check_in_time(started, f"compacting {len(encs)} entries")
+                self._check_unswept_txn(txn, since, sorted({(n, pack_path(gen)) for names, _ in locs for n in names}))
                 dead = []
                 for (ek, old, enc), (names, offs) in zip(encs, locs):
                     new = replace(enc.meta_base, targets=names, offsets=offs)
@@ -322,8 +325,8 @@ class PackIO:
                     moved += 1
                 for m in dead:  # counted once the pack has records (index invariant 6), as _index_new does
                     self.index.pack_dead_txn(txn, gen, packed_bytes(m))
-        finally:  # nothing indexed (every copy dead on arrival, or too late: WrittenTooLongAgo, the
-            # old pack stays queued): the new pack goes
+        finally:  # nothing indexed (every copy dead on arrival, or too late: WrittenTooLongAgo; or
+            # swept: FilesSwept; the old pack stays queued): the new pack goes
             if not moved:
                 self._discard_pack(gen, sorted({n for names, _ in locs for n in names}))
         self._count("compacted_entries", moved)

@@ -163,6 +163,12 @@ class PathHolds:
         self.held[key] = n  # a take that does not commit leaves the record as it was: not this serial
         return True
 
+    def recorded_txn(self, txn: lmdb.Transaction, target: str, rel: str) -> bool:
+        """Is there a hold record at this path, whoever wrote it and whether or not that
+        process still runs? (A put about to index the file takes any record for a sweep
+        deleting it: ``kvstore.orphans``; judging the holder alive by pid could be wrong.)"""
+        return txn.get(path_key(target, rel), db=self.db) is not None
+
     def release_txn(self, txn: lmdb.Transaction, target: str, rel: str) -> None:
         key = path_key(target, rel)
         self.held.pop(key, None)

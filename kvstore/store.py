@@ -7,7 +7,8 @@ processes); within a process the store is thread-safe.
 Data directory::
 
     <data_dir>/kvstore.json     format version, creation time, erasure code, index identity (kvstore.datadir)
-    <data_dir>/index/           LMDB environment (see kvstore.index)
+    <data_dir>/index/           LMDB environment (see kvstore.index), and its spare file
+                                space.reserve (kvstore.diskroom: room for deletions on a full disk)
     <data_dir>/targets/t0..tN   the embedded default targets (k+m, one failure domain)
 
 Write path (``put``), in this order, each step for the reason given:
@@ -24,14 +25,20 @@ Write path (``put``), in this order, each step for the reason given:
      target holding that target's fragments of every entry, each published the
      same atomic way, so a batch costs one fsync pair per target, not per fragment.
      Writes that wait (fsync, remote targets) run on threads, per fragment or, in a
-     batch, per entry; page-cache writes run inline (``parallel_writes``).
+     batch, per entry; page-cache writes run inline (``parallel_writes``). With
+     ``write_timeout_s`` every write runs on its target's own threads, and one that
+     hangs past it fails as a failing target does (``FragmentIO._run_writes``).
   5. Only then commit the index record (LMDB, fsync). A crash before 5 leaves
      orphan fragments that GC sweeps after ``orphan_grace_s``; never an index
      record without its fragments. If another writer committed the same key
      first, our fragments are removed (or stay in the pack until it goes) and
-     the put returns ``False``. Files started over ``orphan_grace_s / 2`` before the
-     transaction got the writer lock are not indexed: GC may be sweeping them
-     (``FragmentIO._check_in_time``); the put raises ``StoreUnavailable``, nothing stored.
+     the put returns ``False``. Files an orphan sweep took meanwhile (any process, any
+     ``orphan_grace_s``) are not indexed (``FragmentIO._check_unswept_txn``): the put writes
+     them again under a new generation, up to ``SWEPT_RETRIES`` times. Files started over
+     ``orphan_grace_s / 2`` before the transaction got the writer lock are not indexed
+     either (``FragmentIO._check_in_time``: for sweeps that do not record their decisions);
+     the put raises ``StoreUnavailable``, nothing stored. Before step 3, a put whose index
+     filesystem has no room for its spare file is refused (``kvstore.diskroom``).
   6. Above the capacity high watermark, evict LRU entries down to the low one.
 A direct-writing client of the daemon (``kvstore.direct_writes``) does 1-4 itself
 (as a batch: packs) and hands 5-6 to ``commit_written``, which checks its records first.
@@ -51,6 +58,7 @@ of a large raw entry does the same into the ``bytes`` it returns (``fastread.fre
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -58,12 +66,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import lmdb
+
 from kvstore import codec
 from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_chain_ends, check_put_items,
                          writable_view)
 from kvstore.config import StoreConfig, load_config
 from kvstore.datadir import DataDir, file_url_path
-from kvstore.fragments import CLOSE_WAIT_S, FragmentIO, GenerationTaken, WrittenTooLongAgo, in_flight, run_now
+from kvstore.diskroom import IndexRoom
+from kvstore.fragments import (CLOSE_WAIT_S, FilesSwept, FragmentIO, GenerationTaken, IndexFull, WrittenTooLongAgo,
+                               frees_space, in_flight, run_now)
 from kvstore.packs import PackIO
 from kvstore.executors import DaemonExecutor, shutdown_all
 from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
@@ -74,6 +86,7 @@ from kvstore.tuning import tune_malloc
 log = logging.getLogger(__name__)
 
 POOL_JOIN_S = 1.0  # close() waits this long for its I/O workers once no call is in flight
+SWEPT_RETRIES = 2  # a put whose files an orphan sweep took before its index commit writes them again this often
 
 
 class EmbeddedStore(DataDir, FragmentIO, PackIO):
@@ -96,8 +109,13 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         self._calls = threading.Condition()  # guards _closed, _in_flight and _shut (``in_flight``)
         self._in_flight = 0
         self._shut = False  # the index closed (``_finish_close``)
+        self.room = IndexRoom(self.data_dir / "index", config.index_reserve_bytes)
+        self.room.release_if_full()
         fresh = self._open_data_dir(config)
         config = self.config
+        if not self.room.ensure():
+            log.warning("no room for the index's spare file (%d bytes) on a full filesystem: puts are refused "
+                        "until deletions or gc free space", config.index_reserve_bytes)
         self.code = codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
         # Two pools, so that no task ever waits on a task queued behind it in its own pool:
         # ``_pool`` runs single fragment reads/writes (leaf work); ``_batch_pool`` runs one
@@ -114,7 +132,8 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         self.counters: dict[str, int] = {
             "puts": 0, "puts_deduplicated": 0, "gets": 0, "get_misses": 0, "degraded_reads": 0,
             "unrecoverable": 0, "bytes_in": 0, "bytes_out": 0, "evicted": 0, "fragment_rewrites": 0,
-            "compacted_entries": 0, "read_retries": 0, "read_timeouts": 0, "rejected_packs": 0,
+            "compacted_entries": 0, "read_retries": 0, "read_timeouts": 0, "write_timeouts": 0,
+            "rejected_packs": 0,
         }
         if not fresh:
             # Asked at once: a remote target that does not answer costs its timeouts once, not per target.
@@ -167,6 +186,23 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                     self._count("puts_deduplicated")
                     continue
                 todo.append(i)
+        if todo:
+            self.room.check_put()  # the index's spare room is never spent on a put (kvstore.diskroom)
+        for attempt in itertools.count():
+            try:
+                return self._write_and_index(items, todo, list(seen), now, result)
+            except FilesSwept as exc:  # nothing indexed, its files removed: again, under new generations
+                if attempt == SWEPT_RETRIES:
+                    raise
+                log.info("put: %s; writing it again", exc)
+
+    def _write_and_index(self, items: Sequence[PutItem], todo: list[int], put_keys: list[bytes], now: int,
+                         result: list[bool]) -> list[bool]:
+        """Steps 3-6 of ``put_many`` for ``items[i]`` of each ``i`` in ``todo``, filling ``result``.
+        ``FilesSwept`` (nothing indexed, the files written removed) when an orphan sweep took one
+        of them before the index commit (``FragmentIO._check_unswept_txn``)."""
+        with self.index.env.begin() as txn:  # before the first file: see kvstore.orphans
+            since = self.index.sweep_decisions(txn)
         # 3-4: fragments durable first. A batch (``pack_batches``) is encoded whole under one
         # generation and published as one pack file per target (``_write_pack``); if that
         # fails, or for a single put, fragment by fragment: where writes wait (see
@@ -202,16 +238,17 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             for i, names in placed.items():
                 self._discard(encs[i], dict(enumerate(names)))
             raise
-        # 5-6: one index transaction for the batch; then capacity. The orphan sweep removes
-        # unindexed files older than orphan_grace_s: a write that took over half of it (slow
-        # targets, a huge batch, a long wait for the index's writer lock) may be losing its
-        # first files to a GC right now, so it is not indexed (``_check_in_time``).
+        # 5-6: one index transaction for the batch; then capacity. Inside it, files an orphan
+        # sweep took since ``since`` was read are not indexed (``_check_unswept_txn``), nor
+        # files a write took over half of orphan_grace_s to reach it with (``_check_in_time``:
+        # for sweeps of versions that do not record their decisions in the index).
         order = list(encs)
         try:
             created = self._index_new([(encs[i].ek, replace(encs[i].meta_base, targets=placed[i],
                                                              offsets=offsets.get(i, ()))) for i in order], now,
-                                      written_at=(started, f"writing {len(encs)} entries"), put_keys=list(seen))
-        except WrittenTooLongAgo:
+                                      written_at=(started, f"writing {len(encs)} entries"), put_keys=put_keys,
+                                      unswept=(since, self._paths_of(encs, placed, offsets)))
+        except (WrittenTooLongAgo, FilesSwept, IndexFull):
             self._discard_unused_packs(encs, placed, offsets, result)
             for i, names in placed.items():
                 if i not in offsets:
@@ -226,7 +263,8 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
     def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int,
                    written_at: tuple[float, str] | None = None, fresh_gens: Sequence[bytes] = (),
-                   put_keys: Sequence[bytes] | None = None) -> list[bool]:
+                   put_keys: Sequence[bytes] | None = None,
+                   unswept: tuple[int, Sequence[tuple[str, str]]] | None = None) -> list[bool]:
         """Steps 5-6 for records whose fragments are durable: one transaction inserting each
         record whose key is free (absent or expired; a lost record of it goes to the
         graveyard), ``False`` where a live entry won the race (the caller removes or keeps the
@@ -235,31 +273,42 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         transaction, ``WrittenTooLongAgo`` (nothing indexed) when that was too long ago;
         ``fresh_gens``: ``GenerationTaken`` (nothing indexed) when a record already names one.
         ``put_keys``: every entry key of the put, in its order, those found already stored
-        before any work included (default: the records'), which its eviction pass keeps."""
+        before any work included (default: the records'), which its eviction pass keeps.
+        ``unswept`` (the sweep count read before the first file was written, and the files'
+        ``(target, rel)``): ``FilesSwept`` (nothing indexed) when an orphan sweep took one of
+        them (``FragmentIO._check_unswept_txn``). ``IndexFull`` (nothing indexed) when the
+        index's filesystem has no room for the commit (``kvstore.diskroom``)."""
         created: list[bool] = []
-        with self.index.env.begin(write=True) as txn:
-            if written_at is not None:
-                self._check_in_time(*written_at)
-            taken = [g for g in fresh_gens if self.index.pack_info(txn, g) is not None]
-            if taken:
-                raise GenerationTaken(taken)
-            for ek, meta in records:
-                old = self.index.get_meta(txn, ek)
-                if old is not None:
-                    if not old.expired(now):
-                        created.append(False)
-                        continue
-                    self.index.remove_txn(txn, ek, old, now)
-                lost = self.index.get_lost(txn, ek)
-                if lost is not None:
-                    self.index.drop_lost_txn(txn, ek, lost, now, to_grave=True)
-                self.index.insert_txn(txn, ek, meta)
-                created.append(True)
-            # A loser's share of a pack stays in it: dead from the start (index invariant 6).
-            for (ek, meta), c in zip(records, created):
-                if not c and meta.offsets:
-                    self.index.pack_dead_txn(txn, meta.gen, packed_bytes(meta))
-            self._flush_touches_txn(txn)
+        try:
+            with self.index.env.begin(write=True) as txn:
+                if written_at is not None:
+                    self._check_in_time(*written_at)
+                if unswept is not None:
+                    self._check_unswept_txn(txn, *unswept)
+                taken = [g for g in fresh_gens if self.index.pack_info(txn, g) is not None]
+                if taken:
+                    raise GenerationTaken(taken)
+                for ek, meta in records:
+                    old = self.index.get_meta(txn, ek)
+                    if old is not None:
+                        if not old.expired(now):
+                            created.append(False)
+                            continue
+                        self.index.remove_txn(txn, ek, old, now)
+                    lost = self.index.get_lost(txn, ek)
+                    if lost is not None:
+                        self.index.drop_lost_txn(txn, ek, lost, now, to_grave=True)
+                    self.index.insert_txn(txn, ek, meta)
+                    created.append(True)
+                # A loser's share of a pack stays in it: dead from the start (index invariant 6).
+                for (ek, meta), c in zip(records, created):
+                    if not c and meta.offsets:
+                        self.index.pack_dead_txn(txn, meta.gen, packed_bytes(meta))
+                self._flush_touches_txn(txn)
+        except lmdb.Error as exc:  # nothing indexed: the caller removes the files
+            if self.room.no_space(exc):
+                raise IndexFull(str(self.room.full_error(exc, f"indexing {len(records)} entries"))) from exc
+            raise
         n_new = sum(created)
         self._count("puts", n_new)
         self._count("bytes_in", sum(m.plain_len for (_, m), c in zip(records, created) if c))
@@ -428,8 +477,18 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             self._touches[ek] = now
             due = self.clock() - self._last_flush >= self.config.access_flush_s
         if due:  # on whatever thread reads (a batch worker too): not a public call of its own
+            self._flush_touches_or_drop()
+
+    def _flush_touches_or_drop(self) -> None:
+        """Write the batched access times; on a full index filesystem they are dropped and
+        logged instead (access times are approximate: a read or a close never fails for them)."""
+        try:
             with self.index.env.begin(write=True) as txn:
                 self._flush_touches_txn(txn)
+        except lmdb.Error as exc:
+            if not self.room.no_space(exc):
+                raise
+            log.warning("access times not written, the index's filesystem is full: %s", exc)
 
     def _flush_touches_txn(self, txn) -> None:
         with self._touch_lock:
@@ -446,6 +505,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
     # ------------------------------------------------------------------ delete, pin
     @in_flight
+    @frees_space
     def delete(self, key: bytes, *, kind: str = "block") -> bool:
         self._check_open()
         ek = ekey(EntryKind.parse(kind).code, check_key(key))
@@ -511,6 +571,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             return self.index.counter(txn, "used_bytes")
 
     @in_flight
+    @frees_space
     def evict_to(self, goal_bytes: int, *, dry_run: bool = False) -> int:
         """Evict until at most ``goal_bytes`` are used (``kvstore.maintenance.evict``: lost
         entries first, then least recently used; never pinned ones). Returns the count."""
@@ -520,6 +581,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
     # ------------------------------------------------------------------ maintenance, stats
     @in_flight
+    @frees_space
     def gc(self, *, dry_run: bool = False, orphans: bool = True, progress: Callable | None = None) -> dict:
         from kvstore.maintenance import run_gc
 
@@ -568,8 +630,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                 return
             self._shut = True
         try:
-            with self.index.env.begin(write=True) as txn:
-                self._flush_touches_txn(txn)
+            self._flush_touches_or_drop()
         finally:
             # A read abandoned at read_timeout_s may still hold a worker: not waited for past a bound.
             shutdown_all([self._batch_pool, self._pool, *self._target_pools_all()], wait=not deferred,

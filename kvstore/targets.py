@@ -217,6 +217,7 @@ class Target:
     # ``_asking``'s breaker: when it last could not be asked, why, for how long not to ask again
     _unreachable_at, _unreachable_why, _unreachable_for = -math.inf, "", 0.0
     _stalled, _stalled_lock = 0, threading.Lock()  # reads past their caller's timeout, running; one lock for all
+    _writes_stalled = 0  # writes past ``write_timeout_s``, running (under ``_stalled_lock`` too)
 
     def __init__(self, spec: TargetSpec):
         self.spec = spec
@@ -244,13 +245,27 @@ class Target:
 
     def read_stalled(self, fut: Future) -> None:
         """Count ``fut`` (a read of this target past its caller's timeout) until it ends."""
-        with self._stalled_lock:
-            self._stalled += 1
-        fut.add_done_callback(self._read_ended)
+        self._count_until_done("_stalled", fut)
 
-    def _read_ended(self, _fut: Future) -> None:
-        with self._stalled_lock:
-            self._stalled -= 1
+    def _count_until_done(self, counter: str, fut: Future) -> None:
+        """Add one to the counter attribute ``counter`` now and take it off when ``fut`` ends."""
+        def bump(delta: int) -> None:
+            with self._stalled_lock:
+                setattr(self, counter, getattr(self, counter) + delta)
+
+        bump(1)
+        fut.add_done_callback(lambda _fut: bump(-1))
+
+    def writes_stalled(self) -> str:
+        """Why this target is not to be asked for more writes now ("": ask it): a write of it ran
+        past ``write_timeout_s`` and still runs (a hung mount or endpoint would hold every new
+        write for the whole timeout too; ``FragmentIO._run_writes``)."""
+        n = self._writes_stalled
+        return f"target {self.name} not asked: {n} writes of it still run past write_timeout_s" if n else ""
+
+    def write_stalled(self, fut: Future) -> None:
+        """Count ``fut`` (a write of this target past its caller's timeout) until it ends."""
+        self._count_until_done("_writes_stalled", fut)
 
     def location(self) -> tuple:
         """Where this target's files live, as comparable as its filesystem allows: two targets

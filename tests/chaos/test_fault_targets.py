@@ -7,6 +7,9 @@ Limits of the embedded store and where each is reached here:
     than k answer in time the late reads are awaited (slow is not lost).
   * write fallback to spare targets: used while spares last; exhausted gives
     ``StoreUnavailable`` (EIO) or ``CapacityExceeded`` (ENOSPC) and stores nothing.
+  * ``write_timeout_s``: a hung write fails its fragment within the timeout (a spare takes
+    it; without one the put fails ``StoreUnavailable``), single puts and packs alike, and the
+    hung target is not asked again while its write still runs.
   * fewer than k good fragments: ``Unrecoverable``, never wrong bytes; repair restores.
 Every mutating test ends with ``check()`` clean.
 """
@@ -18,7 +21,7 @@ import time
 
 import pytest
 
-from kvstore import CapacityExceeded, StoreUnavailable, Unrecoverable, faults, targets
+from kvstore import CapacityExceeded, PutItem, StoreUnavailable, Unrecoverable, faults, targets
 from kvstore.index import ekey
 
 from .conftest import K, V, assert_clean
@@ -27,6 +30,13 @@ from .conftest import K, V, assert_clean
 def frag_targets(store, key: bytes) -> list[str]:
     with store.index.env.begin() as txn:
         return list(store.index.get_meta(txn, ekey(1, key)).targets)
+
+
+def targets_of_placement(store, key: bytes) -> list[str]:
+    """The k+m targets rendezvous hashing picks for ``key`` (where a put tries first)."""
+    from kvstore.placement import place
+
+    return place(key, store.target_specs, store.config.ec_k + store.config.ec_m)
 
 
 def _put_some(store, n=8, size=3000):
@@ -533,3 +543,53 @@ def test_an_object_delete_whose_bucket_vanished_before_rm_is_no_answer():
     t.fs = RacedFS(bucket_gone=True)
     with pytest.raises(targets.TargetUnavailable, match="root missing"):
         t.delete("a/f2")
+
+
+def _wait_writes_ended(fs, bound_s: float = 10.0) -> None:
+    """Until no write abandoned at ``write_timeout_s`` still runs (bounded), so check() sees
+    the files the late writes published."""
+    deadline = time.monotonic() + bound_s
+    while any(t.writes_stalled() for t in fs.store.targets.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_write_timeout_moves_a_hung_fragment_to_a_spare(faulty_store):
+    """A target whose writes hang (a stalled mount or object store): before, a put waited for
+    it as long as it hung. Now the fragment fails at ``write_timeout_s``, a spare takes it,
+    and the next put does not ask the hung target while its write still runs."""
+    fs = faulty_store(n=5, k=2, m=2, write_timeout_s=0.1)
+    hung_name = fs.store.target_specs[0].name
+    hung = fs.controls[0].set(latency_s=1.0, latency_p=1.0)
+    keys = [i for i in range(64) if hung_name in targets_of_placement(fs.store, K(i))][:2]
+    for i in keys:
+        t0 = time.monotonic()
+        assert fs.store.put(K(i), V(i))
+        assert time.monotonic() - t0 < 0.8, i  # one step of the hung target takes 1.0 s
+        assert hung_name not in frag_targets(fs.store, K(i))
+        assert fs.store.get(K(i)) == V(i)
+    assert fs.store.counters["write_timeouts"] == 1  # the second put did not ask it
+    assert hung.counts["latency"] == 1
+    fs.calm()
+    _wait_writes_ended(fs)
+    fs.store.gc()  # the late write's file is named by no record there: an orphan
+    assert_clean(fs.store)
+
+
+def test_write_timeout_without_a_spare_fails_the_put_typed(faulty_store):
+    """No spare target left: the put fails ``StoreUnavailable`` within the timeout and
+    stores nothing; a batch (packs first, then fragment by fragment) likewise."""
+    fs = faulty_store(n=4, k=2, m=2, write_timeout_s=0.1)
+    fs.store.put(K(0), V(0))
+    fs.controls[1].set(latency_s=1.0, latency_p=1.0)
+    for items in ([K(1)], [K(2), K(3), K(4)]):
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="write_timeout_s"):
+            fs.store.put_many([PutItem(k, V(1)) for k in items])
+        assert time.monotonic() - t0 < 0.8
+        assert fs.store.lookup(items).hit_blocks == 0
+    assert fs.store.get(K(0)) == V(0)  # reads keep working
+    fs.calm()
+    _wait_writes_ended(fs)
+    fs.store.gc()
+    assert_clean(fs.store)
+    assert fs.store.put(K(1), V(1)) and fs.store.get(K(1)) == V(1)

@@ -283,3 +283,10 @@ def test_a_quoted_number_or_bool_in_a_config_file_is_refused(tmp_path, line) -> 
         load_config(toml, env={})
     value = line.split("=", 1)[1].strip().strip('"')
     assert load_config(None, env={f"KVSTORE_{name.upper()}": value}) is not None  # text from a variable parses
+
+
+@pytest.mark.parametrize("field, value", [("write_timeout_s", -1.0), ("write_timeout_s", 1e12),
+                                          ("index_reserve_bytes", -1), ("index_reserve_bytes", 1 << 41)])
+def test_write_timeout_and_index_reserve_out_of_range_are_refused(field, value) -> None:
+    with pytest.raises(InvalidRequest, match=field):
+        StoreConfig(**{field: value})
