@@ -34,7 +34,9 @@ from kvstore.index import Index, index_remedy
 from kvstore.durability import fsync_dir
 from kvstore.targets import TARGET_TYPES, LocalTarget, Target, localhost_file_url, open_target
 
-DATA_FORMAT_VERSION = 1
+# 2: entries carry their created and expiry times (``kvstore.codec``), so ``kvtool rebuild-index``
+# can give them back; a version 1 directory is refused, never read as version 2.
+DATA_FORMAT_VERSION = 2
 FORMAT_FILE = "kvstore.json"
 
 log = logging.getLogger("kvstore.store")

@@ -68,15 +68,15 @@ def check_index_file(index_dir: str, remedy: str) -> None:
             return  # not LMDB's: lmdb.open refuses it (MDB_INVALID)
         psize = first[0]
         if not (_MIN_PAGE <= psize <= _MAX_PAGE and psize & (psize - 1) == 0):
-            raise CorruptData(f"the index file {path} is damaged: its meta page gives a page size of {psize} "
-                              f"bytes; {remedy}")
+            raise CorruptData(f"the index file {path} cannot be opened: its meta page gives a page size of "
+                              f"{psize} bytes; {remedy}")
         second = _meta(os.pread(fd, _META_LEN, psize)) if size >= psize + _META_LEN else None
         if second is None and size >= psize + _META_LEN:
             return  # its second meta page is not LMDB's: lmdb.open refuses it (MDB_INVALID)
         need = (max(first[1], second[1] if second else 1) + 1) * psize
         if size < need:
             raise CorruptData(
-                f"the index file {path} is truncated: {size} bytes, where its meta pages name "
-                f"{need} ({need // psize} pages of {psize}); opening it would crash the process (SIGBUS): {remedy}")
+                f"the index file {path} cannot be opened: it is truncated ({size} bytes, where its meta pages "
+                f"name {need}: {need // psize} pages of {psize}; mapping it would crash the process): {remedy}")
     finally:
         os.close(fd)

@@ -14,6 +14,7 @@ Usage (global options go before or after the subcommand)::
     kvtool repair ./kvstack-data
     kvtool stats --json file:///var/lib/kv
     kvtool delete ./kvstack-data --key HEX --kind swa
+    kvtool rebuild-index ./kvstack-data              # a new index from the fragments (index lost or damaged)
     KVSTORE_TOKEN=... kvtool verify grpc://10.0.0.5:7070 --timeout 600
     kvtool stats grpc://h1:7070,grpc://h2:7070        # a sharded set
 
@@ -78,7 +79,7 @@ from kvstore.api import KVStore
 from kvstore.cli.commands import COMMANDS, Command, ExitCode, Outcome
 from kvstore.cli.progress import ProgressBar
 from kvstore.config import load_config
-from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError
+from kvstore.errors import CapacityExceeded, CorruptData, InvalidRequest, KVStoreError
 
 PROG = "kvtool"
 
@@ -414,13 +415,28 @@ def _error_line(cmd: Command, exc: BaseException) -> str:
     return f"{cmd.name}: {exc}"
 
 
-def _run(cmd: Command, args: argparse.Namespace) -> int:
+def _open(cmd: Command, args: argparse.Namespace, progress: ProgressBar) -> KVStore:
+    """``open_store`` for ``cmd``; a data directory refused for its index (``CorruptData``) is
+    handed to ``cmd.recover`` first when the command has one (``rebuild-index``)."""
+    url = resolve_url(args)
     try:
-        store = open_store(resolve_url(args), args.config, daemon_options(args))
+        return open_store(url, args.config, daemon_options(args))
+    except CorruptData:
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if cmd.recover is None or scheme not in CONFIG_SCHEMES:
+            raise
+    args.recovered = cmd.recover(url, args.config, progress)
+    return open_store(url, args.config, daemon_options(args))
+
+
+def _run(cmd: Command, args: argparse.Namespace) -> int:
+    progress = ProgressBar(sys.stderr)
+    try:
+        store = _open(cmd, args, progress)
     except (KVStoreError, OSError) as exc:
+        progress.close()
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE)
-    progress = ProgressBar(sys.stderr)
     try:
         outcome = cmd.run(store, args, progress)
     except (KVStoreError, OSError) as exc:

@@ -116,6 +116,7 @@ class AdminRPC:
             "gc": lambda p: pb.MaintainUpdate(json=self._gc_json(r.dry_run, p)),
             "check": lambda p: pb.MaintainUpdate(problems=self._problems(r.fix, p)),
             "repair": lambda p: pb.MaintainUpdate(json=self._repair_json(p)),
+            "rebuild-index": lambda p: pb.MaintainUpdate(json=json.dumps(self.store.rebuild_index(progress=p))),
         }
         run = ops.get(r.op)
         if run is None:
