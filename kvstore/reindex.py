@@ -270,15 +270,15 @@ def _collect(targets: dict[str, Target], gens: dict[bytes, _Generation], specs: 
 def _index(index: Index, chosen: dict[bytes, Meta], gens: dict[bytes, _Generation], counts: _Counts,
            progress: Progress, *, merge: bool) -> None:
     """Step 4: the records into ``index``, ``INSERT_BATCH`` per transaction. With ``merge`` (an
-    index in use) a key it holds (live or lost) or a generation it names is left as it is."""
+    index in use) a key it holds (live or lost, put meanwhile) is left as it is."""
     items = sorted(chosen.items())
     progress("index", 0, len(items))
     claimed: Counter = Counter()  # pack generation -> bytes of it the indexed records name
     for start in range(0, len(items), INSERT_BATCH):
         with index.env.begin(write=True) as txn:
             for ek, m in items[start:start + INSERT_BATCH]:
-                if merge and (index.get_meta(txn, ek) is not None or index.get_lost(txn, ek) is not None
-                              or index.pack_info(txn, m.gen) is not None):
+                # (its generation was no record's at the scan, and its files were too old for a writer to index)
+                if merge and (index.get_meta(txn, ek) is not None or index.get_lost(txn, ek) is not None):
                     counts.already_indexed += 1
                     continue
                 index.insert_txn(txn, ek, m)
