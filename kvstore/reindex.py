@@ -368,7 +368,7 @@ def rebuild_index(config: StoreConfig, progress: Progress | None = None) -> dict
         os.rename(old, aside)
     os.rename(new_dir, old)
     fsync_dir(str(data_dir))
-    log.warning("rebuild-index: a new index for %s from its fragments%s", data_dir,
+    log.info("rebuild-index: a new index for %s from its fragments%s", data_dir,
                 f"; the damaged one is at {aside}" if aside else "")
     return {**counts.as_dict(), "rebuilt": True, "moved_aside": str(aside) if aside else None,
             "seconds": round(time.monotonic() - started, 3)}
