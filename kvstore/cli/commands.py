@@ -95,6 +95,7 @@ class Command:
     # (data directory, --config file, progress) to make it openable; what it returns is handed to
     # ``run`` as ``args.recovered`` (kvtool then opens the store as usual). None: the refusal stands.
     recover: Callable[[str, str | None, Progress], dict] | None = None
+    description: str = ""  # the command's --help text, when longer than ``help`` (the list's line)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -495,8 +496,8 @@ def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
 
 
 # ----------------------------------------------------------------------------- rebuild-index
-REBUILD_HELP = (
-    "rebuild the index from the fragments on every target (kvstore/reindex.py). On a data directory "
+REBUILD_DESCRIPTION = (
+    "Rebuild the index from the fragments on every target (kvstore/reindex.py). On a data directory "
     "whose index is missing, emptied, truncated or damaged (every other command refuses it): a new index "
     "holds every entry whose fragments still decode, with its key, kind, tokens, layout and times; the "
     "damaged index is moved aside (index.damaged-TIME), never deleted. Stop every process using the "
@@ -629,7 +630,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "an entry with fewer than k good fragments is marked lost until `repair`", _configure_verify, run_verify),
     Command("repair", "rebuild missing or corrupt fragments, restore lost entries that are readable again",
             _configure_none, run_repair),
-    Command("rebuild-index", REBUILD_HELP, _configure_none, run_rebuild_index, recover=_recover_index),
+    Command("rebuild-index", "rebuild a lost or damaged index from the fragments on the targets", _configure_none,
+            run_rebuild_index, recover=_recover_index, description=REBUILD_DESCRIPTION),
     Command("stats", "store statistics", _configure_none, run_stats),
     Command("delete", "delete one entry (e.g. an SWA snapshot: --kind swa)", _configure_delete, run_delete),
 )}

@@ -30,11 +30,11 @@ set) is reached with the client's environment (``DAEMON_ENV``: ``KVSTORE_TOKEN``
 ``--token-file``, ``--ca-file``, ``--cert-file``, ``--key-file`` (a flag wins over
 its variable; there is no ``--token``: a token on the command line is visible to
 every user in the process list). ``--timeout SECONDS`` is the deadline of every call
-to the daemon (default: 60 s, and 3600 s for verify, repair, gc and inspect
---parquet); past it
+to the daemon (default: 60 s, and 3600 s for verify, repair, gc, rebuild-index and
+inspect --parquet); past it
 kvtool says so in one line and exits 2. These flags with a data directory are a
 usage error, as ``--config`` with a daemon is. ``stats``, ``verify``, ``repair``,
-``gc`` and ``inspect`` without ``--key``/``--chain`` (``--parquet`` too) need an admin tenant's
+``gc``, ``rebuild-index`` and ``inspect`` without ``--key``/``--chain`` (``--parquet`` too) need an admin tenant's
 token when the daemon has a tokens file.
 
 Contract:
@@ -133,12 +133,14 @@ daemons:
   STORE may be grpc://HOST:PORT (grpcs:// for TLS) or a comma list of them (a sharded set).
   These reach it, the flag winning over its variable:
     KVSTORE_TOKEN      bearer token (--token-file FILE reads it from a file); stats, verify,
-                       repair, gc, inspect's summary and --parquet need a token of an admin tenant
+                       repair, gc, rebuild-index, inspect's summary and --parquet need a token
+                       of an admin tenant
     KVSTORE_CA_FILE    CA certificate (PEM) that signed the daemon's certificate (--ca-file)
     KVSTORE_CERT_FILE  client certificate for mutual TLS (--cert-file)
     KVSTORE_KEY_FILE   its private key (--key-file)
   --timeout SECONDS   deadline of each call to a daemon (default 60 s; 3600 s for verify,
-                      repair, gc and inspect --parquet); a call past it is one error line, exit 2
+                      repair, gc, rebuild-index and inspect --parquet); a call past it is one
+                      error line, exit 2
   GRPC_VERBOSITY      unset: kvtool silences gRPC's own log lines; set it to see them
 
 exit codes: 0 healthy, 1 problems found (a shard of a sharded set did not answer; gc cannot get under capacity),
@@ -174,7 +176,7 @@ def _common_options(subcommand: bool) -> argparse.ArgumentParser:
                    help="client private key for mutual TLS (default: $KVSTORE_KEY_FILE)")
     d.add_argument("--timeout", metavar="SECONDS", type=seconds, default=dflt(None),
                    help="deadline of each call to the daemon (default: 60, and 3600 for verify, repair, gc, "
-                        "inspect --parquet)")
+                        "rebuild-index, inspect --parquet)")
     return p
 
 
@@ -218,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Inspect, verify, repair and clean a kvstack store.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=textwrap.fill(cmd.help, 80),
+        p = sub.add_parser(cmd.name, help=cmd.help, description=textwrap.fill(cmd.description or cmd.help, 80),
                            parents=[_common_options(True)], epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # the epilog's layout kept
         p.add_argument("store", nargs="?", default=None, help="store path or URL")
