@@ -10,11 +10,11 @@ it into the caller's buffer and verifies it there) or raises ``CorruptData`` /
 
 Entry (the plain record, before erasure coding), little-endian::
 
-    0      4     6     7      8        16        24      28           44     60     61    62        70        78
-    +------+-----+-----+------+--------+---------+-------+------------+------+------+-----+---------+---------+----------+---------+
-    | KVE1 | ver | kind| codec| plain  | stored  |tokens | xxh3-128   | key  |dtype |ndim | created | expires | dims     | payload |
-    |      | u16 | u8  | u8   | len u64| len u64 | u32   | of plain   | 16 B | u8   | u8  | ns u64  | ns u64  | ndim*u64 | stored  |
-    +------+-----+-----+------+--------+---------+-------+------------+------+------+-----+---------+---------+----------+---------+
+    0      4     6    7     8       16      24     28        44    60    61   62      70      78
+    +------+-----+----+-----+-------+-------+------+---------+-----+-----+----+-------+-------+---------+-------+
+    | KVE1 | ver |kind|codec| plain | stored|tokens| xxh3-128| key |dtype|ndim|created|expires| dims    |payload|
+    |      | u16 | u8 | u8  |len u64|len u64| u32  | of plain| 16 B| u8  | u8 | ns u64| ns u64|ndim*u64 |stored |
+    +------+-----+----+-----+-------+-------+------+---------+-----+-----+----+-------+-------+---------+-------+
 
     codec 0 = raw, 1 = zstd. The checksum covers the *plain* payload, so a
     decompression bug is caught as well as a flipped bit. ``created`` and ``expires``

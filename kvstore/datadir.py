@@ -255,7 +255,8 @@ class DataDir:
                 and (marker.get("index_id") or _holds_files(self.data_dir / "targets"))):
             raise CorruptData(
                 f"the index of data directory {self.data_dir} is missing or empty ({index_dir / 'data.mdb'}); "
-                f"opening it would make every stored fragment an orphan for GC to delete. {index_remedy(str(index_dir))}")
+                "opening it would make every stored fragment an orphan for GC to delete; "
+                f"{index_remedy(str(index_dir))}")
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -278,7 +279,7 @@ class DataDir:
                 raise CorruptData(
                     f"the index at {index_dir} is not the one data directory {self.data_dir} was created with "
                     "(it was recreated or copied from another directory); opening it would make every stored "
-                    f"fragment an orphan for GC to delete. {index_remedy(str(index_dir))}")
+                    f"fragment an orphan for GC to delete; {index_remedy(str(index_dir))}")
             if not fresh:
                 self._refuse_foreign_targets(rewrite)
                 self._refuse_renamed_targets(marker)

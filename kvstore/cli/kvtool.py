@@ -34,8 +34,8 @@ to the daemon (default: 60 s, and 3600 s for verify, repair, gc, rebuild-index a
 inspect --parquet); past it
 kvtool says so in one line and exits 2. These flags with a data directory are a
 usage error, as ``--config`` with a daemon is. ``stats``, ``verify``, ``repair``,
-``gc``, ``rebuild-index`` and ``inspect`` without ``--key``/``--chain`` (``--parquet`` too) need an admin tenant's
-token when the daemon has a tokens file.
+``gc``, ``rebuild-index`` and ``inspect`` without ``--key``/``--chain`` (``--parquet`` too)
+need an admin tenant's token when the daemon has a tokens file.
 
 Contract:
 * kvtool never creates a store: a local path without ``kvstore.json`` is a
