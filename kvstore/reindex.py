@@ -44,7 +44,10 @@ Two callers:
 
 What a rebuilt record does not have back: its pin (entries come back unpinned), its last
 access (set to its creation, so LRU evicts rebuilt entries oldest first), and its lost
-state (an entry that does not decode is not indexed). A daemon's per-tenant quota usage
+state (an entry that does not decode is not indexed). An entry deleted, evicted or expired
+whose files GC had not removed yet (they wait ``delete_grace_s`` and the next gc) comes back
+from a rebuild of a lost index, unless expired: its bytes are the ones put under its key,
+so no read is wrong, but the delete is undone. A daemon's per-tenant quota usage
 (``<data_dir>/server/quota``) is kept as it was, not recomputed.
 """
 
