@@ -65,3 +65,12 @@ def test_rebuild_index_through_the_daemon_keeps_tenant_keys(make_daemon, run_too
         assert b.get_many(list(later)) == [None] * len(later)
     code, out, err = run_tool("verify", d.address)
     assert code == 0, (out, err)
+
+
+def test_rebuild_index_on_a_sharded_set_sums_the_shards(make_daemon, run_tool) -> None:  # noqa: F811
+    a, b = make_daemon("a"), make_daemon("b")
+    with kvstore.connect(f"{a.address},{b.address}") as s:
+        assert all(s.put_many([PutItem(K(i), os.urandom(500)) for i in range(20)]))
+    code, out, err = run_tool("rebuild-index", f"{a.address},{b.address}", "--json")
+    assert code == 0, (out, err)
+    assert '"entries": 0' in out and '"already_indexed": ' in out and f'"{a.address}"' in out, out
