@@ -12,13 +12,14 @@ tokens, layout, created and expiry times. So the index can be recomputed from th
    them into fragments (``codec.split_pack``), plus its fragment files; keep each fragment
    whose checksum verifies and whose header agrees with where it was found; group by entry.
    An entry with at least k good fragments is decoded and its entry checksum verified, as a
-   read does: only then does it count. Nothing unverified is indexed, so a rebuilt store never
-   returns a wrong byte; an entry that does not decode is counted and left to GC.
+   read does: only then does it count (one over ``max_value_bytes`` does not: raise the
+   limit and run again). Nothing unverified is indexed, so a rebuilt store never returns a
+   wrong byte; an entry that does not decode is counted and left to GC.
 3. **Choose.** One record per entry key: of several generations (a re-put after a delete
    whose files were not purged yet, a compaction's old pack), the latest created wins; an
    entry whose expiry has passed is left out (GC sweeps its files as orphans). A slot whose
-   fragment was found nowhere is recorded on the target placement gives it, as a file of its
-   own: ``verify`` reports it missing and ``repair`` rebuilds it there.
+   fragment was found nowhere is recorded on a target placement ranks for the key, as a file
+   of its own: ``verify`` reports it missing and ``repair`` rebuilds it there.
 4. **Index** the records (``Index.insert_txn``: orderings, counters, pack records); a pack's
    bytes that no chosen record names are counted dead (``Index.pack_dead_txn``), so GC
    compacts it as it would have.
@@ -232,7 +233,8 @@ def _decode(ek: bytes, found: list[_Found], ec_type: str, specs: list, max_plain
     targets: list[str | None] = [slots[i][0] if i in slots else None for i in range(k + m)]
     packed = any(f[1] is not None for f in slots.values())
     offsets = [slots[i][1] if i in slots and slots[i][1] is not None else STANDALONE for i in range(k + m)]
-    if None in targets:  # recorded where placement puts it, as a file of its own: repair rebuilds it there
+    if None in targets:  # on the target placement ranks first among those holding none of its others, as a
+        # file of its own: repair rebuilds it there (a lost disk replaced by an empty one: that disk)
         counts.entries_degraded += 1
         spare = [t for t in place(ek[1:], specs, len(specs)) if t not in targets]
         targets = [t if t is not None else spare.pop(0) if spare else "" for t in targets]
