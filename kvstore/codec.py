@@ -10,14 +10,18 @@ it into the caller's buffer and verifies it there) or raises ``CorruptData`` /
 
 Entry (the plain record, before erasure coding), little-endian::
 
-    0      4     6     7      8        16        24      28           44     60     61    62
-    +------+-----+-----+------+--------+---------+-------+------------+------+------+-----+----------+---------+
-    | KVE1 | ver | kind| codec| plain  | stored  |tokens | xxh3-128   | key  |dtype |ndim | dims     | payload |
-    |      | u16 | u8  | u8   | len u64| len u64 | u32   | of plain   | 16 B | u8   | u8  | ndim*u64 | stored  |
-    +------+-----+-----+------+--------+---------+-------+------------+------+------+-----+----------+---------+
+    0      4     6    7     8       16      24     28        44    60    61   62      70      78
+    +------+-----+----+-----+-------+-------+------+---------+-----+-----+----+-------+-------+---------+-------+
+    | KVE1 | ver |kind|codec| plain | stored|tokens| xxh3-128| key |dtype|ndim|created|expires| dims    |payload|
+    |      | u16 | u8 | u8  |len u64|len u64| u32  | of plain| 16 B| u8  | u8 | ns u64| ns u64|ndim*u64 |stored |
+    +------+-----+----+-----+-------+-------+------+---------+-----+-----+----+-------+-------+---------+-------+
 
     codec 0 = raw, 1 = zstd. The checksum covers the *plain* payload, so a
-    decompression bug is caught as well as a flipped bit.
+    decompression bug is caught as well as a flipped bit. ``created`` and ``expires``
+    (nanoseconds since the epoch, 0 = no expiry) are the put's, as its index record has
+    them when it is written; they are what ``kvtool rebuild-index`` (``kvstore.reindex``)
+    gives an entry back when the index is lost. The key is the key as stored (a daemon's
+    tenant key), so a rebuilt index holds every entry under the key it had.
 
 Fragment file (one per target; ``body`` is a pyeclib fragment)::
 
@@ -37,7 +41,7 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import xxhash
 import zstandard
@@ -47,9 +51,9 @@ from kvstore.errors import CorruptData, IncompatibleFormat, InvalidRequest
 
 ENTRY_MAGIC = b"KVE1"
 FRAG_MAGIC = b"KVF1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the entry header carries its created and expiry times (version 1 did not)
 
-_ENTRY_HEAD = struct.Struct("<4sHBBQQI16s16sBB")  # 62 bytes, then ndim * u64 dims
+_ENTRY_HEAD = struct.Struct("<4sHBBQQI16s16sBBQQ")  # 78 bytes, then ndim * u64 dims
 _FRAG_HEAD = struct.Struct("<4sHBBBBH16s8sQQQ")  # 60 bytes
 ENTRY_HEADER_MIN = _ENTRY_HEAD.size
 ENTRY_HEADER_MAX = ENTRY_HEADER_MIN + 8 * 8  # with 8 dims
@@ -91,6 +95,8 @@ class EntryHeader:
     key: bytes
     layout: Layout
     header_len: int
+    created_ns: int = 0
+    expires_ns: int = 0  # 0: no expiry
 
 
 def encode_entry(
@@ -103,6 +109,8 @@ def encode_entry(
     compression: str,
     zstd_level: int,
     min_ratio: float,
+    created_ns: int = 0,
+    expires_ns: int = 0,
 ) -> bytes:
     """Self-describing entry bytes; zstd only when it shrinks by ``min_ratio`` or more.
 
@@ -123,7 +131,7 @@ def encode_entry(
         raise InvalidRequest(f"tokens must be in [0, 2**32), got {tokens}")
     head = _ENTRY_HEAD.pack(
         ENTRY_MAGIC, FORMAT_VERSION, kind.code, codec, len(plain), len(stored), tokens,
-        xxhash.xxh3_128_digest(plain), key, layout.dtype_code, len(layout.shape),
+        xxhash.xxh3_128_digest(plain), key, layout.dtype_code, len(layout.shape), created_ns, expires_ns,
     )
     dims = struct.pack(f"<{len(layout.shape)}Q", *layout.shape)
     return b"".join((head, dims, stored))
@@ -141,7 +149,7 @@ def _worth_compressing(plain: memoryview, level: int, min_ratio: float) -> bool:
 def decode_entry_header(buf: bytes | memoryview, *, max_plain: int) -> EntryHeader:
     if len(buf) < ENTRY_HEADER_MIN:
         raise CorruptData(f"entry of {len(buf)} bytes is shorter than its header")
-    magic, ver, kind_code, codec, plain_len, stored_len, tokens, csum, key, dt, ndim = (
+    magic, ver, kind_code, codec, plain_len, stored_len, tokens, csum, key, dt, ndim, created, expires = (
         _ENTRY_HEAD.unpack_from(buf, 0)
     )
     if magic != ENTRY_MAGIC:
@@ -163,7 +171,7 @@ def decode_entry_header(buf: bytes | memoryview, *, max_plain: int) -> EntryHead
         layout = Layout.from_code(dt, dims)
     except InvalidRequest as exc:
         raise CorruptData(f"entry header: {exc}") from exc
-    return EntryHeader(ver, kind, codec, plain_len, stored_len, tokens, csum, key, layout, hlen)
+    return EntryHeader(ver, kind, codec, plain_len, stored_len, tokens, csum, key, layout, hlen, created, expires)
 
 
 def decode_entry(buf: bytes | memoryview, *, max_plain: int) -> tuple[EntryHeader, bytes]:
@@ -529,3 +537,25 @@ def erasure_code(k: int, m: int, ec_type: str) -> ErasureCode:
                 ) from None
             code = _codes[key] = factory(k, m, ec_type)
     return code
+
+
+def split_pack(buf: bytes | memoryview) -> Iterator[tuple[int, memoryview]]:
+    """The fragments of a pack file (``kvstore.targets.pack_path``: fragments back to back), as
+    (offset, bytes), each delimited by its header's body length; nothing is verified here (the
+    caller parses each with ``parse_fragment``). Where a header is not one (a damaged stretch),
+    the next fragment magic is looked for, so one bad fragment costs only itself; a false
+    match in a body fails its checksum later."""
+    view = memoryview(buf)
+    data: bytes | None = None  # for ``find`` (a memoryview has none), made on the first damaged stretch
+    off = 0
+    while off + FRAG_HEADER_LEN <= len(view):
+        magic, ver, *_rest, blen, _csum = _FRAG_HEAD.unpack_from(view, off)
+        end = off + FRAG_HEADER_LEN + blen
+        if magic == FRAG_MAGIC and ver == FORMAT_VERSION and end <= len(view):
+            yield off, view[off:end]
+            off = end
+            continue
+        data = bytes(view) if data is None else data
+        off = data.find(FRAG_MAGIC, off + 1)
+        if off < 0:
+            return

@@ -30,11 +30,13 @@ from kvstore import codec
 from kvstore.config import (DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_EC_TYPE, StoreConfig, TargetSpec,
                             split_userinfo, target_name)
 from kvstore.errors import CorruptData, IncompatibleFormat, InvalidRequest
-from kvstore.index import Index
+from kvstore.index import Index, index_remedy
 from kvstore.durability import fsync_dir
 from kvstore.targets import TARGET_TYPES, LocalTarget, Target, localhost_file_url, open_target
 
-DATA_FORMAT_VERSION = 1
+# 2: entries carry their created and expiry times (``kvstore.codec``), so ``kvtool rebuild-index``
+# can give them back; a version 1 directory is refused, never read as version 2.
+DATA_FORMAT_VERSION = 2
 FORMAT_FILE = "kvstore.json"
 
 log = logging.getLogger("kvstore.store")
@@ -253,8 +255,8 @@ class DataDir:
                 and (marker.get("index_id") or _holds_files(self.data_dir / "targets"))):
             raise CorruptData(
                 f"the index of data directory {self.data_dir} is missing or empty ({index_dir / 'data.mdb'}); "
-                "opening it would make every stored fragment an orphan for GC to delete. Restore the "
-                "index from a copy, or move the directory aside and start a fresh one")
+                "opening it would make every stored fragment an orphan for GC to delete; "
+                f"{index_remedy(str(index_dir))}")
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -277,7 +279,7 @@ class DataDir:
                 raise CorruptData(
                     f"the index at {index_dir} is not the one data directory {self.data_dir} was created with "
                     "(it was recreated or copied from another directory); opening it would make every stored "
-                    "fragment an orphan for GC to delete. Restore the directory's own index")
+                    f"fragment an orphan for GC to delete; {index_remedy(str(index_dir))}")
             if not fresh:
                 self._refuse_foreign_targets(rewrite)
                 self._refuse_renamed_targets(marker)

@@ -129,7 +129,8 @@ class DirectWriter(FragmentIO, PackIO):
             min_compress_ratio=d.min_compress_ratio or StoreConfig.min_compress_ratio,
             pack_bytes=d.pack_bytes or StoreConfig.pack_bytes, fsync=d.fsync,
             parallel_writes=d.parallel_writes or "auto",
-            orphan_grace_s=d.orphan_grace_s or StoreConfig.orphan_grace_s)
+            orphan_grace_s=d.orphan_grace_s or StoreConfig.orphan_grace_s,
+            default_ttl_s=d.default_ttl_s or None)
         self.target_specs = specs
         self.targets: dict[str, Target] = {s.name: open_target(s) for s in specs}
         self.code = codec.erasure_code(d.ec_k, d.ec_m, d.ec_type)

@@ -267,7 +267,8 @@ class FragmentIO(LocalFastReads):
         entries with it (``PackIO._rewrite``), which a lowered limit must not refuse."""
         cfg = self.config
         entry = codec.encode_entry(key, k, payload, lay, tokens, compression=cfg.compression,
-                                   zstd_level=cfg.zstd_level, min_ratio=cfg.min_compress_ratio)
+                                   zstd_level=cfg.zstd_level, min_ratio=cfg.min_compress_ratio,
+                                   created_ns=now, expires_ns=expires)
         bodies = self.code.encode(entry)
         frames = [codec.fragment_parts(i, cfg.ec_k, cfg.ec_m, k.code, key, gen, len(entry), b)
                   for i, b in enumerate(bodies)]

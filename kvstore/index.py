@@ -73,6 +73,7 @@ import lmdb
 
 from kvstore.config import target_name
 from kvstore.errors import CorruptData, IncompatibleFormat, InternalError, InvalidRequest, StoreUnavailable
+from kvstore.index_file import check_index_file
 from kvstore.pathholds import PathHolds
 
 INDEX_FORMAT = 1
@@ -124,6 +125,13 @@ def packed_bytes(m: Meta) -> int:
     return m.frag_len * sum(1 for o in m.offsets if o != STANDALONE) if m.offsets else 0
 
 
+def index_remedy(path: str) -> str:
+    """What an operator can do about the damaged index at ``path`` (``<data_dir>/index``)."""
+    data_dir = os.path.dirname(os.path.abspath(path))
+    return (f"rebuild it from the fragments with `kvtool rebuild-index {data_dir}` (the damaged index is moved "
+            "aside), or restore it from a copy")
+
+
 def ekey(kind_code: int, key: bytes) -> bytes:
     return bytes((kind_code,)) + key
 
@@ -137,6 +145,8 @@ class Index:
                  compact_ratio: float = 0.5):
         self.compact_ratio = compact_ratio
         os.makedirs(path, exist_ok=True)
+        remedy = index_remedy(path)
+        check_index_file(path, remedy)  # a truncated file is refused before LMDB maps it (a SIGBUS)
         try:
             self.env = lmdb.open(
                 path, map_size=map_size, max_dbs=len(self.DBS) + 1, sync=sync, metasync=sync,
@@ -149,8 +159,7 @@ class Index:
             if "already open in this process" in str(exc):  # a store not yet closed (its last call still running)
                 raise StoreUnavailable(f"the index at {path} is still open in this process ({exc}): close the "
                                        "store that holds it, or retry once its calls have ended") from exc
-            raise CorruptData(f"the index at {path} cannot be opened ({exc}); restore it from a copy, or "
-                              "move the data directory aside and start a fresh one") from exc
+            raise CorruptData(f"the index at {path} cannot be opened ({exc}); {remedy}") from exc
         try:
             self.db = {name.decode(): self.env.open_db(name) for name in self.DBS}
             self._tid: dict[str, int] = {}
@@ -168,8 +177,7 @@ class Index:
             self._load_tids()
         except lmdb.Error as exc:
             self.env.close()
-            raise CorruptData(f"the index at {path} is damaged ({exc}); restore it from a copy, or "
-                              "move the data directory aside and start a fresh one") from exc
+            raise CorruptData(f"the index at {path} is damaged ({exc}); {remedy}") from exc
         except BaseException:
             self.env.close()
             raise

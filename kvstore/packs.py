@@ -274,7 +274,8 @@ class PackIO:
         """Compaction (``kvstore.maintenance``): read these live entries of one pack, write
         them into a new pack, and swap each record whose generation did not change meanwhile;
         the old records go to the graveyard (readers holding them finish within the grace)
-        and the old pack goes with the last of them. Times, TTL and pin are kept. An entry
+        and the old pack goes with the last of them. Times, TTL and pin are kept (the new
+        entry headers carry the record's created and expiry times, as a put's do). An entry
         that fails to read stays where it is (if lost, the read marked it; if its targets could
         not be asked, ``StoreUnavailable``, it is moved by a later pass); so does one that cannot
         be encoded again (logged). Entries are moved, not put: a put's admission limits
@@ -296,7 +297,8 @@ class PackIO:
             try:
                 kind = EntryKind.from_code(ek[0])
                 payload, lay = as_payload(bytes(plain), h.layout)
-                encs.append((ek, m, self._encode_entry(ek[1:], kind, payload, lay, h.tokens, gen, 0, 0)))
+                encs.append((ek, m, self._encode_entry(ek[1:], kind, payload, lay, h.tokens, gen,
+                                                                 m.created_ns, m.expires_ns)))
             except (InvalidRequest, CorruptData) as exc:  # a record this version cannot write back
                 log.warning("compaction: entry %s stays in pack %s: %s", ek[1:].hex(), m.gen.hex(), exc)
         if not encs:

@@ -78,6 +78,15 @@ class RemoteAdmin:
             return json.loads(r.json)
         return json.loads(self._call("Repair", pb.RepairRequest(), timeout_s=self.options.maintenance_timeout_s).json)
 
+    def rebuild_index(self, *, progress: Callable | None = None) -> dict:
+        """The daemon's ``rebuild_index`` (``kvstore.reindex.reindex_store``: entries on its targets
+        that its index does not know are indexed), through ``Maintain`` only; waits up to
+        ``maintenance_timeout_s``."""
+        r = self._maintain(pb.MaintainRequest(op="rebuild-index"), progress or _no_progress)
+        if r is None:
+            raise InvalidRequest(f"the daemon at {self.url} predates Maintain: upgrade it to rebuild its index")
+        return json.loads(r.json)
+
     def _maintain(self, req: pb.MaintainRequest, progress: Callable | None) -> pb.MaintainUpdate | None:
         """``Maintain``: ``progress`` called with each update, the final one (the result)
         returned; ``None`` without ``progress``, or from a daemon older than ``Maintain``

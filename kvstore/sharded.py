@@ -480,6 +480,11 @@ class ShardedStore:
         shard_progress = self._shard_progress(progress)
         return self._raise_full(*self._counted_pass(lambda s: s.repair(progress=shard_progress(s))))
 
+    def rebuild_index(self, *, progress: Callable | None = None) -> dict:
+        """Every shard's ``rebuild_index`` (``kvstore.reindex``); the counts summed, ``shards`` as in ``stats``."""
+        shard_progress = self._shard_progress(progress)
+        return self._raise_full(*self._counted_pass(lambda s: s.rebuild_index(progress=shard_progress(s))))
+
     # ------------------------------------------------------------------ inspect (read-only, kvtool)
     def inspect_summary(self) -> dict:
         """``RemoteStore.inspect_summary`` of every shard, merged into the same schema: counts

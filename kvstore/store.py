@@ -603,6 +603,15 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         return repair(self, progress=progress)
 
     @in_flight
+    def rebuild_index(self, *, progress: Callable | None = None) -> dict:
+        """Index the entries found on the targets that the index does not know
+        (``kvstore.reindex.reindex_store``: an index restored from an older copy)."""
+        from kvstore.reindex import reindex_store
+
+        self._check_open()
+        return reindex_store(self, progress=progress)
+
+    @in_flight
     def stats(self) -> dict:
         from kvstore.store_stats import stats
 

@@ -207,6 +207,10 @@ REFUSED = [
     ("demo", ["--data-dir", "{file}"]),
     # 13. mooncake_peer, in a Python without mooncake
     ("mooncake_peer", ["storage", "http://127.0.0.1:9/metadata", "127.0.0.1:9", "1"]),
+    # 14. bench_rebuild_index
+    ("bench_rebuild_index", ["--entries", "0"]),
+    ("bench_rebuild_index", ["--batch", "abc"]),
+    ("bench_rebuild_index", ["--entries", "10", "--out", "{file}/x.json"]),
 ]
 # cases that are not bad input on this machine (they would start real work): skipped, never run
 NOT_HERE = {
@@ -214,7 +218,7 @@ NOT_HERE = {
     ("mooncake_peer", "storage"): "mooncake is installed here" if importlib.util.find_spec("mooncake") else None,
 }
 HELP = ["load_store", "replay_trace", "bench_lb", "bench_store", "bench_remote", "soak", "bench_engine", "demo",
-        "mooncake_peer"]
+        "mooncake_peer", "bench_rebuild_index"]
 REFUSED_NAMES = [f"{t}:{' '.join(a or repr(a) for a in args)}" for t, args in REFUSED]
 # every quick run of this file by name: the refused cases, --help, and a few with their own checks
 QUICK: dict[str, tuple[str, list[str]]] = {

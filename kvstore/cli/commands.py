@@ -91,6 +91,11 @@ class Command:
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[KVStore, argparse.Namespace, Progress], Outcome]
+    # For a data directory that every open refuses for its index (``CorruptData``): called with
+    # (data directory, --config file, progress) to make it openable; what it returns is handed to
+    # ``run`` as ``args.recovered`` (kvtool then opens the store as usual). None: the refusal stands.
+    recover: Callable[[str, str | None, Progress], dict] | None = None
+    description: str = ""  # the command's --help text, when longer than ``help`` (the list's line)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -490,6 +495,53 @@ def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
     return _with_down_shards(store, Outcome(code, d, text, errors), _down_in(d))
 
 
+# ----------------------------------------------------------------------------- rebuild-index
+REBUILD_DESCRIPTION = (
+    "Rebuild the index from the fragments on every target (kvstore/reindex.py). On a data directory "
+    "whose index is missing, emptied, truncated or damaged (every other command refuses it): a new index "
+    "holds every entry whose fragments still decode, with its key, kind, tokens, layout and times; the "
+    "damaged index is moved aside (index.damaged-TIME), never deleted. Stop every process using the "
+    "directory first. On a store whose index opens (and through a daemon, with an admin token): entries "
+    "found on the targets that the index does not know, older than orphan_grace_s, are added. Entries come "
+    "back unpinned; one with a fragment missing is indexed degraded (run `kvtool repair`). Exit 1 when "
+    "something could not be brought back or a target could not be scanned.")
+
+
+def _recover_index(url: str, config_file: str | None, progress: Progress) -> dict:
+    """``rebuild-index``'s ``recover``: a new index for a data directory that opens refuse."""
+    from kvstore.config import load_config
+    from kvstore.datadir import file_url_path
+    from kvstore.reindex import rebuild_index
+
+    return rebuild_index(load_config(config_file, data_dir=file_url_path(url)), progress)
+
+
+def run_rebuild_index(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
+    d = getattr(args, "recovered", None)
+    if d is None:
+        rebuild = getattr(store, "rebuild_index", None)
+        if rebuild is None:
+            raise InvalidRequest(f"{type(store).__name__} cannot rebuild its index")
+        d = _call_with_progress(rebuild, progress)
+    by_kind = ", ".join(f"{n} {k}" for k, n in sorted((d.get("by_kind") or {}).items())) or "none"
+    if d.get("rebuilt"):
+        head = (f"rebuild-index: a new index from the fragments: {d.get('entries', 0)} entries ({by_kind}) from "
+                f"{d.get('generations', 0)} generations" + (f"; the damaged index is at {d['moved_aside']}"
+                                                            if d.get("moved_aside") else ""))
+    else:
+        head = (f"rebuild-index: {d.get('entries', 0)} entries ({by_kind}) added to the index; "
+                f"{d.get('already_indexed', 0)} generations already indexed, {d.get('skipped_young', 0)} younger "
+                "than orphan_grace_s left to their writers")
+    down = d.get("targets_down") or []
+    text = (f"{head}\n  degraded {d.get('entries_degraded', 0)} (fragments missing: run `kvtool repair`), "
+            f"not decodable {d.get('entries_undecodable', 0)}, bad fragments {d.get('fragments_bad', 0)}, "
+            f"expired {d.get('entries_expired', 0)}, superseded {d.get('entries_superseded', 0)}"
+            + (f"\n  targets not scanned: {', '.join(down)}" if down else "")
+            + (f"\n  in {d['seconds']:.1f} s" if isinstance(d.get("seconds"), (int, float)) else ""))
+    bad = d.get("entries_degraded") or d.get("entries_undecodable") or d.get("fragments_bad") or down
+    return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, text), _down_in(d))
+
+
 # ----------------------------------------------------------------------------- stats / delete
 def _flat(v: Any) -> str:
     return "  ".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v)
@@ -578,6 +630,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "an entry with fewer than k good fragments is marked lost until `repair`", _configure_verify, run_verify),
     Command("repair", "rebuild missing or corrupt fragments, restore lost entries that are readable again",
             _configure_none, run_repair),
+    Command("rebuild-index", "rebuild a lost or damaged index from the fragments on the targets", _configure_none,
+            run_rebuild_index, recover=_recover_index, description=REBUILD_DESCRIPTION),
     Command("stats", "store statistics", _configure_none, run_stats),
     Command("delete", "delete one entry (e.g. an SWA snapshot: --kind swa)", _configure_delete, run_delete),
 )}

@@ -14,6 +14,7 @@ Usage (global options go before or after the subcommand)::
     kvtool repair ./kvstack-data
     kvtool stats --json file:///var/lib/kv
     kvtool delete ./kvstack-data --key HEX --kind swa
+    kvtool rebuild-index ./kvstack-data              # a new index from the fragments (index lost or damaged)
     KVSTORE_TOKEN=... kvtool verify grpc://10.0.0.5:7070 --timeout 600
     kvtool stats grpc://h1:7070,grpc://h2:7070        # a sharded set
 
@@ -29,12 +30,12 @@ set) is reached with the client's environment (``DAEMON_ENV``: ``KVSTORE_TOKEN``
 ``--token-file``, ``--ca-file``, ``--cert-file``, ``--key-file`` (a flag wins over
 its variable; there is no ``--token``: a token on the command line is visible to
 every user in the process list). ``--timeout SECONDS`` is the deadline of every call
-to the daemon (default: 60 s, and 3600 s for verify, repair, gc and inspect
---parquet); past it
+to the daemon (default: 60 s, and 3600 s for verify, repair, gc, rebuild-index and
+inspect --parquet); past it
 kvtool says so in one line and exits 2. These flags with a data directory are a
 usage error, as ``--config`` with a daemon is. ``stats``, ``verify``, ``repair``,
-``gc`` and ``inspect`` without ``--key``/``--chain`` (``--parquet`` too) need an admin tenant's
-token when the daemon has a tokens file.
+``gc``, ``rebuild-index`` and ``inspect`` without ``--key``/``--chain`` (``--parquet`` too)
+need an admin tenant's token when the daemon has a tokens file.
 
 Contract:
 * kvtool never creates a store: a local path without ``kvstore.json`` is a
@@ -78,7 +79,7 @@ from kvstore.api import KVStore
 from kvstore.cli.commands import COMMANDS, Command, ExitCode, Outcome
 from kvstore.cli.progress import ProgressBar
 from kvstore.config import load_config
-from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError
+from kvstore.errors import CapacityExceeded, CorruptData, InvalidRequest, KVStoreError
 
 PROG = "kvtool"
 
@@ -132,12 +133,14 @@ daemons:
   STORE may be grpc://HOST:PORT (grpcs:// for TLS) or a comma list of them (a sharded set).
   These reach it, the flag winning over its variable:
     KVSTORE_TOKEN      bearer token (--token-file FILE reads it from a file); stats, verify,
-                       repair, gc, inspect's summary and --parquet need a token of an admin tenant
+                       repair, gc, rebuild-index, inspect's summary and --parquet need a token
+                       of an admin tenant
     KVSTORE_CA_FILE    CA certificate (PEM) that signed the daemon's certificate (--ca-file)
     KVSTORE_CERT_FILE  client certificate for mutual TLS (--cert-file)
     KVSTORE_KEY_FILE   its private key (--key-file)
   --timeout SECONDS   deadline of each call to a daemon (default 60 s; 3600 s for verify,
-                      repair, gc and inspect --parquet); a call past it is one error line, exit 2
+                      repair, gc, rebuild-index and inspect --parquet); a call past it is one
+                      error line, exit 2
   GRPC_VERBOSITY      unset: kvtool silences gRPC's own log lines; set it to see them
 
 exit codes: 0 healthy, 1 problems found (a shard of a sharded set did not answer; gc cannot get under capacity),
@@ -173,7 +176,7 @@ def _common_options(subcommand: bool) -> argparse.ArgumentParser:
                    help="client private key for mutual TLS (default: $KVSTORE_KEY_FILE)")
     d.add_argument("--timeout", metavar="SECONDS", type=seconds, default=dflt(None),
                    help="deadline of each call to the daemon (default: 60, and 3600 for verify, repair, gc, "
-                        "inspect --parquet)")
+                        "rebuild-index, inspect --parquet)")
     return p
 
 
@@ -217,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Inspect, verify, repair and clean a kvstack store.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=textwrap.fill(cmd.help, 80),
+        p = sub.add_parser(cmd.name, help=cmd.help, description=textwrap.fill(cmd.description or cmd.help, 80),
                            parents=[_common_options(True)], epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # the epilog's layout kept
         p.add_argument("store", nargs="?", default=None, help="store path or URL")
@@ -414,13 +417,28 @@ def _error_line(cmd: Command, exc: BaseException) -> str:
     return f"{cmd.name}: {exc}"
 
 
-def _run(cmd: Command, args: argparse.Namespace) -> int:
+def _open(cmd: Command, args: argparse.Namespace, progress: ProgressBar) -> KVStore:
+    """``open_store`` for ``cmd``; a data directory refused for its index (``CorruptData``) is
+    handed to ``cmd.recover`` first when the command has one (``rebuild-index``)."""
+    url = resolve_url(args)
     try:
-        store = open_store(resolve_url(args), args.config, daemon_options(args))
+        return open_store(url, args.config, daemon_options(args))
+    except CorruptData:
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if cmd.recover is None or scheme not in CONFIG_SCHEMES:
+            raise
+    args.recovered = cmd.recover(url, args.config, progress)
+    return open_store(url, args.config, daemon_options(args))
+
+
+def _run(cmd: Command, args: argparse.Namespace) -> int:
+    progress = ProgressBar(sys.stderr)
+    try:
+        store = _open(cmd, args, progress)
     except (KVStoreError, OSError) as exc:
+        progress.close()
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE)
-    progress = ProgressBar(sys.stderr)
     try:
         outcome = cmd.run(store, args, progress)
     except (KVStoreError, OSError) as exc:

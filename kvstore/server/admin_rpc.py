@@ -1,5 +1,6 @@
 """The daemon's maintenance and inspection calls: ``Stats``, ``Gc``, ``Check``, ``Repair``,
-``Maintain`` (those three with progress), ``Inspect`` and ``ExportIndex`` (the index rows of
+``Maintain`` (those three with progress, and ``rebuild-index``: ``kvstore.reindex``, which
+only it runs, in the same one-pass slot), ``Inspect`` and ``ExportIndex`` (the index rows of
 ``kvtool inspect --parquet``, streamed: ``_export_index``).
 
 ``AdminRPC`` is a mixin of ``kvstore.server.service.Daemon`` (kept apart so each file has
@@ -116,6 +117,7 @@ class AdminRPC:
             "gc": lambda p: pb.MaintainUpdate(json=self._gc_json(r.dry_run, p)),
             "check": lambda p: pb.MaintainUpdate(problems=self._problems(r.fix, p)),
             "repair": lambda p: pb.MaintainUpdate(json=self._repair_json(p)),
+            "rebuild-index": lambda p: pb.MaintainUpdate(json=json.dumps(self.store.rebuild_index(progress=p))),
         }
         run = ops.get(r.op)
         if run is None:

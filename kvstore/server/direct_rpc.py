@@ -77,6 +77,7 @@ class DirectRPC:
                 cfg.compression, cfg.zstd_level, cfg.min_compress_ratio)
             out.pack_bytes, out.fsync, out.orphan_grace_s, out.parallel_writes = (
                 cfg.pack_bytes, cfg.fsync, cfg.orphan_grace_s, cfg.parallel_writes)
+            out.default_ttl_s = cfg.default_ttl_s or 0.0  # the expiry a writer's entry headers carry
             out.writer_view = self._writer_view(tenant)
         if not tenant.admin:
             # The data directory and its marker serve only mode "auto", which never turns on with

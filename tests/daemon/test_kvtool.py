@@ -342,7 +342,7 @@ def test_verify_repair_and_gc_through_a_daemon_show_their_progress(make_daemon, 
         with pytest.raises(grpc.RpcError) as e:
             list(s._stub.Maintain(pb.MaintainRequest(op="scrub"), timeout=10))
         assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert "Maintain op must be one of check, gc, repair, got 'scrub'" in e.value.details()
+        assert "Maintain op must be one of check, gc, rebuild-index, repair, got 'scrub'" in e.value.details()
 
 
 def test_a_check_with_more_problems_than_one_message_holds(make_daemon, run_tool) -> None:

@@ -150,3 +150,19 @@ def test_fragment_frame_detects_swaps_and_flips():
         codec.parse_fragment(framed[:-1], max_body=100)
     with pytest.raises(CorruptData):
         codec.parse_fragment(framed, max_body=2)
+
+
+def test_split_pack_finds_the_fragments_past_a_damaged_header():
+    """``split_pack`` (``kvtool rebuild-index`` reading pack files): fragments back to back, each
+    delimited by its header; past a header that is not one, the next fragment is found."""
+    frames = [codec.frame_fragment(codec.FragmentHeader(i, 4, 2, 1, bytes([i]) * 16, b"g" * 8, 100, 30 + i),
+                                   bytes([i]) * (30 + i)) for i in range(3)]
+    pack = b"".join(frames)
+    assert [(off, bytes(f)) for off, f in codec.split_pack(pack)] == [
+        (0, frames[0]), (len(frames[0]), frames[1]), (len(frames[0]) + len(frames[1]), frames[2])]
+    damaged = bytearray(pack)
+    damaged[len(frames[0])] ^= 0xFF  # the second fragment's magic
+    got = [bytes(f) for _, f in codec.split_pack(bytes(damaged))]
+    assert got == [frames[0], frames[2]]
+    assert all(codec.parse_fragment(f, max_body=64)[0].index in (0, 2) for f in got)
+    assert list(codec.split_pack(pack[:-1]))[-1][1].tobytes() == frames[1]  # a torn last fragment: not yielded

@@ -11,6 +11,7 @@ import pytest
 
 import kvstore
 from kvstore import InvalidRequest, Layout, NotFound, PutItem
+from kvstore.datadir import DATA_FORMAT_VERSION
 from kvstore.errors import IncompatibleFormat, StoreClosed
 
 from .conftest import assert_clean, value_for
@@ -113,7 +114,8 @@ def test_format_version_of_another_type_is_refused(data_dir, version):
     kvstore.connect(str(data_dir), fsync=False).close()
     marker = data_dir / "kvstore.json"
     doc = json.loads(marker.read_text())
-    marker.write_text(json.dumps(doc).replace('"format_version": 1', f'"format_version": {version}'))
+    assert doc["format_version"] == DATA_FORMAT_VERSION
+    marker.write_text(json.dumps({**doc, "format_version": "V"}).replace('"V"', version))
     with pytest.raises(IncompatibleFormat, match="format_version is"):
         kvstore.connect(str(data_dir))
 
