@@ -13,7 +13,10 @@ reuses is the reference engine's: ``tiers.StoreGateway`` (timeouts, circuit
 breaker, length and layout checks on every read), ``saver.SaveQueue`` (the
 bounded background put queue), ``transfer`` (device backends, staging buffers)
 and ``tiers.Metrics``. Keys come from ``kvstore.keys`` (vLLM's own chained
-``request.block_hashes`` under a namespace of everything that changes KV bytes).
+``request.block_hashes`` under a namespace of everything that changes KV bytes, the TP
+rank included: each worker keys the hashes the scheduler sends under its own rank, and
+the scheduler looks up rank 0's keys, so with TP > 1 a rank whose entry is missing fails
+its own load and vLLM recomputes).
 
 What is stored (``vllm_layout`` has the table): per block, one *block* entry
 holding that block of every full-attention layer; for sliding-window groups
@@ -156,15 +159,17 @@ _SHARED_STORES = _StoreRegistry()
 
 
 # ---------------------------------------------------------------------------- metadata records
+# The records below carry vLLM's block hashes, not store keys: a key's namespace holds the
+# TP rank, and each worker keys the hashes under its own (the scheduler looks up rank 0's).
 @dataclass(frozen=True, slots=True)
 class BlockLoad:
-    key: bytes
+    hash: bytes
     block_ids: tuple[int, ...]  # one per full group (``GroupPlan.full`` order)
 
 
 @dataclass(frozen=True, slots=True)
 class WindowLoad:
-    key: bytes  # the snapshot's key: that of block ``boundary // B - 1``
+    hash: bytes  # the snapshot's: that of block ``boundary // B - 1``
     first_block: int  # block index of the snapshot's first block
     block_ids: tuple[tuple[int, ...], ...]  # per snapshot block, one id per window group (or _SKIP)
 
@@ -180,14 +185,14 @@ class LoadJob:
 @dataclass(frozen=True, slots=True)
 class BlockSave:
     request_id: str
-    key: bytes
+    hash: bytes
     block_ids: tuple[int, ...]  # one per full group
 
 
 @dataclass(frozen=True, slots=True)
 class WindowSave:
     request_id: str
-    key: bytes
+    hash: bytes
     boundary: int  # tokens before the snapshot: recorded as the entry's ``tokens``
     block_ids: tuple[tuple[int, ...], ...]  # per snapshot block, one id per window group
     finishing: bool = False  # the end-of-output snapshot: the request's blocks wait for it
@@ -374,13 +379,14 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
             self._pending_loads.append(LoadJob(rid, (), WindowLoad(b"", 0, ()), self.sync_loads))
             return
         ids = blocks.get_block_ids()
-        loads = tuple(BlockLoad(st.keys[i], tuple(ids[g.index][i] for g in self.plan.full))
+        hashes = st.request.block_hashes
+        loads = tuple(BlockLoad(hashes[i], tuple(ids[g.index][i] for g in self.plan.full))
                       for i in range(m.local_blocks, m.hit_blocks)) if self.plan.full else ()
         window = None
         if self.plan.window:
             H = m.hit_blocks * self.B
             first = self.plan.first_window_block(H)
-            window = WindowLoad(st.keys[m.hit_blocks - 1], first, tuple(
+            window = WindowLoad(hashes[m.hit_blocks - 1], first, tuple(
                 tuple(ids[g.index][j] if j >= m.local_blocks else _SKIP for g in self.plan.window)
                 for j in range(first, m.hit_blocks)))
             st.snapped.add(H)
@@ -417,7 +423,8 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         lo, hi = max(start // B, st.next_save), min(end // B, len(st.keys))
         if self.plan.full:
             for i in range(lo, hi):
-                meta.block_saves.append(BlockSave(rid, st.keys[i], tuple(ids[g.index][i] for g in self.plan.full)))
+                meta.block_saves.append(BlockSave(rid, st.request.block_hashes[i],
+                                                  tuple(ids[g.index][i] for g in self.plan.full)))
         st.next_save = max(st.next_save, hi)
         if not self.plan.window:
             return
@@ -445,7 +452,8 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
                 return False
             rows.append(row)
         st.snapped.add(boundary)
-        out.append(WindowSave(st.request.request_id, st.keys[last - 1], boundary, tuple(rows), finishing))
+        out.append(WindowSave(st.request.request_id, st.request.block_hashes[last - 1], boundary, tuple(rows),
+                              finishing))
         return True
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -506,6 +514,9 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         shape = ((rows,) if rows is not None else ()) + (n_layers,) + self._block_shape
         return Layout(dtype, shape)
 
+    def _key(self, engine_hash: bytes) -> bytes:
+        return self._hasher.keys_for_engine_hashes([engine_hash])[0]
+
     def _ids_by_layer(self, groups, ids: Sequence[int]) -> list[tuple[str, int]]:
         return [(n, bid) for g, bid in zip(groups, ids) for n in g.layer_names]
 
@@ -536,12 +547,12 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
             layout = self._entry_layout(len(self._full_layers))
             for sv in meta.block_saves:
                 host = self._gather(self._ids_by_layer(self.plan.full, sv.block_ids), copies)
-                items.append(PutItem(sv.key, host.numpy(), kind="block", ttl_s=self.opts.ttl_s, layout=layout,
+                items.append(PutItem(self._key(sv.hash), host.numpy(), kind="block", ttl_s=self.opts.ttl_s, layout=layout,
                                      tokens=self.B))
         for sv in meta.window_saves:
             pairs = [p for row in sv.block_ids for p in self._ids_by_layer(self.plan.window, row)]
             host = self._gather(pairs, copies)
-            items.append(PutItem(sv.key, host.numpy(), kind="swa", ttl_s=self.opts.ttl_s,
+            items.append(PutItem(self._key(sv.hash), host.numpy(), kind="swa", ttl_s=self.opts.ttl_s,
                                  layout=self._entry_layout(len(self._window_layers), len(sv.block_ids)),
                                  tokens=sv.boundary))
         for ev in copies:
@@ -596,13 +607,14 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         window_ok = job.window is None
         t0 = time.perf_counter()
         try:
-            if job.window is not None and not job.window.key:
+            if job.window is not None and not job.window.hash:
                 return 0, False  # an admission kvstack could not match (update_state_after_alloc)
             layout = self._entry_layout(len(self._full_layers))
             step = self.opts.load_batch_blocks
             for lo in range(0, len(job.blocks), step):
                 chunk = job.blocks[lo:lo + step]
-                bufs, ok = self._read([b.key for b in chunk], "block", self._full_nbytes, layout)
+                bufs, ok = self._read(self._hasher.keys_for_engine_hashes([b.hash for b in chunk]), "block",
+                                      self._full_nbytes, layout)
                 try:
                     for bl, buf, fine in zip(chunk, bufs, ok):
                         if not fine:
@@ -621,7 +633,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
                 w = job.window
                 rows = len(w.block_ids)
                 nbytes = rows * self._window_row_nbytes
-                bufs, ok = self._read([w.key], "swa", nbytes, self._entry_layout(len(self._window_layers), rows))
+                bufs, ok = self._read([self._key(w.hash)], "swa", nbytes, self._entry_layout(len(self._window_layers), rows))
                 try:
                     if ok and ok[0]:
                         pairs = [p for row in w.block_ids for p in self._ids_by_layer(self.plan.window, row)]
