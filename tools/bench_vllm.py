@@ -5,7 +5,8 @@ its shipped storage connector, same engine build, same prompts, one run.
     python tools/bench_vllm.py --tokens 4096 --prompts 3 --out /tmp/b.json   # a quick look
 
 Systems, each engine a fresh process (``tools.vllm_run``), greedy, one output token per
-prompt (TTFT = the wall time of a one-token ``generate``, prompts one at a time):
+prompt (TTFT = the wall time of a one-token ``generate``, prompts one at a time, after one
+short warm-up prompt that is not counted):
 
 =================  =====================================================================
 cold               no connector, empty prefix cache: every token prefilled
@@ -18,9 +19,12 @@ example-connector  vLLM's ``ExampleConnector`` (safetensors files per prompt), t
                    KV layout, and a run whose tokens differ from cold is reported as such
 =================  =====================================================================
 
-Load throughput: ``hit KV bytes / (TTFT hit - TTFT vllm-prefix-cache)``: the time a hit
-costs beyond an in-engine hit is the time spent bringing the KV in; the same formula for
-every system. kvstack also reports its loader's own figure (bytes / loader seconds).
+Every engine that hits then runs the same prompts again without resetting vLLM's prefix
+cache: its own in-engine hit, in the same process, is the bound its hit is compared with
+(``x own hit``). Load throughput: ``hit KV bytes / (TTFT hit - TTFT own in-engine hit)``,
+per prompt: the time a hit costs beyond an in-engine hit is the time spent bringing the KV
+in; the same formula for every system. kvstack also reports its loader's own figure (bytes
+/ loader seconds).
 Hybrid: a Gemma3-style model (sliding and full layers alternating) saves its prompts with
 kvstack; persisted bytes per prompt token against storing every layer's KV per block.
 
@@ -39,7 +43,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the project's modules are beside it
@@ -47,7 +50,7 @@ if str(ROOT) not in sys.path:  # run as a script: the project's modules are besi
 
 from tools.daemon_util import start_daemon, stop_daemon  # noqa: E402
 from tools.vllm_models import ModelSpec, build_model, prompt_ids  # noqa: E402
-from tools.vllm_run import ENV  # noqa: E402
+from tools.vllm_run import ENV, connector_config, read_stats  # noqa: E402
 
 
 def _engine(workdir: Path, name: str, spec: dict, limit_s: float) -> dict:
@@ -69,20 +72,6 @@ def _engine(workdir: Path, name: str, spec: dict, limit_s: float) -> dict:
     return json.loads((d / "out.json").read_text())
 
 
-def _stats(prefix: Path, role: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for f in prefix.parent.glob(f"{prefix.name}.{role}.*.json"):
-        for k, v in json.loads(f.read_text()).items():
-            out[k] = out.get(k, 0) + v
-    return out
-
-
-def _kv(url: str, role: str = "kv_both", **extra: Any) -> dict:
-    return {"kv_connector": "KvstackConnector", "kv_connector_module_path": "engine_plugin.vllm",
-            "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store_url": url, **extra}}
-
-
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -90,20 +79,23 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def _summary(name: str, rnd: list[dict] | None, want: list[dict], kv_bytes_per_token: float,
-             bound_s: list[float] | None) -> dict:
-    if rnd is None:
-        return {"system": name, "error": "did not run"}
-    ttft = [o["seconds"] for o in rnd]
-    wrong = sum(o["tokens"] != w["tokens"] for o, w in zip(rnd, want))
+def _summary(name: str, out: dict, want: list[dict], kv_bytes_per_token: float) -> dict:
+    """A system's row from its engine's output: round 0 its hits (or cold), round 1 the same
+    prompts again in the same engine (its own in-engine hit); the warm-up prompt left out."""
+    if "rounds" not in out:
+        return {"system": name, "error": out.get("error", "did not run")}
+    rnd, own = out["rounds"][0][1:], out["rounds"][1][1:]
+    ttft, bound = [o["seconds"] for o in rnd], [o["seconds"] for o in own]
     hit = [o["num_cached_tokens"] for o in rnd]
-    out = {"system": name, "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": _pct(ttft, 0.9),
-           "hit_tokens_mean": statistics.mean(hit), "wrong_outputs": wrong, "prompts": len(rnd)}
-    if bound_s is not None:
-        extra = [t - b for t, b in zip(ttft, bound_s)]
-        gbps = [h * kv_bytes_per_token / e / 1e9 for h, e in zip(hit, extra) if e > 0 and h > 0]
-        out["load_gbps_p50"] = statistics.median(gbps) if gbps else None
-    return out
+    wrong = sum(o["tokens"] != w["tokens"] for o, w in zip(rnd, want))
+    extra = [t - b for t, b in zip(ttft, bound)]
+    positive = all(e > 0 for e in extra)  # else the hit costs nothing measurable over the bound
+    gbps = [h * kv_bytes_per_token / e / 1e9 for h, e in zip(hit, extra) if h > 0] if positive else []
+    return {"system": name, "ttft_s": ttft, "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": _pct(ttft, 0.9),
+            "own_hit_p50_s": statistics.median(bound), "x_own_hit": statistics.median(t / b for t, b in zip(ttft, bound)),
+            "hit_tokens_mean": statistics.mean(hit), "wrong_outputs": wrong, "prompts": len(rnd),
+            "load_gbps_p50": statistics.median(gbps) if gbps else None,
+            "load_extra_s_p50": statistics.median(extra)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,26 +118,30 @@ def main(argv: list[str] | None = None) -> int:
                       intermediate=3 * args.hidden, max_positions=args.tokens + 1024)
     model = build_model(work / "model-plain", mspec)
     kv_bytes_per_token = 2 * mspec.layers * mspec.kv_heads * mspec.head_dim * 2  # K and V, bf16
-    prompts = [{"ids": prompt_ids(args.tokens, 100 + i)} for i in range(args.prompts)]
+    warmup = {"ids": prompt_ids(2 * args.block_size + 7, 99)}
+    prompts = [warmup] + [{"ids": prompt_ids(args.tokens, 100 + i)} for i in range(args.prompts)]
     base = {"model": str(model), "block_size": args.block_size, "max_model_len": args.tokens + 64,
-            "prompts": prompts, "max_tokens": 1, "one_by_one": True, "logprobs": 1}
+            "prompts": prompts, "max_tokens": 1, "one_by_one": True, "logprobs": 1, "rounds": 2,
+            "reset_between_rounds": False}
     limit = args.engine_limit_s
     print(f"bench_vllm: {args.prompts} prompts of {args.tokens} tokens, work folder {work}", file=sys.stderr)
 
-    cold = _engine(work, "cold", dict(base, rounds=2, reset_between_rounds=False), limit)
-    want = cold["rounds"][0]
-    cold_s = [o["seconds"] for o in want]
-    bound_s = [o["seconds"] for o in cold["rounds"][1]]
-    rows = [_summary("cold", want, want, kv_bytes_per_token, None),
-            _summary("vllm-prefix-cache", cold["rounds"][1], want, kv_bytes_per_token, None)]
+    cold = _engine(work, "cold", base, limit)
+    if "rounds" not in cold:
+        raise SystemExit(f"bench_vllm: the cold engine failed: {cold['error']}")
+    want = cold["rounds"][0][1:]
+    own = {"rounds": [cold["rounds"][1], cold["rounds"][1]]}
+    rows = [_summary("cold", cold, want, kv_bytes_per_token), _summary("vllm-prefix-cache", own, want, kv_bytes_per_token)]
+    rows[0].update(x_own_hit=None, load_gbps_p50=None)
 
     def kvstack(name: str, url: str) -> None:
         st = work / f"stats-{name}"
-        save = _engine(work, f"{name}-save", dict(base, kv_transfer_config=_kv(url, stats_file=str(st) + "-s")), limit)
-        hit = _engine(work, f"{name}-hit", dict(base, kv_transfer_config=_kv(url, stats_file=str(st) + "-h")), limit)
-        rnd = hit["rounds"][0] if "rounds" in hit else None
-        row = _summary(name, rnd, want, kv_bytes_per_token, bound_s)
-        w = _stats(Path(str(st) + "-h"), "worker")
+        save = _engine(work, f"{name}-save", dict(base, rounds=1, kv_transfer_config=connector_config(
+            url, stats_file=str(st) + "-s")), limit)
+        hit = _engine(work, f"{name}-hit", dict(base, kv_transfer_config=connector_config(
+            url, stats_file=str(st) + "-h")), limit)
+        row = _summary(name, hit, want, kv_bytes_per_token)
+        w = read_stats(str(st) + "-h", "worker")
         if w.get("load_seconds"):
             row["loader_gbps"] = w["bytes_loaded"] / w["load_seconds"] / 1e9
         row["errors"] = [r["error"] for r in (save, hit) if "error" in r]
@@ -160,12 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ex = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
           "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
-    _engine(work, "example-save", dict(base, kv_transfer_config=ex), limit)
-    ex_hit = _engine(work, "example-hit", dict(base, kv_transfer_config=ex), limit)
-    row = _summary("example-connector", ex_hit.get("rounds", [None])[0], want, kv_bytes_per_token, bound_s)
-    if "error" in ex_hit:
-        row["error"] = ex_hit["error"]
-    rows.append(row)
+    _engine(work, "example-save", dict(base, rounds=1, kv_transfer_config=ex), limit)
+    rows.append(_summary("example-connector", _engine(work, "example-hit", dict(base, kv_transfer_config=ex), limit),
+                         want, kv_bytes_per_token))
 
     # Hybrid: persisted bytes per token against storing every layer's KV for every block.
     hspec = ModelSpec(kind="hybrid", max_positions=args.hybrid_tokens + 1024)
@@ -173,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     hdir = work / "kv-hybrid"
     hprompts = [{"ids": prompt_ids(args.hybrid_tokens, 200 + i)} for i in range(2)]
     hout = _engine(work, "hybrid-save", {"model": str(hmodel), "block_size": 32, "max_model_len": args.hybrid_tokens + 64,
-                                         "prompts": hprompts, "max_tokens": 16, "kv_transfer_config": _kv(str(hdir))},
+                                         "prompts": hprompts, "max_tokens": 16, "kv_transfer_config": connector_config(str(hdir))},
                    limit)
     import kvstore
     from kvstore.cli.index_view import iter_rows
@@ -196,28 +189,34 @@ def main(argv: list[str] | None = None) -> int:
 
     by = {r["system"]: r for r in rows}
     c50, b50 = by["cold"]["ttft_p50_s"], by["vllm-prefix-cache"]["ttft_p50_s"]
-    ex_gbps = by["example-connector"].get("load_gbps_p50") if not by["example-connector"].get("wrong_outputs") else None
-    print(f"\n{'system':20} {'TTFT p50':>9} {'p90':>8} {'x cold':>7} {'x vLLM hit':>10} {'hit tok':>8} "
-          f"{'GB/s':>6} {'wrong':>5}")
+    ex_ok = "ttft_p50_s" in by["example-connector"] and not by["example-connector"]["wrong_outputs"]
+    ex_gbps = by["example-connector"].get("load_gbps_p50") if ex_ok else None
+
+    def fmt(v, nd=2):
+        return "n/a" if v is None else f"{v:.{nd}f}"
+
+    print(f"\n{'system':18} {'TTFT p50':>8} {'p90':>7} {'x cold':>7} {'x vLLM':>7} {'x own':>6} {'hit tok':>8} "
+          f"{'+load s':>8} {'GB/s':>6} {'wrong':>5}")
     for r in rows:
         if "ttft_p50_s" not in r:
-            print(f"{r['system']:20} error: {r.get('error')}")
+            print(f"{r['system']:18} error: {r.get('error')}")
             continue
-        gb = r.get("load_gbps_p50")
-        print(f"{r['system']:20} {r['ttft_p50_s']:9.3f} {r['ttft_p90_s']:8.3f} {r['ttft_p50_s'] / c50:7.3f} "
-              f"{r['ttft_p50_s'] / b50:10.2f} {r['hit_tokens_mean']:8.0f} {gb if gb is None else round(gb, 2)!s:>6} "
-              f"{r['wrong_outputs']:5d}")
+        print(f"{r['system']:18} {r['ttft_p50_s']:8.3f} {r['ttft_p90_s']:7.3f} {r['ttft_p50_s'] / c50:7.3f} "
+              f"{r['ttft_p50_s'] / b50:7.2f} {fmt(r.get('x_own_hit'))!s:>6} {r['hit_tokens_mean']:8.0f} "
+              f"{fmt(r.get('load_extra_s_p50'), 3)!s:>8} {fmt(r.get('load_gbps_p50'))!s:>6} {r['wrong_outputs']:5d}")
+    print("x vLLM: against vLLM's in-engine hit in the cold engine; x own: against the same engine's own "
+          "in-engine hit of the same prompts; +load s: TTFT minus that (the cost of bringing the KV in)")
     for name in ("kvstack-embedded", "kvstack-daemon"):
         r = by[name]
         if "ttft_p50_s" in r:
-            ratio = (r.get("load_gbps_p50") or 0) / ex_gbps if ex_gbps else None
+            ratio = r["load_gbps_p50"] / ex_gbps if ex_gbps and r.get("load_gbps_p50") else None
             print(f"{name}: loader {r.get('loader_gbps', 0):.2f} GB/s; load throughput vs example connector: "
-                  f"{'n/a (the example connector gave wrong tokens or no hit)' if ratio is None else f'{ratio:.2f}x'}")
+                  f"{'n/a (no positive load time to compare)' if ratio is None else f'{ratio:.2f}x'}")
     print(f"hybrid: {hybrid['persisted_bytes_per_token']:.0f} B/token persisted, store-everything "
           f"{per_token_all} B/token: {hybrid['ratio_to_store_everything']:.3f}x "
           f"(full-attention share {full_share:.2f}: {hybrid['ratio_to_full_share']:.3f}x of it)")
     result = {"args": vars(args), "kv_bytes_per_token": kv_bytes_per_token, "systems": rows, "hybrid": hybrid,
-              "cold_s": cold_s, "vllm_hit_s": bound_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

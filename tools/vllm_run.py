@@ -31,6 +31,26 @@ ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP
 """The environment a CPU vLLM run needs here (``../shared/docs/VLLM.md``); callers merge it in."""
 
 
+def connector_config(store_url: str, role: str = "kv_both", **extra) -> dict:
+    """vLLM's ``kv_transfer_config`` for ``KvstackConnector`` (``extra``: its options)."""
+    return {"kv_connector": "KvstackConnector", "kv_connector_module_path": "engine_plugin.vllm",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store_url": store_url, **extra}}
+
+
+def read_stats(prefix: str | os.PathLike, role: str) -> dict[str, float]:
+    """The counters the connectors of ``role`` (scheduler / worker) wrote to ``stats_file``
+    ``prefix``, summed over processes."""
+    import glob
+
+    out: dict[str, float] = {}
+    for f in glob.glob(f"{os.fspath(prefix)}.{role}.*.json"):
+        with open(f, encoding="utf-8") as fh:
+            for k, v in json.load(fh).items():
+                out[k] = out.get(k, 0) + v
+    return out
+
+
 def _outputs(results) -> list[dict]:
     out = []
     for r in results:

@@ -7,7 +7,6 @@ failure in CI (``CI`` set): these tests may not disappear from CI silently.
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import json
 import os
@@ -47,12 +46,6 @@ def engine_env(inproc: bool = True) -> dict[str, str]:
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
-
-
-def connector_config(store_url: str, role: str = "kv_both", **extra: Any) -> dict:
-    return {"kv_connector": "KvstackConnector", "kv_connector_module_path": "engine_plugin.vllm",
-            "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store_url": store_url, **extra}}
 
 
 class Engine:
@@ -123,16 +116,6 @@ def engines(tmp_path: Path) -> Iterator[Any]:
     yield start
     for e in started:
         e.close()
-
-
-def stats(prefix: str | Path, role: str) -> dict[str, float]:
-    """The counters a connector of ``role`` (scheduler / worker) wrote to ``stats_file``."""
-    files = glob.glob(f"{prefix}.{role}.*.json")
-    out: dict[str, float] = {}
-    for f in files:
-        for k, v in json.loads(Path(f).read_text()).items():
-            out[k] = out.get(k, 0) + v
-    return out
 
 
 @pytest.fixture(scope="session")
