@@ -218,16 +218,17 @@ def run_policies(reqs, names, cfg, models, progress: Progress, decode: str = "kv
 
 
 def best_baseline(results: dict[str, SimResult]) -> str | None:
-    """The baseline with the best TTFT attainment (then lowest TTFT p90), among complete runs
-    when there is one (a run cut by ``--max-wall-s`` is not a fair reference); None without baselines."""
+    """The baseline with the best SLO attainment (both SLOs, over all requests; then lowest TTFT p90 over
+    all requests), among complete runs when there is one (a run cut by ``--max-wall-s`` is not a fair
+    reference); None without baselines."""
     base = [n for n in results if n in BASELINES]
     if not base:
         return None
     pool = [n for n in base if not results[n].truncated] or base
 
     def key(n: str) -> tuple:
-        p90 = results[n].pct("ttft", 90)
-        return results[n].ttft_attainment, -p90 if math.isfinite(p90) else -math.inf
+        p90 = results[n].ttft_all(90)
+        return results[n].slo_attainment, -p90 if math.isfinite(p90) else -math.inf
 
     return max(pool, key=key)
 
@@ -318,6 +319,89 @@ def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
     return LoadSearch(lo, history, True)
 
 
+class Capacity(NamedTuple):
+    """What :func:`search_capacity` found for one policy: ``speedup``, the highest load tried at which
+    at least ``target`` of all requests met both SLOs (``None``: no load tried did, down to the search's
+    floor); ``bracketed``: a load above it missed (False: every load tried up to the step bound met the
+    target, so ``speedup`` is only a lower bound); ``history``: every load tried, in order."""
+
+    speedup: float | None
+    bracketed: bool
+    history: list
+
+
+def load_row(r: SimResult) -> dict:
+    """One load's figures for ``history``: attainments and TTFT percentiles over *all* requests (one not
+    served counts as an infinite TTFT, ``None`` in JSON), the hit ratio, and whether the run was cut."""
+    return {"slo_attainment": r.slo_attainment, "ttft_attainment": r.ttft_attainment,
+            "ttft_all_p50_s": r.ttft_all(50), "ttft_all_p90_s": r.ttft_all(90), "ttft_all_p99_s": r.ttft_all(99),
+            "hit_ratio": r.hit_ratio, "rejected": r.rejected, "served": r.served,
+            "stopped_early": r.stopped_early, "truncated": r.truncated}
+
+
+def search_capacity(reqs, name: str, cfg: SimConfig, models, progress, *, target: float = 0.9, iters: int = 8,
+                    rel_tol: float = 0.05, min_speedup: float = 1e-3, decode: str = "kvstack",
+                    deadline: float | None = None) -> Capacity:
+    """Effective request capacity of policy ``name``: the highest speedup at which >= ``target`` of *all*
+    requests meet both the TTFT and the TBT SLO (a rejection is a miss), as in the Mooncake paper.
+
+    From ``cfg.speedup``, doubling or halving brackets it (at most ``iters`` loads; below ``min_speedup``
+    the policy has no capacity, ``speedup=None``), then a geometric bisection narrows the bracket to a
+    ratio of ``1 + rel_tol`` (at most ``iters`` more loads): at most ``2 x iters`` simulations. Each run
+    stops as soon as more than ``(1 - target) x requests`` have missed (``stop_after_misses``): the load
+    has failed whatever the rest does, so an overloaded run costs little. A run cut by ``--max-wall-s``
+    counts as a pass only if its lower-bound attainment meets the target. Attainment is not always
+    monotone in the load (noise, cache luck); the bisection keeps the bracket it has, it does not scan.
+    """
+    stop = int(math.floor((1.0 - target) * len(reqs) + 1e-9))
+    history: list = []
+
+    def ok(s: float) -> bool:
+        res = run_policies(reqs, [name], replace(cfg, speedup=s, stop_after_misses=stop), models, progress,
+                           decode, deadline)[name]
+        history.append({"speedup": s, **load_row(res)})
+        return res.slo_attainment >= target
+
+    lo = hi = None
+    s = cfg.speedup
+    for _ in range(iters):
+        if ok(s):
+            lo, s = s, s * 2
+        else:
+            hi, s = s, s / 2
+        if (lo is not None and hi is not None) or (lo is None and s < min_speedup):
+            break
+    if lo is None or hi is None:
+        return Capacity(lo, False, history)
+    for _ in range(iters):
+        if hi / lo <= 1.0 + rel_tol:
+            break
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return Capacity(lo, True, history)
+
+
+def capacity_table(caps: dict[str, Capacity]) -> tuple[str, str | None]:
+    """The capacities side by side with the ratio to the best baseline's (the baseline of the highest
+    capacity; ``None`` when no baseline has one); returns (table, best baseline)."""
+    base = {n: c.speedup for n, c in caps.items() if n in BASELINES and c.speedup is not None}
+    best = max(base, key=base.get) if base else None
+    lines = [f"{'policy':>12s} {'capacity':>9s} {'vs best':>8s} {'runs':>5s}  note"]
+    for n, c in caps.items():
+        ratio = (_ratio(c.speedup, base[best]) if best and c.speedup is not None else
+                 ("0" if best else "-"))
+        note = ("none: below the target at every load tried" if c.speedup is None else
+                "" if c.bracketed else "lower bound: no load tried missed the target")
+        lines.append(f"{n[:12]:>12s} {_num(c.speedup if c.speedup is not None else math.nan, '.4g'):>9s} "
+                     f"{ratio:>8s} {len(c.history):>5d}  {note}")
+    lines.append(f"(capacity = the highest speedup at which >= the target of all requests meet both SLOs; "
+                 f"ratios vs best baseline = {best or 'none: no baseline has a capacity'})")
+    return "\n".join(lines), best
+
+
 def _num(v: float, spec: str) -> str:
     """``v`` formatted, or ``n/a`` for a figure with no sample (NaN, inf)."""
     return format(v, spec) if math.isfinite(v) else "n/a"
@@ -326,6 +410,11 @@ def _num(v: float, spec: str) -> str:
 def _opt(v: float | None, spec: str) -> str:
     """``_num`` of a figure read back from ``to_dict`` (where no sample is ``None``)."""
     return _num(math.nan if v is None else v, spec)
+
+
+def _inf(v: float) -> str:
+    """A TTFT percentile over all requests: ``inf`` when too few were served to reach it."""
+    return "inf" if v == math.inf else _num(v, ".2f")
 
 
 def _ratio(a: float, b: float) -> str:
@@ -341,19 +430,19 @@ def format_table(results: dict[str, SimResult], refs: dict) -> str:
             "slo_att", "ttft_att", "rej", "imbal", "p90/best", "att/best"]
     lines = [" ".join(f"{c:>9s}" for c in cols)]
     for name, r in results.items():
-        p90 = r.pct("ttft", 90)
+        p90 = r.ttft_all(90)
         same_extent = b is not None and not r.truncated and not b.truncated
         row = [name[:8] + "*" if r.truncated else name[:9], _num(r.hit_ratio, ".3f"), _num(refs["ideal"], ".3f"),
-               _num(refs["lru_oracle"], ".3f"), _num(r.pct("ttft", 50), ".2f"), _num(p90, ".2f"),
-               _num(r.pct("ttft", 99), ".2f"), _num(r.pct("tbt", 50) * 1e3, ".1f"), _num(r.pct("tbt", 90) * 1e3, ".1f"),
+               _num(refs["lru_oracle"], ".3f"), _inf(r.ttft_all(50)), _inf(p90), _inf(r.ttft_all(99)), _num(r.pct("tbt", 50) * 1e3, ".1f"), _num(r.pct("tbt", 90) * 1e3, ".1f"),
                f"{r.slo_attainment:.3f}", f"{r.ttft_attainment:.3f}", f"{r.rejected}", f"{r.imbalance:.2f}",
-               _ratio(p90, b.pct("ttft", 90)) if same_extent else "-",
-               _ratio(r.ttft_attainment, b.ttft_attainment) if same_extent else "-"]
+               _ratio(p90, b.ttft_all(90)) if same_extent else "-",
+               _ratio(r.slo_attainment, b.slo_attainment) if same_extent else "-"]
         lines.append(" ".join(f"{c:>9s}" for c in row))
     if b is not None and b.truncated:
-        lines.append("(TTFT in s over served requests; no ratios: every baseline run was cut by --max-wall-s)")
+        lines.append("(TTFT in s over all requests; no ratios: every baseline run was cut by --max-wall-s)")
     else:
-        lines.append(f"(TTFT in s over served requests; ratios vs best baseline = {best}; lower p90/best is better)")
+        lines.append(f"(TTFT in s over all requests, one not served counting as inf; ratios vs best baseline = "
+                     f"{best}; lower p90/best is better, att/best compares slo_att)")
     for name, r in results.items():
         never = sum(r.reject_reasons.get(k, 0) for k in (OVER_DECODE_KV, REFUSED_BY_EMPTY_DECODE))
         if never:
@@ -437,7 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-slo-ms", type=number(0, 1e12, lo_open=True), default=20000.0)
     ap.add_argument("--tbt-slo-ms", type=number(0, 1e12, lo_open=True), default=100.0)
     ap.add_argument("--no-admission", action="store_true", help="do not pass SLOs to policies (no rejections)")
-    ap.add_argument("--noise", type=number(0, 3), default=0.0, help="log-normal sigma on service times")
+    ap.add_argument("--noise", type=number(0, 3), default=0.0, help="log-normal sigma on prefill service times")
+    ap.add_argument("--bias", type=number(0.1, 10), default=1.0,
+                    help="actual / modelled prefill service time, the same for every prefill (1.3: the cost "
+                         "model is 30%% optimistic; 0.7: 30%% pessimistic)")
     ap.add_argument("--store-gbps", type=number(0, 1e6, lo_open=True), default=1.18 * 2**30 / 1e9,
                     help="store -> device GB/s")
     ap.add_argument("--host-gbps", type=number(0, 1e6, lo_open=True), default=10.0, help="host -> device GB/s")
@@ -446,6 +538,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--find-load-target", type=number(0, 1, lo_open=True), default=0.9,
                     help="required TTFT attainment (0.9 = p90)")
     ap.add_argument("--find-load-iters", type=integer(1, 64), default=8)
+    ap.add_argument("--capacity", action="store_true",
+                    help="search each policy's capacity (the highest speedup at which >= --capacity-target of all "
+                         "requests meet both SLOs; from --speedup), then compare every policy at the best "
+                         "baseline's capacity")
+    ap.add_argument("--capacity-target", type=number(0, 1, lo_open=True), default=0.9)
+    ap.add_argument("--capacity-tol", type=number(0.001, 1), default=0.05,
+                    help="stop bisecting once the bracket's hi/lo <= 1 + this")
+    ap.add_argument("--capacity-iters", type=integer(1, 64), default=8,
+                    help="at most this many loads to bracket, and as many to bisect, per policy")
     ap.add_argument("--max-wall-s", type=number(1), default=300.0, help="wall-clock bound per simulation run (>= 1)")
     ap.add_argument("--max-total-s", type=number(1), default=None,
                     help="wall-clock bound on the whole run (>= 1; default: none): runs are cut at it")
@@ -466,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--policies {','.join(names)} has no baseline to compare with; add one of: {', '.join(BASELINES)}")
     if len(set(names)) != len(names):
         ap.error(f"--policies names a policy twice: {','.join(names)}")
+    if args.capacity and args.find_load:
+        ap.error("--capacity and --find-load are two ways to choose the load: give one")
     if args.out is not None and (msg := check_output_dir(args.out)):
         ap.error(msg)
     try:
@@ -487,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
             store_capacity_blocks=caps[0],
             bandwidth=TierBandwidth(host_bytes_per_s=args.host_gbps * 1e9, store_bytes_per_s=args.store_gbps * 1e9),
             speedup=args.speedup, ttft_slo_ms=args.ttft_slo_ms, tbt_slo_ms=args.tbt_slo_ms,
-            admission=not args.no_admission, service_noise=args.noise, seed=args.seed, max_wall_s=args.max_wall_s,
+            admission=not args.no_admission, service_noise=args.noise, service_bias=args.bias, seed=args.seed,
+            max_wall_s=args.max_wall_s,
         )
     except LBInputError as exc:
         ap.error(str(exc))
@@ -536,6 +640,22 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
         else:
             print(f"load NOT bracketed: every load tried ({len(hist)}, up to speedup {s:.4g}) met the SLO, none "
                   f"missed it, so {s:.4g} is only a lower bound; raise --find-load-iters or --speedup")
+    if args.capacity:
+        c0 = replace(cfg, store_capacity_blocks=caps[0])
+        found = {n: search_capacity(reqs, n, c0, models, progress, target=args.capacity_target,
+                                    iters=args.capacity_iters, rel_tol=args.capacity_tol, decode=args.decode_policy,
+                                    deadline=deadline) for n in names}
+        table, best = capacity_table(found)
+        at = found[best].speedup if best else cfg.speedup
+        print(f"\n== capacity: {len(reqs)} requests, {cfg.prefill_instances} prefill / {cfg.decode_instances} "
+              f"decode, TTFT SLO {cfg.ttft_slo_ms} ms, TBT SLO {cfg.tbt_slo_ms} ms, noise {cfg.service_noise:g}, "
+              f"bias {cfg.service_bias:g}, target {args.capacity_target:g} of all requests ==")
+        print(table)
+        out["capacity"] = {"target": args.capacity_target, "best_baseline": best, "compared_at_speedup": at,
+                           "by_policy": {n: c._asdict() for n, c in found.items()},
+                           "ratio_vs_best": {n: (c.speedup or 0.0) / found[best].speedup if best else None
+                                             for n, c in found.items()}}
+        cfg = replace(cfg, speedup=at)
     sweep = {}
     main_results: dict[str, SimResult] = {}
     for i, cap in enumerate(caps):
