@@ -103,6 +103,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gen_trace  # noqa: E402
 import replay_trace  # noqa: E402
 from lb.eplb import balancedness, rebalance_experts  # noqa: E402
 from lb.eplb_greedy import rebalance_experts_greedy  # noqa: E402
@@ -294,6 +295,95 @@ def replay(argv: list[str]) -> int:
         return exc.code if isinstance(exc.code, int) else 2
 
 
+#: Cost-model conditions of the capacity part: (log-normal sigma, bias = actual / modelled prefill time).
+CONDITIONS: dict[str, tuple[float, float]] = {"exact": (0.0, 1.0), "slow": (0.3, 1.3), "fast": (0.3, 0.7)}
+
+#: Sessions per generated shape by default (about 1,000 to 1,300 requests each; --sessions-scale multiplies).
+SHAPE_SESSIONS = {"chat": 300, "agent": 100, "longdoc": 250, "mixed": 300}
+
+#: The policy the goals are about.
+OURS = "kvstack"
+
+
+def capacity_row(trace: str, cond: str, slo_ms: float, res: dict) -> dict:
+    """One summary row from a ``replay_trace.py --capacity`` results.json: the capacities, the ratio of
+    ours to the best baseline's, and at the best baseline's capacity our SLO attainment and both hit ratios."""
+    cap = res["capacity"]
+    best = cap["best_baseline"]
+    by = {n: c["speedup"] for n, c in cap["by_policy"].items()}
+    at = res["sweep"][res["main_store_capacity"]]["results"]
+    ours, moon = at.get(OURS, {}), at.get("mooncake", {})
+    ratio = (by.get(OURS) or 0.0) / by[best] if best and by.get(best) else None
+    hit_ok = None
+    if ours.get("hit_ratio") is not None and moon.get("hit_ratio") is not None:
+        hit_ok = ours["hit_ratio"] >= moon["hit_ratio"] - 0.01
+    return {"trace": trace, "condition": cond, "ttft_slo_ms": slo_ms, "best_baseline": best,
+            "best_capacity": by.get(best), "capacity": by, "ours_capacity": by.get(OURS), "ratio": ratio,
+            "ours_attainment_at_best": ours.get("slo_attainment"), "ours_hit": ours.get("hit_ratio"),
+            "mooncake_hit": moon.get("hit_ratio"), "mooncake_capacity": by.get("mooncake"),
+            "goals": {"capacity_1.25x": ratio is not None and ratio >= 1.25,
+                      "attainment_0.95": (ours.get("slo_attainment") or 0.0) >= 0.95, "hit_within_1pct": hit_ok}}
+
+
+def print_capacity_summary(rows: list[dict]) -> None:
+    print(f"\n== capacity (speedup at which >= 90% of all requests meet both SLOs), {OURS} vs the best baseline ==")
+    print(f"{'trace':9s} {'cond':6s} {'SLO s':>6s} {'best base':>10s} {'its cap':>8s} {'mooncake':>8s} {OURS:>8s} "
+          f"{'ratio':>6s} {'att@best':>8s} {'hit':>6s} {'hit mc':>6s}  goals")
+    for r in rows:
+        g = r["goals"]
+        flags = " ".join(f"{k}:{'ok' if v else ('n/a' if v is None else 'MISS')}" for k, v in g.items())
+        print(f"{r['trace'][:9]:9s} {r['condition']:6s} {r['ttft_slo_ms'] / 1e3:6.1f} {str(r['best_baseline'])[:10]:>10s} "
+              f"{_fmt(r['best_capacity']):>8s} {_fmt(r['mooncake_capacity']):>8s} {_fmt(r['ours_capacity']):>8s} "
+              f"{_fmt(r['ratio'], '.2f'):>6s} {_fmt(r['ours_attainment_at_best'], '.3f'):>8s} "
+              f"{_fmt(r['ours_hit'], '.3f'):>6s} {_fmt(r['mooncake_hit'], '.3f'):>6s}  {flags}")
+    print("(capacity 'none': below 90% at every load tried; conditions: exact = the cost model's own times, "
+          "slow/fast = actual prefill 1.3x/0.7x the model's with log-normal noise sigma 0.3)")
+
+
+def _fmt(v, spec: str = ".4g") -> str:
+    return "none" if v is None else format(v, spec)
+
+
+def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, traces: dict, rdir: Path,
+                 deadline: float) -> int:
+    """Part 2: per trace and cost-model condition, ``replay_trace.py --capacity`` (every policy's capacity,
+    then every policy at the best baseline's capacity); the shared trace's exact run also sweeps the store
+    capacity. Returns the exit status (non-zero: ``--out`` was written with the failure)."""
+    out["capacity"] = {"runs": {}, "summary": []}
+    for tname, path in traces.items():
+        treqs = reqs if tname == "trace" else replay_trace.read_trace(path)
+        slo_ms = args.ttft_slo_ms if args.fixed_slo else derive_ttft_slo_ms(treqs, args.ttft_slo_x)[0]
+        start = 1.0
+        for cond in args.condition_list:
+            noise, bias = CONDITIONS[cond]
+            part = f"capacity:{tname}:{cond}"
+            d = rdir / f"{tname}_{cond}"
+            if (left := deadline - time.monotonic()) < 1:
+                return spent_budget(out, args, part)
+            print(f"\n-- {part}: {len(treqs)} requests from {path}, TTFT SLO {slo_ms:.0f} ms --")
+            caps = args.store_capacity_blocks if (tname == "trace" and cond == args.condition_list[0]) else \
+                args.store_capacity_blocks.split(",")[0]
+            rc = replay([
+                "--trace", str(path), "--capacity", "--speedup", repr(start), "--ttft-slo-ms", repr(slo_ms),
+                "--prefill-instances", str(args.prefill_instances), "--decode-instances", str(args.decode_instances),
+                "--noise", repr(noise), "--bias", repr(bias), "--capacity-tol", repr(args.capacity_tol),
+                "--capacity-iters", "10",
+                "--store-capacity-blocks", caps, "--out", str(d), "--quiet", "--seed", str(args.seed),
+                "--max-wall-s", repr(args.max_wall_s), "--max-total-s", repr(left),
+            ])
+            if rc:
+                return failed_replay(out, args.out, part, rc, d)
+            res = json.loads((d / "results.json").read_text())
+            out["capacity"]["runs"][f"{tname}:{cond}"] = res
+            row = capacity_row(tname, cond, slo_ms, res)
+            out["capacity"]["summary"].append(row)
+            note_truncated(res, part, args.max_wall_s)
+            if cond == args.condition_list[0] and row["best_capacity"]:
+                start = row["best_capacity"]  # the other conditions start their searches near it
+    print_capacity_summary(out["capacity"]["summary"])
+    return 0
+
+
 def write_out(path: Path, out: dict) -> None:
     """``--out``: strict JSON (a figure with no sample, NaN, is null, never a bare NaN)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -333,6 +423,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-slo-x", type=number(0, 1e6, lo_open=True), default=8.0,
                     help="multiple of the median prompt's predicted cold prefill used as the default SLO")
     ap.add_argument("--prefill-instances", type=integer(1, 4096), default=16)
+    ap.add_argument("--decode-instances", type=integer(1, 4096), default=16)
+    ap.add_argument("--shapes", default="chat,agent,longdoc",
+                    help=f"generated conversation traces to run beside --trace (tools/gen_trace.py; comma list "
+                         f"of {', '.join(gen_trace.SHAPES)}; empty: none)")
+    ap.add_argument("--sessions-scale", type=number(0.01, 100), default=0.5,
+                    help="multiplies each shape's default number of sessions (bigger runs: 4)")
+    ap.add_argument("--conditions", default=",".join(CONDITIONS),
+                    help=f"cost-model conditions, each a full capacity search: {', '.join(CONDITIONS)}")
+    ap.add_argument("--capacity-tol", type=number(0.001, 1), default=0.05,
+                    help="capacity search: bisect until the bracket's hi/lo <= 1 + this")
     ap.add_argument("--store-capacity-blocks", default="20000,2000,5000,10000,40000,inf",
                     help="comma list for the replay's sweep ('inf' = unbounded)")
     ap.add_argument("--max-wall-s", type=number(1), default=300.0,
@@ -364,8 +464,15 @@ def main(argv: list[str] | None = None) -> int:
         replay_trace.parse_capacities(args.store_capacity_blocks)
     except argparse.ArgumentTypeError as exc:
         ap.error(f"argument --store-capacity-blocks: {exc}")
-    replay_dirs = [args.out.with_name(args.out.stem + suffix) for suffix in ("_replay", "_replay_noise0.3",
-                                                                              "_replay_no_admission")]
+    replay_dirs = [args.out.with_name(args.out.stem + "_replay")]
+    shapes = [n for n in args.shapes.split(",") if n]
+    if unknown := [n for n in shapes if n not in gen_trace.SHAPES]:
+        ap.error(f"argument --shapes: unknown shape {', '.join(unknown)}; known: {', '.join(gen_trace.SHAPES)}")
+    conditions = [n for n in args.conditions.split(",") if n]
+    if unknown := [n for n in conditions if n not in CONDITIONS] or (not conditions and not args.skip_replay):
+        ap.error(f"argument --conditions: unknown condition {', '.join(unknown) or '(none given)'}; "
+                 f"known: {', '.join(CONDITIONS)}")
+    args.condition_list = conditions
     for msg in [check_output_file(args.out)] + ([] if args.skip_replay else
                                                 [check_output_dir(d, "replay directory") for d in replay_dirs]):
         if msg:
@@ -376,8 +483,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if not reqs and (not args.skip_replay or args.sim_cost):
         ap.error(f"trace {args.trace} holds no requests")
+    traces = {"trace": args.trace}
+    if not args.skip_replay and shapes:  # generated here, seeded: the same files for the same arguments
+        tdir = replay_dirs[0] / "traces"
+        for shape in shapes:
+            sessions = max(1, round(SHAPE_SESSIONS.get(shape, 200) * args.sessions_scale))
+            path = tdir / f"{shape}.jsonl"
+            gen_trace.write_jsonl(gen_trace.generate(gen_trace.SHAPES[shape], sessions, args.seed), path)
+            traces[shape] = path
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out: dict = {"command": "python tools/bench_lb.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    args.fixed_slo = args.ttft_slo_ms is not None
     if not args.skip_replay or args.sim_cost:
         if args.ttft_slo_ms is None:
             try:
@@ -397,39 +513,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['ratio']:6.3f} {100 * r['layers_strictly_better']:6.0f}% {r['worst_layer_delta']:8.1e} "
                   f"{r['greedy_s']:7.2f}s {r['ours_s']:6.2f}s")
     if not args.skip_replay:
-        print(f"\nTTFT SLO {args.ttft_slo_ms:.0f} ms ({out['ttft_slo']})")
-        rdir = replay_dirs[0]
-        if (left := deadline - time.monotonic()) < 1:
-            return spent_budget(out, args, "find_load")
-        rc = replay([
-            "--trace", str(args.trace), "--find-load", "--ttft-slo-ms", str(args.ttft_slo_ms),
-            "--prefill-instances", str(args.prefill_instances), "--speedup", "0.1",
-            "--store-capacity-blocks", args.store_capacity_blocks, "--out", str(rdir), "--quiet",
-            "--max-wall-s", repr(args.max_wall_s), "--max-total-s", repr(left),
-        ])
+        rc = run_capacity(args, reqs, out, traces, replay_dirs[0], deadline)
         if rc:
-            return failed_replay(out, args.out, "find_load", rc, rdir)
-        out["replay_dir"] = str(rdir)
-        out["replay"] = json.loads((rdir / "results.json").read_text())
-        note_truncated(out["replay"], "find-load replay", args.max_wall_s)
-        speedup = out["replay"]["find_load"]["speedup"]
-        # robustness at the same load: service times with log-normal noise (sigma 0.3) that the
-        # policies' cost model does not know about; and routing alone, with admission control off
-        for (tag, extra), d in zip((("noise0.3", ["--noise", "0.3"]), ("no_admission", ["--no-admission"])),
-                                   replay_dirs[1:]):
-            print(f"\n-- same load, {tag} --")
-            if (left := deadline - time.monotonic()) < 1:
-                return spent_budget(out, args, tag)
-            rc = replay([
-                "--trace", str(args.trace), "--ttft-slo-ms", str(args.ttft_slo_ms),
-                "--prefill-instances", str(args.prefill_instances), "--speedup", repr(speedup),
-                "--store-capacity-blocks", args.store_capacity_blocks.split(",")[0], "--out", str(d), "--quiet",
-                "--max-wall-s", repr(args.max_wall_s), "--max-total-s", repr(left), *extra,
-            ])
-            if rc:
-                return failed_replay(out, args.out, tag, rc, d)
-            out[f"replay_{tag}"] = json.loads((d / "results.json").read_text())
-            note_truncated(out[f"replay_{tag}"], f"{tag} replay", args.max_wall_s)
+            return rc
     if args.sim_cost:
         tiled = tile_trace(reqs, args.sim_tile)
         cfg = SimConfig(prefill_instances=args.prefill_instances, speedup=args.sim_speedup,

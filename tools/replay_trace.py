@@ -655,6 +655,16 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
                            "by_policy": {n: c._asdict() for n, c in found.items()},
                            "ratio_vs_best": {n: (c.speedup or 0.0) / found[best].speedup if best else None
                                              for n, c in found.items()}}
+        if best is None:  # a result too: results.json records the loads tried, then exit 1
+            lowest = min(h["speedup"] for c in found.values() for h in c.history)
+            msg = (f"--capacity: no baseline meets the TTFT SLO and the TBT SLO for {args.capacity_target:.0%} of "
+                   f"the requests even at speedup {lowest:.3g}; raise --ttft-slo-ms or add --prefill-instances")
+            out["capacity"]["error"] = msg
+            if args.out:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "results.json").write_text(json.dumps(json_safe(out), indent=2, default=str,
+                                                                  allow_nan=False))
+            raise NoFeasibleLoad(msg)
         cfg = replace(cfg, speedup=at)
     sweep = {}
     main_results: dict[str, SimResult] = {}

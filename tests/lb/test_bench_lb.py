@@ -57,22 +57,24 @@ def _tiny_trace(path: Path, n: int = 3) -> Path:
 
 def test_bench_lb_writes_its_json_when_the_replay_fails(tmp_path, capsys):
     """No load meets a 1 us SLO: exit status 1 (the replay's one line), and --out still holds what ran
-    (the SLO) with the failure recorded: the part, its status and the loads the search tried."""
+    (the SLO) with the failure recorded: the part, its status and the loads the capacity search tried."""
     import json
 
     import bench_lb
 
     out = tmp_path / "b.json"
     rc = bench_lb.main(["--trace", str(_tiny_trace(tmp_path / "t.jsonl")), "--out", str(out), "--skip-eplb",
-                        "--ttft-slo-ms", "0.001", "--prefill-instances", "1", "--store-capacity-blocks", "10"])
+                        "--ttft-slo-ms", "0.001", "--prefill-instances", "1", "--store-capacity-blocks", "10",
+                        "--shapes", ""])
     assert rc == 1
     assert "no baseline meets the TTFT SLO" in capsys.readouterr().err
     data = json.loads(out.read_text())
-    assert data["ttft_slo"]["ttft_slo_ms"] == 0.001 and "replay" not in data
+    assert data["ttft_slo"]["ttft_slo_ms"] == 0.001 and not data["capacity"]["summary"]
     failed = data["failed"]
-    assert failed["part"] == "find_load" and failed["exit_status"] == 1
-    fl = failed["replay"]["find_load"]
-    assert fl["speedup"] is None and fl["history"] and "no baseline meets" in fl["error"]
+    assert failed["part"] == "capacity:trace:exact" and failed["exit_status"] == 1
+    cap = failed["replay"]["capacity"]
+    assert cap["best_baseline"] is None and "no baseline meets" in cap["error"]
+    assert all(c["speedup"] is None and c["history"] for c in cap["by_policy"].values())
 
 
 def test_whole_run_time_bound_stops_every_load_loop(tmp_path, monkeypatch, capsys):
