@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.cli_args import check_output_file, integer  # noqa: E402
 
-__all__ = ["Shape", "SHAPES", "generate", "write_jsonl", "BLOCK_TOKENS"]
+__all__ = ["Shape", "SHAPES", "generate", "generate_sessions", "write_jsonl", "BLOCK_TOKENS"]
 
 BLOCK_TOKENS = 512  # Mooncake's block size: the hash_ids unit
 
@@ -141,6 +141,14 @@ def _lognormal(rng: np.random.Generator, spec: tuple, lo: int = 1) -> int:
 def generate(shape: Shape, sessions: int, seed: int = 0) -> list[dict]:
     """The trace of ``sessions`` sessions of ``shape`` as Mooncake records, sorted by timestamp (ties
     by session, then turn): deterministic for ``(shape, sessions, seed)``."""
+    rows = [(r["timestamp"], s, k, r) for s, turns in enumerate(generate_sessions(shape, sessions, seed))
+            for k, r in enumerate(turns)]
+    rows.sort(key=lambda r: r[:3])
+    return [r[3] for r in rows]
+
+
+def generate_sessions(shape: Shape, sessions: int, seed: int = 0) -> list[list[dict]]:
+    """The same records as :func:`generate`, grouped by session, each session's turns in order."""
     if sessions < 1:
         raise ValueError(f"sessions must be >= 1, got {sessions}")
     rng = np.random.default_rng(seed)
@@ -148,31 +156,31 @@ def generate(shape: Shape, sessions: int, seed: int = 0) -> list[dict]:
     weights = 1.0 / np.arange(1, shape.system_prompts + 1)
     weights /= weights.sum()
     next_seg = shape.system_prompts  # segment ids 0 .. system_prompts-1 are the system prompts
-    rows: list[tuple[float, int, int, dict]] = []
+    out: list[list[dict]] = []
     t_start = 0.0
-    for s in range(sessions):
+    for _ in range(sessions):
         t_start += float(rng.exponential(1.0 / shape.session_rate_per_s))
         long = bool(rng.random() < shape.long_fraction)
         turns = int(rng.geometric(1.0 / (shape.long_turns if long else shape.short_turns)))
         segments = [(int(rng.choice(shape.system_prompts, p=weights)), shape.system_tokens)]
         tokens, t = shape.system_tokens, t_start
+        out.append([])
         for k in range(turns):
             msg = _lognormal(rng, shape.doc_tokens if (long and k == 0) else shape.msg_tokens)
-            out = min(shape.max_output, _lognormal(rng, shape.out_tokens))
+            answer = min(shape.max_output, _lognormal(rng, shape.out_tokens))
             if tokens + msg > shape.max_context:
                 break
             segments.append((next_seg, msg))
             next_seg += 1
             tokens += msg
-            rows.append((t, s, k, {"timestamp": int(round(t * 1000)), "input_length": tokens, "output_length": out,
-                                   "hash_ids": ids.of(segments, tokens)}))
-            segments.append((next_seg, out))  # the answer becomes part of the next turn's prompt
+            out[-1].append({"timestamp": int(round(t * 1000)), "input_length": tokens, "output_length": answer,
+                            "hash_ids": ids.of(segments, tokens)})
+            segments.append((next_seg, answer))  # the answer becomes part of the next turn's prompt
             next_seg += 1
-            tokens += out
+            tokens += answer
             gap = min(shape.gap_cap_s, shape.gap_scale_s * float(rng.pareto(shape.gap_alpha)))
-            t += out * shape.decode_s_per_token + gap
-    rows.sort(key=lambda r: r[:3])
-    return [r[3] for r in rows]
+            t += answer * shape.decode_s_per_token + gap
+    return out
 
 
 def write_jsonl(records: list[dict], path: Path) -> None:
