@@ -1,14 +1,26 @@
-"""Prefill LB: route a request to the prefill instance with the lowest estimated TTFT.
+"""Prefill LB: route a request to the prefill instance with the lowest estimated TTFT, and order each
+instance's queue by deadline.
 
 Role
     The entrypoint (or ``lb.sim``) calls :meth:`KVStackPrefillPolicy.choose`
     once per request with a fresh snapshot of every prefill instance. The
-    policy is pure: the only state it keeps is none (the snapshot carries the
-    queue); it never performs I/O.
+    policy is pure (no I/O); its only state is the calibration of its cost
+    model (:meth:`~KVStackPrefillPolicy.observe`).
+
+The contract of a prefill policy (every one in ``lb/``; ``lb.sim`` and the entrypoint keep it)
+    ``choose(req, instances) -> Decision``: required. Two hooks are optional; an owner calls them
+    when the policy has them and does without them otherwise:
+
+    * ``pick_next(waiting, now_s) -> (index, reason)``: which waiting request an idle instance
+      starts (``waiting``: its :class:`~lb.types.QueuedPrefill` estimates in arrival order, each
+      with ``deadline_s``; at least one). Without it an instance runs FIFO. An owner that calls
+      it shows the queue in arrival order and passes ``RouteRequest.now_s``.
+    * ``observe(instance_id, modelled_s, actual_s)``: after each prefill, what the cost model
+      said for the work it did (its actual hits) and how long it took.
 
 Estimate, per healthy instance (all in seconds)::
 
-    ttft = queue_s                          # work already queued there
+    ttft = queue_s                          # work already queued there that runs before it
          + fetch_s(host blocks, store blocks)  # missing-from-device prefix, best tier per block
          + prefill_s(prompt, cached tokens)    # the uncached suffix, via the cost model
 
@@ -22,21 +34,45 @@ What this policy adds over Mooncake's Algorithm 1 (``lb.baselines.Mooncake``)
        count as device hits there: a request that shares a prefix with one
        still in flight is sent behind it instead of recomputing the prefix
        elsewhere (the shared store only learns blocks after their prefill).
+       When the warm instance's queue costs more than recomputing the prefix
+       elsewhere, the estimate itself sends it to a colder instance.
     2. *System cost, not only own TTFT.* Among instances that meet the SLO
        the score is ``ttft + load_weight * work_s``, where ``work_s`` is the
        time this request adds to that instance's queue (fetch + prefill):
        every later request routed there waits for it, so cheaper work (a
-       warmer cache) is preferred when TTFTs are close. Routing a prefix to
-       the instance that already holds it keeps it warm for the next turn.
-    3. *Admission control.* If no instance's estimate meets ``ttft_slo_ms``
-       the decision is ``Decision(None, reason)``, the reason naming the best
-       instance and its estimate split into queue/fetch/prefill. Exception
-       (``serve_unavoidable``): when the miss is intrinsic (even an idle
-       instance would exceed the SLO: a long cold prompt) and the best
-       instance's queue is short (``<= unavoidable_max_queue x SLO``), the
-       request is served anyway: rejecting it would also keep its prefix out
-       of every cache, so each later turn of the same session would be cold
-       and rejected in turn (a cascade seen on the Mooncake trace).
+       warmer cache) is preferred when TTFTs are close.
+    3. *Deadline order within an instance* (:meth:`~KVStackPrefillPolicy.pick_next`).
+       An idle instance starts the waiting request with the earliest
+       deadline among those that can still meet it; one that can not any
+       more (it waited behind a slow prefill, or never could) yields to
+       them and runs when none waits, oldest first. Under FIFO such a request
+       runs anyway and makes every request behind it late too; here it costs
+       only itself. ``queue_s`` counts accordingly only the requests that will
+       run before a new one (:func:`yielding_queue_seconds`).
+    4. *Admission: reject only what can not meet its SLO anywhere, and even
+       then serve it in the background when it can.* If no instance's estimate
+       meets ``ttft_slo_ms``, the request goes, with ``serve_unavoidable``, to
+       the instance of the least whole backlog, as long as that backlog is at
+       most ``unavoidable_max_queue x SLO``: by 3. it runs after every request
+       that can meet its SLO, and its prefix is then cached for the session's
+       next turn (rejecting it would leave that turn cold, and the next, in a
+       cascade). Otherwise ``Decision(None, reason)``; the reason names the SLO,
+       the best instance with its estimate split into queue/fetch/prefill, and
+       the backlog that was too long.
+    5. *A calibrated cost model* (:meth:`~KVStackPrefillPolicy.observe`). Every
+       estimate is scaled by the observed ratio of actual to modelled service
+       time (an exponentially weighted mean of its log), so a cost model that
+       is 30 % optimistic or pessimistic is corrected after a few dozen
+       prefills instead of over-admitting (late requests) or over-rejecting.
+
+Every decision is explainable: ``Decision.reason`` (routing) and ``pick_next``'s reason (order)
+say which rule applied and with which estimates; ``lb.sim`` keeps both in the request's trace.
+
+Not done, on purpose: dropping a request that can still meet its SLO so that several shorter ones
+meet theirs (Moore-Hodgson), which would raise the count served in time further, but would turn
+long prompts away while they could be served in time. Nor replication of hot prefixes into a
+second instance's host tier: with the shared store a second instance already loads a hot prefix
+at store bandwidth, which the estimate prices.
 
 Guarantees
     * Never chooses an unhealthy instance; with none healthy, rejects with

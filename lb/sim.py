@@ -21,7 +21,12 @@ Model (one heap of timed events; ties: completions before arrivals)
     1. *Arrival* at ``timestamp_ms / 1000 / speedup``: hits per instance are
        looked up (device LRU, host LRU of that instance; the shared store
        LRU), the prefill policy chooses; a rejection is final (counted as an
-       SLO miss). The request joins that instance's FIFO queue. Before that, a
+       SLO miss). The request joins that instance's queue: FIFO, unless the policy
+       orders queues itself (``pick_next``, the contract in ``lb.prefill``): then
+       each idle instance asks it which waiting request to start, showing each with
+       the hits it would have now and its deadline (arrival + TTFT SLO), and the
+       snapshot's estimate of a queued request counts the blocks of the requests
+       ahead of it as cached (``lb.prefill.warm_hits``), as that policy does. Before that, a
        request that needs more KV memory (``lb.decode.request_kv_bytes``: prompt +
        output tokens) than the decode policy admits on an empty decode instance
        (its ``kv_limit_bytes``: ``kvstack`` keeps 5 % headroom, the baselines none; the
@@ -35,7 +40,10 @@ Model (one heap of timed events; ties: completions before arrivals)
        present in some tier, each loaded from its fastest tier; cached tokens
        = ``min(input_length - 1, hit blocks x block_tokens)`` (the last token
        is always computed); service time = ``TransferModel.fetch_s`` +
-       ``PrefillCostModel.predict`` (times an optional log-normal noise). Hit
+       ``PrefillCostModel.predict``, times ``service_bias`` (a cost model that is
+       systematically wrong: 1.3 = every prefill 30 % slower than modelled) and an
+       optional log-normal noise (``service_noise``); the policies are not told
+       (one with ``observe`` hears the modelled and the actual time at prefill end). Hit
        blocks are touched in their tiers.
     3. *Prefill end*: the request's cacheable blocks enter the device LRU
        (evicted blocks spill to the host LRU) and the shared store LRU (saved
@@ -63,6 +71,15 @@ Model (one heap of timed events; ties: completions before arrivals)
        token comes with the prefill, ``entrypoint/server.py``; the next only once the
        request decodes), so a policy that queues at decode is not flattered by a TBT of
        its decode batch alone. TTFT ends at prefill end for the same reason.
+
+Early stop and trace
+    With ``stop_after_misses`` a run stops once more requests than that are known
+    to miss (rejected, TTFT over its SLO at prefill end, TBT over its SLO at decode
+    end): its ``stopped_early`` attainment is a lower bound and already below
+    ``1 - stop_after_misses / requests``, which is all a capacity search needs to
+    know (``tools/replay_trace.py --capacity``). With ``keep_trace`` each request
+    keeps its decisions' reasons in order (``route: ...``, ``start: ...`` from
+    ``pick_next``, ``prefill done: TTFT ...``) in ``SimResult.trace``.
 
 Hit ratios (blocks, prefix semantics: a block counts only if every block
 before it in the request also hit)

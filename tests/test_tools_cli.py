@@ -214,7 +214,7 @@ NOT_HERE = {
     ("mooncake_peer", "storage"): "mooncake is installed here" if importlib.util.find_spec("mooncake") else None,
 }
 HELP = ["load_store", "replay_trace", "bench_lb", "bench_store", "bench_remote", "soak", "bench_engine", "demo",
-        "mooncake_peer"]
+        "mooncake_peer", "gen_trace"]
 REFUSED_NAMES = [f"{t}:{' '.join(a or repr(a) for a in args)}" for t, args in REFUSED]
 # every quick run of this file by name: the refused cases, --help, and a few with their own checks
 QUICK: dict[str, tuple[str, list[str]]] = {
@@ -228,7 +228,7 @@ QUICK: dict[str, tuple[str, list[str]]] = {
     "nofield": ("replay_trace", ["--trace", "{nofield}"]),
     "bom_replay": ("replay_trace", ["--trace", "{bom}", "--policies", "round_robin", "--quiet"]),
     "bom_bench": ("bench_lb", ["--trace", "{bom}", "--out", "{out}/bom.json", "--skip-eplb",
-                               "--store-capacity-blocks", "100"]),
+                               "--store-capacity-blocks", "100", "--shapes", "", "--conditions", "exact"]),
     "long": ("replay_trace", ["--trace", "{long}", "--policies", "round_robin,kvstack", "--quiet"]),
 }
 

@@ -1,10 +1,13 @@
-"""Benchmark lb/: EPLB (ours vs DeepSeek's greedy) and the trace replay at the SLO-limited load.
+"""Benchmark lb/: EPLB (ours vs DeepSeek's greedy) and each prefill policy's capacity on several traces.
 
-Exact command (what produced the figures in the closing note; ~2-5 min on 2 shared cores)::
+Exact command (what produced the figures in the closing note; the default, about 10 min on 2 shared
+cores, most of it the shared trace's 4,000 requests)::
 
     .venv/bin/python tools/bench_lb.py \\
         --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --out results/bench_lb.json
 
+Bigger runs: ``--sessions-scale 4`` (generated traces four times longer), ``--shapes chat,agent,longdoc,mixed``,
+``--store-capacity-blocks 20000,2000,5000,10000,40000,inf`` (the hit-ratio sweep on the shared trace).
 (``results/`` is git-ignored; the figures are quoted in the closing note.)
 
 Simulator cost alone (part 3, opt-in; the figures quoted in the lb/ QueueTotals change)::
@@ -23,15 +26,32 @@ Parts (each compares peers in the same run and reports ratios)
        balancedness (mean/max GPU load) of both, the ratio, the share of
        layers strictly improved, the worst per-layer difference (must be
        >= 0) and the run time of both.
-    2. Replay (``tools/replay_trace.py``): ``--find-load`` with the TTFT SLO
-       (p90 = TTFT attainment >= 0.9) to find the offered load at which the
-       best baseline just meets it, every policy compared at that load, and
-       the store-capacity sweep (hit ratio vs one LRU of that capacity and the
-       ideal: references, not bounds).
-       Its JSON and PNGs go next to ``--out`` (``<out stem>_replay/``).
-       Then, at the same load: with log-normal service-time noise (sigma
-       0.3) the policies' cost model does not know about, and with
-       admission control off (routing alone).
+    2. Capacity (``tools/replay_trace.py --capacity``) on ``--trace`` and on the
+       conversation traces ``tools/gen_trace.py`` generates for ``--shapes``
+       (seeded by ``--seed``; written to ``<out stem>_replay/traces/``), each
+       under every cost-model condition of ``--conditions``: ``exact`` (service
+       times are the cost model's), ``slow`` (actual prefill 1.3x the model's,
+       log-normal noise sigma 0.3) and ``fast`` (0.7x, the same noise). Per
+       policy, the capacity: the highest speedup at which >= 90 % of *all*
+       requests meet both the TTFT and the TBT SLO (a rejection is a miss;
+       the Mooncake paper's effective request capacity), found by doubling and
+       geometric bisection to ``--capacity-tol``; then every policy at the best
+       baseline's capacity (SLO attainment, TTFT p50/p90/p99 over all requests
+       with the unserved as infinite, hit ratios). One summary table per run:
+       the best baseline (Mooncake's Alg. 1 is always one), its capacity,
+       Mooncake's, ours, the ratio, our attainment and both hit ratios at the
+       best baseline's capacity, and the three goals (capacity >= 1.25x the best
+       baseline's, attainment >= 0.95 there, hit ratio within 1 % of Mooncake's).
+       A baseline with no capacity (below 90 % at every load tried, as Mooncake's
+       Alg. 1 on the shared trace, whose rejections of long cold turns cascade
+       into the sessions' next turns) is printed ``none``. Every run's JSON and
+       PNGs go under ``<out stem>_replay/<trace>_<condition>/``.
+
+       Caveat of every speedup-scaled replay, the shared trace's included: the
+       speedup compresses a session's gaps between turns too, so at high speedups a
+       turn arrives before the previous one's answer would have. The traces carry no
+       session ids, so the replay can not hold a turn back; the capacities of the
+       generated traces, whose sessions chain quickly, are the most affected.
     3. Simulator cost (only with ``--sim-cost``): the trace tiled
        ``--sim-tile`` times (copy k shifted by k trace spans, its block ids
        made its own, so every copy has the first copy's statistics: ~100k
@@ -48,7 +68,7 @@ Parts (each compares peers in the same run and reports ratios)
 TTFT SLO
     Unless ``--ttft-slo-ms`` is given, it is derived from the committed cost
     model so that it follows a refit: ``--ttft-slo-x`` (default 8) times the
-    predicted *cold* prefill of the trace's median prompt
+    predicted *cold* prefill of each trace's median prompt
     (``load_default().prefill.predict(median input_length, 0)``). With the
     reference engine's fit (bench preset, CPU, 1 thread) that is ~7.6 s, so
     the SLO is ~60 s: a median request may wait behind about seven
@@ -56,22 +76,26 @@ TTFT SLO
     7.7x the toy fit's median cold prefill.) It is rounded *up* to a whole
     100 ms, so it is never below 100 ms: a trace of short prompts (a
     predicted cold prefill of a few ms) gets a 100 ms SLO, not 0. The value
-    used is printed and recorded in the JSON (``ttft_slo``).
+    used is printed and recorded in the JSON (``ttft_slo`` for ``--trace``, each
+    summary row's ``ttft_slo_ms``). The TBT SLO is 100 ms; the fleet is
+    ``--prefill-instances`` (16) and ``--decode-instances`` (16: with 4, the
+    chat shape is decode-bound and no prefill policy can matter).
 
 Time bounds
     The whole run is bounded by ``--max-total-s`` (default 1 h): each replay
     gets what is left of it (``replay_trace.py --max-total-s``), every
     simulation is cut at it, and once it is spent nothing more starts (one
     line, ``--out`` written with ``failed``, exit status 1). Every loop is
-    bounded in count too (``--find-load-iters``, the sweep's capacities,
-    ``--sim-repeats``).
+    bounded in count too (at most 10 loads to bracket a capacity and 10 to
+    bisect it, per policy; the sweep's capacities; ``--sim-repeats``). A
+    capacity search stops a run as soon as more than 10 % of the requests
+    have missed, so an overloaded load costs little.
 
 Truncated runs
     Each replay run is bounded by ``--max-wall-s`` (passed to
     ``replay_trace.py``). A run cut by it is marked ``*`` in the replay's
     table, gets no ratios against complete runs, and one line after the
-    table counts such runs; ``--find-load`` says in one line when a load it
-    counts as a miss had a truncated run (see ``tools/replay_trace.py``).
+    table counts such runs.
     Figures with no sample are ``null`` in the JSON (never a bare NaN).
 
 Exit status (the contract of ``tools/cli_args.py``)
@@ -79,12 +103,12 @@ Exit status (the contract of ``tools/cli_args.py``)
     refused in one line before any part runs: nothing to run (``--skip-eplb``
     and ``--skip-replay`` without ``--sim-cost``), a trace that is missing, unreadable, malformed or
     holds no requests (when the replay runs), an SLO that is not a positive
-    number, an output path that can not be written. 1: ``--max-total-s`` was spent, or the replay's
-    ``--find-load`` found no load at which the best baseline meets the SLO
-    (``replay_trace.py`` says so in one line). Whenever a replay exits non-zero,
+    number, an unknown shape or condition, an output path that can not be written. 1:
+    ``--max-total-s`` was spent, or a capacity search found no baseline with a
+    capacity (``replay_trace.py`` says so in one line). Whenever a replay exits non-zero,
     ``--out`` is still written with what ran so far and ``failed``: the part
-    (``find_load``, ``noise0.3``, ``no_admission``), its exit status and, where
-    the replay wrote one, its ``results.json`` (the loads ``--find-load`` tried).
+    (``capacity:TRACE:CONDITION``), its exit status and, where the replay wrote
+    one, its ``results.json`` (the loads each capacity search tried).
 """
 
 from __future__ import annotations
@@ -433,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"cost-model conditions, each a full capacity search: {', '.join(CONDITIONS)}")
     ap.add_argument("--capacity-tol", type=number(0.001, 1), default=0.05,
                     help="capacity search: bisect until the bracket's hi/lo <= 1 + this")
-    ap.add_argument("--store-capacity-blocks", default="20000,2000,5000,10000,40000,inf",
-                    help="comma list for the replay's sweep ('inf' = unbounded)")
+    ap.add_argument("--store-capacity-blocks", default="20000",
+                    help="store capacity in blocks; a comma list also sweeps the hit ratio over them on --trace "
+                         "(exact condition) at the best baseline's capacity ('inf' = unbounded)")
     ap.add_argument("--max-wall-s", type=number(1), default=300.0,
                     help="wall-clock bound per replay simulation run (>= 1), passed to replay_trace.py")
     ap.add_argument("--max-total-s", type=number(1), default=3600.0,

@@ -15,6 +15,16 @@ Exact commands
             --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
             --speedup 0.5 --store-capacity-blocks 20000,2000,5000,10000,40000 --out results/replay
 
+    Each policy's capacity (the highest speedup at which >= 90 % of *all*
+    requests meet both the TTFT and the TBT SLO, a rejection counting as a
+    miss), here with a cost model 30 % optimistic and noisy, then every policy
+    at the best baseline's capacity (``tools/bench_lb.py`` runs this over
+    several traces and conditions)::
+
+        .venv/bin/python tools/replay_trace.py \\
+            --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
+            --capacity --ttft-slo-ms 60600 --decode-instances 16 --bias 1.3 --noise 0.3 --out results/cap
+
     Find the offered load (speedup) at which the best baseline just meets
     the TTFT SLO at p90, then compare every policy at that load::
 
@@ -30,7 +40,9 @@ LRU of the store's capacity (column ``lru_ref``, key ``lru_oracle`` in the JSON)
 same definition, over all requests in arrival order. Both are references, not
 bounds (neither an oracle): a queued request may reuse blocks of a later arrival
 that finished first, and the policies also hit in device and host tiers the
-single LRU does not have; see ``lb/sim.py``; TTFT p50/p90/p99 over served requests, TBT p50/p90 (from the
+single LRU does not have; see ``lb/sim.py``; TTFT p50/p90/p99 over *all* requests (one not
+served, rejected or cut off, counts as an infinite TTFT: ``inf`` in the table, ``null`` in
+``ttft_all_p*_s``; ``ttft_p*_s`` in ``results.json`` are over served requests), TBT p50/p90 (from the
 first token, a wait for a decode slot included; requests
 with ``output_length`` 0 have no TBT and are judged on TTFT alone; that wait's own
 p50/p90/p99 are ``decode_wait_p*_s`` in ``results.json``), SLO
@@ -47,7 +59,18 @@ and, with ``--max-total-s``, the whole run: each simulation is cut at what is
 left of it, and once it is spent no simulation starts (one line, exit 1).
 Service times come from ``lb/data/cost_model.json`` (``--cost-model`` to
 override; one warning says how many prompts are longer than any it was fitted
-on); ``--noise`` adds log-normal noise so policies' estimates are not exact.
+on); ``--noise`` adds log-normal noise and ``--bias`` a systematic factor (1.3: every prefill
+30 % slower than modelled) to prefill service times, so policies' estimates are not exact.
+
+``--capacity`` searches each policy's capacity from ``--speedup`` (doubling or
+halving to bracket it, then a geometric bisection down to ``--capacity-tol``; at
+most ``--capacity-iters`` loads each way); a run stops as soon as more than
+``1 - --capacity-target`` of the requests have missed (the load failed, whatever
+the rest does: ``stopped_early`` in ``results.json``). The capacity table gives
+each policy's capacity and its ratio to the best baseline's (``none``: below the
+target at every load tried); the main table then compares every policy at the
+best baseline's capacity. ``results.json`` has ``capacity`` with every load
+tried per policy (attainments and TTFT percentiles over all requests).
 
 A run cut by ``--max-wall-s`` covers only the requests that arrived before it
 stopped: its row is marked ``*`` with a note of how far it got, attainments
@@ -70,14 +93,17 @@ Exit status (the contract of ``tools/cli_args.py``)
     JSON lines (gzip included: decompress it first), not Mooncake format (a
     missing field, a key twice in one object, nesting too deep, a value no trace
     can mean) or empty, a malformed
-    ``--cost-model``, an ``--out`` that is not a directory, or ``--policies``
-    without a baseline to compare with. 1: ``--max-total-s`` was spent before the last
+    ``--cost-model``, an ``--out`` that is not a directory, ``--policies``
+    without a baseline to compare with, or both ``--capacity`` and ``--find-load``. 1: ``--max-total-s``
+    was spent before the last
     simulation (one line says so), or ``--find-load`` searched and no
     load lets the best baseline meet the SLO (one line says so; raise
     ``--ttft-slo-ms`` or add ``--prefill-instances``, and raise ``--max-wall-s``
     when it says runs were cut by it); nothing is compared, and ``--out`` gets a
     ``results.json`` whose ``find_load`` has ``speedup: null``, the ``error`` and
-    the loads tried.
+    the loads tried; or ``--capacity`` found no baseline with a capacity (one line;
+    ``results.json``'s ``capacity`` has ``best_baseline: null``, the ``error`` and
+    every load tried).
 """
 
 from __future__ import annotations
