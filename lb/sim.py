@@ -74,8 +74,8 @@ Model (one heap of timed events; ties: completions before arrivals)
 
 Early stop and trace
     With ``stop_after_misses`` a run stops once more requests than that are known
-    to miss (rejected, TTFT over its SLO at prefill end, TBT over its SLO at decode
-    end): its ``stopped_early`` attainment is a lower bound and already below
+    to miss (rejected, still not prefilled at its TTFT deadline, TBT over its SLO at
+    decode end): its ``stopped_early`` attainment is a lower bound and already below
     ``1 - stop_after_misses / requests``, which is all a capacity search needs to
     know (``tools/replay_trace.py --capacity``). With ``keep_trace`` each request
     keeps its decisions' reasons in order (``route: ...``, ``start: ...`` from
@@ -496,7 +496,8 @@ def simulate(
         heapq.heappush(heap, (t, kind, seq, payload))
         seq += 1
 
-    # kinds: 0 prefill end, 1 decode finish, 2 arrival (completions first on ties)
+    # kinds: 0 prefill end, 1 decode finish, 2 arrival (completions first on ties), 3 a TTFT deadline
+    # (only with stop_after_misses: a request not prefilled by then is counted as a miss at once)
     for i in order:
         push((reqs[i].timestamp_ms - t0) / 1000.0 / cfg.speedup, 2, i)
 
@@ -518,6 +519,8 @@ def simulate(
     ttft_slo = math.inf if cfg.ttft_slo_ms is None else cfg.ttft_slo_ms / 1e3
     tbt_slo = math.inf if cfg.tbt_slo_ms is None else cfg.tbt_slo_ms / 1e3
     misses = 0  # requests known to miss an SLO so far (rejected, TTFT over, TBT over): stop_after_misses
+    watch_deadlines = cfg.stop_after_misses is not None and math.isfinite(ttft_slo)
+    late: set[int] = set()  # requests counted as misses at their deadline, still in a queue then
 
     def hits_on(p: _Prefill, idx: int) -> PrefixHits:
         return PrefixHits.from_tiers(full[idx], p.device.__contains__, p.host.__contains__, store.__contains__)
@@ -647,6 +650,8 @@ def simulate(
             est = QueuedPrefill(r.input_length - cached, cached, fetch,  # deadline: for a pick_next policy
                                 deadline_s=None if slo_ms is None else now + slo_ms / 1e3)
             p.enqueue(_Job(idx, r, now, est), full[idx])
+            if watch_deadlines:  # a request still waiting at its deadline is a miss already: count it then
+                push(now + ttft_slo, 3, idx)
             start_next(p, now)
         elif kind == 0:
             p = pre[payload]
@@ -661,7 +666,7 @@ def simulate(
             ttft[job.idx] = now - job.arrival
             if observe is not None and job.model_s > 0:
                 observe(p.id, job.model_s, job.end - job.start)
-            misses += ttft[job.idx] > ttft_slo
+            misses += ttft[job.idx] > ttft_slo and job.idx not in late
             if trace is not None:
                 trace[job.idx].append(f"prefill done: TTFT {ttft[job.idx]:.3f} s")
             # output_length 0: nothing to decode, the request is done (no TBT sample)
@@ -669,6 +674,10 @@ def simulate(
             if job.req.output_length > 0 and place_decode(job.idx, now) is False:
                 decode_line.append(job.idx)
             start_next(p, now)
+        elif kind == 3:
+            if payload not in ttft:  # its prefill has not ended by its deadline
+                late.add(payload)
+                misses += 1
         else:
             did, version = payload
             d = dec[did]
