@@ -99,7 +99,7 @@ from lb.types import (
     check_unique_ids,
 )
 
-__all__ = ["TTFTEstimate", "queue_seconds", "work_seconds", "yielding_queue_seconds", "estimate_ttft", "warm_hits",
+__all__ = ["TTFTEstimate", "queue_seconds", "entry_seconds", "yielding_queue_seconds", "estimate_ttft", "warm_hits",
            "KVStackPrefillPolicy"]
 
 _MAX_LOG_SCALE = math.log(4.0)  # the calibration never trusts a ratio beyond 4x either way
@@ -132,15 +132,18 @@ class TTFTEstimate:
         )
 
 
+def entry_seconds(q: QueuedPrefill, models: CostModels) -> float:
+    """Model seconds that ``q`` still occupies its instance: fetch + prefill when it waits, the rest of
+    its prefill when it runs (``remaining_fraction < 1``)."""
+    pre = models.prefill.predict(q.cached_tokens + q.suffix_tokens, q.cached_tokens)
+    return q.fetch_s + pre if q.remaining_fraction >= 1.0 else pre * q.remaining_fraction
+
+
 def queue_seconds(inst: PrefillInstance, models: CostModels, scale: float = 1.0) -> float:
-    """Estimated time until ``inst`` can start a newly queued request (model seconds x ``scale``)."""
+    """Estimated time until ``inst`` can start a newly queued request, FIFO (model seconds x ``scale``)."""
     total = 0.0
     for q in inst.queue:
-        pre = models.prefill.predict(q.cached_tokens + q.suffix_tokens, q.cached_tokens)
-        if q.remaining_fraction >= 1.0:
-            total += q.fetch_s + pre
-        else:
-            total += pre * q.remaining_fraction
+        total += entry_seconds(q, models)
     return total * scale if scale != 1.0 else total
 
 
@@ -170,11 +173,6 @@ def warm_hits(req: RouteRequest, inst: PrefillInstance) -> PrefixHits:
     return PrefixHits(n, host, store)
 
 
-def work_seconds(q: QueuedPrefill, models: CostModels) -> float:
-    """Model seconds that the waiting request ``q`` will occupy its instance (fetch + prefill)."""
-    return q.fetch_s + models.prefill.predict(q.cached_tokens + q.suffix_tokens, q.cached_tokens)
-
-
 def yielding_queue_seconds(inst: PrefillInstance, models: CostModels, now_s: float,
                            scale: float = 1.0) -> tuple[float, float]:
     """``(on_time_s, backlog_s)`` of ``inst`` under :meth:`KVStackPrefillPolicy.pick_next`'s order.
@@ -189,9 +187,7 @@ def yielding_queue_seconds(inst: PrefillInstance, models: CostModels, now_s: flo
     wait = backlog = 0.0
     waiting = []
     for q in inst.queue:
-        w = work_seconds(q, models) if q.remaining_fraction >= 1.0 else (
-            models.prefill.predict(q.cached_tokens + q.suffix_tokens, q.cached_tokens) * q.remaining_fraction)
-        w *= scale
+        w = entry_seconds(q, models) * scale
         backlog += w
         if q.remaining_fraction < 1.0:
             wait += w  # the running request: everyone waits for its rest
@@ -310,7 +306,7 @@ class KVStackPrefillPolicy:
         scale = self.scale
         best, best_key = None, None
         for i, q in enumerate(waiting):
-            w = work_seconds(q, self.models) * scale
+            w = entry_seconds(q, self.models) * scale
             if q.deadline_s is None or now_s + w <= q.deadline_s:
                 key = math.inf if q.deadline_s is None else q.deadline_s
                 if best_key is None or key < best_key:
