@@ -68,7 +68,34 @@ class QueueView(Sequence):
         return repr(tuple(self))
 
 
-class InflightView(AbstractSet):
+class _LazySet(AbstractSet):
+    """A set view whose members (:meth:`_members`) are built once, on the first ``len``, iteration or
+    hash; membership and truth are the subclass's own, without building the set."""
+
+    __slots__ = ("_set",)
+
+    def _members(self):
+        raise NotImplementedError
+
+    def _frozen(self) -> frozenset:
+        if self._set is None:
+            self._set = frozenset(self._members())
+        return self._set
+
+    def __len__(self) -> int:
+        return len(self._frozen())
+
+    def __iter__(self):
+        return iter(self._frozen())
+
+    def __hash__(self) -> int:
+        return hash(self._frozen())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({set(self._frozen())!r})"
+
+
+class InflightView(_LazySet):
     """``PrefillInstance.inflight_blocks`` of a snapshot, built in O(1): the cacheable blocks
     of the jobs at positions ``[lo, hi)`` of an instance's log (queued or running).
 
@@ -78,7 +105,7 @@ class InflightView(AbstractSet):
     :class:`QueueView`: every list it reads is append-only.
     """
 
-    __slots__ = ("_where", "_blocks", "_cum", "_lo", "_hi", "_set")
+    __slots__ = ("_where", "_blocks", "_cum", "_lo", "_hi")
 
     def __init__(self, where: dict, blocks: list, cum: list, lo: int, hi: int) -> None:
         self._where, self._blocks, self._cum, self._lo, self._hi = where, blocks, cum, lo, hi
@@ -94,25 +121,11 @@ class InflightView(AbstractSet):
     def __bool__(self) -> bool:
         return self._cum[self._hi] - self._cum[self._lo] > 0
 
-    def _frozen(self) -> frozenset:
-        if self._set is None:
-            self._set = frozenset(chain.from_iterable(self._blocks[self._lo:self._hi]))
-        return self._set
-
-    def __len__(self) -> int:
-        return len(self._frozen())
-
-    def __iter__(self):
-        return iter(self._frozen())
-
-    def __hash__(self) -> int:
-        return hash(self._frozen())
-
-    def __repr__(self) -> str:
-        return f"InflightView({set(self._frozen())!r})"
+    def _members(self):
+        return chain.from_iterable(self._blocks[self._lo:self._hi])
 
 
-class FinishedInflightView(AbstractSet):
+class FinishedInflightView(_LazySet):
     """``PrefillInstance.inflight_blocks`` of a snapshot of an instance that may finish its jobs out of
     arrival order (a policy with ``pick_next`` schedules them): the cacheable blocks of the jobs at
     positions ``[lo, hi)`` that had not finished when the snapshot was taken.
@@ -125,7 +138,7 @@ class FinishedInflightView(AbstractSet):
     ``bool(view)`` is fixed at snapshot time; iteration and ``len`` build the set once.
     """
 
-    __slots__ = ("_where", "_blocks", "_fin", "_lo", "_hi", "_seen", "_any", "_set")
+    __slots__ = ("_where", "_blocks", "_fin", "_lo", "_hi", "_seen", "_any")
 
     def __init__(self, where: dict, blocks: list, fin: list, lo: int, hi: int, seen: int, any_: bool) -> None:
         self._where, self._blocks, self._fin, self._lo, self._hi = where, blocks, fin, lo, hi
@@ -151,20 +164,5 @@ class FinishedInflightView(AbstractSet):
     def __bool__(self) -> bool:
         return self._any
 
-    def _frozen(self) -> frozenset:
-        if self._set is None:
-            self._set = frozenset(chain.from_iterable(self._blocks[p] for p in range(self._lo, self._hi)
-                                                      if self._live(p)))
-        return self._set
-
-    def __len__(self) -> int:
-        return len(self._frozen())
-
-    def __iter__(self):
-        return iter(self._frozen())
-
-    def __hash__(self) -> int:
-        return hash(self._frozen())
-
-    def __repr__(self) -> str:
-        return f"FinishedInflightView({set(self._frozen())!r})"
+    def _members(self):
+        return chain.from_iterable(self._blocks[p] for p in range(self._lo, self._hi) if self._live(p))
