@@ -377,7 +377,7 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
     for tname, path in traces.items():
         treqs = reqs if tname == "trace" else replay_trace.read_trace(path)
         slo_ms = args.ttft_slo_ms if args.fixed_slo else derive_ttft_slo_ms(treqs, args.ttft_slo_x)[0]
-        start = 1.0
+        starts: dict = {}  # policy -> its capacity under the first condition: where the others search from
         for cond in args.condition_list:
             noise, bias = CONDITIONS[cond]
             part = f"capacity:{tname}:{cond}"
@@ -388,7 +388,8 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
             caps = args.store_capacity_blocks if (tname == "trace" and cond == args.condition_list[0]) else \
                 args.store_capacity_blocks.split(",")[0]
             rc = replay([
-                "--trace", str(path), "--capacity", "--speedup", repr(start), "--ttft-slo-ms", repr(slo_ms),
+                "--trace", str(path), "--capacity", "--speedup", "1", "--ttft-slo-ms", repr(slo_ms),
+                *(["--capacity-start", ",".join(f"{n}={v!r}" for n, v in starts.items())] if starts else []),
                 "--prefill-instances", str(args.prefill_instances), "--decode-instances", str(args.decode_instances),
                 "--noise", repr(noise), "--bias", repr(bias), "--capacity-tol", repr(args.capacity_tol),
                 "--capacity-iters", "10",
@@ -402,8 +403,8 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
             row = capacity_row(tname, cond, slo_ms, res)
             out["capacity"]["summary"].append(row)
             note_truncated(res, part, args.max_wall_s)
-            if cond == args.condition_list[0] and row["best_capacity"]:
-                start = row["best_capacity"]  # the other conditions start their searches near it
+            if cond == args.condition_list[0]:
+                starts = {n: v for n, v in row["capacity"].items() if v}
     print_capacity_summary(out["capacity"]["summary"])
     return 0
 

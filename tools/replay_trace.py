@@ -183,6 +183,14 @@ def _capacity(text: str) -> int | None:
 parse_capacities = csv_list(_capacity)  # --store-capacity-blocks (bench_lb checks its own with it)
 
 
+def _policy_speedup(text: str) -> tuple[str, float]:
+    """``POLICY=SPEEDUP`` (``--capacity-start``)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected POLICY=SPEEDUP, got {text!r}")
+    return name.strip(), number(0, 1e6, lo_open=True)(value)
+
+
 def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     """The requests of a Mooncake JSON-lines trace; any problem with the file is one ``LBInputError``
     that names the file (and the line, for a problem on one line). A UTF-8 byte-order mark at the
@@ -573,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop bisecting once the bracket's hi/lo <= 1 + this")
     ap.add_argument("--capacity-iters", type=integer(1, 64), default=8,
                     help="at most this many loads to bracket, and as many to bisect, per policy")
+    ap.add_argument("--capacity-start", type=csv_list(_policy_speedup), default=[],
+                    help="POLICY=SPEEDUP,...: where that policy's search starts (default --speedup), e.g. its "
+                         "capacity under another condition")
     ap.add_argument("--max-wall-s", type=number(1), default=300.0, help="wall-clock bound per simulation run (>= 1)")
     ap.add_argument("--max-total-s", type=number(1), default=None,
                     help="wall-clock bound on the whole run (>= 1; default: none): runs are cut at it")
@@ -595,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--policies names a policy twice: {','.join(names)}")
     if args.capacity and args.find_load:
         ap.error("--capacity and --find-load are two ways to choose the load: give one")
+    if stray := [n for n, _ in args.capacity_start if n not in names]:
+        ap.error(f"argument --capacity-start: {', '.join(stray)} is not in --policies")
     if args.out is not None and (msg := check_output_dir(args.out)):
         ap.error(msg)
     try:
@@ -668,7 +681,9 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
                   f"missed it, so {s:.4g} is only a lower bound; raise --find-load-iters or --speedup")
     if args.capacity:
         c0 = replace(cfg, store_capacity_blocks=caps[0])
-        found = {n: search_capacity(reqs, n, c0, models, progress, target=args.capacity_target,
+        starts = dict(args.capacity_start)
+        found = {n: search_capacity(reqs, n, replace(c0, speedup=starts.get(n, c0.speedup)), models, progress,
+                                    target=args.capacity_target,
                                     iters=args.capacity_iters, rel_tol=args.capacity_tol, decode=args.decode_policy,
                                     deadline=deadline) for n in names}
         table, best = capacity_table(found)

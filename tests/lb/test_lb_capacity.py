@@ -191,7 +191,7 @@ def test_replay_capacity_mode_prints_capacities_with_ratios_and_compares_at_the_
     out = tmp_path / "o"
     assert replay_trace.main(["--trace", str(trace), "--policies", "round_robin,mooncake,kvstack", "--capacity",
                               "--prefill-instances", "1", "--ttft-slo-ms", "3000", "--quiet", "--bias", "1.3",
-                              "--out", str(out), "--capacity-iters", "6"]) == 0
+                              "--out", str(out), "--capacity-iters", "6", "--capacity-start", "kvstack=4"]) == 0
     text = capsys.readouterr().out
     assert "== capacity:" in text and "vs best" in text and "bias 1.3" in text
     res = json.loads((out / "results.json").read_text())
@@ -199,3 +199,5 @@ def test_replay_capacity_mode_prints_capacities_with_ratios_and_compares_at_the_
     assert cap["best_baseline"] in ("round_robin", "mooncake")
     assert res["config"]["speedup"] == cap["compared_at_speedup"] == cap["by_policy"][cap["best_baseline"]]["speedup"]
     assert cap["ratio_vs_best"][cap["best_baseline"]] == 1.0
+    assert cap["by_policy"]["kvstack"]["history"][0]["speedup"] == 4.0  # --capacity-start
+    assert cap["by_policy"]["mooncake"]["history"][0]["speedup"] == 0.5  # --speedup's default
