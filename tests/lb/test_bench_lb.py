@@ -207,3 +207,18 @@ def test_progress_off_a_terminal_is_plain_periodic_lines(monkeypatch):
             assert "\r" not in text and len(lines) == 22, lines  # 0/10 .. 9/10 and the end, per run
             assert lines[0] == "a: 50/1000 arrivals" and lines[10] == "a: 1000/1000 arrivals", lines
             assert lines[11] == "b: 50/1000 arrivals", lines
+
+
+def test_the_derived_slo_scales_with_the_work_an_ideal_cache_leaves_not_with_the_context():
+    """A conversation's second turn re-sends the first one's 4 blocks: with an ideal cache it prefills only
+    its new block, so the p90 the SLO derives from is the cold first turn's, not the long second's."""
+    import bench_lb
+
+    from lb.cost_model import load_default
+
+    m = load_default()
+    reqs = [TraceRequest(0.0, 2048, 1, (1, 2, 3, 4)), TraceRequest(1.0, 2560, 1, (1, 2, 3, 4, 5))]
+    assert bench_lb.ideal_prefill_s(reqs, m) == [m.prefill.predict(2048, 0), m.prefill.predict(2560, 2048)]
+    slo, meta = bench_lb.derive_ttft_slo_ms(reqs, 3.0)
+    assert meta["p90_ideal_cache_prefill_s"] < m.prefill.predict(2048, 0) + 1e-9 and slo < 3e3 * m.prefill.predict(
+        2560, 0)
