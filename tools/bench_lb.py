@@ -134,6 +134,7 @@ import gen_trace  # noqa: E402
 import replay_trace  # noqa: E402
 from lb.eplb import balancedness, rebalance_experts  # noqa: E402
 from lb.eplb_greedy import rebalance_experts_greedy  # noqa: E402
+from lb.cost_model import load_default  # noqa: E402
 from lb.registry import POLICIES, get_policy  # noqa: E402
 from lb.sim import SimConfig, TraceRequest, json_safe, simulate  # noqa: E402
 from lb.types import BLOCK_TOKENS, LBInputError  # noqa: E402
@@ -200,8 +201,6 @@ def derive_ttft_slo_ms(reqs: list[TraceRequest], multiple: float) -> tuple[float
     """``multiple`` x the p90 of the committed cost model's prefill of each request with an ideal cache
     (its prefix reused from any earlier request, :func:`ideal_prefill_s`), in ms, rounded up to a whole
     100 ms (so never below 100 ms, even for a trace of very short prompts)."""
-    from lb.cost_model import load_default
-
     models = load_default()
     p90_s = float(np.percentile(ideal_prefill_s(reqs, models), 90))
     # up to a whole 100 ms, at least 100 ms: round() gave 0 ms for short prompts (a refused SLO)
@@ -348,9 +347,11 @@ SHAPE_SESSIONS = {"chat": 300, "agent": 100, "longdoc": 250, "mixed": 300}
 OURS = "kvstack"
 
 
-def capacity_row(trace: str, cond: str, slo_ms: float, res: dict) -> dict:
+def capacity_row(trace: str, cond: str, slo_ms: float, res: dict, ceiling: float | None = None) -> dict:
     """One summary row from a ``replay_trace.py --capacity`` results.json: the capacities, the ratio of
-    ours to the best baseline's, and at the best baseline's capacity our SLO attainment and both hit ratios."""
+    ours to the best baseline's, and at the best baseline's capacity our SLO attainment and both hit ratios;
+    ``ceiling``: the share of requests whose ideal-cache prefill alone meets the TTFT SLO (no policy's
+    attainment can exceed it with the cost model exact)."""
     cap = res["capacity"]
     best = cap["best_baseline"]
     by = {n: c["speedup"] for n, c in cap["by_policy"].items()}
@@ -363,7 +364,7 @@ def capacity_row(trace: str, cond: str, slo_ms: float, res: dict) -> dict:
         hit_ok = ours["hit_ratio"] >= moon["hit_ratio"] - 0.01
     return {"trace": trace, "condition": cond, "ttft_slo_ms": slo_ms, "best_baseline": best,
             "best_capacity": by.get(best), "capacity": by, "ours_capacity": by.get(OURS), "ratio": ratio,
-            "lower_bounds": lower,
+            "lower_bounds": lower, "attainment_ceiling": ceiling,
             "ours_attainment_at_best": ours.get("slo_attainment"), "ours_hit": ours.get("hit_ratio"),
             "mooncake_hit": moon.get("hit_ratio"), "mooncake_capacity": by.get("mooncake"),
             "goals": {"capacity_1.25x": ratio is not None and ratio >= 1.25,
@@ -373,7 +374,7 @@ def capacity_row(trace: str, cond: str, slo_ms: float, res: dict) -> dict:
 def print_capacity_summary(rows: list[dict]) -> None:
     print(f"\n== capacity (speedup at which >= 90% of all requests meet both SLOs), {OURS} vs the best baseline ==")
     print(f"{'trace':9s} {'cond':6s} {'SLO s':>6s} {'best base':>10s} {'its cap':>8s} {'mooncake':>8s} {OURS:>8s} "
-          f"{'ratio':>6s} {'att@best':>8s} {'hit':>6s} {'hit mc':>6s}  goals")
+          f"{'ratio':>6s} {'att@best':>8s} {'ceiling':>7s} {'hit':>6s} {'hit mc':>6s}  goals")
     for r in rows:
         g = r["goals"]
         flags = " ".join(f"{k}:{'ok' if v else ('n/a' if v is None else 'MISS')}" for k, v in g.items())
@@ -381,9 +382,11 @@ def print_capacity_summary(rows: list[dict]) -> None:
         print(f"{r['trace'][:9]:9s} {r['condition']:6s} {r['ttft_slo_ms'] / 1e3:6.1f} {str(r['best_baseline'])[:10]:>10s} "
               f"{lb[r['best_baseline']] + _fmt(r['best_capacity']):>8s} {lb['mooncake'] + _fmt(r['mooncake_capacity']):>8s} "
               f"{lb[OURS] + _fmt(r['ours_capacity']):>8s} {lb[OURS] + _fmt(r['ratio'], '.2f'):>6s} "
-              f"{_fmt(r['ours_attainment_at_best'], '.3f'):>8s} "
+              f"{_fmt(r['ours_attainment_at_best'], '.3f'):>8s} {_fmt(r.get('attainment_ceiling'), '.3f'):>7s} "
               f"{_fmt(r['ours_hit'], '.3f'):>6s} {_fmt(r['mooncake_hit'], '.3f'):>6s}  {flags}")
-    print("(capacity 'none': below 90% at every load tried; '>=': every load tried met the target, a lower bound; "
+    print("(ceiling: the share of requests whose prefill with an ideal cache and no queue meets the TTFT SLO at the "
+          "model's times; "
+          "capacity 'none': below 90% at every load tried; '>=': every load tried met the target, a lower bound; "
           "conditions: exact = the cost model's own times, slow/fast = actual prefill 1.3x/0.7x the model's with "
           "log-normal noise sigma 0.3)")
 
@@ -401,6 +404,7 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
     for tname, path in traces.items():
         treqs = reqs if tname == "trace" else replay_trace.read_trace(path)
         slo_ms = args.ttft_slo_ms if args.fixed_slo else derive_ttft_slo_ms(treqs, args.ttft_slo_x)[0]
+        ceiling = float(np.mean([t * 1e3 <= slo_ms for t in ideal_prefill_s(treqs, load_default())]))
         starts: dict = {}  # policy -> its capacity under the first condition: where the others search from
         for cond in args.condition_list:
             noise, bias = CONDITIONS[cond]
@@ -424,7 +428,7 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
                 return failed_replay(out, args.out, part, rc, d)
             res = json.loads((d / "results.json").read_text())
             out["capacity"]["runs"][f"{tname}:{cond}"] = res
-            row = capacity_row(tname, cond, slo_ms, res)
+            row = capacity_row(tname, cond, slo_ms, res, ceiling)
             out["capacity"]["summary"].append(row)
             note_truncated(res, part, args.max_wall_s)
             if cond == args.condition_list[0]:
