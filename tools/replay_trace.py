@@ -71,6 +71,9 @@ each policy's capacity and its ratio to the best baseline's (``none``: below the
 target at every load tried); the main table then compares every policy at the
 best baseline's capacity. ``results.json`` has ``capacity`` with every load
 tried per policy (attainments and TTFT percentiles over all requests).
+``--explain N`` prints, after the main table, each policy's decisions (routing, and
+for ``kvstack`` the order in its instance's queue) for its first N requests that
+missed the TTFT SLO.
 
 A run cut by ``--max-wall-s`` covers only the requests that arrived before it
 stopped: its row is marked ``*`` with a note of how far it got, attainments
@@ -455,6 +458,26 @@ def _ratio(a: float, b: float) -> str:
     return _num(a / b, ".3f") if math.isfinite(a) and math.isfinite(b) and b else "-"
 
 
+def explain_misses(results: dict[str, SimResult], cfg: SimConfig, n: int) -> str:
+    """Per policy, the trace (every decision's reason, in order) of its first ``n`` requests that were
+    rejected or missed the TTFT SLO (runs made with ``keep_trace``)."""
+    slo = math.inf if cfg.ttft_slo_ms is None else cfg.ttft_slo_ms / 1e3
+    lines = []
+    for name, r in results.items():
+        shown = 0
+        for idx, steps in sorted(r.trace.items()):
+            done = [st for st in steps if st.startswith("prefill done: TTFT ")]
+            if done and float(done[0].split()[3]) <= slo:
+                continue
+            if shown == 0:
+                lines.append(f"\n-- {name}: requests that missed the TTFT SLO, and why --")
+            lines.append(f"request {idx}: " + " | ".join(steps))
+            shown += 1
+            if shown >= n:
+                break
+    return "\n".join(lines)
+
+
 def format_table(results: dict[str, SimResult], refs: dict) -> str:
     """The main table; a run cut by ``--max-wall-s`` is marked ``*`` and gets no ratios (``-``):
     it covered a different extent of the trace than a complete run."""
@@ -587,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-wall-s", type=number(1), default=300.0, help="wall-clock bound per simulation run (>= 1)")
     ap.add_argument("--max-total-s", type=number(1), default=None,
                     help="wall-clock bound on the whole run (>= 1; default: none): runs are cut at it")
+    ap.add_argument("--explain", type=integer(0, 1000), default=0,
+                    help="after the main table, each policy's decisions for its first N requests that missed an SLO")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="directory for results.json and PNG plots")
     ap.add_argument("--quiet", action="store_true")
@@ -709,6 +734,7 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
         cfg = replace(cfg, speedup=at)
     sweep = {}
     main_results: dict[str, SimResult] = {}
+    cfg = replace(cfg, keep_trace=bool(args.explain))
     for i, cap in enumerate(caps):
         c = replace(cfg, store_capacity_blocks=cap)
         refs = reference_hit_ratios(reqs, cap, block_tokens=c.block_tokens)
@@ -720,6 +746,8 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
             print(f"\n== {len(reqs)} requests, speedup {c.speedup:.4g}, {c.prefill_instances} prefill / "
                   f"{c.decode_instances} decode instances, store {key} blocks, TTFT SLO {c.ttft_slo_ms} ms ==")
             print(format_table(res, refs))
+            if args.explain:
+                print(explain_misses(res, c, args.explain))
     if len(caps) > 1:
         print("\n== hit ratio vs store capacity ==")
         print(f"{'capacity':>9s} {'ideal':>7s} {'lru_ref':>7s} " + " ".join(f"{n[:9]:>9s}" for n in names))

@@ -201,3 +201,19 @@ def test_replay_capacity_mode_prints_capacities_with_ratios_and_compares_at_the_
     assert cap["ratio_vs_best"][cap["best_baseline"]] == 1.0
     assert cap["by_policy"]["kvstack"]["history"][0]["speedup"] == 4.0  # --capacity-start
     assert cap["by_policy"]["mooncake"]["history"][0]["speedup"] == 0.5  # --speedup's default
+
+
+def test_replay_explain_prints_why_requests_missed(tmp_path, capsys):
+    import json
+
+    import replay_trace
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 8000, "output_length": 0,
+                                         "hash_ids": list(range(100 * i, 100 * i + 16))}) + "\n" for i in range(10)))
+    assert replay_trace.main(["--trace", str(trace), "--policies", "mooncake,kvstack", "--prefill-instances", "1",
+                              "--ttft-slo-ms", "1500", "--speedup", "1", "--explain", "1", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    for name in ("mooncake", "kvstack"):
+        assert f"-- {name}: requests that missed the TTFT SLO, and why --" in text
+    assert "route: TTFT SLO 1500 ms not met" in text
