@@ -168,6 +168,10 @@ REFUSED = [
     ("bench_lb", ["--trace", "{T}", "--out", "{out}/lb.json", "--skip-eplb", "--ttft-slo-ms", "0"]),
     ("bench_lb", ["--trace", "{T}", "--out", "{out}/lb.json", "--skip-eplb", "--store-capacity-blocks", "-5"]),
     ("bench_lb", ["--trace", "{T}", "--out", "{dir}", "--skip-eplb"]),
+    ("bench_lb", ["--trace", "{T}", "--out", "{out}/lb.json", "--skip-eplb", "--shapes", "nope"]),
+    ("bench_lb", ["--trace", "{T}", "--out", "{out}/lb.json", "--skip-eplb", "--conditions", "exact,nope"]),
+    ("gen_trace", ["--shape", "nope", "--out", "{out}/g.jsonl"]),
+    ("gen_trace", ["--shape", "chat"]),
     # 6., 8. bench_store
     ("bench_store", ["--quick", "--systems", "kvstore", *_STORE]),
     ("bench_store", ["--quick", "--systems", "", *_STORE]),

@@ -340,7 +340,8 @@ def replay(argv: list[str]) -> int:
 #: Cost-model conditions of the capacity part: (log-normal sigma, bias = actual / modelled prefill time).
 CONDITIONS: dict[str, tuple[float, float]] = {"exact": (0.0, 1.0), "slow": (0.3, 1.3), "fast": (0.3, 0.7)}
 
-#: Sessions per generated shape by default (about 1,000 to 1,300 requests each; --sessions-scale multiplies).
+#: Sessions per generated shape at --sessions-scale 1 (about 1,000 to 1,500 requests each; the default 0.5
+#: halves them).
 SHAPE_SESSIONS = {"chat": 300, "agent": 100, "longdoc": 250, "mixed": 300}
 
 #: The policy the goals are about.
@@ -524,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [n for n in shapes if n not in gen_trace.SHAPES]:
         ap.error(f"argument --shapes: unknown shape {', '.join(unknown)}; known: {', '.join(gen_trace.SHAPES)}")
     conditions = [n for n in args.conditions.split(",") if n]
-    if unknown := [n for n in conditions if n not in CONDITIONS] or (not conditions and not args.skip_replay):
+    unknown = [n for n in conditions if n not in CONDITIONS]
+    if unknown or (not conditions and not args.skip_replay):
         ap.error(f"argument --conditions: unknown condition {', '.join(unknown) or '(none given)'}; "
                  f"known: {', '.join(CONDITIONS)}")
     args.condition_list = conditions
