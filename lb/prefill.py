@@ -52,13 +52,16 @@ What this policy adds over Mooncake's Algorithm 1 (``lb.baselines.Mooncake``)
     4. *Admission: reject only what can not meet its SLO anywhere, and even
        then serve it in the background when it can.* If no instance's estimate
        meets ``ttft_slo_ms``, the request goes, with ``serve_unavoidable``, to
-       the instance of the least whole backlog, as long as that backlog is at
-       most ``unavoidable_max_queue x SLO``: by 3. it runs after every request
-       that can meet its SLO, and its prefix is then cached for the session's
-       next turn (rejecting it would leave that turn cold, and the next, in a
-       cascade). Otherwise ``Decision(None, reason)``; the reason names the SLO,
-       the best instance with its estimate split into queue/fetch/prefill, and
-       the backlog that was too long.
+       the instance where its whole backlog plus its own work is least, as long
+       as that backlog is at most ``unavoidable_max_queue x SLO`` (it will run
+       within about one SLO) or its own work there at most
+       ``unavoidable_max_work x SLO`` (it blocks a request that arrives while it
+       runs for little): by 3. it runs after every request that can meet its
+       SLO, and its prefix is then cached for the session's next turn (rejecting
+       it would leave that turn cold, and the next, in a cascade). Otherwise
+       ``Decision(None, reason)``; the reason names the SLO, the best instance
+       with its estimate split into queue/fetch/prefill, and the backlog and
+       work that were too long.
     5. *A calibrated cost model* (:meth:`~KVStackPrefillPolicy.observe`). Every
        estimate is scaled by the observed ratio of actual to modelled service
        time (an exponentially weighted mean of its log), so a cost model that
@@ -246,8 +249,8 @@ class KVStackPrefillPolicy:
     ``load_weight`` (>= 0) scales the work term of the score (0 = pure own-TTFT, like Mooncake, but
     with warming); ``slack`` (>= 0, fraction) lets an instance whose TTFT is within ``(1 + slack)`` of
     the best win on the score; ``serve_unavoidable`` (rule 4) sends a request that can not meet its
-    SLO anywhere to the background when the best backlog is at most ``unavoidable_max_queue`` x the
-    SLO, and rejects it otherwise; ``calibration_rate`` (in [0, 1]; 0 = trust the model) is the weight
+    SLO anywhere to the background when its backlog is at most ``unavoidable_max_queue`` x the SLO or
+    its work at most ``unavoidable_max_work`` x the SLO, and rejects it otherwise; ``calibration_rate`` (in [0, 1]; 0 = trust the model) is the weight
     of each observation in :attr:`scale`. Documented knobs, not magic: see the module docstring.
     """
 
@@ -260,12 +263,14 @@ class KVStackPrefillPolicy:
         load_weight: float = 1.0,
         slack: float = 0.25,
         serve_unavoidable: bool = True,
-        unavoidable_max_queue: float = 0.25,
+        unavoidable_max_queue: float = 1.0,
+        unavoidable_max_work: float = 0.25,
         calibration_rate: float = 0.05,
     ) -> None:
-        if not all(math.isfinite(v) and v >= 0 for v in (load_weight, slack, unavoidable_max_queue)):
-            raise LBInputError("KVStackPrefillPolicy: load_weight, slack and unavoidable_max_queue must be "
-                               "finite numbers >= 0")
+        if not all(math.isfinite(v) and v >= 0 for v in (load_weight, slack, unavoidable_max_queue,
+                                                          unavoidable_max_work)):
+            raise LBInputError("KVStackPrefillPolicy: load_weight, slack, unavoidable_max_queue and "
+                               "unavoidable_max_work must be finite numbers >= 0")
         if not (math.isfinite(calibration_rate) and 0 <= calibration_rate <= 1):
             raise LBInputError(f"KVStackPrefillPolicy.calibration_rate must be in [0, 1], got {calibration_rate!r}")
         self.models = models or load_default()
@@ -273,6 +278,7 @@ class KVStackPrefillPolicy:
         self.slack = slack
         self.serve_unavoidable = serve_unavoidable
         self.unavoidable_max_queue = unavoidable_max_queue
+        self.unavoidable_max_work = unavoidable_max_work
         self.calibration_rate = calibration_rate
         self._log_scale = 0.0  # EWMA of log(actual / modelled service time), see observe()
 
@@ -342,10 +348,11 @@ class KVStackPrefillPolicy:
             backlog = queues[bg.instance_id][1]
             miss = (f"TTFT SLO {req.ttft_slo_ms:.0f} ms not met by any of {len(live)} healthy instances; "
                     f"best is {best.describe()}{cal}")
-            limit = self.unavoidable_max_queue * slo_s
-            if not self.serve_unavoidable or backlog > limit:
+            limit, small = self.unavoidable_max_queue * slo_s, self.unavoidable_max_work * slo_s
+            if not self.serve_unavoidable or (backlog > limit and bg.work_s > small):
                 tail = (f"; background backlog {backlog * 1e3:.0f} ms on instance {bg.instance_id!r} is over "
-                        f"{limit * 1e3:.0f} ms" if self.serve_unavoidable else "")
+                        f"{limit * 1e3:.0f} ms and its work there {bg.work_s * 1e3:.0f} ms over "
+                        f"{small * 1e3:.0f} ms" if self.serve_unavoidable else "")
                 return Decision(None, miss + tail, estimates)
             return Decision(bg.instance_id,
                             f"background: {miss}; queued on instance {bg.instance_id!r} (backlog "

@@ -69,10 +69,12 @@ def test_a_request_no_instance_can_serve_in_time_goes_to_the_background_or_is_re
     d = get_policy("kvstack", MODELS).choose(req(4000, 1000), short)  # 4 s of work, 1 s SLO: late anywhere
     assert d.chosen == 0 and d.reason.startswith("background: TTFT SLO 1000 ms not met by any of 2")
     assert "next turn" in d.reason
-    long = [PrefillInstance(0, (q(3000, 100.0),))]  # its backlog (3 s) is over 0.25 x the SLO
+    long = [PrefillInstance(0, (q(3000, 100.0),))]  # its backlog (3 s) is over the SLO, its work (4 s) too
     d = get_policy("kvstack", MODELS).choose(req(4000, 1000), long)
     assert d.rejected and "TTFT SLO 1000 ms not met" in d.reason and "background backlog 3000 ms" in d.reason
     assert get_policy("kvstack", MODELS, serve_unavoidable=False).choose(req(4000, 1000), short).rejected
+    d = get_policy("kvstack", MODELS).choose(req(200, 1000), long)  # late behind 3 s, but only 0.2 s of work
+    assert d.chosen == 0 and d.reason.startswith("background:")
 
 
 def test_without_a_clock_the_policy_falls_back_to_the_fifo_queue():

@@ -298,10 +298,10 @@ def _digest(r) -> str:
 RECORDED = {
     (0.0, "round_robin"): (150, 0, "3837fd16520231d8"), (0.0, "least_loaded"): (150, 0, "0379881a1fcd0a0d"),
     (0.0, "sglang"): (150, 0, "d1d707396202c7cd"), (0.0, "dynamo"): (150, 0, "46c54a6748eb77fc"),
-    (0.0, "mooncake"): (145, 5, "769fbe330770b845"), (0.0, "kvstack"): (145, 5, "06f32d4a9c0e5aad"),
+    (0.0, "mooncake"): (145, 5, "769fbe330770b845"), (0.0, "kvstack"): (150, 0, "ca3e5ecf6df8735a"),
     (0.3, "round_robin"): (150, 0, "ce94328b56723e07"), (0.3, "least_loaded"): (150, 0, "7de2d4412fe6dc7c"),
     (0.3, "sglang"): (150, 0, "fa2b7ea2b0f22320"), (0.3, "dynamo"): (150, 0, "8ce29e2b1f0a10ab"),
-    (0.3, "mooncake"): (144, 6, "7bce19a73b35d396"), (0.3, "kvstack"): (148, 2, "4b2ceed49c1d3a10"),
+    (0.3, "mooncake"): (144, 6, "7bce19a73b35d396"), (0.3, "kvstack"): (150, 0, "b9cdc7b58bba74d7"),
 }
 
 
