@@ -1,7 +1,7 @@
 """Benchmark lb/: EPLB (ours vs DeepSeek's greedy) and each prefill policy's capacity on several traces.
 
-Exact command (what produced the figures in the closing note; the default, about 10 min on 2 shared
-cores, most of it the shared trace's 4,000 requests)::
+Exact command (what produced the figures in the closing note; the default, about 5 min on 2 shared
+cores, most of it the shared trace's 4,000 requests; ``--skip-eplb`` saves under a minute)::
 
     .venv/bin/python tools/bench_lb.py \\
         --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --out results/bench_lb.json
