@@ -23,7 +23,7 @@ Exact commands
 
         .venv/bin/python tools/replay_trace.py \\
             --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
-            --capacity --ttft-slo-ms 60600 --decode-instances 16 --bias 1.3 --noise 0.3 --out results/cap
+            --capacity --ttft-slo-ms 56500 --decode-instances 16 --bias 1.3 --noise 0.3 --out results/cap
 
     Find the offered load (speedup) at which the best baseline just meets
     the TTFT SLO at p90, then compare every policy at that load::
