@@ -21,7 +21,12 @@ Model (one heap of timed events; ties: completions before arrivals)
     1. *Arrival* at ``timestamp_ms / 1000 / speedup``: hits per instance are
        looked up (device LRU, host LRU of that instance; the shared store
        LRU), the prefill policy chooses; a rejection is final (counted as an
-       SLO miss). The request joins that instance's FIFO queue. Before that, a
+       SLO miss). The request joins that instance's queue: FIFO, unless the policy
+       orders queues itself (``pick_next``, the contract in ``lb.prefill``): then
+       each idle instance asks it which waiting request to start, showing each with
+       the hits it would have now and its deadline (arrival + TTFT SLO), and the
+       snapshot's estimate of a queued request counts the blocks of the requests
+       ahead of it as cached (``lb.prefill.warm_hits``), as that policy does. Before that, a
        request that needs more KV memory (``lb.decode.request_kv_bytes``: prompt +
        output tokens) than the decode policy admits on an empty decode instance
        (its ``kv_limit_bytes``: ``kvstack`` keeps 5 % headroom, the baselines none; the
@@ -35,7 +40,10 @@ Model (one heap of timed events; ties: completions before arrivals)
        present in some tier, each loaded from its fastest tier; cached tokens
        = ``min(input_length - 1, hit blocks x block_tokens)`` (the last token
        is always computed); service time = ``TransferModel.fetch_s`` +
-       ``PrefillCostModel.predict`` (times an optional log-normal noise). Hit
+       ``PrefillCostModel.predict``, times ``service_bias`` (a cost model that is
+       systematically wrong: 1.3 = every prefill 30 % slower than modelled) and an
+       optional log-normal noise (``service_noise``); the policies are not told
+       (one with ``observe`` hears the modelled and the actual time at prefill end). Hit
        blocks are touched in their tiers.
     3. *Prefill end*: the request's cacheable blocks enter the device LRU
        (evicted blocks spill to the host LRU) and the shared store LRU (saved
@@ -63,6 +71,15 @@ Model (one heap of timed events; ties: completions before arrivals)
        token comes with the prefill, ``entrypoint/server.py``; the next only once the
        request decodes), so a policy that queues at decode is not flattered by a TBT of
        its decode batch alone. TTFT ends at prefill end for the same reason.
+
+Early stop and trace
+    With ``stop_after_misses`` a run stops once more requests than that are known
+    to miss (rejected, still not prefilled at its TTFT deadline, TBT over its SLO at
+    decode end): its ``stopped_early`` attainment is a lower bound and already below
+    ``1 - stop_after_misses / requests``, which is all a capacity search needs to
+    know (``tools/replay_trace.py --capacity``). With ``keep_trace`` each request
+    keeps its decisions' reasons in order (``route: ...``, ``start: ...`` from
+    ``pick_next``, ``prefill done: TTFT ...``) in ``SimResult.trace``.
 
 Hit ratios (blocks, prefix semantics: a block counts only if every block
 before it in the request also hit)
@@ -114,7 +131,7 @@ from lb.trace import (  # the trace half (lb/trace.py), re-exported (``__all__``
     LRU, TraceRequest, cacheable_blocks, json_safe, parse_trace, prefix_hits_lru, prompts_beyond_fit,
     reference_hit_ratios,
 )
-from lb.sim_views import InflightView, QueueView
+from lb.sim_views import FinishedInflightView, InflightView, QueueView
 from lb.types import (
     BLOCK_TOKENS, DecodeInstance, DecodeRequest, LBInputError, LBInternalError, PrefillInstance, PrefixHits,
     QueuedPrefill, QueueLoad, RouteRequest, TierBandwidth,
@@ -146,9 +163,12 @@ class SimConfig:
     tbt_slo_ms: float | None = 100.0
     admission: bool = True
     service_noise: float = 0.0
+    service_bias: float = 1.0
     seed: int = 0
     block_tokens: int = BLOCK_TOKENS
     max_wall_s: float = 600.0
+    stop_after_misses: int | None = None
+    keep_trace: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_instances < 1 or self.decode_instances < 1:
@@ -157,6 +177,10 @@ class SimConfig:
             raise LBInputError("speedup must be > 0 (1 = trace time, 2 = twice the offered load)")
         if self.service_noise < 0:
             raise LBInputError("service_noise (sigma of log-normal noise) must be >= 0")
+        if not (math.isfinite(self.service_bias) and self.service_bias > 0):
+            raise LBInputError("service_bias (actual / modelled prefill time) must be a finite number > 0")
+        if self.stop_after_misses is not None and self.stop_after_misses < 0:
+            raise LBInputError("stop_after_misses must be None or an integer >= 0")
 
 
 # SimResult.pct's sample names -> fields (a registry: a new sample is one line here)
@@ -200,11 +224,24 @@ class SimResult:
     arrived: int = 0
     cached_tokens: dict = field(default_factory=dict)
     decode_wait_s: tuple = ()  # per TBT sample, same order: the wait for a decode slot, included in it
+    stopped_early: bool = False  # cut once more than cfg.stop_after_misses requests had missed an SLO
+    trace: dict = field(default_factory=dict)  # cfg.keep_trace: request index -> its decisions' reasons, in order
 
     def pct(self, what: str, q: float) -> float:
         """Percentile ``q`` of a sample by name: ``ttft``, ``tbt`` or ``decode_wait`` (NaN when empty)."""
         v = getattr(self, _SAMPLES[what])
         return float(np.percentile(v, q)) if v else math.nan
+
+    def ttft_all(self, q: float) -> float:
+        """Percentile ``q`` (nearest rank) of the TTFT over *all* requests, each one not served (rejected,
+        never arrived, still in flight at a cut) counted as an infinite TTFT: ``inf`` once more than
+        ``100 - q`` percent were not served."""
+        if not self.requests:
+            return math.nan
+        k = max(1, math.ceil(q / 100.0 * self.requests))  # the k-th smallest of all requests' TTFTs
+        if k > len(self.ttft_s):
+            return math.inf
+        return float(np.partition(np.asarray(self.ttft_s), k - 1)[k - 1])
 
     @property
     def imbalance(self) -> float:
@@ -223,7 +260,9 @@ class SimResult:
             "decode_wait_p90_s": self.pct("decode_wait", 90), "decode_wait_p99_s": self.pct("decode_wait", 99),
             "slo_attainment": self.slo_attainment, "ttft_attainment": self.ttft_attainment,
             "imbalance": self.imbalance, "busy_s": list(self.busy_s), "sim_end_s": self.sim_end_s,
-            "wall_s": self.wall_s, "truncated": self.truncated, "reject_reasons": self.reject_reasons,
+            "wall_s": self.wall_s, "truncated": self.truncated, "stopped_early": self.stopped_early,
+            "ttft_all_p50_s": self.ttft_all(50), "ttft_all_p90_s": self.ttft_all(90),
+            "ttft_all_p99_s": self.ttft_all(99), "reject_reasons": self.reject_reasons,
         })
 
 
@@ -233,9 +272,11 @@ class _Job:
     req: TraceRequest
     arrival: float
     est: QueuedPrefill  # the routing-time estimate shown to later snapshots
+    pos: int = 0  # its position in its instance's job log
     start: float = 0.0
     end: float = 0.0
     actual: QueuedPrefill | None = None
+    model_s: float = 0.0  # the cost model's time for what it ran (its actual hits): the policy's feedback
 
 
 class _Prefill:
@@ -253,9 +294,16 @@ class _Prefill:
         4. ``load`` sums the estimates of the waiting jobs, ``ests[started:]`` (the
            ``QueueTotals`` invariants): :meth:`enqueue` adds a job, :meth:`start` takes the
            next one out as it becomes the running head; a finish changes nothing there.
+
+    *Scheduled* instances (``scheduled``: the policy has ``pick_next``) start any waiting
+    job, not only the oldest, so 2. and 3. hold in this form instead: ``wait`` lists the
+    positions of the waiting jobs in arrival order; ``fin[p]`` is 0 until job ``p``
+    finishes, then the finish count at that moment (set once); ``lo`` is the lowest
+    position not finished, so in flight is every ``p >= lo`` with ``fin[p] == 0``, and
+    ``inflight_blocks`` counts their cacheable blocks. ``load`` sums ``ests`` over ``wait``.
     """
 
-    def __init__(self, iid: int, cfg: SimConfig) -> None:
+    def __init__(self, iid: int, cfg: SimConfig, scheduled: bool = False) -> None:
         self.id = iid
         self.device = LRU(cfg.device_capacity_blocks)
         self.host = LRU(cfg.host_capacity_blocks)
@@ -269,10 +317,20 @@ class _Prefill:
         self.running: _Job | None = None
         self.busy = 0.0
         self.load = QueueLoad(cfg.block_tokens)
+        self.scheduled = scheduled
+        self.wait: list[int] = []  # scheduled only: positions of the waiting jobs, in arrival order
+        self.fin: list[int] = []  # scheduled only: fin[p] = finish count when job p finished, 0 before
+        self.finished = 0
+        self.lo = 0
+        self.inflight_blocks = 0
 
     def enqueue(self, job: _Job, blocks: tuple) -> None:
         """Append ``job`` (cacheable ``blocks``) to the queue; its blocks are in flight from now."""
-        pos = len(self.jobs)
+        pos = job.pos = len(self.jobs)
+        if self.scheduled:
+            self.wait.append(pos)
+            self.fin.append(0)
+            self.inflight_blocks += len(blocks)
         self.jobs.append(job)
         self.ests.append(job.est)
         self.blocks.append(blocks)
@@ -285,21 +343,43 @@ class _Prefill:
                 pos_list.append(pos)
         self.load.enqueue(job.est)
 
-    def start(self) -> _Job:
-        """The next waiting job becomes the running one (the caller checked that none runs)."""
-        job = self.jobs[self.started]
+    def start(self, k: int = 0) -> _Job:
+        """The next waiting job (FIFO; scheduled: the ``k``-th waiting one) becomes the running one
+        (the caller checked that none runs)."""
+        job = self.jobs[self.wait.pop(k) if self.scheduled else self.started]
         self.started += 1
         self.load.dequeue(job.est)  # shown from now on as the queue head, not in the waiting sums
         self.running = job
         return job
 
+    def finish(self, job: _Job) -> None:
+        """The running ``job`` finished its prefill: its blocks leave the in-flight set."""
+        self.running = None
+        self.done += 1
+        if self.scheduled:
+            self.finished += 1
+            self.fin[job.pos] = self.finished
+            self.inflight_blocks -= len(self.blocks[job.pos])
+            while self.lo < len(self.fin) and self.fin[self.lo]:
+                self.lo += 1
+
     def waiting(self) -> bool:
         return self.started < len(self.jobs)
 
-    def queue_view(self, head: QueuedPrefill | None) -> QueueView:
+    def waiting_ests(self) -> tuple:
+        """Scheduled only: the waiting jobs' estimates, in arrival order (what ``pick_next`` is shown)."""
+        return tuple(self.ests[p] for p in self.wait)
+
+    def queue_view(self, head: QueuedPrefill | None) -> Sequence[QueuedPrefill]:
+        if self.scheduled:
+            rest = self.waiting_ests()
+            return rest if head is None else (head, *rest)
         return QueueView(head, self.ests, self.started, len(self.ests))
 
-    def inflight_view(self) -> InflightView:
+    def inflight_view(self) -> InflightView | FinishedInflightView:
+        if self.scheduled:
+            return FinishedInflightView(self.where, self.blocks, self.fin, self.lo, len(self.jobs), self.finished,
+                                        self.inflight_blocks > 0)
         return InflightView(self.where, self.blocks, self.cum, self.done, len(self.jobs))
 
 
@@ -386,6 +466,7 @@ def simulate(
     is called with (arrivals handled, requests) every 50 arrivals and at the last one.
     """
     from lb.decode import KVStackDecodePolicy, request_kv_bytes
+    from lb.prefill import warm_hits
 
     models = models or load_default()
     if models.transfer.block_tokens != cfg.block_tokens:  # hits count cfg's blocks; a fetch sizes transfer's
@@ -399,7 +480,9 @@ def simulate(
     kv_limit = decode_policy.kv_limit_bytes(cfg.decode_kv_capacity_bytes)  # the limit its placement applies
     rng = random.Random(cfg.seed)
     bt = cfg.block_tokens
-    pre = [_Prefill(i, cfg) for i in range(cfg.prefill_instances)]
+    pick_next = getattr(policy, "pick_next", None)  # optional: the policy orders each instance's queue
+    pick_next = pick_next if callable(pick_next) else None
+    pre = [_Prefill(i, cfg, pick_next is not None) for i in range(cfg.prefill_instances)]
     dec = [_Decode(i, cfg, models) for i in range(cfg.decode_instances)]
     store = LRU(cfg.store_capacity_blocks)
     full = [cacheable_blocks(r, bt) for r in reqs]  # only full blocks are ever cached (module doc)
@@ -413,7 +496,8 @@ def simulate(
         heapq.heappush(heap, (t, kind, seq, payload))
         seq += 1
 
-    # kinds: 0 prefill end, 1 decode finish, 2 arrival (completions first on ties)
+    # kinds: 0 prefill end, 1 decode finish, 2 arrival (completions first on ties), 3 a TTFT deadline
+    # (only with stop_after_misses: a request not prefilled by then is counted as a miss at once)
     for i in order:
         push((reqs[i].timestamp_ms - t0) / 1000.0 / cfg.speedup, 2, i)
 
@@ -426,9 +510,17 @@ def simulate(
     hit_blocks = Counter()
     served_blocks = 0
     decode_line: deque = deque()  # prefilled requests waiting for a decode slot, in order
+    observe = getattr(policy, "observe", None)  # optional feedback hook (lb.prefill: the contract)
+    trace: dict[int, list[str]] | None = {} if cfg.keep_trace else None
     wall0 = time.monotonic()
     truncated = False
+    stopped = False
     done_arrivals = 0
+    ttft_slo = math.inf if cfg.ttft_slo_ms is None else cfg.ttft_slo_ms / 1e3
+    tbt_slo = math.inf if cfg.tbt_slo_ms is None else cfg.tbt_slo_ms / 1e3
+    misses = 0  # requests known to miss an SLO so far (rejected, TTFT over, TBT over): stop_after_misses
+    watch_deadlines = cfg.stop_after_misses is not None and math.isfinite(ttft_slo)
+    late: set[int] = set()  # requests counted as misses at their deadline, still in a queue then
 
     def hits_on(p: _Prefill, idx: int) -> PrefixHits:
         return PrefixHits.from_tiers(full[idx], p.device.__contains__, p.host.__contains__, store.__contains__)
@@ -443,18 +535,37 @@ def simulate(
         return PrefillInstance(p.id, p.queue_view(head), cfg.bandwidth, True, p.inflight_view(), len(p.device),
                                p.load.totals())
 
+    def fresh_est(p: _Prefill, job: _Job) -> QueuedPrefill:
+        """``job``'s estimate with the hits it would have on ``p`` if it started now."""
+        h = hits_on(p, job.idx)
+        cached = max(0, min(job.req.input_length - 1, h.total * bt))
+        return QueuedPrefill(job.req.input_length - cached, cached, models.transfer.fetch_s(h.host, h.store, cfg.bandwidth),
+                             deadline_s=job.est.deadline_s)
+
     def start_next(p: _Prefill, now: float) -> None:
         nonlocal served_blocks
         if p.running is not None or not p.waiting():
             return
-        job = p.start()
+        if p.scheduled:
+            # the instance knows its own cache when it picks: each waiting request's work as it stands now
+            waiting = tuple(fresh_est(p, p.jobs[pos]) for pos in p.wait)
+            k, why = pick_next(waiting, now)
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(waiting):
+                raise LBInputError(f"{name}.pick_next returned {k!r} for {len(waiting)} waiting requests: it must "
+                                   f"return the index of one of them")
+            job = p.start(k)
+            if trace is not None:
+                trace[job.idx].append(f"start: {why}")
+        else:
+            job = p.start()
         r = job.req
         h = hits_on(p, job.idx)
         for b in full[job.idx][: h.total]:  # touch each hit block in the tier it is loaded from
             (p.device if b in p.device else p.host if b in p.host else store).touch(b)
         cached = max(0, min(r.input_length - 1, h.total * bt))  # the last token is always computed
         fetch = models.transfer.fetch_s(h.host, h.store, cfg.bandwidth)
-        dur = fetch + models.prefill.predict(r.input_length, cached)
+        dur = job.model_s = fetch + models.prefill.predict(r.input_length, cached)
+        dur *= cfg.service_bias
         if cfg.service_noise > 0:
             dur *= math.exp(rng.gauss(0.0, cfg.service_noise))
         job.actual = QueuedPrefill(r.input_length - cached, cached, fetch)
@@ -469,6 +580,7 @@ def simulate(
 
     def place_decode(idx: int, now: float) -> bool | None:
         """Place ``idx`` on a decode instance: True placed, False it waits, None it never can (refused)."""
+        nonlocal misses
         r = reqs[idx]
         snaps = [DecodeInstance(d.id, d.kv_used, d.cap, d.batch_tokens, len(d.active)) for d in dec]
         slo = cfg.tbt_slo_ms if cfg.admission else None  # the request's own SLO, as the entrypoint passes it
@@ -481,7 +593,8 @@ def simulate(
                 return False  # a finish may free room: wait for it
             # every instance is empty and the policy still refuses (without the SLO, when there is one):
             # nothing can ever change that, so waiting would block the line forever
-            ttft.pop(idx, None)  # rejected, not served
+            if ttft.pop(idx) <= ttft_slo:  # rejected, not served: a miss now (not already one for its TTFT)
+                misses += 1
             reasons[REFUSED_BY_EMPTY_DECODE] += 1
             return None
         d = dec[dd.chosen]
@@ -499,6 +612,9 @@ def simulate(
         if time.monotonic() - wall0 > cfg.max_wall_s:
             truncated = True
             break
+        if cfg.stop_after_misses is not None and misses > cfg.stop_after_misses:
+            stopped = True
+            break
         now, kind, _, payload = heapq.heappop(heap)
         if kind == 2:
             idx = payload
@@ -509,39 +625,59 @@ def simulate(
             # whatever its output length: the entrypoint's max_model_len bound is prompt + max_new_tokens
             if request_kv_bytes(DecodeRequest(r.input_length, r.output_length), models) > kv_limit:
                 reasons[OVER_DECODE_KV] += 1  # no decode instance could ever hold it: refused before its prefill
+                misses += 1
                 continue
             hits = {p.id: hits_on(p, idx) for p in pre}
+            slo_ms = cfg.ttft_slo_ms if cfg.admission else None
             rr = RouteRequest(  # as production builds it: full blocks only (entrypoint/server.py)
                 r.input_length, len(full[idx]), hits, full[idx], (),
-                cfg.ttft_slo_ms if cfg.admission else None, cfg.tbt_slo_ms if cfg.admission else None, bt,
+                slo_ms, cfg.tbt_slo_ms if cfg.admission else None, bt, now,
             )
-            dcs = policy.choose(rr, [snapshot(p, now) for p in pre])
+            snaps = [snapshot(p, now) for p in pre]
+            dcs = policy.choose(rr, snaps)
+            if trace is not None:
+                trace[idx] = [f"route: {dcs.reason}"]
             if dcs.chosen is None:
                 reasons[dcs.reason.split(";")[0][:80]] += 1
+                misses += 1
                 continue
             p = pre[dcs.chosen]
-            h = hits[p.id]
+            # a scheduled instance orders its queue by these estimates, so they count what the requests ahead
+            # will have written by then (lb.prefill.warm_hits), as its policy did; FIFO ones show plain hits
+            h = warm_hits(rr, snaps[p.id]) if p.scheduled else hits[p.id]
             cached = max(0, min(r.input_length - 1, h.total * bt))  # the last token is always computed
-            est = QueuedPrefill(r.input_length - cached, cached, models.transfer.fetch_s(h.host, h.store, cfg.bandwidth))
+            fetch = models.transfer.fetch_s(h.host, h.store, cfg.bandwidth)
+            est = QueuedPrefill(r.input_length - cached, cached, fetch,  # deadline: for a pick_next policy
+                                deadline_s=None if slo_ms is None else now + slo_ms / 1e3)
             p.enqueue(_Job(idx, r, now, est), full[idx])
+            if watch_deadlines:  # a request still waiting at its deadline is a miss already: count it then
+                push(now + ttft_slo, 3, idx)
             start_next(p, now)
         elif kind == 0:
             p = pre[payload]
             job = p.running
             if job is None or p.started != p.done + 1:
                 raise LBInternalError("sim bug: prefill end event for an idle instance; please report this")
-            p.running = None
-            p.done += 1  # its blocks leave the in-flight set: they are cached now
+            p.finish(job)  # its blocks leave the in-flight set: they are cached now
             for b in full[job.idx]:
                 for ev in p.device.insert(b):
                     p.host.insert(ev)
                 store.insert(b)
             ttft[job.idx] = now - job.arrival
+            if observe is not None and job.model_s > 0:
+                observe(p.id, job.model_s, job.end - job.start)
+            misses += ttft[job.idx] > ttft_slo and job.idx not in late
+            if trace is not None:
+                trace[job.idx].append(f"prefill done: TTFT {ttft[job.idx]:.3f} s")
             # output_length 0: nothing to decode, the request is done (no TBT sample)
             ready_at[job.idx] = now
             if job.req.output_length > 0 and place_decode(job.idx, now) is False:
                 decode_line.append(job.idx)
             start_next(p, now)
+        elif kind == 3:
+            if payload not in ttft:  # its prefill has not ended by its deadline
+                late.add(payload)
+                misses += 1
         else:
             did, version = payload
             d = dec[did]
@@ -553,6 +689,7 @@ def simulate(
             for idx, ready in d.finish_due():
                 # from prefill end (the first token), the decode-slot wait included; >= 1: 0 is never decoded
                 tbt[idx] = (now - ready) / reqs[idx].output_length
+                misses += tbt[idx] > tbt_slo and ttft[idx] <= ttft_slo  # a TTFT miss was counted already
             d.version += 1
             nf = d.next_finish()
             if nf is not None:
@@ -562,8 +699,6 @@ def simulate(
             decode_line = deque(i for i in decode_line if place_decode(i, now) is False)
 
     n = len(reqs)
-    ttft_slo = math.inf if cfg.ttft_slo_ms is None else cfg.ttft_slo_ms / 1e3
-    tbt_slo = math.inf if cfg.tbt_slo_ms is None else cfg.tbt_slo_ms / 1e3
     ok_ttft = sum(1 for i, v in ttft.items() if v <= ttft_slo)
     # a request with no output token has no TBT to judge: its TTFT alone decides
     ok_both = sum(1 for i, v in ttft.items()
@@ -578,4 +713,5 @@ def simulate(
         busy_s=tuple(p.busy for p in pre), sim_end_s=now,
         wall_s=time.monotonic() - wall0, truncated=truncated, reject_reasons=dict(reasons),
         arrived=done_arrivals, cached_tokens=cached_tok, decode_wait_s=tuple(dwait[i] for i in tbt),
+        stopped_early=stopped, trace={} if trace is None else {i: tuple(v) for i, v in trace.items()},
     )

@@ -184,16 +184,22 @@ class QueuedPrefill:
     ``suffix_tokens`` will be computed on top of ``cached_tokens`` of context;
     ``fetch_s`` is its estimated load time of cached KV from host/store.
     ``remaining_fraction`` < 1 marks the running request (part already done).
+    ``deadline_s`` (optional) is when its TTFT SLO runs out, on the clock of
+    :attr:`RouteRequest.now_s`: a policy that schedules within an instance
+    (``pick_next``, see ``lb.prefill``) orders the waiting requests by it.
     """
 
     suffix_tokens: int
     cached_tokens: int = 0
     fetch_s: float = 0.0
     remaining_fraction: float = 1.0
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         _nonneg("QueuedPrefill", suffix_tokens=self.suffix_tokens,
                 cached_tokens=self.cached_tokens, fetch_s=self.fetch_s)
+        if self.deadline_s is not None:
+            _finite("QueuedPrefill", "deadline_s", self.deadline_s)
         if not 0.0 <= _finite("QueuedPrefill", "remaining_fraction", self.remaining_fraction) <= 1.0:
             raise LBInputError("QueuedPrefill.remaining_fraction must be in [0, 1]")
 
@@ -469,7 +475,9 @@ class RouteRequest:
     ``hits[instance_id]`` is what that instance can reuse (missing key = no
     hit). ``block_hashes`` (optional) lets policies compare the prefix with
     ``PrefillInstance.inflight_blocks``. SLOs are in milliseconds; ``None``
-    means no SLO (admission control then never rejects).
+    means no SLO (admission control then never rejects). ``now_s``
+    (optional) is the owner's clock at the decision, the clock of
+    :attr:`QueuedPrefill.deadline_s`; ``None``: deadlines are not known.
 
     Checked: token and block counts are integers, ``num_blocks <=
     ceil(prompt_tokens / block_tokens)``; ``block_hashes`` is a tuple (a list
@@ -485,9 +493,12 @@ class RouteRequest:
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
     block_tokens: int = BLOCK_TOKENS
+    now_s: float | None = None
 
     def __post_init__(self) -> None:
         _nonneg("RouteRequest", prompt_tokens=self.prompt_tokens, num_blocks=self.num_blocks)
+        if self.now_s is not None:
+            _finite("RouteRequest", "now_s", self.now_s)
         _positive("RouteRequest", block_tokens=self.block_tokens)
         _integers("RouteRequest", 0, prompt_tokens=self.prompt_tokens, num_blocks=self.num_blocks)
         _integers("RouteRequest", 1, block_tokens=self.block_tokens)

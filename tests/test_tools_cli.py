@@ -168,6 +168,10 @@ REFUSED = [
     ("bench_lb", ["--trace", "{T}", "--out", "{out}/lb.json", "--skip-eplb", "--ttft-slo-ms", "0"]),
     ("bench_lb", ["--trace", "{T}", "--out", "{out}/lb.json", "--skip-eplb", "--store-capacity-blocks", "-5"]),
     ("bench_lb", ["--trace", "{T}", "--out", "{dir}", "--skip-eplb"]),
+    ("bench_lb", ["--trace", "{T}", "--out", "{out}/lb.json", "--skip-eplb", "--shapes", "nope"]),
+    ("bench_lb", ["--trace", "{T}", "--out", "{out}/lb.json", "--skip-eplb", "--conditions", "exact,nope"]),
+    ("gen_trace", ["--shape", "nope", "--out", "{out}/g.jsonl"]),
+    ("gen_trace", ["--shape", "chat"]),
     # 6., 8. bench_store
     ("bench_store", ["--quick", "--systems", "kvstore", *_STORE]),
     ("bench_store", ["--quick", "--systems", "", *_STORE]),
@@ -218,7 +222,7 @@ NOT_HERE = {
     ("mooncake_peer", "storage"): "mooncake is installed here" if importlib.util.find_spec("mooncake") else None,
 }
 HELP = ["load_store", "replay_trace", "bench_lb", "bench_store", "bench_remote", "soak", "bench_engine", "demo",
-        "mooncake_peer", "bench_rebuild_index"]
+        "mooncake_peer", "bench_rebuild_index", "gen_trace"]
 REFUSED_NAMES = [f"{t}:{' '.join(a or repr(a) for a in args)}" for t, args in REFUSED]
 # every quick run of this file by name: the refused cases, --help, and a few with their own checks
 QUICK: dict[str, tuple[str, list[str]]] = {
@@ -232,7 +236,7 @@ QUICK: dict[str, tuple[str, list[str]]] = {
     "nofield": ("replay_trace", ["--trace", "{nofield}"]),
     "bom_replay": ("replay_trace", ["--trace", "{bom}", "--policies", "round_robin", "--quiet"]),
     "bom_bench": ("bench_lb", ["--trace", "{bom}", "--out", "{out}/bom.json", "--skip-eplb",
-                               "--store-capacity-blocks", "100"]),
+                               "--store-capacity-blocks", "100", "--shapes", "", "--conditions", "exact"]),
     "long": ("replay_trace", ["--trace", "{long}", "--policies", "round_robin,kvstack", "--quiet"]),
 }
 

@@ -1,10 +1,13 @@
-"""Benchmark lb/: EPLB (ours vs DeepSeek's greedy) and the trace replay at the SLO-limited load.
+"""Benchmark lb/: EPLB (ours vs DeepSeek's greedy) and each prefill policy's capacity on several traces.
 
-Exact command (what produced the figures in the closing note; ~2-5 min on 2 shared cores)::
+Exact command (what produced the figures in the closing note; the default, about 5 min on 2 shared
+cores, most of it the shared trace's 4,000 requests; ``--skip-eplb`` saves under a minute)::
 
     .venv/bin/python tools/bench_lb.py \\
         --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --out results/bench_lb.json
 
+Bigger runs: ``--sessions-scale 4`` (generated traces four times longer), ``--shapes chat,agent,longdoc,mixed``,
+``--store-capacity-blocks 20000,2000,5000,10000,40000,inf`` (the hit-ratio sweep on the shared trace).
 (``results/`` is git-ignored; the figures are quoted in the closing note.)
 
 Simulator cost alone (part 3, opt-in; the figures quoted in the lb/ QueueTotals change)::
@@ -23,15 +26,32 @@ Parts (each compares peers in the same run and reports ratios)
        balancedness (mean/max GPU load) of both, the ratio, the share of
        layers strictly improved, the worst per-layer difference (must be
        >= 0) and the run time of both.
-    2. Replay (``tools/replay_trace.py``): ``--find-load`` with the TTFT SLO
-       (p90 = TTFT attainment >= 0.9) to find the offered load at which the
-       best baseline just meets it, every policy compared at that load, and
-       the store-capacity sweep (hit ratio vs one LRU of that capacity and the
-       ideal: references, not bounds).
-       Its JSON and PNGs go next to ``--out`` (``<out stem>_replay/``).
-       Then, at the same load: with log-normal service-time noise (sigma
-       0.3) the policies' cost model does not know about, and with
-       admission control off (routing alone).
+    2. Capacity (``tools/replay_trace.py --capacity``) on ``--trace`` and on the
+       conversation traces ``tools/gen_trace.py`` generates for ``--shapes``
+       (seeded by ``--seed``; written to ``<out stem>_replay/traces/``), each
+       under every cost-model condition of ``--conditions``: ``exact`` (service
+       times are the cost model's), ``slow`` (actual prefill 1.3x the model's,
+       log-normal noise sigma 0.3) and ``fast`` (0.7x, the same noise). Per
+       policy, the capacity: the highest speedup at which >= 90 % of *all*
+       requests meet both the TTFT and the TBT SLO (a rejection is a miss;
+       the Mooncake paper's effective request capacity), found by doubling and
+       geometric bisection to ``--capacity-tol``; then every policy at the best
+       baseline's capacity (SLO attainment, TTFT p50/p90/p99 over all requests
+       with the unserved as infinite, hit ratios). One summary table per run:
+       the best baseline (Mooncake's Alg. 1 is always one), its capacity,
+       Mooncake's, ours, the ratio, our attainment and both hit ratios at the
+       best baseline's capacity, and the three goals (capacity >= 1.25x the best
+       baseline's, attainment >= 0.95 there, hit ratio within 1 % of Mooncake's).
+       A baseline with no capacity (below 90 % at every load tried, as Mooncake's
+       Alg. 1 on the shared trace, whose rejections of long cold turns cascade
+       into the sessions' next turns) is printed ``none``. Every run's JSON and
+       PNGs go under ``<out stem>_replay/<trace>_<condition>/``.
+
+       Caveat of every speedup-scaled replay, the shared trace's included: the
+       speedup compresses a session's gaps between turns too, so at high speedups a
+       turn arrives before the previous one's answer would have. The traces carry no
+       session ids, so the replay can not hold a turn back; the capacities of the
+       generated traces, whose sessions chain quickly, are the most affected.
     3. Simulator cost (only with ``--sim-cost``): the trace tiled
        ``--sim-tile`` times (copy k shifted by k trace spans, its block ids
        made its own, so every copy has the first copy's statistics: ~100k
@@ -46,32 +66,39 @@ Parts (each compares peers in the same run and reports ratios)
        decision. A run is still bounded by ``--max-wall-s`` (``truncated``).
 
 TTFT SLO
-    Unless ``--ttft-slo-ms`` is given, it is derived from the committed cost
-    model so that it follows a refit: ``--ttft-slo-x`` (default 8) times the
-    predicted *cold* prefill of the trace's median prompt
-    (``load_default().prefill.predict(median input_length, 0)``). With the
-    reference engine's fit (bench preset, CPU, 1 thread) that is ~7.6 s, so
-    the SLO is ~60 s: a median request may wait behind about seven
-    median-sized prefills on its instance. (The earlier hand-set 60 s was
-    7.7x the toy fit's median cold prefill.) It is rounded *up* to a whole
+    Unless ``--ttft-slo-ms`` is given, it is derived per trace from the
+    committed cost model so that it follows a refit: ``--ttft-slo-x`` (default
+    3) times the p90 of the predicted prefill of each request with an *ideal*
+    cache (its longest prefix seen in any earlier request reused:
+    :func:`ideal_prefill_s`), the work that no router can avoid. A conversation
+    re-sends its whole context every turn, so the cold prefill of the median
+    prompt (the earlier rule: 8x it gave 60.6 s on the shared trace, and minutes
+    on the agent and longdoc shapes, where almost every request then met it
+    at any load) measures the context, not the work. On the shared trace the
+    p90 is ~19 s with the reference engine's fit (bench preset, CPU, 1
+    thread), so the SLO is ~57 s. It is rounded *up* to a whole
     100 ms, so it is never below 100 ms: a trace of short prompts (a
-    predicted cold prefill of a few ms) gets a 100 ms SLO, not 0. The value
-    used is printed and recorded in the JSON (``ttft_slo``).
+    predicted prefill of a few ms) gets a 100 ms SLO, not 0. The value
+    used is printed and recorded in the JSON (``ttft_slo`` for ``--trace``, each
+    summary row's ``ttft_slo_ms``). The TBT SLO is 100 ms; the fleet is
+    ``--prefill-instances`` (16) and ``--decode-instances`` (16: with 4, the
+    chat shape is decode-bound and no prefill policy can matter).
 
 Time bounds
     The whole run is bounded by ``--max-total-s`` (default 1 h): each replay
     gets what is left of it (``replay_trace.py --max-total-s``), every
     simulation is cut at it, and once it is spent nothing more starts (one
     line, ``--out`` written with ``failed``, exit status 1). Every loop is
-    bounded in count too (``--find-load-iters``, the sweep's capacities,
-    ``--sim-repeats``).
+    bounded in count too (at most 10 loads to bracket a capacity and 10 to
+    bisect it, per policy; the sweep's capacities; ``--sim-repeats``). A
+    capacity search stops a run as soon as more than 10 % of the requests
+    have missed, so an overloaded load costs little.
 
 Truncated runs
     Each replay run is bounded by ``--max-wall-s`` (passed to
     ``replay_trace.py``). A run cut by it is marked ``*`` in the replay's
     table, gets no ratios against complete runs, and one line after the
-    table counts such runs; ``--find-load`` says in one line when a load it
-    counts as a miss had a truncated run (see ``tools/replay_trace.py``).
+    table counts such runs.
     Figures with no sample are ``null`` in the JSON (never a bare NaN).
 
 Exit status (the contract of ``tools/cli_args.py``)
@@ -79,12 +106,12 @@ Exit status (the contract of ``tools/cli_args.py``)
     refused in one line before any part runs: nothing to run (``--skip-eplb``
     and ``--skip-replay`` without ``--sim-cost``), a trace that is missing, unreadable, malformed or
     holds no requests (when the replay runs), an SLO that is not a positive
-    number, an output path that can not be written. 1: ``--max-total-s`` was spent, or the replay's
-    ``--find-load`` found no load at which the best baseline meets the SLO
-    (``replay_trace.py`` says so in one line). Whenever a replay exits non-zero,
+    number, an unknown shape or condition, an output path that can not be written. 1:
+    ``--max-total-s`` was spent, or a capacity search found no baseline with a
+    capacity (``replay_trace.py`` says so in one line). Whenever a replay exits non-zero,
     ``--out`` is still written with what ran so far and ``failed``: the part
-    (``find_load``, ``noise0.3``, ``no_admission``), its exit status and, where
-    the replay wrote one, its ``results.json`` (the loads ``--find-load`` tried).
+    (``capacity:TRACE:CONDITION``), its exit status and, where the replay wrote
+    one, its ``results.json`` (the loads each capacity search tried).
 """
 
 from __future__ import annotations
@@ -103,12 +130,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gen_trace  # noqa: E402
 import replay_trace  # noqa: E402
 from lb.eplb import balancedness, rebalance_experts  # noqa: E402
 from lb.eplb_greedy import rebalance_experts_greedy  # noqa: E402
+from lb.cost_model import load_default  # noqa: E402
 from lb.registry import POLICIES, get_policy  # noqa: E402
 from lb.sim import SimConfig, TraceRequest, json_safe, simulate  # noqa: E402
-from lb.types import LBInputError  # noqa: E402
+from lb.types import BLOCK_TOKENS, LBInputError  # noqa: E402
 from tools.cli_args import check_output_dir, check_output_file, integer, number  # noqa: E402
 
 log = logging.getLogger("bench_lb")
@@ -169,19 +198,33 @@ def run_eplb(seed: int) -> list[dict]:
 
 
 def derive_ttft_slo_ms(reqs: list[TraceRequest], multiple: float) -> tuple[float, dict]:
-    """``multiple`` x the committed cost model's cold prefill of the trace's median prompt, in ms,
-    rounded up to a whole 100 ms (so never below 100 ms, even for a trace of very short prompts)."""
-    from lb.cost_model import load_default
-
+    """``multiple`` x the p90 of the committed cost model's prefill of each request with an ideal cache
+    (its prefix reused from any earlier request, :func:`ideal_prefill_s`), in ms, rounded up to a whole
+    100 ms (so never below 100 ms, even for a trace of very short prompts)."""
     models = load_default()
-    median = float(np.median([r.input_length for r in reqs]))
-    cold_s = models.prefill.predict(median, 0)
+    p90_s = float(np.percentile(ideal_prefill_s(reqs, models), 90))
     # up to a whole 100 ms, at least 100 ms: round() gave 0 ms for short prompts (a refused SLO)
-    slo_ms = float(max(100, 100 * math.ceil(multiple * cold_s * 1e3 / 100)))
+    slo_ms = float(max(100, 100 * math.ceil(multiple * p90_s * 1e3 / 100)))
     return slo_ms, {"ttft_slo_ms": slo_ms, "source": "derived", "multiple": multiple,
-                    "median_input_tokens": median, "median_cold_prefill_s": cold_s,
+                    "p90_ideal_cache_prefill_s": p90_s,
+                    "median_input_tokens": float(np.median([r.input_length for r in reqs])),
                     "cost_model": models.meta.get("command", "defaults"),
                     "cost_model_target": models.meta.get("target"), "preset": models.meta.get("preset")}
+
+
+def ideal_prefill_s(reqs: list[TraceRequest], models) -> list[float]:
+    """Each request's predicted prefill when its longest prefix of full blocks seen in any earlier request
+    (arrival order) is cached: the work a perfect router with an infinite cache leaves."""
+    from lb.trace import cacheable_blocks
+
+    seen: set = set()
+    out = []
+    for r in sorted(reqs, key=lambda r: r.timestamp_ms):
+        full = cacheable_blocks(r)
+        n = next((i for i, h in enumerate(full) if h not in seen), len(full))
+        out.append(models.prefill.predict(r.input_length, min(r.input_length - 1, n * BLOCK_TOKENS)))
+        seen.update(full)
+    return out
 
 
 def tile_trace(reqs: list[TraceRequest], copies: int) -> list[TraceRequest]:
@@ -294,6 +337,107 @@ def replay(argv: list[str]) -> int:
         return exc.code if isinstance(exc.code, int) else 2
 
 
+#: Cost-model conditions of the capacity part: (log-normal sigma, bias = actual / modelled prefill time).
+CONDITIONS: dict[str, tuple[float, float]] = {"exact": (0.0, 1.0), "slow": (0.3, 1.3), "fast": (0.3, 0.7)}
+
+#: Sessions per generated shape at --sessions-scale 1 (about 1,000 to 1,500 requests each; the default 0.5
+#: halves them).
+SHAPE_SESSIONS = {"chat": 300, "agent": 100, "longdoc": 250, "mixed": 300}
+
+#: The policy the goals are about.
+OURS = "kvstack"
+
+
+def capacity_row(trace: str, cond: str, slo_ms: float, res: dict, ceiling: float | None = None) -> dict:
+    """One summary row from a ``replay_trace.py --capacity`` results.json: the capacities, the ratio of
+    ours to the best baseline's, and at the best baseline's capacity our SLO attainment and both hit ratios;
+    ``ceiling``: the share of requests whose ideal-cache prefill alone meets the TTFT SLO (no policy's
+    attainment can exceed it with the cost model exact)."""
+    cap = res["capacity"]
+    best = cap["best_baseline"]
+    by = {n: c["speedup"] for n, c in cap["by_policy"].items()}
+    lower = sorted(n for n, c in cap["by_policy"].items() if c["speedup"] is not None and not c["bracketed"])
+    at = res["sweep"][res["main_store_capacity"]]["results"]
+    ours, moon = at.get(OURS, {}), at.get("mooncake", {})
+    ratio = (by.get(OURS) or 0.0) / by[best] if best and by.get(best) else None
+    hit_ok = None
+    if ours.get("hit_ratio") is not None and moon.get("hit_ratio") is not None:
+        hit_ok = ours["hit_ratio"] >= moon["hit_ratio"] - 0.01
+    return {"trace": trace, "condition": cond, "ttft_slo_ms": slo_ms, "best_baseline": best,
+            "best_capacity": by.get(best), "capacity": by, "ours_capacity": by.get(OURS), "ratio": ratio,
+            "lower_bounds": lower, "attainment_ceiling": ceiling,
+            "ours_attainment_at_best": ours.get("slo_attainment"), "ours_hit": ours.get("hit_ratio"),
+            "mooncake_hit": moon.get("hit_ratio"), "mooncake_capacity": by.get("mooncake"),
+            "goals": {"capacity_1.25x": ratio is not None and ratio >= 1.25,
+                      "attainment_0.95": (ours.get("slo_attainment") or 0.0) >= 0.95, "hit_within_1pct": hit_ok}}
+
+
+def print_capacity_summary(rows: list[dict]) -> None:
+    print(f"\n== capacity (speedup at which >= 90% of all requests meet both SLOs), {OURS} vs the best baseline ==")
+    print(f"{'trace':9s} {'cond':6s} {'SLO s':>6s} {'best base':>10s} {'its cap':>8s} {'mooncake':>8s} {OURS:>8s} "
+          f"{'ratio':>6s} {'att@best':>8s} {'ceiling':>7s} {'hit':>6s} {'hit mc':>6s}  goals")
+    for r in rows:
+        g = r["goals"]
+        flags = " ".join(f"{k}:{'ok' if v else ('n/a' if v is None else 'MISS')}" for k, v in g.items())
+        lb = {n: ">=" if n in r["lower_bounds"] else "" for n in (r["best_baseline"], "mooncake", OURS)}
+        print(f"{r['trace'][:9]:9s} {r['condition']:6s} {r['ttft_slo_ms'] / 1e3:6.1f} {str(r['best_baseline'])[:10]:>10s} "
+              f"{lb[r['best_baseline']] + _fmt(r['best_capacity']):>8s} {lb['mooncake'] + _fmt(r['mooncake_capacity']):>8s} "
+              f"{lb[OURS] + _fmt(r['ours_capacity']):>8s} {lb[OURS] + _fmt(r['ratio'], '.2f'):>6s} "
+              f"{_fmt(r['ours_attainment_at_best'], '.3f'):>8s} {_fmt(r.get('attainment_ceiling'), '.3f'):>7s} "
+              f"{_fmt(r['ours_hit'], '.3f'):>6s} {_fmt(r['mooncake_hit'], '.3f'):>6s}  {flags}")
+    print("(ceiling: the share of requests whose prefill with an ideal cache and no queue meets the TTFT SLO at the "
+          "model's times; "
+          "capacity 'none': below 90% at every load tried; '>=': every load tried met the target, a lower bound; "
+          "conditions: exact = the cost model's own times, slow/fast = actual prefill 1.3x/0.7x the model's with "
+          "log-normal noise sigma 0.3)")
+
+
+def _fmt(v, spec: str = ".4g") -> str:
+    return "none" if v is None else format(v, spec)
+
+
+def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, traces: dict, rdir: Path,
+                 deadline: float) -> int:
+    """Part 2: per trace and cost-model condition, ``replay_trace.py --capacity`` (every policy's capacity,
+    then every policy at the best baseline's capacity); the shared trace's exact run also sweeps the store
+    capacity. Returns the exit status (non-zero: ``--out`` was written with the failure)."""
+    out["capacity"] = {"runs": {}, "summary": []}
+    for tname, path in traces.items():
+        treqs = reqs if tname == "trace" else replay_trace.read_trace(path)
+        slo_ms = args.ttft_slo_ms if args.fixed_slo else derive_ttft_slo_ms(treqs, args.ttft_slo_x)[0]
+        ceiling = float(np.mean([t * 1e3 <= slo_ms for t in ideal_prefill_s(treqs, load_default())]))
+        starts: dict = {}  # policy -> its capacity under the first condition: where the others search from
+        for cond in args.condition_list:
+            noise, bias = CONDITIONS[cond]
+            part = f"capacity:{tname}:{cond}"
+            d = rdir / f"{tname}_{cond}"
+            if (left := deadline - time.monotonic()) < 1:
+                return spent_budget(out, args, part)
+            print(f"\n-- {part}: {len(treqs)} requests from {path}, TTFT SLO {slo_ms:.0f} ms --")
+            caps = args.store_capacity_blocks if (tname == "trace" and cond == args.condition_list[0]) else \
+                args.store_capacity_blocks.split(",")[0]
+            rc = replay([
+                "--trace", str(path), "--capacity", "--speedup", "1", "--ttft-slo-ms", repr(slo_ms),
+                *(["--capacity-start", ",".join(f"{n}={v!r}" for n, v in starts.items())] if starts else []),
+                "--prefill-instances", str(args.prefill_instances), "--decode-instances", str(args.decode_instances),
+                "--noise", repr(noise), "--bias", repr(bias), "--capacity-tol", repr(args.capacity_tol),
+                "--capacity-iters", "10",
+                "--store-capacity-blocks", caps, "--out", str(d), "--quiet", "--seed", str(args.seed),
+                "--max-wall-s", repr(args.max_wall_s), "--max-total-s", repr(left),
+            ])
+            if rc:
+                return failed_replay(out, args.out, part, rc, d)
+            res = json.loads((d / "results.json").read_text())
+            out["capacity"]["runs"][f"{tname}:{cond}"] = res
+            row = capacity_row(tname, cond, slo_ms, res, ceiling)
+            out["capacity"]["summary"].append(row)
+            note_truncated(res, part, args.max_wall_s)
+            if cond == args.condition_list[0]:
+                starts = {n: v for n, v in row["capacity"].items() if v}
+    print_capacity_summary(out["capacity"]["summary"])
+    return 0
+
+
 def write_out(path: Path, out: dict) -> None:
     """``--out``: strict JSON (a figure with no sample, NaN, is null, never a bare NaN)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -329,12 +473,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="results JSON path")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ttft-slo-ms", type=number(0, 1e12, lo_open=True), default=None,
-                    help="TTFT SLO; default: --ttft-slo-x times the median prompt's cold prefill (see above)")
-    ap.add_argument("--ttft-slo-x", type=number(0, 1e6, lo_open=True), default=8.0,
-                    help="multiple of the median prompt's predicted cold prefill used as the default SLO")
+                    help="TTFT SLO; default: --ttft-slo-x times the p90 ideal-cache prefill (see above)")
+    ap.add_argument("--ttft-slo-x", type=number(0, 1e6, lo_open=True), default=3.0,
+                    help="multiple of the p90 of each request's predicted prefill with an ideal cache: the "
+                         "default SLO of each trace")
     ap.add_argument("--prefill-instances", type=integer(1, 4096), default=16)
-    ap.add_argument("--store-capacity-blocks", default="20000,2000,5000,10000,40000,inf",
-                    help="comma list for the replay's sweep ('inf' = unbounded)")
+    ap.add_argument("--decode-instances", type=integer(1, 4096), default=16)
+    ap.add_argument("--shapes", default="chat,agent,longdoc",
+                    help=f"generated conversation traces to run beside --trace (tools/gen_trace.py; comma list "
+                         f"of {', '.join(gen_trace.SHAPES)}; empty: none)")
+    ap.add_argument("--sessions-scale", type=number(0.01, 100), default=0.5,
+                    help="multiplies each shape's default number of sessions (bigger runs: 4)")
+    ap.add_argument("--conditions", default=",".join(CONDITIONS),
+                    help=f"cost-model conditions, each a full capacity search: {', '.join(CONDITIONS)}")
+    ap.add_argument("--capacity-tol", type=number(0.001, 1), default=0.05,
+                    help="capacity search: bisect until the bracket's hi/lo <= 1 + this")
+    ap.add_argument("--store-capacity-blocks", default="20000",
+                    help="store capacity in blocks; a comma list also sweeps the hit ratio over them on --trace "
+                         "(exact condition) at the best baseline's capacity ('inf' = unbounded)")
     ap.add_argument("--max-wall-s", type=number(1), default=300.0,
                     help="wall-clock bound per replay simulation run (>= 1), passed to replay_trace.py")
     ap.add_argument("--max-total-s", type=number(1), default=3600.0,
@@ -364,8 +520,16 @@ def main(argv: list[str] | None = None) -> int:
         replay_trace.parse_capacities(args.store_capacity_blocks)
     except argparse.ArgumentTypeError as exc:
         ap.error(f"argument --store-capacity-blocks: {exc}")
-    replay_dirs = [args.out.with_name(args.out.stem + suffix) for suffix in ("_replay", "_replay_noise0.3",
-                                                                              "_replay_no_admission")]
+    replay_dirs = [args.out.with_name(args.out.stem + "_replay")]
+    shapes = [n for n in args.shapes.split(",") if n]
+    if unknown := [n for n in shapes if n not in gen_trace.SHAPES]:
+        ap.error(f"argument --shapes: unknown shape {', '.join(unknown)}; known: {', '.join(gen_trace.SHAPES)}")
+    conditions = [n for n in args.conditions.split(",") if n]
+    unknown = [n for n in conditions if n not in CONDITIONS]
+    if unknown or (not conditions and not args.skip_replay):
+        ap.error(f"argument --conditions: unknown condition {', '.join(unknown) or '(none given)'}; "
+                 f"known: {', '.join(CONDITIONS)}")
+    args.condition_list = conditions
     for msg in [check_output_file(args.out)] + ([] if args.skip_replay else
                                                 [check_output_dir(d, "replay directory") for d in replay_dirs]):
         if msg:
@@ -376,8 +540,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if not reqs and (not args.skip_replay or args.sim_cost):
         ap.error(f"trace {args.trace} holds no requests")
+    traces = {"trace": args.trace}
+    if not args.skip_replay and shapes:  # generated here, seeded: the same files for the same arguments
+        tdir = replay_dirs[0] / "traces"
+        for shape in shapes:
+            sessions = max(1, round(SHAPE_SESSIONS.get(shape, 200) * args.sessions_scale))
+            path = tdir / f"{shape}.jsonl"
+            gen_trace.write_jsonl(gen_trace.generate(gen_trace.SHAPES[shape], sessions, args.seed), path)
+            traces[shape] = path
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out: dict = {"command": "python tools/bench_lb.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    args.fixed_slo = args.ttft_slo_ms is not None
     if not args.skip_replay or args.sim_cost:
         if args.ttft_slo_ms is None:
             try:
@@ -397,39 +570,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['ratio']:6.3f} {100 * r['layers_strictly_better']:6.0f}% {r['worst_layer_delta']:8.1e} "
                   f"{r['greedy_s']:7.2f}s {r['ours_s']:6.2f}s")
     if not args.skip_replay:
-        print(f"\nTTFT SLO {args.ttft_slo_ms:.0f} ms ({out['ttft_slo']})")
-        rdir = replay_dirs[0]
-        if (left := deadline - time.monotonic()) < 1:
-            return spent_budget(out, args, "find_load")
-        rc = replay([
-            "--trace", str(args.trace), "--find-load", "--ttft-slo-ms", str(args.ttft_slo_ms),
-            "--prefill-instances", str(args.prefill_instances), "--speedup", "0.1",
-            "--store-capacity-blocks", args.store_capacity_blocks, "--out", str(rdir), "--quiet",
-            "--max-wall-s", repr(args.max_wall_s), "--max-total-s", repr(left),
-        ])
+        rc = run_capacity(args, reqs, out, traces, replay_dirs[0], deadline)
         if rc:
-            return failed_replay(out, args.out, "find_load", rc, rdir)
-        out["replay_dir"] = str(rdir)
-        out["replay"] = json.loads((rdir / "results.json").read_text())
-        note_truncated(out["replay"], "find-load replay", args.max_wall_s)
-        speedup = out["replay"]["find_load"]["speedup"]
-        # robustness at the same load: service times with log-normal noise (sigma 0.3) that the
-        # policies' cost model does not know about; and routing alone, with admission control off
-        for (tag, extra), d in zip((("noise0.3", ["--noise", "0.3"]), ("no_admission", ["--no-admission"])),
-                                   replay_dirs[1:]):
-            print(f"\n-- same load, {tag} --")
-            if (left := deadline - time.monotonic()) < 1:
-                return spent_budget(out, args, tag)
-            rc = replay([
-                "--trace", str(args.trace), "--ttft-slo-ms", str(args.ttft_slo_ms),
-                "--prefill-instances", str(args.prefill_instances), "--speedup", repr(speedup),
-                "--store-capacity-blocks", args.store_capacity_blocks.split(",")[0], "--out", str(d), "--quiet",
-                "--max-wall-s", repr(args.max_wall_s), "--max-total-s", repr(left), *extra,
-            ])
-            if rc:
-                return failed_replay(out, args.out, tag, rc, d)
-            out[f"replay_{tag}"] = json.loads((d / "results.json").read_text())
-            note_truncated(out[f"replay_{tag}"], f"{tag} replay", args.max_wall_s)
+            return rc
     if args.sim_cost:
         tiled = tile_trace(reqs, args.sim_tile)
         cfg = SimConfig(prefill_instances=args.prefill_instances, speedup=args.sim_speedup,

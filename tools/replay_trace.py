@@ -15,6 +15,16 @@ Exact commands
             --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
             --speedup 0.5 --store-capacity-blocks 20000,2000,5000,10000,40000 --out results/replay
 
+    Each policy's capacity (the highest speedup at which >= 90 % of *all*
+    requests meet both the TTFT and the TBT SLO, a rejection counting as a
+    miss), here with a cost model 30 % optimistic and noisy, then every policy
+    at the best baseline's capacity (``tools/bench_lb.py`` runs this over
+    several traces and conditions)::
+
+        .venv/bin/python tools/replay_trace.py \\
+            --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
+            --capacity --ttft-slo-ms 56500 --decode-instances 16 --bias 1.3 --noise 0.3 --out results/cap
+
     Find the offered load (speedup) at which the best baseline just meets
     the TTFT SLO at p90, then compare every policy at that load::
 
@@ -30,7 +40,9 @@ LRU of the store's capacity (column ``lru_ref``, key ``lru_oracle`` in the JSON)
 same definition, over all requests in arrival order. Both are references, not
 bounds (neither an oracle): a queued request may reuse blocks of a later arrival
 that finished first, and the policies also hit in device and host tiers the
-single LRU does not have; see ``lb/sim.py``; TTFT p50/p90/p99 over served requests, TBT p50/p90 (from the
+single LRU does not have; see ``lb/sim.py``; TTFT p50/p90/p99 over *all* requests (one not
+served, rejected or cut off, counts as an infinite TTFT: ``inf`` in the table, ``null`` in
+``ttft_all_p*_s``; ``ttft_p*_s`` in ``results.json`` are over served requests), TBT p50/p90 (from the
 first token, a wait for a decode slot included; requests
 with ``output_length`` 0 have no TBT and are judged on TTFT alone; that wait's own
 p50/p90/p99 are ``decode_wait_p*_s`` in ``results.json``), SLO
@@ -47,7 +59,21 @@ and, with ``--max-total-s``, the whole run: each simulation is cut at what is
 left of it, and once it is spent no simulation starts (one line, exit 1).
 Service times come from ``lb/data/cost_model.json`` (``--cost-model`` to
 override; one warning says how many prompts are longer than any it was fitted
-on); ``--noise`` adds log-normal noise so policies' estimates are not exact.
+on); ``--noise`` adds log-normal noise and ``--bias`` a systematic factor (1.3: every prefill
+30 % slower than modelled) to prefill service times, so policies' estimates are not exact.
+
+``--capacity`` searches each policy's capacity from ``--speedup`` (doubling or
+halving to bracket it, then a geometric bisection down to ``--capacity-tol``; at
+most ``--capacity-iters`` loads each way); a run stops as soon as more than
+``1 - --capacity-target`` of the requests have missed (the load failed, whatever
+the rest does: ``stopped_early`` in ``results.json``). The capacity table gives
+each policy's capacity and its ratio to the best baseline's (``none``: below the
+target at every load tried); the main table then compares every policy at the
+best baseline's capacity. ``results.json`` has ``capacity`` with every load
+tried per policy (attainments and TTFT percentiles over all requests).
+``--explain N`` prints, after the main table, each policy's decisions (routing, and
+for ``kvstack`` the order in its instance's queue) for its first N requests that
+missed the TTFT SLO.
 
 A run cut by ``--max-wall-s`` covers only the requests that arrived before it
 stopped: its row is marked ``*`` with a note of how far it got, attainments
@@ -70,14 +96,17 @@ Exit status (the contract of ``tools/cli_args.py``)
     JSON lines (gzip included: decompress it first), not Mooncake format (a
     missing field, a key twice in one object, nesting too deep, a value no trace
     can mean) or empty, a malformed
-    ``--cost-model``, an ``--out`` that is not a directory, or ``--policies``
-    without a baseline to compare with. 1: ``--max-total-s`` was spent before the last
+    ``--cost-model``, an ``--out`` that is not a directory, ``--policies``
+    without a baseline to compare with, or both ``--capacity`` and ``--find-load``. 1: ``--max-total-s``
+    was spent before the last
     simulation (one line says so), or ``--find-load`` searched and no
     load lets the best baseline meet the SLO (one line says so; raise
     ``--ttft-slo-ms`` or add ``--prefill-instances``, and raise ``--max-wall-s``
     when it says runs were cut by it); nothing is compared, and ``--out`` gets a
     ``results.json`` whose ``find_load`` has ``speedup: null``, the ``error`` and
-    the loads tried.
+    the loads tried; or ``--capacity`` found no baseline with a capacity (one line;
+    ``results.json``'s ``capacity`` has ``best_baseline: null``, the ``error`` and
+    every load tried).
 """
 
 from __future__ import annotations
@@ -157,6 +186,14 @@ def _capacity(text: str) -> int | None:
 parse_capacities = csv_list(_capacity)  # --store-capacity-blocks (bench_lb checks its own with it)
 
 
+def _policy_speedup(text: str) -> tuple[str, float]:
+    """``POLICY=SPEEDUP`` (``--capacity-start``)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected POLICY=SPEEDUP, got {text!r}")
+    return name.strip(), number(0, 1e6, lo_open=True)(value)
+
+
 def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     """The requests of a Mooncake JSON-lines trace; any problem with the file is one ``LBInputError``
     that names the file (and the line, for a problem on one line). A UTF-8 byte-order mark at the
@@ -218,16 +255,17 @@ def run_policies(reqs, names, cfg, models, progress: Progress, decode: str = "kv
 
 
 def best_baseline(results: dict[str, SimResult]) -> str | None:
-    """The baseline with the best TTFT attainment (then lowest TTFT p90), among complete runs
-    when there is one (a run cut by ``--max-wall-s`` is not a fair reference); None without baselines."""
+    """The baseline with the best SLO attainment (both SLOs, over all requests; then lowest TTFT p90 over
+    all requests), among complete runs when there is one (a run cut by ``--max-wall-s`` is not a fair
+    reference); None without baselines."""
     base = [n for n in results if n in BASELINES]
     if not base:
         return None
     pool = [n for n in base if not results[n].truncated] or base
 
     def key(n: str) -> tuple:
-        p90 = results[n].pct("ttft", 90)
-        return results[n].ttft_attainment, -p90 if math.isfinite(p90) else -math.inf
+        p90 = results[n].ttft_all(90)
+        return results[n].slo_attainment, -p90 if math.isfinite(p90) else -math.inf
 
     return max(pool, key=key)
 
@@ -318,6 +356,89 @@ def find_load(reqs, baselines, cfg, models, progress, target: float, iters: int,
     return LoadSearch(lo, history, True)
 
 
+class Capacity(NamedTuple):
+    """What :func:`search_capacity` found for one policy: ``speedup``, the highest load tried at which
+    at least ``target`` of all requests met both SLOs (``None``: no load tried did, down to the search's
+    floor); ``bracketed``: a load above it missed (False: every load tried up to the step bound met the
+    target, so ``speedup`` is only a lower bound); ``history``: every load tried, in order."""
+
+    speedup: float | None
+    bracketed: bool
+    history: list
+
+
+def load_row(r: SimResult) -> dict:
+    """One load's figures for ``history``: attainments and TTFT percentiles over *all* requests (one not
+    served counts as an infinite TTFT, ``None`` in JSON), the hit ratio, and whether the run was cut."""
+    return {"slo_attainment": r.slo_attainment, "ttft_attainment": r.ttft_attainment,
+            "ttft_all_p50_s": r.ttft_all(50), "ttft_all_p90_s": r.ttft_all(90), "ttft_all_p99_s": r.ttft_all(99),
+            "hit_ratio": r.hit_ratio, "rejected": r.rejected, "served": r.served,
+            "stopped_early": r.stopped_early, "truncated": r.truncated}
+
+
+def search_capacity(reqs, name: str, cfg: SimConfig, models, progress, *, target: float = 0.9, iters: int = 8,
+                    rel_tol: float = 0.05, min_speedup: float = 1e-3, decode: str = "kvstack",
+                    deadline: float | None = None) -> Capacity:
+    """Effective request capacity of policy ``name``: the highest speedup at which >= ``target`` of *all*
+    requests meet both the TTFT and the TBT SLO (a rejection is a miss), as in the Mooncake paper.
+
+    From ``cfg.speedup``, doubling or halving brackets it (at most ``iters`` loads; below ``min_speedup``
+    the policy has no capacity, ``speedup=None``), then a geometric bisection narrows the bracket to a
+    ratio of ``1 + rel_tol`` (at most ``iters`` more loads): at most ``2 x iters`` simulations. Each run
+    stops as soon as more than ``(1 - target) x requests`` have missed (``stop_after_misses``): the load
+    has failed whatever the rest does, so an overloaded run costs little. A run cut by ``--max-wall-s``
+    counts as a pass only if its lower-bound attainment meets the target. Attainment is not always
+    monotone in the load (noise, cache luck); the bisection keeps the bracket it has, it does not scan.
+    """
+    stop = int(math.floor((1.0 - target) * len(reqs) + 1e-9))
+    history: list = []
+
+    def ok(s: float) -> bool:
+        res = run_policies(reqs, [name], replace(cfg, speedup=s, stop_after_misses=stop), models, progress,
+                           decode, deadline)[name]
+        history.append({"speedup": s, **load_row(res)})
+        return res.slo_attainment >= target
+
+    lo = hi = None
+    s = cfg.speedup
+    for _ in range(iters):
+        if ok(s):
+            lo, s = s, s * 2
+        else:
+            hi, s = s, s / 2
+        if (lo is not None and hi is not None) or (lo is None and s < min_speedup):
+            break
+    if lo is None or hi is None:
+        return Capacity(lo, False, history)
+    for _ in range(iters):
+        if hi / lo <= 1.0 + rel_tol:
+            break
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return Capacity(lo, True, history)
+
+
+def capacity_table(caps: dict[str, Capacity]) -> tuple[str, str | None]:
+    """The capacities side by side with the ratio to the best baseline's (the baseline of the highest
+    capacity; ``None`` when no baseline has one); returns (table, best baseline)."""
+    base = {n: c.speedup for n, c in caps.items() if n in BASELINES and c.speedup is not None}
+    best = max(base, key=base.get) if base else None
+    lines = [f"{'policy':>12s} {'capacity':>9s} {'vs best':>8s} {'runs':>5s}  note"]
+    for n, c in caps.items():
+        ratio = (_ratio(c.speedup, base[best]) if best and c.speedup is not None else
+                 ("0" if best else "-"))
+        note = ("none: below the target at every load tried" if c.speedup is None else
+                "" if c.bracketed else "lower bound: no load tried missed the target")
+        lines.append(f"{n[:12]:>12s} {_num(c.speedup if c.speedup is not None else math.nan, '.4g'):>9s} "
+                     f"{ratio:>8s} {len(c.history):>5d}  {note}")
+    lines.append(f"(capacity = the highest speedup at which >= the target of all requests meet both SLOs; "
+                 f"ratios vs best baseline = {best or 'none: no baseline has a capacity'})")
+    return "\n".join(lines), best
+
+
 def _num(v: float, spec: str) -> str:
     """``v`` formatted, or ``n/a`` for a figure with no sample (NaN, inf)."""
     return format(v, spec) if math.isfinite(v) else "n/a"
@@ -328,8 +449,33 @@ def _opt(v: float | None, spec: str) -> str:
     return _num(math.nan if v is None else v, spec)
 
 
+def _inf(v: float) -> str:
+    """A TTFT percentile over all requests: ``inf`` when too few were served to reach it."""
+    return "inf" if v == math.inf else _num(v, ".2f")
+
+
 def _ratio(a: float, b: float) -> str:
     return _num(a / b, ".3f") if math.isfinite(a) and math.isfinite(b) and b else "-"
+
+
+def explain_misses(results: dict[str, SimResult], cfg: SimConfig, n: int) -> str:
+    """Per policy, the trace (every decision's reason, in order) of its first ``n`` requests that were
+    rejected or missed the TTFT SLO (runs made with ``keep_trace``)."""
+    slo = math.inf if cfg.ttft_slo_ms is None else cfg.ttft_slo_ms / 1e3
+    lines = []
+    for name, r in results.items():
+        shown = 0
+        for idx, steps in sorted(r.trace.items()):
+            done = [st for st in steps if st.startswith("prefill done: TTFT ")]
+            if done and float(done[0].split()[3]) <= slo:
+                continue
+            if shown == 0:
+                lines.append(f"\n-- {name}: requests that missed the TTFT SLO, and why --")
+            lines.append(f"request {idx}: " + " | ".join(steps))
+            shown += 1
+            if shown >= n:
+                break
+    return "\n".join(lines)
 
 
 def format_table(results: dict[str, SimResult], refs: dict) -> str:
@@ -341,19 +487,19 @@ def format_table(results: dict[str, SimResult], refs: dict) -> str:
             "slo_att", "ttft_att", "rej", "imbal", "p90/best", "att/best"]
     lines = [" ".join(f"{c:>9s}" for c in cols)]
     for name, r in results.items():
-        p90 = r.pct("ttft", 90)
+        p90 = r.ttft_all(90)
         same_extent = b is not None and not r.truncated and not b.truncated
         row = [name[:8] + "*" if r.truncated else name[:9], _num(r.hit_ratio, ".3f"), _num(refs["ideal"], ".3f"),
-               _num(refs["lru_oracle"], ".3f"), _num(r.pct("ttft", 50), ".2f"), _num(p90, ".2f"),
-               _num(r.pct("ttft", 99), ".2f"), _num(r.pct("tbt", 50) * 1e3, ".1f"), _num(r.pct("tbt", 90) * 1e3, ".1f"),
+               _num(refs["lru_oracle"], ".3f"), _inf(r.ttft_all(50)), _inf(p90), _inf(r.ttft_all(99)), _num(r.pct("tbt", 50) * 1e3, ".1f"), _num(r.pct("tbt", 90) * 1e3, ".1f"),
                f"{r.slo_attainment:.3f}", f"{r.ttft_attainment:.3f}", f"{r.rejected}", f"{r.imbalance:.2f}",
-               _ratio(p90, b.pct("ttft", 90)) if same_extent else "-",
-               _ratio(r.ttft_attainment, b.ttft_attainment) if same_extent else "-"]
+               _ratio(p90, b.ttft_all(90)) if same_extent else "-",
+               _ratio(r.slo_attainment, b.slo_attainment) if same_extent else "-"]
         lines.append(" ".join(f"{c:>9s}" for c in row))
     if b is not None and b.truncated:
-        lines.append("(TTFT in s over served requests; no ratios: every baseline run was cut by --max-wall-s)")
+        lines.append("(TTFT in s over all requests; no ratios: every baseline run was cut by --max-wall-s)")
     else:
-        lines.append(f"(TTFT in s over served requests; ratios vs best baseline = {best}; lower p90/best is better)")
+        lines.append(f"(TTFT in s over all requests, one not served counting as inf; ratios vs best baseline = "
+                     f"{best}; lower p90/best is better, att/best compares slo_att)")
     for name, r in results.items():
         never = sum(r.reject_reasons.get(k, 0) for k in (OVER_DECODE_KV, REFUSED_BY_EMPTY_DECODE))
         if never:
@@ -437,7 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-slo-ms", type=number(0, 1e12, lo_open=True), default=20000.0)
     ap.add_argument("--tbt-slo-ms", type=number(0, 1e12, lo_open=True), default=100.0)
     ap.add_argument("--no-admission", action="store_true", help="do not pass SLOs to policies (no rejections)")
-    ap.add_argument("--noise", type=number(0, 3), default=0.0, help="log-normal sigma on service times")
+    ap.add_argument("--noise", type=number(0, 3), default=0.0, help="log-normal sigma on prefill service times")
+    ap.add_argument("--bias", type=number(0.1, 10), default=1.0,
+                    help="actual / modelled prefill service time, the same for every prefill (1.3: the cost "
+                         "model is 30%% optimistic; 0.7: 30%% pessimistic)")
     ap.add_argument("--store-gbps", type=number(0, 1e6, lo_open=True), default=1.18 * 2**30 / 1e9,
                     help="store -> device GB/s")
     ap.add_argument("--host-gbps", type=number(0, 1e6, lo_open=True), default=10.0, help="host -> device GB/s")
@@ -446,9 +595,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--find-load-target", type=number(0, 1, lo_open=True), default=0.9,
                     help="required TTFT attainment (0.9 = p90)")
     ap.add_argument("--find-load-iters", type=integer(1, 64), default=8)
+    ap.add_argument("--capacity", action="store_true",
+                    help="search each policy's capacity (the highest speedup at which >= --capacity-target of all "
+                         "requests meet both SLOs; from --speedup), then compare every policy at the best "
+                         "baseline's capacity")
+    ap.add_argument("--capacity-target", type=number(0, 1, lo_open=True), default=0.9)
+    ap.add_argument("--capacity-tol", type=number(0.001, 1), default=0.05,
+                    help="stop bisecting once the bracket's hi/lo <= 1 + this")
+    ap.add_argument("--capacity-iters", type=integer(1, 64), default=8,
+                    help="at most this many loads to bracket, and as many to bisect, per policy")
+    ap.add_argument("--capacity-start", type=csv_list(_policy_speedup), default=[],
+                    help="POLICY=SPEEDUP,...: where that policy's search starts (default --speedup), e.g. its "
+                         "capacity under another condition")
     ap.add_argument("--max-wall-s", type=number(1), default=300.0, help="wall-clock bound per simulation run (>= 1)")
     ap.add_argument("--max-total-s", type=number(1), default=None,
                     help="wall-clock bound on the whole run (>= 1; default: none): runs are cut at it")
+    ap.add_argument("--explain", type=integer(0, 1000), default=0,
+                    help="after the main table, each policy's decisions for its first N requests that missed an SLO")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="directory for results.json and PNG plots")
     ap.add_argument("--quiet", action="store_true")
@@ -466,6 +629,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--policies {','.join(names)} has no baseline to compare with; add one of: {', '.join(BASELINES)}")
     if len(set(names)) != len(names):
         ap.error(f"--policies names a policy twice: {','.join(names)}")
+    if args.capacity and args.find_load:
+        ap.error("--capacity and --find-load are two ways to choose the load: give one")
+    if stray := [n for n, _ in args.capacity_start if n not in names]:
+        ap.error(f"argument --capacity-start: {', '.join(stray)} is not in --policies")
     if args.out is not None and (msg := check_output_dir(args.out)):
         ap.error(msg)
     try:
@@ -487,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
             store_capacity_blocks=caps[0],
             bandwidth=TierBandwidth(host_bytes_per_s=args.host_gbps * 1e9, store_bytes_per_s=args.store_gbps * 1e9),
             speedup=args.speedup, ttft_slo_ms=args.ttft_slo_ms, tbt_slo_ms=args.tbt_slo_ms,
-            admission=not args.no_admission, service_noise=args.noise, seed=args.seed, max_wall_s=args.max_wall_s,
+            admission=not args.no_admission, service_noise=args.noise, service_bias=args.bias, seed=args.seed,
+            max_wall_s=args.max_wall_s,
         )
     except LBInputError as exc:
         ap.error(str(exc))
@@ -536,8 +704,37 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
         else:
             print(f"load NOT bracketed: every load tried ({len(hist)}, up to speedup {s:.4g}) met the SLO, none "
                   f"missed it, so {s:.4g} is only a lower bound; raise --find-load-iters or --speedup")
+    if args.capacity:
+        c0 = replace(cfg, store_capacity_blocks=caps[0])
+        starts = dict(args.capacity_start)
+        found = {n: search_capacity(reqs, n, replace(c0, speedup=starts.get(n, c0.speedup)), models, progress,
+                                    target=args.capacity_target,
+                                    iters=args.capacity_iters, rel_tol=args.capacity_tol, decode=args.decode_policy,
+                                    deadline=deadline) for n in names}
+        table, best = capacity_table(found)
+        at = found[best].speedup if best else cfg.speedup
+        print(f"\n== capacity: {len(reqs)} requests, {cfg.prefill_instances} prefill / {cfg.decode_instances} "
+              f"decode, TTFT SLO {cfg.ttft_slo_ms} ms, TBT SLO {cfg.tbt_slo_ms} ms, noise {cfg.service_noise:g}, "
+              f"bias {cfg.service_bias:g}, target {args.capacity_target:g} of all requests ==")
+        print(table)
+        out["capacity"] = {"target": args.capacity_target, "best_baseline": best, "compared_at_speedup": at,
+                           "by_policy": {n: c._asdict() for n, c in found.items()},
+                           "ratio_vs_best": {n: (c.speedup or 0.0) / found[best].speedup if best else None
+                                             for n, c in found.items()}}
+        if best is None:  # a result too: results.json records the loads tried, then exit 1
+            lowest = min(h["speedup"] for c in found.values() for h in c.history)
+            msg = (f"--capacity: no baseline meets the TTFT SLO and the TBT SLO for {args.capacity_target:.0%} of "
+                   f"the requests even at speedup {lowest:.3g}; raise --ttft-slo-ms or add --prefill-instances")
+            out["capacity"]["error"] = msg
+            if args.out:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "results.json").write_text(json.dumps(json_safe(out), indent=2, default=str,
+                                                                  allow_nan=False))
+            raise NoFeasibleLoad(msg)
+        cfg = replace(cfg, speedup=at)
     sweep = {}
     main_results: dict[str, SimResult] = {}
+    cfg = replace(cfg, keep_trace=bool(args.explain))
     for i, cap in enumerate(caps):
         c = replace(cfg, store_capacity_blocks=cap)
         refs = reference_hit_ratios(reqs, cap, block_tokens=c.block_tokens)
@@ -549,6 +746,8 @@ def _run(args: argparse.Namespace, names: list[str], models: CostModels, reqs: l
             print(f"\n== {len(reqs)} requests, speedup {c.speedup:.4g}, {c.prefill_instances} prefill / "
                   f"{c.decode_instances} decode instances, store {key} blocks, TTFT SLO {c.ttft_slo_ms} ms ==")
             print(format_table(res, refs))
+            if args.explain:
+                print(explain_misses(res, c, args.explain))
     if len(caps) > 1:
         print("\n== hit ratio vs store capacity ==")
         print(f"{'capacity':>9s} {'ideal':>7s} {'lru_ref':>7s} " + " ".join(f"{n[:9]:>9s}" for n in names))

@@ -57,22 +57,24 @@ def _tiny_trace(path: Path, n: int = 3) -> Path:
 
 def test_bench_lb_writes_its_json_when_the_replay_fails(tmp_path, capsys):
     """No load meets a 1 us SLO: exit status 1 (the replay's one line), and --out still holds what ran
-    (the SLO) with the failure recorded: the part, its status and the loads the search tried."""
+    (the SLO) with the failure recorded: the part, its status and the loads the capacity search tried."""
     import json
 
     import bench_lb
 
     out = tmp_path / "b.json"
     rc = bench_lb.main(["--trace", str(_tiny_trace(tmp_path / "t.jsonl")), "--out", str(out), "--skip-eplb",
-                        "--ttft-slo-ms", "0.001", "--prefill-instances", "1", "--store-capacity-blocks", "10"])
+                        "--ttft-slo-ms", "0.001", "--prefill-instances", "1", "--store-capacity-blocks", "10",
+                        "--shapes", ""])
     assert rc == 1
     assert "no baseline meets the TTFT SLO" in capsys.readouterr().err
     data = json.loads(out.read_text())
-    assert data["ttft_slo"]["ttft_slo_ms"] == 0.001 and "replay" not in data
+    assert data["ttft_slo"]["ttft_slo_ms"] == 0.001 and not data["capacity"]["summary"]
     failed = data["failed"]
-    assert failed["part"] == "find_load" and failed["exit_status"] == 1
-    fl = failed["replay"]["find_load"]
-    assert fl["speedup"] is None and fl["history"] and "no baseline meets" in fl["error"]
+    assert failed["part"] == "capacity:trace:exact" and failed["exit_status"] == 1
+    cap = failed["replay"]["capacity"]
+    assert cap["best_baseline"] is None and "no baseline meets" in cap["error"]
+    assert all(c["speedup"] is None and c["history"] for c in cap["by_policy"].values())
 
 
 def test_whole_run_time_bound_stops_every_load_loop(tmp_path, monkeypatch, capsys):
@@ -205,3 +207,18 @@ def test_progress_off_a_terminal_is_plain_periodic_lines(monkeypatch):
             assert "\r" not in text and len(lines) == 22, lines  # 0/10 .. 9/10 and the end, per run
             assert lines[0] == "a: 50/1000 arrivals" and lines[10] == "a: 1000/1000 arrivals", lines
             assert lines[11] == "b: 50/1000 arrivals", lines
+
+
+def test_the_derived_slo_scales_with_the_work_an_ideal_cache_leaves_not_with_the_context():
+    """A conversation's second turn re-sends the first one's 4 blocks: with an ideal cache it prefills only
+    its new block, so the p90 the SLO derives from is the cold first turn's, not the long second's."""
+    import bench_lb
+
+    from lb.cost_model import load_default
+
+    m = load_default()
+    reqs = [TraceRequest(0.0, 2048, 1, (1, 2, 3, 4)), TraceRequest(1.0, 2560, 1, (1, 2, 3, 4, 5))]
+    assert bench_lb.ideal_prefill_s(reqs, m) == [m.prefill.predict(2048, 0), m.prefill.predict(2560, 2048)]
+    slo, meta = bench_lb.derive_ttft_slo_ms(reqs, 3.0)
+    assert meta["p90_ideal_cache_prefill_s"] < m.prefill.predict(2048, 0) + 1e-9 and slo < 3e3 * m.prefill.predict(
+        2560, 0)
