@@ -288,6 +288,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
             self.saves = SaveQueue(self.gateway, self.metrics, depth=self.opts.save_queue_depth,
                                    enqueue_timeout_s=0.0)
             self._loader = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstack-load")
+            self._reads = cf.ThreadPoolExecutor(max_workers=self.opts.load_parallel, thread_name_prefix="kvstack-read")
         log.info("KvstackConnector %s: store %s, namespace %s, groups %s, role %s", role.name,
                  self.opts.store_url, self._hasher.namespace.label(), self.plan.describe(), tc.kv_role)
 
@@ -494,7 +495,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
             raise InvalidRequest(f"vLLM registered no KV cache for layers {missing[:4]}")
         first = next(iter(kv_caches.values()))
         self.backend = get_backend("cuda" if first.is_cuda else "cpu")
-        self.buffers = BufferPool(self.backend, max(2 * self.opts.load_batch_blocks, 8))
+        self.buffers = BufferPool(self.backend, max(self.opts.load_parallel * self.opts.load_batch_blocks, 8))
         self._save_stream = self.backend.new_stream()
         self._load_stream = self.backend.new_stream()
         self._dtype = first.dtype
@@ -610,24 +611,34 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
             if job.window is not None and not job.window.hash:
                 return 0, False  # an admission kvstack could not match (update_state_after_alloc)
             layout = self._entry_layout(len(self._full_layers))
-            step = self.opts.load_batch_blocks
-            for lo in range(0, len(job.blocks), step):
-                chunk = job.blocks[lo:lo + step]
-                bufs, ok = self._read(self._hasher.keys_for_engine_hashes([b.hash for b in chunk]), "block",
-                                      self._full_nbytes, layout)
+            step, par = self.opts.load_batch_blocks, self.opts.load_parallel
+            chunks = [job.blocks[lo:lo + step] for lo in range(0, len(job.blocks), step)]
+            failed = False
+            for w0 in range(0, len(chunks), par):  # ``par`` store reads at once, scattered in order
+                wave = chunks[w0:w0 + par]
+                futs = [self._reads.submit(self._read, self._hasher.keys_for_engine_hashes([b.hash for b in c]),
+                                           "block", self._full_nbytes, layout) for c in wave]
+                results = [f.result() for f in futs]  # each bounded by the gateway's timeout
                 try:
-                    for bl, buf, fine in zip(chunk, bufs, ok):
-                        if not fine:
+                    for chunk, (bufs, ok) in zip(wave, results):
+                        done = 0
+                        for bl, buf, fine in zip(chunk, bufs, ok):
+                            if not fine:
+                                break
+                            self._scatter(buf, self._ids_by_layer(self.plan.full, bl.block_ids), events)
+                            done += 1
+                        good += done
+                        if done < len(chunk):  # a prefix only: vLLM recomputes from the first bad block
+                            failed = True
                             break
-                        self._scatter(buf, self._ids_by_layer(self.plan.full, bl.block_ids), events)
-                        good += 1
                     for ev in events:
                         self.backend.sync_event(ev)
                     events.clear()
                 finally:
-                    for b in bufs:
-                        self.buffers.release(b)
-                if good < lo + len(chunk):
+                    for bufs, _ in results:
+                        for b in bufs:
+                            self.buffers.release(b)
+                if failed:
                     break
             if good == len(job.blocks) and job.window is not None:
                 w = job.window
@@ -719,6 +730,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         if self.saves is not None:
             self.saves.close()
             self._loader.shutdown(wait=True)
+            self._reads.shutdown(wait=True)
         self._maybe_report()
         log.info("kvstack connector %s counters at shutdown: %s", self.role.name.lower(), self.metrics.snapshot())
         self.gateway.close()

@@ -157,6 +157,7 @@ class ConnectorOptions:
     load_mode: str = "auto"  # auto | sync | async (engine_plugin.vllm: how a hit is loaded)
     save_queue_depth: int = 64
     load_batch_blocks: int = 64
+    load_parallel: int = 2  # store reads of one load running at once
     snapshot_interval_blocks: int = 0  # window snapshots every N blocks of a prompt (0: none)
     snapshot_end_of_output: bool = True
     stats_file: str | None = None  # JSON of the counters, rewritten by each role as they change
@@ -190,6 +191,7 @@ class ConnectorOptions:
                                          ("load_timeout_s", 1e-9, False, False),
                                          ("put_timeout_s", 1e-9, False, False), ("backoff_s", 0, False, False),
                                          ("save_queue_depth", 1, True, False), ("load_batch_blocks", 1, True, False),
+                                         ("load_parallel", 1, True, False),
                                          ("snapshot_interval_blocks", 0, True, False)):
             if name in extra:
                 extra[name] = _num(name, extra[name], low=low, integer=integer, allow_none=none)
