@@ -14,6 +14,8 @@ vllm-prefix-cache  the same engine, the same prompts again: vLLM's in-engine pre
                    (nothing is loaded; the upper bound a store can approach)
 kvstack-embedded   a fresh engine loading what another engine saved, embedded store
 kvstack-daemon     the same through ``kvstore serve`` on loopback (gRPC)
+kvstack-direct     the daemon again, the client reading the fragments itself from the
+                   daemon's targets (``direct_reads``: one ``Locate`` call per batch)
 example-connector  vLLM's ``ExampleConnector`` (safetensors files per prompt), the storage
                    peer a vLLM user has today; on vLLM's CPU backend it mis-reads the
                    KV layout, and a run whose tokens differ from cold is reported as such
@@ -134,23 +136,24 @@ def main(argv: list[str] | None = None) -> int:
     rows = [_summary("cold", cold, want, kv_bytes_per_token), _summary("vllm-prefix-cache", own, want, kv_bytes_per_token)]
     rows[0].update(x_own_hit=None, load_gbps_p50=None)
 
-    def kvstack(name: str, url: str) -> None:
+    def kvstack(name: str, url: str, save: bool = True, **opts) -> None:
         st = work / f"stats-{name}"
-        save = _engine(work, f"{name}-save", dict(base, rounds=1, kv_transfer_config=connector_config(
-            url, stats_file=str(st) + "-s")), limit)
+        saved = _engine(work, f"{name}-save", dict(base, rounds=1, kv_transfer_config=connector_config(
+            url, stats_file=str(st) + "-s", **opts)), limit) if save else {}
         hit = _engine(work, f"{name}-hit", dict(base, kv_transfer_config=connector_config(
-            url, stats_file=str(st) + "-h")), limit)
+            url, stats_file=str(st) + "-h", **opts)), limit)
         row = _summary(name, hit, want, kv_bytes_per_token)
         w = read_stats(str(st) + "-h", "worker")
         if w.get("load_seconds"):
             row["loader_gbps"] = w["bytes_loaded"] / w["load_seconds"] / 1e9
-        row["errors"] = [r["error"] for r in (save, hit) if "error" in r]
+        row["errors"] = [r["error"] for r in (saved, hit) if "error" in r]
         rows.append(row)
 
     kvstack("kvstack-embedded", str(work / "kv-embedded"))
     daemon = start_daemon(work / "kv-daemon")
     try:
         kvstack("kvstack-daemon", daemon.url)
+        kvstack("kvstack-direct", daemon.url, save=False, direct_reads="on")  # what kvstack-daemon saved
     finally:
         stop_daemon(daemon)
 
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(r.get('load_extra_s_p50'), 3)!s:>8} {fmt(r.get('load_gbps_p50'))!s:>6} {r['wrong_outputs']:5d}")
     print("x vLLM: against vLLM's in-engine hit in the cold engine; x own: against the same engine's own "
           "in-engine hit of the same prompts; +load s: TTFT minus that (the cost of bringing the KV in)")
-    for name in ("kvstack-embedded", "kvstack-daemon"):
+    for name in ("kvstack-embedded", "kvstack-daemon", "kvstack-direct"):
         r = by[name]
         if "ttft_p50_s" in r:
             ratio = r["load_gbps_p50"] / ex_gbps if ex_gbps and r.get("load_gbps_p50") else None
