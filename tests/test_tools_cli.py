@@ -213,6 +213,12 @@ REFUSED = [
     ("mooncake_peer", ["storage", "http://127.0.0.1:9/metadata", "127.0.0.1:9", "1"]),
     # 14. bench_rebuild_index
     ("bench_rebuild_index", ["--entries", "0"]),
+    # 15. bench_vllm: refused before any engine starts
+    ("bench_vllm", ["--prompts", "0"]),
+    ("bench_vllm", ["--block-size", "48"]),
+    ("bench_vllm", ["--tokens", "200"]),
+    ("bench_vllm", ["--engine-limit-s", "nan"]),
+    ("bench_vllm", ["--out", "{dir}"]),
     ("bench_rebuild_index", ["--batch", "abc"]),
     ("bench_rebuild_index", ["--entries", "10", "--out", "{file}/x.json"]),
 ]
@@ -222,7 +228,7 @@ NOT_HERE = {
     ("mooncake_peer", "storage"): "mooncake is installed here" if importlib.util.find_spec("mooncake") else None,
 }
 HELP = ["load_store", "replay_trace", "bench_lb", "bench_store", "bench_remote", "soak", "bench_engine", "demo",
-        "mooncake_peer", "bench_rebuild_index", "gen_trace"]
+        "mooncake_peer", "bench_rebuild_index", "gen_trace", "bench_vllm"]
 REFUSED_NAMES = [f"{t}:{' '.join(a or repr(a) for a in args)}" for t, args in REFUSED]
 # every quick run of this file by name: the refused cases, --help, and a few with their own checks
 QUICK: dict[str, tuple[str, list[str]]] = {

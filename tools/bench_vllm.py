@@ -113,6 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", help="work folder (default: a temporary one)")
     ap.add_argument("--out", help="write the results JSON here")
     args = ap.parse_args(argv)
+    # refused before anything starts: each would fail minutes later inside an engine
+    if args.prompts < 1:
+        ap.error(f"--prompts must be at least 1, got {args.prompts}")
+    if args.block_size < 32 or args.block_size % 32:
+        ap.error(f"--block-size must be a multiple of 32 (vLLM's CPU attention), got {args.block_size}")
+    if args.tokens <= 2 * args.block_size:
+        ap.error(f"--tokens must exceed two blocks ({2 * args.block_size}) so that a hit can be measured, "
+                 f"got {args.tokens}")
+    if args.hybrid_tokens < 256:
+        ap.error(f"--hybrid-tokens must be at least 256 (several sliding windows), got {args.hybrid_tokens}")
+    if args.hidden < 16 or args.layers < 1:
+        ap.error(f"--hidden must be at least 16 and --layers at least 1, got {args.hidden} and {args.layers}")
+    if not args.engine_limit_s > 0:
+        ap.error(f"--engine-limit-s must be a positive number of seconds, got {args.engine_limit_s}")
+    if args.out and Path(args.out).is_dir():
+        ap.error(f"--out {args.out} is a directory; give a file path")
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
