@@ -180,6 +180,7 @@ class LoadJob:
     blocks: tuple[BlockLoad, ...]
     window: WindowLoad | None
     sync: bool = False  # loaded within the step that computes the request (module docstring)
+    unmatched: bool = False  # vLLM admitted another count than offered: nothing to load, all failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,11 +252,13 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         self.plan = GroupPlan.from_kv_cache_config(kv_cache_config, self.B)
         self.loads_enabled = tc.kv_role != "kv_producer"
         embedded = "://" not in self.opts.store_url or self.opts.store_url.lower().startswith("file:")
-        self.sync_loads = {"auto": embedded and len(self.plan.groups) == 1, "sync": True,
-                           "async": False}[self.opts.load_mode]
-        if self.sync_loads and len(self.plan.groups) > 1:
-            raise InvalidRequest("load_mode sync needs a model with one KV cache group: vLLM takes a failed "
-                                 "synchronous load back only as block ids, which are per group; use auto or async")
+        # vLLM takes a failed synchronous load back only as block ids of one group: a synchronous
+        # load needs one full-attention group (a window is not named by block ids either)
+        sync_ok = len(self.plan.groups) == 1 and not self.plan.window
+        self.sync_loads = {"auto": embedded and sync_ok, "sync": True, "async": False}[self.opts.load_mode]
+        if self.sync_loads and not sync_ok:
+            raise InvalidRequest("load_mode sync needs a model with one full-attention KV cache group: vLLM "
+                                 "takes a failed synchronous load back only as block ids; use auto or async")
         self.saves_enabled = tc.kv_role != "kv_consumer"
         if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is %r: a kvstack load that fails will fail its request "
@@ -346,6 +349,11 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         B = self.B
         max_blocks = min(len(st.keys), (request.num_tokens - 1) // B)  # never the last token
         local = num_computed_tokens // B
+        cached = self._matches.get(request.request_id)
+        if cached is not None and cached.local_blocks == local:
+            # asked again for a request that did not fit yet: the same answer, not another lookup
+            # (a block lost meanwhile fails its load, and vLLM recomputes it)
+            return (cached.hit_blocks - local) * B, cached.hit_blocks > local and not self.sync_loads
         self._matches.pop(request.request_id, None)
         if local >= max_blocks:
             return 0, False
@@ -360,24 +368,28 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
             if restorable < hit:
                 self.metrics.inc("hits_limited_by_window")
             hit = restorable
+        self._matches[request.request_id] = _Match(local, max(hit, local))
         if hit <= local:
             return 0, False
-        self._matches[request.request_id] = _Match(local, hit)
         return (hit - local) * B, not self.sync_loads
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
+        rid = request.request_id
+        m = self._matches.pop(rid, None)  # the admission took the answer
         if num_external_tokens == 0:
             return
-        rid = request.request_id
-        m = self._matches.pop(rid, None)
         st = self._state(request)
         if m is None or (m.hit_blocks - m.local_blocks) * self.B != num_external_tokens:
             # vLLM admitted another count than this connector offered: nothing it can load
-            # matches, so the (empty) job fails and vLLM recomputes the request.
+            # matches, so the job fails whole (every allocated block named) and vLLM recomputes.
             log.warning("request %s: vLLM asked for %d external tokens, kvstack offered %s; recomputing",
                         rid, num_external_tokens, m and (m.hit_blocks - m.local_blocks) * self.B)
-            self._pending_loads.append(LoadJob(rid, (), WindowLoad(b"", 0, ()), self.sync_loads))
+            ids = blocks.get_block_ids()
+            every = tuple(BlockLoad(b"", tuple(ids[g.index][i] for g in self.plan.full))
+                          for i in range(len(ids[self.plan.full[0].index]))) if self.plan.full else ()
+            self._pending_loads.append(LoadJob(rid, every, WindowLoad(b"", 0, ()) if self.plan.window else None,
+                                               self.sync_loads, unmatched=True))
             return
         ids = blocks.get_block_ids()
         hashes = st.request.block_hashes
@@ -608,8 +620,8 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         window_ok = job.window is None
         t0 = time.perf_counter()
         try:
-            if job.window is not None and not job.window.hash:
-                return 0, False  # an admission kvstack could not match (update_state_after_alloc)
+            if job.unmatched:  # an admission kvstack could not match (update_state_after_alloc)
+                return 0, job.window is None
             layout = self._entry_layout(len(self._full_layers))
             step, par = self.opts.load_batch_blocks, self.opts.load_parallel
             chunks = [job.blocks[lo:lo + step] for lo in range(0, len(job.blocks), step)]
