@@ -39,7 +39,7 @@ never an exception. How a hit is loaded (``load_mode``, default ``auto``):
 * *asynchronous* (vLLM's ``load_kv_async``) where the store is remote (a daemon) or
   the model has several KV cache groups: the request waits in WAITING_FOR_REMOTE_KVS
   while other requests' steps go on, so a remote daemon never stalls them;
-* *synchronous* for the embedded store and one group: the load runs on the loader
+* *synchronous* for the embedded store and one full-attention group: the load runs on the loader
   thread from ``start_load_kv``, before the step's forward, and the first
   ``wait_for_layer_load`` waits for it; a local read costs less than the scheduler
   steps an asynchronous load adds. (vLLM can take a failed synchronous load back
