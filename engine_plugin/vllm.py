@@ -267,6 +267,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         self.metrics = Metrics()
         self._reported: dict[str, float] = {}
         self._last_log = time.monotonic()
+        self._written: dict[str, float] | None = None  # the counters stats_file holds
         self._hasher = BlockHasher(self._namespace(vllm_config), self.B)
         self.store = _SHARED_STORES.acquire(self.opts.store_url, self._connect_options())
         worker = role == KVConnectorRole.WORKER
@@ -726,7 +727,7 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
     def _maybe_report(self) -> None:
         """The counters to ``stats_file`` (when set, on every change) and to the log (every 30 s)."""
         snap = self.metrics.snapshot()
-        if self.opts.stats_file and snap != getattr(self, "_written", None):
+        if self.opts.stats_file and snap != self._written:
             path = f"{self.opts.stats_file}.{self.role.name.lower()}.{os.getpid()}.json"
             tmp = path + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:

@@ -52,17 +52,14 @@ if str(ROOT) not in sys.path:  # run as a script: the project's modules are besi
 
 from tools.daemon_util import start_daemon, stop_daemon  # noqa: E402
 from tools.vllm_models import ModelSpec, build_model, prompt_ids  # noqa: E402
-from tools.vllm_run import ENV, connector_config, read_stats  # noqa: E402
+from tools.vllm_run import connector_config, engine_env, read_stats  # noqa: E402
 
 
 def _engine(workdir: Path, name: str, spec: dict, limit_s: float) -> dict:
-    import os
-
     d = workdir / name
     d.mkdir(parents=True, exist_ok=True)
     (d / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, **{k: v for k, v in ENV.items() if k not in os.environ})
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env = engine_env(inproc=False)
     t0 = time.perf_counter()
     with open(d / "log.txt", "w") as log:
         rc = subprocess.call([sys.executable, "-m", "tools.vllm_run", str(d / "spec.json"), str(d / "out.json")],

