@@ -54,7 +54,7 @@ from entrypoint.auth import SECRET_ENV, load_worker_secret
 from entrypoint.server import EntrypointConfig, serve
 from entrypoint.tls import ChannelTLS, ServerTLS, add_serve_args
 from kvstore.api import DTYPES
-from kvstore.server.auth import read_tokens_file
+from kvstore.auth import read_tokens_file
 from lb.registry import POLICIES
 from lb.types import LBError
 

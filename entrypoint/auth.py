@@ -9,7 +9,7 @@ cache scope, the request size): a process that calls it directly could write
 or read KV under any tenant's salt, past the entrypoint's tenant handling and
 request limits. So the entrypoint and its workers share one secret, carried as
 gRPC metadata ``authorization: Bearer <secret>`` (the kvstore daemon's
-bearer-token convention, ``kvstore/server/auth.py``). A missing or wrong
+bearer-token convention, ``kvstore/auth.py``). A missing or wrong
 secret is UNAUTHENTICATED and changes nothing; it is compared in constant time.
 A worker restarted after a failover re-registers under its old id with the
 same secret, which replaces its old address as before.

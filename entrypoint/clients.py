@@ -6,7 +6,7 @@ any client could name another tenant and learn which prompts that tenant has
 cached (the lookup hop reports the cached tokens, and the time to the first
 token shows them), the leak the store's tenant isolation exists to prevent.
 
-Tokens file (TOML, the kvstore daemon's format, ``kvstore.server.auth``;
+Tokens file (TOML, the kvstore daemon's format, ``kvstore.auth``;
 ``admin_tenants`` is accepted and means nothing here)::
 
     [tokens]
@@ -37,8 +37,8 @@ import grpc
 
 from entrypoint.auth import is_loopback
 from kvstore.errors import InvalidRequest
-from kvstore.server.auth import Tenant, TokenTable, read_tokens_file
-from kvstore.server.wire import Unauthenticated
+from kvstore.auth import Tenant, TokenTable, read_tokens_file
+from kvstore.wire import Unauthenticated
 
 log = logging.getLogger(__name__)
 

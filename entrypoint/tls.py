@@ -30,7 +30,7 @@ other side's certificate; without a CA file, the system roots):
          alone; with only it, the workers are verified with the system roots).
 
 The scheme decides, per address, as for the kvstore daemon's URLs
-(``kvstore.client_options``): ``grpcs://HOST:PORT`` is TLS; ``HOST:PORT`` or
+(``kvstore.client.options``): ``grpcs://HOST:PORT`` is TLS; ``HOST:PORT`` or
 ``grpc://HOST:PORT`` is plaintext, and client TLS files given for a plaintext
 address are refused (``InvalidRequest``: "use grpcs://"), never silently
 ignored. A TLS server's ``READY`` line says ``grpcs://HOST:PORT``, the address

@@ -34,10 +34,10 @@ from kvstore.errors import (
 
 # URL scheme -> "module:function" taking (url, **overrides) and returning a KVStore.
 CONNECTORS: dict[str, str] = {
-    "": "kvstore.store:open_embedded",
-    "file": "kvstore.store:open_embedded",
-    "grpc": "kvstore.remote:open_grpc",  # the daemon (kvstore.server); a comma list of URLs: sharded
-    "grpcs": "kvstore.remote:open_grpc",
+    "": "kvstore.embedded.store:open_embedded",
+    "file": "kvstore.embedded.store:open_embedded",
+    "grpc": "kvstore.client.remote:open_grpc",  # the daemon (kvstore.server); a comma list of URLs: sharded
+    "grpcs": "kvstore.client.remote:open_grpc",
 }
 
 

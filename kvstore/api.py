@@ -1,6 +1,6 @@
 """The one store API: typed records and the ``KVStore`` protocol.
 
-Every implementation (the embedded store in ``kvstore.store``, the gRPC client
+Every implementation (the embedded store in ``kvstore.embedded.store``, the gRPC client
 of the daemon, the sharded client) satisfies ``KVStore``; the entrypoint, the
 engine plugin, ``kvtool`` and the tests are written against this protocol,
 never against one implementation.

@@ -102,7 +102,7 @@ def localhost_file_url(url: str) -> str:
     machine); any other URL as written. fsspec reads everything after ``file://`` as the path,
     so the target opened ``<cwd>/localhost/PATH`` and compared unequal to ``file:///PATH`` (QA).
     Another word there stays a relative path (``file://d0`` is the directory ``d0``; see
-    ``kvstore.datadir._absolute``), not a host."""
+    ``kvstore.embedded.datadir._absolute``), not a host."""
     scheme, sep, rest = url.partition("://")
     if sep and scheme == "file" and rest[:10].lower() == "localhost/":
         return f"{scheme}://{rest[9:]}"
@@ -171,7 +171,7 @@ class StoreConfig:
     data_dir: str = DEFAULT_DATA_DIR
     # The erasure code: None (unset) means the data directory's, as recorded when it was created
     # (DEFAULT_EC_K + DEFAULT_EC_M for a new one); a value that differs from the recorded one is
-    # refused (kvstore.store), since the directory's targets and records were laid out for it.
+    # refused (kvstore.embedded.store), since the directory's targets and records were laid out for it.
     ec_k: int | None = None
     ec_m: int | None = None
     ec_type: str = ""  # pyeclib backend; "": the data directory's (DEFAULT_EC_TYPE for a new one)
@@ -185,7 +185,7 @@ class StoreConfig:
     min_compress_ratio: float = 1.1  # store raw unless zstd shrinks by at least this factor
     max_value_bytes: int = 64 * 1024 * 1024
     fsync: bool = True  # fragments and index durable before a put returns
-    # How fsync makes a put's files durable (kvstore.durability.sync_plan): "file" fsyncs each file
+    # How fsync makes a put's files durable (kvstore.embedded.durability.sync_plan): "file" fsyncs each file
     # and its directory; "fs" one syncfs per filesystem once the put's files are written;
     # "auto": "fs" where every target is a local ext4/xfs/btrfs directory on Linux >= 5.8, else "file".
     sync_mode: str = "auto"
@@ -203,12 +203,12 @@ class StoreConfig:
     pack_batches: bool = True  # put_many writes one pack file per target, not one file per fragment
     pack_bytes: int = 4 * 1024 * 1024  # a batch is cut into packs of about this many payload bytes
     pack_compact_ratio: float = 0.5  # GC moves a pack's live entries out once this share of it is dead
-    tune_malloc: bool = True  # glibc: keep large buffers on the heap (process-wide; see kvstore.tuning)
+    tune_malloc: bool = True  # glibc: keep large buffers on the heap (process-wide; see kvstore.embedded.tuning)
     orphan_grace_s: float = 300.0  # unindexed fragments younger than this are an in-flight put
     delete_grace_s: float = 30.0  # deleted entries' fragments outlive the delete by this much
     access_flush_s: float = 1.0  # LRU access times are batched into one index write per interval
     lmdb_map_size: int = 8 * 1024**3
-    # Kept free for the index on its filesystem (kvstore.diskroom): a spare file deletions and gc
+    # Kept free for the index on its filesystem (kvstore.embedded.diskroom): a spare file deletions and gc
     # release when the filesystem is full, so that they can commit; puts never spend it. 0: none
     index_reserve_bytes: int = 4 * 1024**2
     max_readers: int = 256

@@ -213,9 +213,9 @@ def check_key(key: bytes) -> bytes:
 
 
 def tenant_key(key: bytes, secret: bytes) -> bytes:
-    """The key a daemon stores tenant ``secret``'s ``key`` under (``kvstore.server.auth``):
+    """The key a daemon stores tenant ``secret``'s ``key`` under (``kvstore.auth``):
     keyed BLAKE2b-128, so two tenants' equal keys are unrelated and unguessable without the
-    secret. A direct-writing client (``kvstore.direct_writes``) names its fragments with it."""
+    secret. A direct-writing client (``kvstore.client.direct_writes``) names its fragments with it."""
     return hashlib.blake2b(key, key=secret, digest_size=KEY_LEN, person=b"kvstack-tenant").digest()
 
 

@@ -3,7 +3,7 @@ hops (``entrypoint.tls``): one place that reads the PEM files, says which files 
 builds gRPC credentials from them and recognises a failed handshake in gRPC's details.
 
 Who calls it: ``kvstore.server.config`` (the daemon's ``tls_*`` files), ``kvstore.server.service``
-(its secure port), ``kvstore.remote`` (a ``grpcs://`` channel), ``kvstore.server.wire`` (the hint
+(its secure port), ``kvstore.client.remote`` (a ``grpcs://`` channel), ``kvstore.wire`` (the hint
 in an UNAVAILABLE error), and ``entrypoint.tls``. Each caller passes the *names* of its options
 (``tls_cert`` for the daemon's config, ``--tls-cert`` for the entrypoint's command line), so every
 message names what the user typed.

@@ -1,7 +1,7 @@
 """Test helper: an entry's fragments on disk, wherever the store put them.
 
 A single put leaves one file per fragment; a batched put leaves its fragments inside
-the batch's pack files (``kvstore.targets``). Fault tests damage a fragment through a
+the batch's pack files (``kvstore.embedded.targets``). Fault tests damage a fragment through a
 ``FragmentRef`` so that the same test covers both.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.api import EntryKind
-from kvstore.fragments import frag_loc
-from kvstore.index import ekey
+from kvstore.embedded.fragments import frag_loc
+from kvstore.embedded.index import ekey
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def fragment_refs(store, key: bytes, kind: str = "block") -> list[FragmentRef]:
 
 
 def assert_pack_refs_match_records(store) -> None:
-    """``kvstore.index`` invariant 6: each pack's count equals the records stored in it."""
+    """``kvstore.embedded.index`` invariant 6: each pack's count equals the records stored in it."""
     want: dict[bytes, int] = {}
     with store.index.env.begin() as txn:
         metas = [store.index.unpack(txn, raw) for db in ("entries", "lost", "grave")

@@ -352,7 +352,7 @@ def main(argv=None) -> int:
         ap.error(msg)
     if a.store_url:
         from kvstore.errors import InvalidRequest
-        from kvstore.client_options import split_urls
+        from kvstore.client.options import split_urls
 
         try:
             split_urls(a.store_url)  # a daemon URL, never a path to open an embedded store at

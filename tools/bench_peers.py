@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstore.durability import fsync_dir, syncfs  # the store's own directory fsync and syncfs
+from kvstore.embedded.durability import fsync_dir, syncfs  # the store's own directory fsync and syncfs
 from tools.daemon_util import stop_process
 
 

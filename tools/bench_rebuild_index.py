@@ -9,7 +9,7 @@ Exact command (the figure in the report; a few minutes on 2 cores, most of it th
 What it does: fills a fresh data directory (default layout, 6 local targets, EC 4+2, fsync
 off) with ``--entries`` block entries of ``--value-bytes`` random bytes through ``put_many``
 batches of ``--batch`` (each batch one pack file per target), closes it, deletes its index,
-then times ``kvstore.reindex.rebuild_index`` (what ``kvtool rebuild-index DATA_DIR`` runs
+then times ``kvstore.maintenance.reindex.rebuild_index`` (what ``kvtool rebuild-index DATA_DIR`` runs
 for such a directory), then opens the store and times ``check()`` (``kvtool verify``) as
 the peer, and reads back a sample of entries to confirm the rebuild. Page cache warm for
 both (the fill just wrote the files): the figures are the CPU cost of scanning, verifying
@@ -60,7 +60,7 @@ def main() -> int:
     args = parse_args()
     import kvstore
     from kvstore.config import load_config
-    from kvstore.reindex import rebuild_index
+    from kvstore.maintenance.reindex import rebuild_index
 
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-rebuild-"))
     data = work / "data"

@@ -13,7 +13,7 @@ throughput, single calls and batches of ``--batch``, for
 * ``embedded``: ``kvstore.connect(dir)`` in this process (4+2 erasure code, zstd off: random bytes),
 * ``remote``:   one ``kvstore serve`` daemon on 127.0.0.1, same store config, over gRPC,
 * ``remote_direct``: the same daemon (``allow_direct_writes``), client opened with
-  ``direct_reads="on"`` (``kvstore.direct``) and ``direct_writes="on"`` (``kvstore.direct_writes``):
+  ``direct_reads="on"`` (``kvstore.client.direct_reads``) and ``direct_writes="on"`` (``kvstore.client.direct_writes``):
   reads ask the daemon where the fragments are (``Locate``) and read and verify them from the
   daemon's target directories in this process, as on a shared DFS mount; puts encode and write
   the pack files in this process and ask the daemon to index them (``Commit``).
@@ -58,7 +58,7 @@ GetManyReply (upb copies each value into its arena) ~20 ms, serializing it (seco
 a bare echo server (same options; max_frame_size / lookahead / BDP options changed nothing
 measurable). Client PutMany: ~35 ms building and serializing before the first byte is sent.
 Now: GetStream/PutStream (one message per value, small values packed to ~1 MiB), values
-hand-encoded with one copy (kvstore.server.wire), the server reading window k+1 while it
+hand-encoded with one copy (kvstore.wire), the server reading window k+1 while it
 sends window k. What is left for put is the store's own put_many (erasure coding and
 fragment writes): remote put_batch is within ~1.1-1.5x of embedded.
 

@@ -42,7 +42,7 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
    0.5x raw read, get >= 2x Redis GET, put >= 0.5x raw write at the same durability.
 3. Longest-prefix ``lookup`` of a 1,000-block chain (all hit, with SWA snapshots), p50/p90/p99 in
    process, at 10k / 100k / 1M index entries. The index is filled by inserting records with
-   fake fragment metadata straight through ``kvstore.index.Index`` (lookup reads only the index).
+   fake fragment metadata straight through ``kvstore.embedded.index.Index`` (lookup reads only the index).
 4. Erasure coding alone: pyeclib ISA-L (``isa_l_rs_cauchy``, the default, and ``isa_l_rs_vand``)
    4+2 and 8+4 encode, and decode with 0, 1 and 2 data fragments lost.
 
@@ -77,9 +77,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvstore  # noqa: E402
-from kvstore import codec  # noqa: E402
+from kvstore.embedded import codec  # noqa: E402
 from kvstore.config import DEFAULT_EC_TYPE, LEGACY_EC_TYPE  # noqa: E402
-from kvstore.index import Meta, ekey  # noqa: E402
+from kvstore.embedded.index import Meta, ekey  # noqa: E402
 from tools.bench_peers import (ECFloorPeer, FileFloorPeer, LMDBPeer, Peer, RawFilePeer, RedisPeer,  # noqa: E402
                                RedisServer)
 from tools.cli_args import check_existing_dir, check_output_file, csv_list, integer, number  # noqa: E402
@@ -267,7 +267,7 @@ def goals(ratio_rows: list[dict], floor_rows: Sequence[dict] = ()) -> list[dict]
 
 # ----------------------------------------------------------------------------------- lookup
 def bench_lookup(sizes: list[int], work: str, iters: int, log: Callable[[str], None]) -> list[dict]:
-    from kvstore.index import Index
+    from kvstore.embedded.index import Index
 
     d = tempfile.mkdtemp(prefix="lookup-", dir=work)
     kvstore.connect(d).close()  # create the data directory and index
@@ -477,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import zstandard
 
         zratio = len(sample) / len(zstandard.ZstdCompressor(level=3).compress(sample))
-        from kvstore.tuning import tune_malloc
+        from kvstore.embedded.tuning import tune_malloc
 
         malloc = tune_malloc()  # before any system runs: kvstore, raw files and LMDB share this process's allocator
         log(f"payload: fp16 random-normal, zstd-3 ratio {zratio:.3f}; systems {systems}; sizes {sizes}; "
@@ -505,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reps": reps, "mib_per_rep": mib_per_rep, "interleaved": not a.sequential, "batch": a.batch,
         "elapsed_s": elapsed, "notes": notes,
         "malloc_tuning": malloc,
-        "lookup_index": "filled with fake metas through kvstore.index.Index (lookup reads only the index)",
+        "lookup_index": "filled with fake metas through kvstore.embedded.index.Index (lookup reads only the index)",
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

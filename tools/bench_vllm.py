@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "prompts": hprompts, "max_tokens": 16, "kv_transfer_config": connector_config(str(hdir))},
                    limit)
     import kvstore
-    from kvstore.cli.index_view import iter_rows
+    from kvstore.index_view import iter_rows
 
     store = kvstore.connect(hdir)
     try:

@@ -10,7 +10,7 @@ Command (from the repository root)::
 Uses ``grpc_tools.protoc`` (the ``grpcio-tools`` dev dependency). The generated
 ``*_pb2_grpc.py`` imports its ``*_pb2`` as a top-level module; this script
 rewrites that one import to ``from <package>.proto import ...`` so the stubs
-work as a package. ``tests/daemon/test_proto.py`` and
+work as a package. ``tests/kvstore/server/test_proto.py`` and
 ``tests/entrypoint/test_proto.py`` regenerate into a temporary directory and
 fail when the committed files differ.
 """

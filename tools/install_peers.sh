@@ -28,7 +28,7 @@ for arg in "$@"; do
 done
 
 # Debian packages: command -> package. redis-server is a benchmark peer; chromium renders
-# the walkthrough's HTML report in tests/walkthrough (headless, offline).
+# the walkthrough's HTML report in tests/entrypoint/walkthrough (headless, offline).
 declare -A DEB=([redis-server]=redis-server [chromium]=chromium)
 missing=()
 for cmd in "${!DEB[@]}"; do

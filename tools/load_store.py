@@ -15,10 +15,10 @@ one sharded store) and stops them afterwards. ``--procs`` client processes
 ``--max-ops``) of puts (``--put``; ``--put-batch N`` puts N consecutive keys in one
 ``put_many``), gets (``--get``) and chain lookups (the rest).
 
-``--direct-reads on|auto`` opens every client with that option (``kvstore.direct``): reads
+``--direct-reads on|auto`` opens every client with that option (``kvstore.client.direct_reads``): reads
 go to the daemons' target files, puts and lookups over gRPC; the report adds the clients'
 summed direct-read counters (``direct``: reads served directly, fallbacks to the daemon).
-``--direct-writes on|auto`` likewise for puts (``kvstore.direct_writes``: clients write the
+``--direct-writes on|auto`` likewise for puts (``kvstore.client.direct_writes``: clients write the
 pack files, the daemons index them; the daemons it starts get ``--allow-direct-writes true``);
 the report adds ``direct_w`` (entries written directly, commits, fallbacks).
 
@@ -302,7 +302,7 @@ def check_url(url: str) -> str | None:
     """Why ``--url`` can not be used (None: every daemon in it answers)."""
     import kvstore
     from kvstore.errors import KVStoreError
-    from kvstore.client_options import split_urls
+    from kvstore.client.options import split_urls
 
     try:
         split_urls(url)
@@ -332,9 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--fsync", type=choice_bool, default=True, help="daemons it starts fsync (true/false)")
     ap.add_argument("--direct-reads", default="off", choices=["off", "on", "auto"],
-                    help="clients read the daemons' target files directly (kvstore.direct)")
+                    help="clients read the daemons' target files directly (kvstore.client.direct_reads)")
     ap.add_argument("--direct-writes", default="off", choices=["off", "on", "auto"],
-                    help="clients write pack files into the daemons' targets (kvstore.direct_writes)")
+                    help="clients write pack files into the daemons' targets (kvstore.client.direct_writes)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if args.put + args.get > 1:

@@ -5,7 +5,7 @@ m targets of a shard are faulty. Exact commands::
 
     # the full run (a benchmark; ~2 minutes on 2 cores)
     .venv/bin/python tools/soak.py --duration 120 --shards 3 --clients 4 --out soak-full.json
-    # the short run that tests/chaos/test_soak.py does (~25 s), also with --direct-writes
+    # the short run that tests/tools/test_soak.py does (~25 s), also with --direct-writes
     .venv/bin/python tools/soak.py --duration 15 --shards 2 --clients 2 --out /tmp/soak.json
 
 Loopback only; every daemon binds 127.0.0.1 on a port picked at first start and
@@ -13,7 +13,7 @@ reused on restart. Bounded by ``--duration`` and ``--max-ops`` per client.
 
 Set-up: ``--shards`` daemons, each over ``--targets`` faulty targets with EC
 ``k+m`` (at least one spare target); the fault plans live in files under
-``<workdir>/faults`` that the daemons poll (``kvstore.faults``).
+``<workdir>/faults`` that the daemons poll (``kvstore.embedded.faults``).
 
 Clients (``--clients`` processes, ``ShardedStore``): a mixed workload of puts,
 TTL puts, gets of their own keys and of other clients' keys, lookups of chains,
@@ -21,7 +21,7 @@ deletes, and GC. A value is derived from its key (``value_for``), so every
 read is checked by whoever reads; each client keeps the ledger of its
 acknowledged puts and deletes (``<workdir>/ledger-N.json``). With ``--direct-writes`` the
 clients write the pack files of their puts into the faulty targets themselves and the
-daemons only commit them (``kvstore.direct_writes``): the clients meet the same faults,
+daemons only commit them (``kvstore.client.direct_writes``): the clients meet the same faults,
 and a failed pack goes through the daemon (``client_counts``: ``direct_*``).
 
 Chaos (one controller, seeded): SIGKILL + restart of a daemon (sometimes with
@@ -78,13 +78,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvstore  # noqa: E402
-from kvstore import PutItem, faults  # noqa: E402
+from kvstore import PutItem  # noqa: E402
+from kvstore.embedded import faults
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.errors import (CapacityExceeded, InvalidRequest, KVStoreError, NotFound, StoreUnavailable,  # noqa: E402
                             Unrecoverable)
 from tools.cli_args import (check_output_dir, check_output_file, integer, number, one_line,  # noqa: E402
                             sigint_deferred, sigint_ignored_in_children)
-from kvstore.server.wire import ServerBusy  # noqa: E402
+from kvstore.wire import ServerBusy  # noqa: E402
 from tools.soak_report import Progress, failures, pct, progress_path, write_progress  # noqa: E402
 
 REPAIR_BUSY_WAIT_S = 30.0  # how long the controller's Repair waits out another pass on its daemon
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temporary work directory after a clean run too")
     ap.add_argument("--out", default="results/soak.json")
     ap.add_argument("--direct-writes", action="store_true",
-                    help="clients write pack files into the faulty targets themselves (kvstore.direct_writes)")
+                    help="clients write pack files into the faulty targets themselves (kvstore.client.direct_writes)")
     ap.add_argument("--client", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--urls", default="", help=argparse.SUPPRESS)
     ap.add_argument("--ledger", default="", help=argparse.SUPPRESS)

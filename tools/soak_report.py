@@ -1,6 +1,6 @@
 """The soak's reporting (tools/soak.py): the clients' progress files and the controller's
 progress line, the latency summary, and ``failures``, the one definition of a failed run
-(the soak's exit status and tests/chaos/test_soak.py use it).
+(the soak's exit status and tests/tools/test_soak.py use it).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def write_progress(path: Path, c: Counter) -> None:
 
 def failures(report: dict) -> list[str]:
     """Why a soak's report is a failure (empty: a clean run). The one definition, used for the
-    exit status and by tests/chaos/test_soak.py."""
+    exit status and by tests/tools/test_soak.py."""
     out = []
     if report["wrong_bytes"]:
         out.append(f"{report['wrong_bytes']} wrong bytes")

@@ -1,6 +1,6 @@
 """Small vLLM-loadable models built offline: random weights, a locally trained tokenizer.
 
-Who calls it: ``tests/vllm`` and ``tools/bench_vllm.py``. Nothing is downloaded: a
+Who calls it: ``tests/engine_plugin/vllm`` and ``tools/bench_vllm.py``. Nothing is downloaded: a
 transformers config is instantiated with random weights (normal, ``init_std``, large
 enough that greedy decoding does not collapse to one repeated token) and saved with
 ``save_pretrained``; the tokenizer is a byte-level BPE trained by ``tokenizers`` on a

@@ -1,6 +1,6 @@
 """Run one real vLLM engine over a list of prompts in a fresh process; write what it produced.
 
-Who calls it: ``tests/vllm`` and ``tools/bench_vllm.py``, each run in its own process
+Who calls it: ``tests/engine_plugin/vllm`` and ``tools/bench_vllm.py``, each run in its own process
 (``python -m tools.vllm_run SPEC.json OUT.json``), so that a second engine's hit comes
 from the store, never from the first engine's own prefix cache.
 

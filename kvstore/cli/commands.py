@@ -8,7 +8,7 @@ an ``Outcome``: the exit code, a JSON-able ``data`` dict (printed with
 ``inspect`` (below).
 
 ``inspect`` shows the same records, in the same JSON, for a data directory and for a
-daemon: on a data directory it reads the index through ``kvstore.cli.index_view``; on a
+daemon: on a data directory it reads the index through ``kvstore.index_view``; on a
 daemon it calls the read-only ``Inspect`` RPC, which runs that same code there
 (``inspect_summary`` / ``inspect_entries`` / ``inspect_chain`` of ``RemoteStore`` and
 ``ShardedStore``). Neither reads a fragment, refreshes an access time or moves a counter.
@@ -27,7 +27,7 @@ keys and any other tenant's its own: ``RemoteStore.delete_index_keys``), so it d
 once; ``null``: unknown, a shard did not answer, below).
 
 Against several daemons (``grpc://A,grpc://B``) a shard that does not answer leaves the
-others' results standing (``kvstore.sharded``): the command prints them, names each such
+others' results standing (``kvstore.client.sharded``): the command prints them, names each such
 shard in one line on stderr (``Outcome.errors``) and exits 1. What only that shard could
 say is never guessed: a record carries ``unanswered`` (``{shard URL: its error}``), and
 ``inspect --key``/``--chain`` shows a key no answering shard holds as ``unknown``, not
@@ -59,9 +59,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvstore.api import EntryKind, KVStore
-from kvstore.cli import index_view
+from kvstore import index_view
 from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError
-from kvstore.index import Index
+from kvstore.embedded.index import Index
 from kvstore.keys import KEY_LEN
 
 Progress = Callable[[str, int, int], None]
@@ -259,7 +259,7 @@ def _known(view: dict, field: str = "state") -> dict:
 
 def _known_position(row: dict) -> dict:
     """A chain row with ``_known`` applied to its block and SWA, only when neither was found: a
-    key's block and SWA entries live on the same shard (``kvstore.sharded``), so one found on a
+    key's block and SWA entries live on the same shard (``kvstore.client.sharded``), so one found on a
     shard that answered makes the other's ``absent`` definite."""
     absent = index_view.EntryState.ABSENT.value
     if row.get("block") == absent and row.get("swa") == absent:
@@ -497,7 +497,7 @@ def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
 
 # ----------------------------------------------------------------------------- rebuild-index
 REBUILD_DESCRIPTION = (
-    "Rebuild the index from the fragments on every target (kvstore/reindex.py). On a data directory "
+    "Rebuild the index from the fragments on every target (kvstore/maintenance/reindex.py). On a data directory "
     "whose index is missing, emptied, truncated or damaged (every other command refuses it): a new index "
     "holds every entry whose fragments still decode, with its key, kind, tokens, layout and times; the "
     "damaged index is moved aside (index.damaged-TIME), never deleted. Stop every process using the "
@@ -510,8 +510,8 @@ REBUILD_DESCRIPTION = (
 def _recover_index(url: str, config_file: str | None, progress: Progress) -> dict:
     """``rebuild-index``'s ``recover``: a new index for a data directory that opens refuse."""
     from kvstore.config import load_config
-    from kvstore.datadir import file_url_path
-    from kvstore.reindex import rebuild_index
+    from kvstore.embedded.datadir import file_url_path
+    from kvstore.maintenance.reindex import rebuild_index
 
     return rebuild_index(load_config(config_file, data_dir=file_url_path(url)), progress)
 

@@ -90,7 +90,7 @@ _MISTYPED_URL = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]*):(?!//)")
 
 def _require_local_store(url: str) -> None:
     """A local data directory must already be a store (kvtool never creates one)."""
-    from kvstore.datadir import FORMAT_FILE
+    from kvstore.embedded.datadir import FORMAT_FILE
 
     m = _MISTYPED_URL.match(url)
     scheme = m.group(1).lower() if m else ""
@@ -105,7 +105,7 @@ def _require_local_store(url: str) -> None:
         if not (index.is_file() and index.stat().st_size > 0):
             raise InvalidRequest(f"{path} is not a kvstore data directory (no {FORMAT_FILE}, no index)")
         # A store whose marker was lost: opening it rewrites the marker from the index
-        # (kvstore.datadir), as the store and the daemon do.
+        # (kvstore.embedded.datadir), as the store and the daemon do.
         print(f"{PROG}: note: {path} has no {FORMAT_FILE}; opening it rewrites it from the index", file=sys.stderr)
 
 
@@ -117,7 +117,7 @@ PRECHECKS: dict[str, Callable[[str], None]] = {"": _require_local_store, "file":
 CONFIG_SCHEMES: frozenset[str] = frozenset({"", "file"})
 
 # How kvtool reaches a daemon: client option <- (flag, environment variable). A flag wins over
-# its variable (``kvstore.client_options.ClientOptions.from_overrides``); the token comes from a file.
+# its variable (``kvstore.client.options.ClientOptions.from_overrides``); the token comes from a file.
 DAEMON_ENV: dict[str, tuple[str, str]] = {
     "token": ("--token-file", "KVSTORE_TOKEN"),
     "ca_file": ("--ca-file", "KVSTORE_CA_FILE"),
@@ -405,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _error_line(cmd: Command, exc: BaseException) -> str:
     """kvtool's one line for a failed command: what the command needs, not the RPC that said no."""
     code = getattr(exc, "code", "")
-    wire = sys.modules.get("kvstore.server.wire")  # loaded only once a daemon was called
+    wire = sys.modules.get("kvstore.wire")  # loaded only once a daemon was called
     if code == "PERMISSION_DENIED":
         return (f"{cmd.name} needs an admin tenant's token: set KVSTORE_TOKEN (or --token-file) to a token of a "
                 f"tenant in the daemon's admin_tenants (the daemon said: {exc})")

@@ -29,7 +29,7 @@ The service contract
    client uses it to compute a chain's longest prefix across daemons.
 4. Errors. A store error is a gRPC status plus trailing metadata
    ``kvstore-error-code`` (``KVStoreError.code``); clients re-raise the same
-   class (see ``kvstore.server.wire``). A malformed message (truncated, bad
+   class (see ``kvstore.wire``). A malformed message (truncated, bad
    UTF-8, wrong types) is INVALID_ARGUMENT. A message over
    ``max_message_bytes`` is RESOURCE_EXHAUSTED (gRPC's own check, on both
    ends); a daemon or tenant at its concurrency limit is RESOURCE_EXHAUSTED
@@ -41,12 +41,12 @@ The service contract
 5. Security. Listeners bind 127.0.0.1 unless configured otherwise. Optional
    TLS and mutual TLS from PEM files. With a tokens file, every call needs
    ``authorization: Bearer <token>`` (else UNAUTHENTICATED), keys are stored
-   under a per-tenant keyed hash (``kvstore.server.auth``): tenants cannot
+   under a per-tenant keyed hash (``kvstore.auth``): tenants cannot
    read, delete, look up, or detect each other's entries. ``Stats``, ``Gc``,
    ``Check``, ``Repair``, ``Maintain``, ``ExportIndex`` and ``Inspect``'s store summary need an admin tenant
    (PERMISSION_DENIED); ``Inspect`` of keys (read-only: nothing touched) shows
    a non-admin tenant its own keys only, mapped into its namespace as by a get.
-6. Direct reads (``kvstore.direct``): ``Describe`` returns the target table
+6. Direct reads (``kvstore.client.direct_reads``): ``Describe`` returns the target table
    and erasure code; ``Locate`` returns the index records of a batch of keys
    (tenant-namespaced, access times refreshed as by a get, counted as
    ``op="locate"``), so a client that mounts the same targets reads and

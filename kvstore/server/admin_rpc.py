@@ -1,5 +1,5 @@
 """The daemon's maintenance and inspection calls: ``Stats``, ``Gc``, ``Check``, ``Repair``,
-``Maintain`` (those three with progress, and ``rebuild-index``: ``kvstore.reindex``, which
+``Maintain`` (those three with progress, and ``rebuild-index``: ``kvstore.maintenance.reindex``, which
 only it runs, in the same one-pass slot), ``Inspect`` and ``ExportIndex`` (the index rows of
 ``kvtool inspect --parquet``, streamed: ``_export_index``).
 
@@ -25,8 +25,8 @@ from kvstore.api import EntryKind
 from kvstore.errors import InvalidRequest
 from kvstore.keys import check_keys
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.server.auth import Tenant, require_admin
-from kvstore.server.wire import ServerBusy, kind_or_default
+from kvstore.auth import Tenant, require_admin
+from kvstore.wire import ServerBusy, kind_or_default
 
 
 PROGRESS_EVERY_S = 0.5  # Maintain: at most one update a phase this often, besides its first and last step
@@ -173,7 +173,7 @@ class AdminRPC:
 
     def _inspect(self, r: pb.InspectRequest, tenant: Tenant) -> pb.JsonReply:
         """``kvtool inspect`` against this daemon (kvstore.proto's ``Inspect``): the views
-        ``kvstore.cli.index_view`` computes on a data directory, from this daemon's store.
+        ``kvstore.index_view`` computes on a data directory, from this daemon's store.
 
         Read-only: index read transactions only (no fragment read, no access-time refresh,
         no store counter); the request metrics are the only trace. Who sees what:
@@ -192,7 +192,7 @@ class AdminRPC:
         (``index_view.PLACEMENT_FIELDS``: target names may spell bucket and mount paths,
         and a daemon may refuse direct reads), and its call asks no target anything.
         """
-        from kvstore.cli import index_view  # the same code kvtool runs on a data directory
+        from kvstore import index_view  # the same code kvtool runs on a data directory
 
         if not r.keys and not r.chain:
             require_admin(tenant, "Inspect of the store summary")
@@ -220,7 +220,7 @@ class AdminRPC:
         in the local export), no fragment read, no access time, no store counter. A client that
         stops reading is cut after ``stream_send_s`` (``Daemon._send_bound``), which closes
         this generator."""
-        from kvstore.cli import index_view  # the same code kvtool runs on a data directory
+        from kvstore import index_view  # the same code kvtool runs on a data directory
 
         limit = max(1, self.cfg.max_message_bytes // 2)
         total = 0

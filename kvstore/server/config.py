@@ -86,11 +86,11 @@ class ServerConfig:
     tls_cert: str = ""  # PEM certificate chain of the daemon; empty: plaintext
     tls_key: str = ""
     tls_client_ca: str = ""  # set: mutual TLS, clients need a cert signed by this CA
-    tokens_file: str = ""  # set: bearer-token auth, tenants namespaced (see kvstore.server.auth)
+    tokens_file: str = ""  # set: bearer-token auth, tenants namespaced (see kvstore.auth)
     tenant_secret_file: str = ""  # empty: <data_dir>/server/tenant.secret (created 0600)
     tenant_quota_bytes: int = 0  # >0: live plain bytes each tenant may hold here (per daemon; RESOURCE_EXHAUSTED over it)
-    allow_direct_reads: bool = True  # answer Locate and show the target table (kvstore.direct); false: PERMISSION_DENIED
-    # Answer Commit: index packs clients wrote into the targets themselves (kvstore.direct_writes);
+    allow_direct_reads: bool = True  # answer Locate and show the target table (kvstore.client.direct_reads); false: PERMISSION_DENIED
+    # Answer Commit: index packs clients wrote into the targets themselves (kvstore.client.direct_writes);
     # only for clients trusted with write access to every target's files. false: PERMISSION_DENIED.
     allow_direct_writes: bool = False
 

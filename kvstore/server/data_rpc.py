@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator, Sequence
 from kvstore.api import EntryKind, LookupResult
 from kvstore.errors import NotFound, StoreUnavailable, Unrecoverable
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.server.auth import Tenant
-from kvstore.server.wire import RequestTooLarge, encode_get_chunk, encode_get_reply, kind_or_default
+from kvstore.auth import Tenant
+from kvstore.wire import RequestTooLarge, encode_get_chunk, encode_get_reply, kind_or_default
 
 # GetStream: keys per store.get_many (a window; the next is read while this one is sent), and
 # the most value bytes packed into one GetChunk (per-message cost matters for small values;
@@ -100,7 +100,7 @@ class DataRPC:
             if total > self.cfg.max_message_bytes:
                 raise RequestTooLarge(
                     f"GetMany reply of more than {self.cfg.max_message_bytes} bytes is over the daemon's "
-                    "max_message_bytes; read through GetStream (kvstore.remote does) or ask for fewer keys")
+                    "max_message_bytes; read through GetStream (kvstore.client.remote does) or ask for fewer keys")
             vals += got
         hits = sum(v is not None for v in vals)
         self.metrics.hit("get", kind, True, hits)

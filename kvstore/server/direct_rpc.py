@@ -5,7 +5,7 @@ one job): it uses the daemon's ``cfg``, ``store``, ``tokens``, ``metrics``, ``_b
 ``_key``, ``_keys``, ``_ttl`` and ``_charged``; the per-call steps (authentication,
 parsing, admission, error mapping) are the daemon's, as for every call.
 
-Direct reads (``kvstore.direct``): ``Describe`` gives any authenticated client the
+Direct reads (``kvstore.client.direct_reads``): ``Describe`` gives any authenticated client the
 target table (URLs with credentials removed) and the erasure code; ``Locate`` is the
 index half of a get: the same key validation and tenant translation, live entries
 only, the same access-time refresh (LRU), hits and misses counted as ``op="locate"``;
@@ -15,7 +15,7 @@ daemon's read path then counts the degraded read or marks the entry lost. With
 ``allow_direct_reads = false`` Locate is PERMISSION_DENIED and Describe shows no
 targets (unless direct writes are allowed).
 
-Direct writes (``kvstore.direct_writes``; ``allow_direct_writes``, off by default):
+Direct writes (``kvstore.client.direct_writes``; ``allow_direct_writes``, off by default):
 ``Describe`` also gives the store's encoding knobs and the caller's own tenant secret;
 ``Commit`` is the index half of a put whose pack files the client wrote: keys validated
 and translated as Put does, the records checked and indexed by
@@ -39,12 +39,12 @@ import logging
 from pathlib import Path
 
 from kvstore.api import EntryKind
-from kvstore.direct import client_url
-from kvstore.index import ekey
-from kvstore.packs import WrittenEntry
+from kvstore.client.direct_reads import client_url
+from kvstore.embedded.index import ekey
+from kvstore.embedded.packs import WrittenEntry
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.server.auth import Tenant
-from kvstore.server.wire import PermissionDenied, RequestTooLarge, StaleDescribe, kind_or_default
+from kvstore.auth import Tenant
+from kvstore.wire import PermissionDenied, RequestTooLarge, StaleDescribe, kind_or_default
 
 PUT_FIELDS_BYTES = 256  # a PutRequest's bytes besides its value: key, kind, ttl, tokens, a layout
 
@@ -56,8 +56,8 @@ class DirectRPC:
 
     def _describe(self, r: pb.DescribeRequest, tenant: Tenant) -> pb.DescribeReply:
         """What a direct-reading or -writing client needs, fetched once per client
-        (``kvstore.direct``, ``kvstore.direct_writes``). ``max_value_bytes`` is not sensitive
-        and goes to every client: ``kvstore.remote`` checks a batch that spans several calls
+        (``kvstore.client.direct_reads``, ``kvstore.client.direct_writes``). ``max_value_bytes`` is not sensitive
+        and goes to every client: ``kvstore.client.remote`` checks a batch that spans several calls
         or daemons against it before sending any of it."""
         st = self.store
         cfg = st.config
@@ -65,7 +65,7 @@ class DirectRPC:
                                direct_writes=self.cfg.allow_direct_writes, max_value_bytes=cfg.max_value_bytes)
         if not (self.cfg.allow_direct_reads or self.cfg.allow_direct_writes):
             return out  # no target table for a daemon that serves neither
-        from kvstore.datadir import FORMAT_FILE
+        from kvstore.embedded.datadir import FORMAT_FILE
 
         out.ec_type, out.ec_k, out.ec_m = cfg.ec_type, cfg.ec_k, cfg.ec_m
         out.read_timeout_s, out.parallel_reads = cfg.read_timeout_s, cfg.parallel_reads
@@ -81,7 +81,7 @@ class DirectRPC:
             out.writer_view = self._writer_view(tenant)
         if not tenant.admin:
             # The data directory and its marker serve only mode "auto", which never turns on with
-            # tokens (kvstore.direct): a tenant's clients need the target table alone. Not a secret
+            # tokens (kvstore.client.direct_reads): a tenant's clients need the target table alone. Not a secret
             # kept: the default targets' URLs spell data_dir (QA), and direct I/O means file access
             # to the targets anyway. tenant.secret (created 0600) is what needs the file mode.
             return out
@@ -124,7 +124,7 @@ class DirectRPC:
             for ek, m in zip(eks, metas)])
 
     def _commit(self, r: pb.CommitRequest, tenant: Tenant) -> pb.CommitReply:
-        """The index half of a put whose packs the client wrote (``kvstore.direct_writes``):
+        """The index half of a put whose packs the client wrote (``kvstore.client.direct_writes``):
         keys validated and translated as Put does, the records checked and indexed by
         ``store.commit_written``, charged to the tenant's quota as a put is (each entry at least
         its stored entry bytes: the declared plain size is not trusted below that)."""

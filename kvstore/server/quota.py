@@ -6,7 +6,7 @@ around every ``Put``/``PutMany`` (``reserve`` -> store put -> ``settle`` or
 
 The measure is the plain value bytes of the live entries a tenant created (what
 the client sent; compression and parity are the operator's business). The quota is one
-daemon's: in a sharded set (``kvstore.sharded``) each daemon charges only the keys
+daemon's: in a sharded set (``kvstore.client.sharded``) each daemon charges only the keys
 rendezvous hashing sends it, so a tenant holds up to ``shards x tenant_quota_bytes`` in all
 (about ``1/shards`` of its bytes on each); size the per-daemon quota for that.
 

@@ -20,7 +20,7 @@ Per call, in this order (each step for its reason):
 
 A batch over ``max_batch_items`` is refused (``_batch``: ``wire.BatchTooLarge``, the
 limit in the trailing metadata) before any store work, so a client that does not know
-the limit learns it from the refusal and resends the batch in pieces (``kvstore.remote``).
+the limit learns it from the refusal and resends the batch in pieces (``kvstore.client.remote``).
 
 The two streaming batch forms take the same steps: ``GetStream`` validates
 every key first, then reads the keys a window (``GET_STREAM_WINDOW``) at a
@@ -42,7 +42,7 @@ Maintenance and inspection (``Stats``, ``Gc``, ``Check``, ``Repair``, ``Inspect`
 ``Maintain``: those three with progress, and ``ExportIndex``: the index rows of ``kvtool
 inspect --parquet``; the last two streamed as ``GetStream`` is):
 ``kvstore.server.admin_rpc``. ``Inspect`` answers ``kvtool inspect`` with the read-only
-index views of ``kvstore.cli.index_view``, the code the tool runs on a data directory, so
+index views of ``kvstore.index_view``, the code the tool runs on a data directory, so
 both print the same records; it touches nothing (no access time, no store counter).
 
 Background GC runs in its own thread every ``gc_interval_s`` (a round is skipped while an
@@ -71,11 +71,11 @@ from kvstore.api import EntryKind, PutItem
 from kvstore.config import StoreConfig
 from kvstore.executors import DaemonExecutor
 from kvstore.errors import CapacityExceeded, InternalError, InvalidRequest, KVStoreError, StoreUnavailable
-from kvstore.fragments import MAX_TTL_S
-from kvstore.index import ekey
+from kvstore.embedded.fragments import MAX_TTL_S
+from kvstore.embedded.index import ekey
 from kvstore.keys import check_key, check_keys
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.server.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
+from kvstore.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
 from kvstore.server.config import ServerConfig, port_taken
 from kvstore.server.admin_rpc import AdminRPC
 from kvstore.server.data_rpc import DataRPC
@@ -84,7 +84,7 @@ from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
 from kvstore.server.watchdog import Watchdog
 from kvstore.tls import server_credentials_from_pem
-from kvstore.server.wire import (INDEX_KEY_METHODS, MD_INDEX_KEYS, MD_STREAM_ITEMS, BatchTooLarge, RequestTooLarge,
+from kvstore.wire import (INDEX_KEY_METHODS, MD_INDEX_KEYS, MD_STREAM_ITEMS, BatchTooLarge, RequestTooLarge,
                                  details_of, kind_or_default, layout_from_pb, status_of)
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
     """
 
     def __init__(self, server_cfg: ServerConfig, store_cfg: StoreConfig, *, store: Any = None):
-        from kvstore.store import EmbeddedStore
+        from kvstore.embedded.store import EmbeddedStore
 
         self.cfg = server_cfg
         tls_files = server_cfg.read_tls_files()  # before opening anything: a bad setup fails fast
@@ -523,7 +523,7 @@ class Daemon(DataRPC, DirectRPC, AdminRPC):
         """``BatchTooLarge`` (carrying this daemon's limit) when ``n`` items are over ``max_batch_items``.
 
         Contract: every handler calls it before any store work (and PutStream before it reads
-        past the limit), so the refusal guarantees that nothing was applied; ``kvstore.remote``
+        past the limit), so the refusal guarantees that nothing was applied; ``kvstore.client.remote``
         relies on that to learn the limit and resend the batch in pieces."""
         if n > self.cfg.max_batch_items:
             raise BatchTooLarge(f"{what} of {n} items is over max_batch_items={self.cfg.max_batch_items}; split it",

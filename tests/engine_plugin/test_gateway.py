@@ -18,7 +18,7 @@ from engine_plugin.connector_config import MIN_STORE_CALLS
 from engine_plugin.reference import SamplingParams
 from engine_plugin.tiers import Metrics, StoreGateway
 from kvstore.api import EntryInfo, EntryKind, LookupResult, PutItem
-from tests.daemon.conftest import wait_until
+from tests.kvstore.daemons import wait_until
 
 GREEDY = SamplingParams(max_new_tokens=4)
 KEYS = [b"a" * 16, b"b" * 16]

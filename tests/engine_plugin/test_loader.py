@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from test_transfer import outstanding
+from tests.engine_plugin.test_transfer import outstanding
 
 from engine_plugin.connector import BlockLoad, LoadSpec, Tier
 from engine_plugin.reference import SamplingParams
@@ -144,7 +144,7 @@ def test_direct_read_lands_in_the_pool_without_staging(rig, store):
 
 
 def test_direct_read_with_a_corrupt_entry_mid_batch_gives_the_cold_answer(rig, store, tmp_path):
-    from test_faults import _corrupt
+    from tests.engine_plugin.test_faults import _corrupt
 
     prompt, keys = _seeded(rig, store, 150, 5)
     _corrupt(store, keys[3], "block")

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from test_transfer import outstanding
+from tests.engine_plugin.test_transfer import outstanding
 
 from engine_plugin.connector import BlockSave, WindowSnapshot
 from engine_plugin.reference import Engine, EngineConfig, SamplingParams
@@ -20,7 +20,7 @@ from engine_plugin.saver import SaveQueue
 from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.tiers import Metrics, StoreGateway
 from kvstore.api import PutItem
-from tests.daemon.conftest import wait_until
+from tests.kvstore.daemons import wait_until
 from kvstore.errors import StoreUnavailable
 
 BLOCK = 16  # the block size of the fixtures (conftest.BLOCK)

@@ -9,6 +9,7 @@ import pytest
 
 import kvstore
 from kvstore.keys import BlockHasher, Namespace
+from tests.kvstore.daemons import certs, make_daemon, spawn  # noqa: F401 - fixtures for every test below
 
 
 class FakeClock:

@@ -174,7 +174,7 @@ def test_a_shard_list_is_lowercased_entry_by_entry() -> None:
 
 def test_register_connector_keeps_the_scheme_lowercased(monkeypatch) -> None:
     monkeypatch.setattr(kvstore, "CONNECTORS", dict(kvstore.CONNECTORS))
-    kvstore.register_connector("MEM", "kvstore.store:open_embedded")
+    kvstore.register_connector("MEM", "kvstore.embedded.store:open_embedded")
     assert "mem" in kvstore.CONNECTORS and "MEM" not in kvstore.CONNECTORS
 
 
@@ -231,7 +231,7 @@ def test_connect_with_a_bad_variable_overridden_by_an_argument_opens(tmp_path, m
 
 def test_open_embedded_itself_refuses_a_file_url_with_a_query(tmp_path, monkeypatch) -> None:
     """The opener behind ``connect`` checks too: code that calls it directly gets no ``p?x=1``."""
-    from kvstore.store import open_embedded
+    from kvstore.embedded.store import open_embedded
 
     monkeypatch.chdir(tmp_path)
     for form in ("file://{d}?x=1", "file://{d}#a"):

@@ -1,0 +1,101 @@
+"""How the store makes written files durable: ``fsync_dir`` (a new name in a directory),
+``syncfs`` (one call for every dirty file of a filesystem) and ``sync_plan``, which resolves
+``StoreConfig.sync_mode`` for a store's targets ("file": fsync each file and its directory;
+"fs": write without fsync, then one syncfs per filesystem before the index commits). The
+write path that uses them is ``kvstore.embedded.fragments`` (``FragmentIO._sync_after``) and
+``kvstore.embedded.targets`` (``LocalTarget.write``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import sys
+from typing import TYPE_CHECKING, Sequence
+
+from kvstore.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from kvstore.embedded.targets import Target
+
+# Filesystems whose syncfs(2) writes back every dirty page and inode and commits the journal,
+# and (Linux >= 5.8) reports writeback errors: one call makes all of a put's files durable.
+# Not network or FUSE filesystems: there syncfs may not reach the servers.
+SYNCFS_FSTYPES = frozenset({"ext4", "xfs", "btrfs"})
+SYNCFS_MIN_KERNEL = (5, 8)
+
+
+def _libc_syncfs():
+    import ctypes
+    import ctypes.util
+
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_SYNCFS = _libc_syncfs() if sys.platform.startswith("linux") else None
+
+
+def syncfs(path: str) -> None:
+    """Make every written file and directory entry of ``path``'s filesystem durable."""
+    import ctypes
+
+    if _SYNCFS is None:
+        raise OSError(errno.ENOSYS, "syncfs is not available here", path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _SYNCFS(fd) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e), path)
+    finally:
+        os.close(fd)
+
+
+def fs_type(path: str) -> str:
+    """The type of the filesystem ``path`` is on (``/proc/self/mountinfo``), "" if unknown."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                left, _, right = line.partition(" - ")
+                mnt = left.split(" ")[4].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, right.split(" ", 1)[0]
+    except OSError:
+        return ""
+    return kind
+
+
+def sync_plan(mode: str, targets: Sequence[Target]) -> tuple[str, str]:
+    """Resolve ``StoreConfig.sync_mode`` for these targets: ("file" or "fs", why)."""
+    if mode == "file":
+        return "file", "sync_mode = file"
+    if mode == "fs":
+        if _SYNCFS is None or not all(t.local for t in targets):
+            raise InvalidRequest("sync_mode = fs needs Linux and local targets only; use auto or file")
+        return "fs", "sync_mode = fs"
+    if _SYNCFS is None:
+        return "file", "no syncfs on this platform"
+    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    if release < SYNCFS_MIN_KERNEL:
+        return "file", f"kernel {os.uname().release} < 5.8 (syncfs does not report write errors)"
+    for t in targets:
+        kind = fs_type(t.root) if t.local else ""
+        if kind not in SYNCFS_FSTYPES:
+            return "file", f"target {t.name} is on {kind or t.spec.url.split('://', 1)[0]}, not {sorted(SYNCFS_FSTYPES)}"
+    return "fs", "every target on a local " + "/".join(sorted({fs_type(t.root) for t in targets}))
+
+
+def fsync_dir(d: str) -> None:
+    """Make the entries of directory ``d`` (a new or renamed name in it) durable."""
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

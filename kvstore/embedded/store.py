@@ -1,0 +1,664 @@
+"""The embedded store: LMDB index + erasure-coded fragments on fsspec targets.
+
+``kvstore.connect(path)`` returns an ``EmbeddedStore``. Several processes may
+open the same data directory at once (LMDB serialises writers across
+processes); within a process the store is thread-safe.
+
+Data directory::
+
+    <data_dir>/kvstore.json     format version, creation time, erasure code, index identity (kvstore.embedded.datadir)
+    <data_dir>/index/           LMDB environment (see kvstore.embedded.index), and its spare file
+                                space.reserve (kvstore.embedded.diskroom: room for deletions on a full disk)
+    <data_dir>/targets/t0..tN   the embedded default targets (k+m, one failure domain)
+
+Write path (``put``), in this order, each step for the reason given:
+  1. Validate key, kind, layout and size: nothing is written for a bad request.
+  2. If a live entry exists, refresh its access time and return ``False``: a
+     re-put stores no second copy.
+  3. Encode (header + zstd-if-it-pays), erasure-code into k+m fragments, give
+     the put a fresh 8-byte generation so its file names are unique.
+  4. Write every fragment atomically (tmp + fsync + rename + dir fsync) to its
+     rendezvous-chosen target; a failing target is replaced by the next best.
+     With ``sync_mode`` "fs" the files are written without fsync and made durable
+     together, one syncfs per filesystem, once all are in place (``FragmentIO._sync_after``).
+     A batch (``put_many``, ``pack_batches``) instead writes one pack file per
+     target holding that target's fragments of every entry, each published the
+     same atomic way, so a batch costs one fsync pair per target, not per fragment.
+     Writes that wait (fsync, remote targets) run on threads, per fragment or, in a
+     batch, per entry; page-cache writes run inline (``parallel_writes``). With
+     ``write_timeout_s`` every write runs on its target's own threads, and one that
+     hangs past it fails as a failing target does (``FragmentIO._run_writes``).
+  5. Only then commit the index record (LMDB, fsync). A crash before 5 leaves
+     orphan fragments that GC sweeps after ``orphan_grace_s``; never an index
+     record without its fragments. If another writer committed the same key
+     first, our fragments are removed (or stay in the pack until it goes) and
+     the put returns ``False``. Files an orphan sweep took meanwhile (any process, any
+     ``orphan_grace_s``) are not indexed (``FragmentIO._check_unswept_txn``): the put writes
+     them again under a new generation, up to ``SWEPT_RETRIES`` times. Files started over
+     ``orphan_grace_s / 2`` before the transaction got the writer lock are not indexed
+     either (``FragmentIO._check_in_time``: for sweeps that do not record their decisions);
+     the put raises ``StoreUnavailable``, nothing stored. Before step 3, a put whose index
+     filesystem has no room for its spare file is refused (``kvstore.embedded.diskroom``).
+  6. Above the capacity high watermark, evict LRU entries down to the low one.
+A direct-writing client of the daemon (``kvstore.client.direct_writes``) does 1-4 itself
+(as a batch: packs) and hands 5-6 to ``commit_written``, which checks its records first.
+
+Read path (``get``): read the k data fragments (in parallel for remote targets), verify each one's
+checksum and header against the index; on any failure read parity fragments
+until k are good; decode; verify the entry checksum; return. Local targets first
+try a fast path (``kvstore.embedded.fastread``: ``_read_fast`` / ``_read_scatter``): one open + one
+``preadv`` per data fragment, headers checked against the index, fragment 0 (which
+holds the entry header; with any other holding part of a small entry's) verified whole,
+and the rest trusted only through the entry checksum over the assembled payload; anything unexpected falls back to the path above. Fewer than k good
+fragments: mark the entry lost and raise ``Unrecoverable``. ``get_many_into``
+is the same path, except that the decode writes the payload into the caller's
+buffer (one copy from the fragment bodies) and the checksum is verified there; a ``get``
+of a large raw entry does the same into the ``bytes`` it returns (``fastread.fresh_bytes``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import lmdb
+
+from kvstore.embedded import codec
+from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_chain_ends, check_put_items,
+                         writable_view)
+from kvstore.config import StoreConfig, load_config
+from kvstore.embedded.datadir import DataDir, file_url_path
+from kvstore.embedded.diskroom import IndexRoom
+from kvstore.embedded.fragments import (CLOSE_WAIT_S, FilesSwept, FragmentIO, GenerationTaken, IndexFull, WrittenTooLongAgo,
+                               frees_space, in_flight, run_now)
+from kvstore.embedded.packs import PackIO
+from kvstore.executors import DaemonExecutor, shutdown_all
+from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
+from kvstore.embedded.index import Meta, ekey, packed_bytes
+from kvstore.keys import check_key, check_keys
+from kvstore.embedded.tuning import tune_malloc
+
+log = logging.getLogger(__name__)
+
+POOL_JOIN_S = 1.0  # close() waits this long for its I/O workers once no call is in flight
+SWEPT_RETRIES = 2  # a put whose files an orphan sweep took before its index commit writes them again this often
+
+
+class EmbeddedStore(DataDir, FragmentIO, PackIO):
+    """In-process implementation of ``kvstore.api.KVStore``. See the module docstring."""
+
+    def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.time):
+        self.config = config
+        if config.tune_malloc:
+            tune_malloc()
+        # Files' ages (orphan grace, a written pack's age) are measured on the clock that stamps
+        # their mtimes, this host's, never with clock_offset_s: a skewed store clock made a
+        # sweep take a put in flight for an old orphan (QA).
+        self.file_clock = clock
+        if config.clock_offset_s:
+            base, offset = clock, config.clock_offset_s
+            clock = lambda: base() + offset  # noqa: E731 - a skewed node (TTLs, grace periods)
+        self.clock = clock
+        self.data_dir = Path(config.data_dir).resolve()
+        self._closed = False
+        self._calls = threading.Condition()  # guards _closed, _in_flight and _shut (``in_flight``)
+        self._in_flight = 0
+        self._shut = False  # the index closed (``_finish_close``)
+        self.room = IndexRoom(self.data_dir / "index", config.index_reserve_bytes)
+        self.room.release_if_full()
+        fresh = self._open_data_dir(config)
+        config = self.config
+        if not self.room.ensure():
+            log.warning("no room for the index's spare file (%d bytes) on a full filesystem: puts are refused "
+                        "until deletions or gc free space", config.index_reserve_bytes)
+        self.code = codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
+        # Two pools, so that no task ever waits on a task queued behind it in its own pool:
+        # ``_pool`` runs single fragment reads/writes (leaf work); ``_batch_pool`` runs one
+        # entry of a batch each, and those submit their fragment I/O to ``_pool``.
+        # Daemon threads (``kvstore.executors``): a write stuck on a dead mount never holds up exit.
+        self._pool = DaemonExecutor(config.read_workers, "kvstore-io")
+        self._batch_pool = DaemonExecutor(config.read_workers, "kvstore-batch")
+        self._tls = threading.local()
+        self._touch_lock = threading.Lock()
+        self._touches: dict[bytes, int] = {}
+        self._last_flush = self.clock()
+        self._evict_lock = threading.Lock()
+        self._counters_lock = threading.Lock()
+        self.counters: dict[str, int] = {
+            "puts": 0, "puts_deduplicated": 0, "gets": 0, "get_misses": 0, "degraded_reads": 0,
+            "unrecoverable": 0, "bytes_in": 0, "bytes_out": 0, "evicted": 0, "fragment_rewrites": 0,
+            "compacted_entries": 0, "read_retries": 0, "read_timeouts": 0, "write_timeouts": 0,
+            "rejected_packs": 0,
+        }
+        if not fresh:
+            # Asked at once: a remote target that does not answer costs its timeouts once, not per target.
+            states = dict(zip(self.targets, self._pool.map(lambda t: t.state(), self.targets.values())))
+            down = [f"{n} ({why})" for n, (state, why) in states.items() if state != "up"]
+            if down:
+                log.warning("targets down at open: %s (reads of their fragments are degraded, or fail while more "
+                            "than m are down)", "; ".join(down))
+
+    # ------------------------------------------------------------------ set-up
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("this store is closed; open a new one with kvstore.connect")
+
+    def now_ns(self) -> int:
+        return int(self.clock() * 1e9)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._counters_lock:
+            self.counters[name] += n
+
+    def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
+            layout: Layout | None = None, tokens: int = 0) -> bool:
+        return self.put_many([PutItem(key, value, kind, ttl_s, layout, tokens)])[0]
+
+    @in_flight
+    def put_many(self, items: Sequence[PutItem]) -> list[bool]:
+        """Batched put: the fragments of all items written (on threads where writes wait),
+        then one index commit."""
+        self._check_open()
+        items = check_put_items(items)
+        if not items:
+            return []
+        now = self.now_ns()
+        # 1-2: skip live keys (and duplicates inside the batch) before doing any work.
+        result = [False] * len(items)
+        todo: list[int] = []
+        seen: dict[bytes, None] = {}  # the put's entry keys, in its order
+        with self.index.env.begin() as txn:
+            for i, it in enumerate(items):
+                ek = ekey(EntryKind.parse(it.kind).code, check_key(it.key))
+                if ek in seen:
+                    self._checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
+                    continue
+                seen[ek] = None  # what its eviction pass keeps (_index_new)
+                m = self.index.get_meta(txn, ek)
+                if m is not None and not m.expired(now):
+                    self._checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)  # refused all the same
+                    self._touch(ek, now)
+                    self._count("puts_deduplicated")
+                    continue
+                todo.append(i)
+        if todo:
+            self.room.check_put()  # the index's spare room is never spent on a put (kvstore.embedded.diskroom)
+        for attempt in itertools.count():
+            try:
+                return self._write_and_index(items, todo, list(seen), now, result)
+            except FilesSwept as exc:  # nothing indexed, its files removed: again, under new generations
+                if attempt == SWEPT_RETRIES:
+                    raise
+                log.info("put: %s; writing it again", exc)
+
+    def _write_and_index(self, items: Sequence[PutItem], todo: list[int], put_keys: list[bytes], now: int,
+                         result: list[bool]) -> list[bool]:
+        """Steps 3-6 of ``put_many`` for ``items[i]`` of each ``i`` in ``todo``, filling ``result``.
+        ``FilesSwept`` (nothing indexed, the files written removed) when an orphan sweep took one
+        of them before the index commit (``FragmentIO._check_unswept_txn``)."""
+        with self.index.env.begin() as txn:  # before the first file: see kvstore.maintenance.orphans
+            since = self.index.sweep_decisions(txn)
+        # 3-4: fragments durable first. A batch (``pack_batches``) is encoded whole under one
+        # generation and published as one pack file per target (``_write_pack``); if that
+        # fails, or for a single put, fragment by fragment: where writes wait (see
+        # ``_fan_out_writes``) each item's writes start on a thread as soon as it is encoded,
+        # so encoding the next overlaps them; otherwise they run inline. A bad item raises
+        # out of ``_encode`` and the cleanup below removes what earlier items wrote.
+        encs: dict[int, Any] = {}
+        placed: dict[int, tuple[str, ...]] = {}
+        offsets: dict[int, tuple[int, ...]] = {}
+        futs: dict[int, Any] = {}
+        batch = len(todo) > 1
+        started = self.clock()  # the files written from here on are at most this old at commit
+        if batch and self.config.pack_batches:
+            self._put_packs(items, todo, encs, placed, offsets)
+        submit = self._batch_pool.submit if batch and self._fan_out_writes(self.targets, in_batch=False) else run_now
+        try:
+            for i in todo:
+                if i in placed:
+                    continue
+                it = items[i]
+                if i not in encs:
+                    encs[i] = self._encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
+                futs[i] = submit(self._write_fragments, encs[i], in_batch=batch)
+            for i in futs:
+                placed[i] = futs[i].result()
+        except BaseException:
+            for i, f in futs.items():
+                if i not in placed:
+                    try:
+                        placed[i] = f.result()
+                    except BaseException:
+                        continue
+            for i, names in placed.items():
+                self._discard(encs[i], dict(enumerate(names)))
+            raise
+        # 5-6: one index transaction for the batch; then capacity. Inside it, files an orphan
+        # sweep took since ``since`` was read are not indexed (``_check_unswept_txn``), nor
+        # files a write took over half of orphan_grace_s to reach it with (``_check_in_time``:
+        # for sweeps of versions that do not record their decisions in the index).
+        order = list(encs)
+        try:
+            created = self._index_new([(encs[i].ek, replace(encs[i].meta_base, targets=placed[i],
+                                                             offsets=offsets.get(i, ()))) for i in order], now,
+                                      written_at=(started, f"writing {len(encs)} entries"), put_keys=put_keys,
+                                      unswept=(since, self._paths_of(encs, placed, offsets)))
+        except (WrittenTooLongAgo, FilesSwept, IndexFull):
+            self._discard_unused_packs(encs, placed, offsets, result)
+            for i, names in placed.items():
+                if i not in offsets:
+                    self._discard(encs[i], dict(enumerate(names)))
+            raise
+        for i, c in zip(order, created):
+            result[i] = c
+            if not c and i not in offsets:  # a concurrent writer won; a loser's share of a pack goes with the pack
+                self._discard(encs[i], dict(enumerate(placed[i])))
+        self._discard_unused_packs(encs, placed, offsets, result)
+        return result
+
+    def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int,
+                   written_at: tuple[float, str] | None = None, fresh_gens: Sequence[bytes] = (),
+                   put_keys: Sequence[bytes] | None = None,
+                   unswept: tuple[int, Sequence[tuple[str, str]]] | None = None) -> list[bool]:
+        """Steps 5-6 for records whose fragments are durable: one transaction inserting each
+        record whose key is free (absent or expired; a lost record of it goes to the
+        graveyard), ``False`` where a live entry won the race (the caller removes or keeps the
+        loser's files); then the counters, and eviction above the high watermark.
+        ``written_at`` (clock time the files were started, what they are): first, inside the
+        transaction, ``WrittenTooLongAgo`` (nothing indexed) when that was too long ago;
+        ``fresh_gens``: ``GenerationTaken`` (nothing indexed) when a record already names one.
+        ``put_keys``: every entry key of the put, in its order, those found already stored
+        before any work included (default: the records'), which its eviction pass keeps.
+        ``unswept`` (the sweep count read before the first file was written, and the files'
+        ``(target, rel)``): ``FilesSwept`` (nothing indexed) when an orphan sweep took one of
+        them (``FragmentIO._check_unswept_txn``). ``IndexFull`` (nothing indexed) when the
+        index's filesystem has no room for the commit (``kvstore.embedded.diskroom``)."""
+        created: list[bool] = []
+        try:
+            with self.index.env.begin(write=True) as txn:
+                if written_at is not None:
+                    self._check_in_time(*written_at)
+                if unswept is not None:
+                    self._check_unswept_txn(txn, *unswept)
+                taken = [g for g in fresh_gens if self.index.pack_info(txn, g) is not None]
+                if taken:
+                    raise GenerationTaken(taken)
+                for ek, meta in records:
+                    old = self.index.get_meta(txn, ek)
+                    if old is not None:
+                        if not old.expired(now):
+                            created.append(False)
+                            continue
+                        self.index.remove_txn(txn, ek, old, now)
+                    lost = self.index.get_lost(txn, ek)
+                    if lost is not None:
+                        self.index.drop_lost_txn(txn, ek, lost, now, to_grave=True)
+                    self.index.insert_txn(txn, ek, meta)
+                    created.append(True)
+                # A loser's share of a pack stays in it: dead from the start (index invariant 6).
+                for (ek, meta), c in zip(records, created):
+                    if not c and meta.offsets:
+                        self.index.pack_dead_txn(txn, meta.gen, packed_bytes(meta))
+                self._flush_touches_txn(txn)
+        except lmdb.Error as exc:  # nothing indexed: the caller removes the files
+            if self.room.no_space(exc):
+                raise IndexFull(str(self.room.full_error(exc, f"indexing {len(records)} entries"))) from exc
+            raise
+        n_new = sum(created)
+        self._count("puts", n_new)
+        self._count("bytes_in", sum(m.plain_len for (_, m), c in zip(records, created) if c))
+        if n_new and self.config.capacity_bytes:
+            from kvstore.maintenance.passes import evict_after_put
+
+            evict_after_put(self, [ek for ek, _ in records] if put_keys is None else put_keys)
+        return created
+
+    def _mark_lost(self, ek: bytes, meta: Meta) -> None:
+        """Move a record whose fragments are gone to ``lost`` (lookup stops offering it).
+        Never for a record naming targets this store was not opened with: that is a
+        configuration to correct, and marking would hide intact entries until a repair."""
+        unknown = sorted(set(meta.targets) - set(self.targets))
+        if unknown:
+            log.error("entry %s names targets %s that this store was not opened with: not marked lost",
+                      ek[1:].hex(), ", ".join(unknown))
+            return
+        self._count("unrecoverable")
+        with self.index.env.begin(write=True) as txn:
+            cur = self.index.get_meta(txn, ek)
+            if cur is not None and cur.gen == meta.gen:
+                self.index.mark_lost_txn(txn, ek, cur)
+        log.error("entry %s marked lost", ek[1:].hex())
+
+    def _live_meta(self, ek: bytes, now: int) -> Meta | None:
+        with self.index.env.begin() as txn:
+            m = self.index.get_meta(txn, ek)
+        if m is None or m.expired(now):
+            return None
+        return m
+
+    @in_flight
+    def get_entry(self, key: bytes, *, kind: str = "block") -> Entry:
+        self._check_open()
+        k = EntryKind.parse(kind)
+        ek = ekey(k.code, check_key(key))
+        now = self.now_ns()
+        meta = self._live_meta(ek, now)
+        self._count("gets")
+        if meta is None:
+            self._count("get_misses")
+            with self.index.env.begin() as txn:
+                lost = self.index.get_lost(txn, ek)
+            if lost is not None and not lost.expired(now):  # a retry is told what the first read was
+                raise Unrecoverable(f"{k.value} entry {ek[1:].hex()} is lost: fewer than k of its fragments "
+                                    f"were good when it was read (targets {', '.join(lost.targets)}); kvtool "
+                                    "verify names the failed ones, kvtool repair rebuilds it once they are back",
+                                    key=ek[1:])
+            raise NotFound(f"no {k.value} entry for key {ek[1:].hex()}")
+        h, plain = self._read_verified(ek, meta)
+        self._count("bytes_out", len(plain))
+        self._touch(ek, now)
+        return Entry(ek[1:], k, h.layout, h.tokens, plain)
+
+    def get(self, key: bytes, *, kind: str = "block") -> bytes:
+        return self.get_entry(key, kind=kind).data
+
+    def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:
+        """Batched get; a missing or unrecoverable entry is ``None`` in its slot, and so is one
+        that cannot be read for now (``StoreUnavailable`` from ``get``: its targets could not be
+        asked, or are not configured; logged): a batch is not failed for one entry."""
+        entries = self.get_entries(keys, kind=kind)
+        return [None if e is None else e.data for e in entries]
+
+    @in_flight
+    def get_entries(self, keys: Sequence[bytes], *, kind: str = "block") -> list[Entry | None]:
+        self._check_open()
+        k = EntryKind.parse(kind)
+        eks = [ekey(k.code, key) for key in check_keys(keys)]
+        now = self.now_ns()
+        with self.index.env.begin() as txn:
+            metas = [self.index.get_meta(txn, ek) for ek in eks]
+        self._count("gets", len(eks))
+
+        def one(i: int) -> Entry | None:
+            m = metas[i]
+            if m is None or m.expired(now):
+                self._count("get_misses")
+                return None
+            try:
+                h, plain = self._read_verified(eks[i], m)
+            except (Unrecoverable, StoreUnavailable) as exc:  # lost, or unreadable for now: a miss
+                log.error("get_many: %s", exc)
+                return None
+            self._count("bytes_out", len(plain))
+            self._touch(eks[i], now)
+            return Entry(eks[i][1:], k, h.layout, h.tokens, plain)
+
+        live = [m for m in metas if m is not None]
+        if len(eks) == 1 or not any(self._parallel(m) for m in live):
+            # Local targets: a plain loop beats the thread hand-off (tools/bench_store.py).
+            return [one(i) for i in range(len(eks))]
+        return list(self._batch_pool.map(one, range(len(eks))))
+
+    @in_flight
+    def locate(self, eks: Sequence[bytes]) -> list[Meta | None]:
+        """The index half of a get, for readers that fetch the fragments themselves
+        (``kvstore.client.direct_reads``, through the daemon's Locate): per ``kind + key`` the live index
+        record (``None``: absent, expired or lost), each live one touched as a get does."""
+        self._check_open()
+        now = self.now_ns()
+        with self.index.env.begin() as txn:
+            metas = [self.index.get_meta(txn, ek) for ek in eks]
+        out: list[Meta | None] = []
+        for ek, m in zip(eks, metas):
+            if m is None or m.expired(now):
+                out.append(None)
+                continue
+            self._touch(ek, now)  # a located entry is about to be read: a use, as a get is
+            out.append(m)
+        return out
+
+    @in_flight
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
+                      kind: str = "block") -> list[EntryInfo | None]:
+        """Batched get straight into caller buffers (``kvstore.api``, "Reading into caller
+        buffers"): fragments are read and verified as in ``get_many``, the payload pieces
+        are copied from the fragment bodies into ``outs[i]`` (one copy; zstd entries are
+        decompressed into it), and the entry checksum is verified over ``outs[i]``.
+
+        Every buffer is checked against the index's plain size before any fragment is
+        read, so a too-small one raises ``InvalidRequest`` with nothing written.
+        """
+        self._check_open()
+        keys = check_keys(keys)
+        if len(outs) != len(keys):
+            raise InvalidRequest(f"get_many_into: {len(keys)} keys but {len(outs)} output buffers")
+        k = EntryKind.parse(kind)
+        eks = [ekey(k.code, key) for key in keys]
+        views = [writable_view(o, f"outs[{i}]") for i, o in enumerate(outs)]
+        now = self.now_ns()
+        with self.index.env.begin() as txn:
+            metas = [self.index.get_meta(txn, ek) for ek in eks]
+        metas = [None if m is not None and m.expired(now) else m for m in metas]  # absent, as in get_many
+        for i, m in enumerate(metas):
+            if m is not None and m.plain_len > len(views[i]):
+                raise InvalidRequest(
+                    f"outs[{i}] holds {len(views[i])} bytes but the {k.value} entry {eks[i][1:].hex()} "
+                    f"has {m.plain_len}; size the buffers from the entry layout"
+                )
+        self._count("gets", len(eks))
+
+        def one(i: int) -> EntryInfo | None:
+            m = metas[i]
+            if m is None:  # absent or expired (above)
+                self._count("get_misses")
+                return None
+            try:
+                h, _ = self._read_verified(eks[i], m, views[i])
+            except (Unrecoverable, StoreUnavailable) as exc:  # lost, or unreadable for now: a miss
+                log.error("get_many_into: %s", exc)
+                return None
+            self._count("bytes_out", h.plain_len)
+            self._touch(eks[i], now)
+            return EntryInfo(eks[i][1:], k, h.plain_len, h.layout, h.tokens)
+
+        live = [m for m in metas if m is not None]
+        if len(eks) == 1 or not any(self._parallel(m) for m in live):
+            return [one(i) for i in range(len(eks))]  # local targets: as in get_entries
+        return list(self._batch_pool.map(one, range(len(eks))))
+
+    # ------------------------------------------------------------------ access times (approximate LRU)
+    def _touch(self, ek: bytes, now: int) -> None:
+        with self._touch_lock:
+            self._touches[ek] = now
+            due = self.clock() - self._last_flush >= self.config.access_flush_s
+        if due:  # on whatever thread reads (a batch worker too): not a public call of its own
+            self._flush_touches_or_drop()
+
+    def _flush_touches_or_drop(self) -> None:
+        """Write the batched access times; on a full index filesystem they are dropped and
+        logged instead (access times are approximate: a read or a close never fails for them)."""
+        try:
+            with self.index.env.begin(write=True) as txn:
+                self._flush_touches_txn(txn)
+        except lmdb.Error as exc:
+            if not self.room.no_space(exc):
+                raise
+            log.warning("access times not written, the index's filesystem is full: %s", exc)
+
+    def _flush_touches_txn(self, txn) -> None:
+        with self._touch_lock:
+            pending, self._touches = self._touches, {}
+            self._last_flush = self.clock()
+        for ek, ts in pending.items():
+            self.index.touch_txn(txn, ek, ts)
+
+    @in_flight
+    def flush_touches(self) -> None:
+        """Write batched access times to the LRU ordering (one transaction)."""
+        with self.index.env.begin(write=True) as txn:
+            self._flush_touches_txn(txn)
+
+    # ------------------------------------------------------------------ delete, pin
+    @in_flight
+    @frees_space
+    def delete(self, key: bytes, *, kind: str = "block") -> bool:
+        self._check_open()
+        ek = ekey(EntryKind.parse(kind).code, check_key(key))
+        now = self.now_ns()
+        with self.index.env.begin(write=True) as txn:
+            m = self.index.get_meta(txn, ek)
+            if m is not None:
+                self.index.remove_txn(txn, ek, m, now)
+                return True
+            lost = self.index.get_lost(txn, ek)
+            if lost is not None:
+                self.index.drop_lost_txn(txn, ek, lost, now, to_grave=True)
+                return True
+        return False
+
+    @in_flight
+    def _set_pinned(self, key: bytes, kind: str, pinned: bool) -> bool:
+        self._check_open()
+        ek = ekey(EntryKind.parse(kind).code, check_key(key))
+        with self.index.env.begin(write=True) as txn:
+            m = self.index.get_meta(txn, ek)
+            if m is None or m.expired(self.now_ns()):  # expired: absent, as for get
+                return False
+            if m.pinned != pinned:
+                self.index.update_txn(txn, ek, m, replace(m, pinned=pinned))
+        return True
+
+    def pin(self, key: bytes, *, kind: str = "block") -> bool:
+        """Exempt a live entry from capacity eviction (TTL still applies). False if absent."""
+        return self._set_pinned(key, kind, True)
+
+    def unpin(self, key: bytes, *, kind: str = "block") -> bool:
+        return self._set_pinned(key, kind, False)
+
+    # ------------------------------------------------------------------ lookup
+    @in_flight
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        self._check_open()
+        keys = check_keys(keys)
+        hit, swa = self.index.lookup(keys, EntryKind.BLOCK.code, EntryKind.SWA.code, self.now_ns())
+        return LookupResult(hit, swa)
+
+    def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
+        self._check_open()
+        return [self.lookup(c) for c in chains]
+
+    @in_flight
+    def probe(self, keys: Sequence[bytes], *, until_miss: bool = False,
+              chain_ends: Sequence[int] | None = None) -> tuple[bytes, bytes]:
+        """Per key, on its own (not a chain): 1 if a live block entry, and 1 if also a live SWA
+        entry; as two byte strings (``RemoteStore.probe``'s answer, which serves it).
+        ``until_miss``, ``chain_ends``: ``Index.probe``'s (each chain read to its first miss)."""
+        self._check_open()
+        keys = check_keys(keys)
+        ends = check_chain_ends(chain_ends, len(keys), until_miss=until_miss)
+        return self.index.probe(keys, EntryKind.BLOCK.code, EntryKind.SWA.code, self.now_ns(),
+                                until_miss=until_miss, chain_ends=ends)
+
+    # ------------------------------------------------------------------ capacity
+    @in_flight
+    def used_bytes(self) -> int:
+        with self.index.env.begin() as txn:
+            return self.index.counter(txn, "used_bytes")
+
+    @in_flight
+    @frees_space
+    def evict_to(self, goal_bytes: int, *, dry_run: bool = False) -> int:
+        """Evict until at most ``goal_bytes`` are used (``kvstore.maintenance.passes.evict``: lost
+        entries first, then least recently used; never pinned ones). Returns the count."""
+        from kvstore.maintenance.passes import evict
+
+        return evict(self, goal_bytes, dry_run=dry_run)
+
+    # ------------------------------------------------------------------ maintenance, stats
+    @in_flight
+    @frees_space
+    def gc(self, *, dry_run: bool = False, orphans: bool = True, progress: Callable | None = None) -> dict:
+        from kvstore.maintenance.passes import run_gc
+
+        self._check_open()
+        return run_gc(self, dry_run=dry_run, sweep_orphans=orphans, progress=progress)
+
+    @in_flight
+    def check(self, fix: bool = False, *, progress: Callable | None = None) -> list:
+        from kvstore.maintenance.passes import check
+
+        self._check_open()
+        return check(self, fix=fix, progress=progress)
+
+    @in_flight
+    def repair(self, *, progress: Callable | None = None) -> dict:
+        from kvstore.maintenance.passes import repair
+
+        self._check_open()
+        return repair(self, progress=progress)
+
+    @in_flight
+    def rebuild_index(self, *, progress: Callable | None = None) -> dict:
+        """Index the entries found on the targets that the index does not know
+        (``kvstore.maintenance.reindex.reindex_store``: an index restored from an older copy)."""
+        from kvstore.maintenance.reindex import reindex_store
+
+        self._check_open()
+        return reindex_store(self, progress=progress)
+
+    @in_flight
+    def stats(self) -> dict:
+        from kvstore.embedded.stats import stats
+
+        self._check_open()
+        return stats(self)
+
+    def close(self, *, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Refuse new calls, wait up to ``wait_s`` for those in flight, write the batched
+        access times, close the index. Past the wait, the last call still running closes it
+        as it returns (``in_flight``). Idempotent."""
+        with self._calls:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._calls.wait_for(lambda: not self._in_flight, timeout=wait_s):
+                log.warning("%d calls still running at close: the last one closes the index", self._in_flight)
+                return
+        self._finish_close(deferred=False)
+
+    def _finish_close(self, *, deferred: bool) -> None:
+        """Once, with no call in flight: write the batched access times, stop the pools (not
+        waiting when a returning call closes: it may run on one of their threads), close the index."""
+        with self._calls:
+            if self._shut or self._in_flight:
+                return
+            self._shut = True
+        try:
+            self._flush_touches_or_drop()
+        finally:
+            # A read abandoned at read_timeout_s may still hold a worker: not waited for past a bound.
+            shutdown_all([self._batch_pool, self._pool, *self._target_pools_all()], wait=not deferred,
+                         timeout_s=POOL_JOIN_S)
+            self.index.close()
+
+    def __enter__(self) -> "EmbeddedStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_embedded(url: str, **overrides: Any) -> EmbeddedStore:
+    """``kvstore.connect`` opener for plain paths and ``file:`` URLs (``file:///abs``,
+    ``file://localhost/abs``, ``file:/abs``; the path is taken as written, not
+    percent-decoded, as the daemon's ``Describe`` writes target URLs)."""
+    path = file_url_path(url)
+    clock = overrides.pop("clock", None)
+    config_file = overrides.pop("config_file", None)
+    cfg = load_config(config_file, data_dir=path, **overrides)
+    return EmbeddedStore(cfg, clock=clock or time.time)
