@@ -2,9 +2,8 @@
 
 ``kvstore.connect("grpc://h1:p1,grpc://h2:p2,grpc://h3:p3")`` returns one.
 
-Placement: a key's owner is the shard with the highest
-``xxh3_64(key || shard name)`` (rendezvous hashing, as ``kvstore.embedded.placement``
-does for fragments), the name being the URL with its spelling made canonical
+Placement: a key's owner is the shard that scores best for it by rendezvous hashing
+(``kvstore.rendezvous``, the rule ``kvstore.embedded.placement`` uses for fragments), the name being the URL with its spelling made canonical
 (``kvstore.client.options.shard_name``: host case, port zeros, IPv6 forms). Every client computes the same owner with no shared
 state; adding a shard moves only the keys it now wins. A block entry and the
 SWA entry at the same key share an owner (the kind is not hashed), so one
@@ -58,11 +57,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
-import xxhash
 
 from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_put_items, writable_view
 from kvstore.client.direct_reads import check_into_sizes
 from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError, StoreClosed
+from kvstore import rendezvous
 from kvstore.keys import check_key, check_keys
 from kvstore.maintenance.passes import Problem, ProblemKind
 from kvstore.client.options import ClientOptions, parse_address, shard_name
@@ -149,13 +148,7 @@ class ShardedStore:
     def owner(self, key: bytes) -> int:
         """Index of the shard that owns ``key`` (rendezvous hashing; any 16-byte bytes-like key,
         else ``InvalidRequest``)."""
-        key = check_key(key)
-        best, best_i = -1, 0
-        for i, n in enumerate(self._names):
-            s = xxhash.xxh3_64_intdigest(key + n)
-            if s > best:
-                best, best_i = s, i
-        return best_i
+        return rendezvous.best(check_key(key), self._names)
 
     def shard_for(self, key: bytes) -> RemoteStore:
         """The shard of a single-key call; ``StoreClosed`` first after ``close``, as the embedded store."""
@@ -204,11 +197,9 @@ class ShardedStore:
     def _group(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
         """{shard: positions of the keys it owns}; ``owner`` for a whole batch at once (a
         1,000-key chain: one score matrix and one argmax, not 3,000 Python-level compares)."""
-        h = xxhash.xxh3_64_intdigest
-        scores = np.array([[h(k + n) for k in keys] for n in self._names], dtype=np.uint64)
         groups: dict[int, list[int]] = defaultdict(list)
-        for i, s in enumerate(scores.argmax(axis=0).tolist() if len(keys) else []):
-            groups[s].append(i)  # argmax keeps the first of equal scores, as ``owner`` does
+        for i, s in enumerate(rendezvous.best_many(keys, self._names)):
+            groups[s].append(i)
         return groups
 
     # ------------------------------------------------------------------ single-key calls

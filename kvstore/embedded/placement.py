@@ -1,9 +1,8 @@
 """Placement: which k+m targets hold an entry's fragments.
 
-Rendezvous (highest-random-weight) hashing on the entry key: every target gets
-a score ``xxh3_64(key || target name)``; fragments go to the best-scoring
-targets. Adding or removing a target moves only the entries that scored it
-among their best, and every node computes the same answer with no shared state.
+Rendezvous hashing on the entry key (``kvstore.rendezvous``): every target gets a
+score for the key; fragments go to the best-scoring targets, so adding or removing a
+target moves only the entries that scored it among their best.
 
 Failure domains: fragments are spread round-robin over domains first (the best
 target of each domain, domains ordered by their best score), so with at least
@@ -17,14 +16,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-import xxhash
-
 from kvstore.config import TargetSpec
 from kvstore.errors import InvalidRequest
-
-
-def _score(key: bytes, name: str) -> int:
-    return xxhash.xxh3_64_intdigest(key + name.encode("utf-8"))
+from kvstore.rendezvous import score
 
 
 def place(key: bytes, targets: Sequence[TargetSpec], n: int,
@@ -38,7 +32,7 @@ def place(key: bytes, targets: Sequence[TargetSpec], n: int,
         )
     by_domain: dict[str, list[tuple[int, str]]] = defaultdict(list)
     for t in live:
-        by_domain[t.domain].append((_score(key, t.name), t.name))
+        by_domain[t.domain].append((score(key, t.name.encode("utf-8")), t.name))
     queues = [sorted(v, reverse=True) for v in by_domain.values()]
     queues.sort(key=lambda q: q[0], reverse=True)
     out: list[str] = []
