@@ -2,14 +2,14 @@
 
 Modules, in the order a request meets them:
 
-* ``connector``: the contract (vLLM-v1-shaped hooks, each with when / how
+* ``contract``: the hooks an engine calls (vLLM-v1-shaped, each with when / how
   often / what it guarantees) and the records that cross it.
-* ``store_connector``: ``KVStoreConnector``, the implementation over the tiers
+* ``kv_connector``: ``KVStoreConnector``, the implementation over the tiers
   (device pool prefix cache -> ``tiers.HostCache`` -> any ``kvstore`` store),
   with SWA bounded replay and snapshot policy; ``connector_config``: its
   ``ConnectorConfig`` record (every knob, checked at construction) and the
   save policies.
-* ``transfer``: device backends (cpu / cuda / npu, a registry) and pinned
+* ``devices``: device backends (cpu / cuda / npu, a registry) and pinned
   staging buffers; ``loader``: tiers -> staging -> device on the loader
   thread (straight into the pool on a host-resident backend); ``saver``: the
   bounded background save queue; ``tiers``: host LRU cache, the guarded store

@@ -1,7 +1,7 @@
 """``ConnectorConfig`` and the save policies: every knob of ``KVStoreConnector``, checked up front.
 
 Who calls it: whoever builds a ``KVStoreConnector`` (tests, ``entrypoint.worker``,
-``tools/bench_engine.py``); ``engine_plugin.store_connector`` re-exports both names.
+``tools/bench_engine.py``); ``engine_plugin.kv_connector`` re-exports both names.
 
 Contract: a ``ConnectorConfig`` that was built is valid. Every field is checked in
 ``__post_init__`` and a bad one raises ``InvalidRequest`` naming the field, so a
@@ -51,7 +51,7 @@ MIN_STORE_CALLS = 6
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     block_size: int = 16
-    device: str = "cpu"  # a key of transfer.BACKENDS, optionally with ":index"
+    device: str = "cpu"  # a key of devices.BACKENDS, optionally with ":index"
     host_capacity_bytes: int = 256 * 1024 * 1024
     save_policy: str = "write_through"
     replay_policy: str = "exact"  # a name in KVLayout.replay_spans

@@ -76,7 +76,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from engine_plugin.connector import LoadSpec, Tier
+from engine_plugin.contract import LoadSpec, Tier
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The two lower tiers as the plugin sees them: a host (DRAM) LRU cache and a guarded store.
 
-Who calls it: ``engine_plugin.store_connector`` only.
+Who calls it: ``engine_plugin.kv_connector`` only.
 
 ``HostCache`` holds host tensors (pinned on accelerators) of block and SWA
 entries under ``(kind, key)`` with a byte capacity and LRU eviction; an

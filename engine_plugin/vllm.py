@@ -11,7 +11,7 @@ The options (``kv_connector_extra_config``) are ``engine_plugin.vllm_layout.Conn
 This module is a *binding*: it translates vLLM's hooks and KV layout. The core it
 reuses is the reference engine's: ``tiers.StoreGateway`` (timeouts, circuit
 breaker, length and layout checks on every read), ``saver.SaveQueue`` (the
-bounded background put queue), ``transfer`` (device backends, staging buffers)
+bounded background put queue), ``devices`` (device backends, staging buffers)
 and ``tiers.Metrics``. Keys come from ``kvstore.keys`` (vLLM's own chained
 ``request.block_hashes`` under a namespace of everything that changes KV bytes, the TP
 rank included: each worker keys the hashes the scheduler sends under its own rank, and
@@ -98,9 +98,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 import kvstore
+from engine_plugin.devices import BufferPool, get_backend
 from engine_plugin.saver import SaveQueue
 from engine_plugin.tiers import Metrics, StoreGateway
-from engine_plugin.transfer import BufferPool, get_backend
 from engine_plugin.vllm_layout import ConnectorOptions, GroupPlan, namespace_id
 from kvstore.api import Layout, PutItem
 from kvstore.errors import InvalidRequest

@@ -282,8 +282,8 @@ def build(cfg: WorkerConfig) -> tuple[WorkerService, Any]:
 
     Every config is built (and checked) before the store is opened; a failure after that
     closes what was opened before it raises."""
+    from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
     from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, model_preset
-    from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 
     mcfg = model_preset(cfg.model_preset)
     if cfg.role == "ve":

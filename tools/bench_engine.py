@@ -80,10 +80,10 @@ def _import_engine() -> None:
     import torch
 
     import kvstore
-    from engine_plugin.connector import BlockLoad, LoadSpec, Tier
+    from engine_plugin.contract import BlockLoad, LoadSpec, Tier
+    from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
     from engine_plugin.reference import (MODEL_PRESETS, Engine, EngineConfig, ReferenceModel, SamplingParams,
                                          model_preset)
-    from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
     from kvstore.api import ReadsInto
 
     ONE = SamplingParams(max_new_tokens=1)

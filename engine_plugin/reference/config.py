@@ -156,7 +156,7 @@ class EngineConfig:
     chunk_size: int = 64  # max prefill tokens of one request per step
     max_batched_tokens: int = 256  # token budget of one step across requests
     max_running: int = 8  # requests running at once
-    device: str = "cpu"  # a key of engine_plugin.transfer.BACKENDS
+    device: str = "cpu"  # a key of engine_plugin.devices.BACKENDS
     tenant_salt: bytes = b""
     sync_timing: bool = False  # synchronize the device around replays so replay_s is exact
 

@@ -74,7 +74,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engine_plugin.connector import (ForwardContext, KVConnectorBase, KVLayout, RestorePlan, ScheduledChunk,
+from engine_plugin.contract import (ForwardContext, KVConnectorBase, KVLayout, RestorePlan, ScheduledChunk,
                                      SchedulerOutput, WindowSnapshot)
 from engine_plugin.reference.config import EngineConfig
 from engine_plugin.reference.model import ReferenceModel, WindowState, snapshot_shape
@@ -176,7 +176,7 @@ class Engine:
                               dtype=model.embed.weight.dtype, device=model.device)
         self.namespace = namespace or default_namespace(model)
         tag = getattr(connector, "namespace_tag", "")
-        if tag:  # approximate restores: this engine's KV is not exact KV (connector.py, "Declared attributes")
+        if tag:  # approximate restores: this engine's KV is not exact KV (contract.py, "Declared attributes")
             self.namespace = replace(self.namespace, kv_layout=f"{self.namespace.kv_layout}+{tag}")
         # The weights this engine's namespace, pool and prefix cache belong to (see _check_model).
         self._model_id = model.model_id

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_plugin.connector import KVLayout
+from engine_plugin.contract import KVLayout
 from engine_plugin.reference.config import ModelConfig
 from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace

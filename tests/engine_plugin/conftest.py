@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kvstore
+from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, SamplingParams, model_preset
-from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 
 BLOCK = 16
 

@@ -13,10 +13,10 @@ import random
 
 import pytest
 
-from engine_plugin import transfer
-from engine_plugin.connector import Tier
+from engine_plugin import devices
+from engine_plugin.contract import Tier
+from engine_plugin.devices import DeviceBackend
 from engine_plugin.reference import SamplingParams
-from engine_plugin.transfer import DeviceBackend
 
 GREEDY = SamplingParams(max_new_tokens=5)
 
@@ -59,7 +59,7 @@ class LazyBackend(DeviceBackend):
 
 @pytest.fixture
 def lazy(monkeypatch):
-    monkeypatch.setitem(transfer.BACKENDS, "lazy", LazyBackend)
+    monkeypatch.setitem(devices.BACKENDS, "lazy", LazyBackend)
     return "lazy"
 
 

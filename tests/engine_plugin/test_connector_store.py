@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from engine_plugin.connector import Tier
+from engine_plugin.contract import Tier
 from engine_plugin.reference import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6)
@@ -225,8 +225,8 @@ def test_kv_computed_after_an_approximate_replay_never_reaches_an_exact_engine(t
     exact engine loaded them: its tokens differed from a cold run (QA). Its KV now lives in a
     namespace of its own; engines of one policy still share."""
     import kvstore
+    from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
     from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, model_preset
-    from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 
     model = ReferenceModel(model_preset("tiny"))
     store = kvstore.connect(str(tmp_path / "kv"), fsync=False)

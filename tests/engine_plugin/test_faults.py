@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine_plugin.connector import Tier
+from engine_plugin.contract import Tier
 from engine_plugin.reference import SamplingParams
 from engine_plugin.tiers import Metrics, StoreGateway
 from kvstore.api import EntryInfo, EntryKind, Layout, LookupResult
@@ -327,7 +327,7 @@ def test_a_store_raising_an_unexpected_exception_means_recompute(rig, store, fau
 def test_a_bug_in_the_plugin_around_a_store_call_is_not_swallowed(rig, store, monkeypatch, caplog):
     """Only the store call is guarded: an exception in the plugin's own code is not a store
     error. It is logged with its traceback and counted (``load_exceptions``), and the request
-    recomputes: the load hooks never raise (``engine_plugin.connector``)."""
+    recomputes: the load hooks never raise (``engine_plugin.contract``)."""
     rng = random.Random(110)
     prompt = rig.tokens(rng, 100)
     _seed(rig, store, prompt)
@@ -337,7 +337,7 @@ def test_a_bug_in_the_plugin_around_a_store_call_is_not_swallowed(rig, store, mo
 
     monkeypatch.setattr("engine_plugin.tiers.writable_view", broken)  # used after get_many returned
     eng = rig.engine(FaultyStore(store), direct_reads=False)
-    with caplog.at_level(logging.ERROR, logger="engine_plugin.store_connector"):
+    with caplog.at_level(logging.ERROR, logger="engine_plugin.kv_connector"):
         rig.same(rig.cold(prompt, GREEDY), eng.generate(prompt, GREEDY))
     assert "ZeroDivisionError: a bug in the plugin" in caplog.text and "Traceback" in caplog.text
     assert eng.connector.metrics.get("store_errors") == 0
@@ -426,8 +426,8 @@ def test_flush_waits_for_earlier_saves_not_for_an_empty_queue():
 _EXIT_SCRIPT = r"""
 import sys, time
 import kvstore
+from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, SamplingParams, model_preset
-from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 
 import engine_plugin.saver
 DELAY = {"slow": 0.2, "too_slow": 2.0, "hung": 3600.0}[sys.argv[2]]

@@ -13,8 +13,8 @@ import threading
 import numpy as np
 import pytest
 
-from engine_plugin.loader import Loader
 from engine_plugin.connector_config import MIN_STORE_CALLS
+from engine_plugin.loader import Loader
 from engine_plugin.reference import SamplingParams
 from engine_plugin.tiers import Metrics, StoreGateway
 from kvstore.api import EntryInfo, EntryKind, LookupResult, PutItem
@@ -112,7 +112,7 @@ def test_an_exception_escaping_the_loader_is_a_load_error(rig, store, monkeypatc
 
     monkeypatch.setattr(Loader, which, broken)
     eng = rig.engine(store)
-    with caplog.at_level(logging.ERROR, logger="engine_plugin.store_connector"):
+    with caplog.at_level(logging.ERROR, logger="engine_plugin.kv_connector"):
         warm = eng.generate(prompt, GREEDY)
     rig.same(rig.cold(prompt, GREEDY), warm)
     m = eng.connector.metrics.snapshot()

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from engine_plugin.connector import Tier
+from engine_plugin.contract import Tier
+from engine_plugin.devices import get_backend
+from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, SamplingParams, model_preset
-from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
-from engine_plugin.transfer import get_backend
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -19,9 +19,9 @@ import time
 
 import pytest
 import torch
-from tests.engine_plugin.test_transfer import outstanding
+from tests.engine_plugin.test_devices import outstanding
 
-from engine_plugin.connector import BlockLoad, LoadSpec, Tier
+from engine_plugin.contract import BlockLoad, LoadSpec, Tier
 from engine_plugin.reference import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=3)

@@ -12,11 +12,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from engine_plugin.devices import get_backend
+from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.reference import Engine, EngineConfig, SamplingParams, model_preset
 from engine_plugin.reference.engine import Status
-from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.tiers import MAX_STORE_CALLS
-from engine_plugin.transfer import get_backend
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.keys import ImageSpan
 

@@ -100,8 +100,8 @@ def test_config_validation():
 def test_every_field_that_changes_weights_or_kv_changes_the_namespace(rig, store, overrides):
     """Two models that differ only in a field left out of the readable id must not share keys:
     the second would load the first's KV (wrong output) from a shared store."""
+    from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
     from engine_plugin.reference import Engine, EngineConfig, SamplingParams
-    from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 
     base = model_preset("tiny")
     other = model_preset("tiny", **overrides)
@@ -133,8 +133,8 @@ def test_model_id_is_stable_and_ignores_only_the_name():
 
 
 def _store_engine(model, store, rig):
+    from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
     from engine_plugin.reference import Engine, EngineConfig
-    from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 
     conn = KVStoreConnector(model.kv_layout(), ConnectorConfig(block_size=16), store)
     rig.connectors.append(conn)

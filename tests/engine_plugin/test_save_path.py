@@ -11,13 +11,13 @@ import threading
 
 import pytest
 import torch
-from tests.engine_plugin.test_transfer import outstanding
+from tests.engine_plugin.test_devices import outstanding
 
-from engine_plugin.connector import BlockSave, WindowSnapshot
+from engine_plugin.contract import BlockSave, WindowSnapshot
+from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.reference import Engine, EngineConfig, SamplingParams
 from engine_plugin.reference.engine import SendState
 from engine_plugin.saver import SaveQueue
-from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.tiers import Metrics, StoreGateway
 from kvstore.api import PutItem
 from tests.kvstore.daemons import wait_until

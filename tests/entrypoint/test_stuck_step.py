@@ -19,8 +19,8 @@ import grpc
 import pytest
 import torch
 
+from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, SamplingParams, model_preset
-from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 from entrypoint.engine_runner import DEFAULT_STEP_TIMEOUT_S, EngineRunner
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg

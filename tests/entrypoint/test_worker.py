@@ -18,8 +18,8 @@ import grpc
 import pytest
 import torch
 
+from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector
 from engine_plugin.reference import Engine, EngineConfig, ReferenceModel, SamplingParams, model_preset
-from engine_plugin.store_connector import ConnectorConfig, KVStoreConnector
 from entrypoint.engine_runner import EngineRunner
 
 ROOT = Path(__file__).resolve().parents[2]

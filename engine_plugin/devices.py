@@ -1,6 +1,6 @@
 """Device backends and pinned staging buffers: the GDR-style transfer path.
 
-Who calls it: ``engine_plugin.store_connector`` (loads and saves), the
+Who calls it: ``engine_plugin.kv_connector`` (loads and saves), the
 benchmark and ``tools/gpu_check.sh``.
 
 Path of a load (store -> device)::

@@ -1,8 +1,8 @@
 """``KVStoreConnector``: the plugin's connector over host DRAM and a ``kvstore`` store.
 
-Who calls it: an engine through the hooks of ``engine_plugin.connector`` (the
+Who calls it: an engine through the hooks of ``engine_plugin.contract`` (the
 contract, with when/how often/guarantees for every hook). This module adds
-the policy of *what* is loaded and saved; ``transfer`` moves bytes and
+the policy of *what* is loaded and saved; ``devices`` moves bytes and
 ``tiers`` guards the host cache and the store.
 
 Tiers, fastest first: the engine's device pool (its prefix cache; the engine
@@ -73,14 +73,14 @@ from typing import Any, Sequence
 
 import torch
 
-from engine_plugin.connector import (BlockLoad, BlockSave, ConnectorMetadata, ForwardContext,
+from engine_plugin.connector_config import SAVE_POLICIES, ConnectorConfig, SavePolicy  # noqa: F401 - re-exported
+from engine_plugin.contract import (BlockLoad, BlockSave, ConnectorMetadata, ForwardContext,
                                      KVConnectorBase, KVLayout, LoadError, LoadSpec, RestorePlan,
                                      SchedulerOutput, Tier, WindowSnapshot)
-from engine_plugin.connector_config import SAVE_POLICIES, ConnectorConfig, SavePolicy  # noqa: F401 - re-exported
+from engine_plugin.devices import BufferPool, get_backend
 from engine_plugin.loader import Loader
 from engine_plugin.saver import SaveQueue
 from engine_plugin.tiers import HostCache, Metrics, StoreGateway
-from engine_plugin.transfer import BufferPool, get_backend
 from kvstore.api import KVStore, Layout, PutItem
 from kvstore.errors import InvalidRequest, StoreClosed
 
@@ -104,7 +104,7 @@ class _Job:
 
 
 class KVStoreConnector(KVConnectorBase):
-    """See the module docstring; hooks are documented in ``engine_plugin.connector``."""
+    """See the module docstring; hooks are documented in ``engine_plugin.contract``."""
 
     def __init__(self, layout: KVLayout, config: ConnectorConfig = ConnectorConfig(),
                  store: KVStore | None = None):
@@ -118,7 +118,7 @@ class KVStoreConnector(KVConnectorBase):
         self.policy = SAVE_POLICIES[config.save_policy]
         self.span = layout.replay_span(config.replay_policy)
         # KV computed after an approximate replay must not reach engines that replay exactly
-        # (the engine folds this into its namespace; connector.py, "Declared attributes").
+        # (the engine folds this into its namespace; contract.py, "Declared attributes").
         self.namespace_tag = f"replay-{config.replay_policy}" if layout.approximate(config.replay_policy) else ""
         self.B = self.block_size = config.block_size
         self._closed = False
@@ -399,7 +399,7 @@ class KVStoreConnector(KVConnectorBase):
         return set(self._send_failed)
 
     def request_aborted(self, request) -> None:
-        """See ``engine_plugin.connector``: waits for the request's loads still running (they
+        """See ``engine_plugin.contract``: waits for the request's loads still running (they
         may write into its blocks), then forgets its plan, pending loads and errors."""
         rid = request.request_id
         job = self._jobs.pop(rid, None)

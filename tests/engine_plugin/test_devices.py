@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine_plugin.devices import BACKENDS, BufferPool, DeviceBackend, get_backend
 from engine_plugin.tiers import HostCache, Metrics, StoreGateway
-from engine_plugin.transfer import BACKENDS, BufferPool, DeviceBackend, get_backend
 from kvstore.api import EntryInfo, EntryKind
 from kvstore.errors import InvalidRequest, StoreUnavailable
 
@@ -145,7 +145,7 @@ def test_gateway_inline_read_is_never_abandoned_but_trips_the_breaker():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
 def test_host_copy_is_exact_for_any_dtype_and_layout(dtype):
-    from engine_plugin.transfer import host_copy
+    from engine_plugin.devices import host_copy
 
     src = (torch.arange(24) % 7).to(dtype).view(4, 6)
     dst = torch.zeros(4, 6, dtype=dtype)
