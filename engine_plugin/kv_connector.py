@@ -78,7 +78,7 @@ from engine_plugin.contract import (BlockLoad, BlockSave, ConnectorMetadata, For
                                      KVConnectorBase, KVLayout, LoadError, LoadSpec, RestorePlan,
                                      SchedulerOutput, Tier, WindowSnapshot)
 from engine_plugin.devices import BufferPool, get_backend
-from engine_plugin.loader import Loader
+from engine_plugin.loader import EntryFormat, Loader
 from engine_plugin.saver import SaveQueue
 from engine_plugin.tiers import HostCache, Metrics, StoreGateway
 from kvstore.api import KVStore, Layout, PutItem
@@ -143,7 +143,12 @@ class KVStoreConnector(KVConnectorBase):
                                     backoff_s=config.store_backoff_s, max_calls=config.store_max_calls)
         self.buffers = BufferPool(self.backend, config.staging_buffers)
         self.load_stream, self.save_stream = self.backend.new_stream(), self.backend.new_stream()
-        self.loader = Loader(self, self.load_stream)
+        self.loader = Loader(host=self.host, gateway=self.gateway, buffers=self.buffers, backend=self.backend,
+                             metrics=self.metrics, stream=self.load_stream, dtype=self.dtype,
+                             block=EntryFormat(self.block_shape, self.block_nbytes, self.block_layout),
+                             snapshot=EntryFormat(self.snap_shape, self.snap_nbytes, self.snap_layout),
+                             direct_reads=self.direct_reads, batch_blocks=config.load_batch_blocks,
+                             timeout_s=config.store_timeout_s, promote=config.promote_to_host)
         self._loader = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
         self._plans: dict[str, _Plan] = {}
         self._snapped: dict[str, set[int]] = {}  # request id -> boundaries already snapshotted

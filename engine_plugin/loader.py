@@ -1,10 +1,13 @@
 """The load half of the transfer path: tiers -> (pinned staging ->) device, on the loader thread.
 
-Who calls it: ``KVStoreConnector.start_load_kv`` submits ``load_snapshot`` and
-``load_blocks`` (in that order, so layer 0's window is first) to its
-single loader thread; ``wait_for_layer_load`` waits on their futures.
+Who calls it: ``KVStoreConnector`` builds one ``Loader`` from its own parts (host
+tier, store gateway, staging pool, device backend, metrics, load stream, the
+entry formats and the load knobs of its config); ``start_load_kv`` submits
+``load_snapshot`` and ``load_blocks`` (in that order, so layer 0's window is
+first) to its single loader thread, and ``wait_for_layer_load`` waits on their
+futures. ``tools/bench_engine.py`` times ``load_blocks`` on its own.
 
-Two ways to land store payloads, chosen per load (``KVStoreConnector.direct_reads``):
+Two ways to land store payloads, chosen per load (``direct_reads``, given at construction):
 
 *Staged* (accelerators: the copy engine needs pinned memory to DMA from).
 Per batch of ``load_batch_blocks`` blocks (numbered steps, with reasons):
@@ -71,27 +74,54 @@ for the snapshot) and the events per layer group (``"global"``, ``"swa.<i>"``).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from engine_plugin.contract import LoadSpec, Tier
+from engine_plugin.devices import BufferPool, DeviceBackend
+from engine_plugin.tiers import HostCache, Metrics, StoreGateway
+from kvstore.api import Layout
 
 log = logging.getLogger(__name__)
 
 
-class Loader:
-    """Reads through the owning connector's tiers, gateway, buffers and backend."""
+@dataclass(frozen=True, slots=True)
+class EntryFormat:
+    """One kind of entry as the loader lands it: its tensor ``shape`` (in the loader's dtype),
+    its ``nbytes``, and the ``kvstore.api.Layout`` it must have been saved with."""
 
-    def __init__(self, connector: Any, stream: Any):
-        self.c = connector
-        self.stream = stream
+    shape: tuple[int, ...]
+    nbytes: int
+    layout: Layout
+
+
+class Loader:
+    """Reads through the parts it is given: host tier, store gateway, staging pool, device backend.
+
+    ``block`` and ``snapshot`` say what a block entry and an SWA snapshot are (``dtype`` is
+    their element type); ``direct_reads`` allows the direct path where the destination
+    permits it (a host-resident backend: see the module docstring); ``batch_blocks`` is the
+    batch size of a blocks load; ``timeout_s`` bounds the wait for staging buffers;
+    ``promote`` hands staged payloads to the host tier.
+    """
+
+    def __init__(self, *, host: HostCache, gateway: StoreGateway, buffers: BufferPool,
+                 backend: DeviceBackend, metrics: Metrics, stream: Any, dtype: torch.dtype,
+                 block: EntryFormat, snapshot: EntryFormat, direct_reads: bool, batch_blocks: int,
+                 timeout_s: float, promote: bool):
+        self.host, self.gateway, self.buffers = host, gateway, buffers
+        self.backend, self.metrics, self.stream = backend, metrics, stream
+        self.dtype, self.block, self.snapshot = dtype, block, snapshot
+        self.direct_reads, self.batch_blocks = direct_reads, batch_blocks
+        self.timeout_s, self.promote = timeout_s, promote
 
     # ------------------------------------------------------------------ shared
-    def _layout(self, kind: str):
+    def _layout(self, kind: str) -> Layout:
         """The ``kvstore.api.Layout`` an entry of ``kind`` must have been saved with."""
-        return self.c.block_layout if kind == "block" else self.c.snap_layout
+        return self.block.layout if kind == "block" else self.snapshot.layout
 
     def _read_direct(self, kind: str, keys: Sequence[bytes], outs: Sequence[np.ndarray],
                      nbytes: int) -> list[bool]:
@@ -100,10 +130,10 @@ class Loader:
         ``inline``: it runs on this thread (no executor hop, and nothing left running to wait
         for); one slower than the timeout trips the breaker but keeps its verified entries.
         """
-        res = self.c.gateway.read_into(keys, outs, kind=kind, nbytes=nbytes, layout=self._layout(kind),
+        res = self.gateway.read_into(keys, outs, kind=kind, nbytes=nbytes, layout=self._layout(kind),
                                        inline=True)
         if res.late:
-            self.c.metrics.inc("direct_read_overruns")
+            self.metrics.inc("direct_read_overruns")
             log.warning("a direct %s read of %d entries took longer than the store timeout; the "
                         "step waited for it (direct_reads=False keeps loads within the timeout)",
                         kind, len(keys))
@@ -118,28 +148,28 @@ class Loader:
         The caller owns the returned buffers (release, or detach when promoted); buffers of
         failed slots are already back in the pool (or will be, once an abandoned read ended).
         """
-        bufs = self.c.buffers.acquire_many(nbytes, len(keys), timeout=self.c.cfg.store_timeout_s)
+        bufs = self.buffers.acquire_many(nbytes, len(keys), timeout=self.timeout_s)
         if len(bufs) < len(keys):
-            self.c.metrics.inc("staging_exhausted")
+            self.metrics.inc("staging_exhausted")
         if not bufs:
             return [None] * len(keys)
         try:
-            res = self.c.gateway.read_into(keys[: len(bufs)], [b.numpy() for b in bufs], kind=kind,
+            res = self.gateway.read_into(keys[: len(bufs)], [b.numpy() for b in bufs], kind=kind,
                                            nbytes=nbytes, layout=self._layout(kind))
         except BaseException:  # a bug past the gateway: the call ended, nothing writes into them
             for b in bufs:
-                self.c.buffers.release(b)
+                self.buffers.release(b)
             raise
         if res.pending is not None:
             # The store may still be writing into every one of these buffers.
-            res.pending.add_done_callback(lambda _f, held=bufs: [self.c.buffers.release(b) for b in held])
+            res.pending.add_done_callback(lambda _f, held=bufs: [self.buffers.release(b) for b in held])
             return [None] * len(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
         for i, (buf, ok) in enumerate(zip(bufs, res.ok)):
             if ok:
                 out[i] = buf
             else:
-                self.c.buffers.release(buf)
+                self.buffers.release(buf)
         return out
 
     def _promote(self, kind: str, key: bytes, buf: torch.Tensor, typed: torch.Tensor,
@@ -151,14 +181,14 @@ class Loader:
         *after* the entry went in, so a raising put detaches the buffer too: the pool must never
         hand out a buffer the tier may serve (a lost buffer is only a new allocation).
         """
-        if not self.c.cfg.promote_to_host:
+        if not self.promote:
             return
         kept = True  # stays True when put raises: the tier may hold the buffer
         try:
-            kept = self.c.host.put(kind, key, typed)
+            kept = self.host.put(kind, key, typed)
         finally:
             if kept:
-                self.c.buffers.detach(held.pop(id(buf)))
+                self.buffers.detach(held.pop(id(buf)))
 
     def _give_back(self, held: dict[int, torch.Tensor]) -> None:
         """After an exception past staging: release the buffers still ``held`` once no copy reads them.
@@ -167,59 +197,59 @@ class Loader:
         may have queued its copy without returning an event. A sync that raises leaves them out.
         """
         if held:
-            self.c.backend.synchronize()
+            self.backend.synchronize()
         while held:
-            self.c.buffers.release(held.popitem()[1])
+            self.buffers.release(held.popitem()[1])
 
     def _direct_ok(self, t: torch.Tensor, shape: tuple[int, ...]) -> bool:
         """Whether a store may write ``t`` (a pool, a window) directly: see the module docstring."""
-        return (self.c.direct_reads and t.device.type == "cpu" and t.dtype == self.c.dtype
+        return (self.direct_reads and t.device.type == "cpu" and t.dtype == self.dtype
                 and tuple(t.shape[-len(shape):]) == shape and t.is_contiguous())
 
     # ------------------------------------------------------------------ snapshot
     def load_snapshot(self, spec: LoadSpec, win: torch.Tensor) -> tuple[bool, dict]:
         key = spec.snapshot_key
-        L = self.c.snap_shape[0]
-        src = self.c.host.get("swa", key) if spec.snapshot_tier is Tier.HOST else None
-        if (src is None and not self.c.cfg.promote_to_host
-                and tuple(win.shape) == self.c.snap_shape and self._direct_ok(win, self.c.snap_shape)):
-            ok = self._read_direct("swa", [key], [win.view(-1).view(torch.uint8).numpy()], self.c.snap_nbytes)[0]
+        L = self.snapshot.shape[0]
+        src = self.host.get("swa", key) if spec.snapshot_tier is Tier.HOST else None
+        if (src is None and not self.promote
+                and tuple(win.shape) == self.snapshot.shape and self._direct_ok(win, self.snapshot.shape)):
+            ok = self._read_direct("swa", [key], [win.view(-1).view(torch.uint8).numpy()], self.snapshot.nbytes)[0]
             if not ok:
-                self.c.metrics.inc("snapshot_load_failed")
+                self.metrics.inc("snapshot_load_failed")
                 return False, {}
-            self.c.metrics.inc("bytes_loaded", self.c.snap_nbytes)
+            self.metrics.inc("bytes_loaded", self.snapshot.nbytes)
             return True, {f"swa.{l}": None for l in range(L)}
         held: dict[int, torch.Tensor] = {}  # the staging buffer, until promoted or released
         try:
             if src is None:
-                buf = self._read_staged("swa", [key], self.c.snap_nbytes)[0]
+                buf = self._read_staged("swa", [key], self.snapshot.nbytes)[0]
                 if buf is None:
-                    self.c.metrics.inc("snapshot_load_failed")
+                    self.metrics.inc("snapshot_load_failed")
                     return False, {}
                 held[id(buf)] = buf
-                src = buf.view(self.c.dtype).view(self.c.snap_shape)
+                src = buf.view(self.dtype).view(self.snapshot.shape)
                 self._promote("swa", key, buf, src, held)
-            events = {f"swa.{l}": self.c.backend.copy_async(win[l], src[l], self.stream)
+            events = {f"swa.{l}": self.backend.copy_async(win[l], src[l], self.stream)
                       for l in range(L)}  # layer by layer: layer 0 can start first
             if held:
-                self.c.backend.sync_event(events[f"swa.{L - 1}"])
-                self.c.buffers.release(held.popitem()[1])
+                self.backend.sync_event(events[f"swa.{L - 1}"])
+                self.buffers.release(held.popitem()[1])
         except BaseException:
             self._give_back(held)
             raise
-        self.c.metrics.inc("bytes_loaded", self.c.snap_nbytes)
+        self.metrics.inc("bytes_loaded", self.snapshot.nbytes)
         return True, events
 
     # ------------------------------------------------------------------ blocks
     def load_blocks(self, spec: LoadSpec, pool: torch.Tensor) -> tuple[int, dict]:
         """Copy the spec's blocks into the pool; returns (leading good blocks, events)."""
-        if self._direct_ok(pool, self.c.block_shape) and pool.dim() == 1 + len(self.c.block_shape):
+        if self._direct_ok(pool, self.block.shape) and pool.dim() == 1 + len(self.block.shape):
             return self._load_blocks_direct(spec, pool)
         return self._load_blocks_staged(spec, pool)
 
     def _load_blocks_direct(self, spec: LoadSpec, pool: torch.Tensor) -> tuple[int, dict]:
         rows = pool.view(pool.shape[0], -1).view(torch.uint8).numpy()  # [num_blocks, block_nbytes]
-        host, nbytes, nb = self.c.host, self.c.block_nbytes, self.c.cfg.load_batch_blocks
+        host, nbytes, nb = self.host, self.block.nbytes, self.batch_blocks
         good, ev = 0, None
         for s in range(0, len(spec.blocks), nb):
             batch = spec.blocks[s:s + nb]
@@ -229,7 +259,7 @@ class Loader:
                 if src is None:
                     from_store.append(i)
                 else:
-                    ev = self.c.backend.copy_async(pool[b.block_id], src, self.stream)
+                    ev = self.backend.copy_async(pool[b.block_id], src, self.stream)
             ok = [True] * len(batch)
             if from_store:
                 res = self._read_direct("block", [batch[i].key for i in from_store],
@@ -238,20 +268,20 @@ class Loader:
                     ok[i] = r
             n = next((i for i, r in enumerate(ok) if not r), len(batch))
             good += n
-            self.c.metrics.inc("bytes_loaded", nbytes * sum(1 for i in from_store if i < n))
+            self.metrics.inc("bytes_loaded", nbytes * sum(1 for i in from_store if i < n))
             if n < len(batch):
                 break  # blocks past the first bad one are useless (a hit is a prefix)
         return good, {"global": ev}
 
     def _load_blocks_staged(self, spec: LoadSpec, pool: torch.Tensor) -> tuple[int, dict]:
         good, ev = 0, None
-        nb = self.c.cfg.load_batch_blocks
+        nb = self.batch_blocks
         for s in range(0, len(spec.blocks), nb):
             batch = spec.blocks[s:s + nb]
             srcs: list[torch.Tensor | None] = [
-                self.c.host.get("block", b.key) if b.tier is Tier.HOST else None for b in batch]
+                self.host.get("block", b.key) if b.tier is Tier.HOST else None for b in batch]
             need = [i for i, t in enumerate(srcs) if t is None]
-            staged = self._read_staged("block", [batch[i].key for i in need], self.c.block_nbytes) if need else []
+            staged = self._read_staged("block", [batch[i].key for i in need], self.block.nbytes) if need else []
             held = {id(b): b for b in staged if b is not None}  # to give back: not promoted nor released
             try:
                 used, stop = 0, False
@@ -259,22 +289,22 @@ class Loader:
                     if buf is None:
                         break  # blocks past the first bad one are useless (a hit is a prefix)
                     used += 1
-                    srcs[i] = buf.view(self.c.dtype).view(self.c.block_shape)
+                    srcs[i] = buf.view(self.dtype).view(self.block.shape)
                     self._promote("block", batch[i].key, buf, srcs[i], held)
                 for buf in staged[used + 1:]:  # verified but past the gap: no copy reads them
                     if buf is not None:
-                        self.c.buffers.release(held.pop(id(buf)))
+                        self.buffers.release(held.pop(id(buf)))
                 for b, src in zip(batch, srcs):
                     if src is None:
                         stop = True
                         break
-                    ev = self.c.backend.copy_async(pool[b.block_id], src, self.stream)
+                    ev = self.backend.copy_async(pool[b.block_id], src, self.stream)
                     good += 1
-                self.c.metrics.inc("bytes_loaded", used * self.c.block_nbytes)
+                self.metrics.inc("bytes_loaded", used * self.block.nbytes)
                 if held:
-                    self.c.backend.sync_event(ev)  # the staging buffers are free once the copies ran
+                    self.backend.sync_event(ev)  # the staging buffers are free once the copies ran
                     while held:
-                        self.c.buffers.release(held.popitem()[1])
+                        self.buffers.release(held.popitem()[1])
             except BaseException:  # a bug or a store fault past staging (the host tier's eviction)
                 self._give_back(held)
                 raise
