@@ -1,7 +1,9 @@
 """Device backends and pinned staging buffers: the GDR-style transfer path.
 
-Who calls it: ``engine_plugin.kv_connector`` (loads and saves), the
-benchmark and ``tools/gpu_check.sh``.
+Who uses it: ``KVStoreConnector`` (a backend from ``get_backend(config.device)`` and a
+``BufferPool``, for its saves and handed to its ``Loader``), the vLLM binding
+(``engine_plugin.vllm``) and the GPU tests (``tests/engine_plugin/test_gpu.py``, run by
+``tools/gpu_check.sh``).
 
 Path of a load (store -> device)::
 
@@ -60,8 +62,7 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy between contiguous host tensors with one memcpy on the calling thread.
 
     ``Tensor.copy_`` would fan out to torch's intra-op thread pool, which the
-    loader and saver threads would then fight over with the engine's compute
-    (measured: 4-30x slower staging under contention on 2 cores).
+    loader and saver threads would then fight over with the engine's compute.
     """
     if dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.numel() == src.numel():
         np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.view(-1).view(torch.uint8).numpy())

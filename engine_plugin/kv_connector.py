@@ -396,7 +396,7 @@ class KVStoreConnector(KVConnectorBase):
             self.metrics.inc("requests_save_incomplete", len(failed))
         # No store, or write-back: no request's blocks are saved on its behalf (write-back puts
         # a block only when the host tier evicts it), so none is reported sent, even one that
-        # had no save at all (it used to be): a decode told "sent" would find its KV missing.
+        # had no save at all: a decode told "sent" would find its KV missing.
         self._send_failed = failed if self._sends_blocks else set(done)
         return done, set()
 

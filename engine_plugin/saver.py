@@ -1,7 +1,8 @@
 """The background save path: a bounded queue of store puts and one saver thread.
 
-Who calls it: ``KVStoreConnector`` (``submit`` from the engine thread after
-the device-to-host copies completed; ``flush``/``close`` at shutdown).
+Who calls it: ``KVStoreConnector`` (``submit`` from the engine thread after the
+device-to-host copies completed, ``take_sent`` from ``get_finished``, ``flush``/``close``
+at shutdown) and the vLLM binding (``engine_plugin.vllm``: ``submit``, ``close``).
 
 Guarantees:
   1. ``submit`` never blocks longer than ``enqueue_timeout_s``: a full queue
@@ -22,18 +23,18 @@ Guarantees:
      counting under their old tag, apart from those of a request re-added under the same
      id (``EngineRunner`` retries a request alone under its id; clients reuse ids). So the
      new request is reported once *its* jobs end, whatever the aborted one's do, and an
-     aborted job that fails marks nothing. Before, one count per id was shared: the aborted
-     jobs ending cleared the id's marks and the new request was never reported (it stayed
-     PENDING in the engine's ``_sending`` for ever). ``mark_finished`` ends the current
+     aborted job that fails marks nothing. (One count per id, shared, would let the aborted
+     jobs' end clear the id's marks, and the new request would never be reported: it would
+     stay PENDING in the engine's ``_sending`` for ever.) ``mark_finished`` ends the current
      incarnation too: a request re-added under the id of a finished one whose saves still
      run (no abort between) counts its own jobs and marks apart, and ``take_sent`` reports
      an id's finished incarnations one at a time, oldest first, each once its own jobs
      ended, with its own outcome (at most once per id per call, so an owner that pairs each
      report of an id with its oldest record waiting, as ``Engine.collect_finished`` does,
-     gives each record its own). Before, the new request's jobs joined the finished one's
-     count: the finished one was reported with the new one's failures (or the new one's
-     finish was folded into its report), and the new one was reported sent for saves it
-     never made, or the engine's record of the finished one stayed PENDING for ever.
+     gives each record its own). (Were the new request's jobs counted with the finished
+     one's, the finished one would be reported with the new one's failures, or the new
+     one's finish folded into its report: the new one reported sent for saves it never
+     made, or the engine's record of the finished one PENDING for ever.)
   4. The saver thread never dies on an error: it logs, counts, goes on.
   5. ``flush`` waits for the jobs submitted before it was called, not for an empty
      queue: jobs get a ticket in queue order (``submit`` holds ``_submit_lock`` across
@@ -53,9 +54,9 @@ Guarantees:
      line, and on the deadline or Ctrl-C drops what is left quietly (one line,
      counted as ``saves_dropped``); a gateway call that hangs does not hold exit up
      (it runs on a daemon thread, ``kvstore.executors.DaemonExecutor``, as do the
-     embedded store's own I/O pools). Before, the saves
-     still queued failed with "cannot schedule new futures" and were silently
-     missing from the store.
+     embedded store's own I/O pools). Flushed any later, the saves still queued
+     would fail with "cannot schedule new futures" and be silently missing from
+     the store.
 """
 
 from __future__ import annotations

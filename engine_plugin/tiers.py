@@ -1,6 +1,8 @@
 """The two lower tiers as the plugin sees them: a host (DRAM) LRU cache and a guarded store.
 
-Who calls it: ``engine_plugin.kv_connector`` only.
+Who uses it: ``KVStoreConnector`` builds one ``HostCache``, one ``StoreGateway`` and one
+``Metrics`` and hands them to its ``Loader`` and ``SaveQueue``; the vLLM binding
+(``engine_plugin.vllm``) builds its own gateway and metrics.
 
 ``HostCache`` holds host tensors (pinned on accelerators) of block and SWA
 entries under ``(kind, key)`` with a byte capacity and LRU eviction; an
@@ -18,8 +20,8 @@ hangs on it and never uses bad bytes:
    timeout again on every request. A store that answers and refuses a call for
    want of room (``CapacityExceeded``: a save that does not fit beside pinned
    entries, a tenant's quota) is not an outage: that call fails, counted
-   ``store_refused``, and the breaker stays closed, so reads go on (QA: a save
-   over the capacity cut the engine off from the store, its reads included);
+   ``store_refused``, and the breaker stays closed, so reads go on (a save over
+   the capacity must not cut the engine off from the store, its reads included);
 3. a read returns ``None`` for an entry that is missing, lost, corrupt, of
    the wrong size, or saved with another layout than the caller expects (the
    store checks checksums; the gateway checks lengths and, where the store
@@ -77,8 +79,8 @@ the breaker (2): with that many calls hung, the store is as good as down. So hun
 cost at most ``max_calls`` threads, never delay a later call (a lookup, a read
 holding staging buffers, a put) behind them, and once they end (or the store
 recovers for new connections while fewer than ``max_calls`` hang) calls reach the
-store again. Before, 4 workers were shared by every call: after 4 hung, every later
-call queued behind them, timed out and tripped the breaker, for good.
+store again. A fixed pool of workers shared by every call would not: once all of them
+hung, every later call would queue behind them, time out and trip the breaker, for good.
 """
 
 from __future__ import annotations

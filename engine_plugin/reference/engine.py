@@ -1,6 +1,6 @@
 """The reference engine: paged global KV, chunked prefill, batched decode, a connector.
 
-Who calls it: tests, ``tools/bench_engine.py`` and the walkthrough. Usage::
+Who calls it: the serving worker (``entrypoint.worker``), tests and ``tools/bench_engine.py``. Usage::
 
     eng = Engine(ReferenceModel(model_preset("tiny")), EngineConfig(block_size=16), connector=conn)
     eng.add_request("r1", prompt_ids, SamplingParams(max_new_tokens=8))

@@ -1,7 +1,8 @@
 """The reference model: a small, real torch model in the shape of DeepSeek V4.1.
 
 Who calls it: ``engine_plugin.reference.engine.Engine`` (prefill, decode and
-replay, one request chunk at a time), the tests and the benchmark.
+replay, one request chunk at a time); whoever builds an engine (the serving worker,
+tests, tools) builds the model first, and ``tools/fit_cost_model.py`` also times it directly.
 
 Shape (``ModelConfig`` names in brackets)::
 

@@ -1,7 +1,8 @@
 """The paged global-KV pool with a prefix cache: the device tier (HBM) of the plugin.
 
 Who calls it: the engine (allocate / free / match / register) and, through
-``on_evict``, the connector (write-back of evicted blocks to the host tier).
+``on_evict``, the connector (write-back of evicted blocks to the host tier);
+``tools/fit_cost_model.py`` times its layers over one directly.
 
 Layout: ``kv`` is ``[num_blocks, block_size, d_global]`` on the engine device;
 a request's block table maps its block index i to a pool block id.
