@@ -91,7 +91,7 @@ from kvstore.embedded.fragments import FragmentIO
 from kvstore.keys import check_key, tenant_key
 from kvstore.embedded.packs import PackIO
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import PermissionDenied, RequestTooLarge, ServerBusy, StaleDescribe, Unauthenticated
+from kvstore.errors import PermissionDenied, RequestTooLarge, ServerBusy, StaleDescribe, Unauthenticated
 from kvstore.embedded.targets import Target, open_target
 from kvstore.embedded.tuning import tune_malloc
 

@@ -25,7 +25,7 @@ import kvstore
 from kvstore import PutItem
 from kvstore.cli.kvtool import main
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import DeadlineExceeded
+from kvstore.errors import DeadlineExceeded
 
 from tests.kvstore.daemons import ROOT, subprocess_env
 

@@ -25,7 +25,8 @@ from kvstore.errors import StoreUnavailable
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.client.options import ClientOptions
 from kvstore.client.remote import RemoteStore
-from kvstore.wire import MD_BATCH_LIMIT, BatchTooLarge, error_from_rpc, status_of
+from kvstore.errors import BatchTooLarge
+from kvstore.wire import MD_BATCH_LIMIT, error_from_rpc, status_of
 
 TLS_ENV = ("KVSTORE_CA_FILE", "KVSTORE_CERT_FILE", "KVSTORE_KEY_FILE")
 

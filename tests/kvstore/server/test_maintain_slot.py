@@ -12,7 +12,7 @@ import pytest
 
 import kvstore
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import DeadlineExceeded, ServerBusy
+from kvstore.errors import DeadlineExceeded, ServerBusy
 
 
 def test_one_pass_at_a_time_whether_unary_streamed_or_background(make_daemon) -> None:
