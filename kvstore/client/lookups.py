@@ -1,9 +1,9 @@
-"""The lookups of ``kvstore.client.remote.RemoteStore``: ``lookup``, ``lookup_many``, ``probe``.
+"""``Lookups``: the prefix lookups of ``kvstore.client.remote.RemoteStore`` on one daemon:
+``lookup``, ``lookup_many`` and ``probe``.
 
-``RemoteLookup`` is a base of ``RemoteStore`` (kept apart so each file has one job): it uses
-the store's ``_call``, ``_each_piece``, ``_learn``, ``_check_count``, ``_check_open`` and
-``_batch_items``, and follows ``kvstore.client.remote``'s rules (validated before anything is sent;
-a chain over the daemon's ``max_batch_items`` goes in pieces, in order).
+Every key is validated before anything is sent; a chain longer than the transport's
+``batch_items`` (``kvstore.client.transport``) goes in pieces, in order, each piece asked
+only while the keys before it all hit.
 """
 
 from __future__ import annotations
@@ -11,14 +11,17 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvstore.api import LookupResult, check_chain_ends
-from kvstore.errors import InternalError
+from kvstore.client.transport import Transport
+from kvstore.errors import BatchTooLarge, InternalError
 from kvstore.keys import check_keys
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import BatchTooLarge
 
 
-class RemoteLookup:
-    """``lookup``, ``lookup_many`` and ``probe`` over gRPC (module docstring)."""
+class Lookups:
+    """``lookup``, ``lookup_many`` and ``probe`` over ``rpc`` (module docstring)."""
+
+    def __init__(self, rpc: Transport):
+        self._rpc = rpc
 
     @staticmethod
     def _result(r: pb.LookupReply) -> LookupResult:
@@ -28,11 +31,11 @@ class RemoteLookup:
         """Longest prefix; a chain longer than ``max_batch_items`` is looked up piece by piece,
         each piece only while every key before it hit (a 100k-token prompt in 16-token blocks
         is a 6,250-key chain)."""
-        self._check_open()
+        self._rpc.check_open()
         keys = check_keys(keys)
         hit, swa_at = 0, None
-        for p, r in self._each_piece(len(keys), lambda p: self._result(
-                self._call("Lookup", pb.LookupRequest(keys=keys[p])))):
+        for p, r in self._rpc.each_piece(len(keys), lambda p: self._result(
+                self._rpc.call("Lookup", pb.LookupRequest(keys=keys[p])))):
             hit = p.start + r.hit_blocks
             if r.swa_at is not None:
                 swa_at = p.start + r.swa_at
@@ -43,15 +46,15 @@ class RemoteLookup:
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
         """One result per chain, in order. The daemon limits both the chains of one LookupMany
         and the keys in all of them to its ``max_batch_items``: chains go in pieces of whole
-        chains within both (``_batch_items``), a chain longer than that alone through
+        chains within both (``batch_items``), a chain longer than that alone through
         ``lookup``. A piece refused as too large re-splits once with the learned limit, as
-        ``_each_piece`` does."""
-        self._check_open()
+        ``Transport.each_piece`` does."""
+        self._rpc.check_open()
         msgs = [check_keys(c) for c in chains]  # every chain validated before anything is sent
         out: list[LookupResult] = []
         i, retried = 0, False
         while i < len(msgs):
-            limit = self._batch_items
+            limit = self._rpc.batch_items
             if len(msgs[i]) > limit:
                 out.append(self.lookup(msgs[i]))
                 i += 1
@@ -61,14 +64,14 @@ class RemoteLookup:
                 n_keys += len(msgs[j])
                 j += 1
             try:
-                reply = self._call("LookupMany", pb.LookupManyRequest(
+                reply = self._rpc.call("LookupMany", pb.LookupManyRequest(
                     chains=[pb.LookupRequest(keys=c) for c in msgs[i:j]]))
             except BatchTooLarge as exc:
-                if retried or not self._learn(exc, max(j - i, n_keys)):
+                if retried or not self._rpc.learn(exc, max(j - i, n_keys)):
                     raise
                 retried = True
                 continue  # the same chains again, within the learned limit
-            out.extend(self._result(r) for r in self._check_count("LookupMany", list(reply.results), j - i))
+            out.extend(self._result(r) for r in self._rpc.check_count("LookupMany", list(reply.results), j - i))
             i = j
         return out
 
@@ -86,9 +89,9 @@ class RemoteLookup:
         def ask(p: slice) -> Any:
             # the distinct ends inside the piece (empty shares dropped): never more than its keys
             cut = None if ends is None else sorted({e - p.start for e in ends if p.start < e < p.stop} | {p.stop - p.start})
-            return self._call("Probe", pb.ProbeRequest(keys=keys[p], until_miss=until_miss, chain_ends=cut))
+            return self._rpc.call("Probe", pb.ProbeRequest(keys=keys[p], until_miss=until_miss, chain_ends=cut))
 
-        for p, r in self._each_piece(len(keys), ask):
+        for p, r in self._rpc.each_piece(len(keys), ask):
             n = p.stop - p.start
             short = len(r.block) < n
             if len(r.swa) != len(r.block) or len(r.block) > n or (
