@@ -354,7 +354,7 @@ def check_message_bytes(encs: Sequence[EncodedPut], batch: int, limit: int) -> N
 
 
 def check_value_sizes(encs: Sequence[EncodedPut], limit: int | None) -> None:
-    """The embedded store's ``InvalidRequest`` (``FragmentIO._checked``, word for word) for the
+    """The embedded store's ``InvalidRequest`` (its message word for word) for the
     first value over ``limit`` (a daemon's ``max_value_bytes``; ``None``: unknown, no check)."""
     if not limit:
         return

@@ -102,7 +102,7 @@ REFUSED = (InvalidRequest, ServerBusy, Unauthenticated, PermissionDenied, Capaci
 
 # The gRPC put of the client. It must take whatever the client let through to this path (each item
 # within max_message_bytes, their total unbounded): it sends them in messages that fit, never refusing
-# a piece after earlier pieces of its batch were committed (``RemoteStore._send_fitting``).
+# a piece after earlier pieces of its batch were committed (``kvstore.client.puts.Puts.send_fitting``).
 PutFallback = Callable[[Sequence[PutItem]], list]
 
 
