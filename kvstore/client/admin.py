@@ -19,13 +19,11 @@ CANCELLED in ``kvstore_requests_total``, or count it only after the client had r
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from kvstore import index_view
-from kvstore.api import EntryKind
 from kvstore.client.transport import Transport
 from kvstore.errors import InternalError
-from kvstore.keys import check_keys
 from kvstore.maintenance.passes import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 
@@ -107,22 +105,20 @@ class Admin:
         computed by the daemon). Needs an admin tenant (``PermissionDenied`` otherwise)."""
         return json.loads(self._rpc.call("Inspect", pb.InspectRequest()).json)
 
-    def inspect_entries(self, keys: Sequence[bytes], *, kind: str = "block") -> list[dict]:
-        """Per key, in order, its index view (``index_view.entry_view``: state live/lost/absent,
+    def inspect_entries(self, keys: list[bytes], kind: str) -> list[dict]:
+        """Per validated key, in order, its index view (``index_view.entry_view``: state live/lost/absent,
         sizes, times, fragments). Read-only: nothing is read or refreshed. An admin tenant
-        names index keys; any other tenant its own keys (kvstore.proto's ``Inspect``)."""
-        k = EntryKind.parse(kind).value
-        keys = check_keys(keys)
+        names index keys; any other tenant its own keys (kvstore.proto's ``Inspect``). ``kind``
+        is a kind's checked name (``EntryKind.value``)."""
         out: list[dict] = []
         for _, got in self._rpc.each_piece(len(keys), lambda p: self._inspect_piece(
-                pb.InspectRequest(keys=keys[p], kind=k), "entries", p.stop - p.start)):
+                pb.InspectRequest(keys=keys[p], kind=kind), "entries", p.stop - p.start)):
             out.extend(got)
         return out
 
-    def inspect_chain(self, keys: Sequence[bytes]) -> list[dict]:
-        """Per position of a prefix chain, the state of its block and of its SWA entry
+    def inspect_chain(self, keys: list[bytes]) -> list[dict]:
+        """Per position of a validated prefix chain, the state of its block and of its SWA entry
         (``index_view.chain_view``); read-only, keys as for ``inspect_entries``."""
-        keys = check_keys(keys)
         out: list[dict] = []
         for p, got in self._rpc.each_piece(len(keys), lambda p: self._inspect_piece(
                 pb.InspectRequest(keys=keys[p], chain=True), "positions", p.stop - p.start)):

@@ -1,19 +1,19 @@
 """``Lookups``: the prefix lookups of ``kvstore.client.remote.RemoteStore`` on one daemon:
 ``lookup``, ``lookup_many`` and ``probe``.
 
-Every key is validated before anything is sent; a chain longer than the transport's
+Keys come validated (``RemoteStore`` checks them, once, before anything is sent); a
+chain longer than the transport's
 ``batch_items`` (``kvstore.client.transport``) goes in pieces, in order, each piece asked
 only while the keys before it all hit.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
-from kvstore.api import LookupResult, check_chain_ends
+from kvstore.api import LookupResult
 from kvstore.client.transport import Transport
 from kvstore.errors import BatchTooLarge, InternalError
-from kvstore.keys import check_keys
 from kvstore.proto import kvstore_pb2 as pb
 
 
@@ -27,12 +27,10 @@ class Lookups:
     def _result(r: pb.LookupReply) -> LookupResult:
         return LookupResult(int(r.hit_blocks), int(r.swa_at) if r.HasField("swa_at") else None)
 
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest prefix; a chain longer than ``max_batch_items`` is looked up piece by piece,
-        each piece only while every key before it hit (a 100k-token prompt in 16-token blocks
-        is a 6,250-key chain)."""
-        self._rpc.check_open()
-        keys = check_keys(keys)
+    def lookup(self, keys: list[bytes]) -> LookupResult:
+        """Longest prefix of validated ``keys``; a chain longer than ``max_batch_items`` is
+        looked up piece by piece, each piece only while every key before it hit (a 100k-token
+        prompt in 16-token blocks is a 6,250-key chain)."""
         hit, swa_at = 0, None
         for p, r in self._rpc.each_piece(len(keys), lambda p: self._result(
                 self._rpc.call("Lookup", pb.LookupRequest(keys=keys[p])))):
@@ -43,14 +41,12 @@ class Lookups:
                 break
         return LookupResult(hit, swa_at)
 
-    def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
-        """One result per chain, in order. The daemon limits both the chains of one LookupMany
+    def lookup_many(self, msgs: list[list[bytes]]) -> list[LookupResult]:
+        """One result per validated chain, in order. The daemon limits both the chains of one LookupMany
         and the keys in all of them to its ``max_batch_items``: chains go in pieces of whole
         chains within both (``batch_items``), a chain longer than that alone through
         ``lookup``. A piece refused as too large re-splits once with the learned limit, as
         ``Transport.each_piece`` does."""
-        self._rpc.check_open()
-        msgs = [check_keys(c) for c in chains]  # every chain validated before anything is sent
         out: list[LookupResult] = []
         i, retried = 0, False
         while i < len(msgs):
@@ -75,15 +71,13 @@ class Lookups:
             i = j
         return out
 
-    def probe(self, keys: Sequence[bytes], *, until_miss: bool = False,
-              chain_ends: Sequence[int] | None = None) -> tuple[bytes, bytes]:
-        """Per key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings.
+    def probe(self, keys: list[bytes], until_miss: bool, ends: list[int] | None) -> tuple[bytes, bytes]:
+        """Per validated key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings.
         ``until_miss`` (``keys`` are one chain's share, in chain order): the strings may end
         at the first key without a live block (``EmbeddedStore.probe``); pieces after it are
-        not asked for. ``chain_ends`` (several chains' shares, ``Index.probe``): each piece
-        carries the ends of the shares within it, and the answer covers every key."""
-        keys = check_keys(keys)
-        ends = check_chain_ends(chain_ends, len(keys), until_miss=until_miss)
+        not asked for. ``ends`` (several chains' shares, ``Index.probe``'s ``chain_ends``, checked
+        by ``kvstore.api.check_chain_ends``): each piece carries the ends of the shares within it,
+        and the answer covers every key."""
         block, swa = [], []
 
         def ask(p: slice) -> Any:

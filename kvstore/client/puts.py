@@ -1,6 +1,7 @@
 """``Puts``: how ``kvstore.client.remote.RemoteStore`` stores entries on one daemon.
 
-A put is validated and encoded once (``kvstore.wire.encode_item``), then sent as one
+A put comes validated and encoded (``kvstore.wire.encode_item``: ``RemoteStore`` does it
+once, before anything is sent), and is sent as one
 ``Put`` (a single put), or, for ``put_many``, in pieces of at most the transport's
 ``batch_items`` (``kvstore.client.transport``), each piece written directly into the
 targets (``kvstore.client.direct_writes``, when on) or sent as ``PutStream`` calls.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from kvstore.api import PutItem, check_put_items
+from kvstore.api import PutItem
 from kvstore.client.direct_writes import DirectWrites
 from kvstore.client.transport import Transport
 from kvstore.errors import BatchTooLarge, InvalidRequest
@@ -42,17 +43,19 @@ class Puts:
         self._value_limit_asked = False
         self._describe_lock = threading.Lock()
 
-    def put(self, item: PutItem) -> bool:
-        """One put (``kvstore.api``'s ``put``): with direct writes as a one-item ``put_many``."""
+    def put(self, item: PutItem, enc: EncodedPut) -> bool:
+        """One put (``kvstore.api``'s ``put``) of a validated ``item``, encoded as ``enc``: with
+        direct writes as a one-item ``put_many``."""
         if self._direct is not None:
-            return self.put_many([item])[0]
-        return self._rpc.put(encode_item(item))
+            return self.put_many([item], [enc])[0]
+        return self._rpc.put(enc)
 
-    def put_many(self, items: Sequence[PutItem]) -> list[bool]:
-        """``kvstore.api``'s batched put; one ``created`` flag per item, in order.
+    def put_many(self, items: list[PutItem], encs: list[EncodedPut]) -> list[bool]:
+        """``kvstore.api``'s batched put of validated ``items``, encoded as ``encs``; one
+        ``created`` flag per item, in order.
 
-        Every item is validated before anything is sent (``check_puts``), so bad input stores
-        nothing. A batch of more than ``max_batch_items`` items (the option, or the daemon's
+        The batch is checked whole before anything is sent (``check_puts``), so bad input
+        stores nothing. A batch of more than ``max_batch_items`` items (the option, or the daemon's
         lower limit once learned: ``kvstore.client.transport``) goes to the daemon as consecutive
         pieces of at most that many, so unlike the embedded store's ``put_many`` (one index commit
         for the whole batch) it is not one unit: a failure in a later piece (daemon down,
@@ -60,10 +63,8 @@ class Puts:
         the daemon's limit stored nothing and is resent in smaller pieces. Retrying the whole
         batch is safe: a put of a live key stores nothing (it answers ``created=False``)."""
         self._rpc.check_open()
-        items = check_put_items(items)
         if not items:
             return []
-        encs = [encode_item(it) for it in items]  # validate every item before sending any
         out: list[bool] = []
         for _, got in self._rpc.each_piece(len(items), lambda p: self._put_piece(items[p], encs[p]),
                                            check=lambda pieces: self.check_puts(encs, pieces)):

@@ -74,7 +74,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from kvstore.api import Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, writable_view
+from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_chain_ends,
+                         check_put_items, writable_view)
 from kvstore.client.admin import Admin
 from kvstore.client.direct_reads import DirectReads, StagedInto, check_into_sizes, copy_into
 from kvstore.client.direct_writes import DirectWrites
@@ -85,7 +86,7 @@ from kvstore.client.transport import Transport
 from kvstore.errors import InvalidRequest
 from kvstore.keys import check_key, check_keys
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import MD_INDEX_KEYS, EncodedPut, layout_from_pb
+from kvstore.wire import MD_INDEX_KEYS, EncodedPut, encode_item, layout_from_pb
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -126,11 +127,15 @@ class RemoteStore:
     def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
             layout: Layout | None = None, tokens: int = 0) -> bool:
         self._rpc.check_open()  # first, as the embedded store, whatever the item
-        return self._puts.put(PutItem(key, value, kind, ttl_s, layout, tokens))
+        item = PutItem(key, value, kind, ttl_s, layout, tokens)
+        return self._puts.put(item, encode_item(item))
 
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
-        """``kvstore.api``'s batched put (``kvstore.client.puts.Puts.put_many``: in pieces, not one unit)."""
-        return self._puts.put_many(items)
+        """``kvstore.api``'s batched put (``kvstore.client.puts.Puts.put_many``: in pieces, not one
+        unit). Every item is validated and encoded before anything is sent."""
+        self._rpc.check_open()
+        items = check_put_items(items)
+        return self._puts.put_many(items, [encode_item(it) for it in items])
 
     def check_puts(self, encs: list[EncodedPut], pieces: list[slice] | None = None, *,
                    spans: bool = False) -> None:
@@ -294,14 +299,18 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ lookups (kvstore.client.lookups)
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        return self._lookups.lookup(keys)
+        self._rpc.check_open()
+        return self._lookups.lookup(check_keys(keys))
 
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
-        return self._lookups.lookup_many(chains)
+        self._rpc.check_open()
+        return self._lookups.lookup_many([check_keys(c) for c in chains])  # every chain before any call
 
     def probe(self, keys: Sequence[bytes], *, until_miss: bool = False,
               chain_ends: Sequence[int] | None = None) -> tuple[bytes, bytes]:
-        return self._lookups.probe(keys, until_miss=until_miss, chain_ends=chain_ends)
+        """``Lookups.probe``: per key, is it a live block, and a live SWA entry too."""
+        keys = check_keys(keys)
+        return self._lookups.probe(keys, until_miss, check_chain_ends(chain_ends, len(keys), until_miss=until_miss))
 
     # ------------------------------------------------------------------ admin (kvstore.client.admin)
     def stats(self) -> dict:
@@ -323,10 +332,11 @@ class RemoteStore:
         return self._admin.inspect_summary()
 
     def inspect_entries(self, keys: Sequence[bytes], *, kind: str = "block") -> list[dict]:
-        return self._admin.inspect_entries(keys, kind=kind)
+        k = EntryKind.parse(kind).value  # the kind first, as the embedded store
+        return self._admin.inspect_entries(check_keys(keys), k)
 
     def inspect_chain(self, keys: Sequence[bytes]) -> list[dict]:
-        return self._admin.inspect_chain(keys)
+        return self._admin.inspect_chain(check_keys(keys))
 
     def export_index_batches(self) -> Iterator["pa.RecordBatch"]:
         return self._admin.export_index_batches()
