@@ -71,7 +71,6 @@ Closing: a call racing ``close`` on another thread, and any call after it, raise
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_chain_ends,
@@ -104,7 +103,6 @@ class RemoteStore:
         self.options = o = options or ClientOptions()
         self._rpc = Transport(url, o)
         self.address = self._rpc.address
-        self._lock = threading.Lock()
         # Direct reads (kvstore.client.direct_reads): None when off; the daemon is first asked on the first read.
         self._direct = DirectReads(o.direct_reads, self._rpc.call, url) if o.direct_reads != "off" else None
         # Direct writes (kvstore.client.direct_writes): None when off; the daemon is first asked on the first put.
@@ -343,12 +341,12 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
-        with self._lock:
-            if self._rpc.close():
-                if self._direct is not None:
-                    self._direct.close()
-                if self._direct_w is not None:
-                    self._direct_w.close()
+        """Close the channel, then the direct paths' workers; once (a second ``close`` does nothing)."""
+        if self._rpc.close():
+            if self._direct is not None:
+                self._direct.close()
+            if self._direct_w is not None:
+                self._direct_w.close()
 
     def __enter__(self) -> "RemoteStore":
         return self
