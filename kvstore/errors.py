@@ -12,9 +12,10 @@ Three kinds of failure are kept apart across the project (see STYLE.md):
 
 Every class carries a stable ``code`` string so that the gRPC layer can carry
 the type across the wire and re-raise the same class on the client side
-(``kvstore.wire``). The classes after ``InternalError`` are raised only across the
-wire: by the daemon (refusals of a call) or by the remote clients (limits and
-deadlines of a call); ``ERRORS_BY_CODE`` names the others, those of every store.
+(``kvstore.wire``). The classes after ``InternalError`` belong to the gRPC service
+rather than to a store: the refusals of a call (size and batch limits, auth, load, a
+stale ``Describe``) and a call's missed deadline; ``ERRORS_BY_CODE`` names the others,
+those every store raises.
 """
 
 from __future__ import annotations
