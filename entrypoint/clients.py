@@ -38,7 +38,7 @@ import grpc
 from entrypoint.auth import is_loopback
 from kvstore.errors import InvalidRequest
 from kvstore.auth import Tenant, TokenTable, read_tokens_file
-from kvstore.wire import Unauthenticated
+from kvstore.errors import Unauthenticated
 
 log = logging.getLogger(__name__)
 

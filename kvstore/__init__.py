@@ -36,8 +36,8 @@ from kvstore.errors import (
 CONNECTORS: dict[str, str] = {
     "": "kvstore.embedded.store:open_embedded",
     "file": "kvstore.embedded.store:open_embedded",
-    "grpc": "kvstore.client.remote:open_grpc",  # the daemon (kvstore.server); a comma list of URLs: sharded
-    "grpcs": "kvstore.client.remote:open_grpc",
+    "grpc": "kvstore.client.connect:open_grpc",  # the daemon (kvstore.server); a comma list of URLs: sharded
+    "grpcs": "kvstore.client.connect:open_grpc",
 }
 
 

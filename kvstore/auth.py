@@ -42,7 +42,7 @@ from pathlib import Path
 
 from kvstore.errors import InvalidRequest
 from kvstore.keys import tenant_key
-from kvstore.wire import PermissionDenied, ServerBusy, Unauthenticated
+from kvstore.errors import PermissionDenied, ServerBusy, Unauthenticated
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,11 @@ Three kinds of failure are kept apart across the project (see STYLE.md):
    bug.
 
 Every class carries a stable ``code`` string so that the gRPC layer can carry
-the type across the wire and re-raise the same class on the client side.
+the type across the wire and re-raise the same class on the client side
+(``kvstore.wire``). The classes after ``InternalError`` belong to the gRPC service
+rather than to a store: the refusals of a call (size and batch limits, auth, load, a
+stale ``Describe``) and a call's missed deadline; ``ERRORS_BY_CODE`` names the others,
+those every store raises.
 """
 
 from __future__ import annotations
@@ -100,6 +104,61 @@ class InternalError(KVStoreError):
     code = "INTERNAL"
 
 
+class RequestTooLarge(InvalidRequest):
+    """A message is over the gRPC size limit (``max_message_bytes``) of the client or the daemon."""
+
+    code = "REQUEST_TOO_LARGE"
+
+
+class BatchTooLarge(InvalidRequest):
+    """A batch call has more items (or, for ``LookupMany``, chains or keys in all chains)
+    than the daemon's ``max_batch_items``, which is ``limit`` (0: not known).
+
+    Contract: the daemon raises it before any store work for that call, so a refused
+    batch changed nothing and the client may resend it in pieces of at most ``limit``
+    (``kvstore.client.transport`` does, once). Its wire ``code`` is ``InvalidRequest``'s;
+    the limit travels beside it (``kvstore.wire.MD_BATCH_LIMIT``).
+    """
+
+    def __init__(self, message: str, *, limit: int = 0):
+        super().__init__(message)
+        self.limit = limit
+
+
+class ServerBusy(StoreUnavailable):
+    """The daemon is at its concurrency limit for this tenant or overall; retry with backoff."""
+
+    code = "BUSY"
+
+
+class DeadlineExceeded(StoreUnavailable):
+    """A call got no answer within its deadline (gRPC's DEADLINE_EXCEEDED): the daemon may be
+    reachable and still working on it. Client side only (the daemon never sends it); a
+    ``StoreUnavailable``, so callers that retry on "daemon down" retry it too."""
+
+
+class Unauthenticated(KVStoreError):
+    """No bearer token, or one the daemon does not know."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(KVStoreError):
+    """The token is valid but its tenant may not call this method (admin-only)."""
+
+    code = "PERMISSION_DENIED"
+
+
+class StaleDescribe(KVStoreError):
+    """``Commit`` refused, nothing indexed: the writer's ``Describe`` (``writer_view``) is not what
+    the daemon would answer now (since it, the data directory, tenant secret, erasure code, targets
+    or encoding settings changed, or the token now names another tenant). The writer describes
+    again and rewrites."""
+
+    code = "STALE_DESCRIBE"
+
+
+# code -> class, the errors of every store (the wire's own are added in ``kvstore.wire``).
 ERRORS_BY_CODE: dict[str, type[KVStoreError]] = {
     cls.code: cls
     for cls in (

@@ -2,11 +2,11 @@
 
 Two callers, one code path, so a data directory and a daemon print the same JSON:
 ``kvstore.cli.commands`` on a data directory (an ``EmbeddedStore`` opened by kvtool),
-and the daemon's ``Inspect`` RPC (``kvstore.server.service``) on its own store, which
+and the daemon's ``Inspect`` RPC (``kvstore.server.admin_rpc``) on its own store, which
 ``kvtool inspect grpc://...`` calls. The Parquet export likewise: ``iter_batches`` builds its
 rows (columns: ``parquet_schema``) on a data directory, or in the daemon's ``ExportIndex``
-(sent as ``ipc_pieces``, read back by ``read_ipc``), and ``publish_parquet`` writes the
-file on kvtool's machine in both cases. Guarantees:
+(sent as ``ipc_pieces``, read back by the client with ``read_ipc``: ``kvstore.client.admin``),
+and ``publish_parquet`` writes the file on kvtool's machine in both cases. Guarantees:
 
 * Nothing here writes to the store: every view runs in LMDB *read* transactions,
   so it sees a consistent snapshot and never blocks a writer. No access time is

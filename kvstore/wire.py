@@ -6,10 +6,10 @@ The daemon answers a ``KVStoreError`` with the gRPC status in ``STATUS_BY_CODE``
 and trailing metadata ``kvstore-error-code`` (the class's ``code``); for
 ``Unrecoverable`` also ``kvstore-error-key`` (hex) and
 ``kvstore-failed-targets`` (comma list); for ``BatchTooLarge`` (code
-``INVALID_REQUEST``, so a client that predates it reads a plain
-``InvalidRequest``) also ``kvstore-max-batch-items``, the daemon's limit, from
-which ``kvstore.client.remote`` learns how to split; for a ``CapacityExceeded`` raised by a GC
-pass also ``kvstore-gc-result``, the pass's counts (JSON). ``error_from_rpc`` on the client
+``INVALID_REQUEST``: it is an ``InvalidRequest``) also ``kvstore-max-batch-items``,
+the daemon's limit, from which ``kvstore.client.transport`` learns how to split; for a
+``CapacityExceeded`` raised by a GC pass also ``kvstore-gc-result``, the pass's counts (JSON).
+The classes themselves live in ``kvstore.errors``. ``error_from_rpc`` on the client
 rebuilds the same class with the same message (the wire's own refusals, ``Unauthenticated``,
 ``ServerBusy`` and ``PermissionDenied``, with the call and daemon URL appended: which shard).
 A status without the metadata (the daemon is down, gRPC refused an oversized message, a deadline passed) is
@@ -36,7 +36,6 @@ any protobuf peer reads it. Decoding stays with upb, which validates::
                 [2a len Layout{0a len dtype, 12 len packed shape}] [30 varint tokens]
     GetReply:   [0a len value] [12 len Layout] [18 varint tokens] [22 len kind]
     GetChunk:   [08 varint index] then per value [12 len MaybeValue{08 01 found, 12 len value}]
-    PutManyRequest: per item [0a len PutRequest]  (an older daemon's batch: ``framed`` sizes)
 
 A client's put (``encode_item`` -> ``EncodedPut``) is validated as the embedded store
 validates it, then encoded this way, so a bad item is refused before anything is sent.
@@ -55,10 +54,17 @@ from kvstore.api import EntryKind, Layout, PutItem, as_payload, check_put_fields
 from kvstore.config import MAX_TTL_S
 from kvstore.errors import (
     ERRORS_BY_CODE,
+    BatchTooLarge,
     CapacityExceeded,
+    DeadlineExceeded,
     InvalidRequest,
     KVStoreError,
+    PermissionDenied,
+    RequestTooLarge,
+    ServerBusy,
+    StaleDescribe,
     StoreUnavailable,
+    Unauthenticated,
     Unrecoverable,
 )
 from kvstore.keys import check_key
@@ -80,60 +86,6 @@ MD_STREAM_ITEMS = "kvstore-stream-items"
 # tenant's its own keys. ``kvtool delete`` sends it, so it deletes what ``kvtool inspect`` shows.
 MD_INDEX_KEYS = "kvstore-index-keys"
 INDEX_KEY_METHODS = frozenset({"Delete", "DeleteMany"})
-
-
-class RequestTooLarge(InvalidRequest):
-    """A message is over the gRPC size limit (``max_message_bytes``) of the client or the daemon."""
-
-    code = "REQUEST_TOO_LARGE"
-
-
-class BatchTooLarge(InvalidRequest):
-    """A batch call has more items (or, for ``LookupMany``, chains or keys in all chains)
-    than the daemon's ``max_batch_items``, which is ``limit`` (0: not known).
-
-    Contract: the daemon raises it before any store work for that call, so a refused
-    batch changed nothing and the client may resend it in pieces of at most ``limit``
-    (``kvstore.client.remote`` does, once). Same wire ``code`` as ``InvalidRequest``; the limit
-    travels in ``MD_BATCH_LIMIT``.
-    """
-
-    def __init__(self, message: str, *, limit: int = 0):
-        super().__init__(message)
-        self.limit = limit
-
-
-class ServerBusy(StoreUnavailable):
-    """The daemon is at its concurrency limit for this tenant or overall; retry with backoff."""
-
-    code = "BUSY"
-
-
-class DeadlineExceeded(StoreUnavailable):
-    """A call got no answer within its deadline (gRPC's DEADLINE_EXCEEDED): the daemon may be
-    reachable and still working on it. Client side only (the daemon never sends it); a
-    ``StoreUnavailable``, so callers that retry on "daemon down" retry it too."""
-
-
-class Unauthenticated(KVStoreError):
-    """No bearer token, or one the daemon does not know."""
-
-    code = "UNAUTHENTICATED"
-
-
-class PermissionDenied(KVStoreError):
-    """The token is valid but its tenant may not call this method (admin-only)."""
-
-    code = "PERMISSION_DENIED"
-
-
-class StaleDescribe(KVStoreError):
-    """``Commit`` refused, nothing indexed: the writer's ``Describe`` (``writer_view``) is not what
-    the daemon would answer now (since it, the data directory, tenant secret, erasure code, targets
-    or encoding settings changed, or the token now names another tenant). The writer describes
-    again and rewrites."""
-
-    code = "STALE_DESCRIBE"
 
 
 # code -> class, the store's errors plus the wire's own.
@@ -372,23 +324,15 @@ def encode_item(it: PutItem) -> EncodedPut:
     return EncodedPut(head, mv, tail)
 
 
-def put_bytes(e: EncodedPut, framed: bool = False) -> int:
-    """``e``'s bytes in a batch call: its ``nbytes`` in a PutStream (each item a message of its
-    own); ``framed``, in a ``PutManyRequest`` (an older daemon without PutStream), plus its
-    field's tag and length varint, so a batch's ``put_bytes`` add up to the request's size."""
-    return e.nbytes + 1 + len(_varint(e.nbytes)) if framed else e.nbytes
-
-
-def fitting_runs(encs: Sequence[EncodedPut], limit: int, *, framed: bool = False) -> list[slice]:
-    """``encs`` as consecutive runs whose ``put_bytes`` (``framed``: as a ``PutManyRequest``) add
-    up to at most ``limit`` each, in order (one run when they all fit together; an item over
-    ``limit`` alone is a run of its own, for the sender to refuse). ``kvstore.client.remote_puts`` sends a
-    direct-write piece that falls back to gRPC so. Before, runs were summed unframed only: sent as
-    a PutManyRequest, a run summed to the limit was over it by a few bytes an item (QA)."""
+def fitting_runs(encs: Sequence[EncodedPut], limit: int) -> list[slice]:
+    """``encs`` as consecutive runs whose ``nbytes`` (each item one PutStream message) add up to
+    at most ``limit`` each, in order (one run when they all fit together; an item over ``limit``
+    alone is a run of its own, for the sender to refuse). ``kvstore.client.puts`` sends a
+    direct-write piece that falls back to gRPC so."""
     runs: list[slice] = []
     start, total = 0, 0
     for i, e in enumerate(encs):
-        size = put_bytes(e, framed)
+        size = e.nbytes
         if i > start and total + size > limit:
             runs.append(slice(start, i))
             start, total = i, 0
@@ -398,11 +342,10 @@ def fitting_runs(encs: Sequence[EncodedPut], limit: int, *, framed: bool = False
     return runs
 
 
-def check_message_bytes(encs: Sequence[EncodedPut], batch: int, limit: int, *, framed: bool = False) -> None:
+def check_message_bytes(encs: Sequence[EncodedPut], batch: int, limit: int) -> None:
     """``RequestTooLarge`` when these encoded puts (of a ``put_many`` of ``batch`` items) are over
-    a client's ``max_message_bytes`` (``limit``) together, counted as ``put_bytes`` (``framed``:
-    as one ``PutManyRequest``, for an older daemon)."""
-    total = sum(put_bytes(e, framed) for e in encs)
+    a client's ``max_message_bytes`` (``limit``) together, each counted as its ``nbytes``."""
+    total = sum(e.nbytes for e in encs)
     if total > limit:
         what = f"put_many of {len(encs)} items" if len(encs) == batch else (
             f"a {len(encs)}-item piece of a put_many of {batch} items")
@@ -411,7 +354,7 @@ def check_message_bytes(encs: Sequence[EncodedPut], batch: int, limit: int, *, f
 
 
 def check_value_sizes(encs: Sequence[EncodedPut], limit: int | None) -> None:
-    """The embedded store's ``InvalidRequest`` (``FragmentIO._checked``, word for word) for the
+    """The embedded store's ``InvalidRequest`` (its message word for word) for the
     first value over ``limit`` (a daemon's ``max_value_bytes``; ``None``: unknown, no check)."""
     if not limit:
         return

@@ -85,7 +85,7 @@ from kvstore.errors import (CapacityExceeded, InvalidRequest, KVStoreError, NotF
                             Unrecoverable)
 from tools.cli_args import (check_output_dir, check_output_file, integer, number, one_line,  # noqa: E402
                             sigint_deferred, sigint_ignored_in_children)
-from kvstore.wire import ServerBusy  # noqa: E402
+from kvstore.errors import ServerBusy  # noqa: E402
 from tools.soak_report import Progress, failures, pct, progress_path, write_progress  # noqa: E402
 
 REPAIR_BUSY_WAIT_S = 30.0  # how long the controller's Repair waits out another pass on its daemon

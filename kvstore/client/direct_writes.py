@@ -91,7 +91,7 @@ from kvstore.embedded.fragments import FragmentIO
 from kvstore.keys import check_key, tenant_key
 from kvstore.embedded.packs import PackIO
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import PermissionDenied, RequestTooLarge, ServerBusy, StaleDescribe, Unauthenticated
+from kvstore.errors import PermissionDenied, RequestTooLarge, ServerBusy, StaleDescribe, Unauthenticated
 from kvstore.embedded.targets import Target, open_target
 from kvstore.embedded.tuning import tune_malloc
 
@@ -102,7 +102,7 @@ REFUSED = (InvalidRequest, ServerBusy, Unauthenticated, PermissionDenied, Capaci
 
 # The gRPC put of the client. It must take whatever the client let through to this path (each item
 # within max_message_bytes, their total unbounded): it sends them in messages that fit, never refusing
-# a piece after earlier pieces of its batch were committed (``RemoteStore._send_fitting``).
+# a piece after earlier pieces of its batch were committed (``kvstore.client.puts.Puts.send_fitting``).
 PutFallback = Callable[[Sequence[PutItem]], list]
 
 

@@ -1,7 +1,8 @@
 """How a client reaches a daemon: ``ClientOptions`` (from ``connect`` overrides and the
 environment), daemon URLs (``parse_address``, ``split_urls``, ``shard_name``) and the TLS rule
-(``refuse_tls_options``). Used by ``kvstore.client.remote`` (one daemon), ``kvstore.client.sharded``
-(several) and ``kvtool``; ``kvstore.client.remote`` re-exports every name.
+(``refuse_tls_options``). Used by ``kvstore.client.connect`` (which opens a client for one
+daemon or several), ``kvstore.client.transport`` (one daemon's channel) and
+``kvstore.client.sharded`` (several).
 
 TLS: the URL scheme decides, per URL, never the options:
   * ``grpcs://HOST:PORT`` is TLS. ``ca_file`` is the CA that signed the daemon's
@@ -18,7 +19,7 @@ TLS: the URL scheme decides, per URL, never the options:
   * One exception, because the options (the environment above all) apply to every
     shard of a comma list: in a list with at least one ``grpcs://`` URL, the TLS
     options are for the ``grpcs://`` shards and the ``grpc://`` shards connect in
-    plaintext (``open_grpc`` says so to each shard's client with
+    plaintext (``kvstore.client.connect.open_grpc`` says so to each shard's client with
     ``ClientOptions.grpcs_in_set``, as ``ShardedStore`` does itself for such a
     list). A list of ``grpc://`` URLs only is refused as one ``grpc://`` URL is.
 
@@ -26,7 +27,7 @@ Options (``connect`` overrides, else environment): ``token``
 (``KVSTORE_TOKEN``), ``ca_file`` (``KVSTORE_CA_FILE``), ``cert_file`` /
 ``key_file`` for mutual TLS (``KVSTORE_CERT_FILE`` / ``KVSTORE_KEY_FILE``),
 ``timeout_s`` (each call's deadline), ``maintenance_timeout_s`` (that of ``gc``, ``check``
-and ``repair``, 3600 s by default; past it ``wire.DeadlineExceeded``, a
+and ``repair``, 3600 s by default; past it ``kvstore.errors.DeadlineExceeded``, a
 ``StoreUnavailable``), ``max_message_bytes``, ``server_name`` (TLS name override),
 ``direct_reads`` ("off" (default), "on", "auto"; ``KVSTORE_DIRECT_READS``),
 ``direct_writes`` (the same; ``KVSTORE_DIRECT_WRITES``). Bad options raise
@@ -91,8 +92,8 @@ class ClientOptions:
                                  f"private key); got cert_file={self.cert_file!r}, key_file={self.key_file!r}")
         if not isinstance(self.token, str):
             raise InvalidRequest(f"token must be a string, got {type(self.token).__name__}")
-        # As a token file's: surrounding whitespace is not the token (QA: KVSTORE_TOKEN="$(cat f)"
-        # style values with a newline failed as gRPC's "INTERNAL: Invalid metadata").
+        # As a token file's: surrounding whitespace is not the token (a KVSTORE_TOKEN="$(cat f)"
+        # style value ends with a newline, which gRPC refuses as "INTERNAL: Invalid metadata").
         token = self.token.strip()
         if any(not 0x20 < ord(c) < 0x7F for c in token):  # never echoed: it is a secret
             raise InvalidRequest("token (KVSTORE_TOKEN or --token-file) holds a space, control or non-ASCII "

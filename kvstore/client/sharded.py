@@ -414,12 +414,12 @@ class ShardedStore:
         ``stats``; ``{url: error}`` of the shards whose pass raised ``CapacityExceeded`` with its
         counts: gc that could not get under the capacity, repair that found the index map full).
         Those answered: their counts are summed too, for the caller to raise once every shard
-        is done, as one store raises it (before, a full map's repair counted as a shard down)."""
+        is done, as one store raises it. One without counts is a shard that failed."""
         def one(s: RemoteStore) -> tuple[dict, CapacityExceeded | None]:
             try:
                 return run(s), None
             except CapacityExceeded as exc:
-                if exc.result is None:  # a daemon that predates the counts: no answer to sum
+                if exc.result is None:  # no counts to sum: the shard failed (``_each``)
                     raise
                 return exc.result, exc
 

@@ -26,7 +26,8 @@ from kvstore.errors import InvalidRequest
 from kvstore.keys import check_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.auth import Tenant, require_admin
-from kvstore.wire import ServerBusy, kind_or_default
+from kvstore.errors import ServerBusy
+from kvstore.wire import kind_or_default
 
 
 PROGRESS_EVERY_S = 0.5  # Maintain: at most one update a phase this often, besides its first and last step

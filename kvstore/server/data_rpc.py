@@ -15,7 +15,8 @@ from kvstore.api import EntryKind, LookupResult
 from kvstore.errors import NotFound, StoreUnavailable, Unrecoverable
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.auth import Tenant
-from kvstore.wire import RequestTooLarge, encode_get_chunk, encode_get_reply, kind_or_default
+from kvstore.errors import RequestTooLarge
+from kvstore.wire import encode_get_chunk, encode_get_reply, kind_or_default
 
 # GetStream: keys per store.get_many (a window; the next is read while this one is sent), and
 # the most value bytes packed into one GetChunk (per-message cost matters for small values;

@@ -44,7 +44,8 @@ from kvstore.embedded.index import ekey
 from kvstore.embedded.packs import WrittenEntry
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.auth import Tenant
-from kvstore.wire import PermissionDenied, RequestTooLarge, StaleDescribe, kind_or_default
+from kvstore.errors import PermissionDenied, RequestTooLarge, StaleDescribe
+from kvstore.wire import kind_or_default
 
 PUT_FIELDS_BYTES = 256  # a PutRequest's bytes besides its value: key, kind, ttl, tokens, a layout
 

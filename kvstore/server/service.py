@@ -84,8 +84,9 @@ from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.quota import TenantQuota
 from kvstore.server.watchdog import Watchdog
 from kvstore.tls import server_credentials_from_pem
-from kvstore.wire import (INDEX_KEY_METHODS, MD_INDEX_KEYS, MD_STREAM_ITEMS, BatchTooLarge, RequestTooLarge,
-                                 details_of, kind_or_default, layout_from_pb, status_of)
+from kvstore.errors import BatchTooLarge, RequestTooLarge
+from kvstore.wire import (INDEX_KEY_METHODS, MD_INDEX_KEYS, MD_STREAM_ITEMS, details_of, kind_or_default,
+                          layout_from_pb, status_of)
 
 log = logging.getLogger(__name__)
 

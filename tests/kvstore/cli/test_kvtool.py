@@ -25,7 +25,7 @@ import kvstore
 from kvstore import PutItem
 from kvstore.cli.kvtool import main
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import DeadlineExceeded
+from kvstore.errors import DeadlineExceeded
 
 from tests.kvstore.daemons import ROOT, subprocess_env
 
@@ -340,7 +340,7 @@ def test_verify_repair_and_gc_through_a_daemon_show_their_progress(make_daemon, 
         assert {"expire", "evict", "purge", "orphans"} <= phases
         assert s.repair(progress=lambda *a: None)["targets_down"] == 0
         with pytest.raises(grpc.RpcError) as e:
-            list(s._stub.Maintain(pb.MaintainRequest(op="scrub"), timeout=10))
+            list(s._rpc.stub.Maintain(pb.MaintainRequest(op="scrub"), timeout=10))
         assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "Maintain op must be one of check, gc, rebuild-index, repair, got 'scrub'" in e.value.details()
 

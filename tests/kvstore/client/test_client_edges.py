@@ -41,13 +41,13 @@ def raised(fn) -> tuple[type, str]:
 def calls_of(store: RemoteStore) -> list[str]:
     """The unary calls ``store`` makes from now on, by method name."""
     seen: list[str] = []
-    inner = store._call
+    inner = store._rpc.call
 
     def spy(method, *a, **kw):
         seen.append(method)
         return inner(method, *a, **kw)
 
-    store._call = spy
+    store._rpc.call = spy
     return seen
 
 

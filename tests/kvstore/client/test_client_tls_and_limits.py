@@ -25,7 +25,8 @@ from kvstore.errors import StoreUnavailable
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.client.options import ClientOptions
 from kvstore.client.remote import RemoteStore
-from kvstore.wire import MD_BATCH_LIMIT, BatchTooLarge, error_from_rpc, status_of
+from kvstore.errors import BatchTooLarge
+from kvstore.wire import MD_BATCH_LIMIT, error_from_rpc, status_of
 
 TLS_ENV = ("KVSTORE_CA_FILE", "KVSTORE_CERT_FILE", "KVSTORE_KEY_FILE")
 
@@ -135,7 +136,7 @@ def test_a_sharded_set_mixing_grpcs_and_grpc(make_daemon, certs, monkeypatch, so
         assert s.lookup(keys) == kvstore.LookupResult(40, None)
         assert s.lookup_many([keys[:10], keys[:3] + [K("absent")], []]) == [
             kvstore.LookupResult(10, None), kvstore.LookupResult(3, None), kvstore.LookupResult(0, None)]
-        assert [sh._batch_items for sh in s.shards] == [8, 8]
+        assert [sh._rpc.batch_items for sh in s.shards] == [8, 8]
         per = s.stats()["shards"]
         assert per[tls.address]["entries"] > 0 and per[plain.address]["entries"] > 0  # both shards used
         assert per[tls.address]["entries"] + per[plain.address]["entries"] == 40
@@ -207,7 +208,7 @@ def test_every_batch_call_learns_the_limit_on_its_own(make_daemon, first) -> Non
             "probe": lambda: s.probe(keys) == (b"\1" * 30 + b"\0" * 20, b"\0" * 50),
         }[first]()
         assert got
-        assert s._batch_items == 8
+        assert s._rpc.batch_items == 8
 
 
 def test_direct_reads_and_writes_learn_the_limit_too(make_daemon, tmp_path) -> None:
@@ -228,7 +229,7 @@ def test_the_clients_option_stays_an_upper_bound(make_daemon) -> None:
         assert _calls(d, "PutStream", "OK") == 17 and _calls(d, "PutStream", "INVALID_ARGUMENT") == 0
     with kvstore.connect(d.address, max_batch_items=20) as s:  # higher: the daemon's limit wins
         assert s.get_many(keys) == [b"v"] * 50
-        assert s._batch_items == 8
+        assert s._rpc.batch_items == 8
     with kvstore.connect(d.address, max_batch_items=8) as s:  # equal: never refused
         assert s.delete_many(keys) == [True] * 50
         assert _calls(d, "DeleteMany", "INVALID_ARGUMENT") == 0
@@ -272,14 +273,14 @@ def test_the_refusal_carries_the_limit_and_is_retried_once(make_daemon) -> None:
             return p.stop - p.start
         return send
 
-    assert [n for _, n in s._each_piece(50, daemon_at(8))] == [8] * 6 + [2]
-    assert sent[0] == 50 and s._batch_items == 8
+    assert [n for _, n in s._rpc.each_piece(50, daemon_at(8))] == [8] * 6 + [2]
+    assert sent[0] == 50 and s._rpc.batch_items == 8
     with pytest.raises(BatchTooLarge):  # a second refusal in the same call is raised, not retried again
         def shrinking(p: slice) -> int:
             raise BatchTooLarge("refused", limit=max(1, (p.stop - p.start) // 2))
-        list(s._each_piece(50, shrinking))
+        list(s._rpc.each_piece(50, shrinking))
     with pytest.raises(BatchTooLarge):  # a refusal naming no lower limit is raised at once
-        list(s._each_piece(5, lambda p: (_ for _ in ()).throw(BatchTooLarge("refused", limit=8))))
+        list(s._rpc.each_piece(5, lambda p: (_ for _ in ()).throw(BatchTooLarge("refused", limit=8))))
     s.close()
 
 

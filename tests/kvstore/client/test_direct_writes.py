@@ -20,7 +20,7 @@ from kvstore import InvalidRequest, PutItem, StoreUnavailable
 from kvstore.embedded.index import ekey
 from kvstore.embedded.packs import WrittenEntry
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import PermissionDenied
+from kvstore.errors import PermissionDenied
 from kvstore.embedded.targets import pack_path
 from tests.fragments import fragment_refs
 
@@ -442,7 +442,7 @@ def test_direct_writes_take_what_a_put_over_grpc_takes(make_daemon) -> None:
     one was stored up to its piece). Commit takes what a Put could carry; an entry it refuses
     goes through gRPC; a value no message can carry is refused before anything is stored."""
     from kvstore.server.direct_rpc import PUT_FIELDS_BYTES
-    from kvstore.wire import RequestTooLarge
+    from kvstore.errors import RequestTooLarge
 
     limit = 300_000
     d = make_daemon(allow_direct_writes=True, max_message_bytes=limit, max_batch_items=4)

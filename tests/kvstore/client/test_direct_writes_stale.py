@@ -20,7 +20,7 @@ import pytest
 import kvstore
 from kvstore import PutItem
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import PermissionDenied, StaleDescribe
+from kvstore.errors import PermissionDenied, StaleDescribe
 
 from tests.kvstore.daemons import wait_until
 from tests.kvstore.server.test_security import TOK_A, TOK_OPS, tokens_file  # noqa: F401 - a fixture

@@ -183,12 +183,12 @@ def test_probe_answers_are_checked():
     from kvstore.errors import InternalError
     from kvstore.proto import kvstore_pb2 as pb
 
-    s = kvstore.connect("grpc://127.0.0.1:1")  # channels connect lazily; _call is replaced below
+    s = kvstore.connect("grpc://127.0.0.1:1")  # channels connect lazily; _rpc.call is replaced below
     try:
         keys = [os.urandom(16) for _ in range(3)]
         for block, swa, ok in [(b"\1\0\1", b"\0\0\0", True), (b"\1\0", b"\0\0", True), (b"\1", b"\1", False),
                                (b"\1\1\1", b"\1", False), (b"\1\1\1\1", b"\0\0\0\0", False)]:
-            s._call = lambda method, req, *a, **k: pb.ProbeReply(block=block, swa=swa)
+            s._rpc.call = lambda method, req, *a, **k: pb.ProbeReply(block=block, swa=swa)
             if ok:
                 assert s.probe(keys, until_miss=True) == (block, swa)
             else:

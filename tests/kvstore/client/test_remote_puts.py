@@ -1,25 +1,27 @@
-"""How ``kvstore.client.remote_puts`` sends one piece of a ``put_many`` over gRPC (``_send_fitting``),
+"""How ``kvstore.client.puts`` sends one piece of a ``put_many`` over gRPC (``send_fitting``),
 against a fake transport: a daemon whose ``max_batch_items`` may change under the client.
 
-The fake stands in for ``RemoteStore._send_puts`` (one PutStream or PutMany call): it refuses
+The fake stands in for ``Puts.send_puts`` (one PutStream call): it refuses
 a call over its current item limit with ``BatchTooLarge`` before storing anything (the
-daemon's contract, ``kvstore.wire.BatchTooLarge``), and otherwise stores each item,
+daemon's contract, ``kvstore.errors.BatchTooLarge``), and otherwise stores each item,
 answering ``created`` as the daemon does. Every test checks that no item was sent twice and
 that every item this call stored answers ``created=True``.
 """
 
 from __future__ import annotations
 
-import threading
 import types
 
 import pytest
 
 from kvstore.api import PutItem
-from kvstore.proto import kvstore_pb2 as pb
+from kvstore.client.options import ClientOptions
+from kvstore.client.puts import Puts
 from kvstore.client.remote import RemoteStore
-from kvstore.wire import (BatchTooLarge, RequestTooLarge, check_message_bytes, encode_item, fitting_runs,
-                                 put_bytes)
+from kvstore.client.transport import Transport
+from kvstore.errors import BatchTooLarge, RequestTooLarge
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.wire import check_message_bytes, encode_item, fitting_runs
 
 
 class FakeDaemon:
@@ -48,12 +50,11 @@ class FakeDaemon:
         return out
 
 
-def client(daemon: FakeDaemon, *, batch_items: int = 4096, message_bytes: int = 10**6) -> RemoteStore:
-    rs = RemoteStore.__new__(RemoteStore)  # no channel: only the piece logic runs
-    rs.options = types.SimpleNamespace(max_message_bytes=message_bytes)
-    rs._batch_items, rs._lock, rs.url = batch_items, threading.Lock(), "grpc://fake"
-    rs._send_puts = daemon.send
-    rs._closed, rs._direct_w, rs._streams = False, None, True  # put_many: over gRPC only, PutStream
+def client(daemon: FakeDaemon, *, batch_items: int = 4096, message_bytes: int = 10**6) -> Puts:
+    rpc = Transport("grpc://127.0.0.1:1", ClientOptions(max_batch_items=batch_items))  # its channel is never used
+    rpc.options = types.SimpleNamespace(max_message_bytes=message_bytes, timeout_s=5)  # below ClientOptions' floor
+    rs = Puts(rpc, None)  # put_many: over gRPC only
+    rs.send_puts = daemon.send
     return rs
 
 
@@ -68,7 +69,7 @@ def test_a_run_longer_than_the_learned_item_limit_is_split_before_it_is_sent() -
     encs = items(20)
     daemon = FakeDaemon([7])
     rs = client(daemon, batch_items=7)  # learned by an earlier call
-    assert rs._send_fitting(encs) == [True] * 20
+    assert rs.send_fitting(encs) == [True] * 20
     assert daemon.refused == [] and daemon.calls == [7, 7, 6]
     assert sorted(daemon.stored.values()) == [1] * 20
 
@@ -79,27 +80,27 @@ def test_a_limit_learned_mid_piece_splits_the_later_runs_too() -> None:
     encs = items(50)
     daemon = FakeDaemon([100, 7])
     rs = client(daemon, message_bytes=20 * encs[0].nbytes)  # runs of 20, 20, 10 by bytes
-    assert rs._send_fitting(encs) == [True] * 50
+    assert rs.send_fitting(encs) == [True] * 50
     assert daemon.refused == [20] and daemon.calls == [20, 20, 7, 7, 6, 7, 3]
-    assert sorted(daemon.stored.values()) == [1] * 50 and rs._batch_items == 7
+    assert sorted(daemon.stored.values()) == [1] * 50 and rs._rpc.batch_items == 7
 
 
 def test_a_limit_that_drops_twice_in_one_piece_never_escapes_once_items_are_stored() -> None:
     """The daemon's limit drops while a piece is re-split after a first drop: the rest is
     re-split again from where it stopped. Before, the second refusal escaped to ``put_many``'s
-    piece loop (``_each_piece``), which learned from it and re-sent the whole piece: the items
+    piece loop (``Transport.each_piece``), which learned from it and re-sent the whole piece: the items
     already stored answered ``created=False`` though this call stored them."""
     encs = items(50)
     daemon = FakeDaemon([100, 7, 3])
     rs = client(daemon, message_bytes=20 * encs[0].nbytes)  # runs of 20, 20, 10 by bytes
-    assert rs._send_fitting(encs) == [True] * 50
+    assert rs.send_fitting(encs) == [True] * 50
     assert daemon.refused == [20, 7] and sorted(daemon.stored.values()) == [1] * 50
-    assert rs._batch_items == 3 and daemon.calls[:3] == [20, 20, 7] and max(daemon.calls[3:]) == 3
+    assert rs._rpc.batch_items == 3 and daemon.calls[:3] == [20, 20, 7] and max(daemon.calls[3:]) == 3
 
 
 class NoLimitNamed(FakeDaemon):
     """Lets its first call through whole, then refuses anything over ``limits[0]`` items
-    naming no limit (``limit=0``: an older daemon)."""
+    naming no limit (``limit=0``)."""
 
     def send(self, encs) -> list[bool]:
         self.calls.append(len(encs))
@@ -118,13 +119,13 @@ def test_refusals_that_name_no_lower_limit_halve_the_runs_and_end() -> None:
     encs = items(40)
     daemon = NoLimitNamed([5])
     rs = client(daemon, message_bytes=10 * encs[0].nbytes)  # runs of 10
-    assert rs._send_fitting(encs) == [True] * 40
+    assert rs.send_fitting(encs) == [True] * 40
     assert daemon.refused == [10] and sorted(daemon.stored.values()) == [1] * 40  # halved to 5, which fits
 
     stubborn = NoLimitNamed([0])
     rs = client(stubborn, message_bytes=10 * encs[0].nbytes)
     with pytest.raises(InvalidRequest, match="refused a 1-item put") as exc:
-        rs._send_fitting(encs)
+        rs.send_fitting(encs)
     assert not isinstance(exc.value, BatchTooLarge)
     assert stubborn.refused == [10, 5, 2, 1] and len(stubborn.stored) == 10
 
@@ -135,6 +136,8 @@ def test_runs_for_an_older_daemon_count_each_items_putmany_framing(size) -> None
     a length varint). Runs are sized by that framed size, so each request is within
     ``max_message_bytes`` however the batch falls. Before, they were summed unframed: a run of 64
     items exactly at the limit was 192 bytes over it and refused after earlier runs were stored."""
+    from kvstore.wire import put_bytes  # PutMany's framing sizes: the compatibility path
+
     encs = items(200, size)
     limit = 64 * encs[0].nbytes
     sent: list[int] = []

@@ -18,8 +18,8 @@ import kvstore
 from kvstore import InvalidRequest, Layout, PutItem
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.data_rpc import GET_STREAM_CHUNK_BYTES, GET_STREAM_WINDOW
-from kvstore.wire import (MD_STREAM_ITEMS, RequestTooLarge, encode_get_chunk, encode_get_reply, encode_item,
-                                 fitting_runs, put_parts)
+from kvstore.errors import RequestTooLarge
+from kvstore.wire import MD_STREAM_ITEMS, encode_get_chunk, encode_get_reply, encode_item, fitting_runs, put_parts
 
 
 def K(i: int | str) -> bytes:

@@ -1,6 +1,6 @@
 """The admin reply streams (``Maintain``, ``ExportIndex``) are read to their end by the client,
 past the message marked ``final``, so the daemon's handler finishes and counts the call OK
-(``kvstore.client.remote_admin``'s docstring). Before, the client cancelled right after the final
+(``kvstore.client.admin``'s docstring). Before, the client cancelled right after the final
 message: under load the daemon then counted the complete call CANCELLED, or counted it only
 after the client had returned (a stress run of the suite failed on it)."""
 
@@ -38,10 +38,10 @@ def test_admin_streams_are_read_to_their_end_and_counted_ok(make_daemon, monkeyp
     with kvstore.connect(d.address, max_message_bytes=64 * 1024) as s:
         assert all(s.put_many([PutItem(K(i), b"v%d" % i * 40) for i in range(300)]))
         for name in ("ExportIndex", "Maintain"):
-            def recorded(*args, _name=name, _real=getattr(s._stub, name), **kwargs):
+            def recorded(*args, _name=name, _real=getattr(s._rpc.stub, name), **kwargs):
                 calls[_name] = _Recorded(_real(*args, **kwargs))
                 return calls[_name]
-            monkeypatch.setattr(s._stub, name, recorded)
+            monkeypatch.setattr(s._rpc.stub, name, recorded)
         assert sum(b.num_rows for b in s.export_index_batches()) == 300
         phases: list[str] = []
         assert s.check(progress=lambda phase, done, total: phases.append(phase)) == []

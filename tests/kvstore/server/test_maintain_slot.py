@@ -12,7 +12,7 @@ import pytest
 
 import kvstore
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import DeadlineExceeded, ServerBusy
+from kvstore.errors import DeadlineExceeded, ServerBusy
 
 
 def test_one_pass_at_a_time_whether_unary_streamed_or_background(make_daemon) -> None:
@@ -39,15 +39,15 @@ def test_one_pass_at_a_time_whether_unary_streamed_or_background(make_daemon) ->
 
     d.store.gc = counted_gc
     with kvstore.connect(d.address) as s:
-        unary = threading.Thread(target=lambda: s._stub.Check(pb.CheckRequest(), timeout=30))
+        unary = threading.Thread(target=lambda: s._rpc.stub.Check(pb.CheckRequest(), timeout=30))
         unary.start()
         assert started.wait(10)
         time.sleep(0.5)  # background rounds come due meanwhile
         busy_from = time.monotonic()
         with pytest.raises(ServerBusy, match="still running"):
             s.check(progress=lambda *a: None)  # Maintain
-        for call in (lambda: s._stub.Gc(pb.GcRequest(dry_run=True), timeout=10),
-                     lambda: s._stub.Repair(pb.RepairRequest(), timeout=10)):
+        for call in (lambda: s._rpc.stub.Gc(pb.GcRequest(dry_run=True), timeout=10),
+                     lambda: s._rpc.stub.Repair(pb.RepairRequest(), timeout=10)):
             with pytest.raises(grpc.RpcError) as e:
                 call()
             assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "still running" in e.value.details()
@@ -55,7 +55,7 @@ def test_one_pass_at_a_time_whether_unary_streamed_or_background(make_daemon) ->
         release.set()
         unary.join(10)
         assert not skipped, "background gc ran beside an admin's pass"
-        assert json.loads(s._stub.Gc(pb.GcRequest(dry_run=True), timeout=10).json)["dry_run"] is True
+        assert json.loads(s._rpc.stub.Gc(pb.GcRequest(dry_run=True), timeout=10).json)["dry_run"] is True
         deadline = time.monotonic() + 10
         while not [t for t in gcs if t > busy_from] and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -100,7 +100,7 @@ def test_a_background_round_never_makes_an_admin_call_busy(make_daemon) -> None:
     assert probing.is_set() or rounds, "no background round came due"
     with kvstore.connect(d.address) as s:
         try:
-            assert json.loads(s._stub.Gc(pb.GcRequest(dry_run=True), timeout=10).json)["dry_run"] is True
+            assert json.loads(s._rpc.stub.Gc(pb.GcRequest(dry_run=True), timeout=10).json)["dry_run"] is True
         finally:
             admin_done.set()
     assert not probing.is_set(), "background gc took the admin pass slot"

@@ -329,7 +329,7 @@ def test_malformed_daemon_urls_are_refused_at_connect(url) -> None:
 def test_leading_comma_is_refused_too() -> None:
     with pytest.raises(InvalidRequest):
         kvstore.connect(",grpc://127.0.0.1:7070")
-    from kvstore.client.remote import open_grpc
+    from kvstore.client.connect import open_grpc
 
     with pytest.raises(InvalidRequest, match="stray comma"):
         open_grpc(",grpc://127.0.0.1:7070")

@@ -16,7 +16,7 @@ import kvstore
 from kvstore import NotFound, PutItem
 from kvstore.errors import InvalidRequest, StoreUnavailable
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import PermissionDenied, RequestTooLarge, ServerBusy, Unauthenticated
+from kvstore.errors import PermissionDenied, RequestTooLarge, ServerBusy, Unauthenticated
 from kvstore.embedded.store import EmbeddedStore
 
 TOK_A, TOK_A2, TOK_B, TOK_OPS = "token-aaaaaaaa", "token-a2a2a2a2", "token-bbbbbbbb", "token-opsopsops"

@@ -1,38 +1,39 @@
-"""The lookups of ``kvstore.client.remote.RemoteStore``: ``lookup``, ``lookup_many``, ``probe``.
+"""``Lookups``: the prefix lookups of ``kvstore.client.remote.RemoteStore`` on one daemon:
+``lookup``, ``lookup_many`` and ``probe``.
 
-``RemoteLookup`` is a base of ``RemoteStore`` (kept apart so each file has one job): it uses
-the store's ``_call``, ``_each_piece``, ``_learn``, ``_check_count``, ``_check_open`` and
-``_batch_items``, and follows ``kvstore.client.remote``'s rules (validated before anything is sent;
-a chain over the daemon's ``max_batch_items`` goes in pieces, in order).
+Keys come validated (``RemoteStore`` checks them, once, before anything is sent); a
+chain longer than the transport's
+``batch_items`` (``kvstore.client.transport``) goes in pieces, in order, each piece asked
+only while the keys before it all hit.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
-from kvstore.api import LookupResult, check_chain_ends
-from kvstore.errors import InternalError
-from kvstore.keys import check_keys
+from kvstore.api import LookupResult
+from kvstore.client.transport import Transport
+from kvstore.errors import BatchTooLarge, InternalError
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import BatchTooLarge
 
 
-class RemoteLookup:
-    """``lookup``, ``lookup_many`` and ``probe`` over gRPC (module docstring)."""
+class Lookups:
+    """``lookup``, ``lookup_many`` and ``probe`` over ``rpc`` (module docstring)."""
+
+    def __init__(self, rpc: Transport):
+        self._rpc = rpc
 
     @staticmethod
     def _result(r: pb.LookupReply) -> LookupResult:
         return LookupResult(int(r.hit_blocks), int(r.swa_at) if r.HasField("swa_at") else None)
 
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest prefix; a chain longer than ``max_batch_items`` is looked up piece by piece,
-        each piece only while every key before it hit (a 100k-token prompt in 16-token blocks
-        is a 6,250-key chain)."""
-        self._check_open()
-        keys = check_keys(keys)
+    def lookup(self, keys: list[bytes]) -> LookupResult:
+        """Longest prefix of validated ``keys``; a chain longer than ``max_batch_items`` is
+        looked up piece by piece, each piece only while every key before it hit (a 100k-token
+        prompt in 16-token blocks is a 6,250-key chain)."""
         hit, swa_at = 0, None
-        for p, r in self._each_piece(len(keys), lambda p: self._result(
-                self._call("Lookup", pb.LookupRequest(keys=keys[p])))):
+        for p, r in self._rpc.each_piece(len(keys), lambda p: self._result(
+                self._rpc.call("Lookup", pb.LookupRequest(keys=keys[p])))):
             hit = p.start + r.hit_blocks
             if r.swa_at is not None:
                 swa_at = p.start + r.swa_at
@@ -40,18 +41,16 @@ class RemoteLookup:
                 break
         return LookupResult(hit, swa_at)
 
-    def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[LookupResult]:
-        """One result per chain, in order. The daemon limits both the chains of one LookupMany
+    def lookup_many(self, msgs: list[list[bytes]]) -> list[LookupResult]:
+        """One result per validated chain, in order. The daemon limits both the chains of one LookupMany
         and the keys in all of them to its ``max_batch_items``: chains go in pieces of whole
-        chains within both (``_batch_items``), a chain longer than that alone through
+        chains within both (``batch_items``), a chain longer than that alone through
         ``lookup``. A piece refused as too large re-splits once with the learned limit, as
-        ``_each_piece`` does."""
-        self._check_open()
-        msgs = [check_keys(c) for c in chains]  # every chain validated before anything is sent
+        ``Transport.each_piece`` does."""
         out: list[LookupResult] = []
         i, retried = 0, False
         while i < len(msgs):
-            limit = self._batch_items
+            limit = self._rpc.batch_items
             if len(msgs[i]) > limit:
                 out.append(self.lookup(msgs[i]))
                 i += 1
@@ -61,34 +60,32 @@ class RemoteLookup:
                 n_keys += len(msgs[j])
                 j += 1
             try:
-                reply = self._call("LookupMany", pb.LookupManyRequest(
+                reply = self._rpc.call("LookupMany", pb.LookupManyRequest(
                     chains=[pb.LookupRequest(keys=c) for c in msgs[i:j]]))
             except BatchTooLarge as exc:
-                if retried or not self._learn(exc, max(j - i, n_keys)):
+                if retried or not self._rpc.learn(exc, max(j - i, n_keys)):
                     raise
                 retried = True
                 continue  # the same chains again, within the learned limit
-            out.extend(self._result(r) for r in self._check_count("LookupMany", list(reply.results), j - i))
+            out.extend(self._result(r) for r in self._rpc.check_count("LookupMany", list(reply.results), j - i))
             i = j
         return out
 
-    def probe(self, keys: Sequence[bytes], *, until_miss: bool = False,
-              chain_ends: Sequence[int] | None = None) -> tuple[bytes, bytes]:
-        """Per key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings.
+    def probe(self, keys: list[bytes], until_miss: bool, ends: list[int] | None) -> tuple[bytes, bytes]:
+        """Per validated key: (1 if a live block entry, 1 if also a live SWA entry), as two byte strings.
         ``until_miss`` (``keys`` are one chain's share, in chain order): the strings may end
         at the first key without a live block (``EmbeddedStore.probe``); pieces after it are
-        not asked for. ``chain_ends`` (several chains' shares, ``Index.probe``): each piece
-        carries the ends of the shares within it, and the answer covers every key."""
-        keys = check_keys(keys)
-        ends = check_chain_ends(chain_ends, len(keys), until_miss=until_miss)
+        not asked for. ``ends`` (several chains' shares, ``Index.probe``'s ``chain_ends``, checked
+        by ``kvstore.api.check_chain_ends``): each piece carries the ends of the shares within it,
+        and the answer covers every key."""
         block, swa = [], []
 
         def ask(p: slice) -> Any:
             # the distinct ends inside the piece (empty shares dropped): never more than its keys
             cut = None if ends is None else sorted({e - p.start for e in ends if p.start < e < p.stop} | {p.stop - p.start})
-            return self._call("Probe", pb.ProbeRequest(keys=keys[p], until_miss=until_miss, chain_ends=cut))
+            return self._rpc.call("Probe", pb.ProbeRequest(keys=keys[p], until_miss=until_miss, chain_ends=cut))
 
-        for p, r in self._each_piece(len(keys), ask):
+        for p, r in self._rpc.each_piece(len(keys), ask):
             n = p.stop - p.start
             short = len(r.block) < n
             if len(r.swa) != len(r.block) or len(r.block) > n or (
