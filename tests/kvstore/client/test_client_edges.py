@@ -138,32 +138,6 @@ class _Unimplemented(grpc.RpcError):
         return ()
 
 
-def test_daemon_without_describe_keeps_piecewise_puts(make_daemon, monkeypatch) -> None:
-    """An older daemon (Describe UNIMPLEMENTED): not asked again, and the batch goes as before
-    (the bad value fails its own piece, after the earlier ones were stored)."""
-    d = make_daemon(max_value_bytes=1000)
-    with kvstore.connect(d.address, max_batch_items=3) as s:
-        inner, asked = s._call, []
-
-        def old_daemon(method, *a, **kw):
-            if method == "Describe":
-                asked.append(method)
-                from kvstore.wire import error_from_rpc
-
-                err = _Unimplemented()
-                raise error_from_rpc(err, "Describe") from err
-            return inner(method, *a, **kw)
-
-        monkeypatch.setattr(s, "_call", old_daemon)
-        items = [PutItem(K(f"o{i}"), b"v") for i in range(5)]
-        items[4] = PutItem(K("o4"), b"x" * 2000)
-        for _ in range(2):
-            with pytest.raises(InvalidRequest, match="max_value_bytes=1000"):
-                s.put_many(items)
-        assert asked == ["Describe"]
-        assert s.get_many([it.key for it in items[:3]]) == [b"v"] * 3  # the first piece
-
-
 # ----------------------------------------------------------------------------- defect 3: get_many_into buffers
 @pytest.mark.parametrize("bad", [1, 7])
 def test_get_many_into_too_small_buffer_writes_nothing(client, tmp_path, bad) -> None:

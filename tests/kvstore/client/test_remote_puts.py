@@ -17,11 +17,9 @@ import pytest
 from kvstore.api import PutItem
 from kvstore.client.options import ClientOptions
 from kvstore.client.puts import Puts
-from kvstore.client.remote import RemoteStore
 from kvstore.client.transport import Transport
-from kvstore.errors import BatchTooLarge, RequestTooLarge
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import check_message_bytes, encode_item, fitting_runs
+from kvstore.errors import BatchTooLarge
+from kvstore.wire import encode_item
 
 
 class FakeDaemon:
@@ -130,104 +128,3 @@ def test_refusals_that_name_no_lower_limit_halve_the_runs_and_end() -> None:
     assert stubborn.refused == [10, 5, 2, 1] and len(stubborn.stored) == 10
 
 
-@pytest.mark.parametrize("size", [100, 1000, 16_000])
-def test_runs_for_an_older_daemon_count_each_items_putmany_framing(size) -> None:
-    """Without PutStream the client sends a ``PutManyRequest``, which frames every item (a tag and
-    a length varint). Runs are sized by that framed size, so each request is within
-    ``max_message_bytes`` however the batch falls. Before, they were summed unframed: a run of 64
-    items exactly at the limit was 192 bytes over it and refused after earlier runs were stored."""
-    from kvstore.wire import put_bytes  # PutMany's framing sizes: the compatibility path
-
-    encs = items(200, size)
-    limit = 64 * encs[0].nbytes
-    sent: list[int] = []
-
-    def call(method, req, *a, **kw):  # the channel's max_send_message_length, as gRPC enforces it
-        assert method == "PutMany"
-        if req.ByteSize() > limit:
-            raise RequestTooLarge(f"{req.ByteSize()} bytes over {limit}")
-        sent.append(req.ByteSize())
-        return pb.PutManyReply(created=[True] * len(req.items))
-
-    rs = client(FakeDaemon([10**6]), message_bytes=limit)
-    rs._send_puts = types.MethodType(RemoteStore._send_puts, rs)
-    rs._streams, rs._call = False, call
-    assert rs._send_fitting(encs) == [True] * 200
-    assert len(sent) > 1 and max(sent) <= limit
-    assert all(s + put_bytes(encs[0], framed=True) > limit for s in sent[:-1])  # each run as full as it fits
-    # the boundary: a run framed exactly at the limit fits, one byte over does not
-    run = fitting_runs(encs, limit, framed=True)[0]
-    exact = sum(put_bytes(e, framed=True) for e in encs[run])
-    assert pb.PutManyRequest(items=[pb.PutRequest.FromString(e.message()) for e in encs[run]]).ByteSize() == exact
-    check_message_bytes(encs[run], 200, exact, framed=True)
-    with pytest.raises(RequestTooLarge):
-        check_message_bytes(encs[run], 200, exact - 1, framed=True)
-    check_message_bytes(encs[:64], 200, limit)  # a PutStream carries no framing: exactly at the limit fits
-    with pytest.raises(RequestTooLarge):
-        check_message_bytes(encs[:64], 200, limit, framed=True)
-
-
-def test_a_piece_checked_for_an_older_daemon_counts_its_framing() -> None:
-    """``check_puts`` (no direct writes: the piece goes as one call) refuses, before sending
-    anything, a piece that fits as a PutStream but not as a ``PutManyRequest`` once the daemon
-    is known to lack PutStream."""
-    encs = items(64, 1000)
-    rs = client(FakeDaemon([10**6]), message_bytes=64 * encs[0].nbytes)
-    rs.check_puts(encs)
-    rs._streams = False
-    with pytest.raises(RequestTooLarge):
-        rs.check_puts(encs)
-
-
-def test_a_run_sized_for_putstream_that_meets_an_older_daemon_goes_in_framed_runs() -> None:
-    """The first PutStream of a client answered UNIMPLEMENTED: the run, sized for a stream, is
-    sent as PutMany in runs that fit framed, not as one request over the limit."""
-    from kvstore.client.remote import _Unimplemented
-
-    encs = items(64, 1000)
-    limit = 64 * encs[0].nbytes  # exactly at the limit as a stream
-    sent: list[int] = []
-
-    def call(method, req, *a, **kw):
-        if req.ByteSize() > limit:
-            raise RequestTooLarge(f"{req.ByteSize()} bytes over {limit}")
-        sent.append(len(req.items))
-        return pb.PutManyReply(created=[True] * len(req.items))
-
-    def older(method, run):
-        rs._streams = False
-        raise _Unimplemented(method)
-
-    rs = client(FakeDaemon([10**6]), message_bytes=limit)
-    rs._send_puts = types.MethodType(RemoteStore._send_puts, rs)
-    rs._call, rs._stream_call, rs._md = call, older, None
-    assert rs._send_fitting(encs) == [True] * 64
-    assert sum(sent) == 64 and len(sent) == 2 and rs._streams is False
-
-
-def test_an_older_daemons_limit_dropping_mid_piece_stores_nothing_twice():
-    """The real ``_send_puts`` against an older daemon (PutStream UNIMPLEMENTED) whose item limit
-    drops from 100 to 1 after its first PutMany. A piece sized for a PutStream that no longer fits
-    one PutMany was sent by ``_send_puts`` in framed runs of its own; when a later run was refused,
-    the runs it had stored were lost to the caller, which re-sent the whole piece: 38 items stored
-    twice and answered created=False (QA). Now ``_send_puts`` asks for a re-split before sending."""
-    from kvstore.client.remote import _Unimplemented
-
-    daemon = FakeDaemon([100, 1])
-    encs = items(40, size=5)
-    limit = sum(e.nbytes for e in encs)  # fits one PutStream, not one PutMany
-    assert len(fitting_runs(encs, limit, framed=True)) == 2
-    rs = client(daemon, message_bytes=limit)
-    del rs._send_puts  # the real one, over the fakes below
-    rs.options.timeout_s = 5
-
-    def older_stream(method, run):
-        rs._streams = False  # as _unimplemented does on UNIMPLEMENTED
-        raise _Unimplemented(method)
-
-    rs._stream_call = older_stream
-    sent = lambda req: types.SimpleNamespace(message=req.SerializeToString)  # noqa: E731 - as EncodedPut
-    rs._call = lambda method, req, *a, **k: pb.PutManyReply(created=daemon.send([sent(r) for r in req.items]))
-    rs._md = None
-    assert rs._send_fitting(encs) == [True] * 40
-    assert len(daemon.stored) == 40 and max(daemon.stored.values()) == 1

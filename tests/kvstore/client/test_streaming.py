@@ -76,25 +76,7 @@ def test_get_stream_keeps_order_across_windows_and_chunks(make_daemon) -> None:
         keys = [K(i) for i in range(n)]
         assert s.get_many(keys) == [vals.get(i) for i in range(n)]
         assert s.get_many(keys[::-1]) == [vals.get(i) for i in reversed(range(n))]
-        assert s._streams  # the streams were used, not the fallback
         assert s.check() == []
-
-
-def test_older_daemon_without_streams_gets_the_unary_forms(make_daemon) -> None:
-    d = make_daemon()
-    with kvstore.connect(d.address) as s:
-        # Point the stream callables at methods the daemon does not have: UNIMPLEMENTED, as from an old daemon.
-        s._get_stream = s._channel.unary_stream("/kvstore.v1.KVStore/NoGetStream",
-                                                request_serializer=pb.GetManyRequest.SerializeToString,
-                                                response_deserializer=pb.GetChunk.FromString)
-        s._put_stream = s._channel.stream_unary("/kvstore.v1.KVStore/NoPutStream",
-                                                response_deserializer=pb.PutManyReply.FromString)
-        assert s.put_many([PutItem(K(1), b"one"), PutItem(K(2), b"two")]) == [True, True]
-        assert s._streams is False
-        s._streams = True
-        assert s.get_many([K(1), K(3), K(2)]) == [b"one", None, b"two"]
-        assert s._streams is False
-        assert s.put_many([PutItem(K(1), b"again")]) == [False]
 
 
 def test_put_stream_over_the_size_limit_stores_nothing(make_daemon) -> None:
