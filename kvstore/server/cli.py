@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from kvstore.server.service import Daemon, host_port
+    from kvstore.netaddr import host_port
+    from kvstore.server.service import Daemon
 
     logging.basicConfig(level=_log_level(args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

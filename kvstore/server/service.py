@@ -74,9 +74,10 @@ from kvstore.errors import CapacityExceeded, InternalError, InvalidRequest, KVSt
 from kvstore.embedded.fragments import MAX_TTL_S
 from kvstore.embedded.index import ekey
 from kvstore.keys import check_key, check_keys
+from kvstore.netaddr import host_port, port_taken
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.auth import Limiter, Tenant, TokenTable, load_server_secret, require_admin
-from kvstore.server.config import ServerConfig, port_taken
+from kvstore.server.config import ServerConfig
 from kvstore.server.admin_rpc import AdminRPC
 from kvstore.server.data_rpc import DataRPC
 from kvstore.server.direct_rpc import DirectRPC
@@ -91,11 +92,6 @@ log = logging.getLogger(__name__)
 
 SERVICE = "kvstore.v1.KVStore"
 STOP_EXTRA_S = 5.0  # ``Daemon.stop`` ends within this long after the drain grace
-
-
-def host_port(host: str, port: int) -> str:
-    """``host:port``, a bare IPv6 address (``::1``) in brackets, as gRPC and URLs spell it."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def _cut(context: grpc.ServicerContext, why: str) -> Callable[[], None]:
