@@ -57,9 +57,13 @@ The service contract
 8. Shutdown (SIGTERM/SIGINT): stop accepting, let in-flight calls finish
    within ``drain_s``, stop GC, close the store.
 
-Modules: ``config`` (ServerConfig), ``service`` (Daemon), ``auth`` (tokens,
-tenants, limiter), ``wire`` (errors and conversions), ``metrics``
-(Prometheus), ``cli`` (``kvstore serve``).
+Modules: ``config`` (ServerConfig), ``service`` (Daemon: owns the parts below and
+routes each RPC to its handler), ``dispatch`` (the per-call steps: authenticate, parse,
+admit, map errors), ``data_rpc``, ``direct_rpc`` and ``admin_rpc`` (the handlers),
+``checks`` (request fields checked at the boundary), ``tenant_writes`` (writes charged
+to a tenant's quota), ``quota``, ``admission`` (the Limiter), ``metrics`` (Prometheus),
+``watchdog`` (stream time bounds), ``cli`` (``kvstore serve``). Tokens and tenants are
+``kvstore.auth``; the wire codec shared with the clients is ``kvstore.wire``.
 """
 
 from kvstore.server.config import ServerConfig, load_server_config

@@ -45,7 +45,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.tls import check_server_files, read_pem
 
 MiB = 1024 * 1024
-# The largest time a float option may hold: ~31 years, far beyond any useful drain or GC
+# The largest time a float option may hold: about 31 years, far beyond any useful drain or GC
 # period, and well inside what threading and gRPC timeouts accept (1e300 overflows them).
 MAX_SECONDS = 1e9
 # gRPC channel arguments are C ints: a larger message limit is an OverflowError inside gRPC.
