@@ -3,8 +3,9 @@
 ``Limiter`` counts in-flight calls overall and per tenant and refuses, without queueing,
 a call over either bound (RESOURCE_EXHAUSTED, ``ServerBusy``): a client retries with
 backoff instead of piling onto a saturated daemon. The daemon's dispatcher
-(``kvstore.server.dispatch``) takes a slot after authenticating and parsing a call and
-gives it back when the call's store work is done (a stream: when it ends).
+(``kvstore.server.dispatch``) takes a slot once a call is authenticated (a unary call or a
+reply stream: parsed too) and gives it back when the call's store work is done (a stream:
+when it ends).
 """
 
 from __future__ import annotations

@@ -30,7 +30,9 @@ from typing import Sequence
 
 from kvstore.cli.conventions import LOG_LEVELS, ExitCode, log_level
 from kvstore.errors import KVStoreError
+from kvstore.netaddr import host_port
 from kvstore.server.config import SERVER_FIELDS, STORE_FIELDS, load_server_config
+from kvstore.server.service import Daemon
 
 
 # Fields whose unset default means something the value alone does not say.
@@ -64,9 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from kvstore.netaddr import host_port
-    from kvstore.server.service import Daemon
-
     logging.basicConfig(level=log_level(args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     over = {k: getattr(args, k) for k in (*SERVER_FIELDS, *STORE_FIELDS)}
