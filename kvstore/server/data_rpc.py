@@ -9,9 +9,10 @@ Batches are checked whole (``checks``) before any store work. The two streaming 
 ``GetStream`` validates every key first, then reads the keys a window
 (``GET_STREAM_WINDOW``) at a time and sends the values in ``GetChunk`` messages;
 ``PutStream`` gets every item of its stream, received and parsed by the dispatcher, and
-stores them with one ``put_many`` exactly as ``PutMany`` does. Streaming keeps one large
-reply from being built and serialized as one protobuf message (tools/bench_remote.py
-compares the two). Values are hand-encoded (``wire.encode_*``): one copy each instead of two.
+stores them with one ``put_many`` exactly as ``PutMany`` does. Streaming spares building
+and serializing one large protobuf message (each a copy of every value; tools/bench_remote.py
+measures the remote batch path). Values are hand-encoded
+(``wire.encode_*``): one copy each instead of two.
 """
 
 from __future__ import annotations
