@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
 from kvstore.errors import InvalidRequest
-from kvstore.server.config import port_taken
+from kvstore.netaddr import port_taken
 
 MAX_MESSAGE_BYTES = 64 << 20  # gRPC send/receive limit of the entrypoint and the workers
 

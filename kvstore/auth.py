@@ -1,4 +1,9 @@
-"""Authentication, tenant namespacing and admission limits of the daemon.
+"""Bearer tokens and tenants: the tokens file, who a call acts for, and the keys a tenant's entries are stored under.
+
+Who uses it: the daemon (``kvstore.server``: ``TokenTable`` authenticates every call,
+``Tenant.store_key`` maps its keys) and the entrypoint's client tokens, which read the
+same tokens file format (``read_tokens_file``). The daemon's admission limits are its
+own: ``kvstore.server.admission``.
 
 Tokens file (TOML, so UTF-8), read once at start::
 
@@ -21,11 +26,6 @@ file. Two tenants sending the *same* prompt hash produce unrelated stored
 keys: no shared entry, no dedup signal, no lookup hit. Without a tokens file
 there is one anonymous tenant whose keys are stored as sent (so ``kvtool`` on
 the data directory and the daemon see the same entries).
-
-Admission: ``Limiter`` counts in-flight calls overall and per tenant and
-refuses, without queueing, a call over either bound (RESOURCE_EXHAUSTED,
-``ServerBusy``): a client retries with backoff instead of piling onto a
-saturated daemon.
 """
 
 from __future__ import annotations
@@ -35,14 +35,13 @@ import hmac
 import logging
 import os
 import secrets
-import threading
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import InvalidRequest
 from kvstore.keys import tenant_key
-from kvstore.errors import PermissionDenied, ServerBusy, Unauthenticated
+from kvstore.errors import PermissionDenied, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -166,39 +165,6 @@ class TokenTable:
 
 
 def require_admin(tenant: Tenant, method: str) -> None:
+    """``PermissionDenied`` unless ``tenant`` is an admin (``admin_tenants`` of the tokens file)."""
     if not tenant.admin:
         raise PermissionDenied(f"{method} needs an admin tenant (admin_tenants in the tokens file)")
-
-
-class Limiter:
-    """Bounded in-flight calls, overall and per tenant; refuses instead of queueing."""
-
-    def __init__(self, total: int, per_tenant: int):
-        self.total, self.per_tenant = total, per_tenant
-        self._lock = threading.Lock()
-        self._n = 0
-        self._by_tenant: dict[str, int] = {}
-
-    def acquire(self, tenant: str) -> None:
-        with self._lock:
-            mine = self._by_tenant.get(tenant, 0)
-            if self._n >= self.total:
-                raise ServerBusy(f"daemon busy: {self._n} calls in flight (max_concurrent_requests={self.total}); retry")
-            if mine >= self.per_tenant:
-                raise ServerBusy(
-                    f"tenant busy: {mine} calls in flight (max_concurrent_per_tenant={self.per_tenant}); retry")
-            self._n += 1
-            self._by_tenant[tenant] = mine + 1
-
-    def release(self, tenant: str) -> None:
-        with self._lock:
-            self._n -= 1
-            left = self._by_tenant[tenant] - 1
-            if left:
-                self._by_tenant[tenant] = left
-            else:
-                del self._by_tenant[tenant]
-
-    @property
-    def in_flight(self) -> int:
-        return self._n

@@ -6,7 +6,9 @@ daemon URL. The package holds no library code that the store itself calls;
 ``kvtool`` and ``commands`` may print (the library never does).
 
 Modules: ``kvtool`` (argument parsing, opening the store, exit codes),
-``commands`` (the subcommand registry), ``index_view`` (read-only views of an
-embedded store's index for ``inspect``; the daemon's ``Inspect`` RPC runs it
-too, so it never prints), ``progress`` (the stderr progress bar).
+``commands`` (the subcommand registry), ``conventions`` (what kvtool and
+``kvstore serve`` do alike: exit codes, argument value types, log levels,
+one-line errors), ``progress`` (the stderr progress bar). The read-only index
+views ``inspect`` prints are ``kvstore.index_view``, which the daemon's
+``Inspect`` RPC runs too.
 """

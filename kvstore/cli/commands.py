@@ -52,25 +52,18 @@ store error).
 from __future__ import annotations
 
 import argparse
-import enum
 import inspect as pyinspect
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvstore.api import EntryKind, KVStore
 from kvstore import index_view
-from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError
+from kvstore.api import EntryKind, KVStore
+from kvstore.cli.conventions import ExitCode, non_negative_int, one_line, output_file, parse_chain, parse_key
 from kvstore.embedded.index import Index
-from kvstore.keys import KEY_LEN
+from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError
 
 Progress = Callable[[str, int, int], None]
-
-
-class ExitCode(enum.IntEnum):
-    OK = 0
-    PROBLEMS = 1
-    USAGE = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,55 +92,6 @@ class Command:
 
 
 # ----------------------------------------------------------------------------- helpers
-def parse_key(text: str) -> bytes:
-    """A block key as hex (argparse ``type``: a bad value is a usage error, exit 2)."""
-    try:
-        key = bytes.fromhex(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not hex; a key is {2 * KEY_LEN} hex digits") from None
-    if len(key) != KEY_LEN:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is {len(key)} bytes; a key is {KEY_LEN} bytes ({2 * KEY_LEN} hex digits)")
-    return key
-
-
-def parse_chain(text: str) -> list[bytes]:
-    """A prefix chain as comma-separated hex keys, or ``@FILE``: the keys read from FILE,
-    separated by commas, spaces or newlines (a chain too long for one argument), argparse
-    ``type``. An empty chain or an unreadable file is a usage error."""
-    source = text
-    if text.startswith("@"):
-        try:
-            with open(text[1:], encoding="ascii") as f:
-                source = f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise argparse.ArgumentTypeError(f"cannot read the chain from {text[1:]!r}: "
-                                             f"{getattr(exc, 'strerror', None) or exc}") from None
-    chain = [parse_key(part) for part in source.replace(",", " ").split()]
-    if not chain:
-        raise argparse.ArgumentTypeError(f"{text!r} names no key; give one or more {2 * KEY_LEN}-digit hex keys, "
-                                         "comma separated, or @FILE")
-    return chain
-
-
-def non_negative_int(text: str) -> int:
-    """A count such as ``--limit`` (argparse ``type``: negative or not a number is exit 2)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 0 or more") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} is negative; give 0 or more")
-    return n
-
-
-def output_file(text: str) -> str:
-    """A file kvtool writes (argparse ``type``: an empty name is a usage error, exit 2)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an empty file name; give the path of the file to write")
-    return text
-
-
 def fmt_bytes(n: int | float | None) -> str:
     if n is None:
         return "-"
@@ -173,10 +117,6 @@ def _problem_dict(p: Any) -> dict:
     return p.as_dict() if hasattr(p, "as_dict") else dict(p)
 
 
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
 def _shard_of(store: KVStore, target: str) -> str | None:
     """The shard URL a sharded result's target (``URL`` or ``URL/t3,URL/t5``) names, else None."""
     for url in getattr(store, "urls", ()):
@@ -191,7 +131,7 @@ def _with_down_shards(store: KVStore, outcome: Outcome, down: dict[str, str]) ->
     if not down:
         return outcome
     n = len(getattr(store, "urls", ())) or len(down)
-    lines = tuple(f"shard {url} did not answer ({_one_line(err)}); the results are from the other "
+    lines = tuple(f"shard {url} did not answer ({one_line(err)}); the results are from the other "
                   f"{n - len(down)} of {n} shards" for url, err in down.items())
     return Outcome(max(outcome.code, ExitCode.PROBLEMS), outcome.data, outcome.text, outcome.errors + lines)
 
@@ -321,15 +261,15 @@ def run_inspect(store: KVStore, args: argparse.Namespace, progress: Progress) ->
     if args.key is not None:
         d = _known(views.entries([args.key], EntryKind.parse(args.kind))[0])
         missing = (index_view.EntryState.ABSENT.value, index_view.EntryState.UNKNOWN.value,
-                   index_view.EntryState.LOST.value)  # lost too: no value to read (QA)
+                   index_view.EntryState.LOST.value)  # lost too: no value to read
         code = ExitCode.PROBLEMS if d["state"] in missing else ExitCode.OK
         return _with_down_shards(store, Outcome(code, d, _entry_text(d)), d.get("unanswered", {}))
     if args.chain is not None:
         rows = [_known_position(r) for r in views.chain(args.chain)]
         return _with_down_shards(store, _chain_outcome(args.chain, rows), rows[0].get("unanswered", {}) if rows else {})
     d = views.summary()
-    # Lost entries or a target down are problems, as verify says (QA: a store with every
-    # target gone and every entry lost answered 0, healthy).
+    # Lost entries or a target down are problems, as verify says: a store with every target
+    # gone and every entry lost is not healthy.
     bad = d["total"]["lost"] or any(not t["up"] for t in d["targets"])
     return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, _summary_text(d)),
                              _down_in(d))
@@ -390,7 +330,7 @@ def _configure_gc(p: argparse.ArgumentParser) -> None:
 
 
 def _evicted_bytes(d: dict) -> str:
-    """`` (N B)`` after the evicted count, when the store reports it (an older daemon may not)."""
+    """`` (N B)`` after the evicted count, when any bytes were evicted."""
     n = d.get("evicted_bytes")
     return f" ({fmt_bytes(n)})" if n else ""
 
@@ -398,7 +338,7 @@ def _evicted_bytes(d: dict) -> str:
 def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     """The pass's counts; exit 1 when orphans were kept or the store could not get under its
     capacity (``CapacityExceeded``: its ``result`` is printed, the reason is the stderr line;
-    without a ``result``, from a daemon that predates it, the error is raised for kvtool to print)."""
+    without a ``result``, a refusal before the pass ran, the error is raised for kvtool to print)."""
     full: CapacityExceeded | None = None
     try:
         d = _call_with_progress(store.gc, progress, dry_run=args.dry_run)
@@ -416,10 +356,10 @@ def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outc
             f"used {fmt_bytes(d.get('used_bytes'))}"
             + (f"; {d['targets_not_swept']} targets down, not swept for orphans" if d.get("targets_not_swept")
                else ""))
-    # A target down is a problem, as verify says (QA: gc with 6 of 8 targets gone said orphans 0, exit 0).
+    # A target down is a problem, as verify says: its orphans were not swept, so "orphans 0" is not all.
     code = (ExitCode.PROBLEMS if d.get("orphans_kept") or d.get("targets_not_swept") or full is not None
             else ExitCode.OK)
-    errors = (_one_line(full),) if full is not None else ()
+    errors = (one_line(full),) if full is not None else ()
     return _with_down_shards(store, Outcome(code, d, text, errors), _down_in(d))
 
 
@@ -478,7 +418,7 @@ def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
         if exc.result is None:
             raise
         full, d = exc, dict(exc.result)
-    # A target down is a problem too (verify says so; QA: repair answered 0 and verify 1 after it).
+    # A target down is a problem too (verify says so): repair answers as verify would after it.
     bad = sum(int(d.get(k, 0)) for k in ("unfixed", "still_lost", "orphans_kept", "targets_down"))
     text = (f"repair: rebuilt {d.get('rebuilt_fragments', 0)} fragments, restored {d.get('restored_entries', 0)} "
             f"entries, removed {d.get('orphans_removed', 0)} orphans{_kept(d)}; unfixed {d.get('unfixed', 0)}, "
@@ -490,7 +430,7 @@ def run_repair(store: KVStore, args: argparse.Namespace, progress: Progress) -> 
     if bad:
         text += ("\nsome damage remains, or could not be looked for: bring missing targets back (or add spare "
                  "targets) and run repair again")
-    errors = (_one_line(full),) if full is not None else ()
+    errors = (one_line(full),) if full is not None else ()
     code = ExitCode.PROBLEMS if bad or full is not None else ExitCode.OK
     return _with_down_shards(store, Outcome(code, d, text, errors), _down_in(d))
 
@@ -563,8 +503,8 @@ def _stats_text(d: dict) -> str:
 
 def run_stats(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outcome:
     d = store.stats()
-    # Lost entries or a target down are problems, as inspect and verify say (QA: stats printed
-    # them and answered 0, healthy, while inspect on the same store answered 1).
+    # Lost entries or a target down are problems, as inspect and verify say: stats answers as
+    # inspect does on the same store.
     bad = d.get("lost_entries", 0) or any(not t.get("up", True) for t in d.get("targets", ()))
     return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, _stats_text(d)),
                              _down_in(d))

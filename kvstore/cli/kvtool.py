@@ -66,7 +66,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 import sys
@@ -76,10 +75,11 @@ from typing import Callable, Iterator, Sequence
 
 import kvstore
 from kvstore.api import KVStore
-from kvstore.cli.commands import COMMANDS, Command, ExitCode, Outcome
+from kvstore.cli.commands import COMMANDS, Command, Outcome
+from kvstore.cli.conventions import EXIT_INTERRUPTED, ExitCode, given_file, one_line, seconds
 from kvstore.cli.progress import ProgressBar
 from kvstore.config import load_config
-from kvstore.errors import CapacityExceeded, CorruptData, InvalidRequest, KVStoreError
+from kvstore.errors import CapacityExceeded, CorruptData, DeadlineExceeded, InvalidRequest, KVStoreError
 
 PROG = "kvtool"
 
@@ -194,24 +194,6 @@ class OneStore(argparse.Action):
         if before is not None and before != values:
             raise argparse.ArgumentError(self, f"two stores given ({before!r} and {values!r}); give one")
         setattr(namespace, self.dest, values)
-
-
-def given_file(text: str) -> str:
-    """A file kvtool reads (argparse ``type``: an empty name is a usage error, exit 2)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an empty file name; give the path of the file")
-    return text
-
-
-def seconds(text: str) -> float:
-    """``--timeout`` (argparse ``type``: not a positive, finite number is a usage error, exit 2)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (math.isfinite(v) and 0 < v <= 1e9):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
-    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -381,10 +363,6 @@ def quiet_grpc_core() -> Iterator[None]:
         os.environ.pop("GRPC_VERBOSITY", None)
 
 
-# Exit code of a run stopped by Ctrl-C (SIGINT): 128 + the signal's number, as a shell reports it.
-EXIT_INTERRUPTED = 130
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run kvtool; returns the exit code (the console script exits with it). Ctrl-C (SIGINT)
     is one line, ``kvtool: interrupted``, and ``EXIT_INTERRUPTED``, never a traceback; the
@@ -405,14 +383,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _error_line(cmd: Command, exc: BaseException) -> str:
     """kvtool's one line for a failed command: what the command needs, not the RPC that said no."""
     code = getattr(exc, "code", "")
-    wire = sys.modules.get("kvstore.wire")  # loaded only once a daemon was called
     if code == "PERMISSION_DENIED":
         return (f"{cmd.name} needs an admin tenant's token: set KVSTORE_TOKEN (or --token-file) to a token of a "
                 f"tenant in the daemon's admin_tenants (the daemon said: {exc})")
     if code == "UNAUTHENTICATED":
         return (f"{cmd.name}: the daemon needs a bearer token it knows: set KVSTORE_TOKEN (or --token-file) "
                 f"(the daemon said: {exc})")
-    if wire is not None and isinstance(exc, wire.DeadlineExceeded):
+    if isinstance(exc, DeadlineExceeded):
         return f"{cmd.name}: {exc}; --timeout SECONDS sets how long kvtool waits"
     return f"{cmd.name}: {exc}"
 
@@ -443,7 +420,7 @@ def _run(cmd: Command, args: argparse.Namespace) -> int:
         outcome = cmd.run(store, args, progress)
     except (KVStoreError, OSError) as exc:
         progress.close()
-        print(f"{PROG}: error: {' '.join(_error_line(cmd, exc).split())}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(_error_line(cmd, exc))}", file=sys.stderr)
         # a store that cannot get under its capacity is a problem found, not a usage error
         return int(ExitCode.PROBLEMS if isinstance(exc, CapacityExceeded) else ExitCode.USAGE)
     finally:
@@ -457,7 +434,7 @@ def _run(cmd: Command, args: argparse.Namespace) -> int:
         # A full disk, a closed stdout: the result is lost, which is not "problems found" (1).
         _discard_stdout()
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        print(f"{PROG}: error: cannot write the result: {' '.join(str(reason).split())}", file=sys.stderr)
+        print(f"{PROG}: error: cannot write the result: {one_line(reason)}", file=sys.stderr)
         return int(ExitCode.USAGE)
     for line in outcome.errors:  # after the result: what was done first, then what was not
         print(f"{PROG}: error: {cmd.name}: {line}", file=sys.stderr)

@@ -23,7 +23,7 @@ The service contract
    validated whole before anything is written: one bad item fails the call
    with INVALID_ARGUMENT and stores nothing. More than ``max_batch_items``
    items is INVALID_ARGUMENT, refused before any store work, with the limit in
-   trailing metadata ``kvstore-max-batch-items`` (``wire.BatchTooLarge``):
+   trailing metadata ``kvstore-max-batch-items`` (``kvstore.errors.BatchTooLarge``):
    clients learn it there and re-send in pieces.
 3. ``Probe`` answers, per key, "live block?" and "live SWA?"; the sharded
    client uses it to compute a chain's longest prefix across daemons.
@@ -33,7 +33,7 @@ The service contract
    UTF-8, wrong types) is INVALID_ARGUMENT. A message over
    ``max_message_bytes`` is RESOURCE_EXHAUSTED (gRPC's own check, on both
    ends); a daemon or tenant at its concurrency limit is RESOURCE_EXHAUSTED
-   with code ``BUSY`` (``wire.ServerBusy``, a ``StoreUnavailable``: retry), and
+   with code ``BUSY`` (``kvstore.errors.ServerBusy``, a ``StoreUnavailable``: retry), and
    so is a ``Gc``, ``Check``, ``Repair`` or ``Maintain`` call while another gc,
    check or repair pass runs on the daemon (one pass at a time: ``admin_rpc``;
    background GC skips its round instead). An unreachable daemon is
@@ -57,9 +57,13 @@ The service contract
 8. Shutdown (SIGTERM/SIGINT): stop accepting, let in-flight calls finish
    within ``drain_s``, stop GC, close the store.
 
-Modules: ``config`` (ServerConfig), ``service`` (Daemon), ``auth`` (tokens,
-tenants, limiter), ``wire`` (errors and conversions), ``metrics``
-(Prometheus), ``cli`` (``kvstore serve``).
+Modules: ``config`` (ServerConfig), ``service`` (Daemon: owns the parts below and
+routes each RPC to its handler), ``dispatch`` (the per-call steps: authenticate, parse,
+admit, map errors), ``data_rpc``, ``direct_rpc`` and ``admin_rpc`` (the handlers),
+``checks`` (request fields checked at the boundary), ``tenant_writes`` (writes charged
+to a tenant's quota), ``quota``, ``admission`` (the Limiter), ``metrics`` (Prometheus),
+``watchdog`` (stream time bounds), ``cli`` (``kvstore serve``). Tokens and tenants are
+``kvstore.auth``; the wire codec shared with the clients is ``kvstore.wire``.
 """
 
 from kvstore.server.config import ServerConfig, load_server_config

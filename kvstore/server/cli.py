@@ -28,8 +28,11 @@ import sys
 import threading
 from typing import Sequence
 
-from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.cli.conventions import LOG_LEVELS, ExitCode, log_level
+from kvstore.errors import KVStoreError
+from kvstore.netaddr import host_port
 from kvstore.server.config import SERVER_FIELDS, STORE_FIELDS, load_server_config
+from kvstore.server.service import Daemon
 
 
 # Fields whose unset default means something the value alone does not say.
@@ -51,17 +54,6 @@ def _add_fields(group: argparse._ArgumentGroup, fields: dict) -> None:
                            help=f"default: {_DEFAULT_HELP.get(name, repr(f.default))}")
 
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def _log_level(text: str) -> str:
-    """``--log-level`` checked (``logging.basicConfig`` raises a bare ``ValueError`` on a bad one)."""
-    level = text.strip().upper()
-    if level not in LOG_LEVELS:
-        raise InvalidRequest(f"unknown --log-level {text!r}; use one of {', '.join(LOG_LEVELS)}")
-    return level
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvstore", description="kvstore daemon")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -74,9 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from kvstore.server.service import Daemon, host_port
-
-    logging.basicConfig(level=_log_level(args.log_level), stream=sys.stderr,
+    logging.basicConfig(level=log_level(args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     over = {k: getattr(args, k) for k in (*SERVER_FIELDS, *STORE_FIELDS)}
     server_cfg, store_cfg = load_server_config(args.config, **over)
@@ -97,7 +87,7 @@ def serve(args: argparse.Namespace) -> int:
         pass
     daemon.stop()
     print("kvstore stopped", flush=True)
-    return 0
+    return int(ExitCode.OK)
 
 
 COMMANDS = {"serve": serve}
@@ -109,10 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except KVStoreError as exc:
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return int(ExitCode.USAGE)
     except OSError as exc:  # the environment refused something (a file, a socket): say what, no traceback
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return int(ExitCode.USAGE)
 
 
 if __name__ == "__main__":

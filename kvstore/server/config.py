@@ -12,7 +12,7 @@ a TOML file, the embedded defaults (127.0.0.1:7070, no TLS, no auth, data in
 
 Every listener binds to ``host`` (127.0.0.1 by default); nothing listens on
 all interfaces unless the operator says so. A host that does not resolve, or is no
-address of this machine, is refused before gRPC sees it (``port_taken``).
+address of this machine, is refused before gRPC sees it (``kvstore.netaddr.port_taken``).
 
 A ``KVSTORE_<FIELD>`` variable set to the empty string counts as unset: the file's
 value or the default stands, and a warning names it (``kvstore.config.env_layer``), so
@@ -35,10 +35,8 @@ overflow in gRPC's stop or a silently disabled GC, so they are refused at load).
 from __future__ import annotations
 
 import dataclasses
-import errno
 import math
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -47,7 +45,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.tls import check_server_files, read_pem
 
 MiB = 1024 * 1024
-# The largest time a float option may hold: ~31 years, far beyond any useful drain or GC
+# The largest time a float option may hold: about 31 years, far beyond any useful drain or GC
 # period, and well inside what threading and gRPC timeouts accept (1e300 overflows them).
 MAX_SECONDS = 1e9
 # gRPC channel arguments are C ints: a larger message limit is an OverflowError inside gRPC.
@@ -247,39 +245,3 @@ def load_server_config(
 def _flag(name: str) -> str:
     """How a field's flag is named in messages: ``option --gc-interval-s``."""
     return f"option --{name.replace('_', '-')}"
-
-
-def port_taken(host: str, port: int) -> bool:
-    """True when something already listens on ``host:port`` (``port`` 0 never is): a bind
-    with ``SO_REUSEADDR`` as gRPC's fails. Checked before gRPC binds, so a busy port is one
-    clear line from the caller, not gRPC's C-core log line first; a race past this check
-    still fails in gRPC's bind, as before.
-
-    A ``host`` gRPC could not bind either is ``InvalidRequest`` naming ``--host``, for the
-    same reason: one that does not resolve, one that is no address of this machine (none
-    of its addresses can be bound), or one whose every address refuses the bind (a port
-    below 1024 without the privilege)."""
-    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # "[::1]", as in URLs
-    try:
-        infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:  # UnicodeError: a label IDNA cannot encode (too long, ...)
-        why = getattr(exc, "strerror", None) or exc
-        raise InvalidRequest(f"cannot listen on --host {host!r}: it does not resolve ({why}); "
-                             "give a local address, e.g. 127.0.0.1") from exc
-    errors: list[OSError] = []
-    for family, kind, proto, _, addr in infos:
-        try:
-            with socket.socket(family, kind, proto) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(addr)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return True
-            errors.append(exc)
-    if len(errors) < len(infos):
-        return False  # some address binds: gRPC listens there
-    if all(e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) for e in errors):
-        raise InvalidRequest(f"cannot listen on --host {host!r}: not an address of this machine; "
-                             "give a local address, e.g. 127.0.0.1")
-    raise InvalidRequest(f"cannot listen on --host {host!r} --port {port}: {errors[0].strerror or errors[0]}; "
-                         "pick another --host/--port (--port 0: a free one)")

@@ -1,9 +1,9 @@
 """The daemon's direct-I/O calls: ``Describe``, ``Locate`` and ``Commit``.
 
-``DirectRPC`` is a mixin of ``kvstore.server.service.Daemon`` (kept apart so each file has
-one job): it uses the daemon's ``cfg``, ``store``, ``tokens``, ``metrics``, ``_batch``,
-``_key``, ``_keys``, ``_ttl`` and ``_charged``; the per-call steps (authentication,
-parsing, admission, error mapping) are the daemon's, as for every call.
+``DirectCalls`` holds their handlers, each ``(request, tenant) -> reply``; the daemon
+(``kvstore.server.service``) builds one over its parts and routes the calls to it. The
+per-call steps around a handler (authentication, parsing, admission, error mapping) are
+the dispatcher's (``kvstore.server.dispatch``), as for every call.
 
 Direct reads (``kvstore.client.direct_reads``): ``Describe`` gives any authenticated client the
 target table (URLs with credentials removed) and the erasure code; ``Locate`` is the
@@ -25,11 +25,11 @@ A writer encodes fragment headers under the stored keys its ``Describe`` gave it
 ``Commit`` indexes the entries under the keys of the tenant calling now. The two differ when
 the daemon restarted in between on another data directory (a new server secret) or tokens
 file (the token now names another tenant): indexed anyway, every such entry would read as
-lost though its put was acknowledged (QA). So ``Describe`` hands out ``writer_view``, a digest
-of what a writer keys and encodes by (``_writer_view``), every ``Commit`` carries it back, and
-the daemon refuses, before anything is checked or indexed, a Commit whose view is not the
-current one (``StaleDescribe``: the writer describes again) or that has none (a client that
-predates it: PERMISSION_DENIED, on which such a client puts through PutStream).
+lost though its put was acknowledged. So ``Describe`` hands out ``writer_view``, a digest
+of what a writer keys and encodes by (``_writer_view``), every ``Commit`` must carry it back,
+and the daemon refuses, before anything is checked or indexed, a Commit whose view is not the
+current one (``StaleDescribe``: the writer describes again) or that has none (it cannot be
+checked: PERMISSION_DENIED, and the client puts the batch through PutStream).
 """
 
 from __future__ import annotations
@@ -37,25 +37,40 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
+from typing import Any
 
 from kvstore.api import EntryKind
+from kvstore.auth import Tenant, TokenTable
 from kvstore.client.direct_reads import client_url
+from kvstore.embedded.datadir import FORMAT_FILE
 from kvstore.embedded.index import ekey
 from kvstore.embedded.packs import WrittenEntry
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.auth import Tenant
+from kvstore.server.checks import BatchLimit, tenant_key, tenant_keys, ttl_of
+from kvstore.server.config import ServerConfig
+from kvstore.server.metrics import DaemonMetrics
+from kvstore.server.tenant_writes import TenantWrites
 from kvstore.errors import PermissionDenied, RequestTooLarge, StaleDescribe
 from kvstore.wire import kind_or_default
 
 PUT_FIELDS_BYTES = 256  # a PutRequest's bytes besides its value: key, kind, ttl, tokens, a layout
 
-log = logging.getLogger("kvstore.server.service")
+log = logging.getLogger(__name__)
 
 
-class DirectRPC:
-    """Describe, Locate and Commit (see the module docstring)."""
+class DirectCalls:
+    """Describe, Locate and Commit (see the module docstring), over the daemon's store."""
 
-    def _describe(self, r: pb.DescribeRequest, tenant: Tenant) -> pb.DescribeReply:
+    def __init__(self, cfg: ServerConfig, store: Any, tokens: TokenTable, metrics: DaemonMetrics,
+                 batch: BatchLimit, writes: TenantWrites) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.tokens = tokens
+        self.metrics = metrics
+        self.batch = batch
+        self.writes = writes
+
+    def describe(self, r: pb.DescribeRequest, tenant: Tenant) -> pb.DescribeReply:
         """What a direct-reading or -writing client needs, fetched once per client
         (``kvstore.client.direct_reads``, ``kvstore.client.direct_writes``). ``max_value_bytes`` is not sensitive
         and goes to every client: ``kvstore.client.remote`` checks a batch that spans several calls
@@ -66,8 +81,6 @@ class DirectRPC:
                                direct_writes=self.cfg.allow_direct_writes, max_value_bytes=cfg.max_value_bytes)
         if not (self.cfg.allow_direct_reads or self.cfg.allow_direct_writes):
             return out  # no target table for a daemon that serves neither
-        from kvstore.embedded.datadir import FORMAT_FILE
-
         out.ec_type, out.ec_k, out.ec_m = cfg.ec_type, cfg.ec_k, cfg.ec_m
         out.read_timeout_s, out.parallel_reads = cfg.read_timeout_s, cfg.parallel_reads
         for spec in st.target_specs:
@@ -83,7 +96,7 @@ class DirectRPC:
         if not tenant.admin:
             # The data directory and its marker serve only mode "auto", which never turns on with
             # tokens (kvstore.client.direct_reads): a tenant's clients need the target table alone. Not a secret
-            # kept: the default targets' URLs spell data_dir (QA), and direct I/O means file access
+            # kept: the default targets' URLs spell data_dir, and direct I/O means file access
             # to the targets anyway. tenant.secret (created 0600) is what needs the file mode.
             return out
         out.data_dir = str(st.data_dir)
@@ -103,16 +116,16 @@ class DirectRPC:
                  tuple((s.name, s.url, s.domain) for s in st.target_specs))
         return hashlib.blake2b(repr(parts).encode(), digest_size=16, person=b"kvstack-wview").digest()
 
-    def _locate(self, r: pb.LocateRequest, tenant: Tenant) -> pb.LocateReply:
+    def locate(self, r: pb.LocateRequest, tenant: Tenant) -> pb.LocateReply:
         """The index half of a get (module docstring): validate every key, then read the
         records in one transaction and refresh the access time of each live one."""
         if not self.cfg.allow_direct_reads:
             raise PermissionDenied("this daemon does not serve direct reads (allow_direct_reads = false); "
                                    "read through Get/GetStream")
-        self._batch(len(r.keys), "locate")
+        self.batch(len(r.keys), "locate")
         kind = EntryKind.parse(kind_or_default(r.kind))
         code, kv = kind.code, kind.value  # enum properties, read once per call, not per key
-        eks = [ekey(code, k) for k in self._keys(tenant, r.keys)]  # validate every key first
+        eks = [ekey(code, k) for k in tenant_keys(tenant, r.keys)]  # validate every key first
         metas = self.store.locate(eks)
         hits = sum(m is not None for m in metas)
         self.metrics.hit("locate", kv, True, hits)
@@ -124,7 +137,7 @@ class DirectRPC:
                 offsets=m.offsets)
             for ek, m in zip(eks, metas)])
 
-    def _commit(self, r: pb.CommitRequest, tenant: Tenant) -> pb.CommitReply:
+    def commit(self, r: pb.CommitRequest, tenant: Tenant) -> pb.CommitReply:
         """The index half of a put whose packs the client wrote (``kvstore.client.direct_writes``):
         keys validated and translated as Put does, the records checked and indexed by
         ``store.commit_written``, charged to the tenant's quota as a put is (each entry at least
@@ -132,13 +145,12 @@ class DirectRPC:
         if not self.cfg.allow_direct_writes:
             raise PermissionDenied("this daemon does not accept direct writes (allow_direct_writes = false); "
                                    "put through Put/PutStream")
-        self._batch(len(r.entries), "commit")
+        self.batch(len(r.entries), "commit")
         # Before anything else: the fragment headers name the stored keys of the writer's view, and
         # only entries whose view is the current one read back (module docstring).
         if not r.view:
-            raise PermissionDenied("a Commit without writer_view (a client older than this daemon) cannot be "
-                                   "checked against this daemon's keys; put through Put/PutStream, or upgrade "
-                                   "the client")
+            raise PermissionDenied("a Commit without writer_view cannot be checked against this daemon's keys; "
+                                   "send the writer_view of a Describe, or put through Put/PutStream")
         if r.view != self._writer_view(tenant):
             raise StaleDescribe("this writer's Describe is out of date (since it, the daemon's data directory, "
                                 "tenant secret, erasure code, targets or encoding settings changed, or the token "
@@ -146,7 +158,7 @@ class DirectRPC:
         entries = []
         # What a Put could carry, so a Get can send it back (a GetReply holds fewer of a PutRequest's
         # fields). Bigger: refused whole, and the client puts the batch through gRPC, whose own limits
-        # then decide as for any put (QA: values a Put stores were refused here, 4096 bytes short).
+        # then decide as for any put: a value a Put stores is never refused here.
         most = self.cfg.max_message_bytes - PUT_FIELDS_BYTES
         for e in r.entries:
             if e.plain_len > most:
@@ -154,18 +166,18 @@ class DirectRPC:
                                       f"max_message_bytes={self.cfg.max_message_bytes}; put it through the daemon")
             kind = EntryKind.parse(kind_or_default(e.kind))
             entries.append(WrittenEntry(
-                ekey(kind.code, self._key(tenant, e.key)), e.k, e.m, e.tokens, e.plain_len, e.entry_len,
-                e.frag_len, e.gen, tuple(e.targets), tuple(e.offsets), self._ttl(e)))
+                ekey(kind.code, tenant_key(tenant, e.key)), e.k, e.m, e.tokens, e.plain_len, e.entry_len,
+                e.frag_len, e.gen, tuple(e.targets), tuple(e.offsets), ttl_of(e)))
         res: list = []
 
-        def commit() -> list[bool]:
+        def index() -> list[bool]:
             res.append(self.store.commit_written(entries, shown=[bytes(e.key) for e in r.entries]))
             return res[0].created
 
         # Charged at least the entry's own bytes: plain_len is the writer's word, entry_len is bound
         # to the fragments the daemon checked (commit_written), so a lie cannot go under what is stored.
-        created = self._charged(tenant, [w.ek for w in entries], [max(w.plain_len, w.entry_len) for w in entries],
-                                commit)
+        created = self.writes.charged(tenant, [w.ek for w in entries],
+                                      [max(w.plain_len, w.entry_len) for w in entries], index)
         self.metrics.bytes_in.inc(sum(w.plain_len for w, c in zip(entries, created) if c))
         return pb.CommitReply(created=created, rejected_packs=list(res[0].rejected),
                               reasons=list(res[0].rejected.values()))

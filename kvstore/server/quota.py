@@ -1,8 +1,9 @@
 """Per-tenant quotas: no tenant can fill the daemon's store for the others.
 
-Who calls it: ``kvstore.server.service.Daemon`` when ``tenant_quota_bytes`` > 0,
-around every ``Put``/``PutMany`` (``reserve`` -> store put -> ``settle`` or
-``cancel``) and after every successful ``Delete``/``DeleteMany`` (``forget``).
+Who calls it: the daemon's ``kvstore.server.tenant_writes.TenantWrites`` when
+``tenant_quota_bytes`` > 0, around every ``Put``/``PutMany``/``PutStream`` and direct-write
+``Commit`` (``reserve`` -> store write -> ``settle`` or ``cancel``) and after every
+successful ``Delete``/``DeleteMany`` (``forget``).
 
 The measure is the plain value bytes of the live entries a tenant created (what
 the client sent; compression and parity are the operator's business). The quota is one
@@ -30,7 +31,7 @@ reservations make concurrent puts of one tenant unable to overshoot together.
 A re-put of an entry that is live is not charged (it stores nothing); if that
 entry expires between the check and the put, the tenant may overshoot by at
 most that one batch. An entry named twice in one batch is reserved once (the
-store keeps one copy; ``Daemon._charged`` reserves the larger size).
+store keeps one copy; ``TenantWrites.charged`` reserves the larger size).
 A refused put raises ``CapacityExceeded`` (RESOURCE_EXHAUSTED on the wire) and
 stores nothing.
 """
@@ -119,7 +120,7 @@ class TenantQuota:
             if self.used(tenant) + held + nbytes > self.quota:
                 # A prune reads every row of the tenant under this daemon-wide lock: at most one
                 # per PRUNE_EVERY_S per tenant, so a tenant hammering its full quota with refused
-                # puts does not stall every other tenant's puts (QA: 0.35 s per refusal at 40k rows).
+                # puts does not stall every other tenant's puts.
                 last = self._pruned_at.get(tenant)
                 fresh = last is not None and time.monotonic() - last < PRUNE_EVERY_S
                 if fresh or self._prune_now(tenant) + held + nbytes > self.quota:

@@ -1,9 +1,9 @@
 """One thread that cancels the daemon's streaming calls that stopped moving.
 
-Who uses it: ``kvstore.server.service.Daemon``, for the two bounds of its streaming calls:
-``stream_receive_s`` (a PutStream must be wholly received within it) and ``stream_send_s``
-(each message of a GetStream must get out within it). Without them a client that sends
-or reads nothing holds a handler thread and an admission slot for ever.
+Who uses it: the daemon's dispatcher (``kvstore.server.dispatch``), for the two bounds of
+its streaming calls: ``stream_receive_s`` (a PutStream must be wholly received within it)
+and ``stream_send_s`` (each message of a reply stream must get out within it). Without them
+a client that sends or reads nothing holds a handler thread and an admission slot for ever.
 
 Contract: ``arm(token, after_s, fire)`` calls ``fire()`` once, on the watchdog's thread,
 ``after_s`` seconds from now unless ``disarm(token)`` (or a later ``arm`` of the same token,

@@ -413,8 +413,8 @@ def test_a_hung_maintenance_call_times_out_in_one_line(make_daemon, run_tool) ->
     # That pass runs on until released (it never reaches a step where it could stop), and
     # Maintain runs one pass at a time: the next check waits for its slot to come back.
     for _ in range(100):
-        if d._maintain_slot.acquire(blocking=False):
-            d._maintain_slot.release()
+        if d.passes.semaphore.acquire(blocking=False):
+            d.passes.semaphore.release()
             break
         time.sleep(0.05)
     release = threading.Event()

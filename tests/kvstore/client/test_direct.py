@@ -22,7 +22,7 @@ from kvstore.config import TargetSpec
 from kvstore.client.direct_reads import DirectReads, auto_decision, client_url
 from kvstore.errors import KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import PermissionDenied, Unauthenticated
+from kvstore.errors import PermissionDenied, Unauthenticated
 from kvstore.embedded.targets import LocalTarget
 from tests.fragments import FragmentRef, fragment_refs
 

@@ -241,7 +241,7 @@ def test_get_streams_nobody_reads_hold_the_daemon_for_a_bounded_time(make_daemon
     is cancelled, so the daemon keeps serving; a reader that keeps up is not."""
     import time
 
-    from kvstore.wire import ServerBusy
+    from kvstore.errors import ServerBusy
 
     d = make_daemon(workers=4, max_concurrent_requests=3, max_concurrent_per_tenant=3, stream_send_s=1.0)
     vals = {K(i): os.urandom(4 << 20) for i in range(8)}

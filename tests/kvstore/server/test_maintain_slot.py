@@ -1,5 +1,5 @@
 """The daemon's one maintenance slot: unary Gc/Check/Repair, ``Maintain`` and background GC
-never run two passes at once (``kvstore.server.admin_rpc.AdminRPC._take_pass_slot``)."""
+never run two passes at once (``kvstore.server.admin_rpc.PassSlot``)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_a_background_round_never_makes_an_admin_call_busy(make_daemon) -> None:
             self.sem.release()
 
     d.store.gc = counted_gc
-    d._maintain_slot = StallingSlot(d._maintain_slot)
+    d.passes.semaphore = StallingSlot(d.passes.semaphore)
     deadline = time.monotonic() + 10
     while not (probing.is_set() or rounds) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -116,8 +116,8 @@ def test_the_soaks_final_repair_waits_out_a_pass_that_holds_the_slot(make_daemon
     from tools import soak
 
     d = make_daemon()
-    assert d._maintain_slot.acquire(blocking=False)  # another pass (a client's gc) runs
-    releaser = threading.Timer(1.0, d._maintain_slot.release)
+    assert d.passes.semaphore.acquire(blocking=False)  # another pass (a client's gc) runs
+    releaser = threading.Timer(1.0, d.passes.semaphore.release)
     releaser.start()
     try:
         shard = argparse.Namespace(url=d.address, names=["t0"])

@@ -126,7 +126,7 @@ def test_serve_on_a_busy_port_says_one_line(tmp_path, busy_port) -> None:
 def test_port_taken_reads_bracketed_ipv6(busy_port) -> None:
     """``[::1]`` (how gRPC and daemon URLs write IPv6) is checked like ``::1``; before, the
     brackets made the lookup fail and a busy port was taken for a free one."""
-    from kvstore.server.config import port_taken
+    from kvstore.netaddr import port_taken
 
     assert port_taken("127.0.0.1", busy_port) and not port_taken("127.0.0.1", 0)
     try:

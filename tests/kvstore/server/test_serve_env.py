@@ -195,7 +195,7 @@ def test_serve_keeps_auth_on_under_an_empty_tokens_file_variable(tmp_path) -> No
 
 @pytest.mark.parametrize("host", ["nosuch.invalid", "192.0.2.1"])  # unresolvable; TEST-NET-1, not local
 def test_a_host_that_cannot_be_bound_is_refused_naming_it(host) -> None:
-    from kvstore.server.config import port_taken
+    from kvstore.netaddr import port_taken
 
     for port in (0, 7070):
         with pytest.raises(InvalidRequest, match=f"--host '{host}'"):
