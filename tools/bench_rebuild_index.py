@@ -31,9 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tools.cli_args import check_output_file, integer, run_main  # noqa: E402
+from tools.cli_args import check_output_file, integer, run_main
 
 PROG = "bench_rebuild_index.py"
 

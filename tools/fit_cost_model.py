@@ -60,10 +60,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferModel  # noqa: E402
-from lb.types import BLOCK_TOKENS, LBInputError  # noqa: E402
+from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
+from lb.types import BLOCK_TOKENS, LBInputError
 
 log = logging.getLogger("fit_cost_model")
 

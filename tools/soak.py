@@ -74,20 +74,18 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import kvstore  # noqa: E402
-from kvstore import PutItem  # noqa: E402
+import kvstore
+from kvstore import PutItem
 from kvstore.embedded import faults
-from kvstore.config import StoreConfig  # noqa: E402
-from kvstore.errors import (CapacityExceeded, InvalidRequest, KVStoreError, NotFound, StoreUnavailable,  # noqa: E402
+from kvstore.config import StoreConfig
+from kvstore.errors import (CapacityExceeded, InvalidRequest, KVStoreError, NotFound, StoreUnavailable,
                             Unrecoverable)
-from tools.cli_args import (check_output_dir, check_output_file, integer, number, one_line,  # noqa: E402
+from tools.cli_args import (check_output_dir, check_output_file, integer, number, one_line,
                             sigint_deferred, sigint_ignored_in_children)
-from kvstore.wire import ServerBusy  # noqa: E402
-from tools.soak_report import Progress, failures, pct, progress_path, write_progress  # noqa: E402
+from kvstore.wire import ServerBusy
+from tools.soak_report import Progress, failures, pct, progress_path, write_progress
 
+ROOT = Path(__file__).resolve().parents[1]
 REPAIR_BUSY_WAIT_S = 30.0  # how long the controller's Repair waits out another pass on its daemon
 OPS = {"put": 22, "put_many": 8, "put_ttl": 8, "get": 30, "get_other": 8, "lookup": 12, "delete": 5, "get_many": 6,
        "gc": 1}

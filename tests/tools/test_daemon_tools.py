@@ -12,6 +12,7 @@ import pytest
 
 import kvstore
 from kvstore import PutItem
+from tests.kvstore.daemons import make_daemon  # noqa: F401 - the fixture of the sharded-client test
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tools.soak_report import failures
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from tools.soak_report import failures  # noqa: E402
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["daemon-writes", "direct-writes"])
