@@ -297,11 +297,14 @@ class RedisServer:
         import redis
 
         self.dir = tempfile.mkdtemp(prefix="redis-", dir=work)
+        # A session of its own: a Ctrl-C on the terminal reaches the tool's process group, and
+        # redis-server shuts down on SIGINT (its own handler, whatever it inherits) while the
+        # tool's cleanup still talks to it; ``close`` stops it.
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
              "--appendonly", "yes" if aof else "no", "--appendfsync", "always", "--auto-aof-rewrite-percentage", "0",
              "--protected-mode", "yes", "--logfile", os.path.join(self.dir, "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             self.client = redis.Redis(host="127.0.0.1", port=self.port)
             for _ in range(100):

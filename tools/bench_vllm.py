@@ -1,7 +1,7 @@
 """TTFT and load throughput of prefix hits in a real vLLM: kvstack against vLLM's own hits and
 its shipped storage connector, same engine build, same prompts, one run.
 
-    python tools/bench_vllm.py --out results/bench_vllm.json            # about 10 minutes on 2 cores
+    python tools/bench_vllm.py --out results/bench_vllm.json            # the full run (minutes)
     python tools/bench_vllm.py --tokens 4096 --prompts 3 --out /tmp/b.json   # a quick look
 
 Systems, each engine a fresh process (``tools.vllm_run``), greedy, one output token per

@@ -3,9 +3,9 @@
 Claim under test: never wrong bytes, and nothing acknowledged lost while at most
 m targets of a shard are faulty. Exact commands::
 
-    # the full run (a benchmark; ~2 minutes on 2 cores)
+    # the full run (a benchmark: two minutes of chaos)
     .venv/bin/python tools/soak.py --duration 120 --shards 3 --clients 4 --out soak-full.json
-    # the short run that tests/tools/test_soak.py does (~25 s), also with --direct-writes
+    # the short run that tests/tools/test_soak.py does (15 s of chaos), also with --direct-writes
     .venv/bin/python tools/soak.py --duration 15 --shards 2 --clients 2 --out /tmp/soak.json
 
 Loopback only; every daemon binds 127.0.0.1 on a port picked at first start and
@@ -313,8 +313,8 @@ def corrupt_files(r: random.Random, d: Path, n: int) -> int:
 def repair_shard(url: str, busy_wait_s: float = REPAIR_BUSY_WAIT_S) -> dict:
     """One shard's ``Repair`` for the controller. A daemon runs one gc, check or repair pass at a
     time and answers another BUSY (``ServerBusy``): a client's ``gc`` may be running there, so
-    a refused Repair is asked again every 0.2 s for up to ``busy_wait_s`` (before, the final
-    repair failed so now and then, its shard's damage stayed, and the run failed)."""
+    a refused Repair is asked again every 0.2 s for up to ``busy_wait_s`` (asked once, the final
+    repair would fail now and then, its shard's damage would stay, and the run would fail)."""
     deadline = time.monotonic() + busy_wait_s
     with kvstore.connect(url, timeout_s=60) as rs:
         while True:

@@ -17,6 +17,8 @@ import pytest
 
 from tools.soak_report import failures
 
+pytestmark = pytest.mark.slow  # a soak: seconds of chaos per run (test_tools_cli runs a short one by default)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -102,6 +102,7 @@ def test_report_renders_in_headless_chromium(run, tmp_path):
     shutil.copy(shot, report.with_suffix(".png"))  # kept beside the report for a person to look at
 
 
+@pytest.mark.slow  # a second walkthrough run; the deferred stop on signals is test_cli's, the clean end above
 def test_sigint_midway_leaves_nothing_behind(tmp_path):
     p = subprocess.Popen(_cmd(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
