@@ -45,7 +45,7 @@ fi
 stage() {
     local name="$1"
     shift
-    echo "run_tests.sh: stage $name: python -m pytest $*"
+    echo "run_tests.sh: stage $name: python -m pytest $(printf '%q ' "$@")"
     local rc=0
     python -m pytest "$@" || rc=$?
     if [ "$rc" -eq 5 ]; then
