@@ -17,6 +17,12 @@ from pathlib import Path
 
 import pytest
 
+# Every test here runs the whole walkthrough (model, store daemon, workers, entrypoint):
+# slow. Its parts run by default elsewhere: tests/entrypoint/test_e2e.py (generate equals the
+# cold run, the second turn hits the store, decode failover), the engine's replay tests, and
+# test_cli.py (its arguments, its stop on signals).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[3]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -102,7 +108,6 @@ def test_report_renders_in_headless_chromium(run, tmp_path):
     shutil.copy(shot, report.with_suffix(".png"))  # kept beside the report for a person to look at
 
 
-@pytest.mark.slow  # a second walkthrough run; the deferred stop on signals is test_cli's, the clean end above
 def test_sigint_midway_leaves_nothing_behind(tmp_path):
     p = subprocess.Popen(_cmd(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
