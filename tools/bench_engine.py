@@ -1,8 +1,7 @@
 """Benchmark the engine plugin on the reference engine: TTFT cold vs hit per tier, replay share,
 load throughput, persisted bytes per token, and the window-only span's greedy agreement.
 
-Exact command (the reported figures were produced with it; writes JSON to --out; ~6 min on
-2 CPU cores)::
+Exact command (the reported figures were produced with it; writes JSON to --out)::
 
     .venv/bin/python tools/bench_engine.py --sizes 4096,16384,32768 --block-size 256 --reps 3 \
         --agree-n 40 --out results/bench_engine.json
@@ -12,10 +11,10 @@ Exact command (the reported figures were produced with it; writes JSON to --out;
     .venv/bin/python tools/bench_engine.py --sizes 1024,2048 --reps 2 --agree-n 10 --out /tmp/b.json
     # add the daemon as a store tier:
     .venv/bin/python tools/bench_engine.py --store-url grpc://127.0.0.1:7070 --out results/bench_engine.json
-    # issue 4 (load throughput >= 0.8x the store's faster batched get), embedded store, ~2.5 min:
+    # the load-throughput goal (>= 0.8x the store's faster batched get), embedded store:
     .venv/bin/python tools/bench_engine.py --sizes 4096,16384,32768 --block-size 256 --reps 3 \
-        --load-reps 15 --agree-n 0 --out results/bench_engine_issue4.json
-    # the same with the daemon as a store tier too, ~5.5 min:
+        --load-reps 15 --agree-n 0 --out results/bench_engine_load.json
+    # the same with the daemon as a store tier too:
     .venv/bin/kvstore serve --data-dir /tmp/d --port 0 &   # prints kvstore serving grpc://HOST:PORT
     .venv/bin/python tools/bench_engine.py --sizes 4096,16384,32768 --block-size 256 --reps 3 \
         --load-reps 9 --agree-n 0 --store-url grpc://HOST:PORT --out bench_engine_into.json
@@ -33,9 +32,9 @@ What is compared, all in one run, on the same prompts:
   into preallocated buffers (its best API). Plugin paths: the default (on ``--device cpu`` the
   store reads straight into the pool blocks, ``direct_reads``; on accelerators it lands in pinned
   staging buffers and is copied to the device), the staged path on the same backend
-  (``direct_reads=False``: one more host copy, as before direct reads) and the default over a
-  ``get_many``-only view of the store (remote/sharded clients). Issue 4's goal, ``plugin_over_store
-  >= 0.8``, is the plugin's median against the median of the *faster* store path (``store_ref``).
+  (``direct_reads=False``: one more host copy) and the default over a ``get_many``-only view of
+  the store (remote/sharded clients). The goal, ``plugin_over_store >= 0.8``, is the plugin's
+  median against the median of the *faster* store path (``store_ref``).
 * Persisted bytes per token: measured (global KV blocks + SWA snapshots, logical bytes) vs
   persisting the SWA KV of every token with every block, and vs a window snapshot per block.
 * Window-only replay span (``replay_policy="window"``): how often greedy continuations agree
@@ -63,17 +62,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from tools.cli_args import check_output_file, csv_list, integer, one_line  # noqa: E402
+from tools.cli_args import check_output_file, csv_list, integer, one_line
 
 B = 16  # block size of the agreement runs (tiny model)
 
 
 def _import_engine() -> None:
-    """torch, the engine and the store (~3 s): imported once the plain arguments are checked,
+    """torch, the engine and the store (seconds to import): imported once the plain arguments are checked,
     so that ``--help`` and a bad number answer at once. Binds the module names used below."""
     global torch, kvstore, BlockLoad, LoadSpec, Tier, Engine, EngineConfig, ReferenceModel, SamplingParams
     global model_preset, MODEL_PRESETS, ConnectorConfig, KVStoreConnector, ReadsInto, ONE

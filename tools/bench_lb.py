@@ -1,16 +1,16 @@
 """Benchmark lb/: EPLB (ours vs DeepSeek's greedy) and each prefill policy's capacity on several traces.
 
-Exact command (what produced the figures in the closing note; the default, about 5 min on 2 shared
-cores, most of it the shared trace's 4,000 requests; ``--skip-eplb`` saves under a minute)::
+Exact command (what produced the figures in ``docs/benchmarks.md``; most of the time goes to the
+shared trace's 4,000 requests; ``--skip-eplb`` skips part 1)::
 
     .venv/bin/python tools/bench_lb.py \\
         --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --out results/bench_lb.json
 
 Bigger runs: ``--sessions-scale 4`` (generated traces four times longer), ``--shapes chat,agent,longdoc,mixed``,
 ``--store-capacity-blocks 20000,2000,5000,10000,40000,inf`` (the hit-ratio sweep on the shared trace).
-(``results/`` is git-ignored; the figures are quoted in the closing note.)
+(``results/`` is git-ignored; the figures are quoted in ``docs/benchmarks.md``.)
 
-Simulator cost alone (part 3, opt-in; the figures quoted in the lb/ QueueTotals change)::
+Simulator cost alone (part 3, opt-in)::
 
     .venv/bin/python tools/bench_lb.py --skip-eplb --skip-replay --sim-cost \
         --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --sim-tile 3 --sim-repeats 3 \
@@ -54,10 +54,11 @@ Parts (each compares peers in the same run and reports ratios)
        generated traces, whose sessions chain quickly, are the most affected.
     3. Simulator cost (only with ``--sim-cost``): the trace tiled
        ``--sim-tile`` times (copy k shifted by k trace spans, its block ids
-       made its own, so every copy has the first copy's statistics: ~100k
-       requests at 25 tiles) is replayed at ``--sim-speedup`` (default 1,
-       already overloaded on 16 instances: the cold prefill work is ~6x the
-       trace's span, so queues grow with the trace) through each of
+       made its own, so every copy has the first copy's statistics: 25 tiles
+       of the shared trace make about 100k requests) is replayed at
+       ``--sim-speedup`` (default 1, already overloaded on 16 instances: the
+       shared trace's cold prefill work exceeds its span, so queues grow with
+       the trace) through each of
        ``--sim-policies``, ``--sim-repeats`` times. Reports the wall time of
        each run, their p50/p90 and, per policy, one digest of every
        decision (chosen instance, reason, estimates) and of every metric
@@ -71,12 +72,10 @@ TTFT SLO
     3) times the p90 of the predicted prefill of each request with an *ideal*
     cache (its longest prefix seen in any earlier request reused:
     :func:`ideal_prefill_s`), the work that no router can avoid. A conversation
-    re-sends its whole context every turn, so the cold prefill of the median
-    prompt (the earlier rule: 8x it gave 60.6 s on the shared trace, and minutes
-    on the agent and longdoc shapes, where almost every request then met it
-    at any load) measures the context, not the work. On the shared trace the
-    p90 is ~19 s with the reference engine's fit (bench preset, CPU, 1
-    thread), so the SLO is ~57 s. It is rounded *up* to a whole
+    re-sends its whole context every turn, so an SLO taken from the cold
+    prefill of the median prompt measures the context, not the work: on the
+    agent and longdoc shapes almost every request would meet it at any load.
+    It is rounded *up* to a whole
     100 ms, so it is never below 100 ms: a trace of short prompts (a
     predicted prefill of a few ms) gets a 100 ms SLO, not 0. The value
     used is printed and recorded in the JSON (``ttft_slo`` for ``--trace``, each
@@ -127,18 +126,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import gen_trace  # noqa: E402
-import replay_trace  # noqa: E402
-from lb.eplb import balancedness, rebalance_experts  # noqa: E402
-from lb.eplb_greedy import rebalance_experts_greedy  # noqa: E402
-from lb.cost_model import load_default  # noqa: E402
-from lb.registry import POLICIES, get_policy  # noqa: E402
-from lb.sim import SimConfig, TraceRequest, json_safe, simulate  # noqa: E402
-from lb.types import BLOCK_TOKENS, LBInputError  # noqa: E402
-from tools.cli_args import check_output_dir, check_output_file, integer, number  # noqa: E402
+from lb.eplb import balancedness, rebalance_experts
+from lb.eplb_greedy import rebalance_experts_greedy
+from lb.cost_model import load_default
+from lb.registry import POLICIES, get_policy
+from lb.sim import SimConfig, TraceRequest, json_safe, simulate
+from lb.types import BLOCK_TOKENS, LBInputError
+from tools import gen_trace, replay_trace
+from tools.cli_args import check_output_dir, check_output_file, integer, number
 
 log = logging.getLogger("bench_lb")
 
@@ -203,7 +198,8 @@ def derive_ttft_slo_ms(reqs: list[TraceRequest], multiple: float) -> tuple[float
     100 ms (so never below 100 ms, even for a trace of very short prompts)."""
     models = load_default()
     p90_s = float(np.percentile(ideal_prefill_s(reqs, models), 90))
-    # up to a whole 100 ms, at least 100 ms: round() gave 0 ms for short prompts (a refused SLO)
+    # up to a whole 100 ms, at least 100 ms: rounding to the nearest would give 0 ms for short
+    # prompts, an SLO every request misses
     slo_ms = float(max(100, 100 * math.ceil(multiple * p90_s * 1e3 / 100)))
     return slo_ms, {"ttft_slo_ms": slo_ms, "source": "derived", "multiple": multiple,
                     "p90_ideal_cache_prefill_s": p90_s,

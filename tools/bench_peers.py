@@ -10,20 +10,23 @@ to the store's (fsync before a put returns):
 * ``RedisPeer`` on a ``RedisServer``: a private ``redis-server`` on a loopback port with
   ``appendonly yes``, ``appendfsync always``, RDB snapshots and AOF rewrites off; redis-py
   (hiredis parser when installed); a batch put is one non-transactional pipeline of SETs, a
-  batch get one MGET: the faster of the two forms for each here (MSET took about twice a
-  pipeline's time at 128 KiB and 3x at 1 MiB; a pipeline of GETs about twice MGET's at 1 MiB).
+  batch get one MGET: the faster of the two forms for each on this machine (MSET is slower
+  than a pipeline of SETs; a pipeline of GETs is slower than MGET).
 * ``ECFloorPeer``: not a store but a bound: the least I/O any store that keeps an entry as
   k+m fragments on k+m targets behind a durable index can do (appends to open files, one
   syncfs, one durable LMDB commit; k preads back). kvstore / ec_floor says how far the store
   is from its own design's limit, beside how far it is from one plain copy (``raw_file``).
-* ``FileFloorPeer``: the same kind of bound for the write path issue #2 prescribes and the
-  store takes for single puts: each of the k+m fragments a file of its own, written under a
+* ``FileFloorPeer``: the same kind of bound for the write path the store's design prescribes
+  and takes for single puts: each of the k+m fragments a file of its own, written under a
   temporary name and renamed into place, one syncfs for them, one durable LMDB commit; a get
   opens and reads k of them. file_floor / raw_file is the most that layout can reach on
   this machine, whatever the code around it does.
 * ``MooncakePeer`` (``tools/bench_remote.py``): the Mooncake Store, from its own venv and in a
   network namespace of its own (``start_mooncake``), driven step by step over a pipe; it
   times its own calls (``Peer.last_s``), so the pipe is not counted against it.
+
+``interleaved_rep`` runs one repetition of several peers together, step by step; both
+benchmarks (``tools/bench_store.py`` and ``tools/bench_remote.py``) time their systems with it.
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ class Peer:
 
     batch_api = False
     # A peer that runs its steps in another process sets this after each call to its own time
-    # of that call; ``bench_store.interleaved_rep`` then counts it instead of the wall time
-    # around the call (which would charge the peer for the pipe to it). ``None``: wall time.
+    # of that call; ``interleaved_rep`` then counts it instead of the wall time around the
+    # call (which would charge the peer for the pipe to it). ``None``: wall time.
     last_s: float | None = None
 
     def put(self, key: bytes, val: bytes) -> None: ...
@@ -65,6 +68,42 @@ class Peer:
         return [self.get(k) for k in keys]
 
     def close(self) -> None: ...
+
+
+def interleaved_rep(peers: dict[str, Peer], mode: str, keys: list[bytes], vals: list[bytes],
+                    batch: int) -> dict[str, dict[str, tuple]]:
+    """Every peer through one rep together: put all keys, then get them all back, one step (a
+    key, or a batch of keys) at a time, each step run by every peer in turn, in an order that
+    rotates from step to step. A change of the machine's state within the rep (a cloud disk's
+    burst allowance running out, another tenant's load) so lands on every system alike, where
+    systems run one after the other met different disks. Per peer and op: (seconds summed over
+    its steps, per-op latencies; a peer's own ``last_s`` when it sets one). Every value read
+    back is compared with what was put."""
+    names = list(peers)
+    out: dict[str, dict[str, tuple]] = {name: {} for name in names}
+    step = 1 if mode == "single" else batch
+    for op in ("put", "get"):
+        secs = dict.fromkeys(names, 0.0)
+        lats: dict[str, list[float]] = {name: [] for name in names}
+        for n, i in enumerate(range(0, len(keys), step)):
+            ks = keys[i:i + step]
+            want = [vals[(i + j) % len(vals)] for j in range(len(ks))]
+            first = n % len(names)
+            for name in names[first:] + names[:first]:
+                peer, t = peers[name], time.perf_counter()
+                if op == "put":
+                    peer.put(ks[0], want[0]) if mode == "single" else peer.put_many(list(zip(ks, want)))
+                else:
+                    got = [peer.get(ks[0])] if mode == "single" else peer.get_many(ks)
+                own = getattr(peer, "last_s", None)
+                dt = time.perf_counter() - t if own is None else own
+                if op == "get" and (len(got) != len(want) or any(g != w for g, w in zip(got, want))):
+                    raise RuntimeError(f"{name} ({type(peer).__name__}) returned wrong bytes")
+                secs[name] += dt
+                lats[name].extend([dt / len(ks)] * len(ks))
+        for name in names:
+            out[name][op] = (secs[name], lats[name])
+    return out
 
 
 class RawFilePeer(Peer):
@@ -258,11 +297,14 @@ class RedisServer:
         import redis
 
         self.dir = tempfile.mkdtemp(prefix="redis-", dir=work)
+        # A session of its own: a Ctrl-C on the terminal reaches the tool's process group, and
+        # redis-server shuts down on SIGINT (its own handler, whatever it inherits) while the
+        # tool's cleanup still talks to it; ``close`` stops it.
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
              "--appendonly", "yes" if aof else "no", "--appendfsync", "always", "--auto-aof-rewrite-percentage", "0",
              "--protected-mode", "yes", "--logfile", os.path.join(self.dir, "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             self.client = redis.Redis(host="127.0.0.1", port=self.port)
             for _ in range(100):
@@ -304,7 +346,7 @@ class RedisPeer(Peer):
         p.execute()
 
     def get_many(self, keys):
-        return self.r.mget(keys)  # 1 MiB x 16: ~5 ms, a pipeline of GETs ~10 ms (MSET is the slow one)
+        return self.r.mget(keys)  # one MGET: faster than a pipeline of GETs
 
     def close(self):
         self.r.flushall()
@@ -314,14 +356,15 @@ class PeerUnavailable(RuntimeError):
     """A peer that cannot run here; the message says why (the benchmark reports it as skipped)."""
 
 
-# Run inside the network namespace (argv: repository root, Mooncake python): loopback up, the
-# master and one storage process started, then ``mooncake_peer.py serve`` on this process's own
-# stdin and stdout, so the caller outside talks to it directly. The transfer engine wants a LAN
-# address, which the namespace lacks: it is told loopback's.
+# Run inside the network namespace (argv: the Mooncake python; the repository root on
+# PYTHONPATH, which every process below inherits): loopback up, the master and one storage
+# process started, then ``mooncake_peer.py serve`` on this process's own stdin and stdout, so
+# the caller outside talks to it directly. The transfer engine wants a LAN address, which the
+# namespace lacks: it is told loopback's.
 _IN_NETNS = ("import os, subprocess, sys; subprocess.run(['ip', 'link', 'set', 'lo', 'up'], check=True); "
              "os.environ['MC_TCP_BIND_ADDRESS'] = '127.0.0.1'; "
-             "sys.path.insert(0, sys.argv[1]); from tools.bench_peers import serve_mooncake_here; "
-             "sys.exit(serve_mooncake_here(sys.argv[2]))")
+             "from tools.bench_peers import serve_mooncake_here; "
+             "sys.exit(serve_mooncake_here(sys.argv[1]))")
 
 
 def serve_mooncake_here(python: str) -> int:
@@ -371,10 +414,12 @@ def start_mooncake(python: str, work: str, timeout_s: float = 60.0) -> "Mooncake
     if missing:
         raise PeerUnavailable(f"no {' or '.join(missing)} here to isolate Mooncake's 0.0.0.0 listeners on loopback")
     root = str(Path(__file__).resolve().parent.parent)
+    # the project's python and the Mooncake venv's both import tools.* from the repository
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     log_path = Path(tempfile.mkdtemp(prefix="mooncake-", dir=work)) / "stderr.log"
     with open(log_path, "wb") as log:  # a file, not a pipe nobody reads: it never blocks the writer
-        proc = subprocess.Popen(["unshare", "--net", "--map-root-user", "--", sys.executable, "-c", _IN_NETNS, root,
-                                 python], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        proc = subprocess.Popen(["unshare", "--net", "--map-root-user", "--", sys.executable, "-c", _IN_NETNS,
+                                 python], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
     peer = MooncakePeer(proc, str(log_path.parent), timeout_s)
     try:
         first = peer.read_reply()

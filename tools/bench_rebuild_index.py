@@ -1,10 +1,10 @@
 """How long ``kvtool rebuild-index`` takes to rebuild a lost index, against a ``verify`` of the
 same store in the same run (both read every fragment; rebuild also decodes and indexes).
 
-Exact command (the figure in the report; a few minutes on 2 cores, most of it the fill)::
+Exact command (the figure in ``docs/benchmarks.md``; most of its time is the fill)::
 
     .venv/bin/python tools/bench_rebuild_index.py --entries 100000 --out results/bench_rebuild_index.json
-    .venv/bin/python tools/bench_rebuild_index.py --entries 5000     # < 1 min, same shape
+    .venv/bin/python tools/bench_rebuild_index.py --entries 5000     # a short run, same shape
 
 What it does: fills a fresh data directory (default layout, 6 local targets, EC 4+2, fsync
 off) with ``--entries`` block entries of ``--value-bytes`` random bytes through ``put_many``
@@ -31,9 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tools.cli_args import check_output_file, integer, run_main  # noqa: E402
+from tools.cli_args import check_output_file, integer, run_main
 
 PROG = "bench_rebuild_index.py"
 

@@ -37,7 +37,7 @@ snapshot at every boundary, so the answer is ``hit_blocks = swa_at = --chain``):
 gRPC, and sharded over 3 daemons. Peers that cannot run are reported with the reason, never silently dropped.
 kvstore writes use ``fsync=false`` by default (page-cache durability, like Redis without AOF
 and Mooncake's memory pool); ``--fsync true`` measures durable puts. Prints a table with ratios
-(``remote`` and ``remote_direct`` / each peer); ``--out`` writes the JSON. Issue #3's goals for
+(``remote`` and ``remote_direct`` / each peer); ``--out`` writes the JSON. The goals for
 batched gets: ``remote_direct`` >= 1.0x ``mooncake`` and >= 2x ``redis``. Every throughput is
 the median of ``--repeat`` rounds (each round: ``--n`` entries per size and mode, all five
 systems interleaved op by op, ``bench_systems``, so each meets the page cache, the disk and
@@ -47,20 +47,16 @@ each ratio is the median of the per-round ratios; the per-round values are kept 
 under ``rounds``. Loopback on a shared 2-core machine is noisy: compare ratios from one run,
 not absolute figures across runs. Interleaving has a cost of its own, and not the same for
 every system: each step finds the caches and the other processes' threads as the four other
-systems left them. Measured alone (one system per run), Mooncake's get_batch at 128 KiB was
-1,121-1,330 MiB/s in 3 rounds against 842 interleaved, remote_direct's 1,031-1,038 against 989.
+systems left them, so a system measured alone can do better than interleaved.
 ``--sequential`` runs each system's steps together (the order rotating per round): quote both.
 
-Profile of the remote batch path (16 x 1 MiB, fsync off), before the streaming RPCs:
-GetMany was ~65 ms per batch against 4.7 ms embedded. Server: building the 16 MiB
-GetManyReply (upb copies each value into its arena) ~20 ms, serializing it (second copy)
-~14 ms; gRPC moving one 16 MiB message ~28 ms against ~10 ms for sixteen 1 MiB messages on
-a bare echo server (same options; max_frame_size / lookahead / BDP options changed nothing
-measurable). Client PutMany: ~35 ms building and serializing before the first byte is sent.
-Now: GetStream/PutStream (one message per value, small values packed to ~1 MiB), values
-hand-encoded with one copy (kvstore.wire), the server reading window k+1 while it
-sends window k. What is left for put is the store's own put_many (erasure coding and
-fragment writes): remote put_batch is within ~1.1-1.5x of embedded.
+The remote batch path the figures measure: GetStream/PutStream, one message per value (small
+values packed into messages of about 1 MiB), values hand-encoded with one copy
+(``kvstore.wire``), the server reading window k+1 while it sends window k. One message per
+batch would cost a copy of every value into the reply message, a second one to serialize it,
+and gRPC moves one large message slower than the same bytes as several smaller ones; a
+client would build and serialize a whole batch before sending its first byte. What is left
+for put is the store's own ``put_many`` (erasure coding and fragment writes).
 
 Progress goes to stderr, one line per round and per lookup measurement. Exit status (the
 contract of ``tools/cli_args.py``): 0 when the table was printed; 2 for a bad argument,
@@ -81,11 +77,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # noqa: E402 - run as a script
-
-from tools.bench_peers import Peer, PeerUnavailable, RedisPeer, RedisServer, start_mooncake  # noqa: E402
-from tools.bench_store import interleaved_rep  # noqa: E402
-from tools.cli_args import check_output_file, choice_bool, csv_list, integer, one_line  # noqa: E402
+from tools.bench_peers import Peer, PeerUnavailable, RedisPeer, RedisServer, interleaved_rep, start_mooncake
+from tools.cli_args import check_output_file, choice_bool, csv_list, integer, one_line
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +101,7 @@ def _mibs(nbytes: int, seconds: float) -> float:
 
 
 class _Client(Peer):
-    """A kvstore client behind ``bench_store``'s ``Peer`` interface, with keys of its own
+    """A kvstore client behind the ``Peer`` interface of ``tools.bench_peers``, with keys of its own
     (``tag`` hashed in), so that two clients of one daemon never put the same key."""
 
     batch_api = True
@@ -137,8 +130,8 @@ class _Client(Peer):
 def bench_systems(systems: dict[str, Peer], size: int, n: int, batch: int, tag: str,
                   interleave: bool = True) -> dict[str, dict]:
     """put, get, put_batch, get_batch of ``n`` entries of ``size`` bytes on each system,
-    interleaved step by step as ``bench_store``'s systems are (``interleaved_rep``: each entry,
-    or batch of ``batch``, run by every system in turn), so that the page cache's writeback,
+    interleaved step by step (``interleaved_rep``: each entry, or batch of ``batch``, run by
+    every system in turn), so that the page cache's writeback,
     the disk's state and the other tenants of this machine land on every system alike, where
     systems run one after the other met different ones. ``interleave=False``: one system after
     the other, in the order given. Per system: op -> MiB/s, from the time it spent in its own

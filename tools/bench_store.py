@@ -1,10 +1,10 @@
 """Store throughput and latency against its peers, on the same bytes in the same run.
 
-Exact command (the figures in the report were produced with it; ~5 min on 2 idle-ish cores)::
+Exact command (the reported figures are produced with it)::
 
     bash tools/install_peers.sh          # redis-server (Debian) + redis-py/hiredis/lmdb, idempotent
     .venv/bin/python tools/bench_store.py --out results/bench_store.json
-    .venv/bin/python tools/bench_store.py --quick     # < 1 min, smaller figures, same shape
+    .venv/bin/python tools/bench_store.py --quick     # a short run: smaller figures, same shape
     .venv/bin/python tools/bench_store.py --remote --out results/bench_remote.json  # the daemon (below)
 
 ``--remote`` runs the daemon's benchmark instead (``tools/bench_remote.py``: remote and
@@ -22,7 +22,7 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
    one syncfs, one durable LMDB commit; k preads back; nothing encoded or verified: the limit
    for kvstore's own design, ``tools.bench_peers.ECFloorPeer``); ``file_floor`` (the same bound
    for one file per fragment, each written under a temporary name and renamed, the write path
-   issue #2 prescribes and single puts take: ``FileFloorPeer``; each goal against raw_file
+   the store's design prescribes and single puts take: ``FileFloorPeer``; each goal against raw_file
    prints file_floor / raw_file beside it, the most that layout reaches here); LMDB (py-lmdb,
    ``sync=True``, one transaction per put or per batch); Redis (``redis-server`` started here on
    loopback with ``appendonly yes, appendfsync always``, RDB off, AOF rewrite off; redis-py +
@@ -30,15 +30,14 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
    keys into a fresh directory, then reads them back (page cache warm for every system
    alike). Each rep runs every system together, interleaved step by step: one op (or batch)
    of each system in turn, the order rotating from step to step, so every system meets the
-   same disk. (Run one after the other, ``--sequential``, the systems met different ones:
-   this VM's disk writes at about 1.4 GB/s until a burst allowance runs out, then at about
-   0.3 GB/s, so a system's put figure depended on how much the systems before it had
-   written: 4 MiB single puts measured 0.19x raw one way and 0.71x the other, 15 minutes
-   apart, with a change worth at most 1.3x in between.) Throughput: median over reps, from
+   same disk. (Run one after the other, ``--sequential``, the systems meet different ones: a
+   cloud disk that writes fast until a burst allowance runs out and slowly after makes a
+   system's put figure depend on how much the systems before it had written, so a ratio
+   depends on the order of the systems.) Throughput: median over reps, from
    the time each system spent in its own steps; latency: p50/p90/p99 per op (a batch's time
    divided by its size).
 2. Ratios kvstore(zstd off) / peer, each the median of the per-rep ratios (the two systems ran
-   in the same rep; the JSON has the lowest and highest too), and the issue's goals: get >=
+   in the same rep; the JSON has the lowest and highest too), and the goals: get >=
    0.5x raw read, get >= 2x Redis GET, put >= 0.5x raw write at the same durability.
 3. Longest-prefix ``lookup`` of a 1,000-block chain (all hit, with SWA snapshots), p50/p90/p99 in
    process, at 10k / 100k / 1M index entries. The index is filled by inserting records with
@@ -74,15 +73,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kvstore  # noqa: E402
-from kvstore.embedded import codec  # noqa: E402
-from kvstore.config import DEFAULT_EC_TYPE, LEGACY_EC_TYPE  # noqa: E402
-from kvstore.embedded.index import Meta, ekey  # noqa: E402
-from tools.bench_peers import (ECFloorPeer, FileFloorPeer, LMDBPeer, Peer, RawFilePeer, RedisPeer,  # noqa: E402
-                               RedisServer)
-from tools.cli_args import check_existing_dir, check_output_file, csv_list, integer, number  # noqa: E402
+import kvstore
+from kvstore.embedded import codec
+from kvstore.config import DEFAULT_EC_TYPE, LEGACY_EC_TYPE
+from kvstore.embedded.index import Meta, ekey
+from tools.bench_peers import (ECFloorPeer, FileFloorPeer, LMDBPeer, Peer, RawFilePeer, RedisPeer, RedisServer,
+                               interleaved_rep)
+from tools.cli_args import check_existing_dir, check_output_file, csv_list, integer, number
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -148,42 +145,6 @@ SYSTEMS: dict[str, Callable[[str], Peer]] = {
 def payloads(size: int, n: int, seed: int) -> list[bytes]:
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(size // 2, dtype=np.float32).astype(np.float16).tobytes() for _ in range(n)]
-
-
-def interleaved_rep(peers: dict[str, Peer], mode: str, keys: list[bytes], vals: list[bytes],
-                    batch: int) -> dict[str, dict[str, tuple]]:
-    """Every peer through one rep together: put all keys, then get them all back, one step (a
-    key, or a batch of keys) at a time, each step run by every peer in turn, in an order that
-    rotates from step to step. A change of the machine's state within the rep (a cloud disk's
-    burst allowance running out, another tenant's load) so lands on every system alike, where
-    systems run one after the other met different disks. Per peer and op: (seconds summed over
-    its steps, per-op latencies; a peer's own ``last_s`` when it sets one). Every value read
-    back is compared with what was put."""
-    names = list(peers)
-    out: dict[str, dict[str, tuple]] = {name: {} for name in names}
-    step = 1 if mode == "single" else batch
-    for op in ("put", "get"):
-        secs = dict.fromkeys(names, 0.0)
-        lats: dict[str, list[float]] = {name: [] for name in names}
-        for n, i in enumerate(range(0, len(keys), step)):
-            ks = keys[i:i + step]
-            want = [vals[(i + j) % len(vals)] for j in range(len(ks))]
-            first = n % len(names)
-            for name in names[first:] + names[:first]:
-                peer, t = peers[name], time.perf_counter()
-                if op == "put":
-                    peer.put(ks[0], want[0]) if mode == "single" else peer.put_many(list(zip(ks, want)))
-                else:
-                    got = [peer.get(ks[0])] if mode == "single" else peer.get_many(ks)
-                own = getattr(peer, "last_s", None)
-                dt = time.perf_counter() - t if own is None else own
-                if op == "get" and (len(got) != len(want) or any(g != w for g, w in zip(got, want))):
-                    raise RuntimeError(f"{name} ({type(peer).__name__}) returned wrong bytes")
-                secs[name] += dt
-                lats[name].extend([dt / len(ks)] * len(ks))
-        for name in names:
-            out[name][op] = (secs[name], lats[name])
-    return out
 
 
 def bench_io(systems: list[str], sizes: list[int], reps: int, mib_per_rep: float, batch: int,
@@ -254,7 +215,7 @@ def ratios(rows: list[Row], of: str = "kvstore") -> list[dict]:
 def goals(ratio_rows: list[dict], floor_rows: Sequence[dict] = ()) -> list[dict]:
     """The goals' rows; a goal against raw_file also gets ``floor``, file_floor / raw_file in the
     same reps (``floor_rows``: ``ratios(rows, "file_floor")``): the most the one-file-per-fragment
-    layout issue #2 prescribes reaches against one plain copy here, whatever kvstore does."""
+    layout of single puts reaches against one plain copy here, whatever kvstore does."""
     floors = {(x["size"], x["mode"], x["op"]): x["ratio"] for x in floor_rows if x["peer"] == "raw_file"}
     out = []
     for op, peer, need in GOALS:
@@ -426,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--remote", action="store_true",
                     help="run the daemon's benchmark (tools/bench_remote.py) instead; see --remote --help")
-    ap.add_argument("--quick", action="store_true", help="small run (< 1 min): fewer bytes, reps, sizes")
+    ap.add_argument("--quick", action="store_true", help="a short run: fewer bytes, reps, sizes")
     ap.add_argument("--sizes", type=csv_list(_size_in(2, MAX_PAYLOAD, "payload size")), default=None,
                     help="payload sizes (default 128K,1M,4M)")
     ap.add_argument("--reps", type=integer(1, 1000), default=None, help="repetitions (default 5; quick 1)")

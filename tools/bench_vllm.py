@@ -1,7 +1,7 @@
 """TTFT and load throughput of prefix hits in a real vLLM: kvstack against vLLM's own hits and
 its shipped storage connector, same engine build, same prompts, one run.
 
-    python tools/bench_vllm.py --out results/bench_vllm.json            # about 10 minutes on 2 cores
+    python tools/bench_vllm.py --out results/bench_vllm.json            # the full run (minutes)
     python tools/bench_vllm.py --tokens 4096 --prompts 3 --out /tmp/b.json   # a quick look
 
 Systems, each engine a fresh process (``tools.vllm_run``), greedy, one output token per
@@ -47,12 +47,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: the project's modules are beside it
-    sys.path.insert(0, str(ROOT))
 
-from tools.daemon_util import start_daemon, stop_daemon  # noqa: E402
-from tools.vllm_models import ModelSpec, build_model, prompt_ids  # noqa: E402
-from tools.vllm_run import connector_config, engine_env, read_stats  # noqa: E402
+from tools.daemon_util import start_daemon, stop_daemon
+from tools.vllm_models import ModelSpec, build_model, prompt_ids
+from tools.vllm_run import connector_config, engine_env, read_stats
 
 
 def _engine(workdir: Path, name: str, spec: dict, limit_s: float) -> dict:

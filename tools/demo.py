@@ -29,7 +29,6 @@ Nothing is written outside the data directory; a temporary one is removed at the
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 import zlib
@@ -38,13 +37,10 @@ from typing import Sequence
 
 import numpy as np
 
-if __package__ in (None, ""):  # `python tools/demo.py` from the repository root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kvstore  # noqa: E402
-from kvstore.api import Layout, PutItem  # noqa: E402
-from kvstore.errors import InvalidRequest, KVStoreError  # noqa: E402
-from kvstore.keys import BlockHasher, Namespace  # noqa: E402
+import kvstore
+from kvstore.api import Layout, PutItem
+from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.keys import BlockHasher, Namespace
 
 BLOCK = 256  # tokens per block (the engines' prefix-cache page size)
 LAYERS, DIM = 4, 112  # block payload [LAYERS, BLOCK, DIM] float16: 896 B per token

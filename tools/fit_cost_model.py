@@ -19,7 +19,7 @@ Role
       over cached + new keys, output projection, a 4x MLP); kept for
       comparison and for machines without the engine package.
 
-Exact command (what produced the committed file; ~2-4 min on 2 shared cores, one torch thread)::
+Exact command (what produced the committed file; minutes on CPU, one torch thread)::
 
     .venv/bin/python tools/fit_cost_model.py --out lb/data/cost_model.json
 
@@ -60,10 +60,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferModel  # noqa: E402
-from lb.types import BLOCK_TOKENS, LBInputError  # noqa: E402
+from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
+from lb.types import BLOCK_TOKENS, LBInputError
 
 log = logging.getLogger("fit_cost_model")
 
@@ -259,7 +257,7 @@ def timed_min(points: list, run, passes: int, deadline: float) -> list[float]:
 
 def prefill_grid(max_suffix: int = 4096, max_pairs: int = 2**25) -> list[tuple[int, int]]:
     """(prompt, cached) points: cold and 50/87.5/96.9% cached prompts up to 32768 tokens,
-    bounded by the suffix length and the suffix x cached work so one pass stays ~20 s."""
+    bounded by the suffix length and the suffix x cached work so that one pass stays short."""
     pts = []
     for prompt in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768):
         for frac in (0.0, 0.5, 0.875, 0.96875):

@@ -37,15 +37,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tools.cli_args import check_output_file, integer  # noqa: E402
+from tools.cli_args import check_output_file, integer
 
 __all__ = ["Shape", "SHAPES", "generate", "generate_sessions", "write_jsonl", "BLOCK_TOKENS"]
 

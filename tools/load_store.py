@@ -54,9 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tools.cli_args import (check_output_file, choice_bool, integer, number, one_line,  # noqa: E402
+from tools.cli_args import (check_output_file, choice_bool, integer, number, one_line,
                             sigint_deferred, sigint_ignored_in_children)
 
 MAX_VALUE_BYTES = 40 * 2**20  # values are 0.5x..1.5x --value-bytes; the store's default limit is 64 MiB

@@ -1,7 +1,10 @@
 """Mooncake Store peer for tools/bench_remote.py; runs inside Mooncake's own venv.
 
-    /tmp/mcvenv/bin/python tools/mooncake_peer.py storage METADATA_URL MASTER SECONDS
-    /tmp/mcvenv/bin/python tools/mooncake_peer.py serve METADATA_URL MASTER
+From the repository root (``tools.bench_peers`` starts it with the root on ``PYTHONPATH``,
+since the Mooncake venv does not have this project installed)::
+
+    PYTHONPATH=. /tmp/mcvenv/bin/python tools/mooncake_peer.py storage METADATA_URL MASTER SECONDS
+    PYTHONPATH=. /tmp/mcvenv/bin/python tools/mooncake_peer.py serve METADATA_URL MASTER
 
 ``storage`` mounts a 2 GiB segment and stays up (the storage process);
 ``serve`` mounts none (every byte goes over TCP to the storage process) and runs the put and
@@ -28,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 
@@ -115,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # stdlib only
-    from tools.cli_args import run_main
+    from tools.cli_args import run_main  # standard library only: runs in the Mooncake venv too
 
     run_main(main)

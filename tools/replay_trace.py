@@ -121,16 +121,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lb.cost_model import CostModels, load_default  # noqa: E402
-from lb.registry import BASELINES, DECODE_POLICIES, POLICIES, get_policy  # noqa: E402
-from lb.sim import (  # noqa: E402
+from lb.cost_model import CostModels, load_default
+from lb.registry import BASELINES, DECODE_POLICIES, POLICIES, get_policy
+from lb.sim import (
     OVER_DECODE_KV, REFUSED_BY_EMPTY_DECODE, SimConfig, SimResult, TraceRequest, json_safe, parse_trace,
     prompts_beyond_fit, reference_hit_ratios, simulate,
 )
-from lb.types import LBInputError, TierBandwidth  # noqa: E402
-from tools.cli_args import check_output_dir, csv_list, integer, number, one_line  # noqa: E402
+from lb.types import LBInputError, TierBandwidth
+from tools.cli_args import check_output_dir, csv_list, integer, number, one_line
 
 log = logging.getLogger("replay_trace")
 

@@ -3,9 +3,9 @@
 Claim under test: never wrong bytes, and nothing acknowledged lost while at most
 m targets of a shard are faulty. Exact commands::
 
-    # the full run (a benchmark; ~2 minutes on 2 cores)
+    # the full run (a benchmark: two minutes of chaos)
     .venv/bin/python tools/soak.py --duration 120 --shards 3 --clients 4 --out soak-full.json
-    # the short run that tests/tools/test_soak.py does (~25 s), also with --direct-writes
+    # the short run that tests/tools/test_soak.py does (15 s of chaos), also with --direct-writes
     .venv/bin/python tools/soak.py --duration 15 --shards 2 --clients 2 --out /tmp/soak.json
 
 Loopback only; every daemon binds 127.0.0.1 on a port picked at first start and
@@ -74,20 +74,17 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import kvstore  # noqa: E402
-from kvstore import PutItem  # noqa: E402
+import kvstore
+from kvstore import PutItem
 from kvstore.embedded import faults
-from kvstore.config import StoreConfig  # noqa: E402
-from kvstore.errors import (CapacityExceeded, InvalidRequest, KVStoreError, NotFound, StoreUnavailable,  # noqa: E402
-                            Unrecoverable)
-from tools.cli_args import (check_output_dir, check_output_file, integer, number, one_line,  # noqa: E402
+from kvstore.config import StoreConfig
+from kvstore.errors import (CapacityExceeded, InvalidRequest, KVStoreError, NotFound, ServerBusy,
+                            StoreUnavailable, Unrecoverable)
+from tools.cli_args import (check_output_dir, check_output_file, integer, number, one_line,
                             sigint_deferred, sigint_ignored_in_children)
-from kvstore.errors import ServerBusy  # noqa: E402
-from tools.soak_report import Progress, failures, pct, progress_path, write_progress  # noqa: E402
+from tools.soak_report import Progress, failures, pct, progress_path, write_progress
 
+ROOT = Path(__file__).resolve().parents[1]
 REPAIR_BUSY_WAIT_S = 30.0  # how long the controller's Repair waits out another pass on its daemon
 OPS = {"put": 22, "put_many": 8, "put_ttl": 8, "get": 30, "get_other": 8, "lookup": 12, "delete": 5, "get_many": 6,
        "gc": 1}
@@ -315,8 +312,8 @@ def corrupt_files(r: random.Random, d: Path, n: int) -> int:
 def repair_shard(url: str, busy_wait_s: float = REPAIR_BUSY_WAIT_S) -> dict:
     """One shard's ``Repair`` for the controller. A daemon runs one gc, check or repair pass at a
     time and answers another BUSY (``ServerBusy``): a client's ``gc`` may be running there, so
-    a refused Repair is asked again every 0.2 s for up to ``busy_wait_s`` (before, the final
-    repair failed so now and then, its shard's damage stayed, and the run failed)."""
+    a refused Repair is asked again every 0.2 s for up to ``busy_wait_s`` (asked once, the final
+    repair would fail now and then, its shard's damage would stay, and the run would fail)."""
     deadline = time.monotonic() + busy_wait_s
     with kvstore.connect(url, timeout_s=60) as rs:
         while True:

@@ -4,8 +4,6 @@ wrong-cost-model knobs (bias, noise), its early stop and per-request trace, and 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +12,6 @@ from lb.prefill import yielding_queue_seconds
 from lb.registry import get_policy
 from lb.sim import SimConfig, TraceRequest, simulate
 from lb.types import LBInputError, PrefillInstance, QueuedPrefill, RouteRequest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 # 1 ms per prompt token, nothing else: a prefill of n uncached tokens takes n ms
 MODELS = CostModels(PrefillCostModel(0.0, 1e-3, 0.0), DecodeCostModel(1e-3, 1e-8, 1e-4), TransferModel(1024.0))
@@ -163,7 +159,7 @@ def test_ttft_over_all_requests_counts_the_unserved_as_infinite():
 
 # ----------------------------------------------------------------------------- capacity search
 def test_capacity_is_the_highest_load_where_nine_in_ten_meet_the_slos():
-    import replay_trace
+    from tools import replay_trace
 
     # 1 s prefills arriving every second on one instance, SLO 3 s: fine up to speedup 1, then the queue grows
     reqs = _spaced(40)
@@ -185,7 +181,7 @@ def test_capacity_is_the_highest_load_where_nine_in_ten_meet_the_slos():
 def test_replay_capacity_mode_prints_capacities_with_ratios_and_compares_at_the_best_baselines(tmp_path, capsys):
     import json
 
-    import replay_trace
+    from tools import replay_trace
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i * 1000, "input_length": 1000, "output_length": 0,
@@ -208,7 +204,7 @@ def test_replay_capacity_mode_prints_capacities_with_ratios_and_compares_at_the_
 def test_replay_explain_prints_why_requests_missed(tmp_path, capsys):
     import json
 
-    import replay_trace
+    from tools import replay_trace
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 8000, "output_length": 0,

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -14,8 +12,6 @@ from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, Transfe
 from lb.registry import POLICIES, get_policy
 from lb.sim import LRU, SimConfig, TraceRequest, parse_trace, prefix_hits_lru, reference_hit_ratios, simulate
 from lb.types import LBInputError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 MODELS = CostModels(PrefillCostModel(1e-3, 1e-5, 0.0), DecodeCostModel(1e-3, 1e-8, 1e-4), TransferModel(1024.0))
 
@@ -127,7 +123,7 @@ def test_admission_rejections_are_counted():
 
 
 def test_replay_tool_end_to_end(tmp_path, capsys):
-    import replay_trace
+    from tools import replay_trace
 
     trace = tmp_path / "t.jsonl"
     lines = [json.dumps({"timestamp": i * 200, "input_length": 2048 + 512 * (i % 3), "output_length": 5,
@@ -491,7 +487,7 @@ def test_a_run_that_rejects_everything_has_null_figures():
 
 
 def test_replay_results_json_is_strict_json_and_the_table_says_n_a(tmp_path, capsys):
-    import replay_trace
+    from tools import replay_trace
 
     trace = tmp_path / "big.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 1_000_000, "output_length": 1,
@@ -513,7 +509,7 @@ def _res(name: str, *, cut: bool):
 
 
 def test_a_truncated_run_is_marked_and_gets_no_ratios():
-    import replay_trace
+    from tools import replay_trace
 
     results = {"round_robin": _res("round_robin", cut=False), "least_loaded": _res("least_loaded", cut=True),
                "kvstack": _res("kvstack", cut=False)}
@@ -527,7 +523,7 @@ def test_a_truncated_run_is_marked_and_gets_no_ratios():
 
 
 def test_find_load_says_when_a_miss_may_be_the_wall_bound(caplog):
-    import replay_trace
+    from tools import replay_trace
 
     reqs = [TraceRequest(i * 100.0, 1024, 2, (i,)) for i in range(10)]
     cfg = SimConfig(prefill_instances=1, decode_instances=1, ttft_slo_ms=1e6, max_wall_s=0.0)
@@ -539,7 +535,7 @@ def test_find_load_says_when_a_miss_may_be_the_wall_bound(caplog):
 
 
 def test_bench_lb_notes_truncated_replay_runs(capsys):
-    import bench_lb
+    from tools import bench_lb
 
     res = {"sweep": {"20000": {"results": {"round_robin": {"truncated": True}, "kvstack": {"truncated": False}}}}}
     assert bench_lb.truncated_runs(res) == ["20000:round_robin"]
@@ -549,7 +545,7 @@ def test_bench_lb_notes_truncated_replay_runs(capsys):
 
 # ----------------------------------------------------------------------------- bench_lb's SLO, the BOM
 def test_bench_lb_derived_slo_is_rounded_up_to_100_ms():
-    import bench_lb
+    from tools import bench_lb
 
     from lb.cost_model import load_default
 
@@ -562,7 +558,7 @@ def test_bench_lb_derived_slo_is_rounded_up_to_100_ms():
 
 
 def test_read_trace_skips_a_byte_order_mark_on_line_1_only(tmp_path):
-    import replay_trace
+    from tools import replay_trace
 
     line = json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]})
     ok = tmp_path / "bom.jsonl"
@@ -576,7 +572,7 @@ def test_read_trace_skips_a_byte_order_mark_on_line_1_only(tmp_path):
 
 # ----------------------------------------------------------------------------- bench_lb's simulator-cost part
 def test_bench_lb_tiles_a_trace_into_back_to_back_copies_with_their_own_blocks():
-    import bench_lb
+    from tools import bench_lb
 
     reqs = [TraceRequest(0.0, 1024, 1, (0, 1)), TraceRequest(30.0, 600, 2, (0, 2))]
     tiled = bench_lb.tile_trace(reqs, 3)
@@ -588,7 +584,7 @@ def test_bench_lb_tiles_a_trace_into_back_to_back_copies_with_their_own_blocks()
 
 
 def test_bench_lb_sim_cost_reports_one_digest_per_policy(capsys):
-    import bench_lb
+    from tools import bench_lb
 
     cfg = SimConfig(prefill_instances=2, decode_instances=1, ttft_slo_ms=None)
     rows = bench_lb.run_sim_cost(_busy_trace()[:40], ["least_loaded", "dynamo"], cfg, 2)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from lb.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
@@ -12,8 +9,6 @@ from lb.registry import get_policy
 from lb.sim import OVER_DECODE_KV, REFUSED_BY_EMPTY_DECODE, SimConfig, TraceRequest, simulate
 from lb.decode import request_kv_bytes
 from lb.types import Decision, DecodeRequest, LBInputError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 KV_PER_TOKEN = 1024.0
 MODELS = CostModels(PrefillCostModel(1e-3, 1e-5, 0.0), DecodeCostModel(1e-3, 1e-8, 1e-4),
@@ -82,7 +77,7 @@ def test_a_request_the_decode_policy_refuses_on_an_empty_pool_leaves_the_line():
 
 
 def test_replay_table_says_how_many_could_never_be_decoded():
-    import replay_trace
+    from tools import replay_trace
 
     big = TraceRequest(0.0, 2 * CAP_TOKENS, 10, tuple(range(20)))
     r = simulate([big, _small(1.0, 0)], get_policy("round_robin", MODELS), CFG, name="round_robin", models=MODELS)
@@ -115,7 +110,7 @@ def test_the_decode_slot_wait_is_written_with_the_other_latencies(tmp_path, caps
     sample. It was computed but written nowhere."""
     import json
 
-    import replay_trace
+    from tools import replay_trace
 
     reqs = [TraceRequest(0.0, 6000, 100, (1,)), TraceRequest(0.0, 6000, 100, (2,))]
     cfg = SimConfig(prefill_instances=2, decode_instances=1, decode_kv_capacity_bytes=CFG.decode_kv_capacity_bytes,

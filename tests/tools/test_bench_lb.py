@@ -10,12 +10,10 @@ import pytest
 
 from lb.sim import TraceRequest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
 
 @pytest.mark.parametrize("ids", [[(-5, -3), (-4,)], [(7,), (7, 7)], [(0,)], [(-1,), (-1,)], [(3, -2), ()]])
 def test_tile_trace_copies_never_share_a_block_id(ids):
-    import bench_lb
+    from tools import bench_lb
 
     reqs = [TraceRequest(float(i), 512 * max(1, len(h)), 1, h) for i, h in enumerate(ids)]
     tiled = bench_lb.tile_trace(reqs, 4)
@@ -32,7 +30,7 @@ def test_find_load_says_when_it_never_bracketed_the_load(tmp_path, capsys):
     line and the JSON say the speedup is only a lower bound, not "load found"."""
     import json
 
-    import replay_trace
+    from tools import replay_trace
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i * 1e6, "input_length": 512, "output_length": 1,
@@ -60,7 +58,7 @@ def test_bench_lb_writes_its_json_when_the_replay_fails(tmp_path, capsys):
     (the SLO) with the failure recorded: the part, its status and the loads the capacity search tried."""
     import json
 
-    import bench_lb
+    from tools import bench_lb
 
     out = tmp_path / "b.json"
     rc = bench_lb.main(["--trace", str(_tiny_trace(tmp_path / "t.jsonl")), "--out", str(out), "--skip-eplb",
@@ -83,8 +81,8 @@ def test_whole_run_time_bound_stops_every_load_loop(tmp_path, monkeypatch, capsy
     import json
     import time
 
-    import bench_lb
-    import replay_trace
+    from tools import bench_lb
+    from tools import replay_trace
     from lb.sim import SimConfig
 
     reqs = [TraceRequest(float(i), 512, 1, (i,)) for i in range(3)]
@@ -119,7 +117,7 @@ def test_read_trace_reads_a_pipe(tmp_path):
     import os
     import threading
 
-    import replay_trace
+    from tools import replay_trace
     from lb.types import LBInputError
 
     fifo = tmp_path / "fifo"
@@ -143,7 +141,7 @@ def test_a_trace_with_no_block_prints_hit_ratios_as_na(tmp_path, capsys):
     the JSON), in the main table and the sweep, not 0.000."""
     import json
 
-    import replay_trace
+    from tools import replay_trace
     from lb.registry import get_policy
     from lb.sim import SimConfig, reference_hit_ratios, simulate
 
@@ -169,7 +167,7 @@ def test_a_trace_with_no_block_prints_hit_ratios_as_na(tmp_path, capsys):
 def test_the_single_lru_column_is_labelled_a_reference_not_an_oracle(tmp_path, capsys):
     """The arrival-order LRU of the store's capacity bounds nothing (queueing, per-instance tiers): it
     is printed as lru_ref, never as an oracle, in the main table and the sweep."""
-    import replay_trace
+    from tools import replay_trace
 
     trace = _tiny_trace(tmp_path / "t.jsonl")
     assert replay_trace.main(["--trace", str(trace), "--policies", "round_robin", "--quiet",
@@ -186,7 +184,7 @@ def test_progress_off_a_terminal_is_plain_periodic_lines(monkeypatch):
     end; on a tty the bar is redrawn in place."""
     import io
 
-    import replay_trace
+    from tools import replay_trace
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -212,7 +210,7 @@ def test_progress_off_a_terminal_is_plain_periodic_lines(monkeypatch):
 def test_the_derived_slo_scales_with_the_work_an_ideal_cache_leaves_not_with_the_context():
     """A conversation's second turn re-sends the first one's 4 blocks: with an ideal cache it prefills only
     its new block, so the p90 the SLO derives from is the cold first turn's, not the long second's."""
-    import bench_lb
+    from tools import bench_lb
 
     from lb.cost_model import load_default
 

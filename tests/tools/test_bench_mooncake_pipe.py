@@ -13,17 +13,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from tools.bench_peers import MooncakePeer, Peer, PeerUnavailable  # noqa: E402
-from tools.bench_store import interleaved_rep  # noqa: E402
+from tools.bench_peers import MooncakePeer, Peer, PeerUnavailable, interleaved_rep
 
 # A serve loop over a stand-in client with Mooncake's call shapes (status 0 is success; a
 # missing key reads as empty bytes). argv[1]: "garble" makes get_batch answer other bytes.
+# It imports tools.mooncake_peer from the repository on PYTHONPATH (tests/conftest.py).
 FAKE_SERVE = """
 import json, sys
-sys.path.insert(0, sys.argv[2])
 from tools.mooncake_peer import serve
 
 class Fake:
@@ -47,7 +43,7 @@ sys.exit(serve(Fake(), sys.stdin, sys.stdout))
 
 
 def _peer(tmp_path: Path, mode: str = "ok", timeout_s: float = 20.0) -> MooncakePeer:
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVE, mode, str(ROOT)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVE, mode], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
     work = tmp_path / "work"
     work.mkdir()

@@ -62,7 +62,6 @@ def test_bench_store_remote_runs_the_daemon_benchmark(tmp_path):
 def test_the_ec_floor_peer_returns_what_was_put(tmp_path):
     """The design-floor peer splits each value into k shares (the last one padded) across
     k+m append-only files: every value, of any length, reads back exactly, single or batched."""
-    sys.path.insert(0, str(ROOT))
     from tools.bench_peers import ECFloorPeer
 
     peer = ECFloorPeer(str(tmp_path), k=4, m=2)
@@ -79,10 +78,9 @@ def test_the_ec_floor_peer_returns_what_was_put(tmp_path):
 
 def test_a_peer_returning_wrong_bytes_for_a_later_batch_item_fails_the_run():
     """Every value of a batch read back is compared, not only the first one."""
-    sys.path.insert(0, str(ROOT))
     import pytest
 
-    from tools.bench_store import interleaved_rep
+    from tools.bench_peers import interleaved_rep
 
     class Garbling:
         def __init__(self):
@@ -103,7 +101,6 @@ def test_a_peer_returning_wrong_bytes_for_a_later_batch_item_fails_the_run():
 def test_remote_ratios_come_from_unrounded_rounds():
     """The per-round ratios of bench_remote are taken before any rounding: two slow systems
     (0.04 and 0.06 MiB/s, which round to 0.0 and 0.1) still give their true ratio, 2/3."""
-    sys.path.insert(0, str(ROOT))
     from tools.bench_remote import _mibs, paired_ratio
 
     rounds = [{"a": {"1": {"get": _mibs(4 << 20, 100.0)}}, "b": {"1": {"get": _mibs(6 << 20, 100.0)}}}]
@@ -113,8 +110,7 @@ def test_remote_ratios_come_from_unrounded_rounds():
 def test_a_reps_systems_run_interleaved_step_by_step():
     """``interleaved_rep``: each step (a key, or a batch) is run by every system in turn, the
     order rotating from step to step, puts before gets; each system's time is its own steps'."""
-    sys.path.insert(0, str(ROOT))
-    from tools.bench_store import interleaved_rep
+    from tools.bench_peers import interleaved_rep
 
     calls: list[tuple[str, str, int]] = []
 
@@ -144,7 +140,6 @@ def test_bench_remotes_systems_run_interleaved_step_by_step():
     """``bench_remote.bench_systems``: every step (one entry, or one batch) is run by each
     system (the kvstore clients, Redis, Mooncake) in turn, the order rotating per step; a
     wrong value read back fails the run."""
-    sys.path.insert(0, str(ROOT))
     from tools.bench_peers import Peer
     from tools.bench_remote import bench_systems
 

@@ -4,16 +4,11 @@ conversation (each prompt extends the previous one), the shared system prompt, t
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from lb.sim import parse_trace
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import gen_trace  # noqa: E402
+from tools import gen_trace
 
 BT = gen_trace.BLOCK_TOKENS
 

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tools.soak_report import failures
+
+pytestmark = pytest.mark.slow  # a soak: seconds of chaos per run (test_tools_cli runs a short one by default)
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from tools.soak_report import failures  # noqa: E402
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["daemon-writes", "direct-writes"])

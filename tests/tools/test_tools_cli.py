@@ -386,7 +386,6 @@ needs_proc = pytest.mark.skipif(not (sys.platform.startswith("linux") and _proc_
 @needs_proc
 def test_output_checks_try_for_real_even_as_root():
     """os.access says yes to root for anything: the checks create (and remove) a file instead."""
-    sys.path.insert(0, str(ROOT))
     from tools.cli_args import check_existing_dir, check_output_dir, check_output_file
 
     for msg in (check_output_file("/proc/kvstack-test.json"), check_output_file("/proc/kvstack-new/x.json"),
@@ -396,7 +395,6 @@ def test_output_checks_try_for_real_even_as_root():
 
 
 def test_output_checks_leave_nothing_behind(tmp_path):
-    sys.path.insert(0, str(ROOT))
     from tools.cli_args import check_existing_dir, check_output_dir, check_output_file
 
     (tmp_path / "old.json").write_text("kept")
@@ -427,7 +425,6 @@ def test_mooncake_runs_only_where_its_listeners_stay_on_loopback(monkeypatch, tm
     """Mooncake's servers listen on 0.0.0.0 whatever their flags say, so bench_remote runs it in
     a network namespace holding only loopback; where none can be made it is skipped, saying why,
     never run in the open."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tools import bench_peers
 
     (tmp_path / "bin").mkdir()

@@ -136,9 +136,10 @@ def test_replay_trace_ctrl_c_is_one_line(tmp_path):
     assert_interrupted(code, err, kids, "replay_trace.py")
 
 
+# A tool of its own, run as a script; it imports tools.* from the repository on PYTHONPATH
+# (tests/conftest.py).
 CLEANUP_TOOL = """
 import subprocess, sys, time
-sys.path.insert(0, sys.argv[1])
 from tools.cli_args import run_main, sigint_deferred
 from tools.daemon_util import stop_process
 
@@ -163,11 +164,11 @@ run_main(main, "cleanup_tool")
 
 def test_a_ctrl_c_during_cleanup_waits_for_it(tmp_path):
     """A first Ctrl-C that arrives while a tool's cleanup waits for a child (here one that
-    ignores SIGTERM) cut the cleanup short: the child was left running (review). It now waits
-    until the child is stopped, then the run ends with the one line and 130."""
+    ignores SIGTERM) does not cut the cleanup short, which would leave the child running: the
+    cleanup waits until the child is stopped, then the run ends with the one line and 130."""
     script = tmp_path / "cleanup_tool.py"
     script.write_text(CLEANUP_TOOL)
-    p = subprocess.Popen([sys.executable, str(script), str(ROOT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=_env(), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child = int(p.stdout.readline())
     # gRPC's core may log a line of its own first (an epoll error after the fork; CI saw one):

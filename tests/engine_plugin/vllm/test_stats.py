@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine_plugin.vllm import KvstackConnector, KvstackConnectorStats
+
+pytestmark = pytest.mark.vllm  # imports vLLM: the second stage of tools/run_tests.sh
 
 
 def test_stats_aggregate_by_sum_and_report_empty_when_nothing_moved():

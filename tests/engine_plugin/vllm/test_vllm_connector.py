@@ -23,6 +23,8 @@ from tools.daemon_util import start_daemon, stop_daemon, stop_process
 from tools.vllm_run import connector_config, engine_env
 from tools.vllm_run import read_stats as stats
 
+pytestmark = pytest.mark.vllm  # a real vLLM engine: the second stage of tools/run_tests.sh
+
 
 def _rows(data_dir: Path, kind: str) -> list:
     store = kvstore.connect(data_dir)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.mark.parametrize("args, needle", [
     (["--block-size", "0"], "--block-size must be >= 1"),
-    (["--block-size", "-16"], "--block-size must be >= 1"),
+    pytest.param(["--block-size", "-16"], "--block-size must be >= 1", marks=pytest.mark.slow),  # the check of 0
     (["--model", "nope"], "unknown model preset 'nope'"),
     (["--out", "/dev/null/x"], "cannot create a run directory"),
     (["--num-blocks", "-1"], "--num-blocks must be >= 0"),
@@ -187,7 +187,8 @@ def _read_until(p: subprocess.Popen, needle: str, seen: list[str]) -> None:
     raise AssertionError(f"no {needle!r} in {''.join(seen)}")
 
 
-@pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM])
+# SIGTERM first (slow) takes the same deferred stop as SIGINT first
+@pytest.mark.parametrize("first", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_signals_during_stop_are_deferred(tmp_path, first):
     """A second Ctrl-C (or a SIGTERM) while the stack is stopping does not cut the stop short:
     the stop finishes, then one line and exit 130, no traceback."""

@@ -120,6 +120,9 @@ def test_s3_round_trip_lose_a_bucket_and_repair(s3_store) -> None:
     assert store.check() == []
 
 
+# slow: it waits out the S3 client's connect timeouts and retries on six targets; unreachable
+# targets without S3 are tests/kvstore/chaos/test_fault_targets.py's (never lost, classified)
+@pytest.mark.slow
 def test_an_endpoint_that_refuses_loses_nothing_and_costs_bounded_time(s3_store, s3_endpoint, monkeypatch) -> None:
     """Every S3 target unreachable (the endpoint refuses connections; a wrong credential is
     the same "could not ask"): opening warns, a get is ``StoreUnavailable`` in bounded time

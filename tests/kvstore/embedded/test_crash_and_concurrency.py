@@ -30,6 +30,7 @@ def _spawn(data_dir, mode, seed):
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # a crash soak: 20 writer processes killed at random instants
 def test_sigkill_at_random_instants_loses_no_acknowledged_put(tmp_path):
     data_dir = tmp_path / "store"
     rnd = random.Random(7)
