@@ -28,7 +28,7 @@ import grpc
 from kvstore.api import EntryKind
 from kvstore.errors import InternalError, InvalidRequest
 from kvstore.keys import check_keys
-from kvstore.maintenance.passes import Problem, ProblemKind
+from kvstore.maintenance.problems import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import MD_INDEX_KEYS
 

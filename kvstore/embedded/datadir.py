@@ -1,9 +1,11 @@
 """Opening a data directory: its marker, its index's identity and erasure code.
 
-``DataDir`` is a mixin of ``kvstore.embedded.store.EmbeddedStore`` (it uses the store's
-``data_dir``, ``config``, ``index``, ``targets`` and ``_sync_mode``). ``_open_data_dir``
-runs once, from the store's ``__init__``, and leaves ``self.config`` with the
-directory's code resolved, ``self.targets`` opened and ``self.index`` open.
+``DataDir`` is the data-directory part of ``kvstore.embedded.store.EmbeddedStore``. Its
+``open`` runs once, from the store's ``__init__``, and leaves on the part the ``config`` with
+the directory's code resolved, the erasure ``code``, the ``targets`` (and ``target_specs``)
+opened, how writes are made durable (``sync_mode``), the ``index`` open and its identity
+(``index_id``); the store builds its other parts from those. ``kvstore.maintenance.reindex``
+uses ``read_marker`` and ``resolve_code`` to rebuild an index without opening one.
 
 The marker ``<data_dir>/kvstore.json`` records what every record of the directory
 depends on: the format version, the erasure code (``ec_type``, ``ec_k``, ``ec_m``:
@@ -32,6 +34,7 @@ from kvstore.config import (DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_
 from kvstore.errors import CorruptData, IncompatibleFormat, InvalidRequest
 from kvstore.embedded.index import Index, index_remedy
 from kvstore.embedded.durability import fsync_dir
+from kvstore.embedded.fragment_writes import resolve_sync_mode
 from kvstore.embedded.targets import TARGET_TYPES, LocalTarget, Target, localhost_file_url, open_target
 
 # 2: entries carry their created and expiry times (``kvstore.embedded.codec``), so ``kvtool rebuild-index``
@@ -160,7 +163,7 @@ def _cwd_relative(url: str) -> bool:
     return not os.path.isabs(os.path.expanduser(path))
 
 
-def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConfig:
+def with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConfig:
     """``config`` with the marker's recorded targets when it names none itself: so ``kvtool``
     and a daemon started without ``KVSTORE_TARGETS`` open the targets the directory was
     written to, not the default ones (whose absence would read as every entry lost). Targets
@@ -169,7 +172,7 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
     if not recorded:
         return config
     if config.targets:
-        return config  # differing ones are logged once recorded (``_open_data_dir``), not before a refusal
+        return config  # differing ones are logged once recorded (``DataDir.open``), not before a refusal
     try:
         specs = tuple(TargetSpec(**t) for t in recorded)
         config = replace(config, targets=specs)
@@ -232,20 +235,31 @@ def file_url_path(url: str) -> str:
 
 
 class DataDir:
-    """Opening and recording the data directory (see the module docstring)."""
+    """Opening and recording the data directory ``data_dir`` (see the module docstring)."""
 
-    def _open_data_dir(self, config: StoreConfig) -> bool:
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+        self.config: StoreConfig | None = None
+        self.code: Any = None
+        self.target_specs: tuple[TargetSpec, ...] = ()
+        self.targets: dict[str, Target] = {}
+        self.sync_mode: str | None = None
+        self.index: Index | None = None
+        self.index_id = b""
+
+    def open(self, config: StoreConfig) -> bool:
         """Check or create the directory, open its index; True when it was created now."""
-        marker = self._read_marker()
+        self.config = config
+        marker = self.read_marker()
         named = bool(config.targets)  # by the opener, not taken from the marker
-        config = self.config = _with_recorded_targets(config, marker)
+        config = self.config = with_recorded_targets(config, marker)
         index_dir = self.data_dir / "index"
         # New: no marker and no index. A marker lost with its index in place (a crash between
         # creating the index and writing the marker, or a deleted file) is rewritten from the
         # index as an old marker is: fields it lacks come from the records.
         fresh = marker is None and not _nonempty(index_dir / "data.mdb")
         if fresh:  # the code and targets settled (and refused if bad) before anything is created
-            self._settle(self._resolve_code(config, None))
+            self._settle(self.resolve_code(config, None))
         rewrite = marker is None
         if marker is None:  # the code this version writes unless told otherwise (not the legacy one)
             marker = {"ec_type": config.ec_type or DEFAULT_EC_TYPE}
@@ -273,7 +287,7 @@ class DataDir:
             # Settled here unless settled above with this very code (a config that already names the
             # directory's code, e.g. another store's resolved config, is settled here too).
             if not fresh or code != {n: getattr(self.config, n, None) for n in ("ec_type", "ec_k", "ec_m")}:
-                self._settle(self._resolve_code(config, code))
+                self._settle(self.resolve_code(config, code))
             config = self.config
             if not fresh and marker.get("index_id") and marker["index_id"] != identity.hex():
                 raise CorruptData(
@@ -373,7 +387,7 @@ class DataDir:
                 "recorded place must be removed), or configure the recorded URL for that name (URL#DOMAIN#NAME). A file://localhost/PATH target meant "
                 "<working directory>/localhost/PATH before 8b1a1a1 and means /PATH now")
 
-    def _read_marker(self) -> dict | None:
+    def read_marker(self) -> dict | None:
         """The directory's marker (``FORMAT_FILE``) as a dict, or ``None`` for a new directory.
 
         The marker records what every record of the directory depends on: the format
@@ -426,7 +440,7 @@ class DataDir:
             )
         return doc
 
-    def _resolve_code(self, config: StoreConfig, marker: dict | None) -> StoreConfig:
+    def resolve_code(self, config: StoreConfig, marker: dict | None) -> StoreConfig:
         """``config`` with the directory's erasure code filled in: an unset field takes the
         recorded value (the defaults for a new directory, or for a marker written before
         that field was recorded); a set one that differs from the record is refused."""
@@ -448,7 +462,7 @@ class DataDir:
     def _settle(self, config: StoreConfig) -> None:
         """Take ``config`` (its code resolved) as this store's: check the code (an unknown one
         is refused), open its targets, resolve how writes are made durable."""
-        codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
+        self.code = codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
         self.config = config
         self.target_specs = config.resolved_targets()
         self.targets: dict[str, Target] = {s.name: open_target(s) for s in self.target_specs}
@@ -459,7 +473,8 @@ class DataDir:
                 raise InvalidRequest(f"targets {seen[where]!r} and {spec.shown_url!r} are the same place; each "
                                      "target must be its own directory, bucket or prefix")
             seen[where] = spec.shown_url
-        self._sync_mode()
+        if self.sync_mode is None:  # resolved once, and before anything is created for a new directory
+            self.sync_mode = resolve_sync_mode(config, self.targets)
 
     def _proposed_code(self, config: StoreConfig, marker: dict | None, txn: Any) -> dict:
         """The code to record in an index that has none: for a new directory (``marker``
@@ -467,12 +482,12 @@ class DataDir:
         before (its index from before the code was recorded, or its marker lost), what its
         marker records, ``ec_k``/``ec_m`` it lacks taken from the records, and the legacy
         ``ec_type`` for a marker that predates that field. Refused if ``config`` asks for
-        another (``_resolve_code``)."""
+        another (``resolve_code``)."""
         if marker is not None:
             first = self.index.first_record(txn)
             if first is not None:
                 marker = {"ec_k": first.k, "ec_m": first.m, **marker}
-        resolved = self._resolve_code(config, marker)
+        resolved = self.resolve_code(config, marker)
         return {n: getattr(resolved, n) for n in ("ec_type", "ec_k", "ec_m")}
 
     def _write_marker(self, config: StoreConfig, identity: bytes, old: dict | None) -> None:

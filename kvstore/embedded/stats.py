@@ -1,19 +1,15 @@
 """``EmbeddedStore.stats``: the store summary ``kvtool stats`` prints and the daemon's metrics
-read. Read-only: one index read transaction (it counts every entry: O(index)) and each
-target asked whether it is up, all at once.
+read, from the store's parts (``kvstore.embedded.parts.StoreParts``). Read-only: one index read
+transaction (it counts every entry: O(index)) and each target asked whether it is up, all at once.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvstore.api import EntryKind
-
-if TYPE_CHECKING:
-    from kvstore.embedded.store import EmbeddedStore
+from kvstore.embedded.parts import StoreParts
 
 
-def stats(store: "EmbeddedStore") -> dict:
+def stats(store: StoreParts) -> dict:
     """Summary for ``kvtool stats`` and the daemon's metrics (counts entries: O(index))."""
     by_kind: dict[str, dict[str, int]] = {}
     oldest = newest = None
@@ -34,7 +30,7 @@ def stats(store: "EmbeddedStore") -> dict:
             newest = m.created_ns if newest is None else max(newest, m.created_ns)
     specs = store.target_specs
     n_domains = len({t.domain for t in specs})
-    up = dict(zip(store.targets, store._pool.map(lambda t: t.is_up(), store.targets.values())))  # asked at once
+    up = dict(zip(store.targets, store.pool.map(lambda t: t.is_up(), store.targets.values())))  # asked at once
     return {
         "data_dir": str(store.data_dir),
         "entries": sum(d["entries"] for d in by_kind.values()),
@@ -47,7 +43,7 @@ def stats(store: "EmbeddedStore") -> dict:
         "oldest_created_s": oldest / 1e9 if oldest else None,
         "newest_created_s": newest / 1e9 if newest else None,
         "erasure_code": f"{store.config.ec_type} {store.config.ec_k}+{store.config.ec_m}",
-        "durable_writes": {"file": "fsync per file", "fs": "syncfs per filesystem"}.get(store._sync_mode(), "off"),
+        "durable_writes": {"file": "fsync per file", "fs": "syncfs per filesystem"}.get(store.fragments.writer.sync_mode(), "off"),
         "targets": [{"name": t.name, "url": t.shown_url, "domain": t.domain, "up": up[t.name]}
                     for t in specs],
         "failure_domains": n_domains,
@@ -56,5 +52,5 @@ def stats(store: "EmbeddedStore") -> dict:
             if n_domains == 1 else
             f"{n_domains} failure domains for {store.config.ec_k + store.config.ec_m} fragments per entry"
         ),
-        "counters": dict(store.counters),
+        "counters": dict(store.counters.values),
     }

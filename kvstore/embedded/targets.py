@@ -44,6 +44,7 @@ from kvstore.api import EntryKind
 from kvstore.config import TargetSpec, localhost_file_url, split_userinfo
 from kvstore.embedded.durability import fsync_dir
 from kvstore.errors import InvalidRequest
+from kvstore.executors import DaemonExecutor
 from kvstore.keys import KEY_LEN
 
 
@@ -555,6 +556,31 @@ TARGET_TYPES: dict[str, type[Target]] = {
     "gcs": ObjectTarget,
     "memory": ObjectTarget,
 }
+
+
+class TargetPools:
+    """Per-target thread pools, a bulkhead: one pool per (target, op), ``workers`` threads each,
+    started on demand, so that I/O stuck on one target cannot hold the threads the others'
+    need. ``op`` "read" runs a read path's fragment reads, "write" its writes under
+    ``write_timeout_s``. Shared by a store's fragment reader and writer; stopped with
+    ``all()`` by whoever owns it."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._lock = threading.Lock()
+        self._pools: dict[tuple[str, str], DaemonExecutor] = {}
+
+    def get(self, name: str, op: str = "read") -> DaemonExecutor:
+        pool = self._pools.get((name, op))
+        if pool is None:
+            with self._lock:
+                pool = self._pools.get((name, op))
+                if pool is None:
+                    pool = self._pools[name, op] = DaemonExecutor(self.workers, f"kvstore-{op}-{name}")
+        return pool
+
+    def all(self) -> list[DaemonExecutor]:
+        return list(self._pools.values())
 
 
 def open_target(spec: TargetSpec) -> Target:

@@ -71,7 +71,7 @@ from kvstore.api import EntryKind, PutItem
 from kvstore.config import StoreConfig
 from kvstore.executors import DaemonExecutor
 from kvstore.errors import CapacityExceeded, InternalError, InvalidRequest, KVStoreError, StoreUnavailable
-from kvstore.embedded.fragments import MAX_TTL_S
+from kvstore.config import MAX_TTL_S
 from kvstore.embedded.index import ekey
 from kvstore.keys import check_key, check_keys
 from kvstore.proto import kvstore_pb2 as pb
