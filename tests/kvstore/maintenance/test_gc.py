@@ -3,7 +3,6 @@ Time is controlled through the injected clock."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -224,7 +223,7 @@ def test_gc_over_capacity_with_everything_pinned_still_reclaims(data_dir, keys, 
             s.pin(k)
         s.put(keys[2], value_for(keys[2], 10_000))
         s.delete(keys[2])  # to the graveyard
-        s.config = dataclasses.replace(s.config, capacity_bytes=one)  # the admin shrank it
+    with _capacity_store(data_dir, clock, one) as s:  # the admin shrank it
         orphan = fragment_refs(s, keys[0])[0].path.parent / ".tmp.crashed-put"  # a put that died
         orphan.write_bytes(b"x" * 100)
         for dry in (True, False):
