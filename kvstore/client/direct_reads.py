@@ -6,9 +6,9 @@ or ``"auto"``; the daemon (``kvstore.server.service``) calls ``client_url`` for 
 ``Describe`` answer. Puts may be direct too (``kvstore.client.direct_writes``); deletes, lookups
 and maintenance stay on gRPC.
 
-Why (issue #3): over gRPC every payload byte crosses protobuf and one loopback
-socket (~520 MiB/s for 1 MiB entries) while the embedded store reads the same
-fragment files at 3-4.5 GiB/s. Where the KV cache lives on a distributed file
+Why: over gRPC every payload byte crosses protobuf and one loopback socket, a cost the
+embedded store reading the same fragment files does not pay (``tools/bench_store.py
+--remote`` measures both). Where the KV cache lives on a distributed file
 system that every engine host mounts (or on S3), the bytes do not need the daemon:
 it stays the metadata service (index, placement, LRU, TTL, tenants, GC, repair) and
 the client reads the files, as the serving stack of V4.1 does.
@@ -375,7 +375,7 @@ class DirectReads(DirectPath):
             return self._current  # unreachable or busy: try again on the next read
         except StoreClosed:
             raise  # this client was closed meanwhile: nothing to decide about the daemon
-        except KVStoreError as exc:  # e.g. an older daemon without Describe (UNIMPLEMENTED)
+        except KVStoreError as exc:  # Describe refused (UNIMPLEMENTED, PERMISSION_DENIED, ...)
             return self._turn_off(f"Describe failed: {exc}")
         self._described_at = time.monotonic()
         self._stale = False

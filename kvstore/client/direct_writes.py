@@ -5,7 +5,7 @@ for ``put`` and ``put_many`` when opened with ``kvstore.connect("grpc://H:P",
 direct_writes="on")`` or ``"auto"``; the daemon answers with ``Describe`` and ``Commit``
 (``kvstore.server.direct_rpc``), which calls ``kvstore.embedded.store.EmbeddedStore.commit_written``.
 
-Why (issue #3): over gRPC every payload byte crosses protobuf and a socket into the
+Why: over gRPC every payload byte crosses protobuf and a socket into the
 daemon, whose one process then erasure-codes and writes the whole fleet's puts. Where
 the targets are a distributed file system every engine host mounts (or S3), the client
 can encode and write the fragments exactly as the embedded store does, on its own
@@ -46,8 +46,8 @@ committed here and the rest refused there):
     the writer is replaced after a fresh ``Describe`` and the batch written again, once; stale
     again (the views keep differing: two daemons behind one address, say), the batch goes
     through ``PutStream`` and direct writes turn off for this client. Never an acknowledged
-    put that reads back lost. A daemon whose ``Describe`` has no ``writer_view`` (older than
-    this client) cannot refuse a stale writer: direct writes stay off against it.
+    put that reads back lost. A ``Describe`` without ``writer_view`` gets no direct writes:
+    that daemon's ``Commit`` could not refuse a stale writer.
   * ``Commit`` refused with PERMISSION_DENIED (the daemon stopped allowing direct writes):
     they turn off for this client, the packs are removed, the batch goes through ``PutStream``.
   * ``Commit`` refused before indexing anything (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
@@ -183,12 +183,12 @@ class DirectWrites(DirectPath):
                 d = self._call("Describe", pb.DescribeRequest())
             except StoreUnavailable:
                 return None  # unreachable or busy: this batch over gRPC (which raises the same), next time again
-            except KVStoreError as exc:  # e.g. an older daemon without Describe
+            except KVStoreError as exc:  # Describe refused (UNIMPLEMENTED, PERMISSION_DENIED, ...)
                 return self._turn_off(f"Describe failed: {exc}")
             why = "" if d.direct_writes else "the daemon does not accept direct writes (allow_direct_writes = false)"
             if not why and not d.writer_view:  # its Commit could not refuse a stale writer (module docstring)
-                why = ("the daemon's Describe has no writer_view (a daemon older than this client), so it could "
-                       "index entries under keys other than those written; upgrade the daemon")
+                why = ("the daemon's Describe has no writer_view, so its Commit could not refuse a stale writer "
+                       "and could index entries under keys other than those written")
             if not why and self.mode == "auto":
                 why = auto_decision(d)
             if why:

@@ -87,9 +87,9 @@ def _targets_record(config: StoreConfig) -> list[dict] | None:
 def _local_root(url: str) -> str | None:
     """The directory a local target URL opens, parsed exactly as ``kvstore.embedded.targets.open_target``
     parses it (``LocalTarget.root``: absolute, ``~`` expanded, ``file:/x`` and ``local:x`` read
-    as ``/x`` and ``x``); ``None`` for a URL that opens no local directory. Before, the path was
-    cut out of the URL here by hand: ``file:/x`` became ``<cwd>/file:/x`` and ``~/x``
-    ``<cwd>/~/x``, so the marker recorded a directory no target opens (QA)."""
+    as ``/x`` and ``x``); ``None`` for a URL that opens no local directory. Parsed by the
+    target's own code, never cut out of the URL by hand, so that the marker records the
+    directory a target opens (``file:/x`` is ``/x``, ``~/x`` the home directory's ``x``)."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if TARGET_TYPES.get(scheme) is not LocalTarget:
         return None
@@ -114,8 +114,8 @@ def _place(url: str) -> str:
     """What two target URLs are compared by to tell "the same target": the real path of the
     directory a local target opens (``_local_root``, symlinks and ``..`` resolved, as
     ``LocalTarget.location``) however it is spelled; other URLs as written. ``_absolute`` keeps
-    the spelling the marker records; this is only for comparing (QA: a symlinked spelling of a
-    recorded directory, or ``file:/x`` for ``/x``, hid a rename)."""
+    the spelling the marker records; this is only for comparing (a symlinked spelling of a
+    recorded directory, or ``file:/x`` for ``/x``, must not hide a rename)."""
     root = _local_root(url)
     return url if root is None else os.path.realpath(root)
 
@@ -124,7 +124,7 @@ def _same_targets(a: Any, b: Any) -> bool:
     """Do two target records (``_targets_record``'s form, or what a marker holds; ``None`` for
     none) name the same targets, in the same order? URLs are compared by ``_place``, so one
     local directory spelled ``/x`` once and ``file:///x`` the other time is the same target
-    (before, such a spelling logged "configured targets differ" and rewrote the marker); names
+    (no "configured targets differ" warning, no rewritten marker); names
     by ``target_name``, so a name recorded as ``file://localhost/P`` is ``file:///P``."""
     def key(rec: Any) -> Any:
         if not isinstance(rec, list) or not all(isinstance(t, dict) and isinstance(t.get("url"), str) for t in rec):
@@ -141,18 +141,18 @@ def _name(name: Any) -> Any:
 
 def _respelled(rec: Any) -> bool:
     """Does a marker's target record hold a URL other than as ``_absolute`` records it: a
-    relative local path (``file://d0``, as code before the absolute form wrote it) means the
-    opener's working directory, so it is rewritten, resolved, by an opener that configures the
-    same targets; compared by ``_place`` alone it equalled them and stayed relative, for an
-    opener elsewhere naming no targets to open other, empty directories (QA)."""
+    relative local path (``file://d0``) means the opener's working directory, so it is
+    rewritten, resolved, by an opener that configures the same targets; compared by ``_place``
+    alone it would equal them and stay relative, and an opener elsewhere naming no targets
+    would open other, empty directories."""
     return isinstance(rec, list) and any(
         isinstance(t, dict) and isinstance(t.get("url"), str) and _absolute(t["url"]) != t["url"] for t in rec)
 
 
 def _cwd_relative(url: str) -> bool:
     """Is ``url`` a local target given by a relative path (``d0``, ``file://d0``, ``local://d0``)?
-    Code before 7d7b241 recorded such URLs as written: they meant the working directory of
-    the process that wrote the marker, which no later opener knows."""
+    A marker that records one means the working directory of the process that wrote it,
+    which no later opener knows."""
     if _local_root(url) is None:
         return False
     bare = localhost_file_url(split_userinfo(url)[0])
@@ -182,14 +182,14 @@ def with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConf
     relative = [t.url for t in specs if _cwd_relative(t.url)]
     if relative:
         # Resolved against this process's working directory they may be other directories (empty,
-        # or another store's, whose files the orphan sweep would take): every entry read as lost (QA).
+        # or another store's, whose files the orphan sweep would take): every entry read as lost.
         raise InvalidRequest(
             f"{FORMAT_FILE} records targets by relative paths ({', '.join(relative)}), as code before "
             "absolute URLs were recorded wrote them: relative to the working directory of the process that "
             f"wrote it, which is not known here (this one's is {os.getcwd()}). Name the targets once with "
             "absolute paths (KVSTORE_TARGETS, --targets, targets=): the marker is then rewritten with them")
-    # Local as the targets are opened (``_local_root``; before, only plain paths and
-    # file:// URLs: a moved set of local:// targets opened, and every entry read as lost).
+    # Local as the targets are opened (``_local_root``: plain paths, file:// and local:// URLs
+    # alike, so that a moved set of local:// targets is refused, not read as every entry lost).
     local = [t for t in specs if _local_root(t.url) is not None]
     if len(local) == len(specs) and not any(os.path.isdir(_place(t.url)) for t in local):
         # Every recorded root gone at once is a directory moved or disks not mounted, not a loss:
@@ -205,8 +205,7 @@ def with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConf
 def _log_recorded(config: StoreConfig, before: Any) -> None:
     """Warn that the marker now records ``config``'s targets in place of ``before`` (what it
     recorded), when they differ. Logged only once the marker is written: an open refused for
-    renamed, moved or foreign targets records nothing (QA: the warning that they were recorded
-    came just before such a refusal)."""
+    renamed, moved or foreign targets records nothing, so it warns of nothing either."""
     mine = _targets_record(config)
     if before and mine is not None and not _same_targets(mine, before):
         log.warning("the configured targets differ from those %s records; recording them instead: %s",
@@ -353,8 +352,8 @@ class DataDir:
         another local directory, that directory still holds files, no configured target opens
         it, the index has recorded fragments under the name and holds records: re-pointing the
         name would make every fragment there read as missing (the first reads mark entries
-        lost) and the marker would forget where they are. QA: ``file://localhost/P`` opened
-        ``<cwd>/localhost/P`` before 8b1a1a1 and opens ``/P`` now, under the same name. Not
+        lost) and the marker would forget where they are (``file://localhost/P`` means ``/P``;
+        a marker that recorded ``<cwd>/localhost/P`` under the same name is such a case). Not
         refused: one directory spelled otherwise (``_place``) or reached another way (a bind
         mount: ``_same_dir``), a target moved into a subdirectory of its old place (files under a
         configured target are not counted), a recorded relative URL (it is

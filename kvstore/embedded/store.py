@@ -20,33 +20,36 @@ Write path (``put``), in this order, each step for the reason given:
   4. Write every fragment atomically (tmp + fsync + rename + dir fsync) to its
      rendezvous-chosen target; a failing target is replaced by the next best.
      With ``sync_mode`` "fs" the files are written without fsync and made durable
-     together, one syncfs per filesystem, once all are in place (``FragmentIO._sync_after``).
+     together, one syncfs per filesystem, once all are in place (``FragmentWriter.sync_after``).
      A batch (``put_many``, ``pack_batches``) instead writes one pack file per
      target holding that target's fragments of every entry, each published the
      same atomic way, so a batch costs one fsync pair per target, not per fragment.
      Writes that wait (fsync, remote targets) run on threads, per fragment or, in a
      batch, per entry; page-cache writes run inline (``parallel_writes``). With
      ``write_timeout_s`` every write runs on its target's own threads, and one that
-     hangs past it fails as a failing target does (``FragmentIO._run_writes``).
+     hangs past it fails as a failing target does (``FragmentWriter.run_writes``).
   5. Only then commit the index record (LMDB, fsync). A crash before 5 leaves
      orphan fragments that GC sweeps after ``orphan_grace_s``; never an index
      record without its fragments. If another writer committed the same key
      first, our fragments are removed (or stay in the pack until it goes) and
      the put returns ``False``. Files an orphan sweep took meanwhile (any process, any
-     ``orphan_grace_s``) are not indexed (``FragmentIO._check_unswept_txn``): the put writes
+     ``orphan_grace_s``) are not indexed (``FragmentStore.check_unswept_txn``): the put writes
      them again under a new generation, up to ``SWEPT_RETRIES`` times. Files started over
      ``orphan_grace_s / 2`` before the transaction got the writer lock are not indexed
-     either (``FragmentIO._check_in_time``: for sweeps that do not record their decisions);
+     either (``FragmentStore.check_in_time``: for sweeps that do not record their decisions);
      the put raises ``StoreUnavailable``, nothing stored. Before step 3, a put whose index
      filesystem has no room for its spare file is refused (``kvstore.embedded.diskroom``).
   6. Above the capacity high watermark, evict LRU entries down to the low one.
 A direct-writing client of the daemon (``kvstore.client.direct_writes``) does 1-4 itself
 (as a batch: packs) and hands 5-6 to ``commit_written``, which checks its records first.
 
-Read path (``get``): read the k data fragments (in parallel for remote targets), verify each one's
+The steps live in the fragment store (``kvstore.embedded.fragments``): 3-4 in its writer
+(``kvstore.embedded.fragment_writes``), the checks of 5 in ``FragmentStore``; 1-2 and 5-6 here.
+
+Read path (``get``, ``kvstore.embedded.fragment_reads``): read the k data fragments (in parallel for remote targets), verify each one's
 checksum and header against the index; on any failure read parity fragments
 until k are good; decode; verify the entry checksum; return. Local targets first
-try a fast path (``kvstore.embedded.fastread``: ``_read_fast`` / ``_read_scatter``): one open + one
+try a fast path (``kvstore.embedded.fastread``: ``read_fast`` / ``read_scatter``): one open + one
 ``preadv`` per data fragment, headers checked against the index, fragment 0 (which
 holds the entry header; with any other holding part of a small entry's) verified whole,
 and the rest trusted only through the entry checksum over the assembled payload; anything unexpected falls back to the path above. Fewer than k good
@@ -213,15 +216,16 @@ class EmbeddedStore:
                          result: list[bool]) -> list[bool]:
         """Steps 3-6 of ``put_many`` for ``items[i]`` of each ``i`` in ``todo``, filling ``result``.
         ``FilesSwept`` (nothing indexed, the files written removed) when an orphan sweep took one
-        of them before the index commit (``FragmentIO._check_unswept_txn``)."""
+        of them before the index commit (``FragmentStore.check_unswept_txn``)."""
+        writer = self.fragments.writer
         with self.index.env.begin() as txn:  # before the first file: see kvstore.maintenance.orphans
             since = self.index.sweep_decisions(txn)
         # 3-4: fragments durable first. A batch (``pack_batches``) is encoded whole under one
-        # generation and published as one pack file per target (``_write_pack``); if that
+        # generation and published as one pack file per target (``FragmentWriter.write_pack``); if that
         # fails, or for a single put, fragment by fragment: where writes wait (see
-        # ``_fan_out_writes``) each item's writes start on a thread as soon as it is encoded,
+        # ``FragmentWriter.fan_out_writes``) each item's writes start on a thread as soon as it is encoded,
         # so encoding the next overlaps them; otherwise they run inline. A bad item raises
-        # out of ``_encode`` and the cleanup below removes what earlier items wrote.
+        # out of ``FragmentWriter.encode`` and the cleanup below removes what earlier items wrote.
         encs: dict[int, Any] = {}
         placed: dict[int, tuple[str, ...]] = {}
         offsets: dict[int, tuple[int, ...]] = {}
@@ -229,16 +233,17 @@ class EmbeddedStore:
         batch = len(todo) > 1
         started = self.clock()  # the files written from here on are at most this old at commit
         if batch and self.config.pack_batches:
-            self.fragments.writer.put_packs(items, todo, encs, placed, offsets)
-        submit = self._batch_pool.submit if batch and self.fragments.writer.fan_out_writes(self.targets, in_batch=False) else run_now
+            writer.put_packs(items, todo, encs, placed, offsets)
+        fan_out = batch and writer.fan_out_writes(self.targets, in_batch=False)
+        submit = self._batch_pool.submit if fan_out else run_now
         try:
             for i in todo:
                 if i in placed:
                     continue
                 it = items[i]
                 if i not in encs:
-                    encs[i] = self.fragments.writer.encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
-                futs[i] = submit(self.fragments.writer.write_fragments, encs[i], in_batch=batch)
+                    encs[i] = writer.encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
+                futs[i] = submit(writer.write_fragments, encs[i], in_batch=batch)
             for i in futs:
                 placed[i] = futs[i].result()
         except BaseException:
@@ -249,11 +254,11 @@ class EmbeddedStore:
                     except BaseException:
                         continue
             for i, names in placed.items():
-                self.fragments.writer.discard(encs[i], dict(enumerate(names)))
+                writer.discard(encs[i], dict(enumerate(names)))
             raise
         # 5-6: one index transaction for the batch; then capacity. Inside it, files an orphan
-        # sweep took since ``since`` was read are not indexed (``_check_unswept_txn``), nor
-        # files a write took over half of orphan_grace_s to reach it with (``_check_in_time``:
+        # sweep took since ``since`` was read are not indexed (``FragmentStore.check_unswept_txn``), nor
+        # files a write took over half of orphan_grace_s to reach it with (``FragmentStore.check_in_time``:
         # for sweeps of versions that do not record their decisions in the index).
         order = list(encs)
         try:
@@ -262,16 +267,16 @@ class EmbeddedStore:
                                       written_at=(started, f"writing {len(encs)} entries"), put_keys=put_keys,
                                       unswept=(since, self.fragments.paths_of(encs, placed, offsets)))
         except (WrittenTooLongAgo, FilesSwept, IndexFull):
-            self.fragments.writer.discard_unused_packs(encs, placed, offsets, result)
+            writer.discard_unused_packs(encs, placed, offsets, result)
             for i, names in placed.items():
                 if i not in offsets:
-                    self.fragments.writer.discard(encs[i], dict(enumerate(names)))
+                    writer.discard(encs[i], dict(enumerate(names)))
             raise
         for i, c in zip(order, created):
             result[i] = c
             if not c and i not in offsets:  # a concurrent writer won; a loser's share of a pack goes with the pack
-                self.fragments.writer.discard(encs[i], dict(enumerate(placed[i])))
-        self.fragments.writer.discard_unused_packs(encs, placed, offsets, result)
+                writer.discard(encs[i], dict(enumerate(placed[i])))
+        writer.discard_unused_packs(encs, placed, offsets, result)
         return result
 
     def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int,
@@ -289,7 +294,7 @@ class EmbeddedStore:
         before any work included (default: the records'), which its eviction pass keeps.
         ``unswept`` (the sweep count read before the first file was written, and the files'
         ``(target, rel)``): ``FilesSwept`` (nothing indexed) when an orphan sweep took one of
-        them (``FragmentIO._check_unswept_txn``). ``IndexFull`` (nothing indexed) when the
+        them (``FragmentStore.check_unswept_txn``). ``IndexFull`` (nothing indexed) when the
         index's filesystem has no room for the commit (``kvstore.embedded.diskroom``)."""
         created: list[bool] = []
         try:

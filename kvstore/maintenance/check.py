@@ -210,10 +210,10 @@ def repair(parts: StoreParts, progress: Progress | None = None) -> dict:
     (``orphans_kept``: orphans that could not be deleted; ``targets_down``: targets that
     could not be asked; ``still_lost``: the lost records left in the index, examined or not;
     ``unfixed_detail``: the first ``UNFIXED_DETAIL_MAX`` fragments left as they were, each with
-    why, as ``check`` lists them: QA found "unfixed 1" with the reason only in the log).
+    why, as ``check`` lists them, so the reason is in the answer, not only in the log).
     Raises ``CapacityExceeded`` (its ``result`` the counts above) when the index map was full
-    (``_check``): the pass ran to its end, rebuilding nothing after that (QA: a raw
-    ``lmdb.MapFullError`` ended it, and kvtool printed a traceback)."""
+    (``_check``): the pass ran to its end, rebuilding nothing after that; never a raw
+    ``lmdb.MapFullError``."""
     problems, map_full = _check(parts, fix=True, progress=progress)
     out = {"rebuilt_fragments": 0, "restored_entries": 0, "still_lost": 0, "orphans_removed": 0, "unfixed": 0,
            "orphans_kept": 0,

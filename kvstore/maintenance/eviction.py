@@ -48,8 +48,8 @@ def evict(parts: StoreParts, goal_bytes: int, *, dry_run: bool = False,
     entries, new or already stored) are taken last, and only while more than ``keep_within``
     bytes (the capacity) would stay used with them: otherwise the pass stops above
     ``goal_bytes``, and a put that fits under the capacity is never acknowledged and then
-    evicted by its own pass (QA: with pinned entries just under the low watermark, every put
-    was). When they do not fit, they go from the put's last entry back (a chain keeps its
+    evicted by its own pass (with pinned entries just under the low watermark, every put
+    would be). When they do not fit, they go from the put's last entry back (a chain keeps its
     prefix) until the rest fit, and the pass raises ``CapacityExceeded`` saying how many it
     evicted. This covers the triggering put only: another thread's or process's put may see
     its entries evicted as plain LRU (``evict_after_put`` runs one pass at a

@@ -118,7 +118,7 @@ def _purge_grave(parts: StoreParts, due: Sequence[DueGrave], dry_run: bool,
             removed += m.frag_len * _delete(tgt, fragment_path(ek[0], ek[1:], m.gen, i))
         with parts.index.env.begin(write=True) as txn:
             mine, pack_freed = parts.index.purge_grave_txn(txn, grave_key(t, rest), m)
-        if mine:  # counted by the one pass that dropped it (QA: two at once both counted everything)
+        if mine:  # counted by the one pass that dropped it (two passes at once: each record counted once)
             purged += 1
             nbytes += removed
         if pack_freed is not None:  # every target the batch may have used; what it removed
@@ -130,8 +130,8 @@ def _purge_grave(parts: StoreParts, due: Sequence[DueGrave], dry_run: bool,
 
 def _delete(tgt, rel: str) -> bool:
     """Delete ``rel`` on ``tgt``: True when this call removed it. False when it could not
-    (logged; the bytes are not counted as reclaimed until the orphan sweep removes the file:
-    QA found them counted twice) or when it was not there (a lost fragment, or one another
+    (logged; the bytes are not counted as reclaimed until the orphan sweep removes the file,
+    so they are never counted twice) or when it was not there (a lost fragment, or one another
     pass removed: nothing freed here)."""
     try:
         return tgt.delete(rel)
@@ -162,8 +162,8 @@ def _compact_packs(parts: StoreParts, progress: Progress, limit: int = _COMPACT_
                         gen.hex(), type(exc).__name__, exc)
         else:
             with parts.index.env.begin(write=True) as txn:
-                # queued again if it gets deader still; counted by the pass that dequeues it (QA: two
-                # passes at once both counted every pack)
+                # queued again if it gets deader still; counted by the pass that dequeues it (two
+                # passes at once: each pack counted once)
                 compacted += bool(txn.delete(gen, db=parts.index.db["compact"]))
         progress("compact", done, len(queued))
     return compacted, moved

@@ -1,6 +1,6 @@
 """Read-only planning for a GC pass: what steps 2-5 of ``kvstore.maintenance.gc.run_gc`` would do.
 
-Called by ``run_gc`` only. A dry run (``run_gc(dry_run=True)``) is built entirely from
+Used by ``run_gc`` and by a dry-run eviction (``kvstore.maintenance.eviction.evict``). A dry run (``run_gc(dry_run=True)``) is built entirely from
 these functions; the real pass uses ``expired_lost``, ``grave_key`` and ``due_graves``
 too, so both read the same records. Every function here opens read transactions only and
 changes nothing, not even the batched access times (``pending_touches`` copies them).

@@ -22,7 +22,7 @@ unindexed fragment or pack file is made in the index, serialised with every inde
      the path of each file still unindexed (``Index.take_path_txn``). It deletes those files
      after that transaction, then counts once more and gives their paths back.
   2. A writer reads ``sweep_decisions`` before it writes its first file, and in the write
-     transaction that indexes its files (``FragmentIO._check_unswept_txn``) refuses to index
+     transaction that indexes its files (``FragmentStore.check_unswept_txn``) refuses to index
      any whose path a hold record sits on, and, when the count has moved, any it cannot
      stat any more: ``FilesSwept``, nothing indexed, the put writes again under a new
      generation.
@@ -30,7 +30,7 @@ unindexed fragment or pack file is made in the index, serialised with every inde
      writer's index transaction moved the count (the writer's files are new names, so the
      sweep listed them after the writer's first read): the writer sees the hold until the
      file is deleted, and the missing file after. A decision after it reads the record (1)
-     and leaves the file alone. A direct writer's files (``PackIO.commit_written``) are
+     and leaves the file alone. A direct writer's files (``EmbeddedStore.commit_written``) are
      older than the count it compares with, read before it stats them: a decision before
      that read either shows as a hold, or its delete is done and counted after it, before
      the hold goes (1), so the count has moved and the file is looked at again.
@@ -39,7 +39,7 @@ put is still writing, which would make that put write again; a ``.tmp.`` file is
 indexed, so it is deleted without a decision, once older than the grace and at least
 ``TMP_MIN_AGE_S`` (a write whose ``.tmp.`` file goes fails, and that fragment goes to a
 spare target, or the put fails). The writer's own time check
-(``FragmentIO._check_in_time``: files indexed within ``orphan_grace_s / 2`` of their
+(``FragmentStore.check_in_time``: files indexed within ``orphan_grace_s / 2`` of their
 writing) stays for sweeps of versions without the decision step.
 
 A slot orphan's name is re-created by repair alone: it rebuilds a slot onto a spare at
@@ -51,14 +51,14 @@ delete, or its record, is done. Whichever takes it first, the other sees it: a s
 took it first is never followed by a rebuild there until its delete is over, and a repair
 that took it first is recorded (the sweep then sees the record) or gave up (its file is an
 orphan) before the sweep looks. The stat and the delete, and repair's write, run outside
-any write transaction (before, they ran inside one: on S3 a round trip every put waited on).
+any write transaction (inside one, on S3, every put would wait on a round trip).
 
 A take that fails because the index map is full (``lmdb.MapFullError``; the index never
 grows its map, ``lmdb_map_size`` is fixed at open) keeps those orphans (a slot orphan, or a
 batch of unindexed files) for a later pass: each is counted as kept (an unfixed
 ``ORPHAN_FRAGMENT`` problem, ``run_gc``'s ``orphans_kept``), logged once per sweep, and the
 sweep goes on. A full map is when GC is
-needed most, and the rest of the sweep needs no index write (QA: the error ended the pass).
+needed most, and the rest of the sweep needs no index write, so the error never ends the pass.
 """
 
 from __future__ import annotations
@@ -106,10 +106,10 @@ def _slot_orphan(claims: Claims, slot: int, name: str, configured: Collection[st
     """Is the fragment file of ``slot`` on target ``name``, of a generation records know, an
     orphan? Yes when no record holds that slot in a file on ``name`` and every target the
     records name for the slot is configured: the copy a repair replaced while its target was
-    away, found when it comes back (QA: such copies were kept as long as their entry lived).
+    away, found when it comes back (else such copies would stay as long as their entry lives).
     A slot recorded on a target that is not configured keeps the file: that target may be
-    this one under another name (a mount moved, its old name not given; QA: deleting by the
-    slot rule alone made gc remove every fragment on renamed targets)."""
+    this one under another name (a mount moved, its old name not given; deleting by the slot
+    rule alone would remove every fragment on renamed targets)."""
     mine = [(t, alone) for i, t, alone in claims if i == slot]
     return bool(mine) and (name, True) not in mine and all(t in configured for t, _ in mine)
 
@@ -130,8 +130,8 @@ def _still_an_orphan(parts: StoreParts, tgt, rel: str, ek: bytes, gen: bytes, sl
     A repair may have rebuilt that very slot onto this target since the records were read
     (same path, a new file), then recorded it. And a configured name may no longer mean the
     directory it meant (mounts swapped or rotated, a name given to another directory): then
-    the recorded copy is not where the record says, so this one is kept (QA: swapped names
-    made one gc delete a fragment of every entry, a rotation all of them). The last look,
+    the recorded copy is not where the record says, so this one is kept (swapped names would
+    have one gc delete a fragment of every entry, a rotation all of them). The last look,
     and the age, are ``_delete_slot_orphan``'s."""
     with parts.index.env.begin() as txn:
         metas = _live_metas(parts, txn, ek, gen)
@@ -255,7 +255,7 @@ def sweep_orphans(parts: StoreParts, now_s: float, dry_run: bool, grace_s: float
 
     ``now_s`` is ``parts.file_clock()`` (the clock of the files' mtimes), taken before the
     records are read: a writer indexes its files only within ``orphan_grace_s / 2`` of
-    starting them, checked once it holds the index's write lock (``FragmentIO._check_in_time``),
+    starting them, checked once it holds the index's write lock (``FragmentStore.check_in_time``),
     so no file a writer is about to index is ever old enough here. A file of unknown age
     (no mtime) is kept.
 

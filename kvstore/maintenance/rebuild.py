@@ -95,10 +95,9 @@ def record_repair(parts: StoreParts, ek: bytes, m: Meta, fixed_meta: Meta, where
     """Index what ``rebuild`` wrote for record ``m`` of ``where`` ("entries" or "lost"): False
     when the record moved or went meanwhile (its new files are orphans). ``WrittenTooLongAgo``
     (nothing indexed) when those files were written over half the orphan grace ago, as for a
-    put (``FragmentIO._check_in_time``): a sweep may be deleting them (before, a repair had no
-    such check). A file in a new place is safe from the sweep while ``rebuild`` holds its path,
-    so nothing here asks a target (before, its presence was checked inside this transaction:
-    a target round trip every put waited on)."""
+    put (``FragmentStore.check_in_time``): a sweep may be deleting them. A file in a new place
+    is safe from the sweep while ``rebuild`` holds its path, so nothing here asks a target
+    (inside this transaction, a target round trip would hold up every put)."""
     with parts.index.env.begin(write=True) as txn:
         parts.fragments.check_in_time(written_at, f"the repair of {ek[1:].hex()}")
         if where == "entries":
@@ -118,7 +117,7 @@ def unrecorded_detail(m: Meta, fixed_meta: Meta, i: int, why: str) -> str:
     """What ``check`` says of fragment ``i`` of record ``m``, rewritten by ``rebuild`` (as in
     ``fixed_meta``) but not recorded for ``why``: rebuilt in place (its own target, a file of its
     own: the good file is at the path the record names) or on another target (a file no record
-    names, for the orphan sweep). Before, both read "not rebuilt", though a good file was written."""
+    names, for the orphan sweep); never "not rebuilt", since a good file was written."""
     name = fixed_meta.targets[i]
     if name == m.targets[i] and (not m.offsets or m.offsets[i] == STANDALONE):
         return f"rebuilt but not recorded (in place: the good file is at its recorded path on {name}): {why}"
