@@ -239,10 +239,11 @@ class DirectWrites(DirectPath):
         seen: set[bytes] = set()
         stored: list[PutItem] = []
         for i, it in enumerate(items):  # validated before anything is written (step 2)
-            ek = bytes((EntryKind.parse(it.kind).code,)) + check_key(it.key)
-            stored.append(PutItem(w.stored_key(ek[1:]), it.value, it.kind, it.ttl_s, it.layout, it.tokens))
+            kind = EntryKind.parse(it.kind)  # key and kind checked once, here; typed from here on
+            ek = bytes((kind.code,)) + check_key(it.key)
+            stored.append(PutItem(w.stored_key(ek[1:]), it.value, kind, it.ttl_s, it.layout, it.tokens))
             if ek in seen:  # stored once, but refused like any item (over max_value_bytes too), as put_many is
-                w.writer.checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
+                w.writer.checked(ek[1:], it.value, kind, it.ttl_s, it.layout, it.tokens)
             else:
                 seen.add(ek)
                 todo.append(i)

@@ -32,7 +32,6 @@ from kvstore.embedded.index import Meta, ekey
 from kvstore.embedded.placement import place
 from kvstore.embedded.targets import Target, TargetPools, fragment_path, pack_path
 from kvstore.errors import CapacityExceeded, InvalidRequest, StoreUnavailable
-from kvstore.keys import check_key
 
 log = logging.getLogger("kvstore.embedded.store")
 
@@ -107,13 +106,14 @@ class FragmentWriter:
         self._target_devs: dict[str, int] = {}
 
     # ------------------------------------------------------------------ fragment files
-    def checked(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
+    def checked(self, key: bytes, value: Any, kind: EntryKind, ttl_s: float | None,
                  layout: Layout | None, tokens: int) -> tuple[bytes, EntryKind, memoryview, Layout, int, int]:
         """A put's arguments validated (``InvalidRequest`` for the first bad one): (key, kind,
-        payload, layout, now_ns, expires_ns). Every put passes here, also one that stores
-        nothing because its key is live: a bad request is refused whether or not it would write."""
-        key = check_key(key)
-        k = EntryKind.parse(kind)
+        payload, layout, now_ns, expires_ns). ``key`` and ``kind`` come checked and typed from
+        the caller's boundary (``kvstore.keys.check_key``, ``EntryKind.parse``); the value, its
+        size, ``tokens`` and ``ttl_s`` are checked here. Every put passes here, also one that
+        stores nothing because its key is live: a bad request is refused whether or not it would write."""
+        k = kind
         payload, lay = as_payload(value, layout)
         if len(payload) > self.config.max_value_bytes:
             raise InvalidRequest(
@@ -124,7 +124,7 @@ class FragmentWriter:
         now = self.now_ns()
         return key, k, payload, lay, now, expiry_ns(ttl_s, self.config.default_ttl_s, now)
 
-    def encode(self, key: bytes, value: Any, kind: str | EntryKind, ttl_s: float | None,
+    def encode(self, key: bytes, value: Any, kind: EntryKind, ttl_s: float | None,
                 layout: Layout | None, tokens: int, gen: bytes | None = None) -> Encoded:
         key, k, payload, lay, now, expires = self.checked(key, value, kind, ttl_s, layout, tokens)
         enc = self.encode_entry(key, k, payload, lay, tokens, gen or os.urandom(8), now, expires)
@@ -328,8 +328,9 @@ class FragmentWriter:
 
     def put_packs(self, items: Sequence[PutItem], todo: list[int], encs: dict, placed: dict,
                    offsets: dict) -> None:
-        """Steps 3-4 for a batch: encode it in chunks of about ``pack_bytes`` payload bytes,
-        each chunk one generation and one pack per target; a chunk's pack writes run on a
+        """Steps 3-4 for a batch (keys and kinds checked and typed, as ``checked`` takes them):
+        encode it in chunks of about ``pack_bytes`` payload bytes, each chunk one generation
+        and one pack per target; a chunk's pack writes run on a
         thread while the next chunk is encoded (encoding holds the GIL, writes wait in the
         kernel); the last chunk's run here. Fills ``encs``, and ``placed`` and ``offsets``
         for the chunks written. A chunk whose packs fail stays unplaced: the caller writes

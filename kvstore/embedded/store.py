@@ -190,7 +190,9 @@ class EmbeddedStore:
         seen: dict[bytes, None] = {}  # the put's entry keys, in its order
         with self.index.env.begin() as txn:
             for i, it in enumerate(items):
-                ek = ekey(EntryKind.parse(it.kind).code, check_key(it.key))
+                kind = EntryKind.parse(it.kind)  # key and kind checked once, here; typed from here on
+                it = items[i] = PutItem(check_key(it.key), it.value, kind, it.ttl_s, it.layout, it.tokens)
+                ek = ekey(kind.code, it.key)
                 if ek in seen:
                     self.fragments.writer.checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
                     continue

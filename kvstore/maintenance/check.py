@@ -235,6 +235,6 @@ def repair(parts: StoreParts, progress: Progress | None = None) -> dict:
         raise CapacityExceeded(
             f"the index map is full ({map_full}): repair stopped rebuilding; nothing half-recorded, the rest of "
             f"the pass ran. Raise lmdb_map_size (now {parts.config.lmdb_map_size} bytes) in the store config "
-            f"([parts] lmdb_map_size, or {ENV_PREFIX}LMDB_MAP_SIZE), or free entries, and run repair again",
+            f"([store] lmdb_map_size, or {ENV_PREFIX}LMDB_MAP_SIZE), or free entries, and run repair again",
             result=out) from map_full
     return out

@@ -143,7 +143,7 @@ def _delete(tgt, rel: str) -> bool:
 def _compact_packs(parts: StoreParts, progress: Progress, limit: int = _COMPACT_LIMIT) -> tuple[int, int]:
     """Step 5 for up to ``limit`` queued packs: (packs, entries moved out). Reports
     ``compact`` progress per pack. A pack whose rewrite fails with a store error (not a
-    bug, not a closed parts) is logged and stays queued for a later pass: one bad pack
+    bug, not a closed store) is logged and stays queued for a later pass: one bad pack
     never stops the rest of the pass."""
     with parts.index.env.begin() as txn:
         queued = [bytes(g) for g, _ in itertools.islice(parts.index.iter_db(txn, "compact"), limit)]
