@@ -67,7 +67,6 @@ class GenerationTaken(StoreUnavailable):
         self.gens = tuple(gens)
 
 
-
 @dataclass(frozen=True, slots=True)
 class WrittenCheck:
     """What ``FragmentStore.check_written`` found: per entry its index record (``(ek, meta)``);
