@@ -82,6 +82,7 @@ from kvstore.api import Entry, EntryInfo, EntryKind
 from kvstore.config import StoreConfig, TargetSpec
 from kvstore.errors import InternalError, InvalidRequest, KVStoreError, StoreClosed, StoreUnavailable
 from kvstore.executors import DaemonExecutor, shutdown_all
+from kvstore.embedded.datadir import FORMAT_FILE
 from kvstore.embedded.fragment_reads import FragmentReader
 from kvstore.embedded.index import Meta
 from kvstore.keys import KEY_LEN
@@ -92,7 +93,6 @@ from kvstore.embedded.tuning import tune_malloc
 log = logging.getLogger(__name__)
 
 MODES = ("off", "on", "auto")
-FORMAT_MARKER = "kvstore.json"  # kvstore.embedded.datadir.FORMAT_FILE: the data directory's format marker
 LOCAL_SCHEMES = ("", "file", "local")
 REDESCRIBE_S = 10.0  # at most one Describe per this many seconds after a record names an unknown target
 CLOSE_JOIN_S = 1.0  # close() waits this long for reads still running (a frozen target's are abandoned)
@@ -143,7 +143,7 @@ def auto_decision(d: pb.DescribeReply) -> str:
             return f"target {t.name} ({t.url.split('://', 1)[0]}://) is not a local path; use direct_reads='on'"
         if not os.path.isdir(root):
             return f"target {t.name}: {root} is not a directory on this host"
-    marker = Path(d.data_dir) / FORMAT_MARKER
+    marker = Path(d.data_dir) / FORMAT_FILE
     try:
         here = marker.read_bytes()
     except OSError as exc:

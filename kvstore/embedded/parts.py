@@ -15,9 +15,9 @@ import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
-from kvstore.config import StoreConfig
+from kvstore.config import StoreConfig, TargetSpec
 from kvstore.embedded.access import AccessTimes
 from kvstore.embedded.diskroom import IndexRoom
 from kvstore.embedded.fragments import FragmentStore
@@ -62,7 +62,7 @@ class StoreParts:
     evict_lock: threading.Lock
 
     @property
-    def target_specs(self):
+    def target_specs(self) -> Sequence[TargetSpec]:
         return self.fragments.target_specs
 
     def now_ns(self) -> int:
