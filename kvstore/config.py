@@ -100,7 +100,7 @@ def strip_userinfo(url: str) -> str:
 def localhost_file_url(url: str) -> str:
     """``file://localhost/PATH`` as ``file:///PATH`` (RFC 8089: host ``localhost`` is this
     machine); any other URL as written. fsspec reads everything after ``file://`` as the path,
-    so the target opened ``<cwd>/localhost/PATH`` and compared unequal to ``file:///PATH`` (QA).
+    so unchanged the target would open ``<cwd>/localhost/PATH`` and compare unequal to ``file:///PATH``.
     Another word there stays a relative path (``file://d0`` is the directory ``d0``; see
     ``kvstore.embedded.datadir._absolute``), not a host."""
     scheme, sep, rest = url.partition("://")
@@ -113,8 +113,8 @@ def target_name(name: str) -> str:
     """A target name as configured, recorded and compared: without ``user:password@``
     (``strip_userinfo``) and with ``file://localhost/`` spelled ``file:///``
     (``localhost_file_url``), since a name defaults to its URL and those two URLs are one
-    directory (QA: a store created with ``file:///P`` was refused when reopened with
-    ``file://localhost/P``). Names recorded in either spelling mean the same target."""
+    directory (a store created with ``file:///P`` opens again with ``file://localhost/P``).
+    Names recorded in either spelling mean the same target."""
     return localhost_file_url(strip_userinfo(name))
 
 

@@ -73,9 +73,9 @@ class IncompatibleFormat(KVStoreError):
 class CapacityExceeded(KVStoreError):
     """The store cannot make room: everything left is pinned or in use.
 
-    ``result`` is the counts dict of the GC pass that raised it (``kvstore.maintenance.passes.run_gc``
+    ``result`` is the counts dict of the GC pass that raised it (``kvstore.maintenance.gc.run_gc``
     runs its other steps first), or of the repair pass that found the index map full
-    (``kvstore.maintenance.passes.repair``), so a caller can report what the pass did; ``None`` when
+    (``kvstore.maintenance.check.repair``), so a caller can report what the pass did; ``None`` when
     the error comes from anything else (the daemon sends it along: ``kvstore.wire``).
     """
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from kvstore.api import EntryKind
 from kvstore.errors import InternalError, InvalidRequest
-from kvstore.embedded.fragments import frag_loc
+from kvstore.embedded.fastread import frag_loc
 from kvstore.embedded.index import Meta, ekey
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.api import EntryKind
-from kvstore.embedded.fragments import frag_loc
+from kvstore.embedded.fastread import frag_loc
 from kvstore.embedded.index import ekey
 
 

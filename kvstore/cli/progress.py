@@ -1,7 +1,7 @@
 """Progress reporting for long maintenance passes, on stderr only.
 
 ``ProgressBar`` is the ``progress(phase, done, total)`` callback that
-``kvstore.maintenance.passes`` (``check``, ``repair``, ``run_gc``) calls. Contract:
+``kvstore.maintenance.check`` (``check``, ``repair``) and ``kvstore.maintenance.gc`` (``run_gc``) calls. Contract:
 
 * It writes to its stream (stderr) and nowhere else, so ``--json`` output on
   stdout stays parseable.

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from kvstore import index_view
 from kvstore.client.transport import Transport
 from kvstore.errors import InternalError
-from kvstore.maintenance.passes import Problem, ProblemKind
+from kvstore.maintenance.problems import Problem, ProblemKind
 from kvstore.proto import kvstore_pb2 as pb
 
 if TYPE_CHECKING:

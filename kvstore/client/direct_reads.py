@@ -6,9 +6,9 @@ or ``"auto"``; the daemon (``kvstore.server.service``) calls ``client_url`` for 
 ``Describe`` answer. Puts may be direct too (``kvstore.client.direct_writes``); deletes, lookups
 and maintenance stay on gRPC.
 
-Why (issue #3): over gRPC every payload byte crosses protobuf and one loopback
-socket (~520 MiB/s for 1 MiB entries) while the embedded store reads the same
-fragment files at 3-4.5 GiB/s. Where the KV cache lives on a distributed file
+Why: over gRPC every payload byte crosses protobuf and one loopback socket, a cost the
+embedded store reading the same fragment files does not pay (``tools/bench_store.py
+--remote`` measures both). Where the KV cache lives on a distributed file
 system that every engine host mounts (or on S3), the bytes do not need the daemon:
 it stays the metadata service (index, placement, LRU, TTL, tenants, GC, repair) and
 the client reads the files, as the serving stack of V4.1 does.
@@ -21,7 +21,7 @@ Read steps (``DirectReads.get_many``), in order, each for its reason:
      sizes, generation, fragment targets) under the tenant's stored key. The daemon
      refreshes access times then, as a get does (a located entry is a used one), and
      counts the hit or miss. A key it does not find is answered here, with no other call.
-  3. Per found key: ``kvstore.embedded.fragments.FragmentIO._read_verified``, the embedded
+  3. Per found key: ``kvstore.embedded.fragment_reads.FragmentReader.read_verified``, the embedded
      store's own read path: read the data fragments, check each fragment's checksum
      and header against the record, decode, check the entry checksum (in the caller's
      buffer for ``get_many_into``). Bytes that fail a check are never returned.
@@ -82,17 +82,17 @@ from kvstore.api import Entry, EntryInfo, EntryKind
 from kvstore.config import StoreConfig, TargetSpec
 from kvstore.errors import InternalError, InvalidRequest, KVStoreError, StoreClosed, StoreUnavailable
 from kvstore.executors import DaemonExecutor, shutdown_all
-from kvstore.embedded.fragments import FragmentIO
+from kvstore.embedded.datadir import FORMAT_FILE
+from kvstore.embedded.fragment_reads import FragmentReader
 from kvstore.embedded.index import Meta
 from kvstore.keys import KEY_LEN
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.embedded.targets import Target, open_target
+from kvstore.embedded.targets import Target, TargetPools, open_target
 from kvstore.embedded.tuning import tune_malloc
 
 log = logging.getLogger(__name__)
 
 MODES = ("off", "on", "auto")
-FORMAT_MARKER = "kvstore.json"  # kvstore.embedded.datadir.FORMAT_FILE: the data directory's format marker
 LOCAL_SCHEMES = ("", "file", "local")
 REDESCRIBE_S = 10.0  # at most one Describe per this many seconds after a record names an unknown target
 CLOSE_JOIN_S = 1.0  # close() waits this long for reads still running (a frozen target's are abandoned)
@@ -143,7 +143,7 @@ def auto_decision(d: pb.DescribeReply) -> str:
             return f"target {t.name} ({t.url.split('://', 1)[0]}://) is not a local path; use direct_reads='on'"
         if not os.path.isdir(root):
             return f"target {t.name}: {root} is not a directory on this host"
-    marker = Path(d.data_dir) / FORMAT_MARKER
+    marker = Path(d.data_dir) / FORMAT_FILE
     try:
         here = marker.read_bytes()
     except OSError as exc:
@@ -162,12 +162,13 @@ class Located:
     meta: Meta | None
 
 
-class DirectReader(FragmentIO):
-    """A read-only ``FragmentIO`` host over the daemon's targets (steps 1 and 3).
+class DirectReader:
+    """A read-only worker over the daemon's targets (steps 1 and 3): the embedded store's own
+    read half (``kvstore.embedded.fragment_reads.FragmentReader``) built over them.
 
     Invariants, each for its reason:
-      1. It never writes, deletes, marks lost or repairs: ``_mark_lost`` only counts,
-         the write-path methods raise. The daemon owns every state change.
+      1. It never writes, deletes, marks lost or repairs: it has no write half, and the
+         reader's ``mark_lost`` only counts. The daemon owns every state change.
       2. ``read`` returns a payload only from a clean read: any failure, and any read
          that needed parity (degraded), returns ``None``, meaning "ask the daemon", so
          the daemon's degraded and lost accounting sees every damaged entry.
@@ -177,69 +178,55 @@ class DirectReader(FragmentIO):
 
     def __init__(self, d: pb.DescribeReply, *, workers: int = 8):
         specs = tuple(TargetSpec(t.url, t.domain or "default", t.name) for t in d.targets)
-        # ---- The FragmentIO host interface (kvstore/embedded/fragments.py's docstring lists it): config,
-        # targets, target_specs, code, _pool, _tls here; _count, _mark_lost, now_ns below. Keep
-        # them in this one block so a change of that interface is made in one place.
         self.config = StoreConfig(
             data_dir=d.data_dir or ".", ec_k=d.ec_k, ec_m=d.ec_m, ec_type=d.ec_type, targets=specs,
             max_value_bytes=d.max_value_bytes or StoreConfig.max_value_bytes,
             read_timeout_s=d.read_timeout_s, parallel_reads=d.parallel_reads or "auto",
             fragment_read_retries=0, read_workers=workers)
-        self.target_specs = specs
         self.targets: dict[str, Target] = {s.name: open_target(s) for s in specs}
-        self.code = codec.erasure_code(d.ec_k, d.ec_m, d.ec_type)
+        codec.erasure_code(d.ec_k, d.ec_m, d.ec_type)  # an unknown code is refused here, as the daemon would
         self._pool = DaemonExecutor(workers, "kvstore-direct-io")
-        self._tls = threading.local()
-        # ---- end of the host interface.
         self._batch_pool = DaemonExecutor(workers, "kvstore-direct")
+        self._pools = TargetPools(workers)
         self._flags = threading.local()  # per read: did the read path report a degraded read?
         self._lock = threading.Lock()
         self.counters: dict[str, int] = {
             "direct_reads": 0, "direct_bytes": 0, "fallbacks": 0, "degraded_reads": 0, "unrecoverable": 0,
             "read_retries": 0, "read_timeouts": 0}
+        self.reader = FragmentReader(self.config, self.targets, self._pools, self._pool, count=self.count,
+                                     mark_lost=self._lost)
         if self.config.tune_malloc:
             tune_malloc()  # as the embedded store does: read buffers of 128 KiB+ without a fresh mmap each
 
-    # FragmentIO host methods -----------------------------------------------------------
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         if name == "degraded_reads":
             self._flags.degraded = True  # invariant 2: this read goes to the daemon
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
 
-    def _mark_lost(self, ek: bytes, meta: Meta) -> None:
-        self._count("unrecoverable")  # invariant 1: only the daemon marks entries lost
-
-    @staticmethod
-    def now_ns() -> int:
-        return time.time_ns()
-
-    def _write_fragments(self, enc: Any) -> tuple[str, ...]:
-        raise InternalError("the direct reader never writes fragments (puts go to the daemon): this is a bug")
-
-    def _discard(self, enc: Any, placed: dict[int, str]) -> None:
-        raise InternalError("the direct reader never deletes fragments: this is a bug")
+    def _lost(self, ek: bytes, meta: Meta) -> None:
+        self.count("unrecoverable")  # invariant 1: only the daemon marks entries lost
 
     # reads ------------------------------------------------------------------------------
     def read(self, loc: Located, out: memoryview | None = None) -> tuple[codec.EntryHeader, Any] | None:
         """The verified header and payload of ``loc`` (in ``out`` when given), or ``None``:
         read it through the daemon (invariant 2)."""
         if loc.meta is None:
-            self._count("fallbacks")
+            self.count("fallbacks")
             return None
         self._flags.degraded = False
         try:
-            h, plain = self._read_verified(loc.ek, loc.meta, out)
+            h, plain = self.reader.read_verified(loc.ek, loc.meta, out)
         except (KVStoreError, OSError) as exc:
             log.info("direct read of %s failed, reading through the daemon: %s", loc.ek[1:].hex(), exc)
-            self._count("fallbacks")
+            self.count("fallbacks")
             return None
         if self._flags.degraded:
             log.info("direct read of %s was degraded, reading through the daemon", loc.ek[1:].hex())
-            self._count("fallbacks")
+            self.count("fallbacks")
             return None
-        self._count("direct_reads")
-        self._count("direct_bytes", h.plain_len)
+        self.count("direct_reads")
+        self.count("direct_bytes", h.plain_len)
         return h, plain
 
     def read_many(self, locs: Sequence[Located], outs: Sequence[memoryview | None]) -> list:
@@ -253,7 +240,7 @@ class DirectReader(FragmentIO):
 
     def close(self) -> None:
         # Bounded: a read stuck on a frozen target holds its thread for the target's own timeout.
-        shutdown_all([self._batch_pool, self._pool, *self._target_pools_all()], wait=True, timeout_s=CLOSE_JOIN_S)
+        shutdown_all([self._batch_pool, self._pool, *self._pools.all()], wait=True, timeout_s=CLOSE_JOIN_S)
 
 
 def check_into_sizes(keys: Sequence[bytes], sizes: Sequence[int | None], views: Sequence[memoryview],
@@ -388,7 +375,7 @@ class DirectReads(DirectPath):
             return self._current  # unreachable or busy: try again on the next read
         except StoreClosed:
             raise  # this client was closed meanwhile: nothing to decide about the daemon
-        except KVStoreError as exc:  # e.g. an older daemon without Describe (UNIMPLEMENTED)
+        except KVStoreError as exc:  # Describe refused (UNIMPLEMENTED, PERMISSION_DENIED, ...)
             return self._turn_off(f"Describe failed: {exc}")
         self._described_at = time.monotonic()
         self._stale = False
@@ -496,7 +483,7 @@ class DirectReads(DirectPath):
         unusable = [i for i, loc in enumerate(locs) if loc is not None and loc.meta is None]
         fetched: dict[int, bytes | None] = {}
         if unusable:
-            r._count("fallbacks", len(unusable))
+            r.count("fallbacks", len(unusable))
             fetched = dict(zip(unusable, fallback([keys[i] for i in unusable], kind)))
         sizes: list[int | None] = []
         for i, loc in enumerate(locs):

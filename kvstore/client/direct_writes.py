@@ -3,9 +3,9 @@
 Who calls it: ``kvstore.client.remote.RemoteStore`` (so also every shard of a ``ShardedStore``)
 for ``put`` and ``put_many`` when opened with ``kvstore.connect("grpc://H:P",
 direct_writes="on")`` or ``"auto"``; the daemon answers with ``Describe`` and ``Commit``
-(``kvstore.server.service``), which calls ``kvstore.embedded.packs.PackIO.commit_written``.
+(``kvstore.server.direct_rpc``), which calls ``kvstore.embedded.store.EmbeddedStore.commit_written``.
 
-Why (issue #3): over gRPC every payload byte crosses protobuf and a socket into the
+Why: over gRPC every payload byte crosses protobuf and a socket into the
 daemon, whose one process then erasure-codes and writes the whole fleet's puts. Where
 the targets are a distributed file system every engine host mounts (or S3), the client
 can encode and write the fragments exactly as the embedded store does, on its own
@@ -20,7 +20,7 @@ Write steps (``DirectWrites.put_many``), in order, each for its reason:
      ``writer_view``, a digest of all that, which every ``Commit`` carries back.
   2. Validate every item as the embedded store does (same errors, nothing written for a
      bad batch), drop repeats of a key within the batch, then encode and write it with
-     the embedded store's own batch code (``PackIO._put_packs``): chunks of about
+     the embedded store's own batch code (``FragmentWriter.put_packs``): chunks of about
      ``pack_bytes``, one pack file per target per chunk, each published atomically and
      durable first when the daemon's store fsyncs.
   3. One ``Commit`` with the records of every chunk written. The daemon checks them
@@ -46,8 +46,8 @@ committed here and the rest refused there):
     the writer is replaced after a fresh ``Describe`` and the batch written again, once; stale
     again (the views keep differing: two daemons behind one address, say), the batch goes
     through ``PutStream`` and direct writes turn off for this client. Never an acknowledged
-    put that reads back lost. A daemon whose ``Describe`` has no ``writer_view`` (older than
-    this client) cannot refuse a stale writer: direct writes stay off against it.
+    put that reads back lost. A ``Describe`` without ``writer_view`` gets no direct writes:
+    that daemon's ``Commit`` could not refuse a stale writer.
   * ``Commit`` refused with PERMISSION_DENIED (the daemon stopped allowing direct writes):
     they turn off for this client, the packs are removed, the batch goes through ``PutStream``.
   * ``Commit`` refused before indexing anything (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
@@ -87,12 +87,11 @@ from kvstore.api import EntryKind, PutItem
 from kvstore.config import StoreConfig, TargetSpec
 from kvstore.client.direct_reads import DirectPath, auto_decision
 from kvstore.errors import CapacityExceeded, InternalError, InvalidRequest, KVStoreError, StoreUnavailable
-from kvstore.embedded.fragments import FragmentIO
+from kvstore.embedded.fragment_writes import FragmentWriter
 from kvstore.keys import check_key, tenant_key
-from kvstore.embedded.packs import PackIO
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.errors import PermissionDenied, RequestTooLarge, ServerBusy, StaleDescribe, Unauthenticated
-from kvstore.embedded.targets import Target, open_target
+from kvstore.embedded.targets import Target, TargetPools, open_target
 from kvstore.embedded.tuning import tune_malloc
 
 log = logging.getLogger(__name__)
@@ -106,8 +105,9 @@ REFUSED = (InvalidRequest, ServerBusy, Unauthenticated, PermissionDenied, Capaci
 PutFallback = Callable[[Sequence[PutItem]], list]
 
 
-class DirectWriter(FragmentIO, PackIO):
-    """A write-only ``FragmentIO`` + ``PackIO`` host over the daemon's targets (step 2).
+class DirectWriter:
+    """A write-only worker over the daemon's targets (step 2): the embedded store's own write
+    half (``kvstore.embedded.fragment_writes.FragmentWriter``) built over them.
 
     Invariants, each for its reason:
       1. It writes and removes only pack files of batches it encoded itself, and only
@@ -119,9 +119,7 @@ class DirectWriter(FragmentIO, PackIO):
 
     def __init__(self, d: pb.DescribeReply, *, workers: int = 8):
         specs = tuple(TargetSpec(t.url, t.domain or "default", t.name) for t in d.targets)
-        # ---- The host interface of FragmentIO._encode and PackIO._put_packs (config, targets,
-        # target_specs, code, _pool, _batch_pool, now_ns): kept in this one block. Durability:
-        # fsync as the daemon's store; sync_mode "auto", resolved for this host's own mounts.
+        # Durability: fsync as the daemon's store; sync_mode "auto", resolved for this host's own mounts.
         self.config = StoreConfig(
             data_dir=d.data_dir or ".", ec_k=d.ec_k, ec_m=d.ec_m, ec_type=d.ec_type, targets=specs,
             max_value_bytes=d.max_value_bytes or StoreConfig.max_value_bytes,
@@ -131,31 +129,24 @@ class DirectWriter(FragmentIO, PackIO):
             parallel_writes=d.parallel_writes or "auto",
             orphan_grace_s=d.orphan_grace_s or StoreConfig.orphan_grace_s,
             default_ttl_s=d.default_ttl_s or None)
-        self.target_specs = specs
         self.targets: dict[str, Target] = {s.name: open_target(s) for s in specs}
-        self.code = codec.erasure_code(d.ec_k, d.ec_m, d.ec_type)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-dwrite-io")
         self._batch_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-dwrite")
-        # ---- end of the host interface.
         self.secret = bytes(d.key_secret)
         self.view = bytes(d.writer_view)  # sent with every Commit: the daemon refuses it once out of date
         self._lock = threading.Lock()
         self.counters: dict[str, int] = {"direct_writes": 0, "direct_write_bytes": 0, "fallbacks": 0,
                                          "commits": 0, "rejected_packs": 0, "discarded_packs": 0}
+        self.writer = FragmentWriter(self.config, self.targets, specs, codec.erasure_code(d.ec_k, d.ec_m, d.ec_type),
+                                     TargetPools(self.config.read_workers), self._pool, self._batch_pool,
+                                     count=self.count, now_ns=time.time_ns,
+                                     on_pack_discarded=lambda: self.count("discarded_packs"))
         if self.config.tune_malloc:
             tune_malloc()  # as the embedded store does: buffers of 128 KiB+ without a fresh mmap each
 
-    @staticmethod
-    def now_ns() -> int:
-        return time.time_ns()
-
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
-
-    def _discard_pack(self, gen: bytes, names: Sequence[str]) -> int:
-        self._count("discarded_packs")
-        return PackIO._discard_pack(self, gen, names)
 
     def stored_key(self, key: bytes) -> bytes:
         return tenant_key(key, self.secret) if self.secret else key
@@ -192,12 +183,12 @@ class DirectWrites(DirectPath):
                 d = self._call("Describe", pb.DescribeRequest())
             except StoreUnavailable:
                 return None  # unreachable or busy: this batch over gRPC (which raises the same), next time again
-            except KVStoreError as exc:  # e.g. an older daemon without Describe
+            except KVStoreError as exc:  # Describe refused (UNIMPLEMENTED, PERMISSION_DENIED, ...)
                 return self._turn_off(f"Describe failed: {exc}")
             why = "" if d.direct_writes else "the daemon does not accept direct writes (allow_direct_writes = false)"
             if not why and not d.writer_view:  # its Commit could not refuse a stale writer (module docstring)
-                why = ("the daemon's Describe has no writer_view (a daemon older than this client), so it could "
-                       "index entries under keys other than those written; upgrade the daemon")
+                why = ("the daemon's Describe has no writer_view, so its Commit could not refuse a stale writer "
+                       "and could index entries under keys other than those written")
             if not why and self.mode == "auto":
                 why = auto_decision(d)
             if why:
@@ -238,7 +229,7 @@ class DirectWrites(DirectPath):
                 else:  # stale right after a fresh Describe: the views keep differing (two daemons behind one
                     # address, say); off, rather than two Describes and two discarded batches per put
                     self._turn_off(f"Commit refused as stale right after a fresh Describe ({exc})", warn=True)
-        w._count("fallbacks", len(items))
+        w.count("fallbacks", len(items))
         return fallback(items)
 
     def _put_with(self, w: DirectWriter, items: Sequence[PutItem], fallback: PutFallback) -> list[bool] | None:
@@ -248,20 +239,21 @@ class DirectWrites(DirectPath):
         seen: set[bytes] = set()
         stored: list[PutItem] = []
         for i, it in enumerate(items):  # validated before anything is written (step 2)
-            ek = bytes((EntryKind.parse(it.kind).code,)) + check_key(it.key)
-            stored.append(PutItem(w.stored_key(ek[1:]), it.value, it.kind, it.ttl_s, it.layout, it.tokens))
+            kind = EntryKind.parse(it.kind)  # key and kind checked once, here; typed from here on
+            ek = bytes((kind.code,)) + check_key(it.key)
+            stored.append(PutItem(w.stored_key(ek[1:]), it.value, kind, it.ttl_s, it.layout, it.tokens))
             if ek in seen:  # stored once, but refused like any item (over max_value_bytes too), as put_many is
-                w._checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
+                w.writer.checked(ek[1:], it.value, kind, it.ttl_s, it.layout, it.tokens)
             else:
                 seen.add(ek)
                 todo.append(i)
         encs: dict[int, Any] = {}
         placed: dict[int, tuple[str, ...]] = {}
         offsets: dict[int, tuple[int, ...]] = {}
-        w._put_packs(stored, todo, encs, placed, offsets)  # a bad item raises here, nothing left behind
+        w.writer.put_packs(stored, todo, encs, placed, offsets)  # a bad item raises here, nothing left behind
         if any(i not in offsets for i in todo):  # a pack failed here: the whole batch goes another way
             self._discard(w, encs, placed, offsets, len(items))
-            w._count("fallbacks", len(todo))
+            w.count("fallbacks", len(todo))
             return fallback(items)
         written = todo
         try:
@@ -273,24 +265,24 @@ class DirectWrites(DirectPath):
         except RequestTooLarge as exc:  # over what the daemon's Commit takes: put as over gRPC, whose limits decide
             self._discard(w, encs, placed, offsets, len(items))
             log.info("direct write refused by %s (%s); putting the batch through the daemon", self.url, exc)
-            w._count("fallbacks", len(todo))
+            w.count("fallbacks", len(todo))
             return fallback(items)
         except (StaleDescribe, *REFUSED):  # nothing indexed: the packs go; put_many describes again on a stale one
             self._discard(w, encs, placed, offsets, len(items))
             raise
         for i, c in zip(written, created):
             result[i] = c
-        w._discard_unused_packs(encs, placed, offsets, result)  # rejected packs included: nothing indexed
+        w.writer.discard_unused_packs(encs, placed, offsets, result)  # rejected packs included: nothing indexed
         for why in rejected.values():
             log.warning("direct write rejected by %s: %s; putting its entries through the daemon", self.url, why)
-        w._count("commits")
-        w._count("rejected_packs", len(rejected))
-        w._count("direct_writes", sum(created))
-        w._count("direct_write_bytes", sum(encs[i].meta_base.plain_len for i, c in zip(written, created) if c))
+        w.count("commits")
+        w.count("rejected_packs", len(rejected))
+        w.count("direct_writes", sum(created))
+        w.count("direct_write_bytes", sum(encs[i].meta_base.plain_len for i, c in zip(written, created) if c))
         # Packs rejected there (then every one: a commit is all or nothing): the daemon writes them.
         rest = [i for i in todo if encs[i].meta_base.gen in rejected]
         if rest:
-            w._count("fallbacks", len(rest))
+            w.count("fallbacks", len(rest))
             for i, c in zip(rest, fallback([items[i] for i in rest])):
                 result[i] = c
         return result
@@ -316,4 +308,4 @@ class DirectWrites(DirectPath):
     @staticmethod
     def _discard(w: DirectWriter, encs: dict, placed: dict, offsets: dict, n: int) -> None:
         """Remove the packs of a batch of ``n`` items whose Commit indexed nothing."""
-        w._discard_unused_packs(encs, placed, offsets, [False] * n)
+        w.writer.discard_unused_packs(encs, placed, offsets, [False] * n)

@@ -63,7 +63,7 @@ from kvstore.client.direct_reads import check_into_sizes
 from kvstore.errors import CapacityExceeded, InvalidRequest, KVStoreError, StoreClosed
 from kvstore import rendezvous
 from kvstore.keys import check_key, check_keys
-from kvstore.maintenance.passes import Problem, ProblemKind
+from kvstore.maintenance.problems import Problem, ProblemKind
 from kvstore.client.options import ClientOptions, parse_address, shard_name
 from kvstore.client.remote import RemoteStore
 from kvstore.wire import check_value_sizes, encode_item

@@ -1,6 +1,8 @@
 """Entry and fragment codecs: the bytes that go to disk, and the checks on the way back.
 
-Called by ``kvstore.embedded.store`` only. ``encode_entry`` -> ``ErasureCode.encode`` ->
+Used by the fragment store's writer and reader (``kvstore.embedded.fragment_writes``,
+``kvstore.embedded.fragment_reads``, ``kvstore.embedded.fastread``) and by maintenance that
+rebuilds or reindexes fragments. ``encode_entry`` -> ``ErasureCode.encode`` ->
 ``frame_fragment`` on the write path; ``parse_fragment`` -> ``decode`` ->
 ``decode_entry`` on the read path (``decode_entry_pieces_into`` /
 ``decode_entry_into`` when the caller supplies the destination buffer). Every
@@ -411,7 +413,7 @@ class ErasureCode:
     def reconstruct(self, frags: dict[int, bytes], missing: list[int]) -> dict[int, bytes]:
         raise NotImplementedError
 
-    # Scatter reads (``kvstore.embedded.fragments``): a systematic code stores data fragment ``i``'s
+    # Scatter reads (``kvstore.embedded.fastread``): a systematic code stores data fragment ``i``'s
     # body as ``data_lead`` bytes of its own header, then ``entry[i*share:(i+1)*share]``
     # (``share = body_len - data_lead``; the last one zero-padded), so a reader can land
     # those bytes straight in their final place and check the lead with ``data_lead_ok``.

@@ -1,9 +1,11 @@
 """Opening a data directory: its marker, its index's identity and erasure code.
 
-``DataDir`` is a mixin of ``kvstore.embedded.store.EmbeddedStore`` (it uses the store's
-``data_dir``, ``config``, ``index``, ``targets`` and ``_sync_mode``). ``_open_data_dir``
-runs once, from the store's ``__init__``, and leaves ``self.config`` with the
-directory's code resolved, ``self.targets`` opened and ``self.index`` open.
+``DataDir`` is the data-directory part of ``kvstore.embedded.store.EmbeddedStore``. Its
+``open`` runs once, from the store's ``__init__``, and leaves on the part the ``config`` with
+the directory's code resolved, the erasure ``code``, the ``targets`` (and ``target_specs``)
+opened, how writes are made durable (``sync_mode``), the ``index`` open and its identity
+(``index_id``); the store builds its other parts from those. ``kvstore.maintenance.reindex``
+uses ``read_marker`` and ``resolve_code`` to rebuild an index without opening one.
 
 The marker ``<data_dir>/kvstore.json`` records what every record of the directory
 depends on: the format version, the erasure code (``ec_type``, ``ec_k``, ``ec_m``:
@@ -32,6 +34,7 @@ from kvstore.config import (DEFAULT_EC_K, DEFAULT_EC_M, DEFAULT_EC_TYPE, LEGACY_
 from kvstore.errors import CorruptData, IncompatibleFormat, InvalidRequest
 from kvstore.embedded.index import Index, index_remedy
 from kvstore.embedded.durability import fsync_dir
+from kvstore.embedded.fragment_writes import resolve_sync_mode
 from kvstore.embedded.targets import TARGET_TYPES, LocalTarget, Target, localhost_file_url, open_target
 
 # 2: entries carry their created and expiry times (``kvstore.embedded.codec``), so ``kvtool rebuild-index``
@@ -84,9 +87,9 @@ def _targets_record(config: StoreConfig) -> list[dict] | None:
 def _local_root(url: str) -> str | None:
     """The directory a local target URL opens, parsed exactly as ``kvstore.embedded.targets.open_target``
     parses it (``LocalTarget.root``: absolute, ``~`` expanded, ``file:/x`` and ``local:x`` read
-    as ``/x`` and ``x``); ``None`` for a URL that opens no local directory. Before, the path was
-    cut out of the URL here by hand: ``file:/x`` became ``<cwd>/file:/x`` and ``~/x``
-    ``<cwd>/~/x``, so the marker recorded a directory no target opens (QA)."""
+    as ``/x`` and ``x``); ``None`` for a URL that opens no local directory. Parsed by the
+    target's own code, never cut out of the URL by hand, so that the marker records the
+    directory a target opens (``file:/x`` is ``/x``, ``~/x`` the home directory's ``x``)."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if TARGET_TYPES.get(scheme) is not LocalTarget:
         return None
@@ -111,8 +114,8 @@ def _place(url: str) -> str:
     """What two target URLs are compared by to tell "the same target": the real path of the
     directory a local target opens (``_local_root``, symlinks and ``..`` resolved, as
     ``LocalTarget.location``) however it is spelled; other URLs as written. ``_absolute`` keeps
-    the spelling the marker records; this is only for comparing (QA: a symlinked spelling of a
-    recorded directory, or ``file:/x`` for ``/x``, hid a rename)."""
+    the spelling the marker records; this is only for comparing (a symlinked spelling of a
+    recorded directory, or ``file:/x`` for ``/x``, must not hide a rename)."""
     root = _local_root(url)
     return url if root is None else os.path.realpath(root)
 
@@ -121,7 +124,7 @@ def _same_targets(a: Any, b: Any) -> bool:
     """Do two target records (``_targets_record``'s form, or what a marker holds; ``None`` for
     none) name the same targets, in the same order? URLs are compared by ``_place``, so one
     local directory spelled ``/x`` once and ``file:///x`` the other time is the same target
-    (before, such a spelling logged "configured targets differ" and rewrote the marker); names
+    (no "configured targets differ" warning, no rewritten marker); names
     by ``target_name``, so a name recorded as ``file://localhost/P`` is ``file:///P``."""
     def key(rec: Any) -> Any:
         if not isinstance(rec, list) or not all(isinstance(t, dict) and isinstance(t.get("url"), str) for t in rec):
@@ -138,18 +141,18 @@ def _name(name: Any) -> Any:
 
 def _respelled(rec: Any) -> bool:
     """Does a marker's target record hold a URL other than as ``_absolute`` records it: a
-    relative local path (``file://d0``, as code before the absolute form wrote it) means the
-    opener's working directory, so it is rewritten, resolved, by an opener that configures the
-    same targets; compared by ``_place`` alone it equalled them and stayed relative, for an
-    opener elsewhere naming no targets to open other, empty directories (QA)."""
+    relative local path (``file://d0``) means the opener's working directory, so it is
+    rewritten, resolved, by an opener that configures the same targets; compared by ``_place``
+    alone it would equal them and stay relative, and an opener elsewhere naming no targets
+    would open other, empty directories."""
     return isinstance(rec, list) and any(
         isinstance(t, dict) and isinstance(t.get("url"), str) and _absolute(t["url"]) != t["url"] for t in rec)
 
 
 def _cwd_relative(url: str) -> bool:
     """Is ``url`` a local target given by a relative path (``d0``, ``file://d0``, ``local://d0``)?
-    Code before 7d7b241 recorded such URLs as written: they meant the working directory of
-    the process that wrote the marker, which no later opener knows."""
+    A marker that records one means the working directory of the process that wrote it,
+    which no later opener knows."""
     if _local_root(url) is None:
         return False
     bare = localhost_file_url(split_userinfo(url)[0])
@@ -160,7 +163,7 @@ def _cwd_relative(url: str) -> bool:
     return not os.path.isabs(os.path.expanduser(path))
 
 
-def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConfig:
+def with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreConfig:
     """``config`` with the marker's recorded targets when it names none itself: so ``kvtool``
     and a daemon started without ``KVSTORE_TARGETS`` open the targets the directory was
     written to, not the default ones (whose absence would read as every entry lost). Targets
@@ -169,7 +172,7 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
     if not recorded:
         return config
     if config.targets:
-        return config  # differing ones are logged once recorded (``_open_data_dir``), not before a refusal
+        return config  # differing ones are logged once recorded (``DataDir.open``), not before a refusal
     try:
         specs = tuple(TargetSpec(**t) for t in recorded)
         config = replace(config, targets=specs)
@@ -179,14 +182,14 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
     relative = [t.url for t in specs if _cwd_relative(t.url)]
     if relative:
         # Resolved against this process's working directory they may be other directories (empty,
-        # or another store's, whose files the orphan sweep would take): every entry read as lost (QA).
+        # or another store's, whose files the orphan sweep would take): every entry read as lost.
         raise InvalidRequest(
             f"{FORMAT_FILE} records targets by relative paths ({', '.join(relative)}), as code before "
             "absolute URLs were recorded wrote them: relative to the working directory of the process that "
             f"wrote it, which is not known here (this one's is {os.getcwd()}). Name the targets once with "
             "absolute paths (KVSTORE_TARGETS, --targets, targets=): the marker is then rewritten with them")
-    # Local as the targets are opened (``_local_root``; before, only plain paths and
-    # file:// URLs: a moved set of local:// targets opened, and every entry read as lost).
+    # Local as the targets are opened (``_local_root``: plain paths, file:// and local:// URLs
+    # alike, so that a moved set of local:// targets is refused, not read as every entry lost).
     local = [t for t in specs if _local_root(t.url) is not None]
     if len(local) == len(specs) and not any(os.path.isdir(_place(t.url)) for t in local):
         # Every recorded root gone at once is a directory moved or disks not mounted, not a loss:
@@ -202,8 +205,7 @@ def _with_recorded_targets(config: StoreConfig, marker: dict | None) -> StoreCon
 def _log_recorded(config: StoreConfig, before: Any) -> None:
     """Warn that the marker now records ``config``'s targets in place of ``before`` (what it
     recorded), when they differ. Logged only once the marker is written: an open refused for
-    renamed, moved or foreign targets records nothing (QA: the warning that they were recorded
-    came just before such a refusal)."""
+    renamed, moved or foreign targets records nothing, so it warns of nothing either."""
     mine = _targets_record(config)
     if before and mine is not None and not _same_targets(mine, before):
         log.warning("the configured targets differ from those %s records; recording them instead: %s",
@@ -232,20 +234,31 @@ def file_url_path(url: str) -> str:
 
 
 class DataDir:
-    """Opening and recording the data directory (see the module docstring)."""
+    """Opening and recording the data directory ``data_dir`` (see the module docstring)."""
 
-    def _open_data_dir(self, config: StoreConfig) -> bool:
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+        self.config: StoreConfig | None = None
+        self.code: Any = None
+        self.target_specs: tuple[TargetSpec, ...] = ()
+        self.targets: dict[str, Target] = {}
+        self.sync_mode: str | None = None
+        self.index: Index | None = None
+        self.index_id = b""
+
+    def open(self, config: StoreConfig) -> bool:
         """Check or create the directory, open its index; True when it was created now."""
-        marker = self._read_marker()
+        self.config = config
+        marker = self.read_marker()
         named = bool(config.targets)  # by the opener, not taken from the marker
-        config = self.config = _with_recorded_targets(config, marker)
+        config = self.config = with_recorded_targets(config, marker)
         index_dir = self.data_dir / "index"
         # New: no marker and no index. A marker lost with its index in place (a crash between
         # creating the index and writing the marker, or a deleted file) is rewritten from the
         # index as an old marker is: fields it lacks come from the records.
         fresh = marker is None and not _nonempty(index_dir / "data.mdb")
         if fresh:  # the code and targets settled (and refused if bad) before anything is created
-            self._settle(self._resolve_code(config, None))
+            self._settle(self.resolve_code(config, None))
         rewrite = marker is None
         if marker is None:  # the code this version writes unless told otherwise (not the legacy one)
             marker = {"ec_type": config.ec_type or DEFAULT_EC_TYPE}
@@ -273,7 +286,7 @@ class DataDir:
             # Settled here unless settled above with this very code (a config that already names the
             # directory's code, e.g. another store's resolved config, is settled here too).
             if not fresh or code != {n: getattr(self.config, n, None) for n in ("ec_type", "ec_k", "ec_m")}:
-                self._settle(self._resolve_code(config, code))
+                self._settle(self.resolve_code(config, code))
             config = self.config
             if not fresh and marker.get("index_id") and marker["index_id"] != identity.hex():
                 raise CorruptData(
@@ -339,8 +352,8 @@ class DataDir:
         another local directory, that directory still holds files, no configured target opens
         it, the index has recorded fragments under the name and holds records: re-pointing the
         name would make every fragment there read as missing (the first reads mark entries
-        lost) and the marker would forget where they are. QA: ``file://localhost/P`` opened
-        ``<cwd>/localhost/P`` before 8b1a1a1 and opens ``/P`` now, under the same name. Not
+        lost) and the marker would forget where they are (``file://localhost/P`` means ``/P``;
+        a marker that recorded ``<cwd>/localhost/P`` under the same name is such a case). Not
         refused: one directory spelled otherwise (``_place``) or reached another way (a bind
         mount: ``_same_dir``), a target moved into a subdirectory of its old place (files under a
         configured target are not counted), a recorded relative URL (it is
@@ -373,7 +386,7 @@ class DataDir:
                 "recorded place must be removed), or configure the recorded URL for that name (URL#DOMAIN#NAME). A file://localhost/PATH target meant "
                 "<working directory>/localhost/PATH before 8b1a1a1 and means /PATH now")
 
-    def _read_marker(self) -> dict | None:
+    def read_marker(self) -> dict | None:
         """The directory's marker (``FORMAT_FILE``) as a dict, or ``None`` for a new directory.
 
         The marker records what every record of the directory depends on: the format
@@ -426,7 +439,7 @@ class DataDir:
             )
         return doc
 
-    def _resolve_code(self, config: StoreConfig, marker: dict | None) -> StoreConfig:
+    def resolve_code(self, config: StoreConfig, marker: dict | None) -> StoreConfig:
         """``config`` with the directory's erasure code filled in: an unset field takes the
         recorded value (the defaults for a new directory, or for a marker written before
         that field was recorded); a set one that differs from the record is refused."""
@@ -448,7 +461,7 @@ class DataDir:
     def _settle(self, config: StoreConfig) -> None:
         """Take ``config`` (its code resolved) as this store's: check the code (an unknown one
         is refused), open its targets, resolve how writes are made durable."""
-        codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
+        self.code = codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
         self.config = config
         self.target_specs = config.resolved_targets()
         self.targets: dict[str, Target] = {s.name: open_target(s) for s in self.target_specs}
@@ -459,7 +472,8 @@ class DataDir:
                 raise InvalidRequest(f"targets {seen[where]!r} and {spec.shown_url!r} are the same place; each "
                                      "target must be its own directory, bucket or prefix")
             seen[where] = spec.shown_url
-        self._sync_mode()
+        if self.sync_mode is None:  # resolved once, and before anything is created for a new directory
+            self.sync_mode = resolve_sync_mode(config, self.targets)
 
     def _proposed_code(self, config: StoreConfig, marker: dict | None, txn: Any) -> dict:
         """The code to record in an index that has none: for a new directory (``marker``
@@ -467,12 +481,12 @@ class DataDir:
         before (its index from before the code was recorded, or its marker lost), what its
         marker records, ``ec_k``/``ec_m`` it lacks taken from the records, and the legacy
         ``ec_type`` for a marker that predates that field. Refused if ``config`` asks for
-        another (``_resolve_code``)."""
+        another (``resolve_code``)."""
         if marker is not None:
             first = self.index.first_record(txn)
             if first is not None:
                 marker = {"ec_k": first.k, "ec_m": first.m, **marker}
-        resolved = self._resolve_code(config, marker)
+        resolved = self.resolve_code(config, marker)
         return {n: getattr(resolved, n) for n in ("ec_type", "ec_k", "ec_m")}
 
     def _write_marker(self, config: StoreConfig, identity: bytes, old: dict | None) -> None:

@@ -2,7 +2,7 @@
 
 Called by the embedded store (``kvstore.embedded.store``): ``release_if_full`` before its index opens,
 ``ensure`` once it is open and before every put (``check_put``), ``release`` when an index
-write of a deletion finds no room (``kvstore.embedded.fragments.frees_space``), ``no_space`` to tell
+write of a deletion finds no room (``run_freeing``, for ``kvstore.embedded.calls.frees_space``), ``no_space`` to tell
 such a failure from others.
 
 Problem: every index change is an LMDB write transaction, and a commit needs free pages; when
@@ -45,12 +45,14 @@ import os
 import secrets
 import threading
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import lmdb
 
 from kvstore.errors import CapacityExceeded
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RESERVE_NAME = "space.reserve"
 # An LMDB error other than DiskError is taken for a full filesystem (a short page write reads
@@ -139,6 +141,18 @@ class IndexRoom:
         log.warning("the filesystem of the index %s is full: released its %d spare bytes so that deletions "
                     "commit; puts are refused until there is room to reserve them again", self.path.parent, size)
         return size
+
+    def run_freeing(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` for a deletion (step 2): when an index write of it finds no room,
+        the spare file is released and ``fn`` runs once more (a second failure is raised). A
+        transaction that failed changed nothing, and what committed before it stays done, so
+        running it again is safe."""
+        try:
+            return fn(*args, **kwargs)
+        except lmdb.Error as exc:
+            if not self.no_space(exc) or not self.release():
+                raise
+        return fn(*args, **kwargs)
 
     def release_if_full(self) -> None:
         """Before the index opens (its open may write: dropping stale holds, a new target's id):

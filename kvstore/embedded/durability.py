@@ -2,7 +2,7 @@
 ``syncfs`` (one call for every dirty file of a filesystem) and ``sync_plan``, which resolves
 ``StoreConfig.sync_mode`` for a store's targets ("file": fsync each file and its directory;
 "fs": write without fsync, then one syncfs per filesystem before the index commits). The
-write path that uses them is ``kvstore.embedded.fragments`` (``FragmentIO._sync_after``) and
+write path that uses them is ``kvstore.embedded.fragment_writes`` (``FragmentWriter.sync_after``) and
 ``kvstore.embedded.targets`` (``LocalTarget.write``).
 """
 
@@ -12,12 +12,19 @@ import errno
 import os
 import re
 import sys
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 from kvstore.errors import InvalidRequest
 
-if TYPE_CHECKING:
-    from kvstore.embedded.targets import Target
+
+class SyncedTarget(Protocol):
+    """What ``sync_plan`` reads of a target (``kvstore.embedded.targets.Target`` has it): its name,
+    whether it is a local directory, that directory, and its spec (for the URL scheme)."""
+
+    name: str
+    local: bool
+    root: str
+    spec: Any
 
 # Filesystems whose syncfs(2) writes back every dirty page and inode and commits the journal,
 # and (Linux >= 5.8) reports writeback errors: one call makes all of a put's files durable.
@@ -72,7 +79,7 @@ def fs_type(path: str) -> str:
     return kind
 
 
-def sync_plan(mode: str, targets: Sequence[Target]) -> tuple[str, str]:
+def sync_plan(mode: str, targets: Sequence[SyncedTarget]) -> tuple[str, str]:
     """Resolve ``StoreConfig.sync_mode`` for these targets: ("file" or "fs", why)."""
     if mode == "file":
         return "file", "sync_mode = file"

@@ -2,13 +2,13 @@
 targets in few steps, trusted through the entry checksum (``kvstore.embedded.store``'s docstring,
 "Read path").
 
-``LocalFastReads`` is a base of ``kvstore.embedded.fragments.FragmentIO`` (kept apart so each file
-has one job): it uses the store's ``config``, ``targets`` and ``_scratch``. Each fast path
-returns ``None`` on anything unexpected, and ``FragmentIO._read_verified`` then takes the
+``LocalFastReads`` is a part of ``kvstore.embedded.fragment_reads.FragmentReader``, built over
+the reader's ``config``, ``targets`` and per-thread scratch buffer. Each fast path
+returns ``None`` on anything unexpected, and ``FragmentReader.read_verified`` then takes the
 verifying path, which finds the bad fragment, reads parity, counts the degraded read and
 marks the entry lost if need be.
 
-``fresh_bytes`` lets a plain ``get`` of a large raw entry take ``_read_scatter`` too: the
+``fresh_bytes`` lets a plain ``get`` of a large raw entry take ``read_scatter`` too: the
 kernel copies the fragments' payload straight into the ``bytes`` object returned, as
 ``os.read`` and ``file.read`` fill theirs, instead of into scratch and then once more into a
 joined ``bytes`` (a copy of the whole payload: about a sixth of a 1 MiB get here).
@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Callable
 
 import xxhash
 
 from kvstore.embedded import codec
 from kvstore.errors import CorruptData, IncompatibleFormat
 from kvstore.embedded.index import STANDALONE, Meta
-from kvstore.embedded.targets import LocalTarget, fragment_path, fragment_prefix, pack_path
+from kvstore.config import StoreConfig
+from kvstore.embedded.targets import LocalTarget, Target, fragment_path, fragment_prefix, pack_path
 
 
 # CPython's own way to build a bytes object of known size: allocate it unfilled, fill it
@@ -74,9 +76,15 @@ def _data_paths(ek: bytes, meta: Meta, roots: list[str]) -> list[tuple[str, int 
 
 
 class LocalFastReads:
-    """``_read_fast`` and ``_read_scatter`` (module docstring)."""
+    """``read_fast`` and ``read_scatter`` (module docstring) over ``targets`` read as ``config``
+    says; ``scratch(n)`` is the caller's reusable buffer of at least ``n`` bytes."""
 
-    def _local_roots(self, meta: Meta) -> list[str] | None:
+    def __init__(self, config: StoreConfig, targets: dict[str, Target], scratch: Callable[[int], memoryview]):
+        self.config = config
+        self.targets = targets
+        self._scratch = scratch
+
+    def local_roots(self, meta: Meta) -> list[str] | None:
         """Roots of the k data fragments' targets when the local fast path applies."""
         if self.config.read_timeout_s or self.config.parallel_reads == "always":
             return None
@@ -88,7 +96,7 @@ class LocalFastReads:
             roots.append(t.root)
         return roots
 
-    def _read_fast(self, ek: bytes, meta: Meta, roots: list[str],
+    def read_fast(self, ek: bytes, meta: Meta, roots: list[str],
                    out: memoryview | None) -> tuple[codec.EntryHeader, bytes | memoryview] | None:
         """The common case in few steps: the k data fragments of a systematic code, each read
         with one open + one ``preadv`` into the per-thread scratch, and trusted only when the
@@ -104,7 +112,7 @@ class LocalFastReads:
         scratch = self._scratch(slot * k)
         paths = _data_paths(ek, meta, roots)
         # Each fragment's header up to its checksum is known from the record: compare bytes
-        # (``codec.fragment_id``; what parsing it and ``_frame_matches`` would check).
+        # (``codec.fragment_id``; what parsing it and ``frame_matches`` would check).
         key, gen, m, elen, blen = ek[1:], meta.gen, meta.m, meta.entry_len, flen - codec.FRAG_HEADER_LEN
         bodies: dict[int, memoryview] = {}
         try:
@@ -124,7 +132,7 @@ class LocalFastReads:
             pieces = codec.erasure_code(k, meta.m, self.config.ec_type).data_pieces(bodies)
             if pieces is None:
                 return None
-            limit = meta.plain_len  # the record's size (``FragmentIO._decode``)
+            limit = meta.plain_len  # the record's size (``FragmentReader.decode``)
             if out is None:
                 h, plain = codec.decode_entry_pieces(pieces, max_plain=limit)
             else:
@@ -145,13 +153,13 @@ class LocalFastReads:
             covered += len(pieces[i])
         return h, plain
 
-    def _read_scatter(self, ek: bytes, meta: Meta, roots: list[str],
+    def read_scatter(self, ek: bytes, meta: Meta, roots: list[str],
                       out: memoryview) -> tuple[codec.EntryHeader, memoryview] | None:
-        """``_read_fast`` for a raw entry read into a caller buffer: each data fragment is
+        """``read_fast`` for a raw entry read into a caller buffer: each data fragment is
         read with one ``preadv`` whose vector lands the payload bytes *directly* in ``out``
         (headers and padding go to a small scratch), so the only passes over the payload are
         the kernel's copy and the entry checksum. Same trust rule and ``None`` contract as
-        ``_read_fast``.
+        ``read_fast``.
 
         Entry coordinates ``[0, hlen)`` are the entry header, ``[hlen, entry_len)`` the
         payload (``out[0:plain_len]``), ``[entry_len, k * share)`` the code's zero padding;

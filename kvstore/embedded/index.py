@@ -1,6 +1,7 @@
 """The LMDB index: entry metadata plus the orderings GC needs.
 
-Only ``kvstore.embedded.store`` and ``kvstore.maintenance.passes`` call this module. LMDB gives
+The embedded store's parts (``kvstore.embedded.parts``) and its maintenance (``kvstore.maintenance``)
+read and write it; readers of records elsewhere use ``Meta`` and ``ekey``. LMDB gives
 one writer at a time across threads *and processes*, MVCC readers that never
 block, and durable commits (``sync=True``), which is what lets several
 processes share one data directory.
@@ -518,7 +519,7 @@ class Index:
         """Per record key of ``eks``, lazily (each read when asked for): True when its record
         is present and has not expired (lookup's expiry rule). When nothing has expired
         (``fresh``, see ``_none_expired``) only presence is asked: positioning the cursor
-        copies no value, about 3x faster than ``getmulti`` for a found key."""
+        copies no value, cheaper than ``getmulti`` for a found key."""
         if fresh:
             return map(cur.set_key, eks)
         unpack, off, value = _EXP.unpack_from, _EXPIRES_OFF, cur.value

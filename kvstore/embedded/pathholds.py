@@ -20,11 +20,11 @@ Who holds what, and why a crash never blocks a path for good:
   1. This process holds a path only while its ``PathHolds`` has it in ``held`` (taken and
      not given back) with the serial the record carries. A record with this process's pid
      that is not in ``held`` under its serial holds nothing (a take whose transaction did not
-     commit left the record as it was: QA, a take-over of a leftover hold that did not commit
-     blocked that path for the life of the process): it is an earlier process's with the same pid (a daemon in a container is
-     pid 1 after every restart; QA: a crash inside the sweep's delete left a hold the
-     restarted daemon took for its own, so that orphan was never swept and that slot
-     never rebuilt there) or a give-back that failed. Records like that are dropped when
+     commit left the record as it was, and must not block that path for the life of the
+     process): it is an earlier process's with the same pid (a daemon in a container is
+     pid 1 after every restart, and a hold left by a crash inside the sweep's delete must not
+     pass for the restarted daemon's own, or that orphan is never swept and that slot never
+     rebuilt there) or a give-back that failed. Records like that are dropped when
      the index opens (``drop_stale_txn``) and taken over by ``take_txn``.
   2. Another process's hold holds while its pid runs and, where /proc tells start times,
      that process started when the hold says: a pid reused by a new process (the
@@ -36,11 +36,11 @@ Who holds what, and why a crash never blocks a path for good:
      and for other processes holds until then or until this process ends (2).
   5. Closing the index gives back what this process still has there (``close``): no later
      give-back could, and a process that closes its store and runs on would otherwise block
-     those paths for other processes until it ended (QA). All of them in one write
+     those paths for other processes until it ended. All of them in one write
      transaction first; when that fails, each in a transaction of its own, up to
      ``CLOSE_TRIES`` attempts in all per path, so one path whose give-back keeps failing
-     keeps only itself (QA: the one transaction for all of them was retried, and one failing
-     path kept every other). What still fails is logged as one error naming those paths and
+     keeps only itself (retrying one transaction for all of them, one failing path would
+     keep every other). What still fails is logged as one error naming those paths and
      counting those kept and given back, never raised.
 
 Assumption: every process that opens one data directory runs on one host and in one pid

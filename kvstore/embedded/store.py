@@ -20,33 +20,36 @@ Write path (``put``), in this order, each step for the reason given:
   4. Write every fragment atomically (tmp + fsync + rename + dir fsync) to its
      rendezvous-chosen target; a failing target is replaced by the next best.
      With ``sync_mode`` "fs" the files are written without fsync and made durable
-     together, one syncfs per filesystem, once all are in place (``FragmentIO._sync_after``).
+     together, one syncfs per filesystem, once all are in place (``FragmentWriter.sync_after``).
      A batch (``put_many``, ``pack_batches``) instead writes one pack file per
      target holding that target's fragments of every entry, each published the
      same atomic way, so a batch costs one fsync pair per target, not per fragment.
      Writes that wait (fsync, remote targets) run on threads, per fragment or, in a
      batch, per entry; page-cache writes run inline (``parallel_writes``). With
      ``write_timeout_s`` every write runs on its target's own threads, and one that
-     hangs past it fails as a failing target does (``FragmentIO._run_writes``).
+     hangs past it fails as a failing target does (``FragmentWriter.run_writes``).
   5. Only then commit the index record (LMDB, fsync). A crash before 5 leaves
      orphan fragments that GC sweeps after ``orphan_grace_s``; never an index
      record without its fragments. If another writer committed the same key
      first, our fragments are removed (or stay in the pack until it goes) and
      the put returns ``False``. Files an orphan sweep took meanwhile (any process, any
-     ``orphan_grace_s``) are not indexed (``FragmentIO._check_unswept_txn``): the put writes
+     ``orphan_grace_s``) are not indexed (``FragmentStore.check_unswept_txn``): the put writes
      them again under a new generation, up to ``SWEPT_RETRIES`` times. Files started over
      ``orphan_grace_s / 2`` before the transaction got the writer lock are not indexed
-     either (``FragmentIO._check_in_time``: for sweeps that do not record their decisions);
+     either (``FragmentStore.check_in_time``: for sweeps that do not record their decisions);
      the put raises ``StoreUnavailable``, nothing stored. Before step 3, a put whose index
      filesystem has no room for its spare file is refused (``kvstore.embedded.diskroom``).
   6. Above the capacity high watermark, evict LRU entries down to the low one.
 A direct-writing client of the daemon (``kvstore.client.direct_writes``) does 1-4 itself
 (as a batch: packs) and hands 5-6 to ``commit_written``, which checks its records first.
 
-Read path (``get``): read the k data fragments (in parallel for remote targets), verify each one's
+The steps live in the fragment store (``kvstore.embedded.fragments``): 3-4 in its writer
+(``kvstore.embedded.fragment_writes``), the checks of 5 in ``FragmentStore``; 1-2 and 5-6 here.
+
+Read path (``get``, ``kvstore.embedded.fragment_reads``): read the k data fragments (in parallel for remote targets), verify each one's
 checksum and header against the index; on any failure read parity fragments
 until k are good; decode; verify the entry checksum; return. Local targets first
-try a fast path (``kvstore.embedded.fastread``: ``_read_fast`` / ``_read_scatter``): one open + one
+try a fast path (``kvstore.embedded.fastread``: ``read_fast`` / ``read_scatter``): one open + one
 ``preadv`` per data fragment, headers checked against the index, fragment 0 (which
 holds the entry header; with any other holding part of a small entry's) verified whole,
 and the rest trusted only through the entry checksum over the assembled payload; anything unexpected falls back to the path above. Fewer than k good
@@ -68,20 +71,27 @@ from typing import Any, Callable, Sequence
 
 import lmdb
 
-from kvstore.embedded import codec
 from kvstore.api import (Entry, EntryInfo, EntryKind, Layout, LookupResult, PutItem, check_chain_ends, check_put_items,
                          writable_view)
 from kvstore.config import StoreConfig, load_config
+from kvstore.embedded import stats as store_stats
+from kvstore.embedded.access import AccessTimes
+from kvstore.embedded.calls import CLOSE_WAIT_S, frees_space, in_flight
 from kvstore.embedded.datadir import DataDir, file_url_path
 from kvstore.embedded.diskroom import IndexRoom
-from kvstore.embedded.fragments import (CLOSE_WAIT_S, FilesSwept, FragmentIO, GenerationTaken, IndexFull, WrittenTooLongAgo,
-                               frees_space, in_flight, run_now)
-from kvstore.embedded.packs import PackIO
-from kvstore.executors import DaemonExecutor, shutdown_all
-from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
+from kvstore.embedded.fragment_writes import run_now
+from kvstore.embedded.fragments import FilesSwept, FragmentStore, GenerationTaken, IndexFull, WrittenTooLongAgo
 from kvstore.embedded.index import Meta, ekey, packed_bytes
-from kvstore.keys import check_key, check_keys
+from kvstore.embedded.packs import CommitResult, WrittenEntry
+from kvstore.embedded.parts import Counters, StoreParts
 from kvstore.embedded.tuning import tune_malloc
+from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
+from kvstore.executors import DaemonExecutor, shutdown_all
+from kvstore.keys import check_key, check_keys
+from kvstore.maintenance import check as maintenance_check
+from kvstore.maintenance import eviction
+from kvstore.maintenance import gc as maintenance_gc
+from kvstore.maintenance import reindex
 
 log = logging.getLogger(__name__)
 
@@ -89,52 +99,62 @@ POOL_JOIN_S = 1.0  # close() waits this long for its I/O workers once no call is
 SWEPT_RETRIES = 2  # a put whose files an orphan sweep took before its index commit writes them again this often
 
 
-class EmbeddedStore(DataDir, FragmentIO, PackIO):
-    """In-process implementation of ``kvstore.api.KVStore``. See the module docstring."""
+class EmbeddedStore:
+    """In-process implementation of ``kvstore.api.KVStore``. See the module docstring.
+
+    Its parts, each built once at open: ``datadir`` (marker, index identity, erasure code:
+    ``kvstore.embedded.datadir``), ``index`` (LMDB: ``kvstore.embedded.index``), ``fragments``
+    (fragment and pack files: ``kvstore.embedded.fragments``), ``access`` (batched access
+    times) and ``room`` (the index's spare space); ``parts`` hands them to maintenance and
+    stats. ``config``, ``targets``, ``target_specs``, ``index_id``, ``clock``, ``file_clock``
+    and ``counters`` are the opened directory's, read-only."""
 
     def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.time):
-        self.config = config
         if config.tune_malloc:
             tune_malloc()
         # Files' ages (orphan grace, a written pack's age) are measured on the clock that stamps
-        # their mtimes, this host's, never with clock_offset_s: a skewed store clock made a
-        # sweep take a put in flight for an old orphan (QA).
+        # their mtimes, this host's, never with clock_offset_s: on a skewed store clock a sweep
+        # would take a put in flight for an old orphan.
         self.file_clock = clock
         if config.clock_offset_s:
             base, offset = clock, config.clock_offset_s
             clock = lambda: base() + offset  # noqa: E731 - a skewed node (TTLs, grace periods)
         self.clock = clock
         self.data_dir = Path(config.data_dir).resolve()
+        self.config = config
         self._closed = False
         self._calls = threading.Condition()  # guards _closed, _in_flight and _shut (``in_flight``)
         self._in_flight = 0
         self._shut = False  # the index closed (``_finish_close``)
         self.room = IndexRoom(self.data_dir / "index", config.index_reserve_bytes)
         self.room.release_if_full()
-        fresh = self._open_data_dir(config)
-        config = self.config
+        self.datadir = DataDir(self.data_dir)
+        fresh = self.datadir.open(config)
+        config = self.config = self.datadir.config
+        self.index = self.datadir.index
+        self.index_id = self.datadir.index_id  # this store's identity (a recreated directory has another)
+        self.targets = self.datadir.targets
+        self.target_specs = self.datadir.target_specs
         if not self.room.ensure():
             log.warning("no room for the index's spare file (%d bytes) on a full filesystem: puts are refused "
                         "until deletions or gc free space", config.index_reserve_bytes)
-        self.code = codec.erasure_code(config.ec_k, config.ec_m, config.ec_type)
         # Two pools, so that no task ever waits on a task queued behind it in its own pool:
         # ``_pool`` runs single fragment reads/writes (leaf work); ``_batch_pool`` runs one
         # entry of a batch each, and those submit their fragment I/O to ``_pool``.
         # Daemon threads (``kvstore.executors``): a write stuck on a dead mount never holds up exit.
         self._pool = DaemonExecutor(config.read_workers, "kvstore-io")
         self._batch_pool = DaemonExecutor(config.read_workers, "kvstore-batch")
-        self._tls = threading.local()
-        self._touch_lock = threading.Lock()
-        self._touches: dict[bytes, int] = {}
-        self._last_flush = self.clock()
-        self._evict_lock = threading.Lock()
-        self._counters_lock = threading.Lock()
-        self.counters: dict[str, int] = {
-            "puts": 0, "puts_deduplicated": 0, "gets": 0, "get_misses": 0, "degraded_reads": 0,
-            "unrecoverable": 0, "bytes_in": 0, "bytes_out": 0, "evicted": 0, "fragment_rewrites": 0,
-            "compacted_entries": 0, "read_retries": 0, "read_timeouts": 0, "write_timeouts": 0,
-            "rejected_packs": 0,
-        }
+        self._counters = Counters()
+        self.counters = self._counters.values
+        self.access = AccessTimes(self.index, self.room, self.clock, config.access_flush_s)
+        self.fragments = FragmentStore(config, self.targets, self.target_specs, self.datadir.code, self.index,
+                                       pool=self._pool, batch_pool=self._batch_pool, count=self._counters.add,
+                                       clock=self.clock, file_clock=self.file_clock, now_ns=self.now_ns,
+                                       sync_mode=self.datadir.sync_mode)
+        self.parts = StoreParts(config=config, data_dir=self.data_dir, index=self.index, targets=self.targets,
+                                fragments=self.fragments, access=self.access, counters=self._counters,
+                                room=self.room, pool=self._pool, clock=self.clock, file_clock=self.file_clock,
+                                evict_lock=threading.Lock())
         if not fresh:
             # Asked at once: a remote target that does not answer costs its timeouts once, not per target.
             states = dict(zip(self.targets, self._pool.map(lambda t: t.state(), self.targets.values())))
@@ -150,10 +170,6 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
 
     def now_ns(self) -> int:
         return int(self.clock() * 1e9)
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._counters_lock:
-            self.counters[name] += n
 
     def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
             layout: Layout | None = None, tokens: int = 0) -> bool:
@@ -174,16 +190,18 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         seen: dict[bytes, None] = {}  # the put's entry keys, in its order
         with self.index.env.begin() as txn:
             for i, it in enumerate(items):
-                ek = ekey(EntryKind.parse(it.kind).code, check_key(it.key))
+                kind = EntryKind.parse(it.kind)  # key and kind checked once, here; typed from here on
+                it = items[i] = PutItem(check_key(it.key), it.value, kind, it.ttl_s, it.layout, it.tokens)
+                ek = ekey(kind.code, it.key)
                 if ek in seen:
-                    self._checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
+                    self.fragments.writer.checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
                     continue
                 seen[ek] = None  # what its eviction pass keeps (_index_new)
                 m = self.index.get_meta(txn, ek)
                 if m is not None and not m.expired(now):
-                    self._checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)  # refused all the same
-                    self._touch(ek, now)
-                    self._count("puts_deduplicated")
+                    self.fragments.writer.checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)  # refused all the same
+                    self.access.touch(ek, now)
+                    self._counters.add("puts_deduplicated")
                     continue
                 todo.append(i)
         if todo:
@@ -200,15 +218,16 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                          result: list[bool]) -> list[bool]:
         """Steps 3-6 of ``put_many`` for ``items[i]`` of each ``i`` in ``todo``, filling ``result``.
         ``FilesSwept`` (nothing indexed, the files written removed) when an orphan sweep took one
-        of them before the index commit (``FragmentIO._check_unswept_txn``)."""
+        of them before the index commit (``FragmentStore.check_unswept_txn``)."""
+        writer = self.fragments.writer
         with self.index.env.begin() as txn:  # before the first file: see kvstore.maintenance.orphans
             since = self.index.sweep_decisions(txn)
         # 3-4: fragments durable first. A batch (``pack_batches``) is encoded whole under one
-        # generation and published as one pack file per target (``_write_pack``); if that
+        # generation and published as one pack file per target (``FragmentWriter.write_pack``); if that
         # fails, or for a single put, fragment by fragment: where writes wait (see
-        # ``_fan_out_writes``) each item's writes start on a thread as soon as it is encoded,
+        # ``FragmentWriter.fan_out_writes``) each item's writes start on a thread as soon as it is encoded,
         # so encoding the next overlaps them; otherwise they run inline. A bad item raises
-        # out of ``_encode`` and the cleanup below removes what earlier items wrote.
+        # out of ``FragmentWriter.encode`` and the cleanup below removes what earlier items wrote.
         encs: dict[int, Any] = {}
         placed: dict[int, tuple[str, ...]] = {}
         offsets: dict[int, tuple[int, ...]] = {}
@@ -216,16 +235,17 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         batch = len(todo) > 1
         started = self.clock()  # the files written from here on are at most this old at commit
         if batch and self.config.pack_batches:
-            self._put_packs(items, todo, encs, placed, offsets)
-        submit = self._batch_pool.submit if batch and self._fan_out_writes(self.targets, in_batch=False) else run_now
+            writer.put_packs(items, todo, encs, placed, offsets)
+        fan_out = batch and writer.fan_out_writes(self.targets, in_batch=False)
+        submit = self._batch_pool.submit if fan_out else run_now
         try:
             for i in todo:
                 if i in placed:
                     continue
                 it = items[i]
                 if i not in encs:
-                    encs[i] = self._encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
-                futs[i] = submit(self._write_fragments, encs[i], in_batch=batch)
+                    encs[i] = writer.encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
+                futs[i] = submit(writer.write_fragments, encs[i], in_batch=batch)
             for i in futs:
                 placed[i] = futs[i].result()
         except BaseException:
@@ -236,29 +256,29 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                     except BaseException:
                         continue
             for i, names in placed.items():
-                self._discard(encs[i], dict(enumerate(names)))
+                writer.discard(encs[i], dict(enumerate(names)))
             raise
         # 5-6: one index transaction for the batch; then capacity. Inside it, files an orphan
-        # sweep took since ``since`` was read are not indexed (``_check_unswept_txn``), nor
-        # files a write took over half of orphan_grace_s to reach it with (``_check_in_time``:
+        # sweep took since ``since`` was read are not indexed (``FragmentStore.check_unswept_txn``), nor
+        # files a write took over half of orphan_grace_s to reach it with (``FragmentStore.check_in_time``:
         # for sweeps of versions that do not record their decisions in the index).
         order = list(encs)
         try:
             created = self._index_new([(encs[i].ek, replace(encs[i].meta_base, targets=placed[i],
                                                              offsets=offsets.get(i, ()))) for i in order], now,
                                       written_at=(started, f"writing {len(encs)} entries"), put_keys=put_keys,
-                                      unswept=(since, self._paths_of(encs, placed, offsets)))
+                                      unswept=(since, self.fragments.paths_of(encs, placed, offsets)))
         except (WrittenTooLongAgo, FilesSwept, IndexFull):
-            self._discard_unused_packs(encs, placed, offsets, result)
+            writer.discard_unused_packs(encs, placed, offsets, result)
             for i, names in placed.items():
                 if i not in offsets:
-                    self._discard(encs[i], dict(enumerate(names)))
+                    writer.discard(encs[i], dict(enumerate(names)))
             raise
         for i, c in zip(order, created):
             result[i] = c
             if not c and i not in offsets:  # a concurrent writer won; a loser's share of a pack goes with the pack
-                self._discard(encs[i], dict(enumerate(placed[i])))
-        self._discard_unused_packs(encs, placed, offsets, result)
+                writer.discard(encs[i], dict(enumerate(placed[i])))
+        writer.discard_unused_packs(encs, placed, offsets, result)
         return result
 
     def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int,
@@ -276,15 +296,15 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         before any work included (default: the records'), which its eviction pass keeps.
         ``unswept`` (the sweep count read before the first file was written, and the files'
         ``(target, rel)``): ``FilesSwept`` (nothing indexed) when an orphan sweep took one of
-        them (``FragmentIO._check_unswept_txn``). ``IndexFull`` (nothing indexed) when the
+        them (``FragmentStore.check_unswept_txn``). ``IndexFull`` (nothing indexed) when the
         index's filesystem has no room for the commit (``kvstore.embedded.diskroom``)."""
         created: list[bool] = []
         try:
             with self.index.env.begin(write=True) as txn:
                 if written_at is not None:
-                    self._check_in_time(*written_at)
+                    self.fragments.check_in_time(*written_at)
                 if unswept is not None:
-                    self._check_unswept_txn(txn, *unswept)
+                    self.fragments.check_unswept_txn(txn, *unswept)
                 taken = [g for g in fresh_gens if self.index.pack_info(txn, g) is not None]
                 if taken:
                     raise GenerationTaken(taken)
@@ -304,35 +324,71 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                 for (ek, meta), c in zip(records, created):
                     if not c and meta.offsets:
                         self.index.pack_dead_txn(txn, meta.gen, packed_bytes(meta))
-                self._flush_touches_txn(txn)
+                self.access.flush_txn(txn)
         except lmdb.Error as exc:  # nothing indexed: the caller removes the files
             if self.room.no_space(exc):
                 raise IndexFull(str(self.room.full_error(exc, f"indexing {len(records)} entries"))) from exc
             raise
         n_new = sum(created)
-        self._count("puts", n_new)
-        self._count("bytes_in", sum(m.plain_len for (_, m), c in zip(records, created) if c))
+        self._counters.add("puts", n_new)
+        self._counters.add("bytes_in", sum(m.plain_len for (_, m), c in zip(records, created) if c))
         if n_new and self.config.capacity_bytes:
-            from kvstore.maintenance.passes import evict_after_put
-
-            evict_after_put(self, [ek for ek, _ in records] if put_keys is None else put_keys)
+            eviction.evict_after_put(self.parts, [ek for ek, _ in records] if put_keys is None else put_keys)
         return created
 
-    def _mark_lost(self, ek: bytes, meta: Meta) -> None:
-        """Move a record whose fragments are gone to ``lost`` (lookup stops offering it).
-        Never for a record naming targets this store was not opened with: that is a
-        configuration to correct, and marking would hide intact entries until a repair."""
-        unknown = sorted(set(meta.targets) - set(self.targets))
-        if unknown:
-            log.error("entry %s names targets %s that this store was not opened with: not marked lost",
-                      ek[1:].hex(), ", ".join(unknown))
-            return
-        self._count("unrecoverable")
-        with self.index.env.begin(write=True) as txn:
-            cur = self.index.get_meta(txn, ek)
-            if cur is not None and cur.gen == meta.gen:
-                self.index.mark_lost_txn(txn, ek, cur)
-        log.error("entry %s marked lost", ek[1:].hex())
+    @in_flight
+    def commit_written(self, entries: Sequence[WrittenEntry], *, shown: Sequence[bytes] = ()) -> CommitResult:
+        """Index entries a client wrote into pack files itself (the daemon's ``Commit``;
+        ``kvstore.client.direct_writes``): steps 5-6 of a put, after checking what the index will
+        rely on. Per entry, ``created`` is ``False`` where a live entry of the key already
+        exists (its bytes stay in the pack: the writer removes a pack none of whose entries
+        was indexed) or where its pack was rejected.
+
+        Checked first, all or nothing (``InvalidRequest``, nothing indexed), what only a
+        wrong or malicious writer sends: the erasure code is this store's; the targets are
+        k+m distinct known ones; sizes are consistent. Then per pack: it is new to the index
+        (a generation names one batch; another writer may have claimed it first), and on
+        every target it is present, exactly as long as the fragments placed in it (no bytes
+        kept alive that no record counts or quota charges), and written less than half of
+        ``orphan_grace_s`` ago (for sweeps of versions that do not record their decisions);
+        and inside the index transaction, no orphan sweep has taken it (``FragmentStore.check_unswept_txn``:
+        no hold on its path; and, if a sweep decided since the stats, still there). If any pack
+        fails, or the index's write lock came too late for the oldest (``FragmentStore.check_in_time``), or a
+        sweep took one (``FilesSwept``), every pack is ``rejected`` (generation
+        -> why) and nothing indexed: a commit is all or nothing, as ``put_many``, and the
+        writer puts the whole batch another way. The bytes themselves are not read: every
+        read checks each fragment's checksum and header (key, generation, index) against the
+        record, so a wrong byte is never returned. ``shown``: the keys as the caller sent them,
+        one per entry, which the messages name (default: the stored keys).
+        """
+        self._check_open()
+        if not entries:
+            return CommitResult([], {})
+        now = self.now_ns()
+        found = self.fragments.check_written(entries, shown, now)
+        rejected = dict(found.rejected)
+        records = found.records
+        keep = [j for j, e in enumerate(entries) if e.gen not in rejected]
+        try:
+            # The generations again, inside the index transaction: two commits naming one new
+            # generation both pass the read above; only the first to take the lock indexes.
+            made = self._index_new([records[j] for j in keep], now,
+                                   written_at=(found.written_at, "committing written packs"),
+                                   fresh_gens=sorted({entries[j].gen for j in keep}),
+                                   unswept=(found.since, found.unswept))
+        except (WrittenTooLongAgo, GenerationTaken, FilesSwept, IndexFull) as exc:  # all rejected, as above
+            rejected.update({entries[j].gen: str(exc) for j in keep})
+            keep, made = [], []
+        created = [False] * len(entries)
+        for j, c in zip(keep, made):
+            created[j] = c
+            if not c:  # a re-put of a live key: refresh it, as put does
+                self.access.touch(records[j][0], now)
+                self._counters.add("puts_deduplicated")
+        self._counters.add("rejected_packs", len(rejected))
+        for why in rejected.values():
+            log.warning("commit: %s; its entries are not indexed", why)
+        return CommitResult(created, rejected)
 
     def _live_meta(self, ek: bytes, now: int) -> Meta | None:
         with self.index.env.begin() as txn:
@@ -348,9 +404,9 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         ek = ekey(k.code, check_key(key))
         now = self.now_ns()
         meta = self._live_meta(ek, now)
-        self._count("gets")
+        self._counters.add("gets")
         if meta is None:
-            self._count("get_misses")
+            self._counters.add("get_misses")
             with self.index.env.begin() as txn:
                 lost = self.index.get_lost(txn, ek)
             if lost is not None and not lost.expired(now):  # a retry is told what the first read was
@@ -359,9 +415,9 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                                     "verify names the failed ones, kvtool repair rebuilds it once they are back",
                                     key=ek[1:])
             raise NotFound(f"no {k.value} entry for key {ek[1:].hex()}")
-        h, plain = self._read_verified(ek, meta)
-        self._count("bytes_out", len(plain))
-        self._touch(ek, now)
+        h, plain = self.fragments.reader.read_verified(ek, meta)
+        self._counters.add("bytes_out", len(plain))
+        self.access.touch(ek, now)
         return Entry(ek[1:], k, h.layout, h.tokens, plain)
 
     def get(self, key: bytes, *, kind: str = "block") -> bytes:
@@ -382,24 +438,24 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
         now = self.now_ns()
         with self.index.env.begin() as txn:
             metas = [self.index.get_meta(txn, ek) for ek in eks]
-        self._count("gets", len(eks))
+        self._counters.add("gets", len(eks))
 
         def one(i: int) -> Entry | None:
             m = metas[i]
             if m is None or m.expired(now):
-                self._count("get_misses")
+                self._counters.add("get_misses")
                 return None
             try:
-                h, plain = self._read_verified(eks[i], m)
+                h, plain = self.fragments.reader.read_verified(eks[i], m)
             except (Unrecoverable, StoreUnavailable) as exc:  # lost, or unreadable for now: a miss
                 log.error("get_many: %s", exc)
                 return None
-            self._count("bytes_out", len(plain))
-            self._touch(eks[i], now)
+            self._counters.add("bytes_out", len(plain))
+            self.access.touch(eks[i], now)
             return Entry(eks[i][1:], k, h.layout, h.tokens, plain)
 
         live = [m for m in metas if m is not None]
-        if len(eks) == 1 or not any(self._parallel(m) for m in live):
+        if len(eks) == 1 or not any(self.fragments.reader.parallel(m) for m in live):
             # Local targets: a plain loop beats the thread hand-off (tools/bench_store.py).
             return [one(i) for i in range(len(eks))]
         return list(self._batch_pool.map(one, range(len(eks))))
@@ -418,7 +474,7 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
             if m is None or m.expired(now):
                 out.append(None)
                 continue
-            self._touch(ek, now)  # a located entry is about to be read: a use, as a get is
+            self.access.touch(ek, now)  # a located entry is about to be read: a use, as a get is
             out.append(m)
         return out
 
@@ -450,58 +506,32 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                     f"outs[{i}] holds {len(views[i])} bytes but the {k.value} entry {eks[i][1:].hex()} "
                     f"has {m.plain_len}; size the buffers from the entry layout"
                 )
-        self._count("gets", len(eks))
+        self._counters.add("gets", len(eks))
 
         def one(i: int) -> EntryInfo | None:
             m = metas[i]
             if m is None:  # absent or expired (above)
-                self._count("get_misses")
+                self._counters.add("get_misses")
                 return None
             try:
-                h, _ = self._read_verified(eks[i], m, views[i])
+                h, _ = self.fragments.reader.read_verified(eks[i], m, views[i])
             except (Unrecoverable, StoreUnavailable) as exc:  # lost, or unreadable for now: a miss
                 log.error("get_many_into: %s", exc)
                 return None
-            self._count("bytes_out", h.plain_len)
-            self._touch(eks[i], now)
+            self._counters.add("bytes_out", h.plain_len)
+            self.access.touch(eks[i], now)
             return EntryInfo(eks[i][1:], k, h.plain_len, h.layout, h.tokens)
 
         live = [m for m in metas if m is not None]
-        if len(eks) == 1 or not any(self._parallel(m) for m in live):
+        if len(eks) == 1 or not any(self.fragments.reader.parallel(m) for m in live):
             return [one(i) for i in range(len(eks))]  # local targets: as in get_entries
         return list(self._batch_pool.map(one, range(len(eks))))
 
     # ------------------------------------------------------------------ access times (approximate LRU)
-    def _touch(self, ek: bytes, now: int) -> None:
-        with self._touch_lock:
-            self._touches[ek] = now
-            due = self.clock() - self._last_flush >= self.config.access_flush_s
-        if due:  # on whatever thread reads (a batch worker too): not a public call of its own
-            self._flush_touches_or_drop()
-
-    def _flush_touches_or_drop(self) -> None:
-        """Write the batched access times; on a full index filesystem they are dropped and
-        logged instead (access times are approximate: a read or a close never fails for them)."""
-        try:
-            with self.index.env.begin(write=True) as txn:
-                self._flush_touches_txn(txn)
-        except lmdb.Error as exc:
-            if not self.room.no_space(exc):
-                raise
-            log.warning("access times not written, the index's filesystem is full: %s", exc)
-
-    def _flush_touches_txn(self, txn) -> None:
-        with self._touch_lock:
-            pending, self._touches = self._touches, {}
-            self._last_flush = self.clock()
-        for ek, ts in pending.items():
-            self.index.touch_txn(txn, ek, ts)
-
     @in_flight
     def flush_touches(self) -> None:
         """Write batched access times to the LRU ordering (one transaction)."""
-        with self.index.env.begin(write=True) as txn:
-            self._flush_touches_txn(txn)
+        self.access.flush()
 
     # ------------------------------------------------------------------ delete, pin
     @in_flight
@@ -573,50 +603,38 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
     @in_flight
     @frees_space
     def evict_to(self, goal_bytes: int, *, dry_run: bool = False) -> int:
-        """Evict until at most ``goal_bytes`` are used (``kvstore.maintenance.passes.evict``: lost
+        """Evict until at most ``goal_bytes`` are used (``kvstore.maintenance.eviction.evict``: lost
         entries first, then least recently used; never pinned ones). Returns the count."""
-        from kvstore.maintenance.passes import evict
-
-        return evict(self, goal_bytes, dry_run=dry_run)
+        return eviction.evict(self.parts, goal_bytes, dry_run=dry_run)
 
     # ------------------------------------------------------------------ maintenance, stats
     @in_flight
     @frees_space
     def gc(self, *, dry_run: bool = False, orphans: bool = True, progress: Callable | None = None) -> dict:
-        from kvstore.maintenance.passes import run_gc
-
         self._check_open()
-        return run_gc(self, dry_run=dry_run, sweep_orphans=orphans, progress=progress)
+        return maintenance_gc.run_gc(self.parts, dry_run=dry_run, sweep_orphans=orphans, progress=progress)
 
     @in_flight
     def check(self, fix: bool = False, *, progress: Callable | None = None) -> list:
-        from kvstore.maintenance.passes import check
-
         self._check_open()
-        return check(self, fix=fix, progress=progress)
+        return maintenance_check.check(self.parts, fix=fix, progress=progress)
 
     @in_flight
     def repair(self, *, progress: Callable | None = None) -> dict:
-        from kvstore.maintenance.passes import repair
-
         self._check_open()
-        return repair(self, progress=progress)
+        return maintenance_check.repair(self.parts, progress=progress)
 
     @in_flight
     def rebuild_index(self, *, progress: Callable | None = None) -> dict:
         """Index the entries found on the targets that the index does not know
         (``kvstore.maintenance.reindex.reindex_store``: an index restored from an older copy)."""
-        from kvstore.maintenance.reindex import reindex_store
-
         self._check_open()
-        return reindex_store(self, progress=progress)
+        return reindex.reindex_store(self.parts, progress=progress)
 
     @in_flight
     def stats(self) -> dict:
-        from kvstore.embedded.stats import stats
-
         self._check_open()
-        return stats(self)
+        return store_stats.stats(self.parts)
 
     def close(self, *, wait_s: float = CLOSE_WAIT_S) -> None:
         """Refuse new calls, wait up to ``wait_s`` for those in flight, write the batched
@@ -639,10 +657,10 @@ class EmbeddedStore(DataDir, FragmentIO, PackIO):
                 return
             self._shut = True
         try:
-            self._flush_touches_or_drop()
+            self.access.flush_or_drop()
         finally:
             # A read abandoned at read_timeout_s may still hold a worker: not waited for past a bound.
-            shutdown_all([self._batch_pool, self._pool, *self._target_pools_all()], wait=not deferred,
+            shutdown_all([self._batch_pool, self._pool, *self.fragments.pools.all()], wait=not deferred,
                          timeout_s=POOL_JOIN_S)
             self.index.close()
 

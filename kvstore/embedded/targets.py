@@ -44,6 +44,7 @@ from kvstore.api import EntryKind
 from kvstore.config import TargetSpec, localhost_file_url, split_userinfo
 from kvstore.embedded.durability import fsync_dir
 from kvstore.errors import InvalidRequest
+from kvstore.executors import DaemonExecutor
 from kvstore.keys import KEY_LEN
 
 
@@ -55,9 +56,9 @@ class TargetUnreachable(TargetUnavailable):
     """A remote target could not be *asked*: connection refused or timed out, access denied
     (a wrong credential), the service failing or throttling. Nothing is known about its
     data, so this is never a reason to call a fragment missing or an entry lost: a read
-    short of k fragments because of it is ``StoreUnavailable`` (``kvstore.embedded.fragments``), and
+    short of k fragments because of it is ``StoreUnavailable`` (``kvstore.embedded.fragment_reads``), and
     ``check``/``verify`` report the target down without marking entries lost
-    (``kvstore.maintenance.passes``). A missing object or bucket is ``FileNotFoundError`` instead:
+    (``kvstore.maintenance.check``). A missing object or bucket is ``FileNotFoundError`` instead:
     that is an answer."""
 
 
@@ -83,8 +84,9 @@ def _is_unreachable(exc: BaseException) -> bool:
 
 
 # After a target could not be asked, it is not asked again for this long, or twice what the
-# failed call took (up to the max: a hung endpoint costs ~45 s a probe; QA: with a fixed 5 s
-# nearly every get paid it again): each operation fails at once with ``TargetUnreachable``.
+# failed call took (up to the max: a probe of a hung endpoint costs its whole client timeout, so
+# a fixed short pause would have nearly every get pay it again): each operation fails at once
+# with ``TargetUnreachable``.
 UNREACHABLE_COOLDOWN_S, UNREACHABLE_COOLDOWN_MAX_S = 5.0, 300.0
 
 
@@ -123,7 +125,7 @@ STALLED_READS_LIMIT = 2
 # bounded time (by default botocore waits 60 s per read, up to 5 attempts, inside s3fs's own 5
 # tries: about 300 s for an endpoint that accepts and never answers): connect within 5 s, no
 # byte for TARGET_TIMEOUT_S fails a read, 3 attempts in all, s3fs adding none. Passed to fsspec
-# per URL scheme; with the breaker above, an outage costs ~45 s once per target and interval.
+# per URL scheme; with the breaker above, an outage costs one client timeout per target and interval.
 TARGET_TIMEOUT_S = 10.0
 _S3_CLIENT = {"config_kwargs": {"connect_timeout": 5, "read_timeout": TARGET_TIMEOUT_S,
                                 "retries": {"max_attempts": 3, "mode": "standard"}}}
@@ -166,7 +168,7 @@ def fragment_prefix(kind_code: int, key: bytes, gen: bytes) -> str:
 def parse_fragment_path(rel: str) -> tuple[int, bytes, bytes, int] | None:
     """Inverse of ``fragment_path``; ``None`` for any other name, one spelled another way
     included (kind, key or generation length, fan-out directory, hex case): the sweep deletes
-    only what a store writes (QA: it deleted ``1/zz/abcd.ef.2``; ``300/...`` stopped it)."""
+    only what a store writes (not ``1/zz/abcd.ef.2``, nor anything under ``300/``)."""
     parts = rel.replace("\\", "/").split("/")
     name = parts[-1].split(".")
     try:
@@ -259,7 +261,7 @@ class Target:
     def writes_stalled(self) -> str:
         """Why this target is not to be asked for more writes now ("": ask it): a write of it ran
         past ``write_timeout_s`` and still runs (a hung mount or endpoint would hold every new
-        write for the whole timeout too; ``FragmentIO._run_writes``)."""
+        write for the whole timeout too; ``FragmentWriter.run_writes``)."""
         n = self._writes_stalled
         return f"target {self.name} not asked: {n} writes of it still run past write_timeout_s" if n else ""
 
@@ -377,7 +379,7 @@ class ObjectTarget(Target):
         where = self.root.split("/", 1)[0] if self.spec.url.startswith(("s3", "gs")) else self.root
         try:
             # Asked of the store, not of fsspec's listing cache: a bucket deleted since a walk
-            # or listing still answered from the cache, so stats showed a gone target up (QA).
+            # or listing would still answer from the cache, and stats show a gone target up.
             self.fs.invalidate_cache(where)
             self.fs.ls(where)
             return True
@@ -555,6 +557,31 @@ TARGET_TYPES: dict[str, type[Target]] = {
     "gcs": ObjectTarget,
     "memory": ObjectTarget,
 }
+
+
+class TargetPools:
+    """Per-target thread pools, a bulkhead: one pool per (target, op), ``workers`` threads each,
+    started on demand, so that I/O stuck on one target cannot hold the threads the others'
+    need. ``op`` "read" runs a read path's fragment reads, "write" its writes under
+    ``write_timeout_s``. Shared by a store's fragment reader and writer; stopped with
+    ``all()`` by whoever owns it."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._lock = threading.Lock()
+        self._pools: dict[tuple[str, str], DaemonExecutor] = {}
+
+    def get(self, name: str, op: str = "read") -> DaemonExecutor:
+        pool = self._pools.get((name, op))
+        if pool is None:
+            with self._lock:
+                pool = self._pools.get((name, op))
+                if pool is None:
+                    pool = self._pools[name, op] = DaemonExecutor(self.workers, f"kvstore-{op}-{name}")
+        return pool
+
+    def all(self) -> list[DaemonExecutor]:
+        return list(self._pools.values())
 
 
 def open_target(spec: TargetSpec) -> Target:

@@ -4,8 +4,8 @@ Why: every put and get allocates buffers of 128 KiB and more (erasure-coded
 fragments, fragment reads, assembled payloads). By default glibc serves those
 with a fresh ``mmap`` each (``M_MMAP_THRESHOLD``, which starts at 128 KiB) and
 hands freed heap tops back to the kernel (``M_TRIM_THRESHOLD``), so each buffer
-is page-faulted in again, page by page. Measured on the 2-core CI-like VM, EC
-4+2 encode through ``kvstore.embedded.codec``: 1 MiB 2.07 -> 0.38 ms, 4 MiB 12.0 -> 2.9 ms.
+is page-faulted in again, page by page; an erasure-coded encode of a large entry
+through ``kvstore.embedded.codec`` then spends most of its time in page faults.
 
 What: ``mallopt(M_MMAP_THRESHOLD, 32 MiB)`` and ``mallopt(M_TRIM_THRESHOLD,
 256 MiB)``. The cost: the process keeps up to 256 MiB of freed heap for reuse

@@ -1,6 +1,6 @@
-"""Read-only planning for a GC pass: what steps 2-5 of ``kvstore.maintenance.passes.run_gc`` would do.
+"""Read-only planning for a GC pass: what steps 2-5 of ``kvstore.maintenance.gc.run_gc`` would do.
 
-Called by ``run_gc`` only. A dry run (``run_gc(dry_run=True)``) is built entirely from
+Used by ``run_gc`` and by a dry-run eviction (``kvstore.maintenance.eviction.evict``). A dry run (``run_gc(dry_run=True)``) is built entirely from
 these functions; the real pass uses ``expired_lost``, ``grave_key`` and ``due_graves``
 too, so both read the same records. Every function here opens read transactions only and
 changes nothing, not even the batched access times (``pending_touches`` copies them).
@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from typing import TYPE_CHECKING, Collection, Sequence
+from typing import Collection, Sequence
 
 from kvstore.errors import CapacityExceeded
 from kvstore.embedded.index import STANDALONE, Meta, packed_bytes
 from kvstore.embedded.targets import fragment_path
 
-if TYPE_CHECKING:
-    from kvstore.embedded.store import EmbeddedStore
+from kvstore.embedded.parts import StoreParts
 
 # One graveyard record due for purging: (deleted_ns, ek || gen, its Meta).
 DueGrave = tuple[int, bytes, Meta]
@@ -49,42 +48,41 @@ def grave_key(t: int, rest: bytes) -> bytes:
     return t.to_bytes(8, "big") + rest
 
 
-def expired_lost(store: "EmbeddedStore", txn, now: int) -> list[tuple[bytes, Meta]]:
+def expired_lost(parts: StoreParts, txn, now: int) -> list[tuple[bytes, Meta]]:
     """The lost records whose TTL passed by ``now`` (lost records have no ``ttl`` ordering
     entry; they are few, so step 2 reads them all)."""
-    return [(ek, m) for ek, m in store.index.lost_records(txn) if m.expired(now)]
+    return [(ek, m) for ek, m in parts.index.lost_records(txn) if m.expired(now)]
 
 
-def count_expired(store: "EmbeddedStore", now: int) -> int:
+def count_expired(parts: StoreParts, now: int) -> int:
     """How many entries step 2 will remove at ``now`` (its progress total): one read
     transaction walking the ``ttl`` keys up to ``now`` (keys only, no record read)."""
-    with store.index.env.begin() as txn:
-        return len(expired_lost(store, txn, now)) + sum(1 for _ in store.index.oldest(txn, "ttl", before_ns=now + 1))
+    with parts.index.env.begin() as txn:
+        return len(expired_lost(parts, txn, now)) + sum(1 for _ in parts.index.oldest(txn, "ttl", before_ns=now + 1))
 
 
-def plan_expiry(store: "EmbeddedStore", now: int) -> dict[bytes, int]:
+def plan_expiry(parts: StoreParts, now: int) -> dict[bytes, int]:
     """Dry run of step 2: entry key -> stored bytes of every entry ``_remove_expired(now)``
     would remove. One read transaction over the ``ttl`` ordering up to ``now``; changes nothing.
     (Deleting nothing, it cannot page in batches as the real pass does: it walks once.)"""
     out: dict[bytes, int] = {}
-    with store.index.env.begin() as txn:
-        out.update((ek, m.stored_bytes) for ek, m in expired_lost(store, txn, now))
-        for _t, ek in store.index.oldest(txn, "ttl", before_ns=now + 1):
-            m = store.index.get_meta(txn, ek)
+    with parts.index.env.begin() as txn:
+        out.update((ek, m.stored_bytes) for ek, m in expired_lost(parts, txn, now))
+        for _t, ek in parts.index.oldest(txn, "ttl", before_ns=now + 1):
+            m = parts.index.get_meta(txn, ek)
             if m is not None:
                 out[bytes(ek)] = m.stored_bytes
     return out
 
 
-def pending_touches(store: "EmbeddedStore") -> dict[bytes, int]:
+def pending_touches(parts: StoreParts) -> dict[bytes, int]:
     """A copy of the access times the store batches in memory (step 1 writes them). Read
     under the store's own lock, not flushed: a dry run writes nothing, yet must order the
     LRU walk as the real pass will."""
-    with store._touch_lock:
-        return dict(store._touches)
+    return parts.access.pending()
 
 
-def plan_eviction(store: "EmbeddedStore", used: int, goal: int,
+def plan_eviction(parts: StoreParts, used: int, goal: int,
                   gone: Collection[bytes]) -> tuple[int, int, set[bytes]]:
     """Dry run of step 3: (entries, stored bytes, their entry keys) that
     ``EmbeddedStore.evict_to(goal)`` would evict when ``used`` bytes are stored and the
@@ -97,11 +95,11 @@ def plan_eviction(store: "EmbeddedStore", used: int, goal: int,
     until ``used`` would be at most ``goal``. Raises ``CapacityExceeded``, as the real pass
     would, when the ordering runs out first. One read transaction; bounded by the ordering.
     """
-    pending = pending_touches(store)
+    pending = pending_touches(parts)
     n = nbytes = 0
     taken: set[bytes] = set()
-    with store.index.env.begin() as txn:
-        for _a, ek, m in sorted((m.access_ns, ek, m) for ek, m in store.index.lost_records(txn)
+    with parts.index.env.begin() as txn:
+        for _a, ek, m in sorted((m.access_ns, ek, m) for ek, m in parts.index.lost_records(txn)
                                 if not m.pinned and ek not in gone):  # lost entries go first
             if used - nbytes <= goal:
                 return n, nbytes, taken
@@ -110,12 +108,12 @@ def plan_eviction(store: "EmbeddedStore", used: int, goal: int,
             taken.add(ek)
         moved: list[tuple[int, bytes]] = []  # (new access time, ek): where step 1 will put them
         for ek, ts in pending.items():
-            m = store.index.get_meta(txn, ek)
+            m = parts.index.get_meta(txn, ek)
             if m is not None and not m.pinned and ts > m.access_ns:  # Index.touch_txn's rule
                 moved.append((ts, bytes(ek)))
         moved.sort()
         moved_keys = {ek for _, ek in moved}
-        stored = ((t, bytes(ek)) for t, ek in store.index.oldest(txn, "lru"))
+        stored = ((t, bytes(ek)) for t, ek in parts.index.oldest(txn, "lru"))
         # Both streams are sorted by (time, ek), the ``lru`` ordering's own key order.
         order = heapq.merge((x for x in stored if x[1] not in moved_keys), moved)
         for _t, ek in order:
@@ -123,7 +121,7 @@ def plan_eviction(store: "EmbeddedStore", used: int, goal: int,
                 return n, nbytes, taken
             if ek in gone:
                 continue
-            m = store.index.get_meta(txn, ek)
+            m = parts.index.get_meta(txn, ek)
             if m is None:
                 continue
             n += 1
@@ -136,25 +134,25 @@ def plan_eviction(store: "EmbeddedStore", used: int, goal: int,
         f"goal {goal}, and everything left is pinned; unpin entries or raise capacity_bytes")
 
 
-def due_graves(store: "EmbeddedStore", now: int) -> list[DueGrave]:
+def due_graves(parts: StoreParts, now: int) -> list[DueGrave]:
     """The graveyard records step 4 purges at ``now``: removed at least ``delete_grace_s``
     ago, oldest first. One read transaction."""
-    cutoff = now - int(store.config.delete_grace_s * 1e9)
-    with store.index.env.begin() as txn:
-        return [(t, bytes(rest), store.index.unpack(txn, txn.get(grave_key(t, rest), db=store.index.db["grave"])))
-                for t, rest in store.index.oldest(txn, "grave", before_ns=cutoff + 1)]
+    cutoff = now - int(parts.config.delete_grace_s * 1e9)
+    with parts.index.env.begin() as txn:
+        return [(t, bytes(rest), parts.index.unpack(txn, txn.get(grave_key(t, rest), db=parts.index.db["grave"])))
+                for t, rest in parts.index.oldest(txn, "grave", before_ns=cutoff + 1)]
 
 
-def removed_graves(store: "EmbeddedStore", removed: Collection[bytes], stamp: int, now: int) -> list[DueGrave]:
+def removed_graves(parts: StoreParts, removed: Collection[bytes], stamp: int, now: int) -> list[DueGrave]:
     """The graveyard records steps 2-3 will add for the entry keys ``removed``, stamped
     ``stamp``, when step 4 at ``now`` will purge them too (``stamp <= now - delete_grace_s``;
     module docstring); otherwise none. One read transaction."""
-    if not removed or stamp > now - int(store.config.delete_grace_s * 1e9):
+    if not removed or stamp > now - int(parts.config.delete_grace_s * 1e9):
         return []
     out = []
-    with store.index.env.begin() as txn:
+    with parts.index.env.begin() as txn:
         for ek in removed:
-            m = store.index.get_meta(txn, ek) or store.index.get_lost(txn, ek)
+            m = parts.index.get_meta(txn, ek) or parts.index.get_lost(txn, ek)
             if m is not None:
                 out.append((stamp, bytes(ek) + m.gen, m))
     return out
@@ -186,20 +184,20 @@ def _pack_effects(due: Sequence[DueGrave]) -> tuple[Counter, Counter]:
     return refs, dead
 
 
-def plan_purge(store: "EmbeddedStore", due: Sequence[DueGrave]) -> int:
+def plan_purge(parts: StoreParts, due: Sequence[DueGrave]) -> int:
     """Dry run of step 4: the bytes purging ``due`` frees (each record's own fragment files,
     and each pack all of whose records are due)."""
     nbytes = sum(m.stored_bytes - packed_bytes(m) for _, _, m in due)
     refs, _dead = _pack_effects(due)
-    with store.index.env.begin() as txn:
+    with parts.index.env.begin() as txn:
         for gen, n in refs.items():
-            info = store.index.pack_info(txn, gen)
+            info = parts.index.pack_info(txn, gen)
             if info is not None and info[0] == n:
                 nbytes += info[1]
     return nbytes
 
 
-def plan_compaction(store: "EmbeddedStore", due: Sequence[DueGrave], gone: Collection[bytes],
+def plan_compaction(parts: StoreParts, due: Sequence[DueGrave], gone: Collection[bytes],
                     limit: int) -> tuple[int, int]:
     """Dry run of step 5 after step 4 purged ``due`` and steps 2-3 removed the entries in
     ``gone``: (packs, entries moved out), as ``_compact_packs(limit)`` would report them.
@@ -211,23 +209,23 @@ def plan_compaction(store: "EmbeddedStore", due: Sequence[DueGrave], gone: Colle
     first ``limit`` queued generations in key order; each moves its live records still in
     that pack."""
     refs_drop, dead_add = _pack_effects(due)
-    with store.index.env.begin() as txn:
-        queued = {bytes(g) for g, _ in store.index.iter_db(txn, "compact")}
+    with parts.index.env.begin() as txn:
+        queued = {bytes(g) for g, _ in parts.index.iter_db(txn, "compact")}
         for gen, n in refs_drop.items():
-            info = store.index.pack_info(txn, gen)
+            info = parts.index.pack_info(txn, gen)
             if info is None:
                 continue
             refs, nbytes, dead = info
             if refs <= n:
                 queued.discard(gen)  # the pack goes with its last record
-            elif dead_add[gen] and dead + dead_add[gen] >= store.index.compact_ratio * nbytes:
+            elif dead_add[gen] and dead + dead_add[gen] >= parts.index.compact_ratio * nbytes:
                 queued.add(gen)
         chosen = sorted(queued)[:limit]  # LMDB orders keys bytewise, as ``sorted`` orders bytes
         moved = 0
         for gen in chosen:
-            for ek in store.index.pack_members(txn, gen):
+            for ek in parts.index.pack_members(txn, gen):
                 if ek in gone:
                     continue
-                m = store.index.get_meta(txn, ek)
+                m = parts.index.get_meta(txn, ek)
                 moved += m is not None and m.gen == gen
     return len(chosen), moved

@@ -1,14 +1,14 @@
 """Rebuilding the bad fragments of one record, and recording what was rebuilt (``repair``).
 
-Called by ``kvstore.maintenance.passes.check`` (``fix=True``), which keeps the rest of a repair pass:
+Called by ``kvstore.maintenance.check`` (``fix=True``), which keeps the rest of a repair pass:
 scanning, deciding what to rebuild, reporting. Split out of it to keep each module short;
-its log lines stay under ``kvstore.maintenance.passes``, where an operator looks for repair's.
+its log lines go under ``kvstore.maintenance.check``, where an operator looks for repair's.
 
 Contracts (each function's docstring has the details):
-  * ``_rebuild`` writes files only: a fragment in a new place only once its path is held in the
+  * ``rebuild`` writes files only: a fragment in a new place only once its path is held in the
     index (``kvstore.embedded.pathholds``), and every path it takes is in ``taken`` for the caller to
     give back, whatever happens after (an LMDB error included).
-  * ``_record_repair`` is the one index write of a rebuild, in one transaction: either the record
+  * ``record_repair`` is the one index write of a rebuild, in one transaction: either the record
     names every rebuilt file, or (an error, the record moved) it is left as it was, and the new
     files are orphans the GC sweep removes after ``orphan_grace_s``.
   * An LMDB error (``lmdb.MapFullError`` when the index map is full) from either is raised to
@@ -19,20 +19,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from kvstore.embedded import codec
 from kvstore.embedded.index import STANDALONE, Meta
+from kvstore.embedded.placement import place
 from kvstore.embedded.targets import fragment_path
 
-if TYPE_CHECKING:
-    from kvstore.maintenance.passes import Problem
-    from kvstore.embedded.store import EmbeddedStore
+from kvstore.embedded.parts import StoreParts
+from kvstore.maintenance.problems import Problem
 
-log = logging.getLogger("kvstore.maintenance.passes")  # repair's log lines, wherever its code lives
+log = logging.getLogger("kvstore.maintenance.check")  # repair's log lines, wherever its code lives
 
 
-def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
+def rebuild(parts: StoreParts, ek: bytes, m: Meta, good: dict[int, bytes],
              bad: dict[int, Problem], why: dict[int, str],
              taken: list[tuple[str, str]]) -> tuple[Meta, set[int]] | None:
     """Rewrite the bad fragments (same target if it is up, else a healthy spare): (new Meta, the
@@ -45,38 +44,36 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
     slot) is written only once its path is taken (``Index.take_path_txn``): an orphan sweep
     may be deleting a stale copy there (``kvstore.maintenance.orphans``). ``taken`` gets each path taken,
     for the caller to give back once the record is written or given up."""
-    code = codec.erasure_code(m.k, m.m, store.config.ec_type)
+    code = codec.erasure_code(m.k, m.m, parts.config.ec_type)
     try:
         rebuilt = code.reconstruct(good, sorted(bad))
         # Verify before writing anything: the whole entry must decode and check out.
         full = dict(good)
         full.update(rebuilt)
-        store._decode(m, ek, {i: full[i] for i in sorted(full)[: m.k + m.m]}, [])
+        parts.fragments.reader.decode(m, ek, {i: full[i] for i in sorted(full)[: m.k + m.m]}, [])
     except Exception as exc:  # noqa: BLE001 - any failure here means "cannot rebuild now"
         log.error("cannot rebuild %s: %s", ek[1:].hex(), exc)
         why.update({i: f"the entry does not decode from its good fragments: {exc}" for i in bad})
         return None
     targets = list(m.targets)
     offsets = list(m.offsets)
-    from kvstore.embedded.placement import place
-
     done: set[int] = set()
     for i, body in rebuilt.items():
         frame = codec.frame_fragment(codec.FragmentHeader(i, m.k, m.m, ek[0], ek[1:], m.gen, m.entry_len, len(body)), body)
         # its own target first, unless no longer configured (replaced by a new one): then a spare
-        candidates = [targets[i]] * (targets[i] in store.targets) + [
-            n for n in place(ek[1:], store.target_specs, len(store.target_specs)) if n not in targets]
+        candidates = [targets[i]] * (targets[i] in parts.targets) + [
+            n for n in place(ek[1:], parts.target_specs, len(parts.target_specs)) if n not in targets]
         rel = fragment_path(ek[0], ek[1:], m.gen, i)
         for name in candidates:
             if (name, True) != (m.targets[i], not m.offsets or m.offsets[i] == STANDALONE):  # a new place
-                with store.index.env.begin(write=True) as txn:
-                    mine = store.index.take_path_txn(txn, name, rel, "repair")
+                with parts.index.env.begin(write=True) as txn:
+                    mine = parts.index.take_path_txn(txn, name, rel, "repair")
                 if not mine:
                     why[i] = f"target {name}: an orphan sweep is deleting a stale copy at its path"
                     continue
                 taken.append((name, rel))
             try:
-                store.targets[name].write(rel, frame, fsync=store.config.fsync)
+                parts.targets[name].write(rel, frame, fsync=parts.config.fsync)
                 targets[i] = name
                 if offsets:
                     offsets[i] = STANDALONE
@@ -89,39 +86,38 @@ def _rebuild(store: "EmbeddedStore", ek: bytes, m: Meta, good: dict[int, bytes],
         else:
             log.warning("repair of %s fragment %d: no healthy target took it; left as it was", ek[1:].hex(), i)
             why[i] = f"no target took it (last: {why[i]})" if i in why else "no other target to put it on"
-    store._count("fragment_rewrites", len(done))
+    parts.counters.add("fragment_rewrites", len(done))
     return replace(m, targets=tuple(targets), offsets=tuple(offsets)), done
 
 
-def _record_repair(store: "EmbeddedStore", ek: bytes, m: Meta, fixed_meta: Meta, where: str,
+def record_repair(parts: StoreParts, ek: bytes, m: Meta, fixed_meta: Meta, where: str,
                    written_at: float) -> bool:
-    """Index what ``_rebuild`` wrote for record ``m`` of ``where`` ("entries" or "lost"): False
+    """Index what ``rebuild`` wrote for record ``m`` of ``where`` ("entries" or "lost"): False
     when the record moved or went meanwhile (its new files are orphans). ``WrittenTooLongAgo``
     (nothing indexed) when those files were written over half the orphan grace ago, as for a
-    put (``FragmentIO._check_in_time``): a sweep may be deleting them (before, a repair had no
-    such check). A file in a new place is safe from the sweep while ``_rebuild`` holds its path,
-    so nothing here asks a target (before, its presence was checked inside this transaction:
-    a target round trip every put waited on)."""
-    with store.index.env.begin(write=True) as txn:
-        store._check_in_time(written_at, f"the repair of {ek[1:].hex()}")
+    put (``FragmentStore.check_in_time``): a sweep may be deleting them. A file in a new place
+    is safe from the sweep while ``rebuild`` holds its path, so nothing here asks a target
+    (inside this transaction, a target round trip would hold up every put)."""
+    with parts.index.env.begin(write=True) as txn:
+        parts.fragments.check_in_time(written_at, f"the repair of {ek[1:].hex()}")
         if where == "entries":
-            cur = store.index.get_meta(txn, ek)
+            cur = parts.index.get_meta(txn, ek)
             if cur is None or (cur.gen, cur.targets, cur.offsets) != (m.gen, m.targets, m.offsets):
                 return False
-            store.index.update_txn(txn, ek, cur, replace(fixed_meta, access_ns=cur.access_ns, pinned=cur.pinned))
+            parts.index.update_txn(txn, ek, cur, replace(fixed_meta, access_ns=cur.access_ns, pinned=cur.pinned))
             return True
-        cur = store.index.get_lost(txn, ek)
-        if cur is None or cur.gen != m.gen or store.index.get_meta(txn, ek) is not None:
+        cur = parts.index.get_lost(txn, ek)
+        if cur is None or cur.gen != m.gen or parts.index.get_meta(txn, ek) is not None:
             return False
-        store.index.drop_lost_txn(txn, ek, fixed_meta, store.now_ns(), to_grave=False)
+        parts.index.drop_lost_txn(txn, ek, fixed_meta, parts.now_ns(), to_grave=False)
         return True
 
 
-def _unrecorded_detail(m: Meta, fixed_meta: Meta, i: int, why: str) -> str:
-    """What ``check`` says of fragment ``i`` of record ``m``, rewritten by ``_rebuild`` (as in
+def unrecorded_detail(m: Meta, fixed_meta: Meta, i: int, why: str) -> str:
+    """What ``check`` says of fragment ``i`` of record ``m``, rewritten by ``rebuild`` (as in
     ``fixed_meta``) but not recorded for ``why``: rebuilt in place (its own target, a file of its
     own: the good file is at the path the record names) or on another target (a file no record
-    names, for the orphan sweep). Before, both read "not rebuilt", though a good file was written."""
+    names, for the orphan sweep); never "not rebuilt", since a good file was written."""
     name = fixed_meta.targets[i]
     if name == m.targets[i] and (not m.offsets or m.offsets[i] == STANDALONE):
         return f"rebuilt but not recorded (in place: the good file is at its recorded path on {name}): {why}"

@@ -61,7 +61,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from kvstore.embedded import codec
 from kvstore.api import EntryKind
@@ -72,8 +72,8 @@ from kvstore.embedded.index import STANDALONE, Index, Meta, ekey, packed_bytes
 from kvstore.embedded.placement import place
 from kvstore.embedded.targets import Target, open_target, pack_path, parse_fragment_path, parse_pack_path
 
-if TYPE_CHECKING:
-    from kvstore.embedded.store import EmbeddedStore
+from kvstore.embedded.datadir import DataDir, with_recorded_targets
+from kvstore.embedded.parts import StoreParts
 
 log = logging.getLogger(__name__)
 
@@ -322,14 +322,14 @@ def _run(index: Index, targets: dict[str, Target], specs: list, config: StoreCon
     return counts
 
 
-def reindex_store(store: "EmbeddedStore", progress: Progress | None = None) -> dict:
+def reindex_store(parts: StoreParts, progress: Progress | None = None) -> dict:
     """Add to an open store's index the entries found on its targets that it does not know
     (module docstring, second caller). Returns the counts (``_Counts.as_dict``)."""
     progress = progress or _no_progress
     started = time.monotonic()
-    newer_than = store.file_clock() - store.config.orphan_grace_s
-    counts = _run(store.index, store.targets, list(store.target_specs), store.config, store.now_ns(), progress,
-                  newer_than=newer_than, known=_known_generations(store.index))
+    newer_than = parts.file_clock() - parts.config.orphan_grace_s
+    counts = _run(parts.index, parts.targets, list(parts.target_specs), parts.config, parts.now_ns(), progress,
+                  newer_than=newer_than, known=_known_generations(parts.index))
     return {**counts.as_dict(), "rebuilt": False, "seconds": round(time.monotonic() - started, 3)}
 
 
@@ -339,18 +339,15 @@ def rebuild_index(config: StoreConfig, progress: Progress | None = None) -> dict
     first caller). ``config`` as for ``kvstore.connect``: the targets and erasure code the
     marker records are used where it names none. Returns the counts, ``rebuilt`` True and
     ``moved_aside`` (the damaged index's new path, or ``None`` when there was none)."""
-    from kvstore.embedded.datadir import DataDir, _with_recorded_targets
-
     progress = progress or _no_progress
     started = time.monotonic()
     data_dir = Path(config.data_dir).resolve()
-    opener = DataDir()
-    opener.data_dir = data_dir
-    marker = opener._read_marker()  # IncompatibleFormat for another format version: never misread
+    opener = DataDir(data_dir)
+    marker = opener.read_marker()  # IncompatibleFormat for another format version: never misread
     if marker is None:
         raise InvalidRequest(f"{data_dir} has no kvstore.json: rebuild-index needs it (it records the erasure code "
                              "and the targets)")
-    config = opener._resolve_code(_with_recorded_targets(config, marker), marker)
+    config = opener.resolve_code(with_recorded_targets(config, marker), marker)
     specs = list(config.resolved_targets())
     targets = {s.name: open_target(s) for s in specs}
     new_dir = data_dir / NEW_INDEX

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstore.api import PutItem
 from kvstore.auth import Tenant
-from kvstore.embedded.fragments import MAX_TTL_S
+from kvstore.config import MAX_TTL_S
 from kvstore.errors import InvalidRequest
 from kvstore.keys import check_key, check_keys
 from kvstore.proto import kvstore_pb2 as pb

@@ -19,7 +19,7 @@ Direct writes (``kvstore.client.direct_writes``; ``allow_direct_writes``, off by
 ``Describe`` also gives the store's encoding knobs and the caller's own tenant secret;
 ``Commit`` is the index half of a put whose pack files the client wrote: keys validated
 and translated as Put does, the records checked and indexed by
-``PackIO.commit_written``, charged to the tenant's quota. Off: PERMISSION_DENIED.
+``EmbeddedStore.commit_written``, charged to the tenant's quota. Off: PERMISSION_DENIED.
 
 A writer encodes fragment headers under the stored keys its ``Describe`` gave it, while
 ``Commit`` indexes the entries under the keys of the tenant calling now. The two differ when

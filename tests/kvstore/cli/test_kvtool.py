@@ -112,7 +112,7 @@ def test_inspect_key_on_a_daemon_is_read_only_and_as_on_the_data_directory(make_
     code, text, _ = run_tool("inspect", d.address, "--key", K("ttl").hex())
     assert code == 0 and "live (expired, awaiting gc)" in text.splitlines()[0]  # not "absent"
     # nothing was read, refreshed or counted: no get, no bytes out, no pending access time
-    assert dict(d.store.counters) == before and not d.store._touches
+    assert dict(d.store.counters) == before and not d.store.access.pending()
     reg = d.metrics.registry
     assert reg.get_sample_value("kvstore_requests_total", {"method": "Inspect", "code": "OK"}) == 9
     assert reg.get_sample_value("kvstore_bytes_out_total") == 0

@@ -49,7 +49,7 @@ def test_parquet_through_a_daemon_is_the_data_directory_export(make_daemon, run_
     n = d.store.stats()["entries"]
     assert (code, json.loads(out)) == (0, {"parquet": str(remote), "rows": n}), err
     assert _files(out_dir) == ["remote.parquet"]  # no temporary left behind
-    assert dict(d.store.counters) == before and not d.store._touches  # read-only: nothing refreshed or counted
+    assert dict(d.store.counters) == before and not d.store.access.pending()  # read-only: nothing refreshed or counted
     reg = d.metrics.registry
     assert reg.get_sample_value("kvstore_requests_total", {"method": "ExportIndex", "code": "OK"}) == 1
     code, text, _ = run_tool("inspect", d.address, "--parquet", remote)

@@ -16,7 +16,7 @@ import pytest
 
 import kvstore
 from kvstore import NotFound, PutItem
-from kvstore.maintenance.passes import ProblemKind
+from kvstore.maintenance.problems import ProblemKind
 
 from tests.kvstore.embedded._writer import value
 from tests.kvstore.conftest import assert_clean
@@ -114,8 +114,8 @@ def test_a_put_slower_than_half_the_orphan_grace_is_refused_not_lost(tmp_path, m
     clock = FakeClock(time.time())
     s = kvstore.connect(str(tmp_path / "d"), fsync=False, clock=clock, orphan_grace_s=60, delete_grace_s=0)
     slow = {"on": True}
-    for name in ("_write_pack", "_write_fragments"):
-        def wrapped(*a, _orig=getattr(s, name), **kw):
+    for name in ("write_pack", "write_fragments"):
+        def wrapped(*a, _orig=getattr(s.fragments.writer, name), **kw):
             got = _orig(*a, **kw)
             if slow["on"]:
                 clock.advance(100)
@@ -123,7 +123,7 @@ def test_a_put_slower_than_half_the_orphan_grace_is_refused_not_lost(tmp_path, m
                 sweeper.start()
                 sweeper.join(30)
             return got
-        monkeypatch.setattr(s, name, wrapped)
+        monkeypatch.setattr(s.fragments.writer, name, wrapped)
     try:
         items = [PutItem(k, value(k)) for k in (os.urandom(16) for _ in range(n))]
         with pytest.raises(StoreUnavailable, match="orphan_grace_s"):
@@ -290,7 +290,7 @@ class _SlowWriterLock:
 def _sweep(store) -> int:
     from kvstore.maintenance.orphans import sweep_orphans
 
-    return sweep_orphans(store, store.file_clock(), False, store.config.orphan_grace_s, lambda *a: None)[0]
+    return sweep_orphans(store.parts, store.file_clock(), False, store.config.orphan_grace_s, lambda *a: None)[0]
 
 
 @pytest.mark.parametrize("n", [1, 6], ids=["put", "put_many"])
@@ -335,8 +335,8 @@ def test_a_sweeper_whose_clock_is_ahead_does_not_take_a_put_in_flight_for_an_orp
     sweep = ("import kvstore, sys; s = kvstore.connect(sys.argv[1], fsync=False, orphan_grace_s=60, "
              "clock_offset_s=3600); print(s.gc()['orphans']); s.close()")
     swept = []
-    for name in ("_write_fragments", "_write_pack"):
-        def wrapped(*a, _orig=getattr(writer, name), **kw):
+    for name in ("write_fragments", "write_pack"):
+        def wrapped(*a, _orig=getattr(writer.fragments.writer, name), **kw):
             got = _orig(*a, **kw)
             # Another process's GC while the put is in flight: its files are not indexed yet.
             out = subprocess.run([sys.executable, "-c", sweep, d], cwd=ROOT, capture_output=True, text=True,
@@ -344,7 +344,7 @@ def test_a_sweeper_whose_clock_is_ahead_does_not_take_a_put_in_flight_for_an_orp
             assert out.returncode == 0, out.stderr
             swept.append(int(out.stdout.split()[-1]))
             return got
-        monkeypatch.setattr(writer, name, wrapped)
+        monkeypatch.setattr(writer.fragments.writer, name, wrapped)
     try:
         k1, k2, k3 = (os.urandom(16) for _ in range(3))
         assert writer.put(k1, value(k1)) is True

@@ -15,7 +15,7 @@ import pytest
 
 import kvstore
 from kvstore import InvalidRequest, PutItem, StoreUnavailable
-from kvstore.embedded import fragments as F
+from kvstore.embedded import fragment_writes as F
 from kvstore.embedded import durability as D
 from kvstore.embedded import targets as T
 from kvstore.config import TargetSpec

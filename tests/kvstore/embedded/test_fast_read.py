@@ -1,4 +1,4 @@
-"""The local read fast paths (``FragmentIO._read_fast`` and ``_read_scatter``).
+"""The local read fast paths (``LocalFastReads.read_fast`` and ``read_scatter``).
 
 They skip the per-fragment checksums of data fragments 1..k-1 and trust the entry
 checksum instead; these tests hold them to the same guarantee as the verifying path:
@@ -16,7 +16,7 @@ import pytest
 
 import kvstore
 from kvstore.embedded import codec
-from kvstore.embedded.fragments import FragmentIO
+from kvstore.embedded.fastread import LocalFastReads
 from tests.fragments import fragment_refs
 
 
@@ -24,15 +24,15 @@ from tests.fragments import fragment_refs
 def spy(monkeypatch):
     """Counts of reads each fast path answered (``None`` means it handed over)."""
     hits = {"fast": 0, "scatter": 0}
-    for name, attr in (("fast", "_read_fast"), ("scatter", "_read_scatter")):
-        orig = getattr(FragmentIO, attr)
+    for name, attr in (("fast", "read_fast"), ("scatter", "read_scatter")):
+        orig = getattr(LocalFastReads, attr)
 
         def wrapped(self, *a, _orig=orig, _name=name):
             got = _orig(self, *a)
             hits[_name] += got is not None
             return got
 
-        monkeypatch.setattr(FragmentIO, attr, wrapped)
+        monkeypatch.setattr(LocalFastReads, attr, wrapped)
     return hits
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import kvstore
 from kvstore import PutItem, Unrecoverable
-from kvstore.maintenance.passes import ProblemKind
+from kvstore.maintenance.problems import ProblemKind
 
 from tests.kvstore.conftest import assert_clean, value_for
 from tests.fragments import fragment_refs
@@ -372,7 +372,7 @@ def test_a_slot_path_a_repair_holds_is_not_swept(tmp_path, monkeypatch):
     from dataclasses import replace as dc_replace
     from pathlib import Path
 
-    from kvstore.maintenance import passes as maintenance
+    from kvstore.maintenance import rebuild as maintenance
 
     s, ek, key, value, tgt, cur, rel = _slot_orphan_setup(tmp_path)
     with s:
@@ -381,7 +381,7 @@ def test_a_slot_path_a_repair_holds_is_not_swept(tmp_path, monkeypatch):
             assert s.index.take_path_txn(txn, tgt.name, rel, "repair")
         tgt.write(rel, frame, fsync=False)
         assert s.gc()["orphans"] == 0 and (Path(tgt.root) / rel).exists()
-        assert maintenance._record_repair(s, ek, cur, dc_replace(cur, targets=(tgt.name, *cur.targets[1:])),
+        assert maintenance.record_repair(s.parts, ek, cur, dc_replace(cur, targets=(tgt.name, *cur.targets[1:])),
                                           "entries", s.clock())
         with s.index.env.begin(write=True) as txn:
             s.index.release_path_txn(txn, tgt.name, rel)
@@ -541,7 +541,7 @@ def test_a_fragment_rebuilt_in_place_but_not_recorded_is_not_called_not_rebuilt(
     says it was rebuilt in place and not recorded, and why."""
     import time
 
-    from kvstore.maintenance import passes as maintenance
+    from kvstore.maintenance import check as maintenance
 
     from tests.kvstore.conftest import FakeClock
 
@@ -564,7 +564,7 @@ def test_a_fragment_rebuilt_in_place_but_not_recorded_is_not_called_not_rebuilt(
 
             monkeypatch.setattr(type(s.targets[ref.target]), "write", slow_write)
         else:
-            monkeypatch.setattr(maintenance, "_record_repair", lambda *a, **kw: False)
+            monkeypatch.setattr(maintenance, "record_repair", lambda *a, **kw: False)
         res = s.repair()
         assert (res["rebuilt_fragments"], res["unfixed"]) == (0, 1), res
         (line,) = res["unfixed_detail"]

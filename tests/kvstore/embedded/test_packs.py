@@ -15,7 +15,7 @@ import pytest
 import kvstore
 from kvstore import PutItem
 from kvstore.embedded.index import STANDALONE, ekey, packed_bytes
-from kvstore.maintenance.passes import ProblemKind
+from kvstore.maintenance.problems import ProblemKind
 from kvstore.embedded.targets import LocalTarget, pack_path, parse_pack_path
 
 from tests.kvstore.conftest import assert_clean, value_for
@@ -177,7 +177,7 @@ def test_a_failing_pack_write_falls_back_to_fragment_files(packed, keys, monkeyp
 
 
 def test_a_batch_that_loses_every_race_leaves_no_pack(packed, keys, monkeypatch):
-    real = packed._write_pack
+    real = packed.fragments.writer.write_pack
 
     def racing(encs, gen):
         out = real(encs, gen)
@@ -185,7 +185,7 @@ def test_a_batch_that_loses_every_race_leaves_no_pack(packed, keys, monkeypatch)
             packed.put(e.key, b"theirs")
         return out
 
-    monkeypatch.setattr(packed, "_write_pack", racing)
+    monkeypatch.setattr(packed.fragments.writer, "write_pack", racing)
     assert packed.put_many([PutItem(k, value_for(k)) for k in keys[:3]]) == [False] * 3
     assert _packs(packed) == [] and _pack_refs(packed) == {}
     assert packed.get_many(keys[:3]) == [b"theirs"] * 3
@@ -193,7 +193,7 @@ def test_a_batch_that_loses_every_race_leaves_no_pack(packed, keys, monkeypatch)
 
 
 def test_a_race_losers_share_of_a_pack_is_dead_from_the_start(packed, keys, monkeypatch, clock):
-    real = packed._write_pack
+    real = packed.fragments.writer.write_pack
 
     def racing(encs, gen):
         out = real(encs, gen)
@@ -201,7 +201,7 @@ def test_a_race_losers_share_of_a_pack_is_dead_from_the_start(packed, keys, monk
             packed.put(e.key, b"theirs")
         return out
 
-    monkeypatch.setattr(packed, "_write_pack", racing)
+    monkeypatch.setattr(packed.fragments.writer, "write_pack", racing)
     vals = {k: os.urandom(20_000) for k in keys[:5]}  # one size: every share of the pack is as long
     assert packed.put_many([PutItem(k, v) for k, v in vals.items()]) == [False] * 3 + [True] * 2
     monkeypatch.undo()
@@ -322,13 +322,13 @@ def test_a_compaction_that_waited_past_half_the_grace_is_postponed_not_lost(data
         _compactable(s, keys, vals)
         swept = []
 
-        def slow_write_pack(encs, gen, _orig=s._write_pack):
+        def slow_write_pack(encs, gen, _orig=s.fragments.writer.write_pack):
             got = _orig(encs, gen)
             clock.advance(100)  # the wait for the writer lock, while another process sweeps
-            swept.append(sweep_orphans(s, s.file_clock(), False, 60, lambda *a: None)[0])
+            swept.append(sweep_orphans(s.parts, s.file_clock(), False, 60, lambda *a: None)[0])
             return got
 
-        monkeypatch.setattr(s, "_write_pack", slow_write_pack)
+        monkeypatch.setattr(s.fragments.writer, "write_pack", slow_write_pack)
         out = s.gc()  # postponed: the pack stays queued
         assert out["compacted_packs"] == 0 and out["moved_entries"] == 0 and swept == [6]  # postponed: not done
         assert s.get_many(keys[5:8]) == [vals[k] for k in keys[5:8]]  # still in their old pack
@@ -348,13 +348,13 @@ def test_entries_removed_while_compaction_copies_them_are_dead_in_the_new_pack(d
     with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=0) as s:
         _compactable(s, keys, vals)
 
-        def racing_write_pack(encs, gen, _orig=s._write_pack):
+        def racing_write_pack(encs, gen, _orig=s.fragments.writer.write_pack):
             got = _orig(encs, gen)
             s.delete(keys[5])  # as another process would, between the copy and the commit
             s.delete(keys[6])
             return got
 
-        monkeypatch.setattr(s, "_write_pack", racing_write_pack)
+        monkeypatch.setattr(s.fragments.writer, "write_pack", racing_write_pack)
         out = s.gc()
         assert out["moved_entries"] == 1
         monkeypatch.undo()

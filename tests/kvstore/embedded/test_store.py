@@ -472,7 +472,7 @@ def test_a_single_puts_large_fragments_are_written_on_threads(data_dir, keys, mo
     still writes on threads once its fragments reach ``PARALLEL_WRITE_MIN_BYTES`` (the kernel
     then waits for the device to take dirty pages); smaller ones, and batches, stay inline."""
     from kvstore.embedded.durability import _SYNCFS
-    from kvstore.embedded.fragments import PARALLEL_WRITE_MIN_BYTES
+    from kvstore.embedded.fragment_writes import PARALLEL_WRITE_MIN_BYTES
     from kvstore.embedded.targets import LocalTarget
 
     if _SYNCFS is None:

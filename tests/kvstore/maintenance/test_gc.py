@@ -3,7 +3,6 @@ Time is controlled through the injected clock."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 import kvstore
 from kvstore import CapacityExceeded, NotFound, PutItem
 from kvstore.embedded.index import ekey
-from kvstore.maintenance.passes import ProblemKind
+from kvstore.maintenance.problems import ProblemKind
 from kvstore.embedded.targets import fragment_path
 
 from tests.kvstore.conftest import assert_clean, value_for
@@ -224,7 +223,7 @@ def test_gc_over_capacity_with_everything_pinned_still_reclaims(data_dir, keys, 
             s.pin(k)
         s.put(keys[2], value_for(keys[2], 10_000))
         s.delete(keys[2])  # to the graveyard
-        s.config = dataclasses.replace(s.config, capacity_bytes=one)  # the admin shrank it
+    with _capacity_store(data_dir, clock, one) as s:  # the admin shrank it
         orphan = fragment_refs(s, keys[0])[0].path.parent / ".tmp.crashed-put"  # a put that died
         orphan.write_bytes(b"x" * 100)
         for dry in (True, False):
@@ -286,7 +285,7 @@ def test_deleted_fragments_outlive_the_delete_by_the_grace(data_dir, keys, clock
         s.gc()
         # ... and can still read every fragment during the grace period.
         assert all(f.path.exists() for f in files)
-        assert s._read_fragment(meta, ekey(1, keys[0]), 0)
+        assert s.fragments.reader.read_fragment(meta, ekey(1, keys[0]), 0)
         clock.advance(31)
         assert s.gc()["purged"] == 1
         assert not any(f.path.exists() for f in files)
@@ -325,7 +324,7 @@ def test_dry_run_reports_what_the_real_pass_evicts_and_expires(data_dir, hasher,
             assert s.pin(k)
         for k in read:
             assert s.get(k) == value_for(k, size[k])
-        assert s._touches  # reads not yet written to the LRU ordering: the dry run must see them anyway
+        assert s.access.pending()  # reads not yet written to the LRU ordering: the dry run must see them anyway
         before = (s.used_bytes(), s.stats()["entries"])
         dry = s.gc(dry_run=True)
         assert (s.used_bytes(), s.stats()["entries"]) == before  # a dry run changes nothing

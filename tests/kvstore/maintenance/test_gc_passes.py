@@ -1,4 +1,4 @@
-"""A GC pass as a whole (``kvstore.maintenance.passes.run_gc``, ``kvstore.maintenance.gc_plan``): one file or
+"""A GC pass as a whole (``kvstore.maintenance.gc.run_gc``, ``kvstore.maintenance.gc_plan``): one file or
 pack that resists never stops the rest of the pass; the pass reports progress in every
 step; its dry run counts the compaction the real pass does from the same state; and
 compaction moves stored entries whatever today's put limits are. Time is the injected
@@ -16,7 +16,7 @@ import kvstore
 from kvstore import PutItem
 from kvstore.errors import CapacityExceeded, InvalidRequest
 from kvstore.embedded.index import ekey
-from kvstore.maintenance.passes import ProblemKind
+from kvstore.maintenance.problems import ProblemKind
 from kvstore.embedded.targets import fragment_path, pack_path
 
 from tests.kvstore.conftest import assert_clean, value_for
@@ -55,7 +55,7 @@ def test_an_undeletable_orphan_is_reported_and_the_sweep_goes_on(store, keys, mo
         return delete(rel)
 
     monkeypatch.setattr(tgt, "delete", read_only)
-    with caplog.at_level(logging.WARNING, logger="kvstore.maintenance.passes"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.maintenance.gc"):
         out = store.gc()
     assert out["orphans"] == 1 and out["orphans_kept"] == 1 and out["reclaimed_bytes"] == len(b"orphan bytes")
     assert stuck.exists() and not swept.exists()
@@ -74,7 +74,7 @@ def test_an_undeletable_orphan_is_reported_and_the_sweep_goes_on(store, keys, mo
 
 # --------------------------------------------------------------------------- B: progress in every step
 def test_gc_reports_progress_in_every_step(store, keys, clock, monkeypatch):
-    monkeypatch.setattr("kvstore.maintenance.passes._PURGE_STEP", 2, raising=False)  # per-batch reports of 2
+    monkeypatch.setattr("kvstore.maintenance.gc._PURGE_STEP", 2, raising=False)  # per-batch reports of 2
     store.put_many([PutItem(k, value_for(k, 2000)) for k in keys[:8]])  # one pack
     for k in keys[:6]:
         store.delete(k)
@@ -225,14 +225,14 @@ def test_an_entry_that_cannot_be_moved_stays_and_the_pass_goes_on(store, keys, m
     for k in keys[:4]:
         store.delete(k)  # 4 of 6 dead: over compact_ratio
     old = _gen(store, keys[4])
-    encode = store._encode_entry
+    encode = store.fragments.writer.encode_entry
 
     def refuse_one(key, *a):
         if key == keys[4]:
             raise InvalidRequest("cannot be written back")
         return encode(key, *a)
 
-    monkeypatch.setattr(store, "_encode_entry", refuse_one)
+    monkeypatch.setattr(store.fragments.writer, "encode_entry", refuse_one)
     stray = _stray_pack(store, list(store.targets)[-1])
     with caplog.at_level(logging.WARNING, logger="kvstore.embedded.store"):
         out = store.gc()
@@ -252,7 +252,7 @@ def test_a_pack_whose_compaction_fails_stays_queued_and_the_pass_goes_on(store, 
     def full(members):
         raise CapacityExceeded("no room for the new pack")
 
-    monkeypatch.setattr(store, "_rewrite", full)
+    monkeypatch.setattr(store.fragments, "rewrite", full)
     stray = _stray_pack(store, list(store.targets)[0])
     out = store.gc()
     # compacted 0: the pack stays queued (before, a failed compaction counted as one done)
@@ -396,7 +396,7 @@ def test_a_graveyard_record_purged_by_two_passes_at_once_is_counted_once(tmp_pat
     one whose transaction drops a record counts it and its bytes; the other counts nothing
     (QA: each reported every record purged, twice what existed)."""
     from kvstore.maintenance.gc_plan import due_graves
-    from kvstore.maintenance.passes import _purge_grave
+    from kvstore.maintenance.gc import _purge_grave
 
     with kvstore.connect(str(tmp_path / "d"), fsync=False, delete_grace_s=0) as s:
         keys = [bytes([i]) * 16 for i in range(5)]
@@ -404,8 +404,8 @@ def test_a_graveyard_record_purged_by_two_passes_at_once_is_counted_once(tmp_pat
             s.put(k, os.urandom(5000))
         for k in keys:
             assert s.delete(k)
-        due = due_graves(s, s.now_ns())
+        due = due_graves(s.parts, s.now_ns())
         assert len(due) == len(keys)
-        first = _purge_grave(s, due, False, lambda *a: None)
-        second = _purge_grave(s, due, False, lambda *a: None)  # the other pass, on what it read before
+        first = _purge_grave(s.parts, due, False, lambda *a: None)
+        second = _purge_grave(s.parts, due, False, lambda *a: None)  # the other pass, on what it read before
         assert first[0] == len(keys) and first[1] >= len(keys) * 5000 and second == (0, 0)

@@ -136,7 +136,7 @@ def test_gc_from_another_process_at_grace_zero_loses_no_acknowledged_put(tmp_pat
 
 def test_direct_commits_racing_gc_from_another_process_lose_nothing(tmp_path, monkeypatch):
     """A daemon (default grace) indexes batches a direct-writing client wrote into its targets
-    (``PackIO.commit_written``) while another process sweeps at grace 0. The client's packs are
+    (``EmbeddedStore.commit_written``) while another process sweeps at grace 0. The client's packs are
     older than anything the commit reads, so its check in the index transaction must also see
     sweeps decided before it started (their holds, or their counted deletes). The commit is
     made to wait 20 ms before it looks at the packs (a slow network), which is when a sweep

@@ -1,0 +1,374 @@
+"""The write half of the fragment store: encoding a put, placing and publishing its fragments
+(one file per fragment, or for a batch one pack file per target), and removing what will
+never be indexed.
+
+``FragmentWriter`` is built over what a write needs, passed explicitly: the config (encoding
+knobs, durability, write timeouts, admission limits), the targets and their specs (placement),
+the erasure code, the per-target pools (``kvstore.embedded.targets.TargetPools``), two
+executors (``pool`` for single fragment writes, ``batch_pool`` for one entry or pack of a
+batch each: a task never waits on a task queued behind it in its own pool), and
+``count(name, n)`` and ``now_ns()``. It never touches an index: the embedded store
+(``kvstore.embedded.fragments.FragmentStore``) commits what it wrote; the direct writer
+(``kvstore.client.direct_writes``) hands its packs to the daemon's ``Commit``.
+
+The write steps, and why they are ordered as they are, are in ``kvstore.embedded.store``'s
+docstring; pack names in ``kvstore.embedded.targets``; how files are made durable in
+``kvstore.embedded.durability``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from concurrent.futures import Executor, Future, wait
+from typing import Any, Callable, Sequence
+
+from kvstore.api import EntryKind, Layout, PutItem, as_payload, check_put_fields
+from kvstore.config import MAX_TTL_S, StoreConfig, TargetSpec
+from kvstore.embedded import codec
+from kvstore.embedded.durability import sync_plan, syncfs
+from kvstore.embedded.index import Meta, ekey
+from kvstore.embedded.placement import place
+from kvstore.embedded.targets import Target, TargetPools, fragment_path, pack_path
+from kvstore.errors import CapacityExceeded, InvalidRequest, StoreUnavailable
+
+log = logging.getLogger("kvstore.embedded.store")
+
+# A single put's local writes of fragments this large run on threads with fsync off too
+# (``FragmentWriter.fan_out_writes``): from about this size the kernel waits for the device to
+# take dirty pages, and threads overlap that wait. Not a batch's packs: their writes already
+# overlap the next chunk's encoding (``tools/bench_store.py`` compares the two ways).
+PARALLEL_WRITE_MIN_BYTES = 512 * 1024
+
+
+
+def run_now(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+    """``fn`` called in this thread, as a completed ``Future``: the inline twin of
+    ``Executor.submit``, so one code path collects results and errors either way."""
+    fut: Future = Future()
+    try:
+        fut.set_result(fn(*args, **kwargs))
+    except BaseException as exc:  # handed to the caller, re-raised by ``result()``
+        fut.set_exception(exc)
+    return fut
+
+
+def resolve_sync_mode(config: StoreConfig, targets: dict[str, Target]) -> str:
+    """``config.sync_mode`` resolved for ``targets`` (``kvstore.embedded.durability.sync_plan``;
+    "" with fsync off), logged; ``InvalidRequest`` for a mode these targets cannot have."""
+    mode, why = sync_plan(config.sync_mode, list(targets.values())) if config.fsync else ("", "")
+    if mode:
+        log.info("durable writes: %s (%s)", "one syncfs per filesystem" if mode == "fs" else
+                 "fsync per file and directory", why)
+    return mode
+
+
+def expiry_ns(ttl_s: float | None, default_ttl_s: float, now: int) -> int:
+    """An entry's expiry time (0: none) from a put's ``ttl_s`` (``None``: the store's default)."""
+    if ttl_s is None:
+        ttl_s = default_ttl_s
+    else:
+        check_put_fields(ttl_s, 0, MAX_TTL_S)
+    return now + int(ttl_s * 1e9) if ttl_s else 0
+
+
+class Encoded:
+    """One put, encoded: ``frames[i]`` is fragment ``i`` as ``codec.fragment_parts`` (header,
+    body), ``meta_base`` its index record but for where the fragments land."""
+
+    __slots__ = ("ek", "key", "kind", "meta_base", "frames")
+
+    def __init__(self, ek: bytes, key: bytes, kind: EntryKind, meta_base: Meta, frames: list[list[bytes]]):
+        self.ek, self.key, self.kind, self.meta_base, self.frames = ek, key, kind, meta_base, frames
+
+
+
+
+class FragmentWriter:
+    """The write path over ``targets`` (module docstring)."""
+
+    def __init__(self, config: StoreConfig, targets: dict[str, Target], target_specs: Sequence[TargetSpec],
+                 code: Any, pools: TargetPools, pool: Executor, batch_pool: Executor, *,
+                 count: Callable[..., None], now_ns: Callable[[], int],
+                 on_pack_discarded: Callable[[], None] | None = None, sync_mode: str | None = None):
+        self.config = config
+        self.targets = targets
+        self.target_specs = target_specs
+        self.code = code
+        self.pools = pools
+        self._pool = pool
+        self._batch_pool = batch_pool
+        self._count = count
+        self.now_ns = now_ns
+        self._on_pack_discarded = on_pack_discarded
+        self._sync_resolved = sync_mode
+        self._target_devs: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ fragment files
+    def checked(self, key: bytes, value: Any, kind: EntryKind, ttl_s: float | None,
+                 layout: Layout | None, tokens: int) -> tuple[bytes, EntryKind, memoryview, Layout, int, int]:
+        """A put's arguments validated (``InvalidRequest`` for the first bad one): (key, kind,
+        payload, layout, now_ns, expires_ns). ``key`` and ``kind`` come checked and typed from
+        the caller's boundary (``kvstore.keys.check_key``, ``EntryKind.parse``); the value, its
+        size, ``tokens`` and ``ttl_s`` are checked here. Every put passes here, also one that
+        stores nothing because its key is live: a bad request is refused whether or not it would write."""
+        k = kind
+        payload, lay = as_payload(value, layout)
+        if len(payload) > self.config.max_value_bytes:
+            raise InvalidRequest(
+                f"value of {len(payload)} bytes is over max_value_bytes={self.config.max_value_bytes}; "
+                "split it or raise the limit in the store config"
+            )
+        check_put_fields(None, tokens, MAX_TTL_S)  # ttl_s: expiry_ns checks it
+        now = self.now_ns()
+        return key, k, payload, lay, now, expiry_ns(ttl_s, self.config.default_ttl_s, now)
+
+    def encode(self, key: bytes, value: Any, kind: EntryKind, ttl_s: float | None,
+                layout: Layout | None, tokens: int, gen: bytes | None = None) -> Encoded:
+        key, k, payload, lay, now, expires = self.checked(key, value, kind, ttl_s, layout, tokens)
+        enc = self.encode_entry(key, k, payload, lay, tokens, gen or os.urandom(8), now, expires)
+        cfg = self.config
+        stored = enc.meta_base.frag_len * len(enc.frames)
+        if cfg.capacity_bytes and stored > cfg.capacity_bytes * cfg.low_watermark:
+            # It would be stored, then evicted by the next eviction: refuse it instead.
+            raise CapacityExceeded(
+                f"an entry of {stored} stored bytes cannot fit under the low watermark of capacity_bytes="
+                f"{cfg.capacity_bytes} ({cfg.capacity_bytes * cfg.low_watermark:.0f} bytes); raise the capacity")
+        return enc
+
+    def encode_entry(self, key: bytes, k: EntryKind, payload: memoryview, lay: Layout, tokens: int, gen: bytes,
+                      now: int, expires: int) -> Encoded:
+        """The encoding half of ``encode``, no admission checks: compaction re-encodes stored
+        entries with it (``FragmentStore.rewrite``), which a lowered limit must not refuse."""
+        cfg = self.config
+        entry = codec.encode_entry(key, k, payload, lay, tokens, compression=cfg.compression,
+                                   zstd_level=cfg.zstd_level, min_ratio=cfg.min_compress_ratio,
+                                   created_ns=now, expires_ns=expires)
+        bodies = self.code.encode(entry)
+        frames = [codec.fragment_parts(i, cfg.ec_k, cfg.ec_m, k.code, key, gen, len(entry), b)
+                  for i, b in enumerate(bodies)]
+        meta = Meta(k=cfg.ec_k, m=cfg.ec_m, tokens=tokens, plain_len=len(payload), entry_len=len(entry),
+                    frag_len=codec.FRAG_HEADER_LEN + len(bodies[0]), created_ns=now, access_ns=now,
+                    expires_ns=expires, gen=gen, targets=())
+        return Encoded(ekey(k.code, key), key, k, meta, frames)
+
+    def sync_mode(self) -> str:
+        """How this host makes writes durable: "file" (fsync each file and its directory),
+        "fs" (``sync_after``: one syncfs per filesystem) or "" (fsync off); resolved once
+        (``resolve_sync_mode``), or as the store's data directory resolved it when opened."""
+        if self._sync_resolved is None:
+            self._sync_resolved = resolve_sync_mode(self.config, self.targets)
+        return self._sync_resolved
+
+    def sync_after(self, names: Sequence[str]) -> None:
+        """Sync mode "fs": make the files just written to these targets durable, one syncfs
+        per filesystem (``OSError`` if that fails). Nothing to do in the other modes."""
+        if self.sync_mode() != "fs":
+            return
+        devs = self._target_devs
+        done = set()
+        for name in names:
+            root = self.targets[name].root
+            if name not in devs:
+                devs[name] = os.stat(root).st_dev
+            if devs[name] not in done:
+                done.add(devs[name])
+                syncfs(root)
+
+    def fan_out_writes(self, names: Sequence[str], *, in_batch: bool, file_bytes: int = 0) -> bool:
+        """Should writes to these targets run on threads? Only writes that wait pay for the
+        hand-off: to a remote target always, to a local one when fsync waits for the device
+        or when each file is large (``file_bytes``: a single put's fragment size, from
+        ``PARALLEL_WRITE_MIN_BYTES`` on: the kernel then also waits, for the device to take
+        dirty pages), and then only when the batch is not already spread over threads entry
+        by entry. Writes of small files into the page cache are cheaper inline than handed to a
+        thread (``tools/bench_store.py`` compares the two ways)."""
+        mode = self.config.parallel_writes
+        if mode != "auto":
+            return mode == "always"
+        if not all(self.targets[t].local for t in names if t in self.targets):
+            return True
+        return (self.sync_mode() == "file" or file_bytes >= PARALLEL_WRITE_MIN_BYTES) and not in_batch
+
+    def write_fragments(self, enc: Encoded, *, in_batch: bool = False) -> tuple[str, ...]:
+        """Write every fragment to a distinct target; replace failing targets by the next best."""
+        n = len(enc.frames)
+        order = place(enc.key, self.target_specs, len(self.target_specs))  # all targets, best first
+        chosen = order[:n]
+        spare = order[n:]
+        failed: list[str] = []
+        pending = list(range(n))
+        while pending:
+            fan_out = self.fan_out_writes(chosen, in_batch=in_batch, file_bytes=enc.meta_base.frag_len)
+            errors = self.run_writes({i: (chosen[i], fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, i),
+                                           enc.frames[i]) for i in pending}, fan_out=fan_out)
+            pending = []
+            last_exc: OSError | None = None
+            for i, exc in sorted(errors.items()):
+                log.warning("fragment %d of %s failed on target %s: %s", i, enc.key.hex(), chosen[i], exc)
+                failed.append(chosen[i])
+                last_exc = exc
+                pending.append(i)
+            if pending and len(spare) < len(pending):
+                self.discard(enc, {i: c for i, c in enumerate(chosen) if i not in pending})
+                full = getattr(last_exc, "errno", None) == errno.ENOSPC
+                raise (CapacityExceeded if full else StoreUnavailable)(
+                    f"cannot place {n} fragments of {enc.key.hex()} on distinct targets; failed: "
+                    f"{', '.join(failed)} (last error{' ENOSPC, the targets are full' if full else ''}: {last_exc})"
+                ) from last_exc
+            for i in pending:
+                chosen[i] = spare.pop(0)
+        try:
+            self.sync_after(chosen)
+        except OSError as exc:
+            self.discard(enc, dict(enumerate(chosen)))
+            raise StoreUnavailable(f"fragments of {enc.key.hex()} could not be made durable: {exc}") from exc
+        return tuple(chosen)
+
+    def run_writes(self, jobs: dict[Any, tuple[str, str, Any]], *, fan_out: bool) -> dict[Any, OSError]:
+        """Publish each job's data (``key -> (target name, rel, data)``) with ``Target.write``;
+        the errors by key (empty: all written). ``fan_out``: the writes run on ``_pool``, else
+        inline, one after the other. With ``write_timeout_s`` > 0 each write runs on its target's
+        own write pool instead (a bulkhead: a hung target holds only its own threads), and one
+        not done in time fails with ``TimeoutError`` (ETIMEDOUT) while its thread runs on: the
+        caller treats it as any failed write (a spare target, or the put fails). A target with
+        a write still running past its timeout is not asked for more (``Target.writes_stalled``)
+        until that write ends. The file a late write publishes is one no record names for that
+        place: the orphan sweep removes it (``kvstore.maintenance.orphans``)."""
+        timeout = self.config.write_timeout_s
+        fsync = self.sync_mode() == "file"
+        errors: dict[Any, OSError] = {}
+        futs: dict[Any, Future] = {}
+        for key, (name, rel, data) in jobs.items():
+            tgt = self.targets[name]
+            if not timeout:
+                futs[key] = (self._pool.submit if fan_out else run_now)(tgt.write, rel, data, fsync=fsync)
+            elif why := tgt.writes_stalled():
+                errors[key] = TimeoutError(errno.ETIMEDOUT, why)
+            else:
+                futs[key] = self.pools.get(name, "write").submit(tgt.write, rel, data, fsync=fsync)
+        late = wait(futs.values(), timeout=timeout)[1] if timeout and futs else set()
+        for key, f in futs.items():
+            name, rel, _data = jobs[key]
+            if f in late:
+                self._count("write_timeouts")
+                self.targets[name].write_stalled(f)
+                errors[key] = TimeoutError(errno.ETIMEDOUT, f"writing {rel} on target {name} took over "
+                                                            f"write_timeout_s={timeout} s")
+                continue
+            try:
+                f.result()
+            except OSError as exc:
+                errors[key] = exc
+        return errors
+
+    def discard(self, enc: Encoded, placed: dict[int, str]) -> None:
+        """Remove fragments of a put that will never be indexed (best effort: else orphans)."""
+        for i, name in placed.items():
+            t = self.targets.get(name)
+            if t is not None:
+                try:
+                    t.delete(fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, i))
+                except OSError:
+                    pass  # an orphan GC will sweep
+
+    # ------------------------------------------------------------------ pack files
+    def write_pack(self, encs: Sequence[Encoded], gen: bytes) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+        """A batch's fragments (all encoded with generation ``gen``), one pack file per target:
+        each entry's fragments go to the targets rendezvous hashing picks for it, as single
+        puts do, and each target's share is published with one atomic write (one fsync and
+        one directory fsync instead of one per fragment). Per entry: (targets, offsets).
+        Any failing target raises ``OSError`` after removing what was written; the caller
+        then writes the batch fragment by fragment, where failed targets are replaced."""
+        shares: dict[str, list[bytes]] = {}
+        sizes: dict[str, int] = {}
+        out = []
+        for enc in encs:
+            chosen = place(enc.key, self.target_specs, len(enc.frames))
+            flen = enc.meta_base.frag_len
+            offsets = []
+            for name, frame in zip(chosen, enc.frames):
+                offsets.append(sizes.get(name, 0))
+                shares.setdefault(name, []).extend(frame)
+                sizes[name] = offsets[-1] + flen
+            out.append((tuple(chosen), tuple(offsets)))
+        rel = pack_path(gen)
+        errors: dict[str, OSError] = self.run_writes({name: (name, rel, parts) for name, parts in shares.items()},
+                                                      fan_out=self.fan_out_writes(list(shares), in_batch=False))
+        if not errors:
+            try:
+                self.sync_after(list(shares))
+            except OSError as exc:
+                errors["(syncfs)"] = exc
+        if errors:
+            self.discard_pack(gen, [n for n in shares if n not in errors])
+            name, exc = next(iter(errors.items()))
+            log.warning("pack %s: target %s failed (%s); its entries go the fallback way (fragment by "
+                        "fragment here, or through the daemon for a direct writer)",
+                        gen.hex(), name, exc)
+            raise exc
+        return out
+
+    def discard_pack(self, gen: bytes, names: Sequence[str]) -> int:
+        """Remove a pack that no index record names (best effort: else an orphan); the bytes
+        removed (a file not there, or not removed, counts nothing: GC's reclaimed bytes)."""
+        if self._on_pack_discarded is not None:
+            self._on_pack_discarded()
+        freed = 0
+        for name in names:
+            t = self.targets.get(name)
+            if t is not None:
+                try:
+                    size = t.stat(pack_path(gen))[0]
+                    freed += size * t.delete(pack_path(gen))  # not counted when removed meanwhile
+                except OSError:
+                    pass  # not on this target, or an orphan GC will sweep
+        return freed
+
+    def put_packs(self, items: Sequence[PutItem], todo: list[int], encs: dict, placed: dict,
+                   offsets: dict) -> None:
+        """Steps 3-4 for a batch (keys and kinds checked and typed, as ``checked`` takes them):
+        encode it in chunks of about ``pack_bytes`` payload bytes, each chunk one generation
+        and one pack per target; a chunk's pack writes run on a
+        thread while the next chunk is encoded (encoding holds the GIL, writes wait in the
+        kernel); the last chunk's run here. Fills ``encs``, and ``placed`` and ``offsets``
+        for the chunks written. A chunk whose packs fail stays unplaced: the caller writes
+        it fragment by fragment."""
+        writes = []
+        chunk: list[int] = []
+        size = 0
+        gen = os.urandom(8)
+        try:
+            for n, i in enumerate(todo):
+                it = items[i]
+                encs[i] = self.encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens, gen)
+                chunk.append(i)
+                size += encs[i].meta_base.plain_len
+                last = n == len(todo) - 1
+                if size >= self.config.pack_bytes or last:
+                    # On a thread only while there is encoding left to overlap it with.
+                    submit = run_now if last or self.config.parallel_writes == "never" else self._batch_pool.submit
+                    writes.append((chunk, gen, submit(self.write_pack, [encs[j] for j in chunk], gen)))
+                    chunk, size, gen = [], 0, os.urandom(8)
+        except BaseException:  # a bad item: nothing of this batch may stay behind
+            for _chunk, g, fut in writes:
+                if fut.exception() is None:
+                    self.discard_pack(g, list(self.targets))
+            raise
+        for chunk, _gen, fut in writes:
+            try:
+                for i, (names, offs) in zip(chunk, fut.result()):
+                    placed[i], offsets[i] = names, offs
+            except OSError:
+                pass  # logged by write_pack
+
+    def discard_unused_packs(self, encs: dict, placed: dict, offsets: dict, result: list[bool]) -> None:
+        """After a batch's commit: remove each of its packs in which no entry was committed
+        (every one lost its race to another writer)."""
+        by_gen: dict[bytes, list[int]] = {}
+        for i in offsets:
+            by_gen.setdefault(encs[i].meta_base.gen, []).append(i)
+        for gen, members in by_gen.items():
+            if not any(result[i] for i in members):
+                self.discard_pack(gen, sorted({n for i in members for n in placed[i]}))
