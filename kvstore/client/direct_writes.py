@@ -46,8 +46,7 @@ committed here and the rest refused there):
     the writer is replaced after a fresh ``Describe`` and the batch written again, once; stale
     again (the views keep differing: two daemons behind one address, say), the batch goes
     through ``PutStream`` and direct writes turn off for this client. Never an acknowledged
-    put that reads back lost. A ``Describe`` without ``writer_view`` gets no direct writes:
-    that daemon's ``Commit`` could not refuse a stale writer.
+    put that reads back lost.
   * ``Commit`` refused with PERMISSION_DENIED (the daemon stopped allowing direct writes):
     they turn off for this client, the packs are removed, the batch goes through ``PutStream``.
   * ``Commit`` refused before indexing anything (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
@@ -186,9 +185,6 @@ class DirectWrites(DirectPath):
             except KVStoreError as exc:  # Describe refused (UNIMPLEMENTED, PERMISSION_DENIED, ...)
                 return self._turn_off(f"Describe failed: {exc}")
             why = "" if d.direct_writes else "the daemon does not accept direct writes (allow_direct_writes = false)"
-            if not why and not d.writer_view:  # its Commit could not refuse a stale writer (module docstring)
-                why = ("the daemon's Describe has no writer_view, so its Commit could not refuse a stale writer "
-                       "and could index entries under keys other than those written")
             if not why and self.mode == "auto":
                 why = auto_decision(d)
             if why:

@@ -88,17 +88,19 @@ def test_a_commit_with_a_stale_or_missing_view_indexes_nothing(make_daemon) -> N
         assert s.lookup([K("w")]).hit_blocks == 0
 
 
-def test_an_older_client_without_the_view_puts_through_the_daemon(make_daemon, monkeypatch) -> None:
+def test_a_commit_refused_for_its_missing_view_puts_through_the_daemon(make_daemon, monkeypatch) -> None:
+    """A Commit the daemon refuses (PERMISSION_DENIED: here it carries no ``writer_view``):
+    direct writes turn off for this client, the packs are removed, the batch goes through the daemon."""
     d = make_daemon(allow_direct_writes=True)
     s = kvstore.connect(d.address, direct_writes="on")
     real = s._direct_w._call
 
-    def old(method, req):  # a client that predates writer_view sends none
+    def no_view(method, req):
         if method == "Commit":
             req.ClearField("view")
         return real(method, req)
 
-    monkeypatch.setattr(s._direct_w, "_call", old)
+    monkeypatch.setattr(s._direct_w, "_call", no_view)
     vals = {K(i): os.urandom(2000) for i in range(3)}
     assert s.put_many([PutItem(k, v) for k, v in vals.items()]) == [True] * 3
     assert s.get_many(list(vals)) == list(vals.values())
@@ -131,37 +133,11 @@ def test_stale_twice_puts_the_batch_through_the_daemon(make_daemon, monkeypatch)
     assert s.direct_write_stats()["counters"]["fallbacks"] == 4
     assert s.check() == []  # both attempts' packs removed
     # Stale right after a fresh Describe: the views keep differing, so direct writes turn off
-    # (QA: every later batch paid two Describes and two discarded pack writes, and a writer piled up)
+    # (else every later batch pays two Describes and two discarded pack writes)
     st = s.direct_write_stats()
     assert not st["active"] and "stale" in st["reason"], st
     calls.clear()
     assert s.put_many([PutItem(K("after"), b"a")]) == [True]
     assert "Describe" not in calls and "Commit" not in calls, calls
     assert s.get(K("after")) == b"a"
-    s.close()
-
-
-def test_a_daemon_whose_describe_has_no_view_gets_no_direct_writes(make_daemon, monkeypatch) -> None:
-    """A daemon older than the client answers Describe without ``writer_view``: its Commit could
-    not refuse a stale writer, so the lost-entry case would be back (QA). Direct writes stay off
-    against it and every put goes through the daemon."""
-    d = make_daemon(allow_direct_writes=True)
-    s = kvstore.connect(d.address, direct_writes="on")
-    real = s._direct_w._call
-    calls: list[str] = []
-
-    def old_daemon(method, req):
-        calls.append(method)
-        reply = real(method, req)
-        if method == "Describe":
-            reply.ClearField("writer_view")
-        return reply
-
-    monkeypatch.setattr(s._direct_w, "_call", old_daemon)
-    vals = {K(i): os.urandom(2000) for i in range(3)}
-    assert s.put_many([PutItem(k, v) for k, v in vals.items()]) == [True] * 3
-    assert calls == ["Describe"], calls  # no Commit: the batch went through PutStream
-    st = s.direct_write_stats()
-    assert not st["active"] and "writer_view" in st["reason"], st
-    assert s.get_many(list(vals)) == list(vals.values())
     s.close()
