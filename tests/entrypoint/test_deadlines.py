@@ -103,7 +103,7 @@ def test_a_client_that_goes_away_cancels_the_encode_or_prefill_in_flight(stack, 
     unary calls no one cancelled, so the worker computed on for 30 s and the entrypoint held the
     request's slot and the worker's in-flight count as long; now the worker sees the cancellation
     and both are taken back within a moment."""
-    from entrypoint.vision import image_hash
+    from kvstore.keys import image_hash
 
     svc, ch, fakes, _ = stack(max_inflight=4)
     opened: list = []

@@ -15,7 +15,8 @@ from engine_plugin.reference import model_preset
 from entrypoint.cluster import Cluster
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.registry import kv_namespace_pb
-from entrypoint.vision import VisionEncoder, image_hash
+from entrypoint.vision import VisionEncoder
+from kvstore.keys import image_hash
 
 MODEL = "tiny"
 

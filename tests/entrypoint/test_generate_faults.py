@@ -224,7 +224,7 @@ def _ve_services(n: int, opened: list, delay_s: float = 0.0) -> list:
 def test_concurrent_uncached_images_spread_over_the_ve_workers(stack):
     """Before: a VE worker's Status said running=0, waiting=0 and the entrypoint kept no count of
     its Encode calls in flight, so every uncached image went to the first VE worker (24 of 24)."""
-    from entrypoint.vision import image_hash
+    from kvstore.keys import image_hash
 
     svc, ch, fakes, _ = stack()
     _register_fakes(svc, fakes)
@@ -262,7 +262,7 @@ def test_concurrent_uncached_images_spread_over_the_ve_workers(stack):
 def test_what_a_tenant_is_told_about_the_ve_cache_does_not_depend_on_other_tenants(stack):
     """Tenants A and B send the same image bytes. Before: B's ``ve`` hop said cache_hit: true (and
     went to the worker holding A's entry), so B learned that another tenant had sent this image."""
-    from entrypoint.vision import image_hash
+    from kvstore.keys import image_hash
 
     svc, ch, fakes, _ = stack(tenants={"default": b"", "a": b"salt-a", "b": b"salt-b"})
     _register_fakes(svc, fakes)

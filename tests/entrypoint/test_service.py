@@ -192,7 +192,8 @@ def test_without_a_secret_loopback_serves_with_one_warning_and_other_hosts_refus
 def test_the_entrypoint_sends_the_secret_on_every_call_to_a_worker(tmp_path):
     """Every call the entrypoint makes to a worker (the heartbeat, each hop) carries the secret,
     after the call's own metadata (the VE scope). Before: none did, so workers could not ask."""
-    from entrypoint.vision import SCOPE_METADATA, image_hash, tenant_scope
+    from entrypoint.vision import SCOPE_METADATA, tenant_scope
+    from kvstore.keys import image_hash
 
     opened: list = []
     fakes = {role: FakeWorker(f"fake-{role}", role) for role in ("ve", "prefill", "decode")}

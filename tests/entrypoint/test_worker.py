@@ -471,7 +471,7 @@ def ve():
 
 
 def test_ve_refuses_bytes_that_do_not_match_their_hash_and_caches_nothing(ve):
-    from entrypoint.vision import image_hash
+    from kvstore.keys import image_hash
 
     svc, encode = ve
     img1, img2 = b"one" * 100, b"two" * 100
@@ -483,7 +483,7 @@ def test_ve_refuses_bytes_that_do_not_match_their_hash_and_caches_nothing(ve):
 
 
 def test_ve_hash_only_lookup_hits_only_for_a_scope_that_sent_the_bytes(ve):
-    from entrypoint.vision import image_hash
+    from kvstore.keys import image_hash
 
     svc, encode = ve
     img = b"secret" * 50
