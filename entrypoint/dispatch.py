@@ -24,7 +24,7 @@ from typing import Any, Callable
 import grpc
 
 from entrypoint.health import Outcome
-from entrypoint.registry import Instance, OpenDecode
+from entrypoint.instances import Instance, OpenDecode
 from entrypoint.vision import scoped_image_key
 from lb.decode import request_kv_bytes
 from lb.types import DecodeInstance, DecodeRequest, PrefillInstance, QueuedPrefill, RouteRequest, VEInstance, VERequest

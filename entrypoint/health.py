@@ -67,7 +67,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from entrypoint.registry import Instance
+from entrypoint.instances import Instance
 
 log = logging.getLogger(__name__)
 

@@ -112,7 +112,7 @@ hangs while its ``Status`` still answers is left out after a few requests even
 when every client's deadline ends before ``worker_timeout_s`` (before, each
 such call was the client's deadline only, and every request went on to it).
 
-Clients: with client tokens (``entrypoint.clients``), ``Generate`` acts for
+Clients: with client tokens (``entrypoint.client_tokens``), ``Generate`` acts for
 its bearer token's tenant only (UNAUTHENTICATED without a known token,
 PERMISSION_DENIED naming another tenant), checked before step 1; without
 them, the request's ``tenant`` field is taken as sent.
@@ -122,7 +122,7 @@ configured (``entrypoint.auth``: UNAUTHENTICATED otherwise, and nothing
 changes); ``ListWorkers`` is open, unless there are client tokens: then it
 takes one of them or the worker secret. Every call to a worker (every hop above, and
 the heartbeat) carries the same secret, since the workers require it
-(``entrypoint.registry`` opens the channels).
+(``entrypoint.instances`` opens the channels).
 
 Cancellation: a client that goes away cancels the in-flight worker call, at
 every hop (``Encode``, ``Prefill``, the ``Decode`` stream): the worker stops
@@ -161,12 +161,12 @@ import grpc
 
 import kvstore
 from entrypoint.auth import WorkerAuth, check_listen, check_secret
-from entrypoint.clients import ClientAuth, check_open_tenants
+from entrypoint.client_tokens import ClientAuth, check_open_tenants
 from entrypoint.dispatch import FAILED_HERE, RETRYABLE, Abort, Dispatch, StallWatch, StalledStream, start_call
 from entrypoint.health import Outcome, StrikePolicy, Strikes
+from entrypoint.instances import IncompatibleWorker, Registry, check_kv_compat
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.registry import IncompatibleWorker, Registry, check_kv_compat
 from entrypoint.rpc import make_server
 from entrypoint.tls import ChannelTLS, ServerTLS, server_address, warn_plaintext
 from entrypoint.vision import SCOPE_METADATA, check_image_hash, tenant_scope
@@ -200,7 +200,7 @@ class EntrypointConfig:
     # Shared secret of the membership calls and of every call to a worker ("": none; see
     # entrypoint.auth). Not in repr: logs.
     worker_secret: str = field(default="", repr=False)
-    # Client bearer token -> tenant ({}: the request's tenant field is trusted; entrypoint.clients).
+    # Client bearer token -> tenant ({}: the request's tenant field is trusted; entrypoint.client_tokens).
     # Not in repr: logs.
     client_tokens: dict[str, str] = field(default_factory=dict, repr=False)
     # (low, high) s: a retry after INTERNAL/UNKNOWN waits a time drawn uniformly from it (at most the
@@ -540,7 +540,7 @@ def serve(cfg: EntrypointConfig, store_url: str, *, host: str = "127.0.0.1", por
     (``grpcs://HOST:PORT`` when ``tls`` is enabled: ``entrypoint.tls``, hop 1).
 
     A ``host`` beyond loopback without ``cfg.worker_secret`` (``entrypoint.auth.check_listen``),
-    or with several tenants and no ``cfg.client_tokens`` (``entrypoint.clients.check_open_tenants``),
+    or with several tenants and no ``cfg.client_tokens`` (``entrypoint.client_tokens.check_open_tenants``),
     is refused before anything is opened. A failure while starting (a bad policy, a port
     that cannot be bound) raises after closing what was already opened (the store)."""
     from concurrent import futures

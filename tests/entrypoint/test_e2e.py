@@ -12,10 +12,10 @@ import grpc
 import pytest
 
 from engine_plugin.reference import model_preset
-from entrypoint.cluster import Cluster
+from entrypoint.instances import kv_namespace_pb
 from entrypoint.proto import serving_pb2 as pb
-from entrypoint.registry import kv_namespace_pb
 from entrypoint.vision import VisionEncoder
+from entrypoint.walkthrough.launcher import Cluster
 from kvstore.keys import image_hash
 
 MODEL = "tiny"

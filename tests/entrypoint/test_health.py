@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from entrypoint.health import Outcome, StrikePolicy, Strikes
+from entrypoint.instances import Instance
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.registry import Instance
 from entrypoint.server import Abort
 from tests.entrypoint.test_service import FIRST_TOKEN, FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
 

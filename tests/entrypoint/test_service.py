@@ -17,9 +17,9 @@ import pytest
 import kvstore
 from engine_plugin.reference import model_preset
 from entrypoint import auth
+from entrypoint.instances import Registry, kv_namespace_pb
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.registry import Registry, kv_namespace_pb
 from entrypoint.rpc import make_server
 from entrypoint.server import EntrypointConfig, EntrypointService, serve
 

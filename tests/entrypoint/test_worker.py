@@ -416,9 +416,9 @@ def test_worker_usage_errors_are_one_line(tmp_path, args, needles):
 def test_worker_without_a_secret_serves_loopback_callers_and_warns_once(tmp_path):
     """Zero configuration stays as it was: a loopback worker answers any local caller; it says so
     once it serves (not before: a start-up error stays one line)."""
-    from entrypoint.cluster import _ready_json
     from entrypoint.proto import serving_pb2 as pb
     from entrypoint.proto import serving_pb2_grpc as pbg
+    from entrypoint.walkthrough.launcher import _ready_json
 
     err = tmp_path / "stderr"
     with open(err, "wb") as err_fh:
