@@ -51,7 +51,8 @@ import threading
 import kvstore
 from entrypoint._cli import OneLineParser, fail
 from entrypoint.auth import SECRET_ENV, load_worker_secret
-from entrypoint.server import EntrypointConfig, serve
+from entrypoint.config import EntrypointConfig
+from entrypoint.server import serve
 from entrypoint.tls import ChannelTLS, ServerTLS, add_serve_args
 from kvstore.api import DTYPES
 from kvstore.auth import read_tokens_file

@@ -15,9 +15,10 @@ from entrypoint import auth
 from entrypoint.__main__ import main as entrypoint_main
 from entrypoint.client import Client
 from entrypoint.client_tokens import ClientAuth
+from entrypoint.config import EntrypointConfig
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.server import EntrypointConfig, serve
+from entrypoint.server import serve
 from entrypoint.walkthrough.launcher import Cluster
 from kvstore.keys import BlockHasher
 from tests.entrypoint.test_service import FIRST_TOKEN, SECRET, stack  # noqa: F401 - the fixture

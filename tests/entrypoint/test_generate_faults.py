@@ -63,7 +63,7 @@ def test_an_lb_input_error_escaping_a_hop_is_invalid_argument_not_unknown(stack,
     def refuse(req, instances):
         raise LBInputError("DecodeRequest.tbt_slo_ms must be None or a number of ms >= 0, got -1")
 
-    monkeypatch.setattr(svc.decode_lb, "choose", refuse)
+    monkeypatch.setattr(svc.dispatch.lbs.decode, "choose", refuse)
     req = pb.GenerateRequest(token_ids=list(range(1, 41)), sampling=pb.Sampling(max_new_tokens=4))
     with pytest.raises(grpc.RpcError) as ei:
         list(pbg.EntrypointStub(ch).Generate(req, timeout=30))
@@ -163,8 +163,8 @@ def test_the_routing_estimate_reuses_at_most_len_minus_one_over_block_size_block
         svc.registry.add(prefill.worker_id, "prefill", _serve_fake(prefill, opened))
         svc.registry.add(fakes["decode"][0].worker_id, "decode", fakes["decode"][1])
         routes = []
-        choose = svc.prefill_lb.choose
-        monkeypatch.setattr(svc.prefill_lb, "choose",
+        choose = svc.dispatch.lbs.prefill.choose
+        monkeypatch.setattr(svc.dispatch.lbs.prefill, "choose",
                             lambda route, snaps: routes.append(route) or choose(route, snaps))
         stub = pbg.EntrypointStub(ch)
         long = list(range(1, 34))

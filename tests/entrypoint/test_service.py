@@ -17,11 +17,12 @@ import pytest
 import kvstore
 from engine_plugin.reference import model_preset
 from entrypoint import auth
+from entrypoint.config import EntrypointConfig
 from entrypoint.instances import Registry, kv_namespace_pb
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.rpc import make_server
-from entrypoint.server import EntrypointConfig, EntrypointService, serve
+from entrypoint.server import EntrypointService, serve
 
 SECRET = "s3cret-for-the-tests-0123456789"
 FIRST_TOKEN = 7
@@ -345,7 +346,7 @@ def test_the_lbs_fetch_blocks_of_the_served_block_size(tmp_path):
         store = kvstore.connect(str(tmp_path / f"store{kv}"))
         registry = Registry(worker_secret=cfg.worker_secret)
         try:
-            transfer = EntrypointService(cfg, store, registry).prefill_lb.models.transfer
+            transfer = EntrypointService(cfg, store, registry).dispatch.lbs.prefill.models.transfer
             assert transfer.block_tokens == 16 and transfer.kv_bytes_per_token > 0
             assert kv == 0.0 or transfer.kv_bytes_per_token == kv
         finally:

@@ -508,7 +508,7 @@ def test_ve_hash_only_lookup_hits_only_for_a_scope_that_sent_the_bytes(ve):
 ])
 def test_entrypoint_config_refuses_tenants_that_would_share_keys(tenants, needle):
     import kvstore
-    from entrypoint.server import EntrypointConfig
+    from entrypoint.config import EntrypointConfig
 
     with pytest.raises(kvstore.InvalidRequest, match=needle):
         EntrypointConfig(namespace=model_preset("tiny").namespace(), tenants=tenants)
