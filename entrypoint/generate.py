@@ -5,16 +5,13 @@ with a params record and a result record, in this order; each step yields the ev
 (a "hop" event per hop, so a client can draw the timeline, and the tokens) and returns its
 result to the next:
 
-  ===========================  ================  ================  =======================
-  step                         params            result            events
-  ===========================  ================  ================  =======================
-  1. ``validate``              the request       ``Admitted``      none
-  2. ``encode_images``         ``EncodeParams``  ``Encoded``       ``ve`` per image
-  3. ``lookup_prefix``         ``LookupParams``  ``PrefixLookup``  ``lookup``
-  4. ``prefill``               ``PrefillParams`` ``Prefilled``     ``prefill``, token 0
-  5. ``decode``                ``DecodeParams``  ``Decoded``       ``decode_start``, tokens,
-                                                                   ``decode`` or ``failover``
-  ===========================  ================  ================  =======================
+    step               params          result        events
+    1. validate        the request     Admitted      none
+    2. encode_images   EncodeParams    Encoded       "ve", one per image
+    3. lookup_prefix   LookupParams    PrefixLookup  "lookup"
+    4. prefill         PrefillParams   Prefilled     "prefill", token 0
+    5. decode          DecodeParams    Decoded       "decode_start", tokens, then "decode" (served)
+                                                     or "failover" (resumed elsewhere), per stream
 
 then a "done" event with the request's summary. ``EntrypointService.Generate``
 (``entrypoint.server``) runs it under its backpressure and turns an ``Abort`` into the call's
