@@ -52,8 +52,9 @@ blocks the runner thread, so nothing in the engine advances, new requests wait i
 cancels are never applied. A watchdog thread sees a step running for longer than
 ``step_timeout_s`` and takes the worker down for good, as ``stop`` does: ``broken`` is "engine
 step stuck for N s" (``Status`` answers UNAVAILABLE with it, so the entrypoint's heartbeat keeps
-the worker down rather than bringing it back to take more requests), one error is logged, and every request held or waiting ends UNAVAILABLE "this worker is
-down: engine step stuck for N s", as does each one submitted later, at once. It stays down until
+the worker down rather than bringing it back to take more requests), one error is logged, and
+every request held or waiting ends UNAVAILABLE "this worker is down: engine step stuck for N s",
+as does each one submitted later, at once. It stays down until
 the process is restarted, even if the step returns later: an engine whose step hung once can not
 be trusted (its state, its device), and a worker that came back would only hang its next batch.
 Should the step return, the runner thread publishes nothing of it and ends. Only ``step`` is

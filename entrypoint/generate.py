@@ -204,10 +204,14 @@ class Admitted:
     max_new: int  # max_new_tokens, or the configured default
     sampling: pb.Sampling  # as every worker gets it (max_new filled in)
     images: list[pb.ImageSegment]  # as the prefill and decode workers get them: no bytes
+    ttft_slo_ms: float | None  # None: no SLO
+    tbt_slo_ms: float | None
 
 
 @dataclass(frozen=True, slots=True)
 class EncodeParams:
+    """Step 2: the images to encode into ``prompt``."""
+
     request_id: str
     prompt: list[int]  # image positions hold placeholders
     images: list[pb.ImageSegment]  # as the client sent them (with their bytes, or by hash alone)
@@ -216,11 +220,15 @@ class EncodeParams:
 
 @dataclass(frozen=True, slots=True)
 class Encoded:
+    """Step 2's result."""
+
     prompt: list[int]  # each image's tokens spliced in
 
 
 @dataclass(frozen=True, slots=True)
 class LookupParams:
+    """Step 3: the prompt to hash into block keys (with its images and the tenant's salt)."""
+
     prompt: list[int]
     spans: list[ImageSpan]
     salt: bytes
@@ -228,12 +236,16 @@ class LookupParams:
 
 @dataclass(frozen=True, slots=True)
 class PrefixLookup:
+    """Step 3's result."""
+
     keys: list[bytes]  # one per full block of the prompt
     hit: kvstore.LookupResult  # the store's cached prefix among the reusable blocks
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillParams:
+    """Step 4: the prompt to prefill, with what the Prefill LB weighs."""
+
     request_id: str
     prompt: list[int]
     keys: list[bytes]
@@ -247,6 +259,8 @@ class PrefillParams:
 
 @dataclass(frozen=True, slots=True)
 class Prefilled:
+    """Step 4's result: the worker that prefilled, the first token and when the client had it."""
+
     worker: Instance
     first_token: int
     slot: str  # the request's in-flight entry on its instances (request ids from clients may repeat)
@@ -255,6 +269,8 @@ class Prefilled:
 
 @dataclass(frozen=True, slots=True)
 class DecodeParams:
+    """Step 5: the rest of the tokens, after ``first_token``."""
+
     request_id: str
     prompt: list[int]
     salt: bytes
@@ -311,17 +327,19 @@ class GeneratePipeline:
         clock = Timeline()
         rid = request.request_id or uuid.uuid4().hex
         tenant = self.clients.tenant_of(context, request.tenant) or "default"
-        a = self.validate(request, rid, tenant)
-        enc = yield from self.encode_images(
-            EncodeParams(rid, list(request.token_ids), list(request.images), tenant_scope(tenant, a.salt)),
+        req = self.validate(request, rid, tenant)
+        enc = yield from self.encode_images(EncodeParams(
+            request_id=rid, prompt=list(request.token_ids), images=list(request.images),
+            scope=tenant_scope(tenant, req.salt)), context, clock)
+        look = yield from self.lookup_prefix(LookupParams(prompt=enc.prompt, spans=req.spans, salt=req.salt), clock)
+        pre = yield from self.prefill(PrefillParams(
+            request_id=rid, prompt=enc.prompt, keys=look.keys, store_hit=look.hit.hit_blocks, salt=req.salt,
+            sampling=req.sampling, images=req.images, max_new=req.max_new, ttft_slo_ms=req.ttft_slo_ms),
             context, clock)
-        look = yield from self.lookup_prefix(LookupParams(enc.prompt, a.spans, a.salt), clock)
-        pre = yield from self.prefill(
-            PrefillParams(rid, enc.prompt, look.keys, look.hit.hit_blocks, a.salt, a.sampling, a.images, a.max_new,
-                          request.ttft_slo_ms or None), context, clock)
-        dec = yield from self.decode(
-            DecodeParams(rid, enc.prompt, a.salt, a.sampling, a.images, a.max_new, request.tbt_slo_ms or None,
-                         pre.slot, pre.first_token), context, clock)
+        dec = yield from self.decode(DecodeParams(
+            request_id=rid, prompt=enc.prompt, salt=req.salt, sampling=req.sampling, images=req.images,
+            max_new=req.max_new, tbt_slo_ms=req.tbt_slo_ms, slot=pre.slot, first_token=pre.first_token),
+            context, clock)
         if dec.client_left:
             return
         self.registry.routed((dec.last_worker or pre.worker).worker_id, look.keys)
@@ -369,7 +387,9 @@ class GeneratePipeline:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         sampling = pb.Sampling(max_new_tokens=max_new, temperature=temp, seed=request.sampling.seed)
         images = [pb.ImageSegment(image_hash=i.image_hash, start=i.start, length=i.length) for i in request.images]
-        return Admitted(request_id, tenant, salt, spans, max_new, sampling, images)
+        return Admitted(request_id=request_id, tenant=tenant, salt=salt, spans=spans, max_new=max_new,
+                        sampling=sampling, images=images, ttft_slo_ms=request.ttft_slo_ms or None,
+                        tbt_slo_ms=request.tbt_slo_ms or None)
 
     # ------------------------------------------------------------------ 2. encode images
     def encode_images(self, p: EncodeParams, context, clock: Timeline) -> Events:
