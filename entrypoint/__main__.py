@@ -13,7 +13,7 @@ Worker secret (``entrypoint.auth``): ``--worker-secret-file FILE``, else the
 (they send it to ``Register``, and require it of the entrypoint's calls).
 Without either, the entrypoint serves on loopback only and warns once.
 
-Client tokens (``entrypoint.clients``): ``--client-tokens FILE`` (the kvstore
+Client tokens (``entrypoint.client_tokens``): ``--client-tokens FILE`` (the kvstore
 daemon's tokens-file format) makes every ``Generate`` act for its bearer
 token's tenant only. Without it the request's tenant field is trusted, and an
 entrypoint with several tenants serves on loopback only.
@@ -51,7 +51,8 @@ import threading
 import kvstore
 from entrypoint._cli import OneLineParser, fail
 from entrypoint.auth import SECRET_ENV, load_worker_secret
-from entrypoint.server import EntrypointConfig, serve
+from entrypoint.config import EntrypointConfig
+from entrypoint.server import serve
 from entrypoint.tls import ChannelTLS, ServerTLS, add_serve_args
 from kvstore.api import DTYPES
 from kvstore.auth import read_tokens_file
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                          "with a warning)")
     ap.add_argument("--client-tokens", default="", metavar="FILE",
                     help="TOML file of client bearer tokens ([tokens] \"TOKEN\" = \"TENANT\"): each Generate then "
-                         "acts for its token's tenant only (entrypoint.clients; default: none, the request's "
+                         "acts for its token's tenant only (entrypoint.client_tokens; default: none, the request's "
                          "tenant field is trusted, and several tenants serve on loopback only)")
     t = add_serve_args(ap, "mutual TLS: every caller (client or worker) needs a certificate signed by this CA")
     t.add_argument("--worker-ca", default="", metavar="FILE",

@@ -28,23 +28,23 @@ No secret at all (``check_listen``): an entrypoint or a worker listening on a
 loopback address accepts calls without one and logs one warning once it
 serves, so a laptop stack needs no configuration; one listening on any other
 address refuses to start, since there the whole network could re-route the
-workers or call them. ``entrypoint.cluster.Cluster`` (the walkthrough, the
-tests, the benchmarks) generates a random secret per stack and hands it to the
-entrypoint and the workers it starts through the environment, so even the
-zero-configuration walkthrough runs authenticated.
+workers or call them. ``entrypoint.walkthrough.launcher.Cluster`` (the
+walkthrough's stacks, and the end-to-end tests') generates a random secret per
+stack and hands it to the entrypoint and the workers it starts through the
+environment, so even the zero-configuration walkthrough runs authenticated.
 
 Scope, when a secret is configured:
   * entrypoint: ``Register`` and ``Deregister`` need it (``WorkerAuth.check``
     in the handler, before any change). ``ListWorkers`` (read-only) and
     ``Generate`` (the clients' call) do not: without client tokens both are
-    open; with them (``--client-tokens``, ``entrypoint.clients``) ``Generate``
+    open; with them (``--client-tokens``, ``entrypoint.client_tokens``) ``Generate``
     needs a client token and ``ListWorkers`` a client token or this secret.
   * worker: every method of its ``Worker`` service (``Prefill``, ``Decode``,
     ``Encode``, ``Status``, and any added later) needs it
     (``server_interceptors``: a server interceptor, so a refused call reaches
     no handler, not even the request parser).
   * the entrypoint sends it on every call it makes to a worker
-    (``client_interceptor``, on every channel ``entrypoint.registry`` opens),
+    (``client_interceptor``, on every channel ``entrypoint.instances`` opens),
     after the call's own metadata (the VE cache scope on ``Encode``); a worker
     sends it with ``Register`` (``metadata``).
 Transport: the secret (and a client's token) is plain call metadata, so over a

@@ -18,9 +18,9 @@ token, then set aside; once every turn alone is over, those that passed rejoin t
 request continues after the tokens it has sent (prompt plus those tokens, at the next output
 index, as a re-dispatched ``Decode`` does), so none is sent twice. Only a request that fails
 alone (it held its step alone, or this was its turn) fails, with INTERNAL; so the batch-mate
-of a poison request is served here, not failed with it (before, both failed, and with one
-worker of the role the entrypoint's retries tended to batch them again until the good one
-ran out of attempts). This ends: a request is retried alone only after a step it shared
+of a poison request is served here, not failed with it (were both failed, with one worker
+of the role the entrypoint's retries would tend to batch them again until the good one ran
+out of attempts). This ends: a request is retried alone only after a step it shared
 failed, and each turn ends with it failed, finished or one token further. If the engine can
 not even drop a request, the worker reports itself down (``Status`` answers UNAVAILABLE)
 rather than failing every request while looking healthy.
@@ -30,8 +30,8 @@ deadline) is cancelled (``EngineRunner.cancel``, from any thread; the worker cal
 its RPC ends before the request did). The runner thread applies it before its next step:
 the request leaves the engine (``Engine.abort_request``: blocks freed, the connector forgets
 it), the inbox, the retry queue, the set-aside list and its turn alone, whichever holds it,
-so it takes no more steps, batch slots or turns alone (before, it was decoded to
-``max_new_tokens`` and even retried alone after a failed step, while new requests waited).
+so it takes no more steps, batch slots or turns alone (rather than being decoded to
+``max_new_tokens``, even retried alone after a failed step, while new requests wait).
 The runner then holds no reference to it (its maps and queues do not leak it, and its handle
 gets no more tokens and no final event). A request that already ended (``done`` or an
 error) is not touched. Each one cancelled is
@@ -42,8 +42,8 @@ current step, then every request it still holds (in the engine, waiting for or s
 a retry alone, in the inbox) ends with UNAVAILABLE "this worker is down: it is shutting down",
 and so does each one submitted later, at once; ``Status`` answers UNAVAILABLE too. The RPC waiting
 on each so ends with a status the entrypoint fails over on (the worker is marked down; a decode
-stream resumes elsewhere after the tokens it sent). Before, they got no final event: their RPCs
-waited until grpc cut them at the end of the server's grace, and the entrypoint saw a bare
+stream resumes elsewhere after the tokens it sent). Without a final event their RPCs would
+wait until grpc cut them at the end of the server's grace, and the entrypoint would see a bare
 CANCELLED.
 
 Stuck steps (``step_timeout_s`` > 0; the worker's ``--step-timeout-s``, default
@@ -52,9 +52,9 @@ blocks the runner thread, so nothing in the engine advances, new requests wait i
 cancels are never applied. A watchdog thread sees a step running for longer than
 ``step_timeout_s`` and takes the worker down for good, as ``stop`` does: ``broken`` is "engine
 step stuck for N s" (``Status`` answers UNAVAILABLE with it, so the entrypoint's heartbeat keeps
-the worker down; before, it answered OK and the worker kept being brought back and eating
-requests), one error is logged, and every request held or waiting ends UNAVAILABLE "this worker is
-down: engine step stuck for N s", as does each one submitted later, at once. It stays down until
+the worker down rather than bringing it back to take more requests), one error is logged, and
+every request held or waiting ends UNAVAILABLE "this worker is down: engine step stuck for N s",
+as does each one submitted later, at once. It stays down until
 the process is restarted, even if the step returns later: an engine whose step hung once can not
 be trusted (its state, its device), and a worker that came back would only hang its next batch.
 Should the step return, the runner thread publishes nothing of it and ends. Only ``step`` is

@@ -1,10 +1,10 @@
 """Strikes: the workers a pick leaves out for a while though they are up, and why.
 
-``entrypoint.dispatch`` and the decode loop of ``entrypoint.server`` call ``Strikes.record`` when a
+``entrypoint.dispatch`` and the decode step of ``entrypoint.generate`` call ``Strikes.record`` when a
 worker call ends, and ``Strikes.tiers`` to order the live workers of a role before every pick.
 
 Some outcomes take no worker down, yet a worker that has only those is worth leaving alone
-(``entrypoint.server``'s module docstring, "Avoided workers"):
+(``entrypoint.generate``'s module docstring, "Avoided workers"):
 
   ``FAILED_HERE``  the call failed INTERNAL or UNKNOWN: retried elsewhere, the worker stays up.
                    A worker whose handler fails every call still answers ``Status`` and looks idle
@@ -20,15 +20,15 @@ Some outcomes take no worker down, yet a worker that has only those is worth lea
                    reply; a decode stream cancelled by its stall watch before a token in that
                    attempt) is one too, besides marking the worker down: ``mark_down`` only sets
                    the registration's ``healthy`` flag, and the next heartbeat that its ``Status``
-                   answers sets it back on the same ``Instance``, strikes kept. Before, such a hung
-                   engine was back up within a heartbeat, never avoided, and every new request
-                   paid a full ``worker_timeout_s`` there first (QA).
+                   answers sets it back on the same ``Instance``, strikes kept: without the strike
+                   such a hung engine would be back up within a heartbeat, never avoided, and every
+                   new request would pay a full ``worker_timeout_s`` there first.
   ``STALLED``      a decode stream that sent tokens in that attempt, then no event for
                    ``worker_timeout_s``: its stall watch cancelled it, the worker is marked down and
                    the stream resumes elsewhere after the tokens sent. Its tokens do not clear the
                    strikes (a stream's progress is counted when it ends, and this one ended stalled).
-                   Before, such a stall counted nothing, so an engine that hangs a few tokens into
-                   every request was back at the next heartbeat and took (and stalled) every new one.
+                   Were such a stall to count nothing, an engine that hangs a few tokens into every
+                   request would be back at the next heartbeat and take (and stall) every new one.
 
 One such call says little (a healthy but slow worker, one client in a hurry), many in a row do.
 
@@ -43,10 +43,9 @@ Invariants:
   1. A strike never marks a worker down, and avoidance never refuses a request: the pick offers the
      LB the preferred workers first (``tiers``) and, when it admits none of them (KV full, an SLO
      missed), the wider tiers, so with no other worker up, or none other with room, an avoided one
-     (or one that failed this request) is picked all the same. Before, the preferred workers alone
-     were offered, and a request was refused RESOURCE_EXHAUSTED while an avoided worker was idle
-     with room (QA). So a single poison request (it fails wherever it goes) costs each worker it
-     tried one strike, and nothing more.
+     (or one that failed this request) is picked all the same: a request is never refused
+     RESOURCE_EXHAUSTED while an avoided worker is idle with room. So a single poison request (it
+     fails wherever it goes) costs each worker it tried one strike, and nothing more.
   2. The other outcomes (a ``RETRYABLE`` status, which marks the worker down instead, but for a
      missed ``worker_timeout_s`` without progress and a decode stream stalled after tokens, above;
      a status that is the request's fault; the client going away) neither count nor reset: they
@@ -55,7 +54,7 @@ Invariants:
      up by the heartbeat, it is the same ``Instance``: its count and avoidance stay.
 
 ``Instance.strikes``/``avoid_until`` are read and written under the lock given to ``Strikes``
-(the service's one lock).
+(the service's one lock, which ``Dispatch`` shares).
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from entrypoint.registry import Instance
+from entrypoint.instances import Instance
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +123,7 @@ class Strikes:
         request with ``FAILED_HERE``); those not among ``failed_here``; all of ``live``. The LB chooses
         in the first tier where it admits one (``entrypoint.dispatch.Dispatch._choose``). A worker that
         failed this very request is left out before one avoided for its recent calls, as the retry rule
-        says (``entrypoint.server``, "INTERNAL and UNKNOWN"). Takes the lock: call it without it."""
+        says (``entrypoint.generate``, "INTERNAL and UNKNOWN"). Takes the lock: call it without it."""
         fresh = [i for i in live if i.worker_id not in failed_here]
         good = [i for i in fresh if not self.avoided(i)]
         out: list[list[Instance]] = []

@@ -1,7 +1,7 @@
 """TLS on the entrypoint's gRPC hops: which files each side takes, and the scheme rule.
 
 Without TLS the worker secret (``entrypoint.auth``) and the client tokens
-(``entrypoint.clients``) cross the network in clear text; TLS encrypts them and
+(``entrypoint.client_tokens``) cross the network in clear text; TLS encrypts them and
 lets each caller verify whom it talks to. The PEM files are read, checked and
 turned into gRPC credentials by ``kvstore.tls``, as the kvstore daemon's are.
 
@@ -13,7 +13,7 @@ other side's certificate; without a CA file, the system roots):
        * entrypoint: ``--tls-cert C --tls-key K`` serve TLS; ``--tls-client-ca
          CA`` adds mutual TLS: *every* caller, client or worker, must present
          a certificate signed by CA.
-       * client (``entrypoint.cluster.Client``): address ``grpcs://HOST:PORT``,
+       * client (``entrypoint.client.Client``): address ``grpcs://HOST:PORT``,
          ``ca_file``; ``cert_file`` + ``key_file`` for mutual TLS.
        * worker: ``--entrypoint grpcs://HOST:PORT --entrypoint-ca FILE``;
          ``--entrypoint-cert`` + ``--entrypoint-key`` for mutual TLS.

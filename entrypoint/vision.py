@@ -6,8 +6,9 @@ projection and quantised to the nearest entry of a codebook of the model's
 vocabulary (vector quantisation, as discrete visual tokenizers do). The same
 bytes always give the same tokens, on any machine.
 
-``EncoderCache`` is the VE output cache keyed by image hash; the VE load
-balancer routes an image to the instance whose cache holds it for the
+``EncoderCache`` is the VE output cache keyed by image hash
+(``kvstore.keys.image_hash``, the hash that also enters the block keys); the
+VE load balancer routes an image to the instance whose cache holds it for the
 request's scope (``scoped_image_key``, the keys a VE worker's ``Status``
 reports).
 
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from kvstore.errors import InvalidRequest
+from kvstore.keys import image_hash
 
 PATCH_BYTES = 64
 SCOPE_METADATA = "kvstack-image-scope"  # gRPC metadata on Encode: the caller's tenant-derived cache scope
@@ -51,16 +53,11 @@ def scoped_image_key(scope: bytes, h: bytes) -> bytes:
     return hashlib.blake2b(scope + b"\0" + h, digest_size=16, person=b"kvstack-vekey").digest()
 
 
-def image_hash(data: bytes) -> bytes:
-    """Content hash of an image (the VE cache key and the ``ImageSpan`` hash)."""
-    return hashlib.blake2b(data, digest_size=16, person=b"kvstack-image").digest()
-
-
 def check_image_hash(claimed: bytes, data: bytes) -> None:
     """Refuse (``InvalidRequest``) image bytes whose content hash is not ``claimed``."""
     if image_hash(data) != claimed:
         raise InvalidRequest(f"image_hash {claimed.hex()} does not match the image bytes sent "
-                             "(it must be entrypoint.vision.image_hash(image_data))")
+                             "(it must be kvstore.keys.image_hash(image_data))")
 
 
 class VisionEncoder(torch.nn.Module):

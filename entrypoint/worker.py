@@ -64,7 +64,7 @@ Run: ``python -m entrypoint.worker --role decode --store ./kvstack-data``;
 the first line on stdout is ``READY <json>`` with the bound address. With
 ``--entrypoint``, the worker registers there, sending the worker secret and,
 for prefill and decode, its engine's KV namespace and block size (which must
-be the entrypoint's: ``entrypoint.registry.check_kv_compat``). A usage error
+be the entrypoint's: ``entrypoint.instances.check_kv_compat``). A usage error
 (bad flag, unknown model, a bad or refused worker secret, a registration
 refused as INVALID_ARGUMENT or FAILED_PRECONDITION, a non-loopback ``--host``
 without a secret) is one line on stderr and exit code
@@ -93,9 +93,9 @@ import kvstore
 from entrypoint import auth
 from entrypoint._cli import OneLineParser, fail
 from entrypoint.engine_runner import DEFAULT_STEP_TIMEOUT_S, EngineRunner, Handle, request_stats
+from entrypoint.instances import kv_namespace_pb
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.registry import kv_namespace_pb
 from entrypoint.rpc import make_server
 from entrypoint.tls import (ChannelTLS, ServerTLS, add_serve_args, open_channel, server_address, split_address,
                             unreachable_hint, warn_plaintext)

@@ -94,7 +94,7 @@ def load_server_secret(path: Path) -> bytes:
 def read_tokens_file(tokens_file: str) -> tuple[dict[str, str], set[str]]:
     """(token -> tenant name, admin tenant names) of a tokens file (module docstring); its
     misuse is ``InvalidRequest`` naming the file. The daemon (``TokenTable.load``) and the
-    entrypoint's client tokens (``entrypoint.clients``) read the one format."""
+    entrypoint's client tokens (``entrypoint.client_tokens``) read the one format."""
     try:
         with open(tokens_file, "rb") as fh:
             doc = tomllib.load(fh)

@@ -79,6 +79,12 @@ class Namespace:
         return f"{self.model_id}/{self.kv_layout}/{self.dtype}/r{self.rank}"
 
 
+def image_hash(data: bytes) -> bytes:
+    """The content hash of an image's bytes: the ``ImageSpan.image_hash`` that enters the block keys
+    of the blocks its tokens overlap (and the vision encoder's cache key)."""
+    return hashlib.blake2b(data, digest_size=16, person=b"kvstack-image").digest()
+
+
 @dataclass(frozen=True, slots=True)
 class ImageSpan:
     """An image's tokens: ``length`` positions starting at ``start``, identified by ``image_hash``."""

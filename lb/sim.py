@@ -68,7 +68,7 @@ Model (one heap of timed events; ties: completions before arrivals)
        ``1 / DecodeCostModel.predict(batch tokens, batch requests)``, the
        batch changes on joins/leaves; TBT = (decode end - prefill end) / output tokens:
        the time spent waiting for a decode slot counts, as the client sees it (the first
-       token comes with the prefill, ``entrypoint/server.py``; the next only once the
+       token comes with the prefill, ``entrypoint/generate.py``; the next only once the
        request decodes), so a policy that queues at decode is not flattered by a TBT of
        its decode batch alone. TTFT ends at prefill end for the same reason.
 
@@ -629,7 +629,7 @@ def simulate(
                 continue
             hits = {p.id: hits_on(p, idx) for p in pre}
             slo_ms = cfg.ttft_slo_ms if cfg.admission else None
-            rr = RouteRequest(  # as production builds it: full blocks only (entrypoint/server.py)
+            rr = RouteRequest(  # as production builds it: full blocks only (entrypoint/generate.py)
                 r.input_length, len(full[idx]), hits, full[idx], (),
                 slo_ms, cfg.tbt_slo_ms if cfg.admission else None, bt, now,
             )

@@ -3,7 +3,7 @@
 What it does, in order:
   1. starts, on loopback and a fresh data directory, the kvstore daemon, one
      vision-encoder, one prefill and two decode workers (the reference engine
-     with the plugin) and the entrypoint (``entrypoint.cluster``);
+     with the plugin) and the entrypoint (``entrypoint.walkthrough.launcher``);
   2. plays turn 1 (system prompt, tool definitions, the task) and turn 2 (tool
      call, tool result, a screenshot as an image segment);
   3. runs turn 3 cold (a tenant with its own salt, so nothing is cached for it),
@@ -57,10 +57,10 @@ from pathlib import Path
 import grpc
 
 from entrypoint._cli import OneLineParser, fail
-from entrypoint.cluster import Cluster
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.vision import VisionEncoder
 from entrypoint.walkthrough.conversation import Conversation, RequestSizes, build
+from entrypoint.walkthrough.launcher import Cluster
 from entrypoint.walkthrough.report import VariantResult, hop_line, render_html
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import BlockHasher, ImageSpan

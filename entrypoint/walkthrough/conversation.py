@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from entrypoint.vision import image_hash
+from kvstore.keys import image_hash
 
 SYSTEM = ("You are a coding agent. You read the repository, run tools, and edit files. "
           "Answer with a short plan, then call tools. Never guess a file's content: read it. ")

@@ -1,4 +1,4 @@
-"""Client tokens (``entrypoint.clients``): with a tokens file, a Generate acts for its token's
+"""Client tokens (``entrypoint.client_tokens``): with a tokens file, a Generate acts for its token's
 tenant only. Before, the request's ``tenant`` field was trusted as sent, so any client could
 name another tenant and read which prompts it had cached (the lookup hop's cached tokens)."""
 
@@ -13,11 +13,13 @@ import kvstore
 from engine_plugin.reference import model_preset
 from entrypoint import auth
 from entrypoint.__main__ import main as entrypoint_main
-from entrypoint.clients import ClientAuth
-from entrypoint.cluster import Client, Cluster
+from entrypoint.client import Client
+from entrypoint.client_tokens import ClientAuth
+from entrypoint.config import EntrypointConfig
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.server import EntrypointConfig, serve
+from entrypoint.server import serve
+from entrypoint.walkthrough.launcher import Cluster
 from kvstore.keys import BlockHasher
 from tests.entrypoint.test_service import FIRST_TOKEN, SECRET, stack  # noqa: F401 - the fixture
 

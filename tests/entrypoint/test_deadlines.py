@@ -11,9 +11,9 @@ import time
 import grpc
 import pytest
 
+from entrypoint.dispatch import Abort
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.server import Abort
 from tests.entrypoint.test_service import FIRST_TOKEN, FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
 
 
@@ -87,7 +87,7 @@ def test_a_short_client_deadline_is_the_clients_and_takes_no_worker_down(stack, 
         svc.registry.add(fakes[other][0].worker_id, other, fakes[other][1])
         req = pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=30))
         with pytest.raises(Abort) as ei:
-            list(svc._generate(req, ClientContext(0.3)))
+            list(svc.pipeline.run(req, ClientContext(0.3)))
         assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value.message
         assert "client's deadline" in ei.value.message
         assert [i.worker_id for i in svc.registry.ready(role)] == [slow.worker_id]
@@ -103,7 +103,7 @@ def test_a_client_that_goes_away_cancels_the_encode_or_prefill_in_flight(stack, 
     unary calls no one cancelled, so the worker computed on for 30 s and the entrypoint held the
     request's slot and the worker's in-flight count as long; now the worker sees the cancellation
     and both are taken back within a moment."""
-    from entrypoint.vision import image_hash
+    from kvstore.keys import image_hash
 
     svc, ch, fakes, _ = stack(max_inflight=4)
     opened: list = []
@@ -264,7 +264,7 @@ def test_a_slow_client_reader_is_not_a_stalled_decode_worker(stack):
         svc.registry.add(fakes[role][0].worker_id, role, fakes[role][1])
     req = pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=6))
     events = []
-    for ev in svc._generate(req, ClientContext(120)):
+    for ev in svc.pipeline.run(req, ClientContext(120)):
         events.append(ev)
         if ev.kind == "token" and ev.index == 2:
             time.sleep(3.0)
@@ -307,7 +307,7 @@ def test_a_workers_own_deadline_exceeded_is_not_taken_for_the_clients(stack, rol
         other = "decode" if role == "prefill" else "prefill"
         svc.registry.add(fakes[other][0].worker_id, other, fakes[other][1])
         req = pb.GenerateRequest(token_ids=[1, 2, 3, 4], sampling=pb.Sampling(max_new_tokens=4))
-        events = list(svc._generate(req, ClientContext(60)))
+        events = list(svc.pipeline.run(req, ClientContext(60)))
         assert [e.token_id for e in events if e.kind == "token"] == [FIRST_TOKEN, 1, 2, 3]
     finally:
         for close in opened:

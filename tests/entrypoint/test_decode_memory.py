@@ -1,5 +1,5 @@
 """The KV of the decode streams this entrypoint picked between two heartbeats is counted against
-their instance until a heartbeat does (``entrypoint.dispatch.Dispatch._decode_snapshot``), in
+their instance until a heartbeat does (``entrypoint.dispatch.Dispatch.decode_snapshot``), in
 process with fake workers (the helpers of ``test_service``; no heartbeat thread runs there, so
 the last ``Status`` is the one ``add`` or ``poll_once`` asked)."""
 
@@ -67,14 +67,14 @@ def test_decodes_picked_between_two_heartbeats_cannot_overcommit_an_instance_s_k
         assert mem.first_token.wait(30)
         inst = svc.registry.instances("decode")[0]
         with svc._lock:
-            assert svc._decode_snapshot(inst).kv_used_bytes == 48 * MIB  # reserved: not reported yet
+            assert svc.dispatch.decode_snapshot(inst).kv_used_bytes == 48 * MIB  # reserved: not reported yet
         with pytest.raises(grpc.RpcError) as ei:
             list(stub.Generate(pb.GenerateRequest(token_ids=PROMPT[::-1], sampling=pb.Sampling(max_new_tokens=8)),
                                timeout=60))
         assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV memory" in ei.value.details()
         svc.registry.poll_once()  # asked after the first stream started: it counts its KV (41 MiB so far)
         with svc._lock:
-            assert svc._decode_snapshot(inst).kv_used_bytes == 41 * MIB
+            assert svc.dispatch.decode_snapshot(inst).kv_used_bytes == 41 * MIB
         t.join(timeout=60)
         assert [e.token_id for e in first["events"] if e.kind == "token"] == [FIRST_TOKEN] + list(range(1, 8))
         assert inst.decodes == {}

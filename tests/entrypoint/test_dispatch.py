@@ -18,9 +18,9 @@ import grpc
 import pytest
 
 import kvstore
+from entrypoint.config import EntrypointConfig
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.server import EntrypointConfig
 from tests.entrypoint.test_service import FIRST_TOKEN, FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
 
 POISON = 666  # a prompt token every fake engine below fails on
@@ -219,7 +219,7 @@ def test_concurrent_requests_spread_over_the_workers_of_a_role(stack, monkeypatc
             svc.registry.add(w.worker_id, role, _serve_fake(w, opened))
         other = "decode" if role == "prefill" else "prefill"
         svc.registry.add(fakes[other][0].worker_id, other, fakes[other][1])
-        _slow_lb(svc.prefill_lb if role == "prefill" else svc.decode_lb, monkeypatch)
+        _slow_lb(svc.dispatch.lbs.prefill if role == "prefill" else svc.dispatch.lbs.decode, monkeypatch)
         stub = pbg.EntrypointStub(ch)
 
         def one(i: int) -> str:

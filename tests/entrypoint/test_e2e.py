@@ -12,10 +12,11 @@ import grpc
 import pytest
 
 from engine_plugin.reference import model_preset
-from entrypoint.cluster import Cluster
+from entrypoint.instances import kv_namespace_pb
 from entrypoint.proto import serving_pb2 as pb
-from entrypoint.registry import kv_namespace_pb
-from entrypoint.vision import VisionEncoder, image_hash
+from entrypoint.vision import VisionEncoder
+from entrypoint.walkthrough.launcher import Cluster
+from kvstore.keys import image_hash
 
 MODEL = "tiny"
 
@@ -146,7 +147,7 @@ def test_a_prompt_too_big_for_the_prefill_pool_fails_alone(cluster):
     """The prefill worker's pool (1024 blocks of 16) can never hold this prompt: that request
     is refused, and the worker keeps serving (before: it failed every later request while
     its heartbeat still said it was up). One new token: no decode hop, so the entrypoint's own
-    check that a decode worker could hold it (``Dispatch._check_decode_fits``) does not refuse
+    check that a decode worker could hold it (``Dispatch.check_decode_fits``) does not refuse
     it first, and the prefill worker's refusal is what is tested."""
     cl = cluster.client()
     with pytest.raises(grpc.RpcError) as ei:

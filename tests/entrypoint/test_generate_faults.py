@@ -63,7 +63,7 @@ def test_an_lb_input_error_escaping_a_hop_is_invalid_argument_not_unknown(stack,
     def refuse(req, instances):
         raise LBInputError("DecodeRequest.tbt_slo_ms must be None or a number of ms >= 0, got -1")
 
-    monkeypatch.setattr(svc.decode_lb, "choose", refuse)
+    monkeypatch.setattr(svc.dispatch.lbs.decode, "choose", refuse)
     req = pb.GenerateRequest(token_ids=list(range(1, 41)), sampling=pb.Sampling(max_new_tokens=4))
     with pytest.raises(grpc.RpcError) as ei:
         list(pbg.EntrypointStub(ch).Generate(req, timeout=30))
@@ -163,8 +163,8 @@ def test_the_routing_estimate_reuses_at_most_len_minus_one_over_block_size_block
         svc.registry.add(prefill.worker_id, "prefill", _serve_fake(prefill, opened))
         svc.registry.add(fakes["decode"][0].worker_id, "decode", fakes["decode"][1])
         routes = []
-        choose = svc.prefill_lb.choose
-        monkeypatch.setattr(svc.prefill_lb, "choose",
+        choose = svc.dispatch.lbs.prefill.choose
+        monkeypatch.setattr(svc.dispatch.lbs.prefill, "choose",
                             lambda route, snaps: routes.append(route) or choose(route, snaps))
         stub = pbg.EntrypointStub(ch)
         long = list(range(1, 34))
@@ -224,7 +224,7 @@ def _ve_services(n: int, opened: list, delay_s: float = 0.0) -> list:
 def test_concurrent_uncached_images_spread_over_the_ve_workers(stack):
     """Before: a VE worker's Status said running=0, waiting=0 and the entrypoint kept no count of
     its Encode calls in flight, so every uncached image went to the first VE worker (24 of 24)."""
-    from entrypoint.vision import image_hash
+    from kvstore.keys import image_hash
 
     svc, ch, fakes, _ = stack()
     _register_fakes(svc, fakes)
@@ -262,7 +262,7 @@ def test_concurrent_uncached_images_spread_over_the_ve_workers(stack):
 def test_what_a_tenant_is_told_about_the_ve_cache_does_not_depend_on_other_tenants(stack):
     """Tenants A and B send the same image bytes. Before: B's ``ve`` hop said cache_hit: true (and
     went to the worker holding A's entry), so B learned that another tenant had sent this image."""
-    from entrypoint.vision import image_hash
+    from kvstore.keys import image_hash
 
     svc, ch, fakes, _ = stack(tenants={"default": b"", "a": b"salt-a", "b": b"salt-b"})
     _register_fakes(svc, fakes)

@@ -11,11 +11,11 @@ import time
 import grpc
 import pytest
 
+from entrypoint.dispatch import Abort
 from entrypoint.health import Outcome, StrikePolicy, Strikes
+from entrypoint.instances import Instance
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.registry import Instance
-from entrypoint.server import Abort
 from tests.entrypoint.test_service import FIRST_TOKEN, FakeWorker, _serve_fake, stack  # noqa: F401 - fixture
 
 
@@ -455,7 +455,7 @@ def test_a_cancel_at_the_clients_deadline_is_a_strike_though_some_of_it_is_left_
 
         def run() -> None:
             try:
-                list(svc._generate(req, ctx))
+                list(svc.pipeline.run(req, ctx))
                 ended.append("returned")
             except Abort as exc:
                 ended.append(exc.code)

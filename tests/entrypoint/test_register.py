@@ -1,5 +1,5 @@
 """``Register`` checks that a prefill or decode worker hashes its KV keys as the entrypoint does
-(namespace and block size, ``entrypoint.registry.check_kv_compat``), in process with fake workers
+(namespace and block size, ``entrypoint.instances.check_kv_compat``), in process with fake workers
 (the helpers of ``test_service``) and with a real worker's ``main``."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 import kvstore
 from engine_plugin.reference import model_preset
+from entrypoint.instances import kv_namespace_pb
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.registry import kv_namespace_pb
 from tests.entrypoint.test_service import kv_of, stack  # noqa: F401 - fixture
 
 TINY = model_preset("tiny").namespace()

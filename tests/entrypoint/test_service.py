@@ -17,11 +17,12 @@ import pytest
 import kvstore
 from engine_plugin.reference import model_preset
 from entrypoint import auth
+from entrypoint.config import EntrypointConfig
+from entrypoint.instances import Registry, kv_namespace_pb
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.registry import Registry, kv_namespace_pb
 from entrypoint.rpc import make_server
-from entrypoint.server import EntrypointConfig, EntrypointService, serve
+from entrypoint.server import EntrypointService, serve
 
 SECRET = "s3cret-for-the-tests-0123456789"
 FIRST_TOKEN = 7
@@ -192,7 +193,8 @@ def test_without_a_secret_loopback_serves_with_one_warning_and_other_hosts_refus
 def test_the_entrypoint_sends_the_secret_on_every_call_to_a_worker(tmp_path):
     """Every call the entrypoint makes to a worker (the heartbeat, each hop) carries the secret,
     after the call's own metadata (the VE scope). Before: none did, so workers could not ask."""
-    from entrypoint.vision import SCOPE_METADATA, image_hash, tenant_scope
+    from entrypoint.vision import SCOPE_METADATA, tenant_scope
+    from kvstore.keys import image_hash
 
     opened: list = []
     fakes = {role: FakeWorker(f"fake-{role}", role) for role in ("ve", "prefill", "decode")}
@@ -344,7 +346,7 @@ def test_the_lbs_fetch_blocks_of_the_served_block_size(tmp_path):
         store = kvstore.connect(str(tmp_path / f"store{kv}"))
         registry = Registry(worker_secret=cfg.worker_secret)
         try:
-            transfer = EntrypointService(cfg, store, registry).prefill_lb.models.transfer
+            transfer = EntrypointService(cfg, store, registry).dispatch.lbs.prefill.models.transfer
             assert transfer.block_tokens == 16 and transfer.kv_bytes_per_token > 0
             assert kv == 0.0 or transfer.kv_bytes_per_token == kv
         finally:

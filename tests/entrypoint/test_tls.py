@@ -22,13 +22,14 @@ import pytest
 
 from engine_plugin.reference import model_preset
 from entrypoint.__main__ import main as entrypoint_main
-from entrypoint.cluster import Client, Cluster, ClusterTLS
+from entrypoint.client import Client
+from entrypoint.config import EntrypointConfig
+from entrypoint.instances import Registry
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
-from entrypoint.registry import Registry
 from entrypoint.rpc import make_server
-from entrypoint.server import EntrypointConfig
 from entrypoint.tls import ChannelTLS, ServerTLS, open_channel
+from entrypoint.walkthrough.launcher import Cluster, ClusterTLS
 from entrypoint.worker import ENTRYPOINT_TLS_NONE, _register
 from entrypoint.worker import main as worker_main
 from kvstore.errors import InvalidRequest, StoreUnavailable

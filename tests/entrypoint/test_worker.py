@@ -416,9 +416,9 @@ def test_worker_usage_errors_are_one_line(tmp_path, args, needles):
 def test_worker_without_a_secret_serves_loopback_callers_and_warns_once(tmp_path):
     """Zero configuration stays as it was: a loopback worker answers any local caller; it says so
     once it serves (not before: a start-up error stays one line)."""
-    from entrypoint.cluster import _ready_json
     from entrypoint.proto import serving_pb2 as pb
     from entrypoint.proto import serving_pb2_grpc as pbg
+    from entrypoint.walkthrough.launcher import _ready_json
 
     err = tmp_path / "stderr"
     with open(err, "wb") as err_fh:
@@ -471,7 +471,7 @@ def ve():
 
 
 def test_ve_refuses_bytes_that_do_not_match_their_hash_and_caches_nothing(ve):
-    from entrypoint.vision import image_hash
+    from kvstore.keys import image_hash
 
     svc, encode = ve
     img1, img2 = b"one" * 100, b"two" * 100
@@ -483,7 +483,7 @@ def test_ve_refuses_bytes_that_do_not_match_their_hash_and_caches_nothing(ve):
 
 
 def test_ve_hash_only_lookup_hits_only_for_a_scope_that_sent_the_bytes(ve):
-    from entrypoint.vision import image_hash
+    from kvstore.keys import image_hash
 
     svc, encode = ve
     img = b"secret" * 50
@@ -508,7 +508,7 @@ def test_ve_hash_only_lookup_hits_only_for_a_scope_that_sent_the_bytes(ve):
 ])
 def test_entrypoint_config_refuses_tenants_that_would_share_keys(tenants, needle):
     import kvstore
-    from entrypoint.server import EntrypointConfig
+    from entrypoint.config import EntrypointConfig
 
     with pytest.raises(kvstore.InvalidRequest, match=needle):
         EntrypointConfig(namespace=model_preset("tiny").namespace(), tenants=tenants)

@@ -248,7 +248,7 @@ class _Spy:
 
 def test_policies_are_shown_full_blocks_only_as_production_builds_them():
     """RouteRequest.num_blocks / block_hashes and the in-flight blocks hold full blocks only
-    (entrypoint/server.py hashes full blocks): B arrives while A is still in flight."""
+    (entrypoint/generate.py hashes full blocks): B arrives while A is still in flight."""
     reqs = _trace(A, {**B, "timestamp": 1})
     spy = _Spy(get_policy("kvstack", MODELS))
     simulate(reqs, spy, ONE, models=MODELS)

@@ -112,7 +112,7 @@ class OpenDecode:
     at the LB's bytes per token). ``started_at``: ``time.monotonic()`` when its first event arrived
     (the worker had admitted it and allocated its KV by then); ``None`` before. A ``Status`` asked
     after ``started_at`` counts the stream's KV in its ``kv_used_bytes``; until one has, the pick
-    counts ``kv_bytes`` on top of it (``entrypoint.dispatch.Dispatch._decode_snapshot``)."""
+    counts ``kv_bytes`` on top of it (``entrypoint.dispatch.Dispatch.decode_snapshot``)."""
 
     context_tokens: int
     kv_bytes: float

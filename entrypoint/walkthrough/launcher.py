@@ -1,6 +1,7 @@
 """Start and stop a whole serving stack on loopback: the store, the entrypoint, workers.
 
-Used by the walkthrough, the end-to-end tests and the benchmarks. Every
+The walkthrough's launcher of local processes (the end-to-end tests start their stacks with
+it too); ``Cluster.client()`` hands back an ``entrypoint.client.Client`` of the stack. Every
 process runs in its own session so that ``stop`` (also called on error, at
 interpreter exit, and by the walkthrough's Ctrl-C handler) can take down the
 process and anything it started; nothing outlives the ``Cluster``.
@@ -15,7 +16,7 @@ in their environment (``KVSTACK_WORKER_SECRET``, never on a command line, where
 ``ps`` would show it); the kvstore daemon does not get it. A test that calls
 ``Register``/``Deregister`` or a worker itself sends ``worker_metadata()``.
 
-Client tokens (``entrypoint.clients``): ``client_tokens={token: tenant}`` writes
+Client tokens (``entrypoint.client_tokens``): ``client_tokens={token: tenant}`` writes
 them to ``client-tokens.toml`` in the work directory (0600) and starts the
 entrypoint with ``--client-tokens`` on it; every tenant they name must be
 configured (``entrypoint_args=("--tenant", "NAME=SALT", ...)``). ``client(token)``
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import Callable
 
 from entrypoint import auth
+from entrypoint.client import Client
 from entrypoint.proto import serving_pb2 as pb
 from entrypoint.proto import serving_pb2_grpc as pbg
 from entrypoint.tls import ChannelTLS, open_channel
@@ -275,41 +277,3 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-class Client:
-    """A small synchronous client of ``Entrypoint.Generate``; ``token``: its client token, if the
-    entrypoint has client tokens (``entrypoint.clients``).
-
-    TLS (``entrypoint.tls``): ``address`` ``grpcs://HOST:PORT`` (what a TLS entrypoint's READY
-    says) is TLS, verified with ``ca_file`` (empty: the system roots); ``cert_file`` +
-    ``key_file``: the client certificate for an entrypoint with ``--tls-client-ca``. TLS files
-    with a plaintext address are ``InvalidRequest``, before any channel is opened."""
-
-    def __init__(self, address: str, token: str = "", *, ca_file: str = "", cert_file: str = "",
-                 key_file: str = ""):
-        self.channel = open_channel(address, ChannelTLS(ca_file, cert_file, key_file))
-        self.stub = pbg.EntrypointStub(self.channel)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-
-    def generate(self, token_ids: list[int], *, max_new_tokens: int = 8, images: list[pb.ImageSegment] = (),
-                 tenant: str = "", temperature: float = 0.0, seed: int = 0, request_id: str = "",
-                 on_event=None, timeout: float | None = 300.0) -> tuple[list[int], list[dict], dict]:
-        """(tokens, hop events, summary). ``on_event(event)`` sees every event as it arrives."""
-        req = pb.GenerateRequest(request_id=request_id, token_ids=token_ids, images=list(images), tenant=tenant,
-                                 sampling=pb.Sampling(max_new_tokens=max_new_tokens, temperature=temperature,
-                                                      seed=seed))
-        tokens, hops, summary = [], [], {}
-        for ev in self.stub.Generate(req, timeout=timeout, metadata=self._metadata):
-            if on_event is not None:
-                on_event(ev)
-            if ev.kind == "token":
-                tokens.append(ev.token_id)
-            elif ev.kind == "hop":
-                hops.append(dict(json.loads(ev.detail), t_ms=ev.t_ms))
-            elif ev.kind == "done":
-                summary = json.loads(ev.detail)
-        return tokens, hops, summary
-
-    def close(self) -> None:
-        self.channel.close()
