@@ -106,8 +106,9 @@ class EmbeddedStore:
     ``kvstore.embedded.datadir``), ``index`` (LMDB: ``kvstore.embedded.index``), ``fragments``
     (fragment and pack files: ``kvstore.embedded.fragments``), ``access`` (batched access
     times) and ``room`` (the index's spare space); ``parts`` hands them to maintenance and
-    stats. ``config``, ``targets``, ``target_specs``, ``index_id``, ``clock``, ``file_clock``
-    and ``counters`` are the opened directory's, read-only."""
+    stats. ``config``, ``targets``, ``target_specs``, ``index_id``, ``file_clock`` and
+    ``counters`` are the opened directory's, read-only. ``clock`` (TTLs, grace periods) may be
+    replaced on an open store: the parts read it through ``_now_s``."""
 
     def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.time):
         if config.tune_malloc:
@@ -146,14 +147,14 @@ class EmbeddedStore:
         self._batch_pool = DaemonExecutor(config.read_workers, "kvstore-batch")
         self._counters = Counters()
         self.counters = self._counters.values
-        self.access = AccessTimes(self.index, self.room, self.clock, config.access_flush_s)
+        self.access = AccessTimes(self.index, self.room, self._now_s, config.access_flush_s)
         self.fragments = FragmentStore(config, self.targets, self.target_specs, self.datadir.code, self.index,
                                        pool=self._pool, batch_pool=self._batch_pool, count=self._counters.add,
-                                       clock=self.clock, file_clock=self.file_clock, now_ns=self.now_ns,
+                                       clock=self._now_s, file_clock=self.file_clock, now_ns=self.now_ns,
                                        sync_mode=self.datadir.sync_mode)
         self.parts = StoreParts(config=config, data_dir=self.data_dir, index=self.index, targets=self.targets,
                                 fragments=self.fragments, access=self.access, counters=self._counters,
-                                room=self.room, pool=self._pool, clock=self.clock, file_clock=self.file_clock,
+                                room=self.room, pool=self._pool, clock=self._now_s, file_clock=self.file_clock,
                                 evict_lock=threading.Lock())
         if not fresh:
             # Asked at once: a remote target that does not answer costs its timeouts once, not per target.
@@ -168,8 +169,19 @@ class EmbeddedStore:
         if self._closed:
             raise StoreClosed("this store is closed; open a new one with kvstore.connect")
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+
+    def _now_s(self) -> float:
+        return self._clock()
+
     def now_ns(self) -> int:
-        return int(self.clock() * 1e9)
+        return int(self._clock() * 1e9)
 
     def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
             layout: Layout | None = None, tokens: int = 0) -> bool:
