@@ -16,8 +16,9 @@
 # The stages, by pytest marker (declared in pyproject.toml):
 # 1. the default suite, `python -m pytest`: every test but those marked `slow` (soaks,
 #    benchmark-sized runs, long runs whose behaviour a faster test covers too), `gpu` (a
-#    CUDA or NPU device: tools/gpu_check.sh) and `vllm`;
-# 2. the `vllm` tests (a real vLLM engine on the CPU, tests/engine_plugin/vllm).
+#    CUDA or NPU device: tools/gpu_check.sh), `vllm` and `e2e`;
+# 2. whole real stacks: the `vllm` tests (a real vLLM engine on the CPU,
+#    tests/engine_plugin/vllm) and the `e2e` ones (the walkthrough, the README's main job).
 # The arguments go to both stages. The command fails if either stage fails or collects no
 # test (pytest's exit status 5). `python -m pytest -m slow` runs the long tests.
 set -euo pipefail
@@ -36,7 +37,7 @@ for pkg in torchvision torchaudio torchcodec; do
     fi
 done
 if ! python -c "import vllm" >/dev/null 2>&1; then
-    echo "run_tests.sh: vLLM is not importable after installing it; the vllm stage cannot run:" >&2
+    echo "run_tests.sh: vLLM is not importable after installing it; the end-to-end stage cannot run:" >&2
     python -c "import vllm" >&2 || true
     exit 1
 fi
@@ -58,9 +59,9 @@ stage() {
 
 rc=0
 stage default "$@" || rc=$?
-vllm_rc=0
-stage vllm -m "vllm and not slow and not gpu" "$@" || vllm_rc=$?
+e2e_rc=0
+stage end-to-end -m "(vllm or e2e) and not slow and not gpu" "$@" || e2e_rc=$?
 if [ "$rc" -eq 0 ]; then
-    rc=$vllm_rc
+    rc=$e2e_rc
 fi
 exit "$rc"

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-# Every test here runs the whole walkthrough (model, store daemon, workers, entrypoint):
-# slow. Its parts run by default elsewhere: tests/entrypoint/test_e2e.py (generate equals the
-# cold run, the second turn hits the store, decode failover), the engine's replay tests, and
-# test_cli.py (its arguments, its stop on signals).
-pytestmark = pytest.mark.slow
+# Every test here runs the whole walkthrough (model, store daemon, workers, entrypoint): the
+# second stage of the test command (tools/run_tests.sh), with the vLLM tests. Its parts run in
+# the default suite too: tests/entrypoint/test_e2e.py (generate equals the cold run, the second
+# turn hits the store, decode failover), the engine's replay tests, and test_cli.py.
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[3]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
