@@ -10,7 +10,8 @@ checkout, or none). The test process itself gets the root on ``sys.path`` from p
 
 Markers (declared in ``pyproject.toml``; ``tools/run_tests.sh`` runs the stages): ``slow``
 (soaks, benchmark-sized runs) and ``gpu`` stay out of the default run; ``vllm`` (a real vLLM
-engine, every test under ``tests/engine_plugin/vllm``) runs as a stage of its own. A run whose
+engine, every test under ``tests/engine_plugin/vllm``) and ``e2e`` (the walkthrough) run as a
+stage of their own. A run whose
 ``-m`` expression leaves ``vllm`` out does not even import that folder: importing vLLM takes
 seconds, and it need not be installed for the default run.
 """
