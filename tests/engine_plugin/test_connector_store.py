@@ -222,7 +222,7 @@ def test_window_only_span_runs_and_reports(rig, store):
 def test_kv_computed_after_an_approximate_replay_never_reaches_an_exact_engine(tmp_path):
     """An engine replaying only the window (``replay_policy="window"``, approximate) saved the
     blocks and snapshots it computed after such a replay under the exact namespace, and an
-    exact engine loaded them: its tokens differed from a cold run (QA). Its KV now lives in a
+    exact engine loaded them: its tokens differed from a cold run. Its KV now lives in a
     namespace of its own; engines of one policy still share."""
     import kvstore
     from engine_plugin.kv_connector import ConnectorConfig, KVStoreConnector

@@ -178,7 +178,7 @@ class FailingAllocations(DeviceBackend):
 
 def test_a_failed_allocation_loses_no_buffer_and_no_slot():
     """What was taken before the failure goes back, and the failed allocation takes no slot:
-    the pool keeps its full size (it used to shrink by every buffer in flight, for good)."""
+    the pool keeps its full size (it must not shrink by every buffer in flight, for good)."""
     backend = FailingAllocations(ok=2)
     pool = BufferPool(backend, max_buffers_per_size=4)
     with pytest.raises(RuntimeError, match="injected"):

@@ -153,8 +153,8 @@ class Sticky:
 
 def test_calls_hung_past_their_timeout_do_not_wedge_the_gateway():
     """6 calls hang for good (a dead connection each); the store answers new ones. Each later
-    call reaches the store and answers (it used to queue behind the 4 shared workers held by
-    the hung calls, time out and trip the breaker, so the store was never reached again)."""
+    call reaches the store and answers (queued behind the 4 shared workers the hung calls hold,
+    it would time out and trip the breaker, and the store would never be reached again)."""
     clock = [0.0]
     st, m = Sticky(hang=6), Metrics()
     gw = StoreGateway(st, m, timeout_s=0.5, backoff_s=1.0, clock=lambda: clock[0])
@@ -225,7 +225,7 @@ def test_at_the_fewest_max_calls_one_abandoned_call_per_path_leaves_room_for_eac
 
 
 def test_a_save_the_store_refuses_for_room_does_not_cut_off_its_reads(tmp_path):
-    """QA: a put_many the store refused with CapacityExceeded (its entries do not fit beside
+    """A put_many the store refused with CapacityExceeded (its entries do not fit beside
     the pinned ones) tripped the breaker like an outage, so for backoff_s the engine skipped
     every lookup and load, the pinned entries' too. Now it is a failed save, counted
     ``store_refused``, and the store stays in use; an outage still trips the breaker."""

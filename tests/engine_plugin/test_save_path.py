@@ -40,8 +40,8 @@ def _big_step_engine(rig, store, n_blocks: int, **conn_kw) -> Engine:
 
 def test_a_step_saving_more_blocks_than_staging_buffers_saves_them_all(rig, store):
     """40 blocks in one step through 4 staging buffers: none dropped, the store holds all 40
-    (it used to take one buffer per block for the whole step, so 36 waited out the enqueue
-    timeout one by one and were dropped, leaving a gap that ended every later hit)."""
+    (one buffer per block held for the whole step would make 36 wait out the enqueue timeout
+    one by one and be dropped, leaving a gap that ends every later hit)."""
     n = 40
     eng = _big_step_engine(rig, store, n, staging_buffers=4, load_batch_blocks=4)
     out = eng.generate(rig.tokens(random.Random(300), n * BLOCK + 5), ONE, request_id="r")
@@ -86,7 +86,7 @@ class FailingPuts:
 def test_a_request_whose_saves_failed_is_not_reported_as_sent(rig, store):
     """``kv_sent`` (the P/D handoff signal) holds only requests whose KV reached the store; one
     whose saves failed is reported as ended (``get_finished``: the engine frees what it holds)
-    and as failed (``get_failed_sends``): it used to be reported sent with nothing stored."""
+    and as failed (``get_failed_sends``), never reported sent with nothing stored."""
     rng = random.Random(302)
     st = FailingPuts(store)
     eng = rig.engine(st, store_backoff_s=0)
@@ -254,7 +254,7 @@ def test_an_aborted_requests_saves_are_counted_apart_from_a_new_request_under_it
 
 
 def test_a_request_aborted_mid_save_then_re_added_under_its_id_leaves_pending(rig, store):
-    """The engine side of the test above (QA's repro): abort a request while its block saves are
+    """The engine side of the test above (the reported repro): abort a request while its block saves are
     in flight, re-add it under the same id (``EngineRunner`` retries a request alone so) and run
     it to the end: once the saves ended, its ``send_state`` is set and the engine keeps nothing
     of it (before: PENDING for ever, its record and logits held in ``Engine._sending``)."""

@@ -131,7 +131,7 @@ def test_a_frozen_target_cannot_take_every_read_thread(faulty_store):
     """Reads abandoned at ``read_timeout_s`` keep their worker while the target hangs. Once
     ``read_workers`` of them were stuck on one frozen target, every later read (healthy
     targets' too) queued behind them, "timed out" in the queue, and the get waited for the
-    frozen ones: 43 s per get on a frozen S3 endpoint (QA). Now a target with
+    frozen ones: 43 s per get on a frozen S3 endpoint. Now a target with
     ``STALLED_READS_LIMIT`` reads still running past the timeout is not asked for more (parity
     instead), so every get finishes in about the timeout with the right bytes."""
     fs = faulty_store(n=4, k=2, m=2, read_timeout_s=0.2, read_workers=4)
@@ -391,7 +391,7 @@ def test_a_target_that_could_not_be_asked_is_not_asked_again_for_a_while(faulty_
 
 def test_the_breaker_waits_longer_after_a_probe_that_took_long(monkeypatch):
     """A call that took 40 s to fail (an endpoint that accepts and never answers) keeps the
-    target from being asked for twice that, not for the 5 s a quick refusal gets (QA: with a
+    target from being asked for twice that, not for the 5 s a quick refusal gets (with a
     fixed 5 s nearly every get paid the 40 s again)."""
     import math
     from types import SimpleNamespace
@@ -453,7 +453,7 @@ def test_a_burst_of_gets_with_a_frozen_target_all_succeed_in_about_the_timeout(f
     """Concurrent gets while one target hangs: before its first read timed out, a burst sent it
     enough reads to fill the shared I/O pool, reads of healthy targets queued behind them timed
     out in the queue and were counted against those targets, which were then skipped: gets of
-    fully readable entries failed (review). Reads now run on their target's own pool and one
+    fully readable entries failed. Reads now run on their target's own pool and one
     still queued at the timeout is cancelled, so only the frozen target's reads are held."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -478,7 +478,7 @@ def test_a_burst_of_gets_with_a_frozen_target_all_succeed_in_about_the_timeout(f
 def test_busy_but_healthy_targets_never_make_an_entry_lost(faulty_store):
     """Reads queued behind their target's others at read_timeout_s are cancelled; they were then
     counted as failed, so under load alone (every target healthy, 60 ms a read, one thread per
-    target) most entries were marked lost with every fragment intact (QA). A cancelled read is
+    target) most entries were marked lost with every fragment intact. A cancelled read is
     read after all when fewer than k arrive otherwise."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -495,7 +495,7 @@ def test_busy_but_healthy_targets_never_make_an_entry_lost(faulty_store):
 
 def test_close_waits_once_for_stuck_reads_not_once_per_target(faulty_store):
     """close() joined each target's read pool for POOL_JOIN_S in turn: 5 s with five frozen
-    targets (QA). The pools share one bound."""
+    targets. The pools share one bound."""
     from concurrent.futures import ThreadPoolExecutor
 
     from kvstore.embedded.store import POOL_JOIN_S
@@ -514,7 +514,7 @@ def test_close_waits_once_for_stuck_reads_not_once_per_target(faulty_store):
 def test_an_object_delete_whose_bucket_vanished_before_rm_is_no_answer():
     """``ObjectTarget.delete``: ``rm_file`` raising ``FileNotFoundError`` after ``info`` found the
     object is "removed since" only while the root is still there; s3fs raises the same for a
-    bucket deleted in between (NoSuchBucket), which must not read as "was not there" (QA)."""
+    bucket deleted in between (NoSuchBucket), which must not read as "was not there"."""
     from kvstore.config import TargetSpec
 
     t = targets.open_target(TargetSpec("memory://qa-gone-bucket/root", "d", "m"))

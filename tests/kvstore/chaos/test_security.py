@@ -240,7 +240,7 @@ def test_a_tenant_cannot_exhaust_another_tenants_capacity(tmp_path, tokens_file)
 
 def test_refused_puts_of_a_full_tenant_do_not_rescan_its_rows_each_time(tmp_path, tokens_file, monkeypatch):
     """Every put refused as over quota re-read all the tenant's rows under the daemon-wide
-    quota lock (QA: 0.35 s per refusal at 40k rows, other tenants' puts waiting seconds); now
+    quota lock (0.35 s per refusal at 40k rows, other tenants' puts waiting seconds); now
     at most one prune per PRUNE_EVERY_S per tenant."""
     d = _daemon(tmp_path, tokens_file=tokens_file, tenant_quota_bytes=10_000)
     calls = []

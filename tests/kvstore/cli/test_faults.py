@@ -43,7 +43,7 @@ def _stats_json(run_tool, path) -> tuple[int, dict]:
 
 def test_inspect_and_stats_answer_1_while_a_target_is_down_or_entries_are_lost(store_dir, run_tool):
     """inspect's summary and stats exit as verify would: 1 with a target down or an entry lost
-    (QA: a store with every target gone and every entry lost answered 0, healthy; stats still
+    (a store with every target gone and every entry lost answered 0, healthy; stats still
     did after inspect was fixed), 0 once healthy."""
     pop = store_dir
     assert run_tool("inspect", pop.path)[0] == 0 and run_tool("stats", pop.path)[0] == 0
@@ -173,7 +173,7 @@ def test_a_deleted_target_is_reported_down_once(store_dir, run_tool):
 
 def test_gc_with_a_target_down_says_it_was_not_swept(store_dir, run_tool):
     """gc cannot look for orphans on a target that is down: it says so and exits 1, as verify
-    would (QA: with most targets gone it said "orphans 0" and exited 0)."""
+    would (with most targets gone it said "orphans 0" and exited 0)."""
     pop = store_dir
     src, dst = _away(pop, "t3")
     code, out, _ = run_tool("gc", pop.path, "--json")
@@ -200,7 +200,7 @@ def _rot(pop: Populated, run_tool, key: bytes, n: int) -> dict:
 def test_repair_with_the_index_map_full_is_one_error_line_and_indexes_nothing(store_dir, run_tool, monkeypatch,
                                                                               write):
     """An index write of repair (taking a rebuilt fragment's new path, recording the rebuild)
-    that found the LMDB map full raised ``lmdb.MapFullError`` out of kvtool as a traceback (QA).
+    that found the LMDB map full raised ``lmdb.MapFullError`` out of kvtool as a traceback.
     Now the pass runs to its end without rebuilding more, kvtool prints its counts and one line
     saying the map is full and how to raise it, exit 1; the index is as it was, no path hold is
     left, and a repair once the map has room mends everything."""

@@ -346,7 +346,7 @@ def test_verify_repair_and_gc_through_a_daemon_show_their_progress(make_daemon, 
 
 
 def test_a_check_with_more_problems_than_one_message_holds(make_daemon, run_tool) -> None:
-    """A check's problems come in as many messages as they need (QA: 40,000 problems made one
+    """A check's problems come in as many messages as they need (40,000 problems made one
     6.7 MB reply, and a verify through a daemon with a 1 MiB message limit failed whole)."""
     d = make_daemon(max_message_bytes=64 * 1024)
     keys = [K(i) for i in range(800)]

@@ -303,7 +303,7 @@ class _Unavailable(grpc.RpcError):
 def test_the_closed_connection_hint_is_for_connect_failures_only() -> None:
     """A daemon killed under a running call ("Stream removed (Socket closed)") got the TLS hint of a
     connection closed at once ("if it serves TLS use grpcs://") on a plaintext setup that had
-    worked until then (QA). The hint stays for a connection refused at connect (TLS on one side)."""
+    worked until then. The hint stays for a connection refused at connect (TLS on one side)."""
     at_connect = ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:7070: "
                   "Socket closed")
     assert "closed the connection" in str(error_from_rpc(_Unavailable(at_connect), "Get"))
@@ -313,7 +313,7 @@ def test_the_closed_connection_hint_is_for_connect_failures_only() -> None:
 
 def test_a_client_key_that_is_not_the_certificates_is_refused_at_connect(certs) -> None:
     """Accepted at connect before, it failed every call with gRPC's "Failed to create security
-    handshaker." and no hint (QA)."""
+    handshaker." and no hint."""
     url = "grpcs://127.0.0.1:7070"  # nothing is dialled: refused before the channel opens
     with pytest.raises(InvalidRequest, match="key does not match the certificate.*key_file"):
         kvstore.connect(url, ca_file=certs["ca"], cert_file=certs["client"], key_file=certs["server_key"])
@@ -321,7 +321,7 @@ def test_a_client_key_that_is_not_the_certificates_is_refused_at_connect(certs) 
 
 def test_an_error_the_daemon_sends_names_the_daemon(make_daemon, tmp_path) -> None:
     """Unauthenticated, ServerBusy and PermissionDenied said nothing of which daemon sent them: in a
-    sharded set one cannot tell which shard refused (QA)."""
+    sharded set one cannot tell which shard refused."""
     tokens = tmp_path / "tokens.toml"
     tokens.write_text('[tokens]\n"good-token-1" = "t"\n')
     d = make_daemon(tokens_file=str(tokens))

@@ -99,7 +99,7 @@ def test_unrecoverable_entry_is_marked_lost_only_by_the_daemon(make_daemon) -> N
     assert counter(d, "unrecoverable") == 1
     assert s.lookup([K("lost")]).hit_blocks == 0  # marked lost by the daemon
     assert s.get_many([K("lost")]) == [None]  # Locate no longer finds it: no read at all
-    with pytest.raises(Unrecoverable, match="is lost"):  # a retry is told what the first get was (QA)
+    with pytest.raises(Unrecoverable, match="is lost"):  # a retry is told what the first get was
         s.get(K("lost"))
     assert s.delete(K("lost"))
     assert s.check() == []

@@ -76,7 +76,7 @@ def test_a_re_put_is_false_and_its_unused_pack_is_removed(make_daemon) -> None:
 def test_a_repeated_key_over_the_size_limit_refuses_the_batch(make_daemon) -> None:
     """A repeat of a key inside a batch stores nothing but is checked like any item, as the
     embedded store does. Before, direct writes skipped the repeat unchecked, so a batch whose
-    repeat was over max_value_bytes was stored instead of refused (QA)."""
+    repeat was over max_value_bytes was stored instead of refused."""
     d = make_daemon(allow_direct_writes=True, max_value_bytes=65536)
     s = kvstore.connect(d.address, direct_writes="on")
     with pytest.raises(InvalidRequest, match="over max_value_bytes=65536"):
@@ -263,10 +263,10 @@ def test_commit_checks_everything_before_indexing_anything(make_daemon, tmp_path
     assert st.locate([ekey(1, K("fine")), ekey(1, K("new"))]) == [None, None]
     # What storage faults (or another writer) cause is found per pack, and rejects the whole
     # commit: nothing indexed, as put_many (before, the others were indexed: part of a batch
-    # stored while the rest could then be refused through the daemon; QA).
+    # stored while the rest could then be refused through the daemon).
     missing, stale = os.urandom(8), copy_pack(age_s=3600)  # stale: the orphan sweep may be deleting it
     fine, longer = copy_pack(), copy_pack()
-    for name in good.targets:  # bytes no record names: kept alive, counted and charged nowhere (QA)
+    for name in good.targets:  # bytes no record names: kept alive, counted and charged nowhere
         with open(os.path.join(st.targets[name].root, pack_path(longer)), "ab") as f:
             f.write(b"\0" * 50_000)
     short = entry(K("short"), offsets=(10,) * 6)  # fragments past the end of pack gen
@@ -377,7 +377,7 @@ def test_a_commit_that_waited_too_long_for_the_index_rejects_its_packs(make_daem
 def test_a_batch_is_all_or_nothing_and_a_refused_commit_leaves_no_packs(make_daemon, tokens_file) -> None:  # noqa: F811
     """Direct writes committed the chunks written here and sent only the failed one through the
     daemon, so when that was refused (here: over the quota) part of the batch stayed stored.
-    And a Commit refused by the quota left its packs behind, unaccounted, until GC (QA). Now a
+    And a Commit refused by the quota left its packs behind, unaccounted, until GC. Now a
     chunk that fails here sends the whole batch through the daemon, and a refused Commit
     removes its packs."""
     import kvstore.client.direct_writes as dw
@@ -412,7 +412,7 @@ def test_a_batch_is_all_or_nothing_and_a_refused_commit_leaves_no_packs(make_dae
 def test_a_record_whose_tokens_are_not_the_entrys_is_never_read(make_daemon) -> None:
     """Commit indexes the writer's record; the fast read paths refused one whose token count
     is not the entry header's, the gRPC read path returned the header's while Locate and
-    Inspect showed the record's (QA). Every path now refuses it: it costs its writer the entry."""
+    Inspect showed the record's. Every path now refuses it: it costs its writer the entry."""
     import kvstore.client.direct_writes as dw
 
     d = make_daemon(allow_direct_writes=True)
@@ -437,7 +437,7 @@ def test_a_record_whose_tokens_are_not_the_entrys_is_never_read(make_daemon) -> 
 
 
 def test_direct_writes_take_what_a_put_over_grpc_takes(make_daemon) -> None:
-    """The same values, the same results with direct writes on or off (QA: a value within 4,096
+    """The same values, the same results with direct writes on or off (a value within 4,096
     bytes of max_message_bytes was refused by Commit though a Put stores it, and a batch holding
     one was stored up to its piece). Commit takes what a Put could carry; an entry it refuses
     goes through gRPC; a value no message can carry is refused before anything is stored."""
@@ -469,7 +469,7 @@ def test_a_piece_that_falls_back_to_grpc_is_sent_in_messages_that_fit(make_daemo
     piece written directly may be any size). A piece that went through gRPC after all (Commit
     refused an entry, a pack failed, direct writes turned off) was sent whole and refused as over
     max_message_bytes after the earlier pieces were committed: part of the batch stored, the call
-    failed (review). Such a piece now goes through gRPC in messages that fit: all of it stored."""
+    failed. Such a piece now goes through gRPC in messages that fit: all of it stored."""
     from kvstore.server.direct_rpc import PUT_FIELDS_BYTES
 
     limit = 300_000

@@ -2,7 +2,7 @@
 
 A writer keys fragment headers by the tenant secret its ``Describe`` gave it; a daemon restarted
 since on a fresh data directory (a new server secret), with the token mapped to another tenant,
-or with another erasure code, indexed such entries under its own keys anyway (QA): the put was
+or with another erasure code, indexed such entries under its own keys anyway: the put was
 acknowledged and every read found the fragments "belong to another entry" and marked it lost. Or,
 after a code change, every later put raised ``InvalidRequest`` forever. Now every Commit carries
 the ``writer_view`` of its Describe; the daemon refuses a stale one (nothing indexed) and the

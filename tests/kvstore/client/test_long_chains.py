@@ -174,10 +174,9 @@ def test_shard_placement_does_not_depend_on_how_an_address_is_spelled():
 
 
 def test_probe_answers_are_checked():
-    """A daemon that ignores ``until_miss`` (an older one) answers every key: accepted. An
-    answer cut short without ending on a miss, or with unequal strings, is a bug: raised.
-    With ``chain_ends`` every key is answered (an older daemon, ignoring it, does so too):
-    a short answer is raised."""
+    """An answer for every key (``until_miss`` not applied): accepted. An answer cut short
+    without ending on a miss, or with unequal strings, is a bug: raised. With ``chain_ends``
+    every key is answered: a short answer is raised."""
     import pytest
 
     from kvstore.errors import InternalError

@@ -12,7 +12,7 @@ from kvstore.errors import CapacityExceeded
 
 
 def test_a_repair_that_found_a_shards_map_full_sums_its_counts_and_raises(make_daemon) -> None:
-    """Second QA round: repair raised on one shard with its counts (the index map full) was
+    """Repair raised on one shard with its counts (the index map full) was
     taken for a shard that did not answer: its counts dropped, the shard listed as down."""
     a, b = make_daemon("a"), make_daemon("b")
     with kvstore.connect(f"{a.address},{b.address}") as s:

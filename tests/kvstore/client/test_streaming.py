@@ -2,8 +2,7 @@
 
 The behaviour suite (test_behaviour.py) already runs every batch call of the remote and
 sharded stores through the streams; these tests pin what is particular to them: the
-encoders equal protobuf's own, chunking keeps order, an older daemon is served with the
-unary forms, and the size and count limits of a PutStream fail loudly and store nothing.
+encoders equal protobuf's own, chunking keeps order, and the size and count limits of a PutStream fail loudly and store nothing.
 """
 
 from __future__ import annotations
@@ -183,7 +182,7 @@ def _metric_lines(d, method: str) -> str:
 
 def test_get_many_over_the_message_limit_stops_reading_before_it_holds_every_value(make_daemon) -> None:
     """A unary GetMany holds its values until the one reply is built: one key asked 100 times
-    decoded every copy before gRPC refused the reply (~800 MiB for 3 MiB x 100, QA). Now it
+    decoded every copy before gRPC refused the reply (hundreds of MiB for 3 MiB x 100). Now it
     reads a window at a time and stops once the reply is over max_message_bytes."""
     d = make_daemon(max_message_bytes=4 << 20)
     with kvstore.connect(d.address) as s:
@@ -197,7 +196,7 @@ def test_get_many_over_the_message_limit_stops_reading_before_it_holds_every_val
 
 def test_idle_put_streams_hold_one_tenants_slots_for_a_bounded_time(make_daemon) -> None:
     """PutStreams that send nothing held a handler thread each, outside the limiter, for ever:
-    a few of them stalled every tenant (QA). Now a stream is admitted before it is received
+    a few of them stalled every tenant. Now a stream is admitted before it is received
     (beyond the tenant's limit: RESOURCE_EXHAUSTED at once) and cancelled when not wholly
     received within stream_receive_s, so the daemon keeps serving."""
     import threading
@@ -237,7 +236,7 @@ def test_idle_put_streams_hold_one_tenants_slots_for_a_bounded_time(make_daemon)
 def test_get_streams_nobody_reads_hold_the_daemon_for_a_bounded_time(make_daemon) -> None:
     """gRPC's server waits for each streamed message to be taken by the client, so a GetStream
     whose client stopped reading held a handler thread and an admission slot for ever: a few
-    of them stalled every tenant (QA). Now a stream that can send nothing for stream_send_s
+    of them stalled every tenant. Now a stream that can send nothing for stream_send_s
     is cancelled, so the daemon keeps serving; a reader that keeps up is not."""
     import time
 

@@ -297,7 +297,7 @@ def _sweep(store) -> int:
 def test_a_put_that_waited_long_for_the_index_lock_is_refused_not_lost(tmp_path, monkeypatch, n):
     """The age of a put's files was checked before its index transaction waited for LMDB's
     writer lock, so a put that waited past the orphan grace while another process swept was
-    acknowledged with its files gone: every entry Unrecoverable (QA). The age is now checked
+    acknowledged with its files gone: every entry Unrecoverable. The age is now checked
     inside the transaction: the put raises ``StoreUnavailable`` and stores nothing."""
     from kvstore.errors import StoreUnavailable
 
@@ -329,7 +329,7 @@ def test_a_sweeper_whose_clock_is_ahead_does_not_take_a_put_in_flight_for_an_orp
     """The orphan sweep measured files' ages on the store's clock, which includes
     ``clock_offset_s``, against mtimes stamped by this host's clock: a process whose clock ran
     ahead by more than the grace removed the files of every put in flight elsewhere, and those
-    puts were acknowledged, then Unrecoverable (QA). Ages are measured on ``file_clock``."""
+    puts were acknowledged, then Unrecoverable. Ages are measured on ``file_clock``."""
     d = str(tmp_path / "d")
     writer = kvstore.connect(d, fsync=False, orphan_grace_s=60)
     sweep = ("import kvstore, sys; s = kvstore.connect(sys.argv[1], fsync=False, orphan_grace_s=60, "

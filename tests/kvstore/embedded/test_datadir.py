@@ -478,7 +478,7 @@ def test_a_name_recorded_for_a_directory_that_holds_fragments_is_not_re_pointed(
     recorded that directory under the name ``file://localhost/x``. Given the same URLs, this
     code opens ``/x`` under the same name: the checks for renamed and foreign targets passed,
     the marker was rewritten to ``/x`` and the first reads marked every entry lost, the old
-    place no longer recorded anywhere (QA). Refused now, with both places named; once the
+    place no longer recorded anywhere. Refused now, with both places named; once the
     directories are moved there, the store opens."""
     import json
 
@@ -516,7 +516,7 @@ def _moved_store(tmp_path, root):
 
 def test_a_target_moved_into_a_subdirectory_of_its_old_place_opens(tmp_path):
     """Fragments moved one level down (d0 -> d0/kv) under the same names: the old place's only
-    files are the configured target's own, so nothing was left behind (QA: refused as moved)."""
+    files are the configured target's own, so nothing was left behind (refused as moved)."""
     disks = tmp_path / "disks"
     data = _moved_store(tmp_path, disks)
     for i in range(3):
@@ -531,7 +531,7 @@ def test_a_target_moved_into_a_subdirectory_of_its_old_place_opens(tmp_path):
 
 def test_the_same_directories_through_a_bind_mount_open(tmp_path):
     """The recorded directories reached through a bind mount (one inode, another path) are not
-    moved (QA: refused, with advice to move them where they already were)."""
+    moved (refused, with advice to move them where they already were)."""
     import subprocess
 
     disks, alias = tmp_path / "disks", tmp_path / "alias"
@@ -551,7 +551,7 @@ def test_the_same_directories_through_a_bind_mount_open(tmp_path):
 def test_targets_refused_as_moved_or_renamed_are_not_said_to_be_recorded(tmp_path, caplog):
     """"The configured targets differ ... recording them instead" was logged before the checks
     for renamed and moved targets, which then refused the open: the log said the new targets
-    were recorded, and the marker still held the old ones (QA). Logged once they are recorded."""
+    were recorded, and the marker still held the old ones. Logged once they are recorded."""
     import logging
 
     from kvstore.errors import InvalidRequest

@@ -62,7 +62,7 @@ def test_m_plus_one_gone_only_the_overexposed_are_lost_then_repair(data_dir, key
             assert ei.value.key == k and set(ei.value.failed_targets) <= set(gone)
         else:
             assert full.get(k) == value_for(k, 6000)
-    for k in expected_lost:  # a second read is told the same, not NotFound (QA)
+    for k in expected_lost:  # a second read is told the same, not NotFound
         with pytest.raises(Unrecoverable, match="is lost") as ei:
             full.get(k)
         assert ei.value.key == k
@@ -195,7 +195,7 @@ def test_repair_rebuilds_what_it_can_when_a_fragment_has_nowhere_to_go(tmp_path)
 def test_the_copies_a_repair_replaced_are_swept_when_their_target_comes_back(tmp_path):
     """A target away, repair rebuilds its fragments onto the spares; the target comes back
     holding the old copies. The record names the spare for that slot, so the old copy is an
-    orphan: swept by GC (QA: they were kept, invisible to verify, gc and stats, for as long
+    orphan: swept by GC (they were kept, invisible to verify, gc and stats, for as long
     as their entry lived, since the sweep asked only whether an entry's generation was known)."""
     base = tmp_path / "rt"
     targets = ",".join(f"file://{base}/t{i}#d{i}" for i in range(8))  # 4+2 over 8: two spares
@@ -393,7 +393,7 @@ def test_a_slot_path_a_repair_holds_is_not_swept(tmp_path, monkeypatch):
 def test_gc_keeps_the_fragments_of_targets_renamed_under_it(tmp_path):
     """Three targets' directories moved and the store opened with the new URLs (their old
     names not given): their files name slots the records put on targets no longer
-    configured, which may be these under new names, so they are kept (QA: the slot rule
+    configured, which may be these under new names, so they are kept (the slot rule
     alone made gc delete all of them, and every entry was lost once the names were back)."""
     base = tmp_path / "mv"
     old = [f"file://{base}/a{i}" for i in range(6)]
@@ -418,7 +418,7 @@ def test_gc_keeps_every_fragment_when_target_names_now_mean_other_directories(tm
     """The mounts of named targets swapped (or rotated) after a restart: every fragment sits
     on a target its record does not name for its slot, and every name is configured. A stray
     copy is deleted only once the copy its record names reads back, so nothing is lost and
-    fixing the mounts restores everything (QA: one gc deleted a fragment of every entry when
+    fixing the mounts restores everything (one gc deleted a fragment of every entry when
     swapped, and every entry when rotated)."""
     from kvstore.config import TargetSpec
 
@@ -472,7 +472,7 @@ def test_check_reports_nothing_of_a_record_gc_moved_or_removed_during_the_scan(t
 def test_a_record_whose_plain_size_disagrees_with_the_entry_is_never_decoded(tmp_path):
     """A direct writer commits the record (its plain_len) without the daemon reading the bytes;
     a forged small plain_len over a zstd bomb was charged ~1 KiB and decoded to 32 MiB on every
-    get (QA). The read path now takes the record's plain size as the limit and requires the
+    get. The read path now takes the record's plain size as the limit and requires the
     entry to match it: never decoded, Unrecoverable, marked lost."""
     from dataclasses import replace
 

@@ -308,7 +308,7 @@ def _compactable(s, keys, vals) -> None:
 def test_a_compaction_that_waited_past_half_the_grace_is_postponed_not_lost(data_dir, keys, monkeypatch):
     """Compaction wrote the new pack, then indexed it with no check of its age, so a wait for
     the index's writer lock past the orphan grace, while another process swept, moved live
-    entries into a pack already removed: every one Unrecoverable (QA). Now the age is checked
+    entries into a pack already removed: every one Unrecoverable. Now the age is checked
     inside the transaction: the compaction is postponed and the entries stay where they were."""
     import time
 
@@ -343,7 +343,7 @@ def test_entries_removed_while_compaction_copies_them_are_dead_in_the_new_pack(d
     """An entry deleted (evicted, re-put) between compaction's read and its commit is left out
     of the new pack's records, but its bytes are in the file: they are counted dead there
     (index invariant 6), so the new pack is compacted in turn. Before, they were counted
-    nowhere and the pack could never reach the ratio (QA)."""
+    nowhere and the pack could never reach the ratio."""
     vals = {k: value_for(k, 20_000) for k in keys[:8]}
     with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=0) as s:
         _compactable(s, keys, vals)

@@ -109,7 +109,7 @@ def test_everything_pinned_is_a_clear_error(data_dir, keys, clock):
 
 
 def test_a_put_that_fits_is_kept_with_pinned_entries_just_under_the_low_watermark(data_dir, keys, clock):
-    """QA: pinned entries just under the low watermark left room for one more entry under the
+    """Pinned entries just under the low watermark left room for one more entry under the
     capacity, yet every put was acknowledged and then evicted by its own pass (the only
     unpinned entry; the low watermark unreachable otherwise), and ``pin`` after it answered
     False. Now a put's own entries stay while they fit under the capacity: the newest one is
@@ -130,7 +130,7 @@ def test_a_put_that_fits_is_kept_with_pinned_entries_just_under_the_low_watermar
 
 
 def test_a_put_keeps_its_already_stored_entries_too(data_dir, keys, clock):
-    """QA: only the entries a put_many created were kept by its own pass; one it found already
+    """Only the entries a put_many created were kept by its own pass; one it found already
     stored (``False``) was evicted though everything fit, and a chain lost its head block."""
     one = _one_entry(data_dir, clock, keys[0])
     with _capacity_store(data_dir, clock, int(one * 3.2)) as s:
@@ -144,7 +144,7 @@ def test_a_put_keeps_its_already_stored_entries_too(data_dir, keys, clock):
 
 
 def test_a_put_that_does_not_fit_keeps_its_first_entries_and_says_so(data_dir, keys, clock):
-    """QA: when a put's entries did not all fit beside the pinned ones, all of them went (down
+    """When a put's entries did not all fit beside the pinned ones, all of them went (down
     to the low watermark, in key-hash order). Now its last ones go until the rest fit under
     the capacity, a chain keeps its prefix, and the put raises naming how many it lost."""
     one = _one_entry(data_dir, clock, keys[0])
@@ -263,7 +263,7 @@ def test_orphans_are_swept_after_their_grace(data_dir, keys, clock):
 def test_files_named_almost_like_fragments_are_not_ours(data_dir, keys, clock, rel):
     """Only names the store writes are swept: ``1/zz/abcd.ef.2`` (another key length, fan-out
     directory, generation length) was deleted as an orphan after its grace, and a kind over
-    255 stopped every sweep (gc, check, repair) with a ValueError (QA)."""
+    255 stopped every sweep (gc, check, repair) with a ValueError."""
     with kvstore.connect(str(data_dir), fsync=False, clock=clock, orphan_grace_s=60) as s:
         s.put(keys[0], b"kept")
         path = os.path.join(s.targets["t0"].root, *rel.split("/"))
@@ -345,7 +345,7 @@ def test_dry_run_reports_what_the_real_pass_evicts_and_expires(data_dir, hasher,
 
 def test_a_file_whose_mtime_is_whole_seconds_is_kept_for_the_whole_grace(data_dir, keys, clock, monkeypatch):
     """S3's LastModified is whole seconds: a file may look up to 1 s older than it is, so with
-    a grace under 2 s the sweep removed files of puts still in flight (QA). The sweep adds the
+    a grace under 2 s the sweep removed files of puts still in flight. The sweep adds the
     target's mtime resolution to the grace."""
     import math
     import time
@@ -369,7 +369,7 @@ def test_a_file_whose_mtime_is_whole_seconds_is_kept_for_the_whole_grace(data_di
 def test_a_directory_that_cannot_be_listed_is_reported_not_taken_for_empty(data_dir, keys, clock, monkeypatch):
     """``os.walk`` skips a directory it cannot list without a word, so a sweep and a scrub took
     an unreadable part of a target for empty: nothing reported, its orphans never reclaimed
-    (QA). The walk now fails and the target is reported down (a file removed meanwhile is not)."""
+   . The walk now fails and the target is reported down (a file removed meanwhile is not)."""
     with kvstore.connect(str(data_dir), fsync=False, clock=clock, orphan_grace_s=0, delete_grace_s=0) as s:
         s.put(keys[0], b"kept")
         t0 = s.targets["t0"]
@@ -392,7 +392,7 @@ def test_a_directory_that_cannot_be_listed_is_reported_not_taken_for_empty(data_
 @pytest.mark.parametrize("batched", [False, True], ids=["files", "pack"])
 def test_reclaimed_bytes_count_only_what_was_removed(data_dir, keys, clock, batched):
     """A purge whose target is away keeps that file (the sweep removes it once the target is
-    back). Its bytes were counted reclaimed at once, and again by the sweep (QA: 6,356 bytes
+    back). Its bytes were counted reclaimed at once, and again by the sweep (6,356 bytes
     "reclaimed" of 5,448 stored); now each pass counts what it removed."""
     import shutil
 

@@ -152,7 +152,7 @@ def test_dry_run_compaction_leaves_out_entries_expired_first_and_packs_purged_wh
 @pytest.mark.parametrize("real_clock", [False, True])
 def test_dry_run_with_no_delete_grace_counts_the_entries_it_expires_as_purged(data_dir, keys, clock, real_clock):
     """With ``delete_grace_s = 0`` the real pass purges, in the same pass, the entries its
-    step 2 expires (stamped with the pass's ``now``); the dry run left them out (QA: "purged 14,
+    step 2 expires (stamped with the pass's ``now``); the dry run left them out ("purged 14,
     would reclaim 31936" against "purged 24, reclaimed 191416")."""
     import time
 
@@ -177,7 +177,7 @@ def test_dry_run_counts_the_stale_copies_its_purge_leaves_as_orphans(store, keys
     """A fragment's stale copy (a target that came back after repair rebuilt it elsewhere) is
     named by its entry's key and generation: not an orphan while the entry's record exists, an
     orphan once the pass purges it. The dry run swept with the records still there and counted
-    neither it nor its bytes (QA: "orphans 0; would reclaim 14232" against "orphans 1;
+    neither it nor its bytes ("orphans 0; would reclaim 14232" against "orphans 1;
     reclaimed 15418"); the files the purge deletes itself are not counted twice."""
     store.put(keys[0], value_for(keys[0], 3000))  # its own fragment files
     store.put_many([PutItem(k, value_for(k, 3000)) for k in keys[1:4]])  # a pack
@@ -265,7 +265,7 @@ def test_a_pack_whose_compaction_fails_stays_queued_and_the_pass_goes_on(store, 
     assert_clean(store)
 
 
-# --------------------------------------------------------------------------- a QA pass of the above
+# --------------------------------------------------------------------------- edge cases of the above
 def test_close_does_not_wait_for_a_read_abandoned_at_its_timeout(tmp_path):
     """A fragment read abandoned at ``read_timeout_s`` (a dead mount) keeps its worker; close
     no longer joins that worker without a bound (it took as long as the hang: 30 s here)."""
@@ -322,7 +322,7 @@ def test_evict_to_dry_run_counts_what_the_real_call_evicts(data_dir, clock):
         assert s.counters["evicted"] == before + 1
 
 
-# --------------------------------------------------------------------------- targets (a QA pass on S3/fsspec)
+# --------------------------------------------------------------------------- targets (S3/fsspec)
 @pytest.mark.parametrize("second", ["file://{a}", "{a}/", "{a}/../a"])
 def test_two_targets_at_one_place_are_refused(tmp_path, second):
     """Distinct target names at one place (a trailing slash, ``file://``, ``..``) were accepted,
@@ -394,7 +394,7 @@ def test_repair_with_lost_entries_on_targets_down_says_still_lost_and_kvtool_exi
 def test_a_graveyard_record_purged_by_two_passes_at_once_is_counted_once(tmp_path):
     """Two GC passes that read the same due graveyard records (two kvtool gc at once): the
     one whose transaction drops a record counts it and its bytes; the other counts nothing
-    (QA: each reported every record purged, twice what existed)."""
+    (each reported every record purged, twice what existed)."""
     from kvstore.maintenance.gc_plan import due_graves
     from kvstore.maintenance.gc import _purge_grave
 

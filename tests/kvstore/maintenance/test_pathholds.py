@@ -35,7 +35,7 @@ def test_a_hold_left_under_this_processes_pid_holds_nothing(tmp_path):
     """A daemon in a container is pid 1 after every restart: a crash inside the sweep's delete
     left a hold with pid 1, which the restarted daemon took for its own live hold, and init
     (pid 1) looked alive to everyone else, so that orphan was never swept and repair never
-    rebuilt that slot there (QA). A hold under this process's pid that this store did not
+    rebuilt that slot there. A hold under this process's pid that this store did not
     take is an earlier process's: taken over, and dropped when the index is next opened."""
     s, _ek, key, value, tgt, _cur, rel = _slot_orphan_setup(tmp_path)
     with s:
@@ -136,7 +136,7 @@ def test_a_give_back_that_fails_neither_stops_gc_nor_holds_the_path(tmp_path, mo
 def test_a_take_over_that_does_not_commit_holds_nothing(tmp_path):
     """A take-over of this process's own leftover hold (a failed give-back) inside a write
     transaction that does not commit left the old record, which ``held`` then claimed: the
-    path was blocked for this process and, since the pid runs, for every other one (QA)."""
+    path was blocked for this process and, since the pid runs, for every other one."""
     s, _ek, key, value, tgt, _cur, rel = _slot_orphan_setup(tmp_path)
     with s:
         _put_hold(s, tgt.name, rel, os.getpid(), start_time(os.getpid()))  # a leftover of ours
@@ -156,7 +156,7 @@ def test_a_take_over_that_does_not_commit_holds_nothing(tmp_path):
 
 def test_a_damaged_hold_record_does_not_stop_the_store_opening(tmp_path):
     """A hold record too short to name its pid made every open fail with struct.error (the
-    stale holds are dropped at open): now it holds nothing and is dropped (QA)."""
+    stale holds are dropped at open): now it holds nothing and is dropped."""
     s, _ek, key, value, tgt, _cur, rel = _slot_orphan_setup(tmp_path)
     with s:
         with s.index.env.begin(write=True) as txn:
@@ -194,7 +194,7 @@ class _WritesFail(_FailingWrites):
 def test_close_gives_back_the_holds_whose_give_back_failed(tmp_path, monkeypatch, caplog):
     """A failed give-back is retried at the next one, but close did not retry it: a process
     that closed its index and ran on blocked that path for every other process (its pid and
-    start time live) until it ended (QA). Close gives back what is left; what it still cannot
+    start time live) until it ended. Close gives back what is left; what it still cannot
     is logged as an error naming the path, never raised, and retried a bounded number of times."""
     from kvstore.embedded.index import Index
     from kvstore.embedded.pathholds import CLOSE_TRIES
@@ -233,7 +233,7 @@ def test_close_gives_back_the_holds_whose_give_back_failed(tmp_path, monkeypatch
 def test_a_full_index_map_keeps_the_orphan_whose_path_it_cannot_take_and_the_sweep_goes_on(tmp_path, monkeypatch,
                                                                                            caplog):
     """Taking a stale copy's path is a write transaction: with the index map full it raised
-    ``MapFullError`` and ended the GC pass, when a full map is when GC is needed most (QA).
+    ``MapFullError`` and ended the GC pass, when a full map is when GC is needed most.
     The index never grows its map, so that copy is kept (counted in ``orphans_kept``, listed
     by ``check``) and the sweep goes on to the orphans that need no index write."""
     from kvstore.embedded.pathholds import PathHolds
@@ -305,7 +305,7 @@ class _OneKeyFails:
 def test_close_gives_back_every_hold_but_the_one_whose_give_back_keeps_failing(tmp_path, monkeypatch, caplog):
     """Close gave back every hold left in one write transaction, retried as a whole: one path
     whose give-back kept failing kept every other one too, and other processes saw them all
-    held until this process ended (QA). Now what the one transaction leaves is given back path
+    held until this process ended. Now what the one transaction leaves is given back path
     by path: only the failing one is kept, and the error counts it and names it."""
     from kvstore.embedded.index import Index
     from kvstore.embedded.pathholds import CLOSE_TRIES

@@ -232,7 +232,7 @@ def test_closed_store_refuses(tmp_path, store) -> None:
         with pytest.raises(StoreClosed):
             call()
     # Closed is said first, whatever else is wrong with the call (before, the clients checked
-    # the key first and raised InvalidRequest for a bad one; QA).
+    # the key first and raised InvalidRequest for a bad one).
     bad = b"short"
     for call in (lambda: store.get(bad), lambda: store.get_entry(bad), lambda: store.put(bad, b"x"),
                  lambda: store.put(K(1), "not bytes"), lambda: store.delete(bad), lambda: store.pin(bad),
@@ -245,7 +245,7 @@ def test_closed_store_refuses(tmp_path, store) -> None:
 @pytest.mark.parametrize("keys", [None, 5, b"k" * 16, "text"])
 def test_a_batch_that_is_not_a_sequence_of_keys_is_invalid(store, keys) -> None:
     """Not a list of keys: ``InvalidRequest`` from every store (the embedded one raised
-    TypeError for None or an int; QA)."""
+    TypeError for None or an int)."""
     for call in (lambda: store.get_many(keys), lambda: store.get_many_into(keys, []), lambda: store.lookup(keys)):
         with pytest.raises(InvalidRequest, match="sequence of 16-byte keys"):
             call()

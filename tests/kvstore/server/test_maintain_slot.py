@@ -129,7 +129,7 @@ def test_the_soaks_final_repair_waits_out_a_pass_that_holds_the_slot(make_daemon
 
 def test_a_pass_whose_client_gave_up_stops_on_the_daemon(make_daemon) -> None:
     """A verify whose client timed out (or was interrupted) stops on the daemon at its next
-    progress step (QA: kvtool's retries after timeouts stacked up passes on the daemon)."""
+    progress step (kvtool's retries after timeouts stacked up passes on the daemon)."""
     d = make_daemon()
     steps: list[int] = []
     stopped, second_asked = threading.Event(), threading.Event()
@@ -155,7 +155,7 @@ def test_a_pass_whose_client_gave_up_stops_on_the_daemon(make_daemon) -> None:
     with kvstore.connect(d.address, maintenance_timeout_s=1.0) as s:
         with pytest.raises(DeadlineExceeded):
             s.check(progress=lambda *a: None)
-        # Until it has stopped, another pass is refused, not started beside it (QA: retries
+        # Until it has stopped, another pass is refused, not started beside it (retries
         # stacked up passes past the admission limit, whose slot the call gave back at once).
         try:
             with pytest.raises(ServerBusy, match="still running"):

@@ -166,7 +166,7 @@ def test_unrecoverable_names_the_callers_key(make_daemon, tokens_file, tmp_path)
 def test_a_tenants_write_errors_say_nothing_of_the_store_as_a_whole(make_daemon, tokens_file, tmp_path) -> None:
     """A put refused for capacity or failing targets: a tenant that is not an admin learns
     neither the bytes the store holds (every tenant's), that the rest is pinned, nor target
-    names and paths (QA: both came back word for word); an admin gets the store's own message.
+    names and paths (both came back word for word); an admin gets the store's own message.
     Describe shows a tenant no data directory (where tenant.secret lives by default)."""
     import kvstore.errors
 
@@ -320,7 +320,7 @@ def test_one_tenants_stalled_streams_cannot_take_every_handler_thread(make_daemo
     """A stream holds its handler thread while it receives (or sends), and admission runs on a
     handler thread. With the old defaults (32 threads, 32 slots per tenant) one tenant's 32
     stalled PutStreams held every thread: every other tenant's call queued until its deadline,
-    and even that tenant's 33rd was never refused (QA). Admission now always has threads left
+    and even that tenant's 33rd was never refused. Admission now always has threads left
     (max_concurrent_requests < workers, checked): the others are served, the 33rd refused."""
     import time
 

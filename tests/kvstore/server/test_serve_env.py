@@ -290,7 +290,7 @@ def test_serve_on_ipv6_loopback_with_metrics(host) -> None:
 @pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
 def test_a_non_finite_number_is_refused_and_warned_about_when_overridden(bad, tmp_path, caplog) -> None:
     """No knob takes nan or inf; one given as a variable under a flag was ignored without
-    the warning every other unusable overridden value gets, since it converts to a float (QA)."""
+    the warning every other unusable overridden value gets, since it converts to a float."""
     with caplog.at_level(logging.WARNING, logger="kvstore.config"):
         load_server_config(None, env={"KVSTORE_STREAM_SEND_S": bad}, data_dir=str(tmp_path / "d"), stream_send_s="4")
     assert "KVSTORE_STREAM_SEND_S" in caplog.text and "option --stream-send-s overrides it" in caplog.text
