@@ -383,8 +383,8 @@ class DataDir:
                 f"targets moved: {what}. The recorded directories still hold fragments the entries of "
                 f"{self.data_dir} name, which would read as missing there, and {FORMAT_FILE} would forget them. "
                 "Move each recorded directory to its configured place (then open again; a copy left at the "
-                "recorded place must be removed), or configure the recorded URL for that name (URL#DOMAIN#NAME). A file://localhost/PATH target meant "
-                "<working directory>/localhost/PATH before 8b1a1a1 and means /PATH now")
+                "recorded place must be removed), or configure the recorded URL for that name (URL#DOMAIN#NAME). A file://localhost/PATH target "
+                "means /PATH, not <working directory>/localhost/PATH")
 
     def read_marker(self) -> dict | None:
         """The directory's marker (``FORMAT_FILE``) as a dict, or ``None`` for a new directory.

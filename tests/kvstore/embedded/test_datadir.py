@@ -474,12 +474,11 @@ def test_a_default_target_name_spells_host_localhost_as_the_local_path(tmp_path,
 
 
 def test_a_name_recorded_for_a_directory_that_holds_fragments_is_not_re_pointed(tmp_path, monkeypatch):
-    """Before 8b1a1a1 a ``file://localhost/x`` target opened ``<cwd>/localhost/x``: the marker
-    recorded that directory under the name ``file://localhost/x``. Given the same URLs, this
-    code opens ``/x`` under the same name: the checks for renamed and foreign targets passed,
-    the marker was rewritten to ``/x`` and the first reads marked every entry lost, the old
-    place no longer recorded anywhere. Refused now, with both places named; once the
-    directories are moved there, the store opens."""
+    """A marker that records the name ``file://localhost/x`` at ``<cwd>/localhost/x``: given
+    the same URLs, the store would open ``/x`` under the same name, the checks for renamed and
+    foreign targets would pass, the marker would be rewritten to ``/x`` and the first reads
+    would mark every entry lost. Refused, with both places named; once the directories are
+    moved there, the store opens."""
     import json
 
     from kvstore.errors import InvalidRequest
@@ -488,7 +487,7 @@ def test_a_name_recorded_for_a_directory_that_holds_fragments_is_not_re_pointed(
     run.mkdir()
     monkeypatch.chdir(run)
     old = ",".join(f"file://{run}/localhost{disks / f'd{i}'}#default#file://localhost{disks / f'd{i}'}"
-                   for i in range(3))  # as code before 8b1a1a1 opened and recorded them
+                   for i in range(3))  # recorded at <cwd>/localhost/...
     local = ",".join(f"file://localhost{disks / f'd{i}'}" for i in range(3))
     with kvstore.connect(str(data), targets=old, ec_k=2, ec_m=1, fsync=False) as s:
         assert s.put(b"k" * 16, b"hello" * 100)
