@@ -43,8 +43,12 @@ Write path (``put``), in this order, each step for the reason given:
 A direct-writing client of the daemon (``kvstore.client.direct_writes``) does 1-4 itself
 (as a batch: packs) and hands 5-6 to ``commit_written``, which checks its records first.
 
-The steps live in the fragment store (``kvstore.embedded.fragments``): 3-4 in its writer
-(``kvstore.embedded.fragment_writes``), the checks of 5 in ``FragmentStore``; 1-2 and 5-6 here.
+Where each step lives, in the order a put runs them: ``put_many`` (here) does 1-2 and makes one
+``PendingEntry`` record per entry to write (``kvstore.embedded.fragment_writes``), which each later
+step fills in; ``FragmentWriter.write_entries`` (there) does 3-4: encode, place, write packs or
+fragments; ``_index_new`` (here) does 5-6, with the checks of 5 from ``FragmentStore``
+(``kvstore.embedded.fragments``); last ``FragmentWriter.discard_unindexed`` removes the files of
+entries that were not indexed.
 
 Read path (``get``, ``kvstore.embedded.fragment_reads``): read the k data fragments (in parallel for remote targets), verify each one's
 checksum and header against the index; on any failure read parity fragments
