@@ -18,8 +18,9 @@ Write steps (``DirectWrites.put_many``), in order, each for its reason:
      caller's tenant secret, so fragment headers name the key the daemon stores the entry
      under (``kvstore.keys.tenant_key``; empty for the anonymous tenant: keys as sent), and
      ``writer_view``, a digest of all that, which every ``Commit`` carries back.
-  2. Validate every item as the embedded store does (same errors, nothing written for a
-     bad batch), drop repeats of a key within the batch, then encode and write it with
+  2. Every item comes validated by the client (``kvstore.wire.encode_item``); check each
+     against the daemon store's limits as the embedded store does (same errors, nothing
+     written for a bad batch), drop repeats of a key within the batch, then encode and write it with
      the embedded store's own batch code (``FragmentWriter.write_packs``): chunks of about
      ``pack_bytes``, one pack file per target per chunk, each published atomically and
      durable first when the daemon's store fsyncs.
@@ -83,16 +84,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from kvstore.embedded import codec
-from kvstore.api import EntryKind, PutItem
+from kvstore.api import PutItem
 from kvstore.config import StoreConfig, TargetSpec
 from kvstore.client.direct_reads import DirectPath, auto_decision
 from kvstore.errors import CapacityExceeded, InternalError, InvalidRequest, KVStoreError, StoreUnavailable
 from kvstore.embedded.fragment_writes import FragmentWriter, PendingEntry
-from kvstore.keys import check_key, tenant_key
+from kvstore.keys import tenant_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.errors import PermissionDenied, RequestTooLarge, ServerBusy, StaleDescribe, Unauthenticated
 from kvstore.embedded.targets import Target, TargetPools, open_target
 from kvstore.embedded.tuning import tune_malloc
+from kvstore.wire import EncodedPut
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,7 @@ REFUSED = (InvalidRequest, ServerBusy, Unauthenticated, PermissionDenied, Capaci
 # The gRPC put of the client. It must take whatever the client let through to this path (each item
 # within max_message_bytes, their total unbounded): it sends them in messages that fit, never refusing
 # a piece after earlier pieces of its batch were committed (``kvstore.client.puts.Puts.send_fitting``).
-PutFallback = Callable[[Sequence[PutItem]], list]
+PutFallback = Callable[[Sequence[EncodedPut]], list]
 
 
 class DirectWriter:
@@ -210,8 +212,10 @@ class DirectWrites(DirectPath):
                 self._current = None
                 self.reason = f"describing again ({why})"
 
-    def put_many(self, items: Sequence[PutItem], fallback: PutFallback) -> list[bool] | None:
-        """Steps 2-4 (module docstring); ``None``: put these over gRPC instead. A Commit refused
+    def put_many(self, items: Sequence[EncodedPut], fallback: PutFallback) -> list[bool] | None:
+        """Steps 2-4 (module docstring) for puts validated and encoded by the client
+        (``kvstore.wire.encode_item``, whose ``EncodedPut.item`` is the put with its key and kind
+        checked and typed); ``None``: put these over gRPC instead. A Commit refused
         as stale (``StaleDescribe``) wrote nothing that stays: described again and rewritten
         once, then through ``fallback``."""
         if len(items) > self.max_items:
@@ -232,15 +236,15 @@ class DirectWrites(DirectPath):
         w.count("fallbacks", len(items))
         return fallback(items)
 
-    def _put_with(self, w: DirectWriter, items: Sequence[PutItem], fallback: PutFallback) -> list[bool] | None:
+    def _put_with(self, w: DirectWriter, items: Sequence[EncodedPut], fallback: PutFallback) -> list[bool] | None:
         """One attempt of ``put_many`` with writer ``w``; ``StaleDescribe`` raised with its packs removed."""
         result = [False] * len(items)
         entries: list[PendingEntry] = []
         seen: set[bytes] = set()
-        for i, it in enumerate(items):  # validated before anything is written (step 2)
-            kind = EntryKind.parse(it.kind)  # key and kind checked once, here; typed from here on
-            ek = bytes((kind.code,)) + check_key(it.key)
-            stored = PutItem(w.stored_key(ek[1:]), it.value, kind, it.ttl_s, it.layout, it.tokens)
+        for i, enc in enumerate(items):  # validated before anything is written (step 2)
+            it = enc.item  # key and kind checked and typed by the client (``encode_item``)
+            ek = bytes((it.kind.code,)) + it.key
+            stored = PutItem(w.stored_key(it.key), it.value, it.kind, it.ttl_s, it.layout, it.tokens)
             if ek in seen:  # stored once, but refused like any item (over max_value_bytes too), as put_many is
                 w.writer.checked(stored)
             else:
@@ -282,13 +286,13 @@ class DirectWrites(DirectPath):
                 result[i] = c
         return result
 
-    def _commit(self, w: DirectWriter, items: Sequence[PutItem],
+    def _commit(self, w: DirectWriter, items: Sequence[EncodedPut],
                 entries: list[PendingEntry]) -> tuple[list[bool], dict[bytes, str]]:
         """One Commit for the written entries: (created per entry, rejected pack -> why)."""
         records = []
         for e in entries:
-            it, m = items[e.slot], e.enc.meta_base
-            r = pb.WrittenEntry(key=bytes(it.key), kind=e.enc.kind.value, k=m.k, m=m.m, tokens=m.tokens,
+            it, m = items[e.slot].item, e.enc.meta_base
+            r = pb.WrittenEntry(key=it.key, kind=e.enc.kind.value, k=m.k, m=m.m, tokens=m.tokens,
                                 plain_len=m.plain_len, entry_len=m.entry_len, frag_len=m.frag_len, gen=m.gen,
                                 targets=e.targets, offsets=e.offsets)
             if it.ttl_s is not None:
