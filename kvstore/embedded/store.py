@@ -228,9 +228,9 @@ class EmbeddedStore:
 
     def _write_and_index(self, entries: list[PendingEntry], put_keys: list[bytes], now: int) -> None:
         """Steps 3-6 of ``put_many`` for ``entries``, setting each one's ``created``. Raises what
-        the write raised (nothing written stays behind); ``FilesSwept`` (nothing indexed, the
-        files written removed) when an orphan sweep took one of them before the index commit
-        (``FragmentStore.check_unswept_txn``)."""
+        the write raised (``FragmentWriter.write_entries``: nothing indexed); ``FilesSwept``
+        (nothing indexed, the files written removed) when an orphan sweep took one of them
+        before the index commit (``FragmentStore.check_unswept_txn``)."""
         writer = self.fragments.writer
         with self.index.env.begin() as txn:  # before the first file: see kvstore.maintenance.orphans
             since = self.index.sweep_decisions(txn)
