@@ -11,7 +11,12 @@ batch each: a task never waits on a task queued behind it in its own pool), and
 (``kvstore.embedded.fragments.FragmentStore``) commits what it wrote; the direct writer
 (``kvstore.client.direct_writes``) hands its packs to the daemon's ``Commit``.
 
-The write steps, and why they are ordered as they are, are in ``kvstore.embedded.store``'s
+A put's entries go through it as ``PendingEntry`` records, one per entry, each step filling
+in its part (encoding, placement, pack offsets, the write in flight; the store sets whether it
+was indexed): ``write_entries`` (steps 3-4: each entry ``encode``d, then written as packs,
+``write_packs``, or fragment by fragment, ``write_fragments``), then, once the index has
+answered, ``discard_unindexed``. The write
+steps, and why they are ordered as they are, are in ``kvstore.embedded.store``'s
 docstring; pack names in ``kvstore.embedded.targets``; how files are made durable in
 ``kvstore.embedded.durability``.
 """
