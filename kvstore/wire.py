@@ -300,11 +300,14 @@ def encode_get_chunk(index: int, values: Sequence[Any | None]) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class EncodedPut:
-    """One validated put, encoded as ``head + value + tail`` (a ``PutRequest``; ``wire.put_parts``)."""
+    """One validated put, encoded as ``head + value + tail`` (a ``PutRequest``; ``wire.put_parts``),
+    and ``item``, the put as validated: its key ``bytes`` and its kind an ``EntryKind``, the
+    other fields as the caller gave them (what a direct write encodes itself)."""
 
     head: bytes
     value: memoryview
     tail: bytes
+    item: PutItem
 
     @property
     def nbytes(self) -> int:
@@ -317,11 +320,11 @@ class EncodedPut:
 def encode_item(it: PutItem) -> EncodedPut:
     """Validate one put client-side, as the embedded store does before writing, and encode it."""
     key = check_key(check_put_item(it).key)
-    kind = EntryKind.parse(it.kind).value
+    kind = EntryKind.parse(it.kind)
     mv, layout = as_payload(it.value, it.layout)
     check_put_fields(it.ttl_s, it.tokens, MAX_TTL_S)
-    head, tail = put_parts(key, mv.nbytes, kind, it.ttl_s, layout, it.tokens)
-    return EncodedPut(head, mv, tail)
+    head, tail = put_parts(key, mv.nbytes, kind.value, it.ttl_s, layout, it.tokens)
+    return EncodedPut(head, mv, tail, PutItem(key, it.value, kind, it.ttl_s, it.layout, it.tokens))
 
 
 def fitting_runs(encs: Sequence[EncodedPut], limit: int) -> list[slice]:

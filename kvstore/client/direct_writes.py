@@ -18,9 +18,10 @@ Write steps (``DirectWrites.put_many``), in order, each for its reason:
      caller's tenant secret, so fragment headers name the key the daemon stores the entry
      under (``kvstore.keys.tenant_key``; empty for the anonymous tenant: keys as sent), and
      ``writer_view``, a digest of all that, which every ``Commit`` carries back.
-  2. Validate every item as the embedded store does (same errors, nothing written for a
-     bad batch), drop repeats of a key within the batch, then encode and write it with
-     the embedded store's own batch code (``FragmentWriter.put_packs``): chunks of about
+  2. Every item comes validated by the client (``kvstore.wire.encode_item``); check each
+     against the daemon store's limits as the embedded store does (same errors, nothing
+     written for a bad batch), drop repeats of a key within the batch, then encode and write it with
+     the embedded store's own batch code (``FragmentWriter.write_packs``): chunks of about
      ``pack_bytes``, one pack file per target per chunk, each published atomically and
      durable first when the daemon's store fsyncs.
   3. One ``Commit`` with the records of every chunk written. The daemon checks them
@@ -82,16 +83,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from kvstore.embedded import codec
-from kvstore.api import EntryKind, PutItem
+from kvstore.api import PutItem
 from kvstore.config import StoreConfig, TargetSpec
 from kvstore.client.direct_reads import DirectPath, auto_decision
 from kvstore.errors import CapacityExceeded, InternalError, InvalidRequest, KVStoreError, StoreUnavailable
-from kvstore.embedded.fragment_writes import FragmentWriter
-from kvstore.keys import check_key, tenant_key
+from kvstore.embedded.fragment_writes import FragmentWriter, PendingEntry
+from kvstore.keys import tenant_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.errors import PermissionDenied, RequestTooLarge, ServerBusy, StaleDescribe, Unauthenticated
 from kvstore.embedded.targets import Target, TargetPools, open_target
 from kvstore.embedded.tuning import tune_malloc
+from kvstore.wire import EncodedPut
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ REFUSED = (InvalidRequest, ServerBusy, Unauthenticated, PermissionDenied, Capaci
 # The gRPC put of the client. It must take whatever the client let through to this path (each item
 # within max_message_bytes, their total unbounded): it sends them in messages that fit, never refusing
 # a piece after earlier pieces of its batch were committed (``kvstore.client.puts.Puts.send_fitting``).
-PutFallback = Callable[[Sequence[PutItem]], list]
+PutFallback = Callable[[Sequence[EncodedPut]], list]
 
 
 class DirectWriter:
@@ -206,8 +208,10 @@ class DirectWrites(DirectPath):
                 self._current = None
                 self.reason = f"describing again ({why})"
 
-    def put_many(self, items: Sequence[PutItem], fallback: PutFallback) -> list[bool] | None:
-        """Steps 2-4 (module docstring); ``None``: put these over gRPC instead. A Commit refused
+    def put_many(self, items: Sequence[EncodedPut], fallback: PutFallback) -> list[bool] | None:
+        """Steps 2-4 (module docstring) for puts validated and encoded by the client
+        (``kvstore.wire.encode_item``, whose ``EncodedPut.item`` is the put with its key and kind
+        checked and typed); ``None``: put these over gRPC instead. A Commit refused
         as stale (``StaleDescribe``) wrote nothing that stays: described again and rewritten
         once, then through ``fallback``."""
         if len(items) > self.max_items:
@@ -228,80 +232,70 @@ class DirectWrites(DirectPath):
         w.count("fallbacks", len(items))
         return fallback(items)
 
-    def _put_with(self, w: DirectWriter, items: Sequence[PutItem], fallback: PutFallback) -> list[bool] | None:
+    def _put_with(self, w: DirectWriter, items: Sequence[EncodedPut], fallback: PutFallback) -> list[bool] | None:
         """One attempt of ``put_many`` with writer ``w``; ``StaleDescribe`` raised with its packs removed."""
         result = [False] * len(items)
-        todo: list[int] = []
+        entries: list[PendingEntry] = []
         seen: set[bytes] = set()
-        stored: list[PutItem] = []
-        for i, it in enumerate(items):  # validated before anything is written (step 2)
-            kind = EntryKind.parse(it.kind)  # key and kind checked once, here; typed from here on
-            ek = bytes((kind.code,)) + check_key(it.key)
-            stored.append(PutItem(w.stored_key(ek[1:]), it.value, kind, it.ttl_s, it.layout, it.tokens))
+        for i, enc in enumerate(items):  # validated before anything is written (step 2)
+            it = enc.item  # key and kind checked and typed by the client (``encode_item``)
+            ek = bytes((it.kind.code,)) + it.key
+            stored = PutItem(w.stored_key(it.key), it.value, it.kind, it.ttl_s, it.layout, it.tokens)
             if ek in seen:  # stored once, but refused like any item (over max_value_bytes too), as put_many is
-                w.writer.checked(ek[1:], it.value, kind, it.ttl_s, it.layout, it.tokens)
+                w.writer.checked(stored)
             else:
                 seen.add(ek)
-                todo.append(i)
-        encs: dict[int, Any] = {}
-        placed: dict[int, tuple[str, ...]] = {}
-        offsets: dict[int, tuple[int, ...]] = {}
-        w.writer.put_packs(stored, todo, encs, placed, offsets)  # a bad item raises here, nothing left behind
-        if any(i not in offsets for i in todo):  # a pack failed here: the whole batch goes another way
-            self._discard(w, encs, placed, offsets, len(items))
-            w.count("fallbacks", len(todo))
+                entries.append(PendingEntry(stored, i))
+        w.writer.write_packs(entries)  # a bad item raises here, nothing left behind
+        if any(not e.in_pack for e in entries):  # a pack failed here: the whole batch goes another way
+            w.writer.discard_unindexed(entries)  # nothing indexed: every pack goes
+            w.count("fallbacks", len(entries))
             return fallback(items)
-        written = todo
         try:
-            created, rejected = self._commit(w, items, written, encs, placed, offsets) if written else ([], {})
+            created, rejected = self._commit(w, items, entries) if entries else ([], {})
         except PermissionDenied as exc:
-            self._discard(w, encs, placed, offsets, len(items))
+            w.writer.discard_unindexed(entries)
             self._turn_off(f"Commit refused: {exc}", warn=True)
             return None
         except RequestTooLarge as exc:  # over what the daemon's Commit takes: put as over gRPC, whose limits decide
-            self._discard(w, encs, placed, offsets, len(items))
+            w.writer.discard_unindexed(entries)
             log.info("direct write refused by %s (%s); putting the batch through the daemon", self.url, exc)
-            w.count("fallbacks", len(todo))
+            w.count("fallbacks", len(entries))
             return fallback(items)
         except (StaleDescribe, *REFUSED):  # nothing indexed: the packs go; put_many describes again on a stale one
-            self._discard(w, encs, placed, offsets, len(items))
+            w.writer.discard_unindexed(entries)
             raise
-        for i, c in zip(written, created):
-            result[i] = c
-        w.writer.discard_unused_packs(encs, placed, offsets, result)  # rejected packs included: nothing indexed
+        for e, c in zip(entries, created):
+            e.created = result[e.slot] = c
+        w.writer.discard_unindexed(entries)  # rejected packs included: nothing indexed
         for why in rejected.values():
             log.warning("direct write rejected by %s: %s; putting its entries through the daemon", self.url, why)
         w.count("commits")
         w.count("rejected_packs", len(rejected))
         w.count("direct_writes", sum(created))
-        w.count("direct_write_bytes", sum(encs[i].meta_base.plain_len for i, c in zip(written, created) if c))
+        w.count("direct_write_bytes", sum(e.enc.meta_base.plain_len for e in entries if e.created))
         # Packs rejected there (then every one: a commit is all or nothing): the daemon writes them.
-        rest = [i for i in todo if encs[i].meta_base.gen in rejected]
+        rest = [e.slot for e in entries if e.enc.meta_base.gen in rejected]
         if rest:
             w.count("fallbacks", len(rest))
             for i, c in zip(rest, fallback([items[i] for i in rest])):
                 result[i] = c
         return result
 
-    def _commit(self, w: DirectWriter, items: Sequence[PutItem], written: list[int], encs: dict, placed: dict,
-                offsets: dict) -> tuple[list[bool], dict[bytes, str]]:
+    def _commit(self, w: DirectWriter, items: Sequence[EncodedPut],
+                entries: list[PendingEntry]) -> tuple[list[bool], dict[bytes, str]]:
         """One Commit for the written entries: (created per entry, rejected pack -> why)."""
-        entries = []
-        for i in written:
-            it, m = items[i], encs[i].meta_base
-            e = pb.WrittenEntry(key=bytes(it.key), kind=encs[i].kind.value, k=m.k, m=m.m, tokens=m.tokens,
+        records = []
+        for e in entries:
+            it, m = items[e.slot].item, e.enc.meta_base
+            r = pb.WrittenEntry(key=it.key, kind=e.enc.kind.value, k=m.k, m=m.m, tokens=m.tokens,
                                 plain_len=m.plain_len, entry_len=m.entry_len, frag_len=m.frag_len, gen=m.gen,
-                                targets=placed[i], offsets=offsets[i])
+                                targets=e.targets, offsets=e.offsets)
             if it.ttl_s is not None:
-                e.ttl_s = it.ttl_s
-            entries.append(e)
-        reply = self._call("Commit", pb.CommitRequest(entries=entries, view=w.view))
+                r.ttl_s = it.ttl_s
+            records.append(r)
+        reply = self._call("Commit", pb.CommitRequest(entries=records, view=w.view))
         created = list(reply.created)
-        if len(created) != len(entries) or len(reply.rejected_packs) != len(reply.reasons):
-            raise InternalError(f"Commit answered {len(created)} results for {len(entries)} entries (a kvstore bug)")
+        if len(created) != len(records) or len(reply.rejected_packs) != len(reply.reasons):
+            raise InternalError(f"Commit answered {len(created)} results for {len(records)} entries (a kvstore bug)")
         return created, dict(zip(reply.rejected_packs, reply.reasons))
-
-    @staticmethod
-    def _discard(w: DirectWriter, encs: dict, placed: dict, offsets: dict, n: int) -> None:
-        """Remove the packs of a batch of ``n`` items whose Commit indexed nothing."""
-        w.writer.discard_unused_packs(encs, placed, offsets, [False] * n)

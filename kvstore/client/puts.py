@@ -1,7 +1,8 @@
 """``Puts``: how ``kvstore.client.remote.RemoteStore`` stores entries on one daemon.
 
-A put comes validated and encoded (``kvstore.wire.encode_item``: ``RemoteStore`` does it
-once, before anything is sent), and is sent as one
+A put comes validated and encoded (``kvstore.wire.encode_item``: ``RemoteStore``, or
+``ShardedStore`` for its shards, does it once, before anything is sent; the ``EncodedPut``
+carries the validated item for direct writes), and is sent as one
 ``Put`` (a single put), or, for ``put_many``, in pieces of at most the transport's
 ``batch_items`` (``kvstore.client.transport``), each piece written directly into the
 targets (``kvstore.client.direct_writes``, when on) or sent as ``PutStream`` calls.
@@ -20,14 +21,12 @@ Rules:
 from __future__ import annotations
 
 import threading
-from typing import Sequence
 
-from kvstore.api import PutItem
 from kvstore.client.direct_writes import DirectWrites
 from kvstore.client.transport import Transport
 from kvstore.errors import BatchTooLarge, InvalidRequest
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import EncodedPut, check_message_bytes, check_value_sizes, encode_item, fitting_runs
+from kvstore.wire import EncodedPut, check_message_bytes, check_value_sizes, fitting_runs
 
 
 class Puts:
@@ -43,15 +42,15 @@ class Puts:
         self._value_limit_asked = False
         self._describe_lock = threading.Lock()
 
-    def put(self, item: PutItem, enc: EncodedPut) -> bool:
-        """One put (``kvstore.api``'s ``put``) of a validated ``item``, encoded as ``enc``: with
-        direct writes as a one-item ``put_many``."""
+    def put(self, enc: EncodedPut) -> bool:
+        """One put (``kvstore.api``'s ``put``), validated and encoded as ``enc``: with direct
+        writes as a one-item ``put_many``."""
         if self._direct is not None:
-            return self.put_many([item], [enc])[0]
+            return self.put_many([enc])[0]
         return self._rpc.put(enc)
 
-    def put_many(self, items: list[PutItem], encs: list[EncodedPut]) -> list[bool]:
-        """``kvstore.api``'s batched put of validated ``items``, encoded as ``encs``; one
+    def put_many(self, encs: list[EncodedPut]) -> list[bool]:
+        """``kvstore.api``'s batched put of items validated and encoded as ``encs``; one
         ``created`` flag per item, in order.
 
         The batch is checked whole before anything is sent (``check_puts``), so bad input
@@ -63,10 +62,10 @@ class Puts:
         the daemon's limit stored nothing and is resent in smaller pieces. Retrying the whole
         batch is safe: a put of a live key stores nothing (it answers ``created=False``)."""
         self._rpc.check_open()
-        if not items:
+        if not encs:
             return []
         out: list[bool] = []
-        for _, got in self._rpc.each_piece(len(items), lambda p: self._put_piece(items[p], encs[p]),
+        for _, got in self._rpc.each_piece(len(encs), lambda p: self._put_piece(encs[p]),
                                            check=lambda pieces: self.check_puts(encs, pieces)):
             out.extend(got)
         return out
@@ -102,19 +101,16 @@ class Puts:
                 self._value_limit_asked = True
         return self._value_limit
 
-    def _put_piece(self, items: list[PutItem], encs: list[EncodedPut]) -> list[bool]:
-        """One piece of ``put_many`` (at most ``batch_items``): direct writes, else gRPC.
-        A ``BatchTooLarge`` from either (Commit or PutStream refused) stored nothing."""
+    def _put_piece(self, encs: list[EncodedPut]) -> list[bool]:
+        """One piece of ``put_many`` (at most ``batch_items``): direct writes, else gRPC. Direct
+        writes fall back to ``send_fitting`` for (part of) the piece. A ``BatchTooLarge`` from
+        either (Commit or PutStream refused) stored nothing."""
         if self._direct is not None:
             self._rpc.check_open()
-            got = self._rpc.guarded(self._direct.put_many, items, self._put_many_rpc)
+            got = self._rpc.guarded(self._direct.put_many, encs, self.send_fitting)
             if got is not None:
                 return got
         return self.send_fitting(encs)
-
-    def _put_many_rpc(self, items: Sequence[PutItem]) -> list[bool]:
-        """Direct writes' fallback: (part of) one piece over gRPC, validated, encoded, ``send_fitting``."""
-        return self.send_fitting([encode_item(it) for it in items])
 
     def send_puts(self, encs: list[EncodedPut]) -> list[bool]:
         """One ``PutStream`` of at most ``batch_items`` encoded puts, checked against

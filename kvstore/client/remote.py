@@ -90,12 +90,24 @@ from kvstore.wire import MD_INDEX_KEYS, EncodedPut, encode_item, layout_from_pb
 if TYPE_CHECKING:
     import pyarrow as pa
 
+# The single-key and batch calls of each key operation: ``change_checked``, ``change_many_checked``.
+KEY_CALLS: dict[str, tuple[str, str]] = {"delete": ("Delete", "DeleteMany"), "pin": ("Pin", "PinMany"),
+                                         "unpin": ("Unpin", "UnpinMany")}
+
 
 class RemoteStore:
     """``kvstore.api.KVStore`` over gRPC to the daemon at ``url``. Thread-safe (one channel, shared).
 
     ``url``'s scheme decides TLS (module docstring): ``InvalidRequest`` before any channel
     is opened for TLS options with a ``grpc://`` URL (unless ``options.grpcs_in_set``).
+
+    Typed entry points: each public method checks its arguments once (the boundary: the
+    errors of the embedded store, in its order) and hands them on checked and typed (keys
+    ``bytes``, kinds ``EntryKind``, puts encoded as ``kvstore.wire.EncodedPut``) to a
+    ``*_checked`` method, or to ``stage_into``/``finish_into``. ``ShardedStore``, which checks
+    a call at its own boundary, calls those for its shards, so nothing is checked or encoded
+    twice. They are not part of the ``KVStore`` protocol and do not check their arguments:
+    for callers inside ``kvstore.client`` only.
     """
 
     def __init__(self, url: str, options: ClientOptions | None = None):
@@ -125,15 +137,26 @@ class RemoteStore:
     def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
             layout: Layout | None = None, tokens: int = 0) -> bool:
         self._rpc.check_open()  # first, as the embedded store, whatever the item
-        item = PutItem(key, value, kind, ttl_s, layout, tokens)
-        return self._puts.put(item, encode_item(item))
+        return self._puts.put(encode_item(PutItem(key, value, kind, ttl_s, layout, tokens)))
 
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         """``kvstore.api``'s batched put (``kvstore.client.puts.Puts.put_many``: in pieces, not one
         unit). Every item is validated and encoded before anything is sent."""
         self._rpc.check_open()
         items = check_put_items(items)
-        return self._puts.put_many(items, [encode_item(it) for it in items])
+        return self._puts.put_many([encode_item(it) for it in items])
+
+    def put_checked(self, enc: EncodedPut) -> bool:
+        """``put`` of an item validated and encoded by ``kvstore.wire.encode_item`` (a typed entry
+        point: class docstring)."""
+        self._rpc.check_open()
+        return self._puts.put(enc)
+
+    def put_many_checked(self, encs: list[EncodedPut]) -> list[bool]:
+        """``put_many`` of items validated and encoded by ``kvstore.wire.encode_item`` (a typed
+        entry point: class docstring)."""
+        self._rpc.check_open()
+        return self._puts.put_many(encs)
 
     def check_puts(self, encs: list[EncodedPut], pieces: list[slice] | None = None, *,
                    spans: bool = False) -> None:
@@ -148,7 +171,11 @@ class RemoteStore:
     def get_entry(self, key: bytes, *, kind: str = "block") -> Entry:
         self._rpc.check_open()
         k = EntryKind.parse(kind)  # the kind first, as the embedded store
-        key = check_key(key)
+        return self.get_entry_checked(check_key(key), k)
+
+    def get_entry_checked(self, key: bytes, k: EntryKind) -> Entry:
+        """``get_entry`` of a checked key and kind (a typed entry point: class docstring)."""
+        self._rpc.check_open()
         if self._direct is not None:
             e = self._rpc.guarded(self._direct.get_entry, key, k)  # NotFound from Locate; None: through the daemon
             if e is not None:
@@ -162,7 +189,11 @@ class RemoteStore:
     def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:
         self._rpc.check_open()
         k = EntryKind.parse(kind)  # first, as the embedded store: an empty batch too
-        keys = check_keys(keys)
+        return self.get_many_checked(check_keys(keys), k)
+
+    def get_many_checked(self, keys: list[bytes], k: EntryKind) -> list[bytes | None]:
+        """``get_many`` of checked keys and kind (a typed entry point: class docstring)."""
+        self._rpc.check_open()
         if not keys:
             return []
         out: list[bytes | None] = []
@@ -250,17 +281,30 @@ class RemoteStore:
         return self._direct.stats()
 
     # ------------------------------------------------------------------ delete, pin
-    def _one(self, method: str, key: bytes, kind: str) -> bool:
+    def _one(self, op: str, key: bytes, kind: str) -> bool:
         self._rpc.check_open()
-        k = EntryKind.parse(kind).value  # the kind first, as the embedded store
-        return self._rpc.call(method, pb.KeyRequest(key=check_key(key), kind=k)).ok
+        k = EntryKind.parse(kind)  # the kind first, as the embedded store
+        return self.change_checked(op, check_key(key), k)
 
-    def _many(self, method: str, keys: Sequence[bytes], kind: str, md: tuple[tuple[str, str], ...] = ()) -> list[bool]:
-        """DeleteMany/PinMany/UnpinMany: every key validated, then pieces of at most
+    def change_checked(self, op: str, key: bytes, k: EntryKind) -> bool:
+        """``delete``, ``pin`` or ``unpin`` (``op``, a key of ``KEY_CALLS``) of a checked key and
+        kind (a typed entry point: class docstring)."""
+        self._rpc.check_open()
+        return self._rpc.call(KEY_CALLS[op][0], pb.KeyRequest(key=key, kind=k.value)).ok
+
+    def _many(self, op: str, keys: Sequence[bytes], kind: str, md: tuple[tuple[str, str], ...] = ()) -> list[bool]:
+        self._rpc.check_open()
+        k = EntryKind.parse(kind)
+        return self.change_many_checked(op, [check_key(x) for x in keys], k, md)
+
+    def change_many_checked(self, op: str, keys: list[bytes], k: EntryKind,
+                            md: tuple[tuple[str, str], ...] = ()) -> list[bool]:
+        """``delete_many``, ``pin_many`` or ``unpin_many`` (``op``, a key of ``KEY_CALLS``) of
+        checked keys and kind (a typed entry point: class docstring): pieces of at most
         ``max_batch_items`` in order (a failure in a later piece leaves earlier ones done)."""
         self._rpc.check_open()
-        k = EntryKind.parse(kind).value
-        reqs = [pb.KeyRequest(key=check_key(x), kind=k) for x in keys]
+        method = KEY_CALLS[op][1]
+        reqs = [pb.KeyRequest(key=x, kind=k.value) for x in keys]
 
         def send(p: slice) -> list[bool]:
             reply = self._rpc.call(method, pb.KeysRequest(keys=reqs[p]), md=md)
@@ -272,28 +316,28 @@ class RemoteStore:
         return out
 
     def delete(self, key: bytes, *, kind: str = "block") -> bool:
-        return self._one("Delete", key, kind)
+        return self._one("delete", key, kind)
 
     def pin(self, key: bytes, *, kind: str = "block") -> bool:
-        return self._one("Pin", key, kind)
+        return self._one("pin", key, kind)
 
     def unpin(self, key: bytes, *, kind: str = "block") -> bool:
-        return self._one("Unpin", key, kind)
+        return self._one("unpin", key, kind)
 
     def delete_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
-        return self._many("DeleteMany", keys, kind)
+        return self._many("delete", keys, kind)
 
     def pin_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
-        return self._many("PinMany", keys, kind)
+        return self._many("pin", keys, kind)
 
     def unpin_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
-        return self._many("UnpinMany", keys, kind)
+        return self._many("unpin", keys, kind)
 
     def delete_index_keys(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
         """``kvtool delete``: ``delete_many`` of keys named as ``inspect_entries`` names them (an
         admin tenant: index keys, as ``check`` and kvtool on a data directory print them; any
         other tenant: its own keys), so it deletes what ``kvtool inspect`` shows."""
-        return self._many("DeleteMany", keys, kind, md=((MD_INDEX_KEYS, "1"),))
+        return self._many("delete", keys, kind, md=((MD_INDEX_KEYS, "1"),))
 
     # ------------------------------------------------------------------ lookups (kvstore.client.lookups)
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
@@ -308,7 +352,11 @@ class RemoteStore:
               chain_ends: Sequence[int] | None = None) -> tuple[bytes, bytes]:
         """``Lookups.probe``: per key, is it a live block, and a live SWA entry too."""
         keys = check_keys(keys)
-        return self._lookups.probe(keys, until_miss, check_chain_ends(chain_ends, len(keys), until_miss=until_miss))
+        return self.probe_checked(keys, until_miss, check_chain_ends(chain_ends, len(keys), until_miss=until_miss))
+
+    def probe_checked(self, keys: list[bytes], until_miss: bool, ends: list[int] | None) -> tuple[bytes, bytes]:
+        """``probe`` of checked keys and chain ends (a typed entry point: class docstring)."""
+        return self._lookups.probe(keys, until_miss, ends)
 
     # ------------------------------------------------------------------ admin (kvstore.client.admin)
     def stats(self) -> dict:
@@ -330,11 +378,19 @@ class RemoteStore:
         return self._admin.inspect_summary()
 
     def inspect_entries(self, keys: Sequence[bytes], *, kind: str = "block") -> list[dict]:
-        k = EntryKind.parse(kind).value  # the kind first, as the embedded store
-        return self._admin.inspect_entries(check_keys(keys), k)
+        k = EntryKind.parse(kind)  # the kind first, as the embedded store
+        return self.inspect_entries_checked(check_keys(keys), k)
+
+    def inspect_entries_checked(self, keys: list[bytes], k: EntryKind) -> list[dict]:
+        """``inspect_entries`` of checked keys and kind (a typed entry point: class docstring)."""
+        return self._admin.inspect_entries(keys, k.value)
 
     def inspect_chain(self, keys: Sequence[bytes]) -> list[dict]:
-        return self._admin.inspect_chain(check_keys(keys))
+        return self.inspect_chain_checked(check_keys(keys))
+
+    def inspect_chain_checked(self, keys: list[bytes]) -> list[dict]:
+        """``inspect_chain`` of checked keys (a typed entry point: class docstring)."""
+        return self._admin.inspect_chain(keys)
 
     def export_index_batches(self) -> Iterator["pa.RecordBatch"]:
         return self._admin.export_index_batches()

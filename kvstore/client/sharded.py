@@ -122,7 +122,11 @@ def _prefix_targets(batch: "pa.RecordBatch", url: str) -> "pa.RecordBatch":
 
 
 class ShardedStore:
-    """``kvstore.api.KVStore`` over N ``RemoteStore`` shards. Thread-safe."""
+    """``kvstore.api.KVStore`` over N ``RemoteStore`` shards. Thread-safe.
+
+    Each call's arguments are checked here, once, with one store's errors; each shard is then
+    called through ``RemoteStore``'s typed entry points (its class docstring) with the keys,
+    kinds and encoded puts already checked, never through its public methods."""
 
     def __init__(self, urls: Sequence[str], options: ClientOptions | None = None):
         tls = [parse_address(u)[1] for u in urls]  # every URL checked before any channel is opened
@@ -152,8 +156,14 @@ class ShardedStore:
 
     def shard_for(self, key: bytes) -> RemoteStore:
         """The shard of a single-key call; ``StoreClosed`` first after ``close``, as the embedded store."""
+        return self._route(key)[0]
+
+    def _route(self, key: bytes) -> tuple[RemoteStore, bytes]:
+        """``shard_for`` and the key checked (``bytes``), for the shard's typed entry points
+        (``RemoteStore``'s class docstring): ``StoreClosed`` first, then the key's ``InvalidRequest``."""
         self._check_open()
-        return self.shards[self.owner(key)]
+        key = check_key(key)
+        return self.shards[rendezvous.best(key, self._names)], key
 
     def _check_open(self) -> None:
         """``StoreClosed`` after ``close`` (the batch and maintenance calls; a single-key call
@@ -203,24 +213,33 @@ class ShardedStore:
         return groups
 
     # ------------------------------------------------------------------ single-key calls
+    # Each call is checked here once (the key first, as ``_route`` does, then the kind) and goes
+    # to its shard's typed entry point (``RemoteStore``'s class docstring).
     def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
             layout: Layout | None = None, tokens: int = 0) -> bool:
-        return self.shard_for(key).put(key, value, kind=kind, ttl_s=ttl_s, layout=layout, tokens=tokens)
+        self._check_open()
+        enc = encode_item(PutItem(key, value, kind, ttl_s, layout, tokens))  # the key first, as _route
+        return self.shards[rendezvous.best(enc.item.key, self._names)].put_checked(enc)
 
     def get(self, key: bytes, *, kind: str = "block") -> bytes:
-        return self.shard_for(key).get(key, kind=kind)
+        return self.get_entry(key, kind=kind).data
 
     def get_entry(self, key: bytes, *, kind: str = "block") -> Entry:
-        return self.shard_for(key).get_entry(key, kind=kind)
+        sh, key = self._route(key)
+        return sh.get_entry_checked(key, EntryKind.parse(kind))
+
+    def _change(self, op: str, key: bytes, kind: str) -> bool:
+        sh, key = self._route(key)
+        return sh.change_checked(op, key, EntryKind.parse(kind))
 
     def delete(self, key: bytes, *, kind: str = "block") -> bool:
-        return self.shard_for(key).delete(key, kind=kind)
+        return self._change("delete", key, kind)
 
     def pin(self, key: bytes, *, kind: str = "block") -> bool:
-        return self.shard_for(key).pin(key, kind=kind)
+        return self._change("pin", key, kind)
 
     def unpin(self, key: bytes, *, kind: str = "block") -> bool:
-        return self.shard_for(key).unpin(key, kind=kind)
+        return self._change("unpin", key, kind)
 
     # ------------------------------------------------------------------ batches
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
@@ -231,7 +250,7 @@ class ShardedStore:
         self._check_open()
         items = check_put_items(items)
         encs = [encode_item(it) for it in items]  # validate everything before any shard stores anything
-        groups = self._group([check_key(it.key) for it in items])  # bytes, whatever bytes-like the caller gave
+        groups = self._group([e.item.key for e in encs])  # bytes, whatever bytes-like the caller gave
         if len(groups) > 1:
             limits = self._per_shard(groups, lambda sh, pos: sh.daemon_max_value_bytes())
             shard_of = {i: s for s, pos in groups.items() for i in pos}
@@ -239,14 +258,14 @@ class ShardedStore:
                 check_value_sizes([e], limits[shard_of[i]])
             for s, pos in groups.items():
                 self.shards[s].check_puts([encs[i] for i in pos], spans=True)
-        got = self._scatter(groups, lambda sh, pos: sh.put_many([items[i] for i in pos]))
+        got = self._scatter(groups, lambda sh, pos: sh.put_many_checked([encs[i] for i in pos]))
         return [got[i] for i in range(len(items))]
 
     def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:
         self._check_open()
-        k = EntryKind.parse(kind).value  # first, as one store: an empty batch too
+        k = EntryKind.parse(kind)  # first, as one store: an empty batch too
         keys = check_keys(keys)
-        got = self._scatter(self._group(keys), lambda sh, pos: sh.get_many([keys[i] for i in pos], kind=k))
+        got = self._scatter(self._group(keys), lambda sh, pos: sh.get_many_checked([keys[i] for i in pos], k))
         return [got[i] for i in range(len(keys))]
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
@@ -283,20 +302,20 @@ class ShardedStore:
 
     def _by_key(self, op: str, keys: Sequence[bytes], kind: str) -> list[bool]:
         self._check_open()
-        k = EntryKind.parse(kind).value  # first, as one store: an empty batch too
+        k = EntryKind.parse(kind)  # first, as one store: an empty batch too
         keys = check_keys(keys)
         got = self._scatter(self._group(keys),
-                            lambda sh, pos: getattr(sh, op)([keys[i] for i in pos], kind=k))
+                            lambda sh, pos: sh.change_many_checked(op, [keys[i] for i in pos], k))
         return [got[i] for i in range(len(keys))]
 
     def delete_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
-        return self._by_key("delete_many", keys, kind)
+        return self._by_key("delete", keys, kind)
 
     def pin_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
-        return self._by_key("pin_many", keys, kind)
+        return self._by_key("pin", keys, kind)
 
     def unpin_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bool]:
-        return self._by_key("unpin_many", keys, kind)
+        return self._by_key("unpin", keys, kind)
 
     # ------------------------------------------------------------------ lookup
     def _probe_all(self, keys: list[bytes], ends: list[int]) -> tuple[bytes, bytes]:
@@ -316,8 +335,8 @@ class ShardedStore:
         def ask(sh: RemoteStore, pos: list[int]) -> tuple[bytes, bytes]:
             share = [keys[i] for i in pos]
             if one:
-                return sh.probe(share, until_miss=True)
-            return sh.probe(share, chain_ends=np.searchsorted(pos, ends).tolist())  # positions ascend
+                return sh.probe_checked(share, True, None)
+            return sh.probe_checked(share, False, np.searchsorted(pos, ends).tolist())  # positions ascend
 
         got = self._per_shard(groups, ask)
         for s, (b, w) in got.items():
@@ -510,9 +529,9 @@ class ShardedStore:
         when no shard has it), and ``unanswered`` when a shard did not answer (``_ask_all``).
         Every shard is asked: an admin names index keys, whose owner the client cannot compute
         (a tenant's keys are hashed into its namespace first)."""
-        k = EntryKind.parse(kind).value
+        k = EntryKind.parse(kind)
         keys = check_keys(keys)
-        answers, failed = self._ask_all(lambda s: s.inspect_entries(keys, kind=k))
+        answers, failed = self._ask_all(lambda s: s.inspect_entries_checked(keys, k))
         out = []
         for i in range(len(keys)):
             found = [(u, views[i]) for u, views in answers if views[i]["state"] != "absent"]
@@ -524,7 +543,7 @@ class ShardedStore:
         """Per chain position, the state of its block and SWA entries on whichever shard
         holds them (every shard asked, ``unanswered`` as in ``inspect_entries``)."""
         keys = check_keys(keys)
-        answers, failed = self._ask_all(lambda s: s.inspect_chain(keys))
+        answers, failed = self._ask_all(lambda s: s.inspect_chain_checked(keys))
         out = []
         for i in range(len(keys)):
             row = dict(answers[0][1][i], **({"unanswered": failed} if failed else {}))

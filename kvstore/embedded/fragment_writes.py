@@ -11,7 +11,12 @@ batch each: a task never waits on a task queued behind it in its own pool), and
 (``kvstore.embedded.fragments.FragmentStore``) commits what it wrote; the direct writer
 (``kvstore.client.direct_writes``) hands its packs to the daemon's ``Commit``.
 
-The write steps, and why they are ordered as they are, are in ``kvstore.embedded.store``'s
+A put's entries go through it as ``PendingEntry`` records, one per entry, each step filling
+in its part (encoding, placement, pack offsets, the write in flight; the store sets whether it
+was indexed): ``write_entries`` (steps 3-4: each entry ``encode``d, then written as packs,
+``write_packs``, or fragment by fragment, ``write_fragments``), then, once the index has
+answered, ``discard_unindexed``. The write
+steps, and why they are ordered as they are, are in ``kvstore.embedded.store``'s
 docstring; pack names in ``kvstore.embedded.targets``; how files are made durable in
 ``kvstore.embedded.durability``.
 """
@@ -22,6 +27,7 @@ import errno
 import logging
 import os
 from concurrent.futures import Executor, Future, wait
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from kvstore.api import EntryKind, Layout, PutItem, as_payload, check_put_fields
@@ -83,6 +89,49 @@ class Encoded:
         self.ek, self.key, self.kind, self.meta_base, self.frames = ek, key, kind, meta_base, frames
 
 
+@dataclass(slots=True, eq=False)
+class PendingEntry:
+    """One entry of a put in flight, from its checks to its index commit: each step of the
+    write path (``kvstore.embedded.store``'s docstring) fills in its field, and the later
+    steps read it. One record per entry, so what an entry is at each step is in one place.
+
+    ``item``: the put, key and kind checked and typed (``kvstore.keys.check_key``,
+    ``EntryKind``); ``slot``: its position in the caller's batch, where its ``created`` flag
+    goes. Step 3 sets ``enc`` (``Encoded``); step 4 ``targets`` (fragment ``i`` on
+    ``targets[i]``; ``None`` while not written), ``offsets`` (the fragments' offsets in the
+    pack file on each target; ``()`` for one file per fragment) and, while its fragment
+    writes run, ``write`` (a ``Future`` of ``targets``); step 5 ``created`` (indexed by this
+    put; ``False`` also where a live entry of its key won the race)."""
+
+    item: PutItem
+    slot: int
+    enc: Encoded | None = None
+    targets: tuple[str, ...] | None = None
+    offsets: tuple[int, ...] = ()
+    write: Future | None = None
+    created: bool = False
+
+    @property
+    def in_pack(self) -> bool:
+        """Written into its batch's pack files (not one file per fragment)."""
+        return bool(self.offsets)
+
+    def record(self) -> tuple[bytes, Meta]:
+        """Its index record, ``(ek, meta)``, once written."""
+        return self.enc.ek, replace(self.enc.meta_base, targets=self.targets, offsets=self.offsets)
+
+    def files(self) -> list[tuple[str, str]]:
+        """``(target, rel)`` of every file it sits in: its pack on each target, or each fragment file."""
+        enc = self.enc
+        if self.in_pack:
+            return [(name, pack_path(enc.meta_base.gen)) for name in self.targets]
+        return [(name, fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, j))
+                for j, name in enumerate(self.targets)]
+
+
+def written_files(entries: Sequence[PendingEntry]) -> list[tuple[str, str]]:
+    """``(target, rel)`` of every file the written entries sit in, each pack file once, sorted."""
+    return sorted({f for e in entries if e.targets is not None for f in e.files()})
 
 
 class FragmentWriter:
@@ -106,28 +155,28 @@ class FragmentWriter:
         self._target_devs: dict[str, int] = {}
 
     # ------------------------------------------------------------------ fragment files
-    def checked(self, key: bytes, value: Any, kind: EntryKind, ttl_s: float | None,
-                 layout: Layout | None, tokens: int) -> tuple[bytes, EntryKind, memoryview, Layout, int, int]:
-        """A put's arguments validated (``InvalidRequest`` for the first bad one): (key, kind,
-        payload, layout, now_ns, expires_ns). ``key`` and ``kind`` come checked and typed from
-        the caller's boundary (``kvstore.keys.check_key``, ``EntryKind.parse``); the value, its
+    def checked(self, item: PutItem) -> tuple[memoryview, Layout, int, int]:
+        """A put validated (``InvalidRequest`` for the first bad field): (payload, layout,
+        now_ns, expires_ns). ``item.key`` and ``item.kind`` come checked and typed from the
+        caller's boundary (``kvstore.keys.check_key``, ``EntryKind.parse``); the value, its
         size, ``tokens`` and ``ttl_s`` are checked here. Every put passes here, also one that
         stores nothing because its key is live: a bad request is refused whether or not it would write."""
-        k = kind
-        payload, lay = as_payload(value, layout)
+        payload, lay = as_payload(item.value, item.layout)
         if len(payload) > self.config.max_value_bytes:
             raise InvalidRequest(
                 f"value of {len(payload)} bytes is over max_value_bytes={self.config.max_value_bytes}; "
                 "split it or raise the limit in the store config"
             )
-        check_put_fields(None, tokens, MAX_TTL_S)  # ttl_s: expiry_ns checks it
+        check_put_fields(None, item.tokens, MAX_TTL_S)  # ttl_s: expiry_ns checks it
         now = self.now_ns()
-        return key, k, payload, lay, now, expiry_ns(ttl_s, self.config.default_ttl_s, now)
+        return payload, lay, now, expiry_ns(item.ttl_s, self.config.default_ttl_s, now)
 
-    def encode(self, key: bytes, value: Any, kind: EntryKind, ttl_s: float | None,
-                layout: Layout | None, tokens: int, gen: bytes | None = None) -> Encoded:
-        key, k, payload, lay, now, expires = self.checked(key, value, kind, ttl_s, layout, tokens)
-        enc = self.encode_entry(key, k, payload, lay, tokens, gen or os.urandom(8), now, expires)
+    def encode(self, item: PutItem, gen: bytes | None = None) -> Encoded:
+        """Step 3 for one put (key and kind typed, as ``checked`` takes them): checked, encoded
+        under generation ``gen`` (default: a fresh one), and refused when it could never stay
+        under the capacity (``CapacityExceeded``)."""
+        payload, lay, now, expires = self.checked(item)
+        enc = self.encode_entry(item.key, item.kind, payload, lay, item.tokens, gen or os.urandom(8), now, expires)
         cfg = self.config
         stored = enc.meta_base.frag_len * len(enc.frames)
         if cfg.capacity_bytes and stored > cfg.capacity_bytes * cfg.low_watermark:
@@ -326,30 +375,67 @@ class FragmentWriter:
                     pass  # not on this target, or an orphan GC will sweep
         return freed
 
-    def put_packs(self, items: Sequence[PutItem], todo: list[int], encs: dict, placed: dict,
-                   offsets: dict) -> None:
-        """Steps 3-4 for a batch (keys and kinds checked and typed, as ``checked`` takes them):
-        encode it in chunks of about ``pack_bytes`` payload bytes, each chunk one generation
-        and one pack per target; a chunk's pack writes run on a
-        thread while the next chunk is encoded (encoding holds the GIL, writes wait in the
-        kernel); the last chunk's run here. Fills ``encs``, and ``placed`` and ``offsets``
-        for the chunks written. A chunk whose packs fail stays unplaced: the caller writes
-        it fragment by fragment."""
-        writes = []
-        chunk: list[int] = []
+    # ------------------------------------------------------------------ a put's steps 3-4, and its leftovers
+    def write_entries(self, entries: Sequence[PendingEntry], *, packs: bool) -> None:
+        """Steps 3-4 of a put (``kvstore.embedded.store``): encode every entry, place it and make
+        its fragments durable, filling in each entry's ``enc``, ``targets`` and ``offsets``.
+
+        A batch with ``packs`` (the store's ``pack_batches``) is first written as packs
+        (``write_packs``); a chunk whose packs fail, and a batch without them, and a single put,
+        go fragment by fragment (``write_fragments``, where a failing target is replaced by a
+        spare). Where writes wait (``fan_out_writes``) each entry's writes start on a thread as
+        soon as it is encoded, so encoding the next overlaps them; otherwise they run inline.
+        Anything raised (a bad item out of ``encode``, a write that found no spare) is raised
+        once every write started has ended, with the fragments already written removed."""
+        batch = len(entries) > 1
+        if batch and packs:
+            self.write_packs(entries)
+        fan_out = batch and self.fan_out_writes(self.targets, in_batch=False)
+        submit = self._batch_pool.submit if fan_out else run_now
+        try:
+            for e in entries:
+                if e.targets is not None:  # in a pack
+                    continue
+                if e.enc is None:
+                    e.enc = self.encode(e.item)
+                e.write = submit(self.write_fragments, e.enc, in_batch=batch)
+            for e in entries:
+                if e.write is not None:
+                    e.targets = e.write.result()
+        except BaseException:
+            for e in entries:
+                if e.write is not None and e.targets is None:
+                    try:
+                        e.targets = e.write.result()
+                    except BaseException:
+                        continue
+            for e in entries:
+                if e.targets is not None:
+                    self.discard(e.enc, dict(enumerate(e.targets)))
+            raise
+
+    def write_packs(self, entries: Sequence[PendingEntry]) -> None:
+        """Steps 3-4 for a batch as packs: encode it in chunks of about ``pack_bytes`` payload
+        bytes, each chunk one generation and one pack per target (``write_pack``); a chunk's
+        pack writes run on a thread while the next chunk is encoded (encoding holds the GIL,
+        writes wait in the kernel); the last chunk's run here. Sets every entry's ``enc``, and
+        ``targets`` and ``offsets`` of those in the chunks written. A chunk whose packs fail
+        stays unplaced (its failure logged): the caller writes it another way. A bad item
+        raises, with every pack written so far removed."""
+        writes: list[tuple[list[PendingEntry], bytes, Future]] = []
+        chunk: list[PendingEntry] = []
         size = 0
         gen = os.urandom(8)
         try:
-            for n, i in enumerate(todo):
-                it = items[i]
-                encs[i] = self.encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens, gen)
-                chunk.append(i)
-                size += encs[i].meta_base.plain_len
-                last = n == len(todo) - 1
+            for n, e in enumerate(entries):
+                e.enc = self.encode(e.item, gen)
+                chunk.append(e)
+                size += e.enc.meta_base.plain_len
+                last = n == len(entries) - 1
                 if size >= self.config.pack_bytes or last:
                     # On a thread only while there is encoding left to overlap it with.
                     submit = run_now if last or self.config.parallel_writes == "never" else self._batch_pool.submit
-                    writes.append((chunk, gen, submit(self.write_pack, [encs[j] for j in chunk], gen)))
+                    writes.append((chunk, gen, submit(self.write_pack, [m.enc for m in chunk], gen)))
                     chunk, size, gen = [], 0, os.urandom(8)
         except BaseException:  # a bad item: nothing of this batch may stay behind
             for _chunk, g, fut in writes:
@@ -358,17 +444,23 @@ class FragmentWriter:
             raise
         for chunk, _gen, fut in writes:
             try:
-                for i, (names, offs) in zip(chunk, fut.result()):
-                    placed[i], offsets[i] = names, offs
+                for e, (names, offs) in zip(chunk, fut.result()):
+                    e.targets, e.offsets = names, offs
             except OSError:
                 pass  # logged by write_pack
 
-    def discard_unused_packs(self, encs: dict, placed: dict, offsets: dict, result: list[bool]) -> None:
-        """After a batch's commit: remove each of its packs in which no entry was committed
-        (every one lost its race to another writer)."""
-        by_gen: dict[bytes, list[int]] = {}
-        for i in offsets:
-            by_gen.setdefault(encs[i].meta_base.gen, []).append(i)
-        for gen, members in by_gen.items():
-            if not any(result[i] for i in members):
-                self.discard_pack(gen, sorted({n for i in members for n in placed[i]}))
+    def discard_unindexed(self, entries: Sequence[PendingEntry]) -> None:
+        """Remove what the written entries that were not indexed (``created`` false) leave
+        behind: each one's fragment files; and each pack in which no entry was indexed (every
+        one lost its race to another writer, or nothing was committed). A loser's share of a
+        pack with an indexed entry stays, counted dead (``kvstore.embedded.index`` invariant 6)."""
+        for e in entries:
+            if e.targets is not None and not e.created and not e.in_pack:
+                self.discard(e.enc, dict(enumerate(e.targets)))
+        packs: dict[bytes, list[PendingEntry]] = {}
+        for e in entries:
+            if e.in_pack:
+                packs.setdefault(e.enc.meta_base.gen, []).append(e)
+        for gen, members in packs.items():
+            if not any(e.created for e in members):
+                self.discard_pack(gen, sorted({n for e in members for n in e.targets}))

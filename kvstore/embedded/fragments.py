@@ -28,10 +28,10 @@ from kvstore.api import EntryKind, as_payload
 from kvstore.config import StoreConfig, TargetSpec
 from kvstore.embedded import codec
 from kvstore.embedded.fragment_reads import FragmentReader
-from kvstore.embedded.fragment_writes import Encoded, FragmentWriter, expiry_ns
+from kvstore.embedded.fragment_writes import FragmentWriter, expiry_ns
 from kvstore.embedded.index import STANDALONE, Index, Meta, packed_bytes
 from kvstore.embedded.packs import WrittenEntry
-from kvstore.embedded.targets import Target, TargetPools, fragment_path, pack_path
+from kvstore.embedded.targets import Target, TargetPools, pack_path
 from kvstore.errors import CapacityExceeded, CorruptData, InvalidRequest, StoreUnavailable, Unrecoverable
 
 log = logging.getLogger("kvstore.embedded.store")
@@ -135,21 +135,6 @@ class FragmentStore:
             except OSError as exc:
                 raise FilesSwept(f"{rel} on target {name} is gone since it was written ({exc}): an orphan sweep "
                                  "took it; nothing was stored") from exc
-
-    @staticmethod
-    def paths_of(encs: dict[int, Encoded], placed: dict[int, tuple[str, ...]],
-                  offsets: dict[int, tuple[int, ...]]) -> list[tuple[str, str]]:
-        """``(target, rel)`` of every file the placed entries sit in: each fragment file, and
-        each pack file once."""
-        out: set[tuple[str, str]] = set()
-        for i, names in placed.items():
-            enc = encs[i]
-            if offsets.get(i):
-                out.update((name, pack_path(enc.meta_base.gen)) for name in names)
-            else:
-                out.update((name, fragment_path(enc.kind.code, enc.key, enc.meta_base.gen, j))
-                           for j, name in enumerate(names))
-        return sorted(out)
 
     def mark_lost(self, ek: bytes, meta: Meta) -> None:
         """Move a record whose fragments are gone to ``lost`` (lookup stops offering it).

@@ -43,8 +43,12 @@ Write path (``put``), in this order, each step for the reason given:
 A direct-writing client of the daemon (``kvstore.client.direct_writes``) does 1-4 itself
 (as a batch: packs) and hands 5-6 to ``commit_written``, which checks its records first.
 
-The steps live in the fragment store (``kvstore.embedded.fragments``): 3-4 in its writer
-(``kvstore.embedded.fragment_writes``), the checks of 5 in ``FragmentStore``; 1-2 and 5-6 here.
+Where each step lives, in the order a put runs them: ``put_many`` (here) does 1-2 and makes one
+``PendingEntry`` record per entry to write (``kvstore.embedded.fragment_writes``), which each later
+step fills in; ``FragmentWriter.write_entries`` (there) does 3-4: encode, place, write packs or
+fragments; ``_index_new`` (here) does 5-6, with the checks of 5 from ``FragmentStore``
+(``kvstore.embedded.fragments``); last ``FragmentWriter.discard_unindexed`` removes the files of
+entries that were not indexed.
 
 Read path (``get``, ``kvstore.embedded.fragment_reads``): read the k data fragments (in parallel for remote targets), verify each one's
 checksum and header against the index; on any failure read parity fragments
@@ -79,7 +83,7 @@ from kvstore.embedded.access import AccessTimes
 from kvstore.embedded.calls import CLOSE_WAIT_S, frees_space, in_flight
 from kvstore.embedded.datadir import DataDir, file_url_path
 from kvstore.embedded.diskroom import IndexRoom
-from kvstore.embedded.fragment_writes import run_now
+from kvstore.embedded.fragment_writes import PendingEntry, written_files
 from kvstore.embedded.fragments import FilesSwept, FragmentStore, GenerationTaken, IndexFull, WrittenTooLongAgo
 from kvstore.embedded.index import Meta, ekey, packed_bytes
 from kvstore.embedded.packs import CommitResult, WrittenEntry
@@ -198,100 +202,69 @@ class EmbeddedStore:
         now = self.now_ns()
         # 1-2: skip live keys (and duplicates inside the batch) before doing any work.
         result = [False] * len(items)
-        todo: list[int] = []
+        todo: list[PutItem] = []  # what to write, key and kind checked and typed
+        slots: list[int] = []  # their positions in ``items``
         seen: dict[bytes, None] = {}  # the put's entry keys, in its order
+        writer = self.fragments.writer
         with self.index.env.begin() as txn:
             for i, it in enumerate(items):
                 kind = EntryKind.parse(it.kind)  # key and kind checked once, here; typed from here on
-                it = items[i] = PutItem(check_key(it.key), it.value, kind, it.ttl_s, it.layout, it.tokens)
+                it = PutItem(check_key(it.key), it.value, kind, it.ttl_s, it.layout, it.tokens)
                 ek = ekey(kind.code, it.key)
                 if ek in seen:
-                    self.fragments.writer.checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
+                    writer.checked(it)  # refused as any item, though not written twice
                     continue
                 seen[ek] = None  # what its eviction pass keeps (_index_new)
                 m = self.index.get_meta(txn, ek)
                 if m is not None and not m.expired(now):
-                    self.fragments.writer.checked(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)  # refused all the same
+                    writer.checked(it)  # refused all the same
                     self.access.touch(ek, now)
                     self._counters.add("puts_deduplicated")
                     continue
-                todo.append(i)
+                todo.append(it)
+                slots.append(i)
         if todo:
             self.room.check_put()  # the index's spare room is never spent on a put (kvstore.embedded.diskroom)
         for attempt in itertools.count():
+            entries = [PendingEntry(it, i) for it, i in zip(todo, slots)]  # a retry writes under new generations
             try:
-                return self._write_and_index(items, todo, list(seen), now, result)
-            except FilesSwept as exc:  # nothing indexed, its files removed: again, under new generations
+                self._write_and_index(entries, list(seen), now)
+            except FilesSwept as exc:  # nothing indexed, its files removed: again
                 if attempt == SWEPT_RETRIES:
                     raise
                 log.info("put: %s; writing it again", exc)
+                continue
+            for e in entries:
+                result[e.slot] = e.created
+            return result
 
-    def _write_and_index(self, items: Sequence[PutItem], todo: list[int], put_keys: list[bytes], now: int,
-                         result: list[bool]) -> list[bool]:
-        """Steps 3-6 of ``put_many`` for ``items[i]`` of each ``i`` in ``todo``, filling ``result``.
-        ``FilesSwept`` (nothing indexed, the files written removed) when an orphan sweep took one
-        of them before the index commit (``FragmentStore.check_unswept_txn``)."""
+    def _write_and_index(self, entries: list[PendingEntry], put_keys: list[bytes], now: int) -> None:
+        """Steps 3-6 of ``put_many`` for ``entries``, setting each one's ``created``. Raises what
+        the write raised (``FragmentWriter.write_entries``: nothing indexed); ``FilesSwept``
+        (nothing indexed, the files written removed) when an orphan sweep took one of them
+        before the index commit (``FragmentStore.check_unswept_txn``)."""
         writer = self.fragments.writer
         with self.index.env.begin() as txn:  # before the first file: see kvstore.maintenance.orphans
             since = self.index.sweep_decisions(txn)
-        # 3-4: fragments durable first. A batch (``pack_batches``) is encoded whole under one
-        # generation and published as one pack file per target (``FragmentWriter.write_pack``); if that
-        # fails, or for a single put, fragment by fragment: where writes wait (see
-        # ``FragmentWriter.fan_out_writes``) each item's writes start on a thread as soon as it is encoded,
-        # so encoding the next overlaps them; otherwise they run inline. A bad item raises
-        # out of ``FragmentWriter.encode`` and the cleanup below removes what earlier items wrote.
-        encs: dict[int, Any] = {}
-        placed: dict[int, tuple[str, ...]] = {}
-        offsets: dict[int, tuple[int, ...]] = {}
-        futs: dict[int, Any] = {}
-        batch = len(todo) > 1
         started = self.clock()  # the files written from here on are at most this old at commit
-        if batch and self.config.pack_batches:
-            writer.put_packs(items, todo, encs, placed, offsets)
-        fan_out = batch and writer.fan_out_writes(self.targets, in_batch=False)
-        submit = self._batch_pool.submit if fan_out else run_now
-        try:
-            for i in todo:
-                if i in placed:
-                    continue
-                it = items[i]
-                if i not in encs:
-                    encs[i] = writer.encode(it.key, it.value, it.kind, it.ttl_s, it.layout, it.tokens)
-                futs[i] = submit(writer.write_fragments, encs[i], in_batch=batch)
-            for i in futs:
-                placed[i] = futs[i].result()
-        except BaseException:
-            for i, f in futs.items():
-                if i not in placed:
-                    try:
-                        placed[i] = f.result()
-                    except BaseException:
-                        continue
-            for i, names in placed.items():
-                writer.discard(encs[i], dict(enumerate(names)))
-            raise
+        # 3-4: encode, place, write; fragments durable first (``FragmentWriter.write_entries``).
+        writer.write_entries(entries, packs=self.config.pack_batches)
         # 5-6: one index transaction for the batch; then capacity. Inside it, files an orphan
         # sweep took since ``since`` was read are not indexed (``FragmentStore.check_unswept_txn``), nor
         # files a write took over half of orphan_grace_s to reach it with (``FragmentStore.check_in_time``:
         # for sweeps of versions that do not record their decisions in the index).
-        order = list(encs)
         try:
-            created = self._index_new([(encs[i].ek, replace(encs[i].meta_base, targets=placed[i],
-                                                             offsets=offsets.get(i, ()))) for i in order], now,
-                                      written_at=(started, f"writing {len(encs)} entries"), put_keys=put_keys,
-                                      unswept=(since, self.fragments.paths_of(encs, placed, offsets)))
+            created = self._index_new([e.record() for e in entries], now,
+                                      written_at=(started, f"writing {len(entries)} entries"), put_keys=put_keys,
+                                      unswept=(since, written_files(entries)))
         except (WrittenTooLongAgo, FilesSwept, IndexFull):
-            writer.discard_unused_packs(encs, placed, offsets, result)
-            for i, names in placed.items():
-                if i not in offsets:
-                    writer.discard(encs[i], dict(enumerate(names)))
+            writer.discard_unindexed(entries)  # none indexed: every file goes
             raise
-        for i, c in zip(order, created):
-            result[i] = c
-            if not c and i not in offsets:  # a concurrent writer won; a loser's share of a pack goes with the pack
-                writer.discard(encs[i], dict(enumerate(placed[i])))
-        writer.discard_unused_packs(encs, placed, offsets, result)
-        return result
+        for e, c in zip(entries, created):
+            e.created = c
+        # A concurrent writer won where ``created`` is false: a loser's fragment files go, and its
+        # share of a pack goes with the pack.
+        writer.discard_unindexed(entries)
 
     def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int,
                    written_at: tuple[float, str] | None = None, fresh_gens: Sequence[bytes] = (),

@@ -47,12 +47,12 @@ def test_sharded_lookup_stops_each_shard_at_its_first_miss(make_daemon, tmp_path
             want = model.lookup(keys)
             asked = answered = 0
             for shard in sh.shards:
-                def spy(ks, *, _probe=type(shard).probe.__get__(shard), **kw):
+                def spy(ks, until_miss, ends, *, _probe=type(shard).probe_checked.__get__(shard)):
                     nonlocal asked, answered
-                    block, swa = _probe(ks, **kw)
+                    block, swa = _probe(ks, until_miss, ends)
                     asked, answered = asked + len(ks), answered + len(block)
                     return block, swa
-                shard.probe = spy
+                shard.probe_checked = spy  # what ShardedStore calls on each shard
             assert sh.lookup(keys) == want, (trial, hit)
             assert asked == 300 and answered <= asked, (trial, hit, answered)
             if hit < 250:  # the shard holding the first miss owns some of the 50+ keys after it
