@@ -12,7 +12,6 @@ import hashlib
 import os
 import shutil
 import time
-from dataclasses import replace
 
 import pytest
 
@@ -186,7 +185,7 @@ def test_s3_batch_is_one_pack_object_per_target_read_by_range(s3_store) -> None:
     store.repair()
     for i in vals:
         store.delete(K(i))
-    store.parts = replace(store.parts, clock=lambda: time.time() + 3600)  # past the delete grace (gc's clock)
+    store.clock = lambda: time.time() + 3600  # past the delete grace
     assert store.gc()["purged"] == len(vals)
     for b in BUCKETS:  # the packs went with their last entry, the rebuilt fragments with theirs
         assert client.list_objects_v2(Bucket=b, Prefix=run).get("Contents", []) == [], b
@@ -211,7 +210,7 @@ def test_a_delete_on_s3_says_whether_it_removed_the_object(s3_store) -> None:
     total = on_s3()
     for i in range(3):
         store.delete(K(i))
-    store.parts = replace(store.parts, clock=lambda: time.time() + 3600)  # past the delete grace (gc's clock)
+    store.clock = lambda: time.time() + 3600  # past the delete grace
     out = store.gc()
     assert out["purged"] == 3 and on_s3() == 0
     assert out["reclaimed_bytes"] == total, (out, total)
