@@ -223,6 +223,49 @@ def ideal_prefill_s(reqs: list[TraceRequest], models) -> list[float]:
     return out
 
 
+def session_ceiling(reqs: list[TraceRequest], session: list[int], models, speedup: float, bias: float,
+                    slo_ms: float) -> float:
+    """Share of ``reqs`` whose TTFT can meet ``slo_ms`` at ``speedup`` however they are routed, under the
+    cost model (prefill times ``bias`` x the model's, no noise); ``session[i]`` is the session of ``reqs[i]``.
+
+    The bound gives every request as many idle prefill instances as it wants and an ideal cache across
+    sessions (any prefix of full blocks that an earlier-arriving request of another session holds is
+    cached at its arrival), so no queue and no eviction. What remains is the order within a
+    conversation: a turn's prompt holds every earlier turn's, and the prefix a turn computes becomes
+    reusable only when its prefill ends. So a turn ends, at the earliest, at the minimum over its
+    sources of ``max(arrival, source's earliest end) + prefill(prompt, that source's full blocks
+    cached)``, the sources being each earlier turn of its session (its earliest end computed the same
+    way) and none (only the cross-session prefix, from its arrival). When the speedup brings a session's
+    turns faster than their prefills, its later turns miss whatever the routing. O(turns^2) per session.
+    """
+    from lb.trace import cacheable_blocks
+
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].timestamp_ms)
+    owner: dict = {}  # block -> the first session that held it (arrival order)
+    done: dict = {}  # session -> [(earliest end, its full blocks as a tuple)] of its turns so far
+    ok = 0
+    for i in order:
+        r, s = reqs[i], session[i]
+        full = cacheable_blocks(r)
+        cross = next((k for k, h in enumerate(full) if owner.get(h, s) == s), len(full))  # other sessions' prefix
+        arrival = r.timestamp_ms / 1000.0 / speedup
+        turns = done.setdefault(s, [])
+
+        def end_from(start: float, blocks: int) -> float:
+            cached = min(r.input_length - 1, max(cross, blocks) * BLOCK_TOKENS)
+            return max(arrival, start) + models.prefill.predict(r.input_length, cached) * bias
+
+        end = end_from(arrival, 0)
+        for prev_end, prev in turns:
+            n = next((k for k, (a, b) in enumerate(zip(prev, full)) if a != b), min(len(prev), len(full)))
+            end = min(end, end_from(prev_end, n))
+        turns.append((end, full))
+        for h in full:
+            owner.setdefault(h, s)
+        ok += end - arrival <= slo_ms / 1e3
+    return ok / len(reqs) if reqs else 1.0
+
+
 def tile_trace(reqs: list[TraceRequest], copies: int) -> list[TraceRequest]:
     """``copies`` back-to-back copies of ``reqs``: copy k is shifted by k spans (span = the trace's
     duration + its mean gap) and has its own block ids (integer ids offset by k x (max id - min id + 1),
@@ -344,11 +387,13 @@ SHAPE_SESSIONS = {"chat": 300, "agent": 100, "longdoc": 250, "mixed": 300}
 OURS = "kvstack"
 
 
-def capacity_row(trace: str, cond: str, slo_ms: float, res: dict, ceiling: float | None = None) -> dict:
+def capacity_row(trace: str, cond: str, slo_ms: float, res: dict, ceiling: float | None = None,
+                 session_ceilings: tuple[float, float] | None = None) -> dict:
     """One summary row from a ``replay_trace.py --capacity`` results.json: the capacities, the ratio of
     ours to the best baseline's, and at the best baseline's capacity our SLO attainment and both hit ratios;
     ``ceiling``: the share of requests whose ideal-cache prefill alone meets the TTFT SLO (no policy's
-    attainment can exceed it with the cost model exact)."""
+    attainment can exceed it with the cost model exact); ``session_ceilings``: :func:`session_ceiling` at the
+    best baseline's capacity and at 1.25x it (generated traces only: they know their sessions)."""
     cap = res["capacity"]
     best = cap["best_baseline"]
     by = {n: c["speedup"] for n, c in cap["by_policy"].items()}
@@ -362,16 +407,25 @@ def capacity_row(trace: str, cond: str, slo_ms: float, res: dict, ceiling: float
     return {"trace": trace, "condition": cond, "ttft_slo_ms": slo_ms, "best_baseline": best,
             "best_capacity": by.get(best), "capacity": by, "ours_capacity": by.get(OURS), "ratio": ratio,
             "lower_bounds": lower, "attainment_ceiling": ceiling,
+            "session_ceiling_at_best": session_ceilings[0] if session_ceilings else None,
+            "session_ceiling_at_1.25x": session_ceilings[1] if session_ceilings else None,
             "ours_attainment_at_best": ours.get("slo_attainment"), "ours_hit": ours.get("hit_ratio"),
             "mooncake_hit": moon.get("hit_ratio"), "mooncake_capacity": by.get("mooncake"),
             "goals": {"capacity_1.25x": ratio is not None and ratio >= 1.25,
                       "attainment_0.95": (ours.get("slo_attainment") or 0.0) >= 0.95, "hit_within_1pct": hit_ok}}
 
 
+def row_best(res: dict) -> float | None:
+    """The best baseline's capacity in a ``replay_trace.py --capacity`` results.json (None: none has one)."""
+    cap = res["capacity"]
+    best = cap["best_baseline"]
+    return cap["by_policy"][best]["speedup"] if best else None
+
+
 def print_capacity_summary(rows: list[dict]) -> None:
     print(f"\n== capacity (speedup at which >= 90% of all requests meet both SLOs), {OURS} vs the best baseline ==")
     print(f"{'trace':9s} {'cond':6s} {'SLO s':>6s} {'best base':>10s} {'its cap':>8s} {'mooncake':>8s} {OURS:>8s} "
-          f"{'ratio':>6s} {'att@best':>8s} {'ceiling':>7s} {'hit':>6s} {'hit mc':>6s}  goals")
+          f"{'ratio':>6s} {'att@best':>8s} {'ceiling':>7s} {'sess@b':>6s} {'@1.25x':>6s} {'hit':>6s} {'hit mc':>6s}  goals")
     for r in rows:
         g = r["goals"]
         flags = " ".join(f"{k}:{'ok' if v else ('n/a' if v is None else 'MISS')}" for k, v in g.items())
@@ -380,6 +434,7 @@ def print_capacity_summary(rows: list[dict]) -> None:
               f"{lb[r['best_baseline']] + _fmt(r['best_capacity']):>8s} {lb['mooncake'] + _fmt(r['mooncake_capacity']):>8s} "
               f"{lb[OURS] + _fmt(r['ours_capacity']):>8s} {lb[OURS] + _fmt(r['ratio'], '.2f'):>6s} "
               f"{_fmt(r['ours_attainment_at_best'], '.3f'):>8s} {_fmt(r.get('attainment_ceiling'), '.3f'):>7s} "
+              f"{_fmt(r.get('session_ceiling_at_best'), '.3f'):>6s} {_fmt(r.get('session_ceiling_at_1.25x'), '.3f'):>6s} "
               f"{_fmt(r['ours_hit'], '.3f'):>6s} {_fmt(r['mooncake_hit'], '.3f'):>6s}  {flags}")
     print("(ceiling: the share of requests whose prefill with an ideal cache and no queue meets the TTFT SLO at the "
           "model's times; "
@@ -425,7 +480,11 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
                 return failed_replay(out, args.out, part, rc, d)
             res = json.loads((d / "results.json").read_text())
             out["capacity"]["runs"][f"{tname}:{cond}"] = res
-            row = capacity_row(tname, cond, slo_ms, res, ceiling)
+            sess = None
+            if (labels := args.sessions_of.get(tname)) is not None and row_best(res):
+                sess = tuple(session_ceiling(treqs, labels, load_default(), x * row_best(res), bias, slo_ms)
+                             for x in (1.0, 1.25))
+            row = capacity_row(tname, cond, slo_ms, res, ceiling, sess)
             out["capacity"]["summary"].append(row)
             note_truncated(res, part, args.max_wall_s)
             if cond == args.condition_list[0]:
@@ -537,12 +596,14 @@ def main(argv: list[str] | None = None) -> int:
     if not reqs and (not args.skip_replay or args.sim_cost):
         ap.error(f"trace {args.trace} holds no requests")
     traces = {"trace": args.trace}
+    args.sessions_of = {}  # generated trace -> the session of each of its requests (session_ceiling)
     if not args.skip_replay and shapes:  # generated here, seeded: the same files for the same arguments
         tdir = replay_dirs[0] / "traces"
         for shape in shapes:
             sessions = max(1, round(SHAPE_SESSIONS.get(shape, 200) * args.sessions_scale))
             path = tdir / f"{shape}.jsonl"
             gen_trace.write_jsonl(gen_trace.generate(gen_trace.SHAPES[shape], sessions, args.seed), path)
+            args.sessions_of[shape] = gen_trace.session_of(gen_trace.SHAPES[shape], sessions, args.seed)
             traces[shape] = path
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out: dict = {"command": "python tools/bench_lb.py " + " ".join(sys.argv[1:] if argv is None else argv)}
