@@ -41,7 +41,11 @@ Parts (each compares peers in the same run and reports ratios)
        the best baseline (Mooncake's Alg. 1 is always one), its capacity,
        Mooncake's, ours, the ratio, our attainment and both hit ratios at the
        best baseline's capacity, and the three goals (capacity >= 1.25x the best
-       baseline's, attainment >= 0.95 there, hit ratio within 1 % of Mooncake's).
+       baseline's, attainment >= 0.95 there, hit ratio within 1 % of Mooncake's). On a
+       generated trace the row also gives the *session ceiling* (:func:`session_ceiling`) at the
+       best baseline's capacity and at 1.25x it: the TTFT attainment no router can exceed under
+       the cost model (noise aside), since a turn's prompt holds its session's earlier turns; where it is below
+       a goal's threshold, that goal is out of reach on that trace and load.
        A baseline with no capacity (below 90 % at every load tried, as Mooncake's
        Alg. 1 on the shared trace, whose rejections of long cold turns cascade
        into the sessions' next turns) is printed ``none``. Every run's JSON and
