@@ -227,45 +227,41 @@ def ideal_prefill_s(reqs: list[TraceRequest], models) -> list[float]:
     return out
 
 
-def session_ceiling(reqs: list[TraceRequest], session: list[int], models, speedup: float, bias: float,
-                    slo_ms: float) -> float:
+def session_ceiling(reqs: list[TraceRequest], models, speedup: float, bias: float, slo_ms: float) -> float:
     """Share of ``reqs`` whose TTFT can meet ``slo_ms`` at ``speedup`` however they are routed, under the
-    cost model (prefill times ``bias`` x the model's, no noise); ``session[i]`` is the session of ``reqs[i]``.
+    cost model (prefill times ``bias`` x the model's, no noise).
 
-    The bound gives every request as many idle prefill instances as it wants and an ideal cache across
-    sessions (any prefix of full blocks that an earlier-arriving request of another session holds is
-    cached at its arrival), so no queue and no eviction. What remains is the order within a
-    conversation: a turn's prompt holds every earlier turn's, and the prefix a turn computes becomes
-    reusable only when its prefill ends. So a turn ends, at the earliest, at the minimum over its
-    sources of ``max(arrival, source's earliest end) + prefill(prompt, that source's full blocks
-    cached)``, the sources being each earlier turn of its session (its earliest end computed the same
-    way) and none (only the cross-session prefix, from its arrival). When the speedup brings a session's
-    turns faster than their prefills, its later turns miss whatever the routing. O(turns^2) per session.
+    The bound gives every request an idle prefill instance of its own and a cache that never evicts and
+    costs nothing to load from, so no queue. What remains is that a prefix is reusable only once a
+    prefill that computes it has ended: a request ends, at the earliest, at the minimum over ``L`` (its
+    first ``L`` full blocks, ``L = 0`` included) of ``max(arrival, earliest end of a request holding
+    block L) + prefill(prompt, L blocks cached)``. Block ids are chained (an id names its whole prefix),
+    so holding block ``L`` means holding the first ``L``. A conversation's turn holds its earlier
+    turns' prompt: it waits for their prefill or recomputes it, which costs at least as long (the
+    model's prefill of ``a + b`` new tokens is no cheaper than of ``a`` and then ``b``), so when the
+    speedup brings a session's turns faster than their prefills, its later turns miss whatever the
+    routing. In arrival order; a later arrival never supplies a prefix sooner than its own sources do.
+    O(blocks) per request.
     """
     from lb.trace import cacheable_blocks
 
-    order = sorted(range(len(reqs)), key=lambda i: reqs[i].timestamp_ms)
-    owner: dict = {}  # block -> the first session that held it (arrival order)
-    done: dict = {}  # session -> [(earliest end, its full blocks as a tuple)] of its turns so far
+    earliest: dict = {}  # block -> the earliest end of a request holding it
     ok = 0
-    for i in order:
-        r, s = reqs[i], session[i]
+    for r in sorted(reqs, key=lambda r: r.timestamp_ms):
         full = cacheable_blocks(r)
-        cross = next((k for k, h in enumerate(full) if owner.get(h, s) == s), len(full))  # other sessions' prefix
         arrival = r.timestamp_ms / 1000.0 / speedup
-        turns = done.setdefault(s, [])
 
-        def end_from(start: float, blocks: int) -> float:
-            cached = min(r.input_length - 1, max(cross, blocks) * BLOCK_TOKENS)
-            return max(arrival, start) + models.prefill.predict(r.input_length, cached) * bias
+        def prefill(blocks: int) -> float:
+            return models.prefill.predict(r.input_length, min(r.input_length - 1, blocks * BLOCK_TOKENS)) * bias
 
-        end = end_from(arrival, 0)
-        for prev_end, prev in turns:
-            n = next((k for k, (a, b) in enumerate(zip(prev, full)) if a != b), min(len(prev), len(full)))
-            end = min(end, end_from(prev_end, n))
-        turns.append((end, full))
+        end = arrival + prefill(0)
+        for n, h in enumerate(full, 1):
+            if (ready := earliest.get(h)) is None:
+                break
+            end = min(end, max(arrival, ready) + prefill(n))
         for h in full:
-            owner.setdefault(h, s)
+            if earliest.get(h, math.inf) > end:
+                earliest[h] = end
         ok += end - arrival <= slo_ms / 1e3
     return ok / len(reqs) if reqs else 1.0
 
@@ -397,7 +393,7 @@ def capacity_row(trace: str, cond: str, slo_ms: float, res: dict, ceiling: float
     ours to the best baseline's, and at the best baseline's capacity our SLO attainment and both hit ratios;
     ``ceiling``: the share of requests whose ideal-cache prefill alone, at the condition's bias, meets the
     TTFT SLO (no policy's attainment can exceed it, noise aside); ``session_ceilings``: :func:`session_ceiling` at the
-    best baseline's capacity and at 1.25x it (generated traces only: they know their sessions)."""
+    best baseline's capacity and at 1.25x it."""
     cap = res["capacity"]
     best = cap["best_baseline"]
     by = {n: c["speedup"] for n, c in cap["by_policy"].items()}
@@ -441,7 +437,9 @@ def print_capacity_summary(rows: list[dict]) -> None:
               f"{_fmt(r.get('session_ceiling_at_best'), '.3f'):>6s} {_fmt(r.get('session_ceiling_at_1.25x'), '.3f'):>6s} "
               f"{_fmt(r['ours_hit'], '.3f'):>6s} {_fmt(r['mooncake_hit'], '.3f'):>6s}  {flags}")
     print("(ceiling: the share of requests whose prefill with an ideal cache and no queue meets the TTFT SLO at the "
-          "condition's times without noise; "
+          "condition's times without noise; sess@b / @1.25x: the same when a prefix is reusable only once a prefill "
+          "that computes it has ended (a turn waits for its session's earlier turns or recomputes them), at the best "
+          "baseline's capacity and at 1.25x it: no router beats it without noise; "
           "capacity 'none': below 90% at every load tried; '>=': every load tried met the target, a lower bound; "
           "conditions: exact = the cost model's own times, slow/fast = actual prefill 1.3x/0.7x the model's with "
           "log-normal noise sigma 0.3)")
@@ -486,9 +484,8 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
             res = json.loads((d / "results.json").read_text())
             out["capacity"]["runs"][f"{tname}:{cond}"] = res
             sess = None
-            if (labels := args.sessions_of.get(tname)) is not None and row_best(res):
-                sess = tuple(session_ceiling(treqs, labels, load_default(), x * row_best(res), bias, slo_ms)
-                             for x in (1.0, 1.25))
+            if row_best(res):
+                sess = tuple(session_ceiling(treqs, load_default(), x * row_best(res), bias, slo_ms) for x in (1.0, 1.25))
             row = capacity_row(tname, cond, slo_ms, res, ceiling, sess)
             out["capacity"]["summary"].append(row)
             note_truncated(res, part, args.max_wall_s)
@@ -601,14 +598,12 @@ def main(argv: list[str] | None = None) -> int:
     if not reqs and (not args.skip_replay or args.sim_cost):
         ap.error(f"trace {args.trace} holds no requests")
     traces = {"trace": args.trace}
-    args.sessions_of = {}  # generated trace -> the session of each of its requests (session_ceiling)
     if not args.skip_replay and shapes:  # generated here, seeded: the same files for the same arguments
         tdir = replay_dirs[0] / "traces"
         for shape in shapes:
             sessions = max(1, round(SHAPE_SESSIONS.get(shape, 200) * args.sessions_scale))
             path = tdir / f"{shape}.jsonl"
             gen_trace.write_jsonl(gen_trace.generate(gen_trace.SHAPES[shape], sessions, args.seed), path)
-            args.sessions_of[shape] = gen_trace.session_of(gen_trace.SHAPES[shape], sessions, args.seed)
             traces[shape] = path
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out: dict = {"command": "python tools/bench_lb.py " + " ".join(sys.argv[1:] if argv is None else argv)}

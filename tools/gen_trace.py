@@ -44,7 +44,7 @@ import numpy as np
 
 from tools.cli_args import check_output_file, integer
 
-__all__ = ["Shape", "SHAPES", "generate", "generate_sessions", "session_of", "write_jsonl", "BLOCK_TOKENS"]
+__all__ = ["Shape", "SHAPES", "generate", "generate_sessions", "write_jsonl", "BLOCK_TOKENS"]
 
 BLOCK_TOKENS = 512  # Mooncake's block size: the hash_ids unit
 
@@ -138,19 +138,10 @@ def _lognormal(rng: np.random.Generator, spec: tuple, lo: int = 1) -> int:
 def generate(shape: Shape, sessions: int, seed: int = 0) -> list[dict]:
     """The trace of ``sessions`` sessions of ``shape`` as Mooncake records, sorted by timestamp (ties
     by session, then turn): deterministic for ``(shape, sessions, seed)``."""
-    return [r[3] for r in _rows(shape, sessions, seed)]
-
-
-def session_of(shape: Shape, sessions: int, seed: int = 0) -> list[int]:
-    """The session (index in :func:`generate_sessions`) of each record of :func:`generate`, in its order."""
-    return [r[1] for r in _rows(shape, sessions, seed)]
-
-
-def _rows(shape: Shape, sessions: int, seed: int) -> list[tuple]:
     rows = [(r["timestamp"], s, k, r) for s, turns in enumerate(generate_sessions(shape, sessions, seed))
             for k, r in enumerate(turns)]
     rows.sort(key=lambda r: r[:3])
-    return rows
+    return [r[3] for r in rows]
 
 
 def generate_sessions(shape: Shape, sessions: int, seed: int = 0) -> list[list[dict]]:

@@ -84,15 +84,3 @@ def test_cli_writes_the_file_and_refuses_bad_arguments(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             gen_trace.main(argv)
         assert exc.value.code == 2
-
-
-@pytest.mark.parametrize("shape", sorted(gen_trace.SHAPES))
-def test_session_of_labels_each_record_with_its_session(shape):
-    """``session_of`` is aligned with ``generate``: the records it labels ``s`` are session ``s``'s turns of
-    ``generate_sessions``, in their order."""
-    sh = gen_trace.SHAPES[shape]
-    recs, labels = gen_trace.generate(sh, 25, seed=3), gen_trace.session_of(sh, 25, seed=3)
-    sessions = gen_trace.generate_sessions(sh, 25, seed=3)
-    assert len(labels) == len(recs)
-    for s, turns in enumerate(sessions):
-        assert [r for r, lab in zip(recs, labels) if lab == s] == turns
