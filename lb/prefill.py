@@ -78,7 +78,7 @@ second instance's host tier: with the shared store a second instance already loa
 at store bandwidth, which the estimate prices; and on conversation traffic what bounds the count
 served in time is the order within a session (a turn's prompt holds the earlier turns', so it waits
 for their prefill or recomputes it), which no placement of copies changes: ``tools/bench_lb.py``'s
-session ceiling, which grants unlimited instances and an ideal cache, measures it.
+session ceiling, which grants every request an idle instance and a free, unbounded cache, measures it.
 
 Guarantees
     * Never chooses an unhealthy instance; with none healthy, rejects with

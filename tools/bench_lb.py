@@ -41,10 +41,10 @@ Parts (each compares peers in the same run and reports ratios)
        the best baseline (Mooncake's Alg. 1 is always one), its capacity,
        Mooncake's, ours, the ratio, our attainment and both hit ratios at the
        best baseline's capacity, and the three goals (capacity >= 1.25x the best
-       baseline's, attainment >= 0.95 there, hit ratio within 1 % of Mooncake's). On a
-       generated trace the row also gives the *session ceiling* (:func:`session_ceiling`) at the
-       best baseline's capacity and at 1.25x it: the TTFT attainment no router can exceed under
-       the cost model (noise aside), since a turn's prompt holds its session's earlier turns; where it is below
+       baseline's, attainment >= 0.95 there, hit ratio within 1 % of Mooncake's). Each
+       row also gives the *session ceiling* (:func:`session_ceiling`) at the best baseline's
+       capacity and at 1.25x it: the TTFT attainment no router can exceed under the cost model
+       (noise aside), since a turn's prompt holds its session's earlier turns; where it is below
        a goal's threshold, that goal is out of reach on that trace and load.
        A baseline with no capacity (below 90 % at every load tried, as Mooncake's
        Alg. 1 on the shared trace, whose rejections of long cold turns cascade
@@ -231,8 +231,8 @@ def session_ceiling(reqs: list[TraceRequest], models, speedup: float, bias: floa
     """Share of ``reqs`` whose TTFT can meet ``slo_ms`` at ``speedup`` however they are routed, under the
     cost model (prefill times ``bias`` x the model's, no noise).
 
-    The bound gives every request an idle prefill instance of its own and a cache that never evicts and
-    costs nothing to load from, so no queue. What remains is that a prefix is reusable only once a
+    The bound gives every request an idle prefill instance of its own (no queue) and a cache that never
+    evicts and costs nothing to load from. What remains is that a prefix is reusable only once a
     prefill that computes it has ended: a request ends, at the earliest, at the minimum over ``L`` (its
     first ``L`` full blocks, ``L = 0`` included) of ``max(arrival, earliest end of a request holding
     block L) + prefill(prompt, L blocks cached)``. Block ids are chained (an id names its whole prefix),
@@ -425,7 +425,8 @@ def row_best(res: dict) -> float | None:
 def print_capacity_summary(rows: list[dict]) -> None:
     print(f"\n== capacity (speedup at which >= 90% of all requests meet both SLOs), {OURS} vs the best baseline ==")
     print(f"{'trace':9s} {'cond':6s} {'SLO s':>6s} {'best base':>10s} {'its cap':>8s} {'mooncake':>8s} {OURS:>8s} "
-          f"{'ratio':>6s} {'att@best':>8s} {'ceiling':>7s} {'sess@b':>6s} {'@1.25x':>6s} {'hit':>6s} {'hit mc':>6s}  goals")
+          f"{'ratio':>6s} {'att@best':>8s} {'ceiling':>7s} {'sess@b':>6s} {'@1.25x':>6s} {'hit':>6s} {'hit mc':>6s}"
+          "  goals")
     for r in rows:
         g = r["goals"]
         flags = " ".join(f"{k}:{'ok' if v else ('n/a' if v is None else 'MISS')}" for k, v in g.items())
@@ -434,7 +435,8 @@ def print_capacity_summary(rows: list[dict]) -> None:
               f"{lb[r['best_baseline']] + _fmt(r['best_capacity']):>8s} {lb['mooncake'] + _fmt(r['mooncake_capacity']):>8s} "
               f"{lb[OURS] + _fmt(r['ours_capacity']):>8s} {lb[OURS] + _fmt(r['ratio'], '.2f'):>6s} "
               f"{_fmt(r['ours_attainment_at_best'], '.3f'):>8s} {_fmt(r.get('attainment_ceiling'), '.3f'):>7s} "
-              f"{_fmt(r.get('session_ceiling_at_best'), '.3f'):>6s} {_fmt(r.get('session_ceiling_at_1.25x'), '.3f'):>6s} "
+              f"{_fmt(r.get('session_ceiling_at_best'), '.3f'):>6s} "
+              f"{_fmt(r.get('session_ceiling_at_1.25x'), '.3f'):>6s} "
               f"{_fmt(r['ours_hit'], '.3f'):>6s} {_fmt(r['mooncake_hit'], '.3f'):>6s}  {flags}")
     print("(ceiling: the share of requests whose prefill with an ideal cache and no queue meets the TTFT SLO at the "
           "condition's times without noise; sess@b / @1.25x: the same when a prefix is reusable only once a prefill "
@@ -484,8 +486,8 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
             res = json.loads((d / "results.json").read_text())
             out["capacity"]["runs"][f"{tname}:{cond}"] = res
             sess = None
-            if row_best(res):
-                sess = tuple(session_ceiling(treqs, load_default(), x * row_best(res), bias, slo_ms) for x in (1.0, 1.25))
+            if best_cap := row_best(res):
+                sess = tuple(session_ceiling(treqs, load_default(), x * best_cap, bias, slo_ms) for x in (1.0, 1.25))
             row = capacity_row(tname, cond, slo_ms, res, ceiling, sess)
             out["capacity"]["summary"].append(row)
             note_truncated(res, part, args.max_wall_s)
