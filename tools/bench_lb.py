@@ -435,8 +435,8 @@ def print_capacity_summary(rows: list[dict]) -> None:
               f"{lb[r['best_baseline']] + _fmt(r['best_capacity']):>8s} {lb['mooncake'] + _fmt(r['mooncake_capacity']):>8s} "
               f"{lb[OURS] + _fmt(r['ours_capacity']):>8s} {lb[OURS] + _fmt(r['ratio'], '.2f'):>6s} "
               f"{_fmt(r['ours_attainment_at_best'], '.3f'):>8s} {_fmt(r.get('attainment_ceiling'), '.3f'):>7s} "
-              f"{_fmt(r.get('session_ceiling_at_best'), '.3f'):>6s} "
-              f"{_fmt(r.get('session_ceiling_at_1.25x'), '.3f'):>6s} "
+              f"{_fmt(r.get('session_ceiling_at_best'), '.4f'):>6s} "
+              f"{_fmt(r.get('session_ceiling_at_1.25x'), '.4f'):>6s} "
               f"{_fmt(r['ours_hit'], '.3f'):>6s} {_fmt(r['mooncake_hit'], '.3f'):>6s}  {flags}")
     print("(ceiling: the share of requests whose prefill with an ideal cache and no queue meets the TTFT SLO at the "
           "condition's times without noise; sess@b / @1.25x: the same when a prefix is reusable only once a prefill "
