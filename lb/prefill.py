@@ -75,7 +75,10 @@ Not done, on purpose: dropping a request that can still meet its SLO so that sev
 meet theirs (Moore-Hodgson), which would raise the count served in time further, but would turn
 long prompts away while they could be served in time. Nor replication of hot prefixes into a
 second instance's host tier: with the shared store a second instance already loads a hot prefix
-at store bandwidth, which the estimate prices.
+at store bandwidth, which the estimate prices; and on conversation traffic what bounds the count
+served in time is the order within a session (a turn's prompt holds the earlier turns', so it waits
+for their prefill or recomputes it), which no placement of copies changes: ``tools/bench_lb.py``'s
+session ceiling, which grants every request an idle instance and a free, unbounded cache, measures it.
 
 Guarantees
     * Never chooses an unhealthy instance; with none healthy, rejects with

@@ -41,7 +41,11 @@ Parts (each compares peers in the same run and reports ratios)
        the best baseline (Mooncake's Alg. 1 is always one), its capacity,
        Mooncake's, ours, the ratio, our attainment and both hit ratios at the
        best baseline's capacity, and the three goals (capacity >= 1.25x the best
-       baseline's, attainment >= 0.95 there, hit ratio within 1 % of Mooncake's).
+       baseline's, attainment >= 0.95 there, hit ratio within 1 % of Mooncake's). Each
+       row also gives the *session ceiling* (:func:`session_ceiling`) at the best baseline's
+       capacity and at 1.25x it: the TTFT attainment no router can exceed under the cost model
+       (noise aside), since a turn's prompt holds its session's earlier turns; where it is below
+       a goal's threshold, that goal is out of reach on that trace and load.
        A baseline with no capacity (below 90 % at every load tried, as Mooncake's
        Alg. 1 on the shared trace, whose rejections of long cold turns cascade
        into the sessions' next turns) is printed ``none``. Every run's JSON and
@@ -223,6 +227,45 @@ def ideal_prefill_s(reqs: list[TraceRequest], models) -> list[float]:
     return out
 
 
+def session_ceiling(reqs: list[TraceRequest], models, speedup: float, bias: float, slo_ms: float) -> float:
+    """Share of ``reqs`` whose TTFT can meet ``slo_ms`` at ``speedup`` however they are routed, under the
+    cost model (prefill times ``bias`` x the model's, no noise).
+
+    The bound gives every request an idle prefill instance of its own (no queue) and a cache that never
+    evicts and costs nothing to load from. What remains is that a prefix is reusable only once a
+    prefill that computes it has ended: a request ends, at the earliest, at the minimum over ``L`` (its
+    first ``L`` full blocks, ``L = 0`` included) of ``max(arrival, earliest end of a request holding
+    block L) + prefill(prompt, L blocks cached)``. Block ids are chained (an id names its whole prefix),
+    so holding block ``L`` means holding the first ``L``. A conversation's turn holds its earlier
+    turns' prompt: it waits for their prefill or recomputes it, which costs at least as long (the
+    model's prefill of ``a + b`` new tokens is no cheaper than of ``a`` and then ``b``), so when the
+    speedup brings a session's turns faster than their prefills, its later turns miss whatever the
+    routing. In arrival order; a later arrival never supplies a prefix sooner than its own sources do.
+    O(blocks) per request.
+    """
+    from lb.trace import cacheable_blocks
+
+    earliest: dict = {}  # block -> the earliest end of a request holding it
+    ok = 0
+    for r in sorted(reqs, key=lambda r: r.timestamp_ms):
+        full = cacheable_blocks(r)
+        arrival = r.timestamp_ms / 1000.0 / speedup
+
+        def prefill(blocks: int) -> float:
+            return models.prefill.predict(r.input_length, min(r.input_length - 1, blocks * BLOCK_TOKENS)) * bias
+
+        end = arrival + prefill(0)
+        for n, h in enumerate(full, 1):
+            if (ready := earliest.get(h)) is None:
+                break
+            end = min(end, max(arrival, ready) + prefill(n))
+        for h in full:
+            if earliest.get(h, math.inf) > end:
+                earliest[h] = end
+        ok += end - arrival <= slo_ms / 1e3
+    return ok / len(reqs) if reqs else 1.0
+
+
 def tile_trace(reqs: list[TraceRequest], copies: int) -> list[TraceRequest]:
     """``copies`` back-to-back copies of ``reqs``: copy k is shifted by k spans (span = the trace's
     duration + its mean gap) and has its own block ids (integer ids offset by k x (max id - min id + 1),
@@ -344,11 +387,13 @@ SHAPE_SESSIONS = {"chat": 300, "agent": 100, "longdoc": 250, "mixed": 300}
 OURS = "kvstack"
 
 
-def capacity_row(trace: str, cond: str, slo_ms: float, res: dict, ceiling: float | None = None) -> dict:
+def capacity_row(trace: str, cond: str, slo_ms: float, res: dict, ceiling: float | None = None,
+                 session_ceilings: tuple[float, float] | None = None) -> dict:
     """One summary row from a ``replay_trace.py --capacity`` results.json: the capacities, the ratio of
     ours to the best baseline's, and at the best baseline's capacity our SLO attainment and both hit ratios;
-    ``ceiling``: the share of requests whose ideal-cache prefill alone meets the TTFT SLO (no policy's
-    attainment can exceed it with the cost model exact)."""
+    ``ceiling``: the share of requests whose ideal-cache prefill alone, at the condition's bias, meets the
+    TTFT SLO (no policy's attainment can exceed it, noise aside); ``session_ceilings``: :func:`session_ceiling` at the
+    best baseline's capacity and at 1.25x it."""
     cap = res["capacity"]
     best = cap["best_baseline"]
     by = {n: c["speedup"] for n, c in cap["by_policy"].items()}
@@ -362,16 +407,26 @@ def capacity_row(trace: str, cond: str, slo_ms: float, res: dict, ceiling: float
     return {"trace": trace, "condition": cond, "ttft_slo_ms": slo_ms, "best_baseline": best,
             "best_capacity": by.get(best), "capacity": by, "ours_capacity": by.get(OURS), "ratio": ratio,
             "lower_bounds": lower, "attainment_ceiling": ceiling,
+            "session_ceiling_at_best": session_ceilings[0] if session_ceilings else None,
+            "session_ceiling_at_1.25x": session_ceilings[1] if session_ceilings else None,
             "ours_attainment_at_best": ours.get("slo_attainment"), "ours_hit": ours.get("hit_ratio"),
             "mooncake_hit": moon.get("hit_ratio"), "mooncake_capacity": by.get("mooncake"),
             "goals": {"capacity_1.25x": ratio is not None and ratio >= 1.25,
                       "attainment_0.95": (ours.get("slo_attainment") or 0.0) >= 0.95, "hit_within_1pct": hit_ok}}
 
 
+def row_best(res: dict) -> float | None:
+    """The best baseline's capacity in a ``replay_trace.py --capacity`` results.json (None: none has one)."""
+    cap = res["capacity"]
+    best = cap["best_baseline"]
+    return cap["by_policy"][best]["speedup"] if best else None
+
+
 def print_capacity_summary(rows: list[dict]) -> None:
     print(f"\n== capacity (speedup at which >= 90% of all requests meet both SLOs), {OURS} vs the best baseline ==")
     print(f"{'trace':9s} {'cond':6s} {'SLO s':>6s} {'best base':>10s} {'its cap':>8s} {'mooncake':>8s} {OURS:>8s} "
-          f"{'ratio':>6s} {'att@best':>8s} {'ceiling':>7s} {'hit':>6s} {'hit mc':>6s}  goals")
+          f"{'ratio':>6s} {'att@best':>8s} {'ceiling':>7s} {'sess@b':>6s} {'@1.25x':>6s} {'hit':>6s} {'hit mc':>6s}"
+          "  goals")
     for r in rows:
         g = r["goals"]
         flags = " ".join(f"{k}:{'ok' if v else ('n/a' if v is None else 'MISS')}" for k, v in g.items())
@@ -380,9 +435,13 @@ def print_capacity_summary(rows: list[dict]) -> None:
               f"{lb[r['best_baseline']] + _fmt(r['best_capacity']):>8s} {lb['mooncake'] + _fmt(r['mooncake_capacity']):>8s} "
               f"{lb[OURS] + _fmt(r['ours_capacity']):>8s} {lb[OURS] + _fmt(r['ratio'], '.2f'):>6s} "
               f"{_fmt(r['ours_attainment_at_best'], '.3f'):>8s} {_fmt(r.get('attainment_ceiling'), '.3f'):>7s} "
+              f"{_fmt(r.get('session_ceiling_at_best'), '.4f'):>6s} "
+              f"{_fmt(r.get('session_ceiling_at_1.25x'), '.4f'):>6s} "
               f"{_fmt(r['ours_hit'], '.3f'):>6s} {_fmt(r['mooncake_hit'], '.3f'):>6s}  {flags}")
     print("(ceiling: the share of requests whose prefill with an ideal cache and no queue meets the TTFT SLO at the "
-          "model's times; "
+          "condition's times without noise; sess@b / @1.25x: the same when a prefix is reusable only once a prefill "
+          "that computes it has ended (a turn waits for its session's earlier turns or recomputes them), at the best "
+          "baseline's capacity and at 1.25x it: no router beats it without noise; "
           "capacity 'none': below 90% at every load tried; '>=': every load tried met the target, a lower bound; "
           "conditions: exact = the cost model's own times, slow/fast = actual prefill 1.3x/0.7x the model's with "
           "log-normal noise sigma 0.3)")
@@ -401,10 +460,11 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
     for tname, path in traces.items():
         treqs = reqs if tname == "trace" else replay_trace.read_trace(path)
         slo_ms = args.ttft_slo_ms if args.fixed_slo else derive_ttft_slo_ms(treqs, args.ttft_slo_x)[0]
-        ceiling = float(np.mean([t * 1e3 <= slo_ms for t in ideal_prefill_s(treqs, load_default())]))
+        ideal = ideal_prefill_s(treqs, load_default())
         starts: dict = {}  # policy -> its capacity under the first condition: where the others search from
         for cond in args.condition_list:
             noise, bias = CONDITIONS[cond]
+            ceiling = float(np.mean([t * bias * 1e3 <= slo_ms for t in ideal]))
             part = f"capacity:{tname}:{cond}"
             d = rdir / f"{tname}_{cond}"
             if (left := deadline - time.monotonic()) < 1:
@@ -425,7 +485,10 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
                 return failed_replay(out, args.out, part, rc, d)
             res = json.loads((d / "results.json").read_text())
             out["capacity"]["runs"][f"{tname}:{cond}"] = res
-            row = capacity_row(tname, cond, slo_ms, res, ceiling)
+            sess = None
+            if best_cap := row_best(res):
+                sess = tuple(session_ceiling(treqs, load_default(), x * best_cap, bias, slo_ms) for x in (1.0, 1.25))
+            row = capacity_row(tname, cond, slo_ms, res, ceiling, sess)
             out["capacity"]["summary"].append(row)
             note_truncated(res, part, args.max_wall_s)
             if cond == args.condition_list[0]:

@@ -220,3 +220,56 @@ def test_the_derived_slo_scales_with_the_work_an_ideal_cache_leaves_not_with_the
     slo, meta = bench_lb.derive_ttft_slo_ms(reqs, 3.0)
     assert meta["p90_ideal_cache_prefill_s"] < m.prefill.predict(2048, 0) + 1e-9 and slo < 3e3 * m.prefill.predict(
         2560, 0)
+
+
+def _two_turns(gap_ms: float, same_session: bool) -> list:
+    """Prompts of 8 and 9 full blocks, the second extending the first (one session), or of 8 and 8
+    distinct blocks (two sessions)."""
+    first = TraceRequest(0.0, 8 * 512, 1, tuple(range(8)))
+    second = (TraceRequest(gap_ms, 9 * 512, 1, tuple(range(9))) if same_session
+              else TraceRequest(gap_ms, 8 * 512, 1, tuple(range(100, 108))))
+    return [first, second]
+
+
+def test_session_ceiling_a_turn_waits_for_its_prefix_or_recomputes_it():
+    """A turn that arrives while the previous turn of its session is still in prefill can not end
+    before that prefill ends plus its own rest, nor recompute the prefix faster: with an SLO between
+    the cold prefill of 8 and of 9 blocks, the second turn at once misses; a request that shares no
+    prefix does not wait, and a second turn long after the first reuses its prefix."""
+    from lb.cost_model import load_default
+    from tools import bench_lb
+
+    models = load_default()
+    slo_ms = (models.prefill.predict(8 * 512, 0) + models.prefill.predict(9 * 512, 0)) / 2 * 1e3
+    assert bench_lb.session_ceiling(_two_turns(0.0, True), models, 1.0, 1.0, slo_ms) == 0.5
+    assert bench_lb.session_ceiling(_two_turns(0.0, False), models, 1.0, 1.0, slo_ms) == 1.0
+    later = _two_turns(1e9, True)
+    assert bench_lb.session_ceiling(later, models, 1.0, 1.0, slo_ms) == 1.0
+    # the speedup compresses the gap: the same turns, a long gap at trace time, become back to back
+    assert bench_lb.session_ceiling(later, models, 1e12, 1.0, slo_ms) == 0.5
+    # a service twice as slow as the model: the first turn misses, the second still fits its rest
+    assert bench_lb.session_ceiling(later, models, 1.0, 2.0, slo_ms) == 0.5
+
+
+@pytest.mark.parametrize("shape", ["agent", "chat"])
+def test_no_policy_beats_the_session_ceiling(shape):
+    """On a generated conversation trace under the exact cost model, every policy's TTFT attainment is at
+    most the session ceiling (the bound grants an idle instance per request and a free, unbounded cache);
+    at a load so low that no prefill overlaps a later request, the ceiling is the ideal-cache one."""
+    from lb.cost_model import load_default
+    from lb.registry import POLICIES, get_policy
+    from lb.sim import SimConfig, simulate
+    from tools import bench_lb, gen_trace
+
+    models = load_default()
+    recs = gen_trace.generate(gen_trace.SHAPES[shape], 12, seed=4)
+    reqs = [TraceRequest(r["timestamp"], r["input_length"], r["output_length"], tuple(r["hash_ids"])) for r in recs]
+    slo_ms = bench_lb.derive_ttft_slo_ms(reqs, 1.0)[0]
+    for speedup in (2.0, 8.0):
+        ceiling = bench_lb.session_ceiling(reqs, models, speedup, 1.0, slo_ms)
+        cfg = SimConfig(prefill_instances=4, decode_instances=4, speedup=speedup, ttft_slo_ms=slo_ms)
+        for name in POLICIES:
+            res = simulate(reqs, get_policy(name, models), cfg, name=name, models=models)
+            assert res.ttft_attainment <= ceiling + 1e-12, (name, speedup, res.ttft_attainment, ceiling)
+    ideal = sum(t * 1e3 <= slo_ms for t in bench_lb.ideal_prefill_s(reqs, models)) / len(reqs)
+    assert bench_lb.session_ceiling(reqs, models, 1e-9, 1.0, slo_ms) == ideal
