@@ -5,7 +5,7 @@
   tools, ``lb`` imports only itself, and nothing outside ``kvstore/server`` and
   ``kvstore/cli`` imports those two.
 * Composition, not mixins: no class has two or more of the project's own classes as bases.
-* Comments that age well: no review tags, history or issue numbers in the packages and tools.
+* Comments that age well: no review tags, history or issue numbers in the packages, tools and tests.
 * ``tools/`` and the tests import modules by package, never through ``sys.path`` edits.
 * The README stays a quickstart.
 """
@@ -185,8 +185,9 @@ DIARY = re.compile(
 
 
 def test_no_diary_lines_in_code():
+    tests = [f for f in sorted((ROOT / "tests").rglob("*.py")) if f != Path(__file__).resolve()]
     found = []
-    for name, path in MODULES.items():
+    for path in [*MODULES.values(), *tests]:
         for no, line in enumerate(path.read_text().splitlines(), 1):
             if DIARY.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")

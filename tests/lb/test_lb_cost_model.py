@@ -109,7 +109,7 @@ def _grid_samples(true: PrefillCostModel) -> list[tuple[int, int, float]]:
 
 
 def test_fit_refuses_a_zero_time_sample_and_names_it():
-    """A 0 s row had relative weight 1e12 and made the fit predict ~0 s for every prefill (QA)."""
+    """A 0 s row had relative weight 1e12 and made the fit predict ~0 s for every prefill."""
     true = PrefillCostModel(0.02, 1e-4, 5e-10)
     samples = _grid_samples(true)
     with pytest.raises(LBInputError, match=r"sample 12 \(64.0, 0.0, 0.0\) takes 0 s"):

@@ -169,7 +169,7 @@ def test_lb_does_not_import_torch():
 
 @pytest.mark.parametrize("dead", [np.array([3, 4]), [np.int64(3), 4], range(3, 5), (3, 4), {3, 4}])
 def test_dead_gpus_as_an_array_or_any_collection(dead):
-    """A numpy array (or torch tensor) crashed on its truth value (QA); every form gives the same plan."""
+    """A numpy array (or torch tensor) crashed on its truth value; every form gives the same plan."""
     ref = rebalance_experts(README_W, 16, 4, 2, 8, dead_gpus={3, 4})[0]
     p, l2p, cnt = rebalance_experts(README_W, 16, 4, 2, 8, dead_gpus=dead)
     assert (p == ref).all()
@@ -203,7 +203,7 @@ def test_bad_dead_indices_are_typed_misuse(kw, match):
 @pytest.mark.parametrize("fn", [rebalance_experts, rebalance_experts_greedy])
 @pytest.mark.parametrize("pos,bad", [(1, 16.0), (4, float("nan")), (4, float("inf")), (2, True), (3, "2"), (4, 0)])
 def test_counts_must_be_integers(fn, pos, bad):
-    """16.0 passed and crashed deep in numpy; NaN / inf raised ValueError / OverflowError (QA)."""
+    """16.0 passed and crashed deep in numpy; NaN / inf raised ValueError / OverflowError."""
     args = [README_W, 16, 4, 2, 8]
     args[pos] = bad
     name = ["weight", "num_replicas", "num_groups", "num_nodes", "num_gpus"][pos]

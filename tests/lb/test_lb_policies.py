@@ -287,7 +287,7 @@ def test_ve_affinity_vs_queue():
 
 @pytest.mark.parametrize("bad", [float("nan"), "4", True, 2.0, 0, -1])
 def test_ve_max_queue_images_must_be_a_positive_int(bad):
-    """NaN was accepted and then rejected every request; a string raised a bare TypeError (QA)."""
+    """NaN was accepted and then rejected every request; a string raised a bare TypeError."""
     with pytest.raises(LBInputError, match="max_queue_images must be None or an integer > 0"):
         get_policy("kvstack", kind="ve", max_queue_images=bad)
     with pytest.raises(LBInputError, match="seconds_per_image must be a finite number > 0"):
@@ -298,14 +298,14 @@ def test_ve_max_queue_images_must_be_a_positive_int(bad):
                                        (("a", ""), r"image_hashes\[1\]"), ((None,), r"image_hashes\[0\]"),
                                        ((b"",), r"image_hashes\[0\]"), ((True,), r"image_hashes\[0\]")])
 def test_ve_request_is_validated(bad, match):
-    """VERequest("abc") used to be the three images 'a', 'b', 'c'."""
+    """VERequest("abc") is one image, not the three images 'a', 'b', 'c'."""
     with pytest.raises(LBInputError, match=match):
         VERequest(bad)
     assert VERequest(["a", b"b", 3]).image_hashes == ("a", b"b", 3)
 
 
 def test_ve_repeated_image_is_encoded_once():
-    """Three copies of one uncached image cost one encode, not three (QA)."""
+    """Three copies of one uncached image cost one encode, not three."""
     p = get_policy("kvstack", kind="ve", seconds_per_image=1.0)
     d = p.choose(VERequest(("x", "x", "x")), [VEInstance(0, queue_images=2), VEInstance(1, queue_images=0)])
     assert d.chosen == 1 and d.estimates == {0: 3.0, 1: 1.0} and "0/1 images cached" in d.reason
@@ -316,7 +316,7 @@ def test_ve_repeated_image_is_encoded_once():
                                       ("balance_abs_threshold", "64"), ("balance_rel_threshold", True),
                                       ("cache_threshold", "0.3"), ("cache_threshold", 1.5)])
 def test_sglang_thresholds_are_checked(knob, bad):
-    """A NaN balance threshold silently switched the imbalance fallback off (QA)."""
+    """A NaN balance threshold silently switched the imbalance fallback off."""
     with pytest.raises(LBInputError, match=f"SGLangCacheAware.{knob} must be a finite number"):
         get_policy("sglang", MODELS, **{knob: bad})
     with pytest.raises(LBInputError, match="DynamoCost.overlap_weight must be a finite number >= 0"):

@@ -223,7 +223,7 @@ def test_a_partial_last_block_is_never_cached_or_hit(name):
 
 
 def test_the_qa_repro_and_an_identical_repeat():
-    """The QA repro (A then B): 0.200 for the run and both references, not 0.400; an identical
+    """The reported repro (A then B): 0.200 for the run and both references, not 0.400; an identical
     repeat of A reuses its one full block (512 tokens), not 999."""
     reqs = _trace(A, B)
     r = simulate(reqs, get_policy("round_robin", MODELS), ONE, models=MODELS)

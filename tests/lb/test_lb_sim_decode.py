@@ -88,8 +88,8 @@ def test_replay_table_says_how_many_could_never_be_decoded():
 def test_the_wait_for_a_decode_slot_counts_in_tbt_and_its_slo():
     """Two requests whose KV fits a decode instance only one at a time: the second gets its first token
     with its prefill, then waits the first's whole decode before its next. Its TBT counts that wait
-    (from prefill end), so it misses a TBT SLO the decode pace alone meets; it used to count from
-    the join, as if it had never waited."""
+    (from prefill end), so it misses a TBT SLO the decode pace alone meets; counted from the join,
+    it would look as if it had never waited."""
     reqs = [TraceRequest(0.0, 6000, 100, (1,)), TraceRequest(0.0, 6000, 100, (2,))]
     cfg = SimConfig(prefill_instances=2, decode_instances=1, decode_kv_capacity_bytes=CFG.decode_kv_capacity_bytes,
                     ttft_slo_ms=None, tbt_slo_ms=2.0)
@@ -156,7 +156,7 @@ def test_a_waiting_request_that_fits_is_placed_even_when_the_head_of_the_line_do
 def test_a_request_with_no_output_over_the_decode_kv_capacity_is_refused_like_any_other():
     """The over-capacity rule is uniform: a prompt alone over what an empty decode instance holds is refused at
     arrival, its reason OVER_DECODE_KV, whatever its output length (the entrypoint refuses prompt +
-    max_new_tokens over max_model_len alike). With 0 output tokens it used to be prefilled and served."""
+    max_new_tokens over max_model_len alike), with 0 output tokens too."""
     for out in (0, 10):
         big = TraceRequest(0.0, 2 * CAP_TOKENS, out, tuple(range(20)))
         r = simulate([big, _small(1.0, 0)], get_policy("round_robin", MODELS), CFG, models=MODELS)

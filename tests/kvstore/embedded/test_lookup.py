@@ -117,7 +117,7 @@ class CountingEnv:
 
 @pytest.mark.parametrize("hit", [0, 3, 40])
 def test_lookup_reads_its_hit_not_its_chain(store, hasher, monkeypatch, hit):
-    """Issue #2: lookup costs O(hit length). A 1,000-block chain that hits ``hit`` blocks
+    """Lookup costs O(hit length). A 1,000-block chain that hits ``hit`` blocks
     (one SWA snapshot inside) positions on at most hit + 1 block records, and on the SWA records
     from the hit back to the snapshot."""
     keys = hasher.hash_blocks(list(range(16 * 1000)))

@@ -260,7 +260,7 @@ def test_an_older_marker_over_a_missing_index_is_refused_when_targets_hold_files
 
 @pytest.mark.parametrize("damage", ["removed", "emptied", "another"])
 def test_a_lost_or_replaced_index_is_refused_and_no_fragment_is_touched(data_dir, tmp_path, keys, damage):
-    """Issue #2 (nothing lost): a data directory whose index is gone, truncated to nothing or
+    """Nothing lost: a data directory whose index is gone, truncated to nothing or
     swapped for another directory's is refused at open, with nothing created or deleted; it
     is never taken for an empty store whose fragments GC would sweep as orphans."""
     import shutil
