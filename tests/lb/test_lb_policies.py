@@ -298,7 +298,7 @@ def test_ve_max_queue_images_must_be_a_positive_int(bad):
                                        (("a", ""), r"image_hashes\[1\]"), ((None,), r"image_hashes\[0\]"),
                                        ((b"",), r"image_hashes\[0\]"), ((True,), r"image_hashes\[0\]")])
 def test_ve_request_is_validated(bad, match):
-    """VERequest("abc") is one image, not the three images 'a', 'b', 'c'."""
+    """Malformed image lists are refused: VERequest("abc") is not read as the three images 'a', 'b', 'c'."""
     with pytest.raises(LBInputError, match=match):
         VERequest(bad)
     assert VERequest(["a", b"b", 3]).image_hashes == ("a", b"b", 3)
