@@ -15,10 +15,11 @@
 #
 # The stages, by pytest marker (declared in pyproject.toml):
 # 1. the default suite, `python -m pytest`: every test but those marked `slow` (soaks,
-#    benchmark-sized runs, long runs whose behaviour a faster test covers too), `gpu` (a
-#    CUDA or NPU device: tools/gpu_check.sh), `vllm` and `e2e`;
-# 2. whole real stacks: the `vllm` tests (a real vLLM engine on the CPU,
+#    benchmark-sized runs, long runs such as a subprocess per case), `gpu` (a CUDA or NPU
+#    device: tools/gpu_check.sh), `vllm` and `e2e`;
+# 2. the long ones: `slow`, the `vllm` tests (a real vLLM engine on the CPU,
 #    tests/engine_plugin/vllm) and the `e2e` ones (the walkthrough, the README's main job).
+# So the command runs every test but the GPU checks.
 # The arguments go to both stages. The command fails if either stage fails or collects no
 # test (pytest's exit status 5). `python -m pytest -m slow` runs the long tests.
 set -euo pipefail
@@ -37,7 +38,7 @@ for pkg in torchvision torchaudio torchcodec; do
     fi
 done
 if ! python -c "import vllm" >/dev/null 2>&1; then
-    echo "run_tests.sh: vLLM is not importable after installing it; the end-to-end stage cannot run:" >&2
+    echo "run_tests.sh: vLLM is not importable after installing it; the long stage cannot run:" >&2
     python -c "import vllm" >&2 || true
     exit 1
 fi
@@ -60,7 +61,7 @@ stage() {
 rc=0
 stage default "$@" || rc=$?
 e2e_rc=0
-stage end-to-end -m "(vllm or e2e) and not slow and not gpu" "$@" || e2e_rc=$?
+stage long -m "(slow or vllm or e2e) and not gpu" "$@" || e2e_rc=$?
 if [ "$rc" -eq 0 ]; then
     rc=$e2e_rc
 fi

@@ -366,6 +366,7 @@ def _one_line_error(res, prog, *needles, code=2):
     assert err.startswith(f"{prog}: error: ") and all(n in err for n in needles), err
 
 
+@pytest.mark.slow  # one subprocess per case: the second stage of the test command
 @pytest.mark.parametrize("args, needles", [
     (["--block-size", "0"], ["block_size", "got 0"]),
     (["--block-size", "-16"], ["block_size"]),
@@ -394,6 +395,7 @@ def test_worker_with_an_unreachable_entrypoint_says_so_in_one_line(tmp_path):
     _one_line_error(res, "python -m entrypoint.worker", "127.0.0.1:1", "unreachable", code=1)
 
 
+@pytest.mark.slow  # one subprocess per case: the second stage of the test command
 @pytest.mark.parametrize("args, needles", [
     (["--role", "prefill", "--block-size", "0"], ["block_size"]),
     (["--role", "decode", "--num-blocks", "0"], ["num_blocks"]),

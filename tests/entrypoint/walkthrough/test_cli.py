@@ -19,9 +19,10 @@ from entrypoint.walkthrough.conversation import build
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # one subprocess per case: the second stage of the test command
 @pytest.mark.parametrize("args, needle", [
     (["--block-size", "0"], "--block-size must be >= 1"),
-    pytest.param(["--block-size", "-16"], "--block-size must be >= 1", marks=pytest.mark.slow),  # the check of 0
+    (["--block-size", "-16"], "--block-size must be >= 1"),
     (["--model", "nope"], "unknown model preset 'nope'"),
     (["--out", "/dev/null/x"], "cannot create a run directory"),
     (["--num-blocks", "-1"], "--num-blocks must be >= 0"),

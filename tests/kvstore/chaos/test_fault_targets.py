@@ -449,6 +449,7 @@ def test_unreachable_targets_make_batch_slots_misses_and_gc_finishes(faulty_stor
         list(t.walk())
 
 
+@pytest.mark.slow  # a burst against a frozen target (test_a_frozen_target_cannot_take_every_read_thread covers the pool)
 def test_a_burst_of_gets_with_a_frozen_target_all_succeed_in_about_the_timeout(faulty_store):
     """Concurrent gets while one target hangs: before its first read timed out, a burst sent it
     enough reads to fill the shared I/O pool, reads of healthy targets queued behind them timed

@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 import kvstore
 from kvstore import PutItem, StoreUnavailable, Unrecoverable
 
@@ -106,6 +108,7 @@ _SWEEPER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a soak of puts against another process's GC: the second stage of the test command
 def test_gc_from_another_process_at_grace_zero_loses_no_acknowledged_put(tmp_path):
     """This process puts with the default grace (300 s); another one opens the same directory
     with ``orphan_grace_s`` 0 (as ``KVSTORE_ORPHAN_GRACE_S=0 kvtool gc DIR`` does) and runs GC
