@@ -10,7 +10,7 @@ checkout, or none). The test process itself gets the root on ``sys.path`` from p
 
 Markers (declared in ``pyproject.toml``; ``tools/run_tests.sh`` runs the stages): ``slow``
 (soaks, benchmark-sized runs, a subprocess per case), ``vllm`` (a real vLLM engine, every test
-under ``tests/engine_plugin/vllm``) and ``e2e`` (the walkthrough) stay out of the default run
+under ``tests/engine_plugin/vllm``) and ``e2e`` (the whole serving stack in processes, the walkthrough among them) stay out of the default run
 and run as the test command's second stage; ``gpu`` runs from ``tools/gpu_check.sh``. A run whose
 ``-m`` expression leaves ``vllm`` out does not even import that folder: importing vLLM takes
 seconds, and it need not be installed for the default run.

@@ -18,7 +18,7 @@
 #    benchmark-sized runs, long runs such as a subprocess per case), `gpu` (a CUDA or NPU
 #    device: tools/gpu_check.sh), `vllm` and `e2e`;
 # 2. the long ones: `slow`, the `vllm` tests (a real vLLM engine on the CPU,
-#    tests/engine_plugin/vllm) and the `e2e` ones (the walkthrough, the README's main job).
+#    tests/engine_plugin/vllm) and the `e2e` ones (the whole serving stack in processes, the walkthrough among them).
 # So the command runs every test but the GPU checks.
 # The arguments go to both stages. The command fails if either stage fails or collects no
 # test (pytest's exit status 5). `python -m pytest -m slow` runs the long tests.

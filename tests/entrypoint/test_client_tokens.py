@@ -152,6 +152,7 @@ def test_cluster_waits_for_workers_on_an_entrypoint_with_client_tokens(stack, tm
     c.wait_for_workers(1, timeout_s=10)
 
 
+@pytest.mark.e2e  # a whole stack in processes
 def test_a_real_cluster_runs_an_entrypoint_with_client_tokens(tmp_path):
     """``Cluster(client_tokens=...)`` starts the entrypoint with ``--client-tokens`` (a 0600 file
     in its work directory); ``client(token)`` sends the token, ``client()`` none."""

@@ -18,6 +18,9 @@ from entrypoint.vision import VisionEncoder
 from entrypoint.walkthrough.launcher import Cluster
 from kvstore.keys import image_hash
 
+# The whole serving stack in processes: the test command's second stage (marker e2e).
+pytestmark = pytest.mark.e2e
+
 MODEL = "tiny"
 
 

@@ -201,6 +201,7 @@ def test_worker_tls_misuse_is_one_line(certs, tmp_path, capsys, args, needle):
 
 
 # ----------------------------------------------------------------------------- 4. a real stack
+@pytest.mark.e2e  # a whole stack in processes
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
 def test_a_tls_stack_serves_a_request_end_to_end(certs, tmp_path, mutual):
     client_files = dict(client_cert=certs["client"], client_key=certs["client_key"]) if mutual else {}
