@@ -115,7 +115,7 @@ short is resumed elsewhere), so one that stalls with fewer delivered stalled mid
 strikes in a row the worker is avoided for ``avoid_for_s`` (30 s): every pick of its role leaves it out while
 another worker of the role is up, not avoided, and admitted by the LB (when the
 LB admits none of those, KV full or an SLO missed, it chooses again among all
-the workers up: an avoided worker with room is never a refusal), so new requests no longer pay
+the workers up: an avoided worker with room is never a refusal), so new requests do not pay
 a failed attempt and a backoff there first (such a worker looks idle, and would
 take the first attempt of every request). It stays up, and with no other
 worker it is picked all the same; after the cooldown it is tried again, and one

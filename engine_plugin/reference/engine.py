@@ -55,8 +55,8 @@ meanwhile waits behind it and gets the state of its own saves (the connector
 reports an id's requests in the order they finished). ``kv_sent`` / ``kv_send_failed`` are
 views over the requests still in ``finished``. So the engine holds the signal of
 a request only while it holds its record or its saves are in flight: bounded,
-however many requests a worker serves (before, two sets gained an id per
-request for the worker's life).
+however many requests a worker serves (no set grows by an id per request
+for the worker's life).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def test_pinned_entries_survive_and_an_all_pinned_store_refuses_to_evict(faulty_
         assert fs.store.pin(K(i))
     for i in range(100, 103):
         # It does not fit beside the pinned ones: evicted again by its own pass, and said so
-        # (before, the put was acknowledged and the entry gone).
+        # (never acknowledged with the entry gone).
         with pytest.raises(CapacityExceeded, match="just put did not fit"):
             fs.store.put(K(i), V(i))
         assert not fs.store.lookup([K(i)]).hit_blocks

@@ -74,7 +74,7 @@ def test_parquet_with_key_or_chain_is_a_usage_error(small_dir, run_tool, tmp_pat
 
 @pytest.mark.parametrize("chain", ["", ",", " , "])
 def test_an_empty_chain_is_a_usage_error(small_dir, run_tool, chain):
-    """As an empty --key is (before, an empty chain printed "chain of 0" and exited 0)."""
+    """As an empty --key is (not "chain of 0" with exit status 0)."""
     code, out, err = run_tool("inspect", small_dir, "--chain", chain)
     assert code == 2 and out == "" and "names no key" in err and "Traceback" not in err
 

@@ -74,7 +74,7 @@ def test_a_run_longer_than_the_learned_item_limit_is_split_before_it_is_sent() -
 
 def test_a_limit_learned_mid_piece_splits_the_later_runs_too() -> None:
     """The limit learned from a run refused after an earlier one was stored splits that run and
-    every later one: one refused call in all (before, the last run of 10 was refused again)."""
+    every later one: one refused call in all (the last run of 10 is not refused again)."""
     encs = items(50)
     daemon = FakeDaemon([100, 7])
     rs = client(daemon, message_bytes=20 * encs[0].nbytes)  # runs of 20, 20, 10 by bytes

@@ -235,7 +235,7 @@ def test_prometheus_metrics(make_daemon) -> None:
 
 def test_a_get_of_a_lost_entry_counts_a_miss(make_daemon, tmp_path) -> None:
     """A Get that returns no value because the entry is lost counts a miss, as GetMany counts
-    the same read; before, neither a hit nor a miss was counted."""
+    the same read, never neither a hit nor a miss."""
     import shutil
 
     st = kvstore.connect(str(tmp_path / "lose"), fsync=False)
