@@ -124,15 +124,6 @@ class RemoteStore:
         self._lookups = Lookups(self._rpc)
         self._admin = Admin(self._rpc)
 
-    def _call(self, method: str, req: Any, **kw: Any) -> Any:
-        """One unary call through the transport (``Transport.call``)."""
-        return self._rpc.call(method, req, **kw)
-
-    @property
-    def _batch_items(self) -> int:
-        """Items per batch call now (``Transport.batch_items``)."""
-        return self._rpc.batch_items
-
     # ------------------------------------------------------------------ writes
     def put(self, key: bytes, value: Any, *, kind: str = "block", ttl_s: float | None = None,
             layout: Layout | None = None, tokens: int = 0) -> bool:

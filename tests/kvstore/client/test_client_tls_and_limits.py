@@ -239,7 +239,7 @@ def test_the_refusal_carries_the_limit_and_is_retried_once(make_daemon) -> None:
     d = make_daemon(max_batch_items=8)
     with kvstore.connect(d.address) as s:  # the raw refusal: typed, with the daemon's limit
         with pytest.raises(BatchTooLarge, match="max_batch_items=8") as ei:
-            s._call("GetMany", pb.GetManyRequest(keys=[K(i) for i in range(9)]))
+            s._rpc.call("GetMany", pb.GetManyRequest(keys=[K(i) for i in range(9)]))
         assert ei.value.limit == 8 and isinstance(ei.value, InvalidRequest)
     status, md = status_of(BatchTooLarge("too many", limit=8))
     assert status is grpc.StatusCode.INVALID_ARGUMENT and (MD_BATCH_LIMIT, "8") in md

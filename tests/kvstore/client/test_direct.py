@@ -113,9 +113,9 @@ def test_tenant_cannot_locate_another_tenants_key(make_daemon, tokens_file) -> N
     assert a.put(K(1), b"A's entry")
     assert a.get(K(1)) == b"A's entry" and a.direct_stats()["counters"]["direct_reads"] == 1
     req = pb.LocateRequest(keys=[K(1)], kind="block")
-    (mine,) = a._call("Locate", req).locations
+    (mine,) = a._rpc.call("Locate", req).locations
     assert mine.found and mine.stored_key != K(1)  # stored under A's namespaced key
-    (theirs,) = b._call("Locate", req).locations
+    (theirs,) = b._rpc.call("Locate", req).locations
     assert not theirs.found and not theirs.stored_key  # B's translation of the same key finds nothing
     with pytest.raises(NotFound):
         b.get(K(1))
@@ -125,7 +125,7 @@ def test_tenant_cannot_locate_another_tenants_key(make_daemon, tokens_file) -> N
         with pytest.raises(Unauthenticated):
             anon.get(K(1))
         with pytest.raises(Unauthenticated):
-            anon._call("Locate", req)
+            anon._rpc.call("Locate", req)
     for s in (a, b):
         s.close()
 
@@ -166,7 +166,7 @@ def test_auto_turns_on_only_for_this_daemons_files_and_never_with_tokens(make_da
         assert s.get(K(1)) == b"y" and s.direct_stats()["active"]
     # the decision itself, on what Describe reports
     desc = pb.DescribeReply()
-    desc.ParseFromString(kvstore.connect(d.address)._call("Describe", pb.DescribeRequest()).SerializeToString())
+    desc.ParseFromString(kvstore.connect(d.address)._rpc.call("Describe", pb.DescribeRequest()).SerializeToString())
     assert desc.direct_reads and not desc.auth and len(desc.targets) == 6
     assert all(t.url.startswith("file:///") for t in desc.targets)
     assert auto_decision(desc) == ""
@@ -189,10 +189,10 @@ def test_daemon_can_refuse_direct_reads(make_daemon) -> None:
         assert s.get(K(1)) == b"v" and s.get_many([K(1), K(2)]) == [b"v", None]  # over gRPC
         st = s.direct_stats()
         assert not st["active"] and "allow_direct_reads" in st["reason"]
-        desc = s._call("Describe", pb.DescribeRequest())
+        desc = s._rpc.call("Describe", pb.DescribeRequest())
         assert not desc.direct_reads and not desc.targets and not desc.data_dir
         with pytest.raises(PermissionDenied):
-            s._call("Locate", pb.LocateRequest(keys=[K(1)]))
+            s._rpc.call("Locate", pb.LocateRequest(keys=[K(1)]))
     with grpc.insecure_channel(d.address.split("://")[1]) as ch:
         with pytest.raises(grpc.RpcError) as ei:
             ch.unary_unary("/kvstore.v1.KVStore/Locate")(pb.LocateRequest(keys=[K(1)]).SerializeToString(), timeout=5)
@@ -203,11 +203,11 @@ def test_locate_validates_like_get(make_daemon) -> None:
     d = make_daemon(max_batch_items=4)
     with kvstore.connect(d.address, direct_reads="on") as s:
         with pytest.raises(kvstore.InvalidRequest):
-            s._call("Locate", pb.LocateRequest(keys=[b"short"]))
+            s._rpc.call("Locate", pb.LocateRequest(keys=[b"short"]))
         with pytest.raises(kvstore.InvalidRequest):
-            s._call("Locate", pb.LocateRequest(keys=[K(1)], kind="bogus"))
+            s._rpc.call("Locate", pb.LocateRequest(keys=[K(1)], kind="bogus"))
         with pytest.raises(kvstore.InvalidRequest, match="max_batch_items"):
-            s._call("Locate", pb.LocateRequest(keys=[K(i) for i in range(5)]))
+            s._rpc.call("Locate", pb.LocateRequest(keys=[K(i) for i in range(5)]))
         assert s.get_many([K(i) for i in range(5)]) == [None] * 5  # the client learns the limit and splits
         with pytest.raises(kvstore.InvalidRequest):
             s.get(b"short")

@@ -157,7 +157,7 @@ def test_a_daemon_that_does_not_allow_them_gets_puts_over_grpc(make_daemon) -> N
         assert s.get(K(1)) == b"x"
     with kvstore.connect(d.address) as s:  # Commit itself is refused
         with pytest.raises(PermissionDenied):
-            s._call("Commit", pb.CommitRequest())
+            s._rpc.call("Commit", pb.CommitRequest())
 
 
 def test_a_failing_pack_goes_through_the_daemon(make_daemon, monkeypatch) -> None:
@@ -285,9 +285,9 @@ def test_commit_checks_everything_before_indexing_anything(make_daemon, tmp_path
     with pytest.raises(kvstore.Unrecoverable):
         st.get(K("new"))
     assert st.get(K(0)) == b"x" * 1000
-    view = s._call("Describe", pb.DescribeRequest()).writer_view
+    view = s._rpc.call("Describe", pb.DescribeRequest()).writer_view
     with pytest.raises(InvalidRequest, match=f"written entry {K('w').hex()}: needs 6"):  # over the wire
-        s._call("Commit", pb.CommitRequest(view=view, entries=[pb.WrittenEntry(  # too, nothing indexed; the
+        s._rpc.call("Commit", pb.CommitRequest(view=view, entries=[pb.WrittenEntry(  # too, nothing indexed; the
             key=K("w"), k=4, m=2, gen=b"12345678", targets=["t0"] * 6, offsets=[0] * 6, entry_len=1,  # key as sent
             frag_len=100)]))
     s.close()
@@ -525,6 +525,6 @@ def test_a_fallen_back_piece_over_the_daemons_batch_limit_puts_each_item_once(ma
     vals = {K(f"b{i}"): os.urandom(n) for i, n in enumerate(sizes)}
     assert s.put_many([PutItem(k, v) for k, v in vals.items()]) == [True] * len(vals)  # was [False, True, ...]
     assert s.get_many(list(vals)) == list(vals.values())
-    assert s._batch_items == 4  # learned from the refusal
+    assert s._rpc.batch_items == 4  # learned from the refusal
     assert s.check() == []
     s.close()

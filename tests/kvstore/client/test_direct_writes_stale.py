@@ -77,14 +77,14 @@ def test_a_commit_with_a_stale_or_missing_view_indexes_nothing(make_daemon) -> N
     PutStream. Either way before any entry is looked at."""
     d = make_daemon(allow_direct_writes=True)
     with kvstore.connect(d.address) as s:
-        view = s._call("Describe", pb.DescribeRequest()).writer_view
+        view = s._rpc.call("Describe", pb.DescribeRequest()).writer_view
         assert len(view) == 16
         entry = pb.WrittenEntry(key=K("w"), k=4, m=2, gen=b"12345678", targets=[f"t{i}" for i in range(6)],
                                 offsets=[0] * 6, entry_len=1, frag_len=100)
         with pytest.raises(StaleDescribe, match="Describe again"):
-            s._call("Commit", pb.CommitRequest(entries=[entry], view=bytes(16)))
+            s._rpc.call("Commit", pb.CommitRequest(entries=[entry], view=bytes(16)))
         with pytest.raises(PermissionDenied, match="writer_view"):
-            s._call("Commit", pb.CommitRequest(entries=[entry]))
+            s._rpc.call("Commit", pb.CommitRequest(entries=[entry]))
         assert s.lookup([K("w")]).hit_blocks == 0
 
 

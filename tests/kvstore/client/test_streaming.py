@@ -107,7 +107,7 @@ def test_put_stream_bad_item_or_too_many_items_store_nothing(make_daemon) -> Non
     with kvstore.connect(d.address) as s:
         assert s.stats()["entries"] == 0
         with pytest.raises(InvalidRequest, match="max_batch_items"):  # the daemon refuses 9 keys ...
-            s._call("GetMany", pb.GetManyRequest(keys=[K(i) for i in range(9)]))
+            s._rpc.call("GetMany", pb.GetManyRequest(keys=[K(i) for i in range(9)]))
         assert s.get_many([K(i) for i in range(9)]) == [None] * 9  # ... the client learns its limit and splits
         assert s.put_many([PutItem(K(i), b"v") for i in range(8)]) == [True] * 8
         assert s.check() == []
@@ -189,7 +189,7 @@ def test_get_many_over_the_message_limit_stops_reading_before_it_holds_every_val
         s.put(K(1), os.urandom(1 << 20))
         before = d.store.counters["bytes_out"]
         with pytest.raises(RequestTooLarge, match="GetMany reply"):
-            s._call("GetMany", pb.GetManyRequest(keys=[K(1)] * 100))
+            s._rpc.call("GetMany", pb.GetManyRequest(keys=[K(1)] * 100))
         assert d.store.counters["bytes_out"] - before <= 16 << 20  # at most a few windows read, not 100 MiB
         assert s.get_many([K(1)] * 3) == [s.get(K(1))] * 3  # the stream form serves repeats as before
 

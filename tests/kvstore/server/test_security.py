@@ -126,9 +126,9 @@ def test_kvtool_deletes_what_inspect_names(make_daemon, tokens_file) -> None:
     assert a.delete_index_keys([K(1), K(1)]) == [True, False]  # a tenant: its own keys
     assert sum(v is not None for v in a.get_many([K(i) for i in range(3)])) == 1
     with pytest.raises(kvstore.InvalidRequest, match="kvstore-index-keys"):  # only on Delete/DeleteMany
-        ops._call("Get", pb.KeyRequest(key=stored[2]), md=(("kvstore-index-keys", "1"),))
+        ops._rpc.call("Get", pb.KeyRequest(key=stored[2]), md=(("kvstore-index-keys", "1"),))
     with pytest.raises(kvstore.InvalidRequest, match="kvstore-index-keys"):
-        ops._call("Delete", pb.KeyRequest(key=stored[2]), md=(("kvstore-index-keys", "yes"),))
+        ops._rpc.call("Delete", pb.KeyRequest(key=stored[2]), md=(("kvstore-index-keys", "yes"),))
     for s in (a, b, ops):
         s.close()
 
@@ -186,8 +186,8 @@ def test_a_tenants_write_errors_say_nothing_of_the_store_as_a_whole(make_daemon,
                 errs[who] = str(ei.value)
         assert "everything left is pinned" in errs["ops"] and "bytes" in errs["ops"], errs
         assert "pinned" not in errs["b"] and not re.search(r"\d{4}", errs["b"]) and "store is full" in errs["b"]
-        assert a._call("Describe", pb.DescribeRequest()).data_dir == ""
-        assert ops._call("Describe", pb.DescribeRequest()).data_dir == str(d.store.data_dir)
+        assert a._rpc.call("Describe", pb.DescribeRequest()).data_dir == ""
+        assert ops._rpc.call("Describe", pb.DescribeRequest()).data_dir == str(d.store.data_dir)
     for t in ("t0", "t1", "t2"):  # more targets failing than a put can replace
         root = d.store.targets[t].root
         shutil.rmtree(root)
