@@ -257,7 +257,7 @@ def put_parts(key: bytes, value_len: int, kind: str, ttl_s: float | None, layout
               tokens: int) -> tuple[bytes, bytes]:
     """``(head, tail)`` of an encoded ``PutRequest``: the message is ``head + value + tail``.
 
-    ``layout`` is always sent (as ``normalize_item`` does); ``ttl_s`` only when set.
+    ``layout`` is always sent; ``ttl_s`` only when set.
     """
     head = _len_field(0x0A, key) + (b"\x12" + _varint(value_len) if value_len else b"")
     tail = _len_field(0x1A, kind.encode())
@@ -365,8 +365,3 @@ def check_value_sizes(encs: Sequence[EncodedPut], limit: int | None) -> None:
         if e.value.nbytes > limit:
             raise InvalidRequest(f"value of {e.value.nbytes} bytes is over max_value_bytes={limit}; "
                                  "split it or raise the limit in the store config")
-
-
-def normalize_item(it: PutItem) -> pb.PutRequest:
-    """``encode_item`` as a ``PutRequest`` message (validation as there)."""
-    return pb.PutRequest.FromString(encode_item(it).message())
