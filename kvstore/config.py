@@ -200,6 +200,11 @@ class StoreConfig:
     # "auto": fan out only writes that wait (fsync, remote targets, a single put's large fragments);
     # "always"; "never"
     parallel_writes: str = "auto"
+    # Puts (single and batched) append each target's fragments to this process's open segment file
+    # there (kvstore.embedded.segments), where every target is a local directory and write_timeout_s is
+    # 0; elsewhere, or false: pack files per batch (pack_batches) and one file per fragment
+    segments: bool = True
+    segment_bytes: int = 64 * 1024 * 1024  # a segment file is sealed, and the next one started, past this
     pack_batches: bool = True  # put_many writes one pack file per target, not one file per fragment
     pack_bytes: int = 4 * 1024 * 1024  # a batch is cut into packs of about this many payload bytes
     pack_compact_ratio: float = 0.5  # GC moves a pack's live entries out once this share of it is dead
@@ -242,8 +247,8 @@ class StoreConfig:
         for knob in ("parallel_reads", "parallel_writes"):
             if getattr(self, knob) not in ("auto", "always", "never"):
                 raise InvalidRequest(f"{knob} must be auto, always or never, got {getattr(self, knob)!r}")
-        if self.capacity_bytes < 0 or self.max_value_bytes <= 0 or self.pack_bytes <= 0:
-            raise InvalidRequest("capacity_bytes must be >= 0, max_value_bytes and pack_bytes > 0")
+        if self.capacity_bytes < 0 or self.max_value_bytes <= 0 or self.pack_bytes <= 0 or self.segment_bytes <= 0:
+            raise InvalidRequest("capacity_bytes must be >= 0, max_value_bytes, pack_bytes and segment_bytes > 0")
         if not 0 <= self.fragment_read_retries <= 16:
             raise InvalidRequest(f"fragment_read_retries must be in [0, 16], got {self.fragment_read_retries}")
         if not 1 <= self.read_workers <= 1024:

@@ -36,6 +36,7 @@ from kvstore.embedded import codec
 from kvstore.embedded.durability import sync_plan, syncfs
 from kvstore.embedded.index import Meta, ekey
 from kvstore.embedded.placement import place
+from kvstore.embedded.segments import Appended, Segment, Segments
 from kvstore.embedded.targets import Target, TargetPools, fragment_path, pack_path
 from kvstore.errors import CapacityExceeded, InvalidRequest, StoreUnavailable
 
@@ -100,8 +101,9 @@ class PendingEntry:
     goes. Step 3 sets ``enc`` (``Encoded``); step 4 ``targets`` (fragment ``i`` on
     ``targets[i]``; ``None`` while not written), ``offsets`` (the fragments' offsets in the
     pack file on each target; ``()`` for one file per fragment) and, while its fragment
-    writes run, ``write`` (a ``Future`` of ``targets``); step 5 ``created`` (indexed by this
-    put; ``False`` also where a live entry of its key won the race)."""
+    writes run, ``write`` (a ``Future`` of ``targets``), and ``segment`` when they were appended
+    to a segment (``kvstore.embedded.segments``: then ``offsets`` are in its files); step 5
+    ``created`` (indexed by this put; ``False`` also where a live entry of its key won the race)."""
 
     item: PutItem
     slot: int
@@ -110,6 +112,7 @@ class PendingEntry:
     offsets: tuple[int, ...] = ()
     write: Future | None = None
     created: bool = False
+    segment: Segment | None = None
 
     @property
     def in_pack(self) -> bool:
@@ -118,7 +121,8 @@ class PendingEntry:
 
     def record(self) -> tuple[bytes, Meta]:
         """Its index record, ``(ek, meta)``, once written."""
-        return self.enc.ek, replace(self.enc.meta_base, targets=self.targets, offsets=self.offsets)
+        return self.enc.ek, replace(self.enc.meta_base, targets=self.targets, offsets=self.offsets,
+                                    aligned=self.segment is not None)
 
     def files(self) -> list[tuple[str, str]]:
         """``(target, rel)`` of every file it sits in: its pack on each target, or each fragment file."""
@@ -153,6 +157,9 @@ class FragmentWriter:
         self._on_pack_discarded = on_pack_discarded
         self._sync_resolved = sync_mode
         self._target_devs: dict[str, int] = {}
+        # The segments puts append to (``kvstore.embedded.segments``), set by the store's fragment
+        # store where they can be used; ``None``: packs per batch and files per fragment.
+        self.segments: Segments | None = None
 
     # ------------------------------------------------------------------ fragment files
     def checked(self, item: PutItem) -> tuple[memoryview, Layout, int, int]:
@@ -376,19 +383,24 @@ class FragmentWriter:
         return freed
 
     # ------------------------------------------------------------------ a put's steps 3-4, and its leftovers
-    def write_entries(self, entries: Sequence[PendingEntry], *, packs: bool) -> None:
+    def write_entries(self, entries: Sequence[PendingEntry], *, packs: bool, since: int = 0) -> None:
         """Steps 3-4 of a put (``kvstore.embedded.store``): encode every entry, place it and make
         its fragments durable, filling in each entry's ``enc``, ``targets`` and ``offsets``.
 
-        A batch with ``packs`` (the store's ``pack_batches``) is first written as packs
-        (``write_packs``); a chunk whose packs fail, and a batch without them, and a single put,
-        go fragment by fragment (``write_fragments``, where a failing target is replaced by a
-        spare). Where writes wait (``fan_out_writes``) each entry's writes start on a thread as
-        soon as it is encoded, so encoding the next overlaps them; otherwise they run inline.
-        Anything raised (a bad item out of ``encode``, a write that found no spare) is raised
-        once every write started has ended, with the fragments already written removed."""
+        Where the store has segments, the whole put is appended to the active one
+        (``append_entries``; ``since``: the sweep count read before this put's first write). A
+        put whose append fails, a batch with ``packs`` (the store's ``pack_batches``) where there
+        are no segments (first written as packs, ``write_packs``), a chunk whose packs fail, a
+        batch without packs and a single put go fragment by fragment (``write_fragments``,
+        where a failing target is replaced by a spare). Where writes wait (``fan_out_writes``)
+        each entry's writes start on a thread as soon as it is encoded, so encoding the next
+        overlaps them; otherwise they run inline. Anything raised (a bad item out of
+        ``encode``, a write that found no spare) is raised once every write started has ended,
+        with the fragments already written removed."""
         batch = len(entries) > 1
-        if batch and packs:
+        if self.segments is not None:
+            self.append_entries(entries, since)
+        elif batch and packs:
             self.write_packs(entries)
         fan_out = batch and self.fan_out_writes(self.targets, in_batch=False)
         submit = self._batch_pool.submit if fan_out else run_now
@@ -449,18 +461,110 @@ class FragmentWriter:
             except OSError:
                 pass  # logged by write_pack
 
+    def append_entries(self, entries: Sequence[PendingEntry], since: int) -> None:
+        """Steps 3-4 as appends to the active segment (``kvstore.embedded.segments``): every entry
+        encoded under the segment's generation, in chunks of about ``pack_bytes`` payload bytes;
+        each chunk's fragments appended, one positioned write per target, on a thread while the
+        next chunk is encoded (encoding holds the GIL, writes wait in the kernel); then all of
+        them made durable (one flush per filesystem or file, shared with concurrent puts). Sets
+        each entry's ``enc``, ``targets``, ``offsets`` and ``segment``. When an append or the
+        flush fails (logged; the segment is sealed) the put is appended once more, to a new
+        segment; when that fails too every entry stays unplaced, ``enc`` cleared, for the caller
+        to write fragment by fragment under fresh generations. A bad item raises once the
+        appends started have ended (what they wrote no record names). The segment stays in this
+        put's use until ``discard_unindexed`` or ``release_segments``."""
+        for _try in range(2):
+            if self._append_once(entries, since):
+                return
+            for e in entries:
+                e.enc = None
+        log.warning("the put's %d entries go fragment by fragment", len(entries))
+
+    def _append_once(self, entries: Sequence[PendingEntry], since: int) -> bool:
+        """One try of ``append_entries``: whether the entries were appended and made durable."""
+        seg = self.segments.acquire(since)
+        appends: list[tuple[list[PendingEntry], list[tuple[tuple[str, ...], list[int]]], Future]] = []
+        chunk: list[PendingEntry] = []
+        size = 0
+        try:
+            for n, e in enumerate(entries):
+                e.enc = self.encode(e.item, seg.gen)
+                chunk.append(e)
+                size += e.enc.meta_base.plain_len
+                last = n == len(entries) - 1
+                if size >= self.config.pack_bytes or last:
+                    shares, placed = self._shares(chunk)
+                    submit = run_now if last or self.config.parallel_writes == "never" else self._batch_pool.submit
+                    appends.append((chunk, placed, submit(self.segments.append, seg, shares)))
+                    chunk, size = [], 0
+        except BaseException:
+            wait([f for _c, _p, f in appends])
+            self.segments.release(seg, indexed=False)
+            raise
+        try:
+            done = [f.result() for _c, _p, f in appends]
+            self.segments.make_durable(seg, Appended.merged(done))
+        except OSError as exc:
+            wait([f for _c, _p, f in appends])
+            self.segments.release(seg, indexed=False)
+            log.warning("segment %s: %s", seg.gen.hex(), exc)
+            self._count("segment_write_failures")
+            return False
+        for (chunk, placed, _f), appended in zip(appends, done):
+            for e, (names, slots) in zip(chunk, placed):
+                e.targets = names
+                e.offsets = tuple(appended.offsets[n][j] for n, j in zip(names, slots))
+                e.segment = seg
+        return True
+
+    def _shares(self, chunk: Sequence[PendingEntry]) -> tuple[dict[str, list[list[bytes]]],
+                                                               list[tuple[tuple[str, ...], list[int]]]]:
+        """Each target's fragments of the encoded entries, in order, and per entry its targets
+        (rendezvous placement, as every put's) and where each of its fragments is in those lists."""
+        shares: dict[str, list[list[bytes]]] = {}
+        placed = []
+        for e in chunk:
+            chosen = place(e.enc.key, self.target_specs, len(e.enc.frames))
+            slots = []
+            for name, frame in zip(chosen, e.enc.frames):
+                share = shares.setdefault(name, [])
+                slots.append(len(share))
+                share.append(frame)
+            placed.append((tuple(chosen), slots))
+        return shares, placed
+
+    def release_segments(self, entries: Sequence[PendingEntry], *, indexed_unknown: bool = False) -> None:
+        """End the put's use of the segments its entries were appended to, saying whether a record
+        in each was indexed (``indexed_unknown``: the index commit's outcome is not known, so the
+        segment is kept as if one was)."""
+        segs: dict[Segment, bool] = {}
+        for e in entries:
+            if e.segment is not None:
+                segs[e.segment] = segs.get(e.segment, False) or e.created or indexed_unknown
+                e.segment = None
+        for seg, indexed in segs.items():
+            self.segments.release(seg, indexed=indexed)
+
+    def seal_segments(self, entries: Sequence[PendingEntry], why: str) -> None:
+        """Seal the segments the entries were appended to: no later put appends there."""
+        for seg in {e.segment for e in entries if e.segment is not None}:
+            self.segments.seal(seg, why)
+
     def discard_unindexed(self, entries: Sequence[PendingEntry]) -> None:
         """Remove what the written entries that were not indexed (``created`` false) leave
         behind: each one's fragment files; and each pack in which no entry was indexed (every
         one lost its race to another writer, or nothing was committed). A loser's share of a
-        pack with an indexed entry stays, counted dead (``kvstore.embedded.index`` invariant 6)."""
+        pack with an indexed entry stays, counted dead (``kvstore.embedded.index`` invariant 6),
+        as does what a segment holds (its files go when it is retired,
+        ``kvstore.embedded.segments``); then the put's use of its segments ends."""
         for e in entries:
             if e.targets is not None and not e.created and not e.in_pack:
                 self.discard(e.enc, dict(enumerate(e.targets)))
         packs: dict[bytes, list[PendingEntry]] = {}
         for e in entries:
-            if e.in_pack:
+            if e.in_pack and e.segment is None:
                 packs.setdefault(e.enc.meta_base.gen, []).append(e)
         for gen, members in packs.items():
             if not any(e.created for e in members):
                 self.discard_pack(gen, sorted({n for e in members for n in e.targets}))
+        self.release_segments(entries)

@@ -31,6 +31,7 @@ from kvstore.embedded.fragment_reads import FragmentReader
 from kvstore.embedded.fragment_writes import FragmentWriter, expiry_ns
 from kvstore.embedded.index import STANDALONE, Index, Meta, packed_bytes
 from kvstore.embedded.packs import WrittenEntry
+from kvstore.embedded.segments import Segment, Segments
 from kvstore.embedded.targets import Target, TargetPools, pack_path
 from kvstore.errors import CapacityExceeded, CorruptData, InvalidRequest, StoreUnavailable, Unrecoverable
 
@@ -101,6 +102,24 @@ class FragmentStore:
         self.reader = FragmentReader(config, targets, self.pools, pool, count=count, mark_lost=self.mark_lost)
         self.writer = FragmentWriter(config, targets, target_specs, code, self.pools, pool, batch_pool,
                                      count=count, now_ns=now_ns, sync_mode=sync_mode)
+        if config.segments and Segments.usable(targets, config.write_timeout_s):
+            self.writer.segments = Segments(targets, segment_bytes=config.segment_bytes,
+                                            sync_mode=self.writer.sync_mode, count=count,
+                                            on_retired=self._segment_retired)
+
+    def _segment_retired(self, gen: bytes, appended: int) -> None:
+        """Count the bytes of a retired segment that no record names (appends whose put failed or
+        lost every race) as its dead bytes (``kvstore.embedded.index`` invariant 6), so that
+        compaction sees them."""
+        with self.index.env.begin(write=True) as txn:
+            info = self.index.pack_info(txn, gen)
+            if info is not None and appended > info[1]:
+                self.index.pack_dead_txn(txn, gen, appended - info[1])
+
+    def close(self) -> None:
+        """Seal the active segment (``kvstore.embedded.segments``); called once no put is in flight."""
+        if self.writer.segments is not None:
+            self.writer.segments.close()
 
     # ------------------------------------------------------------------ publishing
     def check_in_time(self, written_at: float, what: str) -> None:
@@ -135,6 +154,20 @@ class FragmentStore:
             except OSError as exc:
                 raise FilesSwept(f"{rel} on target {name} is gone since it was written ({exc}): an orphan sweep "
                                  "took it; nothing was stored") from exc
+
+    def check_segments_txn(self, txn: Any, segments: Sequence[Segment]) -> None:
+        """``FilesSwept`` unless every segment a put appended to (``kvstore.embedded.segments``,
+        "Why appends are safe", 4) is still there to be indexed into: one that holds indexed
+        records must still have its pack record (GC removes the files with the last one); one
+        that holds none is checked as a new file is (``check_unswept_txn``), from the sweep count
+        read before its first append. Called inside the write transaction that would index them."""
+        for seg in segments:
+            if seg.indexed:
+                if self.index.pack_info(txn, seg.gen) is None:
+                    raise FilesSwept(f"segment {seg.gen.hex()} was removed with its last record while this "
+                                     "process still appended to it: nothing was stored")
+            else:
+                self.check_unswept_txn(txn, seg.since, [(name, pack_path(seg.gen)) for name in seg.written_on()])
 
     def mark_lost(self, ek: bytes, meta: Meta) -> None:
         """Move a record whose fragments are gone to ``lost`` (lookup stops offering it).

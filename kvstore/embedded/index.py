@@ -85,6 +85,7 @@ _META = struct.Struct("<BBBBBIQQQQQQ8s")
 STANDALONE = (1 << 64) - 1  # an ``offsets`` slot whose fragment is its own file (rebuilt by repair)
 _EXPIRES_OFF = 1 + 1 + 1 + 1 + 1 + 4 + 8 + 8 + 8 + 8 + 8  # byte offset of expires_ns inside a Meta record
 FLAG_PINNED = 1
+FLAG_ALIGNED = 2  # ``Meta.aligned``
 _U64 = struct.Struct(">Q")
 _PACK = struct.Struct(">QQQ")  # records stored in the pack, their bytes in it, dead bytes in it
 _EXP = struct.Struct("<Q")  # expires_ns as stored in a Meta record
@@ -110,6 +111,9 @@ class Meta:
     # at offsets[i] of the pack file ``pack_path(gen)`` on targets[i], or its own file where
     # offsets[i] == STANDALONE.
     offsets: tuple[int, ...] = ()
+    # Appended to a segment (``kvstore.embedded.segments``): each fragment in the pack file starts a
+    # block and owns every byte up to the next ``ALIGN`` boundary, which GC may free with it.
+    aligned: bool = False
 
     @property
     def stored_bytes(self) -> int:
@@ -270,7 +274,8 @@ class Index:
     # ------------------------------------------------------------------ records
     def pack(self, txn: lmdb.Transaction, m: Meta) -> bytes:
         ids = [self._target_id(txn, t) for t in m.targets]
-        head = _META.pack(2 if m.offsets else 1, FLAG_PINNED if m.pinned else 0, m.k, m.m, len(ids), m.tokens,
+        flags = (FLAG_PINNED if m.pinned else 0) | (FLAG_ALIGNED if m.aligned else 0)
+        head = _META.pack(2 if m.offsets else 1, flags, m.k, m.m, len(ids), m.tokens,
                           m.plain_len, m.entry_len, m.frag_len, m.created_ns, m.access_ns, m.expires_ns, m.gen)
         if m.offsets:
             return head + struct.pack(f">{len(ids)}H{len(ids)}Q", *ids, *m.offsets)
@@ -288,7 +293,7 @@ class Index:
         except KeyError:  # an id another process assigned since this one loaded the table
             names = tuple(self._target_name(txn, i) for i in ids)
         return Meta(k, m, tokens, plain_len, entry_len, frag_len, created, access, expires, gen,
-                    names, bool(flags & FLAG_PINNED), offsets)
+                    names, bool(flags & FLAG_PINNED), offsets, bool(flags & FLAG_ALIGNED))
 
     @staticmethod
     def expires_of(raw: bytes) -> int:

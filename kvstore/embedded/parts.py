@@ -26,7 +26,7 @@ from kvstore.embedded.targets import Target
 
 COUNTER_NAMES = ("puts", "puts_deduplicated", "gets", "get_misses", "degraded_reads", "unrecoverable", "bytes_in",
                  "bytes_out", "evicted", "fragment_rewrites", "compacted_entries", "read_retries", "read_timeouts",
-                 "write_timeouts", "rejected_packs")
+                 "write_timeouts", "rejected_packs", "segments_started", "segment_syncs", "segment_write_failures")
 
 
 class Counters:

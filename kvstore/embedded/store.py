@@ -15,10 +15,17 @@ Write path (``put``), in this order, each step for the reason given:
   1. Validate key, kind, layout and size: nothing is written for a bad request.
   2. If a live entry exists, refresh its access time and return ``False``: a
      re-put stores no second copy.
-  3. Encode (header + zstd-if-it-pays), erasure-code into k+m fragments, give
-     the put a fresh 8-byte generation so its file names are unique.
-  4. Write every fragment atomically (tmp + fsync + rename + dir fsync) to its
-     rendezvous-chosen target; a failing target is replaced by the next best.
+  3. Encode (header + zstd-if-it-pays), erasure-code into k+m fragments, under
+     the generation of the segment the put appends to (or a fresh 8-byte one, so
+     that file names are unique, where it writes files).
+  4. On local targets (``kvstore.embedded.segments``): append each target's
+     fragments of the whole put to this process's open segment file there, one
+     positioned write per target, then one flush (a ``syncfs`` per filesystem, or an
+     ``fdatasync`` per file) shared with the puts running at the same time; a failed
+     append seals the segment and the put goes fragment by fragment. Elsewhere (object
+     stores, ``write_timeout_s``, ``segments`` off): write every fragment atomically
+     (tmp + fsync + rename + dir fsync) to its rendezvous-chosen target; a failing
+     target is replaced by the next best.
      With ``sync_mode`` "fs" the files are written without fsync and made durable
      together, one syncfs per filesystem, once all are in place (``FragmentWriter.sync_after``).
      A batch (``put_many``, ``pack_batches``) instead writes one pack file per
@@ -29,9 +36,10 @@ Write path (``put``), in this order, each step for the reason given:
      ``write_timeout_s`` every write runs on its target's own threads, and one that
      hangs past it fails as a failing target does (``FragmentWriter.run_writes``).
   5. Only then commit the index record (LMDB, fsync). A crash before 5 leaves
-     orphan fragments that GC sweeps after ``orphan_grace_s``; never an index
-     record without its fragments. If another writer committed the same key
-     first, our fragments are removed (or stay in the pack until it goes) and
+     orphan fragments that GC sweeps after ``orphan_grace_s`` (in a segment: bytes no
+     record names); never an index record without its fragments. A segment removed
+     while appended to is never indexed into (``FragmentStore.check_segments_txn``: the put
+     writes again, into a new one). If another writer committed the same key first, our fragments are removed (or stay in the pack until it goes) and
      the put returns ``False``. Files an orphan sweep took meanwhile (any process, any
      ``orphan_grace_s``) are not indexed (``FragmentStore.check_unswept_txn``): the put writes
      them again under a new generation, up to ``SWEPT_RETRIES`` times. Files started over
@@ -71,7 +79,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import lmdb
 
@@ -88,6 +96,7 @@ from kvstore.embedded.fragments import FilesSwept, FragmentStore, GenerationTake
 from kvstore.embedded.index import Meta, ekey, packed_bytes
 from kvstore.embedded.packs import CommitResult, WrittenEntry
 from kvstore.embedded.parts import Counters, StoreParts
+from kvstore.embedded.segments import Segment
 from kvstore.embedded.tuning import tune_malloc
 from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
 from kvstore.executors import DaemonExecutor, shutdown_all
@@ -248,17 +257,23 @@ class EmbeddedStore:
             since = self.index.sweep_decisions(txn)
         started = self.clock()  # the files written from here on are at most this old at commit
         # 3-4: encode, place, write; fragments durable first (``FragmentWriter.write_entries``).
-        writer.write_entries(entries, packs=self.config.pack_batches)
+        writer.write_entries(entries, packs=self.config.pack_batches, since=since)
         # 5-6: one index transaction for the batch; then capacity. Inside it, files an orphan
         # sweep took since ``since`` was read are not indexed (``FragmentStore.check_unswept_txn``), nor
-        # files a write took over half of orphan_grace_s to reach it with (``FragmentStore.check_in_time``:
-        # for sweeps of versions that do not record their decisions in the index).
+        # segments removed while appended to (``FragmentStore.check_segments_txn``), nor files a write
+        # took over half of orphan_grace_s to reach it with (``FragmentStore.check_in_time``: for
+        # sweeps of versions that do not record their decisions in the index).
         try:
             created = self._index_new([e.record() for e in entries], now,
                                       written_at=(started, f"writing {len(entries)} entries"), put_keys=put_keys,
-                                      unswept=(since, written_files(entries)))
-        except (WrittenTooLongAgo, FilesSwept, IndexFull):
+                                      unswept=(since, written_files(entries)),
+                                      segments={e.segment for e in entries if e.segment is not None})
+        except (WrittenTooLongAgo, FilesSwept, IndexFull) as exc:
+            writer.seal_segments(entries, str(exc))  # the next try appends to a new one
             writer.discard_unindexed(entries)  # none indexed: every file goes
+            raise
+        except BaseException:
+            writer.release_segments(entries, indexed_unknown=True)
             raise
         for e, c in zip(entries, created):
             e.created = c
@@ -269,7 +284,8 @@ class EmbeddedStore:
     def _index_new(self, records: Sequence[tuple[bytes, Meta]], now: int,
                    written_at: tuple[float, str] | None = None, fresh_gens: Sequence[bytes] = (),
                    put_keys: Sequence[bytes] | None = None,
-                   unswept: tuple[int, Sequence[tuple[str, str]]] | None = None) -> list[bool]:
+                   unswept: tuple[int, Sequence[tuple[str, str]]] | None = None,
+                   segments: Iterable[Segment] = ()) -> list[bool]:
         """Steps 5-6 for records whose fragments are durable: one transaction inserting each
         record whose key is free (absent or expired; a lost record of it goes to the
         graveyard), ``False`` where a live entry won the race (the caller removes or keeps the
@@ -281,7 +297,8 @@ class EmbeddedStore:
         before any work included (default: the records'), which its eviction pass keeps.
         ``unswept`` (the sweep count read before the first file was written, and the files'
         ``(target, rel)``): ``FilesSwept`` (nothing indexed) when an orphan sweep took one of
-        them (``FragmentStore.check_unswept_txn``). ``IndexFull`` (nothing indexed) when the
+        them (``FragmentStore.check_unswept_txn``), or one of the ``segments`` appended to was removed
+        (``FragmentStore.check_segments_txn``). ``IndexFull`` (nothing indexed) when the
         index's filesystem has no room for the commit (``kvstore.embedded.diskroom``)."""
         created: list[bool] = []
         try:
@@ -290,6 +307,7 @@ class EmbeddedStore:
                     self.fragments.check_in_time(*written_at)
                 if unswept is not None:
                     self.fragments.check_unswept_txn(txn, *unswept)
+                self.fragments.check_segments_txn(txn, list(segments))
                 taken = [g for g in fresh_gens if self.index.pack_info(txn, g) is not None]
                 if taken:
                     raise GenerationTaken(taken)
@@ -644,6 +662,7 @@ class EmbeddedStore:
         try:
             self.access.flush_or_drop()
         finally:
+            self.fragments.close()
             # A read abandoned at read_timeout_s may still hold a worker: not waited for past a bound.
             shutdown_all([self._batch_pool, self._pool, *self.fragments.pools.all()], wait=not deferred,
                          timeout_s=POOL_JOIN_S)

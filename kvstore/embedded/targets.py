@@ -33,6 +33,7 @@ import functools
 import math
 import os
 import secrets
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -333,6 +334,13 @@ class Target:
         return n
 
     @_asking
+    def punch(self, rel: str, offset: int, length: int) -> bool:
+        """Give back the space of ``length`` bytes at ``offset`` of file ``rel`` (a dead entry's
+        share of a segment or pack) without changing the file's size or any other byte: True
+        when the filesystem did. Here: never (object stores cannot; the bytes wait for
+        compaction or for the file to go)."""
+        return False
+
     def delete(self, rel: str) -> bool:
         """Remove ``rel``: True when this call removed it, False when it was not there (GC counts
         only the bytes it freed). ``TargetUnavailable`` (or ``TargetUnreachable``) instead of
@@ -468,6 +476,28 @@ class LocalTarget(Target):
         if fsync:
             fsync_dir(d)  # the rename itself durable before the index commits
 
+    def create_for_append(self, rel: str, *, fsync: bool) -> int:
+        """A new file at ``rel`` (``FileExistsError`` if there is one), opened for positioned
+        writes, its directory made if missing (``kvstore.embedded.segments``); with ``fsync``, its
+        name made durable now, as a rename is: a record may name it once its bytes are synced."""
+        path = self._p(rel)
+        d = os.path.dirname(path)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileNotFoundError:  # a fan-out directory not made yet, or the whole target gone
+            if not os.path.isdir(self.root):
+                raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root) from None
+            self._make_dirs(d, fsync=fsync)
+            fd = os.open(path, flags, 0o644)
+        if fsync:
+            try:
+                fsync_dir(d)
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+
     def _make_dirs(self, d: str, *, fsync: bool) -> None:
         """Create ``d`` (and missing parents below the root); with ``fsync``, make each new
         directory entry durable by syncing its parent, as a file's rename is made durable."""
@@ -502,6 +532,21 @@ class LocalTarget(Target):
         st = os.stat(self._p(rel))
         return st.st_size, st.st_mtime
 
+    def punch(self, rel: str, offset: int, length: int) -> bool:
+        """``fallocate(PUNCH_HOLE | KEEP_SIZE)``: the whole blocks inside the range are freed, and
+        read as zeros from then on (a partial block at either end is zeroed, its space kept).
+        False where the filesystem or platform cannot, or the file is gone."""
+        if _FALLOCATE is None or length <= 0:
+            return False
+        try:
+            fd = os.open(self._p(rel), os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            return _FALLOCATE(fd, _PUNCH_HOLE | _KEEP_SIZE, offset, length) == 0
+        finally:
+            os.close(fd)
+
     def delete(self, rel: str) -> bool:
         try:
             os.unlink(self._p(rel))
@@ -522,6 +567,22 @@ class LocalTarget(Target):
                 except FileNotFoundError:
                     continue
                 yield os.path.relpath(p, self.root), st.st_size, st.st_mtime
+
+
+def _libc_fallocate():
+    import ctypes
+    import ctypes.util
+
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], ctypes.c_int
+    return fn
+
+
+_FALLOCATE = _libc_fallocate() if sys.platform.startswith("linux") else None
+_KEEP_SIZE, _PUNCH_HOLE = 0x01, 0x02  # linux/falloc.h
 
 
 def _unlisted(exc: OSError) -> None:

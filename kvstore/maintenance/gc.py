@@ -52,9 +52,10 @@ import itertools
 import logging
 from typing import Sequence
 
-from kvstore.embedded.index import STANDALONE
+from kvstore.embedded.index import STANDALONE, Meta
 from kvstore.embedded.parts import StoreParts
-from kvstore.embedded.targets import fragment_path
+from kvstore.embedded.segments import ALIGN
+from kvstore.embedded.targets import fragment_path, pack_path
 from kvstore.errors import CapacityExceeded, InternalError, KVStoreError, StoreClosed
 from kvstore.maintenance.eviction import evict
 from kvstore.maintenance.gc_plan import (DueGrave, count_expired, due_graves, expired_lost, grave_key, plan_compaction,
@@ -97,17 +98,18 @@ def _remove_expired(parts: StoreParts, now: int, progress: Progress) -> tuple[in
 
 
 def _purge_grave(parts: StoreParts, due: Sequence[DueGrave], dry_run: bool,
-                 progress: Progress) -> tuple[int, int]:
+                 progress: Progress) -> tuple[int, int, int]:
     """Step 4: purge ``due``, the graveyard records removed at least ``delete_grace_s`` ago
-    (``gc_plan.due_graves``); (records, bytes freed). Reports ``purge`` progress every
+    (``gc_plan.due_graves``); (records, bytes of the files removed, bytes punched out of packs
+    and segments that stay: ``_punch_share``; 0 in a dry run). Reports ``purge`` progress every
     ``_PURGE_STEP`` records."""
     total = len(due)
     progress("purge", 0, total)
     if dry_run:  # what the real pass would free: own files, and each pack all of whose records are due
         nbytes = plan_purge(parts, due)
         progress("purge", total, total)
-        return total, nbytes
-    nbytes = purged = 0
+        return total, nbytes, 0
+    nbytes = purged = punched = 0
     for done, (t, rest, m) in enumerate(due, 1):
         ek = rest[:17]
         removed = 0  # its own files; pack bytes go with the pack
@@ -123,9 +125,31 @@ def _purge_grave(parts: StoreParts, due: Sequence[DueGrave], dry_run: bool,
             nbytes += removed
         if pack_freed is not None:  # every target the batch may have used; what it removed
             nbytes += parts.fragments.writer.discard_pack(m.gen, list(parts.targets))
+        elif mine and m.offsets:  # its share of a pack that lives on: the space back now, where the filesystem can
+            punched += _punch_share(parts, m)
         if done % _PURGE_STEP == 0 or done == total:
             progress("purge", done, total)
-    return purged, nbytes
+    return purged, nbytes, punched
+
+
+def _punch_share(parts: StoreParts, m: Meta) -> int:
+    """Free the space of a purged record's fragments inside its pack or segment (``Target.punch``):
+    the bytes no record names any more (one range names one record: a gen is never reused and
+    compaction writes new packs), read by nobody once ``delete_grace_s`` has passed; a segment's
+    fragment with the rest of its last block (``Meta.aligned``). The pack's dead bytes stay
+    counted for compaction, which still rewrites a mostly dead pack. Returns the bytes of the
+    ranges given back (``punched_bytes``: space freed inside files that stay, which
+    ``reclaimed_bytes``, the bytes of files removed, does not count)."""
+    punched = 0
+    for i, name in enumerate(m.targets):
+        tgt = parts.targets.get(name)
+        if tgt is not None and m.offsets[i] != STANDALONE:
+            try:
+                span = -(-m.frag_len // ALIGN) * ALIGN if m.aligned else m.frag_len
+                punched += span * tgt.punch(pack_path(m.gen), m.offsets[i], span)
+            except OSError as exc:
+                log.warning("cannot free %d bytes of %s on %s: %s", m.frag_len, pack_path(m.gen), name, exc)
+    return punched
 
 
 def _delete(tgt, rel: str) -> bool:
@@ -219,7 +243,7 @@ def run_gc(parts: StoreParts, *, dry_run: bool = False, sweep_orphans: bool = Tr
     due = due_graves(parts, now)
     if dry_run:  # what steps 2-3 will remove and step 4 then purges at once (gc_plan docstring)
         due += removed_graves(parts, plan, now, now) + removed_graves(parts, evicted_keys, parts.now_ns(), now)
-    purged, purged_bytes = _purge_grave(parts, due, dry_run, progress)
+    purged, purged_bytes, punched_bytes = _purge_grave(parts, due, dry_run, progress)
     if dry_run:  # from the state step 4 leaves: its purge queues packs, or takes them out
         compacted, moved = plan_compaction(parts, due, set(plan) | evicted_keys, _COMPACT_LIMIT)
         progress("compact", compacted, compacted)
@@ -236,7 +260,7 @@ def run_gc(parts: StoreParts, *, dry_run: bool = False, sweep_orphans: bool = Tr
         "dry_run": dry_run, "expired": expired, "evicted": evicted, "evicted_bytes": evicted_bytes,
         "purged": purged, "compacted_packs": compacted, "moved_entries": moved,
         "orphans": orphans, "orphans_kept": kept, "targets_not_swept": unswept,
-        "reclaimed_bytes": purged_bytes + orphan_bytes,
+        "reclaimed_bytes": purged_bytes + orphan_bytes, "punched_bytes": punched_bytes,
         "used_bytes": parts.used_bytes(),
     }
     log.info("gc: %s", out)

@@ -26,8 +26,8 @@ from kvstore.api import EntryKind, Layout
 from kvstore.errors import CorruptData, IncompatibleFormat, KVStoreError
 from kvstore.embedded.index import ekey
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.embedded.targets import fragment_path
 
+from tests.fragments import fragment_refs
 from tests.kvstore.chaos.conftest import K
 
 PARSE_ERRORS = (CorruptData, IncompatibleFormat)
@@ -245,18 +245,16 @@ def test_crafted_fragments_with_valid_frames_never_crash_or_lie(tmp_path):
         s.put(key, val)
         with s.index.env.begin() as txn:
             m = s.index.get_meta(txn, ekey(1, key))
+        refs = fragment_refs(s, key)  # inside the store's segment, or a file of its own
         for i in r.sample(range(6), r.randint(1, 6)):
-            p = os.path.join(s.targets[m.targets[i]].root, fragment_path(1, key, m.gen, i))
-            with open(p, "rb") as fh:
-                body = bytearray(fh.read()[codec.FRAG_HEADER_LEN:])
+            body = bytearray(refs[i].read_bytes()[codec.FRAG_HEADER_LEN:])
             mode = r.randrange(3)
             if mode == 0:
                 body = bytearray(r.randbytes(len(body)))
             else:
                 body[r.randrange(min(80, len(body)) if mode == 1 else len(body))] ^= 0xFF
             h = codec.FragmentHeader(i, m.k, m.m, 1, key, m.gen, m.entry_len, len(body))
-            with open(p, "wb") as fh:
-                fh.write(codec.frame_fragment(h, bytes(body)))
+            refs[i].write_bytes(codec.frame_fragment(h, bytes(body)))
         try:
             assert s.get(key) == val
             outcomes["exact"] += 1

@@ -114,7 +114,7 @@ def test_a_put_slower_than_half_the_orphan_grace_is_refused_not_lost(tmp_path, m
     clock = FakeClock(time.time())
     s = kvstore.connect(str(tmp_path / "d"), fsync=False, clock=clock, orphan_grace_s=60, delete_grace_s=0)
     slow = {"on": True}
-    for name in ("write_pack", "write_fragments"):
+    for name in ("write_pack", "write_fragments", "append_entries"):
         def wrapped(*a, _orig=getattr(s.fragments.writer, name), **kw):
             got = _orig(*a, **kw)
             if slow["on"]:
@@ -335,7 +335,7 @@ def test_a_sweeper_whose_clock_is_ahead_does_not_take_a_put_in_flight_for_an_orp
     sweep = ("import kvstore, sys; s = kvstore.connect(sys.argv[1], fsync=False, orphan_grace_s=60, "
              "clock_offset_s=3600); print(s.gc()['orphans']); s.close()")
     swept = []
-    for name in ("write_fragments", "write_pack"):
+    for name in ("write_fragments", "write_pack", "append_entries"):
         def wrapped(*a, _orig=getattr(writer.fragments.writer, name), **kw):
             got = _orig(*a, **kw)
             # Another process's GC while the put is in flight: its files are not indexed yet.

@@ -17,6 +17,7 @@ import kvstore
 from kvstore import InvalidRequest, PutItem, StoreUnavailable
 from kvstore.embedded import fragment_writes as F
 from kvstore.embedded import durability as D
+from kvstore.embedded import segments as S
 from kvstore.embedded import targets as T
 from kvstore.config import TargetSpec
 from kvstore.embedded.store import EmbeddedStore
@@ -35,6 +36,7 @@ def calls(monkeypatch):
     """Counts syncfs calls and per-file fsyncs of the store's writes."""
     seen = {"syncfs": [], "fsync_writes": 0, "plain_writes": 0}
     monkeypatch.setattr(F, "syncfs", lambda path: seen["syncfs"].append(path))
+    monkeypatch.setattr(S, "syncfs", lambda path: seen["syncfs"].append(path))
     orig = T.LocalTarget.write
 
     def write(self, rel, data, *, fsync):
@@ -51,7 +53,7 @@ def files(st: EmbeddedStore) -> list[str]:
 
 @linux_only
 def test_fs_mode_syncs_each_filesystem_once_per_put_and_per_pack(tmp_path, calls) -> None:
-    st = kvstore.connect(str(tmp_path / "d"), fsync=True, sync_mode="fs")
+    st = kvstore.connect(str(tmp_path / "d"), fsync=True, sync_mode="fs", segments=False)
     assert st.stats()["durable_writes"] == "syncfs per filesystem"
     assert st.put(K(1), os.urandom(50_000))
     assert len(calls["syncfs"]) == 1 and calls["fsync_writes"] == 0 and calls["plain_writes"] == 6
@@ -61,8 +63,47 @@ def test_fs_mode_syncs_each_filesystem_once_per_put_and_per_pack(tmp_path, calls
     st.close()
 
 
-def test_file_mode_fsyncs_every_file(tmp_path, calls) -> None:
+@linux_only
+def test_segments_fs_mode_syncs_each_filesystem_once_per_put(tmp_path, calls) -> None:
+    """Appends to segment files: no file is written whole, and a put (single or batch) is made
+    durable by one syncfs for the filesystem all six targets share."""
+    st = kvstore.connect(str(tmp_path / "d"), fsync=True, sync_mode="fs")
+    assert st.put(K(1), os.urandom(50_000))
+    assert len(calls["syncfs"]) == 1 and calls["fsync_writes"] == calls["plain_writes"] == 0
+    assert st.put_many([PutItem(K(i), os.urandom(50_000)) for i in range(2, 6)]) == [True] * 4
+    assert len(calls["syncfs"]) == 2
+    assert len({rel for rel in files(st) if rel.endswith(".pack")}) == 1  # one segment, on every target
+    assert st.get(K(3)) and st.check() == []
+    st.close()
+
+
+def test_segments_file_mode_fdatasyncs_each_file_a_put_appended_to(tmp_path, calls, monkeypatch) -> None:
+    """In "file" mode a segment file's name is made durable when it is created (its directory
+    fsynced), and each put's appends by one fdatasync per file it appended to."""
+    seen = {"fdatasync": 0, "dirs": 0}
+    orig_fdatasync, orig_dir = os.fdatasync, T.fsync_dir
+
+    def fdatasync(fd):
+        seen["fdatasync"] += 1
+        return orig_fdatasync(fd)
+
+    def fsync_dir(d):
+        seen["dirs"] += 1
+        return orig_dir(d)
+
+    monkeypatch.setattr(S.os, "fdatasync", fdatasync)
+    monkeypatch.setattr(T, "fsync_dir", fsync_dir)
     st = kvstore.connect(str(tmp_path / "d"), fsync=True, sync_mode="file")
+    assert st.put(K(1), b"x" * 1000)
+    assert seen == {"fdatasync": 6, "dirs": 6 * 3}  # per target: p/ and p/<xx>/ made, then the file's name
+    assert st.put(K(2), b"y" * 1000) and seen["fdatasync"] == 12 and seen["dirs"] == 18  # files open: no new name
+    assert calls["syncfs"] == [] and calls["fsync_writes"] == calls["plain_writes"] == 0
+    assert st.get(K(1)) == b"x" * 1000 and st.check() == []
+    st.close()
+
+
+def test_file_mode_fsyncs_every_file(tmp_path, calls) -> None:
+    st = kvstore.connect(str(tmp_path / "d"), fsync=True, sync_mode="file", segments=False)
     assert st.stats()["durable_writes"] == "fsync per file"
     assert st.put(K(1), b"x" * 1000) and st.put_many([PutItem(K(2), b"y"), PutItem(K(3), b"z")]) == [True, True]
     assert calls["syncfs"] == [] and calls["fsync_writes"] == 12 and calls["plain_writes"] == 0
@@ -73,13 +114,15 @@ def test_file_mode_fsyncs_every_file(tmp_path, calls) -> None:
 
 
 @linux_only
-def test_a_failing_syncfs_fails_the_put_and_leaves_nothing(tmp_path, monkeypatch) -> None:
-    st = kvstore.connect(str(tmp_path / "d"), fsync=True, sync_mode="fs")
+@pytest.mark.parametrize("segments", [True, False])
+def test_a_failing_syncfs_fails_the_put_and_leaves_nothing(tmp_path, monkeypatch, segments) -> None:
+    st = kvstore.connect(str(tmp_path / "d"), fsync=True, sync_mode="fs", segments=segments)
 
     def broken(path):
         raise OSError(5, "Input/output error (injected)", path)
 
     monkeypatch.setattr(F, "syncfs", broken)
+    monkeypatch.setattr(S, "syncfs", broken)  # a segment's appends fail, then fragment by fragment
     with pytest.raises(StoreUnavailable, match="durable"):
         st.put(K(1), b"x" * 1000)
     with pytest.raises(StoreUnavailable):  # a batch: its packs fail, then fragment by fragment

@@ -19,13 +19,14 @@ from tests.fragments import fragment_refs
 N = 40
 
 
-@pytest.fixture(params=["pack", "files"])
+@pytest.fixture(params=["segment", "pack", "files"])
 def full(data_dir, clock, keys, request):
-    """N entries from one batch: in the batch's pack files (the default), or one file per fragment."""
+    """N entries from one batch: appended to the store's segment files (the default), in the
+    batch's pack files (stores without segments), or one file per fragment."""
     with kvstore.connect(str(data_dir), fsync=False, clock=clock, orphan_grace_s=0, delete_grace_s=0,
-                         pack_batches=request.param == "pack") as s:
+                         segments=request.param == "segment", pack_batches=request.param == "pack") as s:
         s.put_many([PutItem(k, value_for(k, 6000)) for k in keys[:N]])
-        assert all(f.packed == (request.param == "pack") for f in fragment_refs(s, keys[0]))
+        assert all(f.packed == (request.param != "files") for f in fragment_refs(s, keys[0]))
         yield s
 
 
@@ -200,7 +201,8 @@ def test_the_copies_a_repair_replaced_are_swept_when_their_target_comes_back(tmp
     base = tmp_path / "rt"
     targets = ",".join(f"file://{base}/t{i}#d{i}" for i in range(8))  # 4+2 over 8: two spares
     vals = {bytes([i]) * 16: os.urandom(3000 + i) for i in range(40)}
-    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, orphan_grace_s=0) as s:
+    # Single puts as one file per fragment (a store without segments): the slots this concerns.
+    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, orphan_grace_s=0, segments=False) as s:
         for k, v in vals.items():
             s.put(k, v)  # one file per fragment
         (base / "t3").rename(base / "t3.away")
@@ -227,7 +229,8 @@ def test_a_slot_rebuilt_onto_a_target_after_the_sweep_listed_it_is_not_deleted(t
     base = tmp_path / "s1"
     targets = ",".join(f"file://{base}/t{i}#d{i}" for i in range(8))
     key, value = b"q" * 16, os.urandom(5000)
-    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, orphan_grace_s=0) as s:
+    # Single puts as one file per fragment (a store without segments): the slots this concerns.
+    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, orphan_grace_s=0, segments=False) as s:
         s.put(key, value)
         ek = b"\x01" + key
         with s.index.env.begin() as txn:
@@ -273,7 +276,8 @@ def _slot_orphan_setup(tmp_path, **kw):
     base = tmp_path / "s2"
     targets = ",".join(f"file://{base}/t{i}#d{i}" for i in range(8))
     key, value = b"r" * 16, os.urandom(5000)
-    s = kvstore.connect(str(base / "data"), targets=targets, fsync=False, orphan_grace_s=0, **kw)
+    # Single puts as one file per fragment (a store without segments): the slots this concerns.
+    s = kvstore.connect(str(base / "data"), targets=targets, fsync=False, orphan_grace_s=0, segments=False, **kw)
     s.put(key, value)
     ek = b"\x01" + key
     with s.index.env.begin() as txn:
@@ -549,7 +553,8 @@ def test_a_fragment_rebuilt_in_place_but_not_recorded_is_not_called_not_rebuilt(
     targets = ",".join(f"file://{base}/t{i}#d{i}" for i in range(6))  # 4+2 over 6: rebuilt in place
     clock = FakeClock(time.time())
     key, value = b"q" * 16, os.urandom(5000)
-    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, clock=clock, orphan_grace_s=60) as s:
+    # Single puts as one file per fragment (a store without segments): the slots this concerns.
+    with kvstore.connect(str(base / "data"), targets=targets, fsync=False, clock=clock, orphan_grace_s=60, segments=False) as s:
         s.put(key, value)
         ref = fragment_refs(s, key)[2]
         good = ref.read_bytes()

@@ -115,8 +115,14 @@ def test_a_full_index_filesystem_with_targets_elsewhere(small_fs, tmp_path):
                 k = i.to_bytes(16, "big")
                 assert s.put(k, value_for(k, 3000))
         assert all(s.get(k) == value_for(k, 3000) for k in keys)  # reads go on
-        assert s.delete(keys[0]) and s.delete(keys[1])  # committed: the spare file gave its room
-        assert not (data / "index" / RESERVE_NAME).exists()
+        # Deletes commit; the first that finds no room in the index is given the spare file's
+        # (which one that is depends on the pages LMDB has free: bounded by the entries stored).
+        deleted = 0
+        while (data / "index" / RESERVE_NAME).exists():
+            assert deleted < len(keys) - 10, "no delete ever needed the spare file's room"
+            assert s.delete(keys[deleted])
+            deleted += 1
+        assert deleted >= 1
         with pytest.raises(CapacityExceeded, match="ENOSPC"):
             s.put(b"\xfc" * 16, b"refused: the spare file cannot be made again")
         filler.unlink()

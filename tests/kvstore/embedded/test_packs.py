@@ -3,7 +3,9 @@ of every entry (``kvstore.embedded.targets``, ``kvstore.embedded.index`` invaria
 entries read back from their packs; a pack outlives every record stored in it and no
 longer; a pack no record names is swept as an orphan; a pack that cannot be written
 leaves nothing behind and the batch is written fragment by fragment instead; repair
-rebuilds a packed fragment as its own file."""
+rebuilds a packed fragment as its own file. These are the packs of a store without segments
+(object-store targets, a write timeout, ``segments=false``), which direct writers and compaction
+also write; a store's segments, which are packs that grow, are in ``test_segments.py``."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def _pack_refs(store) -> dict[bytes, int]:
 
 @pytest.fixture
 def packed(data_dir, clock):
-    with kvstore.connect(str(data_dir), fsync=False, clock=clock, orphan_grace_s=60, delete_grace_s=30) as s:
+    with kvstore.connect(str(data_dir), segments=False, fsync=False, clock=clock, orphan_grace_s=60, delete_grace_s=30) as s:
         yield s
 
 
@@ -62,7 +64,7 @@ def test_a_batch_is_one_pack_file_per_target_and_reads_back(packed, keys):
 
 
 def test_a_pack_outlives_every_entry_in_it_and_no_longer(data_dir, keys, clock):
-    packed = kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=30,
+    packed = kvstore.connect(str(data_dir), segments=False, fsync=False, clock=clock, delete_grace_s=30,
                              pack_compact_ratio=1.0)  # no compaction: a pack lives as long as its entries
     packed.put_many([PutItem(k, value_for(k)) for k in keys[:4]])
     (gen,) = _pack_refs(packed)
@@ -124,7 +126,7 @@ def test_dead_bytes_are_counted_and_a_mostly_dead_pack_is_compacted(packed, keys
 
 
 def test_capacity_eviction_frees_packs(data_dir, keys, clock):
-    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=0, compression="none",
+    with kvstore.connect(str(data_dir), segments=False, fsync=False, clock=clock, delete_grace_s=0, compression="none",
                          capacity_bytes=400_000) as s:
         for b in range(6):  # six batches of 4 x 20 kB (about 30 kB stored each): over capacity
             clock.advance(1)
@@ -266,12 +268,12 @@ def test_a_restored_lost_entry_counts_its_repaired_pack_share_as_dead(packed, ke
 
 
 def test_single_puts_and_unpacked_batches_write_fragment_files(data_dir, keys):
-    with kvstore.connect(str(data_dir), fsync=False, pack_batches=False) as s:
+    with kvstore.connect(str(data_dir), segments=False, fsync=False, pack_batches=False) as s:
         s.put_many([PutItem(k, value_for(k)) for k in keys[:3]])
         s.put(keys[3], value_for(keys[3]))
         assert _packs(s) == []
         assert not any(f.packed for k in keys[:4] for f in fragment_refs(s, k))
-    with kvstore.connect(str(data_dir), fsync=False) as s:  # the same directory, packing on
+    with kvstore.connect(str(data_dir), segments=False, fsync=False) as s:  # the same directory, packing on
         s.put(keys[4], value_for(keys[4]))
         assert not any(f.packed for f in fragment_refs(s, keys[4]))
         s.put_many([PutItem(k, value_for(k)) for k in keys[5:7]])
@@ -281,7 +283,7 @@ def test_single_puts_and_unpacked_batches_write_fragment_files(data_dir, keys):
 
 
 def test_a_large_batch_is_cut_into_packs_of_about_pack_bytes(data_dir, keys):
-    with kvstore.connect(str(data_dir), fsync=False, pack_bytes=10_000) as s:
+    with kvstore.connect(str(data_dir), segments=False, fsync=False, pack_bytes=10_000) as s:
         assert s.put_many([PutItem(k, value_for(k, 5000)) for k in keys[:9]]) == [True] * 9
         assert sorted(_pack_refs(s).values()) == [1, 2, 2, 2, 2]  # 2 x 5000 reach pack_bytes
         assert len(_packs(s)) == 5 * 6
@@ -290,7 +292,7 @@ def test_a_large_batch_is_cut_into_packs_of_about_pack_bytes(data_dir, keys):
 
 
 def test_a_bad_item_late_in_a_batch_leaves_nothing_behind(data_dir, keys):
-    with kvstore.connect(str(data_dir), fsync=False, pack_bytes=10_000, max_value_bytes=8000) as s:
+    with kvstore.connect(str(data_dir), segments=False, fsync=False, pack_bytes=10_000, max_value_bytes=8000) as s:
         items = [PutItem(k, value_for(k, 5000)) for k in keys[:8]] + [PutItem(keys[8], b"x" * 9000)]
         with pytest.raises(kvstore.InvalidRequest, match="max_value_bytes"):
             s.put_many(items)  # four packs were already on their way when the last item failed
@@ -318,7 +320,7 @@ def test_a_compaction_that_waited_past_half_the_grace_is_postponed_not_lost(data
 
     clock = FakeClock(time.time())
     vals = {k: value_for(k, 20_000) for k in keys[:8]}
-    with kvstore.connect(str(data_dir), fsync=False, clock=clock, orphan_grace_s=60, delete_grace_s=0) as s:
+    with kvstore.connect(str(data_dir), segments=False, fsync=False, clock=clock, orphan_grace_s=60, delete_grace_s=0) as s:
         _compactable(s, keys, vals)
         swept = []
 
@@ -345,7 +347,7 @@ def test_entries_removed_while_compaction_copies_them_are_dead_in_the_new_pack(d
     (index invariant 6), so the new pack is compacted in turn. Before, they were counted
     nowhere and the pack could never reach the ratio."""
     vals = {k: value_for(k, 20_000) for k in keys[:8]}
-    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=0) as s:
+    with kvstore.connect(str(data_dir), segments=False, fsync=False, clock=clock, delete_grace_s=0) as s:
         _compactable(s, keys, vals)
 
         def racing_write_pack(encs, gen, _orig=s.fragments.writer.write_pack):

@@ -34,7 +34,7 @@ def test_fragments_go_to_k_plus_m_distinct_targets(store, keys):
     store.put(keys[1], value_for(keys[1]))
     files = fragment_refs(store, keys[1])
     assert len(files) == 6
-    assert not any(f.packed for f in files) and len({f.target for f in files}) == 6  # six distinct targets
+    assert all(f.packed for f in files) and len({f.target for f in files}) == 6  # six distinct targets' segments
 
 
 def test_numpy_layout_is_kept(store, keys):
@@ -375,8 +375,9 @@ def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch,
         return real(self, rel, data, fsync=fsync)
 
     monkeypatch.setattr(LocalTarget, "write", write)
+    # Files and packs: the writes of a store without segments (segments append, see test_segments.py).
     with kvstore.connect(str(data_dir), fsync=fsync, parallel_writes=mode, pack_batches=False,
-                         sync_mode=sync_mode) as s:
+                         sync_mode=sync_mode, segments=False) as s:
         assert s.put(keys[0], b"one")
         assert set(seen) == single and len(seen) == 6
         seen.clear()
@@ -386,7 +387,8 @@ def test_writes_run_on_threads_only_where_they_wait(data_dir, keys, monkeypatch,
         assert s.get_many(keys[1:5]) == [value_for(k, 5000) for k in keys[1:5]]
         assert s.check() == []
     seen.clear()
-    with kvstore.connect(str(data_dir), fsync=fsync, parallel_writes=mode, sync_mode=sync_mode) as s:  # packs
+    with kvstore.connect(str(data_dir), fsync=fsync, parallel_writes=mode, sync_mode=sync_mode,
+                         segments=False) as s:  # packs
         assert s.put_many([PutItem(k, value_for(k, 5000)) for k in keys[5:9]]) == [True] * 4
         assert set(seen) == pack and len(seen) == 6  # one pack file per target
         assert s.get_many(keys[1:9]) == [value_for(k, 5000) for k in keys[1:9]]
@@ -487,7 +489,7 @@ def test_a_single_puts_large_fragments_are_written_on_threads(data_dir, keys, mo
     monkeypatch.setattr(LocalTarget, "write", write)
     big = os.urandom(4 * PARALLEL_WRITE_MIN_BYTES)  # 4+2: fragments just over the bound
     small = big[: 4 * PARALLEL_WRITE_MIN_BYTES - 4096]  # just under it
-    with kvstore.connect(str(data_dir), fsync=True, sync_mode="fs", compression="none") as s:
+    with kvstore.connect(str(data_dir), fsync=True, sync_mode="fs", compression="none", segments=False) as s:
         assert s.put(keys[0], big)
         assert len(seen) == 6 and "MainThread" not in seen
         seen.clear()

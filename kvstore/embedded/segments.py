@@ -1,0 +1,354 @@
+"""Segments: the pack files a store's puts append to, one open file per target, so that an entry
+costs positioned writes into files already open instead of k+m files created, synced and renamed.
+
+Contract. ``Segments`` hands each put the process's *active* segment (``acquire``): a generation,
+and per target the file ``pack_path(gen)`` held open. ``append`` writes a put's fragments at the
+end of each target's file, fragments back to back exactly as a pack holds them
+(``codec.split_pack`` reads both), and returns each entry's (targets, offsets); ``make_durable``
+returns once those bytes, and the files' names, are on disk. The put then indexes its records
+(``kvstore.embedded.store``), which name the segment's generation and the offsets: to every
+reader a segment is a pack (``kvstore.embedded.index`` invariant 6: its record count, bytes, dead
+bytes, compaction, removal with its last record). ``release`` ends the put's use, saying whether
+a record of it was indexed.
+
+Why appends are safe (what holds a published record to its bytes):
+
+1. *Nothing half-written is named.* A record is committed only after ``make_durable`` returned
+   for its bytes, so after any crash the index names only bytes that were durable. Bytes past
+   them (an append in flight at a crash, torn) are never named; ``kvtool rebuild-index`` reads
+   frames back to back and skips a damaged stretch (``codec.split_pack``), and the fragment
+   checksums reject any torn frame.
+2. *Appends to one file are ordered.* Each target file's appends run one at a time under its
+   lock, so every byte before an acknowledged append was written before it and is made durable
+   with it (``syncfs`` and ``fdatasync`` flush everything written before they start); a failed
+   append seals the segment (below), so no later append lands past a hole.
+3. *Bytes never move.* A generation is never reused and a segment is never rewritten:
+   compaction writes a new pack; deletion unlinks the file. So a reader holding a record, or an
+   open descriptor, reads the bytes that record was indexed with.
+4. *A file removed while still appended to is never indexed into.* GC removes a pack's files
+   when its last record goes; an orphan sweep removes a pack file no record names once older
+   than ``orphan_grace_s``. Either can take the active segment of a process (its records all
+   deleted, or none indexed yet and idle past the grace); the process's descriptor then writes
+   into an unlinked file. The put's index transaction catches both
+   (``kvstore.embedded.fragments.FragmentStore.check_segments_txn``): a segment that already
+   holds indexed records must still have its pack record, and one that holds none is checked as
+   any new file is, against the sweep count read before its first append (``Segment.since``).
+   Either failing raises ``FilesSwept``: nothing is indexed, the segment is sealed, and the put
+   writes again into a new one.
+
+Sealing. A segment past ``segment_bytes``, one whose append or sync failed, or one found taken
+as in 4 is sealed: no new put gets it; its descriptors close when its last put releases it;
+and a sealed segment in which no record was ever indexed is removed then (what it holds no
+record names). Closing the store seals the active one.
+
+Durability (``sync_mode``): "fs" makes a put's appends durable with one ``syncfs`` per
+filesystem, "file" with one ``fdatasync`` per file it touched (and a new file's directory
+synced when it is created); "" (fsync off) does nothing. Both are group commits: a put whose
+bytes were already covered by a sync that started after they were written returns without
+syncing, so concurrent puts share one flush (``_Flusher``).
+
+What is not done here: remote targets (object stores cannot append) and stores with a
+``write_timeout_s`` (a hung append cannot be given up on while it holds its file's lock) keep
+the pack-per-batch and file-per-fragment writes of ``kvstore.embedded.fragment_writes``
+(``usable``). Space of dead entries inside a segment comes back by compaction, as a pack's.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from kvstore.embedded.durability import syncfs
+from kvstore.embedded.targets import LocalTarget, Target, pack_path
+
+log = logging.getLogger("kvstore.embedded.store")
+
+_IOV_MAX = 512  # well under the kernel's 1024 per pwritev
+# Every fragment starts on a filesystem block: a dead entry's fragments are then whole blocks (and
+# the hole before the next one) whose space GC gives back at once (``Target.punch``), while the
+# file lives on. Costs the unused tail of each fragment's last block, as a file per fragment does.
+ALIGN = 4096
+
+
+class _Flusher:
+    """Group commit of one durable flush (a filesystem's ``syncfs``, a file's ``fdatasync``):
+    ``written()`` is called after each write it must cover, ``flush(upto)`` returns once a flush
+    that started after write number ``upto`` has finished, running one only if none did."""
+
+    __slots__ = ("_count_lock", "_lock", "_written", "_flushed", "_flush")
+
+    def __init__(self, flush: Callable[[], None]):
+        self._count_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._written = 0
+        self._flushed = 0
+        self._flush = flush
+
+    def written(self) -> int:
+        with self._count_lock:
+            self._written += 1
+            return self._written
+
+    def flush(self, upto: int) -> bool:
+        """Make writes up to number ``upto`` durable; whether this call ran the flush."""
+        with self._lock:
+            if self._flushed >= upto:
+                return False
+            with self._count_lock:
+                covers = self._written  # every write counted so far has finished before this point
+            self._flush()
+            self._flushed = covers
+            return True
+
+
+class _File:
+    """One target's file of a segment: its descriptor, the end its appends reached (under
+    ``lock``: appends run one at a time), and its ``fdatasync`` group commit."""
+
+    __slots__ = ("fd", "end", "lock", "sync")
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.end = 0
+        self.lock = threading.Lock()
+        self.sync = _Flusher(lambda: os.fdatasync(fd))
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """What one ``Segments.append`` did: per target, the offset of each fragment of its share;
+    per flush that makes it durable (a filesystem's or a file's), the write number it must cover."""
+
+    offsets: dict[str, list[int]]
+    flushes: dict[_Flusher, int]
+    files: dict[str, _File]
+
+    @staticmethod
+    def merged(parts: Sequence["Appended"]) -> "Appended":
+        """The flushes of several appends as one (``offsets`` are per append: not merged)."""
+        flushes: dict[_Flusher, int] = {}
+        files: dict[str, _File] = {}
+        for p in parts:
+            files.update(p.files)
+            for fl, ticket in p.flushes.items():
+                flushes[fl] = max(ticket, flushes.get(fl, 0))
+        return Appended({}, flushes, files)
+
+
+@dataclass(eq=False)
+class Segment:
+    """One segment (module docstring): ``gen`` names its file on each target; ``since`` is the
+    index's sweep count read before its first append (``kvstore.maintenance.orphans``);
+    ``indexed``: a record in it was indexed (its pack record must then exist); ``users``: puts
+    between ``acquire`` and ``release``; ``sealed``: no new put gets it."""
+
+    gen: bytes
+    since: int
+    files: dict[str, _File] = field(default_factory=dict)
+    indexed: bool = False
+    sealed: bool = False
+    users: int = 0
+    appended: int = 0  # fragment bytes appended, over all its files
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def size(self) -> int:
+        """The end of its longest file."""
+        return max((f.end for f in self.files.values()), default=0)
+
+    def written_on(self) -> list[str]:
+        """The targets this segment has a file on."""
+        with self.lock:
+            return list(self.files)
+
+
+class Segments:
+    """The active segment of one store's process and its sealed ones still in use (module
+    docstring), over ``targets``. ``sync_mode()`` says how writes are made durable ("fs",
+    "file" or ""); ``count(name, n)`` counts into the store's stats; ``on_retired(gen, nbytes)``
+    is told, when a segment in which records were indexed is retired, how many fragment bytes
+    were appended to it in all (those no record names are then counted dead by the index)."""
+
+    def __init__(self, targets: dict[str, Target], *, segment_bytes: int, sync_mode: Callable[[], str],
+                 count: Callable[..., None], on_retired: Callable[[bytes, int], None] | None = None):
+        self.targets = targets
+        self._on_retired = on_retired
+        self.segment_bytes = segment_bytes
+        self._sync_mode = sync_mode
+        self._count = count
+        self._lock = threading.Lock()
+        self._active: Segment | None = None
+        self._fs: dict[int, _Flusher] = {}  # st_dev -> its syncfs group commit
+        self._devs: dict[str, int] = {}  # target name -> st_dev of its root
+        self._closed = False
+
+    @staticmethod
+    def usable(targets: dict[str, Target], write_timeout_s: float) -> bool:
+        """Whether puts to ``targets`` can append to segments: every target a local directory,
+        and no write timeout (module docstring, "What is not done here")."""
+        return not write_timeout_s and bool(targets) and all(type(t) is LocalTarget for t in targets.values())
+
+    # ------------------------------------------------------------------ a put's use
+    def acquire(self, since: int) -> Segment:
+        """The active segment for one put (a new one, recording ``since``, when there is none or
+        the last one was sealed or has reached ``segment_bytes``); ``release`` it after the put's
+        index commit, whatever happened."""
+        with self._lock:
+            if self._closed:
+                raise OSError(errno.EBADF, "the store's segments are closed")
+            seg = self._active
+            if seg is None or seg.sealed or seg.size() >= self.segment_bytes:
+                if seg is not None:
+                    self._seal_locked(seg)
+                seg = self._active = Segment(os.urandom(8), since)
+                self._count("segments_started")
+            seg.users += 1
+            return seg
+
+    def release(self, seg: Segment, *, indexed: bool) -> None:
+        """A put's use of ``seg`` ended; ``indexed``: at least one of its records in ``seg`` was indexed."""
+        with self._lock:
+            seg.indexed = seg.indexed or indexed
+            seg.users -= 1
+            done = seg.sealed and seg.users == 0
+        if done:
+            self._retire(seg)
+
+    def seal(self, seg: Segment, why: str) -> None:
+        """No new put gets ``seg`` (module docstring, "Sealing")."""
+        with self._lock:
+            if seg.sealed:
+                return
+            log.info("segment %s sealed: %s", seg.gen.hex(), why)
+            self._seal_locked(seg)
+            done = seg.users == 0
+        if done:
+            self._retire(seg)
+
+    def _seal_locked(self, seg: Segment) -> None:
+        seg.sealed = True
+        if self._active is seg:
+            self._active = None
+
+    def _retire(self, seg: Segment) -> None:
+        """Close a sealed segment nobody uses; remove its files if no record was ever indexed in it,
+        else tell ``on_retired`` what was appended to it."""
+        if seg.indexed and self._on_retired is not None:
+            try:
+                self._on_retired(seg.gen, seg.appended)
+            except Exception as exc:  # accounting only: the bytes stay until the segment goes
+                log.warning("segment %s: its unindexed bytes were not counted dead: %s", seg.gen.hex(), exc)
+        for name, f in list(seg.files.items()):
+            try:
+                os.close(f.fd)
+            except OSError:
+                pass
+            if not seg.indexed:
+                try:
+                    self.targets[name].delete(pack_path(seg.gen))
+                except OSError:
+                    pass  # an orphan GC will sweep
+        seg.files.clear()
+
+    def close(self) -> None:
+        """Seal the active segment; descriptors close as their puts release them."""
+        with self._lock:
+            self._closed = True
+            seg = self._active
+        if seg is not None:
+            self.seal(seg, "the store is closing")
+
+    # ------------------------------------------------------------------ writing
+    def _file(self, seg: Segment, name: str) -> _File:
+        with seg.lock:
+            f = seg.files.get(name)
+            if f is None:
+                target = self.targets[name]
+                fd = target.create_for_append(pack_path(seg.gen), fsync=self._sync_mode() == "file")
+                f = seg.files[name] = _File(fd)
+            return f
+
+    def append(self, seg: Segment, shares: dict[str, list[list[bytes]]]) -> Appended:
+        """Append each target's share (its fragments, each a list of byte strings) to its file of
+        ``seg``, each fragment starting at a multiple of ``ALIGN`` (the gap a hole); the offset
+        of every fragment, and what ``make_durable`` must flush. An ``OSError`` (naming the
+        target) leaves ``seg`` sealed: nothing appended by this call is named by any record."""
+        mode = self._sync_mode()
+        out = Appended({}, {}, {})
+        name = ""
+        try:
+            for name, frames in shares.items():
+                f = out.files[name] = self._file(seg, name)
+                offsets = out.offsets[name] = []
+                with f.lock:
+                    end = f.end
+                    for frame in frames:
+                        off = -(-end // ALIGN) * ALIGN
+                        _pwrite_all(f.fd, frame, off)
+                        offsets.append(off)
+                        end = off + sum(len(p) for p in frame)
+                    f.end = end
+                    ticket = f.sync.written()
+                with seg.lock:
+                    seg.appended += sum(len(p) for frame in frames for p in frame)
+                flusher = f.sync if mode == "file" else self._fs_flusher(name) if mode == "fs" else None
+                if flusher is not None:
+                    if mode == "fs":
+                        ticket = flusher.written()  # counted after the writes, which have finished
+                    out.flushes[flusher] = max(ticket, out.flushes.get(flusher, 0))
+        except OSError as exc:
+            self.seal(seg, f"an append failed on target {name}: {exc}")
+            raise OSError(exc.errno, f"appending to segment {seg.gen.hex()} on target {name}: "
+                                     f"{exc.strerror or exc}") from exc
+        return out
+
+    def make_durable(self, seg: Segment, appended: Appended) -> None:
+        """Return once ``appended`` is durable (module docstring, "Durability"), its files still
+        linked (one removed behind the store's back, its target's directory deleted say, would
+        take the bytes with it); an ``OSError`` seals ``seg`` (those bytes may not be on disk)."""
+        try:
+            for flusher, ticket in appended.flushes.items():
+                if flusher.flush(ticket):
+                    self._count("segment_syncs")
+            for name, f in appended.files.items():
+                if os.fstat(f.fd).st_nlink == 0:
+                    raise OSError(errno.ENOENT, f"the segment file on target {name} was removed while "
+                                                "appended to")
+        except OSError as exc:
+            self.seal(seg, f"making its appends durable failed: {exc}")
+            raise
+
+    def _dev(self, name: str) -> int:
+        dev = self._devs.get(name)
+        if dev is None:
+            dev = self._devs[name] = os.stat(self.targets[name].root).st_dev
+        return dev
+
+    def _fs_flusher(self, name: str) -> _Flusher:
+        dev = self._dev(name)
+        fl = self._fs.get(dev)
+        if fl is None:
+            with self._lock:
+                fl = self._fs.get(dev)
+                if fl is None:
+                    root = self.targets[name].root
+                    fl = self._fs[dev] = _Flusher(lambda: syncfs(root))
+        return fl
+
+
+def _pwrite_all(fd: int, parts: Sequence[memoryview | bytes], offset: int) -> None:
+    """Write ``parts`` back to back at ``offset`` fully (``pwritev`` until done)."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        n = os.pwritev(fd, views[:_IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]

@@ -1,0 +1,246 @@
+"""Segments (``kvstore.embedded.segments``): puts append to one open file per target, a pack that
+grows. What must hold: single puts and batches share the process's segment and read back; a
+segment is sealed past ``segment_bytes``, on a failed append (the put then goes fragment by
+fragment) and at close; a sealed segment in which nothing was indexed is removed; a segment GC
+or an orphan sweep removed while it was still appended to is never indexed into (the put writes
+again, into a new one); what no record names is counted dead once the segment is retired;
+a purged entry's blocks are given back at once; concurrent puts share flushes and all read
+back; ``rebuild-index`` reads segments with a torn tail; a new process appends to a new segment."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from kvstore import PutItem
+from kvstore.embedded import segments as S
+from kvstore.embedded.index import ekey
+from kvstore.embedded.targets import pack_path, parse_pack_path
+
+from tests.fragments import fragment_refs
+from tests.kvstore.conftest import assert_clean, value_for
+
+
+def _segment_files(store) -> dict[bytes, list[Path]]:
+    out: dict[bytes, list[Path]] = {}
+    for t in store.targets.values():
+        for p in Path(t.root).rglob("*.pack"):
+            out.setdefault(parse_pack_path(str(p.relative_to(t.root))), []).append(p)
+    return out
+
+
+def _meta(store, key):
+    with store.index.env.begin() as txn:
+        return store.index.get_meta(txn, ekey(1, key))
+
+
+def test_single_puts_and_batches_append_to_one_segment_and_read_back(data_dir, keys):
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        for k in keys[:10]:
+            assert s.put(k, value_for(k, 9000))
+        assert s.put_many([PutItem(k, value_for(k, 9000)) for k in keys[10:30]]) == [True] * 20
+        files = _segment_files(s)
+        assert len(files) == 1 and len(next(iter(files.values()))) == 6  # one segment, a file per target
+        gen = next(iter(files))
+        for k in keys[:30]:
+            m = _meta(s, k)
+            assert m.gen == gen and m.aligned and all(o % S.ALIGN == 0 for o in m.offsets)
+            assert len(set(m.targets)) == 6
+        assert s.get_many(keys[:30]) == [value_for(k, 9000) for k in keys[:30]]
+        assert s.stats()["counters"]["segments_started"] == 1
+        assert_clean(s)
+
+
+def test_a_segment_is_sealed_past_segment_bytes_and_at_close_and_a_new_process_starts_its_own(data_dir, keys):
+    with kvstore.connect(str(data_dir), fsync=False, segment_bytes=20_000, compression="none") as s:
+        for k in keys[:12]:
+            assert s.put(k, os.urandom(16_000))  # 4 KiB fragments: a segment file passes 20 kB on its fifth
+        gens = {_meta(s, k).gen for k in keys[:12]}
+        assert len(gens) >= 3 and s.stats()["counters"]["segments_started"] == len(gens)
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        assert s.put(keys[20], b"later")
+        assert _meta(s, keys[20]).gen not in gens  # never appended to another process's (or a closed) one
+        assert s.get(keys[20]) == b"later" and all(s.get(k) is not None for k in keys[:12])
+        assert_clean(s)
+
+
+@pytest.mark.parametrize("failures", [1, 2], ids=["then-a-new-segment", "then-fragment-files"])
+def test_a_failing_append_seals_the_segment_and_an_unindexed_sealed_one_is_removed(data_dir, keys, monkeypatch,
+                                                                                  failures):
+    """A failed append seals its segment; the put appends once more to a new one, and if that
+    fails too it is written fragment by fragment. Sealed segments in which nothing was indexed
+    are removed; everything reads back."""
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        real = S._pwrite_all
+        calls = {"n": 0, "failed": 0}
+
+        def failing(fd, parts, offset):
+            calls["n"] += 1
+            if calls["n"] % 3 == 0 and calls["failed"] < failures:  # the third fragment of a try
+                calls["failed"] += 1
+                raise OSError(5, "Input/output error (injected)")
+            return real(fd, parts, offset)
+
+        monkeypatch.setattr(S, "_pwrite_all", failing)
+        assert s.put(keys[0], value_for(keys[0]))
+        m = _meta(s, keys[0])
+        assert s.stats()["counters"]["segment_write_failures"] == failures
+        if failures == 1:
+            assert m.aligned and s.stats()["counters"]["segments_started"] == 2
+            assert list(_segment_files(s)) == [m.gen]  # the failed one held nothing indexed: removed
+        else:
+            assert m.offsets == () and not m.aligned  # written as one file per fragment instead
+            assert _segment_files(s) == {}
+        assert s.put(keys[1], value_for(keys[1]))  # the next put appends again
+        assert _meta(s, keys[1]).aligned
+        assert s.get_many(keys[:2]) == [value_for(k) for k in keys[:2]]
+        assert_clean(s)
+
+
+def test_a_segment_gc_removed_while_appended_to_is_not_indexed_into(data_dir, keys, clock):
+    """All of the active segment's records deleted and purged: GC removes its files, though this
+    process still holds them open. The next put must not index into the unlinked files (its
+    flush finds them unlinked): it writes again, into a new segment, and reads back after the
+    store is reopened."""
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=0, orphan_grace_s=0) as s:
+        assert s.put(keys[0], value_for(keys[0]))
+        gen = _meta(s, keys[0]).gen
+        assert s.delete(keys[0])
+        s.gc()
+        assert gen not in _segment_files(s)  # removed with its last record
+        assert s.put(keys[1], value_for(keys[1]))
+        assert _meta(s, keys[1]).gen != gen
+        assert s.stats()["counters"]["segments_started"] == 2
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        assert s.get(keys[1]) == value_for(keys[1])
+        assert_clean(s)
+
+
+def test_a_segment_gc_removes_between_a_puts_flush_and_its_commit_is_not_indexed_into(data_dir, keys, clock,
+                                                                                       monkeypatch):
+    """The same removal after the put's appends were flushed and checked, before its index
+    transaction: the transaction finds the segment's pack record gone (GC removed the files with
+    it), indexes nothing, and the put writes again into a new segment."""
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=0, orphan_grace_s=0) as s:
+        assert s.put(keys[0], value_for(keys[0]))
+        gen = _meta(s, keys[0]).gen
+        writer = s.fragments.writer
+        real = writer.append_entries
+        raced = []
+
+        def then_gc(entries, since):
+            real(entries, since)
+            if not raced:  # the first try only
+                raced.append(True)
+                assert s.delete(keys[0])
+                s.gc()
+                assert gen not in _segment_files(s)
+
+        monkeypatch.setattr(writer, "append_entries", then_gc)
+        assert s.put(keys[1], value_for(keys[1]))
+        assert raced and _meta(s, keys[1]).gen not in (gen, None)
+        assert s.get(keys[1]) == value_for(keys[1])
+        assert_clean(s)
+
+
+def test_an_idle_unindexed_segment_taken_by_an_orphan_sweep_is_not_indexed_into(data_dir, keys, clock, monkeypatch):
+    """A segment whose first put lost its only race holds nothing indexed; idle past the orphan
+    grace, a sweep removes it. The next put appends to the unlinked
+    files: its index commit sees the sweep and the put writes again into a new segment."""
+    with kvstore.connect(str(data_dir), fsync=False, orphan_grace_s=0) as s:
+        seg = s.fragments.writer.segments.acquire(0)  # as a put whose entries were not indexed leaves it
+        s.fragments.writer.segments.append(seg, {"t0": [[b"x" * 100]]})
+        s.fragments.writer.segments.release(seg, indexed=False)
+        assert s.gc()["orphans"] == 1  # a sweep (in this process or another) takes it
+        assert not Path(s.targets["t0"].root, pack_path(seg.gen)).exists()
+        assert s.put(keys[0], value_for(keys[0]))
+        assert _meta(s, keys[0]).gen != seg.gen
+        assert s.get(keys[0]) == value_for(keys[0])
+        assert_clean(s)
+
+
+def test_what_no_record_names_is_counted_dead_when_the_segment_is_retired(data_dir, keys, monkeypatch):
+    with kvstore.connect(str(data_dir), fsync=False, compression="none") as s:
+        assert s.put(keys[0], os.urandom(8000))
+        gen = _meta(s, keys[0]).gen
+        with pytest.raises(kvstore.InvalidRequest):  # a bad item late in a batch: earlier chunks appended
+            s.put_many([PutItem(k, os.urandom(8000)) for k in keys[1:4]] + [PutItem(keys[4], "not bytes")])
+        with s.index.env.begin() as txn:
+            before = s.index.pack_info(txn, gen)
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        with s.index.env.begin() as txn:
+            refs, nbytes, dead = s.index.pack_info(txn, gen)
+        assert refs == 1 and dead == nbytes - before[1] + before[2]
+        assert s.get(keys[0]) is not None and s.get_many(keys[1:5]) == [None] * 4
+        assert_clean(s)
+
+
+def test_a_purged_entrys_blocks_are_given_back_at_once(data_dir, keys, clock):
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=0, compression="none",
+                         pack_compact_ratio=1.0) as s:
+        assert s.put_many([PutItem(k, os.urandom(64_000)) for k in keys[:8]]) == [True] * 8
+        files = next(iter(_segment_files(s).values()))
+        used = sum(os.stat(p).st_blocks for p in files)
+        for k in keys[:6]:
+            assert s.delete(k)
+        assert s.gc()["purged"] == 6
+        freed = used - sum(os.stat(p).st_blocks for p in files)
+        assert freed * 512 >= 6 * 64_000 * 6 // 4  # 512-byte st_blocks: at least the six entries' fragments
+        assert s.get_many(keys[6:8]) == [s.get(k) for k in keys[6:8]] and None not in s.get_many(keys[6:8])
+        assert_clean(s)
+
+
+def test_concurrent_puts_share_flushes_and_all_read_back(data_dir, keys):
+    with kvstore.connect(str(data_dir), fsync=True) as s:
+        errors = []
+
+        def worker(i):
+            try:
+                for k in keys[i * 10:(i + 1) * 10]:
+                    assert s.put(k, value_for(k, 5000))
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        c = s.stats()["counters"]
+        assert c["segments_started"] == 1 and 0 < c["segment_syncs"] <= 40
+        assert s.get_many(keys[:40]) == [value_for(k, 5000) for k in keys[:40]]
+        assert_clean(s)
+
+
+def test_rebuild_index_reads_segments_with_a_torn_tail(data_dir, keys, capsys):
+    from kvstore.cli.kvtool import main as kvtool
+
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        assert s.put_many([PutItem(k, value_for(k, 7000)) for k in keys[:10]]) == [True] * 10
+        assert s.put(keys[10], value_for(keys[10], 7000))
+        files = next(iter(_segment_files(s).values()))
+    for p in files:  # an append in flight at a crash: part of a frame past the last indexed one
+        with open(p, "ab") as fh:
+            fh.write(b"\0" * 100 + files[0].read_bytes()[:60])
+    (data_dir / "index" / "data.mdb").write_bytes(b"\0" * 4096)  # the index damaged
+    with pytest.raises(kvstore.CorruptData, match="rebuild-index"):
+        kvstore.connect(str(data_dir), fsync=False)
+    assert kvtool([str(data_dir), "rebuild-index"]) == 0
+    assert "11 entries" in capsys.readouterr().out
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        assert s.get_many(keys[:11]) == [value_for(k, 7000) for k in keys[:11]]
+        assert s.put(keys[11], b"after")  # into a new segment
+        assert_clean(s)
+
+
+def test_fragment_refs_cover_segments(data_dir, keys):
+    """The fault tests' helper finds an appended entry's fragments inside its segment."""
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        assert s.put(keys[0], value_for(keys[0]))
+        refs = fragment_refs(s, keys[0])
+        assert len(refs) == 6 and all(r.packed and r.offset % S.ALIGN == 0 for r in refs)
