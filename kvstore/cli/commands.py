@@ -352,8 +352,9 @@ def run_gc(store: KVStore, args: argparse.Namespace, progress: Progress) -> Outc
             f"{d.get('evicted', 0)}{_evicted_bytes(d)}, purged {d.get('purged', 0)} deleted, "
             f"compacted {d.get('compacted_packs', 0)} packs ({d.get('moved_entries', 0)} entries moved), "
             f"orphans {d.get('orphans', 0)}{_kept(d)}; "
-            f"{verb} {fmt_bytes(d.get('reclaimed_bytes', 0))} ({d.get('reclaimed_bytes', 0)} bytes); "
-            f"used {fmt_bytes(d.get('used_bytes'))}"
+            f"{verb} {fmt_bytes(d.get('reclaimed_bytes', 0))} ({d.get('reclaimed_bytes', 0)} bytes)"
+            + (f", {fmt_bytes(d['punched_bytes'])} freed inside segments" if d.get("punched_bytes") else "")
+            + f"; used {fmt_bytes(d.get('used_bytes'))}"
             + (f"; {d['targets_not_swept']} targets down, not swept for orphans" if d.get("targets_not_swept")
                else ""))
     # A target down is a problem, as verify says: its orphans were not swept, so "orphans 0" is not all.
