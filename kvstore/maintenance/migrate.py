@@ -108,6 +108,12 @@ def migrate(data_dir: str | Path, *, dry_run: bool = False) -> MigrateResult:
     try:
         env = lmdb.open(str(index_dir), readonly=True, max_dbs=len(Index.DBS) + 1, readahead=False)
     except lmdb.Error as exc:
+        if "already open in this process" in str(exc):  # a store of this very process holds it
+            raise StoreUnavailable(f"the index at {index_dir} is open in this process: close the store that "
+                                   "holds it, then migrate") from exc
+        if any(m in str(exc) for m in ("Permission denied", "Read-only file system")):
+            raise InvalidRequest(f"the index at {index_dir} cannot be opened ({exc}): kvtool migrate needs write "
+                                 "access to the data directory (its lock file and its marker)") from exc
         raise CorruptData(f"the index at {index_dir} cannot be opened ({exc}); {remedy}") from exc
     try:
         # The exclusive lock is taken after LMDB opened the environment: that open creates the lock

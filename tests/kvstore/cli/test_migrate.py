@@ -159,3 +159,21 @@ def test_not_a_data_directory_or_a_daemon_is_a_usage_error(tmp_path, run_tool):
     assert not (tmp_path / "nothing").exists()  # kvtool never creates a store
     code, out, err = run_tool("migrate", "grpc://127.0.0.1:1")
     assert code == 2 and "works on a data directory" in err, err
+
+
+def test_a_store_open_in_this_process_is_named_not_called_damaged(v2):
+    """In-process (a library caller with a store still open): LMDB refuses a second open of
+    the index; migrate says to close the store, not that the index is damaged."""
+    from kvstore.embedded.index import Index
+    from kvstore.errors import StoreUnavailable
+    from kvstore.maintenance.migrate import migrate
+
+    marker = (v2.path / "kvstore.json").read_bytes()
+    index = Index(str(v2.path / "index"), map_size=1 << 30, sync=False)
+    try:
+        with pytest.raises(StoreUnavailable, match="open in this process"):
+            migrate(v2.path)
+    finally:
+        index.close()
+    assert (v2.path / "kvstore.json").read_bytes() == marker
+    assert migrate(v2.path).migrated
