@@ -37,6 +37,10 @@ no owner the client can compute), deletes where a shard held the key, and a key 
 shard held is ``null`` in ``deleted``. Only when no shard answers at all is it the store's
 error (exit 2).
 
+``migrate`` works on a data directory without opening a store (``Command.on_data_dir``): every
+open refuses a directory of an older format version, which is what it takes to this one
+(``kvstore.maintenance.migrate``). Through a daemon it is a usage error.
+
 ``gc`` that cannot get under the capacity (everything left pinned) still prints the pass's
 counts (its other steps ran) and exits 1, the reason in one stderr line; through a daemon
 too (the counts cross the wire with the error: ``wire.MD_GC_RESULT``), and on a sharded set
@@ -83,12 +87,17 @@ class Command:
     name: str
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[KVStore, argparse.Namespace, Progress], Outcome]
+    # Called with the open store. None for a command that works on a data directory the store
+    # would refuse to open (``on_data_dir``).
+    run: Callable[[KVStore, argparse.Namespace, Progress], Outcome] | None
     # For a data directory that every open refuses for its index (``CorruptData``): called with
     # (data directory, --config file, progress) to make it openable; what it returns is handed to
     # ``run`` as ``args.recovered`` (kvtool then opens the store as usual). None: the refusal stands.
     recover: Callable[[str, str | None, Progress], dict] | None = None
     description: str = ""  # the command's --help text, when longer than ``help`` (the list's line)
+    # For a command with no ``run``: called with (data directory path, args, progress) instead of
+    # opening a store; a daemon URL is a usage error.
+    on_data_dir: Callable[[str, argparse.Namespace, Progress], Outcome] | None = None
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -483,6 +492,39 @@ def run_rebuild_index(store: KVStore, args: argparse.Namespace, progress: Progre
     return _with_down_shards(store, Outcome(ExitCode.PROBLEMS if bad else ExitCode.OK, d, text), _down_in(d))
 
 
+# ----------------------------------------------------------------------------- migrate
+MIGRATE_DESCRIPTION = (
+    "Take a data directory of an older format version to this release's (kvstore/maintenance/migrate.py). "
+    "Stop every process using the directory first (daemons, engines with an embedded store, other kvtool "
+    "runs): migrate refuses while a process on this host has the index open, but cannot see one on another "
+    "host without shared fcntl locks, nor one that is starting meanwhile. It checks that the index is the "
+    "directory's own, then rewrites the format version in kvstore.json (atomically; every other field kept). "
+    "No fragment is rewritten: a format version 2 directory's files are valid version 3 files (version 3 lets "
+    "pack files grow by appends, which a version 2 release does not expect, so it refuses the migrated "
+    "directory). Already this version: nothing to do, exit 0. Version 1, or a newer one than this release "
+    "reads: refused, exit 2. Run again after a crash; a run that finds nothing to do changes nothing.")
+
+
+def _configure_migrate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true", help="check and say what would change; change nothing")
+
+
+def run_migrate(data_dir: str, args: argparse.Namespace, progress: Progress) -> Outcome:
+    from kvstore.embedded.datadir import FORMAT_FILE
+    from kvstore.maintenance.migrate import migrate
+
+    r = migrate(data_dir, dry_run=args.dry_run)
+    if not r.needed:
+        text = f"migrate: {r.data_dir} is already format version {r.to_version}: nothing to do"
+    elif r.dry_run:
+        text = (f"migrate (dry run): {r.data_dir} would go from format version {r.from_version} to {r.to_version}: "
+                f"its index checked and not open elsewhere; {FORMAT_FILE} would be rewritten, no fragment")
+    else:
+        text = (f"migrate: {r.data_dir} is now format version {r.to_version} (was {r.from_version}): "
+                f"{FORMAT_FILE} rewritten, no fragment")
+    return Outcome(ExitCode.OK, r.as_dict(), text)
+
+
 # ----------------------------------------------------------------------------- stats / delete
 def _flat(v: Any) -> str:
     return "  ".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v)
@@ -575,4 +617,6 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             run_rebuild_index, recover=_recover_index, description=REBUILD_DESCRIPTION),
     Command("stats", "store statistics", _configure_none, run_stats),
     Command("delete", "delete one entry (e.g. an SWA snapshot: --kind swa)", _configure_delete, run_delete),
+    Command("migrate", "take a data directory of an older format version to this one (stop its processes first)",
+            _configure_migrate, None, description=MIGRATE_DESCRIPTION, on_data_dir=run_migrate),
 )}

@@ -15,6 +15,7 @@ Usage (global options go before or after the subcommand)::
     kvtool stats --json file:///var/lib/kv
     kvtool delete ./kvstack-data --key HEX --kind swa
     kvtool rebuild-index ./kvstack-data              # a new index from the fragments (index lost or damaged)
+    kvtool migrate ./kvstack-data                    # an older format version to this one (processes stopped)
     KVSTORE_TOKEN=... kvtool verify grpc://10.0.0.5:7070 --timeout 600
     kvtool stats grpc://h1:7070,grpc://h2:7070        # a sharded set
 
@@ -408,8 +409,36 @@ def _open(cmd: Command, args: argparse.Namespace, progress: ProgressBar) -> KVSt
     return open_store(url, args.config, daemon_options(args))
 
 
+def data_dir_of(cmd: Command, args: argparse.Namespace) -> str:
+    """The data directory a command that works on one without opening it (``on_data_dir``)
+    is given: a path or ``file://`` URL. A daemon URL or daemon options are a usage error
+    (``InvalidRequest``): such a command needs the directory itself."""
+    from kvstore.embedded.datadir import file_url_path
+
+    url = resolve_url(args)
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in CONFIG_SCHEMES:
+        raise InvalidRequest(f"{cmd.name} works on a data directory, not on {url}: stop the daemon and run "
+                             f"`kvtool {cmd.name}` on its data directory")
+    daemon = daemon_options(args)
+    if daemon:
+        flags = ", ".join(dict.fromkeys(FLAG_OF[o] for o in daemon))
+        raise InvalidRequest(f"{flags}: daemon options, for a grpc://HOST:PORT store, not for the data "
+                             f"directory {url}; drop them")
+    return file_url_path(url)
+
+
 def _run(cmd: Command, args: argparse.Namespace) -> int:
     progress = ProgressBar(sys.stderr)
+    if cmd.run is None:  # works on the data directory itself (``Command.on_data_dir``)
+        try:
+            outcome = cmd.on_data_dir(data_dir_of(cmd, args), args, progress)
+        except (KVStoreError, OSError) as exc:
+            print(f"{PROG}: error: {one_line(_error_line(cmd, exc))}", file=sys.stderr)
+            return int(ExitCode.USAGE)
+        finally:
+            progress.close()
+        return _emit(cmd, outcome, args.json)
     try:
         store = _open(cmd, args, progress)
     except (KVStoreError, OSError) as exc:
@@ -426,8 +455,13 @@ def _run(cmd: Command, args: argparse.Namespace) -> int:
     finally:
         progress.close()
         store.close()
+    return _emit(cmd, outcome, args.json)
+
+
+def _emit(cmd: Command, outcome: Outcome, as_json: bool) -> int:
+    """Print ``outcome`` (``emit``), then its error lines; the exit code (module contract)."""
     try:
-        emit(outcome, args.json)
+        emit(outcome, as_json)
     except BrokenPipeError:  # `kvtool ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError, ResultUnwritable) as exc:

@@ -5,7 +5,9 @@
 the directory's code resolved, the erasure ``code``, the ``targets`` (and ``target_specs``)
 opened, how writes are made durable (``sync_mode``), the ``index`` open and its identity
 (``index_id``); the store builds its other parts from those. ``kvstore.maintenance.reindex``
-uses ``read_marker`` and ``resolve_code`` to rebuild an index without opening one.
+uses ``read_marker`` and ``resolve_code`` to rebuild an index without opening one;
+``kvstore.maintenance.migrate`` uses ``read_marker`` and ``write_marker_file`` to take a directory
+of an older format version to this one (``kvtool migrate``).
 
 The marker ``<data_dir>/kvstore.json`` records what every record of the directory
 depends on: the format version, the erasure code (``ec_type``, ``ec_k``, ``ec_m``:
@@ -15,7 +17,8 @@ layout; opened when a config names none). The index keeps the identity and the c
 too (``kvstore.embedded.index``, ``Index.settle``): processes creating one directory at once agree there, and a lost
 marker is rewritten from it. An index that is missing, emptied or another directory's
 is refused (``CorruptData``) rather than taken for an empty store whose fragments GC
-would sweep as orphans.
+would sweep as orphans. A marker of another format version (``DATA_FORMAT_VERSION``) is
+refused (``IncompatibleFormat``) with what to do (``format_refusal``), never read as this one.
 """
 
 from __future__ import annotations
@@ -37,10 +40,23 @@ from kvstore.embedded.durability import fsync_dir
 from kvstore.embedded.fragment_writes import resolve_sync_mode
 from kvstore.embedded.targets import TARGET_TYPES, LocalTarget, Target, localhost_file_url, open_target
 
+# The data directory's format version, recorded in its marker (``FORMAT_FILE``):
 # 2: entries carry their created and expiry times (``kvstore.embedded.codec``), so ``kvtool rebuild-index``
-# can give them back; a version 1 directory is refused, never read as version 2.
-DATA_FORMAT_VERSION = 2
+#    can give them back.
+# 3: pack files may grow by appends after they were first published ("segments": a writer keeps
+#    appending fragment frames to its open pack until it is full); a record never names bytes
+#    beyond what was durable when it was indexed. Frames and records are version 2's, so a
+#    version 2 directory's files are valid version 3 files; but code of version 2 assumes a
+#    published pack never grows (its rebuild-index and GC read and count packs whole), so it
+#    must never run on a version 3 directory, which it refuses (it reads only version 2).
+# A version 2 directory is refused until ``kvtool migrate`` (``kvstore.maintenance.migrate``)
+# rewrites its marker, once every process of the old version has stopped; a version 1 directory
+# is refused for good, never read as a later version.
+DATA_FORMAT_VERSION = 3
 FORMAT_FILE = "kvstore.json"
+# Format versions ``kvtool migrate`` takes to ``DATA_FORMAT_VERSION`` by rewriting the marker alone
+# (their files are valid files of this version).
+MIGRATES_FROM = frozenset({2})
 
 log = logging.getLogger("kvstore.embedded.store")
 
@@ -386,8 +402,11 @@ class DataDir:
                 "recorded place must be removed), or configure the recorded URL for that name (URL#DOMAIN#NAME). A file://localhost/PATH target "
                 "means /PATH, not <working directory>/localhost/PATH")
 
-    def read_marker(self) -> dict | None:
+    def read_marker(self, *, any_version: bool = False) -> dict | None:
         """The directory's marker (``FORMAT_FILE``) as a dict, or ``None`` for a new directory.
+        A marker of another format version than ``DATA_FORMAT_VERSION`` is ``IncompatibleFormat``
+        (``format_refusal`` says what to do), unless ``any_version`` (``kvtool migrate``, which
+        reads the version itself).
 
         The marker records what every record of the directory depends on: the format
         version, the erasure code (``ec_type``, ``ec_k``, ``ec_m``: records are decoded and
@@ -431,12 +450,8 @@ class DataDir:
                     f"{self.data_dir} exists, is not empty and has no {FORMAT_FILE}: refusing to use it "
                     "as a kvstore data directory; pass an empty or new directory")
             return None
-        if ver != DATA_FORMAT_VERSION:
-            raise IncompatibleFormat(
-                f"data directory {self.data_dir} has format version {ver}, this kvstore reads "
-                f"version {DATA_FORMAT_VERSION}; open it with a matching kvstack release or "
-                "start a fresh directory"
-            )
+        if ver != DATA_FORMAT_VERSION and not any_version:
+            raise IncompatibleFormat(format_refusal(self.data_dir, ver))
         return doc
 
     def resolve_code(self, config: StoreConfig, marker: dict | None) -> StoreConfig:
@@ -498,11 +513,34 @@ class DataDir:
         recorded = _targets_record(config)
         if recorded:
             doc["targets"] = recorded
-        fmt = self.data_dir / FORMAT_FILE
-        tmp = self.data_dir / f".{FORMAT_FILE}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            fh.write(json.dumps(doc))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, fmt)
-        fsync_dir(str(self.data_dir))
+        write_marker_file(self.data_dir, doc)
+
+
+def write_marker_file(data_dir: Path, doc: dict) -> None:
+    """Write ``doc`` as ``data_dir``'s marker, atomically and durably: a temporary file in the
+    directory, fsync, rename over the marker, fsync of the directory. A reader sees the old
+    marker or the new one, never part of one; after a crash, one of them is on disk."""
+    fmt = data_dir / FORMAT_FILE
+    tmp = data_dir / f".{FORMAT_FILE}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(doc))
+        fh.flush()
+        os.fsync(fh.fileno())  # the bytes are on disk before the name points at them
+    os.replace(tmp, fmt)
+    fsync_dir(str(data_dir))  # the rename itself is durable
+
+
+def format_refusal(data_dir: Path, version: int) -> str:
+    """What an open of ``data_dir``, whose marker records format ``version`` (not this code's),
+    says: for a version ``kvtool migrate`` takes (``MIGRATES_FROM``), how to migrate; for any
+    other, that this release cannot read it."""
+    if version in MIGRATES_FROM:
+        return (f"data directory {data_dir} has format version {version}, this kvstore reads version "
+                f"{DATA_FORMAT_VERSION} (pack files that grow by appends). Its files are valid version "
+                f"{DATA_FORMAT_VERSION} files, but a kvstack release that reads version {version} may still be using "
+                "it and assumes packs never grow: stop every process using the directory (daemons, engines with an "
+                f"embedded store, kvtool), then run `kvtool migrate {data_dir}`, which checks it and rewrites "
+                f"the format version in its {FORMAT_FILE} (no fragment is rewritten)")
+    return (f"data directory {data_dir} has format version {version}, this kvstore reads "
+            f"version {DATA_FORMAT_VERSION}; open it with a matching kvstack release or "
+            "start a fresh directory")

@@ -4,6 +4,7 @@ and, on an index that opens, the entries it does not know added."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 import kvstore
 from kvstore.api import EntryKind
+from kvstore.embedded.datadir import DATA_FORMAT_VERSION
 from kvstore.embedded.index import ekey
 from kvstore.keys import BlockHasher, Namespace
 
@@ -156,6 +158,9 @@ def test_an_older_data_directory_is_refused_not_misread(six, run_tool):
     data, targets = six
     _fill(data, targets, n_blocks=4)
     marker = data / "kvstore.json"
-    marker.write_text(marker.read_text().replace('"format_version": 2', '"format_version": 1'))
+    doc = json.loads(marker.read_text())
+    assert doc["format_version"] == DATA_FORMAT_VERSION
+    marker.write_text(json.dumps({**doc, "format_version": 1}))
     code, out, err = run_tool("rebuild-index", data)
     assert code == 2 and "format version 1" in err, (out, err)
+    assert "kvtool migrate" not in err  # version 1 is not migrated: no remedy but a matching release

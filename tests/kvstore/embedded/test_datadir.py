@@ -574,3 +574,88 @@ def test_targets_refused_as_moved_or_renamed_are_not_said_to_be_recorded(tmp_pat
             assert s.get(b"k" * 16) == b"v" * 500
     assert "differ from those kvstore.json records; recording them instead" in caplog.text
     assert (data / "kvstore.json").read_bytes() != before
+
+
+def _entries_written(data, n: int = 12) -> dict[bytes, bytes]:
+    """Entries written by this code: a batch (pack files) and single puts; key -> bytes."""
+    import os as _os
+
+    blobs = {bytes([i]) * 16: _os.urandom(1000 + 997 * i) for i in range(n)}
+    items = list(blobs.items())
+    with kvstore.connect(str(data), fsync=False) as s:
+        assert all(s.put_many([kvstore.PutItem(k, v) for k, v in items[: n // 2]]))
+        for k, v in items[n // 2:]:
+            assert s.put(k, v)
+    return blobs
+
+
+def _set_version(data, version: int) -> dict:
+    """Rewrite the marker's ``format_version``; returns the marker as it was."""
+    import json
+
+    marker = data / "kvstore.json"
+    doc = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**doc, "format_version": version}))
+    return doc
+
+
+def test_the_marker_records_this_format_version(tmp_path):
+    """A new directory is written as version 3, the one whose packs may grow by appends; a
+    version 2 directory is the one kvtool migrate takes to it."""
+    import json
+
+    from kvstore.embedded.datadir import DATA_FORMAT_VERSION, MIGRATES_FROM
+
+    assert DATA_FORMAT_VERSION == 3 and MIGRATES_FROM == {2}
+    with kvstore.connect(str(tmp_path / "d"), fsync=False):
+        pass
+    assert json.loads((tmp_path / "d" / "kvstore.json").read_text())["format_version"] == DATA_FORMAT_VERSION
+
+
+def test_a_version_2_directory_is_refused_until_migrated_then_reads_back_every_byte(tmp_path):
+    """A version 2 directory (a kvstack that assumes packs never grow may still use it) is
+    refused at open with what to do, `kvtool migrate DIR`, and nothing in it is changed; once
+    migrated it opens, every entry reads back byte for byte and check finds nothing."""
+    from kvstore.errors import IncompatibleFormat
+    from kvstore.maintenance.migrate import migrate
+
+    data = tmp_path / "d"
+    blobs = _entries_written(data)
+    before = _set_version(data, 2)
+    marker = (data / "kvstore.json").read_bytes()
+    with pytest.raises(IncompatibleFormat) as refused:
+        kvstore.connect(str(data), fsync=False)
+    message = str(refused.value)
+    assert f"kvtool migrate {data}" in message and "format version 2" in message
+    assert "stop every process using the directory" in message
+    assert (data / "kvstore.json").read_bytes() == marker  # a refused open writes nothing
+
+    result = migrate(data)
+    assert (result.from_version, result.to_version, result.migrated) == (2, 3, True)
+    import json
+
+    assert json.loads((data / "kvstore.json").read_text()) == {**before, "format_version": 3}
+    with kvstore.connect(str(data), fsync=False) as s:
+        for k, v in blobs.items():
+            assert s.get(k) == v
+        assert s.check() == []
+
+
+@pytest.mark.parametrize("version", [1, 4, 99])
+def test_a_directory_of_a_version_migrate_does_not_take_is_refused_by_both(tmp_path, version):
+    """Version 1 keeps its refusal (no migration from it: a matching release, or a fresh
+    directory); a newer version than this code's is refused alike. migrate refuses both and
+    leaves the marker as it was."""
+    from kvstore.errors import IncompatibleFormat
+    from kvstore.maintenance.migrate import migrate
+
+    data = tmp_path / "d"
+    _entries_written(data, n=2)
+    _set_version(data, version)
+    marker = (data / "kvstore.json").read_bytes()
+    with pytest.raises(IncompatibleFormat, match=f"format version {version}, this kvstore reads version 3") as refused:
+        kvstore.connect(str(data), fsync=False)
+    assert "kvtool migrate" not in str(refused.value)
+    with pytest.raises(IncompatibleFormat, match=f"format version {version}.*takes only version 2"):
+        migrate(data)
+    assert (data / "kvstore.json").read_bytes() == marker
