@@ -92,9 +92,10 @@ import kvstore
 from kvstore.embedded import codec
 from kvstore.config import DEFAULT_EC_TYPE, LEGACY_EC_TYPE
 from kvstore.embedded.index import Meta, ekey
+from kvstore.errors import KVStoreError
 from tools.bench_peers import (ECFloorPeer, FileFloorPeer, LMDBPeer, Peer, RawFilePeer, RedisPeer, RedisServer,
                                S3RawPeer, S3Server, interleaved_rep)
-from tools.cli_args import check_existing_dir, check_output_file, csv_list, integer, number
+from tools.cli_args import check_existing_dir, check_output_file, csv_list, integer, number, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -438,6 +439,8 @@ def run_s3(a: argparse.Namespace, ap: argparse.ArgumentParser, argv: Sequence[st
             rows = bench_io(systems, sizes, reps, mib_per_rep, a.batch, work, log, interleave=not a.sequential,
                             factories=factories, setup=setup)
             reqs = s3_requests(server, factories, setup, sizes, a.batch, work)
+    except (RuntimeError, OSError, KVStoreError) as exc:  # the server did not start or failed; wrong bytes
+        ap.exit(1, f"{ap.prog}: error: {one_line(exc)}\n")
     finally:
         if server is not None:
             server.close()

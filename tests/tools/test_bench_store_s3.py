@@ -72,3 +72,18 @@ def test_bench_store_s3_ctrl_c_stops_the_s3_server_and_removes_its_work_dir(tmp_
     assert kids, "the S3 server runs as a child process"
     assert_interrupted(code, err, kids, "bench_store.py")  # the server stopped with the run
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_bench_store_s3_a_server_that_does_not_start_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """Rule 3 of tools/cli_args.py: a run that fails once started says why in one line, status 1."""
+    from tools import bench_store
+
+    def no_server():
+        raise RuntimeError("moto S3 server did not start within 30 s")
+
+    monkeypatch.setattr(bench_store, "S3Server", no_server)
+    with pytest.raises(SystemExit) as exc:
+        bench_store.main(["--s3", "--quick", "--work-dir", str(tmp_path), "--out", str(tmp_path / "s3.json")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 1 and "error: RuntimeError: moto S3 server did not start" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # the work dir removed, no results written
