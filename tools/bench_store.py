@@ -454,6 +454,7 @@ def run_s3(a: argparse.Namespace, ap: argparse.ArgumentParser, argv: Sequence[st
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "payload": "fp16 random-normal", "ec": f"{DEFAULT_EC_TYPE} 4+2", "s3_server": f"moto {server.version}, "
         "a child process on loopback", "kvstore_targets": [f"s3://{b}/kv" for b in S3_BUCKETS],
+        "kvstore_fsync": "default (true): objects are whole once PUT returns; the local index commit is synced",
         "raw_s3": "s3fs, one object per entry: pipe_file / cat_file; batches fs.pipe / fs.cat (concurrent)",
         "reps": reps, "mib_per_rep": mib_per_rep, "interleaved": not a.sequential, "batch": a.batch,
         "elapsed_s": elapsed,
