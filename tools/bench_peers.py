@@ -21,6 +21,10 @@ to the store's (fsync before a put returns):
   temporary name and renamed into place, one syncfs for them, one durable LMDB commit; a get
   opens and reads k of them. file_floor / raw_file is the most that layout can reach on
   this machine, whatever the code around it does.
+* ``S3RawPeer`` on an ``S3Server`` (``bench_store.py --s3``): a private moto S3 server in a
+  child process on a loopback port that counts the requests it answers; the peer is raw
+  s3fs, one object per entry (one PUT per put, one GET per get; a batch one concurrent
+  ``fs.pipe`` / ``fs.cat``).
 * ``MooncakePeer`` (``tools/bench_remote.py``): the Mooncake Store, from its own venv and in a
   network namespace of its own (``start_mooncake``), driven step by step over a pipe; it
   times its own calls (``Peer.last_s``), so the pipe is not counted against it.
@@ -518,3 +522,155 @@ class MooncakePeer(Peer):
             stop_process(self.proc)
             self._sel.close()
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------- S3 (moto)
+_S3_COUNTS_PATH = "/_bench/counts"  # the counting server's own path: GET the counts, DELETE to zero them
+
+
+def serve_moto_here() -> int:
+    """A moto S3 server on a free loopback port in this process, until SIGTERM. Its first line
+    on stdout is the port. Every request is counted by (bucket, what: PUT, GET, GET range,
+    LIST (any bucket-level GET), HEAD, DELETE, POST) before moto answers it; ``GET /_bench/counts`` returns the
+    counts as JSON (``[[bucket, what, n], ...]``), ``DELETE /_bench/counts`` zeroes them."""
+    import threading
+
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    moto_app = DomainDispatcherApplication(create_backend_app)
+    counts: dict[tuple[str, str], int] = {}
+    lock = threading.Lock()
+
+    def app(environ, start_response):
+        path, method = environ.get("PATH_INFO", "/"), environ["REQUEST_METHOD"]
+        if path == _S3_COUNTS_PATH:
+            with lock:
+                body = json.dumps([[b, w, n] for (b, w), n in sorted(counts.items())]).encode()
+                if method == "DELETE":
+                    counts.clear()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        bucket, _, obj = path.lstrip("/").partition("/")
+        if method == "GET" and not obj:
+            what = "LIST"  # a bucket-level GET: a listing (or the bucket's location, versioning, ...)
+        elif method == "GET":
+            what = "GET range" if environ.get("HTTP_RANGE") else "GET"
+        else:
+            what = method
+        with lock:
+            counts[(bucket, what)] = counts.get((bucket, what), 0) + 1
+        return moto_app(environ, start_response)
+
+    server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=MotoRequestHandler)
+    print(server.server_address[1], flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return 0
+
+
+class S3Server:
+    """A private moto S3 server in a child process on a loopback port (``serve_moto_here``),
+    stopped by ``close``. ``counts(bucket_prefix)`` sums its request counts by kind for the
+    buckets whose names start with the prefix; ``reset()`` drops every bucket and object and
+    zeroes the counts. A child process, not a thread of the benchmark: the server's Python
+    would otherwise take the benchmark's GIL and be counted against every system."""
+
+    def __init__(self, timeout_s: float = 30.0):
+        import urllib.request
+
+        self._urlopen = urllib.request.urlopen
+        self._Request = urllib.request.Request
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from tools.bench_peers import serve_moto_here; "
+                                   "sys.exit(serve_moto_here())"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+            start_new_session=True)  # its own session: a Ctrl-C does not stop it under the cleanup
+        try:
+            sel = selectors.DefaultSelector()
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            ready = sel.select(timeout_s)
+            sel.close()
+            line = self.proc.stdout.readline().strip() if ready else b""
+            if not line.isdigit():
+                raise RuntimeError(f"moto S3 server did not start within {timeout_s:g} s "
+                                   f"(status {self.proc.poll()}; is moto[server] installed?)")
+            self.endpoint = f"http://127.0.0.1:{int(line)}"
+            import moto
+
+            self.version = moto.__version__
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, method: str, path: str) -> bytes:
+        with self._urlopen(self._Request(self.endpoint + path, method=method), timeout=30) as r:
+            return r.read()
+
+    def counts(self, bucket_prefix: str = "") -> dict[str, int]:
+        out: dict[str, int] = {}
+        for bucket, what, n in json.loads(self._call("GET", _S3_COUNTS_PATH)):
+            if bucket.startswith(bucket_prefix):
+                out[what] = out.get(what, 0) + n
+        return out
+
+    def zero_counts(self) -> None:
+        self._call("DELETE", _S3_COUNTS_PATH)
+
+    def reset(self) -> None:
+        self._call("POST", "/moto-api/reset")
+        self.zero_counts()
+
+    def create_bucket(self, name: str) -> None:
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=name)
+
+    def filesystem(self):
+        """A fresh s3fs filesystem on this server (no instance cache, no listing cache)."""
+        import s3fs
+
+        # max_concurrency=1: a whole-object ``cat_file`` is one GET; with more, s3fs asks the
+        # object's size first (a HEAD per get) to split large objects into ranges.
+        return s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=self.endpoint,
+                                 client_kwargs={"region_name": "us-east-1"}, skip_instance_cache=True,
+                                 use_listings_cache=False, max_concurrency=1)
+
+    def close(self) -> None:
+        stop_process(self.proc)
+
+
+class S3RawPeer(Peer):
+    """The strongest simple use of S3 through fsspec: one object per entry, named by the key,
+    in one bucket; a put is one ``pipe_file`` (one PUT), a get one ``cat_file`` (one GET); a
+    batch is ``fs.pipe({...})`` / ``fs.cat([...])``, which s3fs runs concurrently. No index,
+    no erasure code, no checksum: the limit for one copy of each entry on the same server."""
+
+    batch_api = True
+
+    def __init__(self, server: S3Server, bucket: str):
+        self.fs, self.bucket = server.filesystem(), bucket
+        server.create_bucket(bucket)
+
+    def _p(self, key: bytes) -> str:
+        return f"{self.bucket}/{key.hex()}"
+
+    def put(self, key, val):
+        self.fs.pipe_file(self._p(key), val)
+
+    def get(self, key):
+        return self.fs.cat_file(self._p(key))
+
+    def put_many(self, kv):
+        self.fs.pipe({self._p(k): v for k, v in kv})
+
+    def get_many(self, keys):
+        paths = [self._p(k) for k in keys]
+        got = self.fs.cat(paths)
+        return [got[p] for p in paths]

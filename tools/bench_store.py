@@ -6,6 +6,8 @@ Exact command (the reported figures are produced with it)::
     .venv/bin/python tools/bench_store.py --out results/bench_store.json
     .venv/bin/python tools/bench_store.py --quick     # a short run: smaller figures, same shape
     .venv/bin/python tools/bench_store.py --remote --out results/bench_remote.json  # the daemon (below)
+    .venv/bin/python tools/bench_store.py --s3 --out results/bench_store_s3.json    # S3 targets (below)
+    .venv/bin/python tools/bench_store.py --s3 --quick
 
 ``--remote`` runs the daemon's benchmark instead (``tools/bench_remote.py``: remote and
 direct-read clients over gRPC against the embedded store, Redis and the Mooncake store in
@@ -44,6 +46,17 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
    fake fragment metadata straight through ``kvstore.embedded.index.Index`` (lookup reads only the index).
 4. Erasure coding alone: pyeclib ISA-L (``isa_l_rs_cauchy``, the default, and ``isa_l_rs_vand``)
    4+2 and 8+4 encode, and decode with 0, 1 and 2 data fragments lost.
+5. ``--s3``: the store on S3 targets, where nothing can be appended to (an object is written
+   whole). A moto S3 server is started as a child process on loopback (``S3Server``: it
+   counts every request it answers, by bucket and kind), and in one interleaved run, as
+   above (sizes 128K,1M by default; 3 reps of 8 MiB; quick: 1 rep of 2 MiB): kvstore with 6
+   S3 targets (one bucket each, EC 4+2; its index in a local directory) against raw s3fs
+   (``S3RawPeer``: one object per entry, ``pipe_file``/``cat_file``, a batch one concurrent
+   ``fs.pipe``/``fs.cat``). Before each rep every bucket and object is dropped. Printed:
+   throughput, latency, the ratios kvstore / raw_s3, and the S3 requests of one op of each
+   system, counted alone after the timed reps (objects written per single put and per
+   batch, ranged GETs per get, and any listing or HEAD the op made). ``--systems`` and
+   ``--lookup-sizes`` do not apply (refused); lookup and erasure coding are not run.
 
 The peers live in ``tools/bench_peers.py``. A missing peer (no redis-server even after
 ``tools/install_peers.sh``) is reported and skipped.
@@ -51,12 +64,14 @@ The peers live in ``tools/bench_peers.py``. A missing peer (no redis-server even
 Exit status (the contract of ``tools/cli_args.py``): 0 when the tables were printed and the
 JSON written; 2 for a bad argument, refused in one line before anything runs, including a
 ``--systems`` list with nothing to compare (it needs ``kvstore`` and at least one peer) and a
-run whose only peer (redis) turned out to be missing.
+run whose only peer (redis) turned out to be missing; ``--s3`` without moto, s3fs or boto3
+installed is refused the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -69,7 +84,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -77,9 +92,10 @@ import kvstore
 from kvstore.embedded import codec
 from kvstore.config import DEFAULT_EC_TYPE, LEGACY_EC_TYPE
 from kvstore.embedded.index import Meta, ekey
+from kvstore.errors import KVStoreError
 from tools.bench_peers import (ECFloorPeer, FileFloorPeer, LMDBPeer, Peer, RawFilePeer, RedisPeer, RedisServer,
-                               interleaved_rep)
-from tools.cli_args import check_existing_dir, check_output_file, csv_list, integer, number
+                               S3RawPeer, S3Server, interleaved_rep)
+from tools.cli_args import check_existing_dir, check_output_file, csv_list, integer, number, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -110,8 +126,8 @@ def pct(samples: Sequence[float], q: float) -> float:
 class KVStorePeer(Peer):
     batch_api = True
 
-    def __init__(self, d: str, compression: str):
-        self.s = kvstore.connect(d, ec_k=4, ec_m=2, compression=compression, min_compress_ratio=1.0)
+    def __init__(self, d: str, compression: str, **overrides):
+        self.s = kvstore.connect(d, ec_k=4, ec_m=2, compression=compression, min_compress_ratio=1.0, **overrides)
 
     def put(self, key, val):
         self.s.put(key, val)
@@ -148,12 +164,15 @@ def payloads(size: int, n: int, seed: int) -> list[bytes]:
 
 
 def bench_io(systems: list[str], sizes: list[int], reps: int, mib_per_rep: float, batch: int,
-             work: str, log: Callable[[str], None], interleave: bool = True) -> list[Row]:
+             work: str, log: Callable[[str], None], interleave: bool = True,
+             factories: dict[str, Callable[[str], Peer]] = SYSTEMS,
+             setup: Callable[[], None] | None = None) -> list[Row]:
     """Every system once per rep, on fresh keys in fresh directories. ``interleave``: the
     systems of a rep run together, step by step (``interleaved_rep``); else one after the
     other, in an order that rotates from rep to rep, so that a burst of load on this shared
     machine lands on all systems of a rep alike only when it outlasts the rep (``ratios``
-    pairs the systems rep by rep either way)."""
+    pairs the systems rep by rep either way). ``factories``: name -> peer on a directory;
+    ``setup``: called before each group's peers are opened (a fresh S3 server state)."""
     rows = []
     for size in sizes:
         n = max(batch, int(mib_per_rep * MiB // size) // batch * batch)
@@ -170,8 +189,10 @@ def bench_io(systems: list[str], sizes: list[int], reps: int, mib_per_rep: float
                     keys = [os.urandom(16) for _ in range(n)]
                     peers: dict[str, Peer] = {}
                     try:
+                        if setup is not None:
+                            setup()
                         for name in group:
-                            peers[name] = SYSTEMS[name](dirs[name])
+                            peers[name] = factories[name](dirs[name])
                         res = interleaved_rep(peers, mode, keys, vals, min(batch, n))
                     finally:
                         for peer in peers.values():
@@ -193,7 +214,7 @@ def bench_io(systems: list[str], sizes: list[int], reps: int, mib_per_rep: float
     return rows
 
 
-def ratios(rows: list[Row], of: str = "kvstore") -> list[dict]:
+def ratios(rows: list[Row], of: str = "kvstore", peers: Sequence[str] = tuple(SYSTEMS)) -> list[dict]:
     """``of`` / peer throughput: the median of the per-rep ratios (both ran in the same rep,
     minutes apart at most), with the lowest and highest of them."""
     by = {(r.system, r.size, r.mode, r.op): r for r in rows}
@@ -201,7 +222,7 @@ def ratios(rows: list[Row], of: str = "kvstore") -> list[dict]:
     for (system, size, mode, op), r in by.items():
         if system != of:
             continue
-        for peer in SYSTEMS:
+        for peer in peers:
             p = by.get((peer, size, mode, op))
             if peer == of or p is None:
                 continue
@@ -301,22 +322,176 @@ def bench_ec(sizes: list[int], iters: int, log: Callable[[str], None]) -> list[d
     return out
 
 
+# ----------------------------------------------------------------------------------- S3 targets
+S3_BUCKETS = tuple(f"kvs-t{i}" for i in range(6))  # kvstore's 6 targets (EC 4+2), one bucket and domain each
+S3_RAW_BUCKET = "raw"
+S3_PEERS = ("raw_s3",)
+# The server is moto on loopback: these only satisfy the clients' signing; the endpoint is the server's.
+_S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@contextlib.contextmanager
+def s3_environment(endpoint: str) -> Iterator[None]:
+    """The AWS environment the store's s3fs targets read (credentials, ``AWS_ENDPOINT_URL``
+    pointing at ``endpoint``) inside the block; the previous values back after."""
+    env = {**_S3_ENV, "AWS_ENDPOINT_URL": endpoint, "AWS_ENDPOINT_URL_S3": endpoint}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def s3_systems(server: S3Server) -> tuple[dict[str, Callable[[str], Peer]], Callable[[], None]]:
+    """The S3 run's systems on ``server`` (name -> peer on a local directory: kvstore keeps its
+    index there, its fragments in ``S3_BUCKETS``) and the setup before each rep: every bucket
+    and object dropped, the buckets made again, fsspec's cached filesystems (and their
+    listing caches) forgotten."""
+    import s3fs
+
+    targets = ",".join(f"s3://{b}/kv#{b}" for b in S3_BUCKETS)
+    factories: dict[str, Callable[[str], Peer]] = {
+        "kvstore": lambda d: KVStorePeer(d, "none", targets=targets),
+        "raw_s3": lambda d: S3RawPeer(server, S3_RAW_BUCKET),
+    }
+
+    def setup() -> None:
+        server.reset()
+        for b in S3_BUCKETS:
+            server.create_bucket(b)
+        s3fs.S3FileSystem.clear_instance_cache()
+
+    return factories, setup
+
+
+def s3_requests(server: S3Server, factories: dict[str, Callable[[str], Peer]], setup: Callable[[], None],
+                sizes: list[int], batch: int, work: str) -> list[dict]:
+    """What one op costs in S3 requests, per system, size and mode: one put (or one batch of
+    ``batch`` entries), then one get (or ``get_many``) of it, each system alone on a fresh
+    server, untimed; the requests the server received during each call, by kind (PUT: an
+    object written; GET range: a ranged read; LIST: a bucket-level GET; HEAD ...)."""
+    out = []
+    for size in sizes:
+        val = payloads(size, 1, seed=size)[0]
+        for mode in ("single", "batch"):
+            n = 1 if mode == "single" else batch
+            for name, factory in factories.items():
+                d = tempfile.mkdtemp(prefix=f"{name}-", dir=work)
+                keys = [os.urandom(16) for _ in range(n)]
+                setup()
+                peer = factory(d)
+                try:
+                    server.zero_counts()
+                    peer.put(keys[0], val) if mode == "single" else peer.put_many([(k, val) for k in keys])
+                    put = server.counts()
+                    server.zero_counts()
+                    got = [peer.get(keys[0])] if mode == "single" else peer.get_many(keys)
+                    get = server.counts()
+                finally:
+                    peer.close()
+                    shutil.rmtree(d, ignore_errors=True)
+                if got != [val] * n:
+                    raise RuntimeError(f"{name} returned wrong bytes")
+                for op, c in (("put", put), ("get", get)):
+                    out.append({"system": name, "size": size, "mode": mode, "op": op, "entries": n,
+                                "requests": dict(sorted(c.items())), "objects_written": c.get("PUT", 0),
+                                "per_entry": sum(c.values()) / n})
+    return out
+
+
+def s3_table(rows: list[Row], ratio_rows: list[dict], reqs: list[dict]) -> str:
+    lines = [_io_lines(rows), "", _ratio_lines(ratio_rows, S3_PEERS),
+             "\nS3 requests per op (each system alone, one op; a batch's are for all its entries)"]
+    for x in reqs:
+        what = ", ".join(f"{k} {v}" for k, v in x["requests"].items()) or "none"
+        lines.append(f"  {x['system']:<8} {x['size'] // 1024:>5} KiB {x['mode']:<6} {x['op']:<3} "
+                     f"x{x['entries']:<4} {what:<40} ({x['per_entry']:.2f} per entry)")
+    return "\n".join(lines)
+
+
+def run_s3(a: argparse.Namespace, ap: argparse.ArgumentParser, argv: Sequence[str] | None,
+           log: Callable[[str], None]) -> int:
+    """``--s3``: kvstore on 6 S3 targets against raw s3fs, on a moto server on loopback."""
+    import importlib.util
+
+    missing = [m for m in ("moto", "s3fs", "boto3") if importlib.util.find_spec(m) is None]
+    if missing:
+        ap.error(f"--s3 needs {', '.join(missing)} (pip install -e '.[s3,dev]')")
+    q = a.quick
+    sizes = a.sizes or [128 * 1024, MiB]
+    reps = a.reps if a.reps is not None else (1 if q else 3)
+    mib_per_rep = a.mib_per_rep if a.mib_per_rep is not None else (2 if q else 8)
+    t_start = time.perf_counter()
+    work = tempfile.mkdtemp(prefix="bench_store-", dir=a.work_dir)
+    server = None
+    try:  # from here on, whatever happens (Ctrl-C included): the S3 server stopped, work dir removed
+        server = S3Server()
+        with s3_environment(server.endpoint):
+            factories, setup = s3_systems(server)
+            systems = list(factories)
+            log(f"S3 (moto {server.version} at {server.endpoint}): systems {systems}; sizes {sizes}; reps {reps}; "
+                f"{mib_per_rep} MiB per rep; batch {a.batch}")
+            rows = bench_io(systems, sizes, reps, mib_per_rep, a.batch, work, log, interleave=not a.sequential,
+                            factories=factories, setup=setup)
+            reqs = s3_requests(server, factories, setup, sizes, a.batch, work)
+    except (RuntimeError, OSError, KVStoreError) as exc:  # the server did not start or failed; wrong bytes
+        ap.exit(1, f"{ap.prog}: error: {one_line(exc)}\n")
+    finally:
+        if server is not None:
+            server.close()
+        shutil.rmtree(work, ignore_errors=True)
+    rr = ratios(rows, peers=S3_PEERS)
+    print(s3_table(rows, rr, reqs))
+    elapsed = time.perf_counter() - t_start
+    print(f"elapsed {elapsed:.0f} s")
+    meta = {
+        "command": " ".join([Path(sys.executable).name, "tools/bench_store.py", *(argv or sys.argv[1:])]),
+        "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+        "payload": "fp16 random-normal", "ec": f"{DEFAULT_EC_TYPE} 4+2", "s3_server": f"moto {server.version}, "
+        "a child process on loopback", "kvstore_targets": [f"s3://{b}/kv" for b in S3_BUCKETS],
+        "kvstore_fsync": "default (true): objects are whole once PUT returns; the local index commit is synced",
+        "raw_s3": "s3fs, one object per entry: pipe_file / cat_file; batches fs.pipe / fs.cat (concurrent)",
+        "reps": reps, "mib_per_rep": mib_per_rep, "interleaved": not a.sequential, "batch": a.batch,
+        "elapsed_s": elapsed,
+    }
+    out = Path(a.out or "results/bench_store_s3.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "io": [asdict(r) for r in rows], "ratios": rr, "requests": reqs},
+                              indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 # ----------------------------------------------------------------------------------- report
-def table(rows: list[Row], ratio_rows: list[dict], goal_rows: list[dict], lookups: list[dict],
-          ec: list[dict]) -> str:
+def _io_lines(rows: list[Row]) -> str:
     lines = [f"{'system':<13} {'size':>8} {'mode':<6} {'op':<3} {'MiB/s':>9} {'p50 ms':>8} {'p90 ms':>8} "
              f"{'p99 ms':>8}"]
     for r in rows:
         lines.append(f"{r.system:<13} {r.size // 1024:>4} KiB {r.mode:<6} {r.op:<3} {r.mib_s:>9.1f} "
                      f"{r.p50_ms:>8.2f} {r.p90_ms:>8.2f} {r.p99_ms:>8.2f}")
-    lines.append("\nratio kvstore / peer (throughput; median of the per-rep ratios)")
-    peers = [p for p in SYSTEMS if p != "kvstore" and any(x["peer"] == p for x in ratio_rows)]
+    return "\n".join(lines)
+
+
+def _ratio_lines(ratio_rows: list[dict], systems: Sequence[str] = tuple(SYSTEMS)) -> str:
+    lines = ["ratio kvstore / peer (throughput; median of the per-rep ratios)"]
+    peers = [p for p in systems if p != "kvstore" and any(x["peer"] == p for x in ratio_rows)]
     lines.append(f"{'size':>8} {'mode':<6} {'op':<3} " + " ".join(f"{p:>12}" for p in peers))
     keyed = {(x["size"], x["mode"], x["op"], x["peer"]): x["ratio"] for x in ratio_rows}
     for size, mode, op in sorted({(x["size"], x["mode"], x["op"]) for x in ratio_rows}):
         cells = [f"{keyed[(size, mode, op, p)]:>11.2f}x" if (size, mode, op, p) in keyed else f"{'-':>12}"
                  for p in peers]
         lines.append(f"{size // 1024:>4} KiB {mode:<6} {op:<3} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def table(rows: list[Row], ratio_rows: list[dict], goal_rows: list[dict], lookups: list[dict],
+          ec: list[dict]) -> str:
+    lines = [_io_lines(rows), "", _ratio_lines(ratio_rows)]
     lines.append("\ngoals (kvstore / peer)")
     for g in goal_rows:
         lines.append(f"  {g['op']} >= {g['goal']}x {g['peer']:<8} {g['size'] // 1024:>5} KiB {g['mode']:<6} "
@@ -387,6 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--remote", action="store_true",
                     help="run the daemon's benchmark (tools/bench_remote.py) instead; see --remote --help")
+    ap.add_argument("--s3", action="store_true",
+                    help="kvstore on 6 S3 targets against raw s3fs, on a moto S3 server on loopback (docstring)")
     ap.add_argument("--quick", action="store_true", help="a short run: fewer bytes, reps, sizes")
     ap.add_argument("--sizes", type=csv_list(_size_in(2, MAX_PAYLOAD, "payload size")), default=None,
                     help="payload sizes (default 128K,1M,4M)")
@@ -394,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mib-per-rep", type=number(0, 1 << 20, lo_open=True), default=None,
                     help="MiB written per rep (default 32; quick 4)")
     ap.add_argument("--batch", type=integer(1, 4096), default=16, help="items per put_many/get_many")
-    ap.add_argument("--systems", type=_systems, default=list(SYSTEMS),
+    ap.add_argument("--systems", type=_systems, default=None,
                     help=f"kvstore and at least one peer, from {','.join(SYSTEMS)}")
     ap.add_argument("--lookup-sizes", type=csv_list(_size_in(MIN_LOOKUP_ENTRIES, None, "lookup index size")),
                     default=None, help="index sizes (default 10k,100k,1000k; quick 10k,100k)")
@@ -404,19 +581,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="run a rep's systems one after the other, not interleaved step by step")
     ap.add_argument("--work-dir", default=None, help="where the stores live (default: a temp dir)")
     ap.add_argument("--no-install", action="store_true", help="do not run tools/install_peers.sh if redis is missing")
-    ap.add_argument("--out", default="results/bench_store.json")
+    ap.add_argument("--out", default=None, help="results file (default results/bench_store.json; "
+                                                "with --s3 results/bench_store_s3.json)")
     a = ap.parse_args(args)
+    if a.s3 and (a.systems is not None or a.lookup_sizes is not None):
+        ap.error("--s3 runs its own systems (kvstore, raw_s3) and no lookup: drop --systems and --lookup-sizes")
     if a.work_dir is not None and (msg := check_existing_dir(a.work_dir, "--work-dir")):
         ap.error(msg)
-    if msg := check_output_file(a.out):
+    if msg := check_output_file(a.out or ("results/bench_store_s3.json" if a.s3 else "results/bench_store.json")):
         ap.error(msg)
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    if a.s3:
+        return run_s3(a, ap, argv, log)
     q = a.quick
     sizes = a.sizes or [128 * 1024, MiB, 4 * MiB]
     reps = a.reps if a.reps is not None else (1 if q else 5)
     mib_per_rep = a.mib_per_rep if a.mib_per_rep is not None else (4 if q else 32)
     lookup_sizes = a.lookup_sizes or ([10_000, 100_000] if q else [10_000, 100_000, 1_000_000])
-    systems = list(a.systems)
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    systems = list(a.systems or SYSTEMS)
     t_start = time.perf_counter()
     work = tempfile.mkdtemp(prefix="bench_store-", dir=a.work_dir)
     notes: list[str] = []
@@ -468,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "malloc_tuning": malloc,
         "lookup_index": "filled with fake metas through kvstore.embedded.index.Index (lookup reads only the index)",
     }
-    out = Path(a.out)
+    out = Path(a.out or "results/bench_store.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "io": [asdict(r) for r in rows], "ratios": rr, "goals": gr,
                                "lookup": lookups, "ec": ec}, indent=1))
