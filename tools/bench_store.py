@@ -22,10 +22,11 @@ What is measured (figures, not a test; the machine is noisy, read the ratios):
    + dir fsync vs plain read: the limit for one copy at the same durability); ``ec_floor`` (the
    least I/O of any store keeping k+m fragments behind a durable index: appends to open files,
    one syncfs, one durable LMDB commit; k preads back; nothing encoded or verified: the limit
-   for kvstore's own design, ``tools.bench_peers.ECFloorPeer``); ``file_floor`` (the same bound
-   for one file per fragment, each written under a temporary name and renamed, the write path
-   the store's design prescribes and single puts take: ``FileFloorPeer``; each goal against raw_file
-   prints file_floor / raw_file beside it, the most that layout reaches here); LMDB (py-lmdb,
+   for the segment layout kvstore writes on local targets, ``tools.bench_peers.ECFloorPeer``;
+   each goal against raw_file prints ec_floor / raw_file beside it, the most that layout
+   reaches here); ``file_floor`` (the same bound for one file per fragment, each written under a
+   temporary name and renamed, the layout of stores whose targets cannot append:
+   ``FileFloorPeer``); LMDB (py-lmdb,
    ``sync=True``, one transaction per put or per batch); Redis (``redis-server`` started here on
    loopback with ``appendonly yes, appendfsync always``, RDB off, AOF rewrite off; redis-py +
    hiredis; a batch put is a pipeline of SETs, a batch get one MGET). Every rep writes fresh
@@ -234,9 +235,9 @@ def ratios(rows: list[Row], of: str = "kvstore", peers: Sequence[str] = tuple(SY
 
 
 def goals(ratio_rows: list[dict], floor_rows: Sequence[dict] = ()) -> list[dict]:
-    """The goals' rows; a goal against raw_file also gets ``floor``, file_floor / raw_file in the
-    same reps (``floor_rows``: ``ratios(rows, "file_floor")``): the most the one-file-per-fragment
-    layout of single puts reaches against one plain copy here, whatever kvstore does."""
+    """The goals' rows; a goal against raw_file also gets ``floor``, ec_floor / raw_file in the
+    same reps (``floor_rows``: ``ratios(rows, "ec_floor")``): the most the segment layout
+    reaches against one plain copy here, whatever kvstore does."""
     floors = {(x["size"], x["mode"], x["op"]): x["ratio"] for x in floor_rows if x["peer"] == "raw_file"}
     out = []
     for op, peer, need in GOALS:
@@ -497,7 +498,7 @@ def table(rows: list[Row], ratio_rows: list[dict], goal_rows: list[dict], lookup
         lines.append(f"  {g['op']} >= {g['goal']}x {g['peer']:<8} {g['size'] // 1024:>5} KiB {g['mode']:<6} "
                      f"{g['ratio']:6.2f}x  (reps {g['ratio_min']:.2f}-{g['ratio_max']:.2f}x)  "
                      f"{'MET' if g['met'] else 'MISSED'}"
-                     + (f"  (file_floor / raw_file {g['floor']:.2f}x)" if g.get("floor") is not None else ""))
+                     + (f"  (ec_floor / raw_file {g['floor']:.2f}x)" if g.get("floor") is not None else ""))
     if lookups:
         lines.append("\nlookup of a 1,000-block chain (all hit), in process; index filled with fake metas")
         for x in lookups:
@@ -633,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.close()
         shutil.rmtree(work, ignore_errors=True)
     rr = ratios(rows)
-    gr = goals(rr, ratios(rows, "file_floor"))
+    gr = goals(rr, ratios(rows, "ec_floor"))
     print(table(rows, rr, gr, lookups, ec))
     for n in notes:
         print(f"note: {n}")
