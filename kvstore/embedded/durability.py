@@ -50,17 +50,25 @@ _SYNCFS = _libc_syncfs() if sys.platform.startswith("linux") else None
 
 def syncfs(path: str) -> None:
     """Make every written file and directory entry of ``path``'s filesystem durable."""
-    import ctypes
-
     if _SYNCFS is None:
         raise OSError(errno.ENOSYS, "syncfs is not available here", path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        if _SYNCFS(fd) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, os.strerror(e), path)
+        syncfs_fd(fd, path)
     finally:
         os.close(fd)
+
+
+def syncfs_fd(fd: int, path: str) -> None:
+    """``syncfs`` through a descriptor the caller holds open (``path`` names it in errors): it
+    also reports writeback errors of that filesystem since the descriptor was opened."""
+    import ctypes
+
+    if _SYNCFS is None:
+        raise OSError(errno.ENOSYS, "syncfs is not available here", path)
+    if _SYNCFS(fd) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), path)
 
 
 def fs_type(path: str) -> str:

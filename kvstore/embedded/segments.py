@@ -62,7 +62,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvstore.embedded.durability import syncfs
+from kvstore.embedded.durability import syncfs_fd
 from kvstore.embedded.targets import LocalTarget, Target, pack_path
 
 log = logging.getLogger("kvstore.embedded.store")
@@ -77,15 +77,18 @@ ALIGN = 4096
 class _Flusher:
     """Group commit of one durable flush (a filesystem's ``syncfs``, a file's ``fdatasync``):
     ``written()`` is called after each write it must cover, ``flush(upto)`` returns once a flush
-    that started after write number ``upto`` has finished, running one only if none did."""
+    that started after write number ``upto`` has finished, running one only if none did. A
+    flush that fails fails every write it covered, also for the callers that wait on it: the
+    kernel reports a writeback error once, so flushing again would "succeed" over lost pages."""
 
-    __slots__ = ("_count_lock", "_lock", "_written", "_flushed", "_flush")
+    __slots__ = ("_count_lock", "_lock", "_written", "_flushed", "_failed", "_flush")
 
     def __init__(self, flush: Callable[[], None]):
         self._count_lock = threading.Lock()
         self._lock = threading.Lock()
         self._written = 0
         self._flushed = 0
+        self._failed: tuple[int, OSError] | None = None  # the last write a failed flush covered, its error
         self._flush = flush
 
     def written(self) -> int:
@@ -96,11 +99,17 @@ class _Flusher:
     def flush(self, upto: int) -> bool:
         """Make writes up to number ``upto`` durable; whether this call ran the flush."""
         with self._lock:
+            if self._failed is not None and upto <= self._failed[0]:
+                raise OSError(self._failed[1].errno, f"a flush covering this write failed: {self._failed[1]}")
             if self._flushed >= upto:
                 return False
             with self._count_lock:
                 covers = self._written  # every write counted so far has finished before this point
-            self._flush()
+            try:
+                self._flush()
+            except OSError as exc:
+                self._failed = (covers, exc)
+                raise
             self._flushed = covers
             return True
 
@@ -183,6 +192,7 @@ class Segments:
         self._active: Segment | None = None
         self._fs: dict[int, _Flusher] = {}  # st_dev -> its syncfs group commit
         self._devs: dict[str, int] = {}  # target name -> st_dev of its root
+        self._root_fds: list[int] = []  # held open for the ``syncfs`` flushes
         self._closed = False
 
     @staticmethod
@@ -254,12 +264,16 @@ class Segments:
         seg.files.clear()
 
     def close(self) -> None:
-        """Seal the active segment; descriptors close as their puts release them."""
+        """Seal the active segment; descriptors close as their puts release them. Called once
+        no put is in flight."""
         with self._lock:
             self._closed = True
             seg = self._active
+            fds, self._root_fds = self._root_fds, []
         if seg is not None:
             self.seal(seg, "the store is closing")
+        for fd in fds:
+            os.close(fd)
 
     # ------------------------------------------------------------------ writing
     def _file(self, seg: Segment, name: str) -> _File:
@@ -334,8 +348,12 @@ class Segments:
             with self._lock:
                 fl = self._fs.get(dev)
                 if fl is None:
-                    root = self.targets[name].root
-                    fl = self._fs[dev] = _Flusher(lambda: syncfs(root))
+                    # One descriptor held for the store's life: syncfs reports a writeback error
+                    # that happened since the descriptor was opened, so a fresh one per call
+                    # would miss those of pages written back before it.
+                    fd = os.open(self.targets[name].root, os.O_RDONLY | os.O_CLOEXEC)
+                    self._root_fds.append(fd)
+                    fl = self._fs[dev] = _Flusher(lambda: syncfs_fd(fd, self.targets[name].root))
         return fl
 
 

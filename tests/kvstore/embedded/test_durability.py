@@ -36,7 +36,7 @@ def calls(monkeypatch):
     """Counts syncfs calls and per-file fsyncs of the store's writes."""
     seen = {"syncfs": [], "fsync_writes": 0, "plain_writes": 0}
     monkeypatch.setattr(F, "syncfs", lambda path: seen["syncfs"].append(path))
-    monkeypatch.setattr(S, "syncfs", lambda path: seen["syncfs"].append(path))
+    monkeypatch.setattr(S, "syncfs_fd", lambda fd, path: seen["syncfs"].append(path))
     orig = T.LocalTarget.write
 
     def write(self, rel, data, *, fsync):
@@ -122,7 +122,7 @@ def test_a_failing_syncfs_fails_the_put_and_leaves_nothing(tmp_path, monkeypatch
         raise OSError(5, "Input/output error (injected)", path)
 
     monkeypatch.setattr(F, "syncfs", broken)
-    monkeypatch.setattr(S, "syncfs", broken)  # a segment's appends fail, then fragment by fragment
+    monkeypatch.setattr(S, "syncfs_fd", lambda fd, path: broken(path))  # a segment's flush fails: files then
     with pytest.raises(StoreUnavailable, match="durable"):
         st.put(K(1), b"x" * 1000)
     with pytest.raises(StoreUnavailable):  # a batch: its packs fail, then fragment by fragment

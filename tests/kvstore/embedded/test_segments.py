@@ -244,3 +244,25 @@ def test_fragment_refs_cover_segments(data_dir, keys):
         assert s.put(keys[0], value_for(keys[0]))
         refs = fragment_refs(s, keys[0])
         assert len(refs) == 6 and all(r.packed and r.offset % S.ALIGN == 0 for r in refs)
+
+
+def test_a_failed_flush_fails_every_write_it_covered_also_for_those_waiting_on_it():
+    """The kernel reports a writeback error once: a caller whose writes a failed flush covered
+    must fail too, not flush again and be told they are durable."""
+    calls = []
+
+    def flush():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error (injected)")
+
+    fl = S._Flusher(flush)
+    a, b = fl.written(), fl.written()
+    with pytest.raises(OSError):
+        fl.flush(a)
+    with pytest.raises(OSError, match="a flush covering this write failed"):
+        fl.flush(b)  # covered by the failed flush: no second flush
+    assert len(calls) == 1
+    c = fl.written()
+    assert fl.flush(c) and len(calls) == 2  # a write after it flushes as usual
+    assert not fl.flush(c)  # and is not flushed twice
