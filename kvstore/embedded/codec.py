@@ -337,16 +337,19 @@ def fragment_id(index: int, k: int, m: int, kind_code: int, key: bytes, gen: byt
                            key, gen, entry_len, body_len, 0)[:FRAG_ID_LEN]
 
 
-_FRAG_INDEX_AT = 6  # the index byte inside ``fragment_id`` (after magic and version)
-_INDEX_BYTE = tuple(bytes((i,)) for i in range(256))
+FRAG_INDEX_AT = 6  # the fragment index byte inside ``fragment_id`` (after magic and version)
 
 
-def fragment_ids(k: int, m: int, ek: bytes, gen: bytes, entry_len: int, body_len: int) -> list[bytes]:
-    """``fragment_id`` of data fragments ``0 .. k-1`` of the entry ``ek`` (kind code || key):
-    one header packed, the index byte set in each (the read fast paths' header check)."""
-    base = _FRAG_HEAD.pack(FRAG_MAGIC, FORMAT_VERSION, 0, k, m, ek[0], 0, ek[1:], gen, entry_len, body_len, 0)
-    head, tail = base[:_FRAG_INDEX_AT], base[_FRAG_INDEX_AT + 1 : FRAG_ID_LEN]
-    return [head + _INDEX_BYTE[i] + tail for i in range(k)]
+def fragment_id_at(index: int, buf: memoryview, at: int, id0: bytes) -> bool:
+    """Is ``buf[at : at + FRAG_ID_LEN]`` the ``fragment_id`` of fragment ``index`` of the entry
+    whose fragment 0 has ``id0``? The ids differ only in the index byte, so one id packed per
+    entry serves all of its fragments (the read fast paths). ``buf`` is left as it was."""
+    if buf[at + FRAG_INDEX_AT] != index:
+        return False
+    buf[at + FRAG_INDEX_AT] = 0
+    same = buf[at : at + FRAG_ID_LEN] == id0
+    buf[at + FRAG_INDEX_AT] = index
+    return same
 
 
 ZERO_CSUM = b"\0" * 8  # the checksum field as hashed: zeros

@@ -162,9 +162,9 @@ class LocalFastReads:
         slot = flen + 1  # one byte more, so that an over-long file shows as a wrong length
         scratch = self._scratch(slot * k)
         # Each fragment's header up to its checksum is known from the record: compare bytes
-        # (``codec.fragment_ids``; what parsing it and ``frame_matches`` would check).
-        ids = codec.fragment_ids(k, meta.m, ek, meta.gen, meta.entry_len, flen - codec.FRAG_HEADER_LEN)
-        idlen = codec.FRAG_ID_LEN
+        # (``codec.fragment_id``; what parsing it and ``frame_matches`` would check).
+        id0 = codec.fragment_id(0, k, meta.m, ek[0], ek[1:], meta.gen, meta.entry_len, flen - codec.FRAG_HEADER_LEN)
+        same = codec.fragment_id_at
         bodies: dict[int, memoryview] = {}
         try:
             reads = _Reads(self.files, _data_paths(ek, meta, roots))
@@ -172,7 +172,7 @@ class LocalFastReads:
                 for i in range(k):
                     lo = i * slot
                     view = scratch[lo : lo + slot if reads.paths[i][1] is None else lo + flen]
-                    if reads.preadv(i, [view]) != flen or scratch[lo : lo + idlen] != ids[i]:
+                    if reads.preadv(i, [view]) != flen or not same(i, scratch, lo, id0):
                         return None
                     bodies[i] = view[codec.FRAG_HEADER_LEN : flen]
             finally:
@@ -227,7 +227,8 @@ class LocalFastReads:
         scratch = self._scratch(k * head + hlen + share + k)
         ehead = scratch[k * head : k * head + hlen]
         pad = scratch[k * head + hlen : k * head + hlen + share]
-        ids = codec.fragment_ids(k, meta.m, ek, meta.gen, elen, flen - fhl)
+        id0 = codec.fragment_id(0, k, meta.m, ek[0], ek[1:], meta.gen, elen, flen - fhl)
+        same = codec.fragment_id_at
         idlen = codec.FRAG_ID_LEN
         lead_ok = code.data_lead_ok
         try:
@@ -247,7 +248,7 @@ class LocalFastReads:
                     if whole:  # a file of its own: an over-long one shows as a wrong length
                         spare = k * head + hlen + share + i
                         iov.append(scratch[spare : spare + 1])
-                    if (reads.preadv(i, iov) != flen or scratch[at : at + idlen] != ids[i]
+                    if (reads.preadv(i, iov) != flen or not same(i, scratch, at, id0)
                             or not lead_ok(scratch[at + fhl : at + head], i, share, elen)):
                         return None
                     if i == 0:  # fragment 0 carries the entry header: verify it whole

@@ -124,19 +124,16 @@ class OpenFiles:
         """A descriptor for each path (opened read-only where not kept yet), each held until
         ``release``. Raises what ``os.open`` raises (``FileNotFoundError`` for a missing file),
         after releasing what it held."""
-        out: list = []
-        missing: list[int] = []
+        kept = self._kept
         with self._lock:
-            kept = self._kept
-            for j, p in enumerate(paths):
-                h = kept.get(p)
+            out = [kept.get(p) for p in paths]
+            missing = []
+            for j, h in enumerate(out):
                 if h is None:
-                    out.append(None)
                     missing.append(j)
                 else:
-                    kept.move_to_end(p)
+                    kept.move_to_end(h.path)
                     h.refs += 1
-                    out.append(h)
         for j in missing:
             try:
                 out[j] = self._open(paths[j])
