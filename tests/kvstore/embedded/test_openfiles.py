@@ -205,3 +205,34 @@ def test_concurrent_readers_get_their_own_bytes(files):
 def test_capacity_is_checked():
     with pytest.raises(ValueError, match="at least 1"):
         OpenFiles(0)
+
+
+def test_a_direct_reader_keeps_pack_descriptors_and_closes_them(tmp_path):
+    """A client that mounts the targets (``kvstore.client.direct_reads.DirectReader``) reads
+    packs through kept descriptors too, and gives them back on ``close``."""
+    import kvstore
+    from kvstore.client.direct_reads import DirectReader, Located
+    from kvstore.api import EntryKind
+    from kvstore.embedded.index import ekey
+    from kvstore.proto import kvstore_pb2 as pb
+
+    s = kvstore.connect(str(tmp_path / "s"), fsync=False)
+    vals = {os.urandom(16): os.urandom(30000) for _ in range(6)}
+    s.put_many([kvstore.PutItem(k, v) for k, v in vals.items()])
+    eks = [ekey(EntryKind.BLOCK.code, k) for k in vals]
+    locs = [Located(ek, m) for ek, m in zip(eks, s.locate(eks))]
+    d = pb.DescribeReply(direct_reads=True, ec_type=s.config.ec_type, ec_k=s.config.ec_k, ec_m=s.config.ec_m,
+                         data_dir=str(tmp_path / "s"), max_value_bytes=s.config.max_value_bytes,
+                         targets=[pb.TargetInfo(name=n, url=f"file://{t.root}") for n, t in s.targets.items()])
+    s.close()
+    before = _open_fds()
+    r = DirectReader(d, workers=2)
+    try:
+        for _ in range(2):
+            got = r.read_many(locs, [None] * len(locs))
+            assert [bytes(p) for _, p in got] == list(vals.values())
+        assert 0 < len(r.reader.files) <= len(d.targets)
+        assert r.counters["direct_reads"] == 2 * len(vals) and r.counters["fallbacks"] == 0
+    finally:
+        r.close()
+    assert len(r.reader.files) == 0 and _open_fds() == before
