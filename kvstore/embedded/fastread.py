@@ -3,7 +3,9 @@ targets in few steps, trusted through the entry checksum (``kvstore.embedded.sto
 "Read path").
 
 ``LocalFastReads`` is a part of ``kvstore.embedded.fragment_reads.FragmentReader``, built over
-the reader's ``config``, ``targets`` and per-thread scratch buffer. Each fast path
+the reader's ``config``, ``targets``, per-thread scratch buffer and kept pack descriptors
+(``kvstore.embedded.openfiles.OpenFiles``): a fragment inside a pack is one ``preadv`` on the
+pack's kept descriptor, one in a file of its own an open, a ``preadv`` and a close. Each fast path
 returns ``None`` on anything unexpected, and ``FragmentReader.read_verified`` then takes the
 verifying path, which finds the bad fragment, reads parity, counts the degraded read and
 marks the entry lost if need be.

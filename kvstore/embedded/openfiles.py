@@ -25,8 +25,9 @@ Why a descriptor may be kept, each for its reason:
      ``delete_grace_s``. The price: the deleted pack's blocks stay allocated until its
      descriptor closes. That is bounded: at most ``capacity`` descriptors per ``OpenFiles``
      (each pins at most one pack); ``forget(path)`` closes one at once (the deleter's
-     hook); and every ``SWEEP_EVERY`` opens, the kept descriptors whose file has no name
-     left (``st_nlink == 0``) are closed.
+     hook); and every ``SWEEP_EVERY`` opens, or ``SWEEP_S`` seconds of reads, the kept
+     descriptors whose file has no name left (``st_nlink == 0``) are closed. A reader that
+     reads nothing more keeps what it holds until it is closed.
   4. A path that no longer names the same file (a target root moved away, a pack deleted by
      hand) is not noticed by a kept descriptor: reads through it return the old, verified
      bytes. Readers that must see the file system as it is now (``check``, the orphan
@@ -47,6 +48,7 @@ import errno
 import logging
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from typing import Sequence
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 256  # descriptors kept per reader: one per (target, pack) recently read
 SWEEP_EVERY = 64  # opens between two looks for kept descriptors of unlinked files (invariant 3)
+SWEEP_S = 5.0  # and at most this long between two, while reads go on
 
 
 class Held:
@@ -114,6 +117,7 @@ class OpenFiles:
         self._kept: OrderedDict[str, Held] = OrderedDict()
         self._closed = False
         self._opens = 0
+        self._next_sweep = time.monotonic() + SWEEP_S
         # An owner dropped without ``close`` (a store never closed) still gives its descriptors back.
         self._finalizer = weakref.finalize(self, _close_all, self._kept)
 
@@ -125,6 +129,7 @@ class OpenFiles:
         ``release``. Raises what ``os.open`` raises (``FileNotFoundError`` for a missing file),
         after releasing what it held."""
         kept = self._kept
+        now = time.monotonic()
         with self._lock:
             out = [kept.get(p) for p in paths]
             missing = []
@@ -134,6 +139,11 @@ class OpenFiles:
                 else:
                     kept.move_to_end(h.path)
                     h.refs += 1
+            sweep = now >= self._next_sweep
+            if sweep:
+                self._next_sweep = now + SWEEP_S
+        if sweep:
+            self._sweep_unlinked()
         for j in missing:
             try:
                 out[j] = self._open(paths[j])

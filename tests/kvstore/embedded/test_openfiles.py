@@ -236,3 +236,20 @@ def test_a_direct_reader_keeps_pack_descriptors_and_closes_them(tmp_path):
     finally:
         r.close()
     assert len(r.reader.files) == 0 and _open_fds() == before
+
+
+def test_the_sweep_also_runs_on_time_while_reads_go_on(files, monkeypatch):
+    of = OpenFiles(8)
+    _read(of, files[0])
+    (h,) = of.hold([files[0]])
+    fd = h.fd
+    of.release([h])
+    os.unlink(files[0])
+    now = [openfiles.time.monotonic()]
+    monkeypatch.setattr(openfiles.time, "monotonic", lambda: now[0])
+    _read(of, files[1])
+    assert files[0] in of._kept  # not due yet
+    now[0] += openfiles.SWEEP_S + 1
+    _read(of, files[1])  # no open, but a sweep is due
+    assert files[0] not in of._kept and not _is_open(fd)
+    of.close()
