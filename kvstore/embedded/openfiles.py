@@ -14,10 +14,12 @@ fragment in a file of its own is opened, read and closed as before. Order of a r
         files.release(held)             # one lock round; closes what was evicted meanwhile
 
 Why a descriptor may be kept, each for its reason:
-  1. The bytes of a pack at an offset never change once an index record names them: packs are
-     appended to, never rewritten in place, and a generation (so a pack's name) is never
-     reused; compaction writes a new pack under a new generation. So a descriptor opened
-     once reads what a fresh open would, for every record that names that pack.
+  1. The bytes of a pack at an offset never change while an index record names them: packs
+     (segments included) are appended to, never rewritten in place, and a generation (so a
+     pack's name) is never reused; compaction writes a new pack under a new generation. So a
+     descriptor opened once reads what a fresh open would, for every record that names that
+     pack. (GC punches out the blocks of purged entries, which no record names any more: a
+     stale reader then reads zeros through any descriptor, and its checks reject them.)
   2. Every byte read through a kept descriptor is still verified by the caller (checksums,
      fragment header against the record), exactly as one read through a fresh open.
   3. A pack unlinked by GC stays readable through a kept descriptor: a reader that took the
@@ -30,8 +32,12 @@ Why a descriptor may be kept, each for its reason:
      reads nothing more keeps what it holds until it is closed.
   4. A path that no longer names the same file (a target root moved away, a pack deleted by
      hand) is not noticed by a kept descriptor: reads through it return the old, verified
-     bytes. Readers that must see the file system as it is now (``check``, the orphan
-     sweep) do not use this cache (``FragmentReader.read_fragment`` with ``cached=False``).
+     bytes (a deleted one until the sweep of 3). Readers that must see the file system as it
+     is now (``check``, the orphan sweep) do not use this cache (``FragmentReader.read_fragment``
+     without ``kept``). A disk that fails answers reads with errors: the descriptor is
+     dropped (``discard``) and the next read opens the path again, or reads parity. And a
+     filesystem with kept descriptors on it is busy: unmounting a target under a running
+     store needs the store closed first (or a lazy unmount).
 
 Concurrency: thread-safe. The LRU order and reference counts change under one lock, never
 held across I/O (an open of a missing or slow file blocks only its caller). An evicted,
