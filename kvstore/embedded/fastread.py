@@ -132,12 +132,11 @@ class LocalFastReads:
         self.targets = targets
         self._scratch = scratch
         self.files = files
-        self._never = bool(config.read_timeout_s or config.parallel_reads == "always")
         self._code = codec.erasure_code  # (k, m, type) -> the cached code object
 
     def local_roots(self, meta: Meta) -> list[str] | None:
         """Roots of the k data fragments' targets when the local fast path applies."""
-        if self._never:
+        if self.config.read_timeout_s or self.config.parallel_reads == "always":
             return None
         roots = []
         targets = self.targets
