@@ -241,6 +241,7 @@ class DirectReader:
     def close(self) -> None:
         # Bounded: a read stuck on a frozen target holds its thread for the target's own timeout.
         shutdown_all([self._batch_pool, self._pool, *self._pools.all()], wait=True, timeout_s=CLOSE_JOIN_S)
+        self.reader.close()  # its kept pack descriptors (a read still in flight closes its own)
 
 
 def check_into_sizes(keys: Sequence[bytes], sizes: Sequence[int | None], views: Sequence[memoryview],

@@ -148,6 +148,13 @@ def _worth_compressing(plain: memoryview, level: int, min_ratio: float) -> bool:
     return len(_zc(level).compress(plain[:ZSTD_PROBE])) * min_ratio <= ZSTD_PROBE
 
 
+# Layouts read back, by (dtype code, dims): a model's blocks share a few, and a ``Layout`` is
+# immutable, so every read of one shares one object instead of building and checking it anew.
+_LAYOUTS_MAX = 1024
+_layouts: dict[tuple[int, tuple[int, ...]], Layout] = {}
+_DIMS = tuple(struct.Struct(f"<{n}Q") for n in range(9))  # ndim -> its dims' format
+
+
 def decode_entry_header(buf: bytes | memoryview, *, max_plain: int) -> EntryHeader:
     if len(buf) < ENTRY_HEADER_MIN:
         raise CorruptData(f"entry of {len(buf)} bytes is shorter than its header")
@@ -167,10 +174,15 @@ def decode_entry_header(buf: bytes | memoryview, *, max_plain: int) -> EntryHead
     hlen = ENTRY_HEADER_MIN + 8 * ndim
     if len(buf) < hlen:
         raise CorruptData("entry truncated inside its dims")
-    dims = struct.unpack_from(f"<{ndim}Q", buf, ENTRY_HEADER_MIN)
+    dims = _DIMS[ndim].unpack_from(buf, ENTRY_HEADER_MIN)
+    layout = _layouts.get((dt, dims))
     try:
         kind = EntryKind.from_code(kind_code)
-        layout = Layout.from_code(dt, dims)
+        if layout is None:
+            layout = Layout.from_code(dt, dims)
+            if len(_layouts) >= _LAYOUTS_MAX:
+                _layouts.clear()
+            _layouts[(dt, dims)] = layout
     except InvalidRequest as exc:
         raise CorruptData(f"entry header: {exc}") from exc
     return EntryHeader(ver, kind, codec, plain_len, stored_len, tokens, csum, key, layout, hlen, created, expires)
@@ -325,7 +337,22 @@ def fragment_id(index: int, k: int, m: int, kind_code: int, key: bytes, gen: byt
                            key, gen, entry_len, body_len, 0)[:FRAG_ID_LEN]
 
 
-_ZERO_CSUM = b"\0" * 8
+FRAG_INDEX_AT = 6  # the fragment index byte inside ``fragment_id`` (after magic and version)
+
+
+def fragment_id_at(index: int, buf: memoryview, at: int, id0: bytes) -> bool:
+    """Is ``buf[at : at + FRAG_ID_LEN]`` the ``fragment_id`` of fragment ``index`` of the entry
+    whose fragment 0 has ``id0``? The ids differ only in the index byte, so one id packed per
+    entry serves all of its fragments (the read fast paths). ``buf`` is left as it was."""
+    if buf[at + FRAG_INDEX_AT] != index:
+        return False
+    buf[at + FRAG_INDEX_AT] = 0
+    same = buf[at : at + FRAG_ID_LEN] == id0
+    buf[at + FRAG_INDEX_AT] = index
+    return same
+
+
+ZERO_CSUM = b"\0" * 8  # the checksum field as hashed: zeros
 _CSUM = struct.Struct("<Q")
 
 
@@ -336,7 +363,7 @@ def fragment_parts(index: int, k: int, m: int, kind_code: int, key: bytes, gen: 
     head = _FRAG_HEAD.pack(FRAG_MAGIC, FORMAT_VERSION, index, k, m, kind_code, 0,
                            key, gen, entry_len, len(body), 0)[:FRAG_ID_LEN]
     x = xxhash.xxh3_64(head)
-    x.update(_ZERO_CSUM)
+    x.update(ZERO_CSUM)
     x.update(body)
     return [head + _CSUM.pack(x.intdigest()), body]
 
@@ -355,7 +382,7 @@ def fragment_checksum_ok(buf: bytes | memoryview) -> bool:
     """Does the whole fragment ``buf`` (header and body) match the checksum its header records?"""
     x = xxhash.xxh3_64()
     x.update(buf[:FRAG_ID_LEN])
-    x.update(_ZERO_CSUM)
+    x.update(ZERO_CSUM)
     x.update(buf[FRAG_HEADER_LEN:])
     return x.intdigest() == fragment_checksum(buf)
 
@@ -528,6 +555,9 @@ def erasure_code(k: int, m: int, ec_type: str) -> ErasureCode:
     if m == 0:
         ec_type = "none"
     key = (k, m, ec_type)
+    code = _codes.get(key)  # every read asks: a dict read needs no lock (entries are only added)
+    if code is not None:
+        return code
     with _codes_lock:
         code = _codes.get(key)
         if code is None:

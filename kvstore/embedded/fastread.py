@@ -3,7 +3,9 @@ targets in few steps, trusted through the entry checksum (``kvstore.embedded.sto
 "Read path").
 
 ``LocalFastReads`` is a part of ``kvstore.embedded.fragment_reads.FragmentReader``, built over
-the reader's ``config``, ``targets`` and per-thread scratch buffer. Each fast path
+the reader's ``config``, ``targets``, per-thread scratch buffer and kept pack descriptors
+(``kvstore.embedded.openfiles.OpenFiles``): a fragment inside a pack is one ``preadv`` on the
+pack's kept descriptor, one in a file of its own an open, a ``preadv`` and a close. Each fast path
 returns ``None`` on anything unexpected, and ``FragmentReader.read_verified`` then takes the
 verifying path, which finds the bad fragment, reads parity, counts the degraded read and
 marks the entry lost if need be.
@@ -26,6 +28,7 @@ from kvstore.embedded import codec
 from kvstore.errors import CorruptData, IncompatibleFormat
 from kvstore.embedded.index import STANDALONE, Meta
 from kvstore.config import StoreConfig
+from kvstore.embedded.openfiles import OpenFiles
 from kvstore.embedded.targets import LocalTarget, Target, fragment_path, fragment_prefix, pack_path
 
 
@@ -65,32 +68,80 @@ def frag_loc(ek: bytes, meta: Meta, i: int) -> tuple[str, int | None]:
 
 def _data_paths(ek: bytes, meta: Meta, roots: list[str]) -> list[tuple[str, int | None]]:
     """``frag_loc`` of the k data fragments as absolute local paths (the read fast paths)."""
-    if not meta.offsets:
+    k = meta.k
+    offsets = meta.offsets
+    if not offsets:
         rel = "/" + fragment_prefix(ek[0], ek[1:], meta.gen)
-        return [(roots[i] + rel + str(i), None) for i in range(meta.k)]
+        return [(roots[i] + rel + str(i), None) for i in range(k)]
+    pack = "/" + pack_path(meta.gen)  # the same for every fragment of the entry
     out = []
-    for i in range(meta.k):
-        rel, off = frag_loc(ek, meta, i)
-        out.append((roots[i] + "/" + rel, off))
+    for i in range(k):
+        off = offsets[i]
+        if off == STANDALONE:
+            out.append((roots[i] + "/" + fragment_path(ek[0], ek[1:], meta.gen, i), None))
+        else:
+            out.append((roots[i] + pack, off))
     return out
+
+
+class _Reads:
+    """The k positioned reads of one fast-path get: pack fragments through the reader's kept
+    descriptors (``kvstore.embedded.openfiles``), a fragment in its own file opened, read and
+    closed. ``release`` gives the kept descriptors back: once, in a ``finally``."""
+
+    __slots__ = ("files", "paths", "held", "per")
+
+    def __init__(self, files: OpenFiles, paths: list[tuple[str, int | None]]):
+        self.files = files
+        self.paths = paths
+        packed = [p for p, off in paths if off is not None]
+        self.held = files.hold(packed) if packed else []
+        if len(self.held) == len(paths):
+            self.per: list = self.held
+        else:  # some fragments in files of their own (rebuilt by repair): ``None`` in their slots
+            it = iter(self.held)
+            self.per = [None if off is None else next(it) for _, off in paths]
+
+    def preadv(self, i: int, iov: list) -> int:
+        h = self.per[i]
+        if h is None:
+            fd = os.open(self.paths[i][0], os.O_RDONLY)
+            try:
+                return os.preadv(fd, iov, 0)
+            finally:
+                os.close(fd)
+        try:
+            return os.preadv(h.fd, iov, self.paths[i][1])
+        except OSError:
+            self.files.discard(h)  # a failing descriptor is not kept: the next read opens the path again
+            raise
+
+    def release(self) -> None:
+        if self.held:
+            self.files.release(self.held)
 
 
 class LocalFastReads:
     """``read_fast`` and ``read_scatter`` (module docstring) over ``targets`` read as ``config``
-    says; ``scratch(n)`` is the caller's reusable buffer of at least ``n`` bytes."""
+    says; ``scratch(n)`` is the caller's reusable buffer of at least ``n`` bytes; ``files`` the
+    reader's kept pack descriptors."""
 
-    def __init__(self, config: StoreConfig, targets: dict[str, Target], scratch: Callable[[int], memoryview]):
+    def __init__(self, config: StoreConfig, targets: dict[str, Target], scratch: Callable[[int], memoryview],
+                 files: OpenFiles):
         self.config = config
         self.targets = targets
         self._scratch = scratch
+        self.files = files
+        self._code = codec.erasure_code  # (k, m, type) -> the cached code object
 
     def local_roots(self, meta: Meta) -> list[str] | None:
         """Roots of the k data fragments' targets when the local fast path applies."""
         if self.config.read_timeout_s or self.config.parallel_reads == "always":
             return None
         roots = []
+        targets = self.targets
         for name in meta.targets[: meta.k]:
-            t = self.targets.get(name)
+            t = targets.get(name)
             if type(t) is not LocalTarget:
                 return None
             roots.append(t.root)
@@ -99,7 +150,8 @@ class LocalFastReads:
     def read_fast(self, ek: bytes, meta: Meta, roots: list[str],
                    out: memoryview | None) -> tuple[codec.EntryHeader, bytes | memoryview] | None:
         """The common case in few steps: the k data fragments of a systematic code, each read
-        with one open + one ``preadv`` into the per-thread scratch, and trusted only when the
+        with one ``preadv`` into the per-thread scratch (a pack through its kept descriptor, a
+        fragment file of its own through an open), and trusted only when the
         *entry* checksum (xxh3-128 over the assembled payload) matches; fragment 0, which
         holds the entry header (layout, tokens) outside that checksum, is verified whole.
         Data fragments past 0 that hold part of the entry header (a small entry's) are verified
@@ -110,26 +162,25 @@ class LocalFastReads:
         k, flen = meta.k, meta.frag_len
         slot = flen + 1  # one byte more, so that an over-long file shows as a wrong length
         scratch = self._scratch(slot * k)
-        paths = _data_paths(ek, meta, roots)
         # Each fragment's header up to its checksum is known from the record: compare bytes
         # (``codec.fragment_id``; what parsing it and ``frame_matches`` would check).
-        key, gen, m, elen, blen = ek[1:], meta.gen, meta.m, meta.entry_len, flen - codec.FRAG_HEADER_LEN
+        id0 = codec.fragment_id(0, k, meta.m, ek[0], ek[1:], meta.gen, meta.entry_len, flen - codec.FRAG_HEADER_LEN)
+        same = codec.fragment_id_at
         bodies: dict[int, memoryview] = {}
         try:
-            for i in range(k):
-                path, off = paths[i]
-                view = scratch[i * slot : (i + 1) * slot if off is None else i * slot + flen]
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    n = os.preadv(fd, [view], off or 0)
-                finally:
-                    os.close(fd)
-                if n != flen or view[: codec.FRAG_ID_LEN] != codec.fragment_id(i, k, m, ek[0], key, gen, elen, blen):
-                    return None
-                if i == 0 and not codec.fragment_checksum_ok(view[:flen]):
-                    return None
-                bodies[i] = view[codec.FRAG_HEADER_LEN : flen]
-            pieces = codec.erasure_code(k, meta.m, self.config.ec_type).data_pieces(bodies)
+            reads = _Reads(self.files, _data_paths(ek, meta, roots))
+            try:
+                for i in range(k):
+                    lo = i * slot
+                    view = scratch[lo : lo + slot if reads.paths[i][1] is None else lo + flen]
+                    if reads.preadv(i, [view]) != flen or not same(i, scratch, lo, id0):
+                        return None
+                    bodies[i] = view[codec.FRAG_HEADER_LEN : flen]
+            finally:
+                reads.release()
+            if not codec.fragment_checksum_ok(scratch[:flen]):
+                return None
+            pieces = self._code(k, meta.m, self.config.ec_type).data_pieces(bodies)
             if pieces is None:
                 return None
             limit = meta.plain_len  # the record's size (``FragmentReader.decode``)
@@ -166,54 +217,52 @@ class LocalFastReads:
         data fragment ``i`` holds ``[i * share, (i + 1) * share)`` after its two headers.
         """
         k, flen = meta.k, meta.frag_len
-        code = codec.erasure_code(k, meta.m, self.config.ec_type)
+        code = self._code(k, meta.m, self.config.ec_type)
         lead = code.data_lead
-        head = codec.FRAG_HEADER_LEN + (lead or 0)
+        fhl = codec.FRAG_HEADER_LEN
+        head = fhl + (lead or 0)
         share = flen - head
         hlen, elen, plen = meta.entry_len - meta.plain_len, meta.entry_len, meta.plain_len
         if lead is None or not codec.ENTRY_HEADER_MIN <= hlen <= share or share * k < elen:
             return None  # compressed (stored != plain) or an unexpected geometry
         scratch = self._scratch(k * head + hlen + share + k)
-        heads = [scratch[i * head : (i + 1) * head] for i in range(k)]
         ehead = scratch[k * head : k * head + hlen]
         pad = scratch[k * head + hlen : k * head + hlen + share]
-        spare = scratch[k * head + hlen + share :]
-        paths = _data_paths(ek, meta, roots)
-        x0 = xxhash.xxh3_64()
+        id0 = codec.fragment_id(0, k, meta.m, ek[0], ek[1:], meta.gen, elen, flen - fhl)
+        same = codec.fragment_id_at
+        idlen = codec.FRAG_ID_LEN
+        lead_ok = code.data_lead_ok
         try:
-            for i in range(k):
-                lo, hi = i * share, (i + 1) * share
-                iov = [heads[i]]
-                if lo < hlen:
-                    iov.append(ehead[lo : min(hi, hlen)])
-                if hi > hlen and lo < elen:
-                    iov.append(out[max(lo, hlen) - hlen : min(hi, elen) - hlen])
-                if hi > elen:
-                    iov.append(pad[: hi - max(lo, elen)])
-                path, off = paths[i]
-                if off is None:
-                    iov.append(spare[i : i + 1])  # an over-long file shows as a wrong length
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    n = os.preadv(fd, iov, off or 0)
-                finally:
-                    os.close(fd)
-                if n != flen:
-                    return None
-                if (heads[i][: codec.FRAG_ID_LEN] != codec.fragment_id(i, k, meta.m, ek[0], ek[1:], meta.gen, elen,
-                                                                        flen - codec.FRAG_HEADER_LEN)
-                        or not code.data_lead_ok(heads[i][codec.FRAG_HEADER_LEN:], i, share, elen)):
-                    return None
-                if i == 0:  # fragment 0 carries the entry header: verify it whole
-                    x0.update(heads[0][: codec.FRAG_ID_LEN])
-                    x0.update(b"\0" * 8)
-                    x0.update(heads[0][codec.FRAG_HEADER_LEN:])
-                    for part in iov[1:-1] if off is None else iov[1:]:  # payload parts, not the spare byte
-                        x0.update(part)
-                    if x0.intdigest() != codec.fragment_checksum(heads[0]):
+            reads = _Reads(self.files, _data_paths(ek, meta, roots))
+            try:
+                for i in range(k):
+                    lo, hi = i * share, (i + 1) * share
+                    at = i * head
+                    iov = [scratch[at : at + head]]
+                    if lo < hlen:
+                        iov.append(ehead[lo : min(hi, hlen)])
+                    if hi > hlen and lo < elen:
+                        iov.append(out[max(lo, hlen) - hlen : min(hi, elen) - hlen])
+                    if hi > elen:
+                        iov.append(pad[: hi - max(lo, elen)])
+                    whole = reads.paths[i][1] is None
+                    if whole:  # a file of its own: an over-long one shows as a wrong length
+                        spare = k * head + hlen + share + i
+                        iov.append(scratch[spare : spare + 1])
+                    if (reads.preadv(i, iov) != flen or not same(i, scratch, at, id0)
+                            or not lead_ok(scratch[at + fhl : at + head], i, share, elen)):
                         return None
-            limit = max(self.config.max_value_bytes, plen)
-            h = codec.decode_entry_header(ehead, max_plain=limit)
+                    if i == 0:  # fragment 0 carries the entry header: verify it whole
+                        x0 = xxhash.xxh3_64(scratch[:idlen])
+                        x0.update(codec.ZERO_CSUM)
+                        x0.update(scratch[fhl:head])
+                        for part in iov[1:-1] if whole else iov[1:]:  # payload parts, not the spare byte
+                            x0.update(part)
+                        if x0.intdigest() != codec.fragment_checksum(scratch):
+                            return None
+            finally:
+                reads.release()
+            h = codec.decode_entry_header(ehead, max_plain=max(self.config.max_value_bytes, plen))
             if (h.codec != codec.CODEC_RAW or h.header_len != hlen or h.plain_len != plen
                     or h.stored_len != plen or h.key != ek[1:] or h.kind.code != ek[0] or h.tokens != meta.tokens):
                 return None

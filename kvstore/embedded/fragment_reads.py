@@ -10,6 +10,13 @@ passes its counters and its index's lost marking; the direct reader
 
 The read steps are in ``kvstore.embedded.store``'s docstring ("Read path"); the local fast
 paths tried first are ``kvstore.embedded.fastread.LocalFastReads``, a part of the reader.
+
+The reader owns the read descriptors it keeps open on local pack files
+(``kvstore.embedded.openfiles.OpenFiles``: ``files``), used by the fast paths and by the
+fragment reads of a get (``gather``); its owner calls ``close`` once no read is in flight
+any more (a read still holding a descriptor closes it when it finishes). Reads that must see
+the files as they are now (``check``, the orphan sweep: ``read_fragment`` called directly)
+open every file afresh.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import threading
 from concurrent.futures import Executor, Future, wait
 from typing import Callable
@@ -26,7 +34,8 @@ from kvstore.config import StoreConfig
 from kvstore.embedded import codec
 from kvstore.embedded.fastread import LocalFastReads, frag_loc, fresh_bytes
 from kvstore.embedded.index import Meta
-from kvstore.embedded.targets import Target, TargetPools, TargetUnavailable, TargetUnreachable
+from kvstore.embedded.openfiles import DEFAULT_CAPACITY, OpenFiles
+from kvstore.embedded.targets import LocalTarget, Target, TargetPools, TargetUnavailable, TargetUnreachable, pack_path
 from kvstore.errors import CorruptData, IncompatibleFormat, StoreUnavailable, Unrecoverable
 
 log = logging.getLogger("kvstore.embedded.store")
@@ -45,7 +54,8 @@ class FragmentReader:
     """The read path over ``targets`` (module docstring)."""
 
     def __init__(self, config: StoreConfig, targets: dict[str, Target], pools: TargetPools, pool: Executor, *,
-                 count: Callable[..., None], mark_lost: Callable[[bytes, Meta], None]):
+                 count: Callable[..., None], mark_lost: Callable[[bytes, Meta], None],
+                 open_files: int = DEFAULT_CAPACITY):
         self.config = config
         self.targets = targets
         self.pools = pools
@@ -53,20 +63,54 @@ class FragmentReader:
         self._count = count
         self._mark_lost = mark_lost
         self._tls = threading.local()
-        self.fast = LocalFastReads(config, targets, self._scratch)
+        self.files = OpenFiles(open_files)
+        self.fast = LocalFastReads(config, targets, self._scratch, self.files)
 
-    def read_fragment(self, meta: Meta, ek: bytes, i: int, into: memoryview | None = None) -> memoryview:
-        """One verified fragment body (a view into ``into`` when given); raises OSError or CorruptData."""
+    def close(self) -> None:
+        """Close the kept pack descriptors (``files``); a read still in flight closes its own."""
+        self.files.close()
+
+    def forget_pack(self, target: str, gen: bytes) -> None:
+        """Pack ``gen`` on ``target`` was deleted: its kept descriptor, if any, is closed now
+        (``kvstore.embedded.openfiles``, invariant 3)."""
+        t = self.targets.get(target)
+        if type(t) is LocalTarget:
+            self.files.forget(t.root + "/" + pack_path(gen))
+
+    def _read_kept(self, path: str, buf: memoryview, offset: int) -> int:
+        """``LocalTarget.read_into`` through a kept descriptor of the pack at ``path``."""
+        (h,) = self.files.hold([path])
+        try:
+            n = 0
+            while n < len(buf):
+                got = os.preadv(h.fd, [buf[n:]], offset + n)
+                if not got:
+                    break
+                n += got
+            return n
+        except OSError:
+            self.files.discard(h)  # not kept after a failure: the next read opens the path again
+            raise
+        finally:
+            self.files.release([h])
+
+    def read_fragment(self, meta: Meta, ek: bytes, i: int, into: memoryview | None = None,
+                      kept: bool = False) -> memoryview:
+        """One verified fragment body (a view into ``into`` when given); raises OSError or CorruptData.
+        ``kept``: a pack fragment on a local target is read through a kept descriptor (a get's
+        read); without it every file is opened afresh (what ``check`` must see)."""
         t = self.targets.get(meta.targets[i])
         if t is None:
             raise TargetUnavailable(2, f"target {meta.targets[i]} is not configured")
         rel, off = frag_loc(ek, meta, i)
+        kept = kept and off is not None and type(t) is LocalTarget
         tries = 1 + self.config.fragment_read_retries
         for attempt in range(tries):
             try:
                 if off is not None:  # exactly its bytes of the pack
                     buf = memoryview(bytearray(meta.frag_len)) if into is None else into[: meta.frag_len]
-                    raw: bytes | memoryview = buf[: t.read_into(rel, buf, off)]
+                    n = self._read_kept(t.root + "/" + rel, buf, off) if kept else t.read_into(rel, buf, off)
+                    raw: bytes | memoryview = buf[:n]
                 elif into is None:
                     raw = t.read(rel)
                 else:
@@ -157,7 +201,7 @@ class FragmentReader:
                         outs.append((i, None, TargetUnreachable(errno.EHOSTUNREACH, why)))
                     else:
                         futs[self.pools.get(meta.targets[i]).submit(
-                            self.read_fragment, meta, ek, i, views[i])] = i
+                            self.read_fragment, meta, ek, i, views[i], True)] = i
                 done, slow = wait(futs, timeout=timeout or None) if futs else (set(), set())
                 for f in slow:
                     self._count("read_timeouts")
@@ -177,7 +221,7 @@ class FragmentReader:
             else:
                 for i in want:
                     try:
-                        outs.append((i, self.read_fragment(meta, ek, i, views[i]), None))
+                        outs.append((i, self.read_fragment(meta, ek, i, views[i], True), None))
                     except (OSError, CorruptData) as exc:
                         outs.append((i, None, exc))
             for i, body, exc in outs:
@@ -191,7 +235,7 @@ class FragmentReader:
         # Fewer than k in time: the late reads are awaited (bounded by the target itself), then
         # the cancelled ones read here: a slow or busy target is not a lost one.
         second = [(i, f.result) for i, f in late.items()] + [
-            (i, functools.partial(self.read_fragment, meta, ek, i, scratch[i * slot:(i + 1) * slot]))
+            (i, functools.partial(self.read_fragment, meta, ek, i, scratch[i * slot:(i + 1) * slot], True))
             for i in queued]
         for i, fetch in second:
             if len(good) >= meta.k:

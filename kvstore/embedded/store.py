@@ -666,6 +666,7 @@ class EmbeddedStore:
             # A read abandoned at read_timeout_s may still hold a worker: not waited for past a bound.
             shutdown_all([self._batch_pool, self._pool, *self.fragments.pools.all()], wait=not deferred,
                          timeout_s=POOL_JOIN_S)
+            self.fragments.reader.close()
             self.index.close()
 
     def __enter__(self) -> "EmbeddedStore":

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 import kvstore
+from kvstore.api import EntryKind
 from kvstore.embedded import codec
 from kvstore.embedded.fastread import LocalFastReads
+from kvstore.embedded.index import ekey
 from tests.fragments import fragment_refs
 
 
@@ -169,3 +171,131 @@ def test_a_large_get_is_read_straight_into_the_bytes_it_returns(tmp_path, spy):
     finally:
         s.close()
         z.close()
+
+
+# ----------------------------------------------------------------------------- kept pack descriptors
+def _packed_store(tmp_path, n: int = 8, size: int = 20000):
+    s = kvstore.connect(str(tmp_path / "s"), fsync=False, compression="none")
+    vals = {os.urandom(16): os.urandom(size) for _ in range(n)}
+    s.put_many([kvstore.PutItem(k, v) for k, v in vals.items()])
+    assert all(r.packed for k in vals for r in fragment_refs(s, k))
+    return s, vals
+
+
+@pytest.fixture
+def opens(monkeypatch):
+    """The pack files ``os.open`` opened."""
+    seen: list[str] = []
+    real = os.open
+
+    def counting(path, flags, *a, **kw):
+        if str(path).endswith(".pack"):
+            seen.append(str(path))
+        return real(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", counting)
+    return seen
+
+
+def test_gets_of_packed_entries_reuse_kept_descriptors(tmp_path, spy, opens):
+    s, vals = _packed_store(tmp_path)
+    del opens[:]  # those of the put
+    try:
+        assert s.get_many(list(vals)) == list(vals.values())
+        first = len(opens)
+        assert 0 < first <= s.config.ec_k + s.config.ec_m  # one per pack (target) read, not per fragment
+        for _ in range(3):
+            for k, v in vals.items():
+                assert s.get(k) == v
+                out = bytearray(len(v))
+                assert s.get_many_into([k], [out])[0] is not None and out == v
+        assert len(opens) == first and spy["fast"] + spy["scatter"] == 8 + 3 * 2 * 8
+    finally:
+        s.close()
+
+
+def test_the_descriptor_bound_holds_in_a_store(tmp_path, opens):
+    s, vals = _packed_store(tmp_path, n=4)
+    for _ in range(3):  # three more batches: three more packs per target
+        more = {os.urandom(16): os.urandom(3000) for _ in range(3)}
+        s.put_many([kvstore.PutItem(k, v) for k, v in more.items()])
+        vals.update(more)
+    files = s.fragments.reader.files
+    files.capacity = 2
+    try:
+        for _ in range(2):
+            assert s.get_many(list(vals)) == list(vals.values())
+            assert len(files) <= 2
+    finally:
+        s.close()
+
+
+def test_a_pack_deleted_under_a_kept_descriptor(tmp_path, spy):
+    """Deleted after its descriptor was kept: the same verified bytes through it (a pack's bytes
+    never change); ``check`` opens afresh and reports it; once forgotten (the deleter's hook),
+    a get reads parity instead, a degraded read with the right bytes."""
+    from kvstore.maintenance.problems import ProblemKind
+
+    s, vals = _packed_store(tmp_path, n=4)
+    try:
+        k0 = next(iter(vals))
+        assert s.get(k0) == vals[k0]
+        ref = fragment_refs(s, k0)[0]
+        ref.path.unlink()
+        assert s.get(k0) == vals[k0] and s.counters["degraded_reads"] == 0
+        assert {p.kind for p in s.check()} == {ProblemKind.MISSING_FRAGMENT}
+        with s.index.env.begin() as txn:
+            gen = s.index.get_meta(txn, ekey(EntryKind.BLOCK.code, k0)).gen
+        s.fragments.reader.forget_pack(ref.target, gen)
+        assert str(ref.path) not in s.fragments.reader.files._kept
+        assert [s.get(k) for k in vals] == list(vals.values())
+        data_there = [k for k in vals if any(r.target == ref.target for r in fragment_refs(s, k)[: s.config.ec_k])]
+        assert s.counters["degraded_reads"] == len(data_there) > 0
+    finally:
+        s.close()
+
+
+def test_closing_the_store_closes_its_descriptors(tmp_path):
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    s, vals = _packed_store(tmp_path)
+    s.close()
+    before = fds()
+    s = kvstore.connect(str(tmp_path / "s"), fsync=False)
+    assert s.get_many(list(vals)) == list(vals.values())
+    assert len(s.fragments.reader.files) > 0
+    s.close()
+    assert fds() == before
+
+
+def test_concurrent_readers_of_packed_entries(tmp_path):
+    import threading
+
+    s, vals = _packed_store(tmp_path, n=16, size=70000)
+    s.fragments.reader.files.capacity = 3  # fewer than the targets read: evictions race the reads
+    wrong: list[bytes] = []
+    keys = list(vals)
+
+    def reader(seed: int) -> None:
+        for j in range(60):
+            k = keys[(seed * 5 + j) % len(keys)]
+            if j % 2:
+                got = s.get(k)
+            else:
+                out = bytearray(len(vals[k]))
+                s.get_many_into([k], [out])
+                got = bytes(out)
+            if got != vals[k]:
+                wrong.append(k)
+
+    try:
+        threads = [threading.Thread(target=reader, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert wrong == [] and s.counters["degraded_reads"] == 0
+        assert all(h.refs == 0 for h in s.fragments.reader.files._kept.values())
+    finally:
+        s.close()
