@@ -160,6 +160,9 @@ class FragmentWriter:
         # The segments puts append to (``kvstore.embedded.segments``), set by the store's fragment
         # store where they can be used; ``None``: packs per batch and files per fragment.
         self.segments: Segments | None = None
+        # Told (target, generation) of each pack file ``discard_pack`` deleted: the store's reader
+        # closes a descriptor it kept of it, so that its space is given back now.
+        self.on_pack_deleted: Callable[[str, bytes], None] | None = None
 
     # ------------------------------------------------------------------ fragment files
     def checked(self, item: PutItem) -> tuple[memoryview, Layout, int, int]:
@@ -377,9 +380,12 @@ class FragmentWriter:
             if t is not None:
                 try:
                     size = t.stat(pack_path(gen))[0]
-                    freed += size * t.delete(pack_path(gen))  # not counted when removed meanwhile
+                    deleted = t.delete(pack_path(gen))
                 except OSError:
-                    pass  # not on this target, or an orphan GC will sweep
+                    continue  # not on this target, or an orphan GC will sweep
+                freed += size * deleted  # not counted when removed meanwhile
+                if deleted and self.on_pack_deleted is not None:
+                    self.on_pack_deleted(name, gen)
         return freed
 
     # ------------------------------------------------------------------ a put's steps 3-4, and its leftovers

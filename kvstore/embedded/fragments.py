@@ -102,6 +102,7 @@ class FragmentStore:
         self.reader = FragmentReader(config, targets, self.pools, pool, count=count, mark_lost=self.mark_lost)
         self.writer = FragmentWriter(config, targets, target_specs, code, self.pools, pool, batch_pool,
                                      count=count, now_ns=now_ns, sync_mode=sync_mode)
+        self.writer.on_pack_deleted = self.reader.forget_pack
         if config.segments and Segments.usable(targets, config.write_timeout_s):
             self.writer.segments = Segments(targets, segment_bytes=config.segment_bytes,
                                             sync_mode=self.writer.sync_mode, count=count,

@@ -61,8 +61,9 @@ entries that were not indexed.
 Read path (``get``, ``kvstore.embedded.fragment_reads``): read the k data fragments (in parallel for remote targets), verify each one's
 checksum and header against the index; on any failure read parity fragments
 until k are good; decode; verify the entry checksum; return. Local targets first
-try a fast path (``kvstore.embedded.fastread``: ``read_fast`` / ``read_scatter``): one open + one
-``preadv`` per data fragment, headers checked against the index, fragment 0 (which
+try a fast path (``kvstore.embedded.fastread``: ``read_fast`` / ``read_scatter``): one
+``preadv`` per data fragment (a pack's or segment's through a descriptor kept open,
+``kvstore.embedded.openfiles``; a fragment file of its own after an open), headers checked against the index, fragment 0 (which
 holds the entry header; with any other holding part of a small entry's) verified whole,
 and the rest trusted only through the entry checksum over the assembled payload; anything unexpected falls back to the path above. Fewer than k good
 fragments: mark the entry lost and raise ``Unrecoverable``. ``get_many_into``

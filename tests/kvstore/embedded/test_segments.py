@@ -266,3 +266,31 @@ def test_a_failed_flush_fails_every_write_it_covered_also_for_those_waiting_on_i
     c = fl.written()
     assert fl.flush(c) and len(calls) == 2  # a write after it flushes as usual
     assert not fl.flush(c)  # and is not flushed twice
+
+
+def test_a_segment_gc_removes_is_not_held_open_by_the_reader(data_dir, keys, clock):
+    """The reader keeps pack descriptors open (``kvstore.embedded.openfiles``); GC removing a
+    segment with its last record closes the reader's descriptor at once, and the writer's goes
+    when its next put finds the file removed, so the space comes back."""
+
+    def held(path):
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}").startswith(str(path)):
+                    out.append(fd)
+            except OSError:  # the listing's own descriptor, closed meanwhile
+                pass
+        return out
+
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=0) as s:
+        assert s.put(keys[0], value_for(keys[0]))
+        assert s.get(keys[0]) == value_for(keys[0])  # its descriptors kept
+        m = _meta(s, keys[0])
+        path = Path(s.targets[m.targets[0]].root, pack_path(m.gen))
+        assert len(held(path)) == 2  # the writer's and the reader's
+        assert s.delete(keys[0])
+        s.gc()
+        assert not path.exists() and len(held(path)) == 1  # the reader's closed
+        assert s.put(keys[1], value_for(keys[1]))
+        assert held(path) == [] and s.get(keys[1]) == value_for(keys[1])
