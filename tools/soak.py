@@ -5,7 +5,8 @@ m targets of a shard are faulty. Exact commands::
 
     # the full run (a benchmark: two minutes of chaos)
     .venv/bin/python tools/soak.py --duration 120 --shards 3 --clients 4 --out soak-full.json
-    # the short run that tests/tools/test_soak.py does (15 s of chaos), also with --direct-writes
+    # the short run that tests/tools/test_soak.py does (15 s of chaos), also with --direct-writes,
+    # and with --plain-targets (plain directories: the store's segments under SIGKILLs and damage)
     .venv/bin/python tools/soak.py --duration 15 --shards 2 --clients 2 --out /tmp/soak.json
 
 Loopback only; every daemon binds 127.0.0.1 on a port picked at first start and
@@ -240,7 +241,10 @@ class Shard:
 
     def start(self, offset: float = 0.0) -> None:
         self.offset = offset
-        urls = ",".join(faults.faulty_url(n, str(d)) for n, d in zip(self.names, self.dirs))
+        if self.a.plain_targets:  # plain directories: the store appends to segments there
+            urls = ",".join(f"file://{d}#{n}#{n}" for n, d in zip(self.names, self.dirs))
+        else:
+            urls = ",".join(faults.faulty_url(n, str(d)) for n, d in zip(self.names, self.dirs))
         cmd = [sys.executable, "-m", "kvstore.server.cli", "serve", "--port", str(self.port), "--data-dir",
                str(self.data), "--targets", urls, "--ec-k", str(self.a.k), "--ec-m", str(self.a.m),
                "--fsync", "false", "--gc-interval-s", "3", "--orphan-grace-s", "60", "--delete-grace-s", "2",
@@ -298,13 +302,15 @@ def corrupt_files(r: random.Random, d: Path, n: int) -> int:
     files = [p for p in d.rglob("*") if p.is_file() and not p.name.startswith(".")]
     hit = 0
     for p in r.sample(files, min(n, len(files))):
-        try:
-            b = bytearray(p.read_bytes())
-            i = r.randrange(len(b) * 8)
-            b[i // 8] ^= 1 << (i % 8)
-            p.write_bytes(bytes(b))
+        try:  # in place: a segment the daemon still appends to must keep every other byte
+            with open(p, "r+b") as fh:
+                i = r.randrange(os.fstat(fh.fileno()).st_size * 8)
+                fh.seek(i // 8)
+                b = fh.read(1)[0] ^ (1 << (i % 8))
+                fh.seek(i // 8)
+                fh.write(bytes((b,)))
             hit += 1
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             pass
     return hit
 
@@ -381,7 +387,7 @@ def chaos(shards: list[Shard], fdir: Path, a: argparse.Namespace, end: float, ti
             free = [t for t in range(a.targets) if t not in busy(s, now)]
             if free and len(busy(s, now)) < a.m:
                 t = r.choice(free)
-                if r.random() < 0.15:
+                if a.plain_targets or r.random() < 0.15:  # window faults need faulty:// targets
                     injected["corrupt_files"] += corrupt_files(r, shards[s].dirs[t], r.randint(1, 5))
                     damaged[s].add(t)
                 else:
@@ -436,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="", help="kept afterwards (default: a temporary one, removed after a clean run)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary work directory after a clean run too")
     ap.add_argument("--out", default="results/soak.json")
+    ap.add_argument("--plain-targets", action="store_true",
+                    help="targets as plain local directories, where the store appends to segments, instead of "
+                         "faulty:// ones; the window faults (a target down or full, latency, read errors, short "
+                         "writes, corrupt reads) need faulty:// targets and are left out: daemon SIGKILLs, restarts, "
+                         "clock skew and damaged files stay")
     ap.add_argument("--direct-writes", action="store_true",
                     help="clients write pack files into the faulty targets themselves (kvstore.client.direct_writes)")
     ap.add_argument("--client", type=int, default=-1, help=argparse.SUPPRESS)

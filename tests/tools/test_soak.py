@@ -22,14 +22,17 @@ pytestmark = pytest.mark.slow  # a soak: seconds of chaos per run (test_tools_cl
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["daemon-writes", "direct-writes"])
-def test_short_soak_loses_nothing_and_never_lies(tmp_path, direct):
+@pytest.mark.parametrize("direct, plain", [(False, False), (True, False), (False, True)],
+                         ids=["daemon-writes", "direct-writes", "plain-targets"])
+def test_short_soak_loses_nothing_and_never_lies(tmp_path, direct, plain):
     """The direct-writes run also lets the soak make its own temporary work directory (under
-    this test's, through TMPDIR), which a clean run removes; the other names one, which stays."""
+    this test's, through TMPDIR), which a clean run removes; the others name one, which stays.
+    The plain-targets run is the store's segment layout under SIGKILLs and damaged files."""
     out = tmp_path / "soak.json"
     workdir = [] if direct else ["--workdir", str(tmp_path / "w")]
     r = subprocess.run([sys.executable, "tools/soak.py", "--duration", "15", "--shards", "2", "--clients", "2",
-                        "--seed", "3", *workdir, "--out", str(out), *(["--direct-writes"] if direct else [])],
+                        "--seed", "3", *workdir, "--out", str(out), *(["--direct-writes"] if direct else []),
+                        *(["--plain-targets"] if plain else [])],
                        cwd=ROOT, capture_output=True, text=True, timeout=150, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.exists(), r.stderr[-3000:]
     rep = json.loads(out.read_text())
