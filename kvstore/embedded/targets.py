@@ -452,14 +452,7 @@ class LocalTarget(Target):
         path = self._p(rel)
         d = os.path.dirname(path)
         tmp = os.path.join(d, f".tmp.{secrets.token_hex(6)}.{os.path.basename(path)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        try:
-            fd = os.open(tmp, flags, 0o644)
-        except FileNotFoundError:  # a fan-out directory not made yet, or the whole target gone
-            if not os.path.isdir(self.root):
-                raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root) from None
-            self._make_dirs(d, fsync=fsync)
-            fd = os.open(tmp, flags, 0o644)
+        fd = self._create(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, fsync=fsync)
         try:
             _write_all(fd, data)
             if fsync:
@@ -482,14 +475,7 @@ class LocalTarget(Target):
         name made durable now, as a rename is: a record may name it once its bytes are synced."""
         path = self._p(rel)
         d = os.path.dirname(path)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags, 0o644)
-        except FileNotFoundError:  # a fan-out directory not made yet, or the whole target gone
-            if not os.path.isdir(self.root):
-                raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root) from None
-            self._make_dirs(d, fsync=fsync)
-            fd = os.open(path, flags, 0o644)
+        fd = self._create(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, fsync=fsync)
         if fsync:
             try:
                 fsync_dir(d)
@@ -497,6 +483,18 @@ class LocalTarget(Target):
                 os.close(fd)
                 raise
         return fd
+
+    def _create(self, path: str, flags: int, *, fsync: bool) -> int:
+        """``os.open`` of a new file at ``path`` under the root, its fan-out directory made when
+        missing (with ``fsync``: made durable, ``_make_dirs``); ``TargetUnavailable`` when the
+        root itself is gone."""
+        try:
+            return os.open(path, flags, 0o644)
+        except FileNotFoundError:  # a fan-out directory not made yet, or the whole target gone
+            if not os.path.isdir(self.root):
+                raise TargetUnavailable(errno.ENOENT, f"target {self.name} root is missing", self.root) from None
+            self._make_dirs(os.path.dirname(path), fsync=fsync)
+            return os.open(path, flags, 0o644)
 
     def _make_dirs(self, d: str, *, fsync: bool) -> None:
         """Create ``d`` (and missing parents below the root); with ``fsync``, make each new

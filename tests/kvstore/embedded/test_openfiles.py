@@ -125,14 +125,19 @@ def test_a_deleted_file_reads_through_its_kept_descriptor_until_forgotten(files,
     of.close()
 
 
+def _kept_then_unlinked(of, path) -> int:
+    """Read ``path`` through ``of`` (its descriptor kept), then unlink it: the kept descriptor."""
+    _read(of, path)
+    (h,) = of.hold([path])
+    of.release([h])
+    os.unlink(path)
+    return h.fd
+
+
 def test_the_sweep_gives_back_descriptors_of_deleted_files(files, monkeypatch):
     monkeypatch.setattr(openfiles, "SWEEP_EVERY", 2)
     of = OpenFiles(8)
-    _read(of, files[0])
-    (h,) = of.hold([files[0]])
-    fd = h.fd
-    of.release([h])
-    os.unlink(files[0])
+    fd = _kept_then_unlinked(of, files[0])
     _read(of, files[1])  # the second open: a sweep
     assert files[0] not in of._kept and not _is_open(fd)
     assert len(of) == 1
@@ -240,11 +245,7 @@ def test_a_direct_reader_keeps_pack_descriptors_and_closes_them(tmp_path):
 
 def test_the_sweep_also_runs_on_time_while_reads_go_on(files, monkeypatch):
     of = OpenFiles(8)
-    _read(of, files[0])
-    (h,) = of.hold([files[0]])
-    fd = h.fd
-    of.release([h])
-    os.unlink(files[0])
+    fd = _kept_then_unlinked(of, files[0])
     now = [openfiles.time.monotonic()]
     monkeypatch.setattr(openfiles.time, "monotonic", lambda: now[0])
     _read(of, files[1])
