@@ -22,7 +22,8 @@ Write path (``put``), in this order, each step for the reason given:
      fragments of the whole put to this process's open segment file there, one
      positioned write per target, then one flush (a ``syncfs`` per filesystem, or an
      ``fdatasync`` per file) shared with the puts running at the same time; a failed
-     append seals the segment and the put goes fragment by fragment. Elsewhere (object
+     append seals the segment and the put appends once more to a new one, then goes
+     fragment by fragment. Elsewhere (object
      stores, ``write_timeout_s``, ``segments`` off): write every fragment atomically
      (tmp + fsync + rename + dir fsync) to its rendezvous-chosen target; a failing
      target is replaced by the next best.
@@ -39,8 +40,9 @@ Write path (``put``), in this order, each step for the reason given:
      orphan fragments that GC sweeps after ``orphan_grace_s`` (in a segment: bytes no
      record names); never an index record without its fragments. A segment removed
      while appended to is never indexed into (``FragmentStore.check_segments_txn``: the put
-     writes again, into a new one). If another writer committed the same key first, our fragments are removed (or stay in the pack until it goes) and
-     the put returns ``False``. Files an orphan sweep took meanwhile (any process, any
+     writes again, into a new one). If another writer committed the same key first, our
+     fragments are removed (or stay in the pack or segment until it goes) and the put
+     returns ``False``. Files an orphan sweep took meanwhile (any process, any
      ``orphan_grace_s``) are not indexed (``FragmentStore.check_unswept_txn``): the put writes
      them again under a new generation, up to ``SWEPT_RETRIES`` times. Files started over
      ``orphan_grace_s / 2`` before the transaction got the writer lock are not indexed
