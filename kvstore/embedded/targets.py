@@ -383,6 +383,17 @@ class ObjectTarget(Target):
     atomic_put = True
 
     @_asking
+    def write(self, rel: str, data: bytes | list, *, fsync: bool) -> None:
+        """One PUT of the whole object (atomic). The bucket is asked about only when the PUT
+        fails for want of it (``TargetUnavailable`` then, as ``Target.write`` says before
+        writing): asking first would cost every write a bucket listing."""
+        try:
+            self.fs.pipe_file(self._p(rel), _joined(data))
+        except FileNotFoundError:  # no such bucket (s3fs: NoSuchBucket), or a prefix it refuses
+            self._check_up()
+            raise
+
+    @_asking
     def _root_exists(self) -> bool:
         where = self.root.split("/", 1)[0] if self.spec.url.startswith(("s3", "gs")) else self.root
         try:

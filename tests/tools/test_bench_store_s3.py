@@ -46,6 +46,7 @@ def test_bench_store_s3_quick_smallest(tmp_path):
     # the layout on S3: a single put is one object per fragment (k+m = 6), a batch one pack
     # object per target; a get reads at least k = 4 fragments (ranges of the objects)
     assert reqs[("kvstore", "single", "put")]["objects_written"] == 6
+    assert reqs[("kvstore", "single", "put")]["requests"] == {"PUT": 6}  # no bucket listing per write
     batch_put = reqs[("kvstore", "batch", "put")]
     assert batch_put["objects_written"] == 6 and batch_put["entries"] == 4
     assert reqs[("kvstore", "single", "get")]["per_entry"] >= 4
