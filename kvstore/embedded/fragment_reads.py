@@ -16,7 +16,9 @@ The reader owns the read descriptors it keeps open on local pack files
 fragment reads of a get (``gather``); its owner calls ``close`` once no read is in flight
 any more (a read still holding a descriptor closes it when it finishes). Reads that must see
 the files as they are now (``check``, the orphan sweep: ``read_fragment`` called directly)
-open every file afresh.
+open every file afresh. A batched get on remote targets may first fetch whole spans of the
+packs its records share (``prefetch``, ``kvstore.embedded.ranges``), which its fragment reads
+are served from.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import logging
 import os
 import threading
 from concurrent.futures import Executor, Future, wait
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvstore.api import EntryKind
 from kvstore.config import StoreConfig
@@ -35,6 +37,7 @@ from kvstore.embedded import codec
 from kvstore.embedded.fastread import LocalFastReads, frag_loc, fresh_bytes
 from kvstore.embedded.index import Meta
 from kvstore.embedded.openfiles import DEFAULT_CAPACITY, OpenFiles
+from kvstore.embedded.ranges import PackRanges, Span, plan
 from kvstore.embedded.targets import LocalTarget, Target, TargetPools, TargetUnavailable, TargetUnreachable, pack_path
 from kvstore.errors import CorruptData, IncompatibleFormat, StoreUnavailable, Unrecoverable
 
@@ -65,6 +68,39 @@ class FragmentReader:
         self._tls = threading.local()
         self.files = OpenFiles(open_files)
         self.fast = LocalFastReads(config, targets, self._scratch, self.files)
+        self.ranges = PackRanges()  # spans of remote packs fetched for batched gets in flight
+
+    def prefetch(self, records: Sequence[tuple[bytes, Meta]]) -> list[tuple[Span, bytes]]:
+        """For a batched get of ``records``: fetch each remote pack span worth it in one read
+        (``kvstore.embedded.ranges.plan``), on its target's pool, and hold it for the get's
+        fragment reads; what was fetched, for ``release``. A span that fails is skipped (its
+        fragments are read one by one, as without it)."""
+        spans = plan(records, self.targets)
+        if not spans:
+            return []
+
+        def fetch(span: Span) -> bytes:
+            buf = bytearray(span.end - span.start)
+            n = self.targets[span.target].read_into(span.rel, memoryview(buf), span.start)
+            return bytes(buf[:n])
+
+        futs = [(s, self.pools.get(s.target).submit(fetch, s)) for s in spans]
+        held = []
+        for span, fut in futs:
+            try:
+                data = fut.result()
+            except OSError as exc:
+                log.info("batched get: %s of %s on %s not fetched whole (%s); its fragments are read one by one",
+                         f"[{span.start}, {span.end})", span.rel, span.target, exc)
+                continue
+            self.ranges.add(span, data)
+            held.append((span, data))
+        return held
+
+    def release(self, held: Sequence[tuple[Span, bytes]]) -> None:
+        """Drop what ``prefetch`` held for a get that has ended."""
+        for span, data in held:
+            self.ranges.remove(span, data)
 
     def close(self) -> None:
         """Close the kept pack descriptors (``files``); a read still in flight closes its own."""
@@ -97,19 +133,24 @@ class FragmentReader:
     def read_fragment(self, meta: Meta, ek: bytes, i: int, into: memoryview | None = None,
                       kept: bool = False) -> memoryview:
         """One verified fragment body (a view into ``into`` when given); raises OSError or CorruptData.
-        ``kept``: a pack fragment on a local target is read through a kept descriptor (a get's
-        read); without it every file is opened afresh (what ``check`` must see)."""
+        ``kept``: a get's read: a pack fragment is taken from a span its batched get fetched
+        (``prefetch``; the first try only) or, on a local target, read through a kept descriptor;
+        without it every file is read afresh (what ``check`` must see)."""
         t = self.targets.get(meta.targets[i])
         if t is None:
             raise TargetUnavailable(2, f"target {meta.targets[i]} is not configured")
         rel, off = frag_loc(ek, meta, i)
-        kept = kept and off is not None and type(t) is LocalTarget
+        held = kept and off is not None  # a get's read: a span its batch fetched may hold it
+        kept = held and type(t) is LocalTarget
         tries = 1 + self.config.fragment_read_retries
         for attempt in range(tries):
             try:
                 if off is not None:  # exactly its bytes of the pack
                     buf = memoryview(bytearray(meta.frag_len)) if into is None else into[: meta.frag_len]
-                    n = self._read_kept(t.root + "/" + rel, buf, off) if kept else t.read_into(rel, buf, off)
+                    if held and not attempt and self.ranges.copy_into(meta.targets[i], rel, off, buf):
+                        n = len(buf)  # from a span its batched get fetched (``prefetch``)
+                    else:
+                        n = self._read_kept(t.root + "/" + rel, buf, off) if kept else t.read_into(rel, buf, off)
                     raw: bytes | memoryview = buf[:n]
                 elif into is None:
                     raw = t.read(rel)

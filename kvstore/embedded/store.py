@@ -464,7 +464,18 @@ class EmbeddedStore:
         if len(eks) == 1 or not any(self.fragments.reader.parallel(m) for m in live):
             # Local targets: a plain loop beats the thread hand-off (tools/bench_store.py).
             return [one(i) for i in range(len(eks))]
-        return list(self._batch_pool.map(one, range(len(eks))))
+        return self._batched_remote(eks, metas, now, one)
+
+    def _batched_remote(self, eks: Sequence[bytes], metas: Sequence[Meta | None], now: int,
+                        one: Callable[[int], Any]) -> list[Any]:
+        """A batched get's entries read on threads (remote targets), the pack spans its live
+        records share fetched first in one request each (``FragmentReader.prefetch``)."""
+        reader = self.fragments.reader
+        held = reader.prefetch([(ek, m) for ek, m in zip(eks, metas) if m is not None and not m.expired(now)])
+        try:
+            return list(self._batch_pool.map(one, range(len(eks))))
+        finally:
+            reader.release(held)
 
     @in_flight
     def locate(self, eks: Sequence[bytes]) -> list[Meta | None]:
@@ -531,7 +542,7 @@ class EmbeddedStore:
         live = [m for m in metas if m is not None]
         if len(eks) == 1 or not any(self.fragments.reader.parallel(m) for m in live):
             return [one(i) for i in range(len(eks))]  # local targets: as in get_entries
-        return list(self._batch_pool.map(one, range(len(eks))))
+        return self._batched_remote(eks, metas, now, one)
 
     # ------------------------------------------------------------------ access times (approximate LRU)
     @in_flight
