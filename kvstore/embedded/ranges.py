@@ -2,10 +2,11 @@
 
 On an object store every fragment read is a request. A batch written by one put sits in one
 pack object per target, its fragments side by side, so a batched get of it would otherwise
-make k ranged GETs per entry where one GET per (target, pack) covers them all. ``plan`` picks,
+make k ranged GETs per entry where a few GETs per (target, pack) cover them. ``plan`` takes,
 for the data fragments of a batch's records on targets that are not local directories, each
-(target, pack) holding two or more of them whose span is mostly theirs (at most twice their
-bytes: a GET of a mostly foreign range would cost more than it saves); ``PackRanges`` holds
+run of two or more of them in one pack whose gaps (other entries' parity fragments, say) are
+at most ``GAP_MAX`` bytes: reading such a gap costs less than a request, while larger
+fragments are read one by one, overlapping their decoding, as before. ``PackRanges`` holds
 what was fetched for the duration of the batch, and ``copy_into`` serves a fragment read from
 it.
 
@@ -25,7 +26,7 @@ from typing import Iterable
 from kvstore.embedded.index import STANDALONE, Meta
 from kvstore.embedded.targets import LocalTarget, Target, pack_path
 
-MAX_SPAN_RATIO = 2  # a span is fetched whole only when at most this many times the bytes wanted in it
+GAP_MAX = 64 * 1024  # bytes between two wanted fragments that one read takes along rather than split
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +53,15 @@ def plan(records: Iterable[tuple[bytes, Meta]], targets: dict[str, Target]) -> l
             wanted.setdefault((name, pack_path(m.gen)), []).append((off, off + m.frag_len))
     out = []
     for (name, rel), ranges in wanted.items():
-        if len(ranges) < 2:
-            continue
-        start, end = min(r[0] for r in ranges), max(r[1] for r in ranges)
-        if end - start <= MAX_SPAN_RATIO * sum(b - a for a, b in ranges):
-            out.append(Span(name, rel, start, end))
+        ranges.sort()
+        run = [ranges[0]]
+        for r in ranges[1:] + [(None, None)]:
+            if r[0] is not None and r[0] - run[-1][1] <= GAP_MAX:
+                run.append(r)
+                continue
+            if len(run) >= 2:
+                out.append(Span(name, rel, run[0][0], max(b for _a, b in run)))
+            run = [r]
     return out
 
 
