@@ -144,7 +144,8 @@ class FragmentWriter:
     def __init__(self, config: StoreConfig, targets: dict[str, Target], target_specs: Sequence[TargetSpec],
                  code: Any, pools: TargetPools, pool: Executor, batch_pool: Executor, *,
                  count: Callable[..., None], now_ns: Callable[[], int],
-                 on_pack_discarded: Callable[[], None] | None = None, sync_mode: str | None = None):
+                 on_pack_discarded: Callable[[], None] | None = None, sync_mode: str | None = None,
+                 on_pack_deleted: Callable[[str, bytes], None] | None = None):
         self.config = config
         self.targets = targets
         self.target_specs = target_specs
@@ -162,7 +163,7 @@ class FragmentWriter:
         self.segments: Segments | None = None
         # Told (target, generation) of each pack file ``discard_pack`` deleted: the store's reader
         # closes a descriptor it kept of it, so that its space is given back now.
-        self.on_pack_deleted: Callable[[str, bytes], None] | None = None
+        self._on_pack_deleted = on_pack_deleted
 
     # ------------------------------------------------------------------ fragment files
     def checked(self, item: PutItem) -> tuple[memoryview, Layout, int, int]:
@@ -384,8 +385,8 @@ class FragmentWriter:
                 except OSError:
                     continue  # not on this target, or an orphan GC will sweep
                 freed += size * deleted  # not counted when removed meanwhile
-                if deleted and self.on_pack_deleted is not None:
-                    self.on_pack_deleted(name, gen)
+                if deleted and self._on_pack_deleted is not None:
+                    self._on_pack_deleted(name, gen)
         return freed
 
     # ------------------------------------------------------------------ a put's steps 3-4, and its leftovers

@@ -101,8 +101,8 @@ class FragmentStore:
         self.pools = TargetPools(config.read_workers)
         self.reader = FragmentReader(config, targets, self.pools, pool, count=count, mark_lost=self.mark_lost)
         self.writer = FragmentWriter(config, targets, target_specs, code, self.pools, pool, batch_pool,
-                                     count=count, now_ns=now_ns, sync_mode=sync_mode)
-        self.writer.on_pack_deleted = self.reader.forget_pack
+                                     count=count, now_ns=now_ns, sync_mode=sync_mode,
+                                     on_pack_deleted=self.reader.forget_pack)
         if config.segments and Segments.usable(targets, config.write_timeout_s):
             self.writer.segments = Segments(targets, segment_bytes=config.segment_bytes,
                                             sync_mode=self.writer.sync_mode, count=count,
@@ -118,9 +118,11 @@ class FragmentStore:
                 self.index.pack_dead_txn(txn, gen, appended - info[1])
 
     def close(self) -> None:
-        """Seal the active segment (``kvstore.embedded.segments``); called once no put is in flight."""
+        """Seal the active segment (``kvstore.embedded.segments``) and close the reader's kept
+        descriptors; called once no call is in flight, before the index closes."""
         if self.writer.segments is not None:
             self.writer.segments.close()
+        self.reader.close()
 
     # ------------------------------------------------------------------ publishing
     def check_in_time(self, written_at: float, what: str) -> None:

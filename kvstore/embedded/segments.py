@@ -305,14 +305,13 @@ class Segments:
                         offsets.append(off)
                         end = off + sum(len(p) for p in frame)
                     f.end = end
-                    ticket = f.sync.written()
+                    if mode == "file":
+                        out.flushes[f.sync] = f.sync.written()
+                if mode == "fs":  # counted after the writes, which have finished; numbers only grow
+                    fl = self._fs_flusher(name)
+                    out.flushes[fl] = fl.written()
                 with seg.lock:
                     seg.appended += sum(len(p) for frame in frames for p in frame)
-                flusher = f.sync if mode == "file" else self._fs_flusher(name) if mode == "fs" else None
-                if flusher is not None:
-                    if mode == "fs":
-                        ticket = flusher.written()  # counted after the writes, which have finished
-                    out.flushes[flusher] = max(ticket, out.flushes.get(flusher, 0))
         except OSError as exc:
             self.seal(seg, f"an append failed on target {name}: {exc}")
             raise OSError(exc.errno, f"appending to segment {seg.gen.hex()} on target {name}: "

@@ -676,11 +676,10 @@ class EmbeddedStore:
         try:
             self.access.flush_or_drop()
         finally:
-            self.fragments.close()
             # A read abandoned at read_timeout_s may still hold a worker: not waited for past a bound.
             shutdown_all([self._batch_pool, self._pool, *self.fragments.pools.all()], wait=not deferred,
                          timeout_s=POOL_JOIN_S)
-            self.fragments.reader.close()
+            self.fragments.close()
             self.index.close()
 
     def __enter__(self) -> "EmbeddedStore":
