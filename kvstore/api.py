@@ -66,7 +66,7 @@ class EntryKind(enum.Enum):
 
     @property
     def code(self) -> int:
-        return _KIND_CODES[self]
+        return _KIND_CODES[self._value_]  # by value: a str hashes in C, an enum member in Python
 
     @staticmethod
     def codes() -> frozenset[int]:
@@ -77,6 +77,9 @@ class EntryKind(enum.Enum):
     def parse(cls, kind: "str | EntryKind") -> "EntryKind":
         if isinstance(kind, EntryKind):
             return kind
+        found = _KINDS_BY_VALUE.get(kind) if isinstance(kind, str) else None
+        if found is not None:  # every read names its kind: a dict lookup, not the enum's call
+            return found
         try:
             return cls(kind)
         except ValueError:
@@ -92,8 +95,9 @@ class EntryKind(enum.Enum):
             raise InvalidRequest(f"unknown entry kind code {code}") from None
 
 
-_KIND_CODES = {EntryKind.BLOCK: 1, EntryKind.SWA: 2}
-_KINDS_BY_CODE = {v: k for k, v in _KIND_CODES.items()}
+_KIND_CODES = {EntryKind.BLOCK.value: 1, EntryKind.SWA.value: 2}  # by the kind's value
+_KINDS_BY_VALUE = {k.value: k for k in EntryKind}
+_KINDS_BY_CODE = {c: _KINDS_BY_VALUE[v] for v, c in _KIND_CODES.items()}
 
 # dtype name -> itemsize. A registry, not a chain of ifs: add a row to support a dtype.
 # Names follow torch/numpy spelling; fp8/fp4 payloads travel as their storage bytes.

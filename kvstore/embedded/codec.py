@@ -43,7 +43,7 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import xxhash
 import zstandard
@@ -85,8 +85,9 @@ def _zd() -> zstandard.ZstdDecompressor:
     return d
 
 
-@dataclass(frozen=True, slots=True)
-class EntryHeader:
+class EntryHeader(NamedTuple):
+    """An entry's header as read back (immutable; a tuple, as every read builds one)."""
+
     version: int
     kind: EntryKind
     codec: int

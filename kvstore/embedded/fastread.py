@@ -58,6 +58,39 @@ def fresh_bytes(n: int) -> tuple[bytes, memoryview] | None:
     return b, memoryview((ctypes.c_char * n).from_address(_bytes_buffer(b))).cast("B")
 
 
+_PLANS_MAX = 256  # geometries kept (``LocalFastReads._plan``); a model's blocks share a few
+
+
+class _ScatterPlan:
+    """Where ``read_scatter``'s vector puts each byte of each data fragment of one geometry
+    (k, m, fragment, entry and plain sizes), as slices: fragment ``i`` is read at scratch
+    ``frags[i][0]`` (its headers, ``head`` bytes), then into ``scratch[eh]`` (part of the entry
+    header), ``out[osl]`` (part of the payload) and ``scratch[pad]`` (the code's zero
+    padding), each ``None`` where the fragment holds none. Entry coordinates ``[0, hlen)``
+    are the entry header, ``[hlen, entry_len)`` the payload, ``[entry_len, k * share)`` the
+    padding; data fragment ``i`` holds ``[i * share, (i + 1) * share)`` after its headers.
+    The scratch holds the k fragment headers, then the entry header, the padding, and one
+    spare byte per fragment (``spare + i``: where an over-long file of its own shows)."""
+
+    __slots__ = ("head", "share", "hlen", "frags", "ehead", "spare", "scratch_len", "lead_ok")
+
+    def __init__(self, k: int, head: int, share: int, hlen: int, elen: int, lead_ok: Callable):
+        self.head, self.share, self.hlen, self.lead_ok = head, share, hlen, lead_ok
+        eh0 = k * head
+        pad0 = eh0 + hlen
+        self.ehead = slice(eh0, pad0)
+        self.spare = pad0 + share
+        self.scratch_len = self.spare + k
+        frags = []
+        for i in range(k):
+            lo, hi = i * share, (i + 1) * share
+            eh = slice(eh0 + lo, eh0 + min(hi, hlen)) if lo < hlen else None
+            osl = slice(max(lo, hlen) - hlen, min(hi, elen) - hlen) if hi > hlen and lo < elen else None
+            pad = slice(pad0, pad0 + hi - max(lo, elen)) if hi > elen else None
+            frags.append((i * head, eh, osl, pad))
+        self.frags = tuple(frags)
+
+
 def frag_loc(ek: bytes, meta: Meta, i: int) -> tuple[str, int | None]:
     """Where fragment ``i`` of a record lives on ``meta.targets[i]``: (its own file, ``None``)
     or (the batch's pack file, byte offset) -- see ``Meta.offsets``."""
@@ -89,7 +122,7 @@ class _Reads:
     descriptors (``kvstore.embedded.openfiles``), a fragment in its own file opened, read and
     closed. ``release`` gives the kept descriptors back: once, in a ``finally``."""
 
-    __slots__ = ("files", "paths", "held", "per")
+    __slots__ = ("files", "paths", "held", "per", "whole")
 
     def __init__(self, files: OpenFiles, paths: list[tuple[str, int | None]]):
         self.files = files
@@ -98,9 +131,11 @@ class _Reads:
         self.held = files.hold(packed) if packed else []
         if len(self.held) == len(paths):
             self.per: list = self.held
+            self.whole: list[bool] | None = None  # every fragment in a pack
         else:  # some fragments in files of their own (rebuilt by repair): ``None`` in their slots
             it = iter(self.held)
             self.per = [None if off is None else next(it) for _, off in paths]
+            self.whole = [off is None for _, off in paths]
 
     def preadv(self, i: int, iov: list) -> int:
         h = self.per[i]
@@ -133,6 +168,7 @@ class LocalFastReads:
         self._scratch = scratch
         self.files = files
         self._code = codec.erasure_code  # (k, m, type) -> the cached code object
+        self._plans: dict[tuple[int, int, int, int, int], _ScatterPlan | None] = {}  # ``_plan``
 
     def local_roots(self, meta: Meta) -> list[str] | None:
         """Roots of the k data fragments' targets when the local fast path applies."""
@@ -210,58 +246,50 @@ class LocalFastReads:
         read with one ``preadv`` whose vector lands the payload bytes *directly* in ``out``
         (headers and padding go to a small scratch), so the only passes over the payload are
         the kernel's copy and the entry checksum. Same trust rule and ``None`` contract as
-        ``read_fast``.
-
-        Entry coordinates ``[0, hlen)`` are the entry header, ``[hlen, entry_len)`` the
-        payload (``out[0:plain_len]``), ``[entry_len, k * share)`` the code's zero padding;
-        data fragment ``i`` holds ``[i * share, (i + 1) * share)`` after its two headers.
+        ``read_fast``. Where each byte of each fragment goes is the entry's geometry's
+        ``_ScatterPlan``, worked out once per geometry (a model's blocks share a few).
         """
-        k, flen = meta.k, meta.frag_len
-        code = self._code(k, meta.m, self.config.ec_type)
-        lead = code.data_lead
-        fhl = codec.FRAG_HEADER_LEN
-        head = fhl + (lead or 0)
-        share = flen - head
-        hlen, elen, plen = meta.entry_len - meta.plain_len, meta.entry_len, meta.plain_len
-        if lead is None or not codec.ENTRY_HEADER_MIN <= hlen <= share or share * k < elen:
+        k, flen, elen, plen = meta.k, meta.frag_len, meta.entry_len, meta.plain_len
+        geo = (k, meta.m, flen, elen, plen)
+        plan = self._plans.get(geo)
+        if plan is None:
+            plan = self._plan(geo)
+        if not plan:
             return None  # compressed (stored != plain) or an unexpected geometry
-        scratch = self._scratch(k * head + hlen + share + k)
-        ehead = scratch[k * head : k * head + hlen]
-        pad = scratch[k * head + hlen : k * head + hlen + share]
+        scratch = self._scratch(plan.scratch_len)
+        fhl, head, hlen = codec.FRAG_HEADER_LEN, plan.head, plan.hlen
         id0 = codec.fragment_id(0, k, meta.m, ek[0], ek[1:], meta.gen, elen, flen - fhl)
         same = codec.fragment_id_at
-        idlen = codec.FRAG_ID_LEN
-        lead_ok = code.data_lead_ok
+        lead_ok = plan.lead_ok
+        share = plan.share
         try:
             reads = _Reads(self.files, _data_paths(ek, meta, roots))
             try:
-                for i in range(k):
-                    lo, hi = i * share, (i + 1) * share
-                    at = i * head
+                whole = reads.whole
+                for i, (at, eh, osl, pad) in enumerate(plan.frags):
                     iov = [scratch[at : at + head]]
-                    if lo < hlen:
-                        iov.append(ehead[lo : min(hi, hlen)])
-                    if hi > hlen and lo < elen:
-                        iov.append(out[max(lo, hlen) - hlen : min(hi, elen) - hlen])
-                    if hi > elen:
-                        iov.append(pad[: hi - max(lo, elen)])
-                    whole = reads.paths[i][1] is None
-                    if whole:  # a file of its own: an over-long one shows as a wrong length
-                        spare = k * head + hlen + share + i
-                        iov.append(scratch[spare : spare + 1])
+                    if eh is not None:
+                        iov.append(scratch[eh])
+                    if osl is not None:
+                        iov.append(out[osl])
+                    if pad is not None:
+                        iov.append(scratch[pad])
+                    if whole and whole[i]:  # a file of its own: an over-long one shows as a wrong length
+                        iov.append(scratch[plan.spare + i : plan.spare + i + 1])
                     if (reads.preadv(i, iov) != flen or not same(i, scratch, at, id0)
                             or not lead_ok(scratch[at + fhl : at + head], i, share, elen)):
                         return None
                     if i == 0:  # fragment 0 carries the entry header: verify it whole
-                        x0 = xxhash.xxh3_64(scratch[:idlen])
+                        x0 = xxhash.xxh3_64(scratch[: codec.FRAG_ID_LEN])
                         x0.update(codec.ZERO_CSUM)
                         x0.update(scratch[fhl:head])
-                        for part in iov[1:-1] if whole else iov[1:]:  # payload parts, not the spare byte
-                            x0.update(part)
+                        for part in iov[1 : len(iov) - 1] if whole and whole[0] else iov[1:]:
+                            x0.update(part)  # payload parts, not the spare byte
                         if x0.intdigest() != codec.fragment_checksum(scratch):
                             return None
             finally:
                 reads.release()
+            ehead = scratch[plan.ehead]
             h = codec.decode_entry_header(ehead, max_plain=max(self.config.max_value_bytes, plen))
             if (h.codec != codec.CODEC_RAW or h.header_len != hlen or h.plain_len != plen
                     or h.stored_len != plen or h.key != ek[1:] or h.kind.code != ek[0] or h.tokens != meta.tokens):
@@ -270,3 +298,20 @@ class LocalFastReads:
         except (OSError, CorruptData, IncompatibleFormat):
             return None
         return h, out[:plen]
+
+    def _plan(self, geo: tuple[int, int, int, int, int]) -> "_ScatterPlan | None":
+        """Work out (and keep) the ``_ScatterPlan`` of geometry ``geo``; ``None`` where the
+        scatter read does not apply (kept too, as a miss)."""
+        k, m, flen, elen, plen = geo
+        code = self._code(k, m, self.config.ec_type)
+        lead = code.data_lead
+        hlen = elen - plen
+        head = codec.FRAG_HEADER_LEN + (lead or 0)
+        share = flen - head
+        plan = None
+        if lead is not None and codec.ENTRY_HEADER_MIN <= hlen <= share and share * k >= elen:
+            plan = _ScatterPlan(k, head, share, hlen, elen, code.data_lead_ok)
+        if len(self._plans) >= _PLANS_MAX:
+            self._plans.clear()
+        self._plans[geo] = plan
+        return plan
