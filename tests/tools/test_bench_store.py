@@ -176,3 +176,24 @@ def test_bench_remotes_systems_run_interleaved_step_by_step():
     assert calls == ([("b", "put")] * 4 + [("b", "get")] * 4 + [("a", "put")] * 4 + [("a", "get")] * 4
                      + [("b", "put_many"), ("b", "put_many"), ("b", "get_many"), ("b", "get_many")]
                      + [("a", "put_many"), ("a", "put_many"), ("a", "get_many"), ("a", "get_many")])
+
+
+def test_each_goal_is_the_one_for_its_size_and_mode():
+    """The store's goals as its benchmark judges them: a looser bar for small single gets than
+    for large batches, and a batch put judged against raw files at 1.0x, not 0.5x."""
+    sys.path.insert(0, str(ROOT))
+    from tools.bench_store import goal_of, goals
+
+    K, M = 1024, 1024 * 1024
+    assert [goal_of("get", "raw_file", mode, size) for mode, size in
+            [("single", 128 * K), ("batch", 128 * K), ("single", M), ("batch", M), ("batch", 4 * M)]] == \
+        [0.5, 0.6, 0.6, 0.7, 0.7]
+    assert goal_of("get", "raw_file", "single", 64 * K) is None  # under every row: no goal claimed
+    assert goal_of("get", "redis", "batch", 4 * M) == goal_of("get", "redis", "single", 128 * K) == 2.0
+    assert (goal_of("put", "raw_file", "single", M), goal_of("put", "raw_file", "batch", M)) == (0.5, 1.0)
+    assert goal_of("get", "lmdb", "single", M) is None
+    rows = [{"op": "put", "peer": "raw_file", "size": M, "mode": "batch", "ratio": 0.74},
+            {"op": "get", "peer": "raw_file", "size": M, "mode": "batch", "ratio": 0.55},
+            {"op": "get", "peer": "lmdb", "size": M, "mode": "batch", "ratio": 9.0}]
+    got = {(g["op"], g["mode"]): (g["goal"], g["met"]) for g in goals(rows)}
+    assert got == {("put", "batch"): (1.0, False), ("get", "batch"): (0.7, False)}
