@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import lmdb
 
@@ -36,8 +36,12 @@ class AccessTimes:
 
     def touch(self, ek: bytes, now: int) -> None:
         """Record a use of ``ek`` at ``now``; flush when ``flush_s`` has passed since the last."""
+        self.touch_many((ek,), now)
+
+    def touch_many(self, eks: Iterable[bytes], now: int) -> None:
+        """``touch`` of each of ``eks`` (a batched get's), in one round of the lock."""
         with self._lock:
-            self._pending[ek] = now
+            self._pending.update(dict.fromkeys(eks, now))
             due = self.clock() - self._last_flush >= self.flush_s
         if due:  # on whatever thread reads (a batch worker too): not a public call of its own
             self.flush_or_drop()

@@ -91,6 +91,15 @@ _PACK = struct.Struct(">QQQ")  # records stored in the pack, their bytes in it, 
 _EXP = struct.Struct("<Q")  # expires_ns as stored in a Meta record
 
 
+_TAILS: dict[tuple[int, int], struct.Struct] = {}  # (record version, n_frag) -> its ids (and offsets)
+
+
+def _tail(ver: int, n: int) -> struct.Struct:
+    """The format of a record's target ids (and, version 2, offsets) after ``_META``."""
+    t = _TAILS[(ver, n)] = struct.Struct(f">{n}H{n}Q" if ver == 2 else f">{n}H")
+    return t
+
+
 @dataclass(frozen=True, slots=True)
 class Meta:
     """Index record of one entry. Times are nanoseconds since the epoch (0 = none)."""
@@ -286,8 +295,9 @@ class Index:
          gen) = _META.unpack_from(raw, 0)
         if ver not in (1, 2):
             raise InternalError(f"index record version {ver}: this is a bug or a foreign index")
-        ids = struct.unpack_from(f">{n}H", raw, _META.size)
-        offsets = struct.unpack_from(f">{n}Q", raw, _META.size + 2 * n) if ver == 2 else ()
+        tail = _TAILS.get((ver, n)) or _tail(ver, n)
+        locs = tail.unpack_from(raw, _META.size)
+        ids, offsets = (locs[:n], locs[n:]) if ver == 2 else (locs, ())
         try:
             names = tuple(map(self._tname.__getitem__, ids))  # every read's path: a C loop over known ids
         except KeyError:  # an id another process assigned since this one loaded the table

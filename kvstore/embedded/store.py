@@ -444,27 +444,39 @@ class EmbeddedStore:
         now = self.now_ns()
         with self.index.env.begin() as txn:
             metas = [self.index.get_meta(txn, ek) for ek in eks]
+        metas = [None if m is not None and m.expired(now) else m for m in metas]  # expired: absent
         self._counters.add("gets", len(eks))
+
+        read = self.fragments.reader.read_verified
 
         def one(i: int) -> Entry | None:
             m = metas[i]
-            if m is None or m.expired(now):
-                self._counters.add("get_misses")
+            if m is None:
                 return None
             try:
-                h, plain = self.fragments.reader.read_verified(eks[i], m)
+                h, plain = read(eks[i], m)
             except (Unrecoverable, StoreUnavailable) as exc:  # lost, or unreadable for now: a miss
                 log.error("get_many: %s", exc)
                 return None
-            self._counters.add("bytes_out", len(plain))
-            self.access.touch(eks[i], now)
             return Entry(eks[i][1:], k, h.layout, h.tokens, plain)
 
         live = [m for m in metas if m is not None]
         if len(eks) == 1 or not any(self.fragments.reader.parallel(m) for m in live):
             # Local targets: a plain loop beats the thread hand-off (tools/bench_store.py).
-            return [one(i) for i in range(len(eks))]
-        return self._batched_remote(eks, metas, now, one)
+            got = [one(i) for i in range(len(eks))]
+        else:
+            got = self._batched_remote(eks, metas, now, one)
+        self._account_batch(eks, [None if e is None else len(e.data) for e in got], len(eks) - len(live), now)
+        return got
+
+    def _account_batch(self, eks: Sequence[bytes], sizes: Sequence[int | None], misses: int, now: int) -> None:
+        """A batched get's counters and access times, once for the batch: ``sizes[i]`` the
+        plain bytes returned for ``eks[i]`` (``None``: nothing returned), ``misses`` the keys
+        without a live record (an entry that could not be read is not a miss, as in ``get``)."""
+        hits = [ek for ek, n in zip(eks, sizes) if n is not None]
+        self._counters.add("get_misses", misses)
+        self._counters.add("bytes_out", sum(n for n in sizes if n is not None))
+        self.access.touch_many(hits, now)
 
     def _batched_remote(self, eks: Sequence[bytes], metas: Sequence[Meta | None], now: int,
                         one: Callable[[int], Any]) -> list[Any]:
@@ -525,24 +537,26 @@ class EmbeddedStore:
                 )
         self._counters.add("gets", len(eks))
 
+        read = self.fragments.reader.read_verified
+
         def one(i: int) -> EntryInfo | None:
             m = metas[i]
             if m is None:  # absent or expired (above)
-                self._counters.add("get_misses")
                 return None
             try:
-                h, _ = self.fragments.reader.read_verified(eks[i], m, views[i])
+                h, _ = read(eks[i], m, views[i])
             except (Unrecoverable, StoreUnavailable) as exc:  # lost, or unreadable for now: a miss
                 log.error("get_many_into: %s", exc)
                 return None
-            self._counters.add("bytes_out", h.plain_len)
-            self.access.touch(eks[i], now)
             return EntryInfo(eks[i][1:], k, h.plain_len, h.layout, h.tokens)
 
         live = [m for m in metas if m is not None]
         if len(eks) == 1 or not any(self.fragments.reader.parallel(m) for m in live):
-            return [one(i) for i in range(len(eks))]  # local targets: as in get_entries
-        return self._batched_remote(eks, metas, now, one)
+            got = [one(i) for i in range(len(eks))]  # local targets: as in get_entries
+        else:
+            got = self._batched_remote(eks, metas, now, one)
+        self._account_batch(eks, [None if e is None else e.nbytes for e in got], len(eks) - len(live), now)
+        return got
 
     # ------------------------------------------------------------------ access times (approximate LRU)
     @in_flight
