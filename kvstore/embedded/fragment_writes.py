@@ -489,7 +489,7 @@ class FragmentWriter:
 
     def _append_once(self, entries: Sequence[PendingEntry], since: int) -> bool:
         """One try of ``append_entries``: whether the entries were appended and made durable."""
-        seg = self.segments.acquire(since)
+        seg = self.segments.acquire(since, [ekey(e.item.kind.code, e.item.key) for e in entries])
         appends: list[tuple[list[PendingEntry], list[tuple[tuple[str, ...], list[int]]], Future]] = []
         chunk: list[PendingEntry] = []
         size = 0

@@ -172,6 +172,13 @@ class FragmentStore:
             else:
                 self.check_unswept_txn(txn, seg.since, [(name, pack_path(seg.gen)) for name in seg.written_on()])
 
+    def note_indexed(self, segments: Sequence[Segment], gens: set[bytes]) -> None:
+        """Inside the index transaction, before its commit: the ``segments`` among those a put
+        appended to whose generation is in ``gens`` get a record (``Segments.mark_indexed``)."""
+        for seg in segments:
+            if seg.gen in gens:
+                self.writer.segments.mark_indexed(seg)
+
     def mark_lost(self, ek: bytes, meta: Meta) -> None:
         """Move a record whose fragments are gone to ``lost`` (lookup stops offering it).
         Never for a record naming targets this store was not opened with: that is a

@@ -24,7 +24,9 @@ Why appends are safe (what holds a published record to its bytes):
    append seals the segment (below), so no later append lands past a hole.
 3. *Bytes never move.* A generation is never reused and a segment is never rewritten:
    compaction writes a new pack; deletion unlinks the file. So a reader holding a record, or an
-   open descriptor, reads the bytes that record was indexed with.
+   open descriptor, reads the bytes that record was indexed with. And a segment takes each key
+   once (``acquire``: a key put again goes to a new segment), so a key and a generation name
+   one record, as they do for a pack (compaction and the pack's member records rely on it).
 4. *A file removed while still appended to is never indexed into.* GC removes a pack's files
    when its last record goes; an orphan sweep removes a pack file no record names once older
    than ``orphan_grace_s``. Either can take the active segment of a process (its records all
@@ -33,11 +35,14 @@ Why appends are safe (what holds a published record to its bytes):
    (``kvstore.embedded.fragments.FragmentStore.check_segments_txn``): a segment that already
    holds indexed records must still have its pack record, and one that holds none is checked as
    any new file is, against the sweep count read before its first append (``Segment.since``).
+   A segment counts as holding records from inside the transaction that commits its first
+   (``mark_indexed``), not from that put's ``release``, so a put racing it cannot miss it.
    Either failing raises ``FilesSwept``: nothing is indexed, the segment is sealed, and the put
    writes again into a new one.
 
 Sealing. A segment past ``segment_bytes``, one whose append or sync failed, or one found taken
-as in 4 is sealed: no new put gets it; its descriptors close when its last put releases it;
+as in 4 is sealed: no new put gets it; its descriptors close when its last put releases it
+(or at once when none uses it);
 and a sealed segment in which no record was ever indexed is removed then (what it holds no
 record names). Closing the store seals the active one.
 
@@ -75,31 +80,43 @@ ALIGN = 4096
 
 
 class _Flusher:
-    """Group commit of one durable flush (a filesystem's ``syncfs``, a file's ``fdatasync``):
-    ``written()`` is called after each write it must cover, ``flush(upto)`` returns once a flush
-    that started after write number ``upto`` has finished, running one only if none did. A
-    flush that fails fails every write it covered, also for the callers that wait on it: the
-    kernel reports a writeback error once, so flushing again would "succeed" over lost pages."""
+    """Group commit of one durable flush (a filesystem's ``syncfs``, a file's ``fdatasync``).
+    A write it must cover takes a number as it starts (``begin``) and a ticket once it has
+    finished (``written``); ``flush(ticket, began)`` returns once a flush that started after
+    that ticket was given has finished, running one only if none did. A flush that fails
+    fails every write that had *started* when it failed, also for the callers that wait on
+    it: the kernel reports a writeback error once, and the failed writeback may have taken
+    the pages of a write that finished while it ran but was counted after it started, so
+    flushing again would "succeed" over lost pages."""
 
-    __slots__ = ("_count_lock", "_lock", "_written", "_flushed", "_failed", "_flush")
+    __slots__ = ("_count_lock", "_lock", "_started", "_written", "_flushed", "_failed", "_flush")
 
     def __init__(self, flush: Callable[[], None]):
         self._count_lock = threading.Lock()
         self._lock = threading.Lock()
+        self._started = 0
         self._written = 0
         self._flushed = 0
-        self._failed: tuple[int, OSError] | None = None  # the last write a failed flush covered, its error
+        self._failed: tuple[int, OSError] | None = None  # writes started when a flush failed, its error
         self._flush = flush
 
+    def begin(self) -> int:
+        """The number of a write about to start (before its first byte is written)."""
+        with self._count_lock:
+            self._started += 1
+            return self._started
+
     def written(self) -> int:
+        """The ticket of a write that has finished."""
         with self._count_lock:
             self._written += 1
             return self._written
 
-    def flush(self, upto: int) -> bool:
-        """Make writes up to number ``upto`` durable; whether this call ran the flush."""
+    def flush(self, upto: int, began: int) -> bool:
+        """Make the writes up to ticket ``upto``, the first of which began as number ``began``,
+        durable; whether this call ran the flush."""
         with self._lock:
-            if self._failed is not None and upto <= self._failed[0]:
+            if self._failed is not None and began <= self._failed[0]:
                 raise OSError(self._failed[1].errno, f"a flush covering this write failed: {self._failed[1]}")
             if self._flushed >= upto:
                 return False
@@ -108,7 +125,8 @@ class _Flusher:
             try:
                 self._flush()
             except OSError as exc:
-                self._failed = (covers, exc)
+                with self._count_lock:  # any write started by now may have lost its pages to it
+                    self._failed = (self._started, exc)
                 raise
             self._flushed = covers
             return True
@@ -130,21 +148,23 @@ class _File:
 @dataclass(frozen=True, slots=True)
 class Appended:
     """What one ``Segments.append`` did: per target, the offset of each fragment of its share;
-    per flush that makes it durable (a filesystem's or a file's), the write number it must cover."""
+    per flush that makes it durable (a filesystem's or a file's), the number its first write
+    began as and the ticket of its last (``_Flusher``)."""
 
     offsets: dict[str, list[int]]
-    flushes: dict[_Flusher, int]
+    flushes: dict[_Flusher, tuple[int, int]]
     files: dict[str, _File]
 
     @staticmethod
     def merged(parts: Sequence["Appended"]) -> "Appended":
         """The flushes of several appends as one (``offsets`` are per append: not merged)."""
-        flushes: dict[_Flusher, int] = {}
+        flushes: dict[_Flusher, tuple[int, int]] = {}
         files: dict[str, _File] = {}
         for p in parts:
             files.update(p.files)
-            for fl, ticket in p.flushes.items():
-                flushes[fl] = max(ticket, flushes.get(fl, 0))
+            for fl, (began, ticket) in p.flushes.items():
+                had = flushes.get(fl)
+                flushes[fl] = (began, ticket) if had is None else (min(began, had[0]), max(ticket, had[1]))
         return Appended({}, flushes, files)
 
 
@@ -152,8 +172,10 @@ class Appended:
 class Segment:
     """One segment (module docstring): ``gen`` names its file on each target; ``since`` is the
     index's sweep count read before its first append (``kvstore.maintenance.orphans``);
-    ``indexed``: a record in it was indexed (its pack record must then exist); ``users``: puts
-    between ``acquire`` and ``release``; ``sealed``: no new put gets it."""
+    ``indexed``: a record in it was indexed, or may have been (set inside the index
+    transaction, before its commit: its pack record must exist from then on); ``users``: puts
+    between ``acquire`` and ``release``; ``sealed``: no new put gets it; ``keys``: the entry
+    keys puts appended to it (each at most once: "Why appends are safe", 3)."""
 
     gen: bytes
     since: int
@@ -162,11 +184,13 @@ class Segment:
     sealed: bool = False
     users: int = 0
     appended: int = 0  # fragment bytes appended, over all its files
+    keys: set[bytes] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def size(self) -> int:
         """The end of its longest file."""
-        return max((f.end for f in self.files.values()), default=0)
+        with self.lock:
+            return max((f.end for f in self.files.values()), default=0)
 
     def written_on(self) -> list[str]:
         """The targets this segment has a file on."""
@@ -202,30 +226,48 @@ class Segments:
         return not write_timeout_s and bool(targets) and all(type(t) is LocalTarget for t in targets.values())
 
     # ------------------------------------------------------------------ a put's use
-    def acquire(self, since: int) -> Segment:
-        """The active segment for one put (a new one, recording ``since``, when there is none or
-        the last one was sealed or has reached ``segment_bytes``); ``release`` it after the put's
-        index commit, whatever happened."""
+    def acquire(self, since: int, keys: Sequence[bytes] = ()) -> Segment:
+        """The active segment for one put of the entries ``keys``: a new one, recording
+        ``since``, when there is none, or the last one was sealed, has reached
+        ``segment_bytes`` or already holds one of ``keys`` (a key deleted and put again: a
+        record names its segment's generation, and no two records of one key may name the same
+        one). ``release`` it after the put's index commit, whatever happened."""
+        old = None
         with self._lock:
             if self._closed:
                 raise OSError(errno.EBADF, "the store's segments are closed")
             seg = self._active
-            if seg is None or seg.sealed or seg.size() >= self.segment_bytes:
-                if seg is not None:
+            if seg is None or seg.sealed or seg.size() >= self.segment_bytes or not seg.keys.isdisjoint(keys):
+                if seg is not None and not seg.sealed:
                     self._seal_locked(seg)
+                    old = seg if seg.users == 0 else None  # else its last put retires it
                 seg = self._active = Segment(os.urandom(8), since)
                 self._count("segments_started")
+            seg.keys.update(keys)
             seg.users += 1
-            return seg
+        if old is not None:
+            self._retire(old)
+        return seg
 
     def release(self, seg: Segment, *, indexed: bool) -> None:
-        """A put's use of ``seg`` ended; ``indexed``: at least one of its records in ``seg`` was indexed."""
+        """A put's use of ``seg`` ended; ``indexed``: at least one of its records in ``seg`` was
+        indexed. A segment past ``segment_bytes`` is sealed then, and retired by its last put."""
         with self._lock:
             seg.indexed = seg.indexed or indexed
             seg.users -= 1
+            if not seg.sealed and seg.size() >= self.segment_bytes:
+                self._seal_locked(seg)
             done = seg.sealed and seg.users == 0
         if done:
             self._retire(seg)
+
+    def mark_indexed(self, seg: Segment) -> None:
+        """A record in ``seg`` is about to be committed: called inside the index transaction,
+        so that from its commit on every other put's transaction requires ``seg``'s pack record
+        (``FragmentStore.check_segments_txn``); a transaction that then fails leaves ``seg``
+        taken as indexed, which only keeps its files for the orphan sweep."""
+        with self._lock:
+            seg.indexed = True
 
     def seal(self, seg: Segment, why: str) -> None:
         """No new put gets ``seg`` (module docstring, "Sealing")."""
@@ -251,7 +293,11 @@ class Segments:
                 self._on_retired(seg.gen, seg.appended)
             except Exception as exc:  # accounting only: the bytes stay until the segment goes
                 log.warning("segment %s: its unindexed bytes were not counted dead: %s", seg.gen.hex(), exc)
-        for name, f in list(seg.files.items()):
+        with seg.lock:
+            files = list(seg.files.items())
+            seg.files.clear()
+            seg.keys.clear()
+        for name, f in files:
             try:
                 os.close(f.fd)
             except OSError:
@@ -261,7 +307,6 @@ class Segments:
                     self.targets[name].delete(pack_path(seg.gen))
                 except OSError:
                     pass  # an orphan GC will sweep
-        seg.files.clear()
 
     def close(self) -> None:
         """Seal the active segment; descriptors close as their puts release them. Called once
@@ -297,7 +342,9 @@ class Segments:
             for name, frames in shares.items():
                 f = out.files[name] = self._file(seg, name)
                 offsets = out.offsets[name] = []
+                fl = f.sync if mode == "file" else self._fs_flusher(name) if mode == "fs" else None
                 with f.lock:
+                    began = 0 if fl is None else fl.begin()
                     end = f.end
                     for frame in frames:
                         off = -(-end // ALIGN) * ALIGN
@@ -305,11 +352,8 @@ class Segments:
                         offsets.append(off)
                         end = off + sum(len(p) for p in frame)
                     f.end = end
-                    if mode == "file":
-                        out.flushes[f.sync] = f.sync.written()
-                if mode == "fs":  # counted after the writes, which have finished; numbers only grow
-                    fl = self._fs_flusher(name)
-                    out.flushes[fl] = fl.written()
+                if fl is not None:  # a ticket once the writes have finished; numbers only grow
+                    out.flushes[fl] = (began, fl.written())
                 with seg.lock:
                     seg.appended += sum(len(p) for frame in frames for p in frame)
         except OSError as exc:
@@ -323,8 +367,8 @@ class Segments:
         linked (one removed behind the store's back, its target's directory deleted say, would
         take the bytes with it); an ``OSError`` seals ``seg`` (those bytes may not be on disk)."""
         try:
-            for flusher, ticket in appended.flushes.items():
-                if flusher.flush(ticket):
+            for flusher, (began, ticket) in appended.flushes.items():
+                if flusher.flush(ticket, began):
                     self._count("segment_syncs")
             for name, f in appended.files.items():
                 if os.fstat(f.fd).st_nlink == 0:

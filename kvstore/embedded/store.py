@@ -310,7 +310,8 @@ class EmbeddedStore:
                     self.fragments.check_in_time(*written_at)
                 if unswept is not None:
                     self.fragments.check_unswept_txn(txn, *unswept)
-                self.fragments.check_segments_txn(txn, list(segments))
+                segments = list(segments)
+                self.fragments.check_segments_txn(txn, segments)
                 taken = [g for g in fresh_gens if self.index.pack_info(txn, g) is not None]
                 if taken:
                     raise GenerationTaken(taken)
@@ -330,6 +331,7 @@ class EmbeddedStore:
                 for (ek, meta), c in zip(records, created):
                     if not c and meta.offsets:
                         self.index.pack_dead_txn(txn, meta.gen, packed_bytes(meta))
+                self.fragments.note_indexed(segments, {m.gen for (_, m), c in zip(records, created) if c})
                 self.access.flush_txn(txn)
         except lmdb.Error as exc:  # nothing indexed: the caller removes the files
             if self.room.no_space(exc):

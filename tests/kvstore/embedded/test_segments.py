@@ -38,6 +38,18 @@ def _meta(store, key):
         return store.index.get_meta(txn, ekey(1, key))
 
 
+def held(path) -> list[str]:
+    """This process's descriptors open on files under ``path``."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(path)):
+                out.append(fd)
+        except OSError:  # the listing's own descriptor, closed meanwhile
+            pass
+    return out
+
+
 def test_single_puts_and_batches_append_to_one_segment_and_read_back(data_dir, keys):
     with kvstore.connect(str(data_dir), fsync=False) as s:
         for k in keys[:10]:
@@ -257,31 +269,49 @@ def test_a_failed_flush_fails_every_write_it_covered_also_for_those_waiting_on_i
             raise OSError(5, "Input/output error (injected)")
 
     fl = S._Flusher(flush)
+    sa, sb = fl.begin(), fl.begin()
     a, b = fl.written(), fl.written()
     with pytest.raises(OSError):
-        fl.flush(a)
+        fl.flush(a, sa)
     with pytest.raises(OSError, match="a flush covering this write failed"):
-        fl.flush(b)  # covered by the failed flush: no second flush
+        fl.flush(b, sb)  # covered by the failed flush: no second flush
     assert len(calls) == 1
+    sc = fl.begin()
     c = fl.written()
-    assert fl.flush(c) and len(calls) == 2  # a write after it flushes as usual
-    assert not fl.flush(c)  # and is not flushed twice
+    assert fl.flush(c, sc) and len(calls) == 2  # a write after it flushes as usual
+    assert not fl.flush(c, sc)  # and is not flushed twice
+
+
+def test_a_failed_flush_fails_a_write_that_started_before_it_failed_though_counted_after_it_began():
+    """A write finished while a flush ran but took its ticket after the flush had started: the
+    failed writeback may have taken its pages (and the kernel reports that once), so it fails
+    too, rather than flushing again over lost pages and being told it is durable."""
+    calls = []
+
+    def flush():
+        calls.append(1)
+        if len(calls) == 1:
+            sb = fl.begin()  # put B starts writing while A's flush runs,
+            box.append((sb, fl.written()))  # and finishes before that flush reports its error
+            raise OSError(5, "Input/output error (injected)")
+
+    box: list[tuple[int, int]] = []
+    fl = S._Flusher(flush)
+    sa = fl.begin()
+    a = fl.written()
+    with pytest.raises(OSError, match="injected"):
+        fl.flush(a, sa)
+    (sb, b), = box
+    assert b > a  # not covered by the failed flush's count of finished writes
+    with pytest.raises(OSError, match="a flush covering this write failed"):
+        fl.flush(b, sb)
+    assert len(calls) == 1
 
 
 def test_a_segment_gc_removes_is_not_held_open_by_the_reader(data_dir, keys, clock):
     """The reader keeps pack descriptors open (``kvstore.embedded.openfiles``); GC removing a
     segment with its last record closes the reader's descriptor at once, and the writer's goes
     when its next put finds the file removed, so the space comes back."""
-
-    def held(path):
-        out = []
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                if os.readlink(f"/proc/self/fd/{fd}").startswith(str(path)):
-                    out.append(fd)
-            except OSError:  # the listing's own descriptor, closed meanwhile
-                pass
-        return out
 
     with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=0) as s:
         assert s.put(keys[0], value_for(keys[0]))
@@ -294,3 +324,171 @@ def test_a_segment_gc_removes_is_not_held_open_by_the_reader(data_dir, keys, clo
         assert not path.exists() and len(held(path)) == 1  # the reader's closed
         assert s.put(keys[1], value_for(keys[1]))
         assert held(path) == [] and s.get(keys[1]) == value_for(keys[1])
+
+
+def test_a_segment_that_fills_up_is_retired_by_its_last_put(data_dir, keys, clock):
+    """A segment past ``segment_bytes`` is sealed when its last put releases it (or when the
+    next put finds it full) and retired then: its descriptors close, so a rolled-over segment
+    GC removes gives its space back, and what no record names in it is counted dead."""
+    with kvstore.connect(str(data_dir), fsync=False, segment_bytes=20_000, compression="none", clock=clock,
+                         delete_grace_s=0) as s:
+        retired = []
+        segs = s.fragments.writer.segments
+        real = segs._retire
+        segs._retire = lambda seg: (retired.append(seg.gen), real(seg))[1]
+        for k in keys[:12]:
+            assert s.put(k, os.urandom(16_000))
+        gens = {_meta(s, k).gen for k in keys[:12]}
+        assert len(gens) >= 3 and set(retired) == gens  # each full at its put's release
+        assert held(data_dir / "targets") == []  # the reader keeps none yet: nothing was read
+        first = [k for k in keys[:12] if _meta(s, k).gen == _meta(s, keys[0]).gen]
+        path = Path(s.targets[_meta(s, keys[0]).targets[0]].root, pack_path(_meta(s, keys[0]).gen))
+        for k in first:
+            assert s.delete(k)
+        s.gc()
+        assert not path.exists() and held(path) == []
+
+
+def test_a_key_put_again_into_the_active_segment_goes_to_a_new_one(data_dir, keys, clock):
+    """A record names its segment's generation, and two records of one key must never name the
+    same one (compaction and the pack's member records tell records apart by it): a key deleted
+    and put again while its segment is active starts a new segment. The old record's purge then
+    leaves the new one's member record, and compaction still moves it."""
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=0, orphan_grace_s=0,
+                         compression="none") as s:
+        assert s.put(keys[0], b"v1" * 3000)
+        assert s.put(keys[1], b"other" * 1000)
+        g = _meta(s, keys[0]).gen
+        assert s.delete(keys[0])
+        assert s.put(keys[0], b"v2" * 3000)
+        g2 = _meta(s, keys[0]).gen
+        assert g2 != g
+        s.gc()  # purges the old record of keys[0]
+        with s.index.env.begin() as txn:
+            assert ekey(1, keys[0]) in s.index.pack_members(txn, g2)
+            assert ekey(1, keys[0]) not in s.index.pack_members(txn, g)
+        moved = s.fragments.rewrite([(ekey(1, keys[0]), _meta(s, keys[0]))])
+        assert moved and _meta(s, keys[0]).gen != g2 and s.get(keys[0]) == b"v2" * 3000
+        assert_clean(s)
+
+
+def test_compaction_racing_a_delete_and_put_again_keeps_the_new_value(data_dir, keys, clock):
+    """Compaction copies a record, then replaces it only if it did not change meanwhile (same
+    generation). A key deleted and put again while the copy runs lands in another segment, so
+    the acknowledged new value stays."""
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=30, orphan_grace_s=0,
+                         compression="none") as s:
+        k = keys[0]
+        assert s.put(k, b"A" * 20_000)
+        assert s.put(keys[1], b"B" * 20_000)
+        reader = s.fragments.reader
+        real = reader.read_verified
+        done = []
+
+        def racing(ek, m, *args):
+            out = real(ek, m, *args)
+            if not done and ek == ekey(1, k):
+                done.append(1)
+                assert s.delete(k)
+                assert s.put(k, b"C" * 20_000)  # acknowledged
+            return out
+
+        reader.read_verified = racing
+        s.fragments.rewrite([(ekey(1, k), _meta(s, k))])
+        reader.read_verified = real
+        assert done and s.get(k) == b"C" * 20_000
+
+
+def test_a_write_that_finished_during_a_failed_flush_is_not_reported_durable(data_dir, monkeypatch):
+    """Put B's bytes are written while put A's ``fdatasync`` runs and fails: the kernel dropped
+    B's pages with A's and reports the error once, so B's own flush would succeed over nothing.
+    B fails instead (modelled with an ``fdatasync`` that behaves as Linux's)."""
+    with kvstore.connect(str(data_dir), fsync=False) as s:
+        segs = S.Segments(s.targets, segment_bytes=1 << 30, sync_mode=lambda: "file", count=lambda *a, **k: None)
+        seg = segs.acquire(0)
+        dirty: set[bytes] = set()
+        lost: set[bytes] = set()
+        fails = {"left": 1}
+        b_written, go_on = threading.Event(), threading.Event()
+
+        def fdatasync(fd):
+            if fails["left"]:
+                fails["left"] -= 1
+                lost.update(dirty)  # writeback failed: the pages are clean again, their data gone
+                dirty.clear()
+                raise OSError(5, "Input/output error (injected)")
+            dirty.clear()
+
+        real_pwrite = S._pwrite_all
+
+        def pwrite(fd, parts, off):
+            real_pwrite(fd, parts, off)
+            tag = bytes(parts[0])[:1]
+            dirty.add(tag)
+            if tag == b"b":  # B's bytes written, its ticket not taken yet
+                b_written.set()
+                go_on.wait(10)
+
+        monkeypatch.setattr(os, "fdatasync", fdatasync)
+        monkeypatch.setattr(S, "_pwrite_all", pwrite)
+        app_a = segs.append(seg, {"t0": [[b"a" * 100]]})
+        out = {}
+
+        def put_b():
+            app_b = segs.append(seg, {"t0": [[b"b" * 100]]})
+            try:
+                segs.make_durable(seg, app_b)
+                out["b"] = "durable"
+            except OSError as exc:
+                out["b"] = exc
+
+        tb = threading.Thread(target=put_b)
+        tb.start()
+        assert b_written.wait(10)
+        with pytest.raises(OSError, match="injected"):
+            segs.make_durable(seg, app_a)  # A's flush fails, taking B's pages with it
+        go_on.set()
+        tb.join(10)
+        assert b"b" in lost and isinstance(out["b"], OSError)
+        segs.release(seg, indexed=False)
+        segs.close()
+
+
+def test_a_segment_counts_as_indexed_from_its_first_commit_not_its_release(data_dir, keys, clock):
+    """Put P1 commits the first record into a new segment; before P1 has released it, that
+    record is deleted and purged, so GC removes the segment's files. Put P2, which appended to
+    the segment before, must not be indexed into the removed files: the segment counts as
+    indexed from P1's commit, so P2's commit requires its pack record, finds none, and P2
+    writes again into a new segment."""
+    with kvstore.connect(str(data_dir), fsync=False, clock=clock, delete_grace_s=30) as s:
+        writer = s.fragments.writer
+        real_append, real_discard = writer.append_entries, writer.discard_unindexed
+        p2_flushed, p2_go = threading.Event(), threading.Event()
+        p2: dict = {}
+
+        def append(entries, since):
+            real_append(entries, since)
+            if threading.current_thread().name == "P2":
+                p2_flushed.set()
+                p2_go.wait(10)
+
+        def discard(entries):  # P1, between its commit and its release
+            if threading.current_thread() is threading.main_thread() and not p2:
+                t = p2["t"] = threading.Thread(target=lambda: p2.__setitem__("ok", s.put(keys[1], b"P2" * 5000)),
+                                               name="P2")
+                t.start()
+                assert p2_flushed.wait(10)
+                assert s.delete(keys[0])
+                clock.advance(31)
+                s.gc(orphans=False)  # purges keys[0]: the segment's last record, so its files go
+                p2_go.set()
+                t.join(10)
+            return real_discard(entries)
+
+        writer.append_entries, writer.discard_unindexed = append, discard
+        assert s.put(keys[0], b"P1" * 5000)
+        writer.append_entries, writer.discard_unindexed = real_append, real_discard
+        assert p2.get("ok") is True
+        m = _meta(s, keys[1])
+        assert Path(s.targets[m.targets[0]].root, pack_path(m.gen)).exists()
+        assert s.get(keys[1]) == b"P2" * 5000
