@@ -77,13 +77,19 @@ class CapacityExceeded(KVStoreError):
     runs its other steps first), or of the repair pass that found the index map full
     (``kvstore.maintenance.check.repair``), so a caller can report what the pass did; ``None`` when
     the error comes from anything else (the daemon sends it along: ``kvstore.wire``).
+
+    ``created``: raised by a put (or a direct write's commit) *after* its index commit, by the
+    eviction that followed it, per item of the call whether that put indexed it (some may have
+    been evicted again at once); ``None`` when nothing was indexed. A writer must not remove
+    the files of an item it says was indexed.
     """
 
     code = "CAPACITY_EXCEEDED"
 
-    def __init__(self, message: str = "", *, result: dict | None = None):
+    def __init__(self, message: str = "", *, result: dict | None = None, created: list[bool] | None = None):
         super().__init__(message)
         self.result = result
+        self.created = created
 
 
 class StoreUnavailable(KVStoreError):

@@ -76,6 +76,7 @@ MD_KEY = "kvstore-error-key"
 MD_TARGETS = "kvstore-failed-targets"
 MD_BATCH_LIMIT = "kvstore-max-batch-items"
 MD_GC_RESULT = "kvstore-gc-result"  # a CapacityExceeded's ``result`` (the GC pass's counts), as JSON
+MD_CREATED = "kvstore-created"  # a CapacityExceeded's ``created``: one "1" or "0" per item of the call
 # Request metadata of a PutStream: how many items the client sends. gRPC's server cannot tell a
 # client's cancel from its end of stream when the cancel lands while the daemon waits for the next
 # message (both end the request iterator); with the count declared, a short stream is a client
@@ -134,6 +135,8 @@ def status_of(exc: KVStoreError) -> tuple[grpc.StatusCode, tuple[tuple[str, str]
         md.append((MD_BATCH_LIMIT, str(exc.limit)))
     if isinstance(exc, CapacityExceeded) and exc.result is not None:
         md.append((MD_GC_RESULT, json.dumps(exc.result, default=str)))
+    if isinstance(exc, CapacityExceeded) and exc.created is not None:
+        md.append((MD_CREATED, "".join("1" if c else "0" for c in exc.created)))
     return STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN), tuple(md)
 
 
@@ -168,7 +171,9 @@ def error_from_rpc(err: grpc.RpcError, where: str = "", timeout_s: float | None 
     if cls is InvalidRequest and _batch_limit(md.get(MD_BATCH_LIMIT)):
         return BatchTooLarge(details, limit=_batch_limit(md.get(MD_BATCH_LIMIT)))
     if cls is CapacityExceeded:
-        return CapacityExceeded(details, result=_gc_result(md.get(MD_GC_RESULT)))
+        created = md.get(MD_CREATED)
+        return CapacityExceeded(details, result=_gc_result(md.get(MD_GC_RESULT)),
+                                created=None if created is None else [c == "1" for c in created])
     if cls in (Unauthenticated, ServerBusy, PermissionDenied, StaleDescribe) and where:  # no store message to keep
         return cls(f"{details} ({where})")  # word for word: say which daemon refused (one shard of a set)
     if cls is not None:

@@ -26,7 +26,7 @@ Write steps (``DirectWrites.put_many``), in order, each for its reason:
      durable first when the daemon's store fsyncs.
   3. One ``Commit`` with the records of every chunk written. The daemon checks them
      (erasure code, targets, sizes: else INVALID_ARGUMENT) and every pack (new, present on
-     each target, exactly as long as its fragments, fresh: else it is *rejected*, and with it
+     each target, its fragments end to end and nothing else, fresh: else it is *rejected*, and with it
      every pack of the commit), and indexes them all in one transaction, charged to the
      tenant's quota. The put is acknowledged only then: a key already live answers
      ``False``, as a put does.
@@ -97,7 +97,9 @@ from kvstore.wire import EncodedPut
 
 log = logging.getLogger(__name__)
 
-# Commit errors that mean "nothing was indexed": the packs of the batch may go at once.
+# Commit errors that mean "nothing was indexed": the packs of the batch may go at once. Not a
+# ``CapacityExceeded`` whose ``created`` names entries the commit indexed before its eviction pass
+# found no room (``_put_with``).
 REFUSED = (InvalidRequest, ServerBusy, Unauthenticated, PermissionDenied, CapacityExceeded)
 
 # The gRPC put of the client. It must take whatever the client let through to this path (each item
@@ -257,6 +259,14 @@ class DirectWrites(DirectPath):
             w.writer.discard_unindexed(entries)
             self._turn_off(f"Commit refused: {exc}", warn=True)
             return None
+        except CapacityExceeded as exc:
+            if exc.created is not None and len(exc.created) == len(entries):
+                # Indexed, then the eviction after it found no room: the packs of what it indexed stay.
+                for e, c in zip(entries, exc.created):
+                    e.created = result[e.slot] = c
+                exc.created = result
+            w.writer.discard_unindexed(entries)  # packs none of whose entries was indexed
+            raise
         except RequestTooLarge as exc:  # over what the daemon's Commit takes: put as over gRPC, whose limits decide
             w.writer.discard_unindexed(entries)
             log.info("direct write refused by %s (%s); putting the batch through the daemon", self.url, exc)

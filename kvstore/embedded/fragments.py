@@ -202,7 +202,7 @@ class FragmentStore:
         indexed); then each pack's, a failing one rejecting every pack of the commit."""
         cfg = self.config
         n = cfg.ec_k + cfg.ec_m
-        need: dict[tuple[bytes, str], int] = {}
+        placed: dict[tuple[bytes, str], list[tuple[int, int]]] = {}  # (gen, target) -> (offset, length)
         records = []
         for j, e in enumerate(entries):
             what = f"written entry {(shown[j] if j < len(shown) else e.ek[1:]).hex()}"
@@ -227,8 +227,18 @@ class FragmentStore:
                                        expiry_ns(e.ttl_s, cfg.default_ttl_s, now), e.gen, e.targets,
                                        offsets=e.offsets)))
             for name, off in zip(e.targets, e.offsets):
-                need[(e.gen, name)] = max(need.get((e.gen, name), 0), off + e.frag_len)
+                placed.setdefault((e.gen, name), []).append((off, e.frag_len))
         rejected: dict[bytes, str] = {}
+        need: dict[tuple[bytes, str], int] = {}  # (gen, target) -> the pack's length, its fragments end to end
+        for (gen, name), frags in placed.items():
+            at = 0
+            for off, flen in sorted(frags):
+                if off != at:  # a gap no record would count (or charge), or two records on one range
+                    rejected[gen] = (f"pack {gen.hex()} on target {name}: its entries' fragments do not lie end "
+                                     f"to end from its start (one at {off}, expected at {at})")
+                    break
+                at = off + flen
+            need[(gen, name)] = at
         with self.index.env.begin() as txn:
             since = self.index.sweep_decisions(txn)  # before the stats below (``check_unswept_txn``)
             for g in {g for g, _ in need}:

@@ -101,7 +101,7 @@ from kvstore.embedded.packs import CommitResult, WrittenEntry
 from kvstore.embedded.parts import Counters, StoreParts
 from kvstore.embedded.segments import Segment
 from kvstore.embedded.tuning import tune_malloc
-from kvstore.errors import InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
+from kvstore.errors import CapacityExceeded, InvalidRequest, NotFound, StoreClosed, StoreUnavailable, Unrecoverable
 from kvstore.executors import DaemonExecutor, shutdown_all
 from kvstore.keys import check_key, check_keys
 from kvstore.maintenance import check as maintenance_check
@@ -246,6 +246,12 @@ class EmbeddedStore:
                     raise
                 log.info("put: %s; writing it again", exc)
                 continue
+            except CapacityExceeded as exc:
+                if exc.created is not None:  # per entry written: per item of the call
+                    for e, c in zip(entries, exc.created):
+                        result[e.slot] = c
+                    exc.created = result
+                raise
             for e in entries:
                 result[e.slot] = e.created
             return result
@@ -341,7 +347,11 @@ class EmbeddedStore:
         self._counters.add("puts", n_new)
         self._counters.add("bytes_in", sum(m.plain_len for (_, m), c in zip(records, created) if c))
         if n_new and self.config.capacity_bytes:
-            eviction.evict_after_put(self.parts, [ek for ek, _ in records] if put_keys is None else put_keys)
+            try:
+                eviction.evict_after_put(self.parts, [ek for ek, _ in records] if put_keys is None else put_keys)
+            except CapacityExceeded as exc:  # after the commit: say what it indexed (``CapacityExceeded.created``)
+                exc.created = created
+                raise
         return created
 
     @in_flight
@@ -356,8 +366,8 @@ class EmbeddedStore:
         wrong or malicious writer sends: the erasure code is this store's; the targets are
         k+m distinct known ones; sizes are consistent. Then per pack: it is new to the index
         (a generation names one batch; another writer may have claimed it first), and on
-        every target it is present, exactly as long as the fragments placed in it (no bytes
-        kept alive that no record counts or quota charges), and written less than half of
+        every target it is present, holds its fragments end to end from its start and nothing
+        else (no bytes kept alive that no record counts or quota charges), and was written less than half of
         ``orphan_grace_s`` ago (for sweeps of versions that do not record their decisions);
         and inside the index transaction, no orphan sweep has taken it (``FragmentStore.check_unswept_txn``:
         no hold on its path; and, if a sweep decided since the stats, still there). If any pack
@@ -387,6 +397,13 @@ class EmbeddedStore:
         except (WrittenTooLongAgo, GenerationTaken, FilesSwept, IndexFull) as exc:  # all rejected, as above
             rejected.update({entries[j].gen: str(exc) for j in keep})
             keep, made = [], []
+        except CapacityExceeded as exc:
+            if exc.created is not None:  # indexed, then evicted for room: per entry of the commit
+                full = [False] * len(entries)
+                for j, c in zip(keep, exc.created):
+                    full[j] = c
+                exc.created = full
+            raise
         created = [False] * len(entries)
         for j, c in zip(keep, made):
             created[j] = c

@@ -32,11 +32,11 @@ def _as_seen_by(tenant: Tenant, write: Callable[[], list[bool]]) -> list[bool]:
     """``write()``, a put or commit for ``tenant``, its errors as that tenant may see them (module docstring)."""
     try:
         return write()
-    except CapacityExceeded:
+    except CapacityExceeded as exc:
         if tenant.admin:
             raise
         raise CapacityExceeded("the store is full (what it holds cannot be evicted now, or its targets are out "
-                               "of space); retry later, or ask its operator") from None
+                               "of space); retry later, or ask its operator", created=exc.created) from None
     except StoreUnavailable:
         if tenant.admin:
             raise
@@ -71,6 +71,12 @@ class TenantWrites:
         self.quota.reserve(tenant.name, n)
         try:
             created = _as_seen_by(tenant, write)
+        except CapacityExceeded as exc:
+            if exc.created is None:
+                self.quota.cancel(tenant.name, n)
+            else:  # indexed before the eviction that raised: charged as any put it created
+                self.quota.settle(tenant.name, n, [(ek, s) for ek, s, c in zip(eks, sizes, exc.created) if c])
+            raise
         except BaseException:
             self.quota.cancel(tenant.name, n)
             raise

@@ -269,18 +269,22 @@ def test_commit_checks_everything_before_indexing_anything(make_daemon, tmp_path
     for name in good.targets:  # bytes no record names: kept alive, counted and charged nowhere
         with open(os.path.join(st.targets[name].root, pack_path(longer)), "ab") as f:
             f.write(b"\0" * 50_000)
-    short = entry(K("short"), offsets=(10,) * 6)  # fragments past the end of pack gen
+    short = entry(K("short"), offsets=(10,) * 6)  # fragments not from pack gen's start (and past its end)
     r = st.commit_written([entry(K("fine"), gen=fine), entry(K("lost"), gen=missing), short,
                            entry(K("late"), gen=stale), entry(K("long"), gen=longer), entry(K("taken"), gen=good.gen)])
     assert r.created == [False] * 6 and set(r.rejected) == {fine, missing, gen, stale, longer, good.gen}
-    assert "cannot be checked" in r.rejected[missing] and "bytes; its entries make" in r.rejected[gen]
+    assert "cannot be checked" in r.rejected[missing] and "end to end from its start" in r.rejected[gen]
     assert "orphan_grace_s" in r.rejected[stale] and "bytes; its entries make" in r.rejected[longer]
     assert "already holds indexed entries" in r.rejected[good.gen]
     assert "another pack of this commit was rejected" in r.rejected[fine]
     assert st.locate([ekey(1, K(n)) for n in ("fine", "lost", "short", "late", "long", "taken")]) == [None] * 6
     assert st.commit_written([entry(K("fine"), gen=fine)]).created == [True]  # alone, it is fine
     gen = copy_pack()
-    assert st.commit_written([entry(K(0)), entry()]).created == [False, True]  # K(0) is live: not again
+    assert st.commit_written([entry(K(0))]).created == [False]  # K(0) is live: not again
+    gen = copy_pack()
+    r = st.commit_written([entry(K(0)), entry()])  # two records on one range: its bytes counted twice
+    assert r.created == [False, False] and "end to end from its start" in r.rejected[gen]
+    assert st.commit_written([entry()]).created == [True]
     # The record is the daemon's truth; the read checks the fragments against it: these name K(0).
     with pytest.raises(kvstore.Unrecoverable):
         st.get(K("new"))
@@ -528,3 +532,50 @@ def test_a_fallen_back_piece_over_the_daemons_batch_limit_puts_each_item_once(ma
     assert s._rpc.batch_items == 4  # learned from the refusal
     assert s.check() == []
     s.close()
+
+
+def test_commit_refuses_a_pack_whose_fragments_leave_a_gap(make_daemon, tokens_file) -> None:  # noqa: F811
+    """A pack must hold its entries' fragments end to end from its start and nothing else: one
+    whose single fragment sits 1 MiB in would make the daemon keep a megabyte per target that
+    no record counts and no quota charges, for as long as the entry lives."""
+    from kvstore.api import EntryKind
+    from kvstore.keys import tenant_key
+
+    d = make_daemon(allow_direct_writes=True, tokens_file=tokens_file, tenant_quota_bytes=100_000)
+    with kvstore.connect(d.address, token=TOK_B) as b:
+        desc = b._rpc.call("Describe", pb.DescribeRequest())
+        gap, gen = 1 << 20, os.urandom(8)
+        stored = tenant_key(K("gap"), bytes(desc.key_secret))
+        enc = d.store.fragments.writer.encode(PutItem(stored, b"v" * 1000, EntryKind.BLOCK, None, None, 0), gen)
+        m = enc.meta_base
+        names = tuple(s.name for s in d.store.target_specs)[: len(enc.frames)]
+        for name, frame in zip(names, enc.frames):
+            d.store.targets[name].write(pack_path(gen), [b"\0" * gap, *frame], fsync=False)
+        reply = b._rpc.call("Commit", pb.CommitRequest(view=desc.writer_view, entries=[pb.WrittenEntry(
+            key=K("gap"), kind="block", k=m.k, m=m.m, tokens=0, plain_len=m.plain_len, entry_len=m.entry_len,
+            frag_len=m.frag_len, gen=gen, targets=names, offsets=[gap] * len(names))]))
+        assert list(reply.created) == [False] and list(reply.rejected_packs) == [gen]
+        assert "end to end" in reply.reasons[0]
+        assert b.get_many([K("gap")]) == [None] and d.quota.used("tenant-b") == 0
+
+
+def test_a_commit_whose_eviction_finds_no_room_keeps_the_packs_of_what_it_indexed(make_daemon) -> None:
+    """The daemon's eviction after a commit's index transaction may evict the commit's own last
+    entries and raise ``CapacityExceeded`` (everything else is pinned). The first entries stay
+    indexed, so the writer keeps their packs (``CapacityExceeded.created`` says which were): no
+    record is left without its fragments, and the kept entry reads back."""
+    d = make_daemon(allow_direct_writes=True, capacity_bytes=100_000, high_watermark=1.0, low_watermark=0.5,
+                    delete_grace_s=0)
+    with kvstore.connect(d.address) as plain:
+        i = 0
+        while d.store.used_bytes() < 74_000:  # pinned: room for one of the two entries below, not both
+            assert plain.put(K(("pinned", i)), os.urandom(3_000)) and plain.pin(K(("pinned", i)))
+            i += 1
+    keys, vals = [K("a"), K("b")], [os.urandom(9_000), os.urandom(9_000)]
+    with kvstore.connect(d.address, direct_writes="on") as s:
+        with pytest.raises(kvstore.errors.CapacityExceeded) as ei:
+            s.put_many([PutItem(k, v) for k, v in zip(keys, vals)])
+        assert ei.value.created == [True, True] and s.direct_write_stats()["counters"]["direct_writes"] == 0
+        live = [m is not None for m in d.store.locate([ekey(1, k) for k in keys])]
+        assert live == [True, False]  # the put's last one evicted again
+        assert s.get(keys[0]) == vals[0] and s.put(keys[0], b"again") is False

@@ -314,6 +314,33 @@ def test_quota_charges_a_key_repeated_in_one_batch_once(make_daemon) -> None:
             s.put(K("more"), os.urandom(20_000))
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["put", "direct-write"])
+def test_a_put_indexed_before_its_eviction_found_no_room_is_charged_for_what_it_kept(make_daemon, direct) -> None:
+    """The eviction after a put's index commit may find only pinned entries and the put's own,
+    evict the put's last ones and raise ``CapacityExceeded``: the entries it indexed are
+    charged to the tenant as any put's (``created`` says which), not let go with the error."""
+    import hashlib
+
+    def key(i) -> bytes:
+        return hashlib.blake2b(repr(i).encode(), digest_size=16).digest()
+
+    d = make_daemon(tenant_quota_bytes=1_000_000, capacity_bytes=100_000, high_watermark=1.0, low_watermark=0.5,
+                    delete_grace_s=0, allow_direct_writes=True)
+    with kvstore.connect(d.address) as plain:
+        i = 0
+        while d.store.used_bytes() < 74_000:  # pinned: room for one of the two entries below, not both
+            assert plain.put(key(("pinned", i)), os.urandom(3_000)) and plain.pin(key(("pinned", i)))
+            i += 1
+    before = d.quota.used("")
+    with kvstore.connect(d.address, direct_writes="on" if direct else "off") as s:
+        with pytest.raises(CapacityExceeded) as ei:
+            s.put_many([PutItem(key("a"), os.urandom(9_000)), PutItem(key("b"), os.urandom(9_000))])
+    assert ei.value.created == [True, True]
+    # Both were indexed (the second evicted again at once); a direct write is charged its entry bytes
+    # (a header more than the payload: the daemon does not take a writer's word for less).
+    assert 18_000 <= d.quota.used("") - before < 19_000
+
+
 # ---------------------------------------------------------------- 9. daemon URLs
 @pytest.mark.parametrize("url", [
     "grpc://127.0.0.1:99999", "grpc://127.0.0.1:0", "grpc://:7070", "grpc://127.0.0.1:", "grpc://127.0.0.1:x",
