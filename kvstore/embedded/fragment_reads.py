@@ -45,6 +45,16 @@ log = logging.getLogger("kvstore.embedded.store")
 
 _SCRATCH_MAX = 16 * 1024 * 1024  # larger reads get a fresh buffer instead of a cached one
 
+# A read that fails with one of these hit a limit of this process, not a fault of the fragment
+# (nothing is known of it): like a target that could not be asked, it never makes an entry lost.
+_OWN_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def says_nothing_of_fragment(exc: BaseException) -> bool:
+    """Whether a fragment read's failure leaves the fragment's state unknown (its target
+    could not be asked, or this process is out of descriptors or memory)."""
+    return isinstance(exc, TargetUnreachable) or (isinstance(exc, OSError) and exc.errno in _OWN_LIMITS)
+
 
 def frame_matches(fh: codec.FragmentHeader, ek: bytes, meta: Meta, i: int) -> bool:
     """Is this fragment header the one the index record expects in slot ``i``?"""
@@ -85,16 +95,20 @@ class FragmentReader:
             return bytes(buf[:n])
 
         futs = [(s, self.pools.get(s.target).submit(fetch, s)) for s in spans]
-        held = []
-        for span, fut in futs:
-            try:
-                data = fut.result()
-            except OSError as exc:
-                log.info("batched get: %s of %s on %s not fetched whole (%s); its fragments are read one by one",
-                         f"[{span.start}, {span.end})", span.rel, span.target, exc)
-                continue
-            self.ranges.add(span, data)
-            held.append((span, data))
+        held: list[tuple[Span, bytes]] = []
+        try:
+            for span, fut in futs:
+                try:
+                    data = fut.result()
+                except OSError as exc:
+                    log.info("batched get: %s of %s on %s not fetched whole (%s); its fragments are read one by one",
+                             f"[{span.start}, {span.end})", span.rel, span.target, exc)
+                    continue
+                self.ranges.add(span, data)
+                held.append((span, data))
+        except BaseException:  # no caller gets ``held`` to release: what was held goes now
+            self.release(held)
+            raise
         return held
 
     def release(self, held: Sequence[tuple[Span, bytes]]) -> None:
@@ -271,7 +285,7 @@ class FragmentReader:
                 else:
                     log.warning("fragment %d of %s on %s unusable: %s", i, ek[1:].hex(), meta.targets[i], exc)
                     failed.append(meta.targets[i])
-                    if isinstance(exc, TargetUnreachable):
+                    if says_nothing_of_fragment(exc):
                         unreachable.append(meta.targets[i])
         # Fewer than k in time: the late reads are awaited (bounded by the target itself), then
         # the cancelled ones read here: a slow or busy target is not a lost one.
@@ -283,10 +297,9 @@ class FragmentReader:
                 break
             try:
                 good[i] = fetch()
-            except TargetUnreachable:
-                unreachable.append(meta.targets[i])
-                continue
-            except (OSError, CorruptData):
+            except (OSError, CorruptData) as exc:
+                if says_nothing_of_fragment(exc):
+                    unreachable.append(meta.targets[i])
                 continue
             failed.remove(meta.targets[i])
         return good, failed, unreachable
@@ -355,8 +368,9 @@ class FragmentReader:
                     "was not opened with; open the data directory with the targets it was written to")
             if len(good) + len(unreachable) >= meta.k:  # readable, for all we know: not a loss either
                 raise StoreUnavailable(
-                    f"entry {ek[1:].hex()}: targets {', '.join(sorted(set(unreachable)))} could not be reached "
-                    f"({len(good)} of {meta.k} needed fragments read); nothing is marked lost, retry when they answer")
+                    f"entry {ek[1:].hex()}: targets {', '.join(sorted(set(unreachable)))} could not be reached, or "
+                    f"this process is out of descriptors or memory ({len(good)} of {meta.k} needed fragments read); "
+                    "nothing is marked lost, retry when they answer")
             self._mark_lost(ek, meta)
             raise Unrecoverable(
                 f"entry {ek[1:].hex()} ({EntryKind.from_code(ek[0]).value}) has {len(good)} good fragments, "

@@ -254,3 +254,35 @@ def test_the_sweep_also_runs_on_time_while_reads_go_on(files, monkeypatch):
     _read(of, files[1])  # no open, but a sweep is due
     assert files[0] not in of._kept and not _is_open(fd)
     of.close()
+
+
+def test_a_store_out_of_descriptors_does_not_mark_a_healthy_entry_lost(tmp_path, monkeypatch):
+    """EMFILE is this process's own limit, not a fact about the entry's fragments: a get that
+    cannot open them is refused as unavailable for now, and the entry is not moved to ``lost``
+    (which would hide it from every later get and lookup, in every process, until a repair)."""
+    import errno
+
+    import kvstore
+    from kvstore.embedded.index import ekey
+
+    s = kvstore.connect(str(tmp_path / "s"), fsync=False, compression="none")
+    try:
+        key, val = os.urandom(16), os.urandom(20_000)
+        assert s.put(key, val)
+        real_open = os.open
+        roots = tuple(t.root for t in s.targets.values())
+
+        def no_fds(path, flags, *a, **kw):
+            if str(path).startswith(roots):
+                raise OSError(errno.EMFILE, "Too many open files", str(path))
+            return real_open(path, flags, *a, **kw)
+
+        monkeypatch.setattr(os, "open", no_fds)
+        with pytest.raises(kvstore.StoreUnavailable, match="out of descriptors"):
+            s.get(key)
+        monkeypatch.setattr(os, "open", real_open)
+        with s.index.env.begin() as txn:
+            assert s.index.get_lost(txn, ekey(1, key)) is None
+        assert s.get(key) == val
+    finally:
+        s.close()

@@ -96,3 +96,36 @@ def test_local_targets_plan_nothing(tmp_path):
         with s.index.env.begin() as txn:
             recs = [(ekey(1, k), s.index.get_meta(txn, ekey(1, k))) for k in keys]
         assert R.plan(recs, s.targets) == []  # read through kept descriptors instead
+
+
+def test_a_batched_get_whose_prefetch_fails_holds_no_span(tmp_path, monkeypatch):
+    """A fetch failing with something other than an ``OSError`` (no memory for a large span)
+    ends the batched get before anyone could release what was fetched: the spans already
+    held are released there, not kept for the process's life."""
+    import pytest
+
+    targets = ",".join(f"memory://rv-pf{i}/kv#d{i}" for i in range(6))
+    s = kvstore.connect(str(tmp_path / "d"), targets=targets, fsync=False, compression="none")
+    try:
+        vals = {os.urandom(16): os.urandom(20_000) for _ in range(12)}
+        assert s.put_many([PutItem(k, v) for k, v in vals.items()]) == [True] * 12
+        with s.index.env.begin() as txn:
+            recs = [(ekey(1, k), s.index.get_meta(txn, ekey(1, k))) for k in vals]
+        spans = R.plan(recs, s.targets)
+        assert len(spans) >= 2
+        last = spans[-1]  # collected last: every other span is held before it fails
+        orig = T.Target.read_into
+
+        def read_into(self, rel, buf, offset=0):
+            if (self.name, rel, offset, len(buf)) == (last.target, last.rel, last.start, last.end - last.start):
+                raise MemoryError("no room for the span")
+            return orig(self, rel, buf, offset)
+
+        monkeypatch.setattr(T.Target, "read_into", read_into)
+        with pytest.raises(MemoryError):
+            s.get_many(list(vals))
+        assert not s.fragments.reader.ranges._held
+        monkeypatch.setattr(T.Target, "read_into", orig)
+        assert s.get_many(list(vals)) == list(vals.values())
+    finally:
+        s.close()
