@@ -101,7 +101,7 @@ import kvstore
 from engine_plugin.devices import BufferPool, get_backend
 from engine_plugin.saver import SaveQueue
 from engine_plugin.tiers import Metrics, StoreGateway
-from engine_plugin.vllm_layout import ConnectorOptions, GroupPlan, namespace_id
+from engine_plugin.vllm_layout import ConnectorOptions, GroupPlan, namespace_id, weights_id
 from kvstore.api import Layout, PutItem
 from kvstore.errors import InvalidRequest
 from kvstore.keys import BlockHasher, Namespace
@@ -319,7 +319,8 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception:  # noqa: BLE001 - older layouts API: the device type alone tells them apart
             attn_layout = "default"
         model = self.opts.model_id or str(vc.model_config.model)
-        ns_id = namespace_id(model=model, cache_dtype=cache_dtype, block_size=self.B, device=device,
+        ns_id = namespace_id(model=model, weights=weights_id(vc.model_config), cache_dtype=cache_dtype,
+                             block_size=self.B, device=device,
                              attn_layout=attn_layout, tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
                              plan=self.plan)
         return Namespace(model_id=model, kv_layout=ns_id, dtype=cache_dtype, rank=tp_rank)
@@ -556,14 +557,22 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvstackMetadata):
             return
+        # A request whose synchronous load failed in this step was computed over blocks that
+        # were not loaded: nothing it computed may be saved (vLLM learns of the failure only
+        # after this call, from get_transfer_results, and recomputes from the first bad block).
+        bad = {rid for rid, (job, fut) in self._jobs.items() if job.sync and not self._loaded_whole(job, fut)}
+        if bad:
+            log.warning("requests %s: their loads failed; this step's blocks of theirs are not saved", sorted(bad))
+        block_saves = [sv for sv in meta.block_saves if sv.request_id not in bad]
+        window_saves = [sv for sv in meta.window_saves if sv.request_id not in bad]
         items, copies = [], []
-        if meta.block_saves:
+        if block_saves:
             layout = self._entry_layout(len(self._full_layers))
-            for sv in meta.block_saves:
+            for sv in block_saves:
                 host = self._gather(self._ids_by_layer(self.plan.full, sv.block_ids), copies)
                 items.append(PutItem(self._key(sv.hash), host.numpy(), kind="block", ttl_s=self.opts.ttl_s, layout=layout,
                                      tokens=self.B))
-        for sv in meta.window_saves:
+        for sv in window_saves:
             pairs = [p for row in sv.block_ids for p in self._ids_by_layer(self.plan.window, row)]
             host = self._gather(pairs, copies)
             items.append(PutItem(self._key(sv.hash), host.numpy(), kind="swa", ttl_s=self.opts.ttl_s,
@@ -571,12 +580,21 @@ class KvstackConnector(KVConnectorBase_V1, SupportsHMA):
                                  tokens=sv.boundary))
         for ev in copies:
             self.backend.sync_event(ev)
-        # the blocks of a finishing request may be freed once copied: get_transfer_results says so
+        # the blocks of a finishing request may be freed once copied (or not saved): get_transfer_results says so
         self._finishing_copied.update(sv.request_id for sv in meta.window_saves if sv.finishing)
         if items:
-            self.metrics.inc("snapshots_saved", len(meta.window_saves))
+            self.metrics.inc("snapshots_saved", len(window_saves))
             self.metrics.inc("bytes_saved", sum(it.value.nbytes for it in items))
             self.saves.submit(items, [])
+
+    @staticmethod
+    def _loaded_whole(job: LoadJob, fut: cf.Future) -> bool:
+        """Whether a load job ended with every block (and its window) in place; waits for it."""
+        try:
+            good, window_ok = fut.result()
+        except Exception:  # noqa: BLE001 - get_transfer_results logs it
+            return False
+        return good == len(job.blocks) and window_ok
 
     def _gather(self, pairs: Sequence[tuple[str, int]], events: list) -> torch.Tensor:
         """The blocks ``pairs`` (layer, block id) back to back in one new host tensor (uint8)."""

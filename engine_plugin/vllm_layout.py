@@ -24,9 +24,11 @@ Contract
   Any other group kind (Mamba, chunked-local, ...) is refused at start with
   ``InvalidRequest``: its state cannot be restored exactly from these entries.
 * ``namespace_id`` digests everything that changes the KV bytes of a block
-  (model, cache dtype, block size, device type, the attention layout, TP rank
-  and size, each group's kind, window and layers), so engines whose bytes
-  differ never share a key. The worker also checks each entry's recorded
+  (model, its weights (``weights_id``: revision, quantization, dtype and
+  configuration), cache dtype, block size, device type, the attention layout,
+  TP rank and size, each group's kind, window and layers), so engines whose
+  bytes differ never share a key (vLLM's block hashes cover only tokens, salt,
+  LoRA and multimodal inputs). The worker also checks each entry's recorded
   layout (dtype and shape) on load: an entry of another physical layout is a
   miss, never loaded.
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -120,11 +123,30 @@ class GroupPlan:
         return ";".join(f"g{g.index}:{g.kind.value}:w{g.window}:{','.join(g.layer_names)}" for g in self.groups)
 
 
-def namespace_id(*, model: str, cache_dtype: str, block_size: int, device: str, attn_layout: str,
+def weights_id(model_config: Any) -> str:
+    """What besides the model's name decides the KV its engine computes, from vLLM's
+    ``ModelConfig``: the weights' revision and quantization, the model dtype, and the model's
+    configuration as loaded (``hf_config``, overrides such as rope scaling applied; without
+    it, the overrides as given). Stable across processes of one deployment."""
+    parts = [str(getattr(model_config, name, None)) for name in ("revision", "quantization", "dtype")]
+    hf = getattr(model_config, "hf_config", None)
+    if hf is not None and hasattr(hf, "to_dict"):
+        conf = {k: v for k, v in hf.to_dict().items() if k != "_name_or_path"}  # where it was loaded from: not what
+        parts.append(json.dumps(conf, sort_keys=True, default=str))
+    else:
+        over = getattr(model_config, "hf_overrides", None)
+        if callable(over):  # a function's repr names its address: its name instead
+            parts.append(f"{getattr(over, '__module__', '')}.{getattr(over, '__qualname__', '')}")
+        elif over:
+            parts.append(json.dumps(over, sort_keys=True, default=str))
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
+
+
+def namespace_id(*, model: str, weights: str, cache_dtype: str, block_size: int, device: str, attn_layout: str,
                  tp_rank: int, tp_size: int, plan: GroupPlan) -> str:
     """The ``Namespace.kv_layout`` string of a vLLM engine (module docstring): short, stable,
-    and different for anything that changes a block's bytes."""
-    desc = "|".join([model, cache_dtype, str(block_size), device, attn_layout, f"{tp_rank}/{tp_size}",
+    and different for anything that changes a block's bytes (``weights``: ``weights_id``)."""
+    desc = "|".join([model, weights, cache_dtype, str(block_size), device, attn_layout, f"{tp_rank}/{tp_size}",
                      plan.describe()])
     return f"vllm-{device}-{attn_layout}-tp{tp_size}-" + hashlib.blake2b(desc.encode(), digest_size=8).hexdigest()
 

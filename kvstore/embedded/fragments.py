@@ -24,6 +24,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
+import lmdb
+
 from kvstore.api import EntryKind, as_payload
 from kvstore.config import StoreConfig, TargetSpec
 from kvstore.embedded import codec
@@ -106,7 +108,8 @@ class FragmentStore:
         if config.segments and Segments.usable(targets, config.write_timeout_s):
             self.writer.segments = Segments(targets, segment_bytes=config.segment_bytes,
                                             sync_mode=self.writer.sync_mode, count=count,
-                                            on_retired=self._segment_retired)
+                                            on_retired=self._segment_retired,
+                                            on_unindexed=self._segment_unindexed)
 
     def _segment_retired(self, gen: bytes, appended: int) -> None:
         """Count the bytes of a retired segment that no record names (appends whose put failed or
@@ -116,6 +119,37 @@ class FragmentStore:
             info = self.index.pack_info(txn, gen)
             if info is not None and appended > info[1]:
                 self.index.pack_dead_txn(txn, gen, appended - info[1])
+
+    def _segment_unindexed(self, gen: bytes, names: Sequence[str]) -> None:
+        """A retired segment in which this process indexed no record: its files go, decided in
+        the index as the orphan sweep decides (``kvstore.maintenance.orphans``, step 1: a
+        decision counted, each path held while its file is deleted), unless a record names the
+        segment by then (``rebuild-index`` indexes unnamed packs). Best effort: what is left is
+        an orphan the sweep removes."""
+        rel = pack_path(gen)
+        try:
+            with self.index.env.begin(write=True) as txn:
+                if self.index.pack_info(txn, gen) is not None:
+                    return
+                self.index.add_counter(txn, "sweep_decisions", 1)
+                taken = [name for name in names if self.index.take_path_txn(txn, name, rel, "sweep")]
+        except lmdb.Error as exc:
+            log.warning("segment %s: its files are left to the orphan sweep (%s)", gen.hex(), exc)
+            return
+        try:
+            for name in taken:
+                try:
+                    self.targets[name].delete(rel)
+                except OSError as exc:
+                    log.info("segment %s on %s: not removed (%s); the orphan sweep will", gen.hex(), name, exc)
+        finally:
+            if taken:
+                try:  # counted again once the files are gone, before their holds go (as the sweep does)
+                    with self.index.env.begin(write=True) as txn:
+                        self.index.add_counter(txn, "sweep_decisions", 1)
+                except lmdb.Error as exc:
+                    log.warning("segment %s: its removal was not counted in the index (%s)", gen.hex(), exc)
+                self.index.release_paths([(name, rel) for name in taken])
 
     def close(self) -> None:
         """Seal the active segment (``kvstore.embedded.segments``) and close the reader's kept

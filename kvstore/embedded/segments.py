@@ -203,12 +203,17 @@ class Segments:
     docstring), over ``targets``. ``sync_mode()`` says how writes are made durable ("fs",
     "file" or ""); ``count(name, n)`` counts into the store's stats; ``on_retired(gen, nbytes)``
     is told, when a segment in which records were indexed is retired, how many fragment bytes
-    were appended to it in all (those no record names are then counted dead by the index)."""
+    were appended to it in all (those no record names are then counted dead by the index);
+    ``on_unindexed(gen, names)`` removes the files on targets ``names`` of a retired segment in
+    which this process indexed nothing, unless a record names them by then (without it, they
+    are deleted)."""
 
     def __init__(self, targets: dict[str, Target], *, segment_bytes: int, sync_mode: Callable[[], str],
-                 count: Callable[..., None], on_retired: Callable[[bytes, int], None] | None = None):
+                 count: Callable[..., None], on_retired: Callable[[bytes, int], None] | None = None,
+                 on_unindexed: Callable[[bytes, list[str]], None] | None = None):
         self.targets = targets
         self._on_retired = on_retired
+        self._on_unindexed = on_unindexed
         self.segment_bytes = segment_bytes
         self._sync_mode = sync_mode
         self._count = count
@@ -297,16 +302,21 @@ class Segments:
             files = list(seg.files.items())
             seg.files.clear()
             seg.keys.clear()
-        for name, f in files:
+        for _name, f in files:
             try:
                 os.close(f.fd)
             except OSError:
                 pass
-            if not seg.indexed:
-                try:
-                    self.targets[name].delete(pack_path(seg.gen))
-                except OSError:
-                    pass  # an orphan GC will sweep
+        if seg.indexed or not files:
+            return
+        if self._on_unindexed is not None:
+            self._on_unindexed(seg.gen, [name for name, _ in files])
+            return
+        for name, _ in files:
+            try:
+                self.targets[name].delete(pack_path(seg.gen))
+            except OSError:
+                pass  # an orphan GC will sweep
 
     def close(self) -> None:
         """Seal the active segment; descriptors close as their puts release them. Called once

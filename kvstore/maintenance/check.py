@@ -21,6 +21,7 @@ import lmdb
 
 from kvstore.api import EntryKind
 from kvstore.config import ENV_PREFIX
+from kvstore.embedded.fragment_reads import says_nothing_of_fragment
 from kvstore.embedded.fragments import WrittenTooLongAgo
 from kvstore.embedded.index import Meta
 from kvstore.embedded.parts import StoreParts
@@ -53,10 +54,10 @@ def _scan_entry(parts: StoreParts, ek: bytes, m: Meta,
             good[i] = parts.fragments.reader.read_fragment(m, ek, i)
         except TargetUnreachable as exc:  # not asked: nothing known of this fragment (``check``)
             bad[i] = Problem(ProblemKind.TARGET_DOWN, ek[1:].hex(), kind, name, f"fragment {i}: {exc}")
-        except FileNotFoundError as exc:
-            bad[i] = Problem(ProblemKind.MISSING_FRAGMENT, ek[1:].hex(), kind, name, f"fragment {i}: {exc}")
         except (OSError, TargetUnavailable) as exc:
-            bad[i] = Problem(ProblemKind.MISSING_FRAGMENT, ek[1:].hex(), kind, name, f"fragment {i}: {exc}")
+            # This process out of descriptors or memory says nothing of the fragment either.
+            what = ProblemKind.TARGET_DOWN if says_nothing_of_fragment(exc) else ProblemKind.MISSING_FRAGMENT
+            bad[i] = Problem(what, ek[1:].hex(), kind, name, f"fragment {i}: {exc}")
         except CorruptData as exc:
             bad[i] = Problem(ProblemKind.CORRUPT_FRAGMENT, ek[1:].hex(), kind, name, f"fragment {i}: {exc}")
     return good, bad
@@ -188,7 +189,8 @@ def _check(parts: StoreParts, fix: bool = False,
                                     fixed=fixing and fixed_meta is not None))
     progress("verify", total, total)
     for name, n in unchecked.items():
-        detail = f"could not be reached; {n} entries with fragments on it were not checked"
+        detail = (f"could not be reached (or this process could not open its files); {n} entries with "
+                  "fragments on it were not checked")
         if name in down:
             problems = [replace(p, detail=f"{p.detail}; {n} entries with fragments on it were not checked")
                         if p.kind is ProblemKind.TARGET_DOWN and p.target == name and not p.key else p

@@ -77,11 +77,11 @@ def test_first_window_block_is_the_first_block_the_next_token_reads(boundary, wi
 
 def test_namespace_changes_with_everything_that_changes_kv_bytes():
     plan = GroupPlan.from_kv_cache_config(_config((FullAttentionSpec(), ["a", "b"])), 32)
-    base = dict(model="m", cache_dtype="bfloat16", block_size=32, device="cpu", attn_layout="NHD", tp_rank=0,
-                tp_size=1, plan=plan)
+    base = dict(model="m", weights="w", cache_dtype="bfloat16", block_size=32, device="cpu", attn_layout="NHD",
+                tp_rank=0, tp_size=1, plan=plan)
     ref = namespace_id(**base)
     other_plan = GroupPlan.from_kv_cache_config(_config((FullAttentionSpec(), ["a"]), (SlidingWindowSpec(), ["b"])), 32)
-    for k, v in [("model", "m2"), ("cache_dtype", "fp8"), ("block_size", 16), ("device", "cuda"),
+    for k, v in [("model", "m2"), ("weights", "w2"), ("cache_dtype", "fp8"), ("block_size", 16), ("device", "cuda"),
                  ("attn_layout", "HND"), ("tp_rank", 1), ("tp_size", 2), ("plan", other_plan)]:
         assert namespace_id(**dict(base, **{k: v})) != ref, k
     assert namespace_id(**base) == ref

@@ -492,3 +492,43 @@ def test_a_segment_counts_as_indexed_from_its_first_commit_not_its_release(data_
         m = _meta(s, keys[1])
         assert Path(s.targets[m.targets[0]].root, pack_path(m.gen)).exists()
         assert s.get(keys[1]) == b"P2" * 5000
+
+
+def test_segment_retired_after_rebuild_index_named_it_keeps_its_files(tmp_path, clock, monkeypatch):
+    """A put whose every entry lost its race to another writer leaves its segment with no record
+    of this process's. ``rebuild-index`` on the open store (or ``kvtool rebuild-index`` from
+    another process) then indexes the entry it holds, so a record names that pack. Retiring the
+    segment (here at close) keeps files a record names: the removal is decided in the index."""
+    from dataclasses import replace
+
+    d = str(tmp_path / "s")
+    s = kvstore.connect(d, fsync=False, compression="none", clock=clock, orphan_grace_s=10, delete_grace_s=0)
+    key, val = os.urandom(16), os.urandom(20_000)
+    ek = ekey(1, key)
+    writer = s.fragments.writer
+    real = writer.write_entries
+
+    def another_writer_wins(entries, **kw):
+        real(entries, **kw)  # appended to this process's active segment
+        (e,) = entries
+        _ek, m = e.record()
+        other = replace(m, gen=os.urandom(8), offsets=(), aligned=False)  # another process's record of the key
+        with s.index.env.begin(write=True) as txn:
+            s.index.insert_txn(txn, ek, other)
+
+    monkeypatch.setattr(writer, "write_entries", another_writer_wins)
+    assert s.put(key, val) is False  # lost its race: the segment holds it, no record names it
+    monkeypatch.setattr(writer, "write_entries", real)
+    assert s.delete(key)  # the winner's record is deleted later
+    clock.advance(60)  # the segment's file is older than orphan_grace_s
+    out = s.rebuild_index()
+    assert out["entries"] == 1  # the entry in the segment is indexed again
+    with s.index.env.begin() as txn:
+        m = s.index.get_meta(txn, ek)
+    assert m is not None
+    s.close()  # seals and retires the active segment
+    missing = [name for name, t in s.targets.items() if name in m.targets and not os.path.exists(
+        os.path.join(t.root, "p", m.gen.hex()[:2], m.gen.hex() + ".pack"))]
+    assert not missing, f"segment files a record names were deleted at retire on {missing}"
+    with kvstore.connect(d, fsync=False, compression="none", clock=clock, orphan_grace_s=10) as s2:
+        assert s2.get(key) == val

@@ -6,6 +6,7 @@ clock."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from pathlib import Path
@@ -413,3 +414,35 @@ def test_a_graveyard_record_purged_by_two_passes_at_once_is_counted_once(tmp_pat
         first = _purge_grave(s.parts, due, False, lambda *a: None)
         second = _purge_grave(s.parts, due, False, lambda *a: None)  # the other pass, on what it read before
         assert first[0] == len(keys) and first[1] >= len(keys) * 5000 and second == (0, 0, 0)
+
+
+def _no_fds_for_pack_reads(monkeypatch, roots):
+    real_open = os.open
+
+    def no_fds(path, flags, *a, **kw):
+        p = str(path)
+        if p.startswith(roots) and p.endswith(".pack") and not flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EMFILE, "Too many open files", p)
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", no_fds)
+    return real_open
+
+
+def test_check_out_of_descriptors_does_not_mark_a_healthy_entry_lost(tmp_path, monkeypatch):
+    """``check`` (kvtool verify) run by a process that is out of descriptors (EMFILE) learns
+    nothing about the fragments, as a get does; it must not move a healthy entry to ``lost``
+    (hidden from lookups, evicted first by the next gc)."""
+    s = kvstore.connect(str(tmp_path / "s"), fsync=False, compression="none")
+    try:
+        key, val = os.urandom(16), os.urandom(20_000)
+        assert s.put(key, val)
+        roots = tuple(t.root for t in s.targets.values())
+        real_open = _no_fds_for_pack_reads(monkeypatch, roots)
+        s.check()
+        monkeypatch.setattr(os, "open", real_open)
+        with s.index.env.begin() as txn:
+            assert s.index.get_lost(txn, ekey(1, key)) is None, "check marked a healthy entry lost on EMFILE"
+        assert s.get(key) == val
+    finally:
+        s.close()
