@@ -80,8 +80,9 @@ class CapacityExceeded(KVStoreError):
 
     ``created``: raised by a put (or a direct write's commit) *after* its index commit, by the
     eviction that followed it, per item of the call whether that put indexed it (some may have
-    been evicted again at once); ``None`` when nothing was indexed. A writer must not remove
-    the files of an item it says was indexed.
+    been evicted again at once; a remote batch sent in pieces counts the earlier pieces' too);
+    ``None`` when nothing was indexed, or when that is not known (a batch spread over shards).
+    A writer must not remove the files of an item it says was indexed.
     """
 
     code = "CAPACITY_EXCEEDED"

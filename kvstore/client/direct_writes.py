@@ -288,7 +288,15 @@ class DirectWrites(DirectPath):
         rest = [e.slot for e in entries if e.enc.meta_base.gen in rejected]
         if rest:
             w.count("fallbacks", len(rest))
-            for i, c in zip(rest, fallback([items[i] for i in rest])):
+            try:
+                got = fallback([items[i] for i in rest])
+            except CapacityExceeded as exc:  # its ``created`` per item of the rest: per item of the batch
+                if exc.created is not None:
+                    for i, c in zip(rest, exc.created):
+                        result[i] = c
+                    exc.created = result
+                raise
+            for i, c in zip(rest, got):
                 result[i] = c
         return result
 

@@ -24,7 +24,7 @@ import threading
 
 from kvstore.client.direct_writes import DirectWrites
 from kvstore.client.transport import Transport
-from kvstore.errors import BatchTooLarge, InvalidRequest
+from kvstore.errors import BatchTooLarge, CapacityExceeded, InvalidRequest
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import EncodedPut, check_message_bytes, check_value_sizes, fitting_runs
 
@@ -65,9 +65,13 @@ class Puts:
         if not encs:
             return []
         out: list[bool] = []
-        for _, got in self._rpc.each_piece(len(encs), lambda p: self._put_piece(encs[p]),
-                                           check=lambda pieces: self.check_puts(encs, pieces)):
-            out.extend(got)
+        try:
+            for _, got in self._rpc.each_piece(len(encs), lambda p: self._put_piece(encs[p]),
+                                               check=lambda pieces: self.check_puts(encs, pieces)):
+                out.extend(got)
+        except CapacityExceeded as exc:
+            _created_of_all(exc, out, len(encs))
+            raise
         return out
 
     def check_puts(self, encs: list[EncodedPut], pieces: list[slice] | None = None, *,
@@ -144,6 +148,9 @@ class Puts:
                         for p in (slice(i, min(i + cap, q.stop)) for i in range(q.start, q.stop, cap)):
                             out.extend(self.send_puts(encs[p]))
                 return out
+            except CapacityExceeded as exc:
+                _created_of_all(exc, out, len(encs))
+                raise
             except BatchTooLarge as exc:  # nothing of this run stored
                 if not out:
                     raise  # nothing of this piece stored either: each_piece learns and re-splits it
@@ -155,3 +162,10 @@ class Puts:
                             f"items of this {len(encs)}-item piece were stored; check the daemon's "
                             "max_batch_items") from exc
                     cap = sent // 2
+
+
+def _created_of_all(exc: CapacityExceeded, before: list[bool], n: int) -> None:
+    """``exc.created`` (per item of the request that raised it, sent after the ``before``
+    items of an ``n``-item call stored theirs) as per item of the whole call."""
+    if exc.created is not None:
+        exc.created = before + exc.created + [False] * (n - len(before) - len(exc.created))

@@ -258,7 +258,12 @@ class ShardedStore:
                 check_value_sizes([e], limits[shard_of[i]])
             for s, pos in groups.items():
                 self.shards[s].check_puts([encs[i] for i in pos], spans=True)
-        got = self._scatter(groups, lambda sh, pos: sh.put_many_checked([encs[i] for i in pos]))
+        try:
+            got = self._scatter(groups, lambda sh, pos: sh.put_many_checked([encs[i] for i in pos]))
+        except CapacityExceeded as exc:  # one shard's; what the others stored is not known here
+            if len(groups) > 1:
+                exc.created = None
+            raise
         return [got[i] for i in range(len(items))]
 
     def get_many(self, keys: Sequence[bytes], *, kind: str = "block") -> list[bytes | None]:

@@ -341,6 +341,19 @@ def test_a_put_indexed_before_its_eviction_found_no_room_is_charged_for_what_it_
     assert 18_000 <= d.quota.used("") - before < 19_000
 
 
+def test_created_of_a_batch_sent_in_pieces_counts_the_earlier_pieces() -> None:
+    """A remote batch goes as consecutive pieces: a ``CapacityExceeded`` raised after the index
+    commit of the third of five items says, per item of the whole batch, what was indexed."""
+    from kvstore.client.puts import _created_of_all
+
+    exc = CapacityExceeded("no room", created=[True])
+    _created_of_all(exc, [True, False], 5)
+    assert exc.created == [True, False, True, False, False]
+    nothing = CapacityExceeded("over quota")
+    _created_of_all(nothing, [True], 3)
+    assert nothing.created is None
+
+
 # ---------------------------------------------------------------- 9. daemon URLs
 @pytest.mark.parametrize("url", [
     "grpc://127.0.0.1:99999", "grpc://127.0.0.1:0", "grpc://:7070", "grpc://127.0.0.1:", "grpc://127.0.0.1:x",
