@@ -104,11 +104,12 @@ Avoided workers (``entrypoint.health``): a call that ends INTERNAL or UNKNOWN,
 or that runs out of the client's deadline or misses ``worker_timeout_s`` with no
 progress from its worker (no reply; no decode token in that attempt), is a strike on its worker, and so
 is a decode stream that stalls for ``worker_timeout_s`` after tokens; one with progress (a reply, a
-decode stream that sent a token and did not stall) clears its strikes. A stream that stalls only
-after its last token (every token delivered; its worker's final stats event late, as when it
-flushes its saves) is progress: the request is complete, so its worker is neither struck nor
-marked down, and the client's stream ends as usual, its decode hop without the worker's stats
-(``stats_lost``; logged). Its last
+decode stream that sent a token and did not stall) clears its strikes. A stream that stalls, or
+ends with an error, only after its last token (every token delivered; its worker's final stats
+event late or lost, as when it flushes its saves, or dies doing so) is progress: the request is
+complete, so its worker is neither struck nor marked down here (its heartbeat tells whether it
+is still up), nothing fails over, and the client's stream ends as usual, its decode hop without
+the worker's stats (``stats_lost``; logged). Its last
 token is always the ``max_new_tokens``-th: generation has no end-of-sequence token (none in ``Sampling``
 or ``DecodeEvent``; the engine finishes a request only at ``max_new_tokens``, and a stream that ends
 short is resumed elsewhere), so one that stalls with fewer delivered stalled mid-generation. After ``avoid_after`` (3)
@@ -308,7 +309,7 @@ class DecodeAttempt:
     code: str = ""  # FAILED: what the failover hop reports
     status: grpc.StatusCode | None = None  # FAILED with a worker's status: it
     reason: str = ""  # FAILED: why, for the error when no attempt is left
-    stats_lost: bool = False  # SERVED with every token, the worker's stats never came
+    stats_lost: str = ""  # SERVED with every token, why the worker's stats never came
 
 
 # ---------------------------------------------------------------------------- the pipeline
@@ -515,8 +516,7 @@ class GeneratePipeline:
         else:
             a = self._ended_stream(p, inst, before, out)
         if a.end is AttemptEnd.SERVED:
-            extra = ({"stats_lost": f"none within worker_timeout_s ({self.cfg.worker_timeout_s} s)"}
-                     if a.stats_lost else out.stats)
+            extra = {"stats_lost": a.stats_lost} if a.stats_lost else out.stats
             yield clock.hop("decode", worker=inst.worker_id, tokens=len(out.tokens), ms=clock.ms() - t, **extra)
         return DecodeAttempt(a.end, t, a.code, a.status, a.reason, a.stats_lost)
 
@@ -560,16 +560,17 @@ class GeneratePipeline:
             if self.deadlines.deadline_passed(context):
                 self.strikes.record(inst, Outcome.PROGRESS if progressed else Outcome.NO_PROGRESS)
             return DecodeAttempt(AttemptEnd.CLIENT_LEFT)
-        if stalled and len(out.tokens) >= p.max_new:
-            # every token delivered, only its final stats event is late (the worker flushes its saves
-            # after the last token): the request is complete. Not the worker's fault to strike, mark
-            # down or fail over; the client's stream ends without them. (No early end: there is no
-            # EOS, a stream's last token is the max_new-th.)
-            log.warning("decode worker %s sent all %d tokens of %s, then nothing for %.1f s: ending "
-                        "the stream without its stats", inst.worker_id, p.max_new, p.request_id,
-                        self.cfg.worker_timeout_s)
+        if len(out.tokens) >= p.max_new:
+            # every token delivered, only its final stats event is late or lost (the worker flushes
+            # its saves after the last token, and may die doing so): the request is complete. Not
+            # the worker's fault to strike, mark down or fail over; the client's stream ends without
+            # them. (No early end: there is no EOS, a stream's last token is the max_new-th.)
+            why = (f"none within worker_timeout_s ({self.cfg.worker_timeout_s} s)" if stalled
+                   else f"the stream ended {exc.code().name} after the last token: {exc.details()}")
+            log.warning("decode worker %s sent all %d tokens of %s, then %s: ending the stream without its "
+                        "stats", inst.worker_id, p.max_new, p.request_id, why)
             self.strikes.record(inst, Outcome.PROGRESS)
-            return DecodeAttempt(AttemptEnd.SERVED, stats_lost=True)
+            return DecodeAttempt(AttemptEnd.SERVED, stats_lost=why)
         if stalled:  # the worker's: down, and the stream resumes
             # a strike too, tokens sent or not: the heartbeat brings a hung engine back
             self.strikes.record(inst, Outcome.STALLED if progressed else Outcome.NO_PROGRESS)

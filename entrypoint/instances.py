@@ -74,6 +74,7 @@ log = logging.getLogger(__name__)
 
 KV_ROLES = ("prefill", "decode")  # the roles whose KV keys must be the entrypoint's
 _WRONG_ROLE = grpc.StatusCode.FAILED_PRECONDITION  # what _poll returns for a worker that answers as another role
+_OTHER_WORKER = grpc.StatusCode.ABORTED  # what _poll returns when another worker answers at the address
 
 
 class IncompatibleWorker(KVStoreError):
@@ -142,6 +143,9 @@ class Instance:
     closed: bool = False  # set before its channel is closed (replaced by add, taken out by remove)
     strikes: int = 0  # calls in a row that ended without progress (entrypoint.health; the entrypoint's lock)
     avoid_until: float = 0.0  # picks leave it out until then (entrypoint.health's clock), 0: not avoided
+    # The worker id its first Status answered with ("": none said): another id at its address later is
+    # another process there (a worker restarted under a new id), not this one back up.
+    answered_as: str = ""
 
     def holds(self, h: bytes) -> bool:
         return h in self.prefix
@@ -202,6 +206,7 @@ class Registry:
             ch.close()
             raise IncompatibleWorker(f"worker {worker_id} at {address} registers as {role} but its Status says "
                                      f"{inst.status.role}: register it with the role it serves")
+
         with self._lock:
             try:
                 self._check_role(worker_id, role, locked=True)  # again: another Register may have won the race
@@ -284,7 +289,10 @@ class Registry:
     # ------------------------------------------------------------------ heartbeat
     def _poll(self, inst: Instance) -> grpc.StatusCode | None:
         """One heartbeat of ``inst``; the status code of a failed one (``None``: it answered;
-        ``_WRONG_ROLE``: it answered as another role, and is down)."""
+        ``_WRONG_ROLE``: it answered as another role, and is down; ``_OTHER_WORKER``: a worker
+        other than the one its first Status named answered at its address (one restarted there
+        under a new id), and it is down: an engine is never in rotation twice, under its old id
+        and its new one)."""
         asked = time.monotonic()
         try:
             st = inst.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
@@ -303,7 +311,16 @@ class Registry:
                     inst.healthy = False
                     log.warning("worker %s registered as %s answers as %s: down", inst.worker_id, inst.role, st.role)
             return _WRONG_ROLE
+        if st.worker_id and inst.answered_as and st.worker_id != inst.answered_as:
+            with self._lock:
+                inst.misses = self.miss_limit
+                if inst.healthy:
+                    inst.healthy = False
+                    log.warning("worker %s at %s: worker %s answers there now: down", inst.worker_id,
+                                inst.address, st.worker_id)
+            return _OTHER_WORKER
         with self._lock:
+            inst.answered_as = inst.answered_as or st.worker_id
             inst.status, inst.misses, inst.last_seen = st, 0, time.monotonic()
             inst.status_asked_at = asked  # after status (see Instance.status_asked_at)
             if not inst.healthy:

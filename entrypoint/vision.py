@@ -7,7 +7,8 @@ vocabulary (vector quantisation, as discrete visual tokenizers do). The same
 bytes always give the same tokens, on any machine.
 
 ``EncoderCache`` is the VE output cache keyed by image hash
-(``kvstore.keys.image_hash``, the hash that also enters the block keys); the
+(``kvstore.keys.image_hash``, the hash that also enters the block keys) and token
+length (the same bytes give other tokens at another length); the
 VE load balancer routes an image to the instance whose cache holds it for the
 request's scope (``scoped_image_key``, the keys a VE worker's ``Status``
 reports).
@@ -84,39 +85,44 @@ class VisionEncoder(torch.nn.Module):
 
 
 class EncoderCache:
-    """LRU of image hash -> token ids, bounded in entries. Thread-safe.
+    """LRU of (image hash, token length) -> token ids, bounded in entries. Thread-safe.
 
     Invariants (module docstring, "Trust"):
       1. ``put`` is only called with a hash verified against the encoded bytes, so an entry's
-         tokens are the image's, whoever put it.
-      2. Each entry records the scopes that proved they hold the bytes (by sending them); a
-         lookup hits only for one of them, with or without bytes, so neither a hash alone nor
-         the answer to one's own bytes says anything about other scopes.
+         tokens are the image's at that length, whoever put it.
+      2. Each entry records the scopes that proved they hold the bytes (by sending them) for its
+         length; a lookup hits only for one of them, with or without bytes, so neither a hash
+         alone nor the answer to one's own bytes says anything about other scopes, and another
+         scope's put of the image at another length changes nothing of this one's entries.
     """
 
     def __init__(self, capacity: int = 256):
         self.capacity = capacity
-        self._d: OrderedDict[bytes, tuple[list[int], set[bytes]]] = OrderedDict()
+        self._d: OrderedDict[tuple[bytes, int], tuple[list[int], set[bytes]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, h: bytes, scope: bytes) -> list[int] | None:
-        """The tokens of ``h`` if ``scope`` has put them (sent the bytes) and they are still cached."""
+    def get(self, h: bytes, length: int, scope: bytes) -> list[int] | None:
+        """The tokens of ``h`` at ``length`` if ``scope`` has put them (sent the bytes) and they are
+        still cached."""
         with self._lock:
-            e = self._d.get(h)
+            e = self._d.get((h, length))
             if e is None or scope not in e[1]:
                 return None
-            self._d.move_to_end(h)
+            self._d.move_to_end((h, length))
             return e[0]
 
     def put(self, h: bytes, tokens: list[int], scope: bytes) -> None:
+        """``tokens`` (``len(tokens)`` of them) of the image hashed ``h``, sent by ``scope``."""
         with self._lock:
-            e = self._d.get(h)
-            self._d[h] = (tokens, (e[1] if e else set()) | {scope})
-            self._d.move_to_end(h)
+            k = (h, len(tokens))
+            e = self._d.get(k)
+            self._d[k] = (tokens, (e[1] if e else set()) | {scope})
+            self._d.move_to_end(k)
             while len(self._d) > self.capacity:
                 self._d.popitem(last=False)
 
     def keys(self) -> list[bytes]:
-        """The scoped keys (``scoped_image_key``) of every (entry, scope holding it)."""
+        """The scoped keys (``scoped_image_key``) of every (image, scope holding it at some length)."""
         with self._lock:
-            return [scoped_image_key(sc, h) for h, (_, scopes) in self._d.items() for sc in sorted(scopes)]
+            held = {(sc, h) for (h, _), (_, scopes) in self._d.items() for sc in scopes}
+        return [scoped_image_key(sc, h) for sc, h in sorted(held)]

@@ -192,8 +192,8 @@ class WorkerService(pbg.WorkerServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # Only this scope's own entries hit: a hit on bytes another tenant sent would tell this
         # one (by cache_hit, or by the time saved) that someone else sent this image.
-        toks = self.cache.get(img.image_hash, scope)
-        hit = toks is not None and len(toks) == img.length
+        toks = self.cache.get(img.image_hash, img.length, scope)
+        hit = toks is not None
         if not hit:
             try:
                 toks = self.encoder.encode(img.image_data, img.length)
