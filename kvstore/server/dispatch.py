@@ -21,6 +21,12 @@ Per call, in this order (each step for its reason):
      other exception is a bug: INTERNAL, logged with its traceback. Every call is
      counted in the metrics with its status.
 
+Every method is registered with gRPC as taking a request *stream*, unary ones included (the
+wire is the same: a unary client sends its one message): gRPC reads a unary request's message
+on a handler thread before calling the handler, so a call whose message never comes would hold
+that thread with no token checked and no bound; taken as a stream, the call is authenticated and
+admitted first, and its one message is awaited for at most ``stream_receive_s``.
+
 The two streaming forms take the same steps. A reply stream's handler is a generator of
 encoded messages; its admission slot is held until it ends, and the call is cut when none
 of its messages can be sent for ``stream_send_s`` (``Watchdog``). A request stream is
@@ -96,11 +102,12 @@ class Dispatcher:
     def generic_handler(self, service: str, unary: dict[str, Method], reply_streams: dict[str, Method],
                         request_streams: dict[str, Method]) -> grpc.GenericRpcHandler:
         """One gRPC handler for ``service``: every method of the three tables, wrapped in the steps."""
-        handlers = {name: grpc.unary_unary_rpc_method_handler(
+        # Unary requests taken as streams of one message (module docstring).
+        handlers = {name: grpc.stream_unary_rpc_method_handler(
             self.unary(name, m), request_deserializer=None,
             response_serializer=_serialize) for name, m in unary.items()}
         for name, m in reply_streams.items():  # the handlers yield encoded messages
-            handlers[name] = grpc.unary_stream_rpc_method_handler(
+            handlers[name] = grpc.stream_stream_rpc_method_handler(
                 self.reply_stream(name, m), request_deserializer=None, response_serializer=None)
         for name, m in request_streams.items():
             handlers[name] = grpc.stream_unary_rpc_method_handler(
@@ -108,23 +115,23 @@ class Dispatcher:
         return grpc.method_handlers_generic_handler(service, handlers)
 
     # ------------------------------------------------------------------ the three call shapes
-    def unary(self, name: str, m: Method) -> Callable[[bytes, grpc.ServicerContext], Any]:
-        def behaviour(raw: bytes, context: grpc.ServicerContext) -> Any:
+    def unary(self, name: str, m: Method) -> Callable[[Iterator[bytes], grpc.ServicerContext], Any]:
+        def behaviour(raws: Iterator[bytes], context: grpc.ServicerContext) -> Any:
             with self._guarded(name, context):
                 tenant = self._tenant(name, m, context)
-                req = self._parse(name, m, raw)
                 with self._admitted(tenant):
+                    req = self._parse(name, m, self._receive_one(name, raws, context))
                     return m.handler(req, tenant)
 
         return behaviour
 
-    def reply_stream(self, name: str, m: Method) -> Callable[[bytes, grpc.ServicerContext], Iterator[bytes]]:
+    def reply_stream(self, name: str, m: Method) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
         """Server streaming: the handler is a generator of encoded messages; the slot is held until it ends."""
-        def behaviour(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        def behaviour(raws: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
             with self._guarded(name, context):
                 tenant = self._tenant(name, m, context)
-                req = self._parse(name, m, raw)
                 with self._admitted(tenant):
+                    req = self._parse(name, m, self._receive_one(name, raws, context))
                     yield from self._send_bound(name, m.handler(req, tenant), context)
 
         return behaviour
@@ -145,7 +152,7 @@ class Dispatcher:
                 tenant = self._tenant(name, m, context)
                 declared = self._declared_items(name, context)
                 with self._admitted(tenant):
-                    with self._receive_bound(context):
+                    with self._receive_bound(name, context):
                         reqs = self._receive(name, m, raws, declared, context)
                     return m.handler(reqs, tenant)
 
@@ -217,15 +224,25 @@ class Dispatcher:
             self.limiter.release(tenant.name)
 
     # ------------------------------------------------------------------ stream bounds
+    def _receive_one(self, name: str, raws: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        """A unary call's one request message, awaited for at most ``stream_receive_s``."""
+        with self._receive_bound(name, context):
+            raw = next(raws, None)
+        if raw is None:
+            if not context.is_active():
+                raise ClientGone(f"{name}: the call ended before its request came")
+            raise InvalidRequest(f"a {name} call without its request message")
+        return raw
+
     @contextmanager
-    def _receive_bound(self, context: grpc.ServicerContext) -> Iterator[None]:
+    def _receive_bound(self, name: str, context: grpc.ServicerContext) -> Iterator[None]:
         """Cancel the call if it is still receiving after ``stream_receive_s`` (0: no bound)."""
         if not self.cfg.stream_receive_s:
             yield
             return
         token = object()
         self.watchdog.arm(token, self.cfg.stream_receive_s, _cut(
-            context, f"PutStream not wholly received within stream_receive_s = {self.cfg.stream_receive_s:g} s"))
+            context, f"{name} not wholly received within stream_receive_s = {self.cfg.stream_receive_s:g} s"))
         try:
             yield
         finally:
