@@ -73,8 +73,9 @@ class ServerConfig:
     workers: int = 0  # gRPC handler threads (0: see above)
     gc_interval_s: float = 60.0  # background GC period; 0: no background GC
     drain_s: float = 10.0  # on SIGTERM: how long in-flight calls may finish
-    # A PutStream not wholly received within this long is cancelled, freeing its handler thread
-    # and admission slot (a client sending slowly, or not at all, holds neither for ever); 0: no bound.
+    # A call whose request (a PutStream's every item; any other call's one message) is not wholly
+    # received within this long is cancelled, freeing its handler thread and admission slot (a
+    # client sending slowly, or not at all, holds neither for ever); 0: no bound.
     stream_receive_s: float = 60.0
     # A GetStream that can send nothing for this long is cancelled (gRPC holds the handler thread
     # and admission slot until HTTP/2 flow control lets each message out: a client that stops
