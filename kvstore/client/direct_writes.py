@@ -157,6 +157,7 @@ class DirectWriter:
     def close(self) -> None:
         self._batch_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        self.writer.close()
 
 
 class DirectWrites(DirectPath):

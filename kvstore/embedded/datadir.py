@@ -275,6 +275,7 @@ class DataDir:
         fresh = marker is None and not _nonempty(index_dir / "data.mdb")
         if fresh:  # the code and targets settled (and refused if bad) before anything is created
             self._settle(self.resolve_code(config, None))
+            self._refuse_used_targets()
         rewrite = marker is None
         if marker is None:  # the code this version writes unless told otherwise (not the legacy one)
             marker = {"ec_type": config.ec_type or DEFAULT_EC_TYPE}
@@ -325,6 +326,24 @@ class DataDir:
             self.index.close()
             raise
         return fresh
+
+    def _refuse_used_targets(self) -> None:
+        """``InvalidRequest`` when a new directory is given a target that already holds files:
+        another directory's fragments (two directories on one target each sweep the other's
+        fragments as orphans), or what a removed one left. A target that cannot be listed now is
+        left to the first write to find."""
+        for name, t in self.targets.items():
+            try:
+                first = next(iter(t.walk()), None)
+            except OSError:  # root missing (a new target), or not reachable now
+                continue
+            if first is not None:
+                shown = next((s.shown_url for s in self.target_specs if s.name == name), name)
+                raise InvalidRequest(
+                    f"target {name} ({shown}) already holds files ({first[0]}, ...), and data directory "
+                    f"{self.data_dir} is new: they are another data directory's (its orphan sweep and this "
+                    "one's would delete each other's fragments) or left over from one; give this directory "
+                    "targets of its own, empty these, or open the data directory they belong to")
 
     def _refuse_foreign_targets(self, marker_lost: bool) -> None:
         """``InvalidRequest`` when the directory has live entries and none of the target names

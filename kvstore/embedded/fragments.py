@@ -152,10 +152,12 @@ class FragmentStore:
                 self.index.release_paths([(name, rel) for name in taken])
 
     def close(self) -> None:
-        """Seal the active segment (``kvstore.embedded.segments``) and close the reader's kept
-        descriptors; called once no call is in flight, before the index closes."""
+        """Seal the active segment (``kvstore.embedded.segments``), close the writer's held
+        filesystem descriptors and the reader's kept ones; called once no call is in flight,
+        before the index closes."""
         if self.writer.segments is not None:
             self.writer.segments.close()
+        self.writer.close()
         self.reader.close()
 
     # ------------------------------------------------------------------ publishing

@@ -43,6 +43,18 @@ def place(key: bytes, targets: Sequence[TargetSpec], n: int,
     return out
 
 
+def by_spread(spares: Sequence[str], placed: Iterable[str], targets: Sequence[TargetSpec]) -> list[str]:
+    """``spares`` (in ``place``'s order) reordered for a fragment to replace one of ``placed``'s
+    siblings: those in domains holding the fewest of ``placed`` first, ties in their order. A
+    failed target's replacement so keeps the fragments as spread over domains as ``place`` had
+    them (the next spare in score order may sit in a domain that already holds one)."""
+    dom = {t.name: t.domain for t in targets}
+    held: dict[str, int] = defaultdict(int)
+    for name in placed:
+        held[dom.get(name, "?")] += 1
+    return sorted(spares, key=lambda name: held[dom.get(name, "?")])  # stable: ties keep their order
+
+
 def domains_used(names: Sequence[str], targets: Sequence[TargetSpec]) -> int:
     dom = {t.name: t.domain for t in targets}
     return len({dom.get(n, "?") for n in names})

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from kvstore.embedded import codec
 from kvstore.embedded.index import STANDALONE, Meta
-from kvstore.embedded.placement import place
+from kvstore.embedded.placement import by_spread, place
 from kvstore.embedded.targets import fragment_path
 
 from kvstore.embedded.parts import StoreParts
@@ -61,8 +61,9 @@ def rebuild(parts: StoreParts, ek: bytes, m: Meta, good: dict[int, bytes],
     for i, body in rebuilt.items():
         frame = codec.frame_fragment(codec.FragmentHeader(i, m.k, m.m, ek[0], ek[1:], m.gen, m.entry_len, len(body)), body)
         # its own target first, unless no longer configured (replaced by a new one): then a spare
-        candidates = [targets[i]] * (targets[i] in parts.targets) + [
-            n for n in place(ek[1:], parts.target_specs, len(parts.target_specs)) if n not in targets]
+        spares = [n for n in place(ek[1:], parts.target_specs, len(parts.target_specs)) if n not in targets]
+        siblings = [t for j, t in enumerate(targets) if j != i]
+        candidates = [targets[i]] * (targets[i] in parts.targets) + by_spread(spares, siblings, parts.target_specs)
         rel = fragment_path(ek[0], ek[1:], m.gen, i)
         for name in candidates:
             if (name, True) != (m.targets[i], not m.offsets or m.offsets[i] == STANDALONE):  # a new place

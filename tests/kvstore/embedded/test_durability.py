@@ -35,7 +35,7 @@ def K(i) -> bytes:
 def calls(monkeypatch):
     """Counts syncfs calls and per-file fsyncs of the store's writes."""
     seen = {"syncfs": [], "fsync_writes": 0, "plain_writes": 0}
-    monkeypatch.setattr(F, "syncfs", lambda path: seen["syncfs"].append(path))
+    monkeypatch.setattr(F, "syncfs_fd", lambda fd, path: seen["syncfs"].append(path))
     monkeypatch.setattr(S, "syncfs_fd", lambda fd, path: seen["syncfs"].append(path))
     orig = T.LocalTarget.write
 
@@ -121,7 +121,7 @@ def test_a_failing_syncfs_fails_the_put_and_leaves_nothing(tmp_path, monkeypatch
     def broken(path):
         raise OSError(5, "Input/output error (injected)", path)
 
-    monkeypatch.setattr(F, "syncfs", broken)
+    monkeypatch.setattr(F, "syncfs_fd", lambda fd, path: broken(path))
     monkeypatch.setattr(S, "syncfs_fd", lambda fd, path: broken(path))  # a segment's flush fails: files then
     with pytest.raises(StoreUnavailable, match="durable"):
         st.put(K(1), b"x" * 1000)
