@@ -14,7 +14,10 @@ Role
                    and max > 1.5 x min, load = queued requests) -> shortest
                    queue; else if the best device-cache match ratio > 0.3 ->
                    the best match; else the instance with the smallest cache
-                   (most free room), ties by load
+                   (most free room), ties by load. Its prefix tree takes a
+                   request's prefix when it routes it (sgl-router inserts at
+                   routing time): the match counts the blocks of requests
+                   routed to an instance whose prefill has not ended yet
     dynamo         Dynamo KV router: cost = w x (uncached prefill blocks of
                    this request, device cache only) + (active blocks already
                    on the instance); lowest wins
@@ -45,7 +48,7 @@ from numbers import Real
 from typing import Sequence
 
 from lb.cost_model import CostModels, load_default
-from lb.prefill import estimate_ttft, healthy_or_reason
+from lb.prefill import estimate_ttft, healthy_or_reason, warm_hits
 from lb.types import Decision, LBInputError, PrefillInstance, RouteRequest
 
 __all__ = ["RoundRobin", "LeastLoaded", "SGLangCacheAware", "DynamoCost", "Mooncake"]
@@ -125,7 +128,7 @@ class SGLangCacheAware:
             pick = min(live, key=lambda i: loads[i.id])
             return Decision(pick.id, f"imbalanced (max {hi}, min {lo}): shortest queue", dict(loads))
         denom = max(1, req.prompt_tokens)
-        ratio = {i.id: req.cached_tokens(req.hit_of(i.id).device) / denom for i in live}
+        ratio = {i.id: req.cached_tokens(warm_hits(req, i).device) / denom for i in live}  # routed ones too
         best = max(live, key=lambda i: (ratio[i.id], -loads[i.id]))
         if ratio[best.id] > self.cache_threshold:
             return Decision(best.id, f"cache match {ratio[best.id]:.2f} > {self.cache_threshold}",

@@ -451,6 +451,16 @@ def _fmt(v, spec: str = ".4g") -> str:
     return "none" if v is None else format(v, spec)
 
 
+def search_starts(capacity: dict[str, float | None]) -> dict[str, float]:
+    """Where each policy's capacity search starts under the later conditions of a trace: the lowest
+    capacity any policy had under the first (``{}``: none had one, the default start). One start
+    for all: attainment is not monotone in the load (noise, cache luck), so a search started higher
+    can land on a passing island above a failed load, and a policy started from its own, higher
+    capacity would be favoured."""
+    found = [v for v in capacity.values() if v]
+    return dict.fromkeys(capacity, min(found)) if found else {}
+
+
 def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, traces: dict, rdir: Path,
                  deadline: float) -> int:
     """Part 2: per trace and cost-model condition, ``replay_trace.py --capacity`` (every policy's capacity,
@@ -461,7 +471,7 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
         treqs = reqs if tname == "trace" else replay_trace.read_trace(path)
         slo_ms = args.ttft_slo_ms if args.fixed_slo else derive_ttft_slo_ms(treqs, args.ttft_slo_x)[0]
         ideal = ideal_prefill_s(treqs, load_default())
-        starts: dict = {}  # policy -> its capacity under the first condition: where the others search from
+        starts: dict = {}  # where every policy's search starts under the later conditions (search_starts)
         for cond in args.condition_list:
             noise, bias = CONDITIONS[cond]
             ceiling = float(np.mean([t * bias * 1e3 <= slo_ms for t in ideal]))
@@ -492,7 +502,7 @@ def run_capacity(args: argparse.Namespace, reqs: list[TraceRequest], out: dict, 
             out["capacity"]["summary"].append(row)
             note_truncated(res, part, args.max_wall_s)
             if cond == args.condition_list[0]:
-                starts = {n: v for n, v in row["capacity"].items() if v}
+                starts = search_starts(row["capacity"])
     print_capacity_summary(out["capacity"]["summary"])
     return 0
 

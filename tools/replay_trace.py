@@ -386,7 +386,9 @@ def search_capacity(reqs, name: str, cfg: SimConfig, models, progress, *, target
     stops as soon as more than ``(1 - target) x requests`` have missed (``stop_after_misses``): the load
     has failed whatever the rest does, so an overloaded run costs little. A run cut by ``--max-wall-s``
     counts as a pass only if its lower-bound attainment meets the target. Attainment is not always
-    monotone in the load (noise, cache luck); the bisection keeps the bracket it has, it does not scan.
+    monotone in the load (noise, cache luck); the bisection keeps the bracket it has, it does not scan, so
+    the result depends on the start: compare policies searched from one start (``tools/bench_lb.py``
+    gives every policy the same).
     """
     stop = int(math.floor((1.0 - target) * len(reqs) + 1e-9))
     history: list = []
