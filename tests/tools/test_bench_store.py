@@ -181,7 +181,6 @@ def test_bench_remotes_systems_run_interleaved_step_by_step():
 def test_each_goal_is_the_one_for_its_size_and_mode():
     """The store's goals as its benchmark judges them: a looser bar for small single gets than
     for large batches, and a batch put judged against raw files at 1.0x, not 0.5x."""
-    sys.path.insert(0, str(ROOT))
     from tools.bench_store import goal_of, goals
 
     K, M = 1024, 1024 * 1024
