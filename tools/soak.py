@@ -37,7 +37,8 @@ answers BUSY because a client's gc pass runs there: ``repair_shard``).
 Final pass: all faults cleared, every shard repaired, then every acknowledged,
 undeleted, non-TTL key is read back: ``acked_lost`` (must be 0) and
 ``wrong_bytes`` (must be 0, counted during the run too); also ``deleted_but_found``,
-``acked_missing_during_run`` (client counts) must be 0 and ``check_after_repair`` hold
+``acked_missing_during_run`` and ``acked_unreadable_during_run`` (client counts: an
+acknowledged key a get found absent, or could not decode) must be 0 and ``check_after_repair`` hold
 nothing but orphan fragments (a killed daemon's in-flight puts; GC sweeps them)
 (``failures``). Output: JSON to ``--out``; exit 1 if any of them is not.
 
@@ -166,6 +167,10 @@ def run_client(a: argparse.Namespace) -> int:
                 try:
                     check_value(k, s.get(k))
                     c["reads_ok"] += 1
+                except Unrecoverable:  # at most m targets faulty or damaged: an acknowledged key reads back
+                    c["unrecoverable"] += 1
+                    if i in live_set:
+                        c["acked_unreadable_during_run"] += 1
                 except NotFound:
                     if i in live_set:
                         c["acked_missing_during_run"] += 1

@@ -48,6 +48,9 @@ def failures(report: dict) -> list[str]:
     missing = report["client_counts"].get("acked_missing_during_run", 0)
     if missing:
         out.append(f"{missing} acknowledged keys missing during the run")
+    unreadable = report["client_counts"].get("acked_unreadable_during_run", 0)
+    if unreadable:
+        out.append(f"{unreadable} acknowledged keys unreadable (Unrecoverable) during the run")
     return out
 
 
