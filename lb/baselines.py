@@ -13,11 +13,11 @@ Role
     sglang         SGLang router: if loads are imbalanced ((max - min) > 64
                    and max > 1.5 x min, load = queued requests) -> shortest
                    queue; else if the best device-cache match ratio > 0.3 ->
-                   the best match; else the instance with the smallest cache
-                   (most free room), ties by load. Its prefix tree takes a
-                   request's prefix when it routes it (sgl-router inserts at
-                   routing time): the match counts the blocks of requests
-                   routed to an instance whose prefill has not ended yet
+                   the best match; else the instance with the smallest tree
+                   (least routed to it), ties by load. The match is against its
+                   own approximate tree of what it routed where (sgl-router
+                   inserts a request's prefix for its worker when it routes
+                   it, and prunes the tree by size), not the instance's cache
     dynamo         Dynamo KV router: cost = w x (uncached prefill blocks of
                    this request, device cache only) + (active blocks already
                    on the instance); lowest wins
@@ -36,9 +36,11 @@ Role
 
     Deviations, on purpose: "active blocks" for Dynamo are the KV blocks of
     the requests queued on the prefill instance (our snapshot has no decode
-    side on a prefill instance); SGLang's "smallest tree" is
-    ``device_blocks_used``. Only ``mooncake`` does admission control; the
-    others reject only when no instance is healthy.
+    side on a prefill instance); SGLang's tree is one of block hashes (the
+    simulator's unit), and a request without block hashes is matched against
+    the device cache, the smallest tree then being ``device_blocks_used``. Only
+    ``mooncake`` does admission control; the others reject only when no
+    instance is healthy.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ from numbers import Real
 from typing import Sequence
 
 from lb.cost_model import CostModels, load_default
-from lb.prefill import estimate_ttft, healthy_or_reason, warm_hits
+from collections import OrderedDict
+
+from lb.prefill import estimate_ttft, healthy_or_reason
 from lb.types import Decision, LBInputError, PrefillInstance, RouteRequest
 
 __all__ = ["RoundRobin", "LeastLoaded", "SGLangCacheAware", "DynamoCost", "Mooncake"]
@@ -113,10 +117,36 @@ class SGLangCacheAware:
         cache_threshold: float = 0.3,
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
+        max_tree_blocks: int = 1 << 20,
     ) -> None:
         self.cache_threshold = _knob("SGLangCacheAware", "cache_threshold", cache_threshold, 1.0)
         self.balance_abs_threshold = _knob("SGLangCacheAware", "balance_abs_threshold", balance_abs_threshold)
         self.balance_rel_threshold = _knob("SGLangCacheAware", "balance_rel_threshold", balance_rel_threshold)
+        self.max_tree_blocks = int(_knob("SGLangCacheAware", "max_tree_blocks", max_tree_blocks))
+        # Its approximate tree: per instance, the prefix blocks of the requests routed there, least
+        # recently routed first, pruned to max_tree_blocks (block hashes are chained: a block's hash
+        # names its whole prefix, so a set of them is the tree). State of the router, as sgl-router's.
+        self._tree: dict[object, OrderedDict] = {}
+
+    def _match(self, req: RouteRequest, inst: PrefillInstance) -> int:
+        """Blocks of ``req``'s prefix in ``inst``'s tree; without block hashes, its device hit."""
+        if not req.block_hashes:
+            return req.hit_of(inst.id).device
+        tree = self._tree.get(inst.id, ())
+        n = 0
+        for bh in req.block_hashes:
+            if bh not in tree:
+                break
+            n += 1
+        return n
+
+    def _insert(self, req: RouteRequest, inst_id: object) -> None:
+        tree = self._tree.setdefault(inst_id, OrderedDict())
+        for bh in req.block_hashes:
+            tree[bh] = None
+            tree.move_to_end(bh)
+        while len(tree) > self.max_tree_blocks:
+            tree.popitem(last=False)
 
     def choose(self, req: RouteRequest, instances: Sequence[PrefillInstance]) -> Decision:
         live, why = healthy_or_reason(instances)
@@ -126,15 +156,21 @@ class SGLangCacheAware:
         lo, hi = min(loads.values()), max(loads.values())
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
             pick = min(live, key=lambda i: loads[i.id])
-            return Decision(pick.id, f"imbalanced (max {hi}, min {lo}): shortest queue", dict(loads))
-        denom = max(1, req.prompt_tokens)
-        ratio = {i.id: req.cached_tokens(warm_hits(req, i).device) / denom for i in live}  # routed ones too
-        best = max(live, key=lambda i: (ratio[i.id], -loads[i.id]))
-        if ratio[best.id] > self.cache_threshold:
-            return Decision(best.id, f"cache match {ratio[best.id]:.2f} > {self.cache_threshold}",
-                            {k: -v for k, v in ratio.items()})
-        pick = min(live, key=lambda i: (i.device_blocks_used, loads[i.id]))
-        return Decision(pick.id, "no good match: smallest cache", {k: -v for k, v in ratio.items()})
+            d = Decision(pick.id, f"imbalanced (max {hi}, min {lo}): shortest queue", dict(loads))
+        else:
+            denom = max(1, req.prompt_tokens)
+            ratio = {i.id: req.cached_tokens(self._match(req, i)) / denom for i in live}
+            best = max(live, key=lambda i: (ratio[i.id], -loads[i.id]))
+            if ratio[best.id] > self.cache_threshold:
+                d = Decision(best.id, f"cache match {ratio[best.id]:.2f} > {self.cache_threshold}",
+                             {k: -v for k, v in ratio.items()})
+            else:
+                size = {i.id: len(self._tree.get(i.id, ())) if req.block_hashes else i.device_blocks_used
+                        for i in live}
+                pick = min(live, key=lambda i: (size[i.id], loads[i.id]))
+                d = Decision(pick.id, "no good match: smallest tree", {k: -v for k, v in ratio.items()})
+        self._insert(req, d.chosen)
+        return d
 
 
 class DynamoCost:

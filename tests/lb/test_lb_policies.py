@@ -130,7 +130,7 @@ CASES = [
     ("least_loaded", req(), [inst(0, [500]), inst(1, [100], healthy=False), inst(2, [300])], 2),
     # SGLang: good match wins despite load (balanced: max-min <= 64)
     ("sglang", req(8, {2: PrefixHits(4)}), [inst(0), inst(1, [1]), inst(2, [1, 1, 1])], 2),
-    # SGLang: match ratio 1/8 <= 0.3 -> smallest cache
+    # SGLang: match ratio 1/8 <= 0.3 -> smallest cache (no block hashes: its tree is the device cache)
     ("sglang", req(8, {2: PrefixHits(1)}), [inst(0, used=50), inst(1, used=10), inst(2, used=90)], 1),
     # SGLang: imbalanced (100 vs 0 queued) -> shortest queue even with a perfect match elsewhere
     ("sglang", req(8, {0: PrefixHits(8)}), [inst(0, [1] * 100), inst(1), inst(2, [1] * 3)], 1),
@@ -146,6 +146,8 @@ CASES = [
     # kvstack: blocks in flight on inst 1 count as device hits (Mooncake sees none)
     ("kvstack", req(8, {}, hashes=range(8)), [inst(0), inst(1, [100], inflight=range(8))], 1),
     ("mooncake", req(8, {}, hashes=range(8)), [inst(0), inst(1, [100], inflight=range(8))], 0),
+    # SGLang with block hashes: its own tree, empty for a router that has routed nothing -> smallest tree
+    ("sglang", req(8, {2: PrefixHits(8)}, hashes=range(8)), [inst(0, used=50), inst(1, used=10), inst(2)], 0),
 ]
 
 

@@ -290,14 +290,14 @@ def _digest(r) -> str:
 # runs, request by request (the digest covers every TTFT, TBT, cached-token count and busy time).
 # kvstack's two entries were recorded again when it began to order its queues (pick_next) and to
 # calibrate its cost model: a different policy; test_scheduled_runs_equal_runs_on_rebuilt_snapshots
-# checks its runs against rebuilt snapshots directly. So were sglang's, when its prefix match began to
-# count the blocks of the requests it routed (as sgl-router's tree does), checked the same way.
+# checks its runs against rebuilt snapshots directly. So were sglang's, when it began to match against
+# its own tree of what it routed (as sgl-router does), checked the same way.
 RECORDED = {
     (0.0, "round_robin"): (150, 0, "3837fd16520231d8"), (0.0, "least_loaded"): (150, 0, "0379881a1fcd0a0d"),
-    (0.0, "sglang"): (150, 0, "d1d1fc8e913f6186"), (0.0, "dynamo"): (150, 0, "46c54a6748eb77fc"),
+    (0.0, "sglang"): (150, 0, "e2f27a0f06ea229b"), (0.0, "dynamo"): (150, 0, "46c54a6748eb77fc"),
     (0.0, "mooncake"): (145, 5, "769fbe330770b845"), (0.0, "kvstack"): (150, 0, "ca3e5ecf6df8735a"),
     (0.3, "round_robin"): (150, 0, "ce94328b56723e07"), (0.3, "least_loaded"): (150, 0, "7de2d4412fe6dc7c"),
-    (0.3, "sglang"): (150, 0, "b900119e597f4399"), (0.3, "dynamo"): (150, 0, "8ce29e2b1f0a10ab"),
+    (0.3, "sglang"): (150, 0, "abdc075661786abc"), (0.3, "dynamo"): (150, 0, "8ce29e2b1f0a10ab"),
     (0.3, "mooncake"): (144, 6, "7bce19a73b35d396"), (0.3, "kvstack"): (150, 0, "b9cdc7b58bba74d7"),
 }
 
