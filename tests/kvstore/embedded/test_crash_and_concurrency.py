@@ -354,3 +354,49 @@ def test_a_sweeper_whose_clock_is_ahead_does_not_take_a_put_in_flight_for_an_orp
         assert writer.check() == []
     finally:
         writer.close()
+
+
+_CRASH_AT = """
+import hashlib, os, sys
+import kvstore
+from kvstore.embedded.store import EmbeddedStore
+
+data_dir, point, segments, key = sys.argv[1], sys.argv[2], sys.argv[3] == "1", bytes.fromhex(sys.argv[4])
+val = hashlib.shake_256(key).digest(200_000)
+real = EmbeddedStore._index_new
+
+def crash(self, *args, **kwargs):
+    if point == "before_index":  # every fragment written and made durable, nothing indexed
+        os._exit(0)
+    real(self, *args, **kwargs)
+    os._exit(0)  # indexed, the put not yet returned
+
+EmbeddedStore._index_new = crash
+s = kvstore.connect(data_dir, fsync=True, segments=segments, compression="none")
+s.put(key, val)
+"""
+
+
+@pytest.mark.parametrize("segments", [True, False], ids=["segment", "files"])
+@pytest.mark.parametrize("point", ["before_index", "after_index"])
+def test_a_process_that_dies_at_a_put_step_leaves_the_entry_whole_or_absent(tmp_path, point, segments):
+    """A writer process that exits at once just before its put's index commit (its fragments
+    durable) or just after it (the put not yet returned): on reopen the entry reads back whole
+    (after) or is absent (before), and a check finds nothing but orphan fragments. Deterministic
+    crash points for what the SIGKILL soak hits by chance: fragments are durable before the
+    record that names them is committed, never after."""
+    import hashlib
+
+    key = os.urandom(16)
+    val = hashlib.shake_256(key).digest(200_000)
+    r = subprocess.run([sys.executable, "-c", _CRASH_AT, str(tmp_path / "d"), point, "1" if segments else "0",
+                        key.hex()], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with kvstore.connect(str(tmp_path / "d"), segments=segments, compression="none") as s:
+        if point == "after_index":
+            assert s.get(key) == val
+        else:
+            with pytest.raises(NotFound):
+                s.get(key)
+        assert {p.kind for p in s.check()} <= {ProblemKind.ORPHAN_FRAGMENT}
+        assert s.put(key, val) is (point == "before_index") and s.get(key) == val
