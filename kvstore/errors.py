@@ -20,6 +20,8 @@ those every store raises.
 
 from __future__ import annotations
 
+from typing import Iterable, Sequence
+
 
 class KVStoreError(Exception):
     """Base of every error the store raises on purpose."""
@@ -91,6 +93,15 @@ class CapacityExceeded(KVStoreError):
         super().__init__(message)
         self.result = result
         self.created = created
+
+    def widen_created(self, positions: Iterable[int], others: Sequence[bool]) -> None:
+        """``created`` of the items at ``positions`` of a larger call (a put of some of its
+        items) made per item of that call, ``others`` the flags of the rest; ``None`` stays."""
+        if self.created is not None:
+            full = list(others)
+            for p, c in zip(positions, self.created):
+                full[p] = c
+            self.created = full
 
 
 class StoreUnavailable(KVStoreError):

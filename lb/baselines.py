@@ -46,12 +46,11 @@ Role
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from numbers import Real
 from typing import Sequence
 
 from lb.cost_model import CostModels, load_default
-from collections import OrderedDict
-
 from lb.prefill import estimate_ttft, healthy_or_reason
 from lb.types import Decision, LBInputError, PrefillInstance, RouteRequest
 

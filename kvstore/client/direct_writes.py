@@ -264,8 +264,8 @@ class DirectWrites(DirectPath):
             if exc.created is not None and len(exc.created) == len(entries):
                 # Indexed, then the eviction after it found no room: the packs of what it indexed stay.
                 for e, c in zip(entries, exc.created):
-                    e.created = result[e.slot] = c
-                exc.created = result
+                    e.created = c
+                exc.widen_created([e.slot for e in entries], result)
             w.writer.discard_unindexed(entries)  # packs none of whose entries was indexed
             raise
         except RequestTooLarge as exc:  # over what the daemon's Commit takes: put as over gRPC, whose limits decide
@@ -292,10 +292,7 @@ class DirectWrites(DirectPath):
             try:
                 got = fallback([items[i] for i in rest])
             except CapacityExceeded as exc:  # its ``created`` per item of the rest: per item of the batch
-                if exc.created is not None:
-                    for i, c in zip(rest, exc.created):
-                        result[i] = c
-                    exc.created = result
+                exc.widen_created(rest, result)
                 raise
             for i, c in zip(rest, got):
                 result[i] = c

@@ -167,5 +167,4 @@ class Puts:
 def _created_of_all(exc: CapacityExceeded, before: list[bool], n: int) -> None:
     """``exc.created`` (per item of the request that raised it, sent after the ``before``
     items of an ``n``-item call stored theirs) as per item of the whole call."""
-    if exc.created is not None:
-        exc.created = before + exc.created + [False] * (n - len(before) - len(exc.created))
+    exc.widen_created(range(len(before), n), before + [False] * (n - len(before)))

@@ -12,9 +12,10 @@ import errno
 import os
 import re
 import sys
-from typing import Any, Protocol, Sequence
+import threading
+from typing import Any, Mapping, Protocol, Sequence
 
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InternalError, InvalidRequest
 
 
 class SyncedTarget(Protocol):
@@ -69,6 +70,56 @@ def syncfs_fd(fd: int, path: str) -> None:
     if _SYNCFS(fd) != 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e), path)
+
+
+class RootSyncs:
+    """``syncfs`` of the filesystems ``targets``' roots sit on, through one descriptor per
+    filesystem, opened at the first ``hold`` of a target there (before the first file written
+    there) and held until ``close``: syncfs reports the writeback errors that happened since the
+    descriptor it is called on was opened, so one opened after the files were written would miss
+    those of their pages written back meanwhile. One per store, shared by its writes and its
+    segments' flushes. Thread-safe."""
+
+    def __init__(self, targets: Mapping[str, SyncedTarget]):
+        self.targets = targets
+        self._devs: dict[str, int] = {}  # target name -> st_dev of its root
+        self._fds: dict[int, int] = {}  # st_dev -> the descriptor held
+        self._lock = threading.Lock()
+
+    def dev(self, name: str) -> int:
+        """The filesystem (``st_dev``) target ``name``'s root is on."""
+        dev = self._devs.get(name)
+        if dev is None:
+            dev = self._devs[name] = os.stat(self.targets[name].root).st_dev
+        return dev
+
+    def hold(self, name: str) -> int:
+        """Before writing to target ``name``: its filesystem's descriptor held; its ``dev``."""
+        dev = self.dev(name)
+        if dev not in self._fds:
+            with self._lock:
+                if dev not in self._fds:
+                    self._fds[dev] = os.open(self.targets[name].root, os.O_RDONLY | os.O_CLOEXEC)
+        return dev
+
+    def sync(self, name: str) -> None:
+        """``syncfs`` of target ``name``'s filesystem through the descriptor ``hold`` opened
+        (``OSError`` if it fails)."""
+        fd = self._fds.get(self.dev(name))
+        if fd is None:
+            raise InternalError(f"syncfs of target {name} with no descriptor held (a kvstore bug: hold it "
+                                "before writing)")
+        syncfs_fd(fd, self.targets[name].root)
+
+    def close(self) -> None:
+        """Close the descriptors held; called once no write is in flight."""
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def fs_type(path: str) -> str:

@@ -168,7 +168,7 @@ class LocalFastReads:
         self._scratch = scratch
         self.files = files
         self._code = codec.erasure_code  # (k, m, type) -> the cached code object
-        self._plans: dict[tuple[int, int, int, int, int], _ScatterPlan | None] = {}  # ``_plan``
+        self._plans: dict[tuple[int, int, int, int, int], _ScatterPlan | bool] = {}  # ``_plan``
 
     def local_roots(self, meta: Meta) -> list[str] | None:
         """Roots of the k data fragments' targets when the local fast path applies."""
@@ -299,16 +299,16 @@ class LocalFastReads:
             return None
         return h, out[:plen]
 
-    def _plan(self, geo: tuple[int, int, int, int, int]) -> "_ScatterPlan | None":
-        """Work out (and keep) the ``_ScatterPlan`` of geometry ``geo``; ``None`` where the
-        scatter read does not apply (kept too, as a miss)."""
+    def _plan(self, geo: tuple[int, int, int, int, int]) -> "_ScatterPlan | bool":
+        """Work out (and keep) the ``_ScatterPlan`` of geometry ``geo``; ``False`` where the
+        scatter read does not apply (kept too, so that such entries' gets do not work it out again)."""
         k, m, flen, elen, plen = geo
         code = self._code(k, m, self.config.ec_type)
         lead = code.data_lead
         hlen = elen - plen
         head = codec.FRAG_HEADER_LEN + (lead or 0)
         share = flen - head
-        plan = None
+        plan: _ScatterPlan | bool = False
         if lead is not None and codec.ENTRY_HEADER_MIN <= hlen <= share and share * k >= elen:
             plan = _ScatterPlan(k, head, share, hlen, elen, code.data_lead_ok)
         if len(self._plans) >= _PLANS_MAX:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -34,12 +33,12 @@ from typing import Any, Callable, Sequence
 from kvstore.api import EntryKind, Layout, PutItem, as_payload, check_put_fields
 from kvstore.config import MAX_TTL_S, StoreConfig, TargetSpec
 from kvstore.embedded import codec
-from kvstore.embedded.durability import sync_plan, syncfs_fd
+from kvstore.embedded.durability import RootSyncs, sync_plan
 from kvstore.embedded.index import Meta, ekey
 from kvstore.embedded.placement import by_spread, place
 from kvstore.embedded.segments import Appended, Segment, Segments
 from kvstore.embedded.targets import Target, TargetPools, fragment_path, pack_path
-from kvstore.errors import CapacityExceeded, InternalError, InvalidRequest, StoreUnavailable
+from kvstore.errors import CapacityExceeded, InvalidRequest, StoreUnavailable
 
 log = logging.getLogger("kvstore.embedded.store")
 
@@ -158,13 +157,7 @@ class FragmentWriter:
         self.now_ns = now_ns
         self._on_pack_discarded = on_pack_discarded
         self._sync_resolved = sync_mode
-        self._target_devs: dict[str, int] = {}
-        # Sync mode "fs": a descriptor of each filesystem written to, opened before its first write
-        # (``hold_roots``) and held for the writer's life: syncfs reports the writeback errors that
-        # happened since the descriptor it is called on was opened, so one opened after the files
-        # were written would miss those of their pages written back meanwhile.
-        self._root_fds: dict[int, int] = {}
-        self._roots_lock = threading.Lock()
+        self.roots = RootSyncs(targets)  # sync mode "fs": the syncfs descriptors, its segments' too
         # The segments puts append to (``kvstore.embedded.segments``), set by the store's fragment
         # store where they can be used; ``None``: packs per batch and files per fragment.
         self.segments: Segments | None = None
@@ -228,23 +221,12 @@ class FragmentWriter:
             self._sync_resolved = resolve_sync_mode(self.config, self.targets)
         return self._sync_resolved
 
-    def _dev(self, name: str) -> int:
-        dev = self._target_devs.get(name)
-        if dev is None:
-            dev = self._target_devs[name] = os.stat(self.targets[name].root).st_dev
-        return dev
-
     def hold_roots(self, names: Sequence[str]) -> None:
         """Sync mode "fs": before writing files to these targets, hold a descriptor of each one's
-        filesystem for ``sync_after`` (``_root_fds``). Nothing to do in the other modes."""
-        if self.sync_mode() != "fs":
-            return
-        for name in names:
-            dev = self._dev(name)
-            if dev not in self._root_fds:
-                with self._roots_lock:
-                    if dev not in self._root_fds:
-                        self._root_fds[dev] = os.open(self.targets[name].root, os.O_RDONLY | os.O_CLOEXEC)
+        filesystem for ``sync_after`` (``RootSyncs``). Nothing to do in the other modes."""
+        if self.sync_mode() == "fs":
+            for name in names:
+                self.roots.hold(name)
 
     def sync_after(self, names: Sequence[str]) -> None:
         """Sync mode "fs": make the files just written to these targets durable, one syncfs
@@ -254,24 +236,14 @@ class FragmentWriter:
             return
         done = set()
         for name in names:
-            dev = self._dev(name)
+            dev = self.roots.dev(name)
             if dev not in done:
                 done.add(dev)
-                fd = self._root_fds.get(dev)
-                if fd is None:
-                    raise InternalError(f"sync_after: no descriptor held for target {name} (a kvstore bug: "
-                                        "hold_roots before writing)")
-                syncfs_fd(fd, self.targets[name].root)
+                self.roots.sync(name)
 
     def close(self) -> None:
         """Close the descriptors ``hold_roots`` held; called once no write is in flight."""
-        with self._roots_lock:
-            fds, self._root_fds = list(self._root_fds.values()), {}
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self.roots.close()
 
     def fan_out_writes(self, names: Sequence[str], *, in_batch: bool, file_bytes: int = 0) -> bool:
         """Should writes to these targets run on threads? Only writes that wait pay for the

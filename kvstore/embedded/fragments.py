@@ -109,7 +109,7 @@ class FragmentStore:
             self.writer.segments = Segments(targets, segment_bytes=config.segment_bytes,
                                             sync_mode=self.writer.sync_mode, count=count,
                                             on_retired=self._segment_retired,
-                                            on_unindexed=self._segment_unindexed)
+                                            on_unindexed=self._segment_unindexed, roots=self.writer.roots)
 
     def _segment_retired(self, gen: bytes, appended: int) -> None:
         """Count the bytes of a retired segment that no record names (appends whose put failed or

@@ -67,7 +67,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvstore.embedded.durability import syncfs_fd
+from kvstore.embedded.durability import RootSyncs
 from kvstore.embedded.targets import LocalTarget, Target, pack_path
 
 log = logging.getLogger("kvstore.embedded.store")
@@ -206,12 +206,15 @@ class Segments:
     were appended to it in all (those no record names are then counted dead by the index);
     ``on_unindexed(gen, names)`` removes the files on targets ``names`` of a retired segment in
     which this process indexed nothing, unless a record names them by then (without it, they
-    are deleted)."""
+    are deleted). ``roots``: the store's ``syncfs`` descriptors (default: its own, closed at
+    ``close``)."""
 
     def __init__(self, targets: dict[str, Target], *, segment_bytes: int, sync_mode: Callable[[], str],
                  count: Callable[..., None], on_retired: Callable[[bytes, int], None] | None = None,
-                 on_unindexed: Callable[[bytes, list[str]], None] | None = None):
+                 on_unindexed: Callable[[bytes, list[str]], None] | None = None, roots: RootSyncs | None = None):
         self.targets = targets
+        self._roots = roots or RootSyncs(targets)
+        self._own_roots = roots is None
         self._on_retired = on_retired
         self._on_unindexed = on_unindexed
         self.segment_bytes = segment_bytes
@@ -220,8 +223,6 @@ class Segments:
         self._lock = threading.Lock()
         self._active: Segment | None = None
         self._fs: dict[int, _Flusher] = {}  # st_dev -> its syncfs group commit
-        self._devs: dict[str, int] = {}  # target name -> st_dev of its root
-        self._root_fds: list[int] = []  # held open for the ``syncfs`` flushes
         self._closed = False
 
     @staticmethod
@@ -324,11 +325,10 @@ class Segments:
         with self._lock:
             self._closed = True
             seg = self._active
-            fds, self._root_fds = self._root_fds, []
         if seg is not None:
             self.seal(seg, "the store is closing")
-        for fd in fds:
-            os.close(fd)
+        if self._own_roots:
+            self._roots.close()
 
     # ------------------------------------------------------------------ writing
     def _file(self, seg: Segment, name: str) -> _File:
@@ -388,25 +388,16 @@ class Segments:
             self.seal(seg, f"making its appends durable failed: {exc}")
             raise
 
-    def _dev(self, name: str) -> int:
-        dev = self._devs.get(name)
-        if dev is None:
-            dev = self._devs[name] = os.stat(self.targets[name].root).st_dev
-        return dev
-
     def _fs_flusher(self, name: str) -> _Flusher:
-        dev = self._dev(name)
+        """The syncfs group commit of target ``name``'s filesystem, its descriptor held from
+        now on (``RootSyncs``: called before the first append there)."""
+        dev = self._roots.hold(name)
         fl = self._fs.get(dev)
         if fl is None:
             with self._lock:
                 fl = self._fs.get(dev)
                 if fl is None:
-                    # One descriptor held for the store's life: syncfs reports a writeback error
-                    # that happened since the descriptor was opened, so a fresh one per call
-                    # would miss those of pages written back before it.
-                    fd = os.open(self.targets[name].root, os.O_RDONLY | os.O_CLOEXEC)
-                    self._root_fds.append(fd)
-                    fl = self._fs[dev] = _Flusher(lambda: syncfs_fd(fd, self.targets[name].root))
+                    fl = self._fs[dev] = _Flusher(lambda: self._roots.sync(name))
         return fl
 
 

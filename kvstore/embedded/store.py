@@ -246,11 +246,8 @@ class EmbeddedStore:
                     raise
                 log.info("put: %s; writing it again", exc)
                 continue
-            except CapacityExceeded as exc:
-                if exc.created is not None:  # per entry written: per item of the call
-                    for e, c in zip(entries, exc.created):
-                        result[e.slot] = c
-                    exc.created = result
+            except CapacityExceeded as exc:  # per entry written: per item of the call
+                exc.widen_created([e.slot for e in entries], result)
                 raise
             for e in entries:
                 result[e.slot] = e.created
@@ -397,12 +394,8 @@ class EmbeddedStore:
         except (WrittenTooLongAgo, GenerationTaken, FilesSwept, IndexFull) as exc:  # all rejected, as above
             rejected.update({entries[j].gen: str(exc) for j in keep})
             keep, made = [], []
-        except CapacityExceeded as exc:
-            if exc.created is not None:  # indexed, then evicted for room: per entry of the commit
-                full = [False] * len(entries)
-                for j, c in zip(keep, exc.created):
-                    full[j] = c
-                exc.created = full
+        except CapacityExceeded as exc:  # indexed, then evicted for room: per entry of the commit
+            exc.widen_created(keep, [False] * len(entries))
             raise
         created = [False] * len(entries)
         for j, c in zip(keep, made):

@@ -15,7 +15,6 @@ import pytest
 
 import kvstore
 from kvstore import InvalidRequest, PutItem, StoreUnavailable
-from kvstore.embedded import fragment_writes as F
 from kvstore.embedded import durability as D
 from kvstore.embedded import segments as S
 from kvstore.embedded import targets as T
@@ -35,8 +34,7 @@ def K(i) -> bytes:
 def calls(monkeypatch):
     """Counts syncfs calls and per-file fsyncs of the store's writes."""
     seen = {"syncfs": [], "fsync_writes": 0, "plain_writes": 0}
-    monkeypatch.setattr(F, "syncfs_fd", lambda fd, path: seen["syncfs"].append(path))
-    monkeypatch.setattr(S, "syncfs_fd", lambda fd, path: seen["syncfs"].append(path))
+    monkeypatch.setattr(D, "syncfs_fd", lambda fd, path: seen["syncfs"].append(path))  # every store syncfs
     orig = T.LocalTarget.write
 
     def write(self, rel, data, *, fsync):
@@ -121,8 +119,7 @@ def test_a_failing_syncfs_fails_the_put_and_leaves_nothing(tmp_path, monkeypatch
     def broken(path):
         raise OSError(5, "Input/output error (injected)", path)
 
-    monkeypatch.setattr(F, "syncfs_fd", lambda fd, path: broken(path))
-    monkeypatch.setattr(S, "syncfs_fd", lambda fd, path: broken(path))  # a segment's flush fails: files then
+    monkeypatch.setattr(D, "syncfs_fd", lambda fd, path: broken(path))  # a segment's flush fails: files then
     with pytest.raises(StoreUnavailable, match="durable"):
         st.put(K(1), b"x" * 1000)
     with pytest.raises(StoreUnavailable):  # a batch: its packs fail, then fragment by fragment
